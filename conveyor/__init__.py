@@ -1,0 +1,39 @@
+"""conveyor: continuous batching over a paged KV cache, with every scheduling policy named."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from conveyor.config import ConfigError, EngineConfig
+from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from conveyor.engine import Engine
+    from conveyor.llm import LLM
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "InvalidRequestError",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # torch-heavy parts load on first use, so `import conveyor.core.scheduler` stays light.
+    if name == "LLM":
+        from conveyor.llm import LLM
+
+        return LLM
+    if name == "Engine":
+        from conveyor.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

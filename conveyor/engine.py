@@ -1,0 +1,384 @@
+"""The synchronous engine: add requests, call `step()` until done, abort at any time.
+
+One `step()` is one iteration: the scheduler picks the batch, the runner computes it once, the
+scheduler appends the sampled tokens and frees whatever finished. Detokenization and stop
+strings live here, between the scheduler and the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conveyor.config import ConfigError, EngineConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from conveyor.runner.base import Runner, RunnerOutput
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.sequence import FinishReason, Sequence
+from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("conveyor")
+
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step did; the engine keeps them in `step_trace` when tracing is on."""
+
+    step_id: int
+    start: float
+    duration_s: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_waiting: int
+    kv_blocks_used: int
+    num_preempted: int
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    stream: bool
+    logprobs: list[TokenLogprob] | None
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+    done: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Engine:
+    """Holds the scheduler, the runner and the tokenizer; knows nothing of HTTP."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: Runner,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+        vocab_size: int,
+        clock: Callable[[], float] = time.perf_counter,
+        trace: bool = True,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.trace = trace
+        self.step_trace: list[StepRecord] = []
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._next_seq_id = 0
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        import torch
+
+        from conveyor.models.attention import TorchPagedAttention
+        from conveyor.models.loader import (
+            build_model,
+            is_gguf,
+            iter_gguf_tensors,
+            iter_hf_tensors,
+            open_gguf,
+            read_gguf_arch,
+            read_hf_arch,
+            resolve_model_path,
+        )
+        from conveyor.runner.model_runner import ModelRunner
+
+        mc, cc = config.model, config.cache
+        device = _resolve_device(mc.device)
+        dtype = _resolve_dtype(mc.dtype, device)
+        if mc.num_threads is not None and device.type == "cpu":
+            torch.set_num_threads(mc.num_threads)
+        path = resolve_model_path(mc.model)
+        gguf = is_gguf(path)
+        if gguf:
+            reader = open_gguf(path)
+            arch = read_gguf_arch(reader)
+            tensors = iter_gguf_tensors(reader, arch)
+        else:
+            arch = read_hf_arch(path)
+            tensors = iter_hf_tensors(path)
+        tok_path = Path(mc.tokenizer) if mc.tokenizer else path
+        tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, arch.eos_token_ids)
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        block_bytes = arch.kv_bytes_per_token(itemsize) * cc.block_size
+        if cc.num_kv_blocks is not None:
+            num_blocks = cc.num_kv_blocks
+        else:
+            budget = cc.kv_cache_memory
+            if budget is None:
+                budget = (
+                    _cuda_kv_budget(device, arch.num_params * itemsize, cc.gpu_memory_utilization)
+                    if device.type == "cuda"
+                    else CPU_DEFAULT_KV_BYTES
+                )
+            num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ConfigError(
+                f"the KV cache budget holds no block of {cc.block_size} tokens "
+                f"({block_bytes} bytes each); raise kv_cache_memory or num_kv_blocks"
+            )
+        capacity = num_blocks * cc.block_size
+        max_len = mc.max_model_len or arch.max_position_embeddings
+        if max_len > capacity:
+            if mc.max_model_len is not None:
+                raise ConfigError(
+                    f"max_model_len={max_len} exceeds the KV cache capacity of {capacity} tokens "
+                    f"({num_blocks} blocks x {cc.block_size}); raise the cache or lower max_model_len"
+                )
+            logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+            max_len = capacity
+
+        model = build_model(arch, tensors, TorchPagedAttention(), max_len, dtype, device)
+        runner = ModelRunner(model, num_blocks, cc.block_size, dtype, device, seed=mc.seed)
+        scheduler = Scheduler(
+            config.scheduler,
+            BlockManager(num_blocks, cc.block_size),
+            max_len,
+            tokenizer.eos_token_ids,
+        )
+        engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
+        engine.arch = arch  # type: ignore[attr-defined]
+        engine.model_path = str(path)  # type: ignore[attr-defined]
+        return engine
+
+    # -- requests --------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass token ids", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request can never be served."""
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
+                param="prompt",
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but this engine serves at most "
+                f"{self.max_model_len} tokens per sequence (prompt + at least 1 generated); "
+                "shorten the prompt",
+                param="prompt",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        stream: bool = False,
+        prompt_text: str | None = None,
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never run.
+
+        `prompt_text` names the text of already-tokenized `prompt` ids, for the output.
+        """
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate(token_ids, params)
+        seq = Sequence(
+            self._next_seq_id,
+            request_id,
+            token_ids,
+            params,
+            self.clock() if arrival_time is None else arrival_time,
+        )
+        self._next_seq_id += 1
+        detok = None
+        if self.tokenizer is not None and (stream or params.stop):
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+        req = _Request(
+            request_id, text if text is not None else prompt_text, seq, detok, stream, [] if params.logprobs is not None else None
+        )
+        self._requests[request_id] = req
+        self._by_seq[seq.seq_id] = req
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its KV blocks are free when this returns."""
+        req = self._requests.get(request_id)
+        if req is None or req.done:
+            return None
+        self.scheduler.abort(req.seq.seq_id, self.clock())
+        return self._finish_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of requests that finished or (if streamed) moved."""
+        start = self.clock()
+        sched_out = self.scheduler.schedule(start)
+        if sched_out.is_empty:
+            return []
+        run_out = self.runner.execute(sched_out)
+        now = self._after_run(start, run_out)
+        updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs)
+        if self.trace:
+            self._record(sched_out, start, now - start)
+
+        outputs: list[RequestOutput] = []
+        for upd in updates:
+            req = self._by_seq.get(upd.seq.seq_id)
+            if req is None or upd.new_token_id is None:
+                continue
+            self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now)
+            if req.seq.is_finished:
+                outputs.append(self._finish_output(req))
+            elif req.stream:
+                outputs.append(self._output(req))
+        return outputs
+
+    def _after_run(self, start: float, run_out: RunnerOutput) -> float:
+        """The time the step ended (a virtual clock advances by the simulated duration)."""
+        return self.clock()
+
+    def _on_token(
+        self,
+        req: _Request,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        now: float,
+    ) -> None:
+        seq = req.seq
+        if req.logprobs is not None and logprob is not None:
+            req.logprobs.append(TokenLogprob(token, logprob, top))
+        ended_by_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
+        if req.detokenizer is not None and not ended_by_token:
+            req.detokenizer.add(token)
+            if req.detokenizer.stopped_by is not None and not seq.is_finished:
+                seq.stop_reason = req.detokenizer.stopped_by
+                self.scheduler.finish(seq, FinishReason.STOP, now)
+
+    def _text(self, req: _Request, final: bool) -> tuple[str, str]:
+        """(full text, delta since the last output)."""
+        seq = req.seq
+        if req.detokenizer is not None:
+            delta = req.detokenizer.delta(final=final)
+            return req.detokenizer.text[: req.detokenizer.emitted], delta
+        if self.tokenizer is None:
+            return "", ""
+        ids = seq.output_token_ids
+        if seq.finish_reason is FinishReason.STOP and not isinstance(seq.stop_reason, str):
+            ids = ids[:-1]  # the EOS / stop token is not part of the text
+        text = self.tokenizer.decode(ids, seq.sampling_params.skip_special_tokens)
+        delta = text[req.emitted_text :]
+        req.emitted_text = len(text)
+        return text, delta
+
+    def _output(self, req: _Request, final: bool = False) -> RequestOutput:
+        seq = req.seq
+        text, delta = self._text(req, final)
+        out_ids = seq.output_token_ids
+        delta_ids = out_ids[req.emitted_tokens :]
+        req.emitted_tokens = len(out_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=out_ids,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def _finish_output(self, req: _Request) -> RequestOutput:
+        req.done = True
+        out = self._output(req, final=True)
+        self._requests.pop(req.request_id, None)
+        self._by_seq.pop(req.seq.seq_id, None)
+        return out
+
+    def _record(self, sched_out: SchedulerOutput, start: float, duration: float) -> None:
+        bm = self.scheduler.block_manager
+        self.step_trace.append(
+            StepRecord(
+                step_id=sched_out.step_id,
+                start=start,
+                duration_s=duration,
+                num_seqs=len(sched_out.scheduled),
+                num_prefill_tokens=sched_out.num_prefill_tokens,
+                num_decode_tokens=sched_out.num_decode_tokens,
+                num_waiting=len(self.scheduler.waiting),
+                kv_blocks_used=bm.num_used_blocks,
+                num_preempted=len(sched_out.preempted_seq_ids),
+            )
+        )
+
+
+def _resolve_device(name: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here; use device='cpu'")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device):  # type: ignore[no-untyped-def]
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _cuda_kv_budget(device, weight_bytes: int, utilization: float) -> int:  # type: ignore[no-untyped-def]
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * utilization) - weight_bytes - (total - free) - (1 << 30)
+    return max(budget, 0)

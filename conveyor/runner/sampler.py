@@ -1,0 +1,161 @@
+"""Sampling: per-request parameters turned into tensors once per step, then one batched pass.
+
+Order of operations (as in vLLM): penalties on the raw logits, then temperature, then
+top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax of the penalised
+logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
+samples exactly from `probs`; each seeded request draws its `E` from its own generator, so the
+same seed gives the same tokens whatever else shares the batch.
+Logprobs are those of the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.sampling_params import SamplingParams
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    history: list[list[int]]  # prompt + output tokens so far, per row (penalties)
+    prompt_lens: list[int]
+    all_greedy: bool
+    any_penalty: bool
+    max_logprobs: int | None  # None: no row wants logprobs
+
+
+def prepare(
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    history: list[list[int]],
+    prompt_lens: list[int],
+) -> SamplingBatch:
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
+        params=params,
+        generators=generators,
+        history=history,
+        prompt_lens=prompt_lens,
+        all_greedy=all(p.greedy for p in params),
+        any_penalty=any(p.needs_penalties for p in params),
+        max_logprobs=max(wanted) if wanted else None,
+    )
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[tuple[float, TopLogprobs | None]] | None]:
+        """`logits` is `[rows, vocab]` float32. Returns token ids and, if asked, logprobs."""
+        raw = logits
+        if batch.any_penalty:
+            logits = self._apply_penalties(logits.clone(), batch)
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+        token_list: list[int] = tokens.tolist()
+        if batch.max_logprobs is None:
+            return token_list, None
+        return token_list, self._logprobs(raw, tokens, batch)
+
+    # -- steps ---------------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for row, p in enumerate(batch.params):
+            if not p.needs_penalties:
+                continue
+            hist = batch.history[row]
+            if p.repetition_penalty != 1.0 and hist:
+                ids = torch.tensor(sorted(set(hist)), dtype=torch.long, device=logits.device)
+                ids = ids[ids < vocab]
+                vals = logits[row, ids]
+                logits[row, ids] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            out = hist[batch.prompt_lens[row] :]
+            if out and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(
+                    torch.tensor(out, dtype=torch.long, device=logits.device), minlength=vocab
+                )[:vocab].to(logits.dtype)
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                    logits.dtype
+                )
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows, vocab = logits.shape
+        dev = logits.device
+        params = batch.params
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+        scaled = logits / temps[:, None]
+
+        top_k = [p.top_k for p in params if not p.greedy]
+        top_p = [p.top_p for p in params if not p.greedy]
+        if any(k > 0 for k in top_k) or any(tp < 1.0 for tp in top_p):
+            scaled = self._top_k_top_p(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        min_ps = torch.tensor([p.min_p for p in params], device=dev)
+        if bool((min_ps > 0).any()):
+            floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+        if unseeded:
+            block = torch.empty((len(unseeded), vocab), device=dev).exponential_(generator=self.generator)
+            noise[unseeded] = block.to(noise.dtype)
+        for i, g in enumerate(batch.generators):
+            if g is not None:
+                noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        dev = logits.device
+        vocab = logits.shape[1]
+        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+        ps = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        drop = ranks >= ks[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each entry
+        drop |= before >= ps[:, None]
+        drop[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+    ) -> list[tuple[float, TopLogprobs | None]]:
+        logp = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = batch.max_logprobs or 0
+        top_vals, top_ids = (logp.topk(k, dim=-1) if k > 0 else (None, None))
+        result: list[tuple[float, TopLogprobs | None]] = []
+        for row, p in enumerate(batch.params):
+            if p.logprobs is None:
+                result.append((chosen[row], None))
+                continue
+            top: TopLogprobs | None = None
+            if p.logprobs > 0 and top_ids is not None and top_vals is not None:
+                top = list(
+                    zip(top_ids[row, : p.logprobs].tolist(), top_vals[row, : p.logprobs].tolist(), strict=True)
+                )
+            result.append((chosen[row], top))
+        return result

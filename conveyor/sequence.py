@@ -1,0 +1,139 @@
+"""One request's state, token-centric: `num_computed_tokens` catches up with `num_tokens`.
+
+A prefill, a chunk of a prefill, a decode and a resume after preemption are the same rule: the
+scheduler grants a sequence `n` tokens to compute, and when computed reaches the total the
+runner samples one more token. No torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock (or virtual-clock) timestamps in seconds; None until the event happens."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+class Sequence:
+    """Mutable state of one generation stream. Owned by the scheduler."""
+
+    __slots__ = (
+        "block_table",
+        "finish_reason",
+        "metrics",
+        "num_computed_tokens",
+        "num_preemptions",
+        "prompt_len",
+        "request_id",
+        "sampling_params",
+        "seq_id",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_len = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while the sequence still has more than one token to compute (prompt or resume)."""
+        return self.num_uncomputed_tokens > 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,135 @@
+"""Tokenizer access and incremental detokenization.
+
+The tokenizer comes from the model: an HF folder's tokenizer files, or a GGUF file's metadata
+(transformers builds a fast tokenizer from it). `IncrementalDetokenizer` turns a growing list
+of token ids into text deltas that never split a UTF-8 character, and holds back text that
+could still turn into a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Seq[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        ids = list(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.append(hf_tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(ids)
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def load(cls, path: Path, gguf: bool, eos_token_ids: Seq[int] = ()) -> Tokenizer:
+        import transformers
+        from transformers import AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        if gguf:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        return cls(hf, eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: Seq[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list.
+
+    Decodes a short window (`prefix_offset .. end`) rather than the whole output each step, and
+    emits only text that is complete: a trailing U+FFFD (a UTF-8 sequence cut in the middle)
+    is held back until the next token completes it. With `stop` strings, a tail of the text that
+    is the start of a stop string is held back until it can no longer match.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Seq[int],
+        skip_special_tokens: bool = True,
+        stop: Seq[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])  # a little context so leading spaces decode right
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # all complete output text so far (stop string cut off once found)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stop = tuple(stop)
+        self.include_stop = include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> None:
+        """Append one token; `self.text` grows by whatever is now complete."""
+        if self.stopped_by is not None:
+            return
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            start = max(0, len(self.text) - self.hold - 1)
+            self.text += new
+            if self.stop:
+                self._check_stop(start)
+
+    def _check_stop(self, search_from: int) -> None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+            self.stopped_by = s
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet handed out; holds back a possible stop-string prefix unless `final`."""
+        end = len(self.text)
+        if not final and self.stopped_by is None and self.stop:
+            end = max(self.emitted, end - self._partial_stop_len())
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
