@@ -116,7 +116,12 @@ class Engine:
             arch = read_hf_arch(path)
             tensors = iter_hf_tensors(path)
         tok_path = Path(mc.tokenizer) if mc.tokenizer else path
-        tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, arch.eos_token_ids)
+        tokenizer: Tokenizer | None = None
+        if gguf or mc.tokenizer or _has_tokenizer_files(path):
+            tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, arch.eos_token_ids)
+        else:
+            logger.warning("%s has no tokenizer files: prompts must be token ids", path)
+        eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         block_bytes = arch.kv_bytes_per_token(itemsize) * cc.block_size
@@ -153,7 +158,7 @@ class Engine:
             config.scheduler,
             BlockManager(num_blocks, cc.block_size),
             max_len,
-            tokenizer.eos_token_ids,
+            eos_ids,
         )
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
@@ -356,6 +361,11 @@ class Engine:
                 num_preempted=len(sched_out.preempted_seq_ids),
             )
         )
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return folder.is_dir() and any((folder / n).is_file() for n in names)
 
 
 def _resolve_device(name: str):  # type: ignore[no-untyped-def]

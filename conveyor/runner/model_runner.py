@@ -36,10 +36,14 @@ class ModelRunner:
         self.dtype = dtype
         self.sliding_window = arch.sliding_window
         slots = num_blocks * block_size
+        # Uninitialised memory (pages are touched as blocks are used); only block 0 is zeroed,
+        # because padded attention reads point at slot 0 with a zero weight and must not be NaN.
         self.kv_caches = [
-            torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
+            torch.empty((2, slots, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
             for _ in range(arch.num_layers)
         ]
+        for cache in self.kv_caches:
+            cache[:, :block_size].zero_()
         self.sampler = Sampler(seed, device)
         self._generators: dict[int, torch.Generator] = {}
 
