@@ -91,6 +91,7 @@ class Engine:
         from conveyor.models.attention import TorchPagedAttention
         from conveyor.models.loader import (
             build_model,
+            gguf_has_tokenizer,
             is_gguf,
             iter_gguf_tensors,
             iter_hf_tensors,
@@ -117,10 +118,11 @@ class Engine:
             tensors = iter_hf_tensors(path)
         tok_path = Path(mc.tokenizer) if mc.tokenizer else path
         tokenizer: Tokenizer | None = None
-        if gguf or mc.tokenizer or _has_tokenizer_files(path):
+        has_tokenizer = gguf_has_tokenizer(reader) if gguf else _has_tokenizer_files(path)
+        if mc.tokenizer or has_tokenizer:
             tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, arch.eos_token_ids)
         else:
-            logger.warning("%s has no tokenizer files: prompts must be token ids", path)
+            logger.warning("%s has no tokenizer: prompts must be token ids", path)
         eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
 
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -204,7 +204,11 @@ class Scheduler:
                 break
             num_new = seq.num_uncomputed_tokens
             if num_new > budget:
-                if not self.config.enable_chunked_prefill:
+                # Without chunked prefill a prompt runs whole. But a sequence resumed after
+                # preemption may have outgrown the whole step budget: unless it is recomputed
+                # in chunks it would wait forever (and block the queue behind it).
+                outgrown = seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens
+                if not self.config.enable_chunked_prefill and not outgrown:
                     break
                 num_new = budget
             need = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)

@@ -153,6 +153,11 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return values[0] if len(values) == 1 else values
 
 
+def gguf_has_tokenizer(reader: Any) -> bool:
+    """Whether the file carries a vocabulary (converters may leave it out, e.g. test models)."""
+    return "tokenizer.ggml.tokens" in reader.fields
+
+
 def read_gguf_arch(reader: Any) -> ArchConfig:
     arch = gguf_field(reader, "general.architecture")
     families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}

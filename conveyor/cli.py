@@ -1,0 +1,177 @@
+"""`conveyor` command line: generate, chat (and later serve, bench, simulate).
+
+Engine options are generated from the config dataclasses' fields and help text, so every knob
+of `LLM(...)` is a flag here with the same name (underscores become dashes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from conveyor.config import ConfigError, EngineConfig
+
+
+def _arg_type(annotation: Any) -> tuple[Any, bool]:
+    """(python type for argparse, is_bool) from a field annotation string or type."""
+    text = str(annotation)
+    if "bool" in text:
+        return bool, True
+    if "int" in text:
+        return int, False
+    if "float" in text:
+        return float, False
+    return str, False
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for section in EngineConfig.section_types().values():
+        for f in dataclasses.fields(section):
+            flag = "--" + f.name.replace("_", "-")
+            typ, is_bool = _arg_type(f.type)
+            help_text = f.metadata.get("help", "")
+            if is_bool:
+                group.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                    help=f"{help_text} (default: {f.default})",
+                )
+            else:
+                group.add_argument(
+                    flag, dest=f.name, type=typ, default=None,
+                    help=f"{help_text} (default: {f.default})",
+                )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = {
+        f.name for sec in EngineConfig.section_types().values() for f in dataclasses.fields(sec)
+    }
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[])
+
+
+def sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from conveyor.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=tuple(args.stop),
+    )
+
+
+def _stream(engine: Any, prompt_ids: list[int], params: Any, request_id: str) -> str:
+    """Run one request on the engine, printing text as it is produced."""
+    engine.add_request(request_id, prompt_ids, params, stream=True)
+    text = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            delta = out.outputs[0].delta_text
+            if delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+                text.append(delta)
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from conveyor.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    if args.stream:
+        assert llm.tokenizer is not None
+        ids = llm.tokenizer.encode(args.prompt)
+        _stream(llm.engine, ids, params, "cli-0")
+        return 0
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from conveyor.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    if llm.tokenizer is None:
+        print("this model has no tokenizer; chat needs one", file=sys.stderr)
+        return 2
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    turn = 0
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = llm.tokenizer.apply_chat_template(messages)
+        if interactive:
+            sys.stdout.write("assistant> ")
+        reply = _stream(llm.engine, ids, params, f"chat-{turn}")
+        messages.append({"role": "assistant", "content": reply})
+        turn += 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

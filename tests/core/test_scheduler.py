@@ -1,0 +1,604 @@
+"""Scheduler properties over random request streams, driven by a fake runner (no torch).
+
+The fake runner stands in for the model and its KV cache: it writes each computed token into
+the slot its block table names and, before computing, reads back every earlier position of the
+sequence. The sampled token is a hash of what it read. So a step that skips tokens, computes
+them twice into the wrong place, reads another sequence's blocks or resumes after preemption
+without recomputing gives a different token or a failed read, and the outputs differ from a
+reference that generates each request alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import strategies as st
+
+from conveyor.config import SchedulerConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.sequence import FinishReason, Sequence, SequenceStatus
+
+VOCAB = 16
+EOS = 0
+STOP_TOKEN = 7
+MAX_STEPS = 20_000
+
+
+# -- the model: a deterministic next-token function of the whole context ------------------
+def next_token(context: list[int]) -> int:
+    h = 17
+    for t in context:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return h % VOCAB
+
+
+def make_prompt(index: int, length: int) -> list[int]:
+    return [(index * 31 + j * 17 + 1) % VOCAB for j in range(length)]
+
+
+def reference(
+    prompt: list[int], params: SamplingParams, max_model_len: int
+) -> tuple[list[int], FinishReason]:
+    """What a request generates alone: the spec the scheduled run must reproduce."""
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) >= params.min_tokens and (
+            (not params.ignore_eos and t == EOS) or t in params.stop_token_ids
+        ):
+            return out, FinishReason.STOP
+        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out, FinishReason.LENGTH
+
+
+# -- the fake runner -----------------------------------------------------------------------
+class FakeRunner:
+    """A KV cache of tagged slots. A tag is (seq_id, epoch, pos, token); the epoch changes on
+    preemption, so KV left over from before a preemption does not count as computed."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[tuple[int, int, int, int] | None] = [None] * (num_blocks * block_size)
+        self.epoch: dict[int, int] = {}
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def __call__(self, out: SchedulerOutput) -> dict[int, int]:
+        for seq_id in out.preempted_seq_ids:
+            self.epoch[seq_id] = self.epoch.get(seq_id, 0) + 1
+        sampled: dict[int, int] = {}
+        for item in out.scheduled:
+            epoch = self.epoch.get(item.seq_id, 0)
+            context = []
+            for pos in range(item.start_pos):
+                tag = self.slots[self._slot(item.block_table, pos)]
+                assert tag is not None and tag[:3] == (item.seq_id, epoch, pos), (
+                    f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
+                )
+                context.append(tag[3])
+            for i, token in enumerate(item.token_ids):
+                pos = item.start_pos + i
+                self.slots[self._slot(item.block_table, pos)] = (item.seq_id, epoch, pos, token)
+                context.append(token)
+            assert context == item.all_token_ids[: item.context_len]
+            if item.sample:
+                sampled[item.seq_id] = next_token(context)
+        return sampled
+
+
+# -- scenarios -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    prompt_len: int
+    max_tokens: int
+    arrival_step: int
+    abort_step: int | None = None  # absolute step; None: never aborted
+    abort_mid_step: bool = False  # abort between the runner and update(), not before schedule
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_on_token: bool = False
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, self.max_tokens),
+            stop_token_ids=(STOP_TOKEN,) if self.stop_on_token else (),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    config: SchedulerConfig
+    block_size: int
+    num_blocks: int
+    requests: list[RequestSpec]
+
+    @property
+    def max_model_len(self) -> int:
+        # As the engine does: a sequence never outgrows the whole cache.
+        return self.num_blocks * self.block_size
+
+    def admissible(self, spec: RequestSpec) -> bool:
+        """What the engine would accept. It rejects a prompt that leaves no room for a token,
+        and, with chunked prefill off, a prompt longer than the step budget: such a prompt
+        could never be scheduled whole, so queueing it would only block the queue forever."""
+        if spec.prompt_len >= self.max_model_len:
+            return False
+        if not self.config.enable_chunked_prefill:
+            return spec.prompt_len <= self.config.max_num_batched_tokens
+        return True
+
+
+@dataclass(slots=True)
+class RunResult:
+    seqs: dict[int, Sequence]
+    specs: dict[int, RequestSpec]
+    steps: int
+    num_preemptions: int
+    scheduled_log: list[list[int]] = field(default_factory=list)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def check_after_schedule(
+    sched: Scheduler, sc: Scenario, out: SchedulerOutput, had_work: bool
+) -> None:
+    cfg, bs = sc.config, sc.block_size
+    sched.check_integrity()
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    assert out.num_tokens <= cfg.max_num_batched_tokens
+    ids = [item.seq_id for item in out.scheduled]
+    assert len(ids) == len(set(ids)), f"a sequence scheduled twice: {ids}"
+    if had_work:
+        # Liveness: with unfinished requests something always fits (the oldest alone fits
+        # the empty cache and the full budget), so an empty step is a stall.
+        assert out.scheduled, f"empty step with {sched.num_unfinished} unfinished"
+    for item in out.scheduled:
+        seq = sched.get(item.seq_id)
+        assert seq is not None and seq.status is SequenceStatus.RUNNING
+        end = item.start_pos + len(item.token_ids)
+        assert len(item.token_ids) >= 1
+        assert item.start_pos == seq.num_computed_tokens
+        assert item.token_ids == seq.token_ids[item.start_pos : end]
+        assert item.block_table is seq.block_table
+        # Covers every token it will hold after the step, and no block more.
+        assert len(item.block_table) == blocks_for(end, bs)
+        assert item.sample == (end == seq.num_tokens)
+        if not cfg.enable_chunked_prefill and item.start_pos == 0 and seq.num_output_tokens == 0:
+            assert item.sample, "chunked prefill is off but a prompt was split"
+    scheduled = set(ids)
+    for seq in sched.running:
+        if seq.seq_id not in scheduled:
+            assert len(seq.block_table) == blocks_for(seq.num_computed_tokens, bs)
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for seq_id in out.preempted_seq_ids:
+        seq = sched.get(seq_id)
+        assert seq is not None and seq in sched.waiting and seq_id not in scheduled
+    # No prefix sharing in this scheduler: tables must be disjoint.
+    held = [b for s in sched.all_sequences() for b in s.block_table]
+    assert len(held) == len(set(held))
+
+
+def check_after_update(sched: Scheduler, sc: Scenario, seqs: dict[int, Sequence]) -> None:
+    sched.check_integrity()
+    for seq in sched.running:
+        # Computed KV is exactly what the table covers; something is always left to compute.
+        assert len(seq.block_table) == blocks_for(seq.num_computed_tokens, sc.block_size)
+        assert seq.num_uncomputed_tokens >= 1
+        assert seq.num_tokens < sc.max_model_len
+    for seq in seqs.values():
+        if seq.is_finished:
+            assert seq.block_table == [] and sched.get(seq.seq_id) is None
+            assert seq.finish_reason is not None
+
+
+def run_scenario(sc: Scenario) -> RunResult:
+    bm = BlockManager(sc.num_blocks, sc.block_size)
+    sched = Scheduler(sc.config, bm, sc.max_model_len, frozenset({EOS}))
+    runner = FakeRunner(sc.num_blocks, sc.block_size)
+    specs = {i: s for i, s in enumerate(sc.requests) if sc.admissible(s)}
+    seqs: dict[int, Sequence] = {}
+    log: list[list[int]] = []
+    last_arrival = max((s.arrival_step for s in specs.values()), default=0)
+
+    def abort_due(step: int, mid: bool) -> None:
+        for i, spec in specs.items():
+            if spec.abort_step == step and spec.abort_mid_step == mid and i in seqs:
+                seq = seqs[i]
+                was_live = not seq.is_finished
+                assert (sched.abort(i, float(step)) is not None) == was_live
+                assert seq.is_finished and seq.block_table == []
+                if was_live:
+                    assert seq.finish_reason is FinishReason.ABORT
+
+    for step in range(MAX_STEPS):
+        now = float(step)
+        for i, spec in specs.items():
+            if spec.arrival_step == step:
+                seqs[i] = Sequence(i, f"r{i}", make_prompt(i, spec.prompt_len), spec.params(), now)
+                sched.add(seqs[i])
+        abort_due(step, mid=False)
+        if step > last_arrival and not sched.has_unfinished():
+            break
+        had_work = sched.has_unfinished()
+        out = sched.schedule(now)
+        check_after_schedule(sched, sc, out, had_work)
+        log.append([item.seq_id for item in out.scheduled])
+        sampled = runner(out)
+        abort_due(step, mid=True)
+        sched.update(out, sampled, now)
+        check_after_update(sched, sc, seqs)
+    else:
+        pytest.fail(f"not finished after {MAX_STEPS} steps: starvation or livelock")
+    assert bm.num_free_blocks == sc.num_blocks, "blocks leaked at the end"
+    return RunResult(seqs, specs, step, sched.num_preemptions, log)
+
+
+def check_outputs(result: RunResult, max_model_len: int) -> None:
+    """Token-centric contract: a request's outputs never depend on how it was scheduled."""
+    assert set(result.seqs) == set(result.specs), "an admissible request never arrived"
+    for i, seq in result.seqs.items():
+        assert seq.is_finished, f"request {i} never finished"
+        assert seq.prompt_token_ids == make_prompt(i, result.specs[i].prompt_len)
+        want, reason = reference(seq.prompt_token_ids, seq.sampling_params, max_model_len)
+        got = seq.output_token_ids
+        if seq.finish_reason is FinishReason.ABORT:
+            assert result.specs[i].abort_step is not None
+            assert len(got) < len(want) and got == want[: len(got)]
+        else:
+            assert got == want, f"request {i}: got {got}, alone it generates {want}"
+            assert seq.finish_reason is reason
+            assert seq.metrics.finished_time is not None
+            assert seq.metrics.first_token_time is not None
+
+
+# -- hypothesis strategies -----------------------------------------------------------------
+@st.composite
+def scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 16)),
+        max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(17, 256))),
+        enable_chunked_prefill=chunked,
+    )
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    # Mostly caches of a few dozen tokens, so that requests compete and get preempted;
+    # sometimes >= 100 blocks, where the admission watermark is at least one block.
+    num_blocks = draw(
+        st.one_of(
+            st.integers(1, max(1, 64 // block_size)),
+            st.integers(1, 40),
+            st.integers(100, 130),
+        )
+    )
+    max_model_len = num_blocks * block_size
+    longest = max(1, min(max_model_len - 1, 48))
+    requests = draw(st.lists(request_specs(longest), min_size=1, max_size=16))
+    return Scenario(config, block_size, num_blocks, requests)
+
+
+@st.composite
+def request_specs(draw: st.DrawFn, longest_prompt: int) -> RequestSpec:
+    max_tokens = draw(st.integers(1, 24))
+    # Many requests at step 0 compete at once; later ones join a running batch.
+    arrival = draw(st.one_of(st.just(0), st.integers(0, 30)))
+    abort_step = draw(st.one_of(st.none(), st.integers(0, 60).map(lambda d: arrival + d)))
+    return RequestSpec(
+        prompt_len=draw(st.integers(1, longest_prompt)),
+        max_tokens=max_tokens,
+        arrival_step=arrival,
+        abort_step=abort_step,
+        abort_mid_step=draw(st.booleans()),
+        ignore_eos=draw(st.booleans()),
+        min_tokens=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
+        stop_on_token=draw(st.booleans()),
+    )
+
+
+def check_random_stream(sc: Scenario) -> None:
+    result = run_scenario(sc)
+    check_outputs(result, sc.max_model_len)
+    # Steer the search toward memory pressure, where the interesting bugs live.
+    target(float(result.num_preemptions), label="preemptions")
+    event("preempted" if result.num_preemptions else "no preemption")
+    event("aborted" if any(s.abort_step is not None for s in result.specs.values()) else "no abort")
+
+
+# One test per prefill mode, so that the search effort (and the targeting) covers both.
+RANDOM_STREAMS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@RANDOM_STREAMS
+@given(scenarios(chunked=True))
+def test_random_streams_with_chunked_prefill(sc: Scenario) -> None:
+    check_random_stream(sc)
+
+
+@RANDOM_STREAMS
+@given(scenarios(chunked=False))
+def test_random_streams_without_chunked_prefill(sc: Scenario) -> None:
+    check_random_stream(sc)
+
+
+# -- deterministic tests -------------------------------------------------------------------
+def plain(prompt_len: int, max_tokens: int, arrival: int = 0) -> RequestSpec:
+    # ignore_eos: these tests count steps and tokens, an early EOS would change them.
+    return RequestSpec(prompt_len, max_tokens, arrival, ignore_eos=True)
+
+
+def scheduler_with(
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int = 16,
+    budget: int = 256,
+    chunked: bool = True,
+    max_model_len: int | None = None,
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, budget, chunked)
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(config, bm, max_model_len or num_blocks * block_size, frozenset({EOS}))
+
+
+def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int, t: float) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seq = Sequence(seq_id, f"r{seq_id}", make_prompt(seq_id, prompt_len), params, t)
+    sched.add(seq)
+    return seq
+
+
+def step(sched: Scheduler, runner: FakeRunner, now: float) -> SchedulerOutput:
+    out = sched.schedule(now)
+    sched.check_integrity()
+    sched.update(out, runner(out), now)
+    sched.check_integrity()
+    return out
+
+
+def test_scheduler_imports_no_torch() -> None:
+    code = (
+        "import sys, conveyor.core.scheduler, conveyor.core.block_manager; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_preemption_keeps_outputs_of_a_huge_cache(chunked: bool, block_size: int) -> None:
+    requests = [plain(6, 12, arrival=a) for a in (0, 0, 1, 1, 2, 3, 5, 8)]
+    tiny = Scenario(SchedulerConfig(8, 32, chunked), block_size, 24 // block_size, requests)
+    huge = Scenario(SchedulerConfig(8, 32, chunked), block_size, 4096 // block_size, requests)
+    small_run = run_scenario(tiny)
+    big_run = run_scenario(huge)
+    assert small_run.num_preemptions > 0
+    assert big_run.num_preemptions == 0
+    check_outputs(small_run, tiny.max_model_len)
+    for i, seq in small_run.seqs.items():
+        assert seq.finish_reason is FinishReason.LENGTH
+        assert seq.output_token_ids == big_run.seqs[i].output_token_ids
+        assert len(seq.output_token_ids) == 12
+
+
+def test_without_chunked_prefill_a_preempted_sequence_that_outgrew_the_budget_resumes() -> None:
+    # Regression: seq 1 (12-token prompt) fits the 13-token budget whole, grows to 14 tokens,
+    # is preempted by seq 0 and, before the fix, waited forever: 14 > 13 never fits whole.
+    sched = scheduler_with(num_blocks=17, block_size=1, max_num_seqs=2, budget=13, chunked=False)
+    runner = FakeRunner(17, 1)
+    a = add(sched, 0, 2, 6, t=0.0)
+    b = add(sched, 1, 12, 3, t=1.0)
+    for now in range(40):
+        step(sched, runner, float(now))
+        if not sched.has_unfinished():
+            break
+    assert b.num_preemptions >= 1
+    assert not sched.has_unfinished()
+    for seq in (a, b):
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.sampling_params, 17)[0]
+
+
+def test_fcfs_admits_in_arrival_order_not_add_order() -> None:
+    sched = scheduler_with(num_blocks=64, block_size=4, max_num_seqs=1)
+    runner = FakeRunner(64, 4)
+    # Added out of order: arrival time, not the order of add(), decides.
+    add(sched, 0, 3, 2, t=2.0)
+    add(sched, 1, 3, 2, t=0.0)
+    add(sched, 2, 3, 2, t=1.0)
+    order = []
+    for now in range(10):
+        out = step(sched, runner, float(now))
+        order += [s.seq_id for s in out.scheduled if s.seq_id not in order]
+    assert order == [1, 2, 0]
+    assert not sched.has_unfinished()
+
+
+def test_fcfs_batches_in_arrival_order_when_everything_fits() -> None:
+    sched = scheduler_with(num_blocks=64, block_size=4)
+    for seq_id, t in [(3, 0.5), (1, 0.1), (2, 0.3), (0, 0.3)]:
+        add(sched, seq_id, 2, 1, t)
+    out = sched.schedule(1.0)
+    # Ties in arrival time fall back to the sequence id.
+    assert [s.seq_id for s in out.scheduled] == [1, 0, 2, 3]
+
+
+def test_latest_arrival_is_preempted_and_recomputes_on_resume() -> None:
+    # 3 blocks of 2 tokens. Three 2-token prompts fill the cache; the first decode needs a
+    # 4th block, so the latest arrival (seq 2) must give its blocks up.
+    sched = scheduler_with(num_blocks=3, block_size=2, max_model_len=6)
+    runner = FakeRunner(3, 2)
+    a = add(sched, 0, 2, 3, t=0.0)
+    b = add(sched, 1, 2, 3, t=1.0)
+    c = add(sched, 2, 2, 3, t=2.0)
+    out = step(sched, runner, 0.0)
+    assert [s.seq_id for s in out.scheduled] == [0, 1, 2]
+    assert all(s.num_output_tokens == 1 for s in (a, b, c))
+    c_tokens = list(c.token_ids)
+
+    out = sched.schedule(1.0)
+    # c, the latest arrival, goes first; then b has no one behind it to take a block from.
+    assert out.preempted_seq_ids == [2, 1]
+    assert [s.seq_id for s in out.scheduled] == [0]
+    assert c.status is SequenceStatus.WAITING and c in sched.waiting and c not in sched.running
+    assert c.block_table == [] and c.num_computed_tokens == 0
+    assert c.token_ids == c_tokens, "preemption must keep the tokens, prompt and output"
+    assert c.num_preemptions == 1 and sched.num_preemptions >= 1
+    sched.check_integrity()
+    sched.update(out, runner(out), 1.0)
+
+    # Run until c is scheduled again: it recomputes prompt + its output, then samples.
+    resumed = None
+    for now in range(2, 50):
+        out = sched.schedule(float(now))
+        sched.check_integrity()
+        mine = [s for s in out.scheduled if s.seq_id == 2]
+        if mine and resumed is None:
+            resumed = mine[0]
+        sched.update(out, runner(out), float(now))
+        if not sched.has_unfinished():
+            break
+    assert resumed is not None
+    assert resumed.start_pos == 0
+    assert resumed.token_ids == c_tokens and resumed.sample
+    assert not sched.has_unfinished()
+    for seq in (a, b, c):
+        want, _ = reference(seq.prompt_token_ids, seq.sampling_params, 6)
+        assert seq.output_token_ids == want
+        assert seq.block_table == []
+
+
+def test_preemption_picks_the_least_valuable_running_sequence() -> None:
+    # Four 1-token prompts with a 1-token block each fill a 4-block cache; each decode needs
+    # a new block, so running sequences are evicted from the latest arrival backwards.
+    sched = scheduler_with(num_blocks=4, block_size=1, max_model_len=4)
+    runner = FakeRunner(4, 1)
+    for seq_id, t in [(0, 3.0), (1, 0.0), (2, 2.0), (3, 1.0)]:
+        add(sched, seq_id, 1, 3, t)
+    step(sched, runner, 0.0)
+    out = sched.schedule(1.0)
+    # Oldest (1) takes the block of the newest (0); then 3 takes 2's block.
+    assert out.preempted_seq_ids == [0, 2]
+    assert [s.seq_id for s in out.scheduled] == [1, 3]
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_on_the_last_chunk() -> None:
+    sched = scheduler_with(num_blocks=16, block_size=4, budget=4)
+    runner = FakeRunner(16, 4)
+    seq = add(sched, 0, 10, 2, t=0.0)
+    chunks = []
+    for now in range(3):
+        out = step(sched, runner, float(now))
+        (item,) = out.scheduled
+        chunks.append((item.start_pos, len(item.token_ids), item.sample))
+        assert len(item.block_table) == blocks_for(item.context_len, 4)
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    assert seq.num_output_tokens == 1 and seq.num_computed_tokens == 10
+    out = step(sched, runner, 3.0)
+    assert [(s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [(10, 1, True)]
+    assert seq.is_finished
+    assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.sampling_params, 64)[0]
+
+
+def test_chunked_prefill_fills_the_budget_beside_decodes() -> None:
+    sched = scheduler_with(num_blocks=32, block_size=4, budget=8)
+    runner = FakeRunner(32, 4)
+    add(sched, 0, 3, 8, t=0.0)
+    step(sched, runner, 0.0)
+    add(sched, 1, 20, 2, t=1.0)
+    out = step(sched, runner, 1.0)
+    # One decode token for seq 0, the other 7 of the budget go to seq 1's first chunk.
+    assert [(s.seq_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        (0, 1, True),
+        (1, 7, False),
+    ]
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole() -> None:
+    sched = scheduler_with(num_blocks=32, block_size=4, budget=8, chunked=False)
+    runner = FakeRunner(32, 4)
+    a = add(sched, 0, 3, 4, t=0.0)
+    step(sched, runner, 0.0)
+    b = add(sched, 1, 8, 2, t=1.0)
+    while not a.is_finished:
+        out = step(sched, runner, 1.0)
+        # a's decode takes 1 of the 8 tokens, so b's 8-token prompt must not start.
+        assert [s.seq_id for s in out.scheduled] == [0]
+        assert b.status is SequenceStatus.WAITING and b.block_table == []
+    out = step(sched, runner, 2.0)
+    assert [(s.seq_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        (1, 0, 8, True)
+    ]
+
+
+def test_watermark_holds_blocks_back_from_admission_while_others_run() -> None:
+    # 100 blocks: a watermark of 1 block is kept free for running decodes.
+    sched = scheduler_with(num_blocks=100, block_size=1)
+    runner = FakeRunner(100, 1)
+    assert sched.watermark_blocks == 1
+    add(sched, 0, 10, 20, t=0.0)
+    step(sched, runner, 0.0)
+    # Seq 0's decode takes an 11th block this step, leaving 89: exactly what `late` needs,
+    # so only the watermark keeps it out.
+    late = add(sched, 1, 89, 1, t=1.0)
+    out = step(sched, runner, 1.0)
+    assert [s.seq_id for s in out.scheduled] == [0]
+    assert late.status is SequenceStatus.WAITING
+
+
+def test_watermark_never_keeps_a_lone_request_out_of_an_empty_cache() -> None:
+    # The prompt needs all 100 blocks; with nothing running the watermark must not apply,
+    # or the request would wait forever.
+    sched = scheduler_with(num_blocks=100, block_size=2)
+    runner = FakeRunner(100, 2)
+    seq = add(sched, 0, 199, 3, t=0.0)
+    out = step(sched, runner, 0.0)
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [(0, 199)]
+    step(sched, runner, 1.0)
+    assert seq.finish_reason is FinishReason.LENGTH and seq.num_tokens == 200
+
+
+def test_abort_frees_a_running_and_a_waiting_sequence() -> None:
+    sched = scheduler_with(num_blocks=8, block_size=2, max_num_seqs=1)
+    runner = FakeRunner(8, 2)
+    a = add(sched, 0, 3, 5, t=0.0)
+    b = add(sched, 1, 3, 5, t=1.0)
+    out = step(sched, runner, 0.0)
+    assert a.block_table and not b.block_table
+    assert sched.abort(1, 1.0) is b and b.finish_reason is FinishReason.ABORT
+    assert sched.abort(0, 1.0) is a and a.block_table == []
+    assert sched.abort(0, 1.0) is None  # already gone
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == 8
+    out = sched.schedule(2.0)
+    assert out.is_empty and sorted(out.finished_seq_ids) == [0, 1]
+
+
+def test_abort_while_the_step_runs_drops_its_result() -> None:
+    sched = scheduler_with(num_blocks=8, block_size=2)
+    runner = FakeRunner(8, 2)
+    seq = add(sched, 0, 3, 5, t=0.0)
+    out = sched.schedule(0.0)
+    sampled = runner(out)
+    sched.abort(0, 0.5)
+    updates = sched.update(out, sampled, 1.0)
+    assert updates == [] and seq.output_token_ids == [] and seq.block_table == []
+    sched.check_integrity()
+
+
+def test_stops_at_max_model_len() -> None:
+    sched = scheduler_with(num_blocks=2, block_size=4)  # max_model_len 8
+    runner = FakeRunner(2, 4)
+    seq = add(sched, 0, 5, 100, t=0.0)
+    for now in range(10):
+        step(sched, runner, float(now))
+    assert seq.finish_reason is FinishReason.LENGTH and seq.num_tokens == 8

@@ -1,0 +1,113 @@
+"""Text in, text out on the real SmolLM2: chat template, stop strings, streaming deltas."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.tokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2, kv_cache_memory=256 << 20)
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+def test_default_model_chat_answers_and_stops_at_eos(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], GREEDY, use_tqdm=False)[0]
+    text = out.outputs[0].text
+    assert "4" in text
+    assert out.outputs[0].finish_reason == "stop"
+    assert "<|im_end|>" not in text
+    assert out.outputs[0].token_ids[-1] in llm.engine.scheduler.eos_token_ids
+
+
+def test_chat_accepts_many_conversations(llm):
+    convs = [[{"role": "user", "content": f"Say the number {i}."}] for i in range(3)]
+    outs = llm.chat(convs, GREEDY, use_tqdm=False)
+    assert len(outs) == 3 and all(o.outputs[0].text for o in outs)
+
+
+def test_stop_string_is_cut_from_the_text(llm):
+    base = llm.generate(["The days of the week are Monday,"], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert "Wednesday" in base.text, base.text
+    out = llm.generate(
+        ["The days of the week are Monday,"],
+        SamplingParams(max_tokens=40, temperature=0.0, stop=["Wednesday"]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "Wednesday"
+    assert out.text == base.text[: base.text.index("Wednesday")]
+    kept = llm.generate(
+        ["The days of the week are Monday,"],
+        SamplingParams(max_tokens=40, temperature=0.0, stop=["Wednesday"], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text.endswith("Wednesday")
+
+
+def test_streamed_deltas_concatenate_to_the_final_text(llm):
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=60, temperature=0.0, stop=["Friday"])
+    ids = llm.tokenizer.encode("The days of the week are Monday,")
+    engine.add_request("s", ids, sp, stream=True)
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].delta_text)
+            final = out
+    assert final is not None and final.finished
+    assert "".join(deltas) == final.outputs[0].text
+    assert "Fri" not in final.outputs[0].text  # a stop-string prefix is never streamed
+
+
+def test_detokenizer_never_splits_utf8(llm):
+    tok = llm.tokenizer
+    text = "Emoji 🎉🚀 and 日本語 and café — ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    pieces = []
+    for t in ids:
+        detok.add(t)
+        pieces.append(detok.delta())
+    pieces.append(detok.delta(final=True))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+    assert len(ids) > len([p for p in pieces if p])  # some characters span several tokens
+
+
+def test_detokenizer_holds_back_a_possible_stop_prefix(llm):
+    tok = llm.tokenizer
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP here"])
+    ids = tok.encode("abc STOP", add_special_tokens=False)
+    for t in ids:
+        detok.add(t)
+    assert detok.delta() == "abc "  # "STOP" could still become "STOP here"
+    for t in tok.encode(" now", add_special_tokens=False):
+        detok.add(t)
+    assert detok.delta() == "STOP now"
+
+
+def test_seeded_sampling_repeats(llm):
+    sp = SamplingParams(max_tokens=20, temperature=1.0, seed=42)
+    a = llm.generate(["Once upon a time"], sp, use_tqdm=False)[0].outputs[0].text
+    b = llm.generate(["Once upon a time", "Hello there", "Why is the sky blue?"], [sp, GREEDY, GREEDY], use_tqdm=False)[0].outputs[0].text
+    assert a == b
+
+
+def test_logprobs_returned(llm):
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for lp, tok in zip(out.logprobs, out.token_ids, strict=True):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert lp.top is not None and lp.top[0][0] == tok  # greedy: the sampled token is the top one
+
+
+def test_text_prompt_empty_is_refused(llm):
+    from conveyor import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""], GREEDY, use_tqdm=False)
