@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ class Engine:
         vocab_size: int,
         clock: Callable[[], float] = time.perf_counter,
         trace: bool = True,
+        max_trace_steps: int | None = 100_000,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -78,7 +80,9 @@ class Engine:
         self.vocab_size = vocab_size
         self.clock = clock
         self.trace = trace
-        self.step_trace: list[StepRecord] = []
+        # A bounded window, so a long-running server does not grow without limit.
+        self.step_trace: deque[StepRecord] = deque(maxlen=max_trace_steps)
+        self.last_step: StepRecord | None = None
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._next_seq_id = 0
@@ -262,8 +266,7 @@ class Engine:
         run_out = self.runner.execute(sched_out)
         now = self._after_run(start, run_out)
         updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs)
-        if self.trace:
-            self._record(sched_out, start, now - start)
+        self._record(sched_out, start, now - start)
 
         outputs: list[RequestOutput] = []
         for upd in updates:
@@ -350,8 +353,7 @@ class Engine:
 
     def _record(self, sched_out: SchedulerOutput, start: float, duration: float) -> None:
         bm = self.scheduler.block_manager
-        self.step_trace.append(
-            StepRecord(
+        self.last_step = StepRecord(
                 step_id=sched_out.step_id,
                 start=start,
                 duration_s=duration,
@@ -361,8 +363,9 @@ class Engine:
                 num_waiting=len(self.scheduler.waiting),
                 kv_blocks_used=bm.num_used_blocks,
                 num_preempted=len(sched_out.preempted_seq_ids),
-            )
         )
+        if self.trace:
+            self.step_trace.append(self.last_step)
 
 
 def _has_tokenizer_files(folder: Path) -> bool:

@@ -8,6 +8,7 @@ could still turn into a stop string.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,8 @@ class Tokenizer:
                 pass  # a damaged cache entry: rebuild below
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if cached is not None:
-            try:
+            with contextlib.suppress(OSError):  # a read-only cache is only slower
                 hf.save_pretrained(str(cached))
-            except OSError:
-                pass  # a read-only cache is only slower
         return cls(hf, eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

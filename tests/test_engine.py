@@ -29,7 +29,7 @@ def reference(model_dir):
     """Each request run alone, with a roomy cache and a large budget."""
     prompts, params = mixed_requests(32)
     llm = LLM(model_dir, dtype="float64", num_kv_blocks=256, max_num_batched_tokens=4096)
-    alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=False)]
     return prompts, params, alone
 
 
@@ -60,7 +60,7 @@ def test_small_token_budget_chunks_prompts_same_tokens(model_dir, reference, bud
     assert tokens(outs) == alone
     trace = llm.engine.step_trace
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= budget for s in trace)
-    assert any(0 < s.num_prefill_tokens and s.num_decode_tokens for s in trace)  # mixed steps happened
+    assert any(s.num_prefill_tokens > 0 and s.num_decode_tokens for s in trace)  # mixed steps happened
     check_blocks_free(llm)
 
 

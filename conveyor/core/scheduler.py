@@ -207,15 +207,18 @@ class Scheduler:
                 # Without chunked prefill a prompt runs whole. But a sequence resumed after
                 # preemption may have outgrown the whole step budget: unless it is recomputed
                 # in chunks it would wait forever (and block the queue behind it).
-                outgrown = seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens
+                outgrown = (
+                    seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens
+                )
                 if not self.config.enable_chunked_prefill and not outgrown:
                     break
                 num_new = budget
             need = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
-            if need + self.watermark_blocks > self.block_manager.num_free_blocks:
-                # Keep the watermark for running decodes, unless nothing else is running.
-                if self.running or need > self.block_manager.num_free_blocks:
-                    break
+            # Keep the watermark for running decodes, unless nothing else is running.
+            if need + self.watermark_blocks > self.block_manager.num_free_blocks and (
+                self.running or need > self.block_manager.num_free_blocks
+            ):
+                break
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:

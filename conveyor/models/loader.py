@@ -299,7 +299,7 @@ def load_weights(
             put(name, tensor)
     del pending
     expected = set()
-    for pname, p in params.items():
+    for pname, _p in params.items():
         if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             expected |= {f"{pname}@0", f"{pname}@{q}", f"{pname}@{q + kv}"}
         elif pname.endswith("gate_up_proj.weight"):

@@ -61,10 +61,7 @@ class Sampler:
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits.clone(), batch)
-        if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, batch)
+        tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
         token_list: list[int] = tokens.tolist()
         if batch.max_logprobs is None:
             return token_list, None
@@ -95,7 +92,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        rows, vocab = logits.shape
+        _rows, vocab = logits.shape
         dev = logits.device
         params = batch.params
         greedy = torch.tensor([p.greedy for p in params], device=dev)
