@@ -24,17 +24,18 @@ class PrefillSpan:
     token_start: int  # rows [token_start, token_end) of the step's flat token batch
     token_end: int
     start_pos: int  # tokens already in the cache before this step
-    context_slots: torch.Tensor | None  # cache slots of positions [0, start_pos + n); None if start_pos == 0
-    mask: torch.Tensor | None  # [n, context] bool (True = attend); None means plain causal
+    context_blocks: torch.Tensor | None  # blocks holding positions [0, start_pos + n); None if start_pos == 0
+    bias: torch.Tensor | None  # [n, context] additive mask (0 or -inf); None means plain causal
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    block_size: int
     positions: torch.Tensor  # [num_tokens] position of each new token in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V goes to
     num_decodes: int  # the first num_decodes rows are single-token decodes
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] gather index
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] True = attend
+    decode_blocks: torch.Tensor | None = None  # [num_decodes, max_blocks] block tables, padded with 0
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -45,8 +46,13 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    """Metadata for sequences given decodes first (num_new == 1), then prefills."""
+    """Metadata for sequences given decodes first (num_new == 1), then prefills.
+
+    Built once per step on the host and shared by every layer. K/V are gathered by whole
+    blocks (one index per block, not per token); masks are additive, in the compute dtype.
+    """
     num_decodes = 0
     while num_decodes < len(num_new_tokens) and num_new_tokens[num_decodes] == 1:
         num_decodes += 1
@@ -56,51 +62,46 @@ def build_metadata(
     )
 
     # Slot of every new token: one vectorised gather over the padded block tables.
-    seq_index = torch.repeat_interleave(
-        torch.arange(len(num_new_tokens)), torch.tensor(num_new_tokens)
-    )
+    counts = torch.tensor(num_new_tokens)
+    seq_index = torch.repeat_interleave(torch.arange(len(num_new_tokens)), counts)
     starts = torch.tensor(start_positions, dtype=torch.long)
-    offsets = torch.cat([torch.arange(n) for n in num_new_tokens])
+    first_row = torch.cumsum(counts, 0) - counts
+    offsets = torch.arange(int(counts.sum())) - first_row[seq_index]
     positions = starts[seq_index] + offsets
     slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(
+        block_size=block_size,
         positions=positions.to(device), slot_mapping=slot_mapping.to(device), num_decodes=num_decodes
     )
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype)
+    zero = torch.tensor(0.0, dtype=dtype)
 
     if num_decodes:
         ctx = starts[:num_decodes] + 1
-        max_ctx = int(ctx.max())
-        pos = torch.arange(max_ctx)
-        dtables = tables[:num_decodes]
-        slots = (
-            torch.gather(dtables, 1, (pos // block_size).expand(num_decodes, -1).clamp_max(max_blocks - 1))
-            * block_size
-            + pos % block_size
-        )
-        mask = pos[None, :] < ctx[:, None]
+        nb = int((ctx.max() + block_size - 1) // block_size)
+        pos = torch.arange(nb * block_size)
+        keep = pos[None, :] < ctx[:, None]
         if sliding_window is not None:
-            mask &= pos[None, :] >= (ctx[:, None] - sliding_window)
-        slots = torch.where(mask, slots, torch.zeros_like(slots))
-        meta.decode_slots = slots.to(device)
-        meta.decode_mask = mask[:, None, None, :].to(device)
+            keep &= pos[None, :] >= (ctx[:, None] - sliding_window)
+        meta.decode_blocks = tables[:num_decodes, :nb].to(device)
+        meta.decode_bias = torch.where(keep, zero, neg_inf)[:, None, None, :].to(device)
 
     row = num_decodes
     for i in range(num_decodes, len(num_new_tokens)):
         n, start = num_new_tokens[i], start_positions[i]
         ctx_len = start + n
-        context_slots = None
-        mask = None
+        context_blocks = None
+        bias = None
         if start > 0:
-            pos = torch.arange(ctx_len)
-            context_slots = (tables[i, pos // block_size] * block_size + pos % block_size).to(device)
+            context_blocks = tables[i, : (ctx_len + block_size - 1) // block_size].to(device)
         if start > 0 or (sliding_window is not None and ctx_len > sliding_window):
             q_pos = torch.arange(start, ctx_len)[:, None]
             k_pos = torch.arange(ctx_len)[None, :]
-            m = k_pos <= q_pos
+            keep = k_pos <= q_pos
             if sliding_window is not None:
-                m &= k_pos > q_pos - sliding_window
-            mask = m.to(device)
-        meta.prefills.append(PrefillSpan(row, row + n, start, context_slots, mask))
+                keep &= k_pos > q_pos - sliding_window
+            bias = torch.where(keep, zero, neg_inf).to(device)
+        meta.prefills.append(PrefillSpan(row, row + n, start, context_blocks, bias))
         row += n
     return meta
 
@@ -125,9 +126,10 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Reference backend: gathers K/V through the block tables and calls SDPA.
+    """Reference backend: gathers K/V block by block through the block tables and calls SDPA.
 
-    Decodes run as one padded batch; prefills run one sequence at a time.
+    Decodes run as one padded batch (an additive mask hides the padding); prefills run one
+    sequence at a time (plain causal for a fresh prompt, the cached context for a later chunk).
     """
 
     def forward(
@@ -142,32 +144,50 @@ class TorchPagedAttention(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        gqa = q.shape[1] != k.shape[1]
+        gqa = q.shape[1] != k_cache.shape[1]
+        bs = meta.block_size
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            assert meta.decode_slots is not None and meta.decode_mask is not None
-            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [D, kvh, L, d]
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [D, h, 1, d]
+            assert meta.decode_blocks is not None and meta.decode_bias is not None
+            length = meta.decode_bias.shape[-1]
+            kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length)  # [D, L, kvh, d]
+            vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length)
             od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+                q[:nd].unsqueeze(2),  # [D, h, 1, d]
+                kd.transpose(1, 2),
+                vd.transpose(1, 2),
+                attn_mask=meta.decode_bias,
+                scale=scale,
+                enable_gqa=gqa,
             )
             out[:nd] = od.squeeze(2)
         for span in meta.prefills:
             a, b = span.token_start, span.token_end
-            if span.context_slots is None:
+            if span.context_blocks is None:
                 ks, vs = k[a:b], v[a:b]
             else:
-                ks, vs = k_cache[span.context_slots], v_cache[span.context_slots]
+                ctx = span.start_pos + (b - a)
+                ks = _gather_blocks(k_cache, span.context_blocks[None], bs, ctx)[0]
+                vs = _gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0]
             o = F.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1),
                 ks.transpose(0, 1),
                 vs.transpose(0, 1),
-                attn_mask=span.mask,
-                is_causal=span.mask is None,
+                attn_mask=span.bias,
+                is_causal=span.bias is None,
                 scale=scale,
                 enable_gqa=gqa,
             )
             out[a:b] = o.transpose(0, 1)
         return out
+
+
+def _gather_blocks(
+    cache: torch.Tensor, tables: torch.Tensor, block_size: int, length: int
+) -> torch.Tensor:
+    """K or V of the first `length` positions of each row's blocks: `[rows, length, kvh, d]`."""
+    _, kvh, d = cache.shape
+    rows, nb = tables.shape
+    gathered = cache.view(-1, block_size, kvh, d)[tables]  # [rows, nb, block_size, kvh, d]
+    return gathered.view(rows, nb * block_size, kvh, d)[:, :length]

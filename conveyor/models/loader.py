@@ -324,6 +324,7 @@ def build_model(
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(arch, max_positions).to(device)
     load_weights(model, ((n, t.to(dtype)) for n, t in tensors))
+    model.prepare_for_inference()
     model.eval()
     model.requires_grad_(False)
     return model

@@ -36,14 +36,12 @@ class ModelRunner:
         self.dtype = dtype
         self.sliding_window = arch.sliding_window
         slots = num_blocks * block_size
-        # Uninitialised memory (pages are touched as blocks are used); only block 0 is zeroed,
-        # because padded attention reads point at slot 0 with a zero weight and must not be NaN.
+        # Zeroed, not just allocated: attention reads whole blocks and hides the unused slots
+        # with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
         self.kv_caches = [
-            torch.empty((2, slots, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
+            torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
             for _ in range(arch.num_layers)
         ]
-        for cache in self.kv_caches:
-            cache[:, :block_size].zero_()
         self.sampler = Sampler(seed, device)
         self._generators: dict[int, torch.Generator] = {}
 
@@ -82,6 +80,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.sliding_window,
+            self.dtype,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
