@@ -1,4 +1,4 @@
-"""`conveyor` command line: generate, chat (and later serve, bench, simulate).
+"""`conveyor` command line: generate, chat, serve (and later bench, simulate).
 
 Engine options are generated from the config dataclasses' fields and help text, so every knob
 of `LLM(...)` is a flag here with the same name (underscores become dashes).
@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
+from conveyor.server.config import ServerConfig  # light: no FastAPI until `serve` runs
 
 
 def _arg_type(annotation: Any) -> tuple[Any, bool]:
@@ -139,6 +140,43 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Flags generated from `ServerConfig`'s fields, like the engine's."""
+    group = parser.add_argument_group("server")
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if "tuple" in str(f.type):
+            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_text)
+            continue
+        typ, is_bool = _arg_type(f.type)
+        if is_bool:
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                help=f"{help_text} (default: {f.default})",
+            )
+        else:
+            group.add_argument(
+                flag, dest=f.name, type=typ, default=None, help=f"{help_text} (default: {f.default})"
+            )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from conveyor.server.launch import run_server
+
+    config = server_config(args)
+    level = "DEBUG" if config.log_level == "trace" else config.log_level.upper()
+    logging.getLogger("conveyor").setLevel(level)
+    return run_server(engine_kwargs(args), config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
+    )
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

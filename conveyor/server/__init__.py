@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: `AsyncEngine` (the engine in a thread), the API, metrics."""

@@ -1,0 +1,466 @@
+"""`AsyncEngine`: the synchronous `Engine` stepping in one background thread, fed by asyncio.
+
+Threading contract (the whole reason this file exists):
+- Exactly one thread, the engine thread, touches the `Engine` (it is not thread-safe). Torch
+  compute blocks, so it must not run on the event loop either.
+- The event loop talks to it only through `_commands` (a list guarded by `_cond`): adds, aborts,
+  stop. The engine thread drains the list between steps, so an abort frees its KV blocks before
+  the next step starts.
+- Outputs travel back with one `loop.call_soon_threadsafe` per step, into each request group's
+  `asyncio.Queue`; only the loop thread touches those queues.
+- When nothing is queued or running, the engine thread sleeps on `_cond` (no busy loop).
+
+Every request runs with `stream=True` inside the engine, streaming or not, so the text a client
+gets is produced by one code path: the streamed deltas always concatenate to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.engine import Engine
+    from conveyor.server.metrics import ServerMetrics
+    from conveyor.tokenizer import Tokenizer
+
+logger = logging.getLogger("conveyor.server")
+
+Prompt = str | list[int]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queued_requests` already (HTTP 429)."""
+
+
+class EngineShuttingDownError(RuntimeError):
+    """The engine accepts no new requests: it is draining or stopped (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised; the engine's state can no longer be trusted (HTTP 500 / 503)."""
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One engine request: one choice of one prompt of an API request."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    prompt_text: str | None = None
+
+
+class OutputStream:
+    """The outputs of a group of engine requests (the n choices of one API request), in order.
+
+    Iterating yields `RequestOutput`s of any member as they move; it ends once every member has
+    yielded its finished output. Lives on the event loop; the engine thread only reaches it
+    through `loop.call_soon_threadsafe`. The stream counts as open (for `wait_idle`) until the
+    engine has delivered every member's final output, whether or not anyone reads them.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]) -> None:
+        self._engine = engine
+        self.request_ids = list(request_ids)
+        self._unread = set(self.request_ids)  # members whose final output was not yet read
+        self._undelivered = set(self.request_ids)  # ... not yet delivered by the engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return not self._unread
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._undelivered.clear()
+        elif item.finished:
+            self._undelivered.discard(item.request_id)
+        if not self._undelivered:
+            self._engine._stream_closed(self)
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unread:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unread.clear()
+            raise item
+        if item.finished:
+            self._unread.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        """Abort every member still running (idempotent; call from the event loop)."""
+        if self._undelivered:
+            self._engine.abort(list(self._undelivered))
+
+
+@dataclass(slots=True)
+class _Active:
+    """Engine-thread bookkeeping of one running engine request (for routing and metrics)."""
+
+    stream: OutputStream
+    saw_first_token: bool = False
+    token_times_seen: int = 0
+
+
+@dataclass(slots=True)
+class _Add:
+    requests: list[EngineRequest]
+    stream: OutputStream
+    future: asyncio.Future[None]
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _AbortAll:
+    pass
+
+
+_Command = _Add | _Abort | _AbortAll
+
+
+class AsyncEngine:
+    """Owns an `Engine` and steps it in a dedicated thread; requests arrive from asyncio.
+
+    `start()` must be called from the event loop that will consume the streams; `stop()` ends
+    the thread (aborting whatever is still in flight). `add()` raises `InvalidRequestError`,
+    `QueueFullError` or `EngineShuttingDownError` before any output exists, so an HTTP layer can
+    answer 400 / 429 / 503 before it starts a response.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_queued_requests: int | None = None,
+        metrics: ServerMetrics | None = None,
+        idle_poll_s: float = 0.002,
+    ) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        # Wait this long when the scheduler had work but chose to run nothing (a batching
+        # policy collecting a batch): short, and cut short by any new command.
+        self.idle_poll_s = idle_poll_s
+        self._cond = threading.Condition()
+        self._commands: list[_Command] = []
+        self._stop_requested = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = False
+        self._dead: BaseException | None = None
+        self._open_streams: set[OutputStream] = set()
+        self._idle: asyncio.Event | None = None
+        self._active: dict[str, _Active] = {}  # engine thread only
+
+    # -- facts the API needs (constant after construction; safe from any thread) -------------
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.is_running
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._open_streams)
+
+    # -- life cycle (event loop) -------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """New `add()` calls raise `EngineShuttingDownError`; in-flight work goes on."""
+        self._accepting = False
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no stream is open; False if `timeout` passed first."""
+        assert self._idle is not None, "start() first"
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def abort_all(self) -> None:
+        self._push(_AbortAll())
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Abort what is left, end the engine thread and wait for it (at most `timeout`)."""
+        self._accepting = False
+        with self._cond:
+            self._stop_requested = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join, timeout)
+            if thread.is_alive():
+                logger.warning("the engine thread did not stop within %.1f s", timeout)
+
+    # -- requests (event loop) ---------------------------------------------------------------
+    async def add(self, requests: Sequence[EngineRequest]) -> OutputStream:
+        """Queue a group of engine requests; all are accepted or none (then this raises)."""
+        if not self._accepting:
+            raise EngineShuttingDownError("the server is shutting down; no new requests")
+        assert self._loop is not None and self._idle is not None
+        stream = OutputStream(self, [r.request_id for r in requests])
+        future: asyncio.Future[None] = self._loop.create_future()
+        # The HTTP arrival, not the moment the engine thread gets to it: queue time includes the
+        # wait for the current step to end. `clock` is a plain function of time (thread-safe).
+        arrival = self.engine.clock()
+        with self._cond:
+            # Checked under the lock the engine thread drains with: a command that gets in is
+            # always answered, by the thread or by `_fail_everything`.
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+            if self._stop_requested:
+                raise EngineShuttingDownError("the server is shutting down; no new requests")
+            self._open_streams.add(stream)
+            self._idle.clear()
+            self._commands.append(_Add(list(requests), stream, future, arrival))
+            self._cond.notify()
+        try:
+            await future
+        except asyncio.CancelledError:
+            # The caller went away while the engine thread was busy: do not leak the requests.
+            stream.abort()
+            raise
+        except BaseException:
+            self._stream_closed(stream)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        prompt_text: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the request is aborted if the consumer stops early.
+
+        Errors of `add()` are raised by the first `__anext__`; an HTTP layer that must answer
+        before its response starts calls `add()` itself.
+        """
+        stream = await self.add([EngineRequest(request_id, prompt, params, prompt_text)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests by id (unknown or finished ids are ignored); thread-safe."""
+        self._push(_Abort(list(request_ids)))
+
+    def _stream_closed(self, stream: OutputStream) -> None:
+        self._open_streams.discard(stream)
+        if not self._open_streams and self._idle is not None:
+            self._idle.set()
+
+    def _push(self, command: _Command) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        has_work = False
+        while True:
+            with self._cond:
+                while not self._commands and not has_work and not self._stop_requested:
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stop_requested
+            try:
+                delivered = self._apply(commands)
+                if stopping:
+                    delivered += self._abort_everything()
+                    self._deliver(delivered)
+                    self._publish()
+                    return
+                if engine.has_unfinished_requests():
+                    before = engine.last_step
+                    delivered += self._route(engine.step())
+                    if engine.last_step is before:
+                        # The scheduler ran nothing (a policy is holding the batch back):
+                        # nap briefly instead of spinning; a new command wakes us at once.
+                        with self._cond:
+                            if not self._commands:
+                                self._cond.wait(self.idle_poll_s)
+                    elif self.metrics is not None and engine.last_step is not None:
+                        self.metrics.on_step(engine.last_step)
+                self._deliver(delivered)
+                self._publish()
+                has_work = engine.has_unfinished_requests()
+            except BaseException as e:  # reported to every waiting client, then the thread ends
+                logger.exception("the engine thread failed; no further requests will be served")
+                self._fail_everything(e)
+                return
+
+    def _apply(self, commands: list[_Command]) -> list[tuple[OutputStream, RequestOutput]]:
+        out: list[tuple[OutputStream, RequestOutput]] = []
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                self._apply_add(cmd)
+            elif isinstance(cmd, _Abort):
+                for rid in cmd.request_ids:
+                    out += self._abort_one(rid)
+            else:
+                out += self._abort_everything()
+        return out
+
+    def _apply_add(self, cmd: _Add) -> None:
+        engine = self.engine
+        added: list[str] = []
+        error: BaseException | None = None
+        if self.max_queued_requests is not None:
+            waiting = len(engine.scheduler.waiting)
+            if len(cmd.requests) > self.max_queued_requests:
+                error = InvalidRequestError(
+                    f"this request asks for {len(cmd.requests)} sequences, but at most "
+                    f"{self.max_queued_requests} may wait in the queue (--max-queued-requests)",
+                    param="n",
+                )
+            elif waiting + len(cmd.requests) > self.max_queued_requests:
+                error = QueueFullError(
+                    f"the waiting queue is full ({waiting} of {self.max_queued_requests} "
+                    f"requests waiting); retry later"
+                )
+        if error is None:
+            try:
+                for r in cmd.requests:
+                    engine.add_request(
+                        r.request_id,
+                        r.prompt,
+                        r.params,
+                        arrival_time=cmd.arrival_time,
+                        stream=True,
+                        prompt_text=r.prompt_text,
+                    )
+                    added.append(r.request_id)
+                    self._active[r.request_id] = _Active(cmd.stream)
+            except Exception as e:  # InvalidRequestError mostly; all are the caller's to see
+                error = e
+                for rid in added:
+                    engine.abort_request(rid)
+                    self._active.pop(rid, None)
+        if error is not None:
+            # Closed here too, not only by `add()`: its caller may be cancelled already.
+            self._call_in_loop(self._stream_closed, cmd.stream)
+        self._resolve(cmd.future, error)
+
+    def _abort_one(self, request_id: str) -> list[tuple[OutputStream, RequestOutput]]:
+        active = self._active.get(request_id)
+        if active is None:
+            return []
+        out = self.engine.abort_request(request_id)
+        return self._route([out]) if out is not None else []
+
+    def _abort_everything(self) -> list[tuple[OutputStream, RequestOutput]]:
+        out: list[tuple[OutputStream, RequestOutput]] = []
+        for rid in list(self._active):
+            out += self._abort_one(rid)
+        return out
+
+    def _route(self, outputs: list[RequestOutput]) -> list[tuple[OutputStream, RequestOutput]]:
+        """Pair outputs with their streams; feed the metrics; forget finished requests."""
+        routed: list[tuple[OutputStream, RequestOutput]] = []
+        for out in outputs:
+            active = self._active.get(out.request_id)
+            if active is None:
+                continue
+            if self.metrics is not None:
+                self.metrics.on_output(out, active)
+            if out.finished:
+                del self._active[out.request_id]
+            routed.append((active.stream, out))
+        return routed
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.on_queues(self.engine.scheduler)
+
+    def _deliver(self, routed: list[tuple[OutputStream, RequestOutput]]) -> None:
+        if routed and self._loop is not None:
+            self._call_in_loop(_deliver_in_loop, routed)
+
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+        self._call_in_loop(settle)
+
+    def _call_in_loop(self, fn: Callable[..., object], *args: object) -> None:
+        assert self._loop is not None
+        # A closed loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        self._accepting = False
+        streams = {a.stream for a in self._active.values()}
+        self._active.clear()
+        dead = EngineDeadError(f"the engine failed: {error!r}")
+        with self._cond:
+            self._dead = error
+            pending, self._commands = self._commands, []
+        for cmd in pending:
+            if isinstance(cmd, _Add):
+                streams.add(cmd.stream)
+                self._resolve(cmd.future, dead)
+
+        def fail() -> None:
+            for s in streams:
+                s._put(dead)
+
+        self._call_in_loop(fail)
+
+
+def _deliver_in_loop(routed: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in routed:
+        stream._put(out)

@@ -1,0 +1,61 @@
+"""Server options: frozen, validated, with help text from which `conveyor serve` makes its flags.
+
+Engine options (model, cache, scheduler) stay in `conveyor.config`; these are the HTTP front
+end's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conveyor.config import ConfigError
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_help("Address to listen on."))
+    port: int = field(default=8000, metadata=_help("TCP port to listen on."))
+    served_model_name: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "Model name(s) clients may send; the first is reported. "
+            "Default: the model file or folder name."
+        ),
+    )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata=_help("Most requests waiting for a first step; beyond it, HTTP 429. Default: no limit."),
+    )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata=_help("Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted."),
+    )
+    log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
+    access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        elif not isinstance(self.served_model_name, tuple):
+            object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port} must be in [0, 65535]")
+        if any(not n for n in self.served_model_name):
+            raise ConfigError("served_model_name: names must be non-empty")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ConfigError(f"max_queued_requests={self.max_queued_requests} must be at least 1")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        if self.log_level not in ("trace", "debug", "info", "warning", "error", "critical"):
+            raise ConfigError(f"log_level={self.log_level!r}: use trace, debug, info, warning or error")
+
+
+def default_model_name(model_path: str | Path) -> str:
+    """`SmolLM2-135M-Instruct.Q4_1` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`; a folder's name."""
+    path = Path(model_path)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name

@@ -1,0 +1,117 @@
+"""`conveyor serve`: load the engine, serve the API with uvicorn, shut down gracefully.
+
+Shutdown on SIGTERM or SIGINT, in order:
+1. stop accepting: completions answer 503 and /health turns 503 (load balancers stop routing);
+   the socket stays open, so clients get an answer rather than a refused connection;
+2. in-flight requests get `shutdown_timeout` seconds to finish; what is left is aborted (a
+   stream ends with finish_reason "abort", a non-streamed request gets 503);
+3. uvicorn closes the connections, the engine thread stops, the process exits with status 0.
+A second signal skips the wait: everything is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from conveyor.config import EngineConfig
+from conveyor.server.api import build_app
+from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.config import ServerConfig
+from conveyor.server.serving import ServerState
+
+logger = logging.getLogger("conveyor.server")
+
+# After the drain, uvicorn only has finished responses left to flush.
+_FLUSH_TIMEOUT_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with conveyor's drain in front of its own shutdown.
+
+    uvicorn routes SIGINT/SIGTERM to `handle_exit` (from a signal handler, on the loop's own
+    thread); we hand them to the loop instead of exiting at once, and we do not record them,
+    so uvicorn does not re-raise them at exit (which would end the process with a non-zero
+    status).
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.timeout = timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None:
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        name = signal.Signals(sig).name
+        engine = self.state.engine
+        if self._signals == 1:
+            logger.info(
+                "%s: draining %d request(s), at most %.0f s", name, engine.num_open_streams, self.timeout
+            )
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        else:
+            logger.warning("%s again: aborting everything now", name)
+            engine.abort_all()
+            self.should_exit = True
+
+    async def _drain(self) -> None:
+        engine = self.state.engine
+        self.state.begin_shutdown()
+        if not await engine.wait_idle(self.timeout):
+            logger.warning("shutdown timeout: aborting %d request(s)", engine.num_open_streams)
+            engine.abort_all()
+            await engine.wait_idle(_FLUSH_TIMEOUT_S)
+        self.should_exit = True
+
+
+def _exit_cleanly(sig: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
+    """Load the model, serve until a signal, drain, return the exit status (0)."""
+    from conveyor.engine import Engine
+
+    # Nothing is in flight while the model loads: a SIGTERM then just ends the process, cleanly.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        engine = Engine.from_config(EngineConfig.from_kwargs(**engine_kwargs))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
+    app = build_app(async_engine, server_config)
+    state: ServerState = app.state.conveyor
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        access_log=server_config.access_log,
+        timeout_graceful_shutdown=int(_FLUSH_TIMEOUT_S),
+        lifespan="on",
+    )
+    server = _Server(config, state, server_config.shutdown_timeout)
+    logger.info(
+        "serving %s (max_model_len %d) on http://%s:%d",
+        state.model_name, engine.max_model_len, server_config.host, server_config.port,
+    )
+    asyncio.run(server.serve())
+    return 0 if server.started else 1

@@ -1,0 +1,554 @@
+"""One API request's life: prompts -> engine requests -> a JSON body or server-sent events.
+
+`CompletionHandler` and `ChatCompletionHandler` share `_Handler`: validation, sampling
+parameters, the context-length check, fan-out of `n` choices, streaming, disconnect handling
+and usage. They differ only in how prompts are built and how outputs are rendered.
+
+Invariants: every check that can fail runs before the response starts; the streamed deltas of
+a choice concatenate to exactly the text its non-streamed response has (both read the engine's
+streaming output); a client that goes away aborts every engine request of its API request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from conveyor.outputs import RequestOutput, TokenLogprob
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    EngineShuttingDownError,
+    OutputStream,
+)
+from conveyor.server.config import ServerConfig
+from conveyor.server.errors import APIError, error_body
+from conveyor.server.metrics import ServerMetrics
+from conveyor.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `shutting_down` flips once, when a drain starts."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    model_names: tuple[str, ...]
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        self.engine.stop_accepting()
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+@dataclass
+class _Choice:
+    """Progress of one choice (engine request) while its outputs stream in."""
+
+    index: int
+    prompt: _Prompt
+    logprobs_sent: int = 0
+    started: bool = False
+    final: RequestOutput | None = None
+    num_tokens: int = 0
+
+
+class _Handler:
+    """One API request: prompts -> engine requests -> response (JSON or events).
+
+    Subclasses say how prompts are built and how outputs are rendered.
+    """
+
+    object_name = ""  # OpenAI's `object` of the full response ...
+    chunk_object = ""  # ... and of a streamed chunk
+    id_prefix = ""  # "cmpl" / "chatcmpl"
+    prompt_param = "prompt"  # the field a context-length error names
+
+    def __init__(self, state: ServerState, body: SamplingRequest) -> None:
+        self.state = state
+        self.body = body
+        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.tokenizer = state.engine.tokenizer
+        opts = body.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        self.choices: list[_Choice] = []
+
+    # subclass hooks
+    def prompts(self) -> list[_Prompt]:
+        raise NotImplementedError
+
+    def max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        body = self.body
+        if body.stream_options is not None and not body.stream:
+            raise InvalidRequestError(
+                "stream_options may only be set when stream is true", param="stream_options"
+            )
+        if body.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+
+    # -- building the engine requests --------------------------------------------------------
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        b = self.body
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "ignore_eos": b.ignore_eos,
+            "min_tokens": b.min_tokens,
+            "skip_special_tokens": b.skip_special_tokens,
+            "include_stop_str_in_output": b.include_stop_str_in_output,
+            "priority": b.priority,
+            "logprobs": self.logprobs(),
+            "expected_output_tokens": b.expected_output_tokens,
+        }
+        optional = {
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "top_k": b.top_k,
+            "min_p": b.min_p,
+            "repetition_penalty": b.repetition_penalty,
+            "presence_penalty": b.presence_penalty,
+            "frequency_penalty": b.frequency_penalty,
+        }
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        if b.stop is not None:
+            kwargs["stop"] = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop)
+        if b.stop_token_ids:
+            kwargs["stop_token_ids"] = tuple(b.stop_token_ids)
+        if b.seed is not None:
+            # Choices of one request must differ, and stay reproducible: seed, seed+1, ...
+            kwargs["seed"] = b.seed + choice
+        if b.user is not None:
+            kwargs["extra"] = {"user": b.user}
+        try:
+            return SamplingParams(**kwargs)
+        except InvalidRequestError as e:
+            if e.param == "max_tokens":  # name the field the client actually sent
+                raise InvalidRequestError(str(e), self.max_tokens_param()) from None
+            raise
+
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def fit(self, prompt: _Prompt) -> int:
+        """The max_tokens to run with; raises if the prompt and completion cannot fit."""
+        limit = self.state.engine.max_model_len
+        n_prompt = len(prompt.token_ids)
+        asked = self.max_tokens()
+        if asked is None:
+            room = limit - n_prompt
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, your prompt "
+                    f"has {n_prompt} tokens, which leaves no room for the completion. Please "
+                    "shorten the prompt.",
+                    param=self.prompt_param,
+                    code="context_length_exceeded",
+                )
+            return room
+        if asked >= 1 and n_prompt + asked > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} in the completion). "
+                "Please reduce the prompt or the completion length.",
+                param=self.prompt_param,
+                code="context_length_exceeded",
+            )
+        return asked
+
+    def engine_requests(self) -> list[EngineRequest]:
+        self.validate()
+        requests: list[EngineRequest] = []
+        n = self.body.n
+        for prompt in self.prompts():
+            max_tokens = self.fit(prompt)
+            for i in range(n):
+                index = len(self.choices)
+                params = self.sampling_params(max_tokens, i)
+                self.choices.append(_Choice(index, prompt))
+                requests.append(
+                    EngineRequest(f"{self.request_id}-{index}", prompt.token_ids, params, prompt.text)
+                )
+        return requests
+
+    # -- running -----------------------------------------------------------------------------
+    async def run(self, raw: Request) -> Response:
+        requests = self.engine_requests()
+        by_id = {r.request_id: c for r, c in zip(requests, self.choices, strict=True)}
+        stream = await self.state.engine.add(requests)
+        # Watch from here, not from inside the event generator: a client gone before the
+        # stream starts would otherwise leave its requests running.
+        watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+        if self.body.stream:
+            return StreamingResponse(
+                self._events(stream, by_id, watcher),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            async for out in stream:
+                choice = by_id[out.request_id]
+                choice.num_tokens = len(out.outputs[0].token_ids)
+                if out.finished:
+                    choice.final = out
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "internal_server_error") from e
+        finally:
+            watcher.cancel()
+            stream.abort()
+        if self.state.shutting_down and any(
+            c.final is not None and c.final.outputs[0].finish_reason == "abort" for c in self.choices
+        ):
+            raise EngineShuttingDownError(
+                "the server shut down before this request finished; it was aborted"
+            )
+        return JSONResponse(self.full_response())
+
+    async def _events(
+        self, stream: OutputStream, by_id: dict[str, _Choice], watcher: asyncio.Task[None]
+    ) -> AsyncIterator[str]:
+        try:
+            for chunk in self.opening_chunks():
+                yield _sse(chunk)
+            async for out in stream:
+                choice = by_id[out.request_id]
+                choice.num_tokens = len(out.outputs[0].token_ids)
+                if out.finished:
+                    choice.final = out
+                delta = self.delta_chunk(choice, out)
+                if delta is not None:
+                    if self.continuous_usage:
+                        delta["usage"] = self.usage()
+                    yield _sse(delta)
+            if self.include_usage:
+                yield _sse(self.chunk([], usage=self.usage()))
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:
+            # The response has started: the status is sent; report the failure in-band.
+            yield _sse(error_body(str(e), "internal_server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            stream.abort()
+
+    # -- rendering ---------------------------------------------------------------------------
+    def usage(self) -> dict[str, int]:
+        prompts = {id(c.prompt): len(c.prompt.token_ids) for c in self.choices}
+        prompt_tokens = sum(prompts.values())  # a prompt counts once, however many choices
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+        if self.include_usage or self.continuous_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(self, choice: _Choice, out: RequestOutput) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def full_response(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [self.final_choice(c) for c in self.choices],
+            "usage": self.usage(),
+        }
+
+    def final_choice(self, choice: _Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def new_logprobs(self, choice: _Choice, out: RequestOutput) -> list[TokenLogprob]:
+        entries = out.outputs[0].logprobs or []
+        new = entries[choice.logprobs_sent :]
+        choice.logprobs_sent = len(entries)
+        return new
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class CompletionHandler(_Handler):
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+    body: CompletionRequest
+
+    def validate(self) -> None:
+        super().validate()
+        b = self.body
+        if b.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if b.best_of is not None and b.best_of != b.n:
+            raise InvalidRequestError("best_of must be unset or equal to n", param="best_of")
+        if b.echo and b.logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs is not supported (prompt logprobs are not computed)",
+                param="echo",
+            )
+
+    def prompts(self) -> list[_Prompt]:
+        p = self.body.prompt
+        items: list[str | list[int]]
+        if isinstance(p, str):
+            items = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [list(p)]  # type: ignore[arg-type]
+        else:
+            items = list(p)  # type: ignore[arg-type]
+        if not items:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        out: list[_Prompt] = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequestError("the prompt is empty", param="prompt")
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "this model has no tokenizer; send token ids as the prompt", param="prompt"
+                    )
+                out.append(_Prompt(self.tokenizer.encode(item), item))
+            else:
+                text = None
+                if self.body.echo and self.tokenizer is not None:
+                    text = self.tokenizer.decode(item, skip_special_tokens=False)
+                out.append(_Prompt(list(item), text))
+        return out
+
+    def max_tokens(self) -> int | None:
+        return self.body.max_tokens
+
+    def logprobs(self) -> int | None:
+        return self.body.logprobs
+
+    def _logprobs_block(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for e in entries:
+            text = self.token_text(e.token_id)
+            tokens.append(text)
+            values.append(_clamp(e.logprob))
+            tops.append({self.token_text(t): _clamp(lp) for t, lp in (e.top or [])})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def delta_chunk(self, choice: _Choice, out: RequestOutput) -> dict[str, Any] | None:
+        c = out.outputs[0]
+        text = c.delta_text
+        if not choice.started:
+            choice.started = True
+            if self.body.echo and choice.prompt.text:
+                text = choice.prompt.text + text
+        logprobs = None
+        if self.body.logprobs is not None:
+            new = self.new_logprobs(choice, out)
+            if new:
+                logprobs = self._logprobs_block(new, len(c.text) - len(c.delta_text))
+        if not text and logprobs is None and not out.finished:
+            return None
+        return self.chunk([{
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason if out.finished else None,
+            "stop_reason": c.stop_reason if out.finished else None,
+        }])
+
+    def final_choice(self, choice: _Choice) -> dict[str, Any]:
+        assert choice.final is not None
+        c = choice.final.outputs[0]
+        text = c.text
+        if self.body.echo and choice.prompt.text:
+            text = choice.prompt.text + text
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs_block(c.logprobs or [], 0)
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+
+class ChatCompletionHandler(_Handler):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    prompt_param = "messages"
+    body: ChatCompletionRequest
+
+    def validate(self) -> None:
+        super().validate()
+        b = self.body
+        if b.top_logprobs is not None and not b.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if b.top_logprobs is not None and not 0 <= b.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs={b.top_logprobs}: must be in [0, 20]", param="top_logprobs")
+        if b.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if b.response_format and b.response_format.get("type", "text") != "text":
+            raise InvalidRequestError(
+                "only response_format {'type': 'text'} is supported", param="response_format"
+            )
+
+    def prompts(self) -> list[_Prompt]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so no chat template", param="messages")
+        b = self.body
+        kwargs = dict(b.chat_template_kwargs or {})
+        if b.continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                b.message_dicts(),
+                add_generation_prompt=b.add_generation_prompt and not b.continue_final_message,
+                **kwargs,
+            )
+        except Exception as e:  # the template rejects these messages: the client's to fix
+            raise InvalidRequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
+        return [_Prompt(ids, None)]
+
+    def max_tokens(self) -> int | None:
+        b = self.body
+        return b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.body.max_completion_tokens is not None else "max_tokens"
+
+    def logprobs(self) -> int | None:
+        b = self.body
+        return (b.top_logprobs or 0) if b.logprobs else None
+
+    def _logprobs_block(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in (e.top or [])]}
+                for e in entries
+            ]
+        }
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        # OpenAI's first chunk of each choice names the role and carries no text.
+        return [
+            self.chunk([{
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }])
+            for c in self.choices
+        ]
+
+    def delta_chunk(self, choice: _Choice, out: RequestOutput) -> dict[str, Any] | None:
+        c = out.outputs[0]
+        logprobs = None
+        if self.body.logprobs:
+            new = self.new_logprobs(choice, out)
+            if new:
+                logprobs = self._logprobs_block(new)
+        if not c.delta_text and logprobs is None and not out.finished:
+            return None
+        delta = {"content": c.delta_text} if c.delta_text else {}
+        return self.chunk([{
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason if out.finished else None,
+            "stop_reason": c.stop_reason if out.finished else None,
+        }])
+
+    def final_choice(self, choice: _Choice) -> dict[str, Any]:
+        assert choice.final is not None
+        c = choice.final.outputs[0]
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self._logprobs_block(c.logprobs or []) if self.body.logprobs else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+
+# -- helpers ---------------------------------------------------------------------------------
+async def _abort_on_disconnect(raw: Request, stream: OutputStream) -> None:
+    """Abort `stream` when the client goes away. Cancelled once the response is complete.
+
+    The request body is read already, so the next ASGI message is `http.disconnect`: it comes
+    when the client closes the connection, or (harmlessly, after cancel) when the response ends.
+    """
+    try:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                break
+    except Exception:  # a broken receive channel means the client is gone too
+        pass
+    stream.abort()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _clamp(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)

@@ -1,0 +1,244 @@
+"""`conveyor serve` on the default model (SmolLM2), driven by the official `openai` package.
+
+One server process serves the whole session (see conftest); every test talks to it over
+loopback HTTP, exactly as a user's client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from conveyor import LLM, SamplingParams
+from tests.server.conftest import ServerProcess, sample, scrape
+
+TOPICS = [
+    "trains", "the sea", "coffee", "mountains", "winter", "a cat", "the moon", "bread",
+    "music", "rain", "a library", "the desert", "bees", "a river", "clocks", "autumn",
+    "a lighthouse", "bicycles", "snow", "a garden", "the city", "books", "stars", "tea",
+    "a forest", "the wind", "a bridge", "fire", "an island", "the sun", "a market", "birds",
+]
+PROMPTS = [f"Write one sentence about {t}:" for t in TOPICS]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def offline_reference(smollm2: str, smol_server_process: ServerProcess) -> list[tuple[str, str]]:
+    """(text, finish_reason) of each prompt from offline `LLM.generate`, greedy.
+
+    Runs while the server process loads (it asks for the started, not the ready, server).
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    llm = LLM(smollm2, kv_cache_memory=256 << 20, max_model_len=2048)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason or "") for o in outs]
+
+
+@pytest.fixture(scope="module")
+def client(smol_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+# Must stay the first test of the module (and this module the first to use the server, hence
+# test_server_errors.py sorts after it): its reference is computed while the server loads.
+def test_32_concurrent_streaming_clients_match_offline_generate(
+    offline_reference: list[tuple[str, str]], smol_server: ServerProcess
+) -> None:
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str, int]:
+        stream = await client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, completion_tokens = [], "", -1
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text.append(choice.text)
+                finish = choice.finish_reason or finish
+            if chunk.usage is not None:
+                completion_tokens = chunk.usage.completion_tokens
+        return "".join(text), finish, completion_tokens
+
+    async def all_clients() -> list[tuple[str, str, int]]:
+        client = openai.AsyncOpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    results = asyncio.run(all_clients())
+    assert [(t, f) for t, f, _ in results] == offline_reference
+    assert all(0 < n <= MAX_TOKENS for _, _, n in results)
+    assert any(f == "length" for _, f in offline_reference)
+    # They really shared steps: some step ran many sequences at once.
+    buckets = scrape(smol_server.url)
+    assert sample(buckets, "conveyor:iteration_tokens_total_count") > 0
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_chat_streamed_text_equals_non_streamed(client: openai.OpenAI, seed: int | None) -> None:
+    messages = [{"role": "user", "content": "Name three colors of the rainbow."}]
+    kwargs = {"temperature": 0} if seed is None else {"temperature": 0.9, "seed": seed}
+    full = client.chat.completions.create(
+        model="smollm2", messages=messages, max_completion_tokens=40, **kwargs  # type: ignore[arg-type]
+    )
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage is not None and full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    stream = client.chat.completions.create(
+        model="smollm2", messages=messages, max_completion_tokens=40, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, **kwargs,
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == choice.message.content
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_completions_streamed_text_equals_non_streamed(client: openai.OpenAI) -> None:
+    prompt = "The days of the week are Monday,"
+    full = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=30, temperature=0, stop=["Friday"]
+    )
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert full.model == "smollm2"  # the first served name is the one reported
+    text = full.choices[0].text
+    assert "Wednesday" in text and "Fri" not in text and full.choices[0].finish_reason == "stop"
+    assert full.usage is not None and full.usage.completion_tokens > 0
+
+    streamed = client.completions.create(
+        prompt=prompt, model="smollm2", max_tokens=30, temperature=0, stop=["Friday"], stream=True
+    )
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert "".join(pieces) == text
+    assert not any("Fri" in p for p in pieces)  # the stop string's prefix was held back
+
+
+def test_n_choices_seeded_are_reproducible_and_indexed(client: openai.OpenAI) -> None:
+    kwargs = dict(model="smollm2", prompt="Once upon a time", max_tokens=12, n=3, temperature=1.0, seed=5)
+    a = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    b = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # seed, seed+1, seed+2 differ
+    assert a.usage is not None and a.usage.prompt_tokens == b.usage.prompt_tokens  # counted once
+    streamed: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for chunk in client.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            streamed[c.index].append(c.text)
+    assert ["".join(streamed[i]) for i in range(3)] == [c.text for c in a.choices]
+
+
+def test_logprobs_and_vllm_extensions(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        logprobs=True, top_logprobs=3, temperature=0,
+        extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "priority": 1},
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(content) == 5 and out.choices[0].finish_reason == "length"
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    comp = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=4, logprobs=2, temperature=0)
+    lp = comp.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 4 and len(lp.top_logprobs[0]) == 2
+
+
+def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2", "SmolLM2-135M-Instruct"]
+    assert httpx.get(smol_server.url + "/health").status_code == 200
+    assert httpx.get(smol_server.url + "/version").json()["version"]
+
+
+def test_metrics_parse_and_counters_move(smol_server: ServerProcess, client: openai.OpenAI) -> None:
+    before = scrape(smol_server.url)
+    for name in (
+        "conveyor:time_to_first_token_seconds_count",
+        "conveyor:inter_token_latency_seconds_count",
+        "conveyor:e2e_request_latency_seconds_count",
+        "conveyor:request_queue_time_seconds_count",
+        "conveyor:num_requests_running",
+        "conveyor:num_requests_waiting",
+        "conveyor:num_requests_swapped",
+        "conveyor:kv_cache_usage_perc",
+        "conveyor:num_preemptions_total",
+        "conveyor:prompt_tokens_total",
+        "conveyor:generation_tokens_total",
+        "conveyor:iteration_tokens_total_count",
+    ):
+        assert (name, ()) in before, name
+    out = client.completions.create(model="smollm2", prompt="Hello there", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    after = scrape(smol_server.url)
+    usage = out.usage
+    assert usage is not None
+
+    def moved(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert moved("conveyor:request_success_total", finished_reason="length") == 1
+    assert moved("conveyor:prompt_tokens_total") == usage.prompt_tokens
+    assert moved("conveyor:generation_tokens_total") == usage.completion_tokens == 6
+    assert moved("conveyor:time_to_first_token_seconds_count") == 1
+    assert moved("conveyor:e2e_request_latency_seconds_count") == 1
+    assert moved("conveyor:inter_token_latency_seconds_count") == 5
+    assert moved("conveyor:iteration_tokens_total_count") >= 6
+    assert moved("conveyor:iteration_tokens_total_sum") >= usage.prompt_tokens + 5
+
+
+def _wait_for_abort(url: str, aborted_before: float, timeout: float = 15.0) -> dict:
+    """Poll /metrics until one more request is counted aborted and no KV block is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        aborted = sample(m, "conveyor:request_success_total", finished_reason="abort")
+        if aborted > aborted_before and sample(m, "conveyor:kv_cache_usage_perc") == 0:
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"no abort seen within {timeout} s: aborted={aborted}, metrics={m}")
+        time.sleep(0.05)
+
+
+def test_streaming_client_disconnect_aborts_and_frees_blocks(smol_server: ServerProcess) -> None:
+    url = smol_server.url
+    before = sample(scrape(url), "conveyor:request_success_total", finished_reason="abort")
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30.0) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = 0
+        lines = r.iter_lines()  # kept referenced: an abandoned iterator closes the connection
+        for line in lines:
+            events += line.startswith("data:")
+            if events == 4:
+                break
+        during = scrape(url)
+        assert sample(during, "conveyor:request_success_total", finished_reason="abort") == before
+        assert sample(during, "conveyor:num_requests_running") == 1
+        assert sample(during, "conveyor:kv_cache_usage_perc") > 0
+    # The connection is closed here, mid-stream.
+    after = _wait_for_abort(url, before)
+    assert sample(after, "conveyor:num_requests_running") == 0
+    assert sample(after, "conveyor:num_requests_waiting") == 0
+
+
+def test_non_streaming_client_disconnect_aborts(smol_server: ServerProcess) -> None:
+    url = smol_server.url
+    before = sample(scrape(url), "conveyor:request_success_total", finished_reason="abort")
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=1.5)
+    _wait_for_abort(url, before)
+    # The server is still fine afterwards.
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30.0)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
