@@ -28,7 +28,14 @@ def _arg_type(annotation: Any) -> tuple[Any, bool]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from conveyor.config import PRESETS
+
     group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None,
+        help="A named combination of scheduler options (explicit options override it): "
+        + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()),
+    )
     for section in EngineConfig.section_types().values():
         for f in dataclasses.fields(section):
             flag = "--" + f.name.replace("_", "-")
@@ -50,6 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {
         f.name for sec in EngineConfig.section_types().values() for f in dataclasses.fields(sec)
     }
+    names.add("preset")
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

@@ -72,6 +72,13 @@ class CacheConfig:
     gpu_memory_utilization: float = field(
         default=0.90, metadata=_help("Share of GPU memory the engine may use (weights + KV).")
     )
+    swap_space: int = field(
+        default=1 << 30,
+        metadata=_help("Bytes of CPU memory for swapped-out KV blocks (used by preemption_mode swap/auto)."),
+    )
+    num_swap_blocks: int | None = field(
+        default=None, metadata=_help("Exact number of CPU swap blocks (overrides swap_space).")
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -80,31 +87,209 @@ class CacheConfig:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be at least 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory={self.kv_cache_memory} must be positive (bytes)")
+        if self.swap_space < 0 or (self.num_swap_blocks is not None and self.num_swap_blocks < 0):
+            raise ConfigError("swap_space and num_swap_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
 
 
+BATCHING_MODES = ("continuous", "static", "dynamic")
+PREFILL_MODES = ("chunked", "mixed", "prefill_first")
+ADMISSION_TRIGGERS = ("every_step", "interval", "ratio")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+KV_RESERVATIONS = ("on_demand", "reserve")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Every scheduling axis is an independent, named choice; see docs/scheduling.md.
+
+    Contradictory or meaningless combinations are refused here, with what to use instead.
+    """
+
     max_num_seqs: int = field(default=256, metadata=_help("Most sequences in one step."))
     max_num_batched_tokens: int = field(
-        default=2048, metadata=_help("Token budget of one step (prefill chunks + decodes).")
+        default=2048, metadata=_help("Token budget of one step (prefill tokens + decodes).")
     )
-    enable_chunked_prefill: bool = field(
-        default=True,
-        metadata=_help("Split prompts to fit what is left of the token budget."),
+    batching: str = field(
+        default="continuous",
+        metadata=_help(
+            "continuous: the batch is rebuilt every step; static: take up to max_batch_size "
+            "requests and run them until all finish, nobody joins; dynamic: like static, but a "
+            "batch starts once max_batch_size requests wait or the oldest waited batch_timeout_ms."
+        ),
     )
-    policy: str = field(default="fcfs", metadata=_help("Queue order policy, by registered name."))
+    max_batch_size: int | None = field(
+        default=None, metadata=_help("Batch size of static/dynamic batching (default: max_num_seqs).")
+    )
+    batch_timeout_ms: float | None = field(
+        default=None, metadata=_help("Dynamic batching: longest wait before a partial batch starts (default 50).")
+    )
+    prefill_mode: str = field(
+        default="chunked",
+        metadata=_help(
+            "chunked: prompts split to fit the budget beside the decodes (Sarathi-Serve); "
+            "mixed: whole prompts join the decode step (Orca); prefill_first: new prompts run "
+            "in steps of their own, decodes pause (TGI / vLLM v0)."
+        ),
+    )
+    long_prefill_token_threshold: int = field(
+        default=0,
+        metadata=_help("Chunked prefill: most prompt tokens one sequence gets per step (0: no cap)."),
+    )
+    admission: str = field(
+        default="every_step",
+        metadata=_help(
+            "When waiting requests may join a running batch: every_step; interval (every "
+            "schedule_interval decode steps); ratio (TGI: waiting/running >= "
+            "waiting_served_ratio, or someone waited max_waiting_tokens decode steps)."
+        ),
+    )
+    schedule_interval: int = field(default=1, metadata=_help("admission=interval: decode steps between admissions."))
+    waiting_served_ratio: float = field(default=1.2, metadata=_help("admission=ratio: waiting/running ratio that opens admission."))
+    max_waiting_tokens: int = field(default=20, metadata=_help("admission=ratio: decode steps after which waiting requests join anyway."))
+    policy: str = field(
+        default="fcfs", metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq (or a registered name).")
+    )
+    aging_bound_s: float | None = field(
+        default=None,
+        metadata=_help(
+            "Starvation guard of priority/sjf/spf/mlfq: a request waiting longer than this is "
+            "served first (default 30 s for those policies)."
+        ),
+    )
+    mlfq_levels: int = field(default=4, metadata=_help("mlfq: number of queues."))
+    mlfq_quantum: int = field(default=32, metadata=_help("mlfq: tokens served at level 0 before demotion (doubles per level)."))
+    mlfq_prompt_quantum: int = field(
+        default=256, metadata=_help("mlfq skip-join: prompt tokens level 0 accepts (doubles per level).")
+    )
+    preemption_mode: str = field(
+        default="recompute",
+        metadata=_help(
+            "recompute (drop the KV, compute it again later), swap (copy blocks to CPU swap "
+            "space and back), auto (swap sequences holding >= auto_swap_min_tokens, else recompute)."
+        ),
+    )
+    auto_swap_min_tokens: int = field(default=256, metadata=_help("preemption_mode=auto: swap from this many computed tokens."))
+    max_preemptions: int = field(
+        default=3,
+        metadata=_help("Thrash guard: a request preempted this many times is not chosen as a victim while others can be."),
+    )
+    kv_reservation: str = field(
+        default="on_demand",
+        metadata=_help("on_demand (paged, blocks as needed) or reserve (prompt + max_tokens reserved at admission; never preempts)."),
+    )
 
     def __post_init__(self) -> None:
+        self._check_choice("batching", BATCHING_MODES)
+        self._check_choice("prefill_mode", PREFILL_MODES)
+        self._check_choice("admission", ADMISSION_TRIGGERS)
+        self._check_choice("preemption_mode", PREEMPTION_MODES)
+        self._check_choice("kv_reservation", KV_RESERVATIONS)
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1"
             )
+        for name in ("schedule_interval", "max_waiting_tokens", "mlfq_levels", "mlfq_quantum", "mlfq_prompt_quantum", "max_preemptions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("long_prefill_token_threshold", "auto_swap_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.waiting_served_ratio <= 0:
+            raise ConfigError(f"waiting_served_ratio={self.waiting_served_ratio} must be > 0")
+        self._check_combinations()
+
+    def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        if getattr(self, name) not in allowed:
+            raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}")
+
+    def _differs(self, name: str) -> bool:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return bool(getattr(self, name) != defaults[name])
+
+    def _check_combinations(self) -> None:
+        batched = self.batching != "continuous"
+        if self.max_batch_size is not None:
+            if not batched:
+                raise ConfigError(
+                    "max_batch_size applies to static/dynamic batching; continuous batching "
+                    "is bounded by max_num_seqs"
+                )
+            if not 1 <= self.max_batch_size <= self.max_num_seqs:
+                raise ConfigError(
+                    f"max_batch_size={self.max_batch_size} must be in [1, max_num_seqs={self.max_num_seqs}]"
+                )
+        if self.batch_timeout_ms is not None:
+            if self.batching != "dynamic":
+                raise ConfigError("batch_timeout_ms applies only to batching='dynamic'")
+            if self.batch_timeout_ms < 0:
+                raise ConfigError(f"batch_timeout_ms={self.batch_timeout_ms} must be >= 0")
+        if batched and self.admission != "every_step":
+            raise ConfigError(
+                f"admission={self.admission!r} decides when requests join a running batch, but "
+                f"batching={self.batching!r} never lets anyone join; use batching='continuous'"
+            )
+        if self.admission != "interval" and self._differs("schedule_interval"):
+            raise ConfigError("schedule_interval applies only to admission='interval'")
+        if self.admission == "interval" and self.schedule_interval < 2:
+            raise ConfigError("admission='interval' needs schedule_interval >= 2 (1 is admission='every_step')")
+        if self.admission != "ratio" and (self._differs("waiting_served_ratio") or self._differs("max_waiting_tokens")):
+            raise ConfigError("waiting_served_ratio and max_waiting_tokens apply only to admission='ratio'")
+        if self.long_prefill_token_threshold and self.prefill_mode != "chunked":
+            raise ConfigError(
+                f"long_prefill_token_threshold caps prompt chunks, but prefill_mode={self.prefill_mode!r} "
+                "never splits prompts; use prefill_mode='chunked'"
+            )
+        if self.policy == "fcfs" and self.aging_bound_s is not None:
+            raise ConfigError("aging_bound_s guards policies that can starve a request; fcfs cannot")
+        if self.aging_bound_s is not None and self.aging_bound_s <= 0:
+            raise ConfigError(f"aging_bound_s={self.aging_bound_s} must be > 0")
+        mlfq_knobs = ("mlfq_levels", "mlfq_quantum", "mlfq_prompt_quantum")
+        if self.policy != "mlfq" and any(self._differs(k) for k in mlfq_knobs):
+            raise ConfigError(f"{', '.join(mlfq_knobs)} apply only to policy='mlfq'")
+        if self.kv_reservation == "reserve" and self.preemption_mode != "recompute":
+            raise ConfigError(
+                "kv_reservation='reserve' never preempts, so preemption_mode has no effect; "
+                "leave it at its default or use kv_reservation='on_demand'"
+            )
+        if self.preemption_mode != "auto" and self._differs("auto_swap_min_tokens"):
+            raise ConfigError("auto_swap_min_tokens applies only to preemption_mode='auto'")
+
+    @property
+    def batch_size(self) -> int:
+        """Seats of one static/dynamic batch."""
+        return self.max_batch_size or self.max_num_seqs
+
+    @property
+    def batch_timeout_s(self) -> float:
+        return (50.0 if self.batch_timeout_ms is None else self.batch_timeout_ms) / 1e3
+
+
+# Presets name the three application shapes of the seeds; explicit options override them.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Long prompts, short answers (reading comprehension, batch jobs): big steps, big batches.
+    "throughput": dict(
+        batching="continuous", prefill_mode="chunked", max_num_batched_tokens=8192,
+        max_num_seqs=256, policy="fcfs",
+    ),
+    # Chat: steady token streams. A small budget keeps every step short, so no decode waits
+    # behind a long prompt; the per-prompt cap spreads long prompts over several steps.
+    "latency": dict(
+        batching="continuous", prefill_mode="chunked", max_num_batched_tokens=512,
+        long_prefill_token_threshold=256, max_num_seqs=128, policy="fcfs",
+    ),
+    # Short prompts, long creative answers: first tokens fast. New prompts go ahead of decodes,
+    # and the shortest prompts first, with aging so long ones are not starved.
+    "ttft": dict(
+        batching="continuous", prefill_mode="prefill_first", max_num_batched_tokens=4096,
+        max_num_seqs=256, policy="sjf", aging_bound_s=10.0,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -120,8 +305,15 @@ class EngineConfig:
         return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword names (`max_num_seqs=8`), refusing unknown names."""
+    def from_kwargs(cls, preset: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword names (`max_num_seqs=8`), refusing unknown names.
+
+        A `preset` supplies defaults for its fields; any field given explicitly wins.
+        """
+        if preset is not None:
+            if preset not in PRESETS:
+                raise ConfigError(f"preset={preset!r} is not one of {sorted(PRESETS)}")
+            kwargs = {**PRESETS[preset], **{k: v for k, v in kwargs.items() if v is not None}}
         parts: dict[str, dict[str, Any]] = {name: {} for name in cls.SECTIONS}
         owner = {f.name: sec for sec, typ in cls.section_types().items() for f in dataclasses.fields(typ)}
         for key, value in kwargs.items():

@@ -20,7 +20,7 @@ from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.runner.base import Runner, RunnerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
-from conveyor.sequence import FinishReason, Sequence
+from conveyor.sequence import FinishReason, RequestMetrics, Sequence
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("conveyor")
@@ -41,6 +41,25 @@ class StepRecord:
     num_waiting: int
     kv_blocks_used: int
     num_preempted: int
+    num_running: int = 0
+    num_swapped: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    seq_ids: tuple[int, ...] = ()  # the sequences this step computed (occupancy timelines)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """A finished request, kept (bounded) for traces and occupancy timelines."""
+
+    request_id: str
+    seq_id: int
+    prompt_len: int
+    output_len: int
+    finish_reason: str | None
+    priority: int
+    num_preemptions: int
+    metrics: RequestMetrics
 
 
 @dataclass(slots=True)
@@ -83,6 +102,7 @@ class Engine:
         # A bounded window, so a long-running server does not grow without limit.
         self.step_trace: deque[StepRecord] = deque(maxlen=max_trace_steps)
         self.last_step: StepRecord | None = None
+        self.finished_requests: deque[RequestRecord] = deque(maxlen=max_trace_steps)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._next_seq_id = 0
@@ -158,11 +178,18 @@ class Engine:
             logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
             max_len = capacity
 
+        num_swap_blocks = 0
+        if config.scheduler.preemption_mode != "recompute":
+            num_swap_blocks = (
+                cc.num_swap_blocks if cc.num_swap_blocks is not None else cc.swap_space // block_bytes
+            )
         model = build_model(arch, tensors, TorchPagedAttention(), max_len, dtype, device)
-        runner = ModelRunner(model, num_blocks, cc.block_size, dtype, device, seed=mc.seed)
+        runner = ModelRunner(
+            model, num_blocks, cc.block_size, dtype, device, seed=mc.seed, num_swap_blocks=num_swap_blocks
+        )
         scheduler = Scheduler(
             config.scheduler,
-            BlockManager(num_blocks, cc.block_size),
+            BlockManager(num_blocks, cc.block_size, num_swap_blocks),
             max_len,
             eos_ids,
         )
@@ -196,6 +223,14 @@ class Engine:
                 f"the prompt has {len(token_ids)} tokens, but this engine serves at most "
                 f"{self.max_model_len} tokens per sequence (prompt + at least 1 generated); "
                 "shorten the prompt",
+                param="prompt",
+            )
+        sc = self.scheduler.config
+        if sc.prefill_mode != "chunked" and len(token_ids) > sc.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
+                f"{sc.max_num_batched_tokens}, and prefill_mode={sc.prefill_mode!r} runs prompts "
+                "whole; use prefill_mode='chunked' or a larger max_num_batched_tokens",
                 param="prompt",
             )
 
@@ -262,6 +297,8 @@ class Engine:
         start = self.clock()
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
+            if self.scheduler.has_unfinished():
+                self._idle(self.scheduler.next_wakeup())
             return []
         run_out = self.runner.execute(sched_out)
         now = self._after_run(start, run_out)
@@ -279,6 +316,17 @@ class Engine:
             elif req.stream:
                 outputs.append(self._output(req))
         return outputs
+
+    def _idle(self, wake_at: float | None) -> None:
+        """Nothing is schedulable yet (a dynamic batch's window is open): wait a little."""
+        now = self.clock()
+        self.wait_until(min(now + 0.01, wake_at if wake_at is not None else now + 0.001))
+
+    def wait_until(self, t: float) -> None:
+        """Let time pass until `t` on the engine's clock (a simulator advances a virtual one)."""
+        delay = t - self.clock()
+        if delay > 0:
+            time.sleep(delay)
 
     def _after_run(self, start: float, run_out: RunnerOutput) -> float:
         """The time the step ended (a virtual clock advances by the simulated duration)."""
@@ -347,6 +395,15 @@ class Engine:
     def _finish_output(self, req: _Request) -> RequestOutput:
         req.done = True
         out = self._output(req, final=True)
+        seq = req.seq
+        if self.trace:
+            self.finished_requests.append(
+                RequestRecord(
+                    req.request_id, seq.seq_id, seq.prompt_len, seq.num_output_tokens,
+                    out.outputs[0].finish_reason, seq.sampling_params.priority,
+                    seq.num_preemptions, seq.metrics,
+                )
+            )
         self._requests.pop(req.request_id, None)
         self._by_seq.pop(req.seq.seq_id, None)
         return out
@@ -363,6 +420,11 @@ class Engine:
                 num_waiting=len(self.scheduler.waiting),
                 kv_blocks_used=bm.num_used_blocks,
                 num_preempted=len(sched_out.preempted_seq_ids),
+                num_running=len(self.scheduler.running),
+                num_swapped=len(self.scheduler.swapped),
+                blocks_swapped_out=len(sched_out.blocks_to_swap_out),
+                blocks_swapped_in=len(sched_out.blocks_to_swap_in),
+                seq_ids=tuple(s.seq_id for s in sched_out.scheduled),
         )
         if self.trace:
             self.step_trace.append(self.last_step)

@@ -67,7 +67,7 @@ def test_small_token_budget_chunks_prompts_same_tokens(model_dir, reference, bud
 def test_no_chunking_waits_for_whole_prompts(model_dir, reference):
     prompts, params, alone = reference
     llm = LLM(model_dir, dtype="float64", num_kv_blocks=256, max_num_batched_tokens=80,
-              enable_chunked_prefill=False)
+              prefill_mode="mixed")
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == alone
 
 

@@ -18,13 +18,16 @@ from conveyor.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        # CPU swap space: a second, plain pool (swapped blocks are never shared).
+        self.num_swap_blocks = num_swap_blocks
+        self._swap_free: deque[int] = deque(range(num_swap_blocks))
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -67,6 +70,51 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
 
+    # -- swap ------------------------------------------------------------------------------
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self._swap_free)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self._swap_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq`'s blocks to CPU swap space; its table then names swap blocks.
+
+        Returns the (device block, swap block) copies the runner must make before the device
+        blocks are reused (the runner does every swap-out of a step before anything else).
+        """
+        if not self.can_swap_out(seq):
+            raise RuntimeError(f"not enough swap space for {len(seq.block_table)} blocks")
+        mapping = []
+        for block in seq.block_table:
+            cpu = self._swap_free.popleft()
+            mapping.append((block, cpu))
+            self._release(block)
+        seq.block_table = [cpu for _, cpu in mapping]
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, extra_blocks: int = 0) -> bool:
+        return len(seq.block_table) + extra_blocks <= len(self._free)
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence's blocks back; returns (swap block, device block) copies."""
+        if not self.can_swap_in(seq):
+            raise RuntimeError("not enough free device blocks to swap in")
+        mapping = []
+        for cpu in seq.block_table:
+            block = self._free.popleft()
+            self._ref_counts[block] = 1
+            mapping.append((cpu, block))
+            self._swap_free.append(cpu)
+        seq.block_table = [block for _, block in mapping]
+        return mapping
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""
+        self._swap_free.extend(seq.block_table)
+        seq.block_table = []
+
     def share(self, block: int) -> None:
         """Add a reference to a used block (a second table holds it, e.g. a shared prefix)."""
         if self._ref_counts[block] < 1:
@@ -85,8 +133,18 @@ class BlockManager:
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
-    def check_integrity(self, block_tables: Iterable[list[int]]) -> None:
-        """Raise AssertionError if the pool and the given tables disagree in any way."""
+    def check_integrity(
+        self, block_tables: Iterable[list[int]], swap_tables: Iterable[list[int]] = ()
+    ) -> None:
+        """Raise AssertionError if the pools and the given tables disagree in any way.
+
+        `block_tables` are the device tables of waiting and running sequences, `swap_tables`
+        those of swapped-out sequences (they name swap blocks).
+        """
+        swap_held = [b for table in swap_tables for b in table]
+        assert len(set(swap_held)) == len(swap_held), "a swap block is held twice"
+        assert not set(swap_held) & set(self._swap_free), "a held swap block is also free"
+        assert len(swap_held) + len(self._swap_free) == self.num_swap_blocks, "swap blocks leaked"
         held = [0] * self.num_blocks
         for table in block_tables:
             for block in table:

@@ -1,23 +1,33 @@
 """Queue-order policies: which waiting request is admitted first, which running one is preempted.
 
-A policy is a small class with one job: give every sequence a sort key (lower = served first).
-The scheduler admits waiting sequences in key order and, when memory runs out, preempts the
-running sequence with the largest key. Policies that learn (predicted output lengths, MLFQ
-levels) override the hooks. Adding a policy is one class plus `@register_policy("name")`.
+A policy gives every sequence a sort key (lower = served first). The scheduler admits waiting
+sequences in key order and, when memory runs out, preempts the running sequence with the
+largest key. A *preemptive* policy also lets a waiting sequence displace a running one with a
+larger key when seats or blocks are full (priority, MLFQ). Policies that learn (predicted
+output lengths, MLFQ levels) observe steps and finished requests through the hooks.
+
+Starvation guard: a policy that can starve a request (everything but FCFS) takes an
+`aging_bound_s`; a request that has waited longer than that goes ahead of the policy's own
+order (oldest first), so no request waits much longer than the bound while it could be served.
+
+Adding a policy is one class and `@register_policy("name")`; see README "Add a policy".
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Protocol
 
-from conveyor.config import ConfigError
+from conveyor.config import ConfigError, SchedulerConfig
 from conveyor.sequence import Sequence
 
 SortKey = tuple[Any, ...]
 
 _POLICIES: dict[str, type[QueuePolicy]] = {}
+
+DEFAULT_AGING_BOUND_S = 30.0
 
 
 def register_policy(name: str) -> Callable[[type[QueuePolicy]], type[QueuePolicy]]:
@@ -35,21 +45,45 @@ def available_policies() -> list[str]:
     return sorted(_POLICIES)
 
 
-def make_policy(name: str, **params: Any) -> QueuePolicy:
-    if name not in _POLICIES:
-        raise ConfigError(f"policy={name!r} is not one of {available_policies()}")
-    return _POLICIES[name](**params)
+def make_policy(config: SchedulerConfig | str) -> QueuePolicy:
+    if isinstance(config, str):
+        config = SchedulerConfig(policy=config)
+    if config.policy not in _POLICIES:
+        raise ConfigError(f"policy={config.policy!r} is not one of {available_policies()}")
+    return _POLICIES[config.policy](config)
 
 
 class QueuePolicy(ABC):
-    """Orders sequences. Invariant: `sort_key` is a pure function of the sequence, `now` and
-    the policy's own state, so the same inputs give the same schedule (tests rely on it)."""
+    """Orders sequences. Invariant: `sort_key` depends only on the sequence, `now` and the
+    policy's own state, so the same inputs give the same schedule (tests rely on it)."""
 
     name: ClassVar[str] = ""
+    preemptive: ClassVar[bool] = False  # may a waiting sequence displace a running one?
+    can_starve: ClassVar[bool] = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        bound = config.aging_bound_s
+        self.aging_bound_s = bound if bound is not None else (DEFAULT_AGING_BOUND_S if self.can_starve else None)
 
     @abstractmethod
     def sort_key(self, seq: Sequence, now: float) -> SortKey:
-        """Lower keys are admitted first and preempted last."""
+        """The policy's own order; lower keys are admitted first and preempted last."""
+
+    def key(self, seq: Sequence, now: float) -> SortKey:
+        """`sort_key` behind the aging guard: requests waiting past the bound come first."""
+        if self.aging_bound_s is not None and self.waited(seq, now) > self.aging_bound_s:
+            return (0, seq.metrics.arrival_time, seq.seq_id)
+        return (1, *self.sort_key(seq, now))
+
+    @staticmethod
+    def waited(seq: Sequence, now: float) -> float:
+        """Time since the request last made progress (arrival, or its latest token)."""
+        last = seq.metrics.last_token_time
+        return now - (last if last is not None else seq.metrics.arrival_time)
+
+    def on_step(self, seqs: Iterable[Sequence]) -> None:  # noqa: B027 - optional hook
+        """Called after each step with the sequences that got a new token."""
 
     def on_finished(self, seq: Sequence) -> None:  # noqa: B027 - optional hook
         """Called once when a sequence finishes (learning policies observe outcomes here)."""
@@ -59,5 +93,133 @@ class QueuePolicy(ABC):
 class FCFSPolicy(QueuePolicy):
     """First come, first served: arrival order; the latest arrival is preempted first."""
 
+    can_starve = False
+
     def sort_key(self, seq: Sequence, now: float) -> SortKey:
         return (seq.metrics.arrival_time, seq.seq_id)
+
+
+@register_policy("priority")
+class PriorityPolicy(QueuePolicy):
+    """`SamplingParams.priority`, lower first, then arrival. Preemptive: a higher-priority
+    arrival displaces lower-priority running work when seats or blocks are full."""
+
+    preemptive = True
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        return (seq.sampling_params.priority, seq.metrics.arrival_time, seq.seq_id)
+
+
+@register_policy("sjf")
+class ShortestJobFirstPolicy(QueuePolicy):
+    """Shortest prompt first (the job size known at arrival). Not preemptive."""
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        return (seq.prompt_len, seq.metrics.arrival_time, seq.seq_id)
+
+
+class OutputLengthPredictor(Protocol):
+    def predict(self, seq: Sequence) -> float: ...
+
+    def observe(self, seq: Sequence) -> None: ...
+
+
+class OnlineMeanPredictor:
+    """Mean output length of finished requests, per prompt-length bucket (powers of two),
+    falling back to the global mean, then to `prior` before anything has finished."""
+
+    def __init__(self, prior: float = 128.0) -> None:
+        self.prior = prior
+        self._sums: dict[int, tuple[float, int]] = {}
+        self._total = (0.0, 0)
+
+    @staticmethod
+    def _bucket(prompt_len: int) -> int:
+        return max(0, math.ceil(math.log2(max(prompt_len, 1))))
+
+    def predict(self, seq: Sequence) -> float:
+        s, n = self._sums.get(self._bucket(seq.prompt_len), (0.0, 0))
+        if n:
+            return s / n
+        total, count = self._total
+        return total / count if count else self.prior
+
+    def observe(self, seq: Sequence) -> None:
+        if seq.finish_reason is not None and seq.finish_reason.value == "abort":
+            return  # an aborted request says nothing about how long answers are
+        b = self._bucket(seq.prompt_len)
+        s, n = self._sums.get(b, (0.0, 0))
+        self._sums[b] = (s + seq.num_output_tokens, n + 1)
+        total, count = self._total
+        self._total = (total + seq.num_output_tokens, count + 1)
+
+
+@register_policy("spf")
+class ShortestPredictedFirstPolicy(QueuePolicy):
+    """Shortest predicted remaining output first. The request's `expected_output_tokens`
+    hint wins; otherwise an online predictor learned from finished requests."""
+
+    def __init__(self, config: SchedulerConfig, predictor: OutputLengthPredictor | None = None) -> None:
+        super().__init__(config)
+        self.predictor: OutputLengthPredictor = predictor or OnlineMeanPredictor()
+
+    def predicted_total(self, seq: Sequence) -> float:
+        hint = seq.sampling_params.expected_output_tokens
+        total = float(hint) if hint is not None else self.predictor.predict(seq)
+        return min(total, float(seq.sampling_params.max_tokens))
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        remaining = max(0.0, self.predicted_total(seq) - seq.num_output_tokens)
+        return (remaining, seq.metrics.arrival_time, seq.seq_id)
+
+    def on_finished(self, seq: Sequence) -> None:
+        self.predictor.observe(seq)
+
+
+@register_policy("mlfq")
+class MLFQPolicy(QueuePolicy):
+    """FastServe's skip-join multi-level feedback queue.
+
+    Level `i` has quantum `mlfq_quantum * 2**i` tokens. A request joins the first level whose
+    prompt allowance (`mlfq_prompt_quantum * 2**i` tokens) holds its prompt, so long prompts
+    skip the top queues; each token served counts against the level's quantum, and a request
+    that uses it up drops one level. Preemptive: at a quantum's end a demoted request yields
+    to waiting requests of higher levels.
+    """
+
+    preemptive = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.levels = config.mlfq_levels
+        self._state: dict[int, list[int]] = {}  # seq_id -> [level, tokens served at that level]
+
+    def join_level(self, prompt_len: int) -> int:
+        level = 0
+        while level < self.levels - 1 and prompt_len > self.config.mlfq_prompt_quantum * 2**level:
+            level += 1
+        return level
+
+    def level(self, seq: Sequence) -> int:
+        state = self._state.get(seq.seq_id)
+        if state is None:
+            state = self._state[seq.seq_id] = [self.join_level(seq.prompt_len), 0]
+        return state[0]
+
+    def quantum(self, level: int) -> int:
+        return self.config.mlfq_quantum * 2**level
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        return (self.level(seq), seq.metrics.arrival_time, seq.seq_id)
+
+    def on_step(self, seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            self.level(seq)
+            state = self._state[seq.seq_id]
+            state[1] += 1
+            if state[1] >= self.quantum(state[0]) and state[0] < self.levels - 1:
+                state[0] += 1
+                state[1] = 0
+
+    def on_finished(self, seq: Sequence) -> None:
+        self._state.pop(seq.seq_id, None)

@@ -1,11 +1,14 @@
-"""Continuous (iteration-level) batching over a paged KV cache.
+"""The scheduler: builds each step over a paged KV cache from independent, named choices.
 
-Each call to `schedule()` builds one step: running sequences first (their decode or next
-prefill chunk), then waiting sequences in policy order while the step's token budget, the seat
-limit and free KV blocks allow. A waiting prompt longer than what is left of the budget is
-chunked. When a running sequence needs a block and none is free, the running sequence the
-policy values least is preempted (recompute: its blocks are freed and it re-enters the waiting
-queue with all its tokens, prompt and output, to be computed again).
+Continuous (iteration-level) batching by default: running sequences first (their decode or
+next prefill chunk), then waiting sequences in policy order while the step's token budget, the
+seat limit and free KV blocks allow. Static and dynamic batching, the three prefill modes, the
+admission triggers, the queue policies, recompute/swap preemption and KV reservation are all
+choices of `SchedulerConfig`; `Scheduler` documents the order in which they apply.
+
+Preemption by recompute frees a sequence's blocks and sends it back to the waiting queue with
+all its tokens (prompt and output) to compute again; by swap, its blocks are copied to CPU swap
+space and back, and its computed tokens stay computed.
 
 Invariants (tests hold them over random request streams):
 - a step never holds more than `max_num_seqs` sequences or `max_num_batched_tokens` tokens;
@@ -16,12 +19,14 @@ No torch here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from conveyor.config import SchedulerConfig
+from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.policies import QueuePolicy, make_policy
+from conveyor.core.policies import QueuePolicy, SortKey, make_policy
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -66,7 +71,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to compute and nothing to copy (a swap must run even in an idle step)."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +98,18 @@ class SequenceUpdate:
 
 
 class Scheduler:
+    """Builds every step from the configured axes (see `SchedulerConfig`):
+
+    1. order: running, swapped and waiting queues are sorted by the queue policy's key;
+    2. displacement: under a preemptive policy, better waiting requests preempt worse running
+       ones when seats or blocks are full;
+    3. running sequences get their decode or next prefill chunk, preempting the least valuable
+       running sequence (recompute or swap) when a block is missing;
+    4. swapped sequences come back before anyone new is admitted;
+    5. waiting sequences the batching mode and admission trigger allow are admitted in order,
+       as the prefill mode allows (chunked, whole prompts, or prefill-only steps).
+    """
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -105,14 +123,19 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.policy = policy or make_policy(config.policy)
+        self.policy = policy or make_policy(config)
+        self.batching = make_batching(config)
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self._by_id: dict[int, Sequence] = {}
         self._finished_since_last_step: list[int] = []
         self._step_id = 0
+        self._decode_steps_since_admission = 0
         self.num_preemptions = 0
+        self.num_swaps_out = 0
+        self.num_swaps_in = 0
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -124,15 +147,21 @@ class Scheduler:
         return self._by_id.get(seq_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def all_sequences(self) -> Iterator[Sequence]:
         yield from self.waiting
         yield from self.running
+        yield from self.swapped
+
+    def next_wakeup(self) -> float | None:
+        """When waiting work becomes schedulable by time alone (a dynamic batch's window)."""
+        deadline = getattr(self.batching, "next_deadline", None)
+        return deadline(self.waiting) if deadline is not None and not self.running else None
 
     def finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         """End `seq` now (stop condition, abort) and free everything it holds."""
@@ -140,15 +169,20 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.block_manager.free_swapped(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = now
         self._by_id.pop(seq.seq_id, None)
         self._finished_since_last_step.append(seq.seq_id)
         self.policy.on_finished(seq)
+        self.batching.on_finished(seq)
 
     def abort(self, seq_id: int, now: float) -> Sequence | None:
         seq = self._by_id.get(seq_id)
@@ -159,79 +193,177 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         self._step_id += 1
-        budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(step_id=self._step_id, scheduled=[])
         out.finished_seq_ids = self._finished_since_last_step
         self._finished_since_last_step = []
 
-        key = self.policy.sort_key
-        self.running.sort(key=lambda s: key(s, now))
-        budget = self._schedule_running(out, budget, now)
-        if not out.preempted_seq_ids:
-            self._schedule_waiting(out, budget, now)
+        def key(s: Sequence) -> SortKey:
+            return self.policy.key(s, now)
+
+        self.running.sort(key=key)
+        self.swapped.sort(key=key)
+        self.waiting.sort(key=key)
+        eligible = self.batching.eligible(
+            QueueState(now, self.waiting, len(self.running) + len(self.swapped), self._decode_steps_since_admission)
+        )
+        if self.policy.preemptive and self.config.kv_reservation == "on_demand":
+            self._displace(out, eligible, now)
+
+        budget = self.config.max_num_batched_tokens
+        admitted_fresh = False
+        if self.config.prefill_mode == "prefill_first":
+            # A step of prefills alone if there is any prefill to run; decodes wait for it.
+            budget = self._schedule_running(out, budget, now, only="prefill")
+            admitted_fresh = self._admit(out, budget, eligible, now)
+            if not out.scheduled:
+                self._schedule_running(out, self.config.max_num_batched_tokens, now, only="decode")
+        else:
+            budget = self._schedule_running(out, budget, now)
+            admitted_fresh = self._admit(out, budget, eligible, now)
+
+        if admitted_fresh:
+            self._decode_steps_since_admission = 0
+        elif out.num_decode_tokens:
+            self._decode_steps_since_admission += 1
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        # `self.running` is sorted most valuable first: victims are taken from the end.
+    def _admit(self, out: SchedulerOutput, budget: int, eligible: list[Sequence], now: float) -> bool:
+        """Swap in, then admit waiting sequences. Returns whether a fresh request joined."""
+        if out.preempted_seq_ids:
+            return False  # memory is short this step: admitting now would only thrash
+        budget = self._swap_in(out, budget, now)
+        if self.swapped:
+            return False  # swapped sequences come back before anyone new
+        return self._schedule_waiting(out, budget, eligible, now)
+
+    def _displace(self, out: SchedulerOutput, eligible: list[Sequence], now: float) -> None:
+        """Preemptive policies: a waiting sequence with a better key than the worst running
+        one takes its place when seats or blocks are full."""
+        bm = self.block_manager
+        seats = self.batching.seat_limit() - len(self.running) - len(self.swapped)
+        free = bm.num_free_blocks - self.watermark_blocks
+        for cand in eligible:
+            need = bm.blocks_for_tokens(min(cand.num_tokens, self.config.max_num_batched_tokens))
+            while (seats < 1 or need > free) and self.running:
+                victim = self._pick_victim(self.running)
+                if not self.policy.key(cand, now) < self.policy.key(victim, now):
+                    return  # the queue is ordered: no later candidate beats this victim either
+                self.running.remove(victim)
+                free += len(victim.block_table)  # swapped or dropped, its device blocks free up
+                self._preempt(victim, out)
+                seats += 1
+            if seats < 1 or need > free:
+                return
+            seats -= 1
+            free -= need
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, now: float, only: str | None = None
+    ) -> int:
+        """Give running sequences their next tokens; `only` restricts to prefills or decodes."""
         kept: list[Sequence] = []
-        queue = list(self.running)
+        queue = deque(self.running)  # sorted most valuable first: victims come off the end
         while queue:
-            seq = queue.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            seq = queue.popleft()
+            in_prefill = seq.num_uncomputed_tokens > 1
+            if only is not None and in_prefill != (only == "prefill"):
+                kept.append(seq)
+                continue
+            num_new = self._prefill_chunk(seq, budget) if in_prefill else min(1, budget)
             if num_new <= 0:
                 kept.append(seq)
                 continue
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                victim = queue.pop() if queue else seq
+                victim = self._pick_victim(queue) if queue else seq
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 kept.append(seq)
-                self._emit(out, seq, num_new, now)
+                self._emit(out, seq, num_new)
                 budget -= num_new
         self.running = kept
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        if not self.waiting:
-            return
-        key = self.policy.sort_key
-        self.waiting.sort(key=lambda s: key(s, now))
-        admitted: list[Sequence] = []
-        for seq in self.waiting:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens a sequence with more than one uncomputed token may compute this step."""
+        num_new = seq.num_uncomputed_tokens
+        if self.config.prefill_mode == "chunked":
+            cap = self.config.long_prefill_token_threshold
+            if cap:
+                num_new = min(num_new, cap)
+            return min(num_new, budget)
+        if num_new <= budget:
+            return num_new
+        # Whole prompts only; but a sequence resumed after preemption may have outgrown the
+        # whole step budget, and unless it is recomputed in chunks it would wait forever.
+        if seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens:
+            return budget
+        return 0
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        bm = self.block_manager
+        seats = self.batching.seat_limit()
+        while self.swapped and budget > 0 and len(self.running) < seats:
+            seq = self.swapped[0]
+            num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1
+            if num_new <= 0:
                 break
-            num_new = seq.num_uncomputed_tokens
-            if num_new > budget:
-                # Without chunked prefill a prompt runs whole. But a sequence resumed after
-                # preemption may have outgrown the whole step budget: unless it is recomputed
-                # in chunks it would wait forever (and block the queue behind it).
-                outgrown = (
-                    seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens
-                )
-                if not self.config.enable_chunked_prefill and not outgrown:
-                    break
-                num_new = budget
-            need = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
-            # Keep the watermark for running decodes, unless nothing else is running.
-            if need + self.watermark_blocks > self.block_manager.num_free_blocks and (
-                self.running or need > self.block_manager.num_free_blocks
+            extra = bm.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
+            if not bm.can_swap_in(seq, extra):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(bm.swap_in(seq))
+            bm.allocate(seq, seq.num_computed_tokens + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.num_swaps_in += 1
+            self.running.append(seq)
+            self._emit(out, seq, num_new)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, eligible: list[Sequence], now: float
+    ) -> bool:
+        bm = self.block_manager
+        seats = self.batching.seat_limit()
+        reserve = self.config.kv_reservation == "reserve"
+        admitted: list[Sequence] = []
+        fresh = False
+        for seq in eligible:
+            if budget <= 0 or len(self.running) >= seats:
+                break
+            num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1
+            if num_new <= 0:
+                break  # head-of-line: keep the policy's order
+            target = seq.num_computed_tokens + num_new
+            if reserve:
+                remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
+                target = max(target, min(seq.num_tokens + remaining, self.max_model_len))
+            need = bm.num_new_blocks_needed(seq, target)
+            # Keep a watermark of blocks for running decodes, unless the cache is otherwise idle.
+            if need > bm.num_free_blocks or (
+                not reserve and need + self.watermark_blocks > bm.num_free_blocks and self.running
             ):
                 break
-            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            bm.allocate(seq, target)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
+            fresh = fresh or seq.num_output_tokens == 0
             self.running.append(seq)
+            self.batching.on_admitted(seq)
             admitted.append(seq)
-            self._emit(out, seq, num_new, now)
+            self._emit(out, seq, num_new)
             budget -= num_new
         if admitted:
             chosen = {id(s) for s in admitted}
             self.waiting = [s for s in self.waiting if id(s) not in chosen]
+        return fresh
 
-    def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int, now: float) -> None:
+    def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
         out.scheduled.append(
             ScheduledSequence(
@@ -246,16 +378,39 @@ class Scheduler:
             )
         )
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, go back to the waiting queue."""
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+    def _pick_victim(self, candidates: Iterable[Sequence]) -> Sequence:
+        """The least valuable candidate (the last in policy order), sparing sequences already
+        preempted `max_preemptions` times while an unprotected one exists (thrash guard)."""
+        ordered = list(candidates)
+        for seq in reversed(ordered):
+            if seq.num_preemptions < self.config.max_preemptions:
+                return seq
+        return ordered[-1]
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Take `seq` off the device: swap its blocks out, or drop them to recompute later.
+
+        Returns True if it was swapped. The caller has already removed it from `running`.
+        """
         seq.num_preemptions += 1
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(seq)
         out.preempted_seq_ids.append(seq.seq_id)
+        mode = self.config.preemption_mode
+        wants_swap = mode == "swap" or (
+            mode == "auto" and seq.num_computed_tokens >= self.config.auto_swap_min_tokens
+        )
+        if wants_swap and seq.block_table and self.block_manager.can_swap_out(seq):
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swaps_out += 1
+            return True
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        return False
 
     # -- after the runner ------------------------------------------------------------------
     def update(
@@ -267,6 +422,7 @@ class Scheduler:
     ) -> list[SequenceUpdate]:
         """Advance computed counts, append sampled tokens, finish on EOS / length limits."""
         updates: list[SequenceUpdate] = []
+        progressed: list[Sequence] = []
         for item in out.scheduled:
             seq = self._by_id.get(item.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
@@ -286,9 +442,11 @@ class Scheduler:
             updates.append(
                 SequenceUpdate(seq, token, lp[0] if lp else None, lp[1] if lp else None)
             )
+            progressed.append(seq)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
+        self.policy.on_step(s for s in progressed if not s.is_finished)
         return updates
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -307,11 +465,17 @@ class Scheduler:
 
     # -- checks ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(s.block_table for s in self.all_sequences())
+        self.block_manager.check_integrity(
+            (s.block_table for s in (*self.waiting, *self.running)),
+            (s.block_table for s in self.swapped),
+        )
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING, seq
+            assert not seq.block_table, f"waiting {seq} holds blocks"
+        for seq in self.swapped:
+            assert seq.status is SequenceStatus.SWAPPED, seq
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING, seq
             covered = len(seq.block_table) * self.block_manager.block_size
             assert covered >= seq.num_computed_tokens, seq
-        assert len(self.running) <= self.config.max_num_seqs
+        assert len(self.running) + len(self.swapped) <= self.config.max_num_seqs

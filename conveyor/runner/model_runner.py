@@ -27,6 +27,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        num_swap_blocks: int = 0,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -41,6 +42,15 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
             for _ in range(arch.num_layers)
+        ]
+        # CPU swap space, same layout (pinned on CUDA so copies can be asynchronous).
+        pin = device.type == "cuda"
+        self.swap_caches = [
+            torch.zeros(
+                (2, num_swap_blocks * block_size, arch.num_kv_heads, arch.head_dim),
+                dtype=dtype, pin_memory=pin,
+            )
+            for _ in range(arch.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(seed, device)
         self._generators: dict[int, torch.Generator] = {}
@@ -60,11 +70,27 @@ class ModelRunner:
             self._generators[item.seq_id] = g
         return g
 
+    def _copy_blocks(
+        self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]
+    ) -> None:
+        bs = self.block_size
+        src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        for s, d in zip(src, dst, strict=True):
+            sv = s.view(2, -1, bs, *s.shape[2:])
+            dv = d.view(2, -1, bs, *d.shape[2:])
+            dv[:, dst_ids.to(dv.device)] = sv[:, src_ids.to(sv.device)].to(dv.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         start = time.perf_counter()
         for seq_id in scheduler_output.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        # All swap-outs first: their device blocks may be handed to others in this very step.
+        if scheduler_output.blocks_to_swap_out:
+            self._copy_blocks(self.kv_caches, self.swap_caches, scheduler_output.blocks_to_swap_out)
+        if scheduler_output.blocks_to_swap_in:
+            self._copy_blocks(self.swap_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
         items = sorted(scheduler_output.scheduled, key=lambda s: len(s.token_ids) > 1)
         if not items:
             return RunnerOutput(sampled={}, duration_s=0.0)

@@ -137,7 +137,7 @@ class Scenario:
         (`Engine.validate` does not check this second rule yet.)"""
         if spec.prompt_len >= self.max_model_len:
             return False
-        if not self.config.enable_chunked_prefill:
+        if self.config.prefill_mode != "chunked":
             return spec.prompt_len <= self.config.max_num_batched_tokens
         return True
 
@@ -194,7 +194,7 @@ def check_after_schedule(
         # Covers every token it will hold after the step, and no block more.
         assert len(item.block_table) == blocks_for(end, bs)
         assert item.sample == (end == seq.num_tokens)
-        if not cfg.enable_chunked_prefill and item.start_pos == 0 and seq.num_output_tokens == 0:
+        if cfg.prefill_mode != "chunked" and item.start_pos == 0 and seq.num_output_tokens == 0:
             assert item.sample, "chunked prefill is off but a prompt was split"
     scheduled = set(ids)
     for seq in sched.running:
@@ -320,7 +320,7 @@ def scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
         max_num_batched_tokens=draw(
             st.one_of(st.integers(1, 16), st.integers(17, 64), st.integers(65, 256))
         ),
-        enable_chunked_prefill=chunked,
+        prefill_mode="chunked" if chunked else "mixed",
     )
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     # Mostly caches of a few dozen tokens, so that requests compete and get preempted;
@@ -408,7 +408,7 @@ def scheduler_with(
     chunked: bool = True,
     max_model_len: int | None = None,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, budget, chunked)
+    config = SchedulerConfig(max_num_seqs, budget, prefill_mode="chunked" if chunked else "mixed")
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(config, bm, max_model_len or num_blocks * block_size, frozenset({EOS}))
 
@@ -440,8 +440,8 @@ def test_scheduler_imports_no_torch() -> None:
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 def test_preemption_keeps_outputs_of_a_huge_cache(chunked: bool, block_size: int) -> None:
     requests = [plain(6, 12, arrival=a) for a in (0, 0, 1, 1, 2, 3, 5, 8)]
-    tiny = Scenario(SchedulerConfig(8, 32, chunked), block_size, 24 // block_size, requests)
-    huge = Scenario(SchedulerConfig(8, 32, chunked), block_size, 4096 // block_size, requests)
+    tiny = Scenario(SchedulerConfig(8, 32, prefill_mode="chunked" if chunked else "mixed"), block_size, 24 // block_size, requests)
+    huge = Scenario(SchedulerConfig(8, 32, prefill_mode="chunked" if chunked else "mixed"), block_size, 4096 // block_size, requests)
     small_run = run_scenario(tiny)
     big_run = run_scenario(huge)
     assert small_run.num_preemptions > 0
