@@ -292,6 +292,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Knobs that apply under one choice of another axis only (see `_check_combinations`).
+_DEPENDENT_KNOBS = frozenset({
+    "max_batch_size", "batch_timeout_ms", "long_prefill_token_threshold", "schedule_interval",
+    "waiting_served_ratio", "max_waiting_tokens", "aging_bound_s", "mlfq_levels", "mlfq_quantum",
+    "mlfq_prompt_quantum", "auto_swap_min_tokens",
+})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -308,12 +316,32 @@ class EngineConfig:
     def from_kwargs(cls, preset: str | None = None, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword names (`max_num_seqs=8`), refusing unknown names.
 
-        A `preset` supplies defaults for its fields; any field given explicitly wins.
+        A `preset` supplies defaults for its fields; any field given explicitly wins, and a
+        preset knob that the explicit options make inapplicable is left out.
         """
         if preset is not None:
             if preset not in PRESETS:
                 raise ConfigError(f"preset={preset!r} is not one of {sorted(PRESETS)}")
-            kwargs = {**PRESETS[preset], **{k: v for k, v in kwargs.items() if v is not None}}
+            explicit = {k: v for k, v in kwargs.items() if v is not None}
+            kwargs = {**PRESETS[preset], **explicit}
+            # An explicit option can make a knob the preset set for its own choices meaningless
+            # (preset='latency' with prefill_mode='mixed': the prompt-chunk cap). Such a knob gives
+            # way instead of refusing the override; explicit options are never dropped.
+            loose = [k for k in PRESETS[preset] if k in _DEPENDENT_KNOBS and k not in explicit]
+            base = {k: v for k, v in kwargs.items() if k not in loose}
+            kwargs = {**base, **{k: kwargs[k] for k in loose if cls._accepts({**base, k: kwargs[k]})}}
+        return cls._build(kwargs)
+
+    @classmethod
+    def _accepts(cls, kwargs: dict[str, Any]) -> bool:
+        try:
+            cls._build(kwargs)
+        except ConfigError:
+            return False
+        return True
+
+    @classmethod
+    def _build(cls, kwargs: dict[str, Any]) -> EngineConfig:
         parts: dict[str, dict[str, Any]] = {name: {} for name in cls.SECTIONS}
         owner = {f.name: sec for sec, typ in cls.section_types().items() for f in dataclasses.fields(typ)}
         for key, value in kwargs.items():

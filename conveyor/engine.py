@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
@@ -124,9 +125,8 @@ class Engine:
             read_hf_arch,
             resolve_model_path,
         )
-        from conveyor.runner.model_runner import ModelRunner
 
-        mc, cc = config.model, config.cache
+        mc = config.model
         device = _resolve_device(mc.device)
         dtype = _resolve_dtype(mc.dtype, device)
         if mc.num_threads is not None and device.type == "cpu":
@@ -147,55 +147,70 @@ class Engine:
             tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, arch.eos_token_ids)
         else:
             logger.warning("%s has no tokenizer: prompts must be token ids", path)
-        eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
 
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        block_bytes = arch.kv_bytes_per_token(itemsize) * cc.block_size
-        if cc.num_kv_blocks is not None:
-            num_blocks = cc.num_kv_blocks
-        else:
-            budget = cc.kv_cache_memory
-            if budget is None:
-                budget = (
-                    _cuda_kv_budget(device, arch.num_params * itemsize, cc.gpu_memory_utilization)
-                    if device.type == "cuda"
-                    else CPU_DEFAULT_KV_BYTES
-                )
-            num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise ConfigError(
-                f"the KV cache budget holds no block of {cc.block_size} tokens "
-                f"({block_bytes} bytes each); raise kv_cache_memory or num_kv_blocks"
-            )
-        capacity = num_blocks * cc.block_size
-        max_len = mc.max_model_len or arch.max_position_embeddings
-        if max_len > capacity:
-            if mc.max_model_len is not None:
-                raise ConfigError(
-                    f"max_model_len={max_len} exceeds the KV cache capacity of {capacity} tokens "
-                    f"({num_blocks} blocks x {cc.block_size}); raise the cache or lower max_model_len"
-                )
-            logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
-            max_len = capacity
-
-        num_swap_blocks = 0
-        if config.scheduler.preemption_mode != "recompute":
-            num_swap_blocks = (
-                cc.num_swap_blocks if cc.num_swap_blocks is not None else cc.swap_space // block_bytes
-            )
+        weight_bytes = arch.num_params * torch.empty((), dtype=dtype).element_size()
+        num_blocks, num_swap_blocks, max_len = _plan_cache(config, arch, dtype, device, weight_bytes)
         model = build_model(arch, tensors, TorchPagedAttention(), max_len, dtype, device)
+        engine = cls._assemble(config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len)
+        engine.model_path = str(path)  # type: ignore[attr-defined]
+        return engine
+
+    @classmethod
+    def from_model(
+        cls,
+        config: EngineConfig,
+        model: Any,
+        tokenizer: Tokenizer | None,
+        model_path: str | None = None,
+    ) -> Engine:
+        """A new engine (its own KV cache, scheduler and traces) over an already-built model,
+        whose weights it shares: building many engines costs one load (tests, benchmarks).
+
+        `model` is another engine's `runner.model`. Its dtype and device are used; the model
+        section of `config` (path, dtype, device, tokenizer) is not looked at, except
+        `max_model_len` and `seed`. The cache and scheduler sections apply as in `from_config`,
+        and `max_model_len` is further capped by the positions the model was built for.
+        """
+        weight = model.embed_tokens.weight
+        positions = int(model.rotary.cos.shape[0])
+        # The weights already occupy device memory: do not count them twice in a CUDA budget.
+        num_blocks, num_swap_blocks, max_len = _plan_cache(
+            config, model.arch, weight.dtype, weight.device, 0, max_positions=positions
+        )
+        engine = cls._assemble(
+            config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len
+        )
+        engine.model_path = model_path  # type: ignore[attr-defined]
+        return engine
+
+    @classmethod
+    def _assemble(
+        cls,
+        config: EngineConfig,
+        model: Any,
+        tokenizer: Tokenizer | None,
+        dtype: Any,
+        device: Any,
+        num_blocks: int,
+        num_swap_blocks: int,
+        max_len: int,
+    ) -> Engine:
+        from conveyor.runner.model_runner import ModelRunner
+
+        arch = model.arch
+        eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
         runner = ModelRunner(
-            model, num_blocks, cc.block_size, dtype, device, seed=mc.seed, num_swap_blocks=num_swap_blocks
+            model, num_blocks, config.cache.block_size, dtype, device,
+            seed=config.model.seed, num_swap_blocks=num_swap_blocks,
         )
         scheduler = Scheduler(
             config.scheduler,
-            BlockManager(num_blocks, cc.block_size, num_swap_blocks),
+            BlockManager(num_blocks, config.cache.block_size, num_swap_blocks),
             max_len,
             eos_ids,
         )
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
-        engine.model_path = str(path)  # type: ignore[attr-defined]
         return engine
 
     # -- requests --------------------------------------------------------------------------
@@ -297,7 +312,13 @@ class Engine:
         start = self.clock()
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
-            if self.scheduler.has_unfinished():
+            if sched_out.finished_seq_ids:
+                self.runner.execute(sched_out)  # computes nothing; the runner drops their state
+            if sched_out.preempted_seq_ids:
+                # Nothing to compute, but the step preempted (a displacement): keep it in the
+                # trace, and go on at once.
+                self._record(sched_out, start, self.clock() - start)
+            elif self.scheduler.has_unfinished():
                 self._idle(self.scheduler.next_wakeup())
             return []
         run_out = self.runner.execute(sched_out)
@@ -433,6 +454,57 @@ class Engine:
 def _has_tokenizer_files(folder: Path) -> bool:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     return folder.is_dir() and any((folder / n).is_file() for n in names)
+
+
+def _plan_cache(  # type: ignore[no-untyped-def]
+    config: EngineConfig, arch, dtype, device, weight_bytes: int, max_positions: int | None = None
+) -> tuple[int, int, int]:
+    """(device KV blocks, CPU swap blocks, max_model_len) for `config` on this model."""
+    import torch
+
+    mc, cc = config.model, config.cache
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block_bytes = arch.kv_bytes_per_token(itemsize) * cc.block_size
+    if cc.num_kv_blocks is not None:
+        num_blocks = cc.num_kv_blocks
+    else:
+        budget = cc.kv_cache_memory
+        if budget is None:
+            budget = (
+                _cuda_kv_budget(device, weight_bytes, cc.gpu_memory_utilization)
+                if device.type == "cuda"
+                else CPU_DEFAULT_KV_BYTES
+            )
+        num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ConfigError(
+            f"the KV cache budget holds no block of {cc.block_size} tokens "
+            f"({block_bytes} bytes each); raise kv_cache_memory or num_kv_blocks"
+        )
+    capacity = num_blocks * cc.block_size
+    max_len = mc.max_model_len or arch.max_position_embeddings
+    if max_positions is not None and max_len > max_positions:
+        if mc.max_model_len is not None:
+            raise ConfigError(
+                f"max_model_len={max_len} exceeds the {max_positions} positions this model was "
+                "built for; load it again with the larger max_model_len"
+            )
+        max_len = max_positions
+    if max_len > capacity:
+        if mc.max_model_len is not None:
+            raise ConfigError(
+                f"max_model_len={max_len} exceeds the KV cache capacity of {capacity} tokens "
+                f"({num_blocks} blocks x {cc.block_size}); raise the cache or lower max_model_len"
+            )
+        logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+        max_len = capacity
+
+    num_swap_blocks = 0
+    if config.scheduler.preemption_mode != "recompute":
+        num_swap_blocks = (
+            cc.num_swap_blocks if cc.num_swap_blocks is not None else cc.swap_space // block_bytes
+        )
+    return num_blocks, num_swap_blocks, max_len
 
 
 def _resolve_device(name: str):  # type: ignore[no-untyped-def]

@@ -46,11 +46,16 @@ def load_jsonl(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
             row: dict[str, Any] = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-        out.append(_parse_row(row, rng, vocab_size, f"{path}:{n}"))
+        try:
+            out.append(_parse_row(row, rng, vocab_size))
+        except (ValueError, TypeError) as e:  # bad values too (InvalidRequestError is a ValueError)
+            raise ValueError(f"{path}:{n}: {e}") from e
     return out
 
 
-def _parse_row(row: dict[str, Any], rng: random.Random, vocab_size: int, where: str) -> TimedRequest:
+def _parse_row(row: dict[str, Any], rng: random.Random, vocab_size: int) -> TimedRequest:
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     prompt: str | list[int]
     if "prompt" in row:
         prompt = row["prompt"]
@@ -59,7 +64,7 @@ def _parse_row(row: dict[str, Any], rng: random.Random, vocab_size: int, where: 
     elif "prompt_len" in row:
         prompt = [rng.randrange(10, vocab_size - 10) for _ in range(int(row["prompt_len"]))]
     else:
-        raise ValueError(f"{where}: needs prompt, prompt_token_ids or prompt_len")
+        raise ValueError("needs prompt, prompt_token_ids or prompt_len")
     kwargs = {k: v for k, v in row.items() if k in _PARAM_NAMES}
     if "output_len" in row:
         kwargs.setdefault("max_tokens", int(row["output_len"]))

@@ -79,6 +79,10 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise bad("seed", "must be an integer in [-2**63, 2**64)")
         if self.expected_output_tokens is not None and self.expected_output_tokens < 0:
             raise bad("expected_output_tokens", "must be >= 0")
 

@@ -1,11 +1,8 @@
 """Scheduler properties over random request streams, driven by a fake runner (no torch).
 
-The fake runner stands in for the model and its KV cache: it writes each computed token into
-the slot its block table names and, before computing, reads back every earlier position of the
-sequence. The sampled token is a hash of what it read. So a step that skips tokens, computes
-them twice into the wrong place, reads another sequence's blocks or resumes after preemption
-without recomputing gives a different token or a failed read, and the outputs differ from a
-reference that generates each request alone.
+The fake runner (tests/core/helpers.py) stands in for the model and its KV cache, so a step
+that computes the wrong tokens, or reads KV it should not, changes a request's outputs; every
+request's outputs must equal what it generates alone.
 """
 
 from __future__ import annotations
@@ -24,76 +21,16 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import FinishReason, Sequence, SequenceStatus
+from tests.core.helpers import (
+    EOS,
+    STOP_TOKEN,
+    FakeRunner,
+    blocks_for,
+    make_prompt,
+    reference,
+)
 
-VOCAB = 16
-EOS = 0
-STOP_TOKEN = 7
 MAX_STEPS = 20_000
-
-
-# -- the model: a deterministic next-token function of the whole context ------------------
-def next_token(context: list[int]) -> int:
-    h = 17
-    for t in context:
-        h = (h * 1_000_003 + t + 1) % 2_147_483_647
-    return h % VOCAB
-
-
-def make_prompt(index: int, length: int) -> list[int]:
-    return [(index * 31 + j * 17 + 1) % VOCAB for j in range(length)]
-
-
-def reference(
-    prompt: list[int], params: SamplingParams, max_model_len: int
-) -> tuple[list[int], FinishReason]:
-    """What a request generates alone: the spec the scheduled run must reproduce."""
-    tokens, out = list(prompt), []
-    while True:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if len(out) >= params.min_tokens and (
-            (not params.ignore_eos and t == EOS) or t in params.stop_token_ids
-        ):
-            return out, FinishReason.STOP
-        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
-            return out, FinishReason.LENGTH
-
-
-# -- the fake runner -----------------------------------------------------------------------
-class FakeRunner:
-    """A KV cache of tagged slots. A tag is (seq_id, epoch, pos, token); the epoch changes on
-    preemption, so KV left over from before a preemption does not count as computed."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.slots: list[tuple[int, int, int, int] | None] = [None] * (num_blocks * block_size)
-        self.epoch: dict[int, int] = {}
-
-    def _slot(self, table: list[int], pos: int) -> int:
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def __call__(self, out: SchedulerOutput) -> dict[int, int]:
-        for seq_id in out.preempted_seq_ids:
-            self.epoch[seq_id] = self.epoch.get(seq_id, 0) + 1
-        sampled: dict[int, int] = {}
-        for item in out.scheduled:
-            epoch = self.epoch.get(item.seq_id, 0)
-            context = []
-            for pos in range(item.start_pos):
-                tag = self.slots[self._slot(item.block_table, pos)]
-                assert tag is not None and tag[:3] == (item.seq_id, epoch, pos), (
-                    f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
-                )
-                context.append(tag[3])
-            for i, token in enumerate(item.token_ids):
-                pos = item.start_pos + i
-                self.slots[self._slot(item.block_table, pos)] = (item.seq_id, epoch, pos, token)
-                context.append(token)
-            assert context == item.all_token_ids[: item.context_len]
-            if item.sample:
-                sampled[item.seq_id] = next_token(context)
-        return sampled
 
 
 # -- scenarios -----------------------------------------------------------------------------
@@ -148,10 +85,6 @@ class RunResult:
     specs: dict[int, RequestSpec]
     steps: int
     num_preemptions: int
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def fcfs_key(seq: Sequence) -> tuple[float, int]:

@@ -147,6 +147,7 @@ def test_logprobs_are_the_raw_log_softmax():
         {"presence_penalty": 3.0},
         {"logprobs": 50},
         {"stop": [""]},
+        {"seed": 2**70},
     ],
 )
 def test_bad_parameters_are_refused_with_their_name(kwargs):

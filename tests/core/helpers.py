@@ -1,0 +1,133 @@
+"""Shared test doubles for the scheduler tests: a deterministic model and a fake runner.
+
+The fake runner stands in for the model and its KV cache: it writes each computed token into
+the slot its block table names and, before computing, reads back every earlier position of the
+sequence. The sampled token is a hash of what it read. So a step that skips tokens, computes
+them twice into the wrong place, reads another sequence's blocks, resumes after preemption
+without recomputing, or swaps the wrong blocks (or forgets to swap) gives a different token or
+a failed read, and the outputs differ from a reference that generates each request alone.
+No torch.
+"""
+
+from __future__ import annotations
+
+from conveyor.core.scheduler import SchedulerOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.sequence import FinishReason
+
+VOCAB = 16
+EOS = 0
+STOP_TOKEN = 7
+
+Tag = tuple[int, int, int, int]  # (seq_id, epoch, pos, token)
+
+
+# -- the model: a deterministic next-token function of the whole context ------------------
+def next_token(context: list[int]) -> int:
+    h = 17
+    for t in context:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return h % VOCAB
+
+
+def make_prompt(index: int, length: int) -> list[int]:
+    return [(index * 31 + j * 17 + 1) % VOCAB for j in range(length)]
+
+
+def reference(
+    prompt: list[int], params: SamplingParams, max_model_len: int
+) -> tuple[list[int], FinishReason]:
+    """What a request generates alone: the spec the scheduled run must reproduce."""
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) >= params.min_tokens and (
+            (not params.ignore_eos and t == EOS) or t in params.stop_token_ids
+        ):
+            return out, FinishReason.STOP
+        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out, FinishReason.LENGTH
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+# -- the fake runner -----------------------------------------------------------------------
+class FakeRunner:
+    """A KV cache of tagged slots, with a CPU swap pool of the same layout.
+
+    A tag is (seq_id, epoch, pos, token). A sequence preempted by recompute gets a new epoch,
+    so KV left over from before does not count as computed; a swapped-out sequence keeps its
+    epoch, so its KV must come back through the swap pool intact.
+
+    Runner contract, as `ModelRunner.execute`: every swap-out of a step (device -> swap) is
+    copied before any swap-in (swap -> device), and both before computing, since a device
+    block freed by a swap-out may be handed to another sequence in the same step. The source
+    of every copy is then cleared: a freed block holds nothing anyone may read.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.slots: list[Tag | None] = [None] * (num_blocks * block_size)
+        self.swap_slots: list[Tag | None] = [None] * (num_swap_blocks * block_size)
+        self.epoch: dict[int, int] = {}
+        # Each sequence's device block table as of its latest computed step: a preempted
+        # sequence is swapped iff all of these blocks are swap-out sources of the step.
+        self.tables: dict[int, list[int]] = {}
+        self.swapped_out: list[int] = []  # sequences the latest step swapped out
+        self.recomputed: list[int] = []  # sequences the latest step dropped to recompute
+        self.blocks_copied = 0
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _copy(
+        self, src: list[Tag | None], dst: list[Tag | None], pairs: list[tuple[int, int]]
+    ) -> None:
+        bs = self.block_size
+        sources = [a for a, _ in pairs]
+        targets = [b for _, b in pairs]
+        assert len(set(sources)) == len(sources), f"a block is copied out twice: {pairs}"
+        assert len(set(targets)) == len(targets), f"a block is copied into twice: {pairs}"
+        for a, b in pairs:
+            for k in range(bs):
+                dst[b * bs + k] = src[a * bs + k]
+                src[a * bs + k] = None
+        self.blocks_copied += len(pairs)
+
+    def __call__(self, out: SchedulerOutput) -> dict[int, int]:
+        out_sources = {a for a, _ in out.blocks_to_swap_out}
+        self.swapped_out, self.recomputed = [], []
+        for seq_id in out.preempted_seq_ids:
+            table = self.tables.pop(seq_id, [])
+            if table and all(b in out_sources for b in table):
+                self.swapped_out.append(seq_id)
+            else:
+                self.recomputed.append(seq_id)
+                self.epoch[seq_id] = self.epoch.get(seq_id, 0) + 1
+        self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out)
+        self._copy(self.swap_slots, self.slots, out.blocks_to_swap_in)
+        sampled: dict[int, int] = {}
+        for item in out.scheduled:
+            epoch = self.epoch.get(item.seq_id, 0)
+            context = []
+            for pos in range(item.start_pos):
+                tag = self.slots[self._slot(item.block_table, pos)]
+                assert tag is not None and tag[:3] == (item.seq_id, epoch, pos), (
+                    f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
+                )
+                context.append(tag[3])
+            for i, token in enumerate(item.token_ids):
+                pos = item.start_pos + i
+                self.slots[self._slot(item.block_table, pos)] = (item.seq_id, epoch, pos, token)
+                context.append(token)
+            assert context == item.all_token_ids[: item.context_len]
+            self.tables[item.seq_id] = list(item.block_table)
+            if item.sample:
+                sampled[item.seq_id] = next_token(context)
+        for seq_id in out.finished_seq_ids:
+            self.tables.pop(seq_id, None)
+        return sampled
