@@ -1,4 +1,4 @@
-"""`conveyor` command line: generate, chat, serve (and later bench, simulate).
+"""`conveyor` command line: generate, chat, serve, bench (and later simulate).
 
 Engine options are generated from the config dataclasses' fields and help text, so every knob
 of `LLM(...)` is a flag here with the same name (underscores become dashes).
@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from conveyor.bench.commands import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by `bench` in its results
     try:
         return int(args.func(args))
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -199,15 +199,16 @@ class Engine:
 
         arch = model.arch
         eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
-        runner = ModelRunner(
-            model, num_blocks, config.cache.block_size, dtype, device,
-            seed=config.model.seed, num_swap_blocks=num_swap_blocks,
-        )
+        # The scheduler first: an unknown policy name fails before the KV cache is allocated.
         scheduler = Scheduler(
             config.scheduler,
             BlockManager(num_blocks, config.cache.block_size, num_swap_blocks),
             max_len,
             eos_ids,
+        )
+        runner = ModelRunner(
+            model, num_blocks, config.cache.block_size, dtype, device,
+            seed=config.model.seed, num_swap_blocks=num_swap_blocks,
         )
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
@@ -456,8 +457,13 @@ def _has_tokenizer_files(folder: Path) -> bool:
     return folder.is_dir() and any((folder / n).is_file() for n in names)
 
 
-def _plan_cache(  # type: ignore[no-untyped-def]
-    config: EngineConfig, arch, dtype, device, weight_bytes: int, max_positions: int | None = None
+def _plan_cache(
+    config: EngineConfig,
+    arch: Any,
+    dtype: Any,
+    device: Any,
+    weight_bytes: int,
+    max_positions: int | None = None,
 ) -> tuple[int, int, int]:
     """(device KV blocks, CPU swap blocks, max_model_len) for `config` on this model."""
     import torch

@@ -87,8 +87,10 @@ class DynamicBatching(StaticBatching):
     def ready_to_form(self, state: QueueState) -> bool:
         if len(state.waiting) >= self.config.batch_size:
             return True
-        oldest = min((s.metrics.arrival_time for s in state.waiting), default=None)
-        return oldest is not None and state.now - oldest >= self.config.batch_timeout_s
+        # The same sum as `next_deadline`: `now - oldest >= timeout` can round below the
+        # timeout at now == the deadline, and an idle loop woken then would find nothing to do.
+        deadline = self.next_deadline(state.waiting)
+        return deadline is not None and state.now >= deadline
 
     def next_deadline(self, waiting: list[Sequence]) -> float | None:
         """When a partial batch will be allowed to start (so an idle loop knows when to wake)."""

@@ -8,7 +8,8 @@ output lengths, MLFQ levels) observe steps and finished requests through the hoo
 
 Starvation guard: a policy that can starve a request (everything but FCFS) takes an
 `aging_bound_s`; a request that has waited longer than that goes ahead of the policy's own
-order (oldest first), so no request waits much longer than the bound while it could be served.
+order (oldest first) and, once admitted, is never displaced by a preemptive policy. So no
+request waits much longer than the bound plus the time for a seat to free.
 
 Adding a policy is one class and `@register_policy("name")`; see README "Add a policy".
 """
@@ -65,16 +66,30 @@ class QueuePolicy(ABC):
         self.config = config
         bound = config.aging_bound_s
         self.aging_bound_s = bound if bound is not None else (DEFAULT_AGING_BOUND_S if self.can_starve else None)
+        self._aged: set[int] = set()
 
     @abstractmethod
     def sort_key(self, seq: Sequence, now: float) -> SortKey:
         """The policy's own order; lower keys are admitted first and preempted last."""
 
     def key(self, seq: Sequence, now: float) -> SortKey:
-        """`sort_key` behind the aging guard: requests waiting past the bound come first."""
-        if self.aging_bound_s is not None and self.waited(seq, now) > self.aging_bound_s:
+        """`sort_key` behind the aging guard: aged requests come first, oldest first."""
+        if self.is_aged(seq, now):
             return (0, seq.metrics.arrival_time, seq.seq_id)
         return (1, *self.sort_key(seq, now))
+
+    def is_aged(self, seq: Sequence, now: float) -> bool:
+        """A request that waited past the bound stays aged until it finishes: it keeps its
+        place at the front and is never displaced by a preemptive policy, so it cannot be
+        starved again by the very requests it waited behind."""
+        if self.aging_bound_s is None:
+            return False
+        if seq.seq_id in self._aged:
+            return True
+        if self.waited(seq, now) > self.aging_bound_s:
+            self._aged.add(seq.seq_id)
+            return True
+        return False
 
     @staticmethod
     def waited(seq: Sequence, now: float) -> float:
@@ -85,8 +100,10 @@ class QueuePolicy(ABC):
     def on_step(self, seqs: Iterable[Sequence]) -> None:  # noqa: B027 - optional hook
         """Called after each step with the sequences that got a new token."""
 
-    def on_finished(self, seq: Sequence) -> None:  # noqa: B027 - optional hook
-        """Called once when a sequence finishes (learning policies observe outcomes here)."""
+    def on_finished(self, seq: Sequence) -> None:
+        """Called once when a sequence finishes (learning policies observe outcomes here).
+        Subclasses that override it must call `super().on_finished(seq)`."""
+        self._aged.discard(seq.seq_id)
 
 
 @register_policy("fcfs")
@@ -173,6 +190,7 @@ class ShortestPredictedFirstPolicy(QueuePolicy):
         return (remaining, seq.metrics.arrival_time, seq.seq_id)
 
     def on_finished(self, seq: Sequence) -> None:
+        super().on_finished(seq)
         self.predictor.observe(seq)
 
 
@@ -222,4 +240,5 @@ class MLFQPolicy(QueuePolicy):
                 state[1] = 0
 
     def on_finished(self, seq: Sequence) -> None:
+        super().on_finished(seq)
         self._state.pop(seq.seq_id, None)

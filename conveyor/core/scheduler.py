@@ -105,7 +105,8 @@ class Scheduler:
        ones when seats or blocks are full;
     3. running sequences get their decode or next prefill chunk, preempting the least valuable
        running sequence (recompute or swap) when a block is missing;
-    4. swapped sequences come back before anyone new is admitted;
+    4. swapped sequences come back before anyone new is admitted (under prefill_first, a
+       swapped decode comes back in a decode step, never beside a prefill);
     5. waiting sequences the batching mode and admission trigger allow are admitted in order,
        as the prefill mode allows (chunked, whole prompts, or prefill-only steps).
     """
@@ -206,20 +207,31 @@ class Scheduler:
         eligible = self.batching.eligible(
             QueueState(now, self.waiting, len(self.running) + len(self.swapped), self._decode_steps_since_admission)
         )
-        if self.policy.preemptive and self.config.kv_reservation == "on_demand":
+        # Displacement only while nothing is swapped out: swapped sequences come back before
+        # anyone new, so room made now would go to them, not to the better waiting request.
+        if self.policy.preemptive and self.config.kv_reservation == "on_demand" and not self.swapped:
             self._displace(out, eligible, now)
+        displaced = len(out.preempted_seq_ids)
+        if displaced:  # the victims wait at least a step (`eligible` may be `self.waiting` itself)
+            gone = set(out.preempted_seq_ids)
+            eligible = [s for s in eligible if s.seq_id not in gone]
 
         budget = self.config.max_num_batched_tokens
         admitted_fresh = False
         if self.config.prefill_mode == "prefill_first":
             # A step of prefills alone if there is any prefill to run; decodes wait for it.
+            # A swapped sequence comes back in a step of its own kind (decodes: vLLM v0).
             budget = self._schedule_running(out, budget, now, only="prefill")
-            admitted_fresh = self._admit(out, budget, eligible, now)
+            admitted_fresh = self._admit(out, budget, eligible, now, displaced, only="prefill")
             if not out.scheduled:
-                self._schedule_running(out, self.config.max_num_batched_tokens, now, only="decode")
+                budget = self._schedule_running(
+                    out, self.config.max_num_batched_tokens, now, only="decode"
+                )
+                if len(out.preempted_seq_ids) <= displaced:
+                    self._swap_in(out, budget, now, only="decode")
         else:
             budget = self._schedule_running(out, budget, now)
-            admitted_fresh = self._admit(out, budget, eligible, now)
+            admitted_fresh = self._admit(out, budget, eligible, now, displaced)
 
         if admitted_fresh:
             self._decode_steps_since_admission = 0
@@ -227,30 +239,52 @@ class Scheduler:
             self._decode_steps_since_admission += 1
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int, eligible: list[Sequence], now: float) -> bool:
-        """Swap in, then admit waiting sequences. Returns whether a fresh request joined."""
-        if out.preempted_seq_ids:
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        eligible: list[Sequence],
+        now: float,
+        displaced: int,
+        only: str | None = None,
+    ) -> bool:
+        """Swap in, then admit waiting sequences. Returns whether a fresh request joined.
+
+        `displaced` preemptions of this step made room for better waiting sequences on purpose;
+        any further one means running sequences are short of memory.
+        """
+        if len(out.preempted_seq_ids) > displaced:
             return False  # memory is short this step: admitting now would only thrash
-        budget = self._swap_in(out, budget, now)
+        budget = self._swap_in(out, budget, now, only)
         if self.swapped:
             return False  # swapped sequences come back before anyone new
         return self._schedule_waiting(out, budget, eligible, now)
 
     def _displace(self, out: SchedulerOutput, eligible: list[Sequence], now: float) -> None:
         """Preemptive policies: a waiting sequence with a better key than the worst running
-        one takes its place when seats or blocks are full."""
+        one takes its place when seats or blocks are full.
+
+        Victims are recomputed, never swapped: a swapped victim would come back before anyone
+        new (step 4), ahead of the very request it made room for.
+        """
         bm = self.block_manager
         seats = self.batching.seat_limit() - len(self.running) - len(self.swapped)
         free = bm.num_free_blocks - self.watermark_blocks
         for cand in eligible:
             need = bm.blocks_for_tokens(min(cand.num_tokens, self.config.max_num_batched_tokens))
-            while (seats < 1 or need > free) and self.running:
-                victim = self._pick_victim(self.running)
+            # Aging reorders admission only: aged requests neither displace nor are displaced
+            # (were they to displace, their victims would age in turn and displace them back).
+            if self.policy.is_aged(cand, now):
+                return
+            victims = [s for s in self.running if not self.policy.is_aged(s, now)]
+            while (seats < 1 or need > free) and victims:
+                victim = self._pick_victim(victims)
                 if not self.policy.key(cand, now) < self.policy.key(victim, now):
                     return  # the queue is ordered: no later candidate beats this victim either
+                victims.remove(victim)
                 self.running.remove(victim)
-                free += len(victim.block_table)  # swapped or dropped, its device blocks free up
-                self._preempt(victim, out)
+                free += len(victim.block_table)
+                self._preempt(victim, out, allow_swap=False)
                 seats += 1
             if seats < 1 or need > free:
                 return
@@ -303,12 +337,17 @@ class Scheduler:
             return budget
         return 0
 
-    def _swap_in(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def _swap_in(self, out: SchedulerOutput, budget: int, now: float, only: str | None = None) -> int:
+        """Bring swapped sequences back in policy order; `only` restricts to prefills or decodes
+        (head of line: the queue's order is kept)."""
         bm = self.block_manager
         seats = self.batching.seat_limit()
         while self.swapped and budget > 0 and len(self.running) < seats:
             seq = self.swapped[0]
-            num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1
+            in_prefill = seq.num_uncomputed_tokens > 1
+            if only is not None and in_prefill != (only == "prefill"):
+                break
+            num_new = self._prefill_chunk(seq, budget) if in_prefill else 1
             if num_new <= 0:
                 break
             extra = bm.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
@@ -387,7 +426,7 @@ class Scheduler:
                 return seq
         return ordered[-1]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True) -> bool:
         """Take `seq` off the device: swap its blocks out, or drop them to recompute later.
 
         Returns True if it was swapped. The caller has already removed it from `running`.
@@ -397,8 +436,9 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_seq_ids.append(seq.seq_id)
         mode = self.config.preemption_mode
-        wants_swap = mode == "swap" or (
-            mode == "auto" and seq.num_computed_tokens >= self.config.auto_swap_min_tokens
+        wants_swap = allow_swap and (
+            mode == "swap"
+            or (mode == "auto" and seq.num_computed_tokens >= self.config.auto_swap_min_tokens)
         )
         if wants_swap and seq.block_table and self.block_manager.can_swap_out(seq):
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq))

@@ -11,9 +11,13 @@ No torch.
 
 from __future__ import annotations
 
-from conveyor.core.scheduler import SchedulerOutput
+from typing import Any
+
+from conveyor.config import SchedulerConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.sampling_params import SamplingParams
-from conveyor.sequence import FinishReason
+from conveyor.sequence import FinishReason, Sequence
 
 VOCAB = 16
 EOS = 0
@@ -131,3 +135,88 @@ class FakeRunner:
         for seq_id in out.finished_seq_ids:
             self.tables.pop(seq_id, None)
         return sampled
+
+
+# -- a deterministic driver: one scheduler, one fake runner, a fake clock ------------------
+class Driver:
+    """Runs a scheduler step by step on a fake clock and records what every step held."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_swap_blocks: int = 0,
+        max_model_len: int | None = None,
+        dt: float = 1.0,
+        **config: Any,
+    ) -> None:
+        self.config = SchedulerConfig(**config)
+        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks)
+        self.max_model_len = max_model_len or num_blocks * block_size
+        self.sched = Scheduler(self.config, self.bm, self.max_model_len, frozenset({EOS}))
+        self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks)
+        self.now = 0.0
+        self.dt = dt
+        self.seqs: dict[int, Sequence] = {}
+        self.log: list[SchedulerOutput] = []
+        self.times: list[float] = []
+        self.finish_order: list[int] = []
+
+    def add(
+        self,
+        seq_id: int,
+        prompt_len: int,
+        max_tokens: int,
+        *,
+        priority: int = 0,
+        expected: int | None = None,
+        at: float | None = None,
+    ) -> Sequence:
+        # ignore_eos: these tests count steps and tokens, an early EOS would change them.
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            priority=priority,
+            expected_output_tokens=expected,
+        )
+        arrival = self.now if at is None else at
+        seq = Sequence(seq_id, f"r{seq_id}", make_prompt(seq_id, prompt_len), params, arrival)
+        self.seqs[seq_id] = seq
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule(self.now)
+        self.sched.check_integrity()
+        live = [s for s in self.seqs.values() if not s.is_finished]
+        self.sched.update(out, self.runner(out), self.now)
+        self.sched.check_integrity()
+        self.finish_order += [s.seq_id for s in live if s.is_finished]
+        self.log.append(out)
+        self.times.append(self.now)
+        self.now += self.dt
+        return out
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+    def first_step_of(self, seq_id: int) -> int:
+        """Index of the first step that computed anything for `seq_id`."""
+        return next(i for i, out in enumerate(self.log) if seq_id in ids(out))
+
+    def check_outputs(self) -> None:
+        """Every finished request generated exactly what it generates alone."""
+        for seq in self.seqs.values():
+            if seq.is_finished and seq.finish_reason is not FinishReason.ABORT:
+                want, reason = reference(seq.prompt_token_ids, seq.sampling_params, self.max_model_len)
+                assert seq.output_token_ids == want, f"seq {seq.seq_id}"
+                assert seq.finish_reason is reason
+
+
+def ids(out: SchedulerOutput) -> list[int]:
+    return [item.seq_id for item in out.scheduled]

@@ -129,6 +129,119 @@ def test_free_of_empty_table_is_a_no_op() -> None:
     assert bm.num_free_blocks == 2
 
 
+# -- the swap pool -------------------------------------------------------------------------
+def test_swap_out_moves_a_table_to_swap_blocks_and_frees_the_device_blocks() -> None:
+    bm = BlockManager(6, 2, num_swap_blocks=4)
+    a, b = make_seq(0), make_seq(1)
+    bm.allocate(a, 5)  # 3 blocks
+    bm.allocate(b, 2)
+    device = list(a.block_table)
+    assert bm.can_swap_out(a)
+    pairs = bm.swap_out(a)
+    # One copy per block, in table order; the table now names the swap blocks.
+    assert [d for d, _ in pairs] == device
+    assert a.block_table == [s for _, s in pairs]
+    assert len(set(a.block_table)) == 3 and all(0 <= s < 4 for s in a.block_table)
+    assert bm.num_free_swap_blocks == 1
+    assert bm.num_free_blocks == 5  # a's device blocks are free for anyone
+    assert all(bm.ref_count(d) == 0 for d in device)
+    bm.check_integrity(tables(b), tables(a))
+
+
+def test_swap_in_brings_a_table_back_and_frees_the_swap_blocks() -> None:
+    bm = BlockManager(4, 2, num_swap_blocks=4)
+    a, b = make_seq(0), make_seq(1)
+    bm.allocate(a, 4)
+    bm.swap_out(a)
+    bm.allocate(b, 6)  # b takes 3 of the 4 device blocks meanwhile
+    swapped = list(a.block_table)
+    assert not bm.can_swap_in(a)  # 2 blocks needed, 1 free
+    with pytest.raises(RuntimeError):
+        bm.swap_in(a)
+    assert a.block_table == swapped
+    bm.free(b)
+    assert bm.can_swap_in(a, extra_blocks=2) and not bm.can_swap_in(a, extra_blocks=3)
+    pairs = bm.swap_in(a)
+    assert [s for s, _ in pairs] == swapped
+    assert a.block_table == [d for _, d in pairs]
+    assert all(bm.ref_count(d) == 1 for d in a.block_table)
+    assert bm.num_free_swap_blocks == 4 and bm.num_free_blocks == 2
+    bm.check_integrity(tables(a, b))
+    # Back on the device, the table grows as usual.
+    assert bm.allocate(a, 7) and len(a.block_table) == 4
+
+
+def test_swap_out_needs_room_for_the_whole_table() -> None:
+    bm = BlockManager(6, 1, num_swap_blocks=2)
+    a = make_seq(0)
+    bm.allocate(a, 3)
+    before = list(a.block_table)
+    assert not bm.can_swap_out(a)
+    with pytest.raises(RuntimeError):
+        bm.swap_out(a)
+    assert a.block_table == before and bm.num_free_swap_blocks == 2
+    bm.check_integrity(tables(a))
+
+
+def test_without_swap_space_nothing_can_be_swapped_out() -> None:
+    bm = BlockManager(4, 2)
+    a, empty = make_seq(0), make_seq(1)
+    bm.allocate(a, 1)
+    assert bm.num_swap_blocks == 0 and bm.num_free_swap_blocks == 0
+    assert not bm.can_swap_out(a)
+    assert bm.can_swap_out(empty)  # an empty table fits anywhere (and copies nothing)
+    assert bm.swap_out(empty) == []
+
+
+def test_free_swapped_returns_the_swap_blocks() -> None:
+    bm = BlockManager(4, 2, num_swap_blocks=3)
+    a = make_seq(0)
+    bm.allocate(a, 6)
+    bm.swap_out(a)
+    assert bm.num_free_swap_blocks == 0
+    bm.free_swapped(a)
+    assert a.block_table == [] and bm.num_free_swap_blocks == 3 and bm.num_free_blocks == 4
+    bm.check_integrity(tables(a), tables(a))
+
+
+def _one_swapped() -> tuple[BlockManager, Sequence, Sequence]:
+    bm = BlockManager(6, 2, num_swap_blocks=4)
+    a, b = make_seq(0), make_seq(1)
+    bm.allocate(a, 4)
+    bm.allocate(b, 2)
+    bm.swap_out(a)
+    bm.check_integrity(tables(b), tables(a))
+    return bm, a, b
+
+
+def test_integrity_catches_a_swap_block_held_twice() -> None:
+    bm, a, b = _one_swapped()
+    c = make_seq(2)
+    c.block_table = [a.block_table[0]]
+    with pytest.raises(AssertionError, match="swap block is held twice"):
+        bm.check_integrity(tables(b), tables(a, c))
+
+
+def test_integrity_catches_a_held_swap_block_that_is_also_free() -> None:
+    bm, a, b = _one_swapped()
+    bm._swap_free.append(a.block_table[0])
+    with pytest.raises(AssertionError, match="also free"):
+        bm.check_integrity(tables(b), tables(a))
+
+
+def test_integrity_catches_a_leaked_swap_block() -> None:
+    bm, a, b = _one_swapped()
+    a.block_table.pop()  # dropped without free_swapped
+    with pytest.raises(AssertionError, match="swap blocks leaked"):
+        bm.check_integrity(tables(b), tables(a))
+
+
+def test_integrity_catches_a_swapped_table_passed_as_a_device_table() -> None:
+    bm, a, b = _one_swapped()
+    with pytest.raises(AssertionError):
+        bm.check_integrity(tables(a, b), [])
+
+
 # -- check_integrity must catch injected corruption ----------------------------------------
 def _two_seqs() -> tuple[BlockManager, Sequence, Sequence]:
     bm = BlockManager(6, 2)
@@ -207,13 +320,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.bm = BlockManager(1, 1)  # replaced by `create` before any rule runs
         self.seqs = [make_seq(i) for i in range(NUM_SEQS)]
+        self.swapped: set[int] = set()  # indices of sequences whose tables name swap blocks
 
-    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4, 16]))
-    def create(self, num_blocks: int, block_size: int) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+    def device_seqs(self) -> list[Sequence]:
+        return [s for i, s in enumerate(self.seqs) if i not in self.swapped]
+
+    @initialize(
+        num_blocks=st.integers(1, 12),
+        block_size=st.sampled_from([1, 2, 4, 16]),
+        num_swap_blocks=st.integers(0, 12),
+    )
+    def create(self, num_blocks: int, block_size: int, num_swap_blocks: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks)
 
     @rule(i=st.integers(0, NUM_SEQS - 1), num_tokens=st.integers(0, 80))
     def allocate(self, i: int, num_tokens: int) -> None:
+        if i in self.swapped:
+            return
         seq = self.seqs[i]
         before_table, before_free = list(seq.block_table), self.bm.num_free_blocks
         need = max(0, -(-num_tokens // self.bm.block_size) - len(before_table))
@@ -232,9 +355,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, NUM_SEQS - 1))
     def free(self, i: int) -> None:
+        if i in self.swapped:
+            return
         seq = self.seqs[i]
         # Blocks no other table holds must come back; shared ones must stay used.
-        others = Counter(b for s in self.seqs if s is not seq for b in s.block_table)
+        others = Counter(b for s in self.device_seqs() if s is not seq for b in s.block_table)
         returned = {b for b in seq.block_table if others[b] == 0}
         before_free = self.bm.num_free_blocks
         self.bm.free(seq)
@@ -245,7 +370,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(src=st.integers(0, NUM_SEQS - 1), dst=st.integers(0, NUM_SEQS - 1), k=st.integers(0, 15))
     def share(self, src: int, dst: int, k: int) -> None:
         source, target = self.seqs[src], self.seqs[dst]
-        if src == dst or not source.block_table:
+        if src == dst or not source.block_table or {src, dst} & self.swapped:
             return
         block = source.block_table[k % len(source.block_table)]
         if block in target.block_table:
@@ -263,10 +388,63 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.share(block)
         assert self.bm.ref_count(block) == 0
 
+    @rule(i=st.integers(0, NUM_SEQS - 1))
+    def swap_out(self, i: int) -> None:
+        seq = self.seqs[i]
+        if i in self.swapped:
+            return
+        table, free, free_swap = list(seq.block_table), self.bm.num_free_blocks, self.bm.num_free_swap_blocks
+        others = Counter(b for s in self.device_seqs() if s is not seq for b in s.block_table)
+        if len(table) > free_swap:
+            assert not self.bm.can_swap_out(seq)
+            with pytest.raises(RuntimeError):
+                self.bm.swap_out(seq)
+            assert seq.block_table == table
+            return
+        assert self.bm.can_swap_out(seq)
+        pairs = self.bm.swap_out(seq)
+        self.swapped.add(i)
+        assert [d for d, _ in pairs] == table and seq.block_table == [s for _, s in pairs]
+        assert self.bm.num_free_swap_blocks == free_swap - len(table)
+        # A device block returns to the pool unless another table still shares it.
+        assert self.bm.num_free_blocks == free + sum(1 for b in table if others[b] == 0)
+
+    @rule(i=st.integers(0, NUM_SEQS - 1), extra=st.integers(0, 3))
+    def swap_in(self, i: int, extra: int) -> None:
+        seq = self.seqs[i]
+        if i not in self.swapped:
+            return
+        table, free, free_swap = list(seq.block_table), self.bm.num_free_blocks, self.bm.num_free_swap_blocks
+        assert self.bm.can_swap_in(seq, extra) == (len(table) + extra <= free)
+        if len(table) > free:
+            with pytest.raises(RuntimeError):
+                self.bm.swap_in(seq)
+            assert seq.block_table == table
+            return
+        pairs = self.bm.swap_in(seq)
+        self.swapped.discard(i)
+        assert [s for s, _ in pairs] == table and seq.block_table == [d for _, d in pairs]
+        assert self.bm.num_free_blocks == free - len(table)
+        assert self.bm.num_free_swap_blocks == free_swap + len(table)
+        assert all(self.bm.ref_count(b) == 1 for b in seq.block_table)
+
+    @rule(i=st.integers(0, NUM_SEQS - 1))
+    def free_swapped(self, i: int) -> None:
+        seq = self.seqs[i]
+        if i not in self.swapped:
+            return
+        n, free_swap = len(seq.block_table), self.bm.num_free_swap_blocks
+        self.bm.free_swapped(seq)
+        self.swapped.discard(i)
+        assert seq.block_table == [] and self.bm.num_free_swap_blocks == free_swap + n
+
     @invariant()
     def consistent(self) -> None:
-        self.bm.check_integrity(tables(*self.seqs))
-        held = Counter(b for s in self.seqs for b in s.block_table)
+        on_device = self.device_seqs()
+        swapped = [self.seqs[i] for i in self.swapped]
+        self.bm.check_integrity(tables(*on_device), tables(*swapped))
+        assert len({b for s in swapped for b in s.block_table}) + self.bm.num_free_swap_blocks == self.bm.num_swap_blocks
+        held = Counter(b for s in on_device for b in s.block_table)
         assert self.bm.num_free_blocks + self.bm.num_used_blocks == self.bm.num_blocks
         assert self.bm.num_used_blocks == len(held)
         for block in range(self.bm.num_blocks):
