@@ -260,7 +260,6 @@ def load_weights(
     """Copy HF-named tensors into the model, fusing q/k/v and gate/up. Checks completeness."""
     arch = model.arch
     params = dict(model.named_parameters())
-    pending: dict[str, dict[str, torch.Tensor]] = {}
     loaded: set[str] = set()
 
     def put(target: str, value: torch.Tensor, row: int = 0) -> None:
@@ -297,7 +296,6 @@ def load_weights(
             put(name, tensor, row)
         else:
             put(name, tensor)
-    del pending
     expected = set()
     for pname, _p in params.items():
         if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
