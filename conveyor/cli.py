@@ -37,20 +37,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()),
     )
     for section in EngineConfig.section_types().values():
-        for f in dataclasses.fields(section):
-            flag = "--" + f.name.replace("_", "-")
-            typ, is_bool = _arg_type(f.type)
-            help_text = f.metadata.get("help", "")
-            if is_bool:
-                group.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                    help=f"{help_text} (default: {f.default})",
-                )
-            else:
-                group.add_argument(
-                    flag, dest=f.name, type=typ, default=None,
-                    help=f"{help_text} (default: {f.default})",
-                )
+        _add_field_args(group, section)
+
+
+def _add_field_args(group: argparse._ArgumentGroup, config_type: type) -> None:
+    """One flag per dataclass field (`max_num_seqs` -> `--max-num-seqs`), help from metadata.
+
+    Every default is None, so only the flags a user gives reach the config."""
+    for f in dataclasses.fields(config_type):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if "tuple" in str(f.type):
+            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_text)
+            continue
+        typ, is_bool = _arg_type(f.type)
+        if is_bool:
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                help=f"{help_text} (default: {f.default})",
+            )
+        else:
+            group.add_argument(
+                flag, dest=f.name, type=typ, default=None, help=f"{help_text} (default: {f.default})"
+            )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,23 +159,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Flags generated from `ServerConfig`'s fields, like the engine's."""
-    group = parser.add_argument_group("server")
-    for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if "tuple" in str(f.type):
-            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_text)
-            continue
-        typ, is_bool = _arg_type(f.type)
-        if is_bool:
-            group.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                help=f"{help_text} (default: {f.default})",
-            )
-        else:
-            group.add_argument(
-                flag, dest=f.name, type=typ, default=None, help=f"{help_text} (default: {f.default})"
-            )
+    _add_field_args(parser.add_argument_group("server"), ServerConfig)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
