@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     from conveyor.bench.commands import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
+
+    from conveyor.sim.commands import add_sim_parsers
+
+    add_sim_parsers(sub, add_engine_args)
     return parser
 
 

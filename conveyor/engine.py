@@ -27,6 +27,8 @@ from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("conveyor")
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
+# Kept free of the KV cache on a GPU: CUDA context, cuBLAS workspaces, activations.
+CUDA_RUNTIME_RESERVE = 1 << 30
 
 
 @dataclass(slots=True)
@@ -457,30 +459,22 @@ def _has_tokenizer_files(folder: Path) -> bool:
     return folder.is_dir() and any((folder / n).is_file() for n in names)
 
 
-def _plan_cache(
+def plan_cache(
     config: EngineConfig,
-    arch: Any,
-    dtype: Any,
-    device: Any,
-    weight_bytes: int,
+    kv_bytes_per_token: int,
+    model_max_len: int,
+    default_budget: Callable[[], int],
     max_positions: int | None = None,
 ) -> tuple[int, int, int]:
-    """(device KV blocks, CPU swap blocks, max_model_len) for `config` on this model."""
-    import torch
-
+    """(device KV blocks, CPU swap blocks, max_model_len) for `config`; no torch, so the
+    simulator sizes its cache by this same rule. `default_budget()` gives the KV bytes when
+    the config names neither num_kv_blocks nor kv_cache_memory."""
     mc, cc = config.model, config.cache
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    block_bytes = arch.kv_bytes_per_token(itemsize) * cc.block_size
+    block_bytes = kv_bytes_per_token * cc.block_size
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
     else:
-        budget = cc.kv_cache_memory
-        if budget is None:
-            budget = (
-                _cuda_kv_budget(device, weight_bytes, cc.gpu_memory_utilization)
-                if device.type == "cuda"
-                else CPU_DEFAULT_KV_BYTES
-            )
+        budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_budget()
         num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ConfigError(
@@ -488,7 +482,7 @@ def _plan_cache(
             f"({block_bytes} bytes each); raise kv_cache_memory or num_kv_blocks"
         )
     capacity = num_blocks * cc.block_size
-    max_len = mc.max_model_len or arch.max_position_embeddings
+    max_len = mc.max_model_len or model_max_len
     if max_positions is not None and max_len > max_positions:
         if mc.max_model_len is not None:
             raise ConfigError(
@@ -513,6 +507,28 @@ def _plan_cache(
     return num_blocks, num_swap_blocks, max_len
 
 
+def _plan_cache(
+    config: EngineConfig,
+    arch: Any,
+    dtype: Any,
+    device: Any,
+    weight_bytes: int,
+    max_positions: int | None = None,
+) -> tuple[int, int, int]:
+    import torch
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def default_budget() -> int:
+        if device.type == "cuda":
+            return _cuda_kv_budget(device, weight_bytes, config.cache.gpu_memory_utilization)
+        return CPU_DEFAULT_KV_BYTES
+
+    return plan_cache(
+        config, arch.kv_bytes_per_token(itemsize), arch.max_position_embeddings, default_budget, max_positions
+    )
+
+
 def _resolve_device(name: str):  # type: ignore[no-untyped-def]
     import torch
 
@@ -535,5 +551,5 @@ def _cuda_kv_budget(device, weight_bytes: int, utilization: float) -> int:  # ty
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * utilization) - weight_bytes - (total - free) - (1 << 30)
+    budget = int(total * utilization) - weight_bytes - (total - free) - CUDA_RUNTIME_RESERVE
     return max(budget, 0)

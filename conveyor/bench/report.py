@@ -166,6 +166,16 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if result.get("command"):
         lines.append(f"- command: `{result['command']}`")
+    sim = result.get("simulation")
+    if sim:
+        p = sim["cost_params"]
+        lines.append(
+            f"- simulated: {sim['model']['name']} on {sim['hardware']['description']} (a cost model on a virtual clock: "
+            f"mfu {p['mfu']:.2f}, attention {p['attn_mfu']:.2f}, mbu {p['mbu']:.2f}, "
+            f"step {p['step_overhead_s'] * 1e3:.2f} ms, sequence {p['seq_overhead_s'] * 1e6:.0f} us)"
+        )
+        for name, cap in sim.get("systems", {}).items():
+            lines.append(f"  - {name}: KV cache {cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens, weights {cap['weight_gib']:.1f} GiB")
     lines += [
         "",
         "| system | load | done | req/s | in tok/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "

@@ -1,0 +1,198 @@
+"""`conveyor simulate` and `conveyor calibrate`.
+
+    conveyor simulate --hardware h100-sxm --model llama-3.1-8b --request-rate 5,10,20 --num-requests 1000
+    conveyor simulate --hardware a100-40gb --model opt-13b static continuous --request-rate inf
+    conveyor calibrate                       # measure this CPU with SmolLM2; then --hardware cpu
+    conveyor simulate --hardware cpu --model smollm2-135m --request-rate 0.5
+
+`simulate` takes the workload, SLO, plot and scheduler flags of `conveyor bench compare`
+(CONFIGs too) and writes the same report: result.json, summary.md and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conveyor.sim.hardware import Hardware, get_hardware, hardware_names
+from conveyor.sim.models import ModelShape, get_model, model_names
+
+
+def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
+    from conveyor.bench.commands import _add_offline
+
+    sim = sub.add_parser(
+        "simulate", help="run the real scheduler on a hardware cost model (virtual clock, no model)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve",
+    )
+    add_engine_args(sim)
+    g = sim.add_argument_group("simulation")
+    g.add_argument("--hardware", required=True, help=f"one of {', '.join(hardware_names())} (cpu: calibrated)")
+    g.add_argument("--model", default="smollm2-135m",
+                   help=f"one of {', '.join(model_names())}, or an HF config.json (or its folder)")
+    g.add_argument("--calibration", type=Path, default=None,
+                   help="--hardware cpu: the calibration file (default: the one `conveyor calibrate` saved)")
+    for name, help_ in (("mfu", "share of peak FLOP/s reached by linear layers"),
+                        ("attn-mfu", "share of peak FLOP/s reached by attention"),
+                        ("mbu", "share of memory bandwidth reached"),
+                        ("step-overhead-ms", "fixed time per step"),
+                        ("seq-overhead-us", "time per sequence in a step")):
+        g.add_argument(f"--{name}", type=float, default=None, help=f"cost model: {help_} (overrides the default)")
+    sim.add_argument("configs", nargs="*", metavar="CONFIG",
+                     help="systems as in `conveyor bench compare` (default: one, with the flags given)")
+    _add_offline(sim)
+    sim.set_defaults(func=cmd_simulate)
+
+    cal = sub.add_parser("calibrate", help="measure this machine's runner and fit the simulator's CPU cost model",
+                         conflict_handler="resolve")
+    add_engine_args(cal)
+    cal.add_argument("--out", type=Path, default=None, help="where to save (default ~/.cache/conveyor/calibration/cpu.json)")
+    cal.add_argument("--repeats", type=int, default=5, help="timed runs per batch shape (median)")
+    cal.set_defaults(func=cmd_calibrate)
+
+
+# -- simulate -------------------------------------------------------------------------------
+def resolve(args: argparse.Namespace) -> tuple[Hardware, ModelShape, Any]:
+    """(hardware, model, cost params) from the flags; --hardware cpu reads the calibration."""
+    from conveyor.sim import calibrate
+    from conveyor.sim.cost import CostParams
+
+    model = get_model(args.model)
+    if args.hardware.lower() == "cpu":
+        cal = calibrate.load(args.calibration)
+        hardware, params = cal.hardware, cal.params
+        if (cal.model.layer_params, cal.model.num_layers) != (model.layer_params, model.num_layers):
+            print(f"note: {cal.path} was calibrated with {cal.model.name}; its overheads may not carry over "
+                  f"to {model.name}", file=sys.stderr)
+    else:
+        hardware, params = get_hardware(args.hardware), CostParams()
+    overrides = {
+        "mfu": args.mfu, "attn_mfu": args.attn_mfu, "mbu": args.mbu,
+        "step_overhead_s": None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3,
+        "seq_overhead_s": None if args.seq_overhead_us is None else args.seq_overhead_us / 1e6,
+    }
+    params = dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})
+    return hardware, model, params
+
+
+class SimSystem:
+    """One scheduler configuration on the cost model; runs like `bench`'s ConveyorSystem."""
+
+    def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
+                 params: Any, batch_size: int) -> None:
+        from conveyor.bench.offline import ConveyorSystem
+
+        self.spec = spec
+        self.hardware, self.model, self.params = hardware, model, params
+        # Borrow the measured system's run loop (replay, closed loop, traces): only the engine differs.
+        self._system = ConveyorSystem(spec, None, options, batch_size)  # type: ignore[arg-type]
+        self._system._engine = self._engine  # type: ignore[method-assign]
+        self.config = self._system.config
+        self.last_engine: Any = None
+
+    def _engine(self) -> Any:
+        from conveyor.sim.engine import build_sim_engine
+
+        self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params)
+        return self.last_engine
+
+    def run(self, requests: Any, point: Any, progress: Any = None) -> Any:
+        return self._system.run(requests, point, progress)
+
+    def close(self) -> None:
+        pass
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from conveyor.bench import report
+    from conveyor.bench.commands import _bar, _finish, _line, _out_dir, _require, _slo, build_workload
+    from conveyor.bench.offline import SystemSpec, parse_config
+    from conveyor.cli import engine_kwargs
+    from conveyor.sim.engine import describe_capacity
+
+    _require(args)
+    hardware, model, params = resolve(args)
+    options = {k: v for k, v in engine_kwargs(args).items() if k != "model"}
+    specs = [parse_config(c) for c in args.configs] if args.configs else [SystemSpec(hardware.name, "conveyor", {})]
+    for s in specs:
+        if s.kind != "conveyor":
+            raise ValueError(f"{s.name!r}: the simulator runs conveyor's scheduler only, not HF baselines")
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError(f"configuration names must differ: {[s.name for s in specs]}")
+    slo = _slo(args)
+    out = _out_dir(args, "simulate")
+    requests, points, desc = build_workload(args, model.vocab_size)
+    result = report.new_result("simulate", desc, points, slo, args.slo_attainment, getattr(args, "argv", None))
+    result["engine_options"] = options
+    result["simulation"] = {"hardware": dataclasses.asdict(hardware), "model": dataclasses.asdict(model),
+                            "cost_params": params.to_dict(), "systems": {}}
+    bar = _bar(args, len(specs) * len(points) * len(requests))
+    wall = time.perf_counter()
+    try:
+        for spec in specs:
+            try:
+                system = SimSystem(spec, {**options, **spec.options}, hardware, model, params, args.batch_size)
+                entry = report.add_system(result, spec.name, "simulated", dataclasses.asdict(system.config.scheduler))
+            except Exception as e:  # a refused configuration: reported, the others still run
+                report.add_system(result, spec.name, "simulated", dict(spec.options), f"{type(e).__name__}: {e}")
+                bar.update(len(points) * len(requests))
+                bar.write(f"{spec.name}: {type(e).__name__}: {e}")
+                continue
+            for point in points:
+                from conveyor.bench.workload import at_load
+
+                reqs = at_load(requests, point, args.burstiness, args.seed)
+                bar.set_description(f"{spec.name} @ {point.label}")
+                before = bar.n
+                run = system.run(reqs, point, bar.update)
+                bar.update(len(reqs) - (bar.n - before))
+                p = report.add_point(entry, point, run.timings, run.duration_s, slo, run.engine_stats, None, run.occupancy)
+                engine = system.last_engine
+                p["simulated_busy_s"] = engine.runner_busy_s
+                result["simulation"]["systems"][spec.name] = describe_capacity(engine)
+                bar.write(_line(spec.name, point, p["summary"]))
+    finally:
+        bar.close()
+    result["simulation"]["wall_s"] = time.perf_counter() - wall
+    cap = next(iter(result["simulation"]["systems"].values()), None)
+    if cap:
+        print(f"{model.name} on {hardware.description}: weights {cap['weight_gib']:.1f} GiB, KV cache "
+              f"{cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens; simulated in {result['simulation']['wall_s']:.1f} s")
+    return _finish(args, result, out)
+
+
+# -- calibrate ------------------------------------------------------------------------------
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from conveyor.cli import engine_kwargs
+    from conveyor.config import EngineConfig
+    from conveyor.engine import Engine
+    from conveyor.sim import calibrate
+
+    options = engine_kwargs(args)
+    if options.get("device", "cpu") != "cpu" and options.get("device") != "auto":
+        raise ValueError("calibrate measures the CPU runner; a GPU is simulated from its datasheet")
+    options.update(device="cpu")
+    options.setdefault("num_kv_blocks", 2304)  # the grid's largest shape: 64 x 512 tokens
+    engine = Engine.from_config(EngineConfig.from_kwargs(**options))
+    threads = torch.get_num_threads()
+    print(f"measuring peaks ({threads} threads)...")
+    flops, bandwidth = calibrate.measure_peaks()
+    hardware = calibrate.cpu_hardware(flops, bandwidth, threads)
+    print(f"  fp32 GEMM {flops / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s")
+    model = ModelShape.from_arch(engine.arch, Path(str(engine.model_path)).stem)  # type: ignore[attr-defined]
+    samples = calibrate.measure_runner(engine, calibrate.default_grid(), args.repeats, lambda s: print("  " + s))
+    fit = calibrate.fit(hardware, model, samples, engine.config.cache.block_size)
+    p = fit.params
+    print(f"fit: mfu {p.mfu:.3f}, attn_mfu {p.attn_mfu:.3f}, mbu {p.mbu:.3f}, step {p.step_overhead_s * 1e3:.2f} ms, "
+          f"seq {p.seq_overhead_s * 1e6:.0f} us, token {p.token_overhead_s * 1e6:.0f} us; "
+          f"error median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
+    path = calibrate.save(args.out or calibrate.default_calibration_path(), hardware, model,
+                          getattr(engine, "model_path", None), fit, samples, engine.config.cache.block_size)
+    print(f"saved {path}; use it with `conveyor simulate --hardware cpu`")
+    return 0

@@ -1,0 +1,138 @@
+"""The cost model: how long one step takes on some hardware, from the step's shape alone.
+
+A step is summarised by a `StepShape` (tokens, sequences, attention work, swapped blocks).
+`RooflineCostModel` prices each part of the forward pass as max(compute time, memory time),
+the roofline, with efficiency factors for what real kernels reach:
+
+    linear layers   FLOPs 2 x layer_params x tokens       bytes: the layer weights, once
+    LM head         FLOPs 2 x vocab x hidden x sampled    bytes: the head weights, once
+    attention       prefill: FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs
+                    decode:  the same FLOPs; bytes: every context token's K and V
+    overheads       per step + per sequence + per token (launches, sampling, the scheduler)
+    swap            blocks x block bytes / host link bandwidth
+
+Any object with `step_time(shape) -> float` can replace it (a profiled table, say).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+from conveyor.core.scheduler import SchedulerOutput
+from conveyor.sim.hardware import Hardware
+from conveyor.sim.models import ModelShape
+
+
+@dataclass(slots=True)
+class StepShape:
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_sampled: int = 0
+    prefill_pairs: int = 0  # (query, key) pairs of prefill attention, causal
+    prefill_context: int = 0  # context tokens whose K/V prefill attention reads
+    decode_seqs: int = 0
+    decode_context: int = 0  # context tokens whose K/V decode attention reads
+    swap_blocks: int = 0  # blocks copied out plus in
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepShape:
+        s = cls(swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in))
+        for item in out.scheduled:
+            n = len(item.token_ids)
+            ctx = item.start_pos + n
+            s.num_seqs += 1
+            s.num_tokens += n
+            s.num_sampled += item.sample
+            if n == 1:
+                s.decode_seqs += 1
+                s.decode_context += ctx
+            else:
+                s.prefill_pairs += n * item.start_pos + n * (n + 1) // 2
+                s.prefill_context += ctx
+        return s
+
+
+class CostModel(Protocol):
+    def step_time(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """What the hardware reaches of its peaks, and the fixed costs; fitted by `calibrate`.
+
+    The GPU defaults are assumptions, not measurements: large bf16 GEMMs commonly reach 60-75%
+    of the datasheet peak and streaming kernels 80-90% of the memory bandwidth; the step and
+    sequence overheads are of the order of a Python scheduler with CUDA graphs. docs/simulation.md
+    shows what changes when they do.
+    """
+
+    mfu: float = 0.65  # linear layers: share of peak FLOP/s
+    attn_mfu: float = 0.45  # attention (flash-style kernels): share of peak FLOP/s
+    mbu: float = 0.85  # share of memory bandwidth
+    step_overhead_s: float = 2e-3
+    seq_overhead_s: float = 1e-5
+    token_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("mfu", "attn_mfu", "mbu"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1]")
+        if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s) < 0:
+            raise ValueError("overheads must be >= 0")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostParams:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in d.items() if k in names})
+
+
+class RooflineCostModel:
+    def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
+                 dtype_bytes: int | None = None, block_size: int = 16) -> None:
+        self.hardware = hardware
+        self.model = model
+        self.params = params or CostParams()
+        self.dtype_bytes = dtype_bytes or hardware.dtype_bytes
+        p, m, b = self.params, model, self.dtype_bytes
+        # Constants of the formulas, folded once: a step is priced in a dozen float operations.
+        flops = hardware.peak_flops * p.mfu
+        bw = hardware.mem_bandwidth * p.mbu
+        self._lin_flop_s = 2 * m.layer_params / flops  # seconds per token
+        self._lin_mem_s = m.layer_params * b / bw  # seconds per step
+        self._head_flop_s = 2 * m.head_params / flops  # per sampled row
+        self._head_mem_s = m.head_params * b / bw
+        self._attn_flop_s = 4 * m.num_layers * m.num_heads * m.head_dim / (hardware.peak_flops * p.attn_mfu)
+        self._kv_mem_s = m.kv_bytes_per_token(b) / bw  # per context token read
+        self._swap_s = m.kv_bytes_per_token(b) * block_size / hardware.host_bandwidth  # per block
+
+    def breakdown(self, s: StepShape) -> dict[str, float]:
+        """Seconds per part of the step; `step_time` is their sum."""
+        p = self.params
+        parts = {
+            "linear": max(self._lin_flop_s * s.num_tokens, self._lin_mem_s) if s.num_tokens else 0.0,
+            "lm_head": max(self._head_flop_s * s.num_sampled, self._head_mem_s) if s.num_sampled else 0.0,
+            "attn_prefill": max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
+            "attn_decode": max(self._attn_flop_s * s.decode_context, self._kv_mem_s * s.decode_context),
+            "swap": self._swap_s * s.swap_blocks,
+            "overhead": (p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens)
+            if s.num_tokens else 0.0,
+        }
+        return parts
+
+    def step_time(self, s: StepShape) -> float:
+        if not s.num_tokens:
+            return self._swap_s * s.swap_blocks
+        p = self.params
+        t = max(self._lin_flop_s * s.num_tokens, self._lin_mem_s)
+        if s.num_sampled:
+            t += max(self._head_flop_s * s.num_sampled, self._head_mem_s)
+        if s.prefill_pairs:
+            t += max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context)
+        if s.decode_context:
+            t += max(self._attn_flop_s, self._kv_mem_s) * s.decode_context
+        return t + self._swap_s * s.swap_blocks + p.step_overhead_s + p.seq_overhead_s * s.num_seqs \
+            + p.token_overhead_s * s.num_tokens

@@ -1,0 +1,142 @@
+"""The simulated engine: the real `Engine`, `Scheduler` and `BlockManager` on a virtual clock,
+with a `SimRunner` that returns each step's duration from a cost model instead of computing it.
+
+Nothing here imports torch or a model. A request ends where the workload says: bench requests
+carry `max_tokens=output_len, ignore_eos=True`, and the runner samples a token that is not EOS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.config import EngineConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.engine import CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_RESERVE, Engine, plan_cache
+from conveyor.runner.base import RunnerOutput
+from conveyor.sim.cost import CostModel, CostParams, RooflineCostModel, StepShape
+from conveyor.sim.hardware import Hardware
+from conveyor.sim.models import ModelShape
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+
+
+class SimRunner:
+    """The runner interface on a cost model: no tensors, a duration per step."""
+
+    def __init__(self, cost_model: CostModel, token_id: int = 1) -> None:
+        self.cost_model = cost_model
+        self.token_id = token_id
+        self.busy_s = 0.0  # total simulated compute time
+        self.num_steps = 0
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        shape = StepShape.of(scheduler_output)
+        duration = self.cost_model.step_time(shape)
+        self.busy_s += duration
+        self.num_steps += 1
+        tok = self.token_id
+        return RunnerOutput(
+            sampled={s.seq_id: tok for s in scheduler_output.scheduled if s.sample},
+            duration_s=duration,
+        )
+
+
+class VirtualClock:
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimEngine(Engine):
+    """`Engine` whose clock moves only by simulated step times and waits."""
+
+    clock: VirtualClock
+
+    def wait_until(self, t: float) -> None:
+        if t > self.clock.now:
+            self.clock.now = t
+
+    def _idle(self, wake_at: float | None) -> None:
+        # Nothing schedulable (a dynamic batch's window is open): jump to when something is.
+        self.wait_until(wake_at if wake_at is not None else self.clock.now + 1e-3)
+
+    def _after_run(self, start: float, run_out: RunnerOutput) -> float:
+        self.clock.now = start + run_out.duration_s
+        return self.clock.now
+
+    @property
+    def runner_busy_s(self) -> float:
+        return self.runner.busy_s  # type: ignore[attr-defined, no-any-return]
+
+
+def dtype_bytes_of(config: EngineConfig, hardware: Hardware) -> int:
+    name = config.model.dtype
+    return hardware.dtype_bytes if name == "auto" else DTYPE_BYTES[name]
+
+
+def kv_budget(config: EngineConfig, hardware: Hardware, model: ModelShape, dtype_bytes: int) -> int:
+    """The KV bytes the real engine would take on this hardware by default: on a GPU, memory x
+    gpu_memory_utilization - weights - a 1 GiB runtime reserve (as `Engine.from_config`); on
+    a CPU, the engine's fixed default."""
+    if not hardware.is_gpu:
+        return CPU_DEFAULT_KV_BYTES
+    budget = int(hardware.memory_bytes * config.cache.gpu_memory_utilization)
+    return max(budget - model.weight_bytes(dtype_bytes) - CUDA_RUNTIME_RESERVE, 0)
+
+
+def build_sim_engine(
+    config: EngineConfig,
+    hardware: Hardware,
+    model: ModelShape,
+    params: CostParams | None = None,
+    cost_model: CostModel | None = None,
+    trace: bool = True,
+    max_trace_steps: int | None = 100_000,
+) -> SimEngine:
+    """A simulated engine for `config` (scheduler and cache sections as for a real one)."""
+    b = dtype_bytes_of(config, hardware)
+    weights = model.weight_bytes(b)
+    if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:
+        from conveyor.config import ConfigError
+
+        raise ConfigError(
+            f"{model.name} weighs {weights / 2**30:.1f} GiB in {b}-byte weights, more than "
+            f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"
+        )
+    num_blocks, num_swap, max_len = plan_cache(
+        config, model.kv_bytes_per_token(b), model.max_position_embeddings,
+        lambda: kv_budget(config, hardware, model, b),
+    )
+    eos = frozenset(model.eos_token_ids)
+    scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap), max_len, eos)
+    cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size)
+    token = next(t for t in range(1, model.vocab_size) if t not in eos)
+    engine = SimEngine(config, scheduler, SimRunner(cost, token), None, max_len, model.vocab_size,
+                       clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
+    engine.hardware = hardware  # type: ignore[attr-defined]
+    engine.model_shape = model  # type: ignore[attr-defined]
+    engine.cost_model = cost  # type: ignore[attr-defined]
+    engine.num_kv_blocks = num_blocks  # type: ignore[attr-defined]
+    return engine
+
+
+def describe_capacity(engine: Any) -> dict[str, Any]:
+    """KV capacity facts of a simulated engine, for reports."""
+    cfg = engine.config
+    model, hw = engine.model_shape, engine.hardware
+    b = dtype_bytes_of(cfg, hw)
+    blocks = engine.num_kv_blocks
+    return {
+        "hardware": hw.name,
+        "model": model.name,
+        "dtype_bytes": b,
+        "weight_gib": model.weight_bytes(b) / 2**30,
+        "kv_bytes_per_token": model.kv_bytes_per_token(b),
+        "kv_blocks": blocks,
+        "kv_tokens": blocks * cfg.cache.block_size,
+        "kv_gib": blocks * cfg.cache.block_size * model.kv_bytes_per_token(b) / 2**30,
+        "max_model_len": engine.max_model_len,
+    }

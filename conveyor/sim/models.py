@@ -1,0 +1,158 @@
+"""Model shapes for the simulator: what the cost model needs, read from any HF config.json.
+
+No weights and no torch: a `ModelShape` is the handful of sizes that decide a step's FLOPs and
+bytes. The catalog holds the published config.json values of the models the docs simulate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    gated_mlp: bool = True  # Llama-style gate/up/down (3 matrices); OPT's fc1/fc2 is 2
+    max_position_embeddings: int = 4096
+    learned_positions: int = 0  # OPT: a learned position table (rows), read like embeddings
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{self.name}: {name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: {self.num_heads} heads do not divide into {self.num_kv_heads} KV heads")
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def layer_params(self) -> int:
+        """Weights of the per-layer matrices (q, k, v, o and the MLP), all layers."""
+        h = self.hidden_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
+        return self.num_layers * (h * (q + 2 * kv) + q * h + mlp)
+
+    @property
+    def head_params(self) -> int:
+        """The LM head (read even when tied: it is the embedding matrix, read whole)."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """All weights; norms and biases are left out (under 0.1% for every catalog model)."""
+        embed = (self.vocab_size + self.learned_positions) * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.head_params
+        return self.layer_params + embed + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        return self.num_params * dtype_bytes
+
+    # -- reading ---------------------------------------------------------------------------
+    @classmethod
+    def from_arch(cls, arch: Any, name: str = "model") -> ModelShape:
+        """From a loaded model's `ArchConfig` (what `conveyor calibrate` measured)."""
+        return cls(
+            name=name, hidden_size=arch.hidden_size, num_layers=arch.num_layers, num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, intermediate_size=arch.intermediate_size,
+            vocab_size=arch.vocab_size, tie_word_embeddings=arch.tie_word_embeddings,
+            max_position_embeddings=arch.max_position_embeddings, eos_token_ids=tuple(arch.eos_token_ids),
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelShape:
+        """Llama-family keys (Llama, Mistral, Qwen2/3, SmolLM...) or OPT's."""
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise ValueError(f"{name}: config.json has no {e.args[0]!r}; is it a decoder-only transformer?") from None
+        opt = cfg.get("model_type") == "opt" or "ffn_dim" in cfg
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        if opt:
+            if cfg.get("word_embed_proj_dim", hidden) != hidden:
+                raise ValueError(f"{name}: OPT with word_embed_proj_dim != hidden_size (OPT-350M) is not modelled")
+            return cls(
+                name=name, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                head_dim=hidden // heads, intermediate_size=int(cfg["ffn_dim"]), vocab_size=vocab,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), gated_mlp=False,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                learned_positions=int(cfg.get("max_position_embeddings", 2048)) + 2,
+                eos_token_ids=eos_ids,
+            )
+        if "intermediate_size" not in cfg:
+            raise ValueError(f"{name}: config.json has no 'intermediate_size'")
+        return cls(
+            name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]), vocab_size=vocab,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _llama(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, max_pos: int,
+           tied: bool = False, head_dim: int | None = None) -> dict[str, Any]:
+    cfg = {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+           "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": tied}
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+    return cfg
+
+
+# The config.json values of each model on the Hugging Face Hub (the repository named beside it).
+MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", _llama(4096, 32, 32, 8, 14336, 128256, 131072)),
+    "llama-2-7b": ("meta-llama/Llama-2-7b-hf", _llama(4096, 32, 32, 32, 11008, 32000, 4096)),
+    "llama-2-13b": ("meta-llama/Llama-2-13b-hf", _llama(5120, 40, 40, 40, 13824, 32000, 4096)),
+    "llama-13b": ("huggyllama/llama-13b (LLaMA-1)", _llama(5120, 40, 40, 40, 13824, 32000, 2048)),
+    "opt-13b": ("facebook/opt-13b", {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40,
+                                     "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272,
+                                     "max_position_embeddings": 2048, "word_embed_proj_dim": 5120}),
+    "mistral-7b": ("mistralai/Mistral-7B-v0.1", _llama(4096, 32, 32, 8, 14336, 32000, 32768)),
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", _llama(1024, 28, 16, 8, 3072, 151936, 40960, tied=True, head_dim=128)),
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", _llama(576, 30, 9, 3, 1536, 49152, 8192, tied=True)),
+}
+
+
+def model_names() -> list[str]:
+    return sorted(MODEL_CONFIGS)
+
+
+def get_model(name_or_path: str) -> ModelShape:
+    """A catalog name, a config.json, or a folder holding one."""
+    key = name_or_path.lower()
+    if key in MODEL_CONFIGS:
+        return ModelShape.from_hf_config(MODEL_CONFIGS[key][1], key)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON: {e}") from None
+        return ModelShape.from_hf_config(cfg, path.parent.name or str(path))
+    raise ValueError(f"unknown model {name_or_path!r}: use one of {', '.join(model_names())} or a config.json path")
