@@ -5,9 +5,9 @@
 2. The real `ModelRunner` runs a grid of batch shapes (decode batches at short and long
    contexts, whole prompts, prompt chunks over a context, decode + prefill mixes); each shape's
    median time is one sample.
-3. The fit: a grid search over the three efficiencies (mfu, attn_mfu, mbu), and for each, the
-   three overheads (per step, per sequence, per token) by non-negative least squares, all on
-   relative error. The best fit is saved as JSON and `conveyor simulate --hardware cpu` uses it.
+3. The fit: coordinate descent over the five efficiencies (mfu, attn_mfu, mbu, kv_mbu,
+   gemv_mbu), and for each candidate the three overheads (per step, per sequence, per token)
+   by non-negative least squares, all on relative error. The best fit is saved as JSON and `conveyor simulate --hardware cpu` uses it.
 
 The overheads absorb this runner's Python work per layer, so a calibration holds for the model
 it measured (by default SmolLM2, the model conveyor serves here); `simulate` says so when the
@@ -61,10 +61,10 @@ def measure_peaks(threads: int | None = None) -> tuple[float, float]:
 
     if threads is not None:
         torch.set_num_threads(threads)
-    n = 1536
+    n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(5))
+    best = min(_timed(lambda: a @ b) for _ in range(8))
     flops = 2 * n**3 / best
     x = torch.ones((1 << 30) // 4)
     x.sum()
@@ -148,28 +148,38 @@ class Fit:
 
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
-        block_size: int = 16) -> Fit:
-    """Efficiencies by grid search (coarse, then fine around the best); overheads by
-    non-negative least squares on relative error, for each candidate."""
+        block_size: int = 16, sweeps: int = 10) -> Fit:
+    """The five efficiencies by coordinate descent over a log grid; for each candidate, the
+    three overheads by non-negative least squares; everything on relative error."""
     import numpy as np
 
     shapes = [s for _, s, _ in samples]
     y = np.array([t for _, _, t in samples])
     w = 1.0 / y
-    X = np.array([[1.0, s.num_seqs, s.num_tokens] for s in shapes])
-    base = RooflineCostModel(hardware, model, CostParams(1.0, 1.0, 1.0, 0.0, 0.0, 0.0), hardware.dtype_bytes, block_size)
-    # Per-sample times at efficiency 1 for each part: (compute, memory) pairs.
-    lin = np.array([[base._lin_flop_s * s.num_tokens, base._lin_mem_s] for s in shapes])
-    head = np.array([[base._head_flop_s * s.num_sampled, base._head_mem_s if s.num_sampled else 0.0] for s in shapes])
-    attn_p = np.array([[base._attn_flop_s * s.prefill_pairs, base._kv_mem_s * s.prefill_context] for s in shapes])
-    attn_d = np.array([[base._attn_flop_s * s.decode_context, base._kv_mem_s * s.decode_context] for s in shapes])
+    Xw = np.array([[1.0, s.num_seqs, s.num_tokens] for s in shapes]) * w[:, None]
+    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0)
+    base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
+    # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
+    col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
+    lin_c = col(lambda s: base._lin_flop_s * s.num_tokens)
+    lin_m = col(lambda s: base._lin_mem_s)
+    lin_1 = col(lambda s: s.num_tokens == 1)
+    head_c = col(lambda s: base._head_flop_s * s.num_sampled)
+    head_m = col(lambda s: base._head_mem_s if s.num_sampled else 0.0)
+    head_1 = col(lambda s: s.num_sampled == 1)
+    attn_c = col(lambda s: base._attn_flop_s * s.prefill_pairs)
+    attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
+    dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
+    dec_m = col(lambda s: base._kv_mem_s * s.decode_context)
 
-    def evaluate(mfu: float, attn: float, mbu: float) -> tuple[float, np.ndarray]:
-        r = (np.maximum(lin[:, 0] / mfu, lin[:, 1] / mbu) + np.maximum(head[:, 0] / mfu, head[:, 1] / mbu)
-             + np.maximum(attn_p[:, 0] / attn, attn_p[:, 1] / mbu) + np.maximum(attn_d[:, 0] / attn, attn_d[:, 1] / mbu))
-        best_loss, best_c = float("inf"), np.zeros(3)
+    def evaluate(e: Sequence[float]) -> tuple[float, np.ndarray]:
+        mfu, attn, mbu, kv, gemv = e
+        lin_bw = np.where(lin_1 > 0, gemv, mbu)
+        head_bw = np.where(head_1 > 0, gemv, mbu)
+        r = (np.maximum(lin_c / mfu, lin_m / lin_bw) + np.maximum(head_c / mfu, head_m / head_bw)
+             + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv))
         target = (y - r) * w
-        Xw = X * w[:, None]
+        best_loss, best_c = float("inf"), np.zeros(3)
         for mask in itertools.product((0, 1), repeat=3):  # NNLS by enumerating active sets
             cols = [i for i in range(3) if mask[i]]
             c = np.zeros(3)
@@ -183,16 +193,41 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 best_loss, best_c = loss, c
         return best_loss, best_c
 
-    coarse = np.geomspace(0.01, 1.0, 21)
-    best = min(((evaluate(a, b, c)[0], (a, b, c)) for a in coarse for b in coarse for c in coarse))
-    a0, b0, c0 = best[1]
-    fine = [np.clip(v * np.geomspace(0.8, 1.25, 11), 1e-3, 1.0) for v in (a0, b0, c0)]
-    best = min(((evaluate(a, b, c)[0], (a, b, c)) for a in fine[0] for b in fine[1] for c in fine[2]))
-    mfu, attn, mbu = (float(v) for v in best[1])
-    _, c = evaluate(mfu, attn, mbu)
-    params = CostParams(mfu, attn, mbu, float(c[0]), float(c[1]), float(c[2]))
-    model_ = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
-    errors = [(model_.step_time(s) - t) / t for _, s, t in samples]
+    grid = np.geomspace(0.002, 1.0, 67)
+    e = [0.5] * 5
+    loss = evaluate(e)[0]
+    for _ in range(sweeps):
+        before = loss
+        for i in range(5):
+            for v in grid:
+                trial = [*e[:i], float(v), *e[i + 1:]]
+                trial_loss = evaluate(trial)[0]
+                if trial_loss < loss:
+                    loss, e = trial_loss, trial
+        if loss >= before * (1 - 1e-6):
+            break
+    # Then a pattern search: multiplicative moves of one or two efficiencies at a time (the
+    # pairs follow the valleys where one part's time trades against another's), shrinking.
+    moves = [(i, j, si, sj) for i in range(5) for j in range(i, 5) for si in (1, -1) for sj in (1, -1)
+             if i != j or si == sj]
+    for factor in (1.5, 1.2, 1.1, 1.05, 1.02, 1.01, 1.005):
+        improved = True
+        while improved:
+            improved = False
+            for i, j, si, sj in moves:
+                trial = list(e)
+                trial[i] *= factor**si
+                if j != i:
+                    trial[j] *= factor**sj
+                if max(trial) > 1.0:
+                    continue
+                trial_loss = evaluate(trial)[0]
+                if trial_loss < loss * (1 - 1e-9):
+                    loss, e, improved = trial_loss, trial, True
+    _, c = evaluate(e)
+    params = CostParams(e[0], e[1], e[2], e[3], e[4], float(c[0]), float(c[1]), float(c[2]))
+    fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
+    errors = [(fitted.step_time(s) - t) / t for _, s, t in samples]
     return Fit(params, errors)
 
 

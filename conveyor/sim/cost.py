@@ -6,8 +6,9 @@ the roofline, with efficiency factors for what real kernels reach:
 
     linear layers   FLOPs 2 x layer_params x tokens       bytes: the layer weights, once
     LM head         FLOPs 2 x vocab x hidden x sampled    bytes: the head weights, once
-    attention       prefill: FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs
-                    decode:  the same FLOPs; bytes: every context token's K and V
+    attention       FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs (causal in
+                    a prompt); bytes: every context token's K and V, at its own efficiency
+    one-token steps the weights stream through matrix-vector kernels, at their own efficiency
     overheads       per step + per sequence + per token (launches, sampling, the scheduler)
     swap            blocks x block bytes / host link bandwidth
 
@@ -59,35 +60,39 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True)
 class CostParams:
-    """What the hardware reaches of its peaks, and the fixed costs; fitted by `calibrate`.
+    """What the hardware reaches of its peaks, and the fixed costs; `calibrate` fits them.
 
     The GPU defaults are assumptions, not measurements: large bf16 GEMMs commonly reach 60-75%
-    of the datasheet peak and streaming kernels 80-90% of the memory bandwidth; the step and
-    sequence overheads are of the order of a Python scheduler with CUDA graphs. docs/simulation.md
-    shows what changes when they do.
+    of the datasheet peak, streaming kernels 80-90% of the memory bandwidth and paged attention
+    somewhat less; the step and sequence overheads are of the order of a Python scheduler with
+    CUDA graphs. docs/simulation.md shows what changes when they do. An efficiency may exceed 1
+    a little where the measured peak (a calibrated CPU's) is below what some shape reaches.
     """
 
     mfu: float = 0.65  # linear layers: share of peak FLOP/s
-    attn_mfu: float = 0.45  # attention (flash-style kernels): share of peak FLOP/s
-    mbu: float = 0.85  # share of memory bandwidth
+    attn_mfu: float = 0.45  # attention: share of peak FLOP/s
+    mbu: float = 0.85  # weights streamed by matrix-matrix kernels: share of memory bandwidth
+    kv_mbu: float = 0.7  # K/V read by attention: share of memory bandwidth
+    gemv_mbu: float | None = None  # weights streamed with one row (matrix-vector); None: mbu
     step_overhead_s: float = 2e-3
     seq_overhead_s: float = 1e-5
     token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("mfu", "attn_mfu", "mbu"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1]")
+        for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1.5:
+                raise ValueError(f"{name}={v} must be in (0, 1.5]")
         if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | None]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostParams:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: float(v) for k, v in d.items() if k in names})
+        return cls(**{k: (None if v is None else float(v)) for k, v in d.items() if k in names})
 
 
 class RooflineCostModel:
@@ -101,35 +106,46 @@ class RooflineCostModel:
         # Constants of the formulas, folded once: a step is priced in a dozen float operations.
         flops = hardware.peak_flops * p.mfu
         bw = hardware.mem_bandwidth * p.mbu
+        gemv_bw = hardware.mem_bandwidth * (p.gemv_mbu if p.gemv_mbu is not None else p.mbu)
         self._lin_flop_s = 2 * m.layer_params / flops  # seconds per token
         self._lin_mem_s = m.layer_params * b / bw  # seconds per step
+        self._lin_gemv_s = m.layer_params * b / gemv_bw  # seconds per one-token step
         self._head_flop_s = 2 * m.head_params / flops  # per sampled row
         self._head_mem_s = m.head_params * b / bw
+        self._head_gemv_s = m.head_params * b / gemv_bw
         self._attn_flop_s = 4 * m.num_layers * m.num_heads * m.head_dim / (hardware.peak_flops * p.attn_mfu)
-        self._kv_mem_s = m.kv_bytes_per_token(b) / bw  # per context token read
+        self._kv_mem_s = m.kv_bytes_per_token(b) / (hardware.mem_bandwidth * p.kv_mbu)  # per context token
         self._swap_s = m.kv_bytes_per_token(b) * block_size / hardware.host_bandwidth  # per block
+
+    def _linear(self, tokens: int) -> float:
+        mem = self._lin_gemv_s if tokens == 1 else self._lin_mem_s
+        return max(self._lin_flop_s * tokens, mem)
+
+    def _head(self, rows: int) -> float:
+        mem = self._head_gemv_s if rows == 1 else self._head_mem_s
+        return max(self._head_flop_s * rows, mem)
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per part of the step; `step_time` is their sum."""
         p = self.params
-        parts = {
-            "linear": max(self._lin_flop_s * s.num_tokens, self._lin_mem_s) if s.num_tokens else 0.0,
-            "lm_head": max(self._head_flop_s * s.num_sampled, self._head_mem_s) if s.num_sampled else 0.0,
+        busy = s.num_tokens > 0
+        return {
+            "linear": self._linear(s.num_tokens) if busy else 0.0,
+            "lm_head": self._head(s.num_sampled) if s.num_sampled else 0.0,
             "attn_prefill": max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
-            "attn_decode": max(self._attn_flop_s * s.decode_context, self._kv_mem_s * s.decode_context),
+            "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
             "swap": self._swap_s * s.swap_blocks,
-            "overhead": (p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens)
-            if s.num_tokens else 0.0,
+            "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
+            if busy else 0.0,
         }
-        return parts
 
     def step_time(self, s: StepShape) -> float:
         if not s.num_tokens:
             return self._swap_s * s.swap_blocks
         p = self.params
-        t = max(self._lin_flop_s * s.num_tokens, self._lin_mem_s)
+        t = self._linear(s.num_tokens)
         if s.num_sampled:
-            t += max(self._head_flop_s * s.num_sampled, self._head_mem_s)
+            t += self._head(s.num_sampled)
         if s.prefill_pairs:
             t += max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context)
         if s.decode_context:

@@ -1,0 +1,243 @@
+"""The simulator: the real scheduler on a cost model, hand-checked numbers, determinism."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.cli import main
+from conveyor.config import EngineConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from conveyor.engine import Engine
+from conveyor.replay import TimedRequest, replay
+from conveyor.sampling_params import SamplingParams
+from conveyor.sim import calibrate
+from conveyor.sim.cost import CostParams, RooflineCostModel, StepShape
+from conveyor.sim.engine import SimEngine, build_sim_engine, describe_capacity
+from conveyor.sim.hardware import GiB, Hardware, get_hardware
+from conveyor.sim.models import ModelShape, get_model
+
+# A toy model and toy hardware whose numbers are easy to follow by hand.
+TOY = ModelShape("toy", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=1000, tie_word_embeddings=False, max_position_embeddings=512)
+TOY_HW = Hardware("toy-gpu", "toy", peak_flops=1e12, mem_bandwidth=1e11, memory_bytes=4 * GiB, host_bandwidth=1e10)
+TOY_PARAMS = CostParams(mfu=0.5, attn_mfu=0.25, mbu=0.8, kv_mbu=0.8, gemv_mbu=None,
+                        step_overhead_s=1e-3, seq_overhead_s=1e-5, token_overhead_s=0.0)
+
+
+def toy_engine(**kw) -> SimEngine:
+    kw.setdefault("gpu_memory_utilization", 0.5)
+    return build_sim_engine(EngineConfig.from_kwargs(**kw), TOY_HW, TOY, TOY_PARAMS)
+
+
+def test_toy_sizes_by_hand():
+    # per layer: q,k,v 64 x (64 + 2 x 32) = 8192, o 64 x 64 = 4096, MLP 3 x 64 x 128 = 24576
+    assert TOY.layer_params == 2 * (8192 + 4096 + 24576) == 73_728
+    assert TOY.num_params == 73_728 + 64_000 + 64_000  # + embedding + untied head
+    assert TOY.kv_bytes_per_token(2) == 2 * 2 * 2 * 16 * 2 == 256
+
+
+def test_kv_capacity_by_hand():
+    engine = toy_engine()
+    # 4 GiB x 0.5 - 1 GiB runtime reserve - 403,456 bytes of weights = 1,073,338,368 bytes;
+    # a block is 16 tokens x 256 bytes = 4096 bytes: 262,045 whole blocks.
+    assert engine.num_kv_blocks == 262_045
+    cap = describe_capacity(engine)
+    assert cap["kv_tokens"] == 262_045 * 16
+    assert engine.max_model_len == 512  # the model's context, below the capacity
+    assert toy_engine(num_kv_blocks=10).num_kv_blocks == 10
+
+
+def _item(seq_id: int, n: int, start: int, sample: bool = True) -> ScheduledSequence:
+    ids = [5] * (start + n)
+    return ScheduledSequence(seq_id, ids[start:], start, [], sample, SamplingParams(), ids, start + n)
+
+
+def test_step_times_by_hand():
+    cost = RooflineCostModel(TOY_HW, TOY, TOY_PARAMS, dtype_bytes=2)
+    # Two decodes at contexts 100 and 50.
+    decode = StepShape.of(SchedulerOutput(0, [_item(0, 1, 99), _item(1, 1, 49)]))
+    assert (decode.num_tokens, decode.decode_context, decode.num_sampled) == (2, 150, 2)
+    linear = max(2 * 73_728 * 2 / 0.5e12, 73_728 * 2 / 0.8e11)  # memory-bound: 1.8432e-6
+    head = max(2 * 64_000 * 2 / 0.5e12, 64_000 * 2 / 0.8e11)  # 1.6e-6
+    attn = max(4 * 2 * 4 * 16 * 150 / 0.25e12, 256 * 150 / 0.8e11)  # 4.8e-7
+    assert cost.step_time(decode) == pytest.approx(linear + head + attn + 1e-3 + 2e-5, rel=1e-12)
+    assert cost.step_time(decode) == pytest.approx(1.0239232e-3, rel=1e-9)
+    # One 100-token prompt: compute-bound linear layers, causal attention over 5050 pairs.
+    prefill = StepShape.of(SchedulerOutput(0, [_item(0, 100, 0)]))
+    assert prefill.prefill_pairs == 5050
+    assert cost.step_time(prefill) == pytest.approx(2.94912e-5 + 1.6e-6 + 1.03424e-5 + 1.01e-3, rel=1e-9)
+    parts = cost.breakdown(prefill)
+    assert sum(parts.values()) == pytest.approx(cost.step_time(prefill))
+    # A chunk that does not end its prompt samples nothing: no LM head.
+    chunk = StepShape.of(SchedulerOutput(0, [_item(0, 100, 0, sample=False)]))
+    assert cost.step_time(prefill) - cost.step_time(chunk) == pytest.approx(1.6e-6)
+
+
+def test_gemv_efficiency_applies_to_one_token_steps_only():
+    params = CostParams(mfu=0.5, attn_mfu=0.25, mbu=0.8, kv_mbu=0.8, gemv_mbu=0.4,
+                        step_overhead_s=0.0, seq_overhead_s=0.0)
+    cost = RooflineCostModel(TOY_HW, TOY, params, dtype_bytes=2)
+    one = cost.breakdown(StepShape.of(SchedulerOutput(0, [_item(0, 1, 9)])))
+    two = cost.breakdown(StepShape.of(SchedulerOutput(0, [_item(0, 1, 9), _item(1, 1, 9)])))
+    assert one["linear"] == pytest.approx(73_728 * 2 / 0.4e11)
+    assert two["linear"] == pytest.approx(73_728 * 2 / 0.8e11)
+
+
+def test_simulator_uses_the_real_scheduler():
+    engine = toy_engine()
+    assert isinstance(engine, Engine)
+    assert type(engine.scheduler) is Scheduler
+    assert type(engine.scheduler.block_manager) is BlockManager
+
+
+def test_single_request_timeline_by_hand():
+    engine = toy_engine()
+    engine.add_request("a", [7] * 100, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    (out,) = outs
+    cost = engine.cost_model
+    prefill = cost.step_time(StepShape.of(SchedulerOutput(0, [_item(0, 100, 0)])))
+    d1 = cost.step_time(StepShape.of(SchedulerOutput(0, [_item(0, 1, 100)])))
+    d2 = cost.step_time(StepShape.of(SchedulerOutput(0, [_item(0, 1, 101)])))
+    m = out.metrics
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+    assert m.first_token_time - m.arrival_time == pytest.approx(prefill)
+    assert m.finished_time - m.arrival_time == pytest.approx(prefill + d1 + d2)
+
+
+def _workload(n: int, seed: int) -> list[TimedRequest]:
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(200.0)
+        reqs.append(TimedRequest(t, [rng.randrange(10, 900) for _ in range(rng.randint(4, 150))],
+                                 SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True, temperature=0.0)))
+    return reqs
+
+
+def _timeline(engine: SimEngine, reqs: list[TimedRequest]) -> list[tuple]:
+    outs = replay(engine, reqs)
+    return [(o.metrics.first_token_time, o.metrics.finished_time, len(o.outputs[0].token_ids)) for o in outs]
+
+
+def test_deterministic():
+    reqs = _workload(60, 1)
+    a = _timeline(toy_engine(num_kv_blocks=40, max_num_seqs=8), reqs)
+    b = _timeline(toy_engine(num_kv_blocks=40, max_num_seqs=8), reqs)
+    assert a == b
+    assert [n for *_, n in a] == [r.params.max_tokens for r in reqs]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    batching=st.sampled_from(["continuous", "static", "dynamic"]),
+    prefill_mode=st.sampled_from(["chunked", "mixed", "prefill_first"]),
+    policy=st.sampled_from(["fcfs", "priority", "sjf", "mlfq"]),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    blocks=st.integers(14, 60),
+)
+def test_every_request_gets_its_length_under_any_schedule(seed, batching, prefill_mode, policy, preemption, blocks):
+    kw = dict(batching=batching, prefill_mode=prefill_mode, policy=policy, preemption_mode=preemption,
+              num_kv_blocks=blocks, max_num_seqs=6, max_num_batched_tokens=256, num_swap_blocks=64)
+    if batching != "continuous":
+        kw["max_batch_size"] = 4
+    engine = toy_engine(**kw)
+    reqs = _workload(25, seed)
+    timeline = _timeline(engine, reqs)
+    assert [n for *_, n in timeline] == [r.params.max_tokens for r in reqs]
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    engine.scheduler.check_integrity()
+    busy = sum(s.duration_s for s in engine.step_trace)
+    assert busy == pytest.approx(engine.runner_busy_s)
+    assert engine.clock.now >= busy  # the clock also waits for arrivals
+
+
+def test_continuous_beats_static_under_varied_lengths():
+    rng = random.Random(0)
+    reqs = [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=rng.choice([4, 200]), ignore_eos=True, temperature=0.0))
+            for _ in range(64)]
+    done = {}
+    for batching in ("static", "continuous"):
+        kw = {"max_batch_size": 16} if batching == "static" else {}
+        engine = build_sim_engine(EngineConfig.from_kwargs(batching=batching, max_num_seqs=16, **kw),
+                                  get_hardware("a100-40gb"), get_model("llama-2-7b"))
+        replay(engine, reqs)
+        done[batching] = engine.clock.now
+    assert done["continuous"] < 0.8 * done["static"]
+
+
+def test_catalog_parameter_counts():
+    published = {"llama-3.1-8b": 8.03e9, "llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "opt-13b": 12.85e9,
+                 "mistral-7b": 7.24e9, "qwen3-0.6b": 0.596e9, "smollm2-135m": 134.5e6}
+    for name, n in published.items():
+        assert get_model(name).num_params == pytest.approx(n, rel=0.01), name
+
+
+def test_model_from_config_json(tmp_path):
+    cfg = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+           "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = get_model(str(tmp_path))
+    assert (m.head_dim, m.num_kv_heads, m.tie_word_embeddings) == (64, 2, True)
+    assert m.num_params == pytest.approx(494e6, rel=0.01)  # Qwen2-0.5B
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("no-such-model")
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("tpu")
+
+
+def test_weights_that_do_not_fit_are_refused():
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="weighs"):
+        build_sim_engine(EngineConfig(), get_hardware("rtx-4070-laptop"), get_model("llama-2-13b"))
+
+
+def test_fit_recovers_a_known_cost_model():
+    truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35,
+                       step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5)
+    hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
+    model = get_model("smollm2-135m")
+    cost = RooflineCostModel(hw, model, truth, 4)
+    samples = []
+    for label, shape in calibrate.default_grid():
+        items = [_item(i, n, start) for i, (n, start) in enumerate(shape)]
+        s = StepShape.of(SchedulerOutput(0, items))
+        samples.append((label, s, cost.step_time(s)))
+    fit = calibrate.fit(hw, model, samples)
+    assert fit.max_abs_rel_error < 0.03
+    path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)
+    loaded = calibrate.load(path)
+    assert loaded.params == fit.params and loaded.hardware == hw and loaded.model == model
+    path.unlink()
+
+
+def test_simulate_cli(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["simulate", "--hardware", "a100-80gb", "--model", "llama-2-7b", "--num-requests", "50",
+               "--request-rate", "4,inf", "--no-plots", "--no-progress", "--out", str(out), "static", "continuous"])
+    assert rc == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["mode"] == "simulate"
+    assert [s["name"] for s in result["systems"]] == ["static", "continuous"]
+    assert all(p["summary"]["completed"] == 50 for s in result["systems"] for p in s["points"])
+    assert "simulated: llama-2-7b on NVIDIA A100" in (out / "summary.md").read_text()
+    assert main(["simulate", "--hardware", "a100-80gb", "--num-requests", "2", "--request-rate", "inf",
+                 "--no-plots", "--out", str(tmp_path / "x"), "hf_static"]) == 2
+    assert main(["simulate", "--hardware", "tpu", "--request-rate", "inf", "--no-plots"]) == 2
+
+
+def test_cpu_needs_a_calibration(tmp_path, capsys):
+    rc = main(["simulate", "--hardware", "cpu", "--calibration", str(tmp_path / "none.json"),
+               "--request-rate", "inf", "--no-plots"])
+    assert rc == 2
+    assert "conveyor calibrate" in capsys.readouterr().err
