@@ -12,12 +12,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.engine import StepRecord
+
 if TYPE_CHECKING:
     from conveyor.engine import Engine
 
 
 def trace_dict(engine: Engine) -> dict[str, Any]:
-    steps = [dataclasses.asdict(s) for s in engine.step_trace]
+    # Field by field, not dataclasses.asdict (which deep-copies): traces hold 10^5 steps.
+    names = [f.name for f in dataclasses.fields(StepRecord)]
+    steps = [{n: getattr(s, n) for n in names} for s in engine.step_trace]
     requests = []
     for r in engine.finished_requests:
         m = r.metrics

@@ -106,7 +106,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="synthetic: --input-len/--output-len distributions; sharegpt: ShareGPT-like lengths "
                    "(published means, see docs/benchmarking.md)")
     w.add_argument("--input-len", default="uniform:32,256",
-                   help="prompt tokens: N | uniform:LO,HI | normal:MEAN,STD | lognormal:MEAN,STD")
+                   help="prompt tokens: N | uniform:LO,HI | normal:MEAN,STD | lognormal:MEAN,STD | exponential:MEAN,MAX")
     w.add_argument("--output-len", default="uniform:16,128", help="output tokens, same forms as --input-len")
     w.add_argument("--sharegpt-scale", type=float, default=1.0, help="multiply ShareGPT-like lengths (0.25 on a CPU)")
     w.add_argument("--sharegpt-sigma", type=float, default=1.0, help="lognormal shape of the ShareGPT-like lengths (an assumption)")

@@ -38,7 +38,8 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                    help="--hardware cpu: the calibration file (default: the one `conveyor calibrate` saved)")
     for name, help_ in (("mfu", "share of peak FLOP/s reached by linear layers"),
                         ("attn-mfu", "share of peak FLOP/s reached by attention"),
-                        ("mbu", "share of memory bandwidth reached"),
+                        ("mbu", "share of memory bandwidth reached streaming weights"),
+                        ("kv-mbu", "share of memory bandwidth reached reading K/V in attention"),
                         ("step-overhead-ms", "fixed time per step"),
                         ("seq-overhead-us", "time per sequence in a step")):
         g.add_argument(f"--{name}", type=float, default=None, help=f"cost model: {help_} (overrides the default)")
@@ -71,7 +72,7 @@ def resolve(args: argparse.Namespace) -> tuple[Hardware, ModelShape, Any]:
     else:
         hardware, params = get_hardware(args.hardware), CostParams()
     overrides = {
-        "mfu": args.mfu, "attn_mfu": args.attn_mfu, "mbu": args.mbu,
+        "mfu": args.mfu, "attn_mfu": args.attn_mfu, "mbu": args.mbu, "kv_mbu": args.kv_mbu,
         "step_overhead_s": None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3,
         "seq_overhead_s": None if args.seq_overhead_us is None else args.seq_overhead_us / 1e6,
     }
