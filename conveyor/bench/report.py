@@ -169,10 +169,12 @@ def markdown(result: dict[str, Any]) -> str:
     sim = result.get("simulation")
     if sim:
         p = sim["cost_params"]
+        gemv = f"one-row mbu {p['gemv_mbu']:.2f}, " if p.get("gemv_mbu") is not None else ""
         lines.append(
             f"- simulated: {sim['model']['name']} on {sim['hardware']['description']} (a cost model on a virtual clock: "
-            f"mfu {p['mfu']:.2f}, attention {p['attn_mfu']:.2f}, mbu {p['mbu']:.2f}, "
-            f"step {p['step_overhead_s'] * 1e3:.2f} ms, sequence {p['seq_overhead_s'] * 1e6:.0f} us)"
+            f"mfu {p['mfu']:.2f}, attention {p['attn_mfu']:.2f}, mbu {p['mbu']:.2f}, kv {p.get('kv_mbu', 0):.2f}, {gemv}"
+            f"step {p['step_overhead_s'] * 1e3:.2f} ms, sequence {p['seq_overhead_s'] * 1e6:.0f} us, "
+            f"token {p.get('token_overhead_s', 0) * 1e6:.0f} us)"
         )
         for name, cap in sim.get("systems", {}).items():
             lines.append(f"  - {name}: KV cache {cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens, weights {cap['weight_gib']:.1f} GiB")
