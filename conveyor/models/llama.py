@@ -7,6 +7,8 @@ gate/up projections are fused into one matrix each. The LM head runs only on sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 
 import torch
@@ -107,6 +109,25 @@ class TransposedLinear(nn.Module):
         return x @ self.weight_t
 
 
+class SkinnyLinear(nn.Module):
+    """`nn.Linear` (weight `[out, in]`) for float32 on CPU: steps of up to SKINNY_MAX_ROWS
+    rows (decodes) go through the native kernel that streams the weight at memory speed;
+    larger ones (prompts) through MKL's GEMM."""
+
+    def __init__(self, linear: nn.Linear, kernel: Callable[..., torch.Tensor], max_rows: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+        self.kernel = kernel
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            y = self.kernel(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -201,22 +222,37 @@ class LlamaForCausalLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """Called once after the weights are loaded.
 
-        On CPU the LM head is kept transposed (`[hidden, vocab]`, contiguous): for the few rows
-        that sample, MKL multiplies that layout about twice as fast as `x @ W.T`.
+        On CPU in float32, the native skinny kernel (conveyor/kernels) takes the few rows of
+        decode steps in every projection and in the LM head. Without it, the weights are kept
+        transposed (`[in, out]`, contiguous): for small row counts MKL streams that layout
+        about twice as fast as `x @ W.T`.
         """
+        from conveyor.kernels import SKINNY_MAX_ROWS, skinny_linear
+
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self._head_t: torch.Tensor | None = None
-        if weight.device.type == "cpu":
+        self._head_kernel: Callable[..., torch.Tensor] | None = None
+        if weight.device.type != "cpu":
+            return
+        kernel = skinny_linear() if weight.dtype == torch.float32 else None
+        if kernel is not None:
+            self._head_kernel = kernel
+        else:
             self._head_t = weight.detach().t().contiguous()
-            # The same holds for the projections when weights stream from memory each step.
-            for module in list(self.modules()):
-                for name, child in list(module.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(module, name, TransposedLinear(child))
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and child is not self.lm_head:
+                    replacement = (
+                        SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
+                    )
+                    setattr(module, name, replacement)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head_t = getattr(self, "_head_t", None)
         if head_t is not None:
             return hidden @ head_t
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        kernel = getattr(self, "_head_kernel", None)
+        if kernel is not None and hidden.shape[0] <= 8:
+            return kernel(hidden, weight)
         return F.linear(hidden, weight)
