@@ -1,8 +1,9 @@
 """Optional native CPU kernels, compiled on first use with the system's C++ compiler.
 
-`skinny.cpp` multiplies the few rows of a decode step by a weight matrix at memory speed
-(see its header). It has a plain C ABI and is loaded with ctypes, so it needs no torch headers
-and compiles in about a second; the library is cached under `$CONVEYOR_CACHE/kernels` (default
+`cpu_kernels.cpp` holds three float32 kernels for decode steps: a skinny matrix product that
+streams the weights at memory speed (see its header), the RMSNorm of a few rows, and paged
+decode attention that reads K/V in place through the block tables. It has a plain C ABI and is
+loaded with ctypes, so it needs no torch headers and compiles in about a second; the library is cached under `$CONVEYOR_CACHE/kernels` (default
 `~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2 and FMA, or without a compiler,
 or with `CONVEYOR_NATIVE_KERNELS=0`, `skinny_linear()` returns None and the model uses torch's
 matmul. Compiled with `-O3 -mavx2 -mfma -fopenmp`.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 logger = logging.getLogger("conveyor")
 
-SOURCE = Path(__file__).with_name("skinny.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # Above this many rows MKL's GEMM is faster (benchmarks/skinny_linear.py).
 SKINNY_MAX_ROWS = 8
@@ -49,7 +50,7 @@ def _build(cache_dir: Path) -> Path:
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib = cache_dir / f"skinny-{key}.so"
+    lib = cache_dir / f"cpu_kernels-{key}.so"
     if lib.is_file():
         return lib
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -68,9 +69,7 @@ def _build(cache_dir: Path) -> Path:
 
 
 @cache
-def skinny_linear() -> Callable[..., object] | None:
-    """`f(x, w) -> x @ w.T` for float32 CPU tensors (x `[M, K]`, w `[N, K]` contiguous), or
-    None where the kernel is unavailable (the reason is logged once)."""
+def _library() -> ctypes.CDLL | None:
     if os.environ.get("CONVEYOR_NATIVE_KERNELS", "1") == "0":
         return None
     if not _cpu_supported():
@@ -80,27 +79,93 @@ def skinny_linear() -> Callable[..., object] | None:
     try:
         lib = ctypes.CDLL(str(_build(root / "kernels")))
     except (OSError, RuntimeError) as e:
-        logger.warning("native CPU kernels unavailable, using torch's matmul: %s", e)
+        logger.warning("native CPU kernels unavailable, using torch: %s", e)
         return None
-    fn = lib.skinny_linear
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    set_threads = lib.skinny_set_threads
-    set_threads.argtypes = [ctypes.c_int]
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.skinny_linear.restype = None
+    lib.skinny_linear.argtypes = [p, p, p, i64, i64, i64]
+    lib.skinny_set_threads.argtypes = [ctypes.c_int]
+    lib.rms_norm_rows.restype = None
+    lib.rms_norm_rows.argtypes = [p, p, p, i64, i64, ctypes.c_float]
+    lib.paged_decode_attention.restype = None
+    lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+    return lib
 
+
+_threads = [0]
+
+
+def _sync_threads(lib: ctypes.CDLL) -> None:
     import torch
 
-    threads = [0]
+    n = torch.get_num_threads()
+    if n != _threads[0]:  # follow torch.set_num_threads
+        lib.skinny_set_threads(n)
+        _threads[0] = n
+
+
+def clear_cache() -> None:
+    """Forget the loaded library (tests that toggle CONVEYOR_NATIVE_KERNELS)."""
+    _library.cache_clear()
+    _threads[0] = 0
+
+
+def skinny_linear() -> Callable[..., object] | None:
+    """`f(x, w) -> x @ w.T` for float32 CPU tensors (x `[M, K]`, w `[N, K]` contiguous), or
+    None where the kernels are unavailable (the reason is logged once)."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
 
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        n = torch.get_num_threads()
-        if n != threads[0]:  # follow torch.set_num_threads
-            set_threads(n)
-            threads[0] = n
+        _sync_threads(lib)
         x = x.contiguous()
         m, k = x.shape
         y = torch.empty((m, w.shape[0]), dtype=torch.float32)
-        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, k, w.shape[0])
+        lib.skinny_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, k, w.shape[0])
         return y
+
+    return run
+
+
+def rms_norm() -> Callable[..., object] | None:
+    """`f(x, weight, eps)`: RMSNorm over the last dim of float32 rows `[M, H]`, or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[-1], eps)
+        return out
+
+    return run
+
+
+def paged_decode_attention() -> Callable[..., object] | None:
+    """`f(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window) -> out` for float32:
+    q `[D, H, d]`, caches `[slots, KVH, d]` (contiguous), tables `[D, max_blocks]` and
+    ctx_lens `[D]` int64; window 0 means none. Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+            ctx_lens: torch.Tensor, block_size: int, scale: float, window: int) -> torch.Tensor:
+        _sync_threads(lib)
+        q = q.contiguous()
+        tables = tables.contiguous()
+        ctx_lens = ctx_lens.contiguous()
+        d_, h, hd = q.shape
+        out = torch.empty_like(q)
+        lib.paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            ctx_lens.data_ptr(), d_, h, k_cache.shape[1], hd, block_size, scale, window, out.data_ptr(),
+        )
+        return out
 
     return run

@@ -11,6 +11,7 @@ Every other backend (a CUDA kernel, say) is tested against `TorchPagedAttention`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes rows are single-token decodes
     decode_blocks: torch.Tensor | None = None  # [num_decodes, max_blocks] block tables, padded with 0
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -84,6 +86,7 @@ def build_metadata(
         if sliding_window is not None:
             keep &= pos[None, :] >= (ctx[:, None] - sliding_window)
         meta.decode_blocks = tables[:num_decodes, :nb].to(device)
+        meta.decode_context_lens = ctx.to(device)
         meta.decode_bias = torch.where(keep, zero, neg_inf)[:, None, None, :].to(device)
 
     row = num_decodes
@@ -180,6 +183,42 @@ class TorchPagedAttention(AttentionBackend):
                 enable_gqa=gqa,
             )
             out[a:b] = o.transpose(0, 1)
+        return out
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """float32 on CPU: decodes through the native kernel (conveyor/kernels), which reads each
+    sequence's K/V in place through its block table, with no gather and no padding; prefills
+    as in the torch backend. Tested against `TorchPagedAttention`."""
+
+    def __init__(self, kernel: Callable[..., torch.Tensor], sliding_window: int | None = None) -> None:
+        self.kernel = kernel
+        self.window = sliding_window or 0
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        nd = meta.num_decodes
+        if not nd or q.dtype != torch.float32 or meta.decode_context_lens is None:
+            return super().forward(q, k, v, kv_cache, meta, scale)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        assert meta.decode_blocks is not None
+        od = self.kernel(q[:nd], k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
+                         meta.block_size, scale, self.window)
+        if not meta.prefills:
+            return od
+        # The prefills through the torch path (it writes the step's K/V again: the same values).
+        rest = AttentionMetadata(meta.block_size, meta.positions, meta.slot_mapping, 0, prefills=meta.prefills)
+        out = super().forward(q, k, v, kv_cache, rest, scale)
+        out[:nd] = od
         return out
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
-from conveyor.models.attention import AttentionBackend, AttentionMetadata
+from conveyor.models.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +25,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    native: Callable[..., torch.Tensor] | None = None  # set by prepare_for_inference (CPU float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Half precision normalises in float32 (as the reference does); float32/float64 keep
         # their own precision. F.rms_norm is one fused kernel, bit-equal to the formula here.
+        if self.native is not None and x.dim() == 2 and x.shape[0] <= 8:
+            return self.native(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype in (torch.float16, torch.bfloat16):
             normed = F.rms_norm(x.float(), shape, None, self.eps)
@@ -239,6 +243,15 @@ class LlamaForCausalLM(nn.Module):
             self._head_kernel = kernel
         else:
             self._head_t = weight.detach().t().contiguous()
+        if kernel is not None:
+            from conveyor.kernels import paged_decode_attention, rms_norm
+
+            norm, attention = rms_norm(), paged_decode_attention()
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.native = norm
+                elif isinstance(module, Attention) and attention is not None:
+                    module.backend = CpuPagedAttention(attention, self.arch.sliding_window)
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child is not self.lm_head:

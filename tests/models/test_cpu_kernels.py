@@ -48,12 +48,12 @@ def test_non_contiguous_input_and_threads():
 
 
 def test_can_be_turned_off(monkeypatch):
-    kernels.skinny_linear.cache_clear()
+    kernels.clear_cache()
     monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
     try:
         assert kernels.skinny_linear() is None
     finally:
-        kernels.skinny_linear.cache_clear()
+        kernels.clear_cache()
 
 
 def test_model_uses_the_kernel_only_in_float32(tiny_models):
@@ -68,3 +68,36 @@ def test_model_uses_the_kernel_only_in_float32(tiny_models):
     if op is not None:
         fp32 = LLM(str(path), dtype="float32", num_kv_blocks=16)
         assert SkinnyLinear in {type(m) for m in fp32.engine.runner.model.modules()}
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (9, 3, None), (8, 2, 5)])
+def test_paged_decode_attention_matches_the_torch_backend(heads, kv_heads, window):
+    from conveyor.models.attention import CpuPagedAttention, TorchPagedAttention, build_metadata
+
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    d, bs, num_blocks = 16, 4, 64
+    cache = torch.randn(2, num_blocks * bs, kv_heads, d, generator=g)
+    # Three decodes at contexts 1, 7 and 13 and a prefill chunk of 5 over a context of 6,
+    # on scattered blocks.
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[0:1], perm[1:3], perm[3:7], perm[7:10]]
+    starts, news = [0, 6, 12, 6], [1, 1, 1, 5]
+    meta = build_metadata(tables, starts, news, bs, torch.device("cpu"), window)
+    t = sum(news)
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.randn(t, kv_heads, d, generator=g)
+    v = torch.randn(t, kv_heads, d, generator=g)
+    ref_cache = cache.clone()
+    ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, d**-0.5)
+    out = CpuPagedAttention(kernels.paged_decode_attention(), window).forward(q, k, v, cache, meta, d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache, ref_cache)  # the same K/V written
+
+
+@needs_kernel
+def test_rms_norm_matches_torch():
+    x = torch.randn(5, 576)
+    w = torch.randn(576)
+    ref = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5).float()
+    torch.testing.assert_close(kernels.rms_norm()(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
