@@ -37,7 +37,7 @@ Shape = list[tuple[int, int]]  # (new tokens, start position) per sequence
 def default_grid() -> list[tuple[str, Shape]]:
     """Batch shapes covering what a serving run does: decode batches, prompts, chunks, mixes."""
     grid: list[tuple[str, Shape]] = []
-    for b in (1, 2, 4, 8, 16, 32, 64):
+    for b in (1, 2, 4, 8, 12, 16, 32, 64):
         for ctx in (64, 512):
             grid.append((f"decode b={b} ctx={ctx}", [(1, ctx - 1)] * b))
     for n in (16, 64, 128, 256, 512):
@@ -47,6 +47,14 @@ def default_grid() -> list[tuple[str, Shape]]:
     for b, n in ((8, 64), (16, 128), (32, 256)):
         grid.append((f"decode {b} ctx=256 + prefill {n}", [(1, 255)] * b + [(n, 0)]))
     return grid
+
+
+def runner_skinny_rows() -> int:
+    """Row count up to which this machine's runner takes the skinny kernel (1: none, only the
+    one-row path of torch's matmul)."""
+    from conveyor import kernels
+
+    return kernels.SKINNY_MAX_ROWS if kernels.skinny_linear() is not None else 1
 
 
 def default_calibration_path() -> Path:
@@ -148,7 +156,7 @@ class Fit:
 
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
-        block_size: int = 16, sweeps: int = 10) -> Fit:
+        block_size: int = 16, sweeps: int = 10, skinny_rows: int = 1) -> Fit:
     """The five efficiencies by coordinate descent over a log grid; for each candidate, the
     three overheads by non-negative least squares; everything on relative error."""
     import numpy as np
@@ -157,16 +165,16 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     y = np.array([t for _, _, t in samples])
     w = 1.0 / y
     Xw = np.array([[1.0, s.num_seqs, s.num_tokens] for s in shapes]) * w[:, None]
-    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0)
+    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, 0.0, 0.0, 0.0)
     base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
     col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
     lin_c = col(lambda s: base._lin_flop_s * s.num_tokens)
     lin_m = col(lambda s: base._lin_mem_s)
-    lin_1 = col(lambda s: s.num_tokens == 1)
+    lin_1 = col(lambda s: s.num_tokens <= skinny_rows)
     head_c = col(lambda s: base._head_flop_s * s.num_sampled)
     head_m = col(lambda s: base._head_mem_s if s.num_sampled else 0.0)
-    head_1 = col(lambda s: s.num_sampled == 1)
+    head_1 = col(lambda s: 0 < s.num_sampled <= skinny_rows)
     attn_c = col(lambda s: base._attn_flop_s * s.prefill_pairs)
     attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
     dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
@@ -225,7 +233,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 if trial_loss < loss * (1 - 1e-9):
                     loss, e, improved = trial_loss, trial, True
     _, c = evaluate(e)
-    params = CostParams(e[0], e[1], e[2], e[3], e[4], float(c[0]), float(c[1]), float(c[2]))
+    params = CostParams(e[0], e[1], e[2], e[3], e[4], skinny_rows, float(c[0]), float(c[1]), float(c[2]))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
     errors = [(fitted.step_time(s) - t) / t for _, s, t in samples]
     return Fit(params, errors)
