@@ -27,7 +27,7 @@ logger = logging.getLogger("conveyor")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-# Above this many rows MKL's GEMM is faster (benchmarks/skinny_linear.py).
+# Above this many rows MKL's GEMM is faster (benchmarks/cpu_kernels.py).
 SKINNY_MAX_ROWS = 8
 
 

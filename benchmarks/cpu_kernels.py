@@ -1,11 +1,15 @@
-"""The native skinny kernel against torch's matmul, at the row counts of decode steps.
+"""The native CPU kernels against torch, at the shapes of decode steps.
 
+1. The skinny matrix product against torch's matmul.
 For each row count M, multiplies `[M, K]` activations by 40 different `[N, K]` weight matrices
 (SmolLM2's 576 x 1536, 140 MB in all, so they stream from memory as in a real decode step) and
 prints the effective weight bandwidth of torch (`x @ W_t`, conveyor's layout without the kernel)
 and of the kernel, with their ratio, beside the memory read bandwidth measured on the spot.
 
-    python benchmarks/skinny_linear.py
+2. Paged decode attention against the torch backend (block gather + SDPA), one layer of
+SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, block 16), decodes x context.
+
+    python benchmarks/cpu_kernels.py
 """
 
 from __future__ import annotations
@@ -45,6 +49,27 @@ def main() -> None:
         a = bench(lambda: [x @ wt for wt in wts])
         b = bench(lambda: [op(x, w) for w in ws])
         print(f"| {m} | {nbytes / a / 1e9:.1f} | {nbytes / b / 1e9:.1f} | {a / b:.2f} |")
+    attention()
+
+
+def attention() -> None:
+    from conveyor.kernels import paged_decode_attention
+    from conveyor.models.attention import CpuPagedAttention, TorchPagedAttention, build_metadata
+
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    torch_backend, native = TorchPagedAttention(), CpuPagedAttention(paged_decode_attention())
+    print()
+    print("| decodes x context | torch ms | kernel ms | speedup |")
+    print("|---|---|---|---|")
+    for n, ctx in ((1, 512), (8, 512), (64, 64), (64, 512)):
+        nb = ctx // bs + 1
+        cache = torch.randn(2, (n * nb + 1) * bs, kv_heads, d)
+        meta = build_metadata([list(range(i * nb, (i + 1) * nb)) for i in range(n)], [ctx - 1] * n, [1] * n,
+                              bs, torch.device("cpu"))
+        q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+        a = bench(lambda: torch_backend.forward(q, k, v, cache, meta, d**-0.5), 10)
+        b = bench(lambda: native.forward(q, k, v, cache, meta, d**-0.5), 10)
+        print(f"| {n} x {ctx} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.1f}x |")
 
 
 if __name__ == "__main__":
