@@ -52,7 +52,7 @@ def main() -> int:
         )
         samples = calibrate.measure_runner(cal_engine, calibrate.default_grid())
         del cal_engine
-        fit = calibrate.fit(hardware, model, samples, skinny_rows=calibrate.runner_skinny_rows())
+        fit = calibrate.fit(hardware, model, samples, skinny=calibrate.runner_skinny_rows())
         params = fit.params
         print(f"  fit error per shape: median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
     else:

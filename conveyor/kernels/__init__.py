@@ -27,8 +27,10 @@ logger = logging.getLogger("conveyor")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-# Above this many rows MKL's GEMM is faster (benchmarks/cpu_kernels.py).
-SKINNY_MAX_ROWS = 8
+# Above this many rows MKL's GEMM is faster (benchmarks/cpu_kernels.py); the kernel takes
+# SKINNY_PASS_ROWS rows per pass over the weights.
+SKINNY_MAX_ROWS = 16
+SKINNY_PASS_ROWS = 8
 
 
 def _cpu_supported() -> bool:

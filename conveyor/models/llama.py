@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Half precision normalises in float32 (as the reference does); float32/float64 keep
         # their own precision. F.rms_norm is one fused kernel, bit-equal to the formula here.
-        if self.native is not None and x.dim() == 2 and x.shape[0] <= 8:
+        if self.native is not None and x.dim() == 2 and x.shape[0] <= 16:
             return self.native(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype in (torch.float16, torch.bfloat16):
@@ -266,6 +266,6 @@ class LlamaForCausalLM(nn.Module):
             return hidden @ head_t
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         kernel = getattr(self, "_head_kernel", None)
-        if kernel is not None and hidden.shape[0] <= 8:
+        if kernel is not None and hidden.shape[0] <= 16:
             return kernel(hidden, weight)
         return F.linear(hidden, weight)

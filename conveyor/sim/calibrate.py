@@ -37,7 +37,7 @@ Shape = list[tuple[int, int]]  # (new tokens, start position) per sequence
 def default_grid() -> list[tuple[str, Shape]]:
     """Batch shapes covering what a serving run does: decode batches, prompts, chunks, mixes."""
     grid: list[tuple[str, Shape]] = []
-    for b in (1, 2, 4, 8, 12, 16, 32, 64):
+    for b in (1, 2, 4, 8, 12, 16, 24, 32, 64):
         for ctx in (64, 512):
             grid.append((f"decode b={b} ctx={ctx}", [(1, ctx - 1)] * b))
     for n in (16, 64, 128, 256, 512):
@@ -49,12 +49,14 @@ def default_grid() -> list[tuple[str, Shape]]:
     return grid
 
 
-def runner_skinny_rows() -> int:
-    """Row count up to which this machine's runner takes the skinny kernel (1: none, only the
-    one-row path of torch's matmul)."""
+def runner_skinny_rows() -> tuple[int, int]:
+    """(rows up to which this machine's runner takes the skinny kernel, rows per pass); (1, 1)
+    without the kernel: only the one-row path of torch's matmul."""
     from conveyor import kernels
 
-    return kernels.SKINNY_MAX_ROWS if kernels.skinny_linear() is not None else 1
+    if kernels.skinny_linear() is None:
+        return 1, 1
+    return kernels.SKINNY_MAX_ROWS, kernels.SKINNY_PASS_ROWS
 
 
 def default_calibration_path() -> Path:
@@ -156,7 +158,7 @@ class Fit:
 
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
-        block_size: int = 16, sweeps: int = 10, skinny_rows: int = 1) -> Fit:
+        block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1)) -> Fit:
     """The five efficiencies by coordinate descent over a log grid; for each candidate, the
     three overheads by non-negative least squares; everything on relative error."""
     import numpy as np
@@ -165,16 +167,19 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     y = np.array([t for _, _, t in samples])
     w = 1.0 / y
     Xw = np.array([[1.0, s.num_seqs, s.num_tokens] for s in shapes]) * w[:, None]
-    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, 0.0, 0.0, 0.0)
+    skinny_rows, pass_rows = skinny
+    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0)
     base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
     col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
     lin_c = col(lambda s: base._lin_flop_s * s.num_tokens)
     lin_m = col(lambda s: base._lin_mem_s)
     lin_1 = col(lambda s: s.num_tokens <= skinny_rows)
+    lin_g = col(lambda s: base._lin_gemv_s * -(-s.num_tokens // pass_rows))  # skinny passes
     head_c = col(lambda s: base._head_flop_s * s.num_sampled)
     head_m = col(lambda s: base._head_mem_s if s.num_sampled else 0.0)
     head_1 = col(lambda s: 0 < s.num_sampled <= skinny_rows)
+    head_g = col(lambda s: base._head_gemv_s * -(-s.num_sampled // pass_rows))
     attn_c = col(lambda s: base._attn_flop_s * s.prefill_pairs)
     attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
     dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
@@ -182,9 +187,9 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
 
     def evaluate(e: Sequence[float]) -> tuple[float, np.ndarray]:
         mfu, attn, mbu, kv, gemv = e
-        lin_bw = np.where(lin_1 > 0, gemv, mbu)
-        head_bw = np.where(head_1 > 0, gemv, mbu)
-        r = (np.maximum(lin_c / mfu, lin_m / lin_bw) + np.maximum(head_c / mfu, head_m / head_bw)
+        lin_mem = np.where(lin_1 > 0, lin_g / gemv, lin_m / mbu)
+        head_mem = np.where(head_1 > 0, head_g / gemv, head_m / mbu)
+        r = (np.maximum(lin_c / mfu, lin_mem) + np.maximum(head_c / mfu, head_mem)
              + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv))
         target = (y - r) * w
         best_loss, best_c = float("inf"), np.zeros(3)
@@ -233,7 +238,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 if trial_loss < loss * (1 - 1e-9):
                     loss, e, improved = trial_loss, trial, True
     _, c = evaluate(e)
-    params = CostParams(e[0], e[1], e[2], e[3], e[4], skinny_rows, float(c[0]), float(c[1]), float(c[2]))
+    params = CostParams(e[0], e[1], e[2], e[3], e[4], skinny_rows, pass_rows, float(c[0]), float(c[1]), float(c[2]))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
     errors = [(fitted.step_time(s) - t) / t for _, s, t in samples]
     return Fit(params, errors)

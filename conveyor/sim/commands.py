@@ -189,7 +189,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model = ModelShape.from_arch(engine.arch, Path(str(engine.model_path)).stem)  # type: ignore[attr-defined]
     samples = calibrate.measure_runner(engine, calibrate.default_grid(), args.repeats, lambda s: print("  " + s))
     fit = calibrate.fit(hardware, model, samples, engine.config.cache.block_size,
-                        skinny_rows=calibrate.runner_skinny_rows())
+                        skinny=calibrate.runner_skinny_rows())
     p = fit.params
     print(f"fit: mfu {p.mfu:.3f}, attn_mfu {p.attn_mfu:.3f}, mbu {p.mbu:.3f}, step {p.step_overhead_s * 1e3:.2f} ms, "
           f"seq {p.seq_overhead_s * 1e6:.0f} us, token {p.token_overhead_s * 1e6:.0f} us; "

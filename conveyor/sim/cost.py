@@ -9,7 +9,7 @@ the roofline, with efficiency factors for what real kernels reach:
     attention       FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs (causal in
                     a prompt); bytes: every context token's K and V, at its own efficiency
     skinny steps    up to `skinny_rows` rows stream the weights through a matrix-vector style
-                    kernel, at its own efficiency (`gemv_mbu`)
+                    kernel, once per `skinny_pass_rows` rows, at its own efficiency (`gemv_mbu`)
     overheads       per step + per sequence + per token (launches, sampling, the scheduler)
     swap            blocks x block bytes / host link bandwidth
 
@@ -75,7 +75,8 @@ class CostParams:
     mbu: float = 0.85  # weights streamed by matrix-matrix kernels: share of memory bandwidth
     kv_mbu: float = 0.7  # K/V read by attention: share of memory bandwidth
     gemv_mbu: float | None = None  # weights streamed by a skinny (matrix-vector) kernel; None: mbu
-    skinny_rows: int = 1  # steps of up to this many rows use the skinny kernel (CPU runner: 8)
+    skinny_rows: int = 1  # steps of up to this many rows use the skinny kernel (CPU runner: 16)
+    skinny_pass_rows: int = 1  # rows per pass of that kernel over the weights (CPU runner: 8)
     step_overhead_s: float = 2e-3
     seq_overhead_s: float = 1e-5
     token_overhead_s: float = 0.0
@@ -87,8 +88,8 @@ class CostParams:
                 raise ValueError(f"{name}={v} must be in (0, 1.5]")
         if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
-        if self.skinny_rows < 1:
-            raise ValueError(f"skinny_rows={self.skinny_rows} must be at least 1")
+        if self.skinny_rows < 1 or self.skinny_pass_rows < 1:
+            raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
 
     def to_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -97,8 +98,9 @@ class CostParams:
     def from_dict(cls, d: dict[str, Any]) -> CostParams:
         names = {f.name for f in fields(cls)}
         kw = {k: (None if v is None else float(v)) for k, v in d.items() if k in names}
-        if kw.get("skinny_rows") is not None:
-            kw["skinny_rows"] = int(kw["skinny_rows"])
+        for name in ("skinny_rows", "skinny_pass_rows"):
+            if kw.get(name) is not None:
+                kw[name] = int(kw[name])
         return cls(**kw)
 
 
@@ -117,7 +119,7 @@ class RooflineCostModel:
         self._lin_flop_s = 2 * m.layer_params / flops  # seconds per token
         self._lin_mem_s = m.layer_params * b / bw  # seconds per step
         self._lin_gemv_s = m.layer_params * b / gemv_bw  # seconds per skinny step
-        self._skinny = p.skinny_rows
+        self._skinny, self._pass = p.skinny_rows, p.skinny_pass_rows
         self._head_flop_s = 2 * m.head_params / flops  # per sampled row
         self._head_mem_s = m.head_params * b / bw
         self._head_gemv_s = m.head_params * b / gemv_bw
@@ -126,11 +128,11 @@ class RooflineCostModel:
         self._swap_s = m.kv_bytes_per_token(b) * block_size / hardware.host_bandwidth  # per block
 
     def _linear(self, tokens: int) -> float:
-        mem = self._lin_gemv_s if tokens <= self._skinny else self._lin_mem_s
+        mem = self._lin_gemv_s * -(-tokens // self._pass) if tokens <= self._skinny else self._lin_mem_s
         return max(self._lin_flop_s * tokens, mem)
 
     def _head(self, rows: int) -> float:
-        mem = self._head_gemv_s if rows <= self._skinny else self._head_mem_s
+        mem = self._head_gemv_s * -(-rows // self._pass) if rows <= self._skinny else self._head_mem_s
         return max(self._head_flop_s * rows, mem)
 
     def breakdown(self, s: StepShape) -> dict[str, float]:

@@ -91,13 +91,19 @@ def test_gemv_efficiency_applies_to_one_token_steps_only():
 
 def test_skinny_rows_extend_the_matrix_vector_regime():
     params = CostParams(mfu=0.5, attn_mfu=0.25, mbu=0.8, kv_mbu=0.8, gemv_mbu=0.4, skinny_rows=8,
-                        step_overhead_s=0.0, seq_overhead_s=0.0)
+                        skinny_pass_rows=8, step_overhead_s=0.0, seq_overhead_s=0.0)
     cost = RooflineCostModel(TOY_HW, TOY, params, dtype_bytes=2)
     eight = cost.breakdown(StepShape.of(SchedulerOutput(0, [_item(i, 1, 9) for i in range(8)])))
     nine = cost.breakdown(StepShape.of(SchedulerOutput(0, [_item(i, 1, 9) for i in range(9)])))
     assert eight["linear"] == pytest.approx(73_728 * 2 / 0.4e11)
     assert nine["linear"] == pytest.approx(max(2 * 73_728 * 9 / 0.5e12, 73_728 * 2 / 0.8e11))
     assert CostParams.from_dict(params.to_dict()) == params
+    # Two passes of 8 rows: twice the weight stream.
+    two = CostParams(mfu=0.5, attn_mfu=0.25, mbu=0.8, kv_mbu=0.8, gemv_mbu=0.4, skinny_rows=16,
+                     skinny_pass_rows=8, step_overhead_s=0.0, seq_overhead_s=0.0)
+    cost2 = RooflineCostModel(TOY_HW, TOY, two, dtype_bytes=2)
+    twelve = cost2.breakdown(StepShape.of(SchedulerOutput(0, [_item(i, 1, 9) for i in range(12)])))
+    assert twelve["linear"] == pytest.approx(max(2 * 73_728 * 12 / 0.5e12, 2 * 73_728 * 2 / 0.4e11))
 
 
 def test_simulator_uses_the_real_scheduler():
@@ -214,7 +220,7 @@ def test_weights_that_do_not_fit_are_refused():
 
 
 def test_fit_recovers_a_known_cost_model():
-    truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, skinny_rows=8,
+    truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, skinny_rows=16, skinny_pass_rows=8,
                        step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
     model = get_model("smollm2-135m")
@@ -224,7 +230,7 @@ def test_fit_recovers_a_known_cost_model():
         items = [_item(i, n, start) for i, (n, start) in enumerate(shape)]
         s = StepShape.of(SchedulerOutput(0, items))
         samples.append((label, s, cost.step_time(s)))
-    fit = calibrate.fit(hw, model, samples, skinny_rows=8)
+    fit = calibrate.fit(hw, model, samples, skinny=(16, 8))
     assert fit.max_abs_rel_error < 0.03
     path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)
     loaded = calibrate.load(path)
