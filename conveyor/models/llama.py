@@ -7,9 +7,8 @@ gate/up projections are fused into one matrix each. The LM head runs only on sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -110,7 +110,15 @@ class SimSystem:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from conveyor.bench import report
-    from conveyor.bench.commands import _bar, _finish, _line, _out_dir, _require, _slo, build_workload
+    from conveyor.bench.commands import (
+        _bar,
+        _finish,
+        _line,
+        _out_dir,
+        _require,
+        _slo,
+        build_workload,
+    )
     from conveyor.bench.offline import SystemSpec, parse_config
     from conveyor.cli import engine_kwargs
     from conveyor.sim.engine import describe_capacity

@@ -57,9 +57,8 @@ def test_can_be_turned_off(monkeypatch):
 
 
 def test_model_uses_the_kernel_only_in_float32(tiny_models):
-    from conveyor.models.llama import SkinnyLinear, TransposedLinear
-
     from conveyor import LLM
+    from conveyor.models.llama import SkinnyLinear, TransposedLinear
 
     path = tiny_models["llama"]
     fp64 = LLM(str(path), dtype="float64", num_kv_blocks=16)

@@ -1,0 +1,114 @@
+"""CPU speed: conveyor against HF transformers, static and continuous batching, in one run.
+
+The workload of the CPU speed issue: 64 requests of 128 random prompt tokens and 64 output
+tokens (EOS ignored), all queued at once, on a random-weight 134M-parameter Llama (hidden 768,
+12 layers, 12 heads, intermediate 2048, vocab 32000, untied head; seed 0; float32), or with
+`--model smollm2` the embedded SmolLM2-135M. Prints output tok/s of the three systems and the
+ratios, batch-1 decode against the memory-bandwidth limit (weight bytes / a 1 GiB read measured
+in the same run) and peak memory.
+
+    python benchmarks/cpu_speed.py                   # the 134M random Llama
+    python benchmarks/cpu_speed.py --model smollm2   # SmolLM2-135M from the GGUF
+    python benchmarks/cpu_speed.py --skip-hf         # conveyor only
+
+llama.cpp is not compared here yet: it needs `llama-cpp-python` built from source (about 15
+minutes on this machine), which this script does not install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import batch1_decode, measure_bandwidth, run_conveyor, run_hf_static
+
+
+def build_random_llama(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                      intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).float()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def run_hf_continuous(model, prompts, outputs) -> dict:
+    from conveyor.bench.offline import HFContinuousSystem, SystemSpec
+    from conveyor.bench.workload import BenchRequest, LoadPoint
+
+    system = HFContinuousSystem(SystemSpec("hf_continuous", "hf_continuous"), model, None, 2048)
+    reqs = [BenchRequest(i, tuple(p), len(p), o) for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
+    run = system.run(reqs, LoadPoint("rate", float("inf")))
+    produced = sum(t.output_len for t in run.timings)
+    return {"elapsed_s": run.duration_s, "output_tokens": produced, "output_tok_per_s": produced / run.duration_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("random-134m", "smollm2"), default="random-134m")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    from conveyor import LLM
+    from conveyor.bench.offline import load_hf_model
+
+    tmp = tempfile.TemporaryDirectory()
+    path = str(build_random_llama(Path(tmp.name))) if args.model == "random-134m" else None
+    llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048)
+    arch = llm.engine.arch  # type: ignore[attr-defined]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, arch.vocab_size - 100) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    outputs = [args.output_len] * args.num_requests
+
+    result: dict = {"model": args.model, "params": arch.num_params, "threads": torch.get_num_threads()}
+    result["conveyor"] = run_conveyor(llm, prompts, outputs)
+    print(f"conveyor: {result['conveyor']['output_tok_per_s']:.1f} output tok/s "
+          f"({result['conveyor']['elapsed_s']:.1f} s, mean batch {result['conveyor']['mean_batch']:.1f})", flush=True)
+    step = batch1_decode(llm, arch.vocab_size)
+    bw = measure_bandwidth()
+    weight_bytes = arch.num_params * 4
+    limit = weight_bytes / bw
+    result["batch1"] = {"ms_per_step": step * 1e3, "bandwidth_GBps": bw / 1e9, "limit_ms": limit * 1e3,
+                        "fraction_of_limit": limit / step}
+    print(f"batch-1 decode: {step * 1e3:.2f} ms/step = {1 / step:.1f} tok/s; bandwidth limit {limit * 1e3:.2f} ms "
+          f"({weight_bytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) -> {limit / step:.0%} of the limit", flush=True)
+    if not args.skip_hf:
+        model_path = path if path is not None else str(llm.engine.model_path)  # type: ignore[attr-defined]
+        hf = load_hf_model(model_path)
+        result["hf_static"] = run_hf_static(hf, prompts, outputs, args.hf_batch_size, 0)
+        print(f"HF static generate (batch {args.hf_batch_size}): {result['hf_static']['output_tok_per_s']:.1f} output tok/s", flush=True)
+        try:
+            result["hf_continuous"] = run_hf_continuous(hf, prompts, outputs)
+            print(f"HF continuous batching: {result['hf_continuous']['output_tok_per_s']:.1f} output tok/s", flush=True)
+        except Exception as e:  # not every transformers version has it
+            result["hf_continuous"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"HF continuous batching: unavailable ({e})")
+        for name in ("hf_static", "hf_continuous"):
+            tps = result[name].get("output_tok_per_s")
+            if tps:
+                print(f"conveyor / {name} = {result['conveyor']['output_tok_per_s'] / tps:.2f}x")
+    result["peak_rss_MB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS {result['peak_rss_MB']:.0f} MB")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
