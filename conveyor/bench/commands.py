@@ -5,6 +5,7 @@
     conveyor bench offline --request-rate 0.5,1,inf                              # in-process + HF baselines
     conveyor bench compare static dynamic continuous+chunked hf_static --request-rate 0.5,1,2
     conveyor bench report results/bench-compare-.../result.json                  # redraw from JSON
+    conveyor bench report measured/result.json simulated/result.json --out both  # side by side
 
 Every run writes result.json, summary.md and PNG plots into --out (see conveyor/bench/report.py).
 """
@@ -91,9 +92,10 @@ def add_bench_parser(sub: Any, add_engine_args: Any) -> None:
     _add_offline(compare)
     compare.set_defaults(func=cmd_compare)
 
-    rep = bsub.add_parser("report", help="redraw summary.md and the plots from a result.json")
-    rep.add_argument("result", type=Path)
-    rep.add_argument("--out", type=Path, default=None, help="default: the result's folder")
+    rep = bsub.add_parser("report", help="redraw summary.md and the plots from a result.json, or merge several "
+                          "(a simulated run beside a measured one) into one report")
+    rep.add_argument("result", type=Path, nargs="+")
+    rep.add_argument("--out", type=Path, default=None, help="default: the result's folder (required to merge)")
     _add_plot_args(rep)
     rep.set_defaults(func=cmd_report)
 
@@ -357,8 +359,14 @@ def _serve_flags(options: dict[str, Any]) -> list[str]:
 
 def cmd_report(args: argparse.Namespace) -> int:
     _require(args)
-    result = report.load_result(args.result)
-    out = args.out or args.result.parent
+    if len(args.result) > 1:
+        if args.out is None:
+            raise ValueError("merging several results needs --out")
+        result = report.merge_results([report.load_result(p) for p in args.result], [str(p) for p in args.result])
+        out = args.out
+    else:
+        result = report.load_result(args.result[0])
+        out = args.out or args.result[0].parent
     names = [n.strip() for n in args.occupancy.split(",")] if args.occupancy else None
     files = report.write_report(result, out, args.plots, args.cdf_point, args.occupancy_point, names, args.occupancy_max_steps)
     print("wrote " + ", ".join(str(f) for f in files))

@@ -468,3 +468,34 @@ def load_result(path: Path) -> dict[str, Any]:
     if not isinstance(result, dict) or "systems" not in result or "sweep" not in result:
         raise ValueError(f"{path} is not a conveyor bench result")
     return result
+
+
+def merge_results(results: Sequence[dict[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
+    """One report from several runs of the same workload and sweep: a simulated run beside a
+    measured one, say. System names get the run's mode (and a number if that still collides)."""
+    first = results[0]
+    for r, src in zip(results[1:], sources[1:], strict=True):
+        if r["sweep"] != first["sweep"]:
+            raise ValueError(f"{src}: its sweep {[p['label'] for p in r['sweep']]} differs from "
+                             f"{[p['label'] for p in first['sweep']]}; merged reports need the same load points")
+    keys = ("description", "num_requests", "seed", "arrivals")
+    differs = [src for r, src in zip(results, sources, strict=True)
+               if any(r["workload"].get(k) != first["workload"].get(k) for k in keys)]
+    merged = {**first, "mode": "+".join(dict.fromkeys(r["mode"] for r in results)), "systems": [],
+              "sources": list(sources), "command": None}
+    if differs:
+        merged["workload"] = {**first["workload"], "description": first["workload"].get("description", "")
+                              + f" (note: {', '.join(differs)} ran a different workload)"}
+    sim = next((r["simulation"] for r in results if r.get("simulation")), None)
+    if sim is not None:
+        merged["simulation"] = sim
+    seen: set[str] = set()
+    for r in results:
+        for system in r["systems"]:
+            name = f"{system['name']} ({'simulated' if r['mode'] == 'simulate' else r['mode']})"
+            base, n = name, 2
+            while name in seen:
+                name, n = f"{base} #{n}", n + 1
+            seen.add(name)
+            merged["systems"].append({**system, "name": name})
+    return merged

@@ -258,3 +258,24 @@ def test_cpu_needs_a_calibration(tmp_path, capsys):
                "--request-rate", "inf", "--no-plots"])
     assert rc == 2
     assert "conveyor calibrate" in capsys.readouterr().err
+
+
+def test_report_merges_a_simulated_run_beside_another(tmp_path):
+    common = ["--num-requests", "20", "--request-rate", "2,inf", "--no-plots", "--no-progress", "--seed", "3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["simulate", "--hardware", "a100-80gb", "--model", "llama-2-7b", *common, "--out", str(a)]) == 0
+    assert main(["simulate", "--hardware", "h100-sxm", "--model", "llama-2-7b", *common, "--out", str(b)]) == 0
+    both = tmp_path / "both"
+    assert main(["bench", "report", str(a / "result.json"), str(b / "result.json"), "--out", str(both), "--no-plots"]) == 0
+    merged = json.loads((both / "result.json").read_text())
+    assert [s["name"] for s in merged["systems"]] == ["a100-80gb (simulated)", "h100-sxm (simulated)"]
+    h100 = merged["systems"][1]["points"][1]["summary"]["output_throughput"]
+    a100 = merged["systems"][0]["points"][1]["summary"]["output_throughput"]
+    assert h100 > a100  # more FLOP/s and bandwidth: more tokens at full load
+    # Different load points cannot share one report.
+    c = tmp_path / "c"
+    assert main(["simulate", "--hardware", "l4", "--model", "llama-2-7b", "--num-requests", "20",
+                 "--request-rate", "1", "--no-plots", "--no-progress", "--out", str(c)]) == 0
+    assert main(["bench", "report", str(a / "result.json"), str(c / "result.json"), "--out", str(tmp_path / "x"),
+                 "--no-plots"]) == 2
+    assert main(["bench", "report", str(a / "result.json"), str(b / "result.json"), "--no-plots"]) == 2
