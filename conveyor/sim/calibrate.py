@@ -5,8 +5,8 @@
 2. The real `ModelRunner` runs a grid of batch shapes (decode batches at short and long
    contexts, whole prompts, prompt chunks over a context, decode + prefill mixes); each shape's
    median time is one sample.
-3. The fit: coordinate descent over the five efficiencies (mfu, attn_mfu, mbu, kv_mbu,
-   gemv_mbu), and for each candidate the three overheads (per step, per sequence, per token)
+3. The fit: coordinate descent over the six efficiencies (mfu, attn_mfu, mbu, kv_mbu,
+   gemv_mbu, gemv_mfu), and for each candidate the three overheads (per step, per sequence, per token)
    by non-negative least squares, all on relative error. The best fit is saved as JSON and `conveyor simulate --hardware cpu` uses it.
 
 The overheads absorb this runner's Python work per layer, so a calibration holds for the model
@@ -159,7 +159,7 @@ class Fit:
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
         block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1)) -> Fit:
-    """The five efficiencies by coordinate descent over a log grid; for each candidate, the
+    """The six efficiencies by coordinate descent over a log grid; for each candidate, the
     three overheads by non-negative least squares; everything on relative error."""
     import numpy as np
 
@@ -168,7 +168,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     w = 1.0 / y
     Xw = np.array([[1.0, s.num_seqs, s.num_tokens] for s in shapes]) * w[:, None]
     skinny_rows, pass_rows = skinny
-    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0)
+    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0)
     base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
     col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
@@ -176,20 +176,22 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     lin_m = col(lambda s: base._lin_mem_s)
     lin_1 = col(lambda s: s.num_tokens <= skinny_rows)
     lin_g = col(lambda s: base._lin_gemv_s * -(-s.num_tokens // pass_rows))  # skinny passes
+    lin_gc = col(lambda s: base._lin_gemv_flop_s * s.num_tokens)
     head_c = col(lambda s: base._head_flop_s * s.num_sampled)
     head_m = col(lambda s: base._head_mem_s if s.num_sampled else 0.0)
     head_1 = col(lambda s: 0 < s.num_sampled <= skinny_rows)
     head_g = col(lambda s: base._head_gemv_s * -(-s.num_sampled // pass_rows))
+    head_gc = col(lambda s: base._head_gemv_flop_s * s.num_sampled)
     attn_c = col(lambda s: base._attn_flop_s * s.prefill_pairs)
     attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
     dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
     dec_m = col(lambda s: base._kv_mem_s * s.decode_context)
 
     def evaluate(e: Sequence[float]) -> tuple[float, np.ndarray]:
-        mfu, attn, mbu, kv, gemv = e
-        lin_mem = np.where(lin_1 > 0, lin_g / gemv, lin_m / mbu)
-        head_mem = np.where(head_1 > 0, head_g / gemv, head_m / mbu)
-        r = (np.maximum(lin_c / mfu, lin_mem) + np.maximum(head_c / mfu, head_mem)
+        mfu, attn, mbu, kv, gemv, gemv_f = e
+        lin = np.where(lin_1 > 0, np.maximum(lin_gc / gemv_f, lin_g / gemv), np.maximum(lin_c / mfu, lin_m / mbu))
+        head = np.where(head_1 > 0, np.maximum(head_gc / gemv_f, head_g / gemv), np.maximum(head_c / mfu, head_m / mbu))
+        r = (lin + head
              + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv))
         target = (y - r) * w
         best_loss, best_c = float("inf"), np.zeros(3)
@@ -207,11 +209,11 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         return best_loss, best_c
 
     grid = np.geomspace(0.002, 1.0, 67)
-    e = [0.5] * 5
+    e = [0.5] * 6
     loss = evaluate(e)[0]
     for _ in range(sweeps):
         before = loss
-        for i in range(5):
+        for i in range(6):
             for v in grid:
                 trial = [*e[:i], float(v), *e[i + 1:]]
                 trial_loss = evaluate(trial)[0]
@@ -221,7 +223,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
             break
     # Then a pattern search: multiplicative moves of one or two efficiencies at a time (the
     # pairs follow the valleys where one part's time trades against another's), shrinking.
-    moves = [(i, j, si, sj) for i in range(5) for j in range(i, 5) for si in (1, -1) for sj in (1, -1)
+    moves = [(i, j, si, sj) for i in range(6) for j in range(i, 6) for si in (1, -1) for sj in (1, -1)
              if i != j or si == sj]
     for factor in (1.5, 1.2, 1.1, 1.05, 1.02, 1.01, 1.005):
         improved = True
@@ -238,7 +240,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 if trial_loss < loss * (1 - 1e-9):
                     loss, e, improved = trial_loss, trial, True
     _, c = evaluate(e)
-    params = CostParams(e[0], e[1], e[2], e[3], e[4], skinny_rows, pass_rows, float(c[0]), float(c[1]), float(c[2]))
+    params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]), float(c[2]))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
     errors = [(fitted.step_time(s) - t) / t for _, s, t in samples]
     return Fit(params, errors)

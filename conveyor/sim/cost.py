@@ -9,7 +9,8 @@ the roofline, with efficiency factors for what real kernels reach:
     attention       FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs (causal in
                     a prompt); bytes: every context token's K and V, at its own efficiency
     skinny steps    up to `skinny_rows` rows stream the weights through a matrix-vector style
-                    kernel, once per `skinny_pass_rows` rows, at its own efficiency (`gemv_mbu`)
+                    kernel, once per `skinny_pass_rows` rows, at its own efficiencies
+                    (`gemv_mbu`, `gemv_mfu`)
     overheads       per step + per sequence + per token (launches, sampling, the scheduler)
     swap            blocks x block bytes / host link bandwidth
 
@@ -75,6 +76,7 @@ class CostParams:
     mbu: float = 0.85  # weights streamed by matrix-matrix kernels: share of memory bandwidth
     kv_mbu: float = 0.7  # K/V read by attention: share of memory bandwidth
     gemv_mbu: float | None = None  # weights streamed by a skinny (matrix-vector) kernel; None: mbu
+    gemv_mfu: float | None = None  # share of peak FLOP/s that skinny kernel reaches; None: mfu
     skinny_rows: int = 1  # steps of up to this many rows use the skinny kernel (CPU runner: 16)
     skinny_pass_rows: int = 1  # rows per pass of that kernel over the weights (CPU runner: 8)
     step_overhead_s: float = 2e-3
@@ -82,7 +84,7 @@ class CostParams:
     token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu"):
+        for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be in (0, 1.5]")
@@ -118,7 +120,10 @@ class RooflineCostModel:
         gemv_bw = hardware.mem_bandwidth * (p.gemv_mbu if p.gemv_mbu is not None else p.mbu)
         self._lin_flop_s = 2 * m.layer_params / flops  # seconds per token
         self._lin_mem_s = m.layer_params * b / bw  # seconds per step
-        self._lin_gemv_s = m.layer_params * b / gemv_bw  # seconds per skinny step
+        self._lin_gemv_s = m.layer_params * b / gemv_bw  # seconds per skinny pass
+        gemv_flops = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
+        self._lin_gemv_flop_s = 2 * m.layer_params / gemv_flops  # per token, skinny kernel
+        self._head_gemv_flop_s = 2 * m.head_params / gemv_flops
         self._skinny, self._pass = p.skinny_rows, p.skinny_pass_rows
         self._head_flop_s = 2 * m.head_params / flops  # per sampled row
         self._head_mem_s = m.head_params * b / bw
@@ -128,12 +133,14 @@ class RooflineCostModel:
         self._swap_s = m.kv_bytes_per_token(b) * block_size / hardware.host_bandwidth  # per block
 
     def _linear(self, tokens: int) -> float:
-        mem = self._lin_gemv_s * -(-tokens // self._pass) if tokens <= self._skinny else self._lin_mem_s
-        return max(self._lin_flop_s * tokens, mem)
+        if tokens <= self._skinny:
+            return max(self._lin_gemv_flop_s * tokens, self._lin_gemv_s * -(-tokens // self._pass))
+        return max(self._lin_flop_s * tokens, self._lin_mem_s)
 
     def _head(self, rows: int) -> float:
-        mem = self._head_gemv_s * -(-rows // self._pass) if rows <= self._skinny else self._head_mem_s
-        return max(self._head_flop_s * rows, mem)
+        if rows <= self._skinny:
+            return max(self._head_gemv_flop_s * rows, self._head_gemv_s * -(-rows // self._pass))
+        return max(self._head_flop_s * rows, self._head_mem_s)
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per part of the step; `step_time` is their sum."""

@@ -220,7 +220,7 @@ def test_weights_that_do_not_fit_are_refused():
 
 
 def test_fit_recovers_a_known_cost_model():
-    truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, skinny_rows=16, skinny_pass_rows=8,
+    truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, gemv_mfu=0.3, skinny_rows=16, skinny_pass_rows=8,
                        step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
     model = get_model("smollm2-135m")
