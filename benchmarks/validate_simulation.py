@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--input-len", default="uniform:32,256")
     ap.add_argument("--output-len", default="uniform:16,128")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grid-only", action="store_true", help="calibrate on the shape grid alone (no served steps)")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 
@@ -51,6 +52,8 @@ def main() -> int:
             type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
         )
         samples = calibrate.measure_runner(cal_engine, calibrate.default_grid())
+        if not args.grid_only:
+            samples += calibrate.measure_served(cal_engine)
         del cal_engine
         fit = calibrate.fit(hardware, model, samples, skinny=calibrate.runner_skinny_rows())
         params = fit.params

@@ -4,7 +4,9 @@
    (a pass over 1 GiB). They make the `cpu` Hardware.
 2. The real `ModelRunner` runs a grid of batch shapes (decode batches at short and long
    contexts, whole prompts, prompt chunks over a context, decode + prefill mixes); each shape's
-   median time is one sample.
+   median time is one sample. Then the engine serves a short mixed workload at a few
+   concurrencies, and every step it computes is one more sample: the shapes a server really
+   runs, a few hundred of them, which keep the fit from trading overheads against efficiencies.
 3. The fit: coordinate descent over the six efficiencies (mfu, attn_mfu, mbu, kv_mbu,
    gemv_mbu, gemv_mfu), and for each candidate the three overheads (per step, per sequence, per token)
    by non-negative least squares, all on relative error. The best fit is saved as JSON and `conveyor simulate --hardware cpu` uses it.
@@ -139,6 +141,50 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
         samples.append((label, StepShape.of(out), statistics.median(times)))
         if progress is not None:
             progress(f"{label}: {samples[-1][2] * 1e3:.1f} ms")
+    return samples
+
+
+def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed: int = 0,
+                   progress: Callable[[str], Any] | None = None) -> list[tuple[str, StepShape, float]]:
+    """Serve a short mixed workload (closed loop at each concurrency: prompts 16-384 tokens,
+    outputs 8-48) and time every step the runner computes: the shapes a server really runs,
+    a few hundred samples beside the grid's thirty."""
+    import random
+
+    from conveyor.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    runner = engine.runner
+    samples: list[tuple[str, StepShape, float]] = []
+    original = runner.execute
+
+    def timed_execute(out: Any) -> Any:
+        t = time.perf_counter()
+        result = original(out)
+        if out.scheduled:
+            samples.append((f"served c={level}", StepShape.of(out), time.perf_counter() - t))
+        return result
+
+    runner.execute = timed_execute
+    try:
+        vocab = engine.vocab_size
+        for level in concurrencies:
+            pending = [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 384))], rng.randint(8, 48))
+                       for _ in range(2 * level + 2)]
+            in_flight = 0
+            n = 0
+            while pending or in_flight:
+                while pending and in_flight < level:
+                    prompt, out_len = pending.pop()
+                    engine.add_request(f"calibrate-{level}-{n}", prompt,
+                                       SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+                    n += 1
+                    in_flight += 1
+                in_flight -= sum(1 for o in engine.step() if o.finished)
+            if progress is not None:
+                progress(f"served at concurrency {level}: {len(samples)} steps so far")
+    finally:
+        del runner.execute  # back to the class's method
     return samples
 
 

@@ -53,6 +53,8 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
     add_engine_args(cal)
     cal.add_argument("--out", type=Path, default=None, help="where to save (default ~/.cache/conveyor/calibration/cpu.json)")
     cal.add_argument("--repeats", type=int, default=5, help="timed runs per batch shape (median)")
+    cal.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
+                     help="also time every step of a short served workload (about 30 s)")
     cal.set_defaults(func=cmd_calibrate)
 
 
@@ -196,6 +198,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"  fp32 GEMM {flops / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s")
     model = ModelShape.from_arch(engine.arch, Path(str(engine.model_path)).stem)  # type: ignore[attr-defined]
     samples = calibrate.measure_runner(engine, calibrate.default_grid(), args.repeats, lambda s: print("  " + s))
+    if args.served:
+        samples += calibrate.measure_served(engine, progress=lambda s: print("  " + s))
     fit = calibrate.fit(hardware, model, samples, engine.config.cache.block_size,
                         skinny=calibrate.runner_skinny_rows())
     p = fit.params

@@ -279,3 +279,15 @@ def test_report_merges_a_simulated_run_beside_another(tmp_path):
     assert main(["bench", "report", str(a / "result.json"), str(c / "result.json"), "--out", str(tmp_path / "x"),
                  "--no-plots"]) == 2
     assert main(["bench", "report", str(a / "result.json"), str(b / "result.json"), "--no-plots"]) == 2
+
+
+def test_measure_served_times_real_steps(tiny_models):
+    from conveyor import LLM
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", num_kv_blocks=256)
+    samples = calibrate.measure_served(llm.engine, concurrencies=(1, 3))
+    assert len(samples) > 20
+    assert all(t > 0 and s.num_tokens > 0 for _, s, t in samples)
+    assert any(s.decode_seqs > 1 for _, s, _ in samples) and any(s.prefill_pairs for _, s, _ in samples)
+    assert not llm.engine.has_unfinished_requests()
+    assert "execute" not in vars(llm.engine.runner)  # the timing wrapper is gone
