@@ -104,7 +104,15 @@ class SimSystem:
         return self.last_engine
 
     def run(self, requests: Any, point: Any, progress: Any = None) -> Any:
-        return self._system.run(requests, point, progress)
+        import gc
+
+        # Millions of short-lived step objects and no cycles among them: the cyclic collector
+        # would only rescan the live ones (a quarter of the wall time at 10,000 requests).
+        gc.disable()
+        try:
+            return self._system.run(requests, point, progress)
+        finally:
+            gc.enable()
 
     def close(self) -> None:
         pass
