@@ -4,16 +4,21 @@ the same workload on the calibrated cost model, and compare throughput and p50 T
     python benchmarks/validate_simulation.py                      # calibrate now, then compare
     python benchmarks/validate_simulation.py --calibration FILE   # reuse a saved calibration
     python benchmarks/validate_simulation.py --request-rate 0.5,1 --num-requests 32
+    python benchmarks/validate_simulation.py --runs 3 --repeats 3   # rounds of calibrate + measure
 
 The measured run is `conveyor bench offline` (SmolLM2, real time, Poisson arrivals); the
 simulated one is `conveyor simulate --hardware cpu`, with the same workload seed. Calibrating in
-the same process just before measuring keeps the two under the same machine conditions.
+the same process just before measuring keeps the two under the same machine conditions; with
+`--runs N`, calibration and measurement alternate N times, the fit pools every round's samples
+and the measured figures are medians over the rounds (this machine's speed drifts by 20% and
+more between minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,9 @@ def main() -> int:
     ap.add_argument("--output-len", default="uniform:16,128")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid-only", action="store_true", help="calibrate on the shape grid alone (no served steps)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="rounds of calibrate-then-measure; the fit pools all rounds, measured figures are medians")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per calibration shape in each round")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 
@@ -42,54 +50,71 @@ def main() -> int:
     systems = OfflineSystems.load(options)
     engine = systems.base
     model = ModelShape.from_arch(engine.arch, "smollm2-135m")  # type: ignore[attr-defined]
-    if args.calibration is None:
-        import torch
+    inp, outl = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
+    requests = synthetic_requests(args.num_requests, inp, outl, engine.vocab_size, args.seed)
+    spec = SystemSpec("continuous", "conveyor", {})
+    measured_sys = ConveyorSystem(spec, engine, options)
+    points = parse_sweep(args.request_rate, None)
 
-        print("calibrating...", flush=True)
-        flops, bandwidth = calibrate.measure_peaks()
+    # Calibration and measurement alternate, round after round, so that both see the same
+    # machine states; the fit pools every round's samples, the measured figures are medians.
+    samples: list = []
+    flops_bw: list[tuple[float, float]] = []
+    measured: dict[str, list[dict]] = {p.label: [] for p in points}
+    import torch
+
+    for rnd in range(args.runs):
+        if args.calibration is None:
+            print(f"round {rnd + 1}/{args.runs}: calibrating...", flush=True)
+            flops_bw.append(calibrate.measure_peaks())
+            cal_engine = engine.from_model(
+                type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
+            )
+            samples += calibrate.measure_runner(cal_engine, calibrate.default_grid(), args.repeats)
+            if not args.grid_only:
+                samples += calibrate.measure_served(cal_engine, seed=rnd)
+            del cal_engine
+        for point in points:
+            reqs = at_load(requests, point, 1.0, args.seed)
+            t = time.perf_counter()
+            real = measured_sys.run(reqs, point)
+            measured[point.label].append(summarize(real.timings, real.duration_s))
+            print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
+
+    if args.calibration is None:
+        flops = statistics.median(f for f, _ in flops_bw)
+        bandwidth = statistics.median(b for _, b in flops_bw)
         hardware = calibrate.cpu_hardware(flops, bandwidth, torch.get_num_threads())
-        cal_engine = engine.from_model(
-            type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
-        )
-        samples = calibrate.measure_runner(cal_engine, calibrate.default_grid())
-        if not args.grid_only:
-            samples += calibrate.measure_served(cal_engine)
-        del cal_engine
         fit = calibrate.fit(hardware, model, samples, skinny=calibrate.runner_skinny_rows())
         params = fit.params
-        print(f"  fit error per shape: median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
+        print(f"fit over {len(samples)} samples: median error {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
     else:
         cal = calibrate.load(args.calibration)
         hardware, params = cal.hardware, cal.params
     print(f"  {params}")
 
-    inp, outl = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
-    requests = synthetic_requests(args.num_requests, inp, outl, engine.vocab_size, args.seed)
-    spec = SystemSpec("continuous", "conveyor", {})
-    measured_sys = ConveyorSystem(spec, engine, options)
     sim_sys = SimSystem(spec, options, hardware, model, params, 16)
     rows = []
-    for point in parse_sweep(args.request_rate, None):
+    for point in points:
         reqs = at_load(requests, point, 1.0, args.seed)
-        t = time.perf_counter()
-        real = measured_sys.run(reqs, point)
-        wall = time.perf_counter() - t
         sim = sim_sys.run(reqs, point)
-        m, s = summarize(real.timings, real.duration_s), summarize(sim.timings, sim.duration_s)
+        s = summarize(sim.timings, sim.duration_s)
         for name, get in (("output tok/s", lambda x: x["output_throughput"]),
                           ("TTFT p50 (ms)", lambda x: x["ttft_s"]["p50"] * 1e3),
                           ("TPOT p50 (ms)", lambda x: x["tpot_s"]["p50"] * 1e3),
                           ("TTFT p99 (ms)", lambda x: x["ttft_s"]["p99"] * 1e3),
                           ("TPOT p99 (ms)", lambda x: x["tpot_s"]["p99"] * 1e3)):
-            rows.append({"load": point.label, "metric": name, "measured": get(m), "simulated": get(s),
-                         "error": get(s) / get(m) - 1})
-        print(f"load {point.label}: measured in {wall:.0f} s", flush=True)
+            values = [get(m) for m in measured[point.label]]
+            med = statistics.median(values)
+            rows.append({"load": point.label, "metric": name, "measured": med, "measured_runs": values,
+                         "simulated": get(s), "error": get(s) / med - 1})
 
     print()
-    print("| load | metric | measured | simulated | error |")
-    print("|---|---|---|---|---|")
+    print("| load | metric | measured (median) | measured runs | simulated | error |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['load']} | {r['metric']} | {r['measured']:.1f} | {r['simulated']:.1f} | {r['error']:+.1%} |")
+        runs = ", ".join(f"{v:.1f}" for v in r["measured_runs"])
+        print(f"| {r['load']} | {r['metric']} | {r['measured']:.1f} | {runs} | {r['simulated']:.1f} | {r['error']:+.1%} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "hardware": hardware.description,
                                     "params": params.to_dict(), "rows": rows, "argv": sys.argv[1:]}, indent=1))
