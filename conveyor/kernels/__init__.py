@@ -3,8 +3,8 @@
 `cpu_kernels.cpp` holds three float32 kernels for decode steps: a skinny matrix product that
 streams the weights at memory speed (see its header), the RMSNorm of a few rows, and paged
 decode attention that reads K/V in place through the block tables. It has a plain C ABI and is
-loaded with ctypes, so it needs no torch headers and compiles in about a second; the library is cached under `$CONVEYOR_CACHE/kernels` (default
-`~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2 and FMA, or without a compiler,
+loaded with ctypes, so it needs no torch headers and compiles in about a second; the library is
+cached under `$CONVEYOR_CACHE/kernels` (default `~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2 and FMA, or without a compiler,
 or with `CONVEYOR_NATIVE_KERNELS=0`, `skinny_linear()` returns None and the model uses torch's
 matmul. Compiled with `-O3 -mavx2 -mfma -fopenmp`.
 """
@@ -22,6 +22,10 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("conveyor")
 
@@ -112,7 +116,7 @@ def clear_cache() -> None:
     _threads[0] = 0
 
 
-def skinny_linear() -> Callable[..., object] | None:
+def skinny_linear() -> Callable[..., torch.Tensor] | None:
     """`f(x, w) -> x @ w.T` for float32 CPU tensors (x `[M, K]`, w `[N, K]` contiguous), or
     None where the kernels are unavailable (the reason is logged once)."""
     lib = _library()
@@ -131,7 +135,7 @@ def skinny_linear() -> Callable[..., object] | None:
     return run
 
 
-def rms_norm() -> Callable[..., object] | None:
+def rms_norm() -> Callable[..., torch.Tensor] | None:
     """`f(x, weight, eps)`: RMSNorm over the last dim of float32 rows `[M, H]`, or None."""
     lib = _library()
     if lib is None:
@@ -147,7 +151,7 @@ def rms_norm() -> Callable[..., object] | None:
     return run
 
 
-def paged_decode_attention() -> Callable[..., object] | None:
+def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
     """`f(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window) -> out` for float32:
     q `[D, H, d]`, caches `[slots, KVH, d]` (contiguous), tables `[D, max_blocks]` and
     ctx_lens `[D]` int64; window 0 means none. Or None."""

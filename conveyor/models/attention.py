@@ -131,8 +131,9 @@ class AttentionBackend(ABC):
 class TorchPagedAttention(AttentionBackend):
     """Reference backend: gathers K/V block by block through the block tables and calls SDPA.
 
-    Decodes run as one padded batch (an additive mask hides the padding); prefills run one
-    sequence at a time (plain causal for a fresh prompt, the cached context for a later chunk).
+    Decodes run as one padded batch (an additive mask hides the padding) in `decode`, which a
+    faster backend overrides; prefills run one sequence at a time (plain causal for a fresh
+    prompt, the cached context for a later chunk).
     """
 
     def forward(
@@ -152,19 +153,7 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            assert meta.decode_blocks is not None and meta.decode_bias is not None
-            length = meta.decode_bias.shape[-1]
-            kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length)  # [D, L, kvh, d]
-            vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length)
-            od = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),  # [D, h, 1, d]
-                kd.transpose(1, 2),
-                vd.transpose(1, 2),
-                attn_mask=meta.decode_bias,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            out[:nd] = od.squeeze(2)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
         for span in meta.prefills:
             a, b = span.token_start, span.token_end
             if span.context_blocks is None:
@@ -185,6 +174,25 @@ class TorchPagedAttention(AttentionBackend):
             out[a:b] = o.transpose(0, 1)
         return out
 
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's decode rows `q` `[D, heads, head_dim]` over their contexts."""
+        assert meta.decode_blocks is not None and meta.decode_bias is not None
+        bs = meta.block_size
+        length = meta.decode_bias.shape[-1]
+        kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length)  # [D, L, kvh, d]
+        vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length)
+        od = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [D, h, 1, d]
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            attn_mask=meta.decode_bias,
+            scale=scale,
+            enable_gqa=q.shape[1] != k_cache.shape[1],
+        )
+        return od.squeeze(2)
+
 
 class CpuPagedAttention(TorchPagedAttention):
     """float32 on CPU: decodes through the native kernel (conveyor/kernels), which reads each
@@ -195,31 +203,14 @@ class CpuPagedAttention(TorchPagedAttention):
         self.kernel = kernel
         self.window = sliding_window or 0
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        nd = meta.num_decodes
-        if not nd or q.dtype != torch.float32 or meta.decode_context_lens is None:
-            return super().forward(q, k, v, kv_cache, meta, scale)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if q.dtype != torch.float32 or meta.decode_context_lens is None:
+            return super().decode(q, k_cache, v_cache, meta, scale)
         assert meta.decode_blocks is not None
-        od = self.kernel(q[:nd], k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
-                         meta.block_size, scale, self.window)
-        if not meta.prefills:
-            return od
-        # The prefills through the torch path (it writes the step's K/V again: the same values).
-        rest = AttentionMetadata(meta.block_size, meta.positions, meta.slot_mapping, 0, prefills=meta.prefills)
-        out = super().forward(q, k, v, kv_cache, rest, scale)
-        out[:nd] = od
-        return out
+        return self.kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
+                           meta.block_size, scale, self.window)
 
 
 def _gather_blocks(

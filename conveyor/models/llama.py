@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.kernels import SKINNY_MAX_ROWS, paged_decode_attention, rms_norm, skinny_linear
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Half precision normalises in float32 (as the reference does); float32/float64 keep
         # their own precision. F.rms_norm is one fused kernel, bit-equal to the formula here.
-        if self.native is not None and x.dim() == 2 and x.shape[0] <= 16:
+        if self.native is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
             return self.native(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype in (torch.float16, torch.bfloat16):
@@ -230,21 +231,16 @@ class LlamaForCausalLM(nn.Module):
         transposed (`[in, out]`, contiguous): for small row counts MKL streams that layout
         about twice as fast as `x @ W.T`.
         """
-        from conveyor.kernels import SKINNY_MAX_ROWS, skinny_linear
-
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self._head_t: torch.Tensor | None = None
         self._head_kernel: Callable[..., torch.Tensor] | None = None
         if weight.device.type != "cpu":
             return
         kernel = skinny_linear() if weight.dtype == torch.float32 else None
-        if kernel is not None:
-            self._head_kernel = kernel
-        else:
+        if kernel is None:
             self._head_t = weight.detach().t().contiguous()
-        if kernel is not None:
-            from conveyor.kernels import paged_decode_attention, rms_norm
-
+        else:
+            self._head_kernel = kernel
             norm, attention = rms_norm(), paged_decode_attention()
             for module in self.modules():
                 if isinstance(module, RMSNorm):
@@ -265,6 +261,6 @@ class LlamaForCausalLM(nn.Module):
             return hidden @ head_t
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         kernel = getattr(self, "_head_kernel", None)
-        if kernel is not None and hidden.shape[0] <= 16:
+        if kernel is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
             return kernel(hidden, weight)
         return F.linear(hidden, weight)
