@@ -70,9 +70,7 @@ def main() -> int:
             cal_engine = engine.from_model(
                 type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
             )
-            samples += calibrate.measure_runner(cal_engine, calibrate.default_grid(), args.repeats)
-            if not args.grid_only:
-                samples += calibrate.measure_served(cal_engine, seed=rnd)
+            samples += calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd)
             del cal_engine
         for point in points:
             reqs = at_load(requests, point, 1.0, args.seed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +261,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_offline(args: argparse.Namespace, mode: str, specs: Sequence[Any], options: dict[str, Any]) -> int:
-    from conveyor.bench.offline import OfflineSystems, failed_run
-    from conveyor.config import ConfigError
+    from conveyor.bench.offline import OfflineSystems
 
     _require(args)
     slo = _slo(args)
@@ -272,14 +271,37 @@ def _run_offline(args: argparse.Namespace, mode: str, specs: Sequence[Any], opti
     requests, points, desc = build_workload(args, systems.vocab_size)
     result = report.new_result(mode, desc, points, slo, args.slo_attainment, getattr(args, "argv", None))
     result["engine_options"] = options
+    run_systems(args, result, specs, requests, points, slo, systems.build, lambda spec, _: systems.options_of(spec))
+    return _finish(args, result, out)
+
+
+def run_systems(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    specs: Sequence[Any],
+    requests: Sequence[BenchRequest],
+    points: Sequence[LoadPoint],
+    slo: SLO | None,
+    build: Callable[[Any], Any],
+    options_of: Callable[[Any, Any], dict[str, Any]],
+    kind: str | None = None,
+    on_point: Callable[[Any, Any, dict[str, Any]], Any] | None = None,
+) -> None:
+    """Every system (`build(spec)`) at every load point into `result`, with a progress bar.
+
+    A refused configuration or a failed point is reported and the others still run.
+    `on_point(spec, system, point_entry)` may add to each point's entry (the simulator does)."""
+    from conveyor.bench.offline import failed_run
+    from conveyor.config import ConfigError
+
     bar = _bar(args, len(specs) * len(points) * len(requests))
     try:
         for spec in specs:
             try:
-                system = systems.build(spec)
-                entry = report.add_system(result, spec.name, spec.kind, systems.options_of(spec))
+                system = build(spec)
+                entry = report.add_system(result, spec.name, kind or spec.kind, options_of(spec, system))
             except Exception as e:  # a refused configuration: reported, the others still run
-                report.add_system(result, spec.name, spec.kind, dict(spec.options), f"{type(e).__name__}: {e}")
+                report.add_system(result, spec.name, kind or spec.kind, dict(spec.options), f"{type(e).__name__}: {e}")
                 bar.update(len(points) * len(requests))
                 bar.write(f"{spec.name}: {type(e).__name__}: {e}")
                 continue
@@ -299,11 +321,12 @@ def _run_offline(args: argparse.Namespace, mode: str, specs: Sequence[Any], opti
                 bar.update(len(reqs) - (bar.n - before))
                 p = report.add_point(entry, point, run.timings, run.duration_s, slo, run.engine_stats,
                                      None, run.occupancy, run.error)
+                if on_point is not None and run.error is None:
+                    on_point(spec, system, p)
                 bar.write(f"{spec.name} @ {point.label}: error {run.error}" if run.error else _line(spec.name, point, p["summary"]))
             system.close()
     finally:
         bar.close()
-    return _finish(args, result, out)
 
 
 # -- serve ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
             raise ValueError(f"calibration shape {label!r} needs {next_block} KV blocks; the cache has {runner.num_blocks}")
         out = SchedulerOutput(0, items)
         runner.execute(out)  # warm-up
-        times = [_timed(lambda o=out: runner.execute(o)) for _ in range(repeats)]
+        times = [_timed(partial(runner.execute, out)) for _ in range(repeats)]
         samples.append((label, StepShape.of(out), statistics.median(times)))
         if progress is not None:
             progress(f"{label}: {samples[-1][2] * 1e3:.1f} ms")
@@ -185,6 +186,16 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
                 progress(f"served at concurrency {level}: {len(samples)} steps so far")
     finally:
         del runner.execute  # back to the class's method
+    return samples
+
+
+def collect(engine: Any, repeats: int = 5, served: bool = True, seed: int = 0,
+            progress: Callable[[str], Any] | None = None) -> list[tuple[str, StepShape, float]]:
+    """Every calibration sample of one round: the shape grid, then (unless `served` is off) the
+    steps of a short served workload."""
+    samples = measure_runner(engine, default_grid(), repeats, progress)
+    if served:
+        samples += measure_served(engine, seed=seed, progress=progress)
     return samples
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.offline import ConveyorSystem
 from conveyor.sim.hardware import Hardware, get_hardware, hardware_names
 from conveyor.sim.models import ModelShape, get_model, model_names
 
@@ -82,19 +83,14 @@ def resolve(args: argparse.Namespace) -> tuple[Hardware, ModelShape, Any]:
     return hardware, model, params
 
 
-class SimSystem:
-    """One scheduler configuration on the cost model; runs like `bench`'s ConveyorSystem."""
+class SimSystem(ConveyorSystem):
+    """One scheduler configuration on the cost model. The measured system's run loop (replay,
+    closed loop, traces) with a simulated engine in place of the real one."""
 
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
                  params: Any, batch_size: int) -> None:
-        from conveyor.bench.offline import ConveyorSystem
-
-        self.spec = spec
+        super().__init__(spec, None, options, batch_size)  # type: ignore[arg-type]  # no base engine
         self.hardware, self.model, self.params = hardware, model, params
-        # Borrow the measured system's run loop (replay, closed loop, traces): only the engine differs.
-        self._system = ConveyorSystem(spec, None, options, batch_size)  # type: ignore[arg-type]
-        self._system._engine = self._engine  # type: ignore[method-assign]
-        self.config = self._system.config
         self.last_engine: Any = None
 
     def _engine(self) -> Any:
@@ -110,24 +106,20 @@ class SimSystem:
         # would only rescan the live ones (a quarter of the wall time at 10,000 requests).
         gc.disable()
         try:
-            return self._system.run(requests, point, progress)
+            return super().run(requests, point, progress)
         finally:
             gc.enable()
-
-    def close(self) -> None:
-        pass
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from conveyor.bench import report
     from conveyor.bench.commands import (
-        _bar,
         _finish,
-        _line,
         _out_dir,
         _require,
         _slo,
         build_workload,
+        run_systems,
     )
     from conveyor.bench.offline import SystemSpec, parse_config
     from conveyor.cli import engine_kwargs
@@ -147,40 +139,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     requests, points, desc = build_workload(args, model.vocab_size)
     result = report.new_result("simulate", desc, points, slo, args.slo_attainment, getattr(args, "argv", None))
     result["engine_options"] = options
-    result["simulation"] = {"hardware": dataclasses.asdict(hardware), "model": dataclasses.asdict(model),
-                            "cost_params": params.to_dict(), "systems": {}}
-    bar = _bar(args, len(specs) * len(points) * len(requests))
-    wall = time.perf_counter()
-    try:
-        for spec in specs:
-            try:
-                system = SimSystem(spec, {**options, **spec.options}, hardware, model, params, args.batch_size)
-                entry = report.add_system(result, spec.name, "simulated", dataclasses.asdict(system.config.scheduler))
-            except Exception as e:  # a refused configuration: reported, the others still run
-                report.add_system(result, spec.name, "simulated", dict(spec.options), f"{type(e).__name__}: {e}")
-                bar.update(len(points) * len(requests))
-                bar.write(f"{spec.name}: {type(e).__name__}: {e}")
-                continue
-            for point in points:
-                from conveyor.bench.workload import at_load
+    sim: dict[str, Any] = {"hardware": dataclasses.asdict(hardware), "model": dataclasses.asdict(model),
+                           "cost_params": params.to_dict(), "systems": {}}
+    result["simulation"] = sim
 
-                reqs = at_load(requests, point, args.burstiness, args.seed)
-                bar.set_description(f"{spec.name} @ {point.label}")
-                before = bar.n
-                run = system.run(reqs, point, bar.update)
-                bar.update(len(reqs) - (bar.n - before))
-                p = report.add_point(entry, point, run.timings, run.duration_s, slo, run.engine_stats, None, run.occupancy)
-                engine = system.last_engine
-                p["simulated_busy_s"] = engine.runner_busy_s
-                result["simulation"]["systems"][spec.name] = describe_capacity(engine)
-                bar.write(_line(spec.name, point, p["summary"]))
-    finally:
-        bar.close()
-    result["simulation"]["wall_s"] = time.perf_counter() - wall
-    cap = next(iter(result["simulation"]["systems"].values()), None)
+    def on_point(spec: Any, system: SimSystem, point: dict[str, Any]) -> None:
+        point["simulated_busy_s"] = system.last_engine.runner_busy_s
+        sim["systems"][spec.name] = describe_capacity(system.last_engine)
+
+    wall = time.perf_counter()
+    run_systems(
+        args, result, specs, requests, points, slo,
+        build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size),
+        options_of=lambda spec, system: dataclasses.asdict(system.config.scheduler),
+        kind="simulated", on_point=on_point,
+    )
+    sim["wall_s"] = time.perf_counter() - wall
+    cap = next(iter(sim["systems"].values()), None)
     if cap:
         print(f"{model.name} on {hardware.description}: weights {cap['weight_gib']:.1f} GiB, KV cache "
-              f"{cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens; simulated in {result['simulation']['wall_s']:.1f} s")
+              f"{cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens; simulated in {sim['wall_s']:.1f} s")
     return _finish(args, result, out)
 
 
@@ -205,9 +183,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     hardware = calibrate.cpu_hardware(flops, bandwidth, threads)
     print(f"  fp32 GEMM {flops / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s")
     model = ModelShape.from_arch(engine.arch, Path(str(engine.model_path)).stem)  # type: ignore[attr-defined]
-    samples = calibrate.measure_runner(engine, calibrate.default_grid(), args.repeats, lambda s: print("  " + s))
-    if args.served:
-        samples += calibrate.measure_served(engine, progress=lambda s: print("  " + s))
+    samples = calibrate.collect(engine, args.repeats, args.served, progress=lambda s: print("  " + s))
     fit = calibrate.fit(hardware, model, samples, engine.config.cache.block_size,
                         skinny=calibrate.runner_skinny_rows())
     p = fit.params

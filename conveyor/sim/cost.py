@@ -98,11 +98,11 @@ class CostParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostParams:
+        integers = ("skinny_rows", "skinny_pass_rows")
         names = {f.name for f in fields(cls)}
-        kw = {k: (None if v is None else float(v)) for k, v in d.items() if k in names}
-        for name in ("skinny_rows", "skinny_pass_rows"):
-            if kw.get(name) is not None:
-                kw[name] = int(kw[name])
+        kw: dict[str, Any] = {
+            k: None if v is None else int(v) if k in integers else float(v) for k, v in d.items() if k in names
+        }
         return cls(**kw)
 
 

@@ -69,7 +69,7 @@ class SimEngine(Engine):
 
     @property
     def runner_busy_s(self) -> float:
-        return self.runner.busy_s  # type: ignore[attr-defined, no-any-return]
+        return self.runner.busy_s  # type: ignore[attr-defined]
 
 
 def dtype_bytes_of(config: EngineConfig, hardware: Hardware) -> int:
