@@ -157,15 +157,4 @@ class RooflineCostModel:
         }
 
     def step_time(self, s: StepShape) -> float:
-        if not s.num_tokens:
-            return self._swap_s * s.swap_blocks
-        p = self.params
-        t = self._linear(s.num_tokens)
-        if s.num_sampled:
-            t += self._head(s.num_sampled)
-        if s.prefill_pairs:
-            t += max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context)
-        if s.decode_context:
-            t += max(self._attn_flop_s, self._kv_mem_s) * s.decode_context
-        return t + self._swap_s * s.swap_blocks + p.step_overhead_s + p.seq_overhead_s * s.num_seqs \
-            + p.token_overhead_s * s.num_tokens
+        return sum(self.breakdown(s).values())
