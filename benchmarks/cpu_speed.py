@@ -10,9 +10,14 @@ in the same run) and peak memory.
     python benchmarks/cpu_speed.py                   # the 134M random Llama
     python benchmarks/cpu_speed.py --model smollm2   # SmolLM2-135M from the GGUF
     python benchmarks/cpu_speed.py --skip-hf         # conveyor only
+    python benchmarks/cpu_speed.py --quantization none   # float32 only (default: float32 and int8)
 
-llama.cpp is not compared here yet: it needs `llama-cpp-python` built from source (about 15
-minutes on this machine), which this script does not install.
+conveyor runs twice: float32 (the reference precision) and `quantization="int8"` (int8 weights and
+activations; its precision cost is measured by benchmarks/int8_precision.py). The batch-1 limit
+counts the bytes one decode step reads: every weight except the embedding table (one row of it is
+read), which is the LM head too when the two are tied; int8 layers count one byte per weight.
+
+llama.cpp runs in benchmarks/llama_cpp_speed.py (it needs `llama-cpp-python`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,22 @@ def build_random_llama(folder: Path) -> Path:
     return folder
 
 
+def decode_bytes(model) -> int:
+    """Weight bytes one decode step reads: every weight but the embedding table, which is read
+    whole only when it is the float32 LM head (tied)."""
+    from conveyor.models.quantize import Int8Linear
+
+    embedding_is_head = model.lm_head is None and model._head_int8 is None
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if model._head_int8 is not None:
+        int8.append(model._head_int8)
+    total = sum(m.in_features * m.out_features for m in int8)
+    for name, p in model.named_parameters():
+        if name != "embed_tokens.weight" or embedding_is_head:
+            total += p.numel() * p.element_size()
+    return total
+
+
 def run_hf_continuous(model, prompts, outputs) -> dict:
     from conveyor.bench.offline import HFContinuousSystem, SystemSpec
     from conveyor.bench.workload import BenchRequest, LoadPoint
@@ -62,34 +83,47 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", choices=("none", "int8", "both"), default="both")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
     from conveyor import LLM
     from conveyor.bench.offline import load_hf_model
+    from conveyor.models.loader import resolve_model_path
 
     tmp = tempfile.TemporaryDirectory()
     path = str(build_random_llama(Path(tmp.name))) if args.model == "random-134m" else None
-    llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048)
-    arch = llm.engine.arch  # type: ignore[attr-defined]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, arch.vocab_size - 100) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    outputs = [args.output_len] * args.num_requests
-
-    result: dict = {"model": args.model, "params": arch.num_params, "threads": torch.get_num_threads()}
-    result["conveyor"] = run_conveyor(llm, prompts, outputs)
-    print(f"conveyor: {result['conveyor']['output_tok_per_s']:.1f} output tok/s "
-          f"({result['conveyor']['elapsed_s']:.1f} s, mean batch {result['conveyor']['mean_batch']:.1f})", flush=True)
-    step = batch1_decode(llm, arch.vocab_size)
+    variants = {"none": [None], "int8": ["int8"], "both": [None, "int8"]}[args.quantization]
+    result: dict = {"model": args.model, "threads": torch.get_num_threads()}
+    systems = []
     bw = measure_bandwidth()
-    weight_bytes = arch.num_params * 4
-    limit = weight_bytes / bw
-    result["batch1"] = {"ms_per_step": step * 1e3, "bandwidth_GBps": bw / 1e9, "limit_ms": limit * 1e3,
-                        "fraction_of_limit": limit / step}
-    print(f"batch-1 decode: {step * 1e3:.2f} ms/step = {1 / step:.1f} tok/s; bandwidth limit {limit * 1e3:.2f} ms "
-          f"({weight_bytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) -> {limit / step:.0%} of the limit", flush=True)
+    for quantization in variants:
+        name = "conveyor" if quantization is None else f"conveyor_{quantization}"
+        llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization)
+        arch = llm.engine.arch  # type: ignore[attr-defined]
+        rng = random.Random(0)
+        prompts = [[rng.randrange(100, arch.vocab_size - 100) for _ in range(args.prompt_len)]
+                   for _ in range(args.num_requests)]
+        outputs = [args.output_len] * args.num_requests
+        result["params"] = arch.num_params
+        result[name] = run_conveyor(llm, prompts, outputs)
+        print(f"{name}: {result[name]['output_tok_per_s']:.1f} output tok/s "
+              f"({result[name]['elapsed_s']:.1f} s, mean batch {result[name]['mean_batch']:.1f})", flush=True)
+        step = batch1_decode(llm, arch.vocab_size)
+        bw = max(bw, measure_bandwidth())  # the best of the reads: the limit is the hardware's
+        read = decode_bytes(llm.engine.runner.model)  # type: ignore[attr-defined]
+        result[name]["batch1"] = {"ms_per_step": step * 1e3, "bytes_per_step": read}
+        systems.append(name)
+        del llm
+    for name in systems:
+        b1 = result[name]["batch1"]
+        limit = b1["bytes_per_step"] / bw
+        b1.update(bandwidth_GBps=bw / 1e9, limit_ms=limit * 1e3, fraction_of_limit=limit / (b1["ms_per_step"] / 1e3))
+        print(f"{name} batch-1 decode: {b1['ms_per_step']:.2f} ms/step = {1e3 / b1['ms_per_step']:.1f} tok/s; "
+              f"bandwidth limit {limit * 1e3:.2f} ms ({b1['bytes_per_step'] / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) "
+              f"-> {b1['fraction_of_limit']:.0%} of the limit", flush=True)
     if not args.skip_hf:
-        model_path = path if path is not None else str(llm.engine.model_path)  # type: ignore[attr-defined]
+        model_path = path if path is not None else str(resolve_model_path(None))
         hf = load_hf_model(model_path)
         result["hf_static"] = run_hf_static(hf, prompts, outputs, args.hf_batch_size, 0)
         print(f"HF static generate (batch {args.hf_batch_size}): {result['hf_static']['output_tok_per_s']:.1f} output tok/s", flush=True)
@@ -101,8 +135,8 @@ def main() -> None:
             print(f"HF continuous batching: unavailable ({e})")
         for name in ("hf_static", "hf_continuous"):
             tps = result[name].get("output_tok_per_s")
-            if tps:
-                print(f"conveyor / {name} = {result['conveyor']['output_tok_per_s'] / tps:.2f}x")
+            for system in systems if tps else []:
+                print(f"{system} / {name} = {result[system]['output_tok_per_s'] / tps:.2f}x")
     result["peak_rss_MB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {result['peak_rss_MB']:.0f} MB")
     if args.json:

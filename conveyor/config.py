@@ -46,6 +46,13 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("torch intra-op threads on CPU; default: torch's choice.")
     )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "Weight quantization: int8 (CPU, float32: int8 weights per output channel, each "
+            "step's activations quantized per tensor, int8 GEMMs through fbgemm). Default: none."
+        ),
+    )
 
     def __post_init__(self) -> None:
         allowed = ("auto", "float32", "float64", "float16", "bfloat16")
@@ -57,6 +64,8 @@ class ModelConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be at least 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
+        if self.quantization not in (None, "int8"):
+            raise ConfigError(f"quantization={self.quantization!r}: use 'int8' or leave it unset")
 
 
 @dataclass(frozen=True)

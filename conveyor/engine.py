@@ -152,7 +152,21 @@ class Engine:
 
         weight_bytes = arch.num_params * torch.empty((), dtype=dtype).element_size()
         num_blocks, num_swap_blocks, max_len = _plan_cache(config, arch, dtype, device, weight_bytes)
-        model = build_model(arch, tensors, TorchPagedAttention(), max_len, dtype, device)
+        if mc.quantization is not None and (device.type != "cpu" or dtype != torch.float32):
+            raise ConfigError(
+                f"quantization={mc.quantization!r} is a CPU float32 path; this engine is "
+                f"{device.type} {str(dtype).removeprefix('torch.')}"
+            )
+        calibration = None
+        if mc.quantization is not None:
+            from conveyor.models.quantize import calibration_ids
+
+            calibration = calibration_ids(
+                None if tokenizer is None else tokenizer.encode, arch.vocab_size, min(256, max_len)
+            )
+        model = build_model(
+            arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration
+        )
         engine = cls._assemble(config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len)
         engine.model_path = str(path)  # type: ignore[attr-defined]
         return engine

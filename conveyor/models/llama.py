@@ -16,7 +16,19 @@ from torch import nn
 
 from conveyor.kernels import SKINNY_MAX_ROWS, paged_decode_attention, rms_norm, skinny_linear
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
-from conveyor.models.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
+from conveyor.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    CpuPagedAttention,
+    build_metadata,
+)
+from conveyor.models.quantize import (
+    ActivationRecorder,
+    Int8Linear,
+    choose_smoothing,
+    int8_supported,
+    quantize_linears,
+)
 
 
 class RMSNorm(nn.Module):
@@ -223,22 +235,35 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, cache, meta)
         return self.norm(x)
 
-    def prepare_for_inference(self) -> None:
+    def prepare_for_inference(
+        self, quantization: str | None = None, calibration_ids: list[int] | None = None
+    ) -> None:
         """Called once after the weights are loaded.
 
         On CPU in float32, the native skinny kernel (conveyor/kernels) takes the few rows of
         decode steps in every projection and in the LM head. Without it, the weights are kept
         transposed (`[in, out]`, contiguous): for small row counts MKL streams that layout
-        about twice as fast as `x @ W.T`.
+        about twice as fast as `x @ W.T`. With `quantization="int8"` every projection and the
+        LM head become `Int8Linear`s (conveyor/models/quantize.py), smoothed with activations
+        recorded on `calibration_ids`; the embedding table stays float32 for lookups.
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self._head_t: torch.Tensor | None = None
         self._head_kernel: Callable[..., torch.Tensor] | None = None
+        self._head_int8: Int8Linear | None = None
+        if quantization is not None:
+            if quantization != "int8":
+                raise ValueError(f"unknown quantization {quantization!r}")
+            if weight.device.type != "cpu" or weight.dtype != torch.float32 or not int8_supported():
+                raise UnsupportedModelError(
+                    "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
+                )
+            self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type != "cpu":
             return
         kernel = skinny_linear() if weight.dtype == torch.float32 else None
         if kernel is None:
-            self._head_t = weight.detach().t().contiguous()
+            self._head_t = weight.detach().t().contiguous() if quantization is None else None
         else:
             self._head_kernel = kernel
             norm, attention = rms_norm(), paged_decode_attention()
@@ -255,7 +280,36 @@ class LlamaForCausalLM(nn.Module):
                     )
                     setattr(module, name, replacement)
 
+    @torch.inference_mode()
+    def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:
+        """Run the float32 model once over `calibration_ids` recording every linear layer's
+        inputs, then replace the layers (and the LM head) by smoothed `Int8Linear`s."""
+        linears = {n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and m is not self.lm_head}
+        recorder = ActivationRecorder(linears)
+        n, block_size = len(calibration_ids), 16
+        num_blocks = -(-n // block_size)
+        meta = build_metadata([list(range(num_blocks))], [0], [n], block_size, head_weight.device,
+                              self.arch.sliding_window, head_weight.dtype)
+        caches = [
+            torch.zeros(2, num_blocks * block_size, self.arch.num_kv_heads, self.arch.head_dim)
+            for _ in self.layers
+        ]
+        try:
+            hidden = self.forward(torch.tensor(calibration_ids), meta.positions, caches, meta)
+        finally:
+            recorder.remove()
+        inputs = {name: (recorder.absmax[name], recorder.rows[name]) for name in recorder.absmax}
+        quantize_linears(self, inputs, skip=[self.lm_head] if self.lm_head is not None else [])
+        head_rows = hidden[:: max(1, n // 256)]
+        self._head_int8 = Int8Linear(
+            head_weight, None, choose_smoothing(head_rows, head_weight, hidden.abs().amax(dim=0))
+        )
+        self.lm_head = None  # the int8 copy serves; a tied embedding keeps its float32 table
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head_int8 = getattr(self, "_head_int8", None)
+        if head_int8 is not None:
+            return head_int8(hidden)
         head_t = getattr(self, "_head_t", None)
         if head_t is not None:
             return hidden @ head_t

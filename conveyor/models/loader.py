@@ -316,13 +316,15 @@ def build_model(
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
+    quantization: str | None = None,
+    calibration_ids: list[int] | None = None,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(arch, max_positions).to(device)
     load_weights(model, ((n, t.to(dtype)) for n, t in tensors))
-    model.prepare_for_inference()
+    model.prepare_for_inference(quantization, calibration_ids)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -1,0 +1,83 @@
+"""quantization="int8": close to float32, rows independent of the batch, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor import LLM, SamplingParams
+from conveyor.config import ConfigError
+from conveyor.models.attention import build_metadata
+from conveyor.models.quantize import Int8Linear, choose_smoothing, int8_supported
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="torch has no fbgemm int8 kernels here")
+
+
+def outlier_inputs(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x[:, :3] *= 60  # a few channels far larger than the rest, as in real activations
+    return x
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_int8_linear_close_to_float_and_smoothing_helps():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g) / 128**0.5
+    bias = torch.randn(96, generator=g)
+    calib, x = outlier_inputs(64, 128, 1), outlier_inputs(16, 128, 2)
+    reference = torch.nn.functional.linear(x, w, bias)
+    plain = Int8Linear(w, bias)(x)
+    smooth = choose_smoothing(calib, w, calib.abs().amax(dim=0))
+    smoothed = Int8Linear(w, bias, smooth)(x)
+    assert rel_err(smoothed, reference) < 0.02
+    assert rel_err(smoothed, reference) < 0.5 * rel_err(plain, reference)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40), seed=st.integers(0, 10_000),
+       scale=st.floats(1e-3, 1e3))
+def test_int8_rows_do_not_depend_on_the_batch(rows, k, n, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    layer = Int8Linear(torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.rand(k, generator=g) + 0.5)
+    x = torch.randn(rows, k, generator=g) * scale
+    x[rows // 2] *= 1000  # one loud row must not coarsen the others
+    batched = layer(x)
+    for i in range(rows):
+        assert torch.equal(batched[i], layer(x[i : i + 1])[0])
+
+
+@torch.inference_mode()
+def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    model = llm.engine.runner.model
+    blocks = -(-len(ids) // 8)
+    meta = build_metadata([list(range(blocks))], [0], [len(ids)], 8, torch.device("cpu"))
+    caches = [torch.zeros(2, blocks * 8, model.arch.num_kv_heads, model.arch.head_dim) for _ in model.layers]
+    return model.compute_logits(model(torch.tensor(ids), meta.positions, caches, meta))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # an untied and a tied LM head
+def test_int8_engine_close_to_float32(tiny_models, family):
+    path = str(tiny_models[family])
+    reference = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
+    quantized = LLM(path, quantization="int8", num_kv_blocks=64, block_size=8)
+    ids = [(7 * i + 3) % 380 + 2 for i in range(60)]
+    ref, q8 = teacher_forced_logits(reference, ids), teacher_forced_logits(quantized, ids)
+    assert rel_err(q8, ref) < 0.05
+    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    # and it serves: every request gets its tokens
+    outs = quantized.generate([ids[:10], ids[20:45]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+
+
+def test_int8_bad_configs_say_why(tiny_models):
+    with pytest.raises(ConfigError, match="quantization"):
+        LLM(str(tiny_models["llama"]), quantization="int4")
+    with pytest.raises(ConfigError, match="CPU float32"):
+        LLM(str(tiny_models["llama"]), quantization="int8", dtype="float64")
