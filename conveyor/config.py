@@ -49,8 +49,9 @@ class ModelConfig:
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "Weight quantization: int8 (CPU, float32: int8 weights per output channel, each "
-            "step's activations quantized per tensor, int8 GEMMs through fbgemm). Default: none."
+            "int8 (CPU, float32 only): int8 weights per output row and int8 activations per "
+            "token, smoothed on a calibration text, int8 GEMMs through fbgemm. Default: none "
+            "(the model's dtype)."
         ),
     )
 

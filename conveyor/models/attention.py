@@ -39,6 +39,7 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
     prefills: list[PrefillSpan] = field(default_factory=list)
+    prefill_blocks: torch.Tensor | None = None  # [num_prefills, max_blocks] block tables, padded with 0
 
 
 def build_metadata(
@@ -88,6 +89,11 @@ def build_metadata(
         meta.decode_blocks = tables[:num_decodes, :nb].to(device)
         meta.decode_context_lens = ctx.to(device)
         meta.decode_bias = torch.where(keep, zero, neg_inf)[:, None, None, :].to(device)
+
+    if num_decodes < len(num_new_tokens):
+        ends = starts[num_decodes:] + counts[num_decodes:]
+        nb = int((ends.max() + block_size - 1) // block_size)
+        meta.prefill_blocks = tables[num_decodes:, :nb].to(device)
 
     row = num_decodes
     for i in range(num_decodes, len(num_new_tokens)):

@@ -8,6 +8,7 @@ gate/up projections are fused into one matrix each. The LM head runs only on sam
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -259,6 +260,8 @@ class LlamaForCausalLM(nn.Module):
                     "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
                 )
             self._quantize_int8(weight, calibration_ids or [0])
+        if weight.device.type == "cuda":
+            self._use_triton_attention()
         if weight.device.type != "cpu":
             return
         kernel = skinny_linear() if weight.dtype == torch.float32 else None
@@ -279,6 +282,18 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
+
+    def _use_triton_attention(self) -> None:
+        """On CUDA, paged attention runs in the Triton kernels (conveyor/kernels/triton_attention.py)
+        when triton is installed, unless `CONVEYOR_TRITON=0`; else in the torch reference."""
+        from conveyor.kernels.triton_attention import TritonPagedAttention, triton_available
+
+        if os.environ.get("CONVEYOR_TRITON", "1") == "0" or not triton_available():
+            return
+        backend = TritonPagedAttention(self.arch.sliding_window)  # one instance: its per-step plan is shared
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
 
     @torch.inference_mode()
     def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:

@@ -1,0 +1,397 @@
+"""Paged attention in Triton: the CUDA backend, tested on CPU through Triton's interpreter.
+
+Three kernels, all reading K/V in place through block tables (no gather, no padding copies):
+
+- `_write_kv_kernel`: one program per new token, stores its K and V at `slot_mapping[t]`
+  (negative slots are padding and skipped).
+- decode (flash-decoding): one program per (sequence, kv head, KV split). All query heads of
+  a kv-head group sit in one program, so each K/V tile is read once per group. Each split
+  leaves a normalised partial output and its log-sum-exp; `_decode_reduce_kernel` merges the
+  splits. With one split the first kernel writes the output directly.
+- prefill: one launch for every prefill span, fresh or chunked. A program takes a tile of
+  query rows (tokens x heads of one kv-head group) of one sequence and loops over that
+  sequence's context, cached prefix and this step's tokens alike (the write kernel has
+  already put them in the cache); the causal mask compares absolute positions.
+
+Softmax is online, in float32, with exp2 (the scale is pre-multiplied by log2 e). A missing
+sliding window is a window wider than any context, so there is one code path. Kernels take
+strides, so q/k/v may be the strided head views of a fused QKV projection (last dim contiguous).
+
+Triton is optional: without it this module still imports and `triton_available()` is False.
+Under `TRITON_INTERPRET=1` (set before this module is imported) the kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from conveyor.models.attention import AttentionBackend, AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU-only install: the backend is simply unavailable
+    triton = None
+    tl = None
+
+MAX_HEAD_DIM = 256
+NO_WINDOW = 1 << 30  # wider than any context: the window mask keeps every position
+LOG2_E = 1.4426950408889634
+DECODE_BLOCK_N = 64  # KV positions per tile in decode
+PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a group) per prefill program
+PREFILL_BLOCK_N = 64
+MIN_SPLIT_LEN = 256  # a decode split is never shorter than this (default heuristic)
+MAX_SPLITS = 32
+
+
+def triton_available() -> bool:
+    """True when the kernels can run here: triton imports, and there is a CUDA device or the
+    interpreter is on (`TRITON_INTERPRET=1`)."""
+    if triton is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _jit(fn: Callable[..., None]) -> Any:
+    """`triton.jit`, or the bare function when triton is absent (it is then never called)."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@_jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kv, stride_slot, stride_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    dst = cache_ptr + slot * stride_slot + h * stride_head + d
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_kv, v, mask=mask)
+
+
+@_jit
+def _decode_split_kernel(
+    q_ptr, k_cache, v_cache, tables, context_lens, out_ptr, part_out, part_lse,
+    scale_log2, window, split_len, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens + seq).to(tl.int32)
+    # This split's positions, clipped to the context and to the window of the one query
+    # (position context - 1). Every tile starts at a valid position, so no row is all -inf.
+    lo = tl.maximum(split * split_len, context - window)
+    hi = tl.minimum((split + 1) * split_len, context)
+
+    g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    head_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=head_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = tables + seq.to(tl.int64) * stride_table
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        block = tl.load(table + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+        slot = block * PAGE + pos % PAGE
+        kv_off = slot * stride_slot + kv_head * stride_head
+        k = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=p_mask[None, :] & d_mask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    nonempty = lsum > 0  # a split past the context or before the window is empty
+    out = acc / tl.where(nonempty, lsum, 1.0)[:, None]
+    out_mask = head_mask[:, None] & d_mask[None, :]
+    if DIRECT:  # a single split: its output is final
+        dst = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [D, H, S] layout
+        tl.store(part_out + row[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
+        tl.store(part_lse + row, lse, mask=head_mask)
+
+
+@_jit
+def _decode_reduce_kernel(
+    part_out, part_lse, out_ptr, stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + s
+    lse = tl.load(part_lse + row, mask=s_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # at least one split holds the query's own token
+    weight = weight / tl.sum(weight, 0)
+    parts = tl.load(part_out + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0)
+    dst = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@_jit
+def _prefill_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, tables, spans,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    row_start = tl.load(spans + seq * 3)
+    num_tokens = tl.load(spans + seq * 3 + 1)
+    start_pos = tl.load(spans + seq * 3 + 2)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    first = tile * TOKENS
+    if first >= num_tokens:  # the grid is sized for the longest span
+        return
+
+    r = tl.arange(0, BLOCK_M)
+    token = first + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    r_mask = (r < TOKENS * GROUP) & (token < num_tokens)
+    q_pos = start_pos + token
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    rows = (row_start + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=r_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    last = start_pos + tl.minimum(first + TOKENS, num_tokens)  # one past the tile's last query
+    lo = tl.maximum(start_pos + first - window + 1, 0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = tables + seq.to(tl.int64) * stride_table
+    for start in range(lo, last, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < last
+        block = tl.load(table + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+        slot = block * PAGE + pos % PAGE
+        kv_off = slot * stride_slot + kv_head * stride_head
+        k = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=p_mask[None, :] & d_mask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        keep = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep & p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row may see nothing in this tile yet (window, causal): keep exp2 away from -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    dst = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+class PrefillPlan(NamedTuple):
+    """The per-step launch data of the prefill kernel, built once and shared by every layer."""
+
+    spans: torch.Tensor  # [num_prefills, 3] int32: first row, number of new tokens, start_pos
+    tables: torch.Tensor  # [num_prefills, max_blocks] block tables (meta.prefill_blocks)
+    max_tokens: int  # the longest span, which sizes the grid
+
+
+def prefill_plan(meta: AttentionMetadata) -> PrefillPlan | None:
+    """The prefill kernel's inputs for `meta`, or None when the step has no prefills."""
+    if not meta.prefills:
+        return None
+    if meta.prefill_blocks is None:
+        raise ValueError("metadata has prefills but no prefill_blocks (build it with build_metadata)")
+    rows = [(p.token_start, p.token_end - p.token_start, p.start_pos) for p in meta.prefills]
+    spans = torch.tensor(rows, dtype=torch.int32).to(meta.prefill_blocks.device)
+    return PrefillPlan(spans, meta.prefill_blocks, max(n for _, n, _ in rows))
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, 1 << (n - 1).bit_length())
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Paged attention in Triton kernels: fp32 / fp16 / bf16 inputs, fp32 accumulation.
+
+    q/k/v and the cache must share a dtype and device; head_dim is at most 256 (any value:
+    tiles are padded and masked); the cache's block size may be any positive integer.
+    One instance serves every layer: the prefill plan is built on the first layer's call
+    for a given metadata object and reused by the others.
+    """
+
+    def __init__(self, sliding_window: int | None = None, decode_split_len: int | None = None) -> None:
+        """`decode_split_len` fixes the KV positions per decode split (rounded up to a whole
+        number of DECODE_BLOCK_N tiles); by default the number of splits fills the GPU when
+        there are few (sequence, kv head) pairs, and is 1 off CUDA."""
+        if not triton_available():
+            raise RuntimeError("TritonPagedAttention needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+        if decode_split_len is not None and decode_split_len < 1:
+            raise ValueError(f"decode_split_len must be positive, got {decode_split_len}")
+        self.window = sliding_window or NO_WINDOW
+        self.decode_split_len = decode_split_len
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: PrefillPlan | None = None
+        self._num_sms: int | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        _check(q, k, v, kv_cache)
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        self._write(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            self._decode(q, kv_cache, meta, scale, out)
+        if meta.prefills:
+            self._prefill(q, kv_cache, meta, scale, out)
+        return out
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        tokens, kv_heads, head_dim = k.shape
+        if tokens == 0:
+            return
+        _write_kv_kernel[(tokens,)](
+            k, v, kv_cache, slots,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            BLOCK_H=_pow2(kv_heads), BLOCK_D=_pow2(head_dim),
+        )
+
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
+        assert meta.decode_blocks is not None and meta.decode_context_lens is not None
+        num_decodes = meta.num_decodes
+        heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = kv_cache.shape[2]
+        group = heads // kv_heads
+        max_len = meta.decode_blocks.shape[1] * meta.block_size  # a host-side bound: no sync
+        split_len = self._split_len(num_decodes * kv_heads, max_len, q.device)
+        splits = triton.cdiv(max_len, split_len)
+        block_d = _pow2(head_dim, 16)
+        if splits > 1:
+            part_out = torch.empty(num_decodes, heads, splits, block_d, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_decodes, heads, splits, dtype=torch.float32, device=q.device)
+        else:
+            part_out = part_lse = out  # unused: the kernel writes `out` directly
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        _decode_split_kernel[(num_decodes, kv_heads, splits)](
+            q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, out, part_out, part_lse,
+            scale * LOG2_E, self.window, split_len, splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.decode_blocks.stride(0),
+            k_cache.stride(0), k_cache.stride(1),
+            NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size, DIRECT=splits == 1,
+            BLOCK_H=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
+            num_warps=4,
+        )
+        if splits > 1:
+            _decode_reduce_kernel[(num_decodes, heads)](
+                part_out, part_lse, out, out.stride(0), out.stride(1), splits,
+                NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d,
+            )
+
+    def _prefill(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
+        if meta is not self._plan_meta:
+            self._plan_meta, self._plan = meta, prefill_plan(meta)
+        plan = self._plan
+        assert plan is not None
+        heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = kv_cache.shape[2]
+        group = heads // kv_heads
+        block_m = _pow2(group, PREFILL_BLOCK_M)
+        block_d = _pow2(head_dim, 16)
+        tokens_per_tile = block_m // group
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        # Tiles on the grid's first axis, the only one not capped at 65535 on CUDA.
+        grid = (triton.cdiv(plan.max_tokens, tokens_per_tile), len(meta.prefills), kv_heads)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, plan.tables, plan.spans,
+            scale * LOG2_E, self.window,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
+            BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=block_d,
+            num_warps=4 if block_d <= 64 else 8,
+        )
+
+    def _split_len(self, programs: int, max_len: int, device: torch.device) -> int:
+        """KV positions per decode split, a whole number of DECODE_BLOCK_N tiles: about
+        `decode_split_len` when set; else short enough that `programs` (sequences x kv heads)
+        times the splits fill the GPU, but no shorter than MIN_SPLIT_LEN; off CUDA, no split."""
+        if self.decode_split_len is not None:
+            length = self.decode_split_len
+        elif device.type != "cuda":
+            length = max_len
+        else:
+            if self._num_sms is None:
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            wanted = triton.cdiv(2 * self._num_sms, programs)
+            splits = max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_LEN), MAX_SPLITS))
+            length = triton.cdiv(max_len, splits)
+        return triton.cdiv(length, DECODE_BLOCK_N) * DECODE_BLOCK_N
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    dtypes = {q.dtype, k.dtype, v.dtype, kv_cache.dtype}
+    if len(dtypes) != 1 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"q, k, v and the cache must share one of fp32/fp16/bf16, got {sorted(map(str, dtypes))}")
+    head_dim = q.shape[-1]
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is above the kernels' limit of {MAX_HEAD_DIM}")
+    if q.shape[1] % kv_cache.shape[2] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[2]} kv heads")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's last dim must be contiguous")
+    if k.shape[1:] != kv_cache.shape[2:] or v.shape != k.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit a cache of"
+            f" {tuple(kv_cache.shape[2:])} per token"
+        )

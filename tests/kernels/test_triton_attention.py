@@ -1,0 +1,193 @@
+"""TritonPagedAttention against the torch reference backend, on random paged caches.
+
+Without CUDA the kernels run on CPU tensors under Triton's interpreter (float32 and float16;
+the interpreter's `tl.dot` does not support bfloat16, triton-lang/triton#11584), so the
+bfloat16 and large-shape checks run only on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+pytest.importorskip("triton")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.kernels.triton_attention import TritonPagedAttention, triton_available
+from conveyor.models.attention import AttentionMetadata, TorchPagedAttention, build_metadata
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# (start_pos, new tokens) per sequence, decodes first: decodes at contexts 1, 7 and 13, a
+# fresh prompt of 9, a chunk of 5 after 6 cached and a chunk of 19 after 20 cached.
+MIXED = [(0, 1), (6, 1), (12, 1), (0, 9), (6, 5), (20, 19)]
+
+
+class Step(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+    window: int | None  # the one build_metadata was given: backend and reference must agree
+
+
+def random_step(
+    seed: int,
+    schedule: list[tuple[int, int]],
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    block_size: int = 4,
+    window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Step:
+    """A step over `schedule` with every sequence on shuffled blocks of a random cache."""
+    g = torch.Generator().manual_seed(seed)
+    needs = [-(-(start + n) // block_size) for start, n in schedule]
+    num_blocks = sum(needs) + 2  # two blocks nobody owns
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in needs:
+        tables.append(perm[used : used + n])
+        used += n
+    starts, news = [s for s, _ in schedule], [n for _, n in schedule]
+    # The masks are for the reference, which runs in float32.
+    meta = build_metadata(tables, starts, news, block_size, DEVICE, window)
+    tokens = sum(news)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    cache = randn(2, num_blocks * block_size, kv_heads, head_dim)
+    return Step(randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim),
+                randn(tokens, kv_heads, head_dim), cache, meta, head_dim**-0.5, window)
+
+
+def check(step: Step, split_len: int | None = None, tol: float = 2e-5) -> None:
+    """The Triton backend's output and written cache match the float32 reference's."""
+    ref_cache = step.cache.float()
+    ref = TorchPagedAttention().forward(
+        step.q.float(), step.k.float(), step.v.float(), ref_cache, step.meta, step.scale
+    )
+    cache = step.cache.clone()
+    out = TritonPagedAttention(step.window, split_len).forward(step.q, step.k, step.v, cache, step.meta, step.scale)
+    assert out.dtype == step.q.dtype and out.shape == step.q.shape
+    assert torch.equal(cache.float(), ref_cache)  # the write kernel put every K/V where the reference did
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(4, 2, 16, 4), (4, 4, 32, 16), (6, 2, 24, 1), (8, 1, 16, 3)],
+    ids=["gqa", "mha", "head_dim_24_block_1", "mqa_block_3"],
+)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+def test_mixed_step_matches_reference(heads, kv_heads, head_dim, block_size, window):
+    step = random_step(heads + block_size, MIXED, heads, kv_heads, head_dim, block_size, window)
+    check(step)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_long_decodes_split_over_the_context(window):
+    # Contexts up to 700 in splits of 64 positions: up to 11 splits, some of them empty for
+    # the shorter sequences or wholly before the window.
+    schedule = [(699, 1), (300, 1), (64, 1), (0, 1), (40, 7)]
+    step = random_step(7, schedule, block_size=16, window=window)
+    check(step, split_len=64)
+    check(step)  # one split: the first kernel writes the output itself
+
+
+def test_decodes_only_and_prefills_only():
+    check(random_step(1, [(3, 1), (17, 1)]))
+    for window in (None, 9):  # several query tiles per sequence
+        step = random_step(2, [(0, 70), (33, 40)], block_size=16, window=window)
+        assert step.meta.num_decodes == 0
+        check(step)
+
+
+def test_prefill_blocks_cover_each_prefill():
+    meta = random_step(3, MIXED, block_size=4).meta
+    assert meta.prefill_blocks is not None
+    assert meta.prefill_blocks.shape == (3, 10)  # the longest prefill: 39 positions in 10 blocks
+    for row, span in zip(meta.prefill_blocks, meta.prefills, strict=True):
+        if span.context_blocks is not None:
+            assert torch.equal(row[: len(span.context_blocks)], span.context_blocks)
+    assert random_step(3, [(5, 1)]).meta.prefill_blocks is None
+
+
+def test_strided_views_of_a_fused_projection():
+    """q/k/v as the model passes them: head slices of one [T, heads + 2 kv_heads, d] tensor."""
+    step = random_step(4, MIXED, heads=4, kv_heads=2)
+    qkv = torch.cat((step.q, step.k, step.v), dim=1)
+    fused = step._replace(q=qkv[:, :4], k=qkv[:, 4:6], v=qkv[:, 6:])
+    assert not fused.q.is_contiguous()
+    check(fused)
+
+
+def test_float16_accumulates_in_float32():
+    check(random_step(5, MIXED, window=6, dtype=torch.float16), tol=2e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_half_precision_on_gpu(dtype, tol):
+    schedule = [(s, 1) for s in (0, 100, 1000, 4095)] + [(0, 300), (512, 129)]
+    for window, split_len in ((None, None), (256, 512)):
+        step = random_step(6, schedule, 32, 8, 128, 16, window, dtype)
+        check(step, split_len, tol=tol)
+
+
+def test_write_kernel_skips_padding_slots():
+    step = random_step(8, [(0, 3)])
+    slots = step.meta.slot_mapping.clone()
+    slots[1] = -1
+    cache = step.cache.clone()
+    TritonPagedAttention()._write(step.k, step.v, cache, slots)
+    expected = step.cache.clone()
+    for t in (0, 2):
+        expected[0, slots[t]], expected[1, slots[t]] = step.k[t], step.v[t]
+    assert torch.equal(cache, expected)
+
+
+def test_rejects_what_the_kernels_cannot_do():
+    step = random_step(9, [(0, 2)])
+    backend = TritonPagedAttention()
+    with pytest.raises(TypeError, match="share one of"):
+        backend.forward(step.q.double(), step.k, step.v, step.cache, step.meta, step.scale)
+    big = random_step(9, [(0, 2)], head_dim=320)
+    with pytest.raises(ValueError, match="head_dim 320"):
+        backend.forward(big.q, big.k, big.v, big.cache, big.meta, big.scale)
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> list[tuple[int, int]]:
+    decodes = draw(st.lists(st.integers(0, 90), max_size=3))
+    prefills = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(2, 24)), max_size=3))
+    if not decodes and not prefills:
+        decodes = [draw(st.integers(0, 90))]
+    return [(s, 1) for s in decodes] + prefills
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    schedule=schedules(),
+    shape=st.sampled_from([(4, 2, 16), (2, 2, 16), (3, 1, 32)]),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 30)),
+    split_len=st.sampled_from([None, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_schedules_match_reference(schedule, shape, block_size, window, split_len, seed):
+    heads, kv_heads, head_dim = shape
+    check(random_step(seed, schedule, heads, kv_heads, head_dim, block_size, window), split_len)
