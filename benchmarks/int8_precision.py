@@ -21,7 +21,6 @@ import math
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.models.attention import build_metadata
 
 EVAL_TEXT = (
     "The lighthouse stood at the end of a long stone pier, and for ninety years its keepers had "
@@ -52,13 +51,7 @@ CHAT_PROMPTS = [
 def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits `[len(ids), vocab]` at every position of `ids`, read in one prefill."""
     model = llm.engine.runner.model
-    block_size = 16
-    blocks = -(-len(ids) // block_size)
-    meta = build_metadata([list(range(blocks))], [0], [len(ids)], block_size, torch.device("cpu"))
-    caches = [torch.zeros(2, blocks * block_size, model.arch.num_kv_heads, model.arch.head_dim)
-              for _ in model.layers]
-    hidden = model(torch.tensor(ids), meta.positions, caches, meta)
-    return model.compute_logits(hidden).float()
+    return model.compute_logits(model.forward_sequence(ids)).float()
 
 
 def compare(reference: LLM, quantized: LLM, max_tokens: int) -> dict:

@@ -236,6 +236,22 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, cache, meta)
         return self.norm(x)
 
+    @torch.inference_mode()
+    def forward_sequence(self, token_ids: list[int]) -> torch.Tensor:
+        """Hidden states `[len(token_ids), hidden]` of one sequence read in a single prefill,
+        over a scratch KV cache of its own (calibration, precision checks): no engine needed."""
+        weight = self.embed_tokens.weight
+        block_size = 16
+        num_blocks = -(-len(token_ids) // block_size)
+        meta = build_metadata([list(range(num_blocks))], [0], [len(token_ids)], block_size, weight.device,
+                              self.arch.sliding_window, weight.dtype)
+        caches = [
+            torch.zeros(2, num_blocks * block_size, self.arch.num_kv_heads, self.arch.head_dim,
+                        dtype=weight.dtype, device=weight.device)
+            for _ in self.layers
+        ]
+        return self(torch.tensor(token_ids, device=weight.device), meta.positions, caches, meta)
+
     def prepare_for_inference(
         self, quantization: str | None = None, calibration_ids: list[int] | None = None
     ) -> None:
@@ -301,18 +317,11 @@ class LlamaForCausalLM(nn.Module):
         inputs, then replace the layers (and the LM head) by smoothed `Int8Linear`s."""
         linears = {n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and m is not self.lm_head}
         recorder = ActivationRecorder(linears)
-        n, block_size = len(calibration_ids), 16
-        num_blocks = -(-n // block_size)
-        meta = build_metadata([list(range(num_blocks))], [0], [n], block_size, head_weight.device,
-                              self.arch.sliding_window, head_weight.dtype)
-        caches = [
-            torch.zeros(2, num_blocks * block_size, self.arch.num_kv_heads, self.arch.head_dim)
-            for _ in self.layers
-        ]
         try:
-            hidden = self.forward(torch.tensor(calibration_ids), meta.positions, caches, meta)
+            hidden = self.forward_sequence(calibration_ids)
         finally:
             recorder.remove()
+        n = len(calibration_ids)
         inputs = {name: (recorder.absmax[name], recorder.rows[name]) for name in recorder.absmax}
         quantize_linears(self, inputs, skip=[self.lm_head] if self.lm_head is not None else [])
         head_rows = hidden[:: max(1, n // 256)]

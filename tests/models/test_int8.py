@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError
-from conveyor.models.attention import build_metadata
 from conveyor.models.quantize import Int8Linear, choose_smoothing, int8_supported
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="torch has no fbgemm int8 kernels here")
@@ -55,10 +54,7 @@ def test_int8_rows_do_not_depend_on_the_batch(rows, k, n, seed, scale):
 @torch.inference_mode()
 def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     model = llm.engine.runner.model
-    blocks = -(-len(ids) // 8)
-    meta = build_metadata([list(range(blocks))], [0], [len(ids)], 8, torch.device("cpu"))
-    caches = [torch.zeros(2, blocks * 8, model.arch.num_kv_heads, model.arch.head_dim) for _ in model.layers]
-    return model.compute_logits(model(torch.tensor(ids), meta.positions, caches, meta))
+    return model.compute_logits(model.forward_sequence(ids))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # an untied and a tied LM head
