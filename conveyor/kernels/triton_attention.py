@@ -62,6 +62,30 @@ def _jit(fn: Callable[..., None]) -> Any:
 
 
 @_jit
+def _attend_tile(
+    q, k_cache, v_cache, table, pos, p_mask, keep, kv_head, d, d_mask,
+    m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE: tl.constexpr,
+):
+    """One online-softmax step of query rows `q` over the KV positions `pos` (read in place
+    through the block table; `p_mask` marks real positions, `keep` the (row, position) pairs
+    that may attend). Returns the updated running max, sum and output."""
+    block = tl.load(table + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
+    kv_off = (block * PAGE + pos % PAGE) * stride_slot + kv_head * stride_head
+    k = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=p_mask[None, :] & d_mask[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [rows, positions]
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row may see nothing in this tile yet (window, causal): keep exp2 away from -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, lsum, acc
+
+
+@_jit
 def _write_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -116,19 +140,8 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < hi
-        block = tl.load(table + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-        slot = block * PAGE + pos % PAGE
-        kv_off = slot * stride_slot + kv_head * stride_head
-        k = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=p_mask[None, :] & d_mask[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, lsum, acc = _attend_tile(q, k_cache, v_cache, table, pos, p_mask, p_mask[None, :], kv_head, d, d_mask,
+                                    m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE)
 
     nonempty = lsum > 0  # a split past the context or before the window is empty
     out = acc / tl.where(nonempty, lsum, 1.0)[:, None]
@@ -204,22 +217,9 @@ def _prefill_kernel(
     for start in range(lo, last, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < last
-        block = tl.load(table + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-        slot = block * PAGE + pos % PAGE
-        kv_off = slot * stride_slot + kv_head * stride_head
-        k = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=p_mask[None, :] & d_mask[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        keep = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(keep & p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row may see nothing in this tile yet (window, causal): keep exp2 away from -inf - -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        keep = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) & p_mask[None, :]
+        m, lsum, acc = _attend_tile(q, k_cache, v_cache, table, pos, p_mask, keep, kv_head, d, d_mask,
+                                    m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE)
 
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
