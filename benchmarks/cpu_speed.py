@@ -28,12 +28,13 @@ import random
 import resource
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import batch1_decode, measure_bandwidth, run_conveyor, run_hf_static
+from offline_throughput import measure_bandwidth, run_conveyor, run_hf_static
 
 
 def build_random_llama(folder: Path) -> Path:
@@ -62,6 +63,42 @@ def decode_bytes(model) -> int:
         if name != "embed_tokens.weight" or embedding_is_head:
             total += p.numel() * p.element_size()
     return total
+
+
+def batch1_paired(llm, vocab: int, nbytes: int, steps: int = 96) -> dict:
+    """Batch-1 decode with its limit measured beside every step.
+
+    This VM's memory bandwidth moves by 2x within seconds (neighbours), so a limit read once and
+    a step time taken later compare different machines. Here every decode step is preceded by
+    a read of `nbytes` (what the step reads) from plain and from huge-page memory; the pair's
+    limit is the faster read. Reported: the median step, the median of the per-pair fractions,
+    and the best read of the run (the fraction against it is the conservative figure).
+    """
+    from conveyor import SamplingParams
+    from conveyor.kernels import to_huge_pages
+
+    buffers = [torch.ones(nbytes // 4), to_huge_pages(torch.ones(nbytes // 4))]
+    engine = llm.engine
+    engine.add_request("b1", list(range(100, 132)), SamplingParams(max_tokens=steps + 1, temperature=0.0,
+                                                                   ignore_eos=True))
+    engine.step()  # the prefill
+    reads, times = [], []
+    while engine.has_unfinished_requests():
+        read = float("inf")
+        for b in buffers:
+            t = time.perf_counter()
+            b.sum()
+            read = min(read, time.perf_counter() - t)
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        reads.append(read)
+    fractions = sorted(r / s for r, s in zip(reads, times, strict=True))
+    ordered = sorted(times)
+    best = min(reads)
+    step = ordered[len(ordered) // 2]
+    return {"ms_per_step": step * 1e3, "bytes_per_step": nbytes, "paired_fraction": fractions[len(fractions) // 2],
+            "best_read_GBps": nbytes / best / 1e9, "fraction_of_best_read": best / step}
 
 
 def run_hf_continuous(model, prompts, outputs) -> dict:
@@ -109,10 +146,9 @@ def main() -> None:
         result[name] = run_conveyor(llm, prompts, outputs)
         print(f"{name}: {result[name]['output_tok_per_s']:.1f} output tok/s "
               f"({result[name]['elapsed_s']:.1f} s, mean batch {result[name]['mean_batch']:.1f})", flush=True)
-        step = batch1_decode(llm, arch.vocab_size)
-        bw = max(bw, measure_bandwidth())  # the best of the reads: the limit is the hardware's
         read = decode_bytes(llm.engine.runner.model)  # type: ignore[attr-defined]
-        result[name]["batch1"] = {"ms_per_step": step * 1e3, "bytes_per_step": read}
+        result[name]["batch1"] = batch1_paired(llm, arch.vocab_size, read)
+        bw = max(bw, measure_bandwidth(), result[name]["batch1"]["best_read_GBps"] * 1e9)
         systems.append(name)
         del llm
     for name in systems:
@@ -121,7 +157,8 @@ def main() -> None:
         b1.update(bandwidth_GBps=bw / 1e9, limit_ms=limit * 1e3, fraction_of_limit=limit / (b1["ms_per_step"] / 1e3))
         print(f"{name} batch-1 decode: {b1['ms_per_step']:.2f} ms/step = {1e3 / b1['ms_per_step']:.1f} tok/s; "
               f"bandwidth limit {limit * 1e3:.2f} ms ({b1['bytes_per_step'] / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) "
-              f"-> {b1['fraction_of_limit']:.0%} of the limit", flush=True)
+              f"-> {b1['fraction_of_limit']:.0%} of the limit; {b1['paired_fraction']:.0%} of the limit read "
+              f"beside each step (median)", flush=True)
     if not args.skip_hf:
         model_path = path if path is not None else str(resolve_model_path(None))
         hf = load_hf_model(model_path)

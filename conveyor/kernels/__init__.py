@@ -95,6 +95,9 @@ def _library() -> ctypes.CDLL | None:
     lib.rms_norm_rows.argtypes = [p, p, p, i64, i64, ctypes.c_float]
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+    f32 = ctypes.c_float
+    lib.decode_layers.restype = None
+    lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, p, i64, f32, i64]
     return lib
 
 
@@ -175,3 +178,71 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
         return out
 
     return run
+
+
+# The order of one layer's row in decode_layers' pointer table (struct LayerWeights).
+LAYER_FIELDS = ("in_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "post_norm", "wgu", "wd", "k_cache", "v_cache")
+
+
+def decode_layers() -> Callable[..., None] | None:
+    """`f(x, layers, dims, cos, sin, slots, tables, ctx, block_size, scale, window)`: every decoder
+    layer of a decode-only step, in place on the residual rows `x` `[M, hidden]` (float32), in one
+    native call. `layers` is an int64 tensor `[L, len(LAYER_FIELDS)]` of data pointers (0 where a
+    tensor is absent); `dims` is (hidden, heads, kv_heads, head_dim, intermediate, eps). Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+
+    def run(x, layers, dims, cos, sin, slots, tables, ctx, block_size: int, scale: float, window: int) -> None:
+        _sync_threads(lib)
+        hidden, heads, kv_heads, head_dim, intermediate, eps = dims
+        lib.decode_layers(
+            x.data_ptr(), x.shape[0], layers.data_ptr(), layers.shape[0], hidden, heads, kv_heads, head_dim,
+            intermediate, eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+            tables.shape[1], ctx.data_ptr(), block_size, scale, window,
+        )
+
+    return run
+
+
+HUGE_PAGE = 1 << 21
+MADV_HUGEPAGE = 14
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the CPU tensor `t` in memory advised for transparent huge pages (2 MiB), or
+    `t` itself where that is not possible (not Linux, under 2 MiB, madvise refused).
+
+    A decode step streams every weight once; with 4 KiB pages that is a TLB miss per 4 KiB and a
+    hardware prefetcher that stops at every page boundary. Huge pages streamed the weights about
+    9% faster at batch 1 here (BENCHMARKS.md). The buffer is advised before its first touch, so
+    the copy's page faults allocate huge pages directly; Linux falls back to small pages silently.
+    `CONVEYOR_HUGE_PAGES=0` turns this off.
+    """
+    import torch
+
+    libc = _libc() if os.environ.get("CONVEYOR_HUGE_PAGES", "1") != "0" else None
+    nbytes = t.numel() * t.element_size()
+    if libc is None or t.device.type != "cpu" or nbytes < HUGE_PAGE:
+        return t
+    slack = 2 * HUGE_PAGE // t.element_size()  # room to align the start and round the end
+    raw = torch.empty(t.numel() + slack, dtype=t.dtype)
+    start = (raw.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    if libc.madvise(start, (nbytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), MADV_HUGEPAGE) != 0:
+        return t
+    offset = (start - raw.data_ptr()) // t.element_size()
+    out = raw[offset : offset + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out

@@ -118,59 +118,161 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// Attention of one sequence's G query heads that share KV head `g`, over its context through its
+// block table: scores, an exact softmax (max-subtracted, exp8), then the weighted sum of V.
+// q, out: this sequence's [H, d] rows; caches [slots, KVH, d].
+static void attend_group(const float* qi, const float* k_cache, const float* v_cache, const int64_t* table,
+                         int64_t len, int64_t g, int64_t G, int64_t KVH, int64_t d, int64_t block_size,
+                         float scale, int64_t window, float* oi) {
+  const int64_t start = (window > 0 && len > window) ? len - window : 0;
+  const int64_t n = len - start, row = KVH * d;
+  std::vector<float> s(G * n), acc(G * d, 0.f), inv_sum(G);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = start + t;
+    const float* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row + g * d;
+    for (int64_t j = 0; j < G; ++j) s[j * n + t] = dot(qi + (g * G + j) * d, kr, d) * scale;
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    float* sh = s.data() + j * n;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 s8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), m8));
+      _mm256_storeu_ps(sh + t, e);
+      s8 = _mm256_add_ps(s8, e);
+    }
+    float sum = hsum(s8);
+    for (; t < n; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
+    inv_sum[j] = 1.0f / sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = start + t;
+    const float* vh = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row + g * d;
+    for (int64_t j = 0; j < G; ++j) {
+      const float p = s[j * n + t];
+      const __m256 p8 = _mm256_set1_ps(p);
+      float* a = acc.data() + j * d;
+      int64_t e = 0;
+      for (; e + 8 <= d; e += 8) _mm256_storeu_ps(a + e, _mm256_fmadd_ps(p8, _mm256_loadu_ps(vh + e), _mm256_loadu_ps(a + e)));
+      for (; e < d; ++e) a[e] += p * vh[e];
+    }
+  }
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t e = 0; e < d; ++e) oi[(g * G + j) * d + e] = acc[j * d + e] * inv_sum[j];
+}
+
 extern "C" void paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                                        const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                        int64_t D, int64_t H, int64_t KVH, int64_t d, int64_t block_size,
                                        float scale, int64_t window, float* out) {
-  const int64_t G = H / KVH, row = KVH * d;
-  // One task per sequence: a token's K (then V) row of all KV heads is one contiguous run, and a
-  // block's tokens follow each other, so the reads stream instead of hopping between heads.
+  // One task per (sequence, KV head): the query heads of a group read its K/V rows once.
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < D; ++i) {
-    const int64_t len = ctx[i];
-    const int64_t start = (window > 0 && len > window) ? len - window : 0;
-    const int64_t n = len - start;
-    const int64_t* table = tables + i * max_blocks;
-    const float* qi = q + i * H * d;
-    std::vector<float> s(H * n);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = start + t;
-      const float* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
-      for (int64_t h = 0; h < H; ++h) s[h * n + t] = dot(qi + h * d, kr + (h / G) * d, d) * scale;
-    }
-    std::vector<float> inv_sum(H);
-    for (int64_t h = 0; h < H; ++h) {
-      float* sh = s.data() + h * n;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
-      const __m256 m8 = _mm256_set1_ps(mx);
-      __m256 s8 = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), m8));
-        _mm256_storeu_ps(sh + t, e);
-        s8 = _mm256_add_ps(s8, e);
+  for (int64_t task = 0; task < D * KVH; ++task) {
+    const int64_t i = task / KVH;
+    attend_group(q + i * H * d, k_cache, v_cache, tables + i * max_blocks, ctx[i], task % KVH, H / KVH, KVH, d,
+                 block_size, scale, window, out + i * H * d);
+  }
+}
+
+// ---- A whole decode step's decoder layers in one call ----------------------------------------
+// The M rows are single-token decodes (M <= 16). Per layer: RMSNorm, QKV projection (+ bias),
+// optional per-head q/k RMSNorm, rope (two halves, HF layout), K/V written to their slots, paged
+// attention, output projection added to the residual, RMSNorm, gate/up projection, SiLU(gate) * up,
+// down projection added to the residual. One OpenMP team runs it all: each stage is an `omp for`
+// whose implicit barrier is the only synchronisation, so no Python and no thread start-up sits
+// between the weight streams. The projections use the same `dots` as skinny_linear, so each
+// output element is computed as in the layer-by-layer path.
+namespace {
+
+struct LayerWeights {  // one row of the pointer table (0 where absent)
+  int64_t in_norm, wqkv, bqkv, q_norm, k_norm, wo, post_norm, wgu, wd, k_cache, v_cache;
+};
+
+inline void norm_row(const float* xr, const float* w, float* o, int64_t H, float eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < H; ++i) ss += double(xr[i]) * xr[i];
+  const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
+  for (int64_t i = 0; i < H; ++i) o[i] = (xr[i] * inv) * w[i];
+}
+
+// y[m, n] (= or +=) x[m] . W[n] for all m < M, rows of W split over the team (called inside a
+// parallel region). `accumulate` adds to y (the residual) instead of storing.
+inline void team_linear(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+                        const float* bias, bool accumulate, float* tmp /* [8, N] */) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t m1 = std::min<int64_t>(M, m0 + 8), rows = m1 - m0;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* wr = w + n * K;
+      int64_t m = m0;
+      for (; m + 2 <= m1; m += 2) dots<2>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
+      if (m < m1) dots<1>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
+      for (int64_t r = 0; r < rows; ++r) {
+        float v = tmp[r * N + n];
+        if (bias != nullptr) v += bias[n];
+        float* out = y + (m0 + r) * N + n;
+        *out = accumulate ? *out + v : v;
       }
-      float sum = hsum(s8);
-      for (; t < n; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
-      inv_sum[h] = 1.0f / sum;
     }
-    std::vector<float> acc(H * d, 0.f);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = start + t;
-      const float* vr = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* vh = vr + (h / G) * d;
-        const float p = s[h * n + t];
-        const __m256 p8 = _mm256_set1_ps(p);
-        float* a = acc.data() + h * d;
-        int64_t e = 0;
-        for (; e + 8 <= d; e += 8) _mm256_storeu_ps(a + e, _mm256_fmadd_ps(p8, _mm256_loadu_ps(vh + e), _mm256_loadu_ps(a + e)));
-        for (; e < d; ++e) a[e] += p * vh[e];
+  }
+}
+
+}  // namespace
+
+extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
+                              int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
+                              const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+                              int64_t block_size, float scale, int64_t window) {
+  const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
+  std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
+  std::vector<float> tmp(8 * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
+#pragma omp parallel
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerWeights& lw = reinterpret_cast<const LayerWeights*>(layers)[l];
+    auto ptr = [](int64_t p) { return reinterpret_cast<float*>(p); };
+    float *k_cache = ptr(lw.k_cache), *v_cache = ptr(lw.v_cache);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.in_norm), xn.data() + m * H, H, eps);
+    team_linear(xn.data(), ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data());
+    // q/k heads: optional RMSNorm, then rope; k (and v) go to the cache.
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < M * (nh + nkv); ++task) {
+      const int64_t m = task / (nh + nkv), h = task % (nh + nkv);
+      float* v = qkv.data() + m * qkv_n + h * hd;
+      const float* nw = ptr(h < nh ? lw.q_norm : lw.k_norm);
+      if (nw != nullptr) norm_row(v, nw, v, hd, eps);
+      const float *c = cos + m * half, *s = sin + m * half;
+      for (int64_t e = 0; e < half; ++e) {
+        const float a = v[e], b = v[e + half];
+        v[e] = a * c[e] - b * s[e];
+        v[e + half] = b * c[e] + a * s[e];
+      }
+      if (h >= nh) {
+        const int64_t g = h - nh;
+        std::copy(v, v + hd, k_cache + slots[m] * row + g * hd);
+        const float* vv = qkv.data() + m * qkv_n + (nh + nkv + g) * hd;
+        std::copy(vv, vv + hd, v_cache + slots[m] * row + g * hd);
       }
     }
-    float* oi = out + i * H * d;
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t e = 0; e < d; ++e) oi[h * d + e] = acc[h * d + e] * inv_sum[h];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < M * nkv; ++task) {
+      const int64_t m = task / nkv;
+      attend_group(qkv.data() + m * qkv_n, k_cache, v_cache, tables + m * max_blocks, ctx[m], task % nkv, nh / nkv,
+                   nkv, hd, block_size, scale, window, attn.data() + m * nh * hd);
+    }
+    team_linear(attn.data(), ptr(lw.wo), x, M, nh * hd, H, nullptr, true, tmp.data());
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.post_norm), xn.data() + m * H, H, eps);
+    team_linear(xn.data(), ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data());
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < M * I; ++j) {
+      const int64_t m = j / I, i = j % I;
+      const float g = gu[m * 2 * I + i];
+      act[j] = g / (1.0f + std::exp(-g)) * gu[m * 2 * I + I + i];
+    }
+    team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data());
   }
 }

@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels import SKINNY_MAX_ROWS, paged_decode_attention, rms_norm, skinny_linear
+from conveyor.kernels import (
+    LAYER_FIELDS,
+    SKINNY_MAX_ROWS,
+    decode_layers,
+    paged_decode_attention,
+    rms_norm,
+    skinny_linear,
+    to_huge_pages,
+)
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import (
     AttentionBackend,
@@ -133,7 +141,7 @@ class SkinnyLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, kernel: Callable[..., torch.Tensor], max_rows: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(to_huge_pages(linear.weight.detach().contiguous()), requires_grad=False)
         self.bias = linear.bias
         self.kernel = kernel
         self.max_rows = max_rows
@@ -210,6 +218,64 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class FusedDecode:
+    """Decode-only steps of up to SKINNY_MAX_ROWS rows on CPU in float32: every decoder layer
+    in one native call (`decode_layers` in conveyor/kernels/cpu_kernels.cpp), the same stages
+    as the modules but with no Python and no thread start-up between the weight streams. At
+    batch 1 that per-layer overhead is about an eighth of a step (BENCHMARKS.md)."""
+
+    def __init__(self, model: LlamaForCausalLM, kernel: Callable[..., None]) -> None:
+        arch = model.arch
+        self.kernel = kernel
+        self.dims = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
+                     arch.rms_norm_eps)
+        self.scale = arch.head_dim**-0.5
+        self.window = arch.sliding_window or 0
+
+        def ptr(t: torch.Tensor | None) -> int:
+            assert t is None or (t.is_contiguous() and t.dtype == torch.float32)
+            return 0 if t is None else t.data_ptr()
+
+        rows = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            rows.append([
+                ptr(layer.input_layernorm.weight), ptr(attn.qkv_proj.weight), ptr(attn.qkv_proj.bias),
+                ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+                ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+                ptr(attn.o_proj.weight), ptr(layer.post_attention_layernorm.weight),
+                ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight),
+            ])
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # the model keeps the tensors alive
+        assert self.weights.shape[1] == len(LAYER_FIELDS) - 2
+        self._table: torch.Tensor | None = None
+        self._table_key: tuple[int, ...] = ()
+
+    def table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The weight pointers with each layer's K and V cache pointers appended (rebuilt only
+        when the caches move)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key != self._table_key:
+            assert all(c.is_contiguous() and c.dtype == torch.float32 for c in kv_caches)
+            caches = torch.tensor([[c[0].data_ptr(), c[1].data_ptr()] for c in kv_caches], dtype=torch.int64)
+            self._table = torch.cat((self.weights, caches), dim=1).contiguous()
+            self._table_key = key
+        assert self._table is not None
+        return self._table
+
+    def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        return meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= SKINNY_MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.decode_blocks is not None and meta.decode_context_lens is not None
+        x = x.contiguous()
+        self.kernel(x, self.table(kv_caches), self.dims, cos.contiguous(), sin.contiguous(),
+                    meta.slot_mapping.contiguous(), meta.decode_blocks.contiguous(),
+                    meta.decode_context_lens.contiguous(), meta.block_size, self.scale, self.window)
+        return x
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`."""
 
@@ -221,6 +287,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(arch, max_positions)
+        self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
 
     def forward(
         self,
@@ -231,6 +298,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm."""
         x = self.embed_tokens(input_ids)
+        fused = self.fused_decode
+        if fused is not None and fused.applies(x.shape[0], meta):
+            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+            return self.norm(fused(x, cos, sin, kv_caches, meta))
         rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)
@@ -258,7 +329,9 @@ class LlamaForCausalLM(nn.Module):
         """Called once after the weights are loaded.
 
         On CPU in float32, the native skinny kernel (conveyor/kernels) takes the few rows of
-        decode steps in every projection and in the LM head. Without it, the weights are kept
+        decode steps in every projection and in the LM head, whose weights move to huge pages;
+        decode-only steps run all decoder layers in one native call (`FusedDecode`, off with
+        `CONVEYOR_FUSED_DECODE=0`). Without the kernels, the weights are kept
         transposed (`[in, out]`, contiguous): for small row counts MKL streams that layout
         about twice as fast as `x @ W.T`. With `quantization="int8"` every projection and the
         LM head become `Int8Linear`s (conveyor/models/quantize.py), smoothed with activations
@@ -285,6 +358,9 @@ class LlamaForCausalLM(nn.Module):
             self._head_t = weight.detach().t().contiguous() if quantization is None else None
         else:
             self._head_kernel = kernel
+            if quantization is None:  # the float32 head streams at every decode step
+                owner = self.embed_tokens if self.lm_head is None else self.lm_head
+                owner.weight = nn.Parameter(to_huge_pages(owner.weight.detach().contiguous()), requires_grad=False)
             norm, attention = rms_norm(), paged_decode_attention()
             for module in self.modules():
                 if isinstance(module, RMSNorm):
@@ -298,6 +374,9 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
+        fused = decode_layers() if kernel is not None and quantization is None else None
+        if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
+            self.fused_decode = FusedDecode(self, fused)
 
     def _use_triton_attention(self) -> None:
         """On CUDA, paged attention runs in the Triton kernels (conveyor/kernels/triton_attention.py)

@@ -100,3 +100,44 @@ def test_rms_norm_matches_torch():
     w = torch.randn(576)
     ref = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5).float()
     torch.testing.assert_close(kernels.rms_norm()(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral-window"])
+def test_fused_decode_matches_the_layer_by_layer_path(tiny_models, tmp_path, family):
+    """Decode steps through FusedDecode (all layers in one native call) give the hidden states
+    and the cache contents of the module path, for GQA, q/k/v bias, q/k norm, a sliding window,
+    batches of 1 to 16 decodes at different contexts."""
+    import copy
+
+    from conveyor import LLM
+    from conveyor.models.attention import build_metadata
+    from conveyor.models.llama import FusedDecode
+    from tests.conftest import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", "mistral", seed=4, sliding_window=5) if family == "mistral-window" \
+        else tiny_models[family]
+    model = LLM(str(path), dtype="float32", num_kv_blocks=16).engine.runner.model
+    assert isinstance(model.fused_decode, FusedDecode)
+    arch, bs = model.arch, 4
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 3, 16):
+        starts = torch.randint(0, 40, (rows,), generator=g).tolist()
+        perm = torch.randperm(rows * 12, generator=g).tolist()
+        tables = [perm[i * 12 : (i + 1) * 12] for i in range(rows)]
+        caches = [torch.randn(2, rows * 12 * bs, arch.num_kv_heads, arch.head_dim, generator=g)
+                  for _ in range(arch.num_layers)]
+        meta = build_metadata(tables, starts, [1] * rows, bs, torch.device("cpu"), arch.sliding_window)
+        ids = torch.randint(0, arch.vocab_size, (rows,), generator=g)
+        ref_caches = copy.deepcopy(caches)
+        with torch.inference_mode():
+            fused = model(ids, meta.positions, caches, meta)
+            fused_path = model.fused_decode
+            model.fused_decode = None
+            try:
+                ref = model(ids, meta.positions, ref_caches, meta)
+            finally:
+                model.fused_decode = fused_path
+        torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
+        for a, b in zip(caches, ref_caches, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
