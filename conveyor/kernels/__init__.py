@@ -96,6 +96,8 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
     f32 = ctypes.c_float
+    lib.int8_prepare_rows.restype = None
+    lib.int8_prepare_rows.argtypes = [p, p, p, p, i64, i64]
     lib.decode_layers.restype = None
     lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, p, i64, f32, i64]
     return lib
@@ -176,6 +178,27 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
             ctx_lens.data_ptr(), d_, h, k_cache.shape[1], hd, block_size, scale, window, out.data_ptr(),
         )
         return out
+
+    return run
+
+
+def int8_prepare() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """`f(x, inv_smooth) -> (buffer [M, K + 2], row_max [M, 1])`: Int8Linear's input preparation
+    (smooth, divide each row by its max |x|, append the +1/-1 range columns) in one native call,
+    bit-equal to its torch code. `inv_smooth` may be None. Or None where the kernels are off."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        m, k = x.shape
+        buffer = torch.empty((m, k + 2), dtype=torch.float32)
+        row_max = torch.empty((m, 1), dtype=torch.float32)
+        lib.int8_prepare_rows(x.data_ptr(), 0 if inv_smooth is None else inv_smooth.data_ptr(), buffer.data_ptr(),
+                              row_max.data_ptr(), m, k)
+        return buffer, row_max
 
     return run
 

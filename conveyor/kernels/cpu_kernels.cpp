@@ -118,21 +118,23 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Attention of one sequence's G query heads that share KV head `g`, over its context through its
-// block table: scores, an exact softmax (max-subtracted, exp8), then the weighted sum of V.
-// q, out: this sequence's [H, d] rows; caches [slots, KVH, d].
-static void attend_group(const float* qi, const float* k_cache, const float* v_cache, const int64_t* table,
-                         int64_t len, int64_t g, int64_t G, int64_t KVH, int64_t d, int64_t block_size,
-                         float scale, int64_t window, float* oi) {
+// Attention of one sequence's query heads of KV heads [g0, g1) (G query heads per KV head) over
+// its context through its block table: scores, an exact softmax (max-subtracted, exp8), then the
+// weighted sum of V. q, out: this sequence's [H, d] rows; caches [slots, KVH, d]. A token's K (then
+// V) rows of these heads are one contiguous run and a block's tokens follow each other, so the
+// reads stream instead of hopping between heads.
+static void attend_heads(const float* qi, const float* k_cache, const float* v_cache, const int64_t* table,
+                         int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t KVH, int64_t d,
+                         int64_t block_size, float scale, int64_t window, float* oi) {
   const int64_t start = (window > 0 && len > window) ? len - window : 0;
-  const int64_t n = len - start, row = KVH * d;
-  std::vector<float> s(G * n), acc(G * d, 0.f), inv_sum(G);
+  const int64_t n = len - start, row = KVH * d, h0 = g0 * G, nh = (g1 - g0) * G;
+  std::vector<float> s(nh * n), acc(nh * d, 0.f), inv_sum(nh);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = start + t;
-    const float* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row + g * d;
-    for (int64_t j = 0; j < G; ++j) s[j * n + t] = dot(qi + (g * G + j) * d, kr, d) * scale;
+    const float* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    for (int64_t j = 0; j < nh; ++j) s[j * n + t] = dot(qi + (h0 + j) * d, kr + ((h0 + j) / G) * d, d) * scale;
   }
-  for (int64_t j = 0; j < G; ++j) {
+  for (int64_t j = 0; j < nh; ++j) {
     float* sh = s.data() + j * n;
     float mx = -INFINITY;
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
@@ -150,8 +152,9 @@ static void attend_group(const float* qi, const float* k_cache, const float* v_c
   }
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = start + t;
-    const float* vh = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row + g * d;
-    for (int64_t j = 0; j < G; ++j) {
+    const float* vr = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    for (int64_t j = 0; j < nh; ++j) {
+      const float* vh = vr + ((h0 + j) / G) * d;
       const float p = s[j * n + t];
       const __m256 p8 = _mm256_set1_ps(p);
       float* a = acc.data() + j * d;
@@ -160,21 +163,36 @@ static void attend_group(const float* qi, const float* k_cache, const float* v_c
       for (; e < d; ++e) a[e] += p * vh[e];
     }
   }
-  for (int64_t j = 0; j < G; ++j)
-    for (int64_t e = 0; e < d; ++e) oi[(g * G + j) * d + e] = acc[j * d + e] * inv_sum[j];
+  for (int64_t j = 0; j < nh; ++j)
+    for (int64_t e = 0; e < d; ++e) oi[(h0 + j) * d + e] = acc[j * d + e] * inv_sum[j];
+}
+
+// Tasks for D sequences on T threads: one per sequence (all heads, the contiguous reads above)
+// when there are at least T sequences; otherwise each sequence's KV heads split in `parts` ranges
+// so that a single decode still uses every thread.
+static inline int64_t head_parts(int64_t D, int64_t KVH, int64_t T) {
+  return D >= T ? 1 : std::min<int64_t>(KVH, (T + D - 1) / D);
+}
+
+static inline void attend_task(int64_t task, int64_t parts, const float* q, const float* k_cache,
+                               const float* v_cache, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+                               int64_t H, int64_t KVH, int64_t d, int64_t block_size, float scale, int64_t window,
+                               int64_t q_stride, float* out) {
+  const int64_t i = task / parts, part = task % parts;
+  const int64_t g0 = KVH * part / parts, g1 = KVH * (part + 1) / parts;
+  attend_heads(q + i * q_stride, k_cache, v_cache, tables + i * max_blocks, ctx[i], g0, g1, H / KVH, KVH, d,
+               block_size, scale, window, out + i * H * d);
 }
 
 extern "C" void paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                                        const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                        int64_t D, int64_t H, int64_t KVH, int64_t d, int64_t block_size,
                                        float scale, int64_t window, float* out) {
-  // One task per (sequence, KV head): the query heads of a group read its K/V rows once.
+  const int64_t parts = head_parts(D, KVH, omp_get_max_threads());
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < D * KVH; ++task) {
-    const int64_t i = task / KVH;
-    attend_group(q + i * H * d, k_cache, v_cache, tables + i * max_blocks, ctx[i], task % KVH, H / KVH, KVH, d,
-                 block_size, scale, window, out + i * H * d);
-  }
+  for (int64_t task = 0; task < D * parts; ++task)
+    attend_task(task, parts, q, k_cache, v_cache, tables, max_blocks, ctx, H, KVH, d, block_size, scale, window,
+                H * d, out);
 }
 
 // ---- A whole decode step's decoder layers in one call ----------------------------------------
@@ -229,6 +247,7 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
   std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
   std::vector<float> tmp(8 * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
+  const int64_t parts = head_parts(M, nkv, omp_get_max_threads());
 #pragma omp parallel
   for (int64_t l = 0; l < L; ++l) {
     const LayerWeights& lw = reinterpret_cast<const LayerWeights*>(layers)[l];
@@ -258,11 +277,9 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
       }
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < M * nkv; ++task) {
-      const int64_t m = task / nkv;
-      attend_group(qkv.data() + m * qkv_n, k_cache, v_cache, tables + m * max_blocks, ctx[m], task % nkv, nh / nkv,
-                   nkv, hd, block_size, scale, window, attn.data() + m * nh * hd);
-    }
+    for (int64_t task = 0; task < M * parts; ++task)
+      attend_task(task, parts, qkv.data(), k_cache, v_cache, tables, max_blocks, ctx, nh, nkv, hd, block_size, scale,
+                  window, qkv_n, attn.data());
     team_linear(attn.data(), ptr(lw.wo), x, M, nh * hd, H, nullptr, true, tmp.data());
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.post_norm), xn.data() + m * H, H, eps);
@@ -274,5 +291,29 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
       act[j] = g / (1.0f + std::exp(-g)) * gu[m * 2 * I + I + i];
     }
     team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data());
+  }
+}
+
+// ---- int8 activation preparation (conveyor/models/quantize.py, Int8Linear) --------------------
+// For each row of x [M, K]: s = x * inv_smooth (if given), row_max = max(max|s|, 1e-12),
+// out[m, :K] = s / row_max, out[m, K] = 1, out[m, K + 1] = -1 (out is [M, K + 2]). The same
+// IEEE operations as the torch code it replaces, so the results are bit-equal; one call instead
+// of six tensor ops, whose dispatch cost was most of a batch-1 int8 projection.
+extern "C" void int8_prepare_rows(const float* x, const float* inv_smooth, float* out, float* row_max,
+                                  int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float* o = out + m * (K + 2);
+    float mx = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = inv_smooth != nullptr ? xr[k] * inv_smooth[k] : xr[k];
+      o[k] = v;
+      mx = std::max(mx, std::fabs(v));
+    }
+    mx = std::max(mx, 1e-12f);
+    for (int64_t k = 0; k < K; ++k) o[k] = o[k] / mx;
+    o[K] = 1.f;
+    o[K + 1] = -1.f;
+    row_max[m] = mx;
   }
 }

@@ -78,8 +78,26 @@ class Int8Linear(nn.Module):
             q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
         self.bias = None if bias is None else bias.detach().float()
+        from conveyor.kernels import int8_prepare
+
+        self.prepare = int8_prepare()
+
+    prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # native, set at load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepare is not None and x.dtype == torch.float32 and x.dim() == 2:
+            buffer, row_max = self.prepare(x, self.inv_smooth)
+        else:
+            buffer, row_max = self._prepare(x)
+        # reduce_range=False: 8-bit activations. fbgemm's AVX2 path sums pairs of u8 x s8
+        # products in 16 bits, which can saturate only where two neighbouring weights and
+        # inputs are all near their maxima; the measured error (BENCHMARKS.md) is half the
+        # 7-bit alternative's.
+        y = torch.ops.quantized.linear_dynamic(buffer, self.packed, False).mul_(row_max)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows scaled into [-1, 1] with the two range columns appended, and each row's max."""
         rows, k = x.shape[0], self.in_features
         buffer = x.new_empty(rows, k + 2)
         scaled = buffer[:, :k]
@@ -91,12 +109,7 @@ class Int8Linear(nn.Module):
         scaled.div_(row_max)
         buffer[:, k] = 1.0
         buffer[:, k + 1] = -1.0
-        # reduce_range=False: 8-bit activations. fbgemm's AVX2 path sums pairs of u8 x s8
-        # products in 16 bits, which can saturate only where two neighbouring weights and
-        # inputs are all near their maxima; the measured error (BENCHMARKS.md) is half the
-        # 7-bit alternative's.
-        y = torch.ops.quantized.linear_dynamic(buffer, self.packed, False).mul_(row_max)
-        return y if self.bias is None else y.add_(self.bias)
+        return buffer, row_max
 
 
 def choose_smoothing(x: torch.Tensor, weight: torch.Tensor, x_absmax: torch.Tensor) -> torch.Tensor:

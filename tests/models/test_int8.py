@@ -51,6 +51,24 @@ def test_int8_rows_do_not_depend_on_the_batch(rows, k, n, seed, scale):
         assert torch.equal(batched[i], layer(x[i : i + 1])[0])
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), k=st.integers(1, 300), seed=st.integers(0, 10_000), scale=st.floats(1e-6, 1e6),
+       smoothed=st.booleans())
+def test_native_preparation_is_bit_equal_to_torch(rows, k, seed, scale, smoothed):
+    from conveyor.kernels import int8_prepare
+
+    native = int8_prepare()
+    if native is None:
+        pytest.skip("native kernels unavailable here")
+    g = torch.Generator().manual_seed(seed)
+    layer = Int8Linear(torch.randn(4, k, generator=g), None, torch.rand(k, generator=g) + 0.5 if smoothed else None)
+    x = torch.randn(rows, k, generator=g) * scale
+    x[0] = 0.0  # an all-zero row takes the 1e-12 floor
+    buffer, row_max = native(x, layer.inv_smooth)
+    ref_buffer, ref_max = layer._prepare(x)
+    assert torch.equal(buffer, ref_buffer) and torch.equal(row_max, ref_max)
+
+
 @torch.inference_mode()
 def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     model = llm.engine.runner.model
