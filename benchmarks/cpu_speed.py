@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quantization", choices=("none", "int8", "both"), default="both")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                    help="conveyor's KV cache dtype (llama.cpp keeps float16 by default)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -131,12 +133,13 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     path = str(build_random_llama(Path(tmp.name))) if args.model == "random-134m" else None
     variants = {"none": [None], "int8": ["int8"], "both": [None, "int8"]}[args.quantization]
-    result: dict = {"model": args.model, "threads": torch.get_num_threads()}
+    result: dict = {"model": args.model, "threads": torch.get_num_threads(), "kv_cache_dtype": args.kv_cache_dtype}
     systems = []
     bw = measure_bandwidth()
     for quantization in variants:
         name = "conveyor" if quantization is None else f"conveyor_{quantization}"
-        llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization)
+        llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
         arch = llm.engine.arch  # type: ignore[attr-defined]
         rng = random.Random(0)
         prompts = [[rng.randrange(100, arch.vocab_size - 100) for _ in range(args.prompt_len)]

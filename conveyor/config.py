@@ -89,8 +89,20 @@ class CacheConfig:
     num_swap_blocks: int | None = field(
         default=None, metadata=_help("Exact number of CPU swap blocks (overrides swap_space).")
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "KV cache dtype: auto (the compute dtype), float16, bfloat16 or float32. A 16-bit cache "
+            "under a float32 model (CPU) holds twice the tokens and halves what decode attention "
+            "reads, at the cost of rounding K/V. On CUDA it must equal the compute dtype."
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of auto, float16, bfloat16, float32"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size} must be a positive power of two")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -151,7 +151,8 @@ class Engine:
             logger.warning("%s has no tokenizer: prompts must be token ids", path)
 
         weight_bytes = arch.num_params * torch.empty((), dtype=dtype).element_size()
-        num_blocks, num_swap_blocks, max_len = _plan_cache(config, arch, dtype, device, weight_bytes)
+        kv_dtype = _resolve_kv_dtype(config, dtype, device)
+        num_blocks, num_swap_blocks, max_len = _plan_cache(config, arch, kv_dtype, device, weight_bytes)
         if mc.quantization is not None and (device.type != "cpu" or dtype != torch.float32):
             raise ConfigError(
                 f"quantization={mc.quantization!r} is a CPU float32 path; this engine is "
@@ -167,7 +168,9 @@ class Engine:
         model = build_model(
             arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration
         )
-        engine = cls._assemble(config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len)
+        engine = cls._assemble(
+            config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype
+        )
         engine.model_path = str(path)  # type: ignore[attr-defined]
         return engine
 
@@ -190,11 +193,12 @@ class Engine:
         weight = model.embed_tokens.weight
         positions = int(model.rotary.cos.shape[0])
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
+        kv_dtype = _resolve_kv_dtype(config, weight.dtype, weight.device)
         num_blocks, num_swap_blocks, max_len = _plan_cache(
-            config, model.arch, weight.dtype, weight.device, 0, max_positions=positions
+            config, model.arch, kv_dtype, weight.device, 0, max_positions=positions
         )
         engine = cls._assemble(
-            config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len
+            config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len, kv_dtype
         )
         engine.model_path = model_path  # type: ignore[attr-defined]
         return engine
@@ -210,6 +214,7 @@ class Engine:
         num_blocks: int,
         num_swap_blocks: int,
         max_len: int,
+        kv_dtype: Any = None,
     ) -> Engine:
         from conveyor.runner.model_runner import ModelRunner
 
@@ -224,7 +229,7 @@ class Engine:
         )
         runner = ModelRunner(
             model, num_blocks, config.cache.block_size, dtype, device,
-            seed=config.model.seed, num_swap_blocks=num_swap_blocks,
+            seed=config.model.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype,
         )
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
@@ -541,6 +546,21 @@ def _plan_cache(
     return plan_cache(
         config, arch.kv_bytes_per_token(itemsize), arch.max_position_embeddings, default_budget, max_positions
     )
+
+
+def _resolve_kv_dtype(config: EngineConfig, dtype: Any, device: Any):  # type: ignore[no-untyped-def]
+    """The KV cache's torch dtype: the compute dtype unless `kv_cache_dtype` names another,
+    which only the CPU backends read (the Triton kernels take the compute dtype)."""
+    import torch
+
+    name = config.cache.kv_cache_dtype
+    kv = dtype if name == "auto" else getattr(torch, name)
+    if kv != dtype and device.type != "cpu":
+        raise ConfigError(
+            f"kv_cache_dtype={name!r} differs from the compute dtype "
+            f"{str(dtype).removeprefix('torch.')}; on {device.type} use kv_cache_dtype='auto'"
+        )
+    return kv
 
 
 def _resolve_device(name: str):  # type: ignore[no-untyped-def]

@@ -4,9 +4,9 @@
 streams the weights at memory speed (see its header), the RMSNorm of a few rows, and paged
 decode attention that reads K/V in place through the block tables. It has a plain C ABI and is
 loaded with ctypes, so it needs no torch headers and compiles in about a second; the library is
-cached under `$CONVEYOR_CACHE/kernels` (default `~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2 and FMA, or without a compiler,
+cached under `$CONVEYOR_CACHE/kernels` (default `~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2, FMA and F16C, or without a compiler,
 or with `CONVEYOR_NATIVE_KERNELS=0`, `skinny_linear()` returns None and the model uses torch's
-matmul. Compiled with `-O3 -mavx2 -mfma -fopenmp`.
+matmul. Compiled with `-O3 -mavx2 -mfma -mf16c -fopenmp`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("conveyor")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Above this many rows MKL's GEMM is faster (benchmarks/cpu_kernels.py); the kernel takes
 # SKINNY_PASS_ROWS rows per pass over the weights.
 SKINNY_MAX_ROWS = 16
@@ -46,7 +46,7 @@ def _cpu_supported() -> bool:
         ).split()
     except OSError:
         return False
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags
 
 
 def _build(cache_dir: Path) -> Path:
@@ -94,12 +94,12 @@ def _library() -> ctypes.CDLL | None:
     lib.rms_norm_rows.restype = None
     lib.rms_norm_rows.argtypes = [p, p, p, i64, i64, ctypes.c_float]
     lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+    lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f32 = ctypes.c_float
     lib.int8_prepare_rows.restype = None
     lib.int8_prepare_rows.argtypes = [p, p, p, p, i64, i64]
     lib.decode_layers.restype = None
-    lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, p, i64, f32, i64]
+    lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, p, i64, f32, i64, i64]
     return lib
 
 
@@ -157,9 +157,9 @@ def rms_norm() -> Callable[..., torch.Tensor] | None:
 
 
 def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
-    """`f(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window) -> out` for float32:
-    q `[D, H, d]`, caches `[slots, KVH, d]` (contiguous), tables `[D, max_blocks]` and
-    ctx_lens `[D]` int64; window 0 means none. Or None."""
+    """`f(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window) -> out`: q float32
+    `[D, H, d]`, caches `[slots, KVH, d]` (contiguous) in float32 or float16, tables
+    `[D, max_blocks]` and ctx_lens `[D]` int64; window 0 means none. Or None."""
     lib = _library()
     if lib is None:
         return None
@@ -176,6 +176,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
         lib.paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx_lens.data_ptr(), d_, h, k_cache.shape[1], hd, block_size, scale, window, out.data_ptr(),
+            int(k_cache.dtype == torch.float16),
         )
         return out
 
@@ -208,21 +209,23 @@ LAYER_FIELDS = ("in_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "post_norm"
 
 
 def decode_layers() -> Callable[..., None] | None:
-    """`f(x, layers, dims, cos, sin, slots, tables, ctx, block_size, scale, window)`: every decoder
-    layer of a decode-only step, in place on the residual rows `x` `[M, hidden]` (float32), in one
-    native call. `layers` is an int64 tensor `[L, len(LAYER_FIELDS)]` of data pointers (0 where a
-    tensor is absent); `dims` is (hidden, heads, kv_heads, head_dim, intermediate, eps). Or None."""
+    """`f(x, layers, dims, cos, sin, slots, tables, ctx, block_size, scale, window, kv_half)`: every
+    decoder layer of a decode-only step, in place on the residual rows `x` `[M, hidden]` (float32),
+    in one native call; the K/V caches are float16 when `kv_half`, else float32. `layers` is an
+    int64 tensor `[L, len(LAYER_FIELDS)]` of data pointers (0 where a tensor is absent); `dims`
+    is (hidden, heads, kv_heads, head_dim, intermediate, eps). Or None."""
     lib = _library()
     if lib is None:
         return None
 
-    def run(x, layers, dims, cos, sin, slots, tables, ctx, block_size: int, scale: float, window: int) -> None:
+    def run(x, layers, dims, cos, sin, slots, tables, ctx, block_size: int, scale: float, window: int,
+            kv_half: bool) -> None:
         _sync_threads(lib)
         hidden, heads, kv_heads, head_dim, intermediate, eps = dims
         lib.decode_layers(
             x.data_ptr(), x.shape[0], layers.data_ptr(), layers.shape[0], hidden, heads, kv_heads, head_dim,
             intermediate, eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            tables.shape[1], ctx.data_ptr(), block_size, scale, window,
+            tables.shape[1], ctx.data_ptr(), block_size, scale, window, int(kv_half),
         )
 
     return run

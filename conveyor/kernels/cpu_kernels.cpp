@@ -91,12 +91,28 @@ extern "C" void rms_norm_rows(const float* x, const float* w, float* out, int64_
 // q, out: [D, H, d]; k_cache, v_cache: [slots, KVH, d] (slot = block * block_size + offset);
 // tables: [D, max_blocks] block ids; ctx: [D] context lengths (the new token included).
 // window > 0 keeps only the last `window` positions (sliding-window attention).
-static inline float dot(const float* a, const float* b, int64_t d) {
+// K/V cache rows are float32 or float16 (kv_cache_dtype="float16": IEEE half, converted with
+// F16C, round to nearest even, as torch's .to(float16)).
+using half_t = uint16_t;
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline float load1(const float* p) { return *p; }
+static inline float load1(const half_t* p) { return _cvtsh_ss(*p); }
+static inline void store_row(float* dst, const float* src, int64_t d) { std::copy(src, src + d, dst); }
+static inline void store_row(half_t* dst, const float* src, int64_t d) {
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < d; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+template <typename T>
+static inline float dot(const float* a, const T* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   float s = hsum(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
+  for (; i < d; ++i) s += a[i] * load1(b + i);
   return s;
 }
 
@@ -123,7 +139,8 @@ static inline __m256 exp8(__m256 x) {
 // weighted sum of V. q, out: this sequence's [H, d] rows; caches [slots, KVH, d]. A token's K (then
 // V) rows of these heads are one contiguous run and a block's tokens follow each other, so the
 // reads stream instead of hopping between heads.
-static void attend_heads(const float* qi, const float* k_cache, const float* v_cache, const int64_t* table,
+template <typename T>
+static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, const int64_t* table,
                          int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t KVH, int64_t d,
                          int64_t block_size, float scale, int64_t window, float* oi) {
   const int64_t start = (window > 0 && len > window) ? len - window : 0;
@@ -131,7 +148,7 @@ static void attend_heads(const float* qi, const float* k_cache, const float* v_c
   std::vector<float> s(nh * n), acc(nh * d, 0.f), inv_sum(nh);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = start + t;
-    const float* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    const T* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
     for (int64_t j = 0; j < nh; ++j) s[j * n + t] = dot(qi + (h0 + j) * d, kr + ((h0 + j) / G) * d, d) * scale;
   }
   for (int64_t j = 0; j < nh; ++j) {
@@ -152,15 +169,15 @@ static void attend_heads(const float* qi, const float* k_cache, const float* v_c
   }
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = start + t;
-    const float* vr = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    const T* vr = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
     for (int64_t j = 0; j < nh; ++j) {
-      const float* vh = vr + ((h0 + j) / G) * d;
+      const T* vh = vr + ((h0 + j) / G) * d;
       const float p = s[j * n + t];
       const __m256 p8 = _mm256_set1_ps(p);
       float* a = acc.data() + j * d;
       int64_t e = 0;
-      for (; e + 8 <= d; e += 8) _mm256_storeu_ps(a + e, _mm256_fmadd_ps(p8, _mm256_loadu_ps(vh + e), _mm256_loadu_ps(a + e)));
-      for (; e < d; ++e) a[e] += p * vh[e];
+      for (; e + 8 <= d; e += 8) _mm256_storeu_ps(a + e, _mm256_fmadd_ps(p8, load8(vh + e), _mm256_loadu_ps(a + e)));
+      for (; e < d; ++e) a[e] += p * load1(vh + e);
     }
   }
   for (int64_t j = 0; j < nh; ++j)
@@ -174,8 +191,9 @@ static inline int64_t head_parts(int64_t D, int64_t KVH, int64_t T) {
   return D >= T ? 1 : std::min<int64_t>(KVH, (T + D - 1) / D);
 }
 
-static inline void attend_task(int64_t task, int64_t parts, const float* q, const float* k_cache,
-                               const float* v_cache, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+template <typename T>
+static inline void attend_task(int64_t task, int64_t parts, const float* q, const T* k_cache,
+                               const T* v_cache, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                int64_t H, int64_t KVH, int64_t d, int64_t block_size, float scale, int64_t window,
                                int64_t q_stride, float* out) {
   const int64_t i = task / parts, part = task % parts;
@@ -184,15 +202,20 @@ static inline void attend_task(int64_t task, int64_t parts, const float* q, cons
                block_size, scale, window, out + i * H * d);
 }
 
-extern "C" void paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
+extern "C" void paged_decode_attention(const float* q, const void* k_cache, const void* v_cache,
                                        const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                        int64_t D, int64_t H, int64_t KVH, int64_t d, int64_t block_size,
-                                       float scale, int64_t window, float* out) {
+                                       float scale, int64_t window, float* out, int64_t kv_half) {
   const int64_t parts = head_parts(D, KVH, omp_get_max_threads());
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < D * parts; ++task)
-    attend_task(task, parts, q, k_cache, v_cache, tables, max_blocks, ctx, H, KVH, d, block_size, scale, window,
-                H * d, out);
+  for (int64_t task = 0; task < D * parts; ++task) {
+    if (kv_half)
+      attend_task(task, parts, q, static_cast<const half_t*>(k_cache), static_cast<const half_t*>(v_cache), tables,
+                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out);
+    else
+      attend_task(task, parts, q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), tables,
+                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out);
+  }
 }
 
 // ---- A whole decode step's decoder layers in one call ----------------------------------------
@@ -240,10 +263,11 @@ inline void team_linear(const float* x, const float* w, float* y, int64_t M, int
 
 }  // namespace
 
-extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
-                              int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
-                              const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
-                              int64_t block_size, float scale, int64_t window) {
+template <typename T>
+static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
+                               int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
+                               const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+                               int64_t block_size, float scale, int64_t window) {
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
   std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
   std::vector<float> tmp(8 * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
@@ -252,7 +276,7 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
   for (int64_t l = 0; l < L; ++l) {
     const LayerWeights& lw = reinterpret_cast<const LayerWeights*>(layers)[l];
     auto ptr = [](int64_t p) { return reinterpret_cast<float*>(p); };
-    float *k_cache = ptr(lw.k_cache), *v_cache = ptr(lw.v_cache);
+    T *k_cache = reinterpret_cast<T*>(lw.k_cache), *v_cache = reinterpret_cast<T*>(lw.v_cache);
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.in_norm), xn.data() + m * H, H, eps);
     team_linear(xn.data(), ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data());
@@ -271,9 +295,8 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
       }
       if (h >= nh) {
         const int64_t g = h - nh;
-        std::copy(v, v + hd, k_cache + slots[m] * row + g * hd);
-        const float* vv = qkv.data() + m * qkv_n + (nh + nkv + g) * hd;
-        std::copy(vv, vv + hd, v_cache + slots[m] * row + g * hd);
+        store_row(k_cache + slots[m] * row + g * hd, v, hd);
+        store_row(v_cache + slots[m] * row + g * hd, qkv.data() + m * qkv_n + (nh + nkv + g) * hd, hd);
       }
     }
 #pragma omp for schedule(dynamic, 1)
@@ -292,6 +315,18 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
     }
     team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data());
   }
+}
+
+extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
+                              int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
+                              const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
+                              int64_t block_size, float scale, int64_t window, int64_t kv_half) {
+  if (kv_half)
+    decode_layers_impl<half_t>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, slots, tables, max_blocks, ctx,
+                               block_size, scale, window);
+  else
+    decode_layers_impl<float>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, slots, tables, max_blocks, ctx,
+                              block_size, scale, window);
 }
 
 // ---- int8 activation preparation (conveyor/models/quantize.py, Int8Linear) --------------------

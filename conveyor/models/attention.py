@@ -198,8 +198,10 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        # A cache in another dtype (kv_cache_dtype) stores rounded K/V; attention reads them
+        # back in the compute dtype. A fresh prompt attends over its unrounded K/V, as in vLLM.
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         gqa = q.shape[1] != k_cache.shape[1]
         bs = meta.block_size
         out = torch.empty_like(q)
@@ -212,8 +214,8 @@ class TorchPagedAttention(AttentionBackend):
                 ks, vs = k[a:b], v[a:b]
             else:
                 ctx = span.start_pos + (b - a)
-                ks = _gather_blocks(k_cache, span.context_blocks[None], bs, ctx)[0]
-                vs = _gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0]
+                ks = _gather_blocks(k_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
+                vs = _gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
             o = F.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1),
                 ks.transpose(0, 1),
@@ -233,8 +235,8 @@ class TorchPagedAttention(AttentionBackend):
         assert meta.decode_blocks is not None and meta.decode_bias is not None
         bs = meta.block_size
         length = meta.decode_bias.shape[-1]
-        kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length)  # [D, L, kvh, d]
-        vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length)
+        kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length).to(q.dtype)  # [D, L, kvh, d]
+        vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length).to(q.dtype)
         od = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [D, h, 1, d]
             kd.transpose(1, 2),
@@ -247,7 +249,7 @@ class TorchPagedAttention(AttentionBackend):
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """float32 on CPU: decodes through the native kernel (conveyor/kernels), which reads each
+    """float32 on CPU (a float32 or float16 cache): decodes through the native kernel (conveyor/kernels), which reads each
     sequence's K/V in place through its block table, with no gather and no padding; prefills
     as in the torch backend. Tested against `TorchPagedAttention`."""
 
@@ -258,7 +260,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or meta.decode_context_lens is None:
+        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.float16) \
+                or meta.decode_context_lens is None:
             return super().decode(q, k_cache, v_cache, meta, scale)
         assert meta.decode_blocks is not None
         return self.kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,

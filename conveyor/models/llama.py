@@ -218,6 +218,9 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+KV_DTYPES = (torch.float32, torch.float16)  # the cache dtypes the native kernels read
+
+
 class FusedDecode:
     """Decode-only steps of up to SKINNY_MAX_ROWS rows on CPU in float32: every decoder layer
     in one native call (`decode_layers` in conveyor/kernels/cpu_kernels.cpp), the same stages
@@ -256,15 +259,16 @@ class FusedDecode:
         when the caches move)."""
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._table_key:
-            assert all(c.is_contiguous() and c.dtype == torch.float32 for c in kv_caches)
+            assert all(c.is_contiguous() and c.dtype in KV_DTYPES for c in kv_caches)
             caches = torch.tensor([[c[0].data_ptr(), c[1].data_ptr()] for c in kv_caches], dtype=torch.int64)
             self._table = torch.cat((self.weights, caches), dim=1).contiguous()
             self._table_key = key
         assert self._table is not None
         return self._table
 
-    def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        return meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= SKINNY_MAX_ROWS
+    def applies(self, num_tokens: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
+        return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= SKINNY_MAX_ROWS
+                and kv_dtype in KV_DTYPES)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -272,7 +276,8 @@ class FusedDecode:
         x = x.contiguous()
         self.kernel(x, self.table(kv_caches), self.dims, cos.contiguous(), sin.contiguous(),
                     meta.slot_mapping.contiguous(), meta.decode_blocks.contiguous(),
-                    meta.decode_context_lens.contiguous(), meta.block_size, self.scale, self.window)
+                    meta.decode_context_lens.contiguous(), meta.block_size, self.scale, self.window,
+                    kv_caches[0].dtype == torch.float16)
         return x
 
 
@@ -299,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states `[T, hidden]` after the final norm."""
         x = self.embed_tokens(input_ids)
         fused = self.fused_decode
-        if fused is not None and fused.applies(x.shape[0], meta):
+        if fused is not None and fused.applies(x.shape[0], meta, kv_caches[0].dtype):
             cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
             return self.norm(fused(x, cos, sin, kv_caches, meta))
         rope = self.rotary(positions, x.dtype)

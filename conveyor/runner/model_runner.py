@@ -28,6 +28,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         num_swap_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -35,12 +36,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.sliding_window = arch.sliding_window
         slots = num_blocks * block_size
         # Zeroed, not just allocated: attention reads whole blocks and hides the unused slots
         # with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
         self.kv_caches = [
-            torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
+            torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=self.kv_dtype, device=device)
             for _ in range(arch.num_layers)
         ]
         # CPU swap space, same layout (pinned on CUDA so copies can be asynchronous).
@@ -48,7 +50,7 @@ class ModelRunner:
         self.swap_caches = [
             torch.zeros(
                 (2, num_swap_blocks * block_size, arch.num_kv_heads, arch.head_dim),
-                dtype=dtype, pin_memory=pin,
+                dtype=self.kv_dtype, pin_memory=pin,
             )
             for _ in range(arch.num_layers if num_swap_blocks else 0)
         ]
