@@ -7,7 +7,8 @@ prints the effective weight bandwidth of torch (`x @ W_t`, conveyor's layout wit
 and of the kernel, with their ratio, beside the memory read bandwidth measured on the spot.
 
 2. Paged decode attention against the torch backend (block gather + SDPA), one layer of
-SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, block 16), decodes x context.
+SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, block 16), decodes x context; and the
+kernel over a float16 cache (kv_cache_dtype="float16").
 
     python benchmarks/cpu_kernels.py
 """
@@ -59,8 +60,8 @@ def attention() -> None:
     heads, kv_heads, d, bs = 9, 3, 64, 16
     torch_backend, native = TorchPagedAttention(), CpuPagedAttention(paged_decode_attention())
     print()
-    print("| decodes x context | torch ms | kernel ms | speedup |")
-    print("|---|---|---|---|")
+    print("| decodes x context | torch ms | kernel ms | speedup | kernel, float16 cache ms | float32 / float16 |")
+    print("|---|---|---|---|---|---|")
     for n, ctx in ((1, 512), (8, 512), (64, 64), (64, 512)):
         nb = ctx // bs + 1
         cache = torch.randn(2, (n * nb + 1) * bs, kv_heads, d)
@@ -69,7 +70,9 @@ def attention() -> None:
         q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
         a = bench(lambda: torch_backend.forward(q, k, v, cache, meta, d**-0.5), 10)  # noqa: B023
         b = bench(lambda: native.forward(q, k, v, cache, meta, d**-0.5), 10)  # noqa: B023
-        print(f"| {n} x {ctx} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.1f}x |")
+        half = cache.half()
+        c = bench(lambda: native.forward(q, k, v, half, meta, d**-0.5), 10)  # noqa: B023
+        print(f"| {n} x {ctx} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.1f}x | {c * 1e3:.2f} | {b / c:.2f}x |")
 
 
 if __name__ == "__main__":
