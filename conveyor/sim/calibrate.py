@@ -35,6 +35,9 @@ from conveyor.sim.hardware import Hardware
 from conveyor.sim.models import ModelShape
 
 Shape = list[tuple[int, int]]  # (new tokens, start position) per sequence
+# The fit lets an efficiency exceed 1 up to here (CostParams accepts 1.5): the peaks it divides
+# by are read once, and this shared machine's bandwidth moves by 2x within minutes.
+MAX_EFFICIENCY = 1.5
 
 
 def default_grid() -> list[tuple[str, Shape]]:
@@ -60,6 +63,15 @@ def runner_skinny_rows() -> tuple[int, int]:
     if kernels.skinny_linear() is None:
         return 1, 1
     return kernels.SKINNY_MAX_ROWS, kernels.SKINNY_PASS_ROWS
+
+
+def runner_fused_rows() -> int:
+    """Rows up to which this machine's runner runs a decode-only step fused (0: never)."""
+    from conveyor import kernels
+
+    if kernels.decode_layers() is None or os.environ.get("CONVEYOR_FUSED_DECODE", "1") == "0":
+        return 0
+    return kernels.SKINNY_MAX_ROWS
 
 
 def default_calibration_path() -> Path:
@@ -215,18 +227,23 @@ class Fit:
 
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
-        block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1)) -> Fit:
+        block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1), fused_rows: int = 0) -> Fit:
     """The six efficiencies by coordinate descent over a log grid; for each candidate, the
-    three overheads by non-negative least squares; everything on relative error."""
+    overheads (per step, per sequence, per token, and per step the fused decode does not take)
+    by non-negative least squares; everything on relative error. An efficiency may reach
+    MAX_EFFICIENCY: the peaks are measured once, on a machine whose speed drifts."""
     import numpy as np
 
     shapes = [s for _, s, _ in samples]
     y = np.array([t for _, _, t in samples])
     w = 1.0 / y
-    Xw = np.array([[1.0, s.num_seqs, s.num_tokens] for s in shapes]) * w[:, None]
     skinny_rows, pass_rows = skinny
-    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0)
+    one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0, fused_rows, 0.0)
     base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
+    Xw = np.array([[1.0, s.num_seqs, s.num_tokens, 0.0 if base.fused(s) else 1.0] for s in shapes]) * w[:, None]
+    if not fused_rows:
+        Xw = Xw[:, :3]  # without a fused path the fourth overhead is the first one
+    k = Xw.shape[1]
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
     col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
     lin_c = col(lambda s: base._lin_flop_s * s.num_tokens)
@@ -251,10 +268,10 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         r = (lin + head
              + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv))
         target = (y - r) * w
-        best_loss, best_c = float("inf"), np.zeros(3)
-        for mask in itertools.product((0, 1), repeat=3):  # NNLS by enumerating active sets
-            cols = [i for i in range(3) if mask[i]]
-            c = np.zeros(3)
+        best_loss, best_c = float("inf"), np.zeros(k)
+        for mask in itertools.product((0, 1), repeat=k):  # NNLS by enumerating active sets
+            cols = [i for i in range(k) if mask[i]]
+            c = np.zeros(k)
             if cols:
                 sol = np.linalg.lstsq(Xw[:, cols], target, rcond=None)[0]
                 if (sol < 0).any():
@@ -265,7 +282,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 best_loss, best_c = loss, c
         return best_loss, best_c
 
-    grid = np.geomspace(0.002, 1.0, 67)
+    grid = np.geomspace(0.002, MAX_EFFICIENCY, 68)
     e = [0.5] * 6
     loss = evaluate(e)[0]
     for _ in range(sweeps):
@@ -291,13 +308,14 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 trial[i] *= factor**si
                 if j != i:
                     trial[j] *= factor**sj
-                if max(trial) > 1.0:
+                if max(trial) > MAX_EFFICIENCY:
                     continue
                 trial_loss = evaluate(trial)[0]
                 if trial_loss < loss * (1 - 1e-9):
                     loss, e, improved = trial_loss, trial, True
     _, c = evaluate(e)
-    params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]), float(c[2]))
+    params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]),
+                        float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
     errors = [(fitted.step_time(s) - t) / t for _, s, t in samples]
     return Fit(params, errors)

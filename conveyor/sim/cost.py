@@ -82,23 +82,29 @@ class CostParams:
     step_overhead_s: float = 2e-3
     seq_overhead_s: float = 1e-5
     token_overhead_s: float = 0.0
+    # The CPU runner runs a decode-only step of up to `fused_rows` rows in one native call
+    # (FusedDecode); every other step pays `unfused_overhead_s` more, its per-layer Python.
+    fused_rows: int = 0
+    unfused_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be in (0, 1.5]")
-        if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s) < 0:
+        if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s, self.unfused_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
         if self.skinny_rows < 1 or self.skinny_pass_rows < 1:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
+        if self.fused_rows < 0:
+            raise ValueError("fused_rows must be >= 0")
 
     def to_dict(self) -> dict[str, float | None]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostParams:
-        integers = ("skinny_rows", "skinny_pass_rows")
+        integers = ("skinny_rows", "skinny_pass_rows", "fused_rows")
         names = {f.name for f in fields(cls)}
         kw: dict[str, Any] = {
             k: None if v is None else int(v) if k in integers else float(v) for k, v in d.items() if k in names
@@ -153,8 +159,12 @@ class RooflineCostModel:
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
             "swap": self._swap_s * s.swap_blocks,
             "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
-            if busy else 0.0,
+            + (0.0 if self.fused(s) else p.unfused_overhead_s) if busy else 0.0,
         }
+
+    def fused(self, s: StepShape) -> bool:
+        """Whether the runner takes its fused decode path for this step."""
+        return s.decode_seqs == s.num_seqs and s.num_tokens <= self.params.fused_rows
 
     def step_time(self, s: StepShape) -> float:
         return sum(self.breakdown(s).values())

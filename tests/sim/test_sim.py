@@ -106,6 +106,18 @@ def test_skinny_rows_extend_the_matrix_vector_regime():
     assert twelve["linear"] == pytest.approx(max(2 * 73_728 * 12 / 0.5e12, 2 * 73_728 * 2 / 0.4e11))
 
 
+def test_unfused_overhead_applies_to_steps_the_fused_decode_does_not_take():
+    params = CostParams(step_overhead_s=1e-3, seq_overhead_s=0.0, fused_rows=2, unfused_overhead_s=5e-3)
+    cost = RooflineCostModel(TOY_HW, TOY, params, dtype_bytes=2)
+
+    def overhead(items):
+        return cost.breakdown(StepShape.of(SchedulerOutput(0, items)))["overhead"]
+
+    assert overhead([_item(0, 1, 9), _item(1, 1, 19)]) == pytest.approx(1e-3)  # two decodes: fused
+    assert overhead([_item(i, 1, 9) for i in range(3)]) == pytest.approx(6e-3)  # three: too many rows
+    assert overhead([_item(0, 1, 9), _item(1, 4, 0)]) == pytest.approx(6e-3)  # a prompt in the step
+
+
 def test_simulator_uses_the_real_scheduler():
     engine = toy_engine()
     assert isinstance(engine, Engine)
@@ -219,9 +231,11 @@ def test_weights_that_do_not_fit_are_refused():
         build_sim_engine(EngineConfig(), get_hardware("rtx-4070-laptop"), get_model("llama-2-13b"))
 
 
-def test_fit_recovers_a_known_cost_model():
+@pytest.mark.parametrize("fused_rows", [0, 16])
+def test_fit_recovers_a_known_cost_model(fused_rows):
     truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, gemv_mfu=0.3, skinny_rows=16, skinny_pass_rows=8,
-                       step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5)
+                       step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5, fused_rows=fused_rows,
+                       unfused_overhead_s=4e-3 if fused_rows else 0.0)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
     model = get_model("smollm2-135m")
     cost = RooflineCostModel(hw, model, truth, 4)
@@ -230,8 +244,10 @@ def test_fit_recovers_a_known_cost_model():
         items = [_item(i, n, start) for i, (n, start) in enumerate(shape)]
         s = StepShape.of(SchedulerOutput(0, items))
         samples.append((label, s, cost.step_time(s)))
-    fit = calibrate.fit(hw, model, samples, skinny=(16, 8))
+    fit = calibrate.fit(hw, model, samples, skinny=(16, 8), fused_rows=fused_rows)
     assert fit.max_abs_rel_error < 0.03
+    if fused_rows:  # the fused steps' saving is found, not spread over the other overheads
+        assert fit.params.unfused_overhead_s == pytest.approx(4e-3, rel=0.2)
     path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)
     loaded = calibrate.load(path)
     assert loaded.params == fit.params and loaded.hardware == hw and loaded.model == model
