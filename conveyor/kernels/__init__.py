@@ -96,6 +96,8 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f32 = ctypes.c_float
+    lib.skinny_linear_q8.restype = None
+    lib.skinny_linear_q8.argtypes = [p, p, p, p, p, i64, i64, i64]
     lib.int8_prepare_rows.restype = None
     lib.int8_prepare_rows.argtypes = [p, p, p, p, i64, i64]
     lib.decode_layers.restype = None
@@ -204,8 +206,31 @@ def int8_prepare() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     return run
 
 
-# The order of one layer's row in decode_layers' pointer table (struct LayerWeights).
-LAYER_FIELDS = ("in_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "post_norm", "wgu", "wd", "k_cache", "v_cache")
+# The order of one layer's row in decode_layers' pointer table (struct LayerWeights); the int8
+# fields (row scales, smoothing divisors) are 0 for float32 weights.
+LAYER_FIELDS = ("in_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "post_norm", "wgu", "wd", "k_cache", "v_cache",
+                "sqkv", "zqkv", "so", "zo", "sgu", "zgu", "sd", "zd")
+
+
+def skinny_linear_q8() -> Callable[..., torch.Tensor] | None:
+    """`f(x, qweight, scale, inv_smooth) -> (x * inv_smooth) @ (qweight * scale[:, None]).T` for
+    float32 rows x `[M, K]` and int8 `qweight` `[N, K]` (inv_smooth may be None): weight-only int8
+    for the few rows of a decode step. Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor | None) -> torch.Tensor:
+        _sync_threads(lib)
+        x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty((m, qweight.shape[0]), dtype=torch.float32)
+        lib.skinny_linear_q8(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(),
+                             0 if inv_smooth is None else inv_smooth.data_ptr(), y.data_ptr(), m, k, qweight.shape[0])
+        return y
+
+    return run
 
 
 def decode_layers() -> Callable[..., None] | None:

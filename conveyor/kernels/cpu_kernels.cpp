@@ -230,7 +230,38 @@ namespace {
 
 struct LayerWeights {  // one row of the pointer table (0 where absent)
   int64_t in_norm, wqkv, bqkv, q_norm, k_norm, wo, post_norm, wgu, wd, k_cache, v_cache;
+  // int8 projections (quantization="int8"): each weight above is then int8 [N, K], with a float
+  // scale per output row and the smoothing divisor per input channel (1 / s, or 0 for none).
+  int64_t sqkv, zqkv, so, zo, sgu, zgu, sd, zd;
 };
+
+// Dot products of one int8 weight row with R (1 or 2) float activation rows, times the row's
+// scale: weight-only int8 (the activations stay float32).
+template <int R>
+inline void dots_q8(const float* x, const int8_t* wr, float* y, int64_t K, int64_t N, float scale) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  auto widen = [](const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  const int64_t K16 = K & ~int64_t(15), K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K16; k += 16) {
+    const __m256 w0 = widen(wr + k), w1 = widen(wr + k + 8);
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, a[r][1]);
+    }
+  }
+  for (int64_t k = K16; k < K8; k += 8) {
+    const __m256 w0 = widen(wr + k);
+    for (int r = 0; r < R; ++r) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, a[r][0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = hsum(_mm256_add_ps(a[r][0], a[r][1]));
+    for (int64_t k = K8; k < K; ++k) s += x[r * K + k] * float(wr[k]);
+    y[r * N] = s * scale;
+  }
+}
 
 inline void norm_row(const float* xr, const float* w, float* o, int64_t H, float eps) {
   double ss = 0.0;
@@ -241,16 +272,29 @@ inline void norm_row(const float* xr, const float* w, float* o, int64_t H, float
 
 // y[m, n] (= or +=) x[m] . W[n] for all m < M, rows of W split over the team (called inside a
 // parallel region). `accumulate` adds to y (the residual) instead of storing.
-inline void team_linear(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                        const float* bias, bool accumulate, float* tmp /* [8, N] */) {
+// With `scale` (int8 weights), x is first divided by the smoothing (into xs, [M, K] scratch).
+inline void team_linear(const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N,
+                        const float* bias, bool accumulate, float* tmp /* [8, N] */,
+                        const float* scale = nullptr, const float* inv_smooth = nullptr, float* xs = nullptr) {
+  if (scale != nullptr && inv_smooth != nullptr) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * K; ++i) xs[i] = x[i] * inv_smooth[i % K];
+    x = xs;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const int64_t m1 = std::min<int64_t>(M, m0 + 8), rows = m1 - m0;
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
-      const float* wr = w + n * K;
       int64_t m = m0;
-      for (; m + 2 <= m1; m += 2) dots<2>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
-      if (m < m1) dots<1>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
+      if (scale != nullptr) {
+        const int8_t* wr = static_cast<const int8_t*>(w) + n * K;
+        for (; m + 2 <= m1; m += 2) dots_q8<2>(x + m * K, wr, tmp + (m - m0) * N + n, K, N, scale[n]);
+        if (m < m1) dots_q8<1>(x + m * K, wr, tmp + (m - m0) * N + n, K, N, scale[n]);
+      } else {
+        const float* wr = static_cast<const float*>(w) + n * K;
+        for (; m + 2 <= m1; m += 2) dots<2>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
+        if (m < m1) dots<1>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         float v = tmp[r * N + n];
         if (bias != nullptr) v += bias[n];
@@ -271,6 +315,7 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
   std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
   std::vector<float> tmp(8 * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
+  std::vector<float> xs(M * std::max<int64_t>(std::max(H, nh * hd), I));  // smoothed int8 inputs
   const int64_t parts = head_parts(M, nkv, omp_get_max_threads());
 #pragma omp parallel
   for (int64_t l = 0; l < L; ++l) {
@@ -279,7 +324,8 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     T *k_cache = reinterpret_cast<T*>(lw.k_cache), *v_cache = reinterpret_cast<T*>(lw.v_cache);
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.in_norm), xn.data() + m * H, H, eps);
-    team_linear(xn.data(), ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data());
+    team_linear(xn.data(), ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data(), ptr(lw.sqkv),
+                ptr(lw.zqkv), xs.data());
     // q/k heads: optional RMSNorm, then rope; k (and v) go to the cache.
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < M * (nh + nkv); ++task) {
@@ -303,17 +349,19 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     for (int64_t task = 0; task < M * parts; ++task)
       attend_task(task, parts, qkv.data(), k_cache, v_cache, tables, max_blocks, ctx, nh, nkv, hd, block_size, scale,
                   window, qkv_n, attn.data());
-    team_linear(attn.data(), ptr(lw.wo), x, M, nh * hd, H, nullptr, true, tmp.data());
+    team_linear(attn.data(), ptr(lw.wo), x, M, nh * hd, H, nullptr, true, tmp.data(), ptr(lw.so), ptr(lw.zo),
+                xs.data());
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.post_norm), xn.data() + m * H, H, eps);
-    team_linear(xn.data(), ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data());
+    team_linear(xn.data(), ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data(), ptr(lw.sgu), ptr(lw.zgu),
+                xs.data());
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < M * I; ++j) {
       const int64_t m = j / I, i = j % I;
       const float g = gu[m * 2 * I + i];
       act[j] = g / (1.0f + std::exp(-g)) * gu[m * 2 * I + I + i];
     }
-    team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data());
+    team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data(), ptr(lw.sd), ptr(lw.zd), xs.data());
   }
 }
 
@@ -351,4 +399,13 @@ extern "C" void int8_prepare_rows(const float* x, const float* inv_smooth, float
     o[K + 1] = -1.f;
     row_max[m] = mx;
   }
+}
+
+// y[M, N] = (x / smooth) @ (q * scale)^T for the few rows of a decode step with int8 weights
+// (the int8 LM head), weight-only: the activations stay float32.
+extern "C" void skinny_linear_q8(const float* x, const int8_t* w, const float* scale, const float* inv_smooth,
+                                 float* y, int64_t M, int64_t K, int64_t N) {
+  std::vector<float> tmp(8 * N), xs(inv_smooth != nullptr ? M * K : 0);
+#pragma omp parallel
+  team_linear(x, w, y, M, K, N, nullptr, false, tmp.data(), scale, inv_smooth, xs.data());
 }

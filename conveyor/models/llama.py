@@ -22,6 +22,7 @@ from conveyor.kernels import (
     paged_decode_attention,
     rms_norm,
     skinny_linear,
+    skinny_linear_q8,
     to_huge_pages,
 )
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
@@ -225,7 +226,10 @@ class FusedDecode:
     """Decode-only steps of up to SKINNY_MAX_ROWS rows on CPU in float32: every decoder layer
     in one native call (`decode_layers` in conveyor/kernels/cpu_kernels.cpp), the same stages
     as the modules but with no Python and no thread start-up between the weight streams. At
-    batch 1 that per-layer overhead is about an eighth of a step (BENCHMARKS.md)."""
+    batch 1 that per-layer overhead is about an eighth of a step (BENCHMARKS.md).
+
+    With `quantization="int8"` the projections stream their int8 weights here and multiply
+    float32 activations (weight-only int8); larger steps keep fbgemm's int8 x int8 GEMMs."""
 
     def __init__(self, model: LlamaForCausalLM, kernel: Callable[..., None]) -> None:
         arch = model.arch
@@ -235,22 +239,36 @@ class FusedDecode:
         self.scale = arch.head_dim**-0.5
         self.window = arch.sliding_window or 0
 
-        def ptr(t: torch.Tensor | None) -> int:
-            assert t is None or (t.is_contiguous() and t.dtype == torch.float32)
+        def ptr(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int:
+            assert t is None or (t.is_contiguous() and t.dtype == dtype)
             return 0 if t is None else t.data_ptr()
 
-        rows = []
+        def weight(proj: nn.Module) -> int:
+            if isinstance(proj, Int8Linear):
+                return ptr(proj.qweight, torch.int8)
+            return ptr(proj.weight)
+
+        def int8(proj: nn.Module) -> list[int]:  # (row scales, smoothing divisors) or zeros
+            if isinstance(proj, Int8Linear):
+                return [ptr(proj.wscale), ptr(proj.inv_smooth)]
+            return [0, 0]
+
+        rows, int8_rows = [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             rows.append([
-                ptr(layer.input_layernorm.weight), ptr(attn.qkv_proj.weight), ptr(attn.qkv_proj.bias),
+                ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), ptr(attn.qkv_proj.bias),
                 ptr(attn.q_norm.weight if attn.q_norm is not None else None),
                 ptr(attn.k_norm.weight if attn.k_norm is not None else None),
-                ptr(attn.o_proj.weight), ptr(layer.post_attention_layernorm.weight),
-                ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight),
+                weight(attn.o_proj), ptr(layer.post_attention_layernorm.weight),
+                weight(mlp.gate_up_proj), weight(mlp.down_proj),
             ])
-        self.weights = torch.tensor(rows, dtype=torch.int64)  # the model keeps the tensors alive
-        assert self.weights.shape[1] == len(LAYER_FIELDS) - 2
+            int8_rows.append([v for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                              for v in int8(proj)])
+        # The model keeps every tensor alive; the table holds only their addresses.
+        self.weights = torch.tensor(rows, dtype=torch.int64)
+        self.int8 = torch.tensor(int8_rows, dtype=torch.int64)
+        assert self.weights.shape[1] + 2 + self.int8.shape[1] == len(LAYER_FIELDS)
         self._table: torch.Tensor | None = None
         self._table_key: tuple[int, ...] = ()
 
@@ -261,7 +279,7 @@ class FusedDecode:
         if key != self._table_key:
             assert all(c.is_contiguous() and c.dtype in KV_DTYPES for c in kv_caches)
             caches = torch.tensor([[c[0].data_ptr(), c[1].data_ptr()] for c in kv_caches], dtype=torch.int64)
-            self._table = torch.cat((self.weights, caches), dim=1).contiguous()
+            self._table = torch.cat((self.weights, caches, self.int8), dim=1).contiguous()
             self._table_key = key
         assert self._table is not None
         return self._table
@@ -379,7 +397,8 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
-        fused = decode_layers() if kernel is not None and quantization is None else None
+        fused = decode_layers() if kernel is not None else None
+        self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
             self.fused_decode = FusedDecode(self, fused)
 
@@ -417,6 +436,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head_int8 = getattr(self, "_head_int8", None)
         if head_int8 is not None:
+            q8 = getattr(self, "_head_q8", None)
+            if q8 is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
+                return q8(hidden.contiguous(), head_int8.qweight, head_int8.wscale, head_int8.inv_smooth)
             return head_int8(hidden)
         head_t = getattr(self, "_head_t", None)
         if head_t is not None:

@@ -77,6 +77,10 @@ class Int8Linear(nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
+        # The same int8 weights unpacked, for the native weight-only path of small decode steps
+        # (conveyor/kernels: FusedDecode, the LM head); one more byte per weight.
+        self.qweight = q.int_repr()[:, : self.in_features].contiguous()
+        self.wscale = scale.float().contiguous()
         self.bias = None if bias is None else bias.detach().float()
         from conveyor.kernels import int8_prepare
 

@@ -95,3 +95,61 @@ def test_int8_bad_configs_say_why(tiny_models):
         LLM(str(tiny_models["llama"]), quantization="int4")
     with pytest.raises(ConfigError, match="CPU float32"):
         LLM(str(tiny_models["llama"]), quantization="int8", dtype="float64")
+
+
+def test_native_weight_only_int8_product_matches_its_formula():
+    from conveyor.kernels import skinny_linear_q8
+
+    op = skinny_linear_q8()
+    if op is None:
+        pytest.skip("native kernels unavailable here")
+    g = torch.Generator().manual_seed(3)
+    for rows, k, n in ((1, 576, 300), (5, 100, 33), (16, 37, 8)):
+        x = torch.randn(rows, k, generator=g)
+        layer = Int8Linear(torch.randn(n, k, generator=g), None, torch.rand(k, generator=g) + 0.5)
+        ref = (x.double() * layer.inv_smooth.double()) @ (layer.qweight.double() * layer.wscale.double()[:, None]).t()
+        torch.testing.assert_close(op(x, layer.qweight, layer.wscale, layer.inv_smooth), ref.float(),
+                                   rtol=1e-5, atol=1e-5)
+        plain = Int8Linear(torch.randn(n, k, generator=g), None, None)
+        ref = x.double() @ (plain.qweight.double() * plain.wscale.double()[:, None]).t()
+        torch.testing.assert_close(op(x, plain.qweight, plain.wscale, None), ref.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases, a tied head
+def test_int8_fused_decode_is_at_least_as_close_to_float32_as_the_w8a8_path(tiny_models, family):
+    """Small decode steps of an int8 model run fused and weight-only (float activations): their
+    hidden states and logits must stay close to float32, no further than fbgemm's W8A8 path."""
+    import copy
+
+    from conveyor.models.attention import build_metadata
+    from conveyor.models.llama import FusedDecode
+
+    path = str(tiny_models[family])
+    fp = LLM(path, dtype="float32", num_kv_blocks=64).engine.runner.model
+    q8 = LLM(path, dtype="float32", num_kv_blocks=64, quantization="int8").engine.runner.model
+    if not isinstance(q8.fused_decode, FusedDecode):
+        pytest.skip("native kernels unavailable here")
+    arch, bs, rows = fp.arch, 4, 3
+    g = torch.Generator().manual_seed(11)
+    starts = [5, 17, 30]
+    tables = [list(range(i * 12, (i + 1) * 12)) for i in range(rows)]
+    caches = [torch.randn(2, rows * 12 * bs, arch.num_kv_heads, arch.head_dim, generator=g) * 0.5
+              for _ in range(arch.num_layers)]
+    meta = build_metadata(tables, starts, [1] * rows, bs, torch.device("cpu"), arch.sliding_window)
+    ids = torch.randint(0, arch.vocab_size, (rows,), generator=g)
+    with torch.inference_mode():
+        ref = fp(ids, meta.positions, copy.deepcopy(caches), meta)
+        fused = q8(ids, meta.positions, copy.deepcopy(caches), meta)
+        fused_logits = q8.compute_logits(fused)
+        path_, head = q8.fused_decode, q8._head_q8
+        q8.fused_decode, q8._head_q8 = None, None
+        try:
+            w8a8 = q8(ids, meta.positions, copy.deepcopy(caches), meta)
+            w8a8_logits = q8.compute_logits(w8a8)
+        finally:
+            q8.fused_decode, q8._head_q8 = path_, head
+        ref_logits = fp.compute_logits(ref)
+    assert rel_err(fused, ref) < 0.05
+    assert rel_err(fused, ref) <= rel_err(w8a8, ref) * 1.1
+    assert rel_err(fused_logits, ref_logits) <= rel_err(w8a8_logits, ref_logits) * 1.1
+    assert (fused_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 2 / 3
