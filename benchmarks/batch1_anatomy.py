@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_speed import build_random_llama, decode_bytes
+from cpu_speed import build_random_llama, decode_beside_reads, decode_bytes
 from offline_throughput import batch1_decode
 
 
@@ -74,14 +74,11 @@ def huge_against_plain(model, rounds: int) -> None:
 
 
 def step_parts(llm, steps: int) -> None:
-    from conveyor import SamplingParams
-    from conveyor.kernels import to_huge_pages
-
     model = llm.engine.runner.model
     nbytes = decode_bytes(model)
     head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
     head_share = head.numel() * 4 / nbytes
-    times: dict[str, list[float]] = {"layers": [], "head": [], "step": [], "read": []}
+    parts: dict[str, list[float]] = {"layers": [], "head": []}
     fused, logits = model.fused_decode, model.compute_logits
 
     class Timed:
@@ -91,31 +88,26 @@ def step_parts(llm, steps: int) -> None:
         def __call__(self, *a):
             t = time.perf_counter()
             out = fused(*a)
-            times["layers"].append(time.perf_counter() - t)
+            parts["layers"].append(time.perf_counter() - t)
             return out
 
     def compute_logits(h):
         t = time.perf_counter()
         out = logits(h)
-        times["head"].append(time.perf_counter() - t)
+        parts["head"].append(time.perf_counter() - t)
         return out
 
     model.fused_decode, model.compute_logits = Timed(), compute_logits
-    buffers = [torch.ones(nbytes // 4), to_huge_pages(torch.ones(nbytes // 4))]
-    engine = llm.engine
-    engine.add_request("anatomy", list(range(100, 132)),
-                       SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
-    engine.step()
-    for key in ("layers", "head"):
-        times[key].clear()
-    while engine.has_unfinished_requests():
-        times["read"].append(min(timed(b.sum) for b in buffers))
-        times["step"].append(timed(engine.step))
-    model.fused_decode, model.compute_logits = fused, logits
+    try:
+        reads, step_times = decode_beside_reads(llm, nbytes, steps)
+    finally:
+        model.fused_decode, model.compute_logits = fused, logits
+    # Each decode step ran the layers and the head once; the prefill's head call came first.
+    times = {"layers": parts["layers"][-len(reads):], "head": parts["head"][-len(reads):], "step": step_times}
     print(f"3. {steps} steps, a {nbytes / 1e6:.0f} MB read beside each (median "
-          f"{nbytes / statistics.median(times['read']) / 1e9:.1f} GB/s); fraction of the read's speed:")
+          f"{nbytes / statistics.median(reads) / 1e9:.1f} GB/s); fraction of the read's speed:")
     for key, share in (("layers", 1 - head_share), ("head", head_share), ("step", 1.0)):
-        fr = statistics.median(r * share / t for r, t in zip(times["read"], times[key], strict=True))
+        fr = statistics.median(r * share / t for r, t in zip(reads, times[key], strict=True))
         print(f"   {key}: median {statistics.median(times[key]) * 1e3:.2f} ms, {fr:.2f}")
 
 

@@ -65,17 +65,16 @@ def decode_bytes(model) -> int:
     return total
 
 
-def batch1_paired(llm, vocab: int, nbytes: int, steps: int = 96) -> dict:
-    """Batch-1 decode with its limit measured beside every step.
-
-    This VM's memory bandwidth moves by 2x within seconds (neighbours), so a limit read once and
-    a step time taken later compare different machines. Here every decode step is preceded by
-    a read of `nbytes` (what the step reads) from plain and from huge-page memory; the pair's
-    limit is the faster read. Reported: the median step, the median of the per-pair fractions,
-    and the best read of the run (the fraction against it is the conservative figure).
-    """
+def decode_beside_reads(llm, nbytes: int, steps: int) -> tuple[list[float], list[float]]:
+    """One sequence decoding `steps` tokens, every decode step preceded by a read of `nbytes`
+    from plain and from huge-page memory: (the faster read, the step) in seconds, per step."""
     from conveyor import SamplingParams
     from conveyor.kernels import to_huge_pages
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
 
     buffers = [torch.ones(nbytes // 4), to_huge_pages(torch.ones(nbytes // 4))]
     engine = llm.engine
@@ -84,15 +83,21 @@ def batch1_paired(llm, vocab: int, nbytes: int, steps: int = 96) -> dict:
     engine.step()  # the prefill
     reads, times = [], []
     while engine.has_unfinished_requests():
-        read = float("inf")
-        for b in buffers:
-            t = time.perf_counter()
-            b.sum()
-            read = min(read, time.perf_counter() - t)
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-        reads.append(read)
+        reads.append(min(timed(b.sum) for b in buffers))
+        times.append(timed(engine.step))
+    return reads, times
+
+
+def batch1_paired(llm, nbytes: int, steps: int = 96) -> dict:
+    """Batch-1 decode with its limit measured beside every step.
+
+    This VM's memory bandwidth moves by 2x within seconds (neighbours), so a limit read once and
+    a step time taken later compare different machines. Here every decode step is preceded by
+    a read of `nbytes` (what the step reads) from plain and from huge-page memory; the pair's
+    limit is the faster read. Reported: the median step, the median of the per-pair fractions,
+    and the best read of the run (the fraction against it is the conservative figure).
+    """
+    reads, times = decode_beside_reads(llm, nbytes, steps)
     fractions = sorted(r / s for r, s in zip(reads, times, strict=True))
     ordered = sorted(times)
     best = min(reads)
@@ -150,7 +155,7 @@ def main() -> None:
         print(f"{name}: {result[name]['output_tok_per_s']:.1f} output tok/s "
               f"({result[name]['elapsed_s']:.1f} s, mean batch {result[name]['mean_batch']:.1f})", flush=True)
         read = decode_bytes(llm.engine.runner.model)  # type: ignore[attr-defined]
-        result[name]["batch1"] = batch1_paired(llm, arch.vocab_size, read)
+        result[name]["batch1"] = batch1_paired(llm, read)
         bw = max(bw, measure_bandwidth(), result[name]["batch1"]["best_read_GBps"] * 1e9)
         systems.append(name)
         del llm

@@ -84,7 +84,7 @@ def main() -> int:
         bandwidth = statistics.median(b for _, b in flops_bw)
         hardware = calibrate.cpu_hardware(flops, bandwidth, torch.get_num_threads())
         fit = calibrate.fit(hardware, model, samples, skinny=calibrate.runner_skinny_rows(),
-                            fused_rows=calibrate.runner_fused_rows())
+                            fused_rows=calibrate.runner_fused_rows(engine.runner.model))
         params = fit.params
         print(f"fit over {len(samples)} samples: median error {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
     else:

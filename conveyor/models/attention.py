@@ -248,6 +248,9 @@ class TorchPagedAttention(AttentionBackend):
         return od.squeeze(2)
 
 
+NATIVE_KV_DTYPES = (torch.float32, torch.float16)  # the cache dtypes the native CPU kernels read
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """float32 on CPU (a float32 or float16 cache): decodes through the native kernel (conveyor/kernels), which reads each
     sequence's K/V in place through its block table, with no gather and no padding; prefills
@@ -260,8 +263,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.float16) \
-                or meta.decode_context_lens is None:
+        if q.dtype != torch.float32 or k_cache.dtype not in NATIVE_KV_DTYPES or meta.decode_context_lens is None:
             return super().decode(q, k_cache, v_cache, meta, scale)
         assert meta.decode_blocks is not None
         return self.kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,

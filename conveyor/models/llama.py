@@ -27,6 +27,7 @@ from conveyor.kernels import (
 )
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import (
+    NATIVE_KV_DTYPES,
     AttentionBackend,
     AttentionMetadata,
     CpuPagedAttention,
@@ -219,9 +220,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-KV_DTYPES = (torch.float32, torch.float16)  # the cache dtypes the native kernels read
-
-
 class FusedDecode:
     """Decode-only steps of up to SKINNY_MAX_ROWS rows on CPU in float32: every decoder layer
     in one native call (`decode_layers` in conveyor/kernels/cpu_kernels.cpp), the same stages
@@ -277,7 +275,7 @@ class FusedDecode:
         when the caches move)."""
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._table_key:
-            assert all(c.is_contiguous() and c.dtype in KV_DTYPES for c in kv_caches)
+            assert all(c.is_contiguous() and c.dtype in NATIVE_KV_DTYPES for c in kv_caches)
             caches = torch.tensor([[c[0].data_ptr(), c[1].data_ptr()] for c in kv_caches], dtype=torch.int64)
             self._table = torch.cat((self.weights, caches, self.int8), dim=1).contiguous()
             self._table_key = key
@@ -286,7 +284,7 @@ class FusedDecode:
 
     def applies(self, num_tokens: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
         return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= SKINNY_MAX_ROWS
-                and kv_dtype in KV_DTYPES)
+                and kv_dtype in NATIVE_KV_DTYPES)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -438,7 +436,7 @@ class LlamaForCausalLM(nn.Module):
         if head_int8 is not None:
             q8 = getattr(self, "_head_q8", None)
             if q8 is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
-                return q8(hidden.contiguous(), head_int8.qweight, head_int8.wscale, head_int8.inv_smooth)
+                return q8(hidden, head_int8.qweight, head_int8.wscale, head_int8.inv_smooth)
             return head_int8(hidden)
         head_t = getattr(self, "_head_t", None)
         if head_t is not None:

@@ -67,13 +67,11 @@ def runner_skinny_rows() -> tuple[int, int]:
     return kernels.SKINNY_MAX_ROWS, kernels.SKINNY_PASS_ROWS
 
 
-def runner_fused_rows() -> int:
-    """Rows up to which this machine's runner runs a decode-only step fused (0: never)."""
+def runner_fused_rows(model: Any) -> int:
+    """Rows up to which the runner's `model` runs a decode-only step fused (0: never)."""
     from conveyor import kernels
 
-    if kernels.decode_layers() is None or os.environ.get("CONVEYOR_FUSED_DECODE", "1") == "0":
-        return 0
-    return kernels.SKINNY_MAX_ROWS
+    return kernels.SKINNY_MAX_ROWS if getattr(model, "fused_decode", None) is not None else 0
 
 
 def default_calibration_path() -> Path:

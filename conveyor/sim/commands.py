@@ -185,7 +185,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model = ModelShape.from_arch(engine.arch, Path(str(engine.model_path)).stem)  # type: ignore[attr-defined]
     samples = calibrate.collect(engine, args.repeats, args.served, progress=lambda s: print("  " + s))
     fit = calibrate.fit(hardware, model, samples, engine.config.cache.block_size,
-                        skinny=calibrate.runner_skinny_rows(), fused_rows=calibrate.runner_fused_rows())
+                        skinny=calibrate.runner_skinny_rows(), fused_rows=calibrate.runner_fused_rows(engine.runner.model))
     p = fit.params
     print(f"fit: mfu {p.mfu:.3f}, attn_mfu {p.attn_mfu:.3f}, mbu {p.mbu:.3f}, kv_mbu {p.kv_mbu:.3f}, "
           f"skinny kernel (<= {p.skinny_rows} rows): mbu {p.gemv_mbu or p.mbu:.3f}, mfu {p.gemv_mfu or p.mfu:.3f}; "
