@@ -134,23 +134,79 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// The eight sums of eight vectors, as one vector: lane i holds the sum of a[i]'s lanes.
+static inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// Prefetch bytes [offset, offset + bytes) of eight rows (the next eight tokens' K or V of one head):
+// the loops below visit eight rows a head at a time, a pattern the hardware prefetchers do not
+// follow as they follow one sequential stream.
+static inline void prefetch_rows(const char* const* rows, int64_t offset, int64_t bytes) {
+  for (int i = 0; i < 8; ++i)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(rows[i] + offset + b, _MM_HINT_T1);
+}
+
 // Attention of one sequence's query heads of KV heads [g0, g1) (G query heads per KV head) over
 // its context through its block table: scores, an exact softmax (max-subtracted, exp8), then the
-// weighted sum of V. q, out: this sequence's [H, d] rows; caches [slots, KVH, d]. A token's K (then
-// V) rows of these heads are one contiguous run and a block's tokens follow each other, so the
-// reads stream instead of hopping between heads.
+// weighted sum of V. q, out: this sequence's [H, d] rows; caches [slots, KVH, d].
+//
+// Tokens are taken eight at a time. A token's K (then V) rows of these heads are one contiguous
+// run and a block's tokens follow each other, so the reads stream; the eight tokens' rows then sit
+// in L1 while every head uses them. A head's eight scores come from eight accumulators (one per
+// token) over the dims, reduced by one transposing sum instead of a horizontal sum per token; its
+// output takes the eight tokens' V rows in registers, 64 dims at a time. Each score and output is
+// the same sequence of operations whatever the batch or the split of heads over threads: a row's
+// result does not depend on the batch.
 template <typename T>
 static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, const int64_t* table,
                          int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t KVH, int64_t d,
                          int64_t block_size, float scale, int64_t window, float* oi) {
   const int64_t start = (window > 0 && len > window) ? len - window : 0;
   const int64_t n = len - start, row = KVH * d, h0 = g0 * G, nh = (g1 - g0) * G;
-  std::vector<float> s(nh * n), acc(nh * d, 0.f), inv_sum(nh);
+  const int64_t n8 = n & ~int64_t(7), d8 = d & ~int64_t(7), d64 = d & ~int64_t(63);
+  thread_local std::vector<int64_t> offsets;
+  thread_local std::vector<float> s, acc;
+  offsets.resize(n);
+  s.resize(nh * n);
+  acc.assign(nh * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = start + t;
-    const T* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
-    for (int64_t j = 0; j < nh; ++j) s[j * n + t] = dot(qi + (h0 + j) * d, kr + ((h0 + j) / G) * d, d) * scale;
+    offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * row;
   }
+  // Scores.
+  for (int64_t t = 0; t < n8; t += 8) {
+    const T* kr[8];
+    const char* next[8];
+    for (int i = 0; i < 8; ++i) {
+      kr[i] = k_cache + offsets[t + i];
+      next[i] = reinterpret_cast<const char*>(k_cache + offsets[std::min(n - 1, t + 8 + i)]);
+    }
+    for (int64_t j = 0; j < nh; ++j) {
+      const float* qh = qi + (h0 + j) * d;
+      const int64_t kofs = ((h0 + j) / G) * d;
+      if (j % G == 0) prefetch_rows(next, kofs * sizeof(T), d * sizeof(T));
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t e = 0; e < d8; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + e);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(kr[i] + kofs + e), a[i]);
+      }
+      alignas(32) float sc[8];
+      _mm256_store_ps(sc, hsum8(a));
+      for (int i = 0; i < 8; ++i) {
+        for (int64_t e = d8; e < d; ++e) sc[i] += qh[e] * load1(kr[i] + kofs + e);
+        s[j * n + t + i] = sc[i] * scale;
+      }
+    }
+  }
+  for (int64_t t = n8; t < n; ++t)
+    for (int64_t j = 0; j < nh; ++j)
+      s[j * n + t] = dot(qi + (h0 + j) * d, k_cache + offsets[t] + ((h0 + j) / G) * d, d) * scale;
+  // Softmax per head.
+  std::vector<float> inv_sum(nh);
   for (int64_t j = 0; j < nh; ++j) {
     float* sh = s.data() + j * n;
     float mx = -INFINITY;
@@ -167,17 +223,29 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
     for (; t < n; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
     inv_sum[j] = 1.0f / sum;
   }
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = start + t;
-    const T* vr = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+  // The weighted sum of V: per head, 64 output dims in registers over up to eight tokens.
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t t1 = std::min(n, t0 + 8);
+    const char* next[8];
+    for (int i = 0; i < 8; ++i)
+      next[i] = reinterpret_cast<const char*>(v_cache + offsets[std::min(n - 1, t0 + 8 + i)]);
     for (int64_t j = 0; j < nh; ++j) {
-      const T* vh = vr + ((h0 + j) / G) * d;
-      const float p = s[j * n + t];
-      const __m256 p8 = _mm256_set1_ps(p);
+      const float* sh = s.data() + j * n;
+      const int64_t vofs = ((h0 + j) / G) * d;
+      if (j % G == 0) prefetch_rows(next, vofs * sizeof(T), d * sizeof(T));
       float* a = acc.data() + j * d;
-      int64_t e = 0;
-      for (; e + 8 <= d; e += 8) _mm256_storeu_ps(a + e, _mm256_fmadd_ps(p8, load8(vh + e), _mm256_loadu_ps(a + e)));
-      for (; e < d; ++e) a[e] += p * load1(vh + e);
+      for (int64_t e0 = 0; e0 < d64; e0 += 64) {
+        __m256 r[8];
+        for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(a + e0 + 8 * c);
+        for (int64_t t = t0; t < t1; ++t) {
+          const __m256 p = _mm256_set1_ps(sh[t]);
+          const T* vr = v_cache + offsets[t] + vofs + e0;
+          for (int c = 0; c < 8; ++c) r[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), r[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + e0 + 8 * c, r[c]);
+      }
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t e = d64; e < d; ++e) a[e] += sh[t] * load1(v_cache + offsets[t] + vofs + e);
     }
   }
   for (int64_t j = 0; j < nh; ++j)

@@ -216,16 +216,18 @@ class TorchPagedAttention(AttentionBackend):
                 ctx = span.start_pos + (b - a)
                 ks = _gather_blocks(k_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
                 vs = _gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
+            # 4-D, a batch of one: PyTorch's fused (flash) CPU kernel takes only 4-D inputs and
+            # 3-D falls back to the unfused math path, 2-3.5x slower here (BENCHMARKS.md).
             o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1),
-                ks.transpose(0, 1),
-                vs.transpose(0, 1),
+                q[a:b].transpose(0, 1)[None],
+                ks.transpose(0, 1)[None],
+                vs.transpose(0, 1)[None],
                 attn_mask=span.bias,
                 is_causal=span.bias is None,
                 scale=scale,
                 enable_gqa=gqa,
             )
-            out[a:b] = o.transpose(0, 1)
+            out[a:b] = o[0].transpose(0, 1)
         return out
 
     def decode(

@@ -71,18 +71,19 @@ def test_model_uses_the_kernel_only_in_float32(tiny_models):
 
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (9, 3, None), (8, 2, 5)])
-def test_paged_decode_attention_matches_the_torch_backend(heads, kv_heads, window, kv_dtype):
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (9, 3, None), (8, 2, 5), (4, 2, 30)])
+@pytest.mark.parametrize("d", [16, 64, 80])  # the kernel's 8-dim and 64-dim chunks, and their tails
+def test_paged_decode_attention_matches_the_torch_backend(heads, kv_heads, window, kv_dtype, d):
     from conveyor.models.attention import CpuPagedAttention, TorchPagedAttention, build_metadata
 
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    d, bs, num_blocks = 16, 4, 64
+    bs, num_blocks = 4, 64
     cache = torch.randn(2, num_blocks * bs, kv_heads, d, generator=g).to(kv_dtype)
-    # Three decodes at contexts 1, 7 and 13 and a prefill chunk of 5 over a context of 6,
-    # on scattered blocks.
+    # Four decodes at contexts 1, 7, 13 and 43 (whole groups of eight tokens and a rest) and a
+    # prefill chunk of 5 over a context of 6, on scattered blocks.
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [perm[0:1], perm[1:3], perm[3:7], perm[7:10]]
-    starts, news = [0, 6, 12, 6], [1, 1, 1, 5]
+    tables = [perm[0:1], perm[1:3], perm[3:7], perm[7:18], perm[18:21]]
+    starts, news = [0, 6, 12, 42, 6], [1, 1, 1, 1, 5]
     meta = build_metadata(tables, starts, news, bs, torch.device("cpu"), window)
     t = sum(news)
     q = torch.randn(t, heads, d, generator=g)
