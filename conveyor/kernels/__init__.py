@@ -1,8 +1,10 @@
 """Optional native CPU kernels, compiled on first use with the system's C++ compiler.
 
-`cpu_kernels.cpp` holds three float32 kernels for decode steps: a skinny matrix product that
-streams the weights at memory speed (see its header), the RMSNorm of a few rows, and paged
-decode attention that reads K/V in place through the block tables. It has a plain C ABI and is
+`cpu_kernels.cpp` holds float32 kernels: a skinny matrix product for decode steps that streams
+the weights at memory speed (see its header), paged decode attention that reads K/V in place
+through the block tables, a whole decode step's layers in one call (`decode_layers`), the int8
+path's helpers, and a layer's element-wise passes over any number of rows (RMSNorm, rope,
+SiLU * up) and the greedy sampler's argmax, each one pass instead of several tensor ops. It has a plain C ABI and is
 loaded with ctypes, so it needs no torch headers and compiles in about a second; the library is
 cached under `$CONVEYOR_CACHE/kernels` (default `~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2, FMA and F16C, or without a compiler,
 or with `CONVEYOR_NATIVE_KERNELS=0`, `skinny_linear()` returns None and the model uses torch's
@@ -100,6 +102,12 @@ def _library() -> ctypes.CDLL | None:
     lib.skinny_linear_q8.argtypes = [p, p, p, p, p, i64, i64, i64]
     lib.int8_prepare_rows.restype = None
     lib.int8_prepare_rows.argtypes = [p, p, p, p, i64, i64]
+    lib.rope_rows.restype = None
+    lib.rope_rows.argtypes = [p, p, p, i64, i64, i64, i64]
+    lib.silu_mul_rows.restype = None
+    lib.silu_mul_rows.argtypes = [p, p, i64, i64]
+    lib.argmax_rows.restype = None
+    lib.argmax_rows.argtypes = [p, i64, i64, p]
     lib.decode_layers.restype = None
     lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, p, i64, f32, i64, i64]
     return lib
@@ -150,9 +158,65 @@ def rms_norm() -> Callable[..., torch.Tensor] | None:
     import torch
 
     def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _sync_threads(lib)
         x = x.contiguous()
         out = torch.empty_like(x)
         lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[-1], eps)
+        return out
+
+    return run
+
+
+def rope() -> Callable[..., None] | None:
+    """`f(x, cos, sin, heads)`: rope in place on the first `heads` heads of each row of x, a
+    float32 `[M, >= heads, head_dim]` tensor whose rows may be strided (a view of the QKV
+    projection) but whose heads are contiguous; cos / sin `[M, 1, head_dim / 2]`. Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        _sync_threads(lib)
+        m, _, hd = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == hd and cos.is_contiguous() and sin.is_contiguous()
+        lib.rope_rows(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), m, heads, hd, x.stride(0))
+
+    return run
+
+
+def silu_mul() -> Callable[..., torch.Tensor] | None:
+    """`f(gate_up) -> silu(gate) * up` for the float32 gate/up projection `[M, 2I]` (gate first).
+    Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(gate_up: torch.Tensor) -> torch.Tensor:
+        _sync_threads(lib)
+        gate_up = gate_up.contiguous()
+        m, two_i = gate_up.shape
+        out = torch.empty((m, two_i // 2), dtype=torch.float32)
+        lib.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
+        return out
+
+    return run
+
+
+def argmax() -> Callable[..., torch.Tensor] | None:
+    """`f(logits) -> logits.argmax(dim=-1)` for float32 rows `[M, N]` (ties and NaN as torch).
+    Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(logits: torch.Tensor) -> torch.Tensor:
+        _sync_threads(lib)
+        logits = logits.contiguous()
+        m, n = logits.shape
+        out = torch.empty(m, dtype=torch.long)
+        lib.argmax_rows(logits.data_ptr(), m, n, out.data_ptr())
         return out
 
     return run

@@ -75,17 +75,6 @@ extern "C" void skinny_linear(const float* xp, const float* wp, float* yp, int64
 
 extern "C" void skinny_set_threads(int n) { omp_set_num_threads(n); }
 
-// ---- RMSNorm of a few rows: out = x / sqrt(mean(x^2) + eps) * w ----------------------------
-extern "C" void rms_norm_rows(const float* x, const float* w, float* out, int64_t M, int64_t H, float eps) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * H;
-    float* o = out + m * H;
-    double ss = 0.0;
-    for (int64_t i = 0; i < H; ++i) ss += double(xr[i]) * xr[i];
-    const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
-    for (int64_t i = 0; i < H; ++i) o[i] = (xr[i] * inv) * w[i];
-  }
-}
 
 // ---- Paged decode attention: one query token per sequence, K/V read in place ----------------
 // q, out: [D, H, d]; k_cache, v_cache: [slots, KVH, d] (slot = block * block_size + offset);
@@ -132,6 +121,119 @@ static inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// ---- Element-wise passes of a layer, over any number of rows -----------------------------------
+// Rows are split over threads once a pass is large enough to pay for the team. Each row's result
+// is the same sequence of operations whatever the number of rows (the fused decode below uses the
+// same functions), so a row's result does not depend on the batch.
+static inline bool parallel_pays(int64_t elements) { return elements >= (int64_t(1) << 15); }
+
+// RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * w, the sum of squares in double.
+static inline void norm_row(const float* xr, const float* w, float* o, int64_t H, float eps) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const __m256 v = _mm256_loadu_ps(xr + i);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    a0 = _mm256_fmadd_pd(lo, lo, a0);
+    a1 = _mm256_fmadd_pd(hi, hi, a1);
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(a0, a1));
+  double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < H; ++i) ss += double(xr[i]) * xr[i];
+  const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
+  for (int64_t j = 0; j < H; ++j) o[j] = (xr[j] * inv) * w[j];
+}
+
+// Rope on one head, in place: the two halves rotated (the HF / NeoX layout).
+static inline void rope_head(float* v, const float* c, const float* s, int64_t half) {
+  for (int64_t e = 0; e < half; ++e) {
+    const float a = v[e], b = v[e + half];
+    v[e] = a * c[e] - b * s[e];
+    v[e + half] = b * c[e] + a * s[e];
+  }
+}
+
+// SiLU(gate) * up over n values: gate / (1 + exp(-gate)) * up, exp by exp8 (the argument clamped
+// to [-87, 88], where the result is exactly 0 or gate to float precision).
+static inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps(88.0f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(zero, gv), top));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) {
+    alignas(32) float lane[8] = {0};
+    lane[0] = std::min(-g[i], 88.0f);
+    alignas(32) float e[8];
+    _mm256_store_ps(e, exp8(_mm256_load_ps(lane)));
+    o[i] = g[i] / (1.0f + e[0]) * u[i];
+  }
+}
+
+extern "C" void rms_norm_rows(const float* x, const float* w, float* out, int64_t M, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (parallel_pays(M * H))
+  for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, w, out + m * H, H, eps);
+}
+
+// Rope in place on the first `heads` heads of each row of x (row stride `stride` floats, heads of
+// hd floats); cos / sin are [M, hd / 2].
+extern "C" void rope_rows(float* x, const float* cos, const float* sin, int64_t M, int64_t heads, int64_t hd,
+                          int64_t stride) {
+  const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static) if (parallel_pays(M * heads * hd))
+  for (int64_t task = 0; task < M * heads; ++task) {
+    const int64_t m = task / heads, h = task % heads;
+    rope_head(x + m * stride + h * hd, cos + m * half, sin + m * half, half);
+  }
+}
+
+// out[m] = SiLU(gu[m, :I]) * gu[m, I:] for the M rows of the gate/up projection [M, 2I].
+extern "C" void silu_mul_rows(const float* gu, float* out, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static) if (parallel_pays(M * I))
+  for (int64_t m = 0; m < M; ++m) silu_mul_row(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
+}
+
+// The index of each row's largest value (the first one on ties; the first NaN if there is one,
+// as torch.argmax): the greedy sampler's step over [M, N] logits.
+extern "C" void argmax_rows(const float* x, int64_t M, int64_t N, int64_t* out) {
+#pragma omp parallel for schedule(static) if (parallel_pays(M * N))
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * N;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    __m256 nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= N; i += 8) {
+      const __m256 v = _mm256_loadu_ps(r + i);
+      mx = _mm256_max_ps(mx, v);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    float best = lanes[0];
+    for (int j = 1; j < 8; ++j) best = std::max(best, lanes[j]);
+    bool has_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < N; ++i) {
+      if (std::isnan(r[i])) has_nan = true;
+      else best = std::max(best, r[i]);
+    }
+    int64_t k = 0;
+    if (has_nan) {
+      while (!std::isnan(r[k])) ++k;
+    } else {
+      const __m256 b8 = _mm256_set1_ps(best);
+      for (; k + 8 <= N; k += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + k), b8, _CMP_EQ_OQ));
+        if (mask != 0) { k += __builtin_ctz(mask); break; }
+      }
+      while (k < N && r[k] != best) ++k;
+    }
+    out[m] = k;
+  }
 }
 
 // The eight sums of eight vectors, as one vector: lane i holds the sum of a[i]'s lanes.
@@ -331,12 +433,6 @@ inline void dots_q8(const float* x, const int8_t* wr, float* y, int64_t K, int64
   }
 }
 
-inline void norm_row(const float* xr, const float* w, float* o, int64_t H, float eps) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < H; ++i) ss += double(xr[i]) * xr[i];
-  const float inv = 1.0f / std::sqrt(float(ss / double(H)) + eps);
-  for (int64_t i = 0; i < H; ++i) o[i] = (xr[i] * inv) * w[i];
-}
 
 // y[m, n] (= or +=) x[m] . W[n] for all m < M, rows of W split over the team (called inside a
 // parallel region). `accumulate` adds to y (the residual) instead of storing.
@@ -401,12 +497,7 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
       float* v = qkv.data() + m * qkv_n + h * hd;
       const float* nw = ptr(h < nh ? lw.q_norm : lw.k_norm);
       if (nw != nullptr) norm_row(v, nw, v, hd, eps);
-      const float *c = cos + m * half, *s = sin + m * half;
-      for (int64_t e = 0; e < half; ++e) {
-        const float a = v[e], b = v[e + half];
-        v[e] = a * c[e] - b * s[e];
-        v[e + half] = b * c[e] + a * s[e];
-      }
+      rope_head(v, cos + m * half, sin + m * half, half);
       if (h >= nh) {
         const int64_t g = h - nh;
         store_row(k_cache + slots[m] * row + g * hd, v, hd);
@@ -424,10 +515,9 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     team_linear(xn.data(), ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data(), ptr(lw.sgu), ptr(lw.zgu),
                 xs.data());
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < M * I; ++j) {
-      const int64_t m = j / I, i = j % I;
-      const float g = gu[m * 2 * I + i];
-      act[j] = g / (1.0f + std::exp(-g)) * gu[m * 2 * I + I + i];
+    for (int64_t task = 0; task < M * 8; ++task) {  // rows in eight slices, for the threads
+      const int64_t m = task / 8, i0 = I * (task % 8) / 8 & ~int64_t(7), i1 = task % 8 == 7 ? I : I * (task % 8 + 1) / 8 & ~int64_t(7);
+      silu_mul_row(gu.data() + m * 2 * I + i0, gu.data() + m * 2 * I + I + i0, act.data() + m * I + i0, i1 - i0);
     }
     team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data(), ptr(lw.sd), ptr(lw.zd), xs.data());
   }

@@ -21,6 +21,8 @@ from conveyor.kernels import (
     decode_layers,
     paged_decode_attention,
     rms_norm,
+    rope,
+    silu_mul,
     skinny_linear,
     skinny_linear_q8,
     to_huge_pages,
@@ -53,7 +55,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Half precision normalises in float32 (as the reference does); float32/float64 keep
         # their own precision. F.rms_norm is one fused kernel, bit-equal to the formula here.
-        if self.native is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
+        if self.native is not None and x.dim() == 2:
             return self.native(x, self.weight, self.eps)
         shape = (x.shape[-1],)
         if x.dtype in (torch.float16, torch.bfloat16):
@@ -170,6 +172,8 @@ class Attention(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.backend = backend
 
+    native_rope: Callable[..., None] | None = None  # set by prepare_for_inference (CPU float32)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -183,7 +187,10 @@ class Attention(nn.Module):
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rope(qk, rope)  # q and k heads in one pass
+        if self.native_rope is not None:
+            self.native_rope(qk, rope[0], rope[1], h + kvh)  # in place, one pass
+        else:
+            qk = apply_rope(qk, rope)  # q and k heads in one pass
         q, k = qk[:, :h], qk[:, h:]
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -196,8 +203,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
+    native_silu_mul: Callable[..., torch.Tensor] | None = None  # set by prepare_for_inference (CPU float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native_silu_mul is not None:
+            return self.down_proj(self.native_silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -382,12 +394,16 @@ class LlamaForCausalLM(nn.Module):
             if quantization is None:  # the float32 head streams at every decode step
                 owner = self.embed_tokens if self.lm_head is None else self.lm_head
                 owner.weight = nn.Parameter(to_huge_pages(owner.weight.detach().contiguous()), requires_grad=False)
-            norm, attention = rms_norm(), paged_decode_attention()
+            norm, attention, rotate, act = rms_norm(), paged_decode_attention(), rope(), silu_mul()
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.native = norm
-                elif isinstance(module, Attention) and attention is not None:
-                    module.backend = CpuPagedAttention(attention, self.arch.sliding_window)
+                elif isinstance(module, Attention):
+                    module.native_rope = rotate
+                    if attention is not None:
+                        module.backend = CpuPagedAttention(attention, self.arch.sliding_window)
+                elif isinstance(module, MLP):
+                    module.native_silu_mul = act
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child is not self.lm_head:

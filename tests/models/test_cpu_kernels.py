@@ -1,9 +1,11 @@
-"""The native skinny-GEMM kernel: equal to torch's matmul, row-invariant, and optional."""
+"""The native CPU kernels: equal to their torch references, row-invariant, and optional."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor import kernels
 
@@ -97,11 +99,67 @@ def test_paged_decode_attention_matches_the_torch_backend(heads, kv_heads, windo
 
 
 @needs_kernel
-def test_rms_norm_matches_torch():
-    x = torch.randn(5, 576)
-    w = torch.randn(576)
-    ref = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5).float()
-    torch.testing.assert_close(kernels.rms_norm()(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("rows,h", [(5, 576), (300, 768), (7, 100)])  # 300 rows: split over threads
+def test_rms_norm_matches_torch(rows, h):
+    x = torch.randn(rows, h)
+    w = torch.randn(h)
+    ref = torch.nn.functional.rms_norm(x.double(), (h,), w.double(), 1e-5).float()
+    out = kernels.rms_norm()(x, w, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernels.rms_norm()(x[3:4], w, 1e-5), out[3:4])  # a row does not depend on the batch
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 400])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 16)])
+def test_rope_matches_apply_rope_on_a_qkv_view(rows, heads, kv_heads, hd):
+    """In place on the q and k heads of the QKV projection's rows (a strided view); v untouched."""
+    from conveyor.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, hd, generator=g) * 10
+    angles = torch.rand(rows, 1, hd // 2, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    ref = apply_rope(qkv[:, : heads + kv_heads], (cos, sin))
+    v = qkv[:, heads + kv_heads :].clone()
+    kernels.rope()(qkv[:, : heads + kv_heads], cos, sin, heads + kv_heads)
+    torch.testing.assert_close(qkv[:, : heads + kv_heads], ref, rtol=1e-6, atol=1e-5)
+    assert torch.equal(qkv[:, heads + kv_heads :], v)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 100), (64, 2048)])
+def test_silu_mul_matches_torch(rows, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 8
+    gate_up[0, :6] = torch.tensor([-200.0, -88.5, -87.0, 0.0, 88.5, 200.0])  # the clamps of exp
+    gate, up = gate_up.split(inter, dim=-1)
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    out = kernels.silu_mul()(gate_up)
+    torch.testing.assert_close(out, ref.float(), rtol=2e-6, atol=1e-6)
+    assert torch.equal(kernels.silu_mul()(gate_up[-1:]), out[-1:])
+
+
+@needs_kernel
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    n=st.integers(1, 40),
+    data=st.data(),
+)
+def test_argmax_equals_torch(rows, n, data):
+    """Ties give the first index, a NaN wins (its first index), -inf rows give 0: as torch."""
+    values = st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
+    x = torch.tensor(data.draw(st.lists(st.lists(values, min_size=n, max_size=n), min_size=rows, max_size=rows)))
+    assert torch.equal(kernels.argmax()(x), x.argmax(dim=-1))
+
+
+@needs_kernel
+def test_argmax_on_logits_shape():
+    x = torch.randn(64, 32000)
+    x[5, 31999] = 100.0  # the last element
+    x[7, 12] = x[7, 13] = 50.0
+    assert torch.equal(kernels.argmax()(x), x.argmax(dim=-1))
 
 
 @needs_kernel
