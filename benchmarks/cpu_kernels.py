@@ -10,6 +10,10 @@ and of the kernel, with their ratio, beside the memory read bandwidth measured o
 SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, block 16), decodes x context; and the
 kernel over a float16 cache (kv_cache_dtype="float16").
 
+3. A layer's element-wise passes and the greedy argmax against their torch code, at 64 rows (a
+decode step of 64 sequences) and 2048 (a prompt step), on the 134M model's shapes (hidden 768,
+12 + 12 heads of 64 roped, intermediate 2048, vocab 32000); best of three timings each.
+
     python benchmarks/cpu_kernels.py
 """
 
@@ -51,6 +55,7 @@ def main() -> None:
         b = bench(lambda: [op(x, w) for w in ws])  # noqa: B023
         print(f"| {m} | {nbytes / a / 1e9:.1f} | {nbytes / b / 1e9:.1f} | {a / b:.2f} |")
     attention()
+    elementwise()
 
 
 def attention() -> None:
@@ -73,6 +78,38 @@ def attention() -> None:
         half = cache.half()
         c = bench(lambda: native.forward(q, k, v, half, meta, d**-0.5), 10)  # noqa: B023
         print(f"| {n} x {ctx} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.1f}x | {c * 1e3:.2f} | {b / c:.2f}x |")
+
+
+
+def elementwise() -> None:
+    import torch.nn.functional as F
+
+    from conveyor import kernels
+    from conveyor.models.llama import apply_rope
+
+    norm, rope, silu_mul, argmax = kernels.rms_norm(), kernels.rope(), kernels.silu_mul(), kernels.argmax()
+    print()
+    print("| rows | pass | torch us | kernel us | torch / kernel |")
+    print("|---|---|---|---|---|")
+    for rows in (64, 2048):
+        x, w = torch.randn(rows, 768), torch.randn(768)
+        qkv = torch.randn(rows, 36, 64)
+        angles = torch.rand(rows, 1, 32)
+        cos, sin = angles.cos(), angles.sin()
+        gate_up = torch.randn(rows, 4096)
+        logits = torch.randn(rows, 32000)
+        pairs = {
+            "RMSNorm": (lambda: F.rms_norm(x, (768,), w, 1e-5), lambda: norm(x, w, 1e-5)),  # noqa: B023
+            "rope (q and k heads)": (lambda: apply_rope(qkv[:, :24], (cos, sin)),  # noqa: B023
+                                     lambda: rope(qkv[:, :24], cos, sin, 24)),  # noqa: B023
+            "SiLU(gate) * up": (lambda: F.silu(gate_up[:, :2048]) * gate_up[:, 2048:],  # noqa: B023
+                                lambda: silu_mul(gate_up)),  # noqa: B023
+            "argmax over the vocabulary": (lambda: logits.argmax(-1), lambda: argmax(logits)),  # noqa: B023
+        }
+        for name, (a, b) in pairs.items():
+            ta = min(bench(a, 20) for _ in range(3))
+            tb = min(bench(b, 20) for _ in range(3))
+            print(f"| {rows} | {name} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | {ta / tb:.1f}x |")
 
 
 if __name__ == "__main__":
