@@ -36,10 +36,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V goes to
     num_decodes: int  # the first num_decodes rows are single-token decodes
     decode_blocks: torch.Tensor | None = None  # [num_decodes, max_blocks] block tables, padded with 0
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
+    decode_bias: torch.Tensor | None = None  # built on first use by `decode_mask()`
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
     prefills: list[PrefillSpan] = field(default_factory=list)
     prefill_blocks: torch.Tensor | None = None  # [num_prefills, max_blocks] block tables, padded with 0
+    sliding_window: int | None = None
+    mask_dtype: torch.dtype = torch.float32  # the compute dtype, for additive masks
+
+    def decode_mask(self) -> torch.Tensor:
+        """`[num_decodes, 1, 1, max_blocks * block_size]` additive mask (0 / -inf) over the
+        decodes' padded contexts, for backends that attend over padding (the torch reference);
+        built on first use, since the native and Triton kernels read the context lengths."""
+        if self.decode_bias is None:
+            assert self.decode_blocks is not None and self.decode_context_lens is not None
+            ctx = self.decode_context_lens
+            pos = torch.arange(self.decode_blocks.shape[1] * self.block_size, device=ctx.device)
+            keep = pos[None, :] < ctx[:, None]
+            if self.sliding_window is not None:
+                keep &= pos[None, :] >= (ctx[:, None] - self.sliding_window)
+            bias = torch.zeros(keep.shape, dtype=self.mask_dtype, device=ctx.device).masked_fill_(~keep, float("-inf"))
+            self.decode_bias = bias[:, None, None, :]
+        return self.decode_bias
 
 
 def build_metadata(
@@ -88,7 +105,8 @@ def _mixed_metadata(
     slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(
         block_size=block_size,
-        positions=positions.to(device), slot_mapping=slot_mapping.to(device), num_decodes=num_decodes
+        positions=positions.to(device), slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
+        sliding_window=sliding_window, mask_dtype=dtype,
     )
     neg_inf = torch.tensor(float("-inf"), dtype=dtype)
     zero = torch.tensor(0.0, dtype=dtype)
@@ -96,13 +114,8 @@ def _mixed_metadata(
     if num_decodes:
         ctx = starts[:num_decodes] + 1
         nb = int((ctx.max() + block_size - 1) // block_size)
-        pos = torch.arange(nb * block_size)
-        keep = pos[None, :] < ctx[:, None]
-        if sliding_window is not None:
-            keep &= pos[None, :] >= (ctx[:, None] - sliding_window)
         meta.decode_blocks = tables[:num_decodes, :nb].to(device)
         meta.decode_context_lens = ctx.to(device)
-        meta.decode_bias = torch.where(keep, zero, neg_inf)[:, None, None, :].to(device)
 
     if num_decodes < len(num_new_tokens):
         ends = starts[num_decodes:] + counts[num_decodes:]
@@ -144,20 +157,15 @@ def _decode_metadata(
     nb = (max(ctx) + bs - 1) // bs
     rows = [t[:nb] + [0] * (nb - len(t)) if len(t) < nb else t[:nb] for t in block_tables]
     slots = [t[s // bs] * bs + s % bs for t, s in zip(block_tables, start_positions, strict=True)]
-    ctx_t = torch.tensor(ctx)
-    pos = torch.arange(nb * bs)
-    keep = pos[None, :] < ctx_t[:, None]
-    if sliding_window is not None:
-        keep &= pos[None, :] >= (ctx_t[:, None] - sliding_window)
-    bias = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
     return AttentionMetadata(
         block_size=bs,
         positions=torch.tensor(start_positions).to(device),
         slot_mapping=torch.tensor(slots).to(device),
         num_decodes=len(ctx),
         decode_blocks=torch.tensor(rows).to(device),
-        decode_bias=bias[:, None, None, :].to(device),
-        decode_context_lens=ctx_t.to(device),
+        decode_context_lens=torch.tensor(ctx).to(device),
+        sliding_window=sliding_window,
+        mask_dtype=dtype,
     )
 
 
@@ -234,16 +242,17 @@ class TorchPagedAttention(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """Attention of the step's decode rows `q` `[D, heads, head_dim]` over their contexts."""
-        assert meta.decode_blocks is not None and meta.decode_bias is not None
+        assert meta.decode_blocks is not None
+        bias = meta.decode_mask()
         bs = meta.block_size
-        length = meta.decode_bias.shape[-1]
+        length = bias.shape[-1]
         kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length).to(q.dtype)  # [D, L, kvh, d]
         vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length).to(q.dtype)
         od = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [D, h, 1, d]
             kd.transpose(1, 2),
             vd.transpose(1, 2),
-            attn_mask=meta.decode_bias,
+            attn_mask=bias,
             scale=scale,
             enable_gqa=q.shape[1] != k_cache.shape[1],
         )

@@ -123,7 +123,8 @@ class ModelRunner:
                 samplers.append(it)
         output = RunnerOutput(sampled={})
         if samplers:
-            logits = self.model.compute_logits(hidden[rows]).float()
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[rows]  # decode steps: every row, in order
+            logits = self.model.compute_logits(picked).float()
             batch = prepare(
                 [it.sampling_params for it in samplers],
                 [self._generator(it) for it in samplers],

@@ -33,6 +33,15 @@ def test_decode_fast_path_equals_the_general_path(batch):
     ref = _mixed_metadata(tables, starts, [1] * len(starts), bs, cpu, window, torch.float32)
     assert fast.num_decodes == ref.num_decodes == len(starts)
     assert not fast.prefills and fast.prefill_blocks is None
-    for name in ("positions", "slot_mapping", "decode_blocks", "decode_bias", "decode_context_lens"):
+    for name in ("positions", "slot_mapping", "decode_blocks", "decode_context_lens"):
         a, b = getattr(fast, name), getattr(ref, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.decode_bias is None  # built only when a backend asks
+    mask = fast.decode_mask()
+    assert torch.equal(mask, ref.decode_mask())
+    assert mask.shape == (len(starts), 1, 1, fast.decode_blocks.shape[1] * bs)
+    for i, s in enumerate(starts):  # visible: positions [max(0, ctx - window), ctx)
+        ctx = s + 1
+        lo = 0 if window is None else max(0, ctx - window)
+        visible = [j for j in range(mask.shape[-1]) if mask[i, 0, 0, j] == 0]
+        assert visible == list(range(lo, ctx)) and bool((mask[i, 0, 0, :] != 0).eq(mask[i, 0, 0, :] == float("-inf")).all())
