@@ -13,6 +13,12 @@ the prompts of sequences joining (the batched mode of `llama-server -np N`). The
     python benchmarks/llama_cpp_speed.py                 # F32, 64 parallel sequences
     python benchmarks/llama_cpp_speed.py --parallel 16   # the best parallelism of the issue's run
     python benchmarks/llama_cpp_speed.py --type q8_0
+    python benchmarks/llama_cpp_speed.py --model smollm2 --type q8_0
+
+With `--model smollm2` the model is the embedded SmolLM2-135M: its Q4_1 GGUF requantized by
+llama.cpp's own `llama_model_quantize` to F32 or Q8_0 (conveyor also loads the Q4_1 file and
+computes on its dequantized values, so both start from the same weights), with the prompts of
+`cpu_speed.py --model smollm2`.
 
 It needs `llama-cpp-python`, which builds llama.cpp from source (about 15 minutes on a 2-core
 machine): `pip install --no-deps llama-cpp-python diskcache`. Without it the script says so and
@@ -103,6 +109,24 @@ def write_gguf(hf_folder: Path, out: Path, tensor_type: str) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def requantize_smollm2(out: Path, tensor_type: str, threads: int) -> Path:
+    """The embedded SmolLM2 GGUF (Q4_1) rewritten by llama.cpp to F32 or Q8_0."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    from conveyor.models.loader import resolve_model_path
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = {"f32": lc.LLAMA_FTYPE_ALL_F32, "q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0}[tensor_type]
+    params.allow_requantize = True
+    params.nthread = threads
+    source = str(resolve_model_path(None)).encode()
+    if lc.llama_model_quantize(source, str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not requantize {source!r} to {tensor_type}")
     return out
 
 
@@ -215,6 +239,7 @@ def batch1(engine: LlamaCpp, prompt: list[int], steps: int = 128) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("random-134m", "smollm2"), default="random-134m")
     ap.add_argument("--type", choices=("f32", "q8_0"), default="f32")
     ap.add_argument("--parallel", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -232,14 +257,20 @@ def main() -> None:
         sys.exit(2)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_random_llama(Path(tmp) / "hf")
-        path = write_gguf(folder, Path(tmp) / f"random-134m-{args.type}.gguf", args.type)
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        if args.model == "smollm2":
+            path = requantize_smollm2(Path(tmp) / f"smollm2-{args.type}.gguf", args.type, args.threads)
+            vocab = 49152  # SmolLM2's vocabulary, as cpu_speed.py reads it from the model
+        else:
+            folder = build_random_llama(Path(tmp) / "hf")
+            path = write_gguf(folder, Path(tmp) / f"random-134m-{args.type}.gguf", args.type)
+            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         rng = random.Random(0)  # the same prompts as cpu_speed.py
         prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
         engine = LlamaCpp(path, args.parallel, args.prompt_len + args.output_len + 16, args.threads, args.batch)
         run_workload(engine, prompts[:2], 4, args.parallel)  # warm-up
-        result = {"llama_cpp_python": llama_cpp.__version__, "type": args.type, "parallel": args.parallel,
+        assert engine.vocab == vocab, (engine.vocab, vocab)
+        result = {"llama_cpp_python": llama_cpp.__version__, "model": args.model, "type": args.type,
+                  "parallel": args.parallel,
                   "threads": args.threads}
         result["workload"] = run_workload(engine, prompts, args.output_len, args.parallel)
         print(f"llama.cpp {args.type}, {args.parallel} parallel: {result['workload']['output_tok_per_s']:.1f} output tok/s "

@@ -259,6 +259,7 @@ def int8_prepare() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     import torch
 
     def run(x: torch.Tensor, inv_smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        _sync_threads(lib)
         x = x.contiguous()
         m, k = x.shape
         buffer = torch.empty((m, k + 2), dtype=torch.float32)

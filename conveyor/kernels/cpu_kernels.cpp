@@ -542,17 +542,33 @@ extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_
 // of six tensor ops, whose dispatch cost was most of a batch-1 int8 projection.
 extern "C" void int8_prepare_rows(const float* x, const float* inv_smooth, float* out, float* row_max,
                                   int64_t M, int64_t K) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for schedule(static) if (parallel_pays(M * K))
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     float* o = out + m * (K + 2);
+    __m256 mx8 = _mm256_setzero_ps();
     float mx = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 v = _mm256_loadu_ps(xr + k);
+      if (inv_smooth != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(inv_smooth + k));
+      _mm256_storeu_ps(o + k, v);
+      mx8 = _mm256_max_ps(mx8, _mm256_andnot_ps(sign, v));
+    }
+    for (; k < K; ++k) {
       const float v = inv_smooth != nullptr ? xr[k] * inv_smooth[k] : xr[k];
       o[k] = v;
       mx = std::max(mx, std::fabs(v));
     }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    for (int j = 0; j < 8; ++j) mx = std::max(mx, lanes[j]);
     mx = std::max(mx, 1e-12f);
-    for (int64_t k = 0; k < K; ++k) o[k] = o[k] / mx;
+    const __m256 d8 = _mm256_set1_ps(mx);
+    k = 0;
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, _mm256_div_ps(_mm256_loadu_ps(o + k), d8));
+    for (; k < K; ++k) o[k] = o[k] / mx;
     o[K] = 1.f;
     o[K + 1] = -1.f;
     row_max[m] = mx;
