@@ -72,6 +72,7 @@ def main() -> int:
             )
             samples += calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd)
             del cal_engine
+            flops_bw.append(calibrate.measure_peaks())
         for point in points:
             reqs = at_load(requests, point, 1.0, args.seed)
             t = time.perf_counter()
@@ -80,8 +81,7 @@ def main() -> int:
             print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
 
     if args.calibration is None:
-        flops = statistics.median(f for f, _ in flops_bw)
-        bandwidth = statistics.median(b for _, b in flops_bw)
+        flops, bandwidth = calibrate.best_peaks(flops_bw)  # read before and after every round
         hardware = calibrate.cpu_hardware(flops, bandwidth, torch.get_num_threads())
         fit = calibrate.fit(hardware, model, samples, skinny=calibrate.runner_skinny_rows(),
                             fused_rows=calibrate.runner_fused_rows(engine.runner.model))

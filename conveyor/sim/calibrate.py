@@ -97,6 +97,14 @@ def measure_peaks(threads: int | None = None) -> tuple[float, float]:
     return flops, x.numel() * 4 / read
 
 
+def best_peaks(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The best FLOP/s and the best bandwidth of several `measure_peaks` readings (taken before
+    and after the shapes are timed). On a shared machine a busy moment only lowers a reading;
+    a peak read low binds the fit's efficiencies at their ceiling of 1, and the fit then pushes
+    the rest of the error into the wrong terms."""
+    return max(f for f, _ in readings), max(b for _, b in readings)
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     t = time.perf_counter()
     fn()
