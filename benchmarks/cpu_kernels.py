@@ -10,7 +10,7 @@ and of the kernel, with their ratio, beside the memory read bandwidth measured o
 SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, block 16), decodes x context; and the
 kernel over a float16 cache (kv_cache_dtype="float16").
 
-3. A layer's element-wise passes and the greedy argmax against their torch code, at 64 rows (a
+3. A layer's element-wise passes, the K/V write and the greedy argmax against their torch code, at 64 rows (a
 decode step of 64 sequences) and 2048 (a prompt step), on the 134M model's shapes (hidden 768,
 12 + 12 heads of 64 roped, intermediate 2048, vocab 32000); best of three timings each.
 
@@ -85,9 +85,11 @@ def elementwise() -> None:
     import torch.nn.functional as F
 
     from conveyor import kernels
+    from conveyor.models.attention import TorchPagedAttention
     from conveyor.models.llama import apply_rope
 
     norm, rope, silu_mul, argmax = kernels.rms_norm(), kernels.rope(), kernels.silu_mul(), kernels.argmax()
+    write, torch_backend = kernels.write_kv(), TorchPagedAttention()
     print()
     print("| rows | pass | torch us | kernel us | torch / kernel |")
     print("|---|---|---|---|---|")
@@ -98,6 +100,9 @@ def elementwise() -> None:
         cos, sin = angles.cos(), angles.sin()
         gate_up = torch.randn(rows, 4096)
         logits = torch.randn(rows, 32000)
+        k, v = qkv[:, 12:24], qkv[:, 24:]
+        cache = torch.zeros(2, 8192, 12, 64, dtype=torch.float16)
+        slots = torch.randperm(8192)[:rows]
         pairs = {
             "RMSNorm": (lambda: F.rms_norm(x, (768,), w, 1e-5), lambda: norm(x, w, 1e-5)),  # noqa: B023
             "rope (q and k heads)": (lambda: apply_rope(qkv[:, :24], (cos, sin)),  # noqa: B023
@@ -105,6 +110,8 @@ def elementwise() -> None:
             "SiLU(gate) * up": (lambda: F.silu(gate_up[:, :2048]) * gate_up[:, 2048:],  # noqa: B023
                                 lambda: silu_mul(gate_up)),  # noqa: B023
             "argmax over the vocabulary": (lambda: logits.argmax(-1), lambda: argmax(logits)),  # noqa: B023
+            "K/V write, float16 cache": (lambda: torch_backend.write(k, v, cache[0], cache[1], slots),  # noqa: B023
+                                         lambda: write(k, v, cache[0], cache[1], slots)),  # noqa: B023
         }
         for name, (a, b) in pairs.items():
             ta = min(bench(a, 20) for _ in range(3))

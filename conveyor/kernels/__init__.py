@@ -108,6 +108,8 @@ def _library() -> ctypes.CDLL | None:
     lib.silu_mul_rows.argtypes = [p, p, i64, i64]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [p, i64, i64, p]
+    lib.write_kv_rows.restype = None
+    lib.write_kv_rows.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64]
     lib.decode_layers.restype = None
     lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, p, i64, f32, i64, i64]
     return lib
@@ -245,6 +247,29 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
             int(k_cache.dtype == torch.float16),
         )
         return out
+
+    return run
+
+
+def write_kv() -> Callable[..., None] | None:
+    """`f(k, v, k_cache, v_cache, slots)`: float32 K/V rows `[T, kv_heads, head_dim]` (rows may
+    be strided, heads contiguous) into cache slots `[slots, kv_heads, head_dim]` of float32 or
+    float16 (rounded as torch's `.to(float16)`), slots int64 `[T]`. Or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    import torch
+
+    def run(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            slots: torch.Tensor) -> None:
+        _sync_threads(lib)
+        n, kvh, hd = k.shape
+        for t in (k, v):
+            assert t.stride(2) == 1 and t.stride(1) == hd
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+        slots = slots.contiguous()
+        lib.write_kv_rows(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slots.data_ptr(), n, kvh * hd, int(k_cache.dtype == torch.float16))
 
     return run
 

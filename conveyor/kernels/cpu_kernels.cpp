@@ -354,6 +354,27 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
     for (int64_t e = 0; e < d; ++e) oi[(h0 + j) * d + e] = acc[j * d + e] * inv_sum[j];
 }
 
+// This step's K and V rows into their cache slots: k, v are [T, row] with row strides k_stride and
+// v_stride (views of the QKV projection), the caches [slots, row] in float32 or float16 (rounded
+// to nearest even, as torch's .to(float16)).
+template <typename T>
+static void write_kv_impl(const float* k, const float* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
+                          const int64_t* slots, int64_t n, int64_t row) {
+#pragma omp parallel for schedule(static) if (parallel_pays(n * row))
+  for (int64_t t = 0; t < n; ++t) {
+    store_row(k_cache + slots[t] * row, k + t * k_stride, row);
+    store_row(v_cache + slots[t] * row, v + t * v_stride, row);
+  }
+}
+
+extern "C" void write_kv_rows(const float* k, const float* v, int64_t k_stride, int64_t v_stride, void* k_cache,
+                              void* v_cache, const int64_t* slots, int64_t n, int64_t row, int64_t kv_half) {
+  if (kv_half)
+    write_kv_impl(k, v, k_stride, v_stride, static_cast<half_t*>(k_cache), static_cast<half_t*>(v_cache), slots, n, row);
+  else
+    write_kv_impl(k, v, k_stride, v_stride, static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, n, row);
+}
+
 // Tasks for D sequences on T threads: one per sequence (all heads, the contiguous reads above)
 // when there are at least T sequences; otherwise each sequence's KV heads split in `parts` ranges
 // so that a single decode still uses every thread.

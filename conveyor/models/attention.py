@@ -208,8 +208,7 @@ class TorchPagedAttention(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # A cache in another dtype (kv_cache_dtype) stores rounded K/V; attention reads them
         # back in the compute dtype. A fresh prompt attends over its unrounded K/V, as in vLLM.
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         gqa = q.shape[1] != k_cache.shape[1]
         bs = meta.block_size
         out = torch.empty_like(q)
@@ -238,6 +237,12 @@ class TorchPagedAttention(AttentionBackend):
             out[a:b] = o[0].transpose(0, 1)
         return out
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """This step's K/V rows `[T, kv_heads, head_dim]` into their cache slots."""
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
@@ -264,12 +269,21 @@ NATIVE_KV_DTYPES = (torch.float32, torch.float16)  # the cache dtypes the native
 
 class CpuPagedAttention(TorchPagedAttention):
     """float32 on CPU (a float32 or float16 cache): decodes through the native kernel (conveyor/kernels), which reads each
-    sequence's K/V in place through its block table, with no gather and no padding; prefills
+    sequence's K/V in place through its block table, with no gather and no padding; K/V written
+    to their slots in one native pass (`writer`, rounded to float16 as torch rounds); prefills
     as in the torch backend. Tested against `TorchPagedAttention`."""
 
-    def __init__(self, kernel: Callable[..., torch.Tensor], sliding_window: int | None = None) -> None:
+    def __init__(self, kernel: Callable[..., torch.Tensor], sliding_window: int | None = None,
+                 writer: Callable[..., None] | None = None) -> None:
         self.kernel = kernel
         self.window = sliding_window or 0
+        self.writer = writer
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        if self.writer is None or k.dtype != torch.float32 or k_cache.dtype not in NATIVE_KV_DTYPES:
+            return super().write(k, v, k_cache, v_cache, slots)
+        self.writer(k, v, k_cache, v_cache, slots)
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float

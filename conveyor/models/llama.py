@@ -26,6 +26,7 @@ from conveyor.kernels import (
     skinny_linear,
     skinny_linear_q8,
     to_huge_pages,
+    write_kv,
 )
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import (
@@ -401,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
                 elif isinstance(module, Attention):
                     module.native_rope = rotate
                     if attention is not None:
-                        module.backend = CpuPagedAttention(attention, self.arch.sliding_window)
+                        module.backend = CpuPagedAttention(attention, self.arch.sliding_window, write_kv())
                 elif isinstance(module, MLP):
                     module.native_silu_mul = act
         for module in list(self.modules()):
