@@ -4,7 +4,8 @@
 the weights at memory speed (see its header), paged decode attention that reads K/V in place
 through the block tables, a whole decode step's layers in one call (`decode_layers`), the int8
 path's helpers, and a layer's element-wise passes over any number of rows (RMSNorm, rope,
-SiLU * up) and the greedy sampler's argmax, each one pass instead of several tensor ops. It has a plain C ABI and is
+SiLU * up, the K/V write into the cache) and the greedy sampler's argmax, each one pass
+instead of several tensor ops. It has a plain C ABI and is
 loaded with ctypes, so it needs no torch headers and compiles in about a second; the library is
 cached under `$CONVEYOR_CACHE/kernels` (default `~/.cache/conveyor/kernels`). Without an x86-64 CPU with AVX2, FMA and F16C, or without a compiler,
 or with `CONVEYOR_NATIVE_KERNELS=0`, `skinny_linear()` returns None and the model uses torch's
