@@ -270,10 +270,11 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
   const int64_t n = len - start, row = KVH * d, h0 = g0 * G, nh = (g1 - g0) * G;
   const int64_t n8 = n & ~int64_t(7), d8 = d & ~int64_t(7), d64 = d & ~int64_t(63);
   thread_local std::vector<int64_t> offsets;
-  thread_local std::vector<float> s, acc;
+  thread_local std::vector<float> s, acc, inv_sum;
   offsets.resize(n);
   s.resize(nh * n);
   acc.assign(nh * d, 0.f);
+  inv_sum.resize(nh);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = start + t;
     offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * row;
@@ -308,7 +309,6 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
     for (int64_t j = 0; j < nh; ++j)
       s[j * n + t] = dot(qi + (h0 + j) * d, k_cache + offsets[t] + ((h0 + j) / G) * d, d) * scale;
   // Softmax per head.
-  std::vector<float> inv_sum(nh);
   for (int64_t j = 0; j < nh; ++j) {
     float* sh = s.data() + j * n;
     float mx = -INFINITY;
@@ -535,9 +535,12 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.post_norm), xn.data() + m * H, H, eps);
     team_linear(xn.data(), ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data(), ptr(lw.sgu), ptr(lw.zgu),
                 xs.data());
+    // Each row in eight slices for the threads, cut at multiples of 8 so that every element takes
+    // the same vector or tail path as in silu_mul_rows.
+    auto cut = [I](int64_t slice) { return slice == 8 ? I : (I * slice / 8) & ~int64_t(7); };
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < M * 8; ++task) {  // rows in eight slices, for the threads
-      const int64_t m = task / 8, i0 = I * (task % 8) / 8 & ~int64_t(7), i1 = task % 8 == 7 ? I : I * (task % 8 + 1) / 8 & ~int64_t(7);
+    for (int64_t task = 0; task < M * 8; ++task) {
+      const int64_t m = task / 8, i0 = cut(task % 8), i1 = cut(task % 8 + 1);
       silu_mul_row(gu.data() + m * 2 * I + i0, gu.data() + m * 2 * I + I + i0, act.data() + m * I + i0, i1 - i0);
     }
     team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data(), ptr(lw.sd), ptr(lw.zd), xs.data());

@@ -395,14 +395,14 @@ class LlamaForCausalLM(nn.Module):
             if quantization is None:  # the float32 head streams at every decode step
                 owner = self.embed_tokens if self.lm_head is None else self.lm_head
                 owner.weight = nn.Parameter(to_huge_pages(owner.weight.detach().contiguous()), requires_grad=False)
-            norm, attention, rotate, act = rms_norm(), paged_decode_attention(), rope(), silu_mul()
+            norm, attention, rotate, act, writer = rms_norm(), paged_decode_attention(), rope(), silu_mul(), write_kv()
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.native = norm
                 elif isinstance(module, Attention):
                     module.native_rope = rotate
                     if attention is not None:
-                        module.backend = CpuPagedAttention(attention, self.arch.sliding_window, write_kv())
+                        module.backend = CpuPagedAttention(attention, self.arch.sliding_window, writer)
                 elif isinstance(module, MLP):
                     module.native_silu_mul = act
         for module in list(self.modules()):
