@@ -1,10 +1,13 @@
 """The native CPU kernels against torch, at the shapes of decode steps.
 
 1. The skinny matrix product against torch's matmul.
-For each row count M, multiplies `[M, K]` activations by 40 different `[N, K]` weight matrices
-(SmolLM2's 576 x 1536, 140 MB in all, so they stream from memory as in a real decode step) and
-prints the effective weight bandwidth of torch (`x @ W_t`, conveyor's layout without the kernel)
-and of the kernel, with their ratio, beside the memory read bandwidth measured on the spot.
+For each row count M, multiplies `[M, K]` activations by the projections of ten SmolLM2 layers
+(qkv 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536: 141 MB, so they stream from
+memory as in a real decode step) and prints the effective weight bandwidth and FLOP rate of
+torch (`x @ W_t`, conveyor's layout without the kernels; `F.linear(x, W)`, MKL on the kernel's
+layout, which the runner uses above SKINNY_MAX_ROWS) and of the kernel, with the ratios,
+beside the memory read bandwidth measured on the spot. The three alternate over five rounds;
+medians.
 
 2. Paged decode attention against the torch backend (block gather + SDPA), one layer of
 SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, block 16), decodes x context; and the
@@ -19,9 +22,11 @@ decode step of 64 sequences) and 2048 (a prompt step), on the 134M model's shape
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from conveyor.kernels import skinny_linear
 
@@ -40,20 +45,27 @@ def main() -> None:
         print("the native kernel is unavailable here (see the log); nothing to compare")
         return
     torch.manual_seed(0)
-    k, n, layers = 576, 1536, 40
-    ws = [torch.randn(n, k) for _ in range(layers)]
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 10
+    ws = [torch.randn(n, k) for n, k in shapes]
     wts = [w.t().contiguous() for w in ws]
     big = torch.ones((1 << 30) // 4)
     read = big.numel() * 4 / min(bench(big.sum, 1) for _ in range(5))
-    nbytes = n * k * 4 * layers
+    nbytes = sum(w.numel() * 4 for w in ws)
     print(f"threads {torch.get_num_threads()}, memory read bandwidth {read / 1e9:.1f} GB/s (1 GiB sum)")
-    print("| rows | torch x @ W_t GB/s | kernel GB/s | kernel / torch |")
-    print("|---|---|---|---|")
-    for m in (1, 2, 4, 8, 16, 64):
-        x = torch.randn(m, k)
-        a = bench(lambda: [x @ wt for wt in wts])  # noqa: B023 (called at once)
-        b = bench(lambda: [op(x, w) for w in ws])  # noqa: B023
-        print(f"| {m} | {nbytes / a / 1e9:.1f} | {nbytes / b / 1e9:.1f} | {a / b:.2f} |")
+    print("| rows | x @ W_t GB/s | F.linear GFLOP/s | kernel GB/s | kernel GFLOP/s | kernel / x @ W_t | kernel / F.linear |")
+    print("|---|---|---|---|---|---|---|")
+    for m in (1, 2, 4, 8, 16, 32, 64, 128):
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        runs: dict[str, list[float]] = {"t": [], "mkl": [], "kernel": []}
+        for _ in range(5):
+            runs["t"].append(bench(lambda: [xs[wt.shape[0]] @ wt for wt in wts], 1))  # noqa: B023 (called at once)
+            runs["mkl"].append(bench(lambda: [F.linear(xs[w.shape[1]], w) for w in ws], 1))  # noqa: B023
+            runs["kernel"].append(bench(lambda: [op(xs[w.shape[1]], w) for w in ws], 1))  # noqa: B023
+        a, c, b = (statistics.median(runs[key]) for key in ("t", "mkl", "kernel"))
+        flop = 2 * m * nbytes / 4
+        print(f"| {m} | {nbytes / a / 1e9:.1f} | {flop / c / 1e9:.0f} | {nbytes / b / 1e9:.1f} | {flop / b / 1e9:.0f} "
+              f"| {statistics.median(t / k for t, k in zip(runs['t'], runs['kernel'], strict=True)):.2f} "
+              f"| {statistics.median(t / k for t, k in zip(runs['mkl'], runs['kernel'], strict=True)):.2f} |", flush=True)
     attention()
     elementwise()
 

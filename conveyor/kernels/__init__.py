@@ -34,10 +34,16 @@ logger = logging.getLogger("conveyor")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-# Above this many rows MKL's GEMM is faster (benchmarks/cpu_kernels.py); the kernel takes
-# SKINNY_PASS_ROWS rows per pass over the weights.
-SKINNY_MAX_ROWS = 16
-SKINNY_PASS_ROWS = 8
+# Float32 steps of up to SKINNY_MAX_ROWS rows take the skinny kernel, larger ones MKL's GEMM
+# (about even at 96-128 rows on SmolLM2's shapes; benchmarks/cpu_kernels.py). Up to
+# SKINNY_STREAM_ROWS rows it streams each weight row once (memory-bound steps); above, register
+# tiles (cpu_kernels.cpp, SMALL_ROWS); either way one pass over the weights
+# (SKINNY_PASS_ROWS). The int8 kernels pass over the weights once per 8 rows and stop at
+# Q8_MAX_ROWS, where fbgemm's int8 GEMM takes over.
+SKINNY_MAX_ROWS = 64
+SKINNY_PASS_ROWS = 64
+SKINNY_STREAM_ROWS = 4
+Q8_MAX_ROWS = 16
 
 
 def _cpu_supported() -> bool:

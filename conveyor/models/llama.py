@@ -17,6 +17,7 @@ from torch import nn
 
 from conveyor.kernels import (
     LAYER_FIELDS,
+    Q8_MAX_ROWS,
     SKINNY_MAX_ROWS,
     decode_layers,
     paged_decode_attention,
@@ -234,7 +235,8 @@ class DecoderLayer(nn.Module):
 
 
 class FusedDecode:
-    """Decode-only steps of up to SKINNY_MAX_ROWS rows on CPU in float32: every decoder layer
+    """Decode-only steps of up to `max_rows` rows on CPU in float32 (SKINNY_MAX_ROWS; Q8_MAX_ROWS
+    with int8 weights): every decoder layer
     in one native call (`decode_layers` in conveyor/kernels/cpu_kernels.cpp), the same stages
     as the modules but with no Python and no thread start-up between the weight streams. At
     batch 1 that per-layer overhead is about an eighth of a step (BENCHMARKS.md).
@@ -279,6 +281,8 @@ class FusedDecode:
         # The model keeps every tensor alive; the table holds only their addresses.
         self.weights = torch.tensor(rows, dtype=torch.int64)
         self.int8 = torch.tensor(int8_rows, dtype=torch.int64)
+        # int8 projections pass over their weights once per 8 rows; float32 ones once per step.
+        self.max_rows = Q8_MAX_ROWS if bool(self.int8.any()) else SKINNY_MAX_ROWS
         assert self.weights.shape[1] + 2 + self.int8.shape[1] == len(LAYER_FIELDS)
         self._table: torch.Tensor | None = None
         self._table_key: tuple[int, ...] = ()
@@ -296,7 +300,7 @@ class FusedDecode:
         return self._table
 
     def applies(self, num_tokens: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
-        return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= SKINNY_MAX_ROWS
+        return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= self.max_rows
                 and kv_dtype in NATIVE_KV_DTYPES)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -452,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
         head_int8 = getattr(self, "_head_int8", None)
         if head_int8 is not None:
             q8 = getattr(self, "_head_q8", None)
-            if q8 is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
+            if q8 is not None and hidden.shape[0] <= Q8_MAX_ROWS:
                 return q8(hidden, head_int8.qweight, head_int8.wscale, head_int8.inv_smooth)
             return head_int8(hidden)
         head_t = getattr(self, "_head_t", None)

@@ -69,9 +69,8 @@ def runner_skinny_rows() -> tuple[int, int]:
 
 def runner_fused_rows(model: Any) -> int:
     """Rows up to which the runner's `model` runs a decode-only step fused (0: never)."""
-    from conveyor import kernels
-
-    return kernels.SKINNY_MAX_ROWS if getattr(model, "fused_decode", None) is not None else 0
+    fused = getattr(model, "fused_decode", None)
+    return 0 if fused is None else fused.max_rows
 
 
 def default_calibration_path() -> Path:
