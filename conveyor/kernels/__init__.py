@@ -58,11 +58,12 @@ def _cpu_supported() -> bool:
     return "avx2" in flags and "fma" in flags and "f16c" in flags
 
 
-def _build(cache_dir: Path) -> Path:
+def _build(cache_dir: Path, source: bytes | None = None) -> Path:
+    """The compiled library of `source` (default: cpu_kernels.cpp), built once into `cache_dir`."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX)")
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() if source is None else source
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib = cache_dir / f"cpu_kernels-{key}.so"
@@ -73,7 +74,12 @@ def _build(cache_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=True)
+        src = Path(tmp).with_suffix(".cpp")
+        src.write_bytes(source)
+        try:
+            subprocess.run([compiler, *FLAGS, "-o", tmp, str(src)], capture_output=True, text=True, check=True)
+        finally:
+            src.unlink()
         os.replace(tmp, lib)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"compiling {SOURCE.name} failed: {e.stderr.strip()[:500]}") from None
@@ -92,10 +98,16 @@ def _library() -> ctypes.CDLL | None:
         return None
     root = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
     try:
-        lib = ctypes.CDLL(str(_build(root / "kernels")))
+        return load(_build(root / "kernels"))
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable, using torch: %s", e)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A compiled cpu_kernels library with its C signatures declared (benchmarks load other
+    versions of the source this way, built with `_build(folder, source)`)."""
+    lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.skinny_linear.restype = None
     lib.skinny_linear.argtypes = [p, p, p, i64, i64, i64]

@@ -117,8 +117,8 @@ inline void stream_row(const float* x, const float* wr, float* y, int64_t M, int
 }
 
 extern "C" void skinny_linear(const float* xp, const float* wp, float* yp, int64_t M, int64_t K, int64_t N) {
-  if (M <= SMALL_ROWS) {
-#pragma omp parallel for schedule(static)
+  if (M <= SMALL_ROWS) {  // guided: see team_linear
+#pragma omp parallel for schedule(guided)
     for (int64_t n = 0; n < N; ++n) stream_row(xp, wp + n * K, yp + n, M, K, N);
     return;
   }
@@ -465,10 +465,11 @@ extern "C" void paged_decode_attention(const float* q, const void* k_cache, cons
 }
 
 // ---- A whole decode step's decoder layers in one call ----------------------------------------
-// The M rows are single-token decodes (M <= 16). Per layer: RMSNorm, QKV projection (+ bias),
-// optional per-head q/k RMSNorm, rope (two halves, HF layout), K/V written to their slots, paged
-// attention, output projection added to the residual, RMSNorm, gate/up projection, SiLU(gate) * up,
-// down projection added to the residual. One OpenMP team runs it all: each stage is an `omp for`
+// The M rows are single-token decodes (M <= 64 in float32, 16 with int8 weights: the model's
+// FusedDecode.max_rows). Per layer: RMSNorm, QKV projection (+ bias), optional per-head q/k
+// RMSNorm, rope (two halves, HF layout), K/V written to their slots, paged attention, output
+// projection added to the residual, RMSNorm, gate/up projection, SiLU(gate) * up, down
+// projection added to the residual. One OpenMP team runs it all: each stage is an `omp for`
 // whose implicit barrier is the only synchronisation, so no Python and no thread start-up sits
 // between the weight streams. The projections use the same `stream_row` / `tile_block` as
 // skinny_linear, so each output element is computed as in the layer-by-layer path.
@@ -537,9 +538,13 @@ inline void team_linear(const float* x, const void* w, float* y, int64_t M, int6
     }
     return;
   }
+  // Memory-bound passes: the two threads' halves of a weight stream rarely finish together on
+  // this shared machine, and a static split makes the first wait at the barrier. Guided chunks
+  // (large first, then smaller) even out the end for a few more chunk starts: 0.88 -> 0.90 of a
+  // plain read's speed over SmolLM2's weights at 50 GB/s, 0.97 -> 1.0 at 30 (benchmarks/batch1_ab.py).
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const int64_t m1 = std::min<int64_t>(M, m0 + 8), rows = m1 - m0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t n = 0; n < N; ++n) {
       int64_t m = m0;
       if (scale != nullptr) {
@@ -572,49 +577,72 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
   std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
   std::vector<float> tmp(std::max<int64_t>(M, 8) * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
   std::vector<float> xs(M * std::max<int64_t>(std::max(H, nh * hd), I));  // smoothed int8 inputs
-  const int64_t parts = head_parts(M, nkv, omp_get_max_threads());
+  const int64_t threads = omp_get_max_threads(), parts = head_parts(M, nkv, threads), G = nh / nkv;
+  // Up to SMALL_ROWS rows each thread computes the norms and SiLU(gate) * up of every row itself,
+  // into its own buffers: a few microseconds of redundant arithmetic instead of a barrier, whose
+  // cost (a thread waiting for the other to finish its half of the weights) is several times more
+  // at batch 1 (benchmarks/batch1_ab.py). Larger steps share one buffer, each row computed once.
+  const bool redundant = M <= SMALL_ROWS;
+  std::vector<float> own_xn(redundant ? threads * M * H : 0), own_act(redundant ? threads * M * I : 0);
 #pragma omp parallel
+  {
+  const int64_t tid = omp_get_thread_num();
+  float* my_xn = redundant ? own_xn.data() + tid * M * H : xn.data();
+  float* my_act = redundant ? own_act.data() + tid * M * I : act.data();
+  auto norm_rows = [&](const float* w) {
+    if (redundant) {
+      for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, w, my_xn + m * H, H, eps);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, w, my_xn + m * H, H, eps);
+    }
+  };
   for (int64_t l = 0; l < L; ++l) {
     const LayerWeights& lw = reinterpret_cast<const LayerWeights*>(layers)[l];
     auto ptr = [](int64_t p) { return reinterpret_cast<float*>(p); };
     T *k_cache = reinterpret_cast<T*>(lw.k_cache), *v_cache = reinterpret_cast<T*>(lw.v_cache);
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.in_norm), xn.data() + m * H, H, eps);
-    team_linear(xn.data(), ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data(), ptr(lw.sqkv),
+    norm_rows(ptr(lw.in_norm));
+    team_linear(my_xn, ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data(), ptr(lw.sqkv),
                 ptr(lw.zqkv), xs.data());
-    // q/k heads: optional RMSNorm, then rope; k (and v) go to the cache.
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < M * (nh + nkv); ++task) {
-      const int64_t m = task / (nh + nkv), h = task % (nh + nkv);
-      float* v = qkv.data() + m * qkv_n + h * hd;
-      const float* nw = ptr(h < nh ? lw.q_norm : lw.k_norm);
-      if (nw != nullptr) norm_row(v, nw, v, hd, eps);
-      rope_head(v, cos + m * half, sin + m * half, half);
-      if (h >= nh) {
-        const int64_t g = h - nh;
-        store_row(k_cache + slots[m] * row + g * hd, v, hd);
-        store_row(v_cache + slots[m] * row + g * hd, qkv.data() + m * qkv_n + (nh + nkv + g) * hd, hd);
-      }
-    }
+    // Each attention task first prepares the heads it owns (the query heads of its KV heads, and
+    // those KV heads): optional per-head RMSNorm, rope, and K/V into the cache slot. No other
+    // task reads them, so this needs no stage (and no barrier) of its own.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < M * parts; ++task)
+    for (int64_t task = 0; task < M * parts; ++task) {
+      const int64_t m = task / parts, part = task % parts;
+      float* q = qkv.data() + m * qkv_n;
+      auto prepare = [&](float* v, const float* nw) {
+        if (nw != nullptr) norm_row(v, nw, v, hd, eps);
+        rope_head(v, cos + m * half, sin + m * half, half);
+      };
+      for (int64_t g = nkv * part / parts; g < nkv * (part + 1) / parts; ++g) {
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare(q + h * hd, ptr(lw.q_norm));
+        prepare(q + (nh + g) * hd, ptr(lw.k_norm));
+        store_row(k_cache + slots[m] * row + g * hd, q + (nh + g) * hd, hd);
+        store_row(v_cache + slots[m] * row + g * hd, q + (nh + nkv + g) * hd, hd);
+      }
       attend_task(task, parts, qkv.data(), k_cache, v_cache, tables, max_blocks, ctx, nh, nkv, hd, block_size, scale,
                   window, qkv_n, attn.data());
+    }
     team_linear(attn.data(), ptr(lw.wo), x, M, nh * hd, H, nullptr, true, tmp.data(), ptr(lw.so), ptr(lw.zo),
                 xs.data());
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, ptr(lw.post_norm), xn.data() + m * H, H, eps);
-    team_linear(xn.data(), ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data(), ptr(lw.sgu), ptr(lw.zgu),
+    norm_rows(ptr(lw.post_norm));
+    team_linear(my_xn, ptr(lw.wgu), gu.data(), M, H, 2 * I, nullptr, false, tmp.data(), ptr(lw.sgu), ptr(lw.zgu),
                 xs.data());
-    // Each row in eight slices for the threads, cut at multiples of 8 so that every element takes
-    // the same vector or tail path as in silu_mul_rows.
-    auto cut = [I](int64_t slice) { return slice == 8 ? I : (I * slice / 8) & ~int64_t(7); };
+    if (redundant) {
+      for (int64_t m = 0; m < M; ++m) silu_mul_row(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, my_act + m * I, I);
+    } else {
+      // Each row in eight slices for the threads, cut at multiples of 8 so that every element
+      // takes the same vector or tail path as in silu_mul_rows.
+      auto cut = [I](int64_t slice) { return slice == 8 ? I : (I * slice / 8) & ~int64_t(7); };
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < M * 8; ++task) {
-      const int64_t m = task / 8, i0 = cut(task % 8), i1 = cut(task % 8 + 1);
-      silu_mul_row(gu.data() + m * 2 * I + i0, gu.data() + m * 2 * I + I + i0, act.data() + m * I + i0, i1 - i0);
+      for (int64_t task = 0; task < M * 8; ++task) {
+        const int64_t m = task / 8, i0 = cut(task % 8), i1 = cut(task % 8 + 1);
+        silu_mul_row(gu.data() + m * 2 * I + i0, gu.data() + m * 2 * I + I + i0, my_act + m * I + i0, i1 - i0);
+      }
     }
-    team_linear(act.data(), ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data(), ptr(lw.sd), ptr(lw.zd), xs.data());
+    team_linear(my_act, ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data(), ptr(lw.sd), ptr(lw.zd), xs.data());
+  }
   }
 }
 
