@@ -7,6 +7,8 @@ On the 134M random Llama of cpu_speed.py (or `--model PATH`), in one process:
    huge-page copies and from plain copies, alternated; plus a plain sum over the same bytes.
 3. One step's parts (the fused layers, the LM head, the whole step), each with a read of the
    bytes a step reads just before the step: the median fraction of the read's speed.
+4. The embedding lookup and the final norm inside the fused native call (`fold_ends`) against
+   in torch around it, alternated over rounds, each step beside its read.
 
     python benchmarks/batch1_anatomy.py
 """
@@ -111,6 +113,22 @@ def step_parts(llm, steps: int) -> None:
         print(f"   {key}: median {statistics.median(times[key]) * 1e3:.2f} ms, {fr:.2f}")
 
 
+def folded_against_unfolded(llm, rounds: int, steps: int = 24) -> None:
+    model = llm.engine.runner.model
+    nbytes = decode_bytes(model)
+    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for fold in (True, False):
+            model.fused_decode.fold_ends = fold
+            reads, times = decode_beside_reads(llm, nbytes, steps)
+            runs[fold] += list(zip(reads, times, strict=True))
+    model.fused_decode.fold_ends = True
+    for fold, label in ((True, "in the native call"), (False, "in torch")):
+        pairs = runs[fold]
+        print(f"4. embedding and final norm {label}: median step {statistics.median(t for _, t in pairs) * 1e3:.2f} ms, "
+              f"median fraction of the read beside it {statistics.median(r / t for r, t in pairs):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model path (default: the 134M random Llama)")
@@ -128,6 +146,7 @@ def main() -> None:
     fused_against_layers(llm, args.rounds)
     huge_against_plain(llm.engine.runner.model, args.rounds * 5)
     step_parts(llm, 128)
+    folded_against_unfolded(llm, args.rounds * 2)
 
 
 if __name__ == "__main__":

@@ -571,8 +571,9 @@ inline void team_linear(const float* x, const void* w, float* y, int64_t M, int6
 template <typename T>
 static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
                                int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
-                               const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
-                               int64_t block_size, float scale, int64_t window) {
+                               const int64_t* positions, const int64_t* slots, const int64_t* tables,
+                               int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale,
+                               int64_t window, const int64_t* ids, const float* embed, const float* final_norm) {
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
   std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
   std::vector<float> tmp(std::max<int64_t>(M, 8) * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
@@ -597,6 +598,10 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
       for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, w, my_xn + m * H, H, eps);
     }
   };
+  if (ids != nullptr) {  // the embedding rows, as torch.embedding copies them
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) std::copy(embed + ids[m] * H, embed + (ids[m] + 1) * H, x + m * H);
+  }
   for (int64_t l = 0; l < L; ++l) {
     const LayerWeights& lw = reinterpret_cast<const LayerWeights*>(layers)[l];
     auto ptr = [](int64_t p) { return reinterpret_cast<float*>(p); };
@@ -613,7 +618,7 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
       float* q = qkv.data() + m * qkv_n;
       auto prepare = [&](float* v, const float* nw) {
         if (nw != nullptr) norm_row(v, nw, v, hd, eps);
-        rope_head(v, cos + m * half, sin + m * half, half);
+        rope_head(v, cos + positions[m] * half, sin + positions[m] * half, half);
       };
       for (int64_t g = nkv * part / parts; g < nkv * (part + 1) / parts; ++g) {
         for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare(q + h * hd, ptr(lw.q_norm));
@@ -643,19 +648,29 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     }
     team_linear(my_act, ptr(lw.wd), x, M, I, H, nullptr, true, tmp.data(), ptr(lw.sd), ptr(lw.zd), xs.data());
   }
+  if (final_norm != nullptr) {  // the model's final RMSNorm, in place
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, final_norm, x + m * H, H, eps);
+  }
   }
 }
 
+// cos / sin are the rope tables [positions, head_dim / 2], read at each row's position. With
+// `ids`, the rows of x are first the embedding rows of those tokens; with `final_norm`, they end
+// normalised by it: the whole decode step of the model up to the LM head, with no Python
+// between (the host work after a step's weight stream runs with cold caches, so each torch op
+// left out saves tens of microseconds there).
 extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
                               int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
-                              const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
-                              int64_t block_size, float scale, int64_t window, int64_t kv_half) {
+                              const int64_t* positions, const int64_t* slots, const int64_t* tables,
+                              int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale, int64_t window,
+                              int64_t kv_half, const int64_t* ids, const float* embed, const float* final_norm) {
   if (kv_half)
-    decode_layers_impl<half_t>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, slots, tables, max_blocks, ctx,
-                               block_size, scale, window);
+    decode_layers_impl<half_t>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, positions, slots, tables,
+                               max_blocks, ctx, block_size, scale, window, ids, embed, final_norm);
   else
-    decode_layers_impl<float>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, slots, tables, max_blocks, ctx,
-                              block_size, scale, window);
+    decode_layers_impl<float>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, positions, slots, tables,
+                              max_blocks, ctx, block_size, scale, window, ids, embed, final_norm);
 }
 
 // ---- int8 activation preparation (conveyor/models/quantize.py, Int8Linear) --------------------

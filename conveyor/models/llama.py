@@ -247,6 +247,11 @@ class FusedDecode:
     def __init__(self, model: LlamaForCausalLM, kernel: Callable[..., None]) -> None:
         arch = model.arch
         self.kernel = kernel
+        # The modules the step's two ends use (not the model itself: no reference cycle).
+        self.rotary, self.embed, self.norm = model.rotary, model.embed_tokens, model.norm
+        self.fold_ends = True  # embedding and final norm in the native call (False: in torch, as before)
+        assert self.rotary.cos.is_contiguous() and self.rotary.cos.dtype == torch.float32
+        assert self.embed.weight.is_contiguous() and self.embed.weight.dtype == torch.float32
         self.dims = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
                      arch.rms_norm_eps)
         self.scale = arch.head_dim**-0.5
@@ -303,15 +308,26 @@ class FusedDecode:
         return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= self.max_rows
                 and kv_dtype in NATIVE_KV_DTYPES)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
+        """The step's hidden states after the final norm. The embedding lookup and the final norm
+        run inside the native call too (`fold_ends`), so that nothing but this call sits between
+        the previous step's sampling and the weight stream: the host work after a stream runs on
+        cold caches, about 100 µs a torch op at batch 1 here (BENCHMARKS.md)."""
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
-        x = x.contiguous()
-        self.kernel(x, self.table(kv_caches), self.dims, cos.contiguous(), sin.contiguous(),
-                    meta.slot_mapping.contiguous(), meta.decode_blocks.contiguous(),
-                    meta.decode_context_lens.contiguous(), meta.block_size, self.scale, self.window,
-                    kv_caches[0].dtype == torch.float16)
-        return x
+        kv_half = kv_caches[0].dtype == torch.float16
+        tables, ctx = meta.decode_blocks.contiguous(), meta.decode_context_lens.contiguous()
+        positions = positions.contiguous()
+        if self.fold_ends:
+            x = torch.empty((input_ids.shape[0], self.dims[0]), dtype=torch.float32)
+            self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions,
+                        meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window,
+                        kv_half, input_ids.contiguous(), self.embed.weight, self.norm.weight)
+            return x
+        x = self.embed(input_ids).contiguous()
+        self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions,
+                    meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window, kv_half)
+        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -335,11 +351,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm."""
-        x = self.embed_tokens(input_ids)
         fused = self.fused_decode
-        if fused is not None and fused.applies(x.shape[0], meta, kv_caches[0].dtype):
-            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
-            return self.norm(fused(x, cos, sin, kv_caches, meta))
+        if fused is not None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
+            return fused(input_ids, positions, kv_caches, meta)
+        x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)

@@ -174,7 +174,8 @@ def test_argmax_on_logits_shape():
 def test_fused_decode_matches_the_layer_by_layer_path(tiny_models, tmp_path, family, kv_dtype):
     """Decode steps through FusedDecode (all layers in one native call) give the hidden states
     and the cache contents of the module path, for GQA, q/k/v bias, q/k norm, a sliding window,
-    batches of 1 to 64 decodes (both regimes of the skinny product) at different contexts."""
+    batches of 1 to 64 decodes (both regimes of the skinny product) at different contexts; and
+    the same bits whether the embedding lookup and the final norm run in the native call or not."""
     import copy
 
     from conveyor import LLM
@@ -196,15 +197,21 @@ def test_fused_decode_matches_the_layer_by_layer_path(tiny_models, tmp_path, fam
                   for _ in range(arch.num_layers)]
         meta = build_metadata(tables, starts, [1] * rows, bs, torch.device("cpu"), arch.sliding_window)
         ids = torch.randint(0, arch.vocab_size, (rows,), generator=g)
-        ref_caches = copy.deepcopy(caches)
+        ref_caches, unfolded_caches = copy.deepcopy(caches), copy.deepcopy(caches)
         with torch.inference_mode():
             fused = model(ids, meta.positions, caches, meta)
             fused_path = model.fused_decode
+            fused_path.fold_ends = False  # embedding and final norm in torch instead of the native call
+            try:
+                unfolded = model(ids, meta.positions, unfolded_caches, meta)
+            finally:
+                fused_path.fold_ends = True
             model.fused_decode = None
             try:
                 ref = model(ids, meta.positions, ref_caches, meta)
             finally:
                 model.fused_decode = fused_path
+        assert torch.equal(fused, unfolded)
         torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
         for a, b in zip(caches, ref_caches, strict=True):
             # float16 K/V written by the kernel round exactly as torch's .to(float16); the
