@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--grid-only", action="store_true", help="calibrate on the shape grid alone (no served steps)")
     ap.add_argument("--runs", type=int, default=1,
                     help="rounds of calibrate-then-measure; the fit pools all rounds, measured figures are medians")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per calibration shape in each round")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds over the calibration shape grid in each round of calibrate + measure")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 

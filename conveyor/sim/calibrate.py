@@ -135,7 +135,13 @@ def cpu_hardware(flops: float, bandwidth: float, threads: int) -> Hardware:
 
 def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int = 5,
                    progress: Callable[[str], Any] | None = None) -> list[tuple[str, StepShape, float]]:
-    """Time `engine.runner.execute` over each shape of the grid (median of `repeats`)."""
+    """Time `engine.runner.execute` over each shape of the grid: `repeats` rounds over the whole
+    grid, each shape once a round, and each shape's median over the rounds.
+
+    This VM's memory bandwidth switches between about 30 and 55 GB/s every few seconds, and a
+    batch-1 decode step between about 19.5 and 14.5 ms with it (docs/simulation.md). Repeats
+    timed back to back catch one level per shape; rounds spread every shape over the whole
+    calibration, so that the fit sees each at the machine's usual mix of the two."""
     from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
     from conveyor.sampling_params import SamplingParams
 
@@ -143,7 +149,7 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
     bs = engine.config.cache.block_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = engine.vocab_size
-    samples = []
+    steps = []
     for label, shape in grid:
         items, next_block = [], 0
         for i, (n, start) in enumerate(shape):
@@ -155,20 +161,29 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
             items.append(ScheduledSequence(i, ids[start:], start, table, True, params, ids, total))
         if next_block > runner.num_blocks:
             raise ValueError(f"calibration shape {label!r} needs {next_block} KV blocks; the cache has {runner.num_blocks}")
-        out = SchedulerOutput(0, items)
+        steps.append((label, SchedulerOutput(0, items)))
+    times: dict[str, list[float]] = {label: [] for label, _ in steps}
+    for _, out in steps:
         runner.execute(out)  # warm-up
-        times = [_timed(partial(runner.execute, out)) for _ in range(repeats)]
-        samples.append((label, StepShape.of(out), statistics.median(times)))
+    for rnd in range(repeats):
+        for label, out in steps:
+            times[label].append(_timed(partial(runner.execute, out)))
         if progress is not None:
-            progress(f"{label}: {samples[-1][2] * 1e3:.1f} ms")
+            progress(f"round {rnd + 1}/{repeats} over {len(steps)} shapes")
+    samples = [(label, StepShape.of(out), statistics.median(times[label])) for label, out in steps]
+    if progress is not None:
+        for label, _, t in samples:
+            progress(f"{label}: {t * 1e3:.1f} ms")
     return samples
 
 
 def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed: int = 0,
-                   progress: Callable[[str], Any] | None = None) -> list[tuple[str, StepShape, float]]:
+                   progress: Callable[[str], Any] | None = None, rounds: int = 3) -> list[tuple[str, StepShape, float]]:
     """Serve a short mixed workload (closed loop at each concurrency: prompts 16-384 tokens,
     outputs 8-48) and time every step the runner computes: the shapes a server really runs,
-    a few hundred samples beside the grid's thirty."""
+    a few hundred samples beside the grid's thirty. The concurrencies take turns over `rounds`
+    rounds, `level + 1` requests each time, so that each spans the calibration (see
+    `measure_runner`) rather than a few seconds of it."""
     import random
 
     from conveyor.sampling_params import SamplingParams
@@ -188,11 +203,11 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
     runner.execute = timed_execute
     try:
         vocab = engine.vocab_size
-        for level in concurrencies:
+        n = 0
+        for level in [c for _ in range(rounds) for c in concurrencies]:
             pending = [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 384))], rng.randint(8, 48))
-                       for _ in range(2 * level + 2)]
+                       for _ in range(level + 1)]
             in_flight = 0
-            n = 0
             while pending or in_flight:
                 while pending and in_flight < level:
                     prompt, out_len = pending.pop()

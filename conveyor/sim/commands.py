@@ -53,7 +53,8 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                          conflict_handler="resolve")
     add_engine_args(cal)
     cal.add_argument("--out", type=Path, default=None, help="where to save (default ~/.cache/conveyor/calibration/cpu.json)")
-    cal.add_argument("--repeats", type=int, default=5, help="timed runs per batch shape (median)")
+    cal.add_argument("--repeats", type=int, default=5,
+                     help="rounds over the shape grid, each shape timed once a round (median)")
     cal.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
                      help="also time every step of a short served workload (about 30 s)")
     cal.set_defaults(func=cmd_calibrate)
