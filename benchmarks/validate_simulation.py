@@ -17,6 +17,7 @@ more between minutes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,7 +29,62 @@ from conveyor.bench.offline import ConveyorSystem, OfflineSystems, SystemSpec
 from conveyor.bench.workload import LengthDist, at_load, parse_sweep, synthetic_requests
 from conveyor.sim import calibrate
 from conveyor.sim.commands import SimSystem
+from conveyor.sim.cost import RooflineCostModel, StepShape
 from conveyor.sim.models import ModelShape
+
+
+class StepTimes:
+    """Records (shape, seconds) of every step any runner of `runner`'s class computes while
+    active (the measured system builds its own engine and runner on the shared model)."""
+
+    def __init__(self, runner, into: list) -> None:
+        self.cls, self.into = type(runner), into
+
+    def __enter__(self) -> StepTimes:
+        self.original = original = self.cls.execute
+
+        def timed(runner, out):
+            t = time.perf_counter()
+            result = original(runner, out)
+            if out.scheduled:
+                self.into.append((StepShape.of(out), time.perf_counter() - t))
+            return result
+
+        self.cls.execute = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cls.execute = self.original
+
+
+def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
+    """The measured runs' steps by kind against the fitted model's price for each, and the steps
+    of one decode alone in order (medians per 100: the machine's speed over time) beside the
+    calibration's own served ones. The p50 TPOT follows the decode steps."""
+    def kind(shape: StepShape) -> str:
+        if shape.decode_seqs == shape.num_seqs:
+            return f"decode x{shape.num_seqs}" if shape.num_seqs <= 4 else "decode x5+"
+        return "prompt only" if shape.decode_seqs == 0 else "decodes + prompt"
+
+    by: dict[tuple[str, str], list[tuple[StepShape, float]]] = {}
+    for shape, t in served:
+        by.setdefault(("measured run", kind(shape)), []).append((shape, t))
+    for label, shape, t in samples:
+        source = "calibration, served" if label.startswith("served") else "calibration, grid"
+        by.setdefault((source, kind(shape)), []).append((shape, t))
+    print("| steps | kind | count | measured median ms | model median ms | median error |")
+    print("|---|---|---|---|---|---|")
+    for source, name in sorted(by):
+        steps = by[(source, name)]
+        print(f"| {source} | {name} | {len(steps)} | {statistics.median(t for _, t in steps) * 1e3:.1f} | "
+              f"{statistics.median(cost.step_time(s) for s, _ in steps) * 1e3:.1f} | "
+              f"{statistics.median(cost.step_time(s) / t - 1 for s, t in steps):+.1%} |")
+    run = [t for s, t in served if kind(s) == "decode x1"]
+    cal = [t for label, s, t in samples if label.startswith("served") and kind(s) == "decode x1"]
+    if run:
+        blocks = " ".join(f"{statistics.median(run[i:i + 100]) * 1e3:.1f}" for i in range(0, len(run), 100))
+        print(f"steps of one decode, medians per 100 in order: {blocks}; in the calibration's served part: "
+              f"{statistics.median(cal) * 1e3 if cal else float('nan'):.1f} ms ({len(cal)} steps)")
 
 
 def main() -> int:
@@ -59,6 +115,7 @@ def main() -> int:
     # Calibration and measurement alternate, round after round, so that both see the same
     # machine states; the fit pools every round's samples, the measured figures are medians.
     samples: list = []
+    served_steps: list[tuple[StepShape, float]] = []  # every runner step of the measured runs
     flops_bw: list[tuple[float, float]] = []
     measured: dict[str, list[dict]] = {p.label: [] for p in points}
     import torch
@@ -76,7 +133,8 @@ def main() -> int:
         for point in points:
             reqs = at_load(requests, point, 1.0, args.seed)
             t = time.perf_counter()
-            real = measured_sys.run(reqs, point)
+            with StepTimes(engine.runner, served_steps):
+                real = measured_sys.run(reqs, point)
             measured[point.label].append(summarize(real.timings, real.duration_s))
             print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
 
@@ -92,6 +150,7 @@ def main() -> int:
         hardware, params = cal.hardware, cal.params
     print(f"  {params}")
 
+    step_report(served_steps, samples, RooflineCostModel(hardware, model, params, hardware.dtype_bytes, 16))
     sim_sys = SimSystem(spec, options, hardware, model, params, 16)
     rows = []
     for point in points:
@@ -115,8 +174,10 @@ def main() -> int:
         runs = ", ".join(f"{v:.1f}" for v in r["measured_runs"])
         print(f"| {r['load']} | {r['metric']} | {r['measured']:.1f} | {runs} | {r['simulated']:.1f} | {r['error']:+.1%} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    steps = {"calibration": [[label, dataclasses.asdict(s), t] for label, s, t in samples],
+             "measured": [[dataclasses.asdict(s), t] for s, t in served_steps], "peaks": flops_bw}
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "hardware": hardware.description,
-                                    "params": params.to_dict(), "rows": rows, "argv": sys.argv[1:]}, indent=1))
+                                    "params": params.to_dict(), "rows": rows, "argv": sys.argv[1:], "steps": steps}))
     print(f"wrote {args.out}")
     return 0
 
