@@ -33,17 +33,41 @@ from conveyor.sim.cost import RooflineCostModel, StepShape
 from conveyor.sim.models import ModelShape
 
 
+class LevelProbe:
+    """This VM's memory bandwidth holds one of two levels for seconds to minutes
+    (docs/simulation.md). A 128 MB read, at most once a second, just before a runner step,
+    records the level over a run: about 3 ms a second, 0.3% of the run."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.buffer = torch.ones((128 << 20) // 4)
+        self.last = 0.0
+        self.levels: list[float] = []
+
+    def maybe(self) -> None:
+        now = time.perf_counter()
+        if now - self.last >= 1.0:
+            t = time.perf_counter()
+            self.buffer.sum()
+            self.levels.append(self.buffer.numel() * 4 / (time.perf_counter() - t))
+            self.last = time.perf_counter()
+
+
 class StepTimes:
     """Records (shape, seconds) of every step any runner of `runner`'s class computes while
-    active (the measured system builds its own engine and runner on the shared model)."""
+    active (the measured system builds its own engine and runner on the shared model); with a
+    `probe`, reads the bandwidth level at most once a second between steps."""
 
-    def __init__(self, runner, into: list) -> None:
-        self.cls, self.into = type(runner), into
+    def __init__(self, runner, into: list, probe: LevelProbe | None = None) -> None:
+        self.cls, self.into, self.probe = type(runner), into, probe
 
     def __enter__(self) -> StepTimes:
         self.original = original = self.cls.execute
 
         def timed(runner, out):
+            if self.probe is not None:
+                self.probe.maybe()
             t = time.perf_counter()
             result = original(runner, out)
             if out.scheduled:
@@ -99,6 +123,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="rounds of calibrate-then-measure; the fit pools all rounds, measured figures are medians")
     ap.add_argument("--repeats", type=int, default=5, help="rounds over the calibration shape grid in each round of calibrate + measure")
+    ap.add_argument("--track-level", action="store_true",
+                    help="read the bandwidth level once a second through calibration and the measured runs, "
+                         "and simulate a second time with the fitted bandwidth scaled by their ratio")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 
@@ -116,6 +143,7 @@ def main() -> int:
     # machine states; the fit pools every round's samples, the measured figures are medians.
     samples: list = []
     served_steps: list[tuple[StepShape, float]] = []  # every runner step of the measured runs
+    cal_probe, run_probe = LevelProbe(), LevelProbe()
     flops_bw: list[tuple[float, float]] = []
     measured: dict[str, list[dict]] = {p.label: [] for p in points}
     import torch
@@ -127,13 +155,14 @@ def main() -> int:
             cal_engine = engine.from_model(
                 type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
             )
-            samples += calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd)
+            samples += calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd,
+                                         between=cal_probe.maybe if args.track_level else None)
             del cal_engine
             flops_bw.append(calibrate.measure_peaks())
         for point in points:
             reqs = at_load(requests, point, 1.0, args.seed)
             t = time.perf_counter()
-            with StepTimes(engine.runner, served_steps):
+            with StepTimes(engine.runner, served_steps, run_probe if args.track_level else None):
                 real = measured_sys.run(reqs, point)
             measured[point.label].append(summarize(real.timings, real.duration_s))
             print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
@@ -151,28 +180,39 @@ def main() -> int:
     print(f"  {params}")
 
     step_report(served_steps, samples, RooflineCostModel(hardware, model, params, hardware.dtype_bytes, 16))
-    sim_sys = SimSystem(spec, options, hardware, model, params, 16)
+    variants = [("fitted", hardware)]
+    if args.track_level and cal_probe.levels and run_probe.levels:
+        # The fit's efficiencies are relative to the calibration's bandwidth; the measured runs
+        # met the machine at another level. Scale the bandwidth by the ratio of the two medians.
+        cal_level, run_level = statistics.median(cal_probe.levels), statistics.median(run_probe.levels)
+        print(f"bandwidth level, median of {len(cal_probe.levels)} reads in calibration: {cal_level / 1e9:.1f} GB/s; "
+              f"of {len(run_probe.levels)} in the measured runs: {run_level / 1e9:.1f} GB/s")
+        variants.append(("level-matched", dataclasses.replace(
+            hardware, mem_bandwidth=hardware.mem_bandwidth * run_level / cal_level)))
     rows = []
-    for point in points:
-        reqs = at_load(requests, point, 1.0, args.seed)
-        sim = sim_sys.run(reqs, point)
-        s = summarize(sim.timings, sim.duration_s)
-        for name, get in (("output tok/s", lambda x: x["output_throughput"]),
-                          ("TTFT p50 (ms)", lambda x: x["ttft_s"]["p50"] * 1e3),
-                          ("TPOT p50 (ms)", lambda x: x["tpot_s"]["p50"] * 1e3),
-                          ("TTFT p99 (ms)", lambda x: x["ttft_s"]["p99"] * 1e3),
-                          ("TPOT p99 (ms)", lambda x: x["tpot_s"]["p99"] * 1e3)):
-            values = [get(m) for m in measured[point.label]]
-            med = statistics.median(values)
-            rows.append({"load": point.label, "metric": name, "measured": med, "measured_runs": values,
-                         "simulated": get(s), "error": get(s) / med - 1})
+    for variant, hw in variants:
+        sim_sys = SimSystem(spec, options, hw, model, params, 16)
+        for point in points:
+            reqs = at_load(requests, point, 1.0, args.seed)
+            sim = sim_sys.run(reqs, point)
+            s = summarize(sim.timings, sim.duration_s)
+            for name, get in (("output tok/s", lambda x: x["output_throughput"]),
+                              ("TTFT p50 (ms)", lambda x: x["ttft_s"]["p50"] * 1e3),
+                              ("TPOT p50 (ms)", lambda x: x["tpot_s"]["p50"] * 1e3),
+                              ("TTFT p99 (ms)", lambda x: x["ttft_s"]["p99"] * 1e3),
+                              ("TPOT p99 (ms)", lambda x: x["tpot_s"]["p99"] * 1e3)):
+                values = [get(m) for m in measured[point.label]]
+                med = statistics.median(values)
+                rows.append({"simulation": variant, "load": point.label, "metric": name, "measured": med,
+                             "measured_runs": values, "simulated": get(s), "error": get(s) / med - 1})
 
     print()
-    print("| load | metric | measured (median) | measured runs | simulated | error |")
-    print("|---|---|---|---|---|---|")
+    print("| simulation | load | metric | measured (median) | measured runs | simulated | error |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         runs = ", ".join(f"{v:.1f}" for v in r["measured_runs"])
-        print(f"| {r['load']} | {r['metric']} | {r['measured']:.1f} | {runs} | {r['simulated']:.1f} | {r['error']:+.1%} |")
+        print(f"| {r['simulation']} | {r['load']} | {r['metric']} | {r['measured']:.1f} | {runs} | "
+              f"{r['simulated']:.1f} | {r['error']:+.1%} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     steps = {"calibration": [[label, dataclasses.asdict(s), t] for label, s, t in samples],
              "measured": [[dataclasses.asdict(s), t] for s, t in served_steps], "peaks": flops_bw}

@@ -134,7 +134,8 @@ def cpu_hardware(flops: float, bandwidth: float, threads: int) -> Hardware:
 
 
 def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int = 5,
-                   progress: Callable[[str], Any] | None = None) -> list[tuple[str, StepShape, float]]:
+                   progress: Callable[[str], Any] | None = None,
+                   between: Callable[[], Any] | None = None) -> list[tuple[str, StepShape, float]]:
     """Time `engine.runner.execute` over each shape of the grid: `repeats` rounds over the whole
     grid, each shape once a round, and each shape's median over the rounds.
 
@@ -167,6 +168,8 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
         runner.execute(out)  # warm-up
     for rnd in range(repeats):
         for label, out in steps:
+            if between is not None:  # untimed work between two timed steps
+                between()
             times[label].append(_timed(partial(runner.execute, out)))
         if progress is not None:
             progress(f"round {rnd + 1}/{repeats} over {len(steps)} shapes")
@@ -178,7 +181,8 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
 
 
 def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed: int = 0,
-                   progress: Callable[[str], Any] | None = None, rounds: int = 3) -> list[tuple[str, StepShape, float]]:
+                   progress: Callable[[str], Any] | None = None, rounds: int = 3,
+                   between: Callable[[], Any] | None = None) -> list[tuple[str, StepShape, float]]:
     """Serve a short mixed workload (closed loop at each concurrency: prompts 16-384 tokens,
     outputs 8-48) and time every step the runner computes: the shapes a server really runs,
     a few hundred samples beside the grid's thirty. The concurrencies take turns over `rounds`
@@ -215,6 +219,8 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
                                        SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
                     n += 1
                     in_flight += 1
+                if between is not None:
+                    between()
                 in_flight -= sum(1 for o in engine.step() if o.finished)
             if progress is not None:
                 progress(f"served at concurrency {level}: {len(samples)} steps so far")
@@ -224,12 +230,14 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
 
 
 def collect(engine: Any, repeats: int = 5, served: bool = True, seed: int = 0,
-            progress: Callable[[str], Any] | None = None) -> list[tuple[str, StepShape, float]]:
+            progress: Callable[[str], Any] | None = None,
+            between: Callable[[], Any] | None = None) -> list[tuple[str, StepShape, float]]:
     """Every calibration sample of one round: the shape grid, then (unless `served` is off) the
-    steps of a short served workload."""
-    samples = measure_runner(engine, default_grid(), repeats, progress)
+    steps of a short served workload. `between` runs, untimed, before every timed step (a
+    benchmark reads the machine's bandwidth level there)."""
+    samples = measure_runner(engine, default_grid(), repeats, progress, between)
     if served:
-        samples += measure_served(engine, seed=seed, progress=progress)
+        samples += measure_served(engine, seed=seed, progress=progress, between=between)
     return samples
 
 
