@@ -46,12 +46,11 @@ class LevelProbe:
         self.levels: list[float] = []
 
     def maybe(self) -> None:
-        now = time.perf_counter()
-        if now - self.last >= 1.0:
-            t = time.perf_counter()
+        start = time.perf_counter()
+        if start - self.last >= 1.0:
             self.buffer.sum()
-            self.levels.append(self.buffer.numel() * 4 / (time.perf_counter() - t))
             self.last = time.perf_counter()
+            self.levels.append(self.buffer.numel() * 4 / (self.last - start))
 
 
 class StepTimes:

@@ -522,6 +522,13 @@ inline void team_linear(const float* x, const void* w, float* y, int64_t M, int6
     for (int64_t i = 0; i < M * K; ++i) xs[i] = x[i] * inv_smooth[i % K];
     x = xs;
   }
+  // Row m's result for column n, from tmp row r: plus the bias, stored or added to y.
+  auto finish = [&](int64_t r, int64_t m, int64_t n) {
+    float v = tmp[r * N + n];
+    if (bias != nullptr) v += bias[n];
+    float* out = y + m * N + n;
+    *out = accumulate ? *out + v : v;
+  };
   if (scale == nullptr && M > SMALL_ROWS) {  // float32 register tiles, as in skinny_linear
     const float* wf = static_cast<const float*>(w);
 #pragma omp for schedule(static)
@@ -529,12 +536,7 @@ inline void team_linear(const float* x, const void* w, float* y, int64_t M, int6
       const int64_t n0 = b * TILE_N, nr = std::min(TILE_N, N - n0);
       tile_block(x, wf + n0 * K, tmp + n0, M, K, N, nr);
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n0 + nr; ++n) {
-          float v = tmp[m * N + n];
-          if (bias != nullptr) v += bias[n];
-          float* out = y + m * N + n;
-          *out = accumulate ? *out + v : v;
-        }
+        for (int64_t n = n0; n < n0 + nr; ++n) finish(m, m, n);
     }
     return;
   }
@@ -546,22 +548,15 @@ inline void team_linear(const float* x, const void* w, float* y, int64_t M, int6
     const int64_t m1 = std::min<int64_t>(M, m0 + 8), rows = m1 - m0;
 #pragma omp for schedule(guided)
     for (int64_t n = 0; n < N; ++n) {
-      int64_t m = m0;
       if (scale != nullptr) {
         const int8_t* wr = static_cast<const int8_t*>(w) + n * K;
+        int64_t m = m0;
         for (; m + 2 <= m1; m += 2) dots_q8<2>(x + m * K, wr, tmp + (m - m0) * N + n, K, N, scale[n]);
         if (m < m1) dots_q8<1>(x + m * K, wr, tmp + (m - m0) * N + n, K, N, scale[n]);
       } else {
-        const float* wr = static_cast<const float*>(w) + n * K;
-        for (; m + 2 <= m1; m += 2) dots<2>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
-        if (m < m1) dots<1>(x + m * K, wr, tmp + (m - m0) * N + n, K, N);
+        stream_row(x + m0 * K, static_cast<const float*>(w) + n * K, tmp + n, rows, K, N);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float v = tmp[r * N + n];
-        if (bias != nullptr) v += bias[n];
-        float* out = y + (m0 + r) * N + n;
-        *out = accumulate ? *out + v : v;
-      }
+      for (int64_t r = 0; r < rows; ++r) finish(r, m0 + r, n);
     }
   }
 }
@@ -575,21 +570,21 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
                                int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale,
                                int64_t window, const int64_t* ids, const float* embed, const float* final_norm) {
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
-  std::vector<float> xn(M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(M * I);
-  std::vector<float> tmp(std::max<int64_t>(M, 8) * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
-  std::vector<float> xs(M * std::max<int64_t>(std::max(H, nh * hd), I));  // smoothed int8 inputs
   const int64_t threads = omp_get_max_threads(), parts = head_parts(M, nkv, threads), G = nh / nkv;
   // Up to SMALL_ROWS rows each thread computes the norms and SiLU(gate) * up of every row itself,
   // into its own buffers: a few microseconds of redundant arithmetic instead of a barrier, whose
   // cost (a thread waiting for the other to finish its half of the weights) is several times more
   // at batch 1 (benchmarks/batch1_ab.py). Larger steps share one buffer, each row computed once.
   const bool redundant = M <= SMALL_ROWS;
-  std::vector<float> own_xn(redundant ? threads * M * H : 0), own_act(redundant ? threads * M * I : 0);
+  const int64_t copies = redundant ? threads : 1;  // of the norm and SiLU buffers
+  std::vector<float> xn(copies * M * H), qkv(M * qkv_n), attn(M * nh * hd), gu(M * 2 * I), act(copies * M * I);
+  std::vector<float> tmp(std::max<int64_t>(M, 8) * std::max<int64_t>(std::max(qkv_n, 2 * I), H));
+  std::vector<float> xs(M * std::max<int64_t>(std::max(H, nh * hd), I));  // smoothed int8 inputs
 #pragma omp parallel
   {
   const int64_t tid = omp_get_thread_num();
-  float* my_xn = redundant ? own_xn.data() + tid * M * H : xn.data();
-  float* my_act = redundant ? own_act.data() + tid * M * I : act.data();
+  float* my_xn = xn.data() + (redundant ? tid : 0) * M * H;
+  float* my_act = act.data() + (redundant ? tid : 0) * M * I;
   auto norm_rows = [&](const float* w) {
     if (redundant) {
       for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, w, my_xn + m * H, H, eps);

@@ -317,17 +317,15 @@ class FusedDecode:
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
         kv_half = kv_caches[0].dtype == torch.float16
         tables, ctx = meta.decode_blocks.contiguous(), meta.decode_context_lens.contiguous()
-        positions = positions.contiguous()
         if self.fold_ends:
             x = torch.empty((input_ids.shape[0], self.dims[0]), dtype=torch.float32)
-            self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions,
-                        meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window,
-                        kv_half, input_ids.contiguous(), self.embed.weight, self.norm.weight)
-            return x
-        x = self.embed(input_ids).contiguous()
-        self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions,
-                    meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window, kv_half)
-        return self.norm(x)
+            ends = (input_ids.contiguous(), self.embed.weight, self.norm.weight)
+        else:
+            x, ends = self.embed(input_ids).contiguous(), ()
+        self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions.contiguous(),
+                    meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window, kv_half,
+                    *ends)
+        return x if self.fold_ends else self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):

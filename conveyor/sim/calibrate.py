@@ -139,10 +139,11 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
     """Time `engine.runner.execute` over each shape of the grid: `repeats` rounds over the whole
     grid, each shape once a round, and each shape's median over the rounds.
 
-    This VM's memory bandwidth switches between about 30 and 55 GB/s, holding each for seconds to minutes, and a
-    batch-1 decode step between about 19.5 and 14.5 ms with it (docs/simulation.md). Repeats
-    timed back to back catch one level per shape; rounds spread every shape over the whole
-    calibration, so that the fit sees each at the machine's usual mix of the two."""
+    This VM's memory bandwidth switches between about 30 and 55 GB/s, holding each for seconds
+    to minutes, and a batch-1 decode step between about 19.5 and 14.5 ms with it
+    (docs/simulation.md). Repeats timed back to back catch one level per shape; rounds spread
+    every shape over the whole calibration, so that the fit sees each at the machine's usual mix
+    of the two."""
     from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
     from conveyor.sampling_params import SamplingParams
 
