@@ -19,16 +19,9 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels import FLAGS, SOURCE
+from conveyor.kernels import SOURCE, _build
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def build(source: bytes, folder: Path, name: str) -> ctypes.CDLL:
-    cpp, so = folder / f"{name}.cpp", folder / f"{name}.so"
-    cpp.write_bytes(source)
-    subprocess.run(["g++", *FLAGS, str(cpp), "-o", str(so)], check=True)
-    return ctypes.CDLL(str(so))
 
 
 def call(lib: ctypes.CDLL, q, k, v, tables, ctx, out, half: int) -> None:
@@ -47,7 +40,10 @@ def main() -> None:
     base = subprocess.run(["git", "show", f"{args.base}:conveyor/kernels/cpu_kernels.cpp"], cwd=ROOT,
                           capture_output=True, check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.base: build(base, Path(tmp), "base"), "working tree": build(SOURCE.read_bytes(), Path(tmp), "new")}
+        # Plain CDLL, not kernels.load: an old revision lacks symbols load declares; `call` passes
+        # every argument as its ctypes type.
+        libs = {name: ctypes.CDLL(str(_build(Path(tmp), source)))
+                for name, source in ((args.base, base), ("working tree", SOURCE.read_bytes()))}
         torch.manual_seed(0)
         print(f"threads {torch.get_num_threads()}; ms per call (one layer), median of {args.rounds} alternated rounds")
         print(f"| heads / KV heads | decodes x context | cache | {args.base} | working tree | speedup |")
