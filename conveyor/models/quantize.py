@@ -16,11 +16,13 @@ other channel to a handful of levels. Two exact rescalings fix most of that:
   does not depend on the batch: see `Int8Linear`).
 
 What remains is int8 rounding of weights (per output row) and of activations (per row, 8-bit
-unsigned with a zero point); BENCHMARKS.md measures what it costs against float32.
+unsigned with a zero point; 7-bit on CPUs without AVX-512 VNNI, see `seven_bit_activations`);
+BENCHMARKS.md measures what it costs against float32.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -49,6 +51,26 @@ def int8_supported() -> bool:
     """fbgemm's int8 GEMMs are in this torch build (x86 CPUs)."""
     engines = torch.backends.quantized.supported_engines
     return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+@functools.cache
+def seven_bit_activations() -> bool:
+    """Whether activations must be quantized to 7 bits (fbgemm's `reduce_range`) on this CPU.
+
+    Without AVX-512 VNNI, fbgemm multiplies u8 activations by s8 weights with `vpmaddubsw`,
+    which adds each pair of products in 16 bits and saturates: with 8-bit activations spanning
+    [-1, 1] and weights scaled to their row's max, pairs near the maxima overflow. On an AVX2
+    EPYC (no VNNI) that gave a 4.8% relative error on plain Gaussian inputs, 1.4% with 7 bits.
+    With VNNI (`vpdpbusd`, 32-bit sums) nothing saturates and 8 bits halve the 7-bit error
+    (BENCHMARKS.md, measured on a Zen 4 EPYC). Off Linux the flags are unknown: 7 bits."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_vnni" not in line.split()
+    except OSError:
+        pass
+    return True
 
 
 class Int8Linear(nn.Module):
@@ -93,11 +115,7 @@ class Int8Linear(nn.Module):
             buffer, row_max = self.prepare(x, self.inv_smooth)
         else:
             buffer, row_max = self._prepare(x)
-        # reduce_range=False: 8-bit activations. fbgemm's AVX2 path sums pairs of u8 x s8
-        # products in 16 bits, which can saturate only where two neighbouring weights and
-        # inputs are all near their maxima; the measured error (BENCHMARKS.md) is half the
-        # 7-bit alternative's.
-        y = torch.ops.quantized.linear_dynamic(buffer, self.packed, False).mul_(row_max)
+        y = torch.ops.quantized.linear_dynamic(buffer, self.packed, seven_bit_activations()).mul_(row_max)
         return y if self.bias is None else y.add_(self.bias)
 
     def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
