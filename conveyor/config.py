@@ -54,6 +54,17 @@ class ModelConfig:
             "(the model's dtype)."
         ),
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_help("CUDA: never capture CUDA graphs; every step launches its kernels one by one."),
+    )
+    cuda_graph_max_batch: int = field(
+        default=256,
+        metadata=_help(
+            "CUDA: decode steps of up to this many sequences (capped by max_num_seqs) replay "
+            "captured CUDA graphs, padded to the next captured size (1, 2, 4, 8, 16, ...)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         allowed = ("auto", "float32", "float64", "float16", "bfloat16")
@@ -67,6 +78,11 @@ class ModelConfig:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
         if self.quantization not in (None, "int8"):
             raise ConfigError(f"quantization={self.quantization!r}: use 'int8' or leave it unset")
+        if self.cuda_graph_max_batch < 1:
+            raise ConfigError(
+                f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be at least 1 "
+                "(enforce_eager=True turns CUDA graphs off)"
+            )
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,16 @@ class SchedulerConfig:
     kv_reservation: str = field(
         default="on_demand",
         metadata=_help("on_demand (paged, blocks as needed) or reserve (prompt + max_tokens reserved at admission; never preempts)."),
+    )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_help(
+            "Schedule step t+1 and launch it before step t's tokens are back, so that the host's "
+            "work (scheduling, outputs, detokenizing) runs while the device computes (SGLang's "
+            "overlap scheduler, vLLM's async scheduling). Outputs are the same; a request that "
+            "stops on EOS or a stop string costs one extra decode. Pays off on a GPU; on a CPU "
+            "the runner computes in the calling thread and nothing overlaps."
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -2,7 +2,9 @@
 
 One `step()` is one iteration: the scheduler picks the batch, the runner computes it once, the
 scheduler appends the sampled tokens and frees whatever finished. Detokenization and stop
-strings live here, between the scheduler and the caller.
+strings live here, between the scheduler and the caller. With `async_scheduling`, a `step()`
+schedules and launches the next iteration before it completes the previous one, so the host's
+work overlaps the device's (SGLang's overlap scheduler).
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ class RequestRecord:
 
 
 @dataclass(slots=True)
+class _InFlight:
+    """A step launched and not yet completed (async scheduling)."""
+
+    scheduled: SchedulerOutput
+    handle: Any  # the runner's step handle: `result() -> RunnerOutput`
+    start: float
+
+
+@dataclass(slots=True)
 class _Request:
     request_id: str
     prompt: str | None
@@ -109,6 +120,10 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._next_seq_id = 0
+        # Async scheduling needs a runner that launches a step without waiting for it (the
+        # simulator's runner prices a step at once: it keeps the plain loop).
+        self._async = config.scheduler.async_scheduling and hasattr(runner, "submit")
+        self._in_flight: _InFlight | None = None
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -227,9 +242,11 @@ class Engine:
             max_len,
             eos_ids,
         )
+        mc = config.model
         runner = ModelRunner(
             model, num_blocks, config.cache.block_size, dtype, device,
-            seed=config.model.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype,
+            seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
+            cuda_graph_max_batch=0 if mc.enforce_eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         )
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
@@ -322,7 +339,7 @@ class Engine:
         return self._finish_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -330,21 +347,54 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs of requests that finished or (if streamed) moved."""
+        """Run one iteration; return outputs of requests that finished or (if streamed) moved.
+
+        With async scheduling (and a runner that can launch a step without waiting for it),
+        a call schedules and launches the next step, then completes the one launched before:
+        the outputs are that earlier step's."""
+        if self._async:
+            return self._step_async()
         start = self.clock()
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
-            if sched_out.finished_seq_ids:
-                self.runner.execute(sched_out)  # computes nothing; the runner drops their state
-            if sched_out.preempted_seq_ids:
-                # Nothing to compute, but the step preempted (a displacement): keep it in the
-                # trace, and go on at once.
-                self._record(sched_out, start, self.clock() - start)
-            elif self.scheduler.has_unfinished():
-                self._idle(self.scheduler.next_wakeup())
+            self._nothing_to_run(sched_out, start)
             return []
         run_out = self.runner.execute(sched_out)
         now = self._after_run(start, run_out)
+        return self._complete(sched_out, run_out, start, now)
+
+    def _step_async(self) -> list[RequestOutput]:
+        while True:
+            start = self.clock()
+            sched_out = self.scheduler.schedule(start)
+            launched = None
+            if not sched_out.is_empty:
+                launched = _InFlight(sched_out, self.runner.submit(sched_out), start)  # type: ignore[attr-defined]
+            elif self._in_flight is not None:
+                self._nothing_to_run(sched_out, start, idle=False)
+            previous, self._in_flight = self._in_flight, launched
+            if previous is not None:
+                run_out = previous.handle.result()
+                return self._complete(previous.scheduled, run_out, previous.start, self.clock())
+            if launched is None:
+                self._nothing_to_run(sched_out, start)
+                return []
+            # The first step after a pause: launch its successor too before completing it,
+            # so that every call with work completes one step.
+
+    def _nothing_to_run(self, sched_out: SchedulerOutput, start: float, idle: bool = True) -> None:
+        if sched_out.finished_seq_ids:
+            self.runner.execute(sched_out)  # computes nothing; the runner drops their state
+        if sched_out.preempted_seq_ids:
+            # Nothing to compute, but the step preempted (a displacement): keep it in the
+            # trace, and go on at once.
+            self._record(sched_out, start, self.clock() - start)
+        elif idle and self.scheduler.has_unfinished():
+            self._idle(self.scheduler.next_wakeup())
+
+    def _complete(
+        self, sched_out: SchedulerOutput, run_out: RunnerOutput, start: float, now: float
+    ) -> list[RequestOutput]:
         updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs)
         self._record(sched_out, start, now - start)
 

@@ -3,6 +3,12 @@
 A prefill, a chunk of a prefill, a decode and a resume after preemption are the same rule: the
 scheduler grants a sequence `n` tokens to compute, and when computed reaches the total the
 runner samples one more token. No torch here.
+
+The scheduler counts a granted token as computed when it schedules it, and a token to be
+sampled as known: it appends `PLACEHOLDER` to `token_ids` at once and `Scheduler.update` puts
+the sampled id in its place. With async scheduling the next step is scheduled before the last
+one's tokens are back, so a sequence may hold a placeholder (two at most) while it is scheduled
+again: the runner reads that decode's input from the previous step's sampled tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import enum
 from dataclasses import dataclass, field
 
 from conveyor.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # a sampled token not back from the runner yet (see the module docstring)
 
 
 class SequenceStatus(enum.Enum):
@@ -72,6 +80,7 @@ class Sequence:
         "finish_reason",
         "metrics",
         "num_computed_tokens",
+        "num_pending",
         "num_preemptions",
         "prompt_len",
         "request_id",
@@ -96,6 +105,7 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing PLACEHOLDERs in token_ids: tokens the runner still owes
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -105,10 +115,17 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens to compute: the prompt, the outputs and any pending placeholders."""
         return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Outputs the runner has returned (pending placeholders not counted)."""
+        return len(self.token_ids) - self.prompt_len - self.num_pending
+
+    @property
+    def num_scheduled_outputs(self) -> int:
+        """Outputs returned or owed: what the scheduler has already committed to."""
         return len(self.token_ids) - self.prompt_len
 
     @property
@@ -117,7 +134,14 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+        """The outputs returned so far (never a placeholder)."""
+        return self.token_ids[self.prompt_len : len(self.token_ids) - self.num_pending]
+
+    def resolve(self, token: int) -> None:
+        """The runner returned the oldest pending token: it replaces that placeholder."""
+        assert self.num_pending > 0, self
+        self.token_ids[len(self.token_ids) - self.num_pending] = token
+        self.num_pending -= 1
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -135,5 +159,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"computed={self.num_computed_tokens}, pending={self.num_pending}, blocks={len(self.block_table)})"
         )

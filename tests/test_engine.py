@@ -201,3 +201,94 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path))
+
+
+# -- async scheduling: step t+1 launched before step t's tokens are back --------------------
+class CountPending:
+    """Wraps `runner.submit` to count decodes whose input token was still pending."""
+
+    def __init__(self, engine) -> None:
+        from conveyor.sequence import PLACEHOLDER
+
+        self.count = 0
+        submit = engine.runner.submit
+
+        def counted(out):
+            self.count += sum(1 for it in out.scheduled if it.token_ids == [PLACEHOLDER])
+            return submit(out)
+
+        engine.runner.submit = counted
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_kv_blocks=256),
+        dict(num_kv_blocks=256, max_num_batched_tokens=16, block_size=4),  # chunked prompts
+        dict(num_kv_blocks=14, block_size=8),  # preemption by recompute
+        dict(num_kv_blocks=14, block_size=8, preemption_mode="swap"),
+        dict(num_kv_blocks=256, prefill_mode="prefill_first"),
+    ],
+    ids=["roomy", "chunked", "recompute", "swap", "prefill_first"],
+)
+def test_async_scheduling_gives_the_same_tokens(model_dir, reference, options):
+    prompts, params, alone = reference
+    llm = LLM(model_dir, dtype="float64", async_scheduling=True, **options)
+    counter = CountPending(llm.engine)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == alone
+    assert counter.count > 100  # decodes really were launched before their input came back
+    if options.get("num_kv_blocks") == 14:
+        assert llm.engine.scheduler.num_preemptions > 0
+    check_blocks_free(llm)
+
+
+def test_async_scheduling_with_early_stops_penalties_seeds_and_logprobs(model_dir, reference):
+    """Requests that stop on a token (one decode wasted), penalties (the pending token read
+    back for the history), seeded sampling and logprobs: the same results as without."""
+    prompts, _, alone = reference
+    stops = [a[len(a) // 2] for a in alone]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stops[0]]),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3),
+    ] * 4
+    chosen = prompts[: len(params)]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(model_dir, dtype="float64", num_kv_blocks=256, async_scheduling=async_scheduling)
+        outs = llm.generate(chosen, params, use_tqdm=False)
+        results.append(outs)
+        check_blocks_free(llm)
+    sync, overlapped = results
+    assert tokens(overlapped) == tokens(sync)
+    assert [o.outputs[0].finish_reason for o in overlapped] == [o.outputs[0].finish_reason for o in sync]
+    assert any(o.outputs[0].finish_reason == "stop" for o in sync)
+    for a, b in zip(sync, overlapped, strict=True):
+        if a.outputs[0].logprobs is not None:
+            assert [(lp.token_id, round(lp.logprob, 9)) for lp in a.outputs[0].logprobs] == [
+                (lp.token_id, round(lp.logprob, 9)) for lp in b.outputs[0].logprobs
+            ]
+
+
+def test_async_scheduling_abort_while_a_step_is_in_flight(model_dir):
+    llm = LLM(model_dir, dtype="float64", num_kv_blocks=64, block_size=4, async_scheduling=True)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 40)), sp)
+    engine.add_request("b", list(range(3, 20)), sp)
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None  # the next step is launched, its tokens pending
+    out = engine.abort_request("a")
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    assert -1 not in out.outputs[0].token_ids  # a pending placeholder is never an output
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["b"]
+    assert len(finished[0].outputs[0].token_ids) == 20
+    assert engine._in_flight is None
+    check_blocks_free(llm)

@@ -28,7 +28,7 @@ from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
 from conveyor.sampling_params import SamplingParams
-from conveyor.sequence import FinishReason, Sequence, SequenceStatus
+from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -300,7 +300,7 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             in_prefill = seq.num_uncomputed_tokens > 1
-            if only is not None and in_prefill != (only == "prefill"):
+            if (only is not None and in_prefill != (only == "prefill")) or self._owes_last_token(seq):
                 kept.append(seq)
                 continue
             num_new = self._prefill_chunk(seq, budget) if in_prefill else min(1, budget)
@@ -403,19 +403,29 @@ class Scheduler:
         return fresh
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        """Put `num_new` tokens of `seq` into the step. They count as computed from now on, and
+        a token to be sampled is appended as a placeholder (`Sequence`): the next schedule,
+        before or after `update`, sees the sequence as the step leaves it."""
         start = seq.num_computed_tokens
+        sample = start + num_new == seq.num_tokens
         out.scheduled.append(
             ScheduledSequence(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start : start + num_new],
                 start_pos=start,
-                block_table=seq.block_table,
-                sample=start + num_new == seq.num_tokens,
+                # Snapshots when the step may still be running while the next one is scheduled
+                # (the block manager and `update` change these lists in place).
+                block_table=list(seq.block_table) if self.config.async_scheduling else seq.block_table,
+                sample=sample,
                 sampling_params=seq.sampling_params,
                 all_token_ids=seq.token_ids,
                 prompt_len=seq.prompt_len,
             )
         )
+        seq.num_computed_tokens = start + num_new
+        if sample:
+            seq.token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
 
     def _pick_victim(self, candidates: Iterable[Sequence]) -> Sequence:
         """The least valuable candidate (the last in policy order), sparing sequences already
@@ -460,19 +470,23 @@ class Scheduler:
         now: float,
         logprobs: dict[int, tuple[float, list[tuple[int, float]] | None]] | None = None,
     ) -> list[SequenceUpdate]:
-        """Advance computed counts, append sampled tokens, finish on EOS / length limits."""
+        """Put the sampled tokens in place of their placeholders, finish on EOS / length limits.
+
+        With async scheduling the next step has already been scheduled: a sequence finished
+        here has a useless share in it, which the next `update` skips."""
         updates: list[SequenceUpdate] = []
         progressed: list[Sequence] = []
         for item in out.scheduled:
             seq = self._by_id.get(item.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += len(item.token_ids)
+            if seq is None:
+                continue  # finished or aborted while the step ran
             if not item.sample:
                 updates.append(SequenceUpdate(seq, None))
                 continue
+            # The token counts even if the next schedule (async) has preempted the sequence
+            # since: this step ran on its blocks before anything could reuse them.
             token = sampled[item.seq_id]
-            seq.token_ids.append(token)
+            seq.resolve(token)
             metrics = seq.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -499,9 +513,17 @@ class Scheduler:
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FinishReason.STOP
-        if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= params.max_tokens or seq.num_tokens - seq.num_pending >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _owes_last_token(self, seq: Sequence) -> bool:
+        """Whether a pending token will end `seq` by length, so it must not be scheduled again
+        (only with async scheduling is a sequence scheduled while a token is pending)."""
+        return seq.num_pending > 0 and (
+            seq.num_scheduled_outputs >= seq.sampling_params.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        )
 
     # -- checks ----------------------------------------------------------------------------
     def check_integrity(self) -> None:

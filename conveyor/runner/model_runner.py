@@ -15,7 +15,41 @@ from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.models.attention import build_metadata
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.runner.base import RunnerOutput
+from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, prepare
+from conveyor.sequence import PLACEHOLDER
+
+
+class StepHandle:
+    """One launched step. `result()` waits for it and returns its `RunnerOutput`; on CUDA the
+    sampled ids come to the host through pinned memory after an event, the step's one sync."""
+
+    def __init__(self, output: RunnerOutput, start: float, cuda: bool,
+                 seq_ids: list[int] | None = None, tokens: torch.Tensor | None = None) -> None:
+        self.output = output
+        self._start = start
+        self._seq_ids = seq_ids
+        self._host = tokens
+        self._event = None
+        if cuda:
+            if tokens is not None:
+                self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:  # computed already: the step's time is known now
+            output.duration_s = time.perf_counter() - start
+
+    def result(self) -> RunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+            self.output.duration_s = time.perf_counter() - self._start  # launch to done
+            self._event = None
+        if self._seq_ids is not None:
+            assert self._host is not None
+            self.output.sampled = dict(zip(self._seq_ids, self._host.tolist(), strict=True))
+            self._seq_ids = self._host = None
+        return self.output
 
 
 class ModelRunner:
@@ -29,6 +63,8 @@ class ModelRunner:
         seed: int = 0,
         num_swap_blocks: int = 0,
         kv_dtype: torch.dtype | None = None,
+        max_model_len: int | None = None,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -38,7 +74,10 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         self.sliding_window = arch.sliding_window
-        slots = num_blocks * block_size
+        # One block more than the scheduler hands out: the scratch block that padded rows of a
+        # graphed decode step write to and read from (`GraphedDecode`).
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
         # Zeroed, not just allocated: attention reads whole blocks and hides the unused slots
         # with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
         self.kv_caches = [
@@ -56,6 +95,16 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed, device)
         self._generators: dict[int, torch.Generator] = {}
+        # The last submitted step's sampled ids (on the device) and each sequence's row in
+        # them: where a decode of a pending token (async scheduling) reads its input.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[int, int] = {}
+        self._last_handle: StepHandle | None = None
+        self.graphs: GraphedDecode | None = None
+        if cuda_graph_max_batch and device.type == "cuda":
+            max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
+            self.graphs = GraphedDecode(model, self.kv_caches, block_size, max_blocks, self.scratch_block,
+                                        cuda_graph_max_batch)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -83,8 +132,17 @@ class ModelRunner:
             dv = d.view(2, -1, bs, *d.shape[2:])
             dv[:, dst_ids.to(dv.device)] = sv[:, src_ids.to(sv.device)].to(dv.device, non_blocking=True)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.submit(scheduler_output).result()
+
+    @torch.inference_mode()
+    def submit(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch one step and return at once; `result()` waits for its tokens.
+
+        On CUDA the kernels run asynchronously: the engine schedules and launches the next step
+        before it asks for this one's tokens (async scheduling). A decode of a token that is
+        still pending (`PLACEHOLDER`) takes its input from the previous step's sampled ids,
+        on the device. On CPU the step is computed here, before this returns."""
         start = time.perf_counter()
         for seq_id in scheduler_output.finished_seq_ids:
             self._generators.pop(seq_id, None)
@@ -94,52 +152,84 @@ class ModelRunner:
         if scheduler_output.blocks_to_swap_in:
             self._copy_blocks(self.swap_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
         items = sorted(scheduler_output.scheduled, key=lambda s: len(s.token_ids) > 1)
+        cuda = self.device.type == "cuda"
         if not items:
-            return RunnerOutput(sampled={}, duration_s=0.0)
+            return StepHandle(RunnerOutput(sampled={}), start, cuda)
 
         token_ids: list[int] = []
+        pending_rows: list[int] = []  # rows whose input is the previous step's sampled token
+        pending_from: list[int] = []  # ... at this row of that step's ids
         for it in items:
-            token_ids.extend(it.token_ids)
+            if it.token_ids[-1] == PLACEHOLDER:  # only ever a decode's single token
+                pending_rows.append(len(token_ids))
+                pending_from.append(self._last_rows[it.seq_id])
+                token_ids.append(0)
+            else:
+                token_ids.extend(it.token_ids)
         num_new = [len(it.token_ids) for it in items]
-        meta = build_metadata(
-            [it.block_table for it in items],
-            [it.start_pos for it in items],
-            num_new,
-            self.block_size,
-            self.device,
-            self.sliding_window,
-            self.dtype,
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if pending_rows:
+            assert self._last_tokens is not None
+            index = torch.tensor(pending_from, dtype=torch.long).to(self.device, non_blocking=True)
+            rows = torch.tensor(pending_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            input_ids[rows] = self._last_tokens[index]
+        graphs = self.graphs
+        if graphs is not None and graphs.applies(len(items), len(token_ids) == len(items)):
+            bs = self.block_size
+            positions = [it.start_pos for it in items]
+            slots = [it.block_table[p // bs] * bs + p % bs for it, p in zip(items, positions, strict=True)]
+            hidden = graphs(input_ids, positions, slots, [it.block_table for it in items])
+        else:
+            meta = build_metadata(
+                [it.block_table for it in items],
+                [it.start_pos for it in items],
+                num_new,
+                self.block_size,
+                self.device,
+                self.sliding_window,
+                self.dtype,
+            )
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
 
-        rows: list[int] = []
+        rows_out: list[int] = []
         samplers: list[ScheduledSequence] = []
         end = 0
         for it, n in zip(items, num_new, strict=True):
             end += n
             if it.sample:
-                rows.append(end - 1)
+                rows_out.append(end - 1)
                 samplers.append(it)
-        output = RunnerOutput(sampled={})
-        if samplers:
-            picked = hidden if len(rows) == hidden.shape[0] else hidden[rows]  # decode steps: every row, in order
-            logits = self.model.compute_logits(picked).float()
-            batch = prepare(
-                [it.sampling_params for it in samplers],
-                [self._generator(it) for it in samplers],
-                [it.all_token_ids for it in samplers],
-                [it.prompt_len for it in samplers],
-            )
-            tokens, logprobs = self.sampler(logits, batch)
-            output.sampled = {it.seq_id: tok for it, tok in zip(samplers, tokens, strict=True)}
-            if logprobs is not None:
-                output.logprobs = {
-                    it.seq_id: lp
-                    for it, lp in zip(samplers, logprobs, strict=True)
-                    if it.sampling_params.logprobs is not None
-                }
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        output.duration_s = time.perf_counter() - start
-        return output
+        if not samplers:
+            return StepHandle(RunnerOutput(sampled={}), start, cuda)
+        picked = hidden if len(rows_out) == hidden.shape[0] else hidden[rows_out]  # decode steps: every row, in order
+        logits = self.model.compute_logits(picked).float()
+        batch = prepare(
+            [it.sampling_params for it in samplers],
+            [self._generator(it) for it in samplers],
+            [self._history(it) for it in samplers],
+            [it.prompt_len for it in samplers],
+        )
+        tokens, logprobs = self.sampler.sample(logits, batch)
+        self._last_tokens = tokens
+        self._last_rows = {it.seq_id: row for row, it in enumerate(samplers)}
+        handle = StepHandle(RunnerOutput(sampled={}), start, cuda, [it.seq_id for it in samplers], tokens)
+        if logprobs is not None:
+            handle.output.logprobs = {
+                it.seq_id: lp
+                for it, lp in zip(samplers, logprobs, strict=True)
+                if it.sampling_params.logprobs is not None
+            }
+        self._last_handle = handle
+        return handle
+
+    def _history(self, item: ScheduledSequence) -> list[int]:
+        """The tokens before this step's sampled one, for penalties (others get none). A
+        token still pending (async scheduling) is read from the previous step: a sync, paid
+        only by requests with penalties."""
+        if not item.sampling_params.needs_penalties:
+            return []
+        history = item.all_token_ids[: item.context_len]
+        if history and history[-1] == PLACEHOLDER:
+            assert self._last_handle is not None
+            history[-1] = self._last_handle.result().sampled[item.seq_id]
+        return history

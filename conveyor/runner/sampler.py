@@ -69,14 +69,23 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[tuple[float, TopLogprobs | None]] | None]:
         """`logits` is `[rows, vocab]` float32. Returns token ids and, if asked, logprobs."""
+        tokens, logprobs = self.sample(logits, batch)
+        return tokens.tolist(), logprobs
+
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, list[tuple[float, TopLogprobs | None]] | None]:
+        """The sampled ids as a tensor on the logits' device, and the logprobs if asked.
+
+        Without logprobs nothing here waits for the device: the caller copies the ids to the
+        host when it needs them (the one sync of a step)."""
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits.clone(), batch)
         tokens = self._greedy(logits) if batch.all_greedy else self._sample(logits, batch)
-        token_list: list[int] = tokens.tolist()
         if batch.max_logprobs is None:
-            return token_list, None
-        return token_list, self._logprobs(raw, tokens, batch)
+            return tokens, None
+        return tokens, self._logprobs(raw, tokens, batch)
 
     # -- steps ---------------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -115,8 +124,8 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(tp < 1.0 for tp in top_p):
             scaled = self._top_k_top_p(scaled, params)
         probs = torch.softmax(scaled, dim=-1)
-        min_ps = torch.tensor([p.min_p for p in params], device=dev)
-        if bool((min_ps > 0).any()):
+        if any(p.min_p > 0 for p in params):  # decided on the host: no sync
+            min_ps = torch.tensor([p.min_p for p in params], device=dev)
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
 

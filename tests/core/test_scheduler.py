@@ -20,7 +20,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from conveyor.sampling_params import SamplingParams
-from conveyor.sequence import FinishReason, Sequence, SequenceStatus
+from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 from tests.core.helpers import (
     EOS,
     STOP_TOKEN,
@@ -121,12 +121,15 @@ def check_after_schedule(
         assert seq is not None and seq.status is SequenceStatus.RUNNING
         end = item.start_pos + len(item.token_ids)
         assert len(item.token_ids) >= 1
-        assert item.start_pos == seq.num_computed_tokens
+        # Scheduled tokens count as computed at once; a token to sample is a placeholder.
+        assert end == seq.num_computed_tokens
         assert item.token_ids == seq.token_ids[item.start_pos : end]
         assert item.block_table is seq.block_table
         # Covers every token it will hold after the step, and no block more.
         assert len(item.block_table) == blocks_for(end, bs)
-        assert item.sample == (end == seq.num_tokens)
+        assert item.sample == (seq.num_pending == 1)
+        assert end == seq.num_tokens - seq.num_pending if item.sample else end < seq.num_tokens
+        assert PLACEHOLDER not in item.token_ids
         if cfg.prefill_mode != "chunked" and item.start_pos == 0 and seq.num_output_tokens == 0:
             assert item.sample, "chunked prefill is off but a prompt was split"
     scheduled = set(ids)

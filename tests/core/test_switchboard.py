@@ -489,10 +489,11 @@ class Checker:
             end = item.start_pos + len(item.token_ids)
             assert seq.status is SequenceStatus.RUNNING
             assert len(item.token_ids) >= 1
-            assert item.start_pos == seq.num_computed_tokens
+            assert end == seq.num_computed_tokens  # counted as computed at once
             assert item.token_ids == seq.token_ids[item.start_pos : end]
             assert item.block_table is seq.block_table
-            assert item.sample == (end == seq.num_tokens)
+            assert item.sample == (seq.num_pending == 1)  # the token to sample is a placeholder
+            assert end == seq.num_tokens - seq.num_pending if item.sample else end < seq.num_tokens
             if cfg.kv_reservation == "on_demand":
                 assert len(item.block_table) == blocks_for(end, bs)
         for seq in sched.running:
@@ -548,8 +549,9 @@ class Checker:
         assert sched.num_swaps_in - self.num_swapped_in == len(swapped_in)
         self.num_swapped_in = sched.num_swaps_in
         assert len(out.blocks_to_swap_in) == sum(len(before.tables[s.seq_id]) for s in swapped_in)
-        for s in swapped_in:
-            assert s.num_computed_tokens == before.computed[s.seq_id]
+        new_tokens = {item.seq_id: len(item.token_ids) for item in out.scheduled}
+        for s in swapped_in:  # resumes where it left off (and this step's tokens count)
+            assert s.num_computed_tokens == before.computed[s.seq_id] + new_tokens[s.seq_id]
         if cfg.preemption_mode == "recompute" or self.board.num_swap_blocks == 0:
             assert not (out.blocks_to_swap_out or out.blocks_to_swap_in or sched.swapped)
 
@@ -570,8 +572,9 @@ class Checker:
                 assert item.start_pos == 0 and len(item.token_ids) == seq.prompt_len, item
             else:
                 # A resume runs to the end, unless it outgrew the step budget (then in chunks).
-                outgrown = seq.num_tokens - item.start_pos > cfg.max_num_batched_tokens
-                assert end == seq.num_tokens or outgrown, item
+                known = seq.num_tokens - seq.num_pending
+                outgrown = known - item.start_pos > cfg.max_num_batched_tokens
+                assert end == known or outgrown, item
         if cfg.prefill_mode == "prefill_first":
             kinds = {self.is_prefill_work(before, item) for item in out.scheduled}
             assert len(kinds) <= 1, f"prefill_first step mixes prefills and decodes: {out.scheduled}"

@@ -1,0 +1,161 @@
+"""CUDA graphs for decode steps: the whole forward of a decode batch replayed as one graph.
+
+A decode step of a small model on a GPU is launch-bound: hundreds of kernels of a few
+microseconds each, every one launched from Python. Capturing the forward once per batch size
+and replaying it costs one launch. The graph reads fixed buffers, so a step copies its inputs
+into them (token ids, positions, K/V slots, block tables, context lengths) and pads the batch
+up to the next captured size; padded rows write their K/V into a scratch block that no
+sequence owns and attend over it alone, and their outputs are dropped.
+
+What makes the forward capturable: the attention kernels take the block tables' width (fixed
+here: the blocks of `max_model_len`) as their bound, never a length read back from the device;
+nothing in the decode forward syncs with the host. Prefills and mixed steps stay eager.
+
+`GraphedDecode(..., capture=False)` runs the same padded, fixed-buffer forward eagerly: on a
+CPU that is how the tests check the padding and the buffers against the plain forward (a CPU
+has no graphs), and on CUDA it is the fallback when capture fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from conveyor.models.attention import AttentionMetadata
+
+logger = logging.getLogger("conveyor")
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then every multiple of 8 up to `max_batch` (vLLM's
+    choice: a step pads by at most 7 rows), and `max_batch` itself."""
+    sizes = [b for b in (1, 2, 4) if b <= max_batch]
+    sizes += list(range(8, max_batch + 1, 8))
+    if max_batch not in sizes:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class GraphedDecode:
+    """Decode-only steps of up to `max_batch` sequences through captured CUDA graphs.
+
+    `scratch_block` is a KV block outside the scheduler's pool (the runner allocates one more
+    than it hands out): padded rows write and read only there.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_blocks: int,
+        scratch_block: int,
+        max_batch: int,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.scratch_block = scratch_block
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        weight = model.embed_tokens.weight  # type: ignore[union-attr]
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.sliding_window = model.arch.sliding_window  # type: ignore[union-attr]
+        n, dev = self.max_batch, self.device
+        # The fixed buffers every graph reads; a step copies its inputs into their first rows.
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured = False
+        if capture:
+            self._capture()
+
+    def applies(self, num_decodes: int, all_decodes: bool) -> bool:
+        return all_decodes and 0 < num_decodes <= self.max_batch
+
+    def padded_size(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            block_size=self.block_size,
+            positions=self.positions[:b],
+            slot_mapping=self.slots[:b],
+            num_decodes=b,
+            decode_blocks=self.tables[:b],
+            decode_context_lens=self.context_lens[:b],
+            sliding_window=self.sliding_window,
+            mask_dtype=self.dtype,
+        )
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Largest size first, all sharing one memory pool (a smaller graph's buffers fit in
+        the pool the largest left). Each size runs eagerly once first (Triton compiles)."""
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                for b in reversed(self.sizes):
+                    self._forward(b)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.hidden[b] = self._forward(b)
+                    pool = graph.pool()
+                    self.graphs[b] = graph
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.captured = True
+            logger.info("captured CUDA graphs for decode batches %s", self.sizes)
+        except RuntimeError as e:  # a kernel that is not capturable: stay correct, stay eager
+            self.graphs.clear()
+            self.hidden.clear()
+            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Hidden states `[n, hidden]` of a step of n decodes: token `input_ids[i]` (already on
+        the device: it may be a pending token) at `positions[i]`, written to `slots[i]`, over
+        the blocks `tables[i]`."""
+        n = len(positions)
+        b = self.padded_size(n)
+        width = self.max_blocks
+        rows = [list(t[:width]) + [self.scratch_block] * (width - len(t)) for t in tables]
+        pad = b - n
+        pinned = self.device.type == "cuda"
+        host = [
+            torch.tensor(list(positions) + [0] * pad, dtype=torch.long),
+            torch.tensor(list(slots) + [self.scratch_block * self.block_size] * pad, dtype=torch.long),
+            torch.tensor(rows + [[self.scratch_block] * width] * pad, dtype=torch.long),
+            torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.long),
+        ]
+        if pinned:
+            host = [h.pin_memory() for h in host]
+        for dst, src in zip((self.positions, self.slots, self.tables, self.context_lens), host, strict=True):
+            dst[:b].copy_(src, non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
+        if pad:
+            self.input_ids[n:b].zero_()
+        graph = self.graphs.get(b)
+        if graph is None:
+            return self._forward(b)[:n]
+        graph.replay()
+        return self.hidden[b][:n]

@@ -1,0 +1,76 @@
+"""Graphed decode steps: padded to a captured size, on fixed buffers, with a scratch block.
+
+A CPU has no CUDA graphs, but the padded fixed-buffer forward the graphs replay runs eagerly
+on it (`capture=False`): the tokens must equal the plain forward's, whatever the batch size and
+padding. On a GPU the capture itself is checked against eager decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.runner.cuda_graphs import GraphedDecode, capture_sizes
+from tests.test_engine import mixed_requests, tokens
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[:5] == [1, 2, 4, 8, 16] and capture_sizes(256)[-1] == 256
+    assert all(b - a <= 8 for a, b in zip(capture_sizes(256), capture_sizes(256)[1:], strict=False))
+
+
+def graphed(llm: LLM, max_batch: int, capture: bool) -> list[int]:
+    """Give `llm`'s runner a GraphedDecode; returns the list the batch sizes it ran go into."""
+    runner = llm.engine.runner
+    max_blocks = -(-llm.engine.max_model_len // runner.block_size)
+    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, max_blocks, runner.scratch_block,
+                           max_batch, capture=capture)
+    sizes: list[int] = []
+    call = graphs.__call__
+
+    class Counting:
+        def applies(self, n: int, all_decodes: bool) -> bool:
+            return graphs.applies(n, all_decodes)
+
+        def __call__(self, input_ids, positions, slots, tables):
+            sizes.append(len(positions))
+            return call(input_ids, positions, slots, tables)
+
+    runner.graphs = Counting()
+    return sizes
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_fixed_buffer_decode_gives_the_same_tokens(tiny_models, async_scheduling):
+    prompts, params = mixed_requests(24, seed=5)
+    path = str(tiny_models["llama"])
+    plain = LLM(path, dtype="float64", num_kv_blocks=256, block_size=4)
+    want = tokens(plain.generate(prompts, params, use_tqdm=False))
+    llm = LLM(path, dtype="float64", num_kv_blocks=256, block_size=4, async_scheduling=async_scheduling)
+    sizes = graphed(llm, max_batch=12, capture=False)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    ran = set(sizes)
+    assert max(ran) == 12 and any(n not in capture_sizes(12) for n in ran)  # padding happened
+    # Steps of more than 12 decodes went the eager way.
+    assert max(s.num_decode_tokens for s in llm.engine.step_trace if not s.num_prefill_tokens) > 12
+    # Padded rows wrote only to the scratch block; the scheduler's blocks all came back.
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_graphs_match_eager_on_gpu(tiny_models):
+    prompts, params = mixed_requests(40, seed=6)
+    path = str(tiny_models["llama"])
+    outs = []
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=512, enforce_eager=eager, cuda_graph_max_batch=32)
+        assert (llm.engine.runner.graphs is None) == eager
+        if not eager:
+            assert llm.engine.runner.graphs.captured
+        outs.append(tokens(llm.generate(prompts, [SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True) for p in params], use_tqdm=False)))
+    assert outs[0] == outs[1]
