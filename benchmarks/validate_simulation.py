@@ -60,6 +60,7 @@ class StepTimes:
 
     def __init__(self, runner, into: list, probe: LevelProbe | None = None) -> None:
         self.cls, self.into, self.probe = type(runner), into, probe
+        self.last_end: float | None = None
 
     def __enter__(self) -> StepTimes:
         self.original = original = self.cls.execute
@@ -69,8 +70,12 @@ class StepTimes:
                 self.probe.maybe()
             t = time.perf_counter()
             result = original(runner, out)
+            end = time.perf_counter()
             if out.scheduled:
-                self.into.append((StepShape.of(out), time.perf_counter() - t))
+                shape = StepShape.of(out)
+                shape.idle_before_s = 0.0 if self.last_end is None else t - self.last_end
+                self.into.append((shape, end - t))
+                self.last_end = end
             return result
 
         self.cls.execute = timed
@@ -87,7 +92,9 @@ def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
     def kind(shape: StepShape) -> str:
         if shape.decode_seqs == shape.num_seqs:
             return f"decode x{shape.num_seqs}" if shape.num_seqs <= 4 else "decode x5+"
-        return "prompt only" if shape.decode_seqs == 0 else "decodes + prompt"
+        if shape.decode_seqs:
+            return "decodes + prompt"
+        return "prompt only, after idle" if shape.idle_before_s >= cost.params.idle_threshold_s else "prompt only"
 
     by: dict[tuple[str, str], list[tuple[StepShape, float]]] = {}
     for shape, t in served:

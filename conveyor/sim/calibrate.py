@@ -40,6 +40,9 @@ Shape = list[tuple[int, int]]  # (new tokens, start position) per sequence
 # efficiencies of 1.5 against overheads of tens of ms, with no better prediction
 # (docs/simulation.md, run 11).
 MAX_EFFICIENCY = 1.0
+PAUSE_S = 1e-3  # before each timed grid step: about what a server's host work leaves between steps
+IDLE_S = 0.5  # before the "after idle" repeats of the prompt shapes
+AFTER_IDLE = "after idle"
 
 
 def default_grid() -> list[tuple[str, Shape]]:
@@ -135,7 +138,8 @@ def cpu_hardware(flops: float, bandwidth: float, threads: int) -> Hardware:
 
 def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int = 5,
                    progress: Callable[[str], Any] | None = None,
-                   between: Callable[[], Any] | None = None) -> list[tuple[str, StepShape, float]]:
+                   between: Callable[[], Any] | None = None,
+                   pause_s: float = PAUSE_S, idle_s: float = IDLE_S) -> list[tuple[str, StepShape, float]]:
     """Time `engine.runner.execute` over each shape of the grid: `repeats` rounds over the whole
     grid, each shape once a round, and each shape's median over the rounds.
 
@@ -143,7 +147,13 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
     to minutes, and a batch-1 decode step between about 19.5 and 14.5 ms with it
     (docs/simulation.md). Repeats timed back to back catch one level per shape; rounds spread
     every shape over the whole calibration, so that the fit sees each at the machine's usual mix
-    of the two."""
+    of the two.
+
+    Each step is timed after a pause of `pause_s`, as a server's steps come after its host
+    work: on this VM a step run straight after another took 10% longer than the same step in
+    a served run (`benchmarks/step_replay.py`). The shapes that begin a busy period (a prompt
+    alone) are timed a second time after `idle_s` of sleep, labelled "after idle": a server
+    meets them after waiting for requests, and they then took 10-25% longer."""
     from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
     from conveyor.sampling_params import SamplingParams
 
@@ -164,6 +174,9 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
         if next_block > runner.num_blocks:
             raise ValueError(f"calibration shape {label!r} needs {next_block} KV blocks; the cache has {runner.num_blocks}")
         steps.append((label, SchedulerOutput(0, items)))
+    if idle_s > 0:
+        steps += [(f"{label} {AFTER_IDLE}", out) for label, out in steps
+                  if all(len(it.token_ids) > 1 for it in out.scheduled)]
     times: dict[str, list[float]] = {label: [] for label, _ in steps}
     for _, out in steps:
         runner.execute(out)  # warm-up
@@ -171,10 +184,15 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
         for label, out in steps:
             if between is not None:  # untimed work between two timed steps
                 between()
+            time.sleep(idle_s if label.endswith(AFTER_IDLE) else pause_s)
             times[label].append(_timed(partial(runner.execute, out)))
         if progress is not None:
             progress(f"round {rnd + 1}/{repeats} over {len(steps)} shapes")
-    samples = [(label, StepShape.of(out), statistics.median(times[label])) for label, out in steps]
+    samples = []
+    for label, out in steps:
+        step_shape = StepShape.of(out)
+        step_shape.idle_before_s = idle_s if label.endswith(AFTER_IDLE) else pause_s
+        samples.append((label, step_shape, statistics.median(times[label])))
     if progress is not None:
         for label, _, t in samples:
             progress(f"{label}: {t * 1e3:.1f} ms")
@@ -262,9 +280,15 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     """The six efficiencies by coordinate descent over a log grid; for each candidate, the
     overheads (per step, per sequence, per token, and per step the fused decode does not take)
     by non-negative least squares; everything on relative error; efficiencies up to
-    MAX_EFFICIENCY."""
+    MAX_EFFICIENCY. The samples timed after idle are left out of that fit: `idle_factor` is
+    the median of their times over their twins' (each shape timed without the idle) less 1."""
     import numpy as np
 
+    normal = {label: t for label, _, t in samples if not label.endswith(AFTER_IDLE)}
+    ratios = [t / normal[label.removesuffix(AFTER_IDLE).rstrip()] - 1 for label, _, t in samples
+              if label.endswith(AFTER_IDLE) and label.removesuffix(AFTER_IDLE).rstrip() in normal]
+    idle_factor = max(0.0, statistics.median(ratios)) if ratios else 0.0
+    everything, samples = samples, [x for x in samples if not x[0].endswith(AFTER_IDLE)]
     shapes = [s for _, s, _ in samples]
     y = np.array([t for _, _, t in samples])
     w = 1.0 / y
@@ -346,9 +370,9 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                     loss, e, improved = trial_loss, trial, True
     _, c = evaluate(e)
     params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]),
-                        float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
+                        float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0, idle_factor)
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
-    errors = [(fitted.step_time(s) - t) / t for _, s, t in samples]
+    errors = [(fitted.step_time(s) - t) / t for _, s, t in everything]
     return Fit(params, errors)
 
 

@@ -13,6 +13,9 @@ the roofline, with efficiency factors for what real kernels reach:
                     (`gemv_mbu`, `gemv_mfu`)
     overheads       per step + per sequence + per token (launches, sampling, the scheduler)
     swap            blocks x block bytes / host link bandwidth
+    after idle      a step that starts after the device sat idle for `idle_threshold_s` or
+                    more costs `idle_factor` more (a calibrated CPU: caches and clocks gone
+                    cold while the server waited for requests; 0 on the GPU catalog)
 
 Any object with `step_time(shape) -> float` can replace it (a profiled table, say).
 """
@@ -37,6 +40,7 @@ class StepShape:
     decode_seqs: int = 0
     decode_context: int = 0  # context tokens whose K/V decode attention reads
     swap_blocks: int = 0  # blocks copied out plus in
+    idle_before_s: float = 0.0  # how long the device sat idle before the step (set by the simulator)
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
@@ -86,6 +90,10 @@ class CostParams:
     # (FusedDecode); every other step pays `unfused_overhead_s` more, its per-layer Python.
     fused_rows: int = 0
     unfused_overhead_s: float = 0.0
+    # A step after an idle period of at least `idle_threshold_s` costs `idle_factor` more
+    # (measured on this CPU by `calibrate`; docs/simulation.md, "Idle before a step").
+    idle_factor: float = 0.0
+    idle_threshold_s: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
@@ -98,6 +106,8 @@ class CostParams:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
         if self.fused_rows < 0:
             raise ValueError("fused_rows must be >= 0")
+        if self.idle_factor < 0 or self.idle_threshold_s < 0:
+            raise ValueError("idle_factor and idle_threshold_s must be >= 0")
 
     def to_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -152,7 +162,7 @@ class RooflineCostModel:
         """Seconds per part of the step; `step_time` is their sum."""
         p = self.params
         busy = s.num_tokens > 0
-        return {
+        parts = {
             "linear": self._linear(s.num_tokens) if busy else 0.0,
             "lm_head": self._head(s.num_sampled) if s.num_sampled else 0.0,
             "attn_prefill": max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
@@ -161,6 +171,9 @@ class RooflineCostModel:
             "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
             + (0.0 if self.fused(s) else p.unfused_overhead_s) if busy else 0.0,
         }
+        cold = busy and p.idle_factor and s.idle_before_s >= p.idle_threshold_s
+        parts["after_idle"] = p.idle_factor * sum(parts.values()) if cold else 0.0
+        return parts
 
     def fused(self, s: StepShape) -> bool:
         """Whether the runner takes its fused decode path for this step."""

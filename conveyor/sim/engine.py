@@ -29,9 +29,12 @@ class SimRunner:
         self.token_id = token_id
         self.busy_s = 0.0  # total simulated compute time
         self.num_steps = 0
+        self.idle_s = 0.0  # idle time since the last step that computed (the engine adds to it)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         shape = StepShape.of(scheduler_output)
+        if shape.num_tokens:
+            shape.idle_before_s, self.idle_s = self.idle_s, 0.0
         duration = self.cost_model.step_time(shape)
         self.busy_s += duration
         self.num_steps += 1
@@ -57,6 +60,7 @@ class SimEngine(Engine):
 
     def wait_until(self, t: float) -> None:
         if t > self.clock.now:
+            self.runner.idle_s += t - self.clock.now  # type: ignore[attr-defined]
             self.clock.now = t
 
     def _idle(self, wake_at: float | None) -> None:

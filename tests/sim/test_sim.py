@@ -118,6 +118,39 @@ def test_unfused_overhead_applies_to_steps_the_fused_decode_does_not_take():
     assert overhead([_item(0, 1, 9), _item(1, 4, 0)]) == pytest.approx(6e-3)  # a prompt in the step
 
 
+def test_a_step_after_idle_costs_the_idle_factor_more():
+    params = CostParams(idle_factor=0.25, idle_threshold_s=0.05)
+    cost = RooflineCostModel(TOY_HW, TOY, params, dtype_bytes=2)
+    warm = StepShape.of(SchedulerOutput(0, [_item(0, 100, 0)]))
+    cold = StepShape.of(SchedulerOutput(0, [_item(0, 100, 0)]))
+    cold.idle_before_s = 0.05
+    assert cost.step_time(cold) == pytest.approx(1.25 * cost.step_time(warm))
+    cold.idle_before_s = 0.049  # a pause shorter than the threshold: the server's own host work
+    assert cost.step_time(cold) == pytest.approx(cost.step_time(warm))
+
+
+def test_simulator_marks_the_steps_that_follow_an_idle_period():
+    """Requests 10 s apart on a fast toy: each one's prompt step follows an idle period, and
+    every later step of it follows a busy one."""
+
+    class Recording:
+        def __init__(self) -> None:
+            self.shapes: list[StepShape] = []
+
+        def step_time(self, shape: StepShape) -> float:
+            self.shapes.append(shape)
+            return 1e-3
+
+    cost = Recording()
+    engine = build_sim_engine(EngineConfig.from_kwargs(gpu_memory_utilization=0.5), TOY_HW, TOY, cost_model=cost)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    replay(engine, [TimedRequest(10.0 * i + 1.0, [5] * 20, sp) for i in range(3)])
+    idles = [s.idle_before_s for s in cost.shapes]
+    assert len(idles) == 3 * 4  # one prompt step, three decodes, per request
+    assert [round(x, 6) for x in idles[::4]] == [1.0, 10 - 4e-3, 10 - 4e-3]
+    assert all(x == 0.0 for i, x in enumerate(idles) if i % 4)
+
+
 def test_simulator_uses_the_real_scheduler():
     engine = toy_engine()
     assert isinstance(engine, Engine)
@@ -235,7 +268,7 @@ def test_weights_that_do_not_fit_are_refused():
 def test_fit_recovers_a_known_cost_model(fused_rows):
     truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, gemv_mfu=0.3, skinny_rows=16, skinny_pass_rows=8,
                        step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5, fused_rows=fused_rows,
-                       unfused_overhead_s=4e-3 if fused_rows else 0.0)
+                       unfused_overhead_s=4e-3 if fused_rows else 0.0, idle_factor=0.15)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
     model = get_model("smollm2-135m")
     cost = RooflineCostModel(hw, model, truth, 4)
@@ -244,8 +277,13 @@ def test_fit_recovers_a_known_cost_model(fused_rows):
         items = [_item(i, n, start) for i, (n, start) in enumerate(shape)]
         s = StepShape.of(SchedulerOutput(0, items))
         samples.append((label, s, cost.step_time(s)))
+        if all(n > 1 for n, _ in shape):  # the prompt shapes, timed again after an idle
+            cold = StepShape.of(SchedulerOutput(0, items))
+            cold.idle_before_s = calibrate.IDLE_S
+            samples.append((f"{label} {calibrate.AFTER_IDLE}", cold, cost.step_time(cold)))
     fit = calibrate.fit(hw, model, samples, skinny=(16, 8), fused_rows=fused_rows)
     assert fit.max_abs_rel_error < 0.03
+    assert fit.params.idle_factor == pytest.approx(0.15, rel=1e-6)
     if fused_rows:  # the fused steps' saving is found, not spread over the other overheads
         assert fit.params.unfused_overhead_s == pytest.approx(4e-3, rel=0.2)
     path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)
