@@ -34,23 +34,29 @@ from conveyor.sim.models import ModelShape
 
 
 class LevelProbe:
-    """This VM's memory bandwidth holds one of two levels for seconds to minutes
-    (docs/simulation.md). A 128 MB read, at most once a second, just before a runner step,
-    records the level over a run: about 3 ms a second, 0.3% of the run."""
+    """The machine's speed over a run, read at most once a second just before a runner step:
+    a 128 MB read (the memory bandwidth: the fifth session's VM switched between two levels
+    for seconds to minutes) and a 256 x 576 x 1536 float32 matmul (arithmetic, which prompt
+    steps are bound by). About 5 ms a second, 0.5% of the run."""
 
     def __init__(self) -> None:
         import torch
 
         self.buffer = torch.ones((128 << 20) // 4)
+        self.a, self.b = torch.randn(256, 576), torch.randn(576, 1536)
         self.last = 0.0
-        self.levels: list[float] = []
+        self.levels: list[float] = []  # bytes/s
+        self.flops: list[float] = []  # FLOP/s
 
     def maybe(self) -> None:
         start = time.perf_counter()
         if start - self.last >= 1.0:
             self.buffer.sum()
+            read = time.perf_counter()
+            self.a @ self.b
             self.last = time.perf_counter()
-            self.levels.append(self.buffer.numel() * 4 / (self.last - start))
+            self.levels.append(self.buffer.numel() * 4 / (read - start))
+            self.flops.append(2 * 256 * 576 * 1536 / (self.last - read))
 
 
 class StepTimes:
@@ -130,8 +136,8 @@ def main() -> int:
                     help="rounds of calibrate-then-measure; the fit pools all rounds, measured figures are medians")
     ap.add_argument("--repeats", type=int, default=5, help="rounds over the calibration shape grid in each round of calibrate + measure")
     ap.add_argument("--track-level", action="store_true",
-                    help="read the bandwidth level once a second through calibration and the measured runs, "
-                         "and simulate a second time with the fitted bandwidth scaled by their ratio")
+                    help="read the bandwidth and arithmetic levels once a second through calibration and the "
+                         "measured runs, and simulate a second time with the peaks scaled by their ratios")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 
@@ -154,17 +160,18 @@ def main() -> int:
     measured: dict[str, list[dict]] = {p.label: [] for p in points}
     import torch
 
-    for rnd in range(args.runs):
-        if args.calibration is None:
-            print(f"round {rnd + 1}/{args.runs}: calibrating...", flush=True)
-            flops_bw.append(calibrate.measure_peaks())
-            cal_engine = engine.from_model(
-                type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
-            )
-            samples += calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd,
-                                         between=cal_probe.maybe if args.track_level else None)
-            del cal_engine
-            flops_bw.append(calibrate.measure_peaks())
+    def calibrate_round(rnd: int) -> None:
+        print(f"round {rnd + 1}/{args.runs}: calibrating...", flush=True)
+        flops_bw.append(calibrate.measure_peaks())
+        cal_engine = engine.from_model(
+            type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
+        )
+        samples.extend(calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd,
+                                         between=cal_probe.maybe if args.track_level else None))
+        del cal_engine
+        flops_bw.append(calibrate.measure_peaks())
+
+    def measure_round(rnd: int) -> None:
         for point in points:
             reqs = at_load(requests, point, 1.0, args.seed)
             t = time.perf_counter()
@@ -172,6 +179,13 @@ def main() -> int:
                 real = measured_sys.run(reqs, point)
             measured[point.label].append(summarize(real.timings, real.duration_s))
             print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
+
+    for rnd in range(args.runs):
+        # Calibrate, measure; then measure, calibrate: a machine that drifts one way through
+        # the run meets calibration and measurement alike (an ABBA order).
+        parts = [calibrate_round, measure_round] if args.calibration is None else [measure_round]
+        for part in parts if rnd % 2 == 0 else reversed(parts):
+            part(rnd)
 
     if args.calibration is None:
         flops, bandwidth = calibrate.best_peaks(flops_bw)  # read before and after every round
@@ -191,10 +205,14 @@ def main() -> int:
         # The fit's efficiencies are relative to the calibration's bandwidth; the measured runs
         # met the machine at another level. Scale the bandwidth by the ratio of the two medians.
         cal_level, run_level = statistics.median(cal_probe.levels), statistics.median(run_probe.levels)
+        cal_flops, run_flops = statistics.median(cal_probe.flops), statistics.median(run_probe.flops)
         print(f"bandwidth level, median of {len(cal_probe.levels)} reads in calibration: {cal_level / 1e9:.1f} GB/s; "
               f"of {len(run_probe.levels)} in the measured runs: {run_level / 1e9:.1f} GB/s")
+        print(f"arithmetic level (a 256 x 576 x 1536 matmul) in calibration: {cal_flops / 1e9:.1f} GFLOP/s; "
+              f"in the measured runs: {run_flops / 1e9:.1f} GFLOP/s")
         variants.append(("level-matched", dataclasses.replace(
-            hardware, mem_bandwidth=hardware.mem_bandwidth * run_level / cal_level)))
+            hardware, mem_bandwidth=hardware.mem_bandwidth * run_level / cal_level,
+            peak_flops=hardware.peak_flops * run_flops / cal_flops)))
     rows = []
     for variant, hw in variants:
         sim_sys = SimSystem(spec, options, hw, model, params, 16)

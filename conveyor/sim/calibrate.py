@@ -18,6 +18,7 @@ model differs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -43,6 +44,7 @@ MAX_EFFICIENCY = 1.0
 PAUSE_S = 1e-3  # before each timed grid step: about what a server's host work leaves between steps
 IDLE_S = 0.5  # before the "after idle" repeats of the prompt shapes
 AFTER_IDLE = "after idle"
+REWEIGHT = True
 
 
 def default_grid() -> list[tuple[str, Shape]]:
@@ -201,12 +203,15 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
 
 def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed: int = 0,
                    progress: Callable[[str], Any] | None = None, rounds: int = 3,
-                   between: Callable[[], Any] | None = None) -> list[tuple[str, StepShape, float]]:
-    """Serve a short mixed workload (closed loop at each concurrency: prompts 16-384 tokens,
-    outputs 8-48) and time every step the runner computes: the shapes a server really runs,
-    a few hundred samples beside the grid's thirty. The concurrencies take turns over `rounds`
-    rounds, `level + 1` requests each time, so that each spans the calibration (see
-    `measure_runner`) rather than a few seconds of it."""
+                   between: Callable[[], Any] | None = None, open_rate: float = 0.5,
+                   open_requests: int = 4) -> list[tuple[str, StepShape, float]]:
+    """Serve a short mixed workload and time every step the runner computes: the shapes a
+    server really runs, a few hundred samples beside the grid's thirty (prompts 16-384 tokens,
+    outputs 8-48). Each of `rounds` rounds serves `level + 1` requests in a closed loop at each
+    concurrency, then `open_requests` arriving as a Poisson stream at `open_rate` req/s, so
+    that the engine idles between them as a server does: the steps after an idle period are
+    the samples `fit` takes `idle_factor` from. The rounds spread each part over the whole
+    calibration (see `measure_runner`) rather than a few seconds of it."""
     import random
 
     from conveyor.sampling_params import SamplingParams
@@ -215,34 +220,59 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
     runner = engine.runner
     samples: list[tuple[str, StepShape, float]] = []
     original = runner.execute
+    label = ""
+    last_end: list[float | None] = [None]
 
     def timed_execute(out: Any) -> Any:
         t = time.perf_counter()
         result = original(out)
+        end = time.perf_counter()
         if out.scheduled:
-            samples.append((f"served c={level}", StepShape.of(out), time.perf_counter() - t))
+            shape = StepShape.of(out)
+            shape.idle_before_s = 0.0 if last_end[0] is None else t - last_end[0]
+            samples.append((label, shape, end - t))
+            last_end[0] = end
         return result
+
+    def request() -> tuple[list[int], SamplingParams]:
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 384))]
+        return prompt, SamplingParams(max_tokens=rng.randint(8, 48), temperature=0.0, ignore_eos=True)
 
     runner.execute = timed_execute
     try:
         vocab = engine.vocab_size
         n = 0
-        for level in [c for _ in range(rounds) for c in concurrencies]:
-            pending = [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 384))], rng.randint(8, 48))
-                       for _ in range(level + 1)]
-            in_flight = 0
-            while pending or in_flight:
-                while pending and in_flight < level:
-                    prompt, out_len = pending.pop()
-                    engine.add_request(f"calibrate-{level}-{n}", prompt,
-                                       SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+        for _ in range(rounds):
+            for level in concurrencies:
+                label = f"served c={level}"
+                pending = [request() for _ in range(level + 1)]
+                in_flight = 0
+                while pending or in_flight:
+                    while pending and in_flight < level:
+                        engine.add_request(f"calibrate-{n}", *pending.pop())
+                        n += 1
+                        in_flight += 1
+                    if between is not None:
+                        between()
+                    in_flight -= sum(1 for o in engine.step() if o.finished)
+                if progress is not None:
+                    progress(f"served at concurrency {level}: {len(samples)} steps so far")
+            label, last_end[0] = f"served open {open_rate:g}/s", None
+            arrivals = list(itertools.accumulate(rng.expovariate(open_rate) for _ in range(open_requests)))
+            start, i = time.perf_counter(), 0
+            while i < len(arrivals) or engine.has_unfinished_requests():
+                now = time.perf_counter()
+                while i < len(arrivals) and start + arrivals[i] <= now:
+                    engine.add_request(f"calibrate-{n}", *request())
                     n += 1
-                    in_flight += 1
-                if between is not None:
-                    between()
-                in_flight -= sum(1 for o in engine.step() if o.finished)
-            if progress is not None:
-                progress(f"served at concurrency {level}: {len(samples)} steps so far")
+                    i += 1
+                if engine.has_unfinished_requests():
+                    if between is not None:
+                        between()
+                    engine.step()
+                elif i < len(arrivals):
+                    time.sleep(start + arrivals[i] - now)
+            last_end[0] = None
     finally:
         del runner.execute  # back to the class's method
     return samples
@@ -275,30 +305,38 @@ class Fit:
         return max(abs(e) for e in self.rel_errors)
 
 
+def step_kind(shape: StepShape) -> str:
+    """decode (decodes only), prompt (prompt tokens only) or mixed."""
+    if shape.decode_seqs == shape.num_seqs:
+        return "decode"
+    return "prompt" if shape.decode_seqs == 0 else "mixed"
+
+
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
-        block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1), fused_rows: int = 0) -> Fit:
+        block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1), fused_rows: int = 0,
+        reweight: bool = REWEIGHT) -> Fit:
     """The six efficiencies by coordinate descent over a log grid; for each candidate, the
     overheads (per step, per sequence, per token, and per step the fused decode does not take)
     by non-negative least squares; everything on relative error; efficiencies up to
-    MAX_EFFICIENCY. The samples timed after idle are left out of that fit: `idle_factor` is
-    the median of their times over their twins' (each shape timed without the idle) less 1."""
+    MAX_EFFICIENCY. With `reweight`, a second pass measures the error relative to the first
+    fit's price instead of the measured time (see there). The samples that followed an idle
+    period (`idle_threshold_s` or more) are left out of that fit: `idle_factor` is the median
+    of their times over the fitted price, less 1 (at least 0)."""
     import numpy as np
 
-    normal = {label: t for label, _, t in samples if not label.endswith(AFTER_IDLE)}
-    ratios = [t / normal[label.removesuffix(AFTER_IDLE).rstrip()] - 1 for label, _, t in samples
-              if label.endswith(AFTER_IDLE) and label.removesuffix(AFTER_IDLE).rstrip() in normal]
-    idle_factor = max(0.0, statistics.median(ratios)) if ratios else 0.0
-    everything, samples = samples, [x for x in samples if not x[0].endswith(AFTER_IDLE)]
+    threshold = CostParams.idle_threshold_s
+    everything = samples
+    cold = [(s, t) for _, s, t in samples if s.idle_before_s >= threshold]
+    samples = [x for x in samples if x[1].idle_before_s < threshold]
     shapes = [s for _, s, _ in samples]
     y = np.array([t for _, _, t in samples])
-    w = 1.0 / y
     skinny_rows, pass_rows = skinny
     one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0, fused_rows, 0.0)
     base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
-    Xw = np.array([[1.0, s.num_seqs, s.num_tokens, 0.0 if base.fused(s) else 1.0] for s in shapes]) * w[:, None]
+    X = np.array([[1.0, s.num_seqs, s.num_tokens, 0.0 if base.fused(s) else 1.0] for s in shapes])
     if not fused_rows:
-        Xw = Xw[:, :3]  # without a fused path the fourth overhead is the first one
-    k = Xw.shape[1]
+        X = X[:, :3]  # without a fused path the fourth overhead is the first one
+    k = X.shape[1]
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
     col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
     lin_c = col(lambda s: base._lin_flop_s * s.num_tokens)
@@ -315,14 +353,18 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
     dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
     dec_m = col(lambda s: base._kv_mem_s * s.decode_context)
+    weights = {"w": 1.0 / y}  # relative error; the second pass divides by the first fit's price
 
-    def evaluate(e: Sequence[float]) -> tuple[float, np.ndarray]:
+    def roofline(e: Sequence[float]) -> np.ndarray:
         mfu, attn, mbu, kv, gemv, gemv_f = e
         lin = np.where(lin_1 > 0, np.maximum(lin_gc / gemv_f, lin_g / gemv), np.maximum(lin_c / mfu, lin_m / mbu))
         head = np.where(head_1 > 0, np.maximum(head_gc / gemv_f, head_g / gemv), np.maximum(head_c / mfu, head_m / mbu))
-        r = (lin + head
-             + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv))
-        target = (y - r) * w
+        return lin + head + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv)
+
+    def evaluate(e: Sequence[float]) -> tuple[float, np.ndarray]:
+        w = weights["w"]
+        Xw = X * w[:, None]
+        target = (y - roofline(e)) * w
         best_loss, best_c = float("inf"), np.zeros(k)
         for mask in itertools.product((0, 1), repeat=k):  # NNLS by enumerating active sets
             cols = [i for i in range(k) if mask[i]]
@@ -337,40 +379,54 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 best_loss, best_c = loss, c
         return best_loss, best_c
 
-    grid = np.geomspace(0.002, MAX_EFFICIENCY, 67)
-    e = [0.5] * 6
-    loss = evaluate(e)[0]
-    for _ in range(sweeps):
-        before = loss
-        for i in range(6):
-            for v in grid:
-                trial = [*e[:i], float(v), *e[i + 1:]]
-                trial_loss = evaluate(trial)[0]
-                if trial_loss < loss:
-                    loss, e = trial_loss, trial
-        if loss >= before * (1 - 1e-6):
-            break
-    # Then a pattern search: multiplicative moves of one or two efficiencies at a time (the
-    # pairs follow the valleys where one part's time trades against another's), shrinking.
-    moves = [(i, j, si, sj) for i in range(6) for j in range(i, 6) for si in (1, -1) for sj in (1, -1)
-             if i != j or si == sj]
-    for factor in (1.5, 1.2, 1.1, 1.05, 1.02, 1.01, 1.005):
-        improved = True
-        while improved:
-            improved = False
-            for i, j, si, sj in moves:
-                trial = list(e)
-                trial[i] *= factor**si
-                if j != i:
-                    trial[j] *= factor**sj
-                if max(trial) > MAX_EFFICIENCY:
-                    continue
-                trial_loss = evaluate(trial)[0]
-                if trial_loss < loss * (1 - 1e-9):
-                    loss, e, improved = trial_loss, trial, True
+    def search(e: list[float], sweeps: int) -> list[float]:
+        loss = evaluate(e)[0]
+        grid = np.geomspace(0.002, MAX_EFFICIENCY, 67)
+        for _ in range(sweeps):
+            before = loss
+            for i in range(6):
+                for v in grid:
+                    trial = [*e[:i], float(v), *e[i + 1:]]
+                    trial_loss = evaluate(trial)[0]
+                    if trial_loss < loss:
+                        loss, e = trial_loss, trial
+            if loss >= before * (1 - 1e-6):
+                break
+        # Then a pattern search: multiplicative moves of one or two efficiencies at a time (the
+        # pairs follow the valleys where one part's time trades against another's), shrinking.
+        moves = [(i, j, si, sj) for i in range(6) for j in range(i, 6) for si in (1, -1) for sj in (1, -1)
+                 if i != j or si == sj]
+        for factor in (1.5, 1.2, 1.1, 1.05, 1.02, 1.01, 1.005):
+            improved = True
+            while improved:
+                improved = False
+                for i, j, si, sj in moves:
+                    trial = list(e)
+                    trial[i] *= factor**si
+                    if j != i:
+                        trial[j] *= factor**sj
+                    if max(trial) > MAX_EFFICIENCY:
+                        continue
+                    trial_loss = evaluate(trial)[0]
+                    if trial_loss < loss * (1 - 1e-9):
+                        loss, e, improved = trial_loss, trial, True
+        return e
+
+    e = search([0.5] * 6, sweeps)
+    if reweight:
+        # Relative error against the measured time favours the samples that happened to run
+        # fast: on noisy steps the fit lands below their mean. Against the first fit's price
+        # (no noise in it) each shape's fit is its samples' mean.
+        _, c = evaluate(e)
+        weights["w"] = 1.0 / (roofline(e) + X @ c)
+        e = search(e, 1)
     _, c = evaluate(e)
     params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]),
-                        float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0, idle_factor)
+                        float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
+    if cold:  # how much more than the fitted price the steps after an idle period took
+        warm = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
+        ratios = [t / warm.step_time(dataclasses.replace(s, idle_before_s=0.0)) - 1 for s, t in cold]
+        params = dataclasses.replace(params, idle_factor=max(0.0, statistics.median(ratios)))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
     errors = [(fitted.step_time(s) - t) / t for _, s, t in everything]
     return Fit(params, errors)

@@ -283,7 +283,7 @@ def test_fit_recovers_a_known_cost_model(fused_rows):
             samples.append((f"{label} {calibrate.AFTER_IDLE}", cold, cost.step_time(cold)))
     fit = calibrate.fit(hw, model, samples, skinny=(16, 8), fused_rows=fused_rows)
     assert fit.max_abs_rel_error < 0.03
-    assert fit.params.idle_factor == pytest.approx(0.15, rel=1e-6)
+    assert fit.params.idle_factor == pytest.approx(0.15, abs=0.005)
     if fused_rows:  # the fused steps' saving is found, not spread over the other overheads
         assert fit.params.unfused_overhead_s == pytest.approx(4e-3, rel=0.2)
     path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)

@@ -1,0 +1,80 @@
+"""Simulate a saved validation run again, with some cost parameters changed: what a term of the
+cost model is worth, without measuring anything.
+
+    python benchmarks/resimulate.py results/validate-22.json --set idle_factor=0
+    python benchmarks/resimulate.py results/validate-25.json --set idle_factor=0 --set seq_overhead_s=0
+    python benchmarks/resimulate.py results/validate-24.json --refit   # today's fit on the saved samples
+
+Reads the fitted parameters, the peaks and the measured medians that
+`benchmarks/validate_simulation.py --out FILE` saved, rebuilds its workload from the saved
+arguments, and prints measured against simulated as that script does, once as fitted and once
+with the changes. `--refit` fits the saved calibration samples again with the current
+`conveyor.sim.calibrate.fit` (the run's own skinny and fused row counts: 64) before the changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from conveyor.bench.metrics import summarize
+from conveyor.bench.offline import SystemSpec
+from conveyor.bench.workload import LengthDist, at_load, parse_sweep, synthetic_requests
+from conveyor.sim import calibrate
+from conveyor.sim.commands import SimSystem
+from conveyor.sim.cost import CostParams, StepShape
+from conveyor.sim.models import get_model
+
+METRICS = {
+    "output tok/s": lambda s: s["output_throughput"],
+    "TTFT p50 (ms)": lambda s: s["ttft_s"]["p50"] * 1e3,
+    "TPOT p50 (ms)": lambda s: s["tpot_s"]["p50"] * 1e3,
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("saved", type=Path)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a CostParams field")
+    ap.add_argument("--refit", action="store_true", help="fit the saved calibration samples again first")
+    args = ap.parse_args()
+    saved = json.loads(args.saved.read_text())
+    run = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name, default in (("--num-requests", 32), ("--request-rate", "0.5"), ("--input-len", "uniform:32,256"),
+                          ("--output-len", "uniform:16,128"), ("--seed", 0)):
+        run.add_argument(name, default=default, type=type(default))
+    workload, _ = run.parse_known_args(saved["argv"])
+    params = CostParams.from_dict(saved["params"])
+    flops, bandwidth = calibrate.best_peaks([tuple(p) for p in saved["steps"]["peaks"]])
+    hardware = calibrate.cpu_hardware(flops, bandwidth, 2)
+    model = get_model("smollm2-135m")
+    if args.refit:
+        samples = [(label, StepShape(**shape), t) for label, shape, t in saved["steps"]["calibration"]]
+        params = calibrate.fit(hardware, model, samples, skinny=(params.skinny_rows, params.skinny_pass_rows),
+                               fused_rows=params.fused_rows).params
+    changed = CostParams.from_dict({**params.to_dict(), **dict(item.split("=", 1) for item in args.set)})
+    requests = synthetic_requests(workload.num_requests, LengthDist.parse(workload.input_len),
+                                  LengthDist.parse(workload.output_len), model.vocab_size, workload.seed)
+    measured = {(r["load"], r["metric"]): r["measured"] for r in saved["rows"] if r["simulation"] == "fitted"}
+    print("| parameters | load | metric | measured | simulated | error |")
+    print("|---|---|---|---|---|---|")
+    fitted = "refitted" if args.refit else "fitted"
+    for label, p in ((fitted, params), (" ".join(args.set) or fitted, changed)):
+        system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hardware, model, p, 16)
+        for point in parse_sweep(workload.request_rate, None):
+            sim = system.run(at_load(requests, point, 1.0, workload.seed), point)
+            summary = summarize(sim.timings, sim.duration_s)
+            for metric, get in METRICS.items():
+                want = measured[(point.label, metric)]
+                print(f"| {label} | {point.label} | {metric} | {want:.1f} | {get(summary):.1f} | "
+                      f"{get(summary) / want - 1:+.1%} |")
+        if dataclasses.asdict(p) == dataclasses.asdict(params) and not args.set:
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
