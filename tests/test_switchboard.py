@@ -327,13 +327,13 @@ def test_runner_copies_swap_outs_before_swap_ins(base):
     model = base.engine.runner.model
     runner = ModelRunner(model, 4, BLOCK_SIZE, torch.float64, torch.device("cpu"), num_swap_blocks=2)
     for dev, cpu in zip(runner.kv_caches, runner.swap_caches, strict=True):
-        dev.view(2, 4, BLOCK_SIZE, *dev.shape[2:])[:, 0] = 1.0  # device block 0 holds "A"
+        dev.view(2, -1, BLOCK_SIZE, *dev.shape[2:])[:, 0] = 1.0  # device block 0 holds "A"
         cpu.view(2, 2, BLOCK_SIZE, *cpu.shape[2:])[:, 1] = 2.0  # swap block 1 holds "B"
     out = SchedulerOutput(step_id=1, scheduled=[], blocks_to_swap_out=[(0, 0)], blocks_to_swap_in=[(1, 0)])
     runner.execute(out)
     for dev, cpu in zip(runner.kv_caches, runner.swap_caches, strict=True):
         assert bool((cpu.view(2, 2, BLOCK_SIZE, *cpu.shape[2:])[:, 0] == 1.0).all())  # A saved
-        assert bool((dev.view(2, 4, BLOCK_SIZE, *dev.shape[2:])[:, 0] == 2.0).all())  # B loaded
+        assert bool((dev.view(2, -1, BLOCK_SIZE, *dev.shape[2:])[:, 0] == 2.0).all())  # B loaded
 
 
 @pytest.mark.parametrize("preemption", PREEMPTION_MODES)

@@ -347,8 +347,9 @@ class HFStaticSystem:
         import torch
 
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.model.device
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         streamer = _StepClock()
         with torch.inference_mode():
             self.model.generate(

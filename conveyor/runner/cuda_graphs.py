@@ -137,20 +137,23 @@ class GraphedDecode:
         the blocks `tables[i]`."""
         n = len(positions)
         b = self.padded_size(n)
-        width = self.max_blocks
-        rows = [list(t[:width]) + [self.scratch_block] * (width - len(t)) for t in tables]
         pad = b - n
-        pinned = self.device.type == "cuda"
+        # Only the columns this step's tables use: attention reads no block past a row's
+        # context length, so whatever an earlier step left further right is never read.
+        width = max(len(t) for t in tables)
+        scratch = self.scratch_block
+        rows = [list(t) + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width] * pad
         host = [
             torch.tensor(list(positions) + [0] * pad, dtype=torch.long),
-            torch.tensor(list(slots) + [self.scratch_block * self.block_size] * pad, dtype=torch.long),
-            torch.tensor(rows + [[self.scratch_block] * width] * pad, dtype=torch.long),
+            torch.tensor(list(slots) + [scratch * self.block_size] * pad, dtype=torch.long),
             torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.long),
+            torch.tensor(rows, dtype=torch.long),
         ]
-        if pinned:
+        if self.device.type == "cuda":
             host = [h.pin_memory() for h in host]
-        for dst, src in zip((self.positions, self.slots, self.tables, self.context_lens), host, strict=True):
+        for dst, src in zip((self.positions, self.slots, self.context_lens), host, strict=False):
             dst[:b].copy_(src, non_blocking=True)
+        self.tables[:b, :width].copy_(host[3], non_blocking=True)
         self.input_ids[:n].copy_(input_ids)
         if pad:
             self.input_ids[n:b].zero_()

@@ -1,0 +1,324 @@
+"""The CUDA path, measured in one run on a lent GPU: greedy agreement with HF transformers,
+batch-1 decode against the HBM limit, throughput against HF static and continuous batching, and
+the share of a step that the host (scheduler, outputs) adds at 256 running sequences.
+
+    python benchmarks/gpu_speed.py --out DIR                        # every part
+    python benchmarks/gpu_speed.py --parts parity,batch1 --out DIR  # some of them
+    python benchmarks/gpu_speed.py --smoke                          # CPU, tiny shapes: checks the script
+
+Models are random-weight Llamas built with transformers on the spot (nothing is downloaded):
+- parity: a small Llama (4 layers, hidden 512, GQA) with a wider initialisation, so greedy
+  choices are not near-ties; conveyor and HF generate 32 greedy tokens for 16 prompts, in
+  float32 (TF32 off: exact) and in bfloat16 (exact on most prompts; where they part, whether
+  conveyor's token is in HF's top 5 at that position);
+- batch1, throughput, overhead: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 kv
+  heads, intermediate 8192, vocab 128256, tied embeddings, llama3 rope), bfloat16.
+
+batch1: one sequence decodes 256 tokens; the median wall time of a step (what a client sees)
+against the bytes a step reads (every weight once; the tied embedding is the LM head) over the
+HBM bandwidth read on the spot (the better of a device-to-device copy and a sum over 4 GiB).
+With CUDA graphs and without, with async scheduling and without.
+
+throughput: a ShareGPT-like mix (published means, conveyor.bench.workload) all queued at once,
+on conveyor, HF `generate` in padded static batches and HF continuous batching
+(`generate_batch`), the same requests for all three.
+
+overhead: 256 sequences decoding together. T_engine is the wall time per engine step in the
+steady decode phase; T_runner the wall time of the same step run by the runner alone, back to
+back (no scheduler, no outputs); the host share is 1 - T_runner / T_engine, with and without
+async scheduling (which hides the scheduler behind the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PARITY_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=4, vocab_size=32000, initializer_range=0.08)
+LLAMA_1B_SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, initializer_range=0.08)
+PARTS = ("parity", "batch1", "throughput", "overhead")
+
+
+def build_llama(folder: Path, shape: dict[str, Any], seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, **shape)
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(device: str) -> None:
+    """Give back what a deleted engine held (its KV cache takes most of the GPU by default)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def hbm_bandwidth(device: str, gib: int = 4) -> float:
+    """Bytes/s: the better of a copy (read + write counted) and a sum (a read) over `gib`."""
+    n = (gib << 30) // 2
+    x = torch.ones(n, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    y = torch.empty_like(x)
+    best = 0.0
+    for fn, nbytes in ((lambda: y.copy_(x), 2 * x.numel() * x.element_size()),
+                       (lambda: x.sum(dtype=torch.float32), x.numel() * x.element_size())):
+        fn()
+        sync(device)
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            best = max(best, nbytes / (time.perf_counter() - t))
+    return best
+
+
+# -- parity -----------------------------------------------------------------------------------
+def parity(args: argparse.Namespace, folder: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import LLM, SamplingParams
+
+    path = build_llama(folder / "parity", SMOKE_SHAPE if args.smoke else PARITY_SHAPE, seed=1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 64))] for _ in range(16)]
+    new = 8 if args.smoke else 32
+    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16"]
+    out: dict = {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for dtype in dtypes:
+        llm = LLM(path, device=args.device, dtype=dtype, num_kv_blocks=256, max_model_len=1024)
+        ours = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+        del llm
+        release(args.device)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(args.device).eval()
+        exact, within_top5, parted = 0, 0, []
+        for prompt, mine in zip(prompts, ours, strict=True):
+            with torch.inference_mode():
+                g = hf.generate(torch.tensor([prompt], device=args.device), max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                pad_token_id=0, eos_token_id=None)
+            theirs = g.sequences[0, len(prompt):].tolist()
+            if theirs == mine:
+                exact += 1
+                continue
+            k = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+            top5 = g.scores[k][0].float().topk(5).indices.tolist()
+            within_top5 += mine[k] in top5
+            parted.append(k)
+        del hf
+        release(args.device)
+        out[dtype] = {"prompts": len(prompts), "tokens": new, "exact": exact,
+                      "parted_at": parted, "ours_in_hf_top5_where_parted": within_top5}
+        print(f"parity {dtype}: {exact}/{len(prompts)} exact; where they part (positions {parted}), "
+              f"conveyor's token is in HF's top 5 in {within_top5}", flush=True)
+    return out
+
+
+# -- batch 1 ----------------------------------------------------------------------------------
+def decode_bytes(model: Any) -> int:
+    """Bytes one decode step reads: every weight once (a tied embedding is the LM head)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def batch1(args: argparse.Namespace, path: str) -> dict:
+    from conveyor import LLM, SamplingParams
+
+    steps = 32 if args.smoke else 256
+    bandwidth = hbm_bandwidth(args.device, 1 if args.smoke else 4)
+    out: dict = {"hbm_GBps_measured": bandwidth / 1e9}
+    for name, options in (("graphs+async", dict(async_scheduling=True)), ("graphs", {}),
+                          ("eager", dict(enforce_eager=True))):
+        llm = LLM(path, device=args.device, dtype=args.dtype, num_kv_blocks=512, max_model_len=2048,
+                  max_num_seqs=256, **options)
+        nbytes = decode_bytes(llm.engine.runner.model)
+        sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        llm.generate([list(range(100, 132))], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        engine = llm.engine
+        engine.add_request("b1", list(range(100, 132)), sp)
+        engine.step()  # the prompt (and, async, the first decode launched)
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        step = statistics.median(times)
+        limit = nbytes / bandwidth
+        out[name] = {"ms_per_step": step * 1e3, "tok_per_s": 1 / step, "bytes_per_step": nbytes,
+                     "limit_ms": limit * 1e3, "fraction_of_limit": limit / step}
+        print(f"batch-1 {name}: {step * 1e3:.3f} ms/step ({1 / step:.0f} tok/s); limit {limit * 1e3:.3f} ms "
+              f"({nbytes / 1e9:.2f} GB at {bandwidth / 1e9:.0f} GB/s) -> {limit / step:.1%} of the limit", flush=True)
+        del llm, engine
+        release(args.device)
+    return out
+
+
+# -- throughput -------------------------------------------------------------------------------
+def throughput(args: argparse.Namespace, path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import LLM, SamplingParams
+    from conveyor.bench.offline import HFContinuousSystem, HFStaticSystem, SystemSpec
+    from conveyor.bench.workload import BenchRequest, LoadPoint, ShareGPTLike
+
+    rng = random.Random(0)
+    mix = ShareGPTLike(scale=0.05 if args.smoke else 1.0)
+    vocab = 500 if args.smoke else 128000
+    lengths = [mix.sample(rng) for _ in range(args.num_requests)]
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(p)] for p, _ in lengths]
+    outputs = [o for _, o in lengths]
+    reqs = [BenchRequest(i, tuple(p), len(p), o) for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
+    total = sum(outputs)
+    out: dict = {"requests": len(reqs), "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": total}
+
+    llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+              max_model_len=4096, async_scheduling=True)
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    sync(args.device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == total
+    out["conveyor"] = {"elapsed_s": elapsed, "output_tok_per_s": total / elapsed}
+    print(f"conveyor: {total / elapsed:.0f} output tok/s ({elapsed:.1f} s)", flush=True)
+    del llm, outs
+    release(args.device)
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    point = LoadPoint("rate", float("inf"))
+    for name, system in (("hf_static", HFStaticSystem(SystemSpec("hf_static", "hf_static"), hf, None, args.hf_batch_size)),
+                         ("hf_continuous", HFContinuousSystem(SystemSpec("hf_continuous", "hf_continuous"), hf, None, 8192))):
+        try:
+            sync(args.device)
+            t = time.perf_counter()
+            run = system.run(reqs, point)
+            elapsed = time.perf_counter() - t
+            produced = sum(r.output_len for r in run.timings)
+            out[name] = {"elapsed_s": elapsed, "output_tokens": produced, "output_tok_per_s": produced / elapsed}
+            print(f"{name}: {produced / elapsed:.0f} output tok/s ({elapsed:.1f} s); "
+                  f"conveyor / {name} = {out['conveyor']['output_tok_per_s'] / (produced / elapsed):.1f}x", flush=True)
+        except Exception as e:  # a baseline that fails is recorded, the others still run
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: failed ({e})", flush=True)
+    out["hf_static_batch_size"] = args.hf_batch_size
+    return out
+
+
+# -- host overhead ----------------------------------------------------------------------------
+def overhead(args: argparse.Namespace, path: str) -> dict:
+    from conveyor import LLM, SamplingParams
+
+    n = 8 if args.smoke else 256
+    steps = 16 if args.smoke else 64
+    out: dict = {"sequences": n}
+    for name, async_scheduling in (("sync", False), ("async", True)):
+        llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=n, max_num_batched_tokens=8192,
+                  num_kv_blocks=n * 16 + 64, max_model_len=2048, async_scheduling=async_scheduling)
+        engine = llm.engine
+        sp = SamplingParams(max_tokens=steps * 4, temperature=0.0, ignore_eos=True)
+        for i in range(n):
+            engine.add_request(f"r{i}", [100 + (i + j) % 1000 for j in range(128)], sp)
+        while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()  # the prompts
+        for _ in range(4):
+            engine.step()
+        sync(args.device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(args.device)
+        t_engine = (time.perf_counter() - t) / steps
+        # The same decode step, by the runner alone, back to back.
+        runner = engine.runner
+        scheduled = engine.scheduler.schedule(time.perf_counter())
+        assert len(scheduled.scheduled) == n and scheduled.num_tokens == n
+        runner.execute(scheduled)
+        sync(args.device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(scheduled)
+        sync(args.device)
+        t_runner = (time.perf_counter() - t) / steps
+        share = 1 - t_runner / t_engine
+        out[name] = {"engine_ms_per_step": t_engine * 1e3, "runner_ms_per_step": t_runner * 1e3, "host_share": share}
+        print(f"{n} sequences, {name}: engine {t_engine * 1e3:.2f} ms/step, runner alone {t_runner * 1e3:.2f} ms "
+              f"-> the host adds {share:.1%} of a step", flush=True)
+        del llm, engine, runner
+        release(args.device)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in float32: checks the script")
+    ap.add_argument("--num-requests", type=int, default=256, help="throughput: requests of the ShareGPT-like mix")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("results/gpu-speed"))
+    args = ap.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}; use {', '.join(PARTS)}")
+    args.device = "cpu" if args.smoke else "cuda"
+    args.dtype = "float32" if args.smoke else "bfloat16"
+    if args.smoke:
+        args.num_requests = min(args.num_requests, 8)
+        args.hf_batch_size = min(args.hf_batch_size, 4)
+    elif not torch.cuda.is_available():
+        print("no CUDA device here: run with --smoke to check the script on a CPU", file=sys.stderr)
+        return 2
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "argv": sys.argv[1:],
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+    }
+    print(f"device: {result['device']}, torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        big = None
+        for part in parts:
+            t = time.perf_counter()
+            if part == "parity":
+                result["parity"] = parity(args, folder)
+            else:
+                big = big or build_llama(folder / "llama-1b", SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE)
+                result[part] = {"batch1": batch1, "throughput": throughput, "overhead": overhead}[part](args, big)
+            print(f"[{part}: {time.perf_counter() - t:.0f} s]", flush=True)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gpu_speed.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out / 'gpu_speed.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""benchmarks/gpu_speed.py runs on a lent GPU, in one call, with no chance to debug it there:
+its --smoke mode runs every part on the CPU with tiny shapes, and must produce every figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_gpu_speed_smoke(tmp_path):
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_speed.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "gpu_speed.json").read_text())
+    parity = result["parity"]["float32"]
+    assert parity["exact"] + parity["ours_in_hf_top5_where_parted"] == parity["prompts"] == 16
+    assert parity["exact"] >= 12
+    for variant in ("graphs+async", "graphs", "eager"):
+        b1 = result["batch1"][variant]
+        assert b1["ms_per_step"] > 0 and 0 < b1["fraction_of_limit"] < 2
+    tput = result["throughput"]
+    assert tput["conveyor"]["output_tok_per_s"] > 0
+    assert tput["hf_static"]["output_tok_per_s"] > 0
+    assert "output_tok_per_s" in tput["hf_continuous"] or "error" in tput["hf_continuous"]
+    for mode in ("sync", "async"):
+        assert result["overhead"][mode]["engine_ms_per_step"] > 0
