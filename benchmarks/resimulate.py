@@ -4,12 +4,15 @@ cost model is worth, without measuring anything.
     python benchmarks/resimulate.py results/validate-22.json --set idle_factor=0
     python benchmarks/resimulate.py results/validate-25.json --set idle_factor=0 --set seq_overhead_s=0
     python benchmarks/resimulate.py results/validate-24.json --refit   # today's fit on the saved samples
+    python benchmarks/resimulate.py results/validate-27.json --fit-measured   # priced by the measured steps
 
 Reads the fitted parameters, the peaks and the measured medians that
 `benchmarks/validate_simulation.py --out FILE` saved, rebuilds its workload from the saved
 arguments, and prints measured against simulated as that script does, once as fitted and once
 with the changes. `--refit` fits the saved calibration samples again with the current
-`conveyor.sim.calibrate.fit` (the run's own skinny and fused row counts: 64) before the changes.
+`conveyor.sim.calibrate.fit` (the run's own skinny and fused row counts: 64) before the changes;
+`--fit-measured` fits the measured runs' own steps instead, which leaves the error that does
+not come from calibrating at another time than measuring.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def main() -> int:
     ap.add_argument("saved", type=Path)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a CostParams field")
     ap.add_argument("--refit", action="store_true", help="fit the saved calibration samples again first")
+    ap.add_argument("--fit-measured", action="store_true",
+                    help="fit the measured runs' own steps instead of the calibration's: what is left of the "
+                         "error is the simulator's, not the calibration's")
     args = ap.parse_args()
     saved = json.loads(args.saved.read_text())
     run = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -51,8 +57,10 @@ def main() -> int:
     flops, bandwidth = calibrate.best_peaks([tuple(p) for p in saved["steps"]["peaks"]])
     hardware = calibrate.cpu_hardware(flops, bandwidth, 2)
     model = get_model("smollm2-135m")
-    if args.refit:
+    if args.refit or args.fit_measured:
         samples = [(label, StepShape(**shape), t) for label, shape, t in saved["steps"]["calibration"]]
+        if args.fit_measured:
+            samples = [("measured", StepShape(**shape), t) for shape, t in saved["steps"]["measured"]]
         params = calibrate.fit(hardware, model, samples, skinny=(params.skinny_rows, params.skinny_pass_rows),
                                fused_rows=params.fused_rows).params
     changed = CostParams.from_dict({**params.to_dict(), **dict(item.split("=", 1) for item in args.set)})
@@ -61,7 +69,7 @@ def main() -> int:
     measured = {(r["load"], r["metric"]): r["measured"] for r in saved["rows"] if r["simulation"] == "fitted"}
     print("| parameters | load | metric | measured | simulated | error |")
     print("|---|---|---|---|---|---|")
-    fitted = "refitted" if args.refit else "fitted"
+    fitted = "fit to the measured steps" if args.fit_measured else "refitted" if args.refit else "fitted"
     for label, p in ((fitted, params), (" ".join(args.set) or fitted, changed)):
         system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hardware, model, p, 16)
         for point in parse_sweep(workload.request_rate, None):
