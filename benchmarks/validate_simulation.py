@@ -255,7 +255,9 @@ def main() -> int:
               f"{r['measured_median']:.1f} [{runs}] | {r['simulated']:.1f} | {r['error']:+.1%} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     steps = {"calibration": [[label, dataclasses.asdict(s), t] for label, s, t in samples],
-             "measured": [[dataclasses.asdict(s), t] for s, t in served_steps], "peaks": flops_bw}
+             "measured": [[dataclasses.asdict(s), t] for s, t in served_steps], "peaks": flops_bw,
+             "levels": {name: {"bandwidth": probe.levels, "flops": probe.flops}
+                        for name, probe in (("calibration", cal_probe), ("measured", run_probe))}}
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "hardware": hardware.description,
                                     "params": params.to_dict(), "rows": rows, "argv": sys.argv[1:], "steps": steps}))
     print(f"wrote {args.out}")
