@@ -145,6 +145,9 @@ def main() -> int:
     ap.add_argument("--track-level", action="store_true",
                     help="read the bandwidth and arithmetic levels once a second through calibration and the "
                          "measured runs, and simulate a second time with the peaks scaled by their ratios")
+    ap.add_argument("--same-config", action="store_true",
+                    help="calibrate on an engine configured as the measured one (its default KV cache) "
+                         "instead of `conveyor calibrate`'s 2,304 blocks")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 
@@ -171,9 +174,8 @@ def main() -> int:
     def calibrate_round(rnd: int) -> None:
         print(f"round {rnd + 1}/{args.runs}: calibrating...", flush=True)
         flops_bw.append(calibrate.measure_peaks())
-        cal_engine = engine.from_model(
-            type(engine.config).from_kwargs(num_kv_blocks=2304), engine.runner.model, engine.tokenizer  # type: ignore[attr-defined]
-        )
+        config = measured_sys.config if args.same_config else type(engine.config).from_kwargs(num_kv_blocks=2304)
+        cal_engine = engine.from_model(config, engine.runner.model, engine.tokenizer)  # type: ignore[attr-defined]
         samples.extend(calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd,
                                          between=cal_probe.maybe if args.track_level else None))
         del cal_engine
