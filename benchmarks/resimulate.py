@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from validate_simulation import METRICS as ALL_METRICS  # a sibling: this folder is on sys.path
+
 from conveyor.bench.metrics import summarize
 from conveyor.bench.offline import SystemSpec
 from conveyor.bench.workload import LengthDist, at_load, parse_sweep, synthetic_requests
@@ -31,11 +33,7 @@ from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import CostParams, StepShape
 from conveyor.sim.models import get_model
 
-METRICS = {
-    "output tok/s": lambda s: s["output_throughput"],
-    "TTFT p50 (ms)": lambda s: s["ttft_s"]["p50"] * 1e3,
-    "TPOT p50 (ms)": lambda s: s["tpot_s"]["p50"] * 1e3,
-}
+METRICS = {name: get for name, get in ALL_METRICS.items() if "p99" not in name}
 
 
 def main() -> int:
@@ -58,9 +56,8 @@ def main() -> int:
     hardware = calibrate.cpu_hardware(flops, bandwidth, 2)
     model = get_model("smollm2-135m")
     if args.refit or args.fit_measured:
-        samples = [(label, StepShape(**shape), t) for label, shape, t in saved["steps"]["calibration"]]
-        if args.fit_measured:
-            samples = [("measured", StepShape(**shape), t) for shape, t in saved["steps"]["measured"]]
+        samples = ([("measured", StepShape(**shape), t) for shape, t in saved["steps"]["measured"]] if args.fit_measured
+                   else [(label, StepShape(**shape), t) for label, shape, t in saved["steps"]["calibration"]])
         params = calibrate.fit(hardware, model, samples, skinny=(params.skinny_rows, params.skinny_pass_rows),
                                fused_rows=params.fused_rows).params
     changed = CostParams.from_dict({**params.to_dict(), **dict(item.split("=", 1) for item in args.set)})

@@ -39,6 +39,14 @@ from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import RooflineCostModel, StepShape
 from conveyor.sim.models import ModelShape
 
+METRICS = {  # name -> its value in a `summarize` result
+    "output tok/s": lambda x: x["output_throughput"],
+    "TTFT p50 (ms)": lambda x: x["ttft_s"]["p50"] * 1e3,
+    "TPOT p50 (ms)": lambda x: x["tpot_s"]["p50"] * 1e3,
+    "TTFT p99 (ms)": lambda x: x["ttft_s"]["p99"] * 1e3,
+    "TPOT p99 (ms)": lambda x: x["tpot_s"]["p99"] * 1e3,
+}
+
 
 class LevelProbe:
     """The machine's speed over a run, read at most once a second just before a runner step:
@@ -63,7 +71,8 @@ class LevelProbe:
             self.a @ self.b
             self.last = time.perf_counter()
             self.levels.append(self.buffer.numel() * 4 / (read - start))
-            self.flops.append(2 * 256 * 576 * 1536 / (self.last - read))
+            (m, k), n = self.a.shape, self.b.shape[1]
+            self.flops.append(2 * m * k * n / (self.last - read))
 
 
 class StepTimes:
@@ -103,9 +112,10 @@ def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
     of one decode alone in order (medians per 100: the machine's speed over time) beside the
     calibration's own served ones. The p50 TPOT follows the decode steps."""
     def kind(shape: StepShape) -> str:
-        if shape.decode_seqs == shape.num_seqs:
+        coarse = calibrate.step_kind(shape)
+        if coarse == "decode":
             return f"decode x{shape.num_seqs}" if shape.num_seqs <= 4 else "decode x5+"
-        if shape.decode_seqs:
+        if coarse == "mixed":
             return "decodes + prompt"
         return "prompt only, after idle" if shape.idle_before_s >= cost.params.idle_threshold_s else "prompt only"
 
@@ -167,8 +177,7 @@ def main() -> int:
     served_steps: list[tuple[StepShape, float]] = []  # every runner step of the measured runs
     cal_probe, run_probe = LevelProbe(), LevelProbe()
     flops_bw: list[tuple[float, float]] = []
-    measured: dict[str, list[dict]] = {p.label: [] for p in points}
-    pooled: dict[str, tuple[list, float]] = {p.label: ([], 0.0) for p in points}  # every round's timings
+    rounds: dict[str, list[tuple[list, float]]] = {p.label: [] for p in points}  # (timings, duration) a round
     import torch
 
     def calibrate_round(rnd: int) -> None:
@@ -187,9 +196,7 @@ def main() -> int:
             t = time.perf_counter()
             with StepTimes(engine.runner, served_steps, run_probe if args.track_level else None):
                 real = measured_sys.run(reqs, point)
-            measured[point.label].append(summarize(real.timings, real.duration_s))
-            timings, duration = pooled[point.label]
-            pooled[point.label] = (timings + list(real.timings), duration + real.duration_s)
+            rounds[point.label].append((list(real.timings), real.duration_s))
             print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
 
     for rnd in range(args.runs):
@@ -212,7 +219,7 @@ def main() -> int:
     print(f"  {params}")
 
     step_report(served_steps, samples, RooflineCostModel(hardware, model, params, hardware.dtype_bytes, 16))
-    variants: list[tuple] = [("fitted", hardware)]
+    variants = [("fitted", hardware, params)]
     if args.track_level and cal_probe.levels and run_probe.levels:
         # The fit's efficiencies are relative to the calibration's bandwidth; the measured runs
         # met the machine at another level. Scale the bandwidth by the ratio of the two medians.
@@ -224,26 +231,25 @@ def main() -> int:
               f"in the measured runs: {run_flops / 1e9:.1f} GFLOP/s")
         variants.append(("level-matched", dataclasses.replace(
             hardware, mem_bandwidth=hardware.mem_bandwidth * run_level / cal_level,
-            peak_flops=hardware.peak_flops * run_flops / cal_flops)))
+            peak_flops=hardware.peak_flops * run_flops / cal_flops), params))
     if served_steps:
         # The simulator's own error: the same simulation, priced by a fit to the measured steps.
         own = calibrate.fit(hardware, model, [("measured", s, t) for s, t in served_steps],
                             skinny=(params.skinny_rows, params.skinny_pass_rows), fused_rows=params.fused_rows)
         variants.append(("measured steps", hardware, own.params))
+    # Each round's figures, and every round's requests pooled into one set.
+    per_round = {label: [summarize(t, d) for t, d in runs] for label, runs in rounds.items()}
+    pooled = {label: summarize([x for t, _ in runs for x in t], sum(d for _, d in runs)) for label, runs in rounds.items()}
     rows = []
-    for variant, hw, *fitted in variants:
-        sim_sys = SimSystem(spec, options, hw, model, fitted[0] if fitted else params, 16)
+    for variant, hw, variant_params in variants:
+        sim_sys = SimSystem(spec, options, hw, model, variant_params, 16)
         for point in points:
             reqs = at_load(requests, point, 1.0, args.seed)
             sim = sim_sys.run(reqs, point)
             s = summarize(sim.timings, sim.duration_s)
-            for name, get in (("output tok/s", lambda x: x["output_throughput"]),
-                              ("TTFT p50 (ms)", lambda x: x["ttft_s"]["p50"] * 1e3),
-                              ("TPOT p50 (ms)", lambda x: x["tpot_s"]["p50"] * 1e3),
-                              ("TTFT p99 (ms)", lambda x: x["ttft_s"]["p99"] * 1e3),
-                              ("TPOT p99 (ms)", lambda x: x["tpot_s"]["p99"] * 1e3)):
-                values = [get(m) for m in measured[point.label]]
-                whole = get(summarize(*pooled[point.label]))
+            for name, get in METRICS.items():
+                values = [get(m) for m in per_round[point.label]]
+                whole = get(pooled[point.label])
                 rows.append({"simulation": variant, "load": point.label, "metric": name, "measured": whole,
                              "measured_statistic": "pooled", "measured_median": statistics.median(values),
                              "measured_runs": values, "simulated": get(s), "error": get(s) / whole - 1})

@@ -151,9 +151,10 @@ class GraphedDecode:
         ]
         if self.device.type == "cuda":
             host = [h.pin_memory() for h in host]
-        for dst, src in zip((self.positions, self.slots, self.context_lens), host, strict=False):
+        *vectors, table = host
+        for dst, src in zip((self.positions, self.slots, self.context_lens), vectors, strict=True):
             dst[:b].copy_(src, non_blocking=True)
-        self.tables[:b, :width].copy_(host[3], non_blocking=True)
+        self.tables[:b, :width].copy_(table, non_blocking=True)
         self.input_ids[:n].copy_(input_ids)
         if pad:
             self.input_ids[n:b].zero_()

@@ -353,7 +353,6 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
     dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
     dec_m = col(lambda s: base._kv_mem_s * s.decode_context)
-    weights = {"w": 1.0 / y}  # relative error; the second pass divides by the first fit's price
 
     def roofline(e: Sequence[float]) -> np.ndarray:
         mfu, attn, mbu, kv, gemv, gemv_f = e
@@ -361,8 +360,8 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         head = np.where(head_1 > 0, np.maximum(head_gc / gemv_f, head_g / gemv), np.maximum(head_c / mfu, head_m / mbu))
         return lin + head + np.maximum(attn_c / attn, attn_m / kv) + np.maximum(dec_c / attn, dec_m / kv)
 
-    def evaluate(e: Sequence[float]) -> tuple[float, np.ndarray]:
-        w = weights["w"]
+    def evaluate(e: Sequence[float], w: np.ndarray) -> tuple[float, np.ndarray]:
+        """The loss and the overheads for efficiencies `e`, each sample's error weighted by `w`."""
         Xw = X * w[:, None]
         target = (y - roofline(e)) * w
         best_loss, best_c = float("inf"), np.zeros(k)
@@ -379,15 +378,15 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                 best_loss, best_c = loss, c
         return best_loss, best_c
 
-    def search(e: list[float], sweeps: int) -> list[float]:
-        loss = evaluate(e)[0]
+    def search(e: list[float], sweeps: int, w: np.ndarray) -> list[float]:
+        loss = evaluate(e, w)[0]
         grid = np.geomspace(0.002, MAX_EFFICIENCY, 67)
         for _ in range(sweeps):
             before = loss
             for i in range(6):
                 for v in grid:
                     trial = [*e[:i], float(v), *e[i + 1:]]
-                    trial_loss = evaluate(trial)[0]
+                    trial_loss = evaluate(trial, w)[0]
                     if trial_loss < loss:
                         loss, e = trial_loss, trial
             if loss >= before * (1 - 1e-6):
@@ -407,20 +406,21 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                         trial[j] *= factor**sj
                     if max(trial) > MAX_EFFICIENCY:
                         continue
-                    trial_loss = evaluate(trial)[0]
+                    trial_loss = evaluate(trial, w)[0]
                     if trial_loss < loss * (1 - 1e-9):
                         loss, e, improved = trial_loss, trial, True
         return e
 
-    e = search([0.5] * 6, sweeps)
+    w = 1.0 / y  # relative error
+    e = search([0.5] * 6, sweeps, w)
     if reweight:
         # Relative error against the measured time favours the samples that happened to run
         # fast: on noisy steps the fit lands below their mean. Against the first fit's price
         # (no noise in it) each shape's fit is its samples' mean.
-        _, c = evaluate(e)
-        weights["w"] = 1.0 / (roofline(e) + X @ c)
-        e = search(e, 1)
-    _, c = evaluate(e)
+        _, c = evaluate(e, w)
+        w = 1.0 / (roofline(e) + X @ c)
+        e = search(e, 1, w)
+    _, c = evaluate(e, w)
     params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]),
                         float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
     if cold:  # how much more than the fitted price the steps after an idle period took
