@@ -155,9 +155,10 @@ def main() -> int:
     ap.add_argument("--track-level", action="store_true",
                     help="read the bandwidth and arithmetic levels once a second through calibration and the "
                          "measured runs, and simulate a second time with the peaks scaled by their ratios")
-    ap.add_argument("--same-config", action="store_true",
-                    help="calibrate on an engine configured as the measured one (its default KV cache) "
-                         "instead of `conveyor calibrate`'s 2,304 blocks")
+    ap.add_argument("--same-config", action=argparse.BooleanOptionalAction, default=True,
+                    help="calibrate on an engine configured as the measured one (its default KV cache), as "
+                         "`conveyor calibrate` does; --no-same-config calibrates on 2,304 KV blocks, as "
+                         "runs 1-29 of docs/simulation.md did")
     ap.add_argument("--out", type=Path, default=Path("results/validate-simulation.json"))
     args = ap.parse_args()
 

@@ -62,6 +62,12 @@ def default_grid() -> list[tuple[str, Shape]]:
     return grid
 
 
+def grid_blocks(block_size: int, grid: Sequence[tuple[str, Shape]] | None = None) -> int:
+    """KV blocks the largest shape of `grid` (default: `default_grid()`) takes."""
+    return max(sum(-(-(start + n) // block_size) for n, start in shape)
+               for _, shape in (default_grid() if grid is None else grid))
+
+
 def runner_skinny_rows() -> tuple[int, int]:
     """(rows up to which this machine's runner takes the skinny kernel, rows per pass); (1, 1)
     without the kernel: only the one-row path of torch's matmul."""

@@ -176,8 +176,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if options.get("device", "cpu") != "cpu" and options.get("device") != "auto":
         raise ValueError("calibrate measures the CPU runner; a GPU is simulated from its datasheet")
     options.update(device="cpu")
-    options.setdefault("num_kv_blocks", 2304)  # the grid's largest shape: 64 x 512 tokens
+    # Calibrate the engine as it would serve, KV cache size included (the flags are serve's);
+    # only a cache too small for the grid's largest shape is enlarged. Runs 30-33 of
+    # docs/simulation.md calibrated this way, runs 1-29 on 2,304 blocks.
     engine = Engine.from_config(EngineConfig.from_kwargs(**options))
+    need = calibrate.grid_blocks(engine.config.cache.block_size)
+    if engine.runner.num_blocks < need:
+        print(f"the KV cache holds {engine.runner.num_blocks} blocks; the calibration grid needs {need}: "
+              f"calibrating with num_kv_blocks={need}")
+        del engine
+        engine = Engine.from_config(EngineConfig.from_kwargs(**{**options, "num_kv_blocks": need}))
     threads = torch.get_num_threads()
     print(f"measuring peaks ({threads} threads)...")
     before = calibrate.measure_peaks()

@@ -314,6 +314,14 @@ def test_a_peak_read_low_binds_the_fit_and_the_best_reading_frees_it():
     assert best.max_abs_rel_error < 0.03
 
 
+def test_grid_blocks_is_the_largest_shapes_need():
+    """The calibration grid's largest shape is 64 decodes at context 512: 64 x 32 blocks of 16
+    tokens; a shape's need counts each sequence's blocks apart (17 tokens take two)."""
+    assert calibrate.grid_blocks(16) == 64 * 32
+    assert calibrate.grid_blocks(32) == 64 * 16
+    assert calibrate.grid_blocks(16, [("two", [(1, 16), (17, 0)]), ("one", [(16, 0)])]) == 4
+
+
 def test_simulate_cli(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["simulate", "--hardware", "a100-80gb", "--model", "llama-2-7b", "--num-requests", "50",
