@@ -181,8 +181,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # docs/simulation.md calibrated this way, runs 1-29 on 2,304 blocks.
     engine = Engine.from_config(EngineConfig.from_kwargs(**options))
     need = calibrate.grid_blocks(engine.config.cache.block_size)
-    if engine.runner.num_blocks < need:
-        print(f"the KV cache holds {engine.runner.num_blocks} blocks; the calibration grid needs {need}: "
+    blocks: int = engine.runner.num_blocks  # type: ignore[attr-defined]  # ModelRunner's, not the protocol's
+    if blocks < need:
+        print(f"the KV cache holds {blocks} blocks; the calibration grid needs {need}: "
               f"calibrating with num_kv_blocks={need}")
         del engine
         engine = Engine.from_config(EngineConfig.from_kwargs(**{**options, "num_kv_blocks": need}))
