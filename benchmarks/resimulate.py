@@ -31,9 +31,29 @@ from conveyor.bench.workload import LengthDist, at_load, parse_sweep, synthetic_
 from conveyor.sim import calibrate
 from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import CostParams, StepShape
+from conveyor.sim.hardware import Hardware
 from conveyor.sim.models import get_model
 
 METRICS = {name: get for name, get in ALL_METRICS.items() if "p99" not in name}
+
+
+def load(path: Path) -> tuple[dict, argparse.Namespace, Hardware, CostParams]:
+    """A saved run: its JSON, its workload flags (validate_simulation's defaults where the run
+    left them out), the CPU hardware of its best peak readings, and its fitted parameters."""
+    saved = json.loads(path.read_text())
+    run = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name, default in (("--num-requests", 32), ("--request-rate", "0.5"), ("--input-len", "uniform:32,256"),
+                          ("--output-len", "uniform:16,128"), ("--seed", 0)):
+        run.add_argument(name, default=default, type=type(default))
+    workload, _ = run.parse_known_args(saved["argv"])
+    flops, bandwidth = calibrate.best_peaks([tuple(p) for p in saved["steps"]["peaks"]])
+    return saved, workload, calibrate.cpu_hardware(flops, bandwidth, 2), CostParams.from_dict(saved["params"])
+
+
+def saved_requests(workload: argparse.Namespace, vocab_size: int) -> list:
+    """The saved run's requests, rebuilt from its workload flags."""
+    return synthetic_requests(workload.num_requests, LengthDist.parse(workload.input_len),
+                              LengthDist.parse(workload.output_len), vocab_size, workload.seed)
 
 
 def main() -> int:
@@ -45,15 +65,7 @@ def main() -> int:
                     help="fit the measured runs' own steps instead of the calibration's: what is left of the "
                          "error is the simulator's, not the calibration's")
     args = ap.parse_args()
-    saved = json.loads(args.saved.read_text())
-    run = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name, default in (("--num-requests", 32), ("--request-rate", "0.5"), ("--input-len", "uniform:32,256"),
-                          ("--output-len", "uniform:16,128"), ("--seed", 0)):
-        run.add_argument(name, default=default, type=type(default))
-    workload, _ = run.parse_known_args(saved["argv"])
-    params = CostParams.from_dict(saved["params"])
-    flops, bandwidth = calibrate.best_peaks([tuple(p) for p in saved["steps"]["peaks"]])
-    hardware = calibrate.cpu_hardware(flops, bandwidth, 2)
+    saved, workload, hardware, params = load(args.saved)
     model = get_model("smollm2-135m")
     if args.refit or args.fit_measured:
         samples = ([("measured", StepShape(**shape), t) for shape, t in saved["steps"]["measured"]] if args.fit_measured
@@ -61,8 +73,7 @@ def main() -> int:
         params = calibrate.fit(hardware, model, samples, skinny=(params.skinny_rows, params.skinny_pass_rows),
                                fused_rows=params.fused_rows).params
     changed = CostParams.from_dict({**params.to_dict(), **dict(item.split("=", 1) for item in args.set)})
-    requests = synthetic_requests(workload.num_requests, LengthDist.parse(workload.input_len),
-                                  LengthDist.parse(workload.output_len), model.vocab_size, workload.seed)
+    requests = saved_requests(workload, model.vocab_size)
     measured = {(r["load"], r["metric"]): r["measured"] for r in saved["rows"] if r["simulation"] == "fitted"}
     print("| parameters | load | metric | measured | simulated | error |")
     print("|---|---|---|---|---|---|")

@@ -12,18 +12,18 @@ the prompt-bearing steps and for the decodes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from validate_simulation import StepTimes  # a sibling: this folder is on sys.path
+from resimulate import load  # siblings: this folder is on sys.path
+from validate_simulation import StepTimes
 
 from conveyor.bench.offline import ConveyorSystem, OfflineSystems, SystemSpec
 from conveyor.bench.workload import LengthDist, at_load, parse_sweep, synthetic_requests
 from conveyor.sampling_params import SamplingParams
 from conveyor.sim import calibrate
-from conveyor.sim.cost import CostParams, RooflineCostModel
+from conveyor.sim.cost import RooflineCostModel
 from conveyor.sim.models import get_model
 
 
@@ -33,9 +33,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
-    saved = json.loads(args.saved.read_text())
-    hardware = calibrate.cpu_hardware(*calibrate.best_peaks([tuple(p) for p in saved["steps"]["peaks"]]), 2)
-    cost = RooflineCostModel(hardware, get_model("smollm2-135m"), CostParams.from_dict(saved["params"]), 4, 16)
+    _, _, hardware, params = load(args.saved)
+    cost = RooflineCostModel(hardware, get_model("smollm2-135m"), params, 4, 16)
 
     base = OfflineSystems.load({"seed": 0}).base
     measured = ConveyorSystem(SystemSpec("continuous", "conveyor", {}), base, {"seed": 0})

@@ -185,8 +185,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if blocks < need:
         print(f"the KV cache holds {blocks} blocks; the calibration grid needs {need}: "
               f"calibrating with num_kv_blocks={need}")
-        del engine
-        engine = Engine.from_config(EngineConfig.from_kwargs(**{**options, "num_kv_blocks": need}))
+        engine = Engine.from_model(EngineConfig.from_kwargs(**{**options, "num_kv_blocks": need}),
+                                   engine.runner.model, engine.tokenizer,  # type: ignore[attr-defined]
+                                   getattr(engine, "model_path", None))  # the weights already loaded
     threads = torch.get_num_threads()
     print(f"measuring peaks ({threads} threads)...")
     before = calibrate.measure_peaks()
