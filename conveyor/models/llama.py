@@ -401,7 +401,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
-            self._use_triton_attention()
+            self._use_triton_attention(weight.dtype)
         if weight.device.type != "cpu":
             return
         kernel = skinny_linear() if weight.dtype == torch.float32 else None
@@ -434,11 +434,14 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
             self.fused_decode = FusedDecode(self, fused)
 
-    def _use_triton_attention(self) -> None:
+    def _use_triton_attention(self, dtype: torch.dtype) -> None:
         """On CUDA, paged attention runs in the Triton kernels (conveyor/kernels/triton_attention.py)
-        when triton is installed, unless `CONVEYOR_TRITON=0`; else in the torch reference."""
+        when triton is installed and the dtype is one they take (fp32/fp16/bf16), unless
+        `CONVEYOR_TRITON=0`; else in the torch reference (float64 tests run there)."""
         from conveyor.kernels.triton_attention import TritonPagedAttention, triton_available
 
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return
         if os.environ.get("CONVEYOR_TRITON", "1") == "0" or not triton_available():
             return
         backend = TritonPagedAttention(self.arch.sliding_window)  # one instance: its per-step plan is shared
