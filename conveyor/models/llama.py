@@ -115,6 +115,8 @@ class Rotary(nn.Module):
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+# (delta, residual, weight, eps) -> (rms_norm(residual + delta) * weight, residual + delta)
+AddNorm = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -233,6 +235,24 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        rope: RopeTables,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        add_norm: AddNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each residual add fused into the norm after it: takes and returns the
+        last sublayer's output not yet added (`delta`, None before the first layer) and the
+        running residual. The same sums, in the same order, as `forward`."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        normed, residual = add_norm(delta, residual, ln1.weight, ln1.eps)
+        attn = self.self_attn(normed, rope, kv_cache, meta)
+        normed, residual = add_norm(attn, residual, ln2.weight, ln2.eps)
+        return self.mlp(normed), residual
+
 
 class FusedDecode:
     """Decode-only steps of up to `max_rows` rows on CPU in float32 (SKINNY_MAX_ROWS; Q8_MAX_ROWS
@@ -340,6 +360,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(arch, max_positions)
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
+        self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)
 
     def forward(
         self,
@@ -354,6 +375,12 @@ class LlamaForCausalLM(nn.Module):
             return fused(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        add_norm = self.add_norm
+        if add_norm is not None:
+            delta: torch.Tensor | None = None
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                delta, x = layer.forward_fused(delta, x, rope, cache, meta, add_norm)
+            return add_norm(delta, x, self.norm.weight, self.norm.eps)[0]
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)
         return self.norm(x)
@@ -402,6 +429,7 @@ class LlamaForCausalLM(nn.Module):
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)
+            self._use_triton_fused(weight.dtype)
         if weight.device.type != "cpu":
             return
         kernel = skinny_linear() if weight.dtype == torch.float32 else None
@@ -448,6 +476,29 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = backend
+
+    def _use_triton_fused(self, dtype: torch.dtype) -> None:
+        """On CUDA in half precision, the residual adds, norms, RoPE and SiLU-and-multiply run
+        in the fused Triton kernels (conveyor/kernels/triton_fused.py), unless `CONVEYOR_TRITON=0`.
+        float32 on CUDA keeps the torch ops: the reference's exact arithmetic."""
+        from conveyor.kernels import triton_fused
+
+        if dtype not in (torch.float16, torch.bfloat16):
+            return
+        if os.environ.get("CONVEYOR_TRITON", "1") == "0" or not triton_fused.triton_available():
+            return
+
+        def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            return triton_fused.add_rms_norm(None, x, weight, eps)[0]
+
+        self.add_norm = triton_fused.add_rms_norm
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = norm  # q/k norms (3-D) stay on the torch path
+            elif isinstance(module, Attention):
+                module.native_rope = triton_fused.rope_
+            elif isinstance(module, MLP):
+                module.native_silu_mul = triton_fused.silu_mul
 
     @torch.inference_mode()
     def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:

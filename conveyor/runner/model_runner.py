@@ -202,13 +202,15 @@ class ModelRunner:
         if not samplers:
             return StepHandle(RunnerOutput(sampled={}), start, cuda)
         picked = hidden if len(rows_out) == hidden.shape[0] else hidden[rows_out]  # decode steps: every row, in order
-        logits = self.model.compute_logits(picked).float()
         batch = prepare(
             [it.sampling_params for it in samplers],
             [self._generator(it) for it in samplers],
             [self._history(it) for it in samplers],
             [it.prompt_len for it in samplers],
         )
+        logits = self.model.compute_logits(picked)
+        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None):
+            logits = logits.float()  # an argmax alone reads the model dtype: the same index
         tokens, logprobs = self.sampler.sample(logits, batch)
         self._last_tokens = tokens
         self._last_rows = {it.seq_id: row for row, it in enumerate(samplers)}

@@ -10,6 +10,7 @@ Logprobs are those of the model's raw distribution (before penalties and tempera
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,10 +60,18 @@ class Sampler:
             from conveyor.kernels import argmax
 
             self._argmax = argmax()  # torch's argmax over [64, 32000] takes ~2 ms here, the kernel ~0.2
+        self._cuda_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if device.type == "cuda" and os.environ.get("CONVEYOR_TRITON", "1") != "0":
+            from conveyor.kernels import triton_fused
+
+            if triton_fused.triton_available():
+                self._cuda_argmax = triton_fused.argmax
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if self._argmax is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
             return self._argmax(logits)
+        if self._cuda_argmax is not None and logits.is_cuda:
+            return self._cuda_argmax(logits)
         return logits.argmax(dim=-1)
 
     def __call__(

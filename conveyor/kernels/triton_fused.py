@@ -1,0 +1,188 @@
+"""The elementwise stages of a decoder layer fused in Triton: the CUDA path's answer to a decode
+step made of hundreds of one-microsecond kernels.
+
+At batch 1 on an H100 a Llama-3.2-1B-shaped layer ran about 19 small torch kernels besides its
+four GEMMs and its attention (residual adds, the norm's casts, RoPE's halves, multiplies and
+concatenation, SiLU and the gate product), some 30 µs a layer: a quarter of the step
+(BENCHMARKS.md, "CUDA path"). Three kernels replace them:
+
+- `add_rms_norm`: the residual add and the RMSNorm after it, one program per row; it returns
+  the normalised row and the new residual (vLLM's fused_add_rms_norm idea).
+- `rope_`: the rotation of every query and key head of a token, in place on the fused QKV
+  projection's output.
+- `silu_mul`: SiLU of the gate times the up projection.
+
+Each kernel rounds where the torch reference rounds (every torch op of the reference stores
+its result in the model dtype; the kernels compute in float32 and round at the same points),
+so in float32 they agree with the reference to the last bit but for summation order, and in
+half precision they agree but for the rare tie that order breaks. They run on CPU tensors
+under `TRITON_INTERPRET=1`, which is how the tests check them without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.kernels.triton_attention import _jit, _pow2, tl, triton, triton_available
+
+__all__ = ["add_rms_norm", "argmax", "rope_", "silu_mul", "triton_available"]
+
+
+@_jit
+def _rnd(x, dt, IS_BF16: tl.constexpr):
+    """float32 `x` rounded to the nearest `dt` (ties to even), kept in float32. bfloat16 is
+    rounded on the bits: Triton's interpreter truncates a float32 -> bfloat16 cast, and the
+    tests that run there check the rounding."""
+    if IS_BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@_jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out, n, eps,
+    HAS_DELTA: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    s = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        s = _rnd(s.to(tl.float32) + x.to(tl.float32), s.dtype, IS_BF16).to(s.dtype)  # `h = x + a`
+        tl.store(res_out_ptr + row * stride_res_out + cols, s, mask=mask)
+    f = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(f * f, 0) / n + eps)
+    normed = _rnd(f * inv, s.dtype, IS_BF16)  # half precision: rounded before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, _rnd(w * normed, s.dtype, IS_BF16).to(s.dtype), mask=mask)
+
+
+def add_rms_norm(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + delta) * weight, residual + delta)` over rows `[T, hidden]`; with
+    `delta=None`, the norm of `residual` itself (which is returned as is)."""
+    rows, n = residual.shape
+    out = torch.empty_like(residual)
+    res_out = residual if delta is None else torch.empty_like(residual)
+    if rows:
+        x = residual if delta is None else delta
+        assert x.stride(-1) == 1 and residual.stride(-1) == 1 and x.dtype == residual.dtype
+        _add_rms_norm_kernel[(rows,)](
+            x, residual, weight, out, res_out,
+            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), n, eps,
+            HAS_DELTA=delta is not None, IS_BF16=residual.dtype == torch.bfloat16, BLOCK=_pow2(n, 16), num_warps=8 if n >= 4096 else 4,
+        )
+    return out, res_out
+
+
+@_jit
+def _rope_kernel(
+    qk_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_cos, heads,
+    HALF: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < heads) & (d < HALF)
+    base = qk_ptr + t * stride_t + h * stride_h + d
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    c = tl.load(cos_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x1*cos - x2*sin and x2*cos + x1*sin, each product and each sum rounded as torch does.
+    o1 = _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16).to(dt)
+    o2 = _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16).to(dt)
+    tl.store(base, o1, mask=mask)
+    tl.store(base + HALF, o2, mask=mask)
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+    """Rotate `qk` `[T, heads, head_dim]` in place (the HF / NeoX halves layout). `cos` and
+    `sin` are the step's tables `[T, 1, head_dim/2]` in the model dtype (`Rotary.forward`)."""
+    tokens, _, head_dim = qk.shape
+    if not tokens:
+        return
+    assert qk.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+    half = head_dim // 2
+    _rope_kernel[(tokens,)](
+        qk, cos, sin, qk.stride(0), qk.stride(1), cos.stride(0), heads,
+        HALF=half, IS_BF16=qk.dtype == torch.bfloat16, BLOCK_H=_pow2(heads), BLOCK_D=_pow2(half),
+    )
+
+
+@_jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + n + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = _rnd(gf / (1.0 + tl.exp(-gf)), g.dtype, IS_BF16)  # silu(gate), rounded
+    tl.store(out_ptr + row * stride_out + cols, _rnd(act * u.to(tl.float32), g.dtype, IS_BF16).to(g.dtype),
+             mask=mask)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up = [gate | up]` of shape `[T, 2 * intermediate]`."""
+    rows, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        assert gate_up.stride(-1) == 1
+        _silu_mul_kernel[(rows, triton.cdiv(n, SILU_BLOCK))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n, IS_BF16=gate_up.dtype == torch.bfloat16,
+            BLOCK=SILU_BLOCK,
+        )
+    return out
+
+
+@_jit
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, stride_row, n, chunks, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * stride_row + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    best = tl.argmax(x, 0, tie_break_left=True)
+    tl.store(val_ptr + row * chunks + c, tl.max(x, 0))
+    tl.store(idx_ptr + row * chunks + c, c * CHUNK + best)
+
+
+@_jit
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    v = tl.load(val_ptr + row * chunks + j, mask=j < chunks, other=float("-inf"))
+    k = tl.argmax(v, 0, tie_break_left=True)  # the first chunk holding the maximum
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + k))
+
+
+ARGMAX_CHUNK = 2048
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` for `[rows, vocab]` (the first index of a tie, as torch), in two
+    launches over chunks of the vocabulary: torch's one reduction per row took 27 µs over
+    Llama-3's 128,256 entries at batch 1 on an H100 (BENCHMARKS.md, "CUDA path")."""
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0 or n == 0:
+        return logits.argmax(-1) if n == 0 else out
+    assert logits.stride(-1) == 1
+    chunks = triton.cdiv(n, ARGMAX_CHUNK)
+    vals = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
+    _argmax_chunk_kernel[(rows, chunks)](logits, vals, idx, logits.stride(0), n, chunks, CHUNK=ARGMAX_CHUNK)
+    _argmax_merge_kernel[(rows,)](vals, idx, out, chunks, BLOCK=_pow2(chunks, 16))
+    return out

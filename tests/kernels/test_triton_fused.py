@@ -1,0 +1,152 @@
+"""The fused elementwise kernels (add + RMSNorm, RoPE, SiLU-and-multiply) against the torch
+modules they replace, and a model whose forward runs through them against the plain forward.
+
+Without CUDA they run on CPU tensors under Triton's interpreter, in float32, float16 and
+bfloat16 (these kernels use no `tl.dot`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+pytest.importorskip("triton")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.kernels.triton_fused import add_rms_norm, rope_, silu_mul, triton_available
+from conveyor.models.llama import RMSNorm, apply_rope
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of their dtype lie between a and b, elementwise."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    ia, ib = a.view(ints).long(), b.view(ints).long()
+    # Map sign-magnitude to a monotone integer line.
+    top = 1 << (8 * a.element_size() - 1)
+    ia = torch.where(ia < 0, -(ia + top), ia)
+    ib = torch.where(ib < 0, -(ib + top), ib)
+    return (ia - ib).abs()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, max_ulps: int, exact_share: float) -> None:
+    """Every element within `max_ulps`, and at least `exact_share` of them bit-equal. In
+    float32 a row's norm differs from torch's in its last bits (summation order), which moves
+    every element of the row by a few ulps: only closeness is asked there."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        return
+    d = ulps_apart(got, want)
+    assert int(d.max()) <= max_ulps, f"{int(d.max())} ulps apart"
+    assert float((d == 0).float().mean()) >= exact_share, f"{float((d == 0).float().mean()):.3f} exact"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 576])
+def test_add_rms_norm_matches_add_then_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE) * 3
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    want_sum = res + x
+    with torch.no_grad():
+        want = norm(want_sum)
+    got, got_sum = add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(got_sum, want_sum)  # the residual add rounds exactly as torch's
+    close(got, want, max_ulps=1, exact_share=0.97)
+    # No delta: the norm of the residual itself, which comes back untouched.
+    got, same = add_rms_norm(None, res, norm.weight, norm.eps)
+    assert same is res
+    with torch.no_grad():
+        close(got, norm(res), max_ulps=1, exact_share=0.97)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_matches_apply_rope_on_a_fused_projection(dtype):
+    g = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, head_dim = 5, 6, 2, 32
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=g) * 50
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    qk = qkv[:, : heads + kv_heads]  # a strided view, as in Attention.forward
+    want = apply_rope(qk.clone(), (cos, sin))
+    v_before = qkv[:, heads + kv_heads :].clone()
+    rope_(qk, cos, sin, heads + kv_heads)
+    if dtype == torch.float32:  # products may contract into an FMA: an ulp at most
+        close(qk, want, max_ulps=2, exact_share=0.9)
+    else:
+        assert torch.equal(qk, want)  # every product and sum rounded as torch rounds them
+    assert torch.equal(qkv[:, heads + kv_heads :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [128, 1536])
+def test_silu_mul_matches_torch(dtype, intermediate):
+    g = torch.Generator().manual_seed(intermediate)
+    gate_up = (torch.randn(3, 2 * intermediate, generator=g) * 4).to(dtype).to(DEVICE)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    close(silu_mul(gate_up), want, max_ulps=1, exact_share=0.97)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(0, 9), hidden=st.sampled_from([16, 48, 80]), seed=st.integers(0, 1000))
+def test_any_row_count(rows, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE)
+    res = torch.randn(rows, hidden, generator=g).to(DEVICE)
+    w = torch.rand(hidden, generator=g).to(DEVICE)
+    got, s = add_rms_norm(x, res, w, 1e-6)
+    assert got.shape == (rows, hidden) and torch.equal(s, res + x)
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(res + x, (hidden,), w, 1e-6))
+    assert silu_mul(torch.randn(rows, 2 * hidden, generator=g).to(DEVICE)).shape == (rows, hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_model_forward_through_the_fused_kernels(tiny_models, dtype):
+    """The whole model with `_use_triton_fused` against the same weights without it: the
+    same greedy tokens over a prefill and decodes of a paged cache."""
+    from conveyor import LLM, SamplingParams
+
+    path = str(tiny_models["llama"])
+    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 4 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for fused in (False, True):
+        llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
+                  block_size=4, enforce_eager=True)
+        model = llm.engine.runner.model
+        if DEVICE.type == "cpu" and fused:
+            model._use_triton_fused(dtype)  # on CUDA prepare_for_inference has done it
+        assert (model.add_norm is not None) == fused or DEVICE.type == "cuda"
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    plain, fused = runs
+    agree = sum(a == b for a, b in zip(plain, fused, strict=True))
+    assert agree >= len(prompts) - 1, f"{agree}/{len(prompts)} prompts agree"
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 5000), ties=st.booleans(), seed=st.integers(0, 1000),
+       dtype=st.sampled_from(DTYPES))
+def test_argmax_matches_torch_first_index_of_a_tie(rows, vocab, ties, seed, dtype):
+    from conveyor.kernels.triton_fused import argmax
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    if ties:  # the maximum repeated, across chunks too
+        logits = logits.round()
+        logits[:, torch.randint(0, vocab, (3,), generator=g)] = 9.0
+    logits = logits.to(dtype).to(DEVICE)
+    assert torch.equal(argmax(logits), logits.argmax(-1))
