@@ -2,7 +2,8 @@
 sampler, the runner as a whole and the engine step around it, each timed apart, then the
 torch profiler's tables for graphed and eager steps.
 
-    python benchmarks/gpu_profile.py --out DIR      # on a lent GPU
+    python benchmarks/gpu_profile.py --out DIR          # on a lent GPU
+    python benchmarks/gpu_profile.py --fused --out DIR  # with the fused elementwise kernels
     python benchmarks/gpu_profile.py --smoke        # CPU, tiny shapes: checks the script
 
 The model is gpu_speed.py's Llama-3.2-1B-shaped random model in bfloat16. Each figure is the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -105,6 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--fused", action="store_true", help="with the opt-in fused elementwise kernels (CONVEYOR_TRITON_FUSED=1)")
     ap.add_argument("--out", type=Path, default=Path("results/gpu-profile"))
     args = ap.parse_args()
     cuda = not args.smoke
@@ -112,6 +115,7 @@ def main() -> int:
         print("no CUDA device here: run with --smoke to check the script on a CPU", file=sys.stderr)
         return 2
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    os.environ["CONVEYOR_TRITON_FUSED"] = "1" if args.fused else "0"
     from conveyor import LLM
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,14 +34,17 @@ the device).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,21 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def fused_kernels(on: bool) -> Iterator[None]:
+    """CONVEYOR_TRITON_FUSED set (or unset) while an engine is built: the fused elementwise
+    kernels are opt-in until measured, so batch-1 and parity run with them and without."""
+    before = os.environ.get("CONVEYOR_TRITON_FUSED")
+    os.environ["CONVEYOR_TRITON_FUSED"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CONVEYOR_TRITON_FUSED", None)
+        else:
+            os.environ["CONVEYOR_TRITON_FUSED"] = before
+
+
 def hbm_bandwidth(device: str, gib: int = 4) -> float:
     """Bytes/s: the better of a copy (read + write counted) and a sum (a read) over `gib`."""
     n = (gib << 30) // 2
@@ -107,12 +125,15 @@ def parity(args: argparse.Namespace, folder: Path) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 64))] for _ in range(16)]
     new = 8 if args.smoke else 32
-    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16"]
+    # bfloat16+fused: the opt-in fused elementwise kernels (CONVEYOR_TRITON_FUSED=1).
+    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16", "bfloat16+fused"]
     out: dict = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    for dtype in dtypes:
-        llm = LLM(path, device=args.device, dtype=dtype, num_kv_blocks=256, max_model_len=1024)
+    for variant in dtypes:
+        dtype = variant.removesuffix("+fused")
+        with fused_kernels(variant.endswith("+fused")):
+            llm = LLM(path, device=args.device, dtype=dtype, num_kv_blocks=256, max_model_len=1024)
         ours = [o.outputs[0].token_ids for o in llm.generate(
             prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)]
         del llm
@@ -134,9 +155,9 @@ def parity(args: argparse.Namespace, folder: Path) -> dict:
             parted.append(k)
         del hf
         release(args.device)
-        out[dtype] = {"prompts": len(prompts), "tokens": new, "exact": exact,
+        out[variant] = {"prompts": len(prompts), "tokens": new, "exact": exact,
                       "parted_at": parted, "ours_in_hf_top5_where_parted": within_top5}
-        print(f"parity {dtype}: {exact}/{len(prompts)} exact; where they part (positions {parted}), "
+        print(f"parity {variant}: {exact}/{len(prompts)} exact; where they part (positions {parted}), "
               f"conveyor's token is in HF's top 5 in {within_top5}", flush=True)
     return out
 
@@ -158,10 +179,13 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
     steps = 32 if args.smoke else 256
     bandwidth = hbm_bandwidth(args.device, 1 if args.smoke else 4)
     out: dict = {"hbm_GBps_measured": bandwidth / 1e9}
-    for name, options in (("graphs+async", dict(async_scheduling=True)), ("graphs", {}),
-                          ("eager", dict(enforce_eager=True))):
-        llm = LLM(path, device=args.device, dtype=args.dtype, num_kv_blocks=512, max_model_len=2048,
-                  max_num_seqs=256, **options)
+    variants: list[tuple[str, dict, bool]] = [
+        ("graphs+async+fused", dict(async_scheduling=True), True), ("graphs+async", dict(async_scheduling=True), False),
+        ("graphs", {}, False), ("eager", dict(enforce_eager=True), False)]
+    for name, options, fused in variants:
+        with fused_kernels(fused):
+            llm = LLM(path, device=args.device, dtype=args.dtype, num_kv_blocks=512, max_model_len=2048,
+                      max_num_seqs=256, **options)
         nbytes = decode_bytes(llm.engine.runner.model)
         sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         llm.generate([list(range(100, 132))], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)

@@ -478,14 +478,13 @@ class LlamaForCausalLM(nn.Module):
                 module.backend = backend
 
     def _use_triton_fused(self, dtype: torch.dtype) -> None:
-        """On CUDA in half precision, the residual adds, norms, RoPE and SiLU-and-multiply run
-        in the fused Triton kernels (conveyor/kernels/triton_fused.py), unless `CONVEYOR_TRITON=0`.
-        float32 on CUDA keeps the torch ops: the reference's exact arithmetic."""
+        """On CUDA in half precision, with `CONVEYOR_TRITON_FUSED=1` (`triton_fused.enabled`), the
+        residual adds, norms, RoPE and SiLU-and-multiply run in the fused Triton kernels
+        (conveyor/kernels/triton_fused.py). float32 on CUDA keeps the torch ops: the reference's
+        exact arithmetic."""
         from conveyor.kernels import triton_fused
 
-        if dtype not in (torch.float16, torch.bfloat16):
-            return
-        if os.environ.get("CONVEYOR_TRITON", "1") == "0" or not triton_fused.triton_available():
+        if dtype not in (torch.float16, torch.bfloat16) or not triton_fused.enabled():
             return
 
         def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

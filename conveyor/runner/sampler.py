@@ -10,7 +10,6 @@ Logprobs are those of the model's raw distribution (before penalties and tempera
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,10 +60,10 @@ class Sampler:
 
             self._argmax = argmax()  # torch's argmax over [64, 32000] takes ~2 ms here, the kernel ~0.2
         self._cuda_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
-        if device.type == "cuda" and os.environ.get("CONVEYOR_TRITON", "1") != "0":
+        if device.type == "cuda":
             from conveyor.kernels import triton_fused
 
-            if triton_fused.triton_available():
+            if triton_fused.enabled():  # CONVEYOR_TRITON_FUSED=1
                 self._cuda_argmax = triton_fused.argmax
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:

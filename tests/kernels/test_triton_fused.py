@@ -115,7 +115,7 @@ def test_any_row_count(rows, hidden, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_model_forward_through_the_fused_kernels(tiny_models, dtype):
+def test_model_forward_through_the_fused_kernels(tiny_models, dtype, monkeypatch):
     """The whole model with `_use_triton_fused` against the same weights without it: the
     same greedy tokens over a prefill and decodes of a paged cache."""
     from conveyor import LLM, SamplingParams
@@ -125,12 +125,13 @@ def test_model_forward_through_the_fused_kernels(tiny_models, dtype):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = []
     for fused in (False, True):
+        monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1" if fused else "0")
         llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
                   block_size=4, enforce_eager=True)
         model = llm.engine.runner.model
-        if DEVICE.type == "cpu" and fused:
+        if DEVICE.type == "cpu":
             model._use_triton_fused(dtype)  # on CUDA prepare_for_inference has done it
-        assert (model.add_norm is not None) == fused or DEVICE.type == "cuda"
+        assert (model.add_norm is not None) == fused
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     plain, fused = runs
     agree = sum(a == b for a, b in zip(plain, fused, strict=True))
@@ -150,3 +151,14 @@ def test_argmax_matches_torch_first_index_of_a_tie(rows, vocab, ties, seed, dtyp
         logits[:, torch.randint(0, vocab, (3,), generator=g)] = 9.0
     logits = logits.to(dtype).to(DEVICE)
     assert torch.equal(argmax(logits), logits.argmax(-1))
+
+
+def test_fused_kernels_are_opt_in(monkeypatch):
+    from conveyor.kernels.triton_fused import enabled
+
+    monkeypatch.delenv("CONVEYOR_TRITON_FUSED", raising=False)
+    assert not enabled()
+    monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1")
+    assert enabled()
+    monkeypatch.setenv("CONVEYOR_TRITON", "0")
+    assert not enabled()
