@@ -210,13 +210,13 @@ def measure_runner(engine: Any, grid: Sequence[tuple[str, Shape]], repeats: int 
 def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed: int = 0,
                    progress: Callable[[str], Any] | None = None, rounds: int = 3,
                    between: Callable[[], Any] | None = None, open_rate: float = 0.5,
-                   open_requests: int = 4) -> list[tuple[str, StepShape, float]]:
+                   open_requests: int = 8) -> list[tuple[str, StepShape, float]]:
     """Serve a short mixed workload and time every step the runner computes: the shapes a
     server really runs, a few hundred samples beside the grid's thirty (prompts 16-384 tokens,
     outputs 8-48). Each of `rounds` rounds serves `level + 1` requests in a closed loop at each
     concurrency, then `open_requests` arriving as a Poisson stream at `open_rate` req/s, so
     that the engine idles between them as a server does: the steps after an idle period are
-    the samples `fit` takes `idle_factor` from. The rounds spread each part over the whole
+    the samples `fit` takes `idle_cost_s` from. The rounds spread each part over the whole
     calibration (see `measure_runner`) rather than a few seconds of it."""
     import random
 
@@ -326,8 +326,10 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     by non-negative least squares; everything on relative error; efficiencies up to
     MAX_EFFICIENCY. With `reweight`, a second pass measures the error relative to the first
     fit's price instead of the measured time (see there). The samples that followed an idle
-    period (`idle_threshold_s` or more) are left out of that fit: `idle_factor` is the median
-    of their times over the fitted price, less 1 (at least 0)."""
+    period (`idle_threshold_s` or more) are left out of that fit: `idle_cost_s` is the median
+    of their times less the fitted price (at least 0), a fixed wake-up cost. (Before the ninth
+    session it was `idle_factor`, a multiple of the price; the probe after idle read a cost
+    that does not grow with the step, docs/simulation.md.)"""
     import numpy as np
 
     threshold = CostParams.idle_threshold_s
@@ -431,8 +433,8 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                         float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
     if cold:  # how much more than the fitted price the steps after an idle period took
         warm = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
-        ratios = [t / warm.step_time(dataclasses.replace(s, idle_before_s=0.0)) - 1 for s, t in cold]
-        params = dataclasses.replace(params, idle_factor=max(0.0, statistics.median(ratios)))
+        extra = [t - warm.step_time(dataclasses.replace(s, idle_before_s=0.0)) for s, t in cold]
+        params = dataclasses.replace(params, idle_cost_s=max(0.0, statistics.median(extra)))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
     errors = [(fitted.step_time(s) - t) / t for _, s, t in everything]
     return Fit(params, errors)

@@ -14,8 +14,10 @@ the roofline, with efficiency factors for what real kernels reach:
     overheads       per step + per sequence + per token (launches, sampling, the scheduler)
     swap            blocks x block bytes / host link bandwidth
     after idle      a step that starts after the device sat idle for `idle_threshold_s` or
-                    more costs `idle_factor` more (a calibrated CPU: caches and clocks gone
-                    cold while the server waited for requests; 0 on the GPU catalog)
+                    more costs `idle_cost_s` seconds more, and `idle_factor` times its price
+                    more (a calibrated CPU: caches and clocks gone cold while the server
+                    waited for requests; `calibrate` fits the fixed cost, the factor is kept
+                    for older calibrations; both 0 on the GPU catalog)
 
 Any object with `step_time(shape) -> float` can replace it (a profiled table, say).
 """
@@ -90,10 +92,12 @@ class CostParams:
     # (FusedDecode); every other step pays `unfused_overhead_s` more, its per-layer Python.
     fused_rows: int = 0
     unfused_overhead_s: float = 0.0
-    # A step after an idle period of at least `idle_threshold_s` costs `idle_factor` more
-    # (measured on this CPU by `calibrate`; docs/simulation.md, "Idle before a step").
+    # A step after an idle period of at least `idle_threshold_s` costs `idle_factor` times its
+    # price more (calibrations before the ninth session) and `idle_cost_s` seconds more (fitted
+    # by `calibrate` since; docs/simulation.md, "Idle before a step" and "A fixed wake-up cost").
     idle_factor: float = 0.0
     idle_threshold_s: float = 0.05
+    idle_cost_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
@@ -106,8 +110,8 @@ class CostParams:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
         if self.fused_rows < 0:
             raise ValueError("fused_rows must be >= 0")
-        if self.idle_factor < 0 or self.idle_threshold_s < 0:
-            raise ValueError("idle_factor and idle_threshold_s must be >= 0")
+        if min(self.idle_factor, self.idle_threshold_s, self.idle_cost_s) < 0:
+            raise ValueError("idle_factor, idle_threshold_s and idle_cost_s must be >= 0")
 
     def to_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -171,8 +175,8 @@ class RooflineCostModel:
             "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
             + (0.0 if self.fused(s) else p.unfused_overhead_s) if busy else 0.0,
         }
-        cold = busy and p.idle_factor and s.idle_before_s >= p.idle_threshold_s
-        parts["after_idle"] = p.idle_factor * sum(parts.values()) if cold else 0.0
+        cold = busy and (p.idle_factor or p.idle_cost_s) and s.idle_before_s >= p.idle_threshold_s
+        parts["after_idle"] = p.idle_factor * sum(parts.values()) + p.idle_cost_s if cold else 0.0
         return parts
 
     def fused(self, s: StepShape) -> bool:

@@ -129,6 +129,17 @@ def test_a_step_after_idle_costs_the_idle_factor_more():
     assert cost.step_time(cold) == pytest.approx(cost.step_time(warm))
 
 
+def test_a_step_after_idle_costs_the_fixed_idle_cost_more():
+    cost = RooflineCostModel(TOY_HW, TOY, CostParams(idle_cost_s=3e-3, idle_threshold_s=0.05), dtype_bytes=2)
+    for n in (1, 100, 1000):  # the same few ms whatever the step's size
+        warm = StepShape.of(SchedulerOutput(0, [_item(0, n, 0)]))
+        cold = StepShape.of(SchedulerOutput(0, [_item(0, n, 0)]))
+        cold.idle_before_s = 0.2
+        assert cost.step_time(cold) == pytest.approx(cost.step_time(warm) + 3e-3)
+        assert cost.breakdown(cold)["after_idle"] == pytest.approx(3e-3)
+    assert cost.step_time(StepShape(idle_before_s=1.0)) == 0.0  # an empty step computes nothing
+
+
 def test_simulator_marks_the_steps_that_follow_an_idle_period():
     """Requests 10 s apart on a fast toy: each one's prompt step follows an idle period, and
     every later step of it follows a busy one."""
@@ -268,7 +279,7 @@ def test_weights_that_do_not_fit_are_refused():
 def test_fit_recovers_a_known_cost_model(fused_rows):
     truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, gemv_mfu=0.3, skinny_rows=16, skinny_pass_rows=8,
                        step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5, fused_rows=fused_rows,
-                       unfused_overhead_s=4e-3 if fused_rows else 0.0, idle_factor=0.15)
+                       unfused_overhead_s=4e-3 if fused_rows else 0.0, idle_cost_s=2.5e-3)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
     model = get_model("smollm2-135m")
     cost = RooflineCostModel(hw, model, truth, 4)
@@ -283,7 +294,8 @@ def test_fit_recovers_a_known_cost_model(fused_rows):
             samples.append((f"{label} {calibrate.AFTER_IDLE}", cold, cost.step_time(cold)))
     fit = calibrate.fit(hw, model, samples, skinny=(16, 8), fused_rows=fused_rows)
     assert fit.max_abs_rel_error < 0.03
-    assert fit.params.idle_factor == pytest.approx(0.15, abs=0.005)
+    assert fit.params.idle_cost_s == pytest.approx(2.5e-3, rel=0.05)
+    assert fit.params.idle_factor == 0.0
     if fused_rows:  # the fused steps' saving is found, not spread over the other overheads
         assert fit.params.unfused_overhead_s == pytest.approx(4e-3, rel=0.2)
     path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)

@@ -1,0 +1,48 @@
+"""The after-idle term of saved validation runs, charged two ways: as the run's calibration
+fitted it (a multiple of the step's price, `idle_factor`, before the ninth session) and as a
+fixed cost (`idle_cost_s`: the median of the after-idle samples' times less their warm price,
+what `calibrate.fit` now does). The warm fit is the run's own in both. Prints tok/s, p50 TTFT
+and p50 TPOT error against the run's pooled measured figures, one line a run and way.
+
+    python benchmarks/refit_idle.py 30 31 32 33   # results/validate-30.json ...
+"""
+
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+from resimulate import load, saved_requests  # siblings: this folder is on sys.path
+from validate_simulation import METRICS
+
+from conveyor.bench.metrics import summarize
+from conveyor.bench.offline import SystemSpec
+from conveyor.bench.workload import at_load, parse_sweep
+from conveyor.sim.commands import SimSystem
+from conveyor.sim.cost import CostParams, RooflineCostModel, StepShape
+from conveyor.sim.models import get_model
+
+NAMES = ("output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)")
+model = get_model("smollm2-135m")
+for n in sys.argv[1:]:
+    d, workload, hw, params = load(Path(f"results/validate-{n}.json"))
+    cal = [StepShape(**s) for _, s, _ in d["steps"]["calibration"]]
+    times = [t for _, _, t in d["steps"]["calibration"]]
+    warm_params = dataclasses.replace(params, idle_factor=0.0, idle_cost_s=0.0)
+    warm = RooflineCostModel(hw, model, warm_params, hw.dtype_bytes, 16)
+    extra = [t - warm.step_time(dataclasses.replace(s, idle_before_s=0.0))
+             for s, t in zip(cal, times, strict=True) if s.idle_before_s >= CostParams.idle_threshold_s]
+    ways = {"factor": params,
+            "fixed cost": dataclasses.replace(warm_params, idle_cost_s=max(0.0, statistics.median(extra)))}
+    reqs = saved_requests(workload, model.vocab_size)
+    measured = {(r["load"], r["metric"]): r["measured"] for r in d["rows"] if r["simulation"] == "fitted"}
+    for way, p in ways.items():
+        system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hw, model, p, 16)
+        out = []
+        for point in parse_sweep(workload.request_rate, None):
+            run = system.run(at_load(reqs, point, 1.0, workload.seed), point)
+            s = summarize(run.timings, run.duration_s)
+            errs = " / ".join(f"{METRICS[m](s) / measured[(point.label, m)] - 1:+.1%}" for m in NAMES)
+            out.append(f"@{point.label}: {errs}")
+        label = f"idle_factor {p.idle_factor:.2%}" if way == "factor" else f"idle_cost_s {p.idle_cost_s * 1e3:.2f} ms"
+        print(f"run {n} {way} ({label}, {len(extra)} after-idle samples): {' | '.join(out)}", flush=True)
