@@ -381,7 +381,7 @@ def test_measure_served_times_real_steps(tiny_models):
     from conveyor import LLM
 
     llm = LLM(str(tiny_models["llama"]), dtype="float32", num_kv_blocks=256)
-    samples = calibrate.measure_served(llm.engine, concurrencies=(1, 3))
+    samples = calibrate.measure_served(llm.engine, concurrencies=(1, 3), open_requests=2)
     assert len(samples) > 20
     assert all(t > 0 and s.num_tokens > 0 for _, s, t in samples)
     assert any(s.decode_seqs > 1 for _, s, _ in samples) and any(s.prefill_pairs for _, s, _ in samples)
