@@ -242,8 +242,10 @@ def throughput(args: argparse.Namespace, path: str) -> dict:
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     point = LoadPoint("rate", float("inf"))
-    for name, system in (("hf_static", HFStaticSystem(SystemSpec("hf_static", "hf_static"), hf, None, args.hf_batch_size)),
-                         ("hf_continuous", HFContinuousSystem(SystemSpec("hf_continuous", "hf_continuous"), hf, None, 8192))):
+    systems = {"hf_continuous": lambda: HFContinuousSystem(SystemSpec("hf_continuous", "hf_continuous"), hf, None, 8192),
+               "hf_static": lambda: HFStaticSystem(SystemSpec("hf_static", "hf_static"), hf, None, args.hf_batch_size)}
+    for name in args.baselines:
+        system = systems[name]()
         try:
             sync(args.device)
             t = time.perf_counter()
@@ -320,9 +322,15 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in float32: checks the script")
     ap.add_argument("--num-requests", type=int, default=256, help="throughput: requests of the ShareGPT-like mix")
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--baselines", default="hf_continuous,hf_static",
+                    help="throughput: the HF baselines to run, in order (hf_static took 319 s on an H100: "
+                         "give each its own call to stay inside a 10-minute one)")
     ap.add_argument("--out", type=Path, default=Path("results/gpu-speed"))
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    args.baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if set(args.baselines) - {"hf_static", "hf_continuous"}:
+        ap.error("--baselines takes hf_static and/or hf_continuous")
     unknown = set(parts) - set(PARTS)
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}; use {', '.join(PARTS)}")
