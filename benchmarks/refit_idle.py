@@ -1,7 +1,8 @@
 """The after-idle term of saved validation runs, charged two ways: as the run's calibration
 fitted it (a multiple of the step's price, `idle_factor`, before the ninth session) and as a
 fixed cost (`idle_cost_s`: the median of the after-idle samples' times less their warm price,
-what `calibrate.fit` now does). The warm fit is the run's own in both. Prints tok/s, p50 TTFT
+what `calibrate.fit` now does). The warm fit is the run's own in both; each term is computed
+here from the run's saved after-idle samples, as the fit computes it. Prints tok/s, p50 TTFT
 and p50 TPOT error against the run's pooled measured figures, one line a run and way.
 
     python benchmarks/refit_idle.py 30 31 32 33   # results/validate-30.json ...
@@ -30,9 +31,10 @@ for n in sys.argv[1:]:
     times = [t for _, _, t in d["steps"]["calibration"]]
     warm_params = dataclasses.replace(params, idle_factor=0.0, idle_cost_s=0.0)
     warm = RooflineCostModel(hw, model, warm_params, hw.dtype_bytes, 16)
-    extra = [t - warm.step_time(dataclasses.replace(s, idle_before_s=0.0))
-             for s, t in zip(cal, times, strict=True) if s.idle_before_s >= CostParams.idle_threshold_s]
-    ways = {"factor": params,
+    cold = [(t, warm.step_time(dataclasses.replace(s, idle_before_s=0.0)))
+            for s, t in zip(cal, times, strict=True) if s.idle_before_s >= CostParams.idle_threshold_s]
+    extra = [t - price for t, price in cold]
+    ways = {"factor": dataclasses.replace(warm_params, idle_factor=max(0.0, statistics.median(t / p - 1 for t, p in cold))),
             "fixed cost": dataclasses.replace(warm_params, idle_cost_s=max(0.0, statistics.median(extra)))}
     reqs = saved_requests(workload, model.vocab_size)
     measured = {(r["load"], r["metric"]): r["measured"] for r in d["rows"] if r["simulation"] == "fitted"}
