@@ -379,6 +379,7 @@ class LlamaForCausalLM(nn.Module):
         if add_norm is not None:
             delta: torch.Tensor | None = None
             for layer, cache in zip(self.layers, kv_caches, strict=True):
+                assert isinstance(layer, DecoderLayer)
                 delta, x = layer.forward_fused(delta, x, rope, cache, meta, add_norm)
             return add_norm(delta, x, self.norm.weight, self.norm.eps)[0]
         for layer, cache in zip(self.layers, kv_caches, strict=True):
