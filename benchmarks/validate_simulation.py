@@ -88,6 +88,7 @@ class StepTimes:
         self.original = original = self.cls.execute
 
         def timed(runner, out):
+            ready = time.perf_counter()  # the engine's host work ends here; the probe is ours
             if self.probe is not None:
                 self.probe.maybe()
             t = time.perf_counter()
@@ -95,7 +96,7 @@ class StepTimes:
             end = time.perf_counter()
             if out.scheduled:
                 shape = StepShape.of(out)
-                shape.idle_before_s = 0.0 if self.last_end is None else t - self.last_end
+                shape.idle_before_s = 0.0 if self.last_end is None else ready - self.last_end
                 self.into.append((shape, end - t))
                 self.last_end = end
             return result
@@ -110,7 +111,11 @@ class StepTimes:
 def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
     """The measured runs' steps by kind against the fitted model's price for each, and the steps
     of one decode alone in order (medians per 100: the machine's speed over time) beside the
-    calibration's own served ones. The p50 TPOT follows the decode steps."""
+    calibration's own served ones. The p50 TPOT follows the decode steps. The price compared
+    is the runner's part of a step (the model's `host_s` is the engine's time between steps)."""
+    def runner_price(shape: StepShape) -> float:
+        return cost.step_time(shape) - cost.params.host_s
+
     def kind(shape: StepShape) -> str:
         coarse = calibrate.step_kind(shape)
         if coarse == "decode":
@@ -130,8 +135,8 @@ def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
     for source, name in sorted(by):
         steps = by[(source, name)]
         print(f"| {source} | {name} | {len(steps)} | {statistics.median(t for _, t in steps) * 1e3:.1f} | "
-              f"{statistics.median(cost.step_time(s) for s, _ in steps) * 1e3:.1f} | "
-              f"{statistics.median(cost.step_time(s) / t - 1 for s, t in steps):+.1%} |")
+              f"{statistics.median(runner_price(s) for s, _ in steps) * 1e3:.1f} | "
+              f"{statistics.median(runner_price(s) / t - 1 for s, t in steps):+.1%} |")
     run = [t for s, t in served if kind(s) == "decode x1"]
     cal = [t for label, s, t in samples if label.startswith("served") and kind(s) == "decode x1"]
     if run:

@@ -44,6 +44,7 @@ MAX_EFFICIENCY = 1.0
 PAUSE_S = 1e-3  # before each timed grid step: about what a server's host work leaves between steps
 IDLE_S = 0.5  # before the "after idle" repeats of the prompt shapes
 AFTER_IDLE = "after idle"
+SERVED_CLOSED = "served c="  # the closed-loop part of the served workload: "served c=4"
 REWEIGHT = True
 
 
@@ -228,6 +229,17 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
     original = runner.execute
     label = ""
     last_end: list[float | None] = [None]
+    probing = [0.0]  # seconds `between` took since the last timed step: not the engine's time
+    probe = between
+
+    def timed_between() -> None:
+        t = time.perf_counter()
+        assert probe is not None
+        probe()
+        probing[0] += time.perf_counter() - t
+
+    if between is not None:
+        between = timed_between
 
     def timed_execute(out: Any) -> Any:
         t = time.perf_counter()
@@ -235,9 +247,10 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
         end = time.perf_counter()
         if out.scheduled:
             shape = StepShape.of(out)
-            shape.idle_before_s = 0.0 if last_end[0] is None else t - last_end[0]
+            shape.idle_before_s = 0.0 if last_end[0] is None else max(0.0, t - last_end[0] - probing[0])
             samples.append((label, shape, end - t))
             last_end[0] = end
+        probing[0] = 0.0
         return result
 
     def request() -> tuple[list[int], SamplingParams]:
@@ -250,7 +263,7 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
         n = 0
         for _ in range(rounds):
             for level in concurrencies:
-                label = f"served c={level}"
+                label = f"{SERVED_CLOSED}{level}"
                 pending = [request() for _ in range(level + 1)]
                 in_flight = 0
                 while pending or in_flight:
@@ -435,8 +448,14 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         warm = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
         extra = [t - warm.step_time(dataclasses.replace(s, idle_before_s=0.0)) for s, t in cold]
         params = dataclasses.replace(params, idle_cost_s=max(0.0, statistics.median(extra)))
+    # The host's time between two steps of the closed-loop served part (nothing waits there
+    # for an arrival): the engine's own work, which the runner's step times leave out.
+    gaps = [s.idle_before_s for label, s, _ in everything
+            if label.startswith(SERVED_CLOSED) and 0 < s.idle_before_s < threshold]
+    if gaps:
+        params = dataclasses.replace(params, host_s=statistics.mean(gaps))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
-    errors = [(fitted.step_time(s) - t) / t for _, s, t in everything]
+    errors = [(fitted.step_time(s) - params.host_s - t) / t for _, s, t in everything]  # runner time
     return Fit(params, errors)
 
 

@@ -12,6 +12,8 @@ the roofline, with efficiency factors for what real kernels reach:
                     kernel, once per `skinny_pass_rows` rows, at its own efficiencies
                     (`gemv_mbu`, `gemv_mfu`)
     overheads       per step + per sequence + per token (launches, sampling, the scheduler)
+    host            `host_s` a step: the engine's host work between two runner steps
+                    (scheduling, outputs), which a calibrated CPU serializes with the steps
     swap            blocks x block bytes / host link bandwidth
     after idle      a step that starts after the device sat idle for `idle_threshold_s` or
                     more costs `idle_cost_s` seconds more, and `idle_factor` times its price
@@ -98,6 +100,9 @@ class CostParams:
     idle_factor: float = 0.0
     idle_threshold_s: float = 0.05
     idle_cost_s: float = 0.0
+    # Host time between two runner steps of a served run (scheduler, outputs), measured by
+    # `calibrate` in its closed-loop served part; charged to every step that computes.
+    host_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
@@ -110,8 +115,8 @@ class CostParams:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
         if self.fused_rows < 0:
             raise ValueError("fused_rows must be >= 0")
-        if min(self.idle_factor, self.idle_threshold_s, self.idle_cost_s) < 0:
-            raise ValueError("idle_factor, idle_threshold_s and idle_cost_s must be >= 0")
+        if min(self.idle_factor, self.idle_threshold_s, self.idle_cost_s, self.host_s) < 0:
+            raise ValueError("idle_factor, idle_threshold_s, idle_cost_s and host_s must be >= 0")
 
     def to_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -177,6 +182,7 @@ class RooflineCostModel:
         }
         cold = busy and (p.idle_factor or p.idle_cost_s) and s.idle_before_s >= p.idle_threshold_s
         parts["after_idle"] = p.idle_factor * sum(parts.values()) + p.idle_cost_s if cold else 0.0
+        parts["host"] = p.host_s if busy else 0.0
         return parts
 
     def fused(self, s: StepShape) -> bool:

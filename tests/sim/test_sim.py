@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -375,6 +377,41 @@ def test_report_merges_a_simulated_run_beside_another(tmp_path):
     assert main(["bench", "report", str(a / "result.json"), str(c / "result.json"), "--out", str(tmp_path / "x"),
                  "--no-plots"]) == 2
     assert main(["bench", "report", str(a / "result.json"), str(b / "result.json"), "--no-plots"]) == 2
+
+
+def test_fit_measures_the_host_time_between_served_steps():
+    """`host_s` is the mean gap before the closed-loop served steps (under the idle threshold);
+    the open-loop part's gaps (waits for arrivals) and the grid's pauses do not count."""
+    hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
+    model = get_model("smollm2-135m")
+    truth = CostParams(step_overhead_s=2e-3, seq_overhead_s=3e-4)
+    cost = RooflineCostModel(hw, model, truth, 4)
+    samples = []
+    for i, (label, shape) in enumerate(calibrate.default_grid()):
+        s = StepShape.of(SchedulerOutput(0, [_item(j, n, start) for j, (n, start) in enumerate(shape)]))
+        s.idle_before_s = 1e-3  # the grid's pause
+        samples.append((label, s, cost.step_time(s)))
+        served = dataclasses.replace(s, idle_before_s=(0.4e-3, 0.8e-3)[i % 2])
+        samples.append((f"{calibrate.SERVED_CLOSED}4", served, cost.step_time(served)))
+        waiting = dataclasses.replace(s, idle_before_s=0.03)  # open loop: waited for an arrival
+        samples.append(("served open 0.5/s", waiting, cost.step_time(waiting)))
+    fit = calibrate.fit(hw, model, samples, skinny=(16, 8))
+    assert fit.params.host_s == pytest.approx(0.6e-3, rel=0.05)
+    assert fit.max_abs_rel_error < 0.05  # errors compare the runner's part of the price
+    priced = RooflineCostModel(hw, model, fit.params, 4)
+    s = samples[0][1]
+    assert priced.breakdown(s)["host"] == fit.params.host_s
+    assert priced.breakdown(StepShape())["host"] == 0.0  # a step that computes nothing
+
+
+def test_measure_served_leaves_the_between_hook_out_of_the_gaps(tiny_models):
+    from conveyor import LLM
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", num_kv_blocks=256)
+    samples = calibrate.measure_served(llm.engine, concurrencies=(2,), rounds=1, open_requests=0,
+                                       between=lambda: time.sleep(0.02))
+    gaps = [s.idle_before_s for _, s, _ in samples[1:]]
+    assert gaps and max(gaps) < 0.015  # the 20 ms hook before every step is not the engine's
 
 
 def test_measure_served_times_real_steps(tiny_models):
