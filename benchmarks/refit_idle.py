@@ -30,8 +30,8 @@ for n in sys.argv[1:]:
     cal = [StepShape(**s) for _, s, _ in d["steps"]["calibration"]]
     times = [t for _, _, t in d["steps"]["calibration"]]
     warm_params = dataclasses.replace(params, idle_factor=0.0, idle_cost_s=0.0)
-    warm = RooflineCostModel(hw, model, dataclasses.replace(warm_params, host_s=0.0), hw.dtype_bytes, 16)
-    cold = [(t, warm.step_time(dataclasses.replace(s, idle_before_s=0.0)))
+    warm = RooflineCostModel(hw, model, warm_params, hw.dtype_bytes, 16)
+    cold = [(t, warm.runner_time(dataclasses.replace(s, idle_before_s=0.0)))
             for s, t in zip(cal, times, strict=True) if s.idle_before_s >= CostParams.idle_threshold_s]
     extra = [t - price for t, price in cold]
     ways = {"factor": dataclasses.replace(warm_params, idle_factor=max(0.0, statistics.median(t / p - 1 for t, p in cold))),

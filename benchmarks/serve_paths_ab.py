@@ -63,7 +63,7 @@ def main() -> None:
             steps: list = []
             with StepTimes(base.runner, steps):
                 serve()
-            ratio = {k: [t / (cost.step_time(s) - cost.params.host_s) for s, t in steps if (calibrate.step_kind(s) == "decode") == (k == "decode")]
+            ratio = {k: [t / cost.runner_time(s) for s, t in steps if (calibrate.step_kind(s) == "decode") == (k == "decode")]
                      for k in ("prompt-bearing", "decode")}
             print(f"round {rnd + 1}, {name}: prompt-bearing steps {statistics.median(ratio['prompt-bearing']):.3f} x price "
                   f"({len(ratio['prompt-bearing'])}), decodes {statistics.median(ratio['decode']):.3f}", flush=True)

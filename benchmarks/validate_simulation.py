@@ -113,9 +113,6 @@ def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
     of one decode alone in order (medians per 100: the machine's speed over time) beside the
     calibration's own served ones. The p50 TPOT follows the decode steps. The price compared
     is the runner's part of a step (the model's `host_s` is the engine's time between steps)."""
-    def runner_price(shape: StepShape) -> float:
-        return cost.step_time(shape) - cost.params.host_s
-
     def kind(shape: StepShape) -> str:
         coarse = calibrate.step_kind(shape)
         if coarse == "decode":
@@ -135,8 +132,8 @@ def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
     for source, name in sorted(by):
         steps = by[(source, name)]
         print(f"| {source} | {name} | {len(steps)} | {statistics.median(t for _, t in steps) * 1e3:.1f} | "
-              f"{statistics.median(runner_price(s) for s, _ in steps) * 1e3:.1f} | "
-              f"{statistics.median(runner_price(s) / t - 1 for s, t in steps):+.1%} |")
+              f"{statistics.median(cost.runner_time(s) for s, _ in steps) * 1e3:.1f} | "
+              f"{statistics.median(cost.runner_time(s) / t - 1 for s, t in steps):+.1%} |")
     run = [t for s, t in served if kind(s) == "decode x1"]
     cal = [t for label, s, t in samples if label.startswith("served") and kind(s) == "decode x1"]
     if run:

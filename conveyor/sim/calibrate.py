@@ -446,7 +446,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                         float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
     if cold:  # how much more than the fitted price the steps after an idle period took
         warm = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
-        extra = [t - warm.step_time(dataclasses.replace(s, idle_before_s=0.0)) for s, t in cold]
+        extra = [t - warm.runner_time(dataclasses.replace(s, idle_before_s=0.0)) for s, t in cold]
         params = dataclasses.replace(params, idle_cost_s=max(0.0, statistics.median(extra)))
     # The host's time between two steps of the closed-loop served part (nothing waits there
     # for an arrival): the engine's own work, which the runner's step times leave out.
@@ -455,7 +455,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     if gaps:
         params = dataclasses.replace(params, host_s=statistics.mean(gaps))
     fitted = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
-    errors = [(fitted.step_time(s) - params.host_s - t) / t for _, s, t in everything]  # runner time
+    errors = [(fitted.runner_time(s) - t) / t for _, s, t in everything]
     return Fit(params, errors)
 
 

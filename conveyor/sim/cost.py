@@ -191,3 +191,8 @@ class RooflineCostModel:
 
     def step_time(self, s: StepShape) -> float:
         return sum(self.breakdown(s).values())
+
+    def runner_time(self, s: StepShape) -> float:
+        """The runner's part of the step's price: `step_time` less the host's time between
+        steps, what a timed `runner.execute` measures."""
+        return self.step_time(s) - (self.params.host_s if s.num_tokens > 0 else 0.0)

@@ -401,6 +401,7 @@ def test_fit_measures_the_host_time_between_served_steps():
     priced = RooflineCostModel(hw, model, fit.params, 4)
     s = samples[0][1]
     assert priced.breakdown(s)["host"] == fit.params.host_s
+    assert priced.runner_time(s) == pytest.approx(priced.step_time(s) - fit.params.host_s)
     assert priced.breakdown(StepShape())["host"] == 0.0  # a step that computes nothing
 
 
