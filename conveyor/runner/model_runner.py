@@ -208,10 +208,7 @@ class ModelRunner:
             [self._history(it) for it in samplers],
             [it.prompt_len for it in samplers],
         )
-        logits = self.model.compute_logits(picked)
-        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None):
-            logits = logits.float()  # an argmax alone reads the model dtype: the same index
-        tokens, logprobs = self.sampler.sample(logits, batch)
+        tokens, logprobs = self.sampler.sample(self.model.compute_logits(picked), batch)
         self._last_tokens = tokens
         self._last_rows = {it.seq_id: row for row, it in enumerate(samplers)}
         handle = StepHandle(RunnerOutput(sampled={}), start, cuda, [it.seq_id for it in samplers], tokens)

@@ -76,7 +76,7 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[tuple[float, TopLogprobs | None]] | None]:
-        """`logits` is `[rows, vocab]` float32. Returns token ids and, if asked, logprobs."""
+        """`logits` is `[rows, vocab]` in the model's dtype. Returns token ids and, if asked, logprobs."""
         tokens, logprobs = self.sample(logits, batch)
         return tokens.tolist(), logprobs
 
@@ -86,7 +86,10 @@ class Sampler:
         """The sampled ids as a tensor on the logits' device, and the logprobs if asked.
 
         Without logprobs nothing here waits for the device: the caller copies the ids to the
-        host when it needs them (the one sync of a step)."""
+        host when it needs them (the one sync of a step). A step that only takes an argmax
+        reads the logits in the model's dtype (the same index); anything else in float32."""
+        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None):
+            logits = logits.float()
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits.clone(), batch)
