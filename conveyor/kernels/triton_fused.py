@@ -4,18 +4,21 @@ step made of hundreds of one-microsecond kernels.
 At batch 1 on an H100 a Llama-3.2-1B-shaped layer ran about 19 small torch kernels besides its
 four GEMMs and its attention (residual adds, the norm's casts, RoPE's halves, multiplies and
 concatenation, SiLU and the gate product), some 30 µs a layer: a quarter of the step
-(BENCHMARKS.md, "CUDA path"). Three kernels replace them:
+(BENCHMARKS.md, "CUDA path"). Three kernels replace them, and a fourth takes greedy rows'
+argmax:
 
 - `add_rms_norm`: the residual add and the RMSNorm after it, one program per row; it returns
   the normalised row and the new residual (vLLM's fused_add_rms_norm idea).
 - `rope_`: the rotation of every query and key head of a token, in place on the fused QKV
   projection's output.
 - `silu_mul`: SiLU of the gate times the up projection.
+- `argmax`: the first index of each row's maximum, over chunks of the vocabulary in two launches.
 
 Each kernel rounds where the torch reference rounds (every torch op of the reference stores
 its result in the model dtype; the kernels compute in float32 and round at the same points),
-so in float32 they agree with the reference to the last bit but for summation order, and in
-half precision they agree but for the rare tie that order breaks. They run on CPU tensors
+so they agree with the reference but for the summation order of the norm and an FMA the
+compiler may contract in float32 (the model uses them in half precision only), and in half
+precision for the rare rounding tie that order breaks. They run on CPU tensors
 under `TRITON_INTERPRET=1`, which is how the tests check them without a GPU.
 """
 
