@@ -13,13 +13,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from resimulate import load, saved_requests  # siblings: this folder is on sys.path
+from resimulate import load, measured_figures, simulate  # siblings: this folder is on sys.path
 from validate_simulation import METRICS
 
-from conveyor.bench.metrics import summarize
-from conveyor.bench.offline import SystemSpec
-from conveyor.bench.workload import at_load, parse_sweep
-from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import CostParams, RooflineCostModel, StepShape
 from conveyor.sim.models import get_model
 
@@ -36,15 +32,11 @@ for n in sys.argv[1:]:
     extra = [t - price for t, price in cold]
     ways = {"factor": dataclasses.replace(warm_params, idle_factor=max(0.0, statistics.median(t / p - 1 for t, p in cold))),
             "fixed cost": dataclasses.replace(warm_params, idle_cost_s=max(0.0, statistics.median(extra)))}
-    reqs = saved_requests(workload, model.vocab_size)
-    measured = {(r["load"], r["metric"]): r["measured"] for r in d["rows"] if r["simulation"] == "fitted"}
+    measured = measured_figures(d)
     for way, p in ways.items():
-        system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hw, model, p, 16)
         out = []
-        for point in parse_sweep(workload.request_rate, None):
-            run = system.run(at_load(reqs, point, 1.0, workload.seed), point)
-            s = summarize(run.timings, run.duration_s)
-            errs = " / ".join(f"{METRICS[m](s) / measured[(point.label, m)] - 1:+.1%}" for m in NAMES)
-            out.append(f"@{point.label}: {errs}")
+        for load_label, s in simulate(workload, hw, p):
+            errs = " / ".join(f"{METRICS[m](s) / measured[(load_label, m)] - 1:+.1%}" for m in NAMES)
+            out.append(f"@{load_label}: {errs}")
         label = f"idle_factor {p.idle_factor:.2%}" if way == "factor" else f"idle_cost_s {p.idle_cost_s * 1e3:.2f} ms"
         print(f"run {n} {way} ({label}, {len(extra)} after-idle samples): {' | '.join(out)}", flush=True)

@@ -8,14 +8,10 @@ error against the run's pooled measured figures, one line a run.
 import sys
 from pathlib import Path
 
-from resimulate import load, saved_requests  # siblings: this folder is on sys.path
+from resimulate import load, measured_figures, simulate  # siblings: this folder is on sys.path
 from validate_simulation import METRICS
 
-from conveyor.bench.metrics import summarize
-from conveyor.bench.offline import SystemSpec
-from conveyor.bench.workload import at_load, parse_sweep
 from conveyor.sim import calibrate
-from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import StepShape
 from conveyor.sim.models import get_model
 
@@ -26,15 +22,11 @@ for n in sys.argv[1:]:
     sets = {"all": cal,
             "no grid prompts": [x for x in cal if x[0].startswith("served") or calibrate.step_kind(x[1]) == "decode"],
             "served only": [x for x in cal if x[0].startswith("served")]}
-    reqs = saved_requests(workload, model.vocab_size)
-    measured = {(r["load"], r["metric"]): r["measured"] for r in d["rows"] if r["simulation"] == "fitted"}
+    measured = measured_figures(d)
     out = []
     for name, samples in sets.items():
         p = calibrate.fit(hw, model, samples, skinny=(params.skinny_rows, params.skinny_pass_rows), fused_rows=params.fused_rows).params
-        system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hw, model, p, 16)
-        for point in parse_sweep(workload.request_rate, None):
-            run = system.run(at_load(reqs, point, 1.0, workload.seed), point)
-            s = summarize(run.timings, run.duration_s)
-            errs = [METRICS[m](s) / measured[(point.label, m)] - 1 for m in ("TTFT p50 (ms)", "TPOT p50 (ms)")]
-            out.append(f"{name} @{point.label}: {errs[0]:+.1%} / {errs[1]:+.1%}")
+        for load_label, s in simulate(workload, hw, p):
+            errs = [METRICS[m](s) / measured[(load_label, m)] - 1 for m in ("TTFT p50 (ms)", "TPOT p50 (ms)")]
+            out.append(f"{name} @{load_label}: {errs[0]:+.1%} / {errs[1]:+.1%}")
     print(n, " | ".join(out), flush=True)

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from validate_simulation import METRICS as ALL_METRICS  # a sibling: this folder is on sys.path
 
@@ -56,6 +57,27 @@ def saved_requests(workload: argparse.Namespace, vocab_size: int) -> list:
                               LengthDist.parse(workload.output_len), vocab_size, workload.seed)
 
 
+def measured_figures(saved: dict) -> dict[tuple[str, str], float]:
+    """The saved run's measured figures (all rounds pooled), by (load label, metric name)."""
+    return {(r["load"], r["metric"]): r["measured"] for r in saved["rows"] if r["simulation"] == "fitted"}
+
+
+def simulate(workload: argparse.Namespace, hardware: Hardware, params: CostParams,
+             cost_model: Any = None, first_only: bool = False) -> list[tuple[str, dict]]:
+    """The saved run's workload simulated on SmolLM2's shape under `params` (or `cost_model`):
+    `(load label, summarize(...))` for each of its load points (`first_only`: the first)."""
+    model = get_model("smollm2-135m")
+    system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hardware, model, params, 16,
+                       cost_model)
+    requests = saved_requests(workload, model.vocab_size)
+    out = []
+    points = parse_sweep(workload.request_rate, None)
+    for point in points[:1] if first_only else points:
+        run = system.run(at_load(requests, point, 1.0, workload.seed), point)
+        out.append((point.label, summarize(run.timings, run.duration_s)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("saved", type=Path)
@@ -73,19 +95,15 @@ def main() -> int:
         params = calibrate.fit(hardware, model, samples, skinny=(params.skinny_rows, params.skinny_pass_rows),
                                fused_rows=params.fused_rows).params
     changed = CostParams.from_dict({**params.to_dict(), **dict(item.split("=", 1) for item in args.set)})
-    requests = saved_requests(workload, model.vocab_size)
-    measured = {(r["load"], r["metric"]): r["measured"] for r in saved["rows"] if r["simulation"] == "fitted"}
+    measured = measured_figures(saved)
     print("| parameters | load | metric | measured | simulated | error |")
     print("|---|---|---|---|---|---|")
     fitted = "fit to the measured steps" if args.fit_measured else "refitted" if args.refit else "fitted"
     for label, p in ((fitted, params), (" ".join(args.set) or fitted, changed)):
-        system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hardware, model, p, 16)
-        for point in parse_sweep(workload.request_rate, None):
-            sim = system.run(at_load(requests, point, 1.0, workload.seed), point)
-            summary = summarize(sim.timings, sim.duration_s)
+        for load_label, summary in simulate(workload, hardware, p):
             for metric, get in METRICS.items():
-                want = measured[(point.label, metric)]
-                print(f"| {label} | {point.label} | {metric} | {want:.1f} | {get(summary):.1f} | "
+                want = measured[(load_label, metric)]
+                print(f"| {label} | {load_label} | {metric} | {want:.1f} | {get(summary):.1f} | "
                       f"{get(summary) / want - 1:+.1%} |")
         if dataclasses.asdict(p) == dataclasses.asdict(params) and not args.set:
             break

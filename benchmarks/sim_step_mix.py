@@ -15,15 +15,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from resimulate import load, saved_requests  # siblings: this folder is on sys.path
+from resimulate import load, measured_figures, simulate  # siblings: this folder is on sys.path
 from validate_simulation import METRICS
 
-from conveyor.bench.metrics import summarize
-from conveyor.bench.offline import SystemSpec
-from conveyor.bench.workload import at_load, parse_sweep
 from conveyor.sim import calibrate
-from conveyor.sim import engine as sim_engine
-from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import CostParams, RooflineCostModel, StepShape
 from conveyor.sim.models import get_model
 
@@ -63,24 +58,16 @@ for n in sys.argv[1:]:
           f"mean {statistics.mean(gaps) * 1e3:.2f} ms, together {sum(gaps) / busy:.2%} of the busy steps' time")
     fitted = calibrate.fit(hw, model, [("measured", s, t) for s, t in measured],
                            skinny=(params.skinny_rows, params.skinny_pass_rows), fused_rows=params.fused_rows).params
-    wanted = {(r["load"], r["metric"]): r["measured"] for r in d["rows"] if r["simulation"] == "fitted"}
+    wanted = measured_figures(d)
     served_gaps = [x["idle_before_s"] for label, x, _ in d["steps"]["calibration"]
                    if label.startswith("served") and 0 < x["idle_before_s"] < CostParams.idle_threshold_s]
     gap = statistics.mean(served_gaps)  # host time between a served loop's steps, probe reads included
     for name, p in (("calibrated", params), ("fit to the measured steps", fitted),
                     (f"calibrated + the served part's mean gap ({gap * 1e3:.2f} ms) a step",
                      dataclasses.replace(params, step_overhead_s=params.step_overhead_s + gap))):
-        system = SimSystem(SystemSpec("continuous", "conveyor", {}), {"seed": workload.seed}, hw, model, p, 16)
         cost = Recording(hw, model, p, hw.dtype_bytes, 16)
-        point = parse_sweep(workload.request_rate, None)[0]
-        build = sim_engine.RooflineCostModel  # the engine builds its own cost model: ours, recording
-        sim_engine.RooflineCostModel = lambda *a, cost=cost, **kw: cost
-        try:
-            run = system.run(at_load(saved_requests(workload, model.vocab_size), point, 1.0, workload.seed), point)
-        finally:
-            sim_engine.RooflineCostModel = build
-        s = summarize(run.timings, run.duration_s)
-        errs = " / ".join(f"{m} {METRICS[m](s) / wanted[(point.label, m)] - 1:+.1%}"
+        [(load_label, s)] = simulate(workload, hw, p, cost, first_only=True)  # steps of one load point
+        errs = " / ".join(f"{m} {METRICS[m](s) / wanted[(load_label, m)] - 1:+.1%}"
                           for m in ("TTFT p50 (ms)", "TPOT p50 (ms)"))
         print(f"  {name}: {errs}")
         mc, sc = collections.Counter(kind(x) for x, _ in measured), collections.Counter(kind(x) for x, _ in cost.steps)

@@ -89,15 +89,17 @@ class SimSystem(ConveyorSystem):
     closed loop, traces) with a simulated engine in place of the real one."""
 
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
-                 params: Any, batch_size: int) -> None:
+                 params: Any, batch_size: int, cost_model: Any = None) -> None:
+        """`cost_model` replaces the roofline model that `params` would build (a profiled table,
+        or one that records the steps it prices)."""
         super().__init__(spec, None, options, batch_size)  # type: ignore[arg-type]  # no base engine
-        self.hardware, self.model, self.params = hardware, model, params
+        self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
         self.last_engine: Any = None
 
     def _engine(self) -> Any:
         from conveyor.sim.engine import build_sim_engine
 
-        self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params)
+        self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model)
         return self.last_engine
 
     def run(self, requests: Any, point: Any, progress: Any = None) -> Any:
