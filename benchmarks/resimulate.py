@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from validate_simulation import METRICS as ALL_METRICS  # a sibling: this folder is on sys.path
+from validate_simulation import pieces, run_pieces
 
 from conveyor.bench.metrics import summarize
 from conveyor.bench.offline import SystemSpec
-from conveyor.bench.workload import LengthDist, at_load, parse_sweep, synthetic_requests
+from conveyor.bench.workload import LengthDist, parse_sweep, synthetic_requests
 from conveyor.sim import calibrate
 from conveyor.sim.commands import SimSystem
 from conveyor.sim.cost import CostParams, StepShape
@@ -44,7 +45,7 @@ def load(path: Path) -> tuple[dict, argparse.Namespace, Hardware, CostParams]:
     saved = json.loads(path.read_text())
     run = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name, default in (("--num-requests", 32), ("--request-rate", "0.5"), ("--input-len", "uniform:32,256"),
-                          ("--output-len", "uniform:16,128"), ("--seed", 0)):
+                          ("--output-len", "uniform:16,128"), ("--seed", 0), ("--slices", 1)):
         run.add_argument(name, default=default, type=type(default))
     workload, _ = run.parse_known_args(saved["argv"])
     flops, bandwidth = calibrate.best_peaks([tuple(p) for p in saved["steps"]["peaks"]])
@@ -73,8 +74,8 @@ def simulate(workload: argparse.Namespace, hardware: Hardware, params: CostParam
     out = []
     points = parse_sweep(workload.request_rate, None)
     for point in points[:1] if first_only else points:
-        run = system.run(at_load(requests, point, 1.0, workload.seed), point)
-        out.append((point.label, summarize(run.timings, run.duration_s)))
+        parts = pieces(requests, point, workload.seed, workload.slices)
+        out.append((point.label, summarize(*run_pieces(system, parts, point))))
     return out
 
 

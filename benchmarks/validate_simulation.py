@@ -14,6 +14,14 @@ samples and the measured figures pool every round's requests (a p50 over N x num
 requests; the median of the rounds' own figures is printed beside it): this machine's speed
 drifts by 10-20% between minutes.
 
+With `--slices S`, each round goes in S slices, and the workload with it: its requests, in
+arrival order, are cut into S consecutive pieces (each one's arrivals start at 0), and every
+slice calibrates a short part (a round over the grid, one round of the served workload) next
+to one piece's measured run, alternating which comes first. Calibration then samples the
+machine within a minute of each stretch it prices, not only in a block minutes before or
+after. The simulation serves the same pieces, one after another, and pools them as the
+measured runs are pooled.
+
 Besides the calibrated simulation (`fitted`, and `level-matched` with `--track-level`) it
 simulates once more on a cost model fitted to the measured runs' own steps (`measured steps`):
 no calibration error is left there, so what that row misses is the simulator's (its
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -142,6 +151,31 @@ def step_report(served: list, samples: list, cost: RooflineCostModel) -> None:
               f"{statistics.median(cal) * 1e3 if cal else float('nan'):.1f} ms ({len(cal)} steps)")
 
 
+def pieces(requests: list, point, seed: int, slices: int) -> list[list]:
+    """The workload at `point`, cut into `slices` consecutive pieces of (nearly) equal size,
+    each piece's arrivals moved to start at 0: what `--slices` serves, measured and simulated."""
+    timed = at_load(requests, point, 1.0, seed)
+    n = len(timed)
+    cuts = [round(k * n / slices) for k in range(slices + 1)]
+    out = []
+    for a, b in itertools.pairwise(cuts):
+        if b > a:
+            first = timed[a].arrival_s
+            out.append([dataclasses.replace(r, arrival_s=r.arrival_s - first) for r in timed[a:b]])
+    return out
+
+
+def run_pieces(system, parts: list[list], point) -> tuple[list, float]:
+    """Serve (or simulate) `parts` one after another: every request's timing, and the summed
+    durations."""
+    timings, duration = [], 0.0
+    for part in parts:
+        run = system.run(part, point)
+        timings += run.timings
+        duration += run.duration_s
+    return timings, duration
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", type=Path, default=None, help="reuse this calibration instead of measuring")
@@ -154,6 +188,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="rounds of calibrate-then-measure; the fit pools all rounds, measured figures are medians")
     ap.add_argument("--repeats", type=int, default=5, help="rounds over the calibration shape grid in each round of calibrate + measure")
+    ap.add_argument("--slices", type=int, default=1,
+                    help="cut each round, calibration and workload alike, into this many alternating slices")
     ap.add_argument("--track-level", action="store_true",
                     help="read the bandwidth and arithmetic levels once a second through calibration and the "
                          "measured runs, and simulate a second time with the peaks scaled by their ratios")
@@ -183,31 +219,45 @@ def main() -> int:
     rounds: dict[str, list[tuple[list, float]]] = {p.label: [] for p in points}  # (timings, duration) a round
     import torch
 
-    def calibrate_round(rnd: int) -> None:
-        print(f"round {rnd + 1}/{args.runs}: calibrating...", flush=True)
+    # A slice calibrates a share of a round's grid repeats and served rounds (all of them
+    # without --slices) and measures one piece of the workload; the pieces pool into the round.
+    grid_repeats = max(1, round(args.repeats / args.slices))
+    served_rounds = max(1, round(3 / args.slices))
+    parts = {p.label: pieces(requests, p, args.seed, args.slices) for p in points}
+    config = measured_sys.config if args.same_config else type(engine.config).from_kwargs(num_kv_blocks=2304)
+    cal_engine = engine.from_model(config, engine.runner.model, engine.tokenizer) if args.calibration is None else None  # type: ignore[attr-defined]
+    current: dict[str, tuple[list, list]] = {}  # this round's (timings, durations) by load
+
+    def calibrate_slice(rnd: int, k: int) -> None:
+        print(f"round {rnd + 1}/{args.runs}, slice {k + 1}/{args.slices}: calibrating...", flush=True)
         flops_bw.append(calibrate.measure_peaks())
-        config = measured_sys.config if args.same_config else type(engine.config).from_kwargs(num_kv_blocks=2304)
-        cal_engine = engine.from_model(config, engine.runner.model, engine.tokenizer)  # type: ignore[attr-defined]
-        samples.extend(calibrate.collect(cal_engine, args.repeats, not args.grid_only, seed=rnd,
+        samples.extend(calibrate.collect(cal_engine, grid_repeats, not args.grid_only, seed=rnd * args.slices + k,
+                                         served_rounds=served_rounds,
                                          between=cal_probe.maybe if args.track_level else None))
-        del cal_engine
         flops_bw.append(calibrate.measure_peaks())
 
-    def measure_round(rnd: int) -> None:
+    def measure_slice(rnd: int, k: int) -> None:
         for point in points:
-            reqs = at_load(requests, point, 1.0, args.seed)
             t = time.perf_counter()
             with StepTimes(engine.runner, served_steps, run_probe if args.track_level else None):
-                real = measured_sys.run(reqs, point)
-            rounds[point.label].append((list(real.timings), real.duration_s))
-            print(f"round {rnd + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s", flush=True)
+                real = measured_sys.run(parts[point.label][k], point)
+            timings, durations = current.setdefault(point.label, ([], []))
+            timings += real.timings
+            durations.append(real.duration_s)
+            print(f"round {rnd + 1}, slice {k + 1}: load {point.label} measured in {time.perf_counter() - t:.0f} s",
+                  flush=True)
 
     for rnd in range(args.runs):
-        # Calibrate, measure; then measure, calibrate: a machine that drifts one way through
-        # the run meets calibration and measurement alike (an ABBA order).
-        parts = [calibrate_round, measure_round] if args.calibration is None else [measure_round]
-        for part in parts if rnd % 2 == 0 else reversed(parts):
-            part(rnd)
+        current.clear()
+        for k in range(args.slices):
+            # Calibrate, measure; then measure, calibrate: a machine that drifts one way through
+            # the run meets calibration and measurement alike (an ABBA order).
+            steps = [calibrate_slice, measure_slice] if args.calibration is None else [measure_slice]
+            for step in steps if (rnd * args.slices + k) % 2 == 0 else reversed(steps):
+                step(rnd, k)
+        for label, (timings, durations) in current.items():
+            rounds[label].append((timings, sum(durations)))
+    cal_engine = None  # its KV cache back before simulating
 
     if args.calibration is None:
         flops, bandwidth = calibrate.best_peaks(flops_bw)  # read before and after every round
@@ -247,9 +297,7 @@ def main() -> int:
     for variant, hw, variant_params in variants:
         sim_sys = SimSystem(spec, options, hw, model, variant_params, 16)
         for point in points:
-            reqs = at_load(requests, point, 1.0, args.seed)
-            sim = sim_sys.run(reqs, point)
-            s = summarize(sim.timings, sim.duration_s)
+            s = summarize(*run_pieces(sim_sys, parts[point.label], point))
             for name, get in METRICS.items():
                 values = [get(m) for m in per_round[point.label]]
                 whole = get(pooled[point.label])

@@ -299,13 +299,13 @@ def measure_served(engine: Any, concurrencies: Sequence[int] = (1, 4, 12), seed:
 
 def collect(engine: Any, repeats: int = 5, served: bool = True, seed: int = 0,
             progress: Callable[[str], Any] | None = None,
-            between: Callable[[], Any] | None = None) -> list[tuple[str, StepShape, float]]:
-    """Every calibration sample of one round: the shape grid, then (unless `served` is off) the
-    steps of a short served workload. `between` runs, untimed, before every timed step (a
-    benchmark reads the machine's bandwidth level there)."""
+            between: Callable[[], Any] | None = None, served_rounds: int = 3) -> list[tuple[str, StepShape, float]]:
+    """Every calibration sample of one round: `repeats` rounds over the shape grid, then (unless
+    `served` is off) `served_rounds` rounds of a short served workload. `between` runs, untimed,
+    before every timed step (a benchmark reads the machine's bandwidth level there)."""
     samples = measure_runner(engine, default_grid(), repeats, progress, between)
     if served:
-        samples += measure_served(engine, seed=seed, progress=progress, between=between)
+        samples += measure_served(engine, seed=seed, progress=progress, rounds=served_rounds, between=between)
     return samples
 
 
