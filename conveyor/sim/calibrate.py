@@ -18,6 +18,7 @@ model differs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -46,6 +47,12 @@ IDLE_S = 0.5  # before the "after idle" repeats of the prompt shapes
 AFTER_IDLE = "after idle"
 SERVED_CLOSED = "served c="  # the closed-loop part of the served workload: "served c=4"
 REWEIGHT = True
+# Weight each sample by 1 / sqrt(the count of its kind, `fit_kind`): a served calibration
+# brings thousands of lone decodes and a few hundred prompt-bearing steps, and with equal
+# weights the fit trades the prompts' prices (which set TTFT) for a fraction of a percent on
+# the decodes. Chosen on saved runs 30-37, checked on new ones (docs/simulation.md, tenth
+# session).
+BALANCE = True
 
 
 def default_grid() -> list[tuple[str, Shape]]:
@@ -331,13 +338,25 @@ def step_kind(shape: StepShape) -> str:
     return "prompt" if shape.decode_seqs == 0 else "mixed"
 
 
+def fit_kind(shape: StepShape) -> str:
+    """The finer kinds `fit` balances: decodes by their count (1, 2, 3, 4, 5-8, 9 or more),
+    prompt-bearing steps by `step_kind` and 64-token band of their size."""
+    kind = step_kind(shape)
+    if kind == "decode":
+        n = shape.num_seqs
+        return f"decode x{n}" if n <= 4 else "decode x5-8" if n <= 8 else "decode x9+"
+    band = min(shape.num_tokens // 64, 8) * 64
+    return f"{kind} {band}+"
+
+
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
         block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1), fused_rows: int = 0,
-        reweight: bool = REWEIGHT) -> Fit:
+        reweight: bool = REWEIGHT, balance: bool = BALANCE, gemm_overhead: bool = True) -> Fit:
     """The six efficiencies by coordinate descent over a log grid; for each candidate, the
-    overheads (per step, per sequence, per token, and per step the fused decode does not take)
-    by non-negative least squares; everything on relative error; efficiencies up to
-    MAX_EFFICIENCY. With `reweight`, a second pass measures the error relative to the first
+    overheads (per step, per sequence, per token, per step the fused decode does not take, and
+    with `gemm_overhead` per step of more than the skinny rows) by non-negative least squares;
+    everything on relative error, each sample weighted by 1 / sqrt(its `fit_kind`'s count)
+    with `balance`; efficiencies up to MAX_EFFICIENCY. With `reweight`, a second pass measures the error relative to the first
     fit's price instead of the measured time (see there). The samples that followed an idle
     period (`idle_threshold_s` or more) are left out of that fit: `idle_cost_s` is the median
     of their times less the fitted price (at least 0), a fixed wake-up cost. (Before the ninth
@@ -354,9 +373,17 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     skinny_rows, pass_rows = skinny
     one = CostParams(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, skinny_rows, pass_rows, 0.0, 0.0, 0.0, fused_rows, 0.0)
     base = RooflineCostModel(hardware, model, one, hardware.dtype_bytes, block_size)
-    X = np.array([[1.0, s.num_seqs, s.num_tokens, 0.0 if base.fused(s) else 1.0] for s in shapes])
-    if not fused_rows:
-        X = X[:, :3]  # without a fused path the fourth overhead is the first one
+    # The overheads' columns: per step, sequence and token; per step the fused decode does not
+    # take (with a fused path); per step of the matrix path (with a skinny one).
+    names = ["step_overhead_s", "seq_overhead_s", "token_overhead_s"]
+    columns = [[1.0] * len(shapes), [s.num_seqs for s in shapes], [s.num_tokens for s in shapes]]
+    if fused_rows:
+        names.append("unfused_overhead_s")
+        columns.append([0.0 if base.fused(s) else 1.0 for s in shapes])
+    if skinny_rows > 1 and gemm_overhead:
+        names.append("gemm_overhead_s")
+        columns.append([float(s.num_tokens > skinny_rows) for s in shapes])
+    X = np.array(columns, dtype=float).T
     k = X.shape[1]
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.
     col = lambda f: np.array([f(s) for s in shapes], dtype=float)  # noqa: E731
@@ -432,18 +459,20 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
                         loss, e, improved = trial_loss, trial, True
         return e
 
-    w = 1.0 / y  # relative error
+    counts = collections.Counter(fit_kind(s) for s in shapes)
+    extra = np.array([counts[fit_kind(s)] ** -0.5 if balance else 1.0 for s in shapes])
+    w = extra / y  # relative error
     e = search([0.5] * 6, sweeps, w)
     if reweight:
         # Relative error against the measured time favours the samples that happened to run
         # fast: on noisy steps the fit lands below their mean. Against the first fit's price
         # (no noise in it) each shape's fit is its samples' mean.
         _, c = evaluate(e, w)
-        w = 1.0 / (roofline(e) + X @ c)
+        w = extra / (roofline(e) + X @ c)
         e = search(e, 1, w)
     _, c = evaluate(e, w)
-    params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, float(c[0]), float(c[1]),
-                        float(c[2]), fused_rows, float(c[3]) if k == 4 else 0.0)
+    params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, fused_rows=fused_rows,
+                        **{name: float(v) for name, v in zip(names, c, strict=True)})
     if cold:  # how much more than the fitted price the steps after an idle period took
         warm = RooflineCostModel(hardware, model, params, hardware.dtype_bytes, block_size)
         extra = [t - warm.runner_time(dataclasses.replace(s, idle_before_s=0.0)) for s, t in cold]

@@ -203,7 +203,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     p = fit.params
     print(f"fit: mfu {p.mfu:.3f}, attn_mfu {p.attn_mfu:.3f}, mbu {p.mbu:.3f}, kv_mbu {p.kv_mbu:.3f}, "
           f"skinny kernel (<= {p.skinny_rows} rows): mbu {p.gemv_mbu or p.mbu:.3f}, mfu {p.gemv_mfu or p.mfu:.3f}; "
-          f"step {p.step_overhead_s * 1e3:.2f} ms (+{p.unfused_overhead_s * 1e3:.2f} ms unless fused), "
+          f"step {p.step_overhead_s * 1e3:.2f} ms (+{p.unfused_overhead_s * 1e3:.2f} ms unless fused, "
+          f"+{p.gemm_overhead_s * 1e3:.2f} ms over {p.skinny_rows} rows), "
           f"seq {p.seq_overhead_s * 1e6:.0f} us, token {p.token_overhead_s * 1e6:.0f} us; "
           f"error median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
     path = calibrate.save(args.out or calibrate.default_calibration_path(), hardware, model,

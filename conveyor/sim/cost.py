@@ -11,7 +11,9 @@ the roofline, with efficiency factors for what real kernels reach:
     skinny steps    up to `skinny_rows` rows stream the weights through a matrix-vector style
                     kernel, once per `skinny_pass_rows` rows, at its own efficiencies
                     (`gemv_mbu`, `gemv_mfu`)
-    overheads       per step + per sequence + per token (launches, sampling, the scheduler)
+    overheads       per step + per sequence + per token (launches, sampling, the scheduler),
+                    and per step of more than `skinny_rows` rows (`gemm_overhead_s`: a CPU
+                    GEMM library packing the weights each call)
     host            `host_s` a step: the engine's host work between two runner steps
                     (scheduling, outputs), which a calibrated CPU serializes with the steps
     swap            blocks x block bytes / host link bandwidth
@@ -103,13 +105,19 @@ class CostParams:
     # Host time between two runner steps of a served run (scheduler, outputs), measured by
     # `calibrate` in its closed-loop served part; charged to every step that computes.
     host_s: float = 0.0
+    # A step of more than `skinny_rows` rows takes the matrix-matrix path; on a CPU its GEMM
+    # library packs every weight matrix a call, a fixed cost beside the roofline's time
+    # (fitted by `calibrate` since the tenth session; docs/simulation.md, "A fixed cost for
+    # the matrix path").
+    gemm_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be in (0, 1.5]")
-        if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s, self.unfused_overhead_s) < 0:
+        if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s, self.unfused_overhead_s,
+               self.gemm_overhead_s) < 0:
             raise ValueError("overheads must be >= 0")
         if self.skinny_rows < 1 or self.skinny_pass_rows < 1:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
@@ -178,7 +186,8 @@ class RooflineCostModel:
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
             "swap": self._swap_s * s.swap_blocks,
             "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
-            + (0.0 if self.fused(s) else p.unfused_overhead_s) if busy else 0.0,
+            + (0.0 if self.fused(s) else p.unfused_overhead_s)
+            + (p.gemm_overhead_s if s.num_tokens > p.skinny_rows else 0.0) if busy else 0.0,
         }
         cold = busy and (p.idle_factor or p.idle_cost_s) and s.idle_before_s >= p.idle_threshold_s
         parts["after_idle"] = p.idle_factor * sum(parts.values()) + p.idle_cost_s if cold else 0.0

@@ -281,7 +281,7 @@ def test_weights_that_do_not_fit_are_refused():
 def test_fit_recovers_a_known_cost_model(fused_rows):
     truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, gemv_mfu=0.3, skinny_rows=16, skinny_pass_rows=8,
                        step_overhead_s=2e-3, seq_overhead_s=3e-4, token_overhead_s=1e-5, fused_rows=fused_rows,
-                       unfused_overhead_s=4e-3 if fused_rows else 0.0, idle_cost_s=2.5e-3)
+                       unfused_overhead_s=4e-3 if fused_rows else 0.0, idle_cost_s=2.5e-3, gemm_overhead_s=6e-3)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
     model = get_model("smollm2-135m")
     cost = RooflineCostModel(hw, model, truth, 4)
@@ -300,10 +300,25 @@ def test_fit_recovers_a_known_cost_model(fused_rows):
     assert fit.params.idle_factor == 0.0
     if fused_rows:  # the fused steps' saving is found, not spread over the other overheads
         assert fit.params.unfused_overhead_s == pytest.approx(4e-3, rel=0.2)
+    assert fit.params.gemm_overhead_s == pytest.approx(6e-3, rel=0.2)  # the matrix path's fixed cost too
     path = calibrate.save(__import__("pathlib").Path("/tmp") / f"cal-{random.random()}.json", hw, model, None, fit, samples, 16)
     loaded = calibrate.load(path)
     assert loaded.params == fit.params and loaded.hardware == hw and loaded.model == model
     path.unlink()
+
+
+def test_the_matrix_path_pays_its_fixed_cost_and_kinds_are_banded():
+    params = CostParams(skinny_rows=64, skinny_pass_rows=64, gemm_overhead_s=0.03)
+    hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
+    cost = RooflineCostModel(hw, get_model("smollm2-135m"), params, 4)
+    skinny = StepShape(num_seqs=1, num_tokens=64, num_sampled=1, prefill_pairs=64 * 65 // 2, prefill_context=64)
+    matrix = StepShape(num_seqs=1, num_tokens=65, num_sampled=1, prefill_pairs=65 * 66 // 2, prefill_context=65)
+    without = RooflineCostModel(cost.hardware, cost.model, CostParams(skinny_rows=64, skinny_pass_rows=64), 4)
+    assert cost.step_time(skinny) == without.step_time(skinny)
+    assert cost.step_time(matrix) == pytest.approx(without.step_time(matrix) + 0.03)
+    kinds = [calibrate.fit_kind(s) for s in (skinny, matrix, StepShape(num_seqs=6, num_tokens=6, decode_seqs=6))]
+    assert kinds == ["prompt 64+", "prompt 64+", "decode x5-8"]
+    assert calibrate.fit_kind(StepShape(num_seqs=2, num_tokens=130, decode_seqs=1)) == "mixed 128+"
 
 
 def test_a_peak_read_low_binds_the_fit_and_the_best_reading_frees_it():
