@@ -1,6 +1,7 @@
 """Refit saved validation runs' calibration samples with and without the tenth session's two fit
 changes, and simulate each: the fit as before (no matrix-path cost, every sample weighted
-alike), with `gemm_overhead_s`, and with it and the kind-balanced weights (today's default).
+alike), with `gemm_overhead_s`, with it and the kind-balanced weights (1 / sqrt(count), today's
+default), and with every kind weighted alike (1 / count).
 Prints tok/s / p50 TTFT / p50 TPOT error against the run's pooled measured figures, one line a
 run, with the fitted matrix-path cost in brackets.
 
@@ -18,9 +19,10 @@ from conveyor.sim.cost import StepShape
 from conveyor.sim.models import get_model
 
 VARIANTS = {  # name -> fit options
-    "before": {"gemm_overhead": False, "balance": False},
-    "+ matrix-path cost": {"gemm_overhead": True, "balance": False},
-    "+ balanced weights": {"gemm_overhead": True, "balance": True},
+    "before": {"gemm_overhead": False, "balance": 0.0},
+    "+ matrix-path cost": {"gemm_overhead": True, "balance": 0.0},
+    "+ balanced weights": {"gemm_overhead": True, "balance": 0.5},
+    "+ every kind alike": {"gemm_overhead": True, "balance": 1.0},
 }
 
 model = get_model("smollm2-135m")

@@ -47,12 +47,12 @@ IDLE_S = 0.5  # before the "after idle" repeats of the prompt shapes
 AFTER_IDLE = "after idle"
 SERVED_CLOSED = "served c="  # the closed-loop part of the served workload: "served c=4"
 REWEIGHT = True
-# Weight each sample by 1 / sqrt(the count of its kind, `fit_kind`): a served calibration
-# brings thousands of lone decodes and a few hundred prompt-bearing steps, and with equal
-# weights the fit trades the prompts' prices (which set TTFT) for a fraction of a percent on
-# the decodes. Chosen on saved runs 30-37, checked on new ones (docs/simulation.md, tenth
-# session).
-BALANCE = True
+# `fit` weighs each sample by its kind's count (`fit_kind`) to the power -BALANCE: a served
+# calibration brings thousands of lone decodes and a few hundred prompt-bearing steps, and
+# with equal weights (0) the fit traded the prompts' prices (which set TTFT) for a fraction
+# of a percent on the decodes; weighting every kind alike (1) priced TPOT high. Chosen on
+# saved runs 30-37, checked on new ones (docs/simulation.md, tenth session).
+BALANCE = 0.5
 
 
 def default_grid() -> list[tuple[str, Shape]]:
@@ -351,13 +351,14 @@ def fit_kind(shape: StepShape) -> str:
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
         block_size: int = 16, sweeps: int = 10, skinny: tuple[int, int] = (1, 1), fused_rows: int = 0,
-        reweight: bool = REWEIGHT, balance: bool = BALANCE, gemm_overhead: bool = True) -> Fit:
+        reweight: bool = REWEIGHT, balance: float = BALANCE, gemm_overhead: bool = True) -> Fit:
     """The six efficiencies by coordinate descent over a log grid; for each candidate, the
     overheads (per step, per sequence, per token, per step the fused decode does not take, and
     with `gemm_overhead` per step of more than the skinny rows) by non-negative least squares;
-    everything on relative error, each sample weighted by 1 / sqrt(its `fit_kind`'s count)
-    with `balance`; efficiencies up to MAX_EFFICIENCY. With `reweight`, a second pass measures the error relative to the first
-    fit's price instead of the measured time (see there). The samples that followed an idle
+    everything on relative error, each sample weighted by its `fit_kind`'s count to the power
+    -`balance` (0: all alike; 1: every kind alike); efficiencies up to MAX_EFFICIENCY. With
+    `reweight`, a second pass measures the error relative to the first fit's price instead of
+    the measured time (see there). The samples that followed an idle
     period (`idle_threshold_s` or more) are left out of that fit: `idle_cost_s` is the median
     of their times less the fitted price (at least 0), a fixed wake-up cost. (Before the ninth
     session it was `idle_factor`, a multiple of the price; the probe after idle read a cost
@@ -460,7 +461,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         return e
 
     counts = collections.Counter(fit_kind(s) for s in shapes)
-    extra = np.array([counts[fit_kind(s)] ** -0.5 if balance else 1.0 for s in shapes])
+    extra = np.array([counts[fit_kind(s)] ** -balance for s in shapes])
     w = extra / y  # relative error
     e = search([0.5] * 6, sweeps, w)
     if reweight:
