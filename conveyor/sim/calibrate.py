@@ -461,15 +461,15 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         return e
 
     counts = collections.Counter(fit_kind(s) for s in shapes)
-    extra = np.array([counts[fit_kind(s)] ** -balance for s in shapes])
-    w = extra / y  # relative error
+    kind_weight = np.array([counts[fit_kind(s)] ** -balance for s in shapes])
+    w = kind_weight / y  # relative error
     e = search([0.5] * 6, sweeps, w)
     if reweight:
         # Relative error against the measured time favours the samples that happened to run
         # fast: on noisy steps the fit lands below their mean. Against the first fit's price
         # (no noise in it) each shape's fit is its samples' mean.
         _, c = evaluate(e, w)
-        w = extra / (roofline(e) + X @ c)
+        w = kind_weight / (roofline(e) + X @ c)
         e = search(e, 1, w)
     _, c = evaluate(e, w)
     params = CostParams(e[0], e[1], e[2], e[3], e[4], e[5], skinny_rows, pass_rows, fused_rows=fused_rows,
