@@ -11,6 +11,7 @@ from pathlib import Path
 
 from resimulate import load  # a sibling: this folder is on sys.path
 
+from conveyor.sim import calibrate
 from conveyor.sim.cost import RooflineCostModel, StepShape
 from conveyor.sim.models import get_model
 
@@ -26,7 +27,7 @@ print("|---|---|---|---|")
 for name, steps in sources.items():
     bands: dict[int, list[float]] = {}
     for s, t in steps:
-        if s.num_tokens > s.decode_seqs + 1:  # a prompt (or a chunk of one) in the step
-            bands.setdefault(min(s.num_tokens // 64, 8) * 64, []).append(cost.runner_time(s) / t - 1)
+        if calibrate.step_kind(s) != "decode":  # a prompt (or a chunk of one) in the step
+            bands.setdefault(calibrate.token_band(s.num_tokens), []).append(cost.runner_time(s) / t - 1)
     for band in sorted(bands):
         print(f"| {name} | {band}-{band + 63} | {len(bands[band])} | {statistics.median(bands[band]):+.1%} |")

@@ -338,15 +338,19 @@ def step_kind(shape: StepShape) -> str:
     return "prompt" if shape.decode_seqs == 0 else "mixed"
 
 
+def token_band(num_tokens: int) -> int:
+    """The first token count of a step's 64-token band (0, 64, ..., 512 for 512 and more)."""
+    return min(num_tokens // 64, 8) * 64
+
+
 def fit_kind(shape: StepShape) -> str:
     """The finer kinds `fit` balances: decodes by their count (1, 2, 3, 4, 5-8, 9 or more),
-    prompt-bearing steps by `step_kind` and 64-token band of their size."""
+    prompt-bearing steps by `step_kind` and `token_band`."""
     kind = step_kind(shape)
     if kind == "decode":
         n = shape.num_seqs
         return f"decode x{n}" if n <= 4 else "decode x5-8" if n <= 8 else "decode x9+"
-    band = min(shape.num_tokens // 64, 8) * 64
-    return f"{kind} {band}+"
+    return f"{kind} {token_band(shape.num_tokens)}+"
 
 
 def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, StepShape, float]],
@@ -358,11 +362,11 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     everything on relative error, each sample weighted by its `fit_kind`'s count to the power
     -`balance` (0: all alike; 1: every kind alike); efficiencies up to MAX_EFFICIENCY. With
     `reweight`, a second pass measures the error relative to the first fit's price instead of
-    the measured time (see there). The samples that followed an idle
-    period (`idle_threshold_s` or more) are left out of that fit: `idle_cost_s` is the median
-    of their times less the fitted price (at least 0), a fixed wake-up cost. (Before the ninth
-    session it was `idle_factor`, a multiple of the price; the probe after idle read a cost
-    that does not grow with the step, docs/simulation.md.)"""
+    the measured time (see there). The samples that followed an idle period
+    (`idle_threshold_s` or more) are left out of that fit: `idle_cost_s` is the median of their
+    times less the fitted price (at least 0), a fixed wake-up cost. (Before the ninth session
+    it was `idle_factor`, a multiple of the price; the probe after idle read a cost that does
+    not grow with the step, docs/simulation.md.)"""
     import numpy as np
 
     threshold = CostParams.idle_threshold_s
@@ -383,7 +387,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
         columns.append([0.0 if base.fused(s) else 1.0 for s in shapes])
     if skinny_rows > 1 and gemm_overhead:
         names.append("gemm_overhead_s")
-        columns.append([float(s.num_tokens > skinny_rows) for s in shapes])
+        columns.append([float(base.matrix_path(s)) for s in shapes])
     X = np.array(columns, dtype=float).T
     k = X.shape[1]
     # Per-sample seconds of each part at efficiency 1; the fit divides them by efficiencies.

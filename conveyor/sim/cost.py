@@ -107,8 +107,8 @@ class CostParams:
     host_s: float = 0.0
     # A step of more than `skinny_rows` rows takes the matrix-matrix path; on a CPU its GEMM
     # library packs every weight matrix a call, a fixed cost beside the roofline's time
-    # (fitted by `calibrate` since the tenth session; docs/simulation.md, "A fixed cost for
-    # the matrix path").
+    # (fitted by `calibrate` since the tenth session; docs/simulation.md, "Calibration in
+    # slices, a fixed cost for the matrix path, balanced weights").
     gemm_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -187,7 +187,7 @@ class RooflineCostModel:
             "swap": self._swap_s * s.swap_blocks,
             "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
             + (0.0 if self.fused(s) else p.unfused_overhead_s)
-            + (p.gemm_overhead_s if s.num_tokens > p.skinny_rows else 0.0) if busy else 0.0,
+            + (p.gemm_overhead_s if self.matrix_path(s) else 0.0) if busy else 0.0,
         }
         cold = busy and (p.idle_factor or p.idle_cost_s) and s.idle_before_s >= p.idle_threshold_s
         parts["after_idle"] = p.idle_factor * sum(parts.values()) + p.idle_cost_s if cold else 0.0
@@ -197,6 +197,11 @@ class RooflineCostModel:
     def fused(self, s: StepShape) -> bool:
         """Whether the runner takes its fused decode path for this step."""
         return s.decode_seqs == s.num_seqs and s.num_tokens <= self.params.fused_rows
+
+    def matrix_path(self, s: StepShape) -> bool:
+        """Whether the step's linear layers take the matrix-matrix path (more rows than the
+        skinny kernel takes), which pays `gemm_overhead_s`."""
+        return s.num_tokens > self.params.skinny_rows
 
     def step_time(self, s: StepShape) -> float:
         return sum(self.breakdown(s).values())
