@@ -4,6 +4,7 @@ torch profiler's tables for graphed and eager steps.
 
     python benchmarks/gpu_profile.py --out DIR          # on a lent GPU
     python benchmarks/gpu_profile.py --fused --out DIR  # with the fused elementwise kernels
+    python benchmarks/gpu_profile.py --fused --gemv --out DIR  # and the fused GEMVs
     python benchmarks/gpu_profile.py --smoke        # CPU, tiny shapes: checks the script
 
 The model is gpu_speed.py's Llama-3.2-1B-shaped random model in bfloat16. Each figure is the
@@ -108,6 +109,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--fused", action="store_true", help="with the opt-in fused elementwise kernels (CONVEYOR_TRITON_FUSED=1)")
+    ap.add_argument("--gemv", action="store_true", help="with the opt-in fused GEMVs (CONVEYOR_TRITON_GEMV=1)")
     ap.add_argument("--out", type=Path, default=Path("results/gpu-profile"))
     args = ap.parse_args()
     cuda = not args.smoke
@@ -116,6 +118,7 @@ def main() -> int:
         return 2
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     os.environ["CONVEYOR_TRITON_FUSED"] = "1" if args.fused else "0"
+    os.environ["CONVEYOR_TRITON_GEMV"] = "1" if args.gemv else "0"
     from conveyor import LLM
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -82,19 +82,26 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+OPT_IN = {"fused": "CONVEYOR_TRITON_FUSED", "gemv": "CONVEYOR_TRITON_GEMV"}
+
+
 @contextlib.contextmanager
-def fused_kernels(on: bool) -> Iterator[None]:
-    """CONVEYOR_TRITON_FUSED set (or unset) while an engine is built: the fused elementwise
-    kernels are opt-in until measured, so batch-1 and parity run with them and without."""
-    before = os.environ.get("CONVEYOR_TRITON_FUSED")
-    os.environ["CONVEYOR_TRITON_FUSED"] = "1" if on else "0"
+def opt_in_kernels(variant: str) -> Iterator[None]:
+    """The opt-in Triton kernels a variant's name asks for (`+fused`: the fused element-wise
+    kernels, `+gemv`: the fused GEMVs), switched on while an engine is built and every other
+    one off: they stay opt-in until measured, so parity and batch-1 run with them and without."""
+    wanted = set(variant.split("+")[1:])
+    before = {var: os.environ.get(var) for var in OPT_IN.values()}
+    for name, var in OPT_IN.items():
+        os.environ[var] = "1" if name in wanted else "0"
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("CONVEYOR_TRITON_FUSED", None)
-        else:
-            os.environ["CONVEYOR_TRITON_FUSED"] = before
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def hbm_bandwidth(device: str, gib: int = 4) -> float:
@@ -125,14 +132,14 @@ def parity(args: argparse.Namespace, folder: Path) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 64))] for _ in range(16)]
     new = 8 if args.smoke else 32
-    # bfloat16+fused: the opt-in fused elementwise kernels (CONVEYOR_TRITON_FUSED=1).
-    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16", "bfloat16+fused"]
+    # +fused, +gemv: the opt-in fused element-wise kernels and fused GEMVs (`opt_in_kernels`).
+    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16", "bfloat16+fused", "bfloat16+fused+gemv"]
     out: dict = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     for variant in dtypes:
-        dtype = variant.removesuffix("+fused")
-        with fused_kernels(variant.endswith("+fused")):
+        dtype = variant.split("+")[0]
+        with opt_in_kernels(variant):
             llm = LLM(path, device=args.device, dtype=dtype, num_kv_blocks=256, max_model_len=1024)
         ours = [o.outputs[0].token_ids for o in llm.generate(
             prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)]
@@ -179,11 +186,14 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
     steps = 32 if args.smoke else 256
     bandwidth = hbm_bandwidth(args.device, 1 if args.smoke else 4)
     out: dict = {"hbm_GBps_measured": bandwidth / 1e9}
-    variants: list[tuple[str, dict, bool]] = [
-        ("graphs+async+fused", dict(async_scheduling=True), True), ("graphs+async", dict(async_scheduling=True), False),
-        ("graphs", {}, False), ("eager", dict(enforce_eager=True), False)]
-    for name, options, fused in variants:
-        with fused_kernels(fused):
+    asynchronous = dict(async_scheduling=True)
+    variants: list[tuple[str, dict]] = [
+        ("graphs+async+fused+gemv", asynchronous), ("graphs+async+fused", asynchronous), ("graphs+async", asynchronous),
+        ("graphs", {}), ("eager", dict(enforce_eager=True))]
+    if args.smoke:  # the script's paths, not the kernels (no Triton on a CPU without the interpreter)
+        variants = [(name.replace("+fused", "").replace("+gemv", ""), options) for name, options in variants[2:]]
+    for name, options in variants:
+        with opt_in_kernels(name):
             llm = LLM(path, device=args.device, dtype=args.dtype, num_kv_blocks=512, max_model_len=2048,
                       max_num_seqs=256, **options)
         nbytes = decode_bytes(llm.engine.runner.model)

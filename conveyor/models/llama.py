@@ -117,6 +117,8 @@ class Rotary(nn.Module):
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 # (delta, residual, weight, eps) -> (rms_norm(residual + delta) * weight, residual + delta)
 AddNorm = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# (x, weight, *, norm=, eps=, silu_mul=, residual=) -> x @ weight.T with those folded in
+Gemv = Callable[..., torch.Tensor]
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -185,9 +187,16 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
+        return self.o_proj(self.attend(self.qkv_proj(x), rope, kv_cache, meta))
+
+    def attend(
+        self, qkv: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """What lies between the two projections: the q/k norms, RoPE and paged attention of
+        the fused projection's output `qkv` `[T, q + 2 kv]`; returns `[T, q_size]`."""
+        T = qkv.shape[0]
         h, kvh = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(T, h + 2 * kvh, self.head_dim)
+        qkv = qkv.view(T, h + 2 * kvh, self.head_dim)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
@@ -197,7 +206,7 @@ class Attention(nn.Module):
             qk = apply_rope(qk, rope)  # q and k heads in one pass
         q, k = qk[:, :h], qk[:, h:]
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return o.reshape(T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -252,6 +261,20 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(normed, rope, kv_cache, meta)
         normed, residual = add_norm(attn, residual, ln2.weight, ln2.eps)
         return self.mlp(normed), residual
+
+    def forward_gemv(
+        self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata, gemv: Gemv
+    ) -> torch.Tensor:
+        """`forward` for the few rows of a decode step with each projection one GEMV that folds
+        in its neighbours (conveyor/kernels/triton_gemv.py): the norm before `qkv_proj` and
+        `gate_up_proj`, SiLU × up before `down_proj`, the residual add after `o_proj` and
+        `down_proj`. Four GEMVs, RoPE and attention; the same roundings as `forward`."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv(x, attn.qkv_proj.weight, norm=ln1.weight, eps=ln1.eps)
+        h = gemv(attn.attend(qkv, rope, kv_cache, meta), attn.o_proj.weight, residual=x)
+        gate_up = gemv(h, mlp.gate_up_proj.weight, norm=ln2.weight, eps=ln2.eps)
+        return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, residual=h)
 
 
 class FusedDecode:
@@ -361,6 +384,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(arch, max_positions)
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
         self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)
+        self.gemv: Gemv | None = None  # set by prepare_for_inference (CUDA, half precision, opt-in)
+        self.gemv_max_rows = 0
 
     def forward(
         self,
@@ -375,6 +400,12 @@ class LlamaForCausalLM(nn.Module):
             return fused(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        gemv = self.gemv
+        if gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                assert isinstance(layer, DecoderLayer)
+                x = layer.forward_gemv(x, rope, cache, meta, gemv)
+            return self.norm(x)
         add_norm = self.add_norm
         if add_norm is not None:
             delta: torch.Tensor | None = None
@@ -431,6 +462,7 @@ class LlamaForCausalLM(nn.Module):
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)
             self._use_triton_fused(weight.dtype)
+            self._use_triton_gemv(weight.dtype)
         if weight.device.type != "cpu":
             return
         kernel = skinny_linear() if weight.dtype == torch.float32 else None
@@ -500,6 +532,29 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, MLP):
                 module.native_silu_mul = triton_fused.silu_mul
 
+    def _use_triton_gemv(self, dtype: torch.dtype) -> None:
+        """On CUDA in half precision, with `CONVEYOR_TRITON_GEMV=1` (`triton_gemv.enabled`), steps
+        of up to `triton_gemv.MAX_ROWS` rows run each decoder layer as four Triton GEMVs with
+        the norms, SiLU × up and residual adds folded in (`DecoderLayer.forward_gemv`), and
+        their LM head as a GEMV. Models with projection biases keep the other path."""
+        from conveyor.kernels import triton_gemv
+
+        if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
+            return
+        for module in list(self.modules()):  # a CPU model (the interpreter's tests): [out, in] again
+            for name, child in list(module.named_children()):
+                if isinstance(child, TransposedLinear):
+                    fan_in, fan_out = child.weight_t.shape
+                    linear = nn.Linear(fan_in, fan_out, bias=child.bias is not None, device=child.weight_t.device,
+                                       dtype=dtype)
+                    linear.weight = nn.Parameter(child.weight_t.detach().t().contiguous(), requires_grad=False)
+                    linear.bias = child.bias
+                    setattr(module, name, linear)
+        if any(isinstance(m, nn.Linear) and m.bias is not None for m in self.modules()):
+            return
+        self.gemv = triton_gemv.linear
+        self.gemv_max_rows = triton_gemv.MAX_ROWS
+
     @torch.inference_mode()
     def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:
         """Run the float32 model once over `calibration_ids` recording every linear layer's
@@ -530,6 +585,8 @@ class LlamaForCausalLM(nn.Module):
         if head_t is not None:
             return hidden @ head_t
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.gemv is not None and hidden.shape[0] <= self.gemv_max_rows:
+            return self.gemv(hidden, weight)
         kernel = getattr(self, "_head_kernel", None)
         if kernel is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
             return kernel(hidden, weight)

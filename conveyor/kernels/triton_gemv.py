@@ -1,0 +1,175 @@
+"""The projections of a few-row decode step as Triton GEMVs, each with the element-wise stage
+around it fused in: the CUDA path's answer to a batch-1 step that is mostly weight reads and
+kernel boundaries.
+
+At batch 1 on an H100 a Llama-3.2-1B-shaped step read its body's weights at 78% of the HBM
+bandwidth through cuBLAS, and spent another 28% of its device time in small element-wise
+kernels between the GEMMs (BENCHMARKS.md, "CUDA path"). `linear` computes `x @ W.T` for up to
+`MAX_ROWS` rows, and folds in what sits next to each projection of a decoder layer:
+
+- a **norm prologue** (`norm=`): the RMSNorm of each input row, applied as the row is read, so
+  `qkv_proj` and `gate_up_proj` read the residual stream itself;
+- a **SiLU-and-multiply prologue** (`silu_mul=True`): the input is `[gate | up]` and
+  `down_proj` reads `silu(gate) * up` as it goes;
+- a **residual epilogue** (`residual=`): `residual + x @ W.T`, so `o_proj` and `down_proj`
+  return the new residual stream.
+
+A layer is then four GEMVs, RoPE and attention: every element-wise kernel of the torch path is
+gone. Each program owns a block of output columns and reads its slice of the weight once,
+row-major along K, in tiles; it accumulates in float32 (`blocks` sizes them). Half precision rounds where the torch
+reference rounds (the normalised row, the weighted row, the activation and the product, the
+projection, the sum), as `triton_fused` does, so the two paths part only by summation order.
+No split over K, so the epilogue sees whole sums; the block of columns shrinks instead, to
+keep some 2 programs per SM busy on the narrow projections.
+
+Opt-in with `CONVEYOR_TRITON_GEMV=1` until it is measured on a GPU against cuBLAS (it was
+written in a session without one). It runs on CPU tensors under `TRITON_INTERPRET=1`, which is
+how the tests check it.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+from conveyor.kernels.triton_attention import _jit, _pow2, tl, triton_available
+from conveyor.kernels.triton_fused import _rnd
+
+__all__ = ["MAX_ROWS", "enabled", "linear", "triton_available"]
+
+MAX_ROWS = 8  # steps of more rows keep cuBLAS: the prologues are recomputed by every program
+TILE = 8192  # elements of the product tile a program holds at once (64 float32 a thread at 4 warps)
+
+
+def enabled() -> bool:
+    """Whether the CUDA path uses these kernels: opt-in with `CONVEYOR_TRITON_GEMV=1` until they
+    are measured on a GPU, never with `CONVEYOR_TRITON=0`, and only where Triton can run."""
+    return (os.environ.get("CONVEYOR_TRITON_GEMV", "0") == "1" and os.environ.get("CONVEYOR_TRITON", "1") != "0"
+            and triton_available())
+
+
+@_jit
+def _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr,
+            NORM: tl.constexpr, SILU: tl.constexpr, IS_BF16: tl.constexpr):
+    """The input tile `[rows, ks]` as the projection sees it (float32, rounded as the reference
+    rounds): the row itself, its RMSNorm (`inv` per row, weight at `g_ptr`), or silu(gate) * up."""
+    kmask = ks < K
+    m = row_mask[:, None] & kmask[None, :]
+    offs = rows[:, None] * stride_x + ks[None, :]
+    a = tl.load(x_ptr + offs, mask=m, other=0.0)
+    dt = a.dtype
+    if SILU:
+        gf = a.to(tl.float32)
+        up = tl.load(x_ptr + offs + K, mask=m, other=0.0).to(tl.float32)
+        act = _rnd(gf / (1.0 + tl.exp(-gf)), dt, IS_BF16)
+        xv = _rnd(act * up, dt, IS_BF16)
+    else:
+        xv = a.to(tl.float32)
+    if NORM:
+        g = tl.load(g_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        xv = _rnd(g[None, :] * _rnd(xv * inv[:, None], dt, IS_BF16), dt, IS_BF16)
+    return xv
+
+
+@_jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, res_ptr, g_ptr,
+    M, N, K, stride_x, stride_w, stride_out, stride_res, eps,
+    NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
+    ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # a first pass over the (few, cached) input rows for their RMS
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :],
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(a * a, 1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    if ONE_ROW:
+        # One input row: multiply-accumulate the tile elementwise, reduce once at the end.
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
+            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
+        acc = tl.sum(acc2, 1)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
+            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+            acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    omask = row_mask[:, None] & col_mask[None, :]
+    out_offs = rows[:, None] * stride_out + cols[None, :]
+    dt = out_ptr.dtype.element_ty
+    y = _rnd(acc, dt, IS_BF16)  # the projection, rounded as cuBLAS rounds it
+    if RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+        y = _rnd(r + y, dt, IS_BF16)
+    tl.store(out_ptr + out_offs, y.to(dt), mask=omask)
+
+
+@cache
+def _programs_wanted() -> int:
+    """About two programs per SM; under the interpreter, which runs programs one by one in
+    Python, as few as the tile allows."""
+    if torch.cuda.is_available():
+        return 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 1
+
+
+def blocks(rows: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): the fewest columns a program (4 to 32) that still leave
+    `_programs_wanted()` programs, then as long a stretch of K as a tile of TILE elements
+    holds (up to 2048): on a narrow projection many programs each with a long run of bytes
+    in flight, on a wide one (the LM head) wider blocks."""
+    block_m = _pow2(rows)
+    wide = max(1, n // _programs_wanted())
+    block_n = max(4, min(1 << (wide.bit_length() - 1), 32))
+    block_k = max(16, min(_pow2(k, 16), TILE // (block_m * block_n), 2048))
+    return block_m, block_n, block_k
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T` for `x` `[rows, K]` (rows <= MAX_ROWS) and `weight` `[N, K]`, in x's dtype
+    with float32 accumulation; with `norm`, of `rms_norm(x) * norm` (epsilon `eps`); with
+    `silu_mul`, of `silu(x[:, :K]) * x[:, K:]` for `x` `[rows, 2K]`; with `residual` `[rows, N]`,
+    plus it. A new tensor either way."""
+    rows = x.shape[0]
+    n, k = weight.shape
+    assert rows <= MAX_ROWS, f"{rows} rows: the GEMV takes up to {MAX_ROWS}"
+    assert x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    if residual is not None:
+        assert residual.shape == (rows, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
+    block_m, block_n, block_k = blocks(rows, n, k)
+    _gemv_kernel[(-(-n // block_n),)](
+        x, weight, out, residual if residual is not None else out, norm if norm is not None else weight,
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, eps,
+        NORM=norm is not None, SILU=silu_mul, RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
+        ONE_ROW=rows == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out

@@ -1,0 +1,169 @@
+"""The fused GEMVs (a projection with its norm, SiLU × up or residual add folded in) against the
+torch ops they replace, and a model whose decode steps run through them against the plain one.
+
+Without CUDA they run on CPU tensors under Triton's interpreter, in float32, float16 and
+bfloat16. The reference multiplies in float32 and rounds once, as cuBLAS does; the kernel sums
+in another order, so half precision may part by an ulp where a sum falls near a rounding tie.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+pytest.importorskip("triton")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.kernels.triton_gemv import MAX_ROWS, blocks, linear, triton_available
+from conveyor.models.llama import RMSNorm
+from tests.kernels.precision import close
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T` summed in float32 and rounded once to x's dtype."""
+    return (x.double() @ w.double().T).float().to(x.dtype)
+
+
+def reference(x, w, norm, eps, silu_mul, residual):
+    """The torch path's stages, each rounded to the model dtype as the model rounds them."""
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    if norm is not None:
+        module = RMSNorm(x.shape[1], eps).to(x.device, x.dtype)
+        module.weight.data.copy_(norm)
+        x = module(x)
+    y = matmul(x, w)
+    return y if residual is None else residual + y
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 300), k=st.integers(1, 700),
+       stage=st.sampled_from(["plain", "norm", "silu_mul", "residual", "silu_mul+residual"]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
+def test_gemv_matches_the_torch_stages(rows, n, k, stage, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    silu = stage.startswith("silu_mul")
+    x = torch.randn(rows, 2 * k if silu else k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    norm = torch.rand(k, generator=g).to(dtype).to(DEVICE) + 0.5 if stage == "norm" else None
+    residual = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE) if stage.endswith("residual") else None
+    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual)
+    want = reference(x, w, norm, 1e-5, silu, residual)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    # Outputs are about 1 in size; a prologue's rounding may part by an ulp on an input,
+    # which moves a sum by about that ulp over sqrt(k): two ulps of 1 bound it.
+    tol = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stage", ["norm", "silu_mul", "residual", "silu_mul+residual"])
+def test_stages_round_as_torch_does(dtype, stage):
+    """Through an identity weight each output is one input as the prologue made it (a sum of
+    one term is exact), plus the residual: the roundings themselves, compared ulp by ulp."""
+    g = torch.Generator().manual_seed(len(stage))
+    rows, k = 5, 96
+    silu = stage.startswith("silu_mul")
+    x = (torch.randn(rows, 2 * k if silu else k, generator=g) * 2).to(dtype).to(DEVICE)
+    w = torch.eye(k).to(dtype).to(DEVICE)
+    norm = torch.rand(k, generator=g).to(dtype).to(DEVICE) + 0.5 if stage == "norm" else None
+    residual = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE) if stage.endswith("residual") else None
+    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual)
+    close(got, reference(x, w, norm, 1e-5, silu, residual), max_ulps=1, exact_share=0.97)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_llama_shaped_projections(dtype, rows):
+    """The four projections of a layer at widths that take several programs and K tiles,
+    chained as `DecoderLayer.forward_gemv` chains them."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, inter, qkv = 256, 640, 384
+    make = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dtype).to(DEVICE)  # noqa: E731
+    x = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
+    ln1, ln2 = (torch.rand(hidden, generator=g).to(dtype).to(DEVICE) + 0.5 for _ in range(2))
+    w_qkv, w_o, w_gu, w_down = make(qkv, hidden), make(hidden, qkv), make(2 * inter, hidden), make(hidden, inter)
+    steps = [
+        (w_qkv, dict(norm=ln1, eps=1e-6)),
+        (w_o, dict(residual=x)),
+        (w_gu, dict(norm=ln2, eps=1e-6)),
+        (w_down, dict(silu_mul=True, residual=x)),
+    ]
+    inp = {0: x, 1: make(rows, qkv), 2: x, 3: make(rows, 2 * inter)}
+    for i, (w, kw) in enumerate(steps):
+        got = linear(inp[i], w, **kw)
+        want = reference(inp[i], w, kw.get("norm"), kw.get("eps", 0.0), kw.get("silu_mul", False), kw.get("residual"))
+        tol = 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_blocks_keep_tiles_small_and_programs_many(monkeypatch):
+    from conveyor.kernels import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "_programs_wanted", lambda: 2 * 132)  # an H100's SMs
+    for rows in range(1, MAX_ROWS + 1):
+        for n, k in [(3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (5, 3)]:
+            bm, bn, bk = blocks(rows, n, k)
+            assert bm >= rows and bm * bn * bk <= 8192 and 16 <= bk <= 2048 and 4 <= bn <= 32
+    assert blocks(1, 2048, 8192)[1:] == (4, 2048)  # down_proj: 512 programs, long runs of K
+    assert blocks(1, 128256, 2048)[1] == 32  # the LM head: wider blocks
+
+
+def test_too_many_rows_is_refused():
+    x = torch.zeros(MAX_ROWS + 1, 16, device=DEVICE)
+    with pytest.raises(AssertionError):
+        linear(x, torch.zeros(8, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_model_forward_through_the_gemvs(tiny_models, dtype, monkeypatch):
+    """The whole model with `_use_triton_gemv` against the same weights without it: the same
+    greedy tokens over prefills (more rows: the other path) and decodes of a paged cache, one
+    sequence and several at once."""
+    from conveyor import LLM, SamplingParams
+
+    path = str(tiny_models["llama"])
+    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 4 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    rows: list[int] = []  # of each GEMV the model calls
+    for on in (False, True):
+        monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1" if on else "0")
+        llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
+                  block_size=4, enforce_eager=True)
+        model = llm.engine.runner.model
+        if DEVICE.type == "cpu":
+            model._use_triton_gemv(dtype)  # on CUDA prepare_for_inference has done it
+        assert (model.gemv is not None) == on
+        if on:
+            model.gemv = lambda x, *a, **kw: rows.append(x.shape[0]) or linear(x, *a, **kw)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        out.append(llm.generate([prompts[-1]], params, use_tqdm=False)[0].outputs[0].token_ids)  # batch 1
+        runs.append(out)
+        if on:  # decodes of six sequences and of one took the GEMVs
+            assert {1, 6} <= set(rows) and max(rows) <= MAX_ROWS
+    plain, gemv = runs
+    agree = sum(a == b for a, b in zip(plain, gemv, strict=True))
+    assert agree >= len(plain) - 1, f"{agree}/{len(plain)} prompts agree"
+
+
+def test_gemvs_are_opt_in(monkeypatch):
+    from conveyor.kernels.triton_gemv import enabled
+
+    monkeypatch.delenv("CONVEYOR_TRITON_GEMV", raising=False)
+    assert not enabled()
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    assert enabled()
+    monkeypatch.setenv("CONVEYOR_TRITON", "0")
+    assert not enabled()
