@@ -44,7 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,19 @@ def release(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def guarded(name: str, device: str, run: Callable[[], dict]) -> dict:
+    """One variant's figures, or the error it raised: a variant that fails (a kernel that does
+    not compile on this GPU) costs its own row, not the rest of a call on a lent machine."""
+    try:
+        return run()
+    except Exception as e:  # recorded and printed, and the run goes on
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"
+    release(device)  # once the exception, and the engine its frames held, is gone
+    print(f"{name}: failed ({error})", flush=True)
+    return {"error": error}
 
 
 OPT_IN = {"fused": "CONVEYOR_TRITON_FUSED", "gemv": "CONVEYOR_TRITON_GEMV"}
@@ -124,10 +138,6 @@ def hbm_bandwidth(device: str, gib: int = 4) -> float:
 
 # -- parity -----------------------------------------------------------------------------------
 def parity(args: argparse.Namespace, folder: Path) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from conveyor import LLM, SamplingParams
-
     path = build_llama(folder / "parity", SMOKE_SHAPE if args.smoke else PARITY_SHAPE, seed=1)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 64))] for _ in range(16)]
@@ -138,35 +148,43 @@ def parity(args: argparse.Namespace, folder: Path) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     for variant in dtypes:
-        dtype = variant.split("+")[0]
-        with opt_in_kernels(variant):
-            llm = LLM(path, device=args.device, dtype=dtype, num_kv_blocks=256, max_model_len=1024)
-        ours = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)]
-        del llm
-        release(args.device)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(args.device).eval()
-        exact, within_top5, parted = 0, 0, []
-        for prompt, mine in zip(prompts, ours, strict=True):
-            with torch.inference_mode():
-                g = hf.generate(torch.tensor([prompt], device=args.device), max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, output_scores=True, return_dict_in_generate=True,
-                                pad_token_id=0, eos_token_id=None)
-            theirs = g.sequences[0, len(prompt):].tolist()
-            if theirs == mine:
-                exact += 1
-                continue
-            k = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
-            top5 = g.scores[k][0].float().topk(5).indices.tolist()
-            within_top5 += mine[k] in top5
-            parted.append(k)
-        del hf
-        release(args.device)
-        out[variant] = {"prompts": len(prompts), "tokens": new, "exact": exact,
-                      "parted_at": parted, "ours_in_hf_top5_where_parted": within_top5}
-        print(f"parity {variant}: {exact}/{len(prompts)} exact; where they part (positions {parted}), "
-              f"conveyor's token is in HF's top 5 in {within_top5}", flush=True)
+        out[variant] = guarded(variant, args.device, lambda v=variant: parity_variant(args, path, v, prompts, new))
     return out
+
+
+def parity_variant(args: argparse.Namespace, path: str, variant: str, prompts: list[list[int]], new: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import LLM, SamplingParams
+
+    dtype = variant.split("+")[0]
+    with opt_in_kernels(variant):
+        llm = LLM(path, device=args.device, dtype=dtype, num_kv_blocks=256, max_model_len=1024)
+    ours = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+    del llm
+    release(args.device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(args.device).eval()
+    exact, within_top5, parted = 0, 0, []
+    for prompt, mine in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            g = hf.generate(torch.tensor([prompt], device=args.device), max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False, output_scores=True, return_dict_in_generate=True,
+                            pad_token_id=0, eos_token_id=None)
+        theirs = g.sequences[0, len(prompt):].tolist()
+        if theirs == mine:
+            exact += 1
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+        top5 = g.scores[k][0].float().topk(5).indices.tolist()
+        within_top5 += mine[k] in top5
+        parted.append(k)
+    del hf
+    release(args.device)
+    print(f"parity {variant}: {exact}/{len(prompts)} exact; where they part (positions {parted}), "
+          f"conveyor's token is in HF's top 5 in {within_top5}", flush=True)
+    return {"prompts": len(prompts), "tokens": new, "exact": exact, "parted_at": parted,
+            "ours_in_hf_top5_where_parted": within_top5}
 
 
 # -- batch 1 ----------------------------------------------------------------------------------
@@ -181,8 +199,6 @@ def decode_bytes(model: Any) -> int:
 
 
 def batch1(args: argparse.Namespace, path: str) -> dict:
-    from conveyor import LLM, SamplingParams
-
     steps = 32 if args.smoke else 256
     bandwidth = hbm_bandwidth(args.device, 1 if args.smoke else 4)
     out: dict = {"hbm_GBps_measured": bandwidth / 1e9}
@@ -193,29 +209,35 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
     if args.smoke:  # the script's paths, not the kernels (no Triton on a CPU without the interpreter)
         variants = [(name.replace("+fused", "").replace("+gemv", ""), options) for name, options in variants[2:]]
     for name, options in variants:
-        with opt_in_kernels(name):
-            llm = LLM(path, device=args.device, dtype=args.dtype, num_kv_blocks=512, max_model_len=2048,
-                      max_num_seqs=256, **options)
-        nbytes = decode_bytes(llm.engine.runner.model)
-        sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-        llm.generate([list(range(100, 132))], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        engine = llm.engine
-        engine.add_request("b1", list(range(100, 132)), sp)
-        engine.step()  # the prompt (and, async, the first decode launched)
-        times = []
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        step = statistics.median(times)
-        limit = nbytes / bandwidth
-        out[name] = {"ms_per_step": step * 1e3, "tok_per_s": 1 / step, "bytes_per_step": nbytes,
-                     "limit_ms": limit * 1e3, "fraction_of_limit": limit / step}
-        print(f"batch-1 {name}: {step * 1e3:.3f} ms/step ({1 / step:.0f} tok/s); limit {limit * 1e3:.3f} ms "
-              f"({nbytes / 1e9:.2f} GB at {bandwidth / 1e9:.0f} GB/s) -> {limit / step:.1%} of the limit", flush=True)
-        del llm, engine
-        release(args.device)
+        out[name] = guarded(name, args.device, lambda n=name, o=options: batch1_variant(args, path, n, o, steps, bandwidth))
     return out
+
+
+def batch1_variant(args: argparse.Namespace, path: str, name: str, options: dict, steps: int, bandwidth: float) -> dict:
+    from conveyor import LLM, SamplingParams
+
+    with opt_in_kernels(name):
+        llm = LLM(path, device=args.device, dtype=args.dtype, num_kv_blocks=512, max_model_len=2048,
+                  max_num_seqs=256, **options)
+    nbytes = decode_bytes(llm.engine.runner.model)
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    llm.generate([list(range(100, 132))], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine = llm.engine
+    engine.add_request("b1", list(range(100, 132)), sp)
+    engine.step()  # the prompt (and, async, the first decode launched)
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    limit = nbytes / bandwidth
+    print(f"batch-1 {name}: {step * 1e3:.3f} ms/step ({1 / step:.0f} tok/s); limit {limit * 1e3:.3f} ms "
+          f"({nbytes / 1e9:.2f} GB at {bandwidth / 1e9:.0f} GB/s) -> {limit / step:.1%} of the limit", flush=True)
+    del llm, engine
+    release(args.device)
+    return {"ms_per_step": step * 1e3, "tok_per_s": 1 / step, "bytes_per_step": nbytes,
+            "limit_ms": limit * 1e3, "fraction_of_limit": limit / step}
 
 
 # -- throughput -------------------------------------------------------------------------------

@@ -34,14 +34,17 @@ logger = logging.getLogger("conveyor")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-# Float32 steps of up to SKINNY_MAX_ROWS rows take the skinny kernel, larger ones MKL's GEMM
-# (about even at 96-128 rows on SmolLM2's shapes; benchmarks/cpu_kernels.py). Up to
-# SKINNY_STREAM_ROWS rows it streams each weight row once (memory-bound steps); above, register
-# tiles (cpu_kernels.cpp, SMALL_ROWS); either way one pass over the weights
-# (SKINNY_PASS_ROWS). The int8 kernels pass over the weights once per 8 rows and stop at
-# Q8_MAX_ROWS, where fbgemm's int8 GEMM takes over.
-SKINNY_MAX_ROWS = 64
+# Float32 steps of up to SKINNY_MAX_ROWS rows take the skinny kernel, larger ones MKL's GEMM.
+# On SmolLM2 a whole prompt step of 65-128 tokens ran 5-18% faster through the kernel, and the
+# two were even at 144-160 (BENCHMARKS.md, eleventh session: MKL packs the weights at every
+# call). Up to SKINNY_STREAM_ROWS rows it streams each weight row once (memory-bound steps);
+# above, register tiles (cpu_kernels.cpp, SMALL_ROWS), in one pass over the weights per
+# SKINNY_PASS_ROWS rows. Decode-only steps of up to FUSED_DECODE_ROWS rows run all layers in
+# one native call (`decode_layers`). The int8 kernels pass over the weights once per 8 rows
+# and stop at Q8_MAX_ROWS, where fbgemm's int8 GEMM takes over.
+SKINNY_MAX_ROWS = 128
 SKINNY_PASS_ROWS = 64
+FUSED_DECODE_ROWS = 64
 SKINNY_STREAM_ROWS = 4
 Q8_MAX_ROWS = 16
 

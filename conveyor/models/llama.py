@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.kernels import (
+    FUSED_DECODE_ROWS,
     LAYER_FIELDS,
     Q8_MAX_ROWS,
     SKINNY_MAX_ROWS,
@@ -278,7 +279,7 @@ class DecoderLayer(nn.Module):
 
 
 class FusedDecode:
-    """Decode-only steps of up to `max_rows` rows on CPU in float32 (SKINNY_MAX_ROWS; Q8_MAX_ROWS
+    """Decode-only steps of up to `max_rows` rows on CPU in float32 (FUSED_DECODE_ROWS; Q8_MAX_ROWS
     with int8 weights): every decoder layer
     in one native call (`decode_layers` in conveyor/kernels/cpu_kernels.cpp), the same stages
     as the modules but with no Python and no thread start-up between the weight streams. At
@@ -330,7 +331,7 @@ class FusedDecode:
         self.weights = torch.tensor(rows, dtype=torch.int64)
         self.int8 = torch.tensor(int8_rows, dtype=torch.int64)
         # int8 projections pass over their weights once per 8 rows; float32 ones once per step.
-        self.max_rows = Q8_MAX_ROWS if bool(self.int8.any()) else SKINNY_MAX_ROWS
+        self.max_rows = Q8_MAX_ROWS if bool(self.int8.any()) else FUSED_DECODE_ROWS
         assert self.weights.shape[1] + 2 + self.int8.shape[1] == len(LAYER_FIELDS)
         self._table: torch.Tensor | None = None
         self._table_key: tuple[int, ...] = ()

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import platform
 import statistics
@@ -35,6 +36,8 @@ from typing import Any
 from conveyor.sim.cost import CostParams, RooflineCostModel, StepShape
 from conveyor.sim.hardware import Hardware
 from conveyor.sim.models import ModelShape
+
+logger = logging.getLogger("conveyor")
 
 Shape = list[tuple[int, int]]  # (new tokens, start position) per sequence
 # The fit keeps every efficiency at or below this. Allowing 1.5 (CostParams accepts it, as the
@@ -530,7 +533,7 @@ def load(path: Path | None = None) -> Calibration:
         data = json.loads(path.read_text())
         hw = data["hardware"]
         model = data["model"]
-        return Calibration(
+        calibration = Calibration(
             Hardware(**{**hw, "memory_bytes": int(hw["memory_bytes"])}),
             CostParams.from_dict(data["params"]),
             ModelShape(**{**model, "eos_token_ids": tuple(model.get("eos_token_ids", ()))}),
@@ -538,3 +541,10 @@ def load(path: Path | None = None) -> Calibration:
         )
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a conveyor calibration ({e}); run `conveyor calibrate` again") from None
+    skinny = (calibration.params.skinny_rows, calibration.params.skinny_pass_rows)
+    if skinny != runner_skinny_rows():
+        logger.warning("%s was fitted for a runner whose skinny kernel takes up to %d rows, %d a pass; this one's "
+                       "takes %d, %d a pass (the eleventh session moved it from 64 to 128): steps between are "
+                       "priced on the old path until `conveyor calibrate` runs again", path, *skinny,
+                       *runner_skinny_rows())
+    return calibration

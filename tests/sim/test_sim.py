@@ -307,6 +307,25 @@ def test_fit_recovers_a_known_cost_model(fused_rows):
     path.unlink()
 
 
+def test_loading_a_calibration_of_another_hand_over_point_warns(tmp_path, caplog, monkeypatch):
+    """A calibration fitted when the runner's skinny kernel stopped at 64 rows prices steps of
+    65-128 rows on MKL's path: loading it under a runner that hands over elsewhere says so."""
+    hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
+    model = get_model("smollm2-135m")
+    fit = calibrate.Fit(CostParams(skinny_rows=64, skinny_pass_rows=64), [0.0])
+    sample = ("decode 1", StepShape.of(SchedulerOutput(0, [_item(0, 1, 10)])), 0.02)
+    path = calibrate.save(tmp_path / "cal.json", hw, model, None, fit, [sample], 16)
+    monkeypatch.setattr(calibrate, "runner_skinny_rows", lambda: (128, 64))
+    with caplog.at_level("WARNING", logger="conveyor"):
+        calibrate.load(path)
+    assert "up to 64 rows" in caplog.text and "calibrate" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(calibrate, "runner_skinny_rows", lambda: (64, 64))
+    with caplog.at_level("WARNING", logger="conveyor"):
+        calibrate.load(path)
+    assert caplog.text == ""
+
+
 def test_the_matrix_path_pays_its_fixed_cost_and_kinds_are_banded():
     params = CostParams(skinny_rows=64, skinny_pass_rows=64, gemm_overhead_s=0.03)
     hw = Hardware("cpu", "toy cpu", 1e11, 5e10, 8 * GiB, 2.5e10, dtype_bytes=4, is_gpu=False)
