@@ -35,7 +35,7 @@ logger = logging.getLogger("conveyor")
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Float32 steps of up to SKINNY_MAX_ROWS rows take the skinny kernel, larger ones MKL's GEMM.
-# On SmolLM2 a whole prompt step of 65-128 tokens ran 5-18% faster through the kernel, and the
+# On SmolLM2 a whole prompt step of 65-128 tokens ran 5-21% faster through the kernel, and the
 # two were even at 144-160 (BENCHMARKS.md, eleventh session: MKL packs the weights at every
 # call). Up to SKINNY_STREAM_ROWS rows it streams each weight row once (memory-bound steps);
 # above, register tiles (cpu_kernels.cpp, SMALL_ROWS), in one pass over the weights per

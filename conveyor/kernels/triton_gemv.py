@@ -100,7 +100,8 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # read once: leave L2 to the input rows
             acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
         acc = tl.sum(acc2, 1)[None, :]
     else:
@@ -108,7 +109,8 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # read once: leave L2 to the input rows
             acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     omask = row_mask[:, None] & col_mask[None, :]
     out_offs = rows[:, None] * stride_out + cols[None, :]
