@@ -542,17 +542,15 @@ class LlamaForCausalLM(nn.Module):
 
         if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
             return
+        if any(isinstance(m, (nn.Linear, TransposedLinear)) and m.bias is not None for m in self.modules()):
+            return
         for module in list(self.modules()):  # a CPU model (the interpreter's tests): [out, in] again
             for name, child in list(module.named_children()):
                 if isinstance(child, TransposedLinear):
                     fan_in, fan_out = child.weight_t.shape
-                    linear = nn.Linear(fan_in, fan_out, bias=child.bias is not None, device=child.weight_t.device,
-                                       dtype=dtype)
+                    linear = nn.Linear(fan_in, fan_out, bias=False, device=child.weight_t.device, dtype=dtype)
                     linear.weight = nn.Parameter(child.weight_t.detach().t().contiguous(), requires_grad=False)
-                    linear.bias = child.bias
                     setattr(module, name, linear)
-        if any(isinstance(m, nn.Linear) and m.bias is not None for m in self.modules()):
-            return
         self.gemv = triton_gemv.linear
         self.gemv_max_rows = triton_gemv.MAX_ROWS
 

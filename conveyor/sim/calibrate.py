@@ -543,8 +543,7 @@ def load(path: Path | None = None) -> Calibration:
         raise ValueError(f"{path} is not a conveyor calibration ({e}); run `conveyor calibrate` again") from None
     skinny = (calibration.params.skinny_rows, calibration.params.skinny_pass_rows)
     if skinny != runner_skinny_rows():
-        logger.warning("%s was fitted for a runner whose skinny kernel takes up to %d rows, %d a pass; this one's "
-                       "takes %d, %d a pass (the eleventh session moved it from 64 to 128): steps between are "
-                       "priced on the old path until `conveyor calibrate` runs again", path, *skinny,
-                       *runner_skinny_rows())
+        logger.warning("%s was fitted when the runner's skinny kernel took up to %d rows (%d a pass); this "
+                       "runner's takes up to %d (%d a pass): the steps in between are priced on the other path "
+                       "until `conveyor calibrate` runs again", path, *skinny, *runner_skinny_rows())
     return calibration

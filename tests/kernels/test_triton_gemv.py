@@ -158,6 +158,16 @@ def test_model_forward_through_the_gemvs(tiny_models, dtype, monkeypatch):
     assert agree >= len(plain) - 1, f"{agree}/{len(plain)} prompts agree"
 
 
+def test_a_model_with_projection_biases_keeps_the_other_path(tiny_models, monkeypatch):
+    from conveyor import LLM
+
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    llm = LLM(str(tiny_models["qwen2"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=16, enforce_eager=True)
+    model = llm.engine.runner.model
+    model._use_triton_gemv(torch.bfloat16)
+    assert model.gemv is None
+
+
 def test_gemvs_are_opt_in(monkeypatch):
     from conveyor.kernels.triton_gemv import enabled
 
