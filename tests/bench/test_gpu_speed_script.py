@@ -21,6 +21,7 @@ def test_gpu_speed_smoke(tmp_path):
     for variant in ("graphs+async", "graphs", "eager"):
         b1 = result["batch1"][variant]
         assert b1["ms_per_step"] > 0 and 0 < b1["fraction_of_limit"] < 2
+        assert set(b1["ms_per_step_at_batch"]) == {"2", "4", "8"} and min(b1["ms_per_step_at_batch"].values()) > 0
     tput = result["throughput"]
     assert tput["conveyor"]["output_tok_per_s"] > 0
     assert tput["hf_static"]["output_tok_per_s"] > 0
