@@ -1,0 +1,175 @@
+"""Compile the CUDA path's Triton kernels for an H100 (sm_90) on a machine without a GPU, and
+read ptxas's registers and spills for each: what the interpreter cannot check (it runs the
+kernels in Python and compiles nothing), checked before a GPU is lent.
+
+    python benchmarks/triton_sm90.py            # the fused GEMVs at Llama-3.2-1B's shapes, the fused kernels
+    python benchmarks/triton_sm90.py --arch 80  # for an A100
+
+Each kernel is launched through its own Python wrapper with CPU tensors, as the model calls it,
+but the launch is only recorded; the recorded arguments give the compile's signature and
+constants (what `kernel[grid](...)` would have specialised on; `num_warps` and `num_stages`
+become options). Triton's bundled ptxas then reports registers and spill bytes. Exits non-zero
+when a kernel does not compile, or, with `--no-spills`, spills. Run without TRITON_INTERPRET
+(the script refuses it): the kernels must be real `triton.jit` functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GEMV_SHAPES = {  # Llama-3.2-1B: (N, K) of each projection, and what it folds in
+    "qkv_proj (norm)": (3072, 2048, dict(norm=True)),
+    "o_proj (residual)": (2048, 2048, dict(residual=True)),
+    "gate_up_proj (norm)": (16384, 2048, dict(norm=True)),
+    "down_proj (silu_mul, residual)": (2048, 8192, dict(silu_mul=True, residual=True)),
+    "lm_head": (128256, 2048, {}),
+}
+H100_SMS = 132
+
+
+class Recorder:
+    """Stands in for a `triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+@contextmanager
+def recording(module: Any) -> Iterator[dict[str, Recorder]]:
+    """Every `triton.jit` kernel of `module` replaced by a Recorder, by name."""
+    import triton
+
+    kernels = {name: k for name, k in vars(module).items() if isinstance(k, triton.runtime.jit.JITFunction)}
+    recorders = {name: Recorder(k) for name, k in kernels.items()}
+    for name, recorder in recorders.items():
+        setattr(module, name, recorder)
+    try:
+        yield recorders
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+
+
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+         torch.int32: "*i32"}
+
+
+def compile_call(kernel: Any, args: tuple, kwargs: dict, arch: int) -> Any:
+    """`triton.compile` of one recorded launch for `cuda:arch`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill store bytes) from ptxas -v."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        suffix = "a" if arch == 90 else ""
+        proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", "-o", os.devnull, str(path)],
+                              capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", proc.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", proc.stderr)
+    return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0
+
+
+def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
+    """(label, module, call, kernel name): each wrapper call whose launches are compiled."""
+    from conveyor.kernels import triton_fused, triton_gemv
+
+    dt = torch.bfloat16
+    for rows in (1, 2, 4, 8):
+        for label, (n, k, fold) in GEMV_SHAPES.items():
+            def call(rows: int = rows, n: int = n, k: int = k, fold: dict = fold) -> None:
+                x = torch.zeros(rows, 2 * k if fold.get("silu_mul") else k, dtype=dt)
+                triton_gemv.linear(x, torch.zeros(n, k, dtype=dt), norm=torch.ones(k, dtype=dt) if fold.get("norm") else None,
+                                   eps=1e-5, silu_mul=bool(fold.get("silu_mul")),
+                                   residual=torch.zeros(rows, n, dtype=dt) if fold.get("residual") else None)
+            yield f"gemv {label}, {rows} row(s)", triton_gemv, call, "_gemv_kernel"
+    hidden = torch.zeros(4, 2048, dtype=dt)
+    yield "add_rms_norm", triton_fused, lambda: triton_fused.add_rms_norm(hidden, hidden, hidden[0], 1e-5), \
+        "_add_rms_norm_kernel"
+    yield "rope_", triton_fused, lambda: triton_fused.rope_(torch.zeros(4, 40, 64, dtype=dt),
+                                                           torch.zeros(4, 1, 32, dtype=dt),
+                                                           torch.zeros(4, 1, 32, dtype=dt), 40), "_rope_kernel"
+    yield "silu_mul", triton_fused, lambda: triton_fused.silu_mul(torch.zeros(4, 16384, dtype=dt)), "_silu_mul_kernel"
+    logits = torch.zeros(4, 128256, dtype=torch.float32)
+    yield "argmax (chunks)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_chunk_kernel"
+    yield "argmax (merge)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_merge_kernel"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100), 80 (A100)")
+    ap.add_argument("--no-spills", action="store_true", help="exit non-zero if any kernel spills")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted", file=sys.stderr)
+        return 2
+    from conveyor.kernels import triton_gemv
+
+    triton_gemv._programs_wanted = lambda: 2 * H100_SMS  # as on an H100, for the blocks it picks
+    failed = spilled = 0
+    seen: set[str] = set()
+    print("| kernel | blocks / constants | registers | spill bytes |")
+    print("|---|---|---|---|")
+    for label, module, call, name in cases():
+        with recording(module) as recorders:
+            call()
+        recorder = recorders[name]
+        for call_args, call_kwargs in recorder.calls:
+            constants = {k: v for k, v in call_kwargs.items() if k.isupper()}
+            key = f"{name} {sorted(constants.items())} {call_kwargs.get('num_warps')}"
+            if key in seen:
+                continue
+            seen.add(key)
+            shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k.startswith("BLOCK") or k == "CHUNK")
+            try:
+                compiled = compile_call(recorder.kernel, call_args, dict(call_kwargs), args.arch)
+                regs, spills = ptxas_usage(compiled.asm["ptx"], args.arch)
+            except Exception as e:  # a kernel that does not compile is the finding
+                failed += 1
+                print(f"| {label} | {shown} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |")
+                continue
+            spilled += spills > 0
+            print(f"| {label} | {shown} | {regs} | {spills} |", flush=True)
+    print(f"{len(seen)} compiles for sm_{args.arch}: {failed} failed, {spilled} spill")
+    return 1 if failed or (args.no_spills and spilled) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
