@@ -2,7 +2,7 @@
 read ptxas's registers and spills for each: what the interpreter cannot check (it runs the
 kernels in Python and compiles nothing), checked before a GPU is lent.
 
-    python benchmarks/triton_sm90.py            # the fused GEMVs at Llama-3.2-1B's shapes, the fused kernels
+    python benchmarks/triton_sm90.py            # GEMVs, fused and attention kernels, Llama-3.2-1B's shapes
     python benchmarks/triton_sm90.py --arch 80  # for an A100
 
 Each kernel is launched through its own Python wrapper with CPU tensors, as the model calls it,
@@ -130,6 +130,27 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     logits = torch.zeros(4, 128256, dtype=torch.float32)
     yield "argmax (chunks)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_chunk_kernel"
     yield "argmax (merge)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_merge_kernel"
+    # Paged attention at Llama-3.2-1B's heads (32 query, 8 kv, 64 dims), 16-token blocks: two
+    # decodes split over their context (so the reduce runs too), then a prefill of 40 tokens.
+    from conveyor.kernels import triton_attention
+    from conveyor.models.attention import build_metadata
+
+    triton_attention.triton_available = lambda: True  # compiled here, never launched
+    backend = triton_attention.TritonPagedAttention(None, decode_split_len=64)
+    cache = torch.zeros(2, 32 * 16, 8, 64, dtype=dt)
+
+    def attend(new: list[int], starts: list[int]) -> None:
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(new))]
+        meta = build_metadata(tables, starts, new, 16, torch.device("cpu"), None, dt)
+        t = sum(new)
+        backend.forward(torch.zeros(t, 32, 64, dtype=dt), torch.zeros(t, 8, 64, dtype=dt),
+                        torch.zeros(t, 8, 64, dtype=dt), cache, meta, 0.125)
+
+    decodes = lambda: attend([1, 1], [100, 50])  # noqa: E731
+    yield "write K/V", triton_attention, decodes, "_write_kv_kernel"
+    yield "decode, split", triton_attention, decodes, "_decode_split_kernel"
+    yield "decode, reduce", triton_attention, decodes, "_decode_reduce_kernel"
+    yield "prefill", triton_attention, lambda: attend([40], [0]), "_prefill_kernel"
 
 
 def main() -> int:

@@ -34,4 +34,4 @@ def test_the_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = re.search(r"(\d+) compiles for sm_90: 0 failed, 0 spill", proc.stdout)
-    assert summary is not None and int(summary.group(1)) >= 25, proc.stdout[-2000:]  # GEMVs at 1-8 rows, 5 fused
+    assert summary is not None and int(summary.group(1)) >= 29, proc.stdout[-2000:]  # GEMVs at 1-8 rows, 5 fused, 4 attention
