@@ -214,6 +214,16 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
     return out
 
 
+def median_step(engine: Any) -> float:
+    """The median wall time of `engine`'s steps until its requests are done."""
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def batch1_variant(args: argparse.Namespace, path: str, name: str, options: dict, steps: int, bandwidth: float) -> dict:
     from conveyor import LLM, SamplingParams
 
@@ -226,12 +236,7 @@ def batch1_variant(args: argparse.Namespace, path: str, name: str, options: dict
     engine = llm.engine
     engine.add_request("b1", list(range(100, 132)), sp)
     engine.step()  # the prompt (and, async, the first decode launched)
-    times = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    step = statistics.median(times)
+    step = median_step(engine)
     limit = nbytes / bandwidth
     print(f"batch-1 {name}: {step * 1e3:.3f} ms/step ({1 / step:.0f} tok/s); limit {limit * 1e3:.3f} ms "
           f"({nbytes / 1e9:.2f} GB at {bandwidth / 1e9:.0f} GB/s) -> {limit / step:.1%} of the limit", flush=True)
@@ -242,12 +247,7 @@ def batch1_variant(args: argparse.Namespace, path: str, name: str, options: dict
         for i in range(b):
             engine.add_request(f"b{b}-{i}", list(range(100 + i, 132 + i)),
                                SamplingParams(max_tokens=steps // 4, temperature=0.0, ignore_eos=True))
-        times = []
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        small[str(b)] = statistics.median(times) * 1e3  # the prompt's step is one of ~64
+        small[str(b)] = median_step(engine) * 1e3  # the prompt's step is one of ~64
     print(f"batch 2 / 4 / 8 {name}: " + " / ".join(f"{ms:.3f}" for ms in small.values()) + " ms/step", flush=True)
     del llm, engine
     release(args.device)

@@ -25,7 +25,8 @@ ap.add_argument("--rounds", type=int, default=2, help="with --compare-rows: alte
 args = ap.parse_args()
 
 engine = OfflineSystems.load({"seed": 0}).base
-grid = [(f"prefill {n}", [(n, 0)]) for n in map(int, args.lengths.split(","))]
+lengths = [int(n) for n in args.lengths.split(",")]
+grid = [(f"prefill {n}", [(n, 0)]) for n in lengths]
 if args.compare_rows is None:
     print("| prompt tokens | ms | ms a token |")
     print("|---|---|---|")
@@ -43,6 +44,6 @@ else:
                 times.setdefault((rows, shape.num_tokens), []).append(t)
     print(f"| prompt tokens | kernel up to {a} rows (ms) | up to {b} rows (ms) | ratio |")
     print("|---|---|---|---|")
-    for n in map(int, args.lengths.split(",")):
+    for n in lengths:
         ta, tb = min(times[(a, n)]), min(times[(b, n)])
         print(f"| {n} | {ta * 1e3:.1f} | {tb * 1e3:.1f} | {tb / ta:.3f} |")

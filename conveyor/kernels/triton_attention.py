@@ -56,6 +56,14 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def opted_in(variable: str) -> bool:
+    """Whether the opt-in kernels switched on by `variable` (`CONVEYOR_TRITON_FUSED`,
+    `CONVEYOR_TRITON_GEMV`) run: set to 1, never with `CONVEYOR_TRITON=0`, and only where
+    Triton can run."""
+    return (os.environ.get(variable, "0") == "1" and os.environ.get("CONVEYOR_TRITON", "1") != "0"
+            and triton_available())
+
+
 def _jit(fn: Callable[..., None]) -> Any:
     """`triton.jit`, or the bare function when triton is absent (it is then never called)."""
     return fn if triton is None else triton.jit(fn)

@@ -24,11 +24,9 @@ under `TRITON_INTERPRET=1`, which is how the tests check them without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from conveyor.kernels.triton_attention import _jit, _pow2, tl, triton, triton_available
+from conveyor.kernels.triton_attention import _jit, _pow2, opted_in, tl, triton, triton_available
 
 __all__ = ["add_rms_norm", "argmax", "enabled", "rope_", "silu_mul", "triton_available"]
 
@@ -37,8 +35,7 @@ def enabled() -> bool:
     """Whether the CUDA path uses these kernels: opt-in with `CONVEYOR_TRITON_FUSED=1` until they
     are measured on a GPU (they were written after the session's GPU time ran out; BENCHMARKS.md),
     never with `CONVEYOR_TRITON=0`, and only where Triton can run."""
-    return (os.environ.get("CONVEYOR_TRITON_FUSED", "0") == "1" and os.environ.get("CONVEYOR_TRITON", "1") != "0"
-            and triton_available())
+    return opted_in("CONVEYOR_TRITON_FUSED")
 
 
 @_jit

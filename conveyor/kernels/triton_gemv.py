@@ -29,12 +29,11 @@ how the tests check it.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 
-from conveyor.kernels.triton_attention import _jit, _pow2, tl, triton_available
+from conveyor.kernels.triton_attention import _jit, _pow2, opted_in, tl, triton_available
 from conveyor.kernels.triton_fused import _rnd
 
 __all__ = ["MAX_ROWS", "enabled", "linear", "triton_available"]
@@ -46,8 +45,7 @@ TILE = 8192  # elements of the product tile a program holds at once (64 float32 
 def enabled() -> bool:
     """Whether the CUDA path uses these kernels: opt-in with `CONVEYOR_TRITON_GEMV=1` until they
     are measured on a GPU, never with `CONVEYOR_TRITON=0`, and only where Triton can run."""
-    return (os.environ.get("CONVEYOR_TRITON_GEMV", "0") == "1" and os.environ.get("CONVEYOR_TRITON", "1") != "0"
-            and triton_available())
+    return opted_in("CONVEYOR_TRITON_GEMV")
 
 
 @_jit
@@ -71,6 +69,14 @@ def _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr,
         g = tl.load(g_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
         xv = _rnd(g[None, :] * _rnd(xv * inv[:, None], dt, IS_BF16), dt, IS_BF16)
     return xv
+
+
+@_jit
+def _load_w(w_rows, ks, K, col_mask):
+    """The weight tile `[cols, ks]`; read once, so it is evicted first, leaving L2 to the input
+    rows."""
+    return tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
 
 
 @_jit
@@ -100,18 +106,15 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
-                        eviction_policy="evict_first")  # read once: leave L2 to the input rows
-            acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
+            acc2 += _load_w(w_rows, ks, K, col_mask).to(tl.float32) * xv  # xv is [1, BLOCK_K]
         acc = tl.sum(acc2, 1)[None, :]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
-                        eviction_policy="evict_first")  # read once: leave L2 to the input rows
-            acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            w = _load_w(w_rows, ks, K, col_mask).to(tl.float32)
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
     omask = row_mask[:, None] & col_mask[None, :]
     out_offs = rows[:, None] * stride_out + cols[None, :]
     dt = out_ptr.dtype.element_ty

@@ -541,9 +541,9 @@ def load(path: Path | None = None) -> Calibration:
         )
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a conveyor calibration ({e}); run `conveyor calibrate` again") from None
-    skinny = (calibration.params.skinny_rows, calibration.params.skinny_pass_rows)
-    if skinny != runner_skinny_rows():
+    fitted, runner = (calibration.params.skinny_rows, calibration.params.skinny_pass_rows), runner_skinny_rows()
+    if fitted != runner:
         logger.warning("%s was fitted when the runner's skinny kernel took up to %d rows (%d a pass); this "
                        "runner's takes up to %d (%d a pass): the steps in between are priced on the other path "
-                       "until `conveyor calibrate` runs again", path, *skinny, *runner_skinny_rows())
+                       "until `conveyor calibrate` runs again", path, *fitted, *runner)
     return calibration
