@@ -1,0 +1,212 @@
+"""The host's own time in an engine step at many running sequences, by phase, on a CPU.
+
+On a GPU the model's kernels run asynchronously, so a decode step's wall time is the larger of
+the device's time and the host's: scheduling, preparing the runner's inputs and taking the
+sampled tokens back into the requests. That host time is all Python and CPU work, so it can be
+measured here, on the CPU box, without a GPU.
+
+    python benchmarks/host_time.py                          # 64, 256 and 1024 sequences
+    python benchmarks/host_time.py --seqs 256 --baseline 09e5008 --rounds 4
+
+A tiny random-weight Llama (hidden 64, 2 layers) keeps the model's own compute small. Every
+sequence has a 128-token prompt and decodes greedily; after the prompts, `--steps` decode steps
+are timed, each split into:
+- schedule: `Scheduler.schedule`;
+- prep: the runner's `submit` less the model's forward, the LM head and the sampler, i.e. the
+  host work of turning the step into tensors. Decodes take the CUDA-graph path's inputs
+  (`GraphedDecode` run eagerly, as on a CPU it must be), which is what a GPU's decode runs;
+- complete: `Engine._complete`, the tokens into the sequences, stop checks, outputs;
+- host: the three together.
+Medians over the steps, in ms a step and µs a sequence.
+
+`--baseline REV` runs the same measurement on the conveyor of commit REV (a git worktree in a
+temporary folder) in a subprocess, alternating A B B A over `--rounds`, and reports the ratio
+of the medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, initializer_range=0.08)
+PHASES = ("schedule", "prep", "complete", "host")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_model(folder: Path) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, **SHAPE)
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+class Timers:
+    """Wraps methods so that each call's wall time lands in a list under a label."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+        times = self.times.setdefault(label, [])
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times.append(time.perf_counter() - t)
+
+        setattr(obj, name, timed)
+
+    def clear(self) -> None:
+        for v in self.times.values():
+            v.clear()
+
+
+def measure(model: str, n: int, steps: int, async_scheduling: bool) -> dict[str, float]:
+    """Median ms a step of each phase, `n` sequences decoding."""
+    from conveyor import LLM, SamplingParams
+    from conveyor.runner.cuda_graphs import GraphedDecode
+
+    prompt_len, block_size = 128, 16
+    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
+              num_kv_blocks=n * 24 + 64, max_model_len=2048, async_scheduling=async_scheduling)
+    engine = llm.engine
+    runner = engine.runner
+    runner.graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, 2048 // block_size,
+                                  runner.scratch_block, n, capture=False)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params)
+    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # the prompts
+    for _ in range(8):
+        engine.step()
+    timers = Timers()
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine, "_complete", "complete")
+    timers.wrap(runner, "submit", "submit")
+    timers.wrap(runner.graphs, "_forward", "model")
+    timers.wrap(runner.model, "compute_logits", "model")
+    timers.wrap(runner.sampler, "sample", "model")
+    timers.clear()
+    per_step: dict[str, list[float]] = {p: [] for p in PHASES}
+    for _ in range(steps):
+        engine.step()
+        t = timers.times
+        assert len(t["schedule"]) == 1 and len(t["submit"]) == 1 and len(t["model"]) == 3, "not one decode a step"
+        schedule, complete = t["schedule"][0], t["complete"][0]
+        prep = t["submit"][0] - sum(t["model"])
+        for phase, v in zip(PHASES, (schedule, prep, complete, schedule + prep + complete), strict=True):
+            per_step[phase].append(v)
+        timers.clear()
+    assert all(len(s.token_ids) > prompt_len for s in engine.scheduler.running)
+    return {p: statistics.median(v) * 1e3 for p, v in per_step.items()}
+
+
+def run_rounds(args: argparse.Namespace) -> dict:
+    """This checkout's figures: {"seqs,mode": {phase: [ms per round]}}."""
+    out: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model")
+        for _ in range(args.rounds):
+            for n in args.seqs:
+                for mode in args.modes:
+                    m = measure(model, n, args.steps, mode == "async")
+                    for phase, v in m.items():
+                        out.setdefault(f"{n},{mode}", {}).setdefault(phase, []).append(v)
+    return out
+
+
+def child(args: argparse.Namespace, checkout: Path) -> dict:
+    """One round on the conveyor in `checkout`, in a subprocess that imports it."""
+    cmd = [sys.executable, __file__, "--child", "--rounds", "1", "--steps", str(args.steps),
+           "--seqs", ",".join(map(str, args.seqs)), "--modes", ",".join(args.modes)]
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    done = subprocess.run(cmd, env=env, cwd=checkout, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"the measurement in {checkout} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert Path(result["from"]) == checkout, f"imported conveyor from {result['from']}, not {checkout}"
+    return result["figures"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="64,256,1024", help="running sequences, comma-separated")
+    ap.add_argument("--modes", default="sync,async", help="sync and/or async scheduling")
+    ap.add_argument("--steps", type=int, default=48, help="decode steps timed in each measurement")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--baseline", help="a commit to compare with, run side by side (A B B A)")
+    ap.add_argument("--out", type=Path, help="write the figures here as JSON")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.seqs = [int(s) for s in args.seqs.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    if set(args.modes) - {"sync", "async"}:
+        ap.error("--modes takes sync and/or async")
+    if args.child:
+        import conveyor
+
+        print(json.dumps({"from": str(Path(conveyor.__file__).parent.parent), "figures": run_rounds(args)}))
+        return 0
+
+    sides: dict[str, dict] = {"this": {}}
+    checkouts = {"this": ROOT}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline:
+            base = Path(tmp) / "baseline"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
+                           check=True, capture_output=True)
+            checkouts["baseline"] = base
+            sides["baseline"] = {}
+        try:
+            order = list(checkouts)
+            for rnd in range(args.rounds):
+                for side in order if rnd % 2 == 0 else order[::-1]:
+                    for key, phases in child(args, checkouts[side]).items():
+                        for phase, v in phases.items():
+                            sides[side].setdefault(key, {}).setdefault(phase, []).extend(v)
+                print(f"[round {rnd + 1} of {args.rounds}]", file=sys.stderr, flush=True)
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkouts["baseline"])],
+                               check=False, capture_output=True)
+
+    head = "| sequences | scheduling | " + " | ".join(f"{p} ms" for p in PHASES) + " | host µs / seq |"
+    if args.baseline:
+        head += f" host vs {args.baseline} |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for key, phases in sides["this"].items():
+        n, mode = key.split(",")
+        med = {p: statistics.median(v) for p, v in phases.items()}
+        row = f"| {n} | {mode} | " + " | ".join(f"{med[p]:.3f}" for p in PHASES)
+        row += f" | {med['host'] * 1e3 / int(n):.2f} |"
+        if args.baseline:
+            base_host = statistics.median(sides["baseline"][key]["host"])
+            row += f" {med['host']:.3f} / {base_host:.3f} = {med['host'] / base_host:.2f}× |"
+        print(row)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"),
+                                        "sides": sides}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
