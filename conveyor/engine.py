@@ -23,7 +23,7 @@ from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.runner.base import Runner, RunnerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
-from conveyor.sequence import FinishReason, RequestMetrics, Sequence
+from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("conveyor")
@@ -399,12 +399,14 @@ class Engine:
         self._record(sched_out, start, now - start)
 
         outputs: list[RequestOutput] = []
+        by_seq = self._by_seq
         for upd in updates:
-            req = self._by_seq.get(upd.seq.seq_id)
+            req = by_seq.get(upd.seq.seq_id)
             if req is None or upd.new_token_id is None:
                 continue
-            self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now)
-            if req.seq.is_finished:
+            if req.detokenizer is not None or req.logprobs is not None:  # else a token has nothing to add
+                self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now)
+            if req.seq.status is SequenceStatus.FINISHED:
                 outputs.append(self._finish_output(req))
             elif req.stream:
                 outputs.append(self._output(req))
@@ -503,13 +505,15 @@ class Engine:
 
     def _record(self, sched_out: SchedulerOutput, start: float, duration: float) -> None:
         bm = self.scheduler.block_manager
+        scheduled = sched_out.scheduled
+        num_decodes = sum(1 for s in scheduled if len(s.token_ids) == 1)
         self.last_step = StepRecord(
                 step_id=sched_out.step_id,
                 start=start,
                 duration_s=duration,
-                num_seqs=len(sched_out.scheduled),
-                num_prefill_tokens=sched_out.num_prefill_tokens,
-                num_decode_tokens=sched_out.num_decode_tokens,
+                num_seqs=len(scheduled),
+                num_prefill_tokens=sched_out.num_tokens - num_decodes,
+                num_decode_tokens=num_decodes,
                 num_waiting=len(self.scheduler.waiting),
                 kv_blocks_used=bm.num_used_blocks,
                 num_preempted=len(sched_out.preempted_seq_ids),

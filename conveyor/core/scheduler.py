@@ -126,6 +126,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.policy = policy or make_policy(config)
         self.batching = make_batching(config)
+        self._snapshot_tables = config.async_scheduling
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -198,8 +199,10 @@ class Scheduler:
         out.finished_seq_ids = self._finished_since_last_step
         self._finished_since_last_step = []
 
+        policy_key = self.policy.key
+
         def key(s: Sequence) -> SortKey:
-            return self.policy.key(s, now)
+            return policy_key(s, now)
 
         self.running.sort(key=key)
         self.swapped.sort(key=key)
@@ -297,17 +300,20 @@ class Scheduler:
         """Give running sequences their next tokens; `only` restricts to prefills or decodes."""
         kept: list[Sequence] = []
         queue = deque(self.running)  # sorted most valuable first: victims come off the end
+        allocate, emit = self.block_manager.allocate, self._emit  # once: this loop runs per sequence
         while queue:
             seq = queue.popleft()
-            in_prefill = seq.num_uncomputed_tokens > 1
-            if (only is not None and in_prefill != (only == "prefill")) or self._owes_last_token(seq):
+            in_prefill = len(seq.token_ids) - seq.num_computed_tokens > 1
+            if (only is not None and in_prefill != (only == "prefill")) or (
+                seq.num_pending and self._owes_last_token(seq)
+            ):
                 kept.append(seq)
                 continue
             num_new = self._prefill_chunk(seq, budget) if in_prefill else min(1, budget)
             if num_new <= 0:
                 kept.append(seq)
                 continue
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+            while not allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self._pick_victim(queue) if queue else seq
                 if victim is not seq:
                     queue.remove(victim)
@@ -316,7 +322,7 @@ class Scheduler:
                     break
             else:
                 kept.append(seq)
-                self._emit(out, seq, num_new)
+                emit(out, seq, num_new)
                 budget -= num_new
         self.running = kept
         return budget
@@ -407,24 +413,27 @@ class Scheduler:
         a token to be sampled is appended as a placeholder (`Sequence`): the next schedule,
         before or after `update`, sees the sequence as the step leaves it."""
         start = seq.num_computed_tokens
-        sample = start + num_new == seq.num_tokens
+        tokens = seq.token_ids
+        end = start + num_new
+        sample = end == len(tokens)
+        # Positional, in the fields' order: this runs once per sequence and step.
         out.scheduled.append(
             ScheduledSequence(
-                seq_id=seq.seq_id,
-                token_ids=seq.token_ids[start : start + num_new],
-                start_pos=start,
-                # Snapshots when the step may still be running while the next one is scheduled
-                # (the block manager and `update` change these lists in place).
-                block_table=list(seq.block_table) if self.config.async_scheduling else seq.block_table,
-                sample=sample,
-                sampling_params=seq.sampling_params,
-                all_token_ids=seq.token_ids,
-                prompt_len=seq.prompt_len,
+                seq.seq_id,
+                tokens[start:end],
+                start,
+                # A snapshot when the step may still be running while the next one is
+                # scheduled (the block manager and `update` change these lists in place).
+                list(seq.block_table) if self._snapshot_tables else seq.block_table,
+                sample,
+                seq.sampling_params,
+                tokens,
+                seq.prompt_len,
             )
         )
-        seq.num_computed_tokens = start + num_new
+        seq.num_computed_tokens = end
         if sample:
-            seq.token_ids.append(PLACEHOLDER)
+            tokens.append(PLACEHOLDER)
             seq.num_pending += 1
 
     def _pick_victim(self, candidates: Iterable[Sequence]) -> Sequence:
@@ -476,8 +485,9 @@ class Scheduler:
         here has a useless share in it, which the next `update` skips."""
         updates: list[SequenceUpdate] = []
         progressed: list[Sequence] = []
+        by_id, stop_reason = self._by_id, self._stop_reason  # once: this loop runs per sequence
         for item in out.scheduled:
-            seq = self._by_id.get(item.seq_id)
+            seq = by_id.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
             if not item.sample:
@@ -492,20 +502,21 @@ class Scheduler:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.token_times.append(now)
-            lp = logprobs.get(item.seq_id) if logprobs else None
-            updates.append(
-                SequenceUpdate(seq, token, lp[0] if lp else None, lp[1] if lp else None)
-            )
+            if logprobs and (lp := logprobs.get(item.seq_id)) is not None:
+                updates.append(SequenceUpdate(seq, token, lp[0], lp[1]))
+            else:
+                updates.append(SequenceUpdate(seq, token))
             progressed.append(seq)
-            reason = self._stop_reason(seq, token)
+            reason = stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
-        self.policy.on_step(s for s in progressed if not s.is_finished)
+        self.policy.on_step(s for s in progressed if s.status is not SequenceStatus.FINISHED)
         return updates
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.sampling_params
-        n_out = seq.num_output_tokens
+        known = len(seq.token_ids) - seq.num_pending  # the prompt and the outputs returned
+        n_out = known - seq.prompt_len  # num_output_tokens
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.stop_reason = None
@@ -513,16 +524,16 @@ class Scheduler:
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FinishReason.STOP
-        if n_out >= params.max_tokens or seq.num_tokens - seq.num_pending >= self.max_model_len:
+        if n_out >= params.max_tokens or known >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _owes_last_token(self, seq: Sequence) -> bool:
         """Whether a pending token will end `seq` by length, so it must not be scheduled again
         (only with async scheduling is a sequence scheduled while a token is pending)."""
+        n = len(seq.token_ids)  # num_tokens; less prompt_len, num_scheduled_outputs
         return seq.num_pending > 0 and (
-            seq.num_scheduled_outputs >= seq.sampling_params.max_tokens
-            or seq.num_tokens >= self.max_model_len
+            n - seq.prompt_len >= seq.sampling_params.max_tokens or n >= self.max_model_len
         )
 
     # -- checks ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ Every other backend (a CUDA kernel, say) is tested against `TorchPagedAttention`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +58,24 @@ class AttentionMetadata:
             bias = torch.zeros(keep.shape, dtype=self.mask_dtype, device=ctx.device).masked_fill_(~keep, float("-inf"))
             self.decode_bias = bias[:, None, None, :]
         return self.decode_bias
+
+
+def host_longs(values: list[int]) -> torch.Tensor:
+    """A CPU int64 tensor of `values`, through an `array`: about 3x faster than `torch.tensor`
+    on a list (which inspects every element), and a step builds several lists of one int per
+    sequence."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`. To CUDA through pinned memory, so that the copy is asynchronous: a
+    copy from pageable memory may wait for the stream, and with async scheduling that stream
+    is still running the step before."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def build_metadata(
@@ -155,15 +174,21 @@ def _decode_metadata(
     bs = block_size
     ctx = [s + 1 for s in start_positions]
     nb = (max(ctx) + bs - 1) // bs
-    rows = [t[:nb] + [0] * (nb - len(t)) if len(t) < nb else t[:nb] for t in block_tables]
+    flat: list[int] = []  # the tables, each cut or padded with block 0 to nb blocks, row after row
+    for t in block_tables:
+        if len(t) < nb:
+            flat += t
+            flat += [0] * (nb - len(t))
+        else:
+            flat += t[:nb]
     slots = [t[s // bs] * bs + s % bs for t, s in zip(block_tables, start_positions, strict=True)]
     return AttentionMetadata(
         block_size=bs,
-        positions=torch.tensor(start_positions).to(device),
-        slot_mapping=torch.tensor(slots).to(device),
+        positions=to_device(host_longs(start_positions), device),
+        slot_mapping=to_device(host_longs(slots), device),
         num_decodes=len(ctx),
-        decode_blocks=torch.tensor(rows).to(device),
-        decode_context_lens=torch.tensor(ctx).to(device),
+        decode_blocks=to_device(host_longs(flat).view(len(ctx), nb), device),
+        decode_context_lens=to_device(host_longs(ctx), device),
         sliding_window=sliding_window,
         mask_dtype=dtype,
     )

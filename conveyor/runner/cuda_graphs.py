@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from conveyor.models.attention import AttentionMetadata
+from conveyor.models.attention import AttentionMetadata, host_longs
 
 logger = logging.getLogger("conveyor")
 
@@ -140,14 +140,19 @@ class GraphedDecode:
         pad = b - n
         # Only the columns this step's tables use: attention reads no block past a row's
         # context length, so whatever an earlier step left further right is never read.
-        width = max(len(t) for t in tables)
+        width = max(map(len, tables))
         scratch = self.scratch_block
-        rows = [list(t) + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width] * pad
+        flat: list[int] = []  # the padded tables, row after row (one list: no nested tensor build)
+        for t in tables:
+            flat += t
+            if len(t) < width:
+                flat += [scratch] * (width - len(t))
+        flat += [scratch] * (width * pad)
         host = [
-            torch.tensor(list(positions) + [0] * pad, dtype=torch.long),
-            torch.tensor(list(slots) + [scratch * self.block_size] * pad, dtype=torch.long),
-            torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.long),
-            torch.tensor(rows, dtype=torch.long),
+            host_longs([*positions, *[0] * pad]),
+            host_longs([*slots, *[scratch * self.block_size] * pad]),
+            host_longs([p + 1 for p in positions] + [1] * pad),
+            host_longs(flat).view(b, width),
         ]
         if self.device.type == "cuda":
             host = [h.pin_memory() for h in host]

@@ -12,7 +12,7 @@ import time
 import torch
 
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
-from conveyor.models.attention import build_metadata
+from conveyor.models.attention import build_metadata, host_longs, to_device
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.runner.base import RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
@@ -151,30 +151,30 @@ class ModelRunner:
             self._copy_blocks(self.kv_caches, self.swap_caches, scheduler_output.blocks_to_swap_out)
         if scheduler_output.blocks_to_swap_in:
             self._copy_blocks(self.swap_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
-        items = sorted(scheduler_output.scheduled, key=lambda s: len(s.token_ids) > 1)
         cuda = self.device.type == "cuda"
+        items = scheduler_output.scheduled
         if not items:
             return StepHandle(RunnerOutput(sampled={}), start, cuda)
+        num_new = [len(it.token_ids) for it in items]
+        all_decodes = max(num_new) == 1  # the common step, already in order
+        if not all_decodes:
+            items = sorted(items, key=lambda s: len(s.token_ids) > 1)
+            num_new = [len(it.token_ids) for it in items]
 
         token_ids: list[int] = []
         pending_rows: list[int] = []  # rows whose input is the previous step's sampled token
         pending_from: list[int] = []  # ... at this row of that step's ids
+        last_rows = self._last_rows
         for it in items:
             if it.token_ids[-1] == PLACEHOLDER:  # only ever a decode's single token
                 pending_rows.append(len(token_ids))
-                pending_from.append(self._last_rows[it.seq_id])
+                pending_from.append(last_rows[it.seq_id])
                 token_ids.append(0)
             else:
                 token_ids.extend(it.token_ids)
-        num_new = [len(it.token_ids) for it in items]
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if pending_rows:
-            assert self._last_tokens is not None
-            index = torch.tensor(pending_from, dtype=torch.long).to(self.device, non_blocking=True)
-            rows = torch.tensor(pending_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            input_ids[rows] = self._last_tokens[index]
+        input_ids = self._input_ids(token_ids, pending_rows, pending_from)
         graphs = self.graphs
-        if graphs is not None and graphs.applies(len(items), len(token_ids) == len(items)):
+        if graphs is not None and graphs.applies(len(items), all_decodes):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [it.block_table[p // bs] * bs + p % bs for it, p in zip(items, positions, strict=True)]
@@ -191,27 +191,33 @@ class ModelRunner:
             )
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
 
-        rows_out: list[int] = []
-        samplers: list[ScheduledSequence] = []
-        end = 0
-        for it, n in zip(items, num_new, strict=True):
-            end += n
-            if it.sample:
-                rows_out.append(end - 1)
-                samplers.append(it)
-        if not samplers:
-            return StepHandle(RunnerOutput(sampled={}), start, cuda)
-        picked = hidden if len(rows_out) == hidden.shape[0] else hidden[rows_out]  # decode steps: every row, in order
-        batch = prepare(
-            [it.sampling_params for it in samplers],
-            [self._generator(it) for it in samplers],
-            [self._history(it) for it in samplers],
-            [it.prompt_len for it in samplers],
-        )
+        if all_decodes:  # every decode samples: every row, in order
+            samplers, picked = items, hidden
+        else:
+            rows_out: list[int] = []
+            samplers = []
+            end = 0
+            for it, n in zip(items, num_new, strict=True):
+                end += n
+                if it.sample:
+                    rows_out.append(end - 1)
+                    samplers.append(it)
+            if not samplers:
+                return StepHandle(RunnerOutput(sampled={}), start, cuda)
+            picked = hidden[rows_out]
+        params = [it.sampling_params for it in samplers]
+        batch = prepare(params, [it.prompt_len for it in samplers])
+        # Generators and histories only for a batch that uses them: per sequence, they would
+        # be most of a large decode step's host time.
+        if not batch.all_greedy and any(p.seed is not None for p in params):
+            batch.generators = [self._generator(it) for it in samplers]
+        if batch.any_penalty:
+            batch.history = [self._history(it) for it in samplers]
         tokens, logprobs = self.sampler.sample(self.model.compute_logits(picked), batch)
+        seq_ids = [it.seq_id for it in samplers]
         self._last_tokens = tokens
-        self._last_rows = {it.seq_id: row for row, it in enumerate(samplers)}
-        handle = StepHandle(RunnerOutput(sampled={}), start, cuda, [it.seq_id for it in samplers], tokens)
+        self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
+        handle = StepHandle(RunnerOutput(sampled={}), start, cuda, seq_ids, tokens)
         if logprobs is not None:
             handle.output.logprobs = {
                 it.seq_id: lp
@@ -220,6 +226,23 @@ class ModelRunner:
             }
         self._last_handle = handle
         return handle
+
+    def _input_ids(self, token_ids: list[int], pending_rows: list[int], pending_from: list[int]) -> torch.Tensor:
+        """The step's input ids on the device: `token_ids`, where rows `pending_rows` take the
+        previous step's sampled ids at `pending_from` (async scheduling; still on the device)."""
+        n = len(token_ids)
+        if pending_rows and len(pending_rows) == n:  # a step of pending decodes only
+            assert self._last_tokens is not None
+            if pending_from == list(range(len(self._last_tokens))):
+                return self._last_tokens  # the same sequences as the step before, in its order
+            return self._last_tokens[to_device(host_longs(pending_from), self.device)]
+        input_ids = to_device(host_longs(token_ids), self.device)
+        if pending_rows:
+            assert self._last_tokens is not None
+            index = to_device(host_longs(pending_from), self.device)
+            rows = to_device(host_longs(pending_rows), self.device)
+            input_ids[rows] = self._last_tokens[index]
+        return input_ids
 
     def _history(self, item: ScheduledSequence) -> list[int]:
         """The tokens before this step's sampled one, for penalties (others get none). A

@@ -33,15 +33,17 @@ class SamplingBatch:
 
 def prepare(
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    history: list[list[int]],
     prompt_lens: list[int],
+    generators: list[torch.Generator | None] | None = None,
+    history: list[list[int]] | None = None,
 ) -> SamplingBatch:
+    """A step's rows; no generators means none seeded, no history means no penalties (the
+    runner builds them only for a batch that needs them)."""
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingBatch(
         params=params,
-        generators=generators,
-        history=history,
+        generators=generators if generators is not None else [None] * len(params),
+        history=history if history is not None else [[]] * len(params),  # read only where penalised
         prompt_lens=prompt_lens,
         all_greedy=all(p.greedy for p in params),
         any_penalty=any(p.needs_penalties for p in params),

@@ -22,7 +22,7 @@ def run(logits, params, seeds=None, history=None, prompt_lens=None, sampler=None
             g = torch.Generator()
             g.manual_seed(s)
             gens.append(g)
-    batch = prepare(params, gens, history or [[] for _ in range(rows)], prompt_lens or [0] * rows)
+    batch = prepare(params, prompt_lens or [0] * rows, gens, history or [[] for _ in range(rows)])
     return (sampler or Sampler(0, torch.device("cpu")))(logits, batch)
 
 
