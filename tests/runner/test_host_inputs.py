@@ -1,0 +1,54 @@
+"""The host side of a step's inputs: int tensors built through an array, and the input ids of a
+step whose decodes read the previous step's sampled tokens (async scheduling)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.models.attention import host_longs
+from conveyor.runner.model_runner import ModelRunner
+
+longs = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+@given(st.lists(longs, max_size=300))
+def test_host_longs_is_torch_tensor_of_the_list(values):
+    got = host_longs(values)
+    assert got.dtype == torch.long and got.shape == (len(values),)
+    assert torch.equal(got, torch.tensor(values, dtype=torch.long))
+
+
+@st.composite
+def steps(draw):
+    """A previous step's sampled ids, and a step of which some rows take one of them."""
+    last = draw(st.lists(st.integers(0, 999), min_size=1, max_size=12))
+    n = draw(st.integers(1, 12))
+    token_ids = draw(st.lists(st.integers(0, 999), min_size=n, max_size=n))
+    rows = sorted(draw(st.sets(st.integers(0, n - 1), max_size=min(n, len(last)))))
+    sources = draw(st.permutations(range(len(last))))[: len(rows)]
+    return last, token_ids, rows, list(sources)
+
+
+@settings(max_examples=200)
+@given(steps())
+def test_input_ids_take_pending_rows_from_the_previous_step(step):
+    last, token_ids, rows, sources = step
+    runner = SimpleNamespace(_last_tokens=torch.tensor(last), device=torch.device("cpu"))
+    got = ModelRunner._input_ids(runner, list(token_ids), rows, sources)  # type: ignore[arg-type]
+    want = list(token_ids)
+    for r, s in zip(rows, sources, strict=True):
+        want[r] = last[s]
+    assert got.tolist() == want
+
+
+def test_the_same_decodes_in_the_same_order_reuse_the_sampled_ids():
+    last = torch.tensor([5, 6, 7])
+    runner = SimpleNamespace(_last_tokens=last, device=torch.device("cpu"))
+    assert ModelRunner._input_ids(runner, [0, 0, 0], [0, 1, 2], [0, 1, 2]) is last  # type: ignore[arg-type]
+    # One sequence fewer (it finished): a gather, not the same tensor.
+    got = ModelRunner._input_ids(runner, [0, 0], [0, 1], [0, 2])  # type: ignore[arg-type]
+    assert got is not last and got.tolist() == [5, 7]
