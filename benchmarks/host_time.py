@@ -7,6 +7,10 @@ measured here, on the CPU box, without a GPU.
 
     python benchmarks/host_time.py                          # 64, 256 and 1024 sequences
     python benchmarks/host_time.py --seqs 256 --baseline 09e5008 --rounds 4
+    python benchmarks/host_time.py --seqs 256 --modes async,stream   # stream: async, text streamed
+
+The modes: `sync`, `async` (async scheduling), `stream` (async, and every request streams its
+text, so the engine detokenizes every token).
 
 A tiny random-weight Llama (hidden 64, 2 layers) keeps the model's own compute small. Every
 sequence has a 128-token prompt and decodes greedily; after the prompts, `--steps` decode steps
@@ -15,7 +19,9 @@ are timed, each split into:
 - prep: the runner's `submit` less the model's forward, the LM head and the sampler, i.e. the
   host work of turning the step into tensors. Decodes take the CUDA-graph path's inputs
   (`GraphedDecode` run eagerly, as on a CPU it must be), which is what a GPU's decode runs;
-- complete: `Engine._complete`, the tokens into the sequences, stop checks, outputs;
+- complete: `Engine._complete`, the tokens into the sequences, stop checks, outputs (and, in
+  the `stream` mode, the text: every request is streamed, through SmolLM2's tokenizer, which
+  is saved beside the tiny model; its 512 token ids are real SmolLM2 tokens);
 - host: the three together.
 Medians over the steps, in ms a step and µs a sequence.
 
@@ -43,13 +49,18 @@ PHASES = ("schedule", "prep", "complete", "host")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_model(folder: Path) -> str:
+def build_model(folder: Path, tokenizer: bool = False) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, **SHAPE)
     LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    if tokenizer:
+        from conveyor.models.loader import default_model_path
+        from conveyor.tokenizer import Tokenizer
+
+        Tokenizer.load(Path(default_model_path()), gguf=True).hf.save_pretrained(str(folder))
     return str(folder)
 
 
@@ -77,7 +88,7 @@ class Timers:
             v.clear()
 
 
-def measure(model: str, n: int, steps: int, async_scheduling: bool) -> dict[str, float]:
+def measure(model: str, n: int, steps: int, async_scheduling: bool, stream: bool = False) -> dict[str, float]:
     """Median ms a step of each phase, `n` sequences decoding."""
     from conveyor import LLM, SamplingParams
     from conveyor.runner.cuda_graphs import GraphedDecode
@@ -91,7 +102,7 @@ def measure(model: str, n: int, steps: int, async_scheduling: bool) -> dict[str,
                                   runner.scratch_block, n, capture=False)
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(n):
-        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params)
+        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params, stream=stream)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prompts
     for _ in range(8):
@@ -115,6 +126,7 @@ def measure(model: str, n: int, steps: int, async_scheduling: bool) -> dict[str,
             per_step[phase].append(v)
         timers.clear()
     assert all(len(s.token_ids) > prompt_len for s in engine.scheduler.running)
+    assert not stream or engine.tokenizer is not None, "stream: the model has no tokenizer"
     return {p: statistics.median(v) * 1e3 for p, v in per_step.items()}
 
 
@@ -123,10 +135,12 @@ def run_rounds(args: argparse.Namespace) -> dict:
     out: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model")
+        texts = build_model(Path(tmp) / "with-tokenizer", tokenizer=True) if "stream" in args.modes else model
         for _ in range(args.rounds):
             for n in args.seqs:
                 for mode in args.modes:
-                    m = measure(model, n, args.steps, mode == "async")
+                    stream = mode == "stream"
+                    m = measure(texts if stream else model, n, args.steps, mode != "sync", stream)
                     for phase, v in m.items():
                         out.setdefault(f"{n},{mode}", {}).setdefault(phase, []).append(v)
     return out
@@ -148,7 +162,7 @@ def child(args: argparse.Namespace, checkout: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="64,256,1024", help="running sequences, comma-separated")
-    ap.add_argument("--modes", default="sync,async", help="sync and/or async scheduling")
+    ap.add_argument("--modes", default="sync,async,stream", help="of sync, async and stream (see above)")
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed in each measurement")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--baseline", help="a commit to compare with, run side by side (A B B A)")
@@ -157,8 +171,8 @@ def main() -> int:
     args = ap.parse_args()
     args.seqs = [int(s) for s in args.seqs.split(",")]
     args.modes = [m.strip() for m in args.modes.split(",")]
-    if set(args.modes) - {"sync", "async"}:
-        ap.error("--modes takes sync and/or async")
+    if set(args.modes) - {"sync", "async", "stream"}:
+        ap.error("--modes takes sync, async and/or stream")
     if args.child:
         import conveyor
 

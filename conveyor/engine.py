@@ -87,6 +87,7 @@ class _Request:
     emitted_tokens: int = 0
     emitted_text: int = 0
     done: bool = False
+    prompt_token_ids: list[int] | None = None  # sliced once, shared by every output of a stream
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -438,7 +439,7 @@ class Engine:
         seq = req.seq
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(TokenLogprob(token, logprob, top))
-        ended_by_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
+        ended_by_token = seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.STOP
         if req.detokenizer is not None and not ended_by_token:
             req.detokenizer.add(token)
             if req.detokenizer.stopped_by is not None and not seq.is_finished:
@@ -477,12 +478,14 @@ class Engine:
             delta_text=delta,
             delta_token_ids=delta_ids,
         )
+        if req.prompt_token_ids is None:
+            req.prompt_token_ids = seq.prompt_token_ids
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
-            finished=seq.is_finished,
+            finished=seq.status is SequenceStatus.FINISHED,
             metrics=seq.metrics,
             num_preemptions=seq.num_preemptions,
         )

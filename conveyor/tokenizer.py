@@ -9,6 +9,7 @@ could still turn into a stop string.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,30 @@ class Tokenizer:
             with contextlib.suppress(OSError):  # a read-only cache is only slower
                 hf.save_pretrained(str(cached))
         return cls(hf, eos_token_ids)
+
+    def stream_decoder(self, context: Seq[int], skip_special_tokens: bool) -> Callable[[int], str | None] | None:
+        """A token-at-a-time decoder through the fast tokenizer's own (tokenizers'
+        `DecodeStream`, in Rust): `step(id)` returns the text the token completes, or None
+        while a character is still cut. None where its text would not be `decode`'s: no
+        fast backend, a `tokenizers` without it, or a tokenizer that cleans up spaces."""
+        backend = getattr(self.hf, "_tokenizer", None)
+        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:
+            return None
+        try:
+            stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        except TypeError:  # before `ids`: prime it by stepping through the context
+            stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for t in context:
+                stream.step(backend, t)
+
+        def step(token_id: int) -> str | None:
+            return stream.step(backend, token_id)  # type: ignore[no-any-return]
+
+        return step
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -85,10 +110,16 @@ def _gguf_tokenizer_cache_dir(path: Path) -> Path | None:
 class IncrementalDetokenizer:
     """Text deltas for a growing token list.
 
-    Decodes a short window (`prefix_offset .. end`) rather than the whole output each step, and
-    emits only text that is complete: a trailing U+FFFD (a UTF-8 sequence cut in the middle)
-    is held back until the next token completes it. With `stop` strings, a tail of the text that
-    is the start of a stop string is held back until it can no longer match.
+    Emits only text that is complete: a token that ends inside a UTF-8 character adds nothing
+    until the next token completes it. With `stop` strings, a tail of the text that is the
+    start of a stop string is held back until it can no longer match.
+
+    Two ways, the same text: the fast tokenizer's own incremental decoder
+    (`Tokenizer.stream_decoder`, one call into Rust a token: about a fourteenth of the other
+    way's time on SmolLM2's tokenizer, and a step streams one token for each of up to hundreds
+    of requests); or, where there is none (`stream=False`, or a decoder that fails), two
+    decodes of a short window (`prefix_offset .. end`) a token, and a trailing U+FFFD means
+    the character is still cut.
     """
 
     def __init__(
@@ -98,35 +129,57 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Seq[str] = (),
         include_stop_str_in_output: bool = False,
+        stream: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])  # a little context so leading spaces decode right
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = len(self.ids)  # the window way: ids up to here are in `text`
         self.text = ""  # all complete output text so far (stop string cut off once found)
         self.emitted = 0  # characters of `text` already handed out
         self.stop = tuple(stop)
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped_by: str | None = None
+        self._step = None
+        if stream:
+            # The stream's context must not begin inside a character: it would hand the cut
+            # bytes out with the first token's text. (The windows way never emits its context.)
+            context = self.ids
+            while context and "\ufffd" in tokenizer.decode(context, skip_special_tokens):
+                context = context[1:]
+            self._step = tokenizer.stream_decoder(context, skip_special_tokens)
 
     def add(self, token_id: int) -> None:
         """Append one token; `self.text` grows by whatever is now complete."""
         if self.stopped_by is not None:
             return
         self.ids.append(token_id)
+        if self._step is not None:
+            try:
+                new = self._step(token_id)
+            except Exception:  # tokenizers' "invalid prefix": go on the other way
+                self._step = None
+                self.prefix_offset = max(0, self.read_offset - 6)
+            else:
+                if new is not None:
+                    self.read_offset = len(self.ids)
+                    self._extend(new)
+                return
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         full = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            start = max(0, len(self.text) - self.hold - 1)
-            self.text += new
-            if self.stop:
-                self._check_stop(start)
+            self._extend(full[len(prefix) :])
+
+    def _extend(self, new: str) -> None:
+        start = max(0, len(self.text) - self.hold - 1)
+        self.text += new
+        if self.stop:
+            self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> None:
         best: tuple[int, str] | None = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
 from conveyor.tokenizer import IncrementalDetokenizer
@@ -77,6 +79,68 @@ def test_detokenizer_never_splits_utf8(llm):
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids)
     assert len(ids) > len([p for p in pieces if p])  # some characters span several tokens
+
+
+def _detokenize(tok, context, ids, skip=True, stream=True):
+    detok = IncrementalDetokenizer(tok, context, skip_special_tokens=skip, stream=stream)
+    pieces = []
+    for t in ids:
+        detok.add(t)
+        pieces.append(detok.delta())
+    pieces.append(detok.delta(final=True))
+    return detok, pieces
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(min_size=1, max_size=40), st.text(max_size=20), st.booleans())
+def test_the_stream_decoder_gives_the_windows_text(llm, text, before, skip):
+    """Tokenizers' own incremental decoder (the fast way) and the two-window way stream the
+    same text, never a cut character, and that text is what decoding it after its context gives."""
+    tok = llm.tokenizer
+    context = tok.encode(before, add_special_tokens=False)[-6:]
+    ids = tok.encode(text, add_special_tokens=False)
+    fast, fast_pieces = _detokenize(tok, context, ids, skip)
+    slow, slow_pieces = _detokenize(tok, context, ids, skip, stream=False)
+    assert fast.text == slow.text == "".join(fast_pieces) == "".join(slow_pieces)
+    base, whole = tok.decode(context, skip), tok.decode(context + ids, skip)
+    if "\ufffd" not in whole:  # characters the tokenizer cannot spell come back as U+FFFD
+        assert fast._step is not None, "SmolLM2's tokenizer has a stream decoder"
+        assert fast.text == whole[len(base) :]
+        assert all("\ufffd" not in p for p in fast_pieces)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=30), st.booleans())
+def test_the_stream_decoder_on_any_ids_is_decode(llm, ids, skip):
+    """Any ids, special tokens and cut characters included: the text is `decode`'s, but for a
+    character still cut at the end."""
+    tok = llm.tokenizer
+    detok, _ = _detokenize(tok, [], ids, skip)
+    want = tok.decode(ids, skip)
+    assert detok.text == want or (want.endswith("\ufffd") and want.startswith(detok.text))
+
+
+def test_a_failing_stream_decoder_hands_over_to_the_windows(llm, monkeypatch):
+    tok = llm.tokenizer
+    ids = tok.encode("Emoji 🎉🚀 and 日本語 and café — ok", add_special_tokens=False)
+    make = tok.stream_decoder
+    calls = []
+
+    def failing(context, skip):
+        step = make(context, skip)
+
+        def flaky(token_id):
+            calls.append(token_id)
+            if len(calls) == 3:  # the 🎉 is cut here: its first token is in, its last not
+                raise Exception("Invalid prefix encountered")
+            return step(token_id)
+
+        return flaky
+
+    monkeypatch.setattr(tok, "stream_decoder", failing)
+    detok, pieces = _detokenize(tok, [], ids)
+    assert len(calls) == 3 and detok._step is None
+    assert detok.text == "".join(pieces) == tok.decode(ids)
 
 
 def test_detokenizer_holds_back_a_possible_stop_prefix(llm):
