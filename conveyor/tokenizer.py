@@ -66,7 +66,7 @@ class Tokenizer:
                 stream.step(backend, t)
 
         def step(token_id: int) -> str | None:
-            return stream.step(backend, token_id)  # type: ignore[no-any-return]
+            return stream.step(backend, token_id)
 
         return step
 
