@@ -29,7 +29,8 @@ steady decode phase; T_runner the wall time of the same step run by the runner a
 back (no scheduler, no outputs), pipelined as the engine pipelines it (with async scheduling a
 step is launched before the previous one's tokens are awaited); the host share is
 1 - T_runner / T_engine, with and without async scheduling (which hides the scheduler behind
-the device).
+the device). Then the host's own time in a step, by phase: schedule, submit (the inputs and the
+launch) and complete, medians.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host_time import Timers
 
 PARITY_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=32000, initializer_range=0.08)
@@ -333,6 +335,19 @@ def overhead(args: argparse.Namespace, path: str) -> dict:
             engine.step()
         sync(args.device)
         t_engine = (time.perf_counter() - t) / steps
+        # Then the host's own time in a step, by phase (benchmarks/host_time.py's timers):
+        # scheduling, `submit` (inputs to the device and the launch: the device's work is
+        # asynchronous) and completing the step's tokens. Async scheduling can hide them
+        # while their sum stays under the device's step.
+        timers = Timers()
+        timers.wrap(engine.scheduler, "schedule", "schedule")
+        timers.wrap(engine.runner, "submit", "submit")
+        timers.wrap(engine, "_complete", "complete")
+        for _ in range(steps):
+            engine.step()
+        sync(args.device)
+        host = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in timers.times.items()}
+        host["sum_ms"] = sum(host.values())
         # The same decode step by the runner alone, back to back, launched the way the engine
         # launches it: with async scheduling each step is submitted before the previous one's
         # tokens are waited for, so both sides measure a pipelined step.
@@ -355,9 +370,11 @@ def overhead(args: argparse.Namespace, path: str) -> dict:
         sync(args.device)
         t_runner = (time.perf_counter() - t) / steps
         share = 1 - t_runner / t_engine
-        out[name] = {"engine_ms_per_step": t_engine * 1e3, "runner_ms_per_step": t_runner * 1e3, "host_share": share}
+        out[name] = {"engine_ms_per_step": t_engine * 1e3, "runner_ms_per_step": t_runner * 1e3, "host_share": share,
+                     "host_phases": host}
         print(f"{n} sequences, {name}: engine {t_engine * 1e3:.2f} ms/step, runner alone {t_runner * 1e3:.2f} ms "
-              f"-> the host adds {share:.1%} of a step", flush=True)
+              f"-> the host adds {share:.1%} of a step; host phases (median ms): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in host.items()), flush=True)
         del llm, engine, runner
         release(args.device)
     return out

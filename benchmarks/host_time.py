@@ -26,8 +26,8 @@ are timed, each split into:
 Medians over the steps, in ms a step and µs a sequence.
 
 `--baseline REV` runs the same measurement on the conveyor of commit REV (a git worktree in a
-temporary folder) in a subprocess, alternating A B B A over `--rounds`, and reports the ratio
-of the medians of the rounds.
+temporary folder) in a subprocess, alternating A B B A over `--rounds`, and reports the median
+of the rounds' ratios of host time (each round's A against its B), with their range.
 """
 
 from __future__ import annotations
@@ -90,10 +90,15 @@ class Timers:
 
 def measure(model: str, n: int, steps: int, async_scheduling: bool, stream: bool = False) -> dict[str, float]:
     """Median ms a step of each phase, `n` sequences decoding."""
+    import torch
+
     from conveyor import LLM, SamplingParams
     from conveyor.runner.cuda_graphs import GraphedDecode
 
     prompt_len, block_size = 128, 16
+    # torch on one thread: an OpenMP worker that spins after each op would share the host's
+    # core (2 vCPUs here), and the host's time moved by 2x from round to round with it.
+    torch.set_num_threads(1)
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
               num_kv_blocks=n * 24 + 64, max_model_len=2048, async_scheduling=async_scheduling)
     engine = llm.engine
@@ -212,8 +217,10 @@ def main() -> int:
         row = f"| {n} | {mode} | " + " | ".join(f"{med[p]:.3f}" for p in PHASES)
         row += f" | {med['host'] * 1e3 / int(n):.2f} |"
         if args.baseline:
-            base_host = statistics.median(sides["baseline"][key]["host"])
-            row += f" {med['host']:.3f} / {base_host:.3f} = {med['host'] / base_host:.2f}× |"
+            # Paired by round (A and B ran next to each other), so that the machine's drift
+            # between rounds cancels: the median of the rounds' ratios, and their range.
+            ratios = sorted(a / b for a, b in zip(phases["host"], sides["baseline"][key]["host"], strict=True))
+            row += f" {statistics.median(ratios):.2f}× ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
         print(row)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
