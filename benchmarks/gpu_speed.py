@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from host_time import Timers
 
 PARITY_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=32000, initializer_range=0.08)
@@ -313,6 +312,9 @@ def throughput(args: argparse.Namespace, path: str) -> dict:
 
 # -- host overhead ----------------------------------------------------------------------------
 def overhead(args: argparse.Namespace, path: str) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # where this file is imported, not run
+    from host_time import Timers
+
     from conveyor import LLM, SamplingParams
 
     n = 8 if args.smoke else 256

@@ -28,6 +28,8 @@ def test_gpu_speed_smoke(tmp_path):
     assert "output_tok_per_s" in tput["hf_continuous"] or "error" in tput["hf_continuous"]
     for mode in ("sync", "async"):
         assert result["overhead"][mode]["engine_ms_per_step"] > 0
+        phases = result["overhead"][mode]["host_phases"]
+        assert 0 < phases["schedule_ms"] < phases["sum_ms"]
 
 
 def test_a_failing_variant_costs_only_its_own_row():
