@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from conveyor.models.attention import AttentionBackend, AttentionMetadata
+from conveyor.models.attention import AttentionBackend, AttentionMetadata, to_device
 
 try:
     import triton
@@ -249,7 +249,7 @@ def prefill_plan(meta: AttentionMetadata) -> PrefillPlan | None:
     if meta.prefill_blocks is None:
         raise ValueError("metadata has prefills but no prefill_blocks (build it with build_metadata)")
     rows = [(p.token_start, p.token_end - p.token_start, p.start_pos) for p in meta.prefills]
-    spans = torch.tensor(rows, dtype=torch.int32).to(meta.prefill_blocks.device)
+    spans = to_device(torch.tensor(rows, dtype=torch.int32), meta.prefill_blocks.device)
     return PrefillPlan(spans, meta.prefill_blocks, max(n for _, n, _ in rows))
 
 

@@ -70,9 +70,10 @@ def host_longs(values: list[int]) -> torch.Tensor:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` on `device`. To CUDA through pinned memory, so that the copy is asynchronous: a
-    copy from pageable memory may wait for the stream, and with async scheduling that stream
-    is still running the step before."""
+    """`host` on `device`. To CUDA through pinned memory and without blocking: torch's blocking
+    copy to the device waits for the whole stream, and with async scheduling that stream is
+    still running the step before (a list index or `torch.tensor(..., device=cuda)` copies the
+    same way)."""
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
@@ -124,7 +125,7 @@ def _mixed_metadata(
     slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(
         block_size=block_size,
-        positions=positions.to(device), slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
+        positions=to_device(positions, device), slot_mapping=to_device(slot_mapping, device), num_decodes=num_decodes,
         sliding_window=sliding_window, mask_dtype=dtype,
     )
     neg_inf = torch.tensor(float("-inf"), dtype=dtype)
@@ -133,13 +134,13 @@ def _mixed_metadata(
     if num_decodes:
         ctx = starts[:num_decodes] + 1
         nb = int((ctx.max() + block_size - 1) // block_size)
-        meta.decode_blocks = tables[:num_decodes, :nb].to(device)
-        meta.decode_context_lens = ctx.to(device)
+        meta.decode_blocks = to_device(tables[:num_decodes, :nb], device)
+        meta.decode_context_lens = to_device(ctx, device)
 
     if num_decodes < len(num_new_tokens):
         ends = starts[num_decodes:] + counts[num_decodes:]
         nb = int((ends.max() + block_size - 1) // block_size)
-        meta.prefill_blocks = tables[num_decodes:, :nb].to(device)
+        meta.prefill_blocks = to_device(tables[num_decodes:, :nb], device)
 
     row = num_decodes
     for i in range(num_decodes, len(num_new_tokens)):
@@ -148,14 +149,14 @@ def _mixed_metadata(
         context_blocks = None
         bias = None
         if start > 0:
-            context_blocks = tables[i, : (ctx_len + block_size - 1) // block_size].to(device)
+            context_blocks = to_device(tables[i, : (ctx_len + block_size - 1) // block_size], device)
         if start > 0 or (sliding_window is not None and ctx_len > sliding_window):
             q_pos = torch.arange(start, ctx_len)[:, None]
             k_pos = torch.arange(ctx_len)[None, :]
             keep = k_pos <= q_pos
             if sliding_window is not None:
                 keep &= k_pos > q_pos - sliding_window
-            bias = torch.where(keep, zero, neg_inf).to(device)
+            bias = to_device(torch.where(keep, zero, neg_inf), device)
         meta.prefills.append(PrefillSpan(row, row + n, start, context_blocks, bias))
         row += n
     return meta

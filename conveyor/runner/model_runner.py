@@ -204,7 +204,7 @@ class ModelRunner:
                     samplers.append(it)
             if not samplers:
                 return StepHandle(RunnerOutput(sampled={}), start, cuda)
-            picked = hidden[rows_out]
+            picked = hidden[to_device(host_longs(rows_out), hidden.device)]  # not a list: it would wait
         params = [it.sampling_params for it in samplers]
         batch = prepare(params, [it.prompt_len for it in samplers])
         # Generators and histories only for a batch that uses them: per sequence, they would

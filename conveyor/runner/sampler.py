@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.models.attention import host_longs, to_device
 from conveyor.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
@@ -128,8 +129,8 @@ class Sampler:
         _rows, vocab = logits.shape
         dev = logits.device
         params = batch.params
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+        greedy = to_device(torch.tensor([p.greedy for p in params]), dev)
+        temps = to_device(torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]), dev)
         scaled = logits / temps[:, None]
 
         top_k = [p.top_k for p in params if not p.greedy]
@@ -138,7 +139,7 @@ class Sampler:
             scaled = self._top_k_top_p(scaled, params)
         probs = torch.softmax(scaled, dim=-1)
         if any(p.min_p > 0 for p in params):  # decided on the host: no sync
-            min_ps = torch.tensor([p.min_p for p in params], device=dev)
+            min_ps = to_device(torch.tensor([p.min_p for p in params]), dev)
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
 
@@ -146,7 +147,10 @@ class Sampler:
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
         if unseeded:
             block = torch.empty((len(unseeded), vocab), device=dev).exponential_(generator=self.generator)
-            noise[unseeded] = block.to(noise.dtype)
+            if len(unseeded) == len(params):
+                noise = block.to(noise.dtype)
+            else:  # rows by an index on the device: a list index would copy it there and wait
+                noise[to_device(host_longs(unseeded), dev)] = block.to(noise.dtype)
         for i, g in enumerate(batch.generators):
             if g is not None:
                 noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
@@ -157,8 +161,8 @@ class Sampler:
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device
         vocab = logits.shape[1]
-        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-        ps = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        ks = to_device(torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]), dev)
+        ps = to_device(torch.tensor([p.top_p for p in params], dtype=logits.dtype), dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= ks[:, None]

@@ -74,3 +74,36 @@ def test_captured_graphs_match_eager_on_gpu(tiny_models):
             assert llm.engine.runner.graphs.captured
         outs.append(tokens(llm.generate(prompts, [SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True) for p in params], use_tqdm=False)))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("eager", [False, True])
+def test_launching_a_step_never_waits_for_the_device(tiny_models, eager):
+    """Async scheduling prepares and launches step t+1 while the device runs step t, so nothing
+    in `submit` may wait for the stream: torch's sync debug mode raises where anything does
+    (a blocking copy to the device, a list index, `.item()`). Greedy and sampled requests,
+    prompts and decodes; not penalties or logprobs, which read the device by design."""
+    prompts, base = mixed_requests(24, seed=3)
+    samplings = [dict(temperature=0.0), dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.9, seed=7),
+                 dict(temperature=0.7, min_p=0.05)]
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, **samplings[i % len(samplings)])
+              for i, p in enumerate(base)]
+    llm = LLM(str(tiny_models["llama"]), device="cuda", dtype="bfloat16", num_kv_blocks=512, enforce_eager=eager,
+              cuda_graph_max_batch=32, async_scheduling=True, max_num_batched_tokens=96)
+    llm.generate(prompts, params, use_tqdm=False)  # compiles the Triton kernels first
+    runner = llm.engine.runner
+    submit = runner.submit
+    kinds: set[str] = set()
+
+    def strict(out):  # type: ignore[no-untyped-def]
+        kinds.update("prompt" if len(s.token_ids) > 1 else "decode" for s in out.scheduled)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return submit(out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.submit = strict
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert kinds == {"prompt", "decode"}
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
