@@ -191,8 +191,8 @@ class ModelRunner:
             )
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
 
-        if all_decodes:  # every decode samples: every row, in order
-            samplers, picked = items, hidden
+        if all_decodes and all(it.sample for it in items):  # (a 1-token prompt chunk may not sample)
+            samplers, picked = items, hidden  # every row, in order
         else:
             rows_out: list[int] = []
             samplers = []

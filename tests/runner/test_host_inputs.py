@@ -52,3 +52,18 @@ def test_the_same_decodes_in_the_same_order_reuse_the_sampled_ids():
     # One sequence fewer (it finished): a gather, not the same tensor.
     got = ModelRunner._input_ids(runner, [0, 0], [0, 1], [0, 2])  # type: ignore[arg-type]
     assert got is not last and got.tolist() == [5, 7]
+
+
+def test_a_one_token_prompt_chunk_is_not_sampled(tiny_models):
+    """A step of one-token items may hold a prompt chunk that ends short of the prompt (a
+    budget of one token): it takes the decode path, but only the decodes are sampled."""
+    from conveyor import LLM, SamplingParams
+    from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", num_kv_blocks=16, block_size=4)
+    runner = llm.engine.runner
+    greedy = SamplingParams(temperature=0.0)
+    decode = ScheduledSequence(1, [5], 2, [0], True, greedy, [3, 4, 5], 2)
+    chunk = ScheduledSequence(2, [9], 1, [1], False, greedy, [8, 9, 10, 11], 4)
+    out = runner.execute(SchedulerOutput(step_id=1, scheduled=[decode, chunk]))
+    assert set(out.sampled) == {1}
