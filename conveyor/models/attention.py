@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,19 @@ def host_longs(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
+def host_table(tables: Sequence[Sequence[int]], width: int, fill: int) -> torch.Tensor:
+    """Block tables as a CPU int64 tensor `[len(tables), width]`, each row cut to `width` or
+    padded with `fill`: built as one flat list, not a nested `torch.tensor`."""
+    flat: list[int] = []
+    for t in tables:
+        if len(t) < width:
+            flat += t
+            flat += [fill] * (width - len(t))
+        else:
+            flat += t[:width]
+    return host_longs(flat).view(len(tables), width)
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`. To CUDA through pinned memory and without blocking: torch's blocking
     copy to the device waits for the whole stream, and with async scheduling that stream is
@@ -111,9 +124,7 @@ def _mixed_metadata(
     while num_decodes < len(num_new_tokens) and num_new_tokens[num_decodes] == 1:
         num_decodes += 1
     max_blocks = max(len(t) for t in block_tables)
-    tables = torch.tensor(
-        [t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long
-    )
+    tables = host_table(block_tables, max_blocks, 0)
 
     # Slot of every new token: one vectorised gather over the padded block tables.
     counts = torch.tensor(num_new_tokens)
@@ -175,20 +186,13 @@ def _decode_metadata(
     bs = block_size
     ctx = [s + 1 for s in start_positions]
     nb = (max(ctx) + bs - 1) // bs
-    flat: list[int] = []  # the tables, each cut or padded with block 0 to nb blocks, row after row
-    for t in block_tables:
-        if len(t) < nb:
-            flat += t
-            flat += [0] * (nb - len(t))
-        else:
-            flat += t[:nb]
     slots = [t[s // bs] * bs + s % bs for t, s in zip(block_tables, start_positions, strict=True)]
     return AttentionMetadata(
         block_size=bs,
         positions=to_device(host_longs(start_positions), device),
         slot_mapping=to_device(host_longs(slots), device),
         num_decodes=len(ctx),
-        decode_blocks=to_device(host_longs(flat).view(len(ctx), nb), device),
+        decode_blocks=to_device(host_table(block_tables, nb, 0), device),
         decode_context_lens=to_device(host_longs(ctx), device),
         sliding_window=sliding_window,
         mask_dtype=dtype,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from conveyor.models.attention import AttentionMetadata, host_longs
+from conveyor.models.attention import AttentionMetadata, host_longs, host_table
 
 logger = logging.getLogger("conveyor")
 
@@ -142,17 +142,11 @@ class GraphedDecode:
         # context length, so whatever an earlier step left further right is never read.
         width = max(map(len, tables))
         scratch = self.scratch_block
-        flat: list[int] = []  # the padded tables, row after row (one list: no nested tensor build)
-        for t in tables:
-            flat += t
-            if len(t) < width:
-                flat += [scratch] * (width - len(t))
-        flat += [scratch] * (width * pad)
         host = [
             host_longs([*positions, *[0] * pad]),
             host_longs([*slots, *[scratch * self.block_size] * pad]),
             host_longs([p + 1 for p in positions] + [1] * pad),
-            host_longs(flat).view(b, width),
+            host_table([*tables, *[()] * pad], width, scratch),  # padded rows: the scratch block
         ]
         if self.device.type == "cuda":
             host = [h.pin_memory() for h in host]

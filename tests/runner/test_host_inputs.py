@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.models.attention import host_longs
+from conveyor.models.attention import host_longs, host_table
 from conveyor.runner.model_runner import ModelRunner
 
 longs = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -20,6 +20,14 @@ def test_host_longs_is_torch_tensor_of_the_list(values):
     got = host_longs(values)
     assert got.dtype == torch.long and got.shape == (len(values),)
     assert torch.equal(got, torch.tensor(values, dtype=torch.long))
+
+
+@given(st.lists(st.lists(st.integers(0, 10**6), max_size=9), max_size=12), st.integers(0, 9), st.integers(-1, 10**6))
+def test_host_table_cuts_and_pads_each_row(tables, width, fill):
+    want = [t[:width] + [fill] * (width - len(t[:width])) for t in tables]
+    got = host_table(tables, width, fill)
+    assert got.dtype == torch.long and got.shape == (len(tables), width)
+    assert got.tolist() == want
 
 
 @st.composite
