@@ -508,15 +508,13 @@ class Engine:
 
     def _record(self, sched_out: SchedulerOutput, start: float, duration: float) -> None:
         bm = self.scheduler.block_manager
-        scheduled = sched_out.scheduled
-        num_decodes = sum(1 for s in scheduled if len(s.token_ids) == 1)
         self.last_step = StepRecord(
                 step_id=sched_out.step_id,
                 start=start,
                 duration_s=duration,
-                num_seqs=len(scheduled),
-                num_prefill_tokens=sched_out.num_tokens - num_decodes,
-                num_decode_tokens=num_decodes,
+                num_seqs=len(sched_out.scheduled),
+                num_prefill_tokens=sched_out.num_prefill_tokens,
+                num_decode_tokens=sched_out.num_decode_tokens,
                 num_waiting=len(self.scheduler.waiting),
                 kv_blocks_used=bm.num_used_blocks,
                 num_preempted=len(sched_out.preempted_seq_ids),

@@ -126,7 +126,6 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.policy = policy or make_policy(config)
         self.batching = make_batching(config)
-        self._snapshot_tables = config.async_scheduling
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -424,7 +423,7 @@ class Scheduler:
                 start,
                 # A snapshot when the step may still be running while the next one is
                 # scheduled (the block manager and `update` change these lists in place).
-                list(seq.block_table) if self._snapshot_tables else seq.block_table,
+                list(seq.block_table) if self.config.async_scheduling else seq.block_table,
                 sample,
                 seq.sampling_params,
                 tokens,
