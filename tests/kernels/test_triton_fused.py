@@ -7,14 +7,10 @@ bfloat16 (these kernels use no `tl.dot`).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # under the interpreter without CUDA (conftest.py)
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
