@@ -74,7 +74,7 @@ class QueuePolicy(ABC):
 
     def key(self, seq: Sequence, now: float) -> SortKey:
         """`sort_key` behind the aging guard: aged requests come first, oldest first."""
-        if self.aging_bound_s is not None and self.is_aged(seq, now):
+        if self.aging_bound_s is not None and self.is_aged(seq, now):  # is_aged's first test, sparing the call per sort key
             return (0, seq.metrics.arrival_time, seq.seq_id)
         return (1, *self.sort_key(seq, now))
 
