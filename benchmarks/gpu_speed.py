@@ -14,11 +14,19 @@ Models are random-weight Llamas built with transformers on the spot (nothing is 
 - batch1, throughput, overhead: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 kv
   heads, intermediate 8192, vocab 128256, tied embeddings, llama3 rope), bfloat16.
 
+gemv: the fused GEMVs alone (conveyor/kernels/triton_gemv.py), at each projection of that
+shape and 1, 2, 4 and 8 rows, against cuBLAS's plain projection (`F.linear`, no fold): each
+candidate config (columns and K per program, warps, pipelining depth) timed as a CUDA graph of
+back-to-back launches over enough copies of the weight to miss the L2, as a graphed decode
+step reads a new layer's weights each time; then the best config launched with programmatic
+dependent launch. The best config of each shape is written to `gemv_configs.json` and used by
+the parts after it in the same run (`CONVEYOR_GEMV_CONFIGS` names such a file later).
+
 batch1: one sequence decodes 256 tokens; the median wall time of a step (what a client sees)
 against the bytes a step reads (every weight once; the tied embedding is the LM head) over the
 HBM bandwidth read on the spot (the better of a device-to-device copy and a sum over 4 GiB).
 With CUDA graphs and without, with async scheduling and without, with the opt-in fused
-kernels and GEMVs and without; then the median step of 2, 4 and 8 sequences decoding 64 tokens.
+kernels and GEMVs and without, and the GEMVs with programmatic dependent launch (`+pdl`); then the median step of 2, 4 and 8 sequences decoding 64 tokens.
 
 throughput: a ShareGPT-like mix (published means, conveyor.bench.workload) all queued at once,
 on conveyor, HF `generate` in padded static batches and HF continuous batching
@@ -37,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import gc
 import json
 import os
@@ -61,7 +71,7 @@ LLAMA_1B_SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layer
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=512, initializer_range=0.08)
-PARTS = ("parity", "batch1", "throughput", "overhead")
+PARTS = ("parity", "gemv", "batch1", "throughput", "overhead")
 
 
 def build_llama(folder: Path, shape: dict[str, Any], seed: int = 0) -> str:
@@ -98,13 +108,14 @@ def guarded(name: str, device: str, run: Callable[[], dict]) -> dict:
     return {"error": error}
 
 
-OPT_IN = {"fused": "CONVEYOR_TRITON_FUSED", "gemv": "CONVEYOR_TRITON_GEMV"}
+OPT_IN = {"fused": "CONVEYOR_TRITON_FUSED", "gemv": "CONVEYOR_TRITON_GEMV", "pdl": "CONVEYOR_TRITON_PDL"}
 
 
 @contextlib.contextmanager
 def opt_in_kernels(variant: str) -> Iterator[None]:
     """The opt-in Triton kernels a variant's name asks for (`+fused`: the fused element-wise
-    kernels, `+gemv`: the fused GEMVs), switched on while an engine is built and every other
+    kernels, `+gemv`: the fused GEMVs, `+pdl`: the GEMVs with programmatic dependent launch),
+    switched on while an engine is built and every other
     one off: they stay opt-in until measured, so parity and batch-1 run with them and without."""
     wanted = set(variant.split("+")[1:])
     before = {var: os.environ.get(var) for var in OPT_IN.values()}
@@ -145,7 +156,8 @@ def parity(args: argparse.Namespace, folder: Path) -> dict:
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 64))] for _ in range(16)]
     new = 8 if args.smoke else 32
     # +fused, +gemv: the opt-in fused element-wise kernels and fused GEMVs (`opt_in_kernels`).
-    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16", "bfloat16+fused", "bfloat16+fused+gemv"]
+    dtypes = ["float32"] if args.smoke else ["float32", "bfloat16", "bfloat16+fused", "bfloat16+fused+gemv",
+                                             "bfloat16+fused+gemv+pdl"]
     out: dict = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -189,6 +201,160 @@ def parity_variant(args: argparse.Namespace, path: str, variant: str, prompts: l
             "ours_in_hf_top5_where_parted": within_top5}
 
 
+# -- the fused GEMVs alone --------------------------------------------------------------------
+def gemv_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, int, dict]]:
+    """(N, K, folds) of each projection of a Llama of `shape`, as `DecoderLayer.forward_gemv`
+    calls them, and of the LM head."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = h // shape["num_attention_heads"]
+    qkv = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * head_dim
+    return {"qkv_proj": (qkv, h, dict(norm=True)), "o_proj": (h, h, dict(residual=True)),
+            "gate_up_proj": (2 * inter, h, dict(norm=True)), "down_proj": (h, inter, dict(silu_mul=True, residual=True)),
+            "lm_head": (shape["vocab_size"], h, {})}
+
+
+def gemv_candidates(rows: int, n: int, k: int, smoke: bool) -> list[Any]:
+    """The configs to time for one shape: the heuristic's first, then a grid of columns and K
+    per program, warps and pipelining depth whose product tile is 512-16384 elements and
+    whose float32 tile is at most 128 values a thread."""
+    from conveyor.kernels.triton_gemv import Config, config_for
+
+    default = config_for(rows, n, k)
+    if smoke:
+        return [default, Config(4, 32, 2)]
+    m = 1 << (rows - 1).bit_length()
+    out = [default]
+    for block_n in (2, 4, 8, 16, 32):
+        for block_k in (64, 128, 256, 512, 1024, 2048):
+            for warps in (2, 4, 8):
+                tile = m * block_n * block_k
+                if not 512 <= tile <= 16384 or tile // (32 * warps) > 128 or block_k > max(64, k):
+                    continue
+                for stages in ((None, 1) if rows == 1 else (None,)):
+                    cfg = Config(block_n, block_k, warps, stages)
+                    if cfg != default:
+                        out.append(cfg)
+    return out
+
+
+def time_per_launch(launches: list[Callable[[], Any]], device: str, rounds: int = 5) -> float:
+    """Seconds per launch of `launches` run back to back: on CUDA captured once as a CUDA graph
+    and replayed (no launch overhead, as a graphed decode step), the median of `rounds`."""
+    for fn in launches[: 1 if device != "cuda" else 2]:
+        fn()  # compiles
+    sync(device)
+    if device != "cuda":
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for fn in launches:
+                fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) / len(launches)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in launches:
+            fn()  # every copy once outside the capture: the allocator's blocks exist
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for fn in launches:
+            fn()
+    graph.replay()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / len(launches)
+
+
+def gemv(args: argparse.Namespace, path: str) -> dict:
+    from conveyor.kernels import triton_gemv
+
+    shape = SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE
+    bandwidth = hbm_bandwidth(args.device, 1 if args.smoke else 4)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if args.device == "cuda" else 1 << 20
+    deadline = time.perf_counter() + args.gemv_budget_s
+    out: dict = {"hbm_GBps_measured": bandwidth / 1e9, "L2_bytes": l2, "shapes": {}}
+    table: dict[tuple[int, int, int], Any] = {}
+    print("| projection | rows | cuBLAS us (GB/s) | default us (GB/s) | best us (GB/s, of HBM) | best config | "
+          "best + PDL us |", flush=True)
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for rows in (1,) if args.smoke else (1, 2, 4, 8):  # the interpreter takes about a second a launch
+        for name, (n, k, fold) in gemv_shapes(shape).items():
+            entry, best = gemv_shape(args, rows, n, k, fold, bandwidth, l2, deadline)
+            release(args.device)  # the weight copies
+            table[(1 << (rows - 1).bit_length(), n, k)] = best
+            out["shapes"][f"{name} x{rows}"] = entry
+            pdl = entry["pdl_us"]
+            print(f"| {name} | {rows} | {entry['cublas_us']:.1f} ({entry['cublas_GBps']:.0f}) | "
+                  f"{entry['default_us']:.1f} ({entry['default_GBps']:.0f}) | {entry['best_us']:.1f} "
+                  f"({entry['best_GBps']:.0f}, {entry['best_fraction_of_hbm']:.0%}) | n{best.block_n} k{best.block_k} "
+                  f"w{best.num_warps} s{best.num_stages} | {'' if pdl is None else f'{pdl:.1f}'} |", flush=True)
+    triton_gemv.set_configs(table)  # the parts after this one run the tuned GEMVs
+    args.out.mkdir(parents=True, exist_ok=True)
+    triton_gemv.save_configs(table, args.out / "gemv_configs.json")
+    out["configs_file"] = str(args.out / "gemv_configs.json")
+    print(f"wrote {args.out / 'gemv_configs.json'} (CONVEYOR_GEMV_CONFIGS=that file uses it)", flush=True)
+    return out
+
+
+def gemv_shape(args: argparse.Namespace, rows: int, n: int, k: int, fold: dict, bandwidth: float, l2: int,
+               deadline: float) -> tuple[dict, Any]:
+    """One projection at one row count: cuBLAS, then each candidate config until `deadline`,
+    then the best with PDL. (figures, best config)"""
+    import torch.nn.functional as F
+
+    from conveyor.kernels import triton_gemv
+
+    device, dtype = args.device, getattr(torch, args.dtype)
+    gen = torch.Generator(device=device).manual_seed(rows * n + k)
+    wbytes = n * k * dtype.itemsize
+    copies = max(2, min(64, -(-3 * l2 // wbytes)))  # together 3x the L2: every read misses it
+    weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+    x = torch.randn(rows, 2 * k if fold.get("silu_mul") else k, generator=gen, device=device, dtype=dtype)
+    plain_x = x[:, :k].contiguous()
+    norm = torch.rand(k, generator=gen, device=device, dtype=dtype) + 0.5 if fold.get("norm") else None
+    residual = torch.randn(rows, n, generator=gen, device=device, dtype=dtype) if fold.get("residual") else None
+    reps = 2 if args.smoke else max(copies, 24)
+    rounds = 1 if args.smoke else 5
+    order = [weights[i % copies] for i in range(reps)]
+
+    def launches(cfg: Any, pdl: bool = False) -> list[Callable[[], Any]]:
+        return [functools.partial(triton_gemv.linear, x, w, norm=norm, eps=1e-5, silu_mul=bool(fold.get("silu_mul")),
+                                  residual=residual, config=cfg, pdl=pdl) for w in order]
+
+    cublas = time_per_launch([functools.partial(F.linear, plain_x, w) for w in order], device, rounds)
+    timed: list[tuple[float, Any]] = []
+    for cfg in gemv_candidates(rows, n, k, args.smoke):
+        if timed and time.perf_counter() > deadline:
+            break  # the budget is spent: the best so far (the default is timed first)
+        try:
+            timed.append((time_per_launch(launches(cfg), device, rounds), cfg))
+        except Exception as e:  # a config that does not compile here (resources) is skipped
+            print(f"  {n}x{k}, {rows} row(s), {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+    default_s, default_cfg = timed[0]
+    best_s, best_cfg = min(timed, key=lambda t: t[0])
+    pdl_s = None
+    if device == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        timing = guarded(f"{n}x{k} PDL", device, lambda: {"s": time_per_launch(launches(best_cfg, True), device)})
+        pdl_s = timing.get("s")
+    return {"rows": rows, "n": n, "k": k, "weight_bytes": wbytes, "copies": copies,
+            "cublas_us": cublas * 1e6, "cublas_GBps": wbytes / cublas / 1e9,
+            "default_us": default_s * 1e6, "default_GBps": wbytes / default_s / 1e9,
+            "default_config": dataclasses.asdict(default_cfg),
+            "best_us": best_s * 1e6, "best_GBps": wbytes / best_s / 1e9, "best_config": dataclasses.asdict(best_cfg),
+            "best_fraction_of_hbm": wbytes / best_s / bandwidth, "configs_timed": len(timed),
+            "pdl_us": None if pdl_s is None else pdl_s * 1e6}, best_cfg
+
+
 # -- batch 1 ----------------------------------------------------------------------------------
 def decode_bytes(model: Any) -> int:
     """Bytes one decode step reads: every weight once (a tied embedding is the LM head)."""
@@ -206,10 +372,11 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
     out: dict = {"hbm_GBps_measured": bandwidth / 1e9}
     asynchronous = dict(async_scheduling=True)
     variants: list[tuple[str, dict]] = [
-        ("graphs+async+fused+gemv", asynchronous), ("graphs+async+fused", asynchronous), ("graphs+async", asynchronous),
-        ("graphs", {}), ("eager", dict(enforce_eager=True))]
-    if args.smoke:  # the script's paths, not the kernels (no Triton on a CPU without the interpreter)
-        variants = [(name.replace("+fused", "").replace("+gemv", ""), options) for name, options in variants[2:]]
+        ("graphs+async+fused+gemv+pdl", asynchronous), ("graphs+async+fused+gemv", asynchronous),
+        ("graphs+async+fused", asynchronous), ("graphs+async", asynchronous), ("graphs", {}),
+        ("eager", dict(enforce_eager=True))]
+    if args.smoke:  # the script's paths, not the kernels (the interpreter would time Python)
+        variants = variants[3:]
     for name, options in variants:
         out[name] = guarded(name, args.device, lambda n=name, o=options: batch1_variant(args, path, n, o, steps, bandwidth))
     return out
@@ -391,6 +558,8 @@ def main() -> int:
     ap.add_argument("--baselines", default="hf_continuous,hf_static",
                     help="throughput: the HF baselines to run, in order (hf_static took 319 s on an H100: "
                          "give each its own call to stay inside a 10-minute one)")
+    ap.add_argument("--gemv-budget-s", type=float, default=300.0,
+                    help="gemv: seconds of config timing after which each shape keeps the best so far")
     ap.add_argument("--out", type=Path, default=Path("results/gpu-speed"))
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -400,6 +569,8 @@ def main() -> int:
     unknown = set(parts) - set(PARTS)
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}; use {', '.join(PARTS)}")
+    if args.smoke:  # the Triton GEMVs run through the interpreter (read when a kernel is defined)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = "float32" if args.smoke else "bfloat16"
     if args.smoke:
@@ -422,7 +593,8 @@ def main() -> int:
                 result["parity"] = parity(args, folder)
             else:
                 big = big or build_llama(folder / "llama-1b", SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE)
-                result[part] = {"batch1": batch1, "throughput": throughput, "overhead": overhead}[part](args, big)
+                result[part] = {"gemv": gemv, "batch1": batch1, "throughput": throughput,
+                                "overhead": overhead}[part](args, big)
             print(f"[{part}: {time.perf_counter() - t:.0f} s]", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "gpu_speed.json").write_text(json.dumps(result, indent=1))

@@ -8,8 +8,12 @@ kernels in Python and compiles nothing), checked before a GPU is lent.
 Each kernel is launched through its own Python wrapper with CPU tensors, as the model calls it,
 but the launch is only recorded; the recorded arguments give the compile's signature and
 constants (what `kernel[grid](...)` would have specialised on; `num_warps` and `num_stages`
-become options). Triton's bundled ptxas then reports registers and spill bytes. Exits non-zero
-when a kernel does not compile, or, with `--no-spills`, spills. Run without TRITON_INTERPRET
+become options) and, through the JIT's own specialisation function, which ints are constants
+(== 1) and which ints and pointers are multiples of 16, as a launch on a GPU would specialise
+them. Triton's bundled ptxas then reports registers and spill bytes, and the PTX the width of
+each global load. Exits non-zero when a kernel does not compile, when a GEMV reads its weights
+in loads narrower than 16 bytes, when a GEMV compiled for programmatic dependent launch has no
+grid-dependency wait, or, with `--no-spills`, when a kernel spills. Run without TRITON_INTERPRET
 (the script refuses it): the kernels must be real `triton.jit` functions.
 """
 
@@ -69,27 +73,50 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 
 
 def compile_call(kernel: Any, args: tuple, kwargs: dict, arch: int) -> Any:
-    """`triton.compile` of one recorded launch for `cuda:arch`."""
+    """`triton.compile` of one recorded launch for `cuda:arch`, specialised as a launch on a GPU
+    would be: an int equal to 1 becomes a constant, and an int divisible by 16 or a pointer
+    aligned to 16 bytes is marked so (`tt.divisibility`), which is what lets the compiler
+    vectorise loads. Without those marks every load is a scalar one (a compile that no GPU
+    launch would make)."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
 
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
         value = values[param.name]
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        else:
-            signature[param.name] = "fp32"
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+            continue
+        kind, attr = specialize(CUDABackend, value, param)
+        if kind == "constexpr":
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        signature[param.name] = kind
+        if isinstance(attr, str):
+            attrs[(i,)] = CUDABackend.parse_attr(attr)
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def specialize(backend: Any, value: Any, param: Any) -> tuple[str, Any]:
+    """(type, attribute) of one argument, as the JIT's launcher computes them."""
+    from triton._C.libtriton import native_specialize_impl
+
+    return native_specialize_impl(backend, value, False, not param.do_not_specialize,
+                                  not param.do_not_specialize_on_alignment)
+
+
+def load_widths(ptx: str) -> dict[str, int]:
+    """Global loads in the PTX by width in bits (`ld.global...v4.b32` is 128): a weight stream
+    wants 128-bit loads."""
+    widths: dict[str, int] = {}
+    for vec, bits in re.findall(r"ld\.global[\w.:]*?(?:\.v(\d))?\.[bfsu](\d+)\b", ptx):
+        width = str(int(vec or 1) * int(bits))
+        widths[width] = widths.get(width, 0) + 1
+    return widths
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -112,14 +139,14 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     from conveyor.kernels import triton_fused, triton_gemv
 
     dt = torch.bfloat16
-    for rows in (1, 2, 4, 8):
+    for rows, pdl in [(1, False), (2, False), (4, False), (8, False), (1, True)]:
         for label, (n, k, fold) in GEMV_SHAPES.items():
-            def call(rows: int = rows, n: int = n, k: int = k, fold: dict = fold) -> None:
+            def call(rows: int = rows, n: int = n, k: int = k, fold: dict = fold, pdl: bool = pdl) -> None:
                 x = torch.zeros(rows, 2 * k if fold.get("silu_mul") else k, dtype=dt)
                 triton_gemv.linear(x, torch.zeros(n, k, dtype=dt), norm=torch.ones(k, dtype=dt) if fold.get("norm") else None,
                                    eps=1e-5, silu_mul=bool(fold.get("silu_mul")),
-                                   residual=torch.zeros(rows, n, dtype=dt) if fold.get("residual") else None)
-            yield f"gemv {label}, {rows} row(s)", triton_gemv, call, "_gemv_kernel"
+                                   residual=torch.zeros(rows, n, dtype=dt) if fold.get("residual") else None, pdl=pdl)
+            yield f"gemv {label}, {rows} row(s){', PDL' if pdl else ''}", triton_gemv, call, "_gemv_kernel"
     hidden = torch.zeros(4, 2048, dtype=dt)
     yield "add_rms_norm", triton_fused, lambda: triton_fused.add_rms_norm(hidden, hidden, hidden[0], 1e-5), \
         "_add_rms_norm_kernel"
@@ -164,10 +191,10 @@ def main() -> int:
     from conveyor.kernels import triton_gemv
 
     triton_gemv._programs_wanted = lambda: 2 * H100_SMS  # as on an H100, for the blocks it picks
-    failed = spilled = 0
+    failed = spilled = narrow = 0
     seen: set[str] = set()
-    print("| kernel | blocks / constants | registers | spill bytes |")
-    print("|---|---|---|---|")
+    print("| kernel | blocks / constants | registers | spill bytes | global loads (bits x count) |")
+    print("|---|---|---|---|---|")
     for label, module, call, name in cases():
         with recording(module) as recorders:
             call()
@@ -181,16 +208,29 @@ def main() -> int:
             shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k.startswith("BLOCK") or k == "CHUNK")
             try:
                 compiled = compile_call(recorder.kernel, call_args, dict(call_kwargs), args.arch)
-                regs, spills = ptxas_usage(compiled.asm["ptx"], args.arch)
+                ptx = compiled.asm["ptx"]
+                regs, spills = ptxas_usage(ptx, args.arch)
             except Exception as e:  # a kernel that does not compile is the finding
                 failed += 1
-                print(f"| {label} | {shown} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |")
+                print(f"| {label} | {shown} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |")
                 continue
             spilled += spills > 0
-            print(f"| {label} | {shown} | {regs} | {spills} |", flush=True)
-    print(f"{len(seen)} compiles for sm_{args.arch}: {failed} failed, {spilled} spill")
-    return 1 if failed or (args.no_spills and spilled) else 0
-
+            loads = load_widths(ptx)
+            problems = []
+            if name == "_gemv_kernel":
+                # The weight stream (its loads are the evict-first ones) must move 16 bytes a load.
+                weights = load_widths("\n".join(line for line in ptx.splitlines() if "evict_first" in line))
+                if not weights or set(weights) != {"128"}:
+                    problems.append(f"weight loads of {sorted(weights)} bits, not 128")
+                if constants.get("PDL") and "griddepcontrol.wait" not in ptx:
+                    problems.append("PDL without griddepcontrol.wait")
+            narrow += bool(problems)
+            shown_loads = ", ".join(f"{bits}x{count}" for bits, count in sorted(loads.items(), key=lambda kv: -int(kv[0])))
+            note = f" ({'; '.join(problems)})" if problems else ""
+            print(f"| {label} | {shown} | {regs} | {spills} | {shown_loads}{note} |", flush=True)
+    print(f"{len(seen)} compiles for sm_{args.arch}: {failed} failed, {spilled} spill, {narrow} with narrow weight loads "
+          "or a missing grid-dependency wait")
+    return 1 if failed or narrow or (args.no_spills and spilled) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

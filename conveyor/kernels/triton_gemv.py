@@ -22,6 +22,19 @@ projection, the sum), as `triton_fused` does, so the two paths part only by summ
 No split over K, so the epilogue sees whole sums; the block of columns shrinks instead, to
 keep some 2 programs per SM busy on the narrow projections.
 
+Each program issues the load of its first weight tile before it reads any input, and loads
+each next tile one iteration ahead. With programmatic dependent launch (`CONVEYOR_TRITON_PDL=1`,
+Hopper and later), a GEMV is launched before the kernel ahead of it has finished: its programs
+put their first weight tile in flight (weights are never written, so no kernel has to finish
+first), then wait (`gdc_wait`) for the previous kernel's results before they read an input,
+and let the kernel after them launch likewise (`gdc_launch_dependents`). The kernel boundaries
+of a decode step then overlap weight reads instead of idling the memory system.
+
+The blocks, warps and pipelining depth of each shape come from a table (`Config`,
+`set_configs`; a JSON file named by `CONVEYOR_GEMV_CONFIGS`, as `benchmarks/gpu_speed.py
+--parts gemv` writes one on a GPU after timing each candidate) or, for a shape not in it, from
+the `blocks` heuristic.
+
 Opt-in with `CONVEYOR_TRITON_GEMV=1` until it is measured on a GPU against cuBLAS (it was
 written in a session without one). It runs on CPU tensors under `TRITON_INTERPRET=1`, which is
 how the tests check it.
@@ -29,14 +42,19 @@ how the tests check it.
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import asdict, dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 
 from conveyor.kernels.triton_attention import _jit, _pow2, opted_in, tl, triton_available
 from conveyor.kernels.triton_fused import _rnd
 
-__all__ = ["MAX_ROWS", "enabled", "linear", "triton_available"]
+__all__ = ["MAX_ROWS", "Config", "config_for", "enabled", "linear", "load_configs", "pdl_enabled", "set_configs",
+           "triton_available"]
 
 MAX_ROWS = 8  # steps of more rows keep cuBLAS: the prologues are recomputed by every program
 TILE = 8192  # elements of the product tile a program holds at once (64 float32 a thread at 4 warps)
@@ -46,6 +64,80 @@ def enabled() -> bool:
     """Whether the CUDA path uses these kernels: opt-in with `CONVEYOR_TRITON_GEMV=1` until they
     are measured on a GPU, never with `CONVEYOR_TRITON=0`, and only where Triton can run."""
     return opted_in("CONVEYOR_TRITON_GEMV")
+
+
+def pdl_enabled() -> bool:
+    """Whether GEMVs launch with programmatic dependent launch: opt-in with
+    `CONVEYOR_TRITON_PDL=1` until measured, on a CUDA device of compute capability 9 or more
+    (the interpreter has no grid dependencies)."""
+    return (opted_in("CONVEYOR_TRITON_PDL") and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+
+
+@dataclass(frozen=True)
+class Config:
+    """How one GEMV shape is launched: columns and K elements per program, warps per program,
+    and Triton's software-pipelining depth (None: Triton's default)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: a power of two is needed")
+        if self.block_k < 16:
+            raise ValueError(f"block_k={self.block_k}: at least 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps}: one of 1, 2, 4, 8, 16")
+
+
+# (BLOCK_M, N, K) -> Config; BLOCK_M is the row count rounded up to a power of two.
+_configs: dict[tuple[int, int, int], Config] = {}
+_configs_loaded = False
+
+
+def set_configs(table: dict[tuple[int, int, int], Config]) -> None:
+    """Replace the table of tuned configs, keyed by (rows rounded up to a power of two, N, K)."""
+    global _configs_loaded
+    _configs.clear()
+    _configs.update(table)
+    _configs_loaded = True
+
+
+def load_configs(path: str | Path) -> dict[tuple[int, int, int], Config]:
+    """A table as `save_configs` writes it: a JSON list of {rows, n, k, block_n, block_k,
+    num_warps, num_stages}."""
+    table = {}
+    for entry in json.loads(Path(path).read_text()):
+        entry = dict(entry)
+        key = (_pow2(int(entry.pop("rows"))), int(entry.pop("n")), int(entry.pop("k")))
+        entry = {k: v for k, v in entry.items() if k in Config.__dataclass_fields__}
+        table[key] = Config(**entry)
+    return table
+
+
+def save_configs(table: dict[tuple[int, int, int], Config], path: str | Path) -> None:
+    rows = [dict(rows=m, n=n, k=k, **asdict(c)) for (m, n, k), c in sorted(table.items())]
+    Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def config_for(rows: int, n: int, k: int) -> Config:
+    """The tuned config of this shape, or the `blocks` heuristic's with 4 warps."""
+    global _configs_loaded
+    if not _configs_loaded:
+        _configs_loaded = True
+        path = os.environ.get("CONVEYOR_GEMV_CONFIGS")
+        if path:
+            _configs.update(load_configs(path))
+    found = _configs.get((_pow2(rows), n, k))
+    if found is not None:
+        return found
+    _, block_n, block_k = blocks(rows, n, k)
+    return Config(block_n, block_k)
 
 
 @_jit
@@ -85,11 +177,19 @@ def _gemv_kernel(
     M, N, K, stride_x, stride_w, stride_out, stride_res, eps,
     NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
     ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    # The first weight tile needs no input: in flight before anything else, and with PDL before
+    # the kernel ahead of this one has finished.
+    w = _load_w(w_rows, tl.arange(0, BLOCK_K), K, col_mask)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (this GEMV's input) are visible
+        tl.extra.cuda.gdc_launch_dependents()
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # a first pass over the (few, cached) input rows for their RMS
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -99,22 +199,26 @@ def _gemv_kernel(
                         other=0.0).to(tl.float32)
             ss += tl.sum(a * a, 1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    # Each iteration issues the next tile's load before it multiplies the one in hand (the
+    # load past the end is masked off: no memory traffic).
     if ONE_ROW:
         # One input row: multiply-accumulate the tile elementwise, reduce once at the end.
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            acc2 += _load_w(w_rows, ks, K, col_mask).to(tl.float32) * xv  # xv is [1, BLOCK_K]
+            w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
+            acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
+            w = w_next
         acc = tl.sum(acc2, 1)[None, :]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w = _load_w(w_rows, ks, K, col_mask).to(tl.float32)
-            acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
+            w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
+            acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            w = w_next
     omask = row_mask[:, None] & col_mask[None, :]
     out_offs = rows[:, None] * stride_out + cols[None, :]
     dt = out_ptr.dtype.element_ty
@@ -154,11 +258,14 @@ def linear(
     eps: float = 0.0,
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,
+    config: Config | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T` for `x` `[rows, K]` (rows <= MAX_ROWS) and `weight` `[N, K]`, in x's dtype
     with float32 accumulation; with `norm`, of `rms_norm(x) * norm` (epsilon `eps`); with
     `silu_mul`, of `silu(x[:, :K]) * x[:, K:]` for `x` `[rows, 2K]`; with `residual` `[rows, N]`,
-    plus it. A new tensor either way."""
+    plus it. A new tensor either way. `config` overrides the table's (`config_for`); `pdl`
+    launches it with programmatic dependent launch (the model passes `pdl_enabled()`)."""
     rows = x.shape[0]
     n, k = weight.shape
     assert rows <= MAX_ROWS, f"{rows} rows: the GEMV takes up to {MAX_ROWS}"
@@ -169,12 +276,17 @@ def linear(
         return out
     if residual is not None:
         assert residual.shape == (rows, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
-    block_m, block_n, block_k = blocks(rows, n, k)
-    _gemv_kernel[(-(-n // block_n),)](
+    cfg = config or config_for(rows, n, k)
+    options: dict[str, object] = {"num_warps": cfg.num_warps}
+    if cfg.num_stages is not None:
+        options["num_stages"] = cfg.num_stages
+    if pdl:
+        options["launch_pdl"] = True
+    _gemv_kernel[(-(-n // cfg.block_n),)](
         x, weight, out, residual if residual is not None else out, norm if norm is not None else weight,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
         NORM=norm is not None, SILU=silu_mul, RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
-        ONE_ROW=rows == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        ONE_ROW=rows == 1, BLOCK_M=_pow2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, **options,
     )
     return out

@@ -7,6 +7,7 @@ gate/up projections are fused into one matrix each. The LM head runs only on sam
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -537,7 +538,9 @@ class LlamaForCausalLM(nn.Module):
         """On CUDA in half precision, with `CONVEYOR_TRITON_GEMV=1` (`triton_gemv.enabled`), steps
         of up to `triton_gemv.MAX_ROWS` rows run each decoder layer as four Triton GEMVs with
         the norms, SiLU × up and residual adds folded in (`DecoderLayer.forward_gemv`), and
-        their LM head as a GEMV. Models with projection biases keep the other path."""
+        their LM head as a GEMV, launched with programmatic dependent launch where
+        `CONVEYOR_TRITON_PDL=1` on Hopper or later (`triton_gemv.pdl_enabled`). Models with
+        projection biases keep the other path."""
         from conveyor.kernels import triton_gemv
 
         if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
@@ -551,7 +554,7 @@ class LlamaForCausalLM(nn.Module):
                     linear = nn.Linear(fan_in, fan_out, bias=False, device=child.weight_t.device, dtype=dtype)
                     linear.weight = nn.Parameter(child.weight_t.detach().t().contiguous(), requires_grad=False)
                     setattr(module, name, linear)
-        self.gemv = triton_gemv.linear
+        self.gemv = functools.partial(triton_gemv.linear, pdl=triton_gemv.pdl_enabled())
         self.gemv_max_rows = triton_gemv.MAX_ROWS
 
     @torch.inference_mode()

@@ -18,6 +18,12 @@ def test_gpu_speed_smoke(tmp_path):
     parity = result["parity"]["float32"]
     assert parity["exact"] + parity["ours_in_hf_top5_where_parted"] == parity["prompts"] == 16
     assert parity["exact"] >= 12
+    shapes = result["gemv"]["shapes"]  # the fused GEMVs through the interpreter, 1 row, each projection
+    assert {name.split(" ")[0] for name in shapes} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    for entry in shapes.values():
+        assert entry["cublas_us"] > 0 and 0 < entry["best_us"] <= entry["default_us"] and entry["configs_timed"] == 2
+    configs = json.loads((tmp_path / "gemv_configs.json").read_text())
+    assert {(c["n"], c["k"]) for c in configs} == {(e["n"], e["k"]) for e in shapes.values()}
     for variant in ("graphs+async", "graphs", "eager"):
         b1 = result["batch1"][variant]
         assert b1["ms_per_step"] > 0 and 0 < b1["fraction_of_limit"] < 2

@@ -173,3 +173,107 @@ def test_gemvs_are_opt_in(monkeypatch):
     assert enabled()
     monkeypatch.setenv("CONVEYOR_TRITON", "0")
     assert not enabled()
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 400),
+       block_n=st.sampled_from([1, 2, 4, 8, 16, 32]), block_k=st.sampled_from([16, 32, 64, 128, 256]),
+       warps=st.sampled_from([1, 2, 4, 8]), stage=st.sampled_from(["norm", "silu_mul+residual"]),
+       seed=st.integers(0, 10_000))
+def test_any_config_gives_the_same_result(rows, n, k, block_n, block_k, warps, stage, seed):
+    """The sweep on a GPU (`gpu_speed.py --parts gemv`) may pick any config: each must compute
+    the same projection, K tiles that end short of K and column blocks past N included."""
+    from conveyor.kernels.triton_gemv import Config
+
+    g = torch.Generator().manual_seed(seed)
+    silu = stage.startswith("silu_mul")
+    x = torch.randn(rows, 2 * k if silu else k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).to(DEVICE)
+    norm = torch.rand(k, generator=g).to(torch.bfloat16).to(DEVICE) + 0.5 if stage == "norm" else None
+    residual = torch.randn(rows, n, generator=g).to(torch.bfloat16).to(DEVICE) if silu else None
+    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual, config=Config(block_n, block_k, warps))
+    want = reference(x, w, norm, 1e-5, silu, residual)
+    tol = 2 * torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_the_config_table_is_read_saved_and_used(tmp_path, monkeypatch):
+    from conveyor.kernels import triton_gemv
+    from conveyor.kernels.triton_gemv import (
+        Config,
+        config_for,
+        load_configs,
+        save_configs,
+        set_configs,
+    )
+
+    monkeypatch.setattr(triton_gemv, "_configs", {})
+    monkeypatch.setattr(triton_gemv, "_configs_loaded", False)
+    table = {(1, 3072, 2048): Config(16, 512, 8, 1), (4, 2048, 8192): Config(4, 256, 4)}
+    save_configs(table, tmp_path / "t.json")
+    assert load_configs(tmp_path / "t.json") == table
+    # CONVEYOR_GEMV_CONFIGS is read at the first lookup; rows round up to a power of two.
+    monkeypatch.setenv("CONVEYOR_GEMV_CONFIGS", str(tmp_path / "t.json"))
+    assert config_for(1, 3072, 2048) == Config(16, 512, 8, 1)
+    assert config_for(3, 2048, 8192) == Config(4, 256, 4)
+    heuristic = blocks(2, 3072, 2048)
+    assert config_for(2, 3072, 2048) == Config(heuristic[1], heuristic[2])  # not in the table
+    set_configs({})
+    assert config_for(1, 3072, 2048) == Config(*blocks(1, 3072, 2048)[1:])
+
+
+def test_a_config_is_validated():
+    from conveyor.kernels.triton_gemv import Config
+
+    for bad in [dict(block_n=3, block_k=64), dict(block_n=4, block_k=8), dict(block_n=4, block_k=100),
+                dict(block_n=4, block_k=64, num_warps=3)]:
+        with pytest.raises(ValueError):
+            Config(**bad)
+
+
+def test_pdl_is_opt_in_and_needs_hopper(monkeypatch):
+    from conveyor.kernels.triton_gemv import pdl_enabled
+
+    monkeypatch.delenv("CONVEYOR_TRITON_PDL", raising=False)
+    assert not pdl_enabled()
+    monkeypatch.setenv("CONVEYOR_TRITON_PDL", "1")
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert pdl_enabled() == hopper  # never under the interpreter
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper GPU or later")
+@pytest.mark.parametrize("graphed", [False, True])
+def test_pdl_chain_matches_the_plain_chain(graphed):
+    """A layer's four GEMVs launched with programmatic dependent launch, each reading the one
+    before's output: every GEMV waits for its input (`gdc_wait`) though its first weight tile
+    was loaded before, so the chain's result is bit for bit the plain one, eager and graphed."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter, qkv, rows = 2048, 8192, 3072, 1
+    make = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5  # noqa: E731
+    x = torch.randn(rows, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+    ln = torch.rand(hidden, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
+    w_qkv, w_o, w_gu, w_down = make(qkv, hidden), make(hidden, qkv), make(2 * inter, hidden), make(hidden, inter)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            q = linear(h, w_qkv, norm=ln, eps=1e-5, pdl=pdl)
+            h = linear(q, w_o, residual=h, pdl=pdl)
+            gu = linear(h, w_gu, norm=ln, eps=1e-5, pdl=pdl)
+            h = linear(gu, w_down, silu_mul=True, residual=h, pdl=pdl)
+        return h
+
+    want = chain(False)
+    if not graphed:
+        torch.testing.assert_close(chain(True), want, rtol=0, atol=0)
+        return
+    chain(True)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
