@@ -215,13 +215,14 @@ def gemv_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, int, dict]]:
 
 def gemv_candidates(rows: int, n: int, k: int, smoke: bool) -> list[Any]:
     """The configs to time for one shape: the heuristic's first, then a grid of columns and K
-    per program, warps and pipelining depth whose product tile is 512-16384 elements and
-    whose float32 tile is at most 128 values a thread."""
+    per program, warps, pipelining depth and the next tile's load before or after the
+    multiply, whose product tile is 512-16384 elements and whose float32 tile is at most 128
+    values a thread."""
     from conveyor.kernels.triton_gemv import Config, config_for
 
     default = config_for(rows, n, k)
     if smoke:
-        return [default, Config(4, 32, 2)]
+        return [default, Config(4, 32, 2, prefetch=True)]
     m = 1 << (rows - 1).bit_length()
     out = [default]
     for block_n in (2, 4, 8, 16, 32):
@@ -231,9 +232,10 @@ def gemv_candidates(rows: int, n: int, k: int, smoke: bool) -> list[Any]:
                 if not 512 <= tile <= 16384 or tile // (32 * warps) > 128 or block_k > max(64, k):
                     continue
                 for stages in ((None, 1) if rows == 1 else (None,)):
-                    cfg = Config(block_n, block_k, warps, stages)
-                    if cfg != default:
-                        out.append(cfg)
+                    for prefetch in (False, True):
+                        cfg = Config(block_n, block_k, warps, stages, prefetch)
+                        if cfg != default:
+                            out.append(cfg)
     return out
 
 
@@ -297,7 +299,8 @@ def gemv(args: argparse.Namespace, path: str) -> dict:
             print(f"| {name} | {rows} | {entry['cublas_us']:.1f} ({entry['cublas_GBps']:.0f}) | "
                   f"{entry['default_us']:.1f} ({entry['default_GBps']:.0f}) | {entry['best_us']:.1f} "
                   f"({entry['best_GBps']:.0f}, {entry['best_fraction_of_hbm']:.0%}) | n{best.block_n} k{best.block_k} "
-                  f"w{best.num_warps} s{best.num_stages} | {'' if pdl is None else f'{pdl:.1f}'} |", flush=True)
+                  f"w{best.num_warps} s{best.num_stages}{' prefetch' if best.prefetch else ''} | "
+                  f"{'' if pdl is None else f'{pdl:.1f}'} |", flush=True)
     triton_gemv.set_configs(table)  # the parts after this one run the tuned GEMVs
     args.out.mkdir(parents=True, exist_ok=True)
     triton_gemv.save_configs(table, args.out / "gemv_configs.json")

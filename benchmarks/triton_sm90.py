@@ -153,6 +153,9 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     yield "rope_", triton_fused, lambda: triton_fused.rope_(torch.zeros(4, 40, 64, dtype=dt),
                                                            torch.zeros(4, 1, 32, dtype=dt),
                                                            torch.zeros(4, 1, 32, dtype=dt), 40), "_rope_kernel"
+    yield "rope + K/V write", triton_fused, lambda: triton_fused.rope_write_kv_(
+        torch.zeros(4, 48, 64, dtype=dt), torch.zeros(4, 1, 32, dtype=dt), torch.zeros(4, 1, 32, dtype=dt), 32,
+        torch.zeros(2, 512, 8, 64, dtype=dt), torch.arange(4)), "_rope_write_kv_kernel"
     yield "silu_mul", triton_fused, lambda: triton_fused.silu_mul(torch.zeros(4, 16384, dtype=dt)), "_silu_mul_kernel"
     logits = torch.zeros(4, 128256, dtype=torch.float32)
     yield "argmax (chunks)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_chunk_kernel"
@@ -166,18 +169,30 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     backend = triton_attention.TritonPagedAttention(None, decode_split_len=64)
     cache = torch.zeros(2, 32 * 16, 8, 64, dtype=dt)
 
-    def attend(new: list[int], starts: list[int]) -> None:
+    def attend_with(attention: Any, new: list[int], starts: list[int]) -> None:
         tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(new))]
         meta = build_metadata(tables, starts, new, 16, torch.device("cpu"), None, dt)
         t = sum(new)
-        backend.forward(torch.zeros(t, 32, 64, dtype=dt), torch.zeros(t, 8, 64, dtype=dt),
-                        torch.zeros(t, 8, 64, dtype=dt), cache, meta, 0.125)
+        attention.forward(torch.zeros(t, 32, 64, dtype=dt), torch.zeros(t, 8, 64, dtype=dt),
+                          torch.zeros(t, 8, 64, dtype=dt), cache, meta, 0.125)
+
+    def attend(new: list[int], starts: list[int]) -> None:
+        attend_with(backend, new, starts)
 
     decodes = lambda: attend([1, 1], [100, 50])  # noqa: E731
     yield "write K/V", triton_attention, decodes, "_write_kv_kernel"
     yield "decode, split", triton_attention, decodes, "_decode_split_kernel"
     yield "decode, reduce", triton_attention, decodes, "_decode_reduce_kernel"
     yield "prefill", triton_attention, lambda: attend([40], [0]), "_prefill_kernel"
+    # With programmatic dependent launch, the attention kernels that a GEMV follows let it
+    # start early (`gdc_launch_dependents`).
+    backend.pdl = True
+    one_split = triton_attention.TritonPagedAttention(None, decode_split_len=1 << 20)
+    one_split.pdl = True
+    yield "decode, reduce, PDL", triton_attention, decodes, "_decode_reduce_kernel"
+    yield "decode, one split, PDL", triton_attention, lambda: attend_with(one_split, [1], [100]), \
+        "_decode_split_kernel"
+    yield "prefill, PDL", triton_attention, lambda: attend([40], [0]), "_prefill_kernel"
 
 
 def main() -> int:
@@ -224,12 +239,14 @@ def main() -> int:
                     problems.append(f"weight loads of {sorted(weights)} bits, not 128")
                 if constants.get("PDL") and "griddepcontrol.wait" not in ptx:
                     problems.append("PDL without griddepcontrol.wait")
+            if constants.get("TRIGGER") and "griddepcontrol.launch_dependents" not in ptx:
+                problems.append("TRIGGER without griddepcontrol.launch_dependents")
             narrow += bool(problems)
             shown_loads = ", ".join(f"{bits}x{count}" for bits, count in sorted(loads.items(), key=lambda kv: -int(kv[0])))
             note = f" ({'; '.join(problems)})" if problems else ""
             print(f"| {label} | {shown} | {regs} | {spills} | {shown_loads}{note} |", flush=True)
     print(f"{len(seen)} compiles for sm_{args.arch}: {failed} failed, {spilled} spill, {narrow} with narrow weight loads "
-          "or a missing grid-dependency wait")
+          "or a missing grid-dependency instruction")
     return 1 if failed or narrow or (args.no_spills and spilled) else 0
 
 if __name__ == "__main__":

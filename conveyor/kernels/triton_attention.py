@@ -64,6 +64,16 @@ def opted_in(variable: str) -> bool:
             and triton_available())
 
 
+def pdl_enabled() -> bool:
+    """Whether the CUDA path uses programmatic dependent launch: opt-in with
+    `CONVEYOR_TRITON_PDL=1` until measured, on a CUDA device of compute capability 9 or more
+    (the interpreter has no grid dependencies). The GEMVs (`triton_gemv`) then launch early
+    and wait for their input; the attention kernels let such a launch start
+    (`gdc_launch_dependents`) as soon as all their programs run."""
+    return (opted_in("CONVEYOR_TRITON_PDL") and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+
+
 def _jit(fn: Callable[..., None]) -> Any:
     """`triton.jit`, or the bare function when triton is absent (it is then never called)."""
     return fn if triton is None else triton.jit(fn)
@@ -122,7 +132,10 @@ def _decode_split_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     DIRECT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # the next kernel (a GEMV launched with PDL) may start loading its weights
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,7 +181,10 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_out, part_lse, out_ptr, stride_ot, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -190,8 +206,10 @@ def _prefill_kernel(
     scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -279,6 +297,7 @@ class TritonPagedAttention(AttentionBackend):
         self._plan_meta: AttentionMetadata | None = None
         self._plan: PrefillPlan | None = None
         self._num_sms: int | None = None
+        self.pdl = pdl_enabled()  # the kernels after attention (GEMVs) may launch early
 
     def forward(
         self,
@@ -292,6 +311,12 @@ class TritonPagedAttention(AttentionBackend):
         _check(q, k, v, kv_cache)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         self._write(k, v, kv_cache, meta.slot_mapping)
+        return self.attend_cached(q, kv_cache, meta, scale)
+
+    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`forward` for a step whose K/V are already in the cache (`triton_fused.rope_write_kv_`
+        wrote them): only the attention itself."""
+        q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             self._decode(q, kv_cache, meta, scale, out)
@@ -335,13 +360,13 @@ class TritonPagedAttention(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.decode_blocks.stride(0),
             k_cache.stride(0), k_cache.stride(1),
             NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size, DIRECT=splits == 1,
-            BLOCK_H=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
+            BLOCK_H=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, TRIGGER=self.pdl and splits == 1,
             num_warps=4,
         )
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), splits,
-                NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d,
+                NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d, TRIGGER=self.pdl,
             )
 
     def _prefill(
@@ -366,7 +391,7 @@ class TritonPagedAttention(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.tables.stride(0),
             k_cache.stride(0), k_cache.stride(1),
             GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
-            BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=block_d,
+            BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=block_d, TRIGGER=self.pdl,
             num_warps=4 if block_d <= 64 else 8,
         )
 

@@ -10,7 +10,9 @@ argmax:
 - `add_rms_norm`: the residual add and the RMSNorm after it, one program per row; it returns
   the normalised row and the new residual (vLLM's fused_add_rms_norm idea).
 - `rope_`: the rotation of every query and key head of a token, in place on the fused QKV
-  projection's output.
+  projection's output; `rope_write_kv_`, with the Triton attention backend, rotates the query
+  heads in place and writes the rotated key heads and the value heads straight into the paged
+  KV cache, so a layer's RoPE and K/V write are one launch.
 - `silu_mul`: SiLU of the gate times the up projection.
 - `argmax`: the first index of each row's maximum, over chunks of the vocabulary in two launches.
 
@@ -28,7 +30,7 @@ import torch
 
 from conveyor.kernels.triton_attention import _jit, _pow2, opted_in, tl, triton, triton_available
 
-__all__ = ["add_rms_norm", "argmax", "enabled", "rope_", "silu_mul", "triton_available"]
+__all__ = ["add_rms_norm", "argmax", "enabled", "rope_", "rope_write_kv_", "silu_mul", "triton_available"]
 
 
 def enabled() -> bool:
@@ -125,6 +127,73 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) ->
     _rope_kernel[(tokens,)](
         qk, cos, sin, qk.stride(0), qk.stride(1), cos.stride(0), heads,
         HALF=half, IS_BF16=qk.dtype == torch.bfloat16, BLOCK_H=_pow2(heads), BLOCK_D=_pow2(half),
+    )
+
+
+@_jit
+def _rope_write_kv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+    stride_t, stride_h, stride_cos, stride_kv, stride_slot, stride_head,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IS_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_FULL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + t * stride_t
+    d = tl.arange(0, BLOCK_D)[None, :]
+    c = tl.load(cos_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    # The query heads, rotated in place as `_rope_kernel` rotates them.
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = (h < HEADS) & (d < HALF)
+    q1 = tl.load(row + h * stride_h + d, mask=mask, other=0.0)
+    q2 = tl.load(row + h * stride_h + d + HALF, mask=mask, other=0.0)
+    dt = q1.dtype
+    a1, a2 = q1.to(tl.float32), q2.to(tl.float32)
+    tl.store(row + h * stride_h + d, _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16).to(dt),
+             mask=mask)
+    tl.store(row + h * stride_h + d + HALF,
+             _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16).to(dt), mask=mask)
+    # The key heads, rotated the same way, and the value heads go to the token's cache slot (a
+    # negative slot is padding: nothing is written).
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    hk = tl.arange(0, BLOCK_KV)[:, None]
+    kmask = (hk < KV_HEADS) & (d < HALF)
+    kbase = row + (HEADS + hk) * stride_h + d
+    k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
+    k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
+    dst = cache_ptr + slot * stride_slot + hk * stride_head + d
+    tl.store(dst, _rnd(_rnd(k1 * c, dt, IS_BF16) - _rnd(k2 * s, dt, IS_BF16), dt, IS_BF16).to(dt), mask=kmask)
+    tl.store(dst + HALF, _rnd(_rnd(k2 * c, dt, IS_BF16) + _rnd(k1 * s, dt, IS_BF16), dt, IS_BF16).to(dt), mask=kmask)
+    f = tl.arange(0, BLOCK_FULL)[None, :]
+    vmask = (hk < KV_HEADS) & (f < HEAD_DIM)
+    v = tl.load(row + (HEADS + KV_HEADS + hk) * stride_h + f, mask=vmask, other=0.0)
+    tl.store(cache_ptr + stride_kv + slot * stride_slot + hk * stride_head + f, v, mask=vmask)
+
+
+def rope_write_kv_(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """RoPE and the K/V cache write of a step in one launch: `qkv` `[T, heads + 2 kv_heads,
+    head_dim]` is the fused projection's output; its query heads are rotated in place, its key
+    heads rotated into the cache (`[2, slots, kv_heads, head_dim]`) at `slots` (negative:
+    padding), its value heads copied there. The same values as `rope_` followed by the
+    attention backend's write (`TritonPagedAttention.attend_cached` then reads them)."""
+    tokens, total, head_dim = qkv.shape
+    if not tokens:
+        return
+    kv_heads = kv_cache.shape[2]
+    assert total == heads + 2 * kv_heads and kv_cache.shape[3] == head_dim and kv_cache.dtype == qkv.dtype
+    assert qkv.stride(-1) == 1 and kv_cache.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+    half = head_dim // 2
+    _rope_write_kv_kernel[(tokens,)](
+        qkv, cos, sin, kv_cache, slots, qkv.stride(0), qkv.stride(1), cos.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        HEADS=heads, KV_HEADS=kv_heads, HALF=half, HEAD_DIM=head_dim, IS_BF16=qkv.dtype == torch.bfloat16,
+        BLOCK_H=_pow2(heads), BLOCK_KV=_pow2(kv_heads), BLOCK_D=_pow2(half), BLOCK_FULL=_pow2(head_dim),
     )
 
 

@@ -22,8 +22,8 @@ projection, the sum), as `triton_fused` does, so the two paths part only by summ
 No split over K, so the epilogue sees whole sums; the block of columns shrinks instead, to
 keep some 2 programs per SM busy on the narrow projections.
 
-Each program issues the load of its first weight tile before it reads any input, and loads
-each next tile one iteration ahead. With programmatic dependent launch (`CONVEYOR_TRITON_PDL=1`,
+Each program issues the load of its first weight tile before it reads any input; each next
+tile is loaded after the tile in hand is multiplied, or (`Config.prefetch`) before. With programmatic dependent launch (`CONVEYOR_TRITON_PDL=1`,
 Hopper and later), a GEMV is launched before the kernel ahead of it has finished: its programs
 put their first weight tile in flight (weights are never written, so no kernel has to finish
 first), then wait (`gdc_wait`) for the previous kernel's results before they read an input,
@@ -50,7 +50,14 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels.triton_attention import _jit, _pow2, opted_in, tl, triton_available
+from conveyor.kernels.triton_attention import (
+    _jit,
+    _pow2,
+    opted_in,
+    pdl_enabled,
+    tl,
+    triton_available,
+)
 from conveyor.kernels.triton_fused import _rnd
 
 __all__ = ["MAX_ROWS", "Config", "config_for", "enabled", "linear", "load_configs", "pdl_enabled", "set_configs",
@@ -66,23 +73,17 @@ def enabled() -> bool:
     return opted_in("CONVEYOR_TRITON_GEMV")
 
 
-def pdl_enabled() -> bool:
-    """Whether GEMVs launch with programmatic dependent launch: opt-in with
-    `CONVEYOR_TRITON_PDL=1` until measured, on a CUDA device of compute capability 9 or more
-    (the interpreter has no grid dependencies)."""
-    return (opted_in("CONVEYOR_TRITON_PDL") and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
-
-
 @dataclass(frozen=True)
 class Config:
     """How one GEMV shape is launched: columns and K elements per program, warps per program,
-    and Triton's software-pipelining depth (None: Triton's default)."""
+    Triton's software-pipelining depth (None: Triton's default), and whether each next
+    weight tile's load is issued before the tile in hand is multiplied (`prefetch`) or after."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int | None = None
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -177,7 +178,7 @@ def _gemv_kernel(
     M, N, K, stride_x, stride_w, stride_out, stride_res, eps,
     NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
     ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -199,16 +200,21 @@ def _gemv_kernel(
                         other=0.0).to(tl.float32)
             ss += tl.sum(a * a, 1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-    # Each iteration issues the next tile's load before it multiplies the one in hand (the
-    # load past the end is masked off: no memory traffic).
+    # The tile in hand is multiplied, and the next one loaded (past the end: masked off, no
+    # memory traffic). With PREFETCH the next load is issued first, so two tiles are in
+    # registers or in flight at once (more registers a program, fewer programs an SM).
     if ONE_ROW:
         # One input row: multiply-accumulate the tile elementwise, reduce once at the end.
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
-            acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
+            if PREFETCH:
+                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
+                acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
+            else:
+                acc2 += w.to(tl.float32) * xv
+                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
             w = w_next
         acc = tl.sum(acc2, 1)[None, :]
     else:
@@ -216,8 +222,12 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
-            acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            if PREFETCH:
+                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
+                acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            else:
+                acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
             w = w_next
     omask = row_mask[:, None] & col_mask[None, :]
     out_offs = rows[:, None] * stride_out + cols[None, :]
@@ -287,6 +297,7 @@ def linear(
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
         NORM=norm is not None, SILU=silu_mul, RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
-        ONE_ROW=rows == 1, BLOCK_M=_pow2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, **options,
+        ONE_ROW=rows == 1, BLOCK_M=_pow2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
+        PDL=pdl, **options,
     )
     return out

@@ -64,6 +64,39 @@ def test_rope_in_place_matches_apply_rope_on_a_fused_projection(dtype):
     assert torch.equal(qkv[:, heads + kv_heads :], v_before)  # V untouched
 
 
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 6), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
+       head_dim=st.sampled_from([8, 16, 24, 64]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
+def test_rope_and_kv_write_in_one_launch_match_the_two(tokens, kv_heads, group, head_dim, dtype, seed):
+    """`rope_write_kv_` leaves the same query heads and the same cache as `rope_` followed by
+    the attention backend's K/V write, bit for bit (one kernel, the same roundings), and
+    writes nothing for a padding token (slot -1)."""
+    from conveyor.kernels.triton_attention import TritonPagedAttention
+    from conveyor.kernels.triton_fused import rope_write_kv_
+
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=g) * 50
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    slots = torch.randperm(4 * tokens, generator=g)[:tokens]
+    slots[torch.rand(tokens, generator=g) < 0.25] = -1
+    slots = slots.to(DEVICE)
+    cache = torch.randn(2, 4 * tokens, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    rope_(want_qkv[:, : heads + kv_heads], cos, sin, heads + kv_heads)
+    TritonPagedAttention()._write(want_qkv[:, heads : heads + kv_heads], want_qkv[:, heads + kv_heads :], want_cache,
+                                  slots)
+    rope_write_kv_(qkv, cos, sin, heads, cache, slots)
+    if dtype == torch.float32 and DEVICE.type == "cuda":  # each kernel may contract into FMAs its own way
+        close(qkv[:, :heads], want_qkv[:, :heads], max_ulps=2, exact_share=0.9)
+        close(cache, want_cache, max_ulps=2, exact_share=0.9)
+    else:
+        assert torch.equal(qkv[:, :heads], want_qkv[:, :heads])
+        assert torch.equal(cache, want_cache)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("intermediate", [128, 1536])
 def test_silu_mul_matches_torch(dtype, intermediate):
@@ -109,6 +142,35 @@ def test_model_forward_through_the_fused_kernels(tiny_models, dtype, monkeypatch
     plain, fused = runs
     agree = sum(a == b for a, b in zip(plain, fused, strict=True))
     assert agree >= len(prompts) - 1, f"{agree}/{len(prompts)} prompts agree"
+
+
+def test_model_forward_with_rope_and_kv_write_in_one_kernel(tiny_models, monkeypatch):
+    """On the Triton attention backend, the fused kernels rotate and write K/V in one launch a
+    layer (`Attention.rope_write_kv`): the same greedy tokens as the two-launch path, over
+    prefills and decodes, with CUDA graphs where there is CUDA."""
+    from conveyor import LLM, SamplingParams
+    from conveyor.kernels import triton_fused
+
+    path = str(tiny_models["llama"])
+    dtype = torch.bfloat16
+    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 6 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs, calls = [], []
+    for one_launch in (False, True):
+        monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1")
+        llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
+                  block_size=4, enforce_eager=DEVICE.type == "cpu")
+        model = llm.engine.runner.model
+        if DEVICE.type == "cpu":  # on CUDA prepare_for_inference has done both
+            model._use_triton_attention(dtype)
+            model._use_triton_fused(dtype)
+        attentions = [m for m in model.modules() if hasattr(m, "rope_write_kv")]
+        assert all(a.rope_write_kv is triton_fused.rope_write_kv_ for a in attentions)
+        for a in attentions:
+            a.rope_write_kv = (lambda *args: calls.append(1) or triton_fused.rope_write_kv_(*args)) if one_launch else None
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert calls  # the one-launch path ran
+    assert runs[0] == runs[1]  # the same values in the cache and in q: the same tokens
 
 
 @settings(max_examples=20, deadline=None)

@@ -178,9 +178,9 @@ def test_gemvs_are_opt_in(monkeypatch):
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 400),
        block_n=st.sampled_from([1, 2, 4, 8, 16, 32]), block_k=st.sampled_from([16, 32, 64, 128, 256]),
-       warps=st.sampled_from([1, 2, 4, 8]), stage=st.sampled_from(["norm", "silu_mul+residual"]),
+       warps=st.sampled_from([1, 2, 4, 8]), prefetch=st.booleans(), stage=st.sampled_from(["norm", "silu_mul+residual"]),
        seed=st.integers(0, 10_000))
-def test_any_config_gives_the_same_result(rows, n, k, block_n, block_k, warps, stage, seed):
+def test_any_config_gives_the_same_result(rows, n, k, block_n, block_k, warps, prefetch, stage, seed):
     """The sweep on a GPU (`gpu_speed.py --parts gemv`) may pick any config: each must compute
     the same projection, K tiles that end short of K and column blocks past N included."""
     from conveyor.kernels.triton_gemv import Config
@@ -191,7 +191,7 @@ def test_any_config_gives_the_same_result(rows, n, k, block_n, block_k, warps, s
     w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).to(DEVICE)
     norm = torch.rand(k, generator=g).to(torch.bfloat16).to(DEVICE) + 0.5 if stage == "norm" else None
     residual = torch.randn(rows, n, generator=g).to(torch.bfloat16).to(DEVICE) if silu else None
-    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual, config=Config(block_n, block_k, warps))
+    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual, config=Config(block_n, block_k, warps, prefetch=prefetch))
     want = reference(x, w, norm, 1e-5, silu, residual)
     tol = 2 * torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -209,12 +209,12 @@ def test_the_config_table_is_read_saved_and_used(tmp_path, monkeypatch):
 
     monkeypatch.setattr(triton_gemv, "_configs", {})
     monkeypatch.setattr(triton_gemv, "_configs_loaded", False)
-    table = {(1, 3072, 2048): Config(16, 512, 8, 1), (4, 2048, 8192): Config(4, 256, 4)}
+    table = {(1, 3072, 2048): Config(16, 512, 8, 1, prefetch=True), (4, 2048, 8192): Config(4, 256, 4)}
     save_configs(table, tmp_path / "t.json")
     assert load_configs(tmp_path / "t.json") == table
     # CONVEYOR_GEMV_CONFIGS is read at the first lookup; rows round up to a power of two.
     monkeypatch.setenv("CONVEYOR_GEMV_CONFIGS", str(tmp_path / "t.json"))
-    assert config_for(1, 3072, 2048) == Config(16, 512, 8, 1)
+    assert config_for(1, 3072, 2048) == Config(16, 512, 8, 1, prefetch=True)
     assert config_for(3, 2048, 8192) == Config(4, 256, 4)
     heuristic = blocks(2, 3072, 2048)
     assert config_for(2, 3072, 2048) == Config(heuristic[1], heuristic[2])  # not in the table
