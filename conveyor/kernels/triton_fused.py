@@ -108,12 +108,18 @@ def _rope_kernel(
     dt = x1.dtype
     c = tl.load(cos_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    # x1*cos - x2*sin and x2*cos + x1*sin, each product and each sum rounded as torch does.
-    o1 = _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16).to(dt)
-    o2 = _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16).to(dt)
-    tl.store(base, o1, mask=mask)
-    tl.store(base + HALF, o2, mask=mask)
+    o1, o2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), c, s, dt, IS_BF16)
+    tl.store(base, o1.to(dt), mask=mask)
+    tl.store(base + HALF, o2.to(dt), mask=mask)
+
+
+@_jit
+def _rotate(a1, a2, c, s, dt, IS_BF16: tl.constexpr):
+    """RoPE of the halves `a1`, `a2` (float32): a1*cos - a2*sin and a2*cos + a1*sin, each
+    product and each sum rounded to `dt` as torch rounds them."""
+    o1 = _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16)
+    o2 = _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16)
+    return o1, o2
 
 
 def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
@@ -149,11 +155,9 @@ def _rope_write_kv_kernel(
     q1 = tl.load(row + h * stride_h + d, mask=mask, other=0.0)
     q2 = tl.load(row + h * stride_h + d + HALF, mask=mask, other=0.0)
     dt = q1.dtype
-    a1, a2 = q1.to(tl.float32), q2.to(tl.float32)
-    tl.store(row + h * stride_h + d, _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16).to(dt),
-             mask=mask)
-    tl.store(row + h * stride_h + d + HALF,
-             _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16).to(dt), mask=mask)
+    o1, o2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c, s, dt, IS_BF16)
+    tl.store(row + h * stride_h + d, o1.to(dt), mask=mask)
+    tl.store(row + h * stride_h + d + HALF, o2.to(dt), mask=mask)
     # The key heads, rotated the same way, and the value heads go to the token's cache slot (a
     # negative slot is padding: nothing is written).
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -164,9 +168,10 @@ def _rope_write_kv_kernel(
     kbase = row + (HEADS + hk) * stride_h + d
     k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(k1, k2, c, s, dt, IS_BF16)
     dst = cache_ptr + slot * stride_slot + hk * stride_head + d
-    tl.store(dst, _rnd(_rnd(k1 * c, dt, IS_BF16) - _rnd(k2 * s, dt, IS_BF16), dt, IS_BF16).to(dt), mask=kmask)
-    tl.store(dst + HALF, _rnd(_rnd(k2 * c, dt, IS_BF16) + _rnd(k1 * s, dt, IS_BF16), dt, IS_BF16).to(dt), mask=kmask)
+    tl.store(dst, o1.to(dt), mask=kmask)
+    tl.store(dst + HALF, o2.to(dt), mask=kmask)
     f = tl.arange(0, BLOCK_FULL)[None, :]
     vmask = (hk < KV_HEADS) & (f < HEAD_DIM)
     v = tl.load(row + (HEADS + KV_HEADS + hk) * stride_h + f, mask=vmask, other=0.0)
