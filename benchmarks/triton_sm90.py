@@ -193,6 +193,22 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     yield "decode, one split, PDL", triton_attention, lambda: attend_with(one_split, [1], [100]), \
         "_decode_split_kernel"
     yield "prefill, PDL", triton_attention, lambda: attend([40], [0]), "_prefill_kernel"
+    # The splits merged in the decode launch (no reduce launch), then with RoPE and the K/V
+    # write folded in too (`attend_decodes_rope`, a decode step's attention in one launch).
+    merged = triton_attention.TritonPagedAttention(None, decode_split_len=64, merge_splits=True)
+    yield "decode, splits merged in the launch", triton_attention, lambda: attend_with(merged, [1, 1], [100, 50]), \
+        "_decode_split_kernel"
+
+    def rope_decodes(attention: Any) -> None:
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(2)]
+        meta = build_metadata(tables, [100, 50], [1, 1], 16, torch.device("cpu"), None, dt)
+        attention.attend_decodes_rope(torch.zeros(2, 48, 64, dtype=dt), torch.zeros(2, 1, 32, dtype=dt),
+                                      torch.zeros(2, 1, 32, dtype=dt), cache, meta, 0.125)
+
+    yield "decode + RoPE + K/V write, merged", triton_attention, lambda: rope_decodes(merged), "_decode_split_kernel"
+    merged.pdl = True
+    yield "decode + RoPE + K/V write, merged, PDL", triton_attention, lambda: rope_decodes(merged), \
+        "_decode_split_kernel"
 
 
 def main() -> int:
@@ -241,6 +257,13 @@ def main() -> int:
                     problems.append("PDL without griddepcontrol.wait")
             if constants.get("TRIGGER") and "griddepcontrol.launch_dependents" not in ptx:
                 problems.append("TRIGGER without griddepcontrol.launch_dependents")
+            if constants.get("MERGE"):
+                # The last split merges what the others stored: their stores must come before
+                # the count (a barrier, then an acquire-release atomic at GPU scope).
+                if not re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx):
+                    problems.append("MERGE without an acquire-release atomic add at GPU scope")
+                if "bar.sync" not in ptx and "barrier.sync" not in ptx:
+                    problems.append("MERGE without a barrier before the count")
             narrow += bool(problems)
             shown_loads = ", ".join(f"{bits}x{count}" for bits, count in sorted(loads.items(), key=lambda kv: -int(kv[0])))
             note = f" ({'; '.join(problems)})" if problems else ""

@@ -7,7 +7,14 @@ Three kernels, all reading K/V in place through block tables (no gather, no padd
 - decode (flash-decoding): one program per (sequence, kv head, KV split). All query heads of
   a kv-head group sit in one program, so each K/V tile is read once per group. Each split
   leaves a normalised partial output and its log-sum-exp; `_decode_reduce_kernel` merges the
-  splits. With one split the first kernel writes the output directly.
+  splits. With one split the first kernel writes the output directly. With
+  `merge_splits=True` there is no second launch: each split counts itself in (an atomic
+  counter per sequence and kv head) and the last one to arrive merges them, as the reduce
+  would, then zeroes the counter for the next launch (a CUDA graph replays it as it is).
+  `attend_decodes_rope` folds in RoPE and the K/V write as well: the kernel reads the fused
+  QKV projection's output, rotates its query heads, and the split that holds the new token
+  writes that token's rotated key and its value to the cache before it attends. A decode
+  layer's attention is then one launch.
 - prefill: one launch for every prefill span, fresh or chunked. A program takes a tile of
   query rows (tokens x heads of one kv-head group) of one sequence and loops over that
   sequence's context, cached prefix and this step's tokens alike (the write kernel has
@@ -80,6 +87,49 @@ def _jit(fn: Callable[..., None]) -> Any:
 
 
 @_jit
+def _rnd(x, dt, IS_BF16: tl.constexpr):
+    """float32 `x` rounded to the nearest `dt` (ties to even), kept in float32. bfloat16 is
+    rounded on the bits: Triton's interpreter truncates a float32 -> bfloat16 cast, and the
+    tests that run there check the rounding."""
+    if IS_BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@_jit
+def _rotate(a1, a2, c, s, dt, IS_BF16: tl.constexpr):
+    """RoPE of the halves `a1`, `a2` (float32): a1*cos - a2*sin and a2*cos + a1*sin, each
+    product and each sum rounded to `dt` as torch rounds them."""
+    o1 = _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16)
+    o2 = _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16)
+    return o1, o2
+
+
+@_jit
+def _rope_heads(ptr, cos_row, sin_row, heads_off, head_mask, d, HEAD_DIM: tl.constexpr, IS_BF16: tl.constexpr):
+    """Whole heads `[rows, BLOCK_D]` at `ptr + heads_off[:, None] + d`, rotated (the halves
+    layout) with the rounding of `_rotate`: each position reads its partner in the other half,
+    and x*cos - p*sin is x*cos + (-1)*p*sin, bit for bit. Returns them in the input dtype."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d_mask = d < HEAD_DIM
+    first = d < HALF
+    mask = head_mask[:, None] & d_mask[None, :]
+    x = tl.load(ptr + heads_off[:, None] + d[None, :], mask=mask, other=0.0)
+    partner = tl.where(first, d + HALF, d - HALF)
+    p = tl.load(ptr + heads_off[:, None] + partner[None, :], mask=mask, other=0.0)
+    freq = tl.where(first, d, d - HALF)
+    c = tl.load(cos_row + freq, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_row + freq, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    dt = x.dtype
+    sign = tl.where(first, -1.0, 1.0)[None, :]
+    rot = _rnd(_rnd(x.to(tl.float32) * c, dt, IS_BF16) + sign * _rnd(p.to(tl.float32) * s, dt, IS_BF16), dt, IS_BF16)
+    return rot.to(dt)
+
+
+@_jit
 def _attend_tile(
     q, k_cache, v_cache, table, pos, p_mask, keep, kv_head, d, d_mask,
     m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE: tl.constexpr,
@@ -126,12 +176,36 @@ def _write_kv_kernel(
 
 
 @_jit
+def _merge_head(
+    part_out, part_lse, out_ptr, seq, head, stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One head's output from its splits' partial outputs, weighted by their log-sum-exps.
+    The partials are read past the L1 (`.cg`): in the one-launch merge other programs wrote
+    them during this launch."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + s
+    lse = tl.load(part_lse + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    weight = tl.exp2(lse - tl.max(lse, 0))  # at least one split holds the query's own token
+    weight = weight / tl.sum(weight, 0)
+    parts = tl.load(part_out + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
+                    other=0.0, cache_modifier=".cg")
+    out = tl.sum(parts * weight[:, None], 0)
+    dst = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@_jit
 def _decode_split_kernel(
-    q_ptr, k_cache, v_cache, tables, context_lens, out_ptr, part_out, part_lse,
+    q_ptr, k_cache, v_cache, tables, context_lens, out_ptr, part_out, part_lse, counters,
+    cos_ptr, sin_ptr, slot_ptr,
     scale_log2, window, split_len, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head, stride_cos,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    DIRECT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, ROPE: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the next kernel (a GEMV launched with PDL) may start loading its weights
@@ -139,6 +213,7 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
     context = tl.load(context_lens + seq).to(tl.int32)
     # This split's positions, clipped to the context and to the window of the one query
     # (position context - 1). Every tile starts at a valid position, so no row is all -inf.
@@ -150,10 +225,29 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     head_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=head_mask[:, None] & d_mask[None, :], other=0.0,
-    )
+    row_ptr = q_ptr + seq.to(tl.int64) * stride_qt
+    if ROPE:  # q_ptr is the fused projection's output: [T, heads + 2 kv heads, head_dim]
+        cos_row = cos_ptr + seq.to(tl.int64) * stride_cos
+        sin_row = sin_ptr + seq.to(tl.int64) * stride_cos
+        q = _rope_heads(row_ptr, cos_row, sin_row, heads * stride_qh, head_mask, d, HEAD_DIM, IS_BF16)
+        # The split holding the new token (position context - 1) writes its key, rotated, and
+        # its value into the token's cache slot (negative: padding), then attends over it.
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if (split * split_len <= context - 1) & (context - 1 < (split + 1) * split_len) & (slot >= 0):
+            r = tl.arange(0, 1)  # the one key head of this program, as a row
+            k = _rope_heads(row_ptr, cos_row, sin_row, (NUM_HEADS + kv_head) * stride_qh + r, r < 1, d, HEAD_DIM,
+                            IS_BF16)
+            dst = slot * stride_slot + kv_head * stride_head + r[:, None] + d[None, :]
+            kv_mask = (r < 1)[:, None] & d_mask[None, :]
+            tl.store(k_cache + dst, k, mask=kv_mask)
+            v_off = (NUM_HEADS + num_kv_heads + kv_head) * stride_qh + r[:, None] + d[None, :]
+            tl.store(v_cache + dst, tl.load(row_ptr + v_off, mask=kv_mask, other=0.0), mask=kv_mask)
+        tl.debug_barrier()  # the writes are visible to every thread of the program
+    else:
+        q = tl.load(
+            row_ptr + heads[:, None] * stride_qh + d[None, :],
+            mask=head_mask[:, None] & d_mask[None, :], other=0.0,
+        )
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -175,6 +269,17 @@ def _decode_split_kernel(
         tl.store(part_out + row[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
         lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
         tl.store(part_lse + row, lse, mask=head_mask)
+        if MERGE:
+            # Every thread's stores are issued before the count; the count is acquire-release
+            # at GPU scope, so the last split to arrive sees every split's partials.
+            tl.debug_barrier()
+            counter = counters + seq * num_kv_heads + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                for h in range(GROUP):
+                    _merge_head(part_out, part_lse, out_ptr, seq, kv_head * GROUP + h, stride_ot, stride_oh,
+                                num_splits, NUM_HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
+                tl.store(counter, 0)  # zero again for the next launch
 
 
 @_jit
@@ -185,19 +290,8 @@ def _decode_reduce_kernel(
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + s
-    lse = tl.load(part_lse + row, mask=s_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # at least one split holds the query's own token
-    weight = weight / tl.sum(weight, 0)
-    parts = tl.load(part_out + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0)
-    dst = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    _merge_head(part_out, part_lse, out_ptr, tl.program_id(0), tl.program_id(1), stride_ot, stride_oh, num_splits,
+                NUM_HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
 
 
 @_jit
@@ -284,19 +378,24 @@ class TritonPagedAttention(AttentionBackend):
     for a given metadata object and reused by the others.
     """
 
-    def __init__(self, sliding_window: int | None = None, decode_split_len: int | None = None) -> None:
+    def __init__(
+        self, sliding_window: int | None = None, decode_split_len: int | None = None, merge_splits: bool = False
+    ) -> None:
         """`decode_split_len` fixes the KV positions per decode split (rounded up to a whole
         number of DECODE_BLOCK_N tiles); by default the number of splits fills the GPU when
-        there are few (sequence, kv head) pairs, and is 1 off CUDA."""
+        there are few (sequence, kv head) pairs, and is 1 off CUDA. `merge_splits`: the last
+        split to finish merges them, in the decode launch itself (no reduce launch)."""
         if not triton_available():
             raise RuntimeError("TritonPagedAttention needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         if decode_split_len is not None and decode_split_len < 1:
             raise ValueError(f"decode_split_len must be positive, got {decode_split_len}")
         self.window = sliding_window or NO_WINDOW
         self.decode_split_len = decode_split_len
+        self.merge_splits = merge_splits
         self._plan_meta: AttentionMetadata | None = None
         self._plan: PrefillPlan | None = None
         self._num_sms: int | None = None
+        self._counters: torch.Tensor | None = None
         self.pdl = pdl_enabled()  # the kernels after attention (GEMVs) may launch early
 
     def forward(
@@ -324,6 +423,25 @@ class TritonPagedAttention(AttentionBackend):
             self._prefill(q, kv_cache, meta, scale, out)
         return out
 
+    def attend_decodes_rope(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """A step of decodes only, from the fused projection's output `qkv` `[T, heads + 2
+        kv_heads, head_dim]` and the step's RoPE tables `cos`, `sin` `[T, 1, head_dim / 2]`:
+        RoPE, the K/V write and the attention in one launch. Returns `[T, heads, head_dim]`,
+        the values of `triton_fused.rope_write_kv_` then `attend_cached` (and the same cache);
+        `qkv` is left as it was."""
+        if meta.prefills or meta.num_decodes != qkv.shape[0]:
+            raise ValueError("attend_decodes_rope takes a step of decodes only")
+        kv_heads = kv_cache.shape[2]
+        heads = qkv.shape[1] - 2 * kv_heads
+        assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+        assert qkv.dtype == kv_cache.dtype and qkv.shape[2] == kv_cache.shape[3] and qkv.shape[2] % 2 == 0
+        out = torch.empty((qkv.shape[0], heads, qkv.shape[2]), dtype=qkv.dtype, device=qkv.device)
+        self._decode(qkv, kv_cache, meta, scale, out, rope=(cos, sin, meta.slot_mapping))
+        return out
+
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
         tokens, kv_heads, head_dim = k.shape
         if tokens == 0:
@@ -337,37 +455,56 @@ class TritonPagedAttention(AttentionBackend):
         )
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """The decode rows' attention into `out`; with `rope` (cos, sin, slots), `q` is the
+        fused projection's output and the kernel rotates and writes K/V itself."""
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
         num_decodes = meta.num_decodes
-        heads, head_dim = q.shape[1], q.shape[2]
+        heads, head_dim = out.shape[1], out.shape[2]
         kv_heads = kv_cache.shape[2]
         group = heads // kv_heads
         max_len = meta.decode_blocks.shape[1] * meta.block_size  # a host-side bound: no sync
         split_len = self._split_len(num_decodes * kv_heads, max_len, q.device)
         splits = triton.cdiv(max_len, split_len)
         block_d = _pow2(head_dim, 16)
+        merge = self.merge_splits and splits > 1
         if splits > 1:
             part_out = torch.empty(num_decodes, heads, splits, block_d, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(num_decodes, heads, splits, dtype=torch.float32, device=q.device)
         else:
             part_out = part_lse = out  # unused: the kernel writes `out` directly
+        counters = self._zeroed_counters(num_decodes * kv_heads, q.device) if merge else out
+        cos, sin, slots = rope if rope is not None else (out, out, out)  # unused without rope
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _decode_split_kernel[(num_decodes, kv_heads, splits)](
-            q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, out, part_out, part_lse,
+            q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, out, part_out, part_lse, counters,
+            cos, sin, slots,
             scale * LOG2_E, self.window, split_len, splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.decode_blocks.stride(0),
-            k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(0), k_cache.stride(1), cos.stride(0),
             NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size, DIRECT=splits == 1,
-            BLOCK_H=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, TRIGGER=self.pdl and splits == 1,
-            num_warps=4,
+            MERGE=merge, ROPE=rope is not None, IS_BF16=q.dtype == torch.bfloat16,
+            BLOCK_H=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, BLOCK_S=_pow2(splits),
+            TRIGGER=self.pdl and (splits == 1 or merge), num_warps=4,
         )
-        if splits > 1:
+        if splits > 1 and not merge:
             _decode_reduce_kernel[(num_decodes, heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), splits,
                 NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d, TRIGGER=self.pdl,
             )
+
+    def _zeroed_counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """`n` int32 counters at zero, one per (sequence, kv head), for the one-launch merge.
+        Each launch leaves them at zero, so they are allocated once, outside any CUDA graph
+        capture (the eager run before each capture allocates what the graph will need)."""
+        counters = self._counters
+        if counters is None or counters.numel() < n or counters.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the decode split counters must be allocated before a CUDA graph capture")
+            counters = self._counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        return counters
 
     def _prefill(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor

@@ -12,7 +12,9 @@ argmax:
 - `rope_`: the rotation of every query and key head of a token, in place on the fused QKV
   projection's output; `rope_write_kv_`, with the Triton attention backend, rotates the query
   heads in place and writes the rotated key heads and the value heads straight into the paged
-  KV cache, so a layer's RoPE and K/V write are one launch.
+  KV cache, so a layer's RoPE and K/V write are one launch. `rope_attend` goes further for a
+  step of decodes only: RoPE, the K/V write and the attention are one launch
+  (`TritonPagedAttention.attend_decodes_rope`).
 - `silu_mul`: SiLU of the gate times the up projection.
 - `argmax`: the first index of each row's maximum, over chunks of the vocabulary in two launches.
 
@@ -28,9 +30,20 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.kernels.triton_attention import _jit, _pow2, opted_in, tl, triton, triton_available
+from conveyor.kernels.triton_attention import (
+    TritonPagedAttention,
+    _jit,
+    _pow2,
+    _rnd,
+    _rotate,
+    opted_in,
+    tl,
+    triton,
+    triton_available,
+)
+from conveyor.models.attention import AttentionMetadata
 
-__all__ = ["add_rms_norm", "argmax", "enabled", "rope_", "rope_write_kv_", "silu_mul", "triton_available"]
+__all__ = ["add_rms_norm", "argmax", "enabled", "rope_", "rope_attend", "rope_write_kv_", "silu_mul", "triton_available"]
 
 
 def enabled() -> bool:
@@ -38,19 +51,6 @@ def enabled() -> bool:
     are measured on a GPU (they were written after the session's GPU time ran out; BENCHMARKS.md),
     never with `CONVEYOR_TRITON=0`, and only where Triton can run."""
     return opted_in("CONVEYOR_TRITON_FUSED")
-
-
-@_jit
-def _rnd(x, dt, IS_BF16: tl.constexpr):
-    """float32 `x` rounded to the nearest `dt` (ties to even), kept in float32. bfloat16 is
-    rounded on the bits: Triton's interpreter truncates a float32 -> bfloat16 cast, and the
-    tests that run there check the rounding."""
-    if IS_BF16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dt).to(tl.float32)
 
 
 @_jit
@@ -111,15 +111,6 @@ def _rope_kernel(
     o1, o2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), c, s, dt, IS_BF16)
     tl.store(base, o1.to(dt), mask=mask)
     tl.store(base + HALF, o2.to(dt), mask=mask)
-
-
-@_jit
-def _rotate(a1, a2, c, s, dt, IS_BF16: tl.constexpr):
-    """RoPE of the halves `a1`, `a2` (float32): a1*cos - a2*sin and a2*cos + a1*sin, each
-    product and each sum rounded to `dt` as torch rounds them."""
-    o1 = _rnd(_rnd(a1 * c, dt, IS_BF16) - _rnd(a2 * s, dt, IS_BF16), dt, IS_BF16)
-    o2 = _rnd(_rnd(a2 * c, dt, IS_BF16) + _rnd(a1 * s, dt, IS_BF16), dt, IS_BF16)
-    return o1, o2
 
 
 def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
@@ -200,6 +191,20 @@ def rope_write_kv_(
         HEADS=heads, KV_HEADS=kv_heads, HALF=half, HEAD_DIM=head_dim, IS_BF16=qkv.dtype == torch.bfloat16,
         BLOCK_H=_pow2(heads), BLOCK_KV=_pow2(kv_heads), BLOCK_D=_pow2(half), BLOCK_FULL=_pow2(head_dim),
     )
+
+
+def rope_attend(
+    backend: TritonPagedAttention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """RoPE, the K/V write and paged attention of a layer, from the fused projection's output
+    `qkv` `[T, heads + 2 kv_heads, head_dim]`; returns `[T, heads, head_dim]`. A step of
+    decodes only (every CUDA-graphed step) takes one launch (`attend_decodes_rope`); a step
+    with prompts two: `rope_write_kv_`, then `attend_cached`."""
+    if not meta.prefills:
+        return backend.attend_decodes_rope(qkv, cos, sin, kv_cache, meta, scale)
+    rope_write_kv_(qkv, cos, sin, heads, kv_cache, meta.slot_mapping)
+    return backend.attend_cached(qkv[:, :heads], kv_cache, meta, scale)
 
 
 @_jit

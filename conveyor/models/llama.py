@@ -181,9 +181,9 @@ class Attention(nn.Module):
         self.backend = backend
 
     native_rope: Callable[..., None] | None = None  # set by prepare_for_inference (CPU float32)
-    # RoPE and the K/V write in one kernel, then the backend's `attend_cached` (CUDA, Triton
-    # backend, fused kernels on: `_use_triton_fused`).
-    rope_write_kv: Callable[..., None] | None = None
+    # RoPE, the K/V write and the attention from the fused projection's output, one launch for
+    # a step of decodes only (CUDA, Triton backend, fused kernels on: `_use_triton_fused`).
+    rope_attend: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -202,11 +202,9 @@ class Attention(nn.Module):
         T = qkv.shape[0]
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = qkv.view(T, h + 2 * kvh, self.head_dim)
-        rope_write = self.rope_write_kv
-        if rope_write is not None and self.q_norm is None:
-            rope_write(qkv, rope[0], rope[1], h, kv_cache, meta.slot_mapping)
-            o = self.backend.attend_cached(qkv[:, :h], kv_cache, meta, self.scale)  # type: ignore[attr-defined]
-            return o.reshape(T, self.q_size)
+        rope_attend = self.rope_attend
+        if rope_attend is not None and self.q_norm is None:
+            return rope_attend(qkv, rope[0], rope[1], h, kv_cache, meta, self.scale).reshape(T, self.q_size)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
@@ -523,9 +521,10 @@ class LlamaForCausalLM(nn.Module):
     def _use_triton_fused(self, dtype: torch.dtype) -> None:
         """On CUDA in half precision, with `CONVEYOR_TRITON_FUSED=1` (`triton_fused.enabled`), the
         residual adds, norms, RoPE and SiLU-and-multiply run in the fused Triton kernels
-        (conveyor/kernels/triton_fused.py); with the Triton attention backend, RoPE and the K/V
-        cache write are one kernel (`rope_write_kv_`). float32 on CUDA keeps the torch ops: the reference's
-        exact arithmetic."""
+        (conveyor/kernels/triton_fused.py); with the Triton attention backend, RoPE, the K/V
+        cache write and a decode step's attention are one kernel (`rope_attend`), whose
+        splits merge themselves (`merge_splits`). float32 on CUDA keeps the torch ops: the
+        reference's exact arithmetic."""
         from conveyor.kernels import triton_fused
         from conveyor.kernels.triton_attention import TritonPagedAttention
 
@@ -542,7 +541,8 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Attention):
                 module.native_rope = triton_fused.rope_
                 if isinstance(module.backend, TritonPagedAttention):
-                    module.rope_write_kv = triton_fused.rope_write_kv_
+                    module.backend.merge_splits = True
+                    module.rope_attend = functools.partial(triton_fused.rope_attend, module.backend)
             elif isinstance(module, MLP):
                 module.native_silu_mul = triton_fused.silu_mul
 

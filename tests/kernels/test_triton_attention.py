@@ -7,6 +7,7 @@ bfloat16 and large-shape checks run only on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import pytest
@@ -188,3 +189,88 @@ def schedules(draw: st.DrawFn) -> list[tuple[int, int]]:
 def test_random_schedules_match_reference(schedule, shape, block_size, window, split_len, seed):
     heads, kv_heads, head_dim = shape
     check(random_step(seed, schedule, heads, kv_heads, head_dim, block_size, window), split_len)
+
+
+def decodes_step(seed: int, contexts: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                 window: int | None, dtype: torch.dtype) -> Step:
+    """A step of decodes only: sequence i holds contexts[i] tokens, the last of them new."""
+    return random_step(seed, [(c - 1, 1) for c in contexts], heads, kv_heads, head_dim, block_size, window, dtype)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    shape=st.sampled_from([(4, 2, 16), (2, 2, 16), (3, 1, 32), (8, 2, 24)]),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 200)),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_merged_splits_match_the_reduce_launch(contexts, shape, block_size, window, dtype, seed):
+    """With `merge_splits`, the last split of each (sequence, kv head) to finish merges the
+    splits in the decode launch itself: the same output, bit for bit, as the reduce launch,
+    and every counter back at zero for the next launch."""
+    heads, kv_heads, head_dim = shape
+    step = decodes_step(seed, contexts, heads, kv_heads, head_dim, block_size, window, dtype)
+    outs = []
+    for merge in (False, True):
+        backend = TritonPagedAttention(window, decode_split_len=64, merge_splits=merge)
+        cache = step.cache.clone()
+        outs.append(backend.forward(step.q, step.k, step.v, cache, step.meta, step.scale))
+        if merge and max(contexts) > 64:  # more than one split: the counters were used
+            assert backend._counters is not None and not backend._counters.any()
+    assert torch.equal(outs[0], outs[1])
+    check(step, split_len=64, tol=2e-5 if dtype == torch.float32 else 2e-3)
+
+
+def rope_tables(seed: int, tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 50
+    return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 200), min_size=1, max_size=4),
+    shape=st.sampled_from([(4, 2, 16), (2, 2, 16), (3, 1, 32), (8, 2, 24)]),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 150)),
+    split_len=st.sampled_from([None, 64]),
+    merge=st.booleans(),
+    padding=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_decodes_with_rope_and_kv_write_in_the_attention_launch(
+    contexts, shape, block_size, window, split_len, merge, padding, dtype, seed
+):
+    """`attend_decodes_rope` (RoPE, the K/V write and the attention in one launch) gives the
+    output and the cache of `rope_write_kv_` followed by `attend_cached`, bit for bit, leaves
+    the projection's output as it was, and writes nothing for a padding row (slot -1)."""
+    from conveyor.kernels.triton_fused import rope_write_kv_
+
+    heads, kv_heads, head_dim = shape
+    step = decodes_step(seed, contexts, heads, kv_heads, head_dim, block_size, window, dtype)
+    qkv = torch.cat((step.q, step.k, step.v), dim=1)
+    cos, sin = rope_tables(seed, len(contexts), head_dim, dtype)
+    meta = step.meta
+    if padding:
+        meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.clone())
+        meta.slot_mapping[0] = -1
+    backend = TritonPagedAttention(window, split_len, merge_splits=merge)
+
+    want_qkv, want_cache = qkv.clone(), step.cache.clone()
+    rope_write_kv_(want_qkv, cos, sin, heads, want_cache, meta.slot_mapping)
+    want = backend.attend_cached(want_qkv[:, :heads], want_cache, meta, step.scale)
+    got_qkv, got_cache = qkv.clone(), step.cache.clone()
+    got = backend.attend_decodes_rope(got_qkv, cos, sin, got_cache, meta, step.scale)
+    assert torch.equal(got_qkv, qkv)
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(got, want)
+
+
+def test_decodes_with_rope_takes_decodes_only():
+    step = random_step(10, MIXED)
+    qkv = torch.cat((step.q, step.k, step.v), dim=1)
+    cos, sin = rope_tables(10, qkv.shape[0], 16, torch.float32)
+    with pytest.raises(ValueError, match="decodes only"):
+        TritonPagedAttention().attend_decodes_rope(qkv, cos, sin, step.cache, step.meta, step.scale)

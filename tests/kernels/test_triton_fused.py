@@ -144,19 +144,28 @@ def test_model_forward_through_the_fused_kernels(tiny_models, dtype, monkeypatch
     assert agree >= len(prompts) - 1, f"{agree}/{len(prompts)} prompts agree"
 
 
-def test_model_forward_with_rope_and_kv_write_in_one_kernel(tiny_models, monkeypatch):
-    """On the Triton attention backend, the fused kernels rotate and write K/V in one launch a
-    layer (`Attention.rope_write_kv`): the same greedy tokens as the two-launch path, over
-    prefills and decodes, with CUDA graphs where there is CUDA."""
+def test_model_forward_with_rope_kv_write_and_attention_in_one_kernel(tiny_models, monkeypatch):
+    """On the Triton attention backend, the fused kernels rotate, write K/V and attend in one
+    launch a layer for a step of decodes (`Attention.rope_attend`, its splits merged in the
+    launch), and rotate and write in one launch before the attention for a step with prompts:
+    the same greedy tokens as the unfused RoPE, write and attention, over prompts long enough
+    for several decode splits, with CUDA graphs where there is CUDA."""
     from conveyor import LLM, SamplingParams
     from conveyor.kernels import triton_fused
 
     path = str(tiny_models["llama"])
     dtype = torch.bfloat16
-    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 6 * i)] for i in range(3)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    runs, calls = [], []
-    for one_launch in (False, True):
+    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 60 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs, calls = [], {"decodes": 0, "write": 0}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    for fused_attention in (False, True):
         monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1")
         llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
                   block_size=4, enforce_eager=DEVICE.type == "cpu")
@@ -164,13 +173,17 @@ def test_model_forward_with_rope_and_kv_write_in_one_kernel(tiny_models, monkeyp
         if DEVICE.type == "cpu":  # on CUDA prepare_for_inference has done both
             model._use_triton_attention(dtype)
             model._use_triton_fused(dtype)
-        attentions = [m for m in model.modules() if hasattr(m, "rope_write_kv")]
-        assert all(a.rope_write_kv is triton_fused.rope_write_kv_ for a in attentions)
+        attentions = [m for m in model.modules() if hasattr(m, "rope_attend")]
+        assert all(a.rope_attend is not None and a.backend.merge_splits for a in attentions)
+        backend = attentions[0].backend
+        backend.decode_split_len = 64  # contexts up to 131: up to 3 splits, merged in the launch
+        backend.attend_decodes_rope = counted("decodes", backend.attend_decodes_rope)
+        monkeypatch.setattr(triton_fused, "rope_write_kv_", counted("write", triton_fused.rope_write_kv_))
         for a in attentions:
-            a.rope_write_kv = (lambda *args: calls.append(1) or triton_fused.rope_write_kv_(*args)) if one_launch else None
+            a.rope_attend = a.rope_attend if fused_attention else None
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert calls  # the one-launch path ran
-    assert runs[0] == runs[1]  # the same values in the cache and in q: the same tokens
+    assert calls["decodes"] and calls["write"]  # both paths of rope_attend ran
+    assert runs[0] == runs[1]
 
 
 @settings(max_examples=20, deadline=None)
