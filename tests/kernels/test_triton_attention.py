@@ -274,3 +274,55 @@ def test_decodes_with_rope_takes_decodes_only():
     cos, sin = rope_tables(10, qkv.shape[0], 16, torch.float32)
     with pytest.raises(ValueError, match="decodes only"):
         TritonPagedAttention().attend_decodes_rope(qkv, cos, sin, step.cache, step.meta, step.scale)
+
+
+@needs_cuda
+def test_one_launch_decodes_replayed_in_a_cuda_graph():
+    """On a GPU, where the splits of a launch really run at once: the one-launch decode (RoPE,
+    the K/V write, the attention, the splits merged by the last to finish) captured in a CUDA
+    graph and replayed over changing contexts gives the two-launch path's output and cache at
+    every replay, and leaves every counter at zero (the graph never zeroes them itself)."""
+    from conveyor.kernels.triton_fused import rope_write_kv_
+
+    heads, kv_heads, head_dim, block, n, width = 32, 8, 64, 16, 4, 64
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    tables = torch.arange(n * width, device=dev).view(n, width)
+    cache = torch.randn(2, n * width * block, kv_heads, head_dim, device=dev, generator=g).to(dtype)
+    qkv = torch.empty(n, heads + 2 * kv_heads, head_dim, device=dev, dtype=dtype)
+    cos = torch.empty(n, 1, head_dim // 2, device=dev, dtype=dtype)
+    sin = torch.empty_like(cos)
+    lens = torch.ones(n, dtype=torch.long, device=dev)
+    slots = torch.zeros(n, dtype=torch.long, device=dev)
+    meta = AttentionMetadata(block_size=block, positions=lens - 1, slot_mapping=slots, num_decodes=n,
+                             decode_blocks=tables, decode_context_lens=lens)
+    merged, two_launch = TritonPagedAttention(merge_splits=True), TritonPagedAttention()
+
+    def fill(trial: int) -> None:
+        gen = torch.Generator().manual_seed(trial)
+        contexts = torch.randint(1, width * block + 1, (n,), generator=gen)
+        lens.copy_(contexts)
+        last = contexts - 1
+        slots.copy_(tables.cpu().gather(1, (last // block)[:, None])[:, 0] * block + last % block)
+        qkv.copy_(torch.randn(qkv.shape, generator=gen))
+        angles = torch.rand(cos.shape, generator=gen) * 50
+        cos.copy_(angles.cos())
+        sin.copy_(angles.sin())
+
+    fill(0)
+    merged.attend_decodes_rope(qkv, cos, sin, cache.clone(), meta, 0.125)  # compiles, allocates the counters
+    graph_cache = cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = merged.attend_decodes_rope(qkv, cos, sin, graph_cache, meta, 0.125)
+    for trial in range(1, 40):
+        fill(trial)
+        graph_cache.copy_(cache)
+        graph.replay()
+        want_cache, want_qkv = cache.clone(), qkv.clone()
+        rope_write_kv_(want_qkv, cos, sin, heads, want_cache, slots)
+        want = two_launch.attend_cached(want_qkv[:, :heads], want_cache, meta, 0.125)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_cache, want_cache)
+        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-3)
+        assert merged._counters is not None and not merged._counters.any()
