@@ -108,12 +108,21 @@ class Rotary(nn.Module):
         freqs = pos[:, None] * inv[None, :]  # [positions, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos/sin rows `[T, 1, head_dim/2]` for this step, computed once, shared by all layers."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+        """cos/sin rows `[T, 1, head_dim/2]` for this step, computed once, shared by all layers.
+        In another dtype than float32 they are views of one gather from a table of both, kept
+        in that dtype: one kernel a step where a gather and a cast of each took four (the
+        same values: rounding commutes with the gather)."""
+        if dtype == self.cos.dtype:  # the native CPU kernels take contiguous rows
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        key = (dtype, self.cos.device)
+        table = self._tables.get(key)
+        if table is None:  # [positions, 2, head_dim/2]; built by the eager run before a graph capture
+            table = self._tables[key] = torch.stack((self.cos, self.sin), dim=1).to(dtype)
+        rows = table[positions]
+        return rows[:, :1], rows[:, 1:]
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
