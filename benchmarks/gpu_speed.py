@@ -26,7 +26,10 @@ batch1: one sequence decodes 256 tokens; the median wall time of a step (what a 
 against the bytes a step reads (every weight once; the tied embedding is the LM head) over the
 HBM bandwidth read on the spot (the better of a device-to-device copy and a sum over 4 GiB).
 With CUDA graphs and without, with async scheduling and without, with the opt-in fused
-kernels and GEMVs and without, and the GEMVs with programmatic dependent launch (`+pdl`); then the median step of 2, 4 and 8 sequences decoding 64 tokens.
+kernels and GEMVs and without, the GEMVs with programmatic dependent launch (`+pdl`), and the
+fused kernels' decode attention in three launches a layer (`+3launch`: RoPE and write,
+attention, reduce) against its one; then the median step of 2, 4 and 8 sequences decoding 64
+tokens.
 
 throughput: a ShareGPT-like mix (published means, conveyor.bench.workload) all queued at once,
 on conveyor, HF `generate` in padded static batches and HF continuous batching
@@ -108,19 +111,23 @@ def guarded(name: str, device: str, run: Callable[[], dict]) -> dict:
     return {"error": error}
 
 
-OPT_IN = {"fused": "CONVEYOR_TRITON_FUSED", "gemv": "CONVEYOR_TRITON_GEMV", "pdl": "CONVEYOR_TRITON_PDL"}
+# A variant's name part -> (variable, value when named, value otherwise).
+OPT_IN = {"fused": ("CONVEYOR_TRITON_FUSED", "1", "0"), "gemv": ("CONVEYOR_TRITON_GEMV", "1", "0"),
+          "pdl": ("CONVEYOR_TRITON_PDL", "1", "0"), "3launch": ("CONVEYOR_TRITON_ONE_LAUNCH_DECODE", "0", "1")}
 
 
 @contextlib.contextmanager
 def opt_in_kernels(variant: str) -> Iterator[None]:
     """The opt-in Triton kernels a variant's name asks for (`+fused`: the fused element-wise
-    kernels, `+gemv`: the fused GEMVs, `+pdl`: the GEMVs with programmatic dependent launch),
-    switched on while an engine is built and every other
-    one off: they stay opt-in until measured, so parity and batch-1 run with them and without."""
+    kernels, `+gemv`: the fused GEMVs, `+pdl`: the GEMVs with programmatic dependent launch;
+    `+3launch`: with the fused kernels, a decode's attention in three launches, RoPE and
+    write, attention, reduce, instead of one), switched on while an engine is built and every
+    other one off: they stay opt-in until measured, so parity and batch-1 run with them and
+    without."""
     wanted = set(variant.split("+")[1:])
-    before = {var: os.environ.get(var) for var in OPT_IN.values()}
-    for name, var in OPT_IN.items():
-        os.environ[var] = "1" if name in wanted else "0"
+    before = {var: os.environ.get(var) for var, _, _ in OPT_IN.values()}
+    for name, (var, named, otherwise) in OPT_IN.items():
+        os.environ[var] = named if name in wanted else otherwise
     try:
         yield
     finally:
@@ -376,10 +383,10 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
     asynchronous = dict(async_scheduling=True)
     variants: list[tuple[str, dict]] = [
         ("graphs+async+fused+gemv+pdl", asynchronous), ("graphs+async+fused+gemv", asynchronous),
-        ("graphs+async+fused", asynchronous), ("graphs+async", asynchronous), ("graphs", {}),
-        ("eager", dict(enforce_eager=True))]
+        ("graphs+async+fused+gemv+3launch", asynchronous), ("graphs+async+fused", asynchronous),
+        ("graphs+async", asynchronous), ("graphs", {}), ("eager", dict(enforce_eager=True))]
     if args.smoke:  # the script's paths, not the kernels (the interpreter would time Python)
-        variants = variants[3:]
+        variants = variants[4:]
     for name, options in variants:
         out[name] = guarded(name, args.device, lambda n=name, o=options: batch1_variant(args, path, n, o, steps, bandwidth))
     return out
@@ -427,7 +434,12 @@ def batch1_variant(args: argparse.Namespace, path: str, name: str, options: dict
 
 
 # -- throughput -------------------------------------------------------------------------------
-def throughput(args: argparse.Namespace, path: str) -> dict:
+def throughput(args: argparse.Namespace, path: str, save: Callable[[dict], None] = lambda partial: None) -> dict:
+    """conveyor, then each HF baseline, on the same requests. With `--hf-num-requests N` the
+    baselines take the mix's first N requests and conveyor runs those N too, so each ratio is
+    over the same work (HF continuous batching did not finish 256 requests in a 10-minute call
+    on an H100). `save` gets the figures so far after each system: a call that runs out of
+    time keeps what it measured."""
     from transformers import AutoModelForCausalLM
 
     from conveyor import LLM, SamplingParams
@@ -455,6 +467,19 @@ def throughput(args: argparse.Namespace, path: str) -> dict:
     assert sum(len(o.outputs[0].token_ids) for o in outs) == total
     out["conveyor"] = {"elapsed_s": elapsed, "output_tok_per_s": total / elapsed}
     print(f"conveyor: {total / elapsed:.0f} output tok/s ({elapsed:.1f} s)", flush=True)
+    n, key = min(args.hf_num_requests or len(reqs), len(reqs)), "conveyor"
+    if n < len(reqs):  # the subset the baselines run, on conveyor too
+        sub_total = sum(outputs[:n])
+        sync(args.device)
+        t = time.perf_counter()
+        llm.generate(prompts[:n], params[:n], use_tqdm=False)
+        sub = time.perf_counter() - t
+        key = f"conveyor_first_{n}"
+        out[key] = {"elapsed_s": sub, "output_tok_per_s": sub_total / sub}
+        print(f"conveyor, the first {n} requests: {sub_total / sub:.0f} output tok/s ({sub:.1f} s)", flush=True)
+        reqs = reqs[:n]
+    mine = out[key]["output_tok_per_s"]
+    save(out)
     del llm, outs
     release(args.device)
 
@@ -470,12 +495,14 @@ def throughput(args: argparse.Namespace, path: str) -> dict:
             run = system.run(reqs, point)
             elapsed = time.perf_counter() - t
             produced = sum(r.output_len for r in run.timings)
-            out[name] = {"elapsed_s": elapsed, "output_tokens": produced, "output_tok_per_s": produced / elapsed}
-            print(f"{name}: {produced / elapsed:.0f} output tok/s ({elapsed:.1f} s); "
-                  f"conveyor / {name} = {out['conveyor']['output_tok_per_s'] / (produced / elapsed):.1f}x", flush=True)
+            out[name] = {"requests": len(reqs), "elapsed_s": elapsed, "output_tokens": produced,
+                         "output_tok_per_s": produced / elapsed, "conveyor_ratio": mine / (produced / elapsed)}
+            print(f"{name}: {produced / elapsed:.0f} output tok/s ({elapsed:.1f} s, {len(reqs)} requests); "
+                  f"conveyor / {name} = {mine / (produced / elapsed):.1f}x", flush=True)
         except Exception as e:  # a baseline that fails is recorded, the others still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: failed ({e})", flush=True)
+        save(out)
     out["hf_static_batch_size"] = args.hf_batch_size
     return out
 
@@ -558,6 +585,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in float32: checks the script")
     ap.add_argument("--num-requests", type=int, default=256, help="throughput: requests of the ShareGPT-like mix")
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-num-requests", type=int, default=0,
+                    help="throughput: the HF baselines take the mix's first N requests (conveyor runs them too); "
+                         "0: all of them")
     ap.add_argument("--baselines", default="hf_continuous,hf_static",
                     help="throughput: the HF baselines to run, in order (hf_static took 319 s on an H100: "
                          "give each its own call to stay inside a 10-minute one)")
@@ -596,8 +626,13 @@ def main() -> int:
                 result["parity"] = parity(args, folder)
             else:
                 big = big or build_llama(folder / "llama-1b", SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE)
-                result[part] = {"gemv": gemv, "batch1": batch1, "throughput": throughput,
-                                "overhead": overhead}[part](args, big)
+                if part == "throughput":
+                    def save(partial: dict) -> None:
+                        args.out.mkdir(parents=True, exist_ok=True)
+                        (args.out / "gpu_speed.json").write_text(json.dumps(result | {"throughput": partial}, indent=1))
+                    result[part] = throughput(args, big, save)
+                else:
+                    result[part] = {"gemv": gemv, "batch1": batch1, "overhead": overhead}[part](args, big)
             print(f"[{part}: {time.perf_counter() - t:.0f} s]", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "gpu_speed.json").write_text(json.dumps(result, indent=1))

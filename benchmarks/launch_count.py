@@ -44,7 +44,7 @@ from gpu_speed import LLAMA_1B_SHAPE, build_llama, opt_in_kernels
 
 TINY_1B = LLAMA_1B_SHAPE | dict(hidden_size=128, intermediate_size=256, num_attention_heads=8,
                                 num_key_value_heads=2, vocab_size=1024)
-VARIANTS = ("triton", "triton+fused", "triton+fused+gemv")
+VARIANTS = ("triton", "triton+fused", "triton+fused+gemv+3launch", "triton+fused+gemv")
 H100_SMS = 132
 FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "_to_copy_noop"}
 

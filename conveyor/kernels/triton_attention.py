@@ -396,6 +396,7 @@ class TritonPagedAttention(AttentionBackend):
         self._plan: PrefillPlan | None = None
         self._num_sms: int | None = None
         self._counters: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
         self.pdl = pdl_enabled()  # the kernels after attention (GEMVs) may launch early
 
     def forward(
@@ -498,11 +499,17 @@ class TritonPagedAttention(AttentionBackend):
     def _zeroed_counters(self, n: int, device: torch.device) -> torch.Tensor:
         """`n` int32 counters at zero, one per (sequence, kv head), for the one-launch merge.
         Each launch leaves them at zero, so they are allocated once, outside any CUDA graph
-        capture (the eager run before each capture allocates what the graph will need)."""
+        capture (the eager run before each capture allocates what the graph will need). The
+        first 1024 cover every step the default heuristic splits (it splits only while
+        sequences x kv heads are under twice the SMs); a fixed `decode_split_len` can need
+        more, and a larger buffer then replaces this one, which is kept for the graphs that
+        read it."""
         counters = self._counters
         if counters is None or counters.numel() < n or counters.device != device:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the decode split counters must be allocated before a CUDA graph capture")
+            if counters is not None:  # graphs captured earlier still point at it: never freed
+                self._retired.append(counters)
             counters = self._counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         return counters
 

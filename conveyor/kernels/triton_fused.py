@@ -195,13 +195,14 @@ def rope_write_kv_(
 
 def rope_attend(
     backend: TritonPagedAttention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, one_launch: bool = True,
 ) -> torch.Tensor:
     """RoPE, the K/V write and paged attention of a layer, from the fused projection's output
     `qkv` `[T, heads + 2 kv_heads, head_dim]`; returns `[T, heads, head_dim]`. A step of
     decodes only (every CUDA-graphed step) takes one launch (`attend_decodes_rope`); a step
-    with prompts two: `rope_write_kv_`, then `attend_cached`."""
-    if not meta.prefills:
+    with prompts, or any step with `one_launch=False`, two: `rope_write_kv_`, then
+    `attend_cached`."""
+    if one_launch and not meta.prefills:
         return backend.attend_decodes_rope(qkv, cos, sin, kv_cache, meta, scale)
     rope_write_kv_(qkv, cos, sin, heads, kv_cache, meta.slot_mapping)
     return backend.attend_cached(qkv[:, :heads], kv_cache, meta, scale)

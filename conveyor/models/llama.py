@@ -101,6 +101,9 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for every position up to `max_positions`, in the model dtype."""
 
+    cos: torch.Tensor  # buffers [positions, head_dim/2], float32
+    sin: torch.Tensor
+
     def __init__(self, arch: ArchConfig, max_positions: int) -> None:
         super().__init__()
         inv = rope_inv_freq(arch)
@@ -308,7 +311,9 @@ class FusedDecode:
         arch = model.arch
         self.kernel = kernel
         # The modules the step's two ends use (not the model itself: no reference cycle).
-        self.rotary, self.embed, self.norm = model.rotary, model.embed_tokens, model.norm
+        self.rotary: Rotary = model.rotary
+        self.embed: nn.Embedding = model.embed_tokens
+        self.norm: RMSNorm = model.norm
         self.fold_ends = True  # embedding and final norm in the native call (False: in torch, as before)
         assert self.rotary.cos.is_contiguous() and self.rotary.cos.dtype == torch.float32
         assert self.embed.weight.is_contiguous() and self.embed.weight.dtype == torch.float32
@@ -324,7 +329,9 @@ class FusedDecode:
         def weight(proj: nn.Module) -> int:
             if isinstance(proj, Int8Linear):
                 return ptr(proj.qweight, torch.int8)
-            return ptr(proj.weight)
+            w = proj.weight
+            assert isinstance(w, torch.Tensor)
+            return ptr(w)
 
         def int8(proj: nn.Module) -> list[int]:  # (row scales, smoothing divisors) or zeros
             if isinstance(proj, Int8Linear):
@@ -333,6 +340,7 @@ class FusedDecode:
 
         rows, int8_rows = [], []
         for layer in model.layers:
+            assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             rows.append([
                 ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), ptr(attn.qkv_proj.bias),
@@ -377,6 +385,7 @@ class FusedDecode:
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
         kv_half = kv_caches[0].dtype == torch.float16
         tables, ctx = meta.decode_blocks.contiguous(), meta.decode_context_lens.contiguous()
+        ends: tuple[torch.Tensor, ...]
         if self.fold_ends:
             x = torch.empty((input_ids.shape[0], self.dims[0]), dtype=torch.float32)
             ends = (input_ids.contiguous(), self.embed.weight, self.norm.weight)
@@ -390,6 +399,10 @@ class FusedDecode:
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`."""
+
+    embed_tokens: nn.Embedding
+    norm: RMSNorm
+    rotary: Rotary
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -532,8 +545,9 @@ class LlamaForCausalLM(nn.Module):
         residual adds, norms, RoPE and SiLU-and-multiply run in the fused Triton kernels
         (conveyor/kernels/triton_fused.py); with the Triton attention backend, RoPE, the K/V
         cache write and a decode step's attention are one kernel (`rope_attend`), whose
-        splits merge themselves (`merge_splits`). float32 on CUDA keeps the torch ops: the
-        reference's exact arithmetic."""
+        splits merge themselves (`merge_splits`), unless `CONVEYOR_TRITON_ONE_LAUNCH_DECODE=0`
+        (then three: RoPE and write, attention, reduce; for measuring one against the other).
+        float32 on CUDA keeps the torch ops: the reference's exact arithmetic."""
         from conveyor.kernels import triton_fused
         from conveyor.kernels.triton_attention import TritonPagedAttention
 
@@ -544,14 +558,16 @@ class LlamaForCausalLM(nn.Module):
             return triton_fused.add_rms_norm(None, x, weight, eps)[0]
 
         self.add_norm = triton_fused.add_rms_norm
+        one_launch = os.environ.get("CONVEYOR_TRITON_ONE_LAUNCH_DECODE", "1") != "0"
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.native = norm  # q/k norms (3-D) stay on the torch path
             elif isinstance(module, Attention):
                 module.native_rope = triton_fused.rope_
                 if isinstance(module.backend, TritonPagedAttention):
-                    module.backend.merge_splits = True
-                    module.rope_attend = functools.partial(triton_fused.rope_attend, module.backend)
+                    module.backend.merge_splits = one_launch
+                    module.rope_attend = functools.partial(triton_fused.rope_attend, module.backend,
+                                                           one_launch=one_launch)
             elif isinstance(module, MLP):
                 module.native_silu_mul = triton_fused.silu_mul
 
@@ -582,7 +598,9 @@ class LlamaForCausalLM(nn.Module):
     def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:
         """Run the float32 model once over `calibration_ids` recording every linear layer's
         inputs, then replace the layers (and the LM head) by smoothed `Int8Linear`s."""
-        linears = {n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and m is not self.lm_head}
+        linears: dict[str, nn.Module] = {
+            n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and m is not self.lm_head
+        }
         recorder = ActivationRecorder(linears)
         try:
             hidden = self.forward_sequence(calibration_ids)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def test_gpu_speed_smoke(tmp_path):
     script = Path(__file__).parents[2] / "benchmarks" / "gpu_speed.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--hf-num-requests", "6", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "gpu_speed.json").read_text())
@@ -29,8 +29,9 @@ def test_gpu_speed_smoke(tmp_path):
         assert b1["ms_per_step"] > 0 and 0 < b1["fraction_of_limit"] < 2
         assert set(b1["ms_per_step_at_batch"]) == {"2", "4", "8"} and min(b1["ms_per_step_at_batch"].values()) > 0
     tput = result["throughput"]
-    assert tput["conveyor"]["output_tok_per_s"] > 0
-    assert tput["hf_static"]["output_tok_per_s"] > 0
+    assert tput["conveyor"]["output_tok_per_s"] > 0 and tput["conveyor_first_6"]["output_tok_per_s"] > 0
+    assert tput["hf_static"]["output_tok_per_s"] > 0 and tput["hf_static"]["requests"] == 6  # the same 6 as conveyor's
+    assert tput["hf_static"]["conveyor_ratio"] > 0
     assert "output_tok_per_s" in tput["hf_continuous"] or "error" in tput["hf_continuous"]
     for mode in ("sync", "async"):
         assert result["overhead"][mode]["engine_ms_per_step"] > 0

@@ -19,9 +19,13 @@ def test_kernels_a_graphed_decode_step_launches(tmp_path):
     out = tmp_path / "counts.json"
     proc = subprocess.run([sys.executable, str(script), "--batch", "1", "--layers", "2", "--max-model-len", "1024",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
+    # (`+3launch`: the fused kernels' decode attention as RoPE and write, attention, reduce)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    plain, fused, gemv = json.loads(out.read_text())
-    assert (plain["variant"], fused["variant"], gemv["variant"]) == ("triton", "triton+fused", "triton+fused+gemv")
+    plain, fused, three, gemv = json.loads(out.read_text())
+    assert [r["variant"] for r in (plain, fused, three, gemv)] == [
+        "triton", "triton+fused", "triton+fused+gemv+3launch", "triton+fused+gemv"]
+    assert three["layer_kernels"] == {"triton._gemv_kernel": 4, "triton._rope_write_kv_kernel": 1,
+                                      "triton._decode_split_kernel": 1, "triton._decode_reduce_kernel": 1}
     assert plain["splits"] > 1 and "triton._decode_reduce_kernel" in plain["layer_kernels"]
     # With the fused kernels a layer's attention is one launch: RoPE, the K/V write, the
     # attention and the merge of its splits.

@@ -223,6 +223,17 @@ def test_merged_splits_match_the_reduce_launch(contexts, shape, block_size, wind
     check(step, split_len=64, tol=2e-5 if dtype == torch.float32 else 2e-3)
 
 
+def test_merge_counters_outgrown_stay_alive_for_captured_graphs():
+    """A step that needs more counters than the buffer holds gets a larger one; the old one,
+    which a captured CUDA graph may still read, is kept, not freed."""
+    backend = TritonPagedAttention(None, decode_split_len=64, merge_splits=True)
+    small = backend._zeroed_counters(8, DEVICE)
+    assert backend._zeroed_counters(1000, DEVICE) is small  # within the first 1024
+    big = backend._zeroed_counters(4096, DEVICE)
+    assert big.numel() >= 4096 and not big.any()
+    assert len(backend._retired) == 1 and backend._retired[0] is small
+
+
 def rope_tables(seed: int, tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     angles = torch.rand(tokens, 1, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 50
     return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
