@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
+from conveyor.sampling_params import SamplingParams
 from conveyor.server.config import ServerConfig  # light: no FastAPI until `serve` runs
 
 
@@ -81,8 +82,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[])
 
 
-def sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from conveyor.sampling_params import SamplingParams
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
     return SamplingParams(
         max_tokens=args.max_tokens,

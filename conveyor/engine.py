@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
@@ -25,6 +25,9 @@ from conveyor.runner.base import Runner, RunnerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where a model is built, not by the engine's import
+    import torch
 
 logger = logging.getLogger("conveyor")
 
@@ -603,7 +606,7 @@ def _plan_cache(
     )
 
 
-def _resolve_kv_dtype(config: EngineConfig, dtype: Any, device: Any):  # type: ignore[no-untyped-def]
+def _resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's torch dtype: the compute dtype unless `kv_cache_dtype` names another,
     which only the CPU backends read (the Triton kernels take the compute dtype)."""
     import torch
@@ -618,7 +621,7 @@ def _resolve_kv_dtype(config: EngineConfig, dtype: Any, device: Any):  # type: i
     return kv
 
 
-def _resolve_device(name: str):  # type: ignore[no-untyped-def]
+def _resolve_device(name: str) -> torch.device:
     import torch
 
     if name == "auto":
@@ -628,7 +631,7 @@ def _resolve_device(name: str):  # type: ignore[no-untyped-def]
     return torch.device(name)
 
 
-def _resolve_dtype(name: str, device):  # type: ignore[no-untyped-def]
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     import torch
 
     if name == "auto":
@@ -636,7 +639,7 @@ def _resolve_dtype(name: str, device):  # type: ignore[no-untyped-def]
     return getattr(torch, name)
 
 
-def _cuda_kv_budget(device, weight_bytes: int, utilization: float) -> int:  # type: ignore[no-untyped-def]
+def _cuda_kv_budget(device: torch.device, weight_bytes: int, utilization: float) -> int:
     import torch
 
     free, total = torch.cuda.mem_get_info(device)

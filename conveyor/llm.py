@@ -9,6 +9,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -27,7 +28,7 @@ class LLM:
         self._counter = 0
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     def generate(
@@ -116,9 +117,9 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [list(items)]  # type: ignore[list-item]
+        return [[int(t) for t in items]]
     out: list[Prompt] = []
     for p in items:
         if isinstance(p, str):

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from conveyor.models.attention import AttentionMetadata, host_longs, host_table
+
+if TYPE_CHECKING:
+    from conveyor.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("conveyor")
 
@@ -47,7 +51,7 @@ class GraphedDecode:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         block_size: int,
         max_blocks: int,
@@ -62,10 +66,10 @@ class GraphedDecode:
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        weight = model.embed_tokens.weight  # type: ignore[union-attr]
+        weight = model.embed_tokens.weight
         self.device = weight.device
         self.dtype = weight.dtype
-        self.sliding_window = model.arch.sliding_window  # type: ignore[union-attr]
+        self.sliding_window = model.arch.sliding_window
         n, dev = self.max_batch, self.device
         # The fixed buffers every graph reads; a step copies its inputs into their first rows.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)

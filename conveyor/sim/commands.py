@@ -199,7 +199,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     hardware = calibrate.cpu_hardware(flops, bandwidth, threads)
     print(f"  fp32 GEMM {flops / 1e9:.1f} GFLOP/s, memory read {bandwidth / 1e9:.1f} GB/s (best before / after)")
     fit = calibrate.fit(hardware, model, samples, engine.config.cache.block_size,
-                        skinny=calibrate.runner_skinny_rows(), fused_rows=calibrate.runner_fused_rows(engine.runner.model))
+                        skinny=calibrate.runner_skinny_rows(),
+                        fused_rows=calibrate.runner_fused_rows(getattr(engine.runner, "model", None)))
     p = fit.params
     print(f"fit: mfu {p.mfu:.3f}, attn_mfu {p.attn_mfu:.3f}, mbu {p.mbu:.3f}, kv_mbu {p.kv_mbu:.3f}, "
           f"skinny kernel (<= {p.skinny_rows} rows): mbu {p.gemv_mbu or p.mbu:.3f}, mfu {p.gemv_mfu or p.mfu:.3f}; "
