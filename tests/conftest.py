@@ -1,12 +1,23 @@
-"""Shared fixtures: tiny random-weight HF models saved as safetensors, and the SmolLM2 path."""
+"""Shared fixtures: tiny random-weight HF models saved as safetensors, and the SmolLM2 path.
+
+Without CUDA, the Triton kernels run on CPU tensors under Triton's interpreter. Triton reads
+the variable when it defines a kernel, its own `triton.language` helpers included, so it is set
+here, before any test module is collected: a module that imports triton while the suite is
+collected would otherwise leave the kernel tests without it. (`test_triton_sm90.py` compiles in
+a subprocess without it.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(
     vocab_size=384,

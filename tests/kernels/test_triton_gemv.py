@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")  # under the interpreter without CUDA (conftest.py)
+pytest.importorskip("triton")  # under the interpreter without CUDA (tests/conftest.py)
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
