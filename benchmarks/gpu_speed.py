@@ -617,6 +617,15 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
     }
     print(f"device: {result['device']}, torch {torch.__version__}", flush=True)
+
+    def save() -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_speed.json").write_text(json.dumps(result, indent=1))
+
+    def save_throughput(partial: dict) -> None:
+        result["throughput"] = partial
+        save()
+
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         big = None
@@ -627,15 +636,11 @@ def main() -> int:
             else:
                 big = big or build_llama(folder / "llama-1b", SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE)
                 if part == "throughput":
-                    def save(partial: dict) -> None:
-                        args.out.mkdir(parents=True, exist_ok=True)
-                        (args.out / "gpu_speed.json").write_text(json.dumps(result | {"throughput": partial}, indent=1))
-                    result[part] = throughput(args, big, save)
+                    result[part] = throughput(args, big, save_throughput)
                 else:
                     result[part] = {"gemv": gemv, "batch1": batch1, "overhead": overhead}[part](args, big)
             print(f"[{part}: {time.perf_counter() - t:.0f} s]", flush=True)
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "gpu_speed.json").write_text(json.dumps(result, indent=1))
+            save()
     print(f"wrote {args.out / 'gpu_speed.json'}")
     return 0
 

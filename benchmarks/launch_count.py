@@ -12,7 +12,7 @@ sampler after it:
 - every Triton launch counts as one; the kernels run through Triton's interpreter;
 - a step is `GraphedDecode(capture=False)`'s forward, the same fixed-buffer forward a graph
   captures on CUDA, and the decode attention splits the context as it would on an H100
-  (`TritonPagedAttention._split_len` with 132 SMs).
+  (`triton_attention.gpu_split_len` with 132 SMs).
 
     python benchmarks/launch_count.py                 # Llama-3.2-1B's structure, batch 1 and 40
     python benchmarks/launch_count.py --batch 1 --layers 2 --detail
@@ -96,22 +96,11 @@ class KernelCount(TorchDispatchMode):
             InterpretedFunction.__getitem__ = original  # type: ignore[method-assign]
 
 
-def h100_split_len(batch: int, kv_heads: int, max_len: int) -> int:
-    """The KV positions per decode split the backend would choose on an H100 (132 SMs)."""
-    import triton
-
-    from conveyor.kernels.triton_attention import DECODE_BLOCK_N, MAX_SPLITS, MIN_SPLIT_LEN
-
-    wanted = triton.cdiv(2 * H100_SMS, batch * kv_heads)
-    splits = max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_LEN), MAX_SPLITS))
-    return triton.cdiv(triton.cdiv(max_len, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-
-
 def count_step(path: str, variant: str, batch: int, max_model_len: int) -> dict:
     """Kernels of one graphed decode step of `batch` sequences on `variant`: in the forward
     (the graph), in a layer of it, and in the LM head with the greedy sampler."""
     from conveyor import LLM
-    from conveyor.kernels.triton_attention import TritonPagedAttention
+    from conveyor.kernels.triton_attention import TritonPagedAttention, gpu_split_len
     from conveyor.models.llama import DecoderLayer
     from conveyor.runner.cuda_graphs import GraphedDecode
     from conveyor.runner.sampler import prepare
@@ -137,7 +126,7 @@ def count_step(path: str, variant: str, batch: int, max_model_len: int) -> dict:
     assert isinstance(backend, TritonPagedAttention)
     blocks = max_model_len // 16
     # The splits Llama-3.2-1B's 8 kv heads would get (the tiny model has 2, in the same groups of 4).
-    backend.decode_split_len = h100_split_len(batch, LLAMA_1B_SHAPE["num_key_value_heads"], blocks * 16)
+    backend.decode_split_len = gpu_split_len(batch * LLAMA_1B_SHAPE["num_key_value_heads"], blocks * 16, H100_SMS)
     graphs = GraphedDecode(model, runner.kv_caches, 16, blocks, runner.scratch_block, batch, capture=False)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     positions = [100 + 37 * i for i in range(batch)]

@@ -550,10 +550,17 @@ class TritonPagedAttention(AttentionBackend):
         else:
             if self._num_sms is None:
                 self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            wanted = triton.cdiv(2 * self._num_sms, programs)
-            splits = max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_LEN), MAX_SPLITS))
-            length = triton.cdiv(max_len, splits)
+            length = gpu_split_len(programs, max_len, self._num_sms)
         return triton.cdiv(length, DECODE_BLOCK_N) * DECODE_BLOCK_N
+
+
+def gpu_split_len(programs: int, max_len: int, num_sms: int) -> int:
+    """The default KV positions per decode split on a GPU of `num_sms` SMs (before rounding to
+    whole tiles): short enough that `programs` (sequences x kv heads) times the splits fill
+    the GPU twice over, but no shorter than MIN_SPLIT_LEN, and in at most MAX_SPLITS splits."""
+    wanted = triton.cdiv(2 * num_sms, programs)
+    splits = max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_LEN), MAX_SPLITS))
+    return triton.cdiv(max_len, splits)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
