@@ -38,6 +38,7 @@ GEMV_SHAPES = {  # Llama-3.2-1B: (N, K) of each projection, and what it folds in
     "gate_up_proj (norm)": (16384, 2048, dict(norm=True)),
     "down_proj (silu_mul, residual)": (2048, 8192, dict(silu_mul=True, residual=True)),
     "lm_head": (128256, 2048, {}),
+    "lm_head (norm, argmax)": (128256, 2048, dict(norm=True, argmax=True)),  # a graphed step's head
 }
 H100_SMS = 132
 
@@ -143,6 +144,10 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
         for label, (n, k, fold) in GEMV_SHAPES.items():
             def call(rows: int = rows, n: int = n, k: int = k, fold: dict = fold, pdl: bool = pdl) -> None:
                 x = torch.zeros(rows, 2 * k if fold.get("silu_mul") else k, dtype=dt)
+                if fold.get("argmax"):
+                    triton_gemv.linear_argmax(x, torch.zeros(n, k, dtype=dt), norm=torch.ones(k, dtype=dt), eps=1e-5,
+                                              pdl=pdl)
+                    return
                 triton_gemv.linear(x, torch.zeros(n, k, dtype=dt), norm=torch.ones(k, dtype=dt) if fold.get("norm") else None,
                                    eps=1e-5, silu_mul=bool(fold.get("silu_mul")),
                                    residual=torch.zeros(rows, n, dtype=dt) if fold.get("residual") else None, pdl=pdl)
@@ -257,13 +262,13 @@ def main() -> int:
                     problems.append("PDL without griddepcontrol.wait")
             if constants.get("TRIGGER") and "griddepcontrol.launch_dependents" not in ptx:
                 problems.append("TRIGGER without griddepcontrol.launch_dependents")
-            if constants.get("MERGE"):
-                # The last split merges what the others stored: their stores must come before
-                # the count (a barrier, then an acquire-release atomic at GPU scope).
+            if constants.get("MERGE") or constants.get("ARGMAX"):
+                # The last split (or GEMV program) merges what the others stored: their stores
+                # must come before the count (a barrier, then an acquire-release atomic at GPU scope).
                 if not re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx):
-                    problems.append("MERGE without an acquire-release atomic add at GPU scope")
+                    problems.append("a merge without an acquire-release atomic add at GPU scope")
                 if "bar.sync" not in ptx and "barrier.sync" not in ptx:
-                    problems.append("MERGE without a barrier before the count")
+                    problems.append("a merge without a barrier before the count")
             narrow += bool(problems)
             shown_loads = ", ".join(f"{bits}x{count}" for bits, count in sorted(loads.items(), key=lambda kv: -int(kv[0])))
             note = f" ({'; '.join(problems)})" if problems else ""

@@ -60,11 +60,12 @@ from conveyor.kernels.triton_attention import (
 )
 from conveyor.kernels.triton_fused import _rnd
 
-__all__ = ["MAX_ROWS", "Config", "config_for", "enabled", "linear", "load_configs", "pdl_enabled", "set_configs",
-           "triton_available"]
+__all__ = ["MAX_ROWS", "Config", "config_for", "enabled", "linear", "linear_argmax", "load_configs", "pdl_enabled",
+           "set_configs", "triton_available"]
 
 MAX_ROWS = 8  # steps of more rows keep cuBLAS: the prologues are recomputed by every program
 TILE = 8192  # elements of the product tile a program holds at once (64 float32 a thread at 4 warps)
+ARGMAX_MERGE_BLOCK = 1024  # partials the argmax's merge reads at a time (an LM head of 128k: 4 times)
 
 
 def enabled() -> bool:
@@ -173,12 +174,32 @@ def _load_w(w_rows, ks, K, col_mask):
 
 
 @_jit
+def _merge_argmax(part_val, part_idx, tokens_ptr, rows, row_mask, programs,
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Each row's token: the first program's column among those whose block holds the row's
+    largest logit (the partials other programs of this launch stored, read past the L1)."""
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    at = tl.zeros([BLOCK_M], tl.int32)
+    for p0 in range(0, programs, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        m = row_mask[:, None] & (ps < programs)[None, :]
+        v = tl.load(part_val + rows[:, None] * programs + ps[None, :], mask=m, other=float("-inf"),
+                    cache_modifier=".cg")
+        v_max = tl.max(v, 1)
+        take = v_max > best  # strictly: an earlier block keeps a tie
+        at = tl.where(take, p0 + tl.argmax(v, 1, tie_break_left=True), at)
+        best = tl.where(take, v_max, best)
+    token = tl.load(part_idx + rows * programs + at, mask=row_mask, other=0, cache_modifier=".cg")
+    tl.store(tokens_ptr + rows, token, mask=row_mask)
+
+
+@_jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, g_ptr,
+    x_ptr, w_ptr, out_ptr, res_ptr, g_ptr, part_val, part_idx, counter, tokens_ptr,
     M, N, K, stride_x, stride_w, stride_out, stride_res, eps,
     NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
     ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -237,6 +258,24 @@ def _gemv_kernel(
         r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=omask, other=0.0).to(tl.float32)
         y = _rnd(r + y, dt, IS_BF16)
     tl.store(out_ptr + out_offs, y.to(dt), mask=omask)
+    if ARGMAX:
+        # A greedy step's tokens in the same launch: each program stores, per row, its block's
+        # largest logit (as rounded to the output dtype: what an argmax of the logits reads)
+        # and that logit's first column. Every thread's stores are issued before the count,
+        # which is acquire-release at GPU scope, so the last program to arrive sees every
+        # program's partials; it merges them, then zeroes the counter for the next launch (a
+        # CUDA graph replays it as it is).
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        yv = tl.where(omask, y, float("-inf"))
+        part = rows * programs + pid
+        tl.store(part_val + part, tl.max(yv, 1), mask=row_mask)
+        tl.store(part_idx + part, pid * BLOCK_N + tl.argmax(yv, 1, tie_break_left=True), mask=row_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == programs - 1:
+            _merge_argmax(part_val, part_idx, tokens_ptr, rows, row_mask, programs, BLOCK_M, BLOCK_P)
+            tl.store(counter, 0)
 
 
 @cache
@@ -270,19 +309,73 @@ def linear(
     residual: torch.Tensor | None = None,
     config: Config | None = None,
     pdl: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T` for `x` `[rows, K]` (rows <= MAX_ROWS) and `weight` `[N, K]`, in x's dtype
     with float32 accumulation; with `norm`, of `rms_norm(x) * norm` (epsilon `eps`); with
     `silu_mul`, of `silu(x[:, :K]) * x[:, K:]` for `x` `[rows, 2K]`; with `residual` `[rows, N]`,
-    plus it. A new tensor either way. `config` overrides the table's (`config_for`); `pdl`
-    launches it with programmatic dependent launch (the model passes `pdl_enabled()`)."""
+    plus it. Into `out` (`[rows, N]`, rows contiguous) if given, else a new tensor. `config`
+    overrides the table's (`config_for`); `pdl` launches it with programmatic dependent launch
+    (the model passes `pdl_enabled()`)."""
+    return _launch(x, weight, norm, eps, silu_mul, residual, config, pdl, out, None)
+
+
+def linear_argmax(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    config: Config | None = None,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head of a few-row step and its greedy tokens in one launch: `linear(x, weight,
+    norm=..., eps=...)` and its argmax over each row (the first column of a tie, as torch's),
+    written to `out` and `tokens` (`[rows]`, int64) if given. The argmax reads the logits as
+    rounded to x's dtype, so it is `logits.argmax(-1)` of the logits returned."""
+    rows = x.shape[0]
+    if tokens is None:
+        tokens = torch.empty(rows, dtype=torch.long, device=x.device)
+    assert tokens.shape == (rows,) and tokens.dtype == torch.long and tokens.stride(0) == 1
+    logits = _launch(x, weight, norm, eps, False, None, config, pdl, out, tokens)
+    return logits, tokens
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The argmax's arrival counter: one int32 at zero, which every launch leaves at zero (so
+    one serves every launch on the device, one at a time in stream order). Allocated outside
+    any CUDA graph capture: the eager run before each capture allocates it."""
+    counter = _counters.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the GEMV argmax counter must be allocated before a CUDA graph capture")
+        counter = _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None, eps: float, silu_mul: bool,
+    residual: torch.Tensor | None, config: Config | None, pdl: bool, out: torch.Tensor | None,
+    tokens: torch.Tensor | None,
+) -> torch.Tensor:
     rows = x.shape[0]
     n, k = weight.shape
     assert rows <= MAX_ROWS, f"{rows} rows: the GEMV takes up to {MAX_ROWS}"
     assert x.shape[1] == (2 * k if silu_mul else k), (x.shape, weight.shape)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (rows, n) and out.stride(-1) == 1 and out.dtype == x.dtype, (out.shape, out.dtype)
+    if rows == 0:
+        return out
+    if n == 0:
+        if tokens is not None:
+            raise ValueError("an argmax over no columns")
         return out
     if residual is not None:
         assert residual.shape == (rows, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
@@ -292,12 +385,21 @@ def linear(
         options["num_stages"] = cfg.num_stages
     if pdl:
         options["launch_pdl"] = True
-    _gemv_kernel[(-(-n // cfg.block_n),)](
+    programs = -(-n // cfg.block_n)
+    argmax = tokens is not None
+    if argmax:
+        part_val = torch.empty((rows, programs), dtype=torch.float32, device=x.device)
+        part_idx = torch.empty((rows, programs), dtype=torch.int32, device=x.device)
+        counter = _counter(x.device)
+    else:
+        part_val = part_idx = counter = tokens = out  # never read: ARGMAX is off
+    _gemv_kernel[(programs,)](
         x, weight, out, residual if residual is not None else out, norm if norm is not None else weight,
+        part_val, part_idx, counter, tokens,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
         NORM=norm is not None, SILU=silu_mul, RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
         ONE_ROW=rows == 1, BLOCK_M=_pow2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
-        PDL=pdl, **options,
+        PDL=pdl, ARGMAX=argmax, BLOCK_P=_pow2(min(programs, ARGMAX_MERGE_BLOCK), 16) if argmax else 16, **options,
     )
     return out

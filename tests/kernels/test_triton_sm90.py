@@ -2,7 +2,8 @@
 as a launch there would be: none spills registers, every GEMV reads its weights in 16-byte
 loads, the GEMVs built for programmatic dependent launch wait for their input, the
 attention kernels built for it let the next launch start, and a decode that merges its splits
-in the launch counts them with a barrier and an acquire-release atomic
+in the launch (or an LM head that takes its argmax) counts them with a barrier and an
+acquire-release atomic
 (benchmarks/triton_sm90.py): the interpreter the other kernel tests use runs
 the kernels in Python and compiles nothing, so a kernel it passes could still fail to build on
 a lent GPU."""
@@ -38,7 +39,7 @@ def test_the_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = re.search(r"(\d+) compiles for sm_90: 0 failed, 0 spill, 0 with narrow", proc.stdout)
-    # GEMVs at 1-8 rows and with PDL at 1 row, 6 fused, 4 attention, 3 with PDL's trigger, and
-    # 3 decodes that merge their splits in the launch (one with RoPE and the K/V write, one
-    # more with PDL)
-    assert summary is not None and int(summary.group(1)) >= 41, proc.stdout[-2000:]
+    # GEMVs at 1-8 rows and with PDL at 1 row (the LM head also with its argmax, which merges
+    # like the decodes below), 6 fused, 4 attention, 3 with PDL's trigger, and 3 decodes that
+    # merge their splits in the launch (one with RoPE and the K/V write, one more with PDL)
+    assert summary is not None and int(summary.group(1)) >= 46, proc.stdout[-2000:]
