@@ -89,11 +89,11 @@ def measure(name: str, llm: Any, iters: int, cuda: bool, tables: list[str]) -> d
     model = runner.model
     weight = model.embed_tokens.weight
     hidden = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    part["lm_head_argmax_device_ms"] = device_ms(lambda: runner.sampler._greedy(model.compute_logits(hidden)), iters,
+    part["lm_head_argmax_device_ms"] = device_ms(lambda: runner.sampler.greedy(model.compute_logits(hidden)), iters,
                                                  cuda)
     logits = model.compute_logits(hidden).float()
     part["argmax_torch_device_ms"] = device_ms(lambda: logits.argmax(-1), iters, cuda)
-    part["argmax_sampler_device_ms"] = device_ms(lambda: runner.sampler._greedy(logits), iters, cuda)
+    part["argmax_sampler_device_ms"] = device_ms(lambda: runner.sampler.greedy(logits), iters, cuda)
     graphs = runner.graphs
     if graphs is not None and graphs.graphs:
         part["graph_body_device_ms"] = device_ms(graphs.graphs[1].replay, iters, cuda)

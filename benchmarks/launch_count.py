@@ -4,8 +4,8 @@ A batch-1 decode step of a 1B model on an H100 is about 0.8 ms of weight reads (
 ninth session) spread over a few hundred kernels, and every kernel boundary costs a few
 microseconds of a memory system that is not reading weights. The ninth session's profile found
 about 450 nodes in the graph of the default path. This script counts, without a GPU, what each
-path launches in the graphed forward (the CUDA graph's nodes) and in the LM head and greedy
-sampler after it:
+path launches in a graphed decode step: the CUDA graph's nodes, which run from the embedding
+through the LM head to the greedy tokens (a greedy step launches nothing else):
 
 - every torch operation that computes counts as one kernel (views and empty tensors are free;
   a cuBLAS GEMM that splits K adds a reduce kernel this count does not see);
@@ -97,14 +97,12 @@ class KernelCount(TorchDispatchMode):
 
 
 def count_step(path: str, variant: str, batch: int, max_model_len: int) -> dict:
-    """Kernels of one graphed decode step of `batch` sequences on `variant`: in the forward
-    (the graph), in a layer of it, and in the LM head with the greedy sampler."""
+    """Kernels of one graphed decode step of `batch` sequences on `variant`: in the graph
+    (forward, LM head, argmax), in a layer of it, and outside the layers."""
     from conveyor import LLM
     from conveyor.kernels.triton_attention import TritonPagedAttention, gpu_split_len
     from conveyor.models.llama import DecoderLayer
     from conveyor.runner.cuda_graphs import GraphedDecode
-    from conveyor.runner.sampler import prepare
-    from conveyor.sampling_params import SamplingParams
 
     dtype = torch.bfloat16
     with opt_in_kernels(variant):
@@ -115,19 +113,21 @@ def count_step(path: str, variant: str, batch: int, max_model_len: int) -> dict:
         model._use_triton_fused(dtype)
         model._use_triton_gemv(dtype)
     runner = llm.engine.runner
-    # What differs on a CPU: the LM head's transposed copy, and the native argmax for float32.
+    # What differs on a CPU: the LM head's transposed copy, and the sampler's argmax (on CUDA
+    # torch's, or with the fused kernels theirs: `Sampler._cuda_argmax`).
     model._head_t = None
-    runner.sampler._argmax = None
-    if "+fused" in variant:  # on CUDA, the sampler takes the fused argmax (`Sampler._cuda_argmax`)
+    greedy = None
+    if "+fused" in variant:
         from conveyor.kernels import triton_fused
 
-        runner.sampler._greedy = triton_fused.argmax
+        greedy = triton_fused.argmax
     backend = next(m.backend for m in model.modules() if hasattr(m, "backend"))
     assert isinstance(backend, TritonPagedAttention)
     blocks = max_model_len // 16
     # The splits Llama-3.2-1B's 8 kv heads would get (the tiny model has 2, in the same groups of 4).
     backend.decode_split_len = gpu_split_len(batch * LLAMA_1B_SHAPE["num_key_value_heads"], blocks * 16, H100_SMS)
-    graphs = GraphedDecode(model, runner.kv_caches, 16, blocks, runner.scratch_block, batch, capture=False)
+    graphs = GraphedDecode(model, runner.kv_caches, 16, blocks, runner.scratch_block, batch, capture=False,
+                           greedy=greedy)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     positions = [100 + 37 * i for i in range(batch)]
     slots = [t[p // 16] * 16 + p % 16 for t, p in zip(tables, positions, strict=True)]
@@ -152,15 +152,9 @@ def count_step(path: str, variant: str, batch: int, max_model_len: int) -> dict:
         setattr(DecoderLayer, name, counted)
     try:
         with counter.launches(), counter:
-            graphs.padded_size(batch)
-            hidden = graphs._forward(batch)
+            graphs._forward(graphs.padded_size(batch))
         forward_ops = collections.Counter(counter.ops)
         forward_syncs = counter.syncs
-        counter.ops.clear()
-        with counter.launches(), counter:
-            batch_params = prepare([SamplingParams(temperature=0.0, max_tokens=4)] * batch, [1] * batch)
-            runner.sampler.sample(model.compute_logits(hidden[:batch]), batch_params)
-        head_ops = collections.Counter(counter.ops)
     finally:
         for name, method in wrapped.items():
             setattr(DecoderLayer, name, method)
@@ -169,11 +163,10 @@ def count_step(path: str, variant: str, batch: int, max_model_len: int) -> dict:
         "variant": variant, "batch": batch, "layers": layers, "splits": -(-blocks * 16 // backend.decode_split_len),
         "forward": sum(forward_ops.values()), "per_layer": sum(layer_ops.values()),
         "outside_layers": sum(forward_ops.values()) - layers * sum(layer_ops.values()),
-        "head_and_sampler": sum(head_ops.values()), "forward_syncs": forward_syncs,
+        "forward_syncs": forward_syncs,
         "layer_kernels": dict(sorted(layer_ops.items())),
         "outside_kernels": dict(sorted((forward_ops - collections.Counter({k: v * layers for k, v in layer_ops.items()}))
                                        .items())),
-        "head_kernels": dict(sorted(head_ops.items())),
     }
 
 
@@ -189,8 +182,8 @@ def main() -> int:
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     variants = [v.strip() for v in args.variants.split(",")]
-    print("| path | batch | splits | kernels in the graphed forward | a layer | outside the layers | LM head + greedy sampler |")
-    print("|---|---|---|---|---|---|---|")
+    print("| path | batch | splits | kernels in the graph (forward, LM head, argmax) | a layer | outside the layers |")
+    print("|---|---|---|---|---|---|")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_llama(Path(tmp) / "llama", TINY_1B | dict(num_hidden_layers=args.layers))
@@ -199,9 +192,9 @@ def main() -> int:
                 r = count_step(path, variant, batch, args.max_model_len)
                 results.append(r)
                 print(f"| {variant} | {batch} | {r['splits']} | {r['forward']} | {r['per_layer']} | "
-                      f"{r['outside_layers']} | {r['head_and_sampler']} |", flush=True)
+                      f"{r['outside_layers']} |", flush=True)
                 if args.detail:
-                    for key in ("layer_kernels", "outside_kernels", "head_kernels"):
+                    for key in ("layer_kernels", "outside_kernels"):
                         print(f"    {key}: {r[key]}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -261,12 +261,14 @@ def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr)
 ARGMAX_CHUNK = 2048
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)` for `[rows, vocab]` (the first index of a tie, as torch), in two
-    launches over chunks of the vocabulary: torch's one reduction per row took 27 µs over
-    Llama-3's 128,256 entries at batch 1 on an H100 (BENCHMARKS.md, "CUDA path")."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits.argmax(-1)` for `[rows, vocab]` (the first index of a tie, as torch), into `out`
+    if given, in two launches over chunks of the vocabulary: torch's one reduction per row took
+    27 µs over Llama-3's 128,256 entries at batch 1 on an H100 (BENCHMARKS.md, "CUDA path")."""
     rows, n = logits.shape
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    assert out.shape == (rows,) and out.dtype == torch.long and out.stride(0) == 1
     if rows == 0 or n == 0:
         return logits.argmax(-1) if n == 0 else out
     assert logits.stride(-1) == 1

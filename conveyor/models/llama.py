@@ -415,6 +415,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
         self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)
         self.gemv: Gemv | None = None  # set by prepare_for_inference (CUDA, half precision, opt-in)
+        self.gemv_head: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # ... with the argmax
         self.gemv_max_rows = 0
 
     def forward(
@@ -428,14 +429,10 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_decode
         if fused is not None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
             return fused(input_ids, positions, kv_caches, meta)
+        if self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
+            return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
-        gemv = self.gemv
-        if gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
-            for layer, cache in zip(self.layers, kv_caches, strict=True):
-                assert isinstance(layer, DecoderLayer)
-                x = layer.forward_gemv(x, rope, cache, meta, gemv)
-            return self.norm(x)
         add_norm = self.add_norm
         if add_norm is not None:
             delta: torch.Tensor | None = None
@@ -446,6 +443,43 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)
         return self.norm(x)
+
+    def _forward_gemv(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The decoder layers as fused GEMVs (`_use_triton_gemv`): the residual stream before
+        the final norm, which the LM head's GEMV can fold in."""
+        gemv = self.gemv
+        assert gemv is not None
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            x = layer.forward_gemv(x, rope, cache, meta, gemv)
+        return x
+
+    def forward_greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        greedy: Callable[..., torch.Tensor],
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
+        """A step through its logits (into `logits`, `[T, vocab]`) and their greedy tokens (into
+        `tokens`, by `greedy(logits, out=tokens)`): what a CUDA graph of a decode step
+        captures, so a greedy step's only launch is the graph. With the fused GEMVs
+        (`_use_triton_gemv`) the final norm, the LM head and the argmax are one launch."""
+        head = self.gemv_head
+        if head is not None and input_ids.shape[0] <= self.gemv_max_rows:
+            x = self._forward_gemv(input_ids, positions, kv_caches, meta)
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            head(x, weight, norm=self.norm.weight, eps=self.norm.eps, out=logits, tokens=tokens)
+            return
+        self.compute_logits(self(input_ids, positions, kv_caches, meta), out=logits)
+        greedy(logits, out=tokens)
 
     @torch.inference_mode()
     def forward_sequence(self, token_ids: list[int]) -> torch.Tensor:
@@ -592,6 +626,7 @@ class LlamaForCausalLM(nn.Module):
                     linear.weight = nn.Parameter(child.weight_t.detach().t().contiguous(), requires_grad=False)
                     setattr(module, name, linear)
         self.gemv = functools.partial(triton_gemv.linear, pdl=triton_gemv.pdl_enabled())
+        self.gemv_head = functools.partial(triton_gemv.linear_argmax, pdl=triton_gemv.pdl_enabled())
         self.gemv_max_rows = triton_gemv.MAX_ROWS
 
     @torch.inference_mode()
@@ -615,20 +650,28 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lm_head = None  # the int8 copy serves; a tied embedding keeps its float32 table
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head over `hidden` (after the final norm); into `out` if given (a CUDA graph's
+        fixed buffer), with no copy on the CUDA paths."""
         head_int8 = getattr(self, "_head_int8", None)
         if head_int8 is not None:
             q8 = getattr(self, "_head_q8", None)
             if q8 is not None and hidden.shape[0] <= Q8_MAX_ROWS:
-                return q8(hidden, head_int8.qweight, head_int8.wscale, head_int8.inv_smooth)
-            return head_int8(hidden)
+                return _into(out, q8(hidden, head_int8.qweight, head_int8.wscale, head_int8.inv_smooth))
+            return _into(out, head_int8(hidden))
         head_t = getattr(self, "_head_t", None)
         if head_t is not None:
-            return hidden @ head_t
+            return _into(out, hidden @ head_t)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.gemv is not None and hidden.shape[0] <= self.gemv_max_rows:
-            return self.gemv(hidden, weight)
+            return self.gemv(hidden, weight, out=out)
         kernel = getattr(self, "_head_kernel", None)
         if kernel is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
-            return kernel(hidden, weight)
+            return _into(out, kernel(hidden, weight))
+        if out is not None:
+            return torch.matmul(hidden, weight.t(), out=out)  # the product F.linear computes
         return F.linear(hidden, weight)
+
+
+def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if out is None else out.copy_(value)

@@ -7,6 +7,13 @@ into them (token ids, positions, K/V slots, block tables, context lengths) and p
 up to the next captured size; padded rows write their K/V into a scratch block that no
 sequence owns and attend over it alone, and their outputs are dropped.
 
+The graph runs on through the LM head and the greedy sampler's argmax
+(`LlamaForCausalLM.forward_greedy`), into two fixed buffers that every captured size shares:
+the logits and the greedy tokens. A step of greedy requests takes the tokens as they are (its
+only launch is the graph); any other step samples from the logits (SGLang likewise captures
+the logits; vLLM stops at the hidden states). The argmax a sampled step does not use costs a
+few microseconds.
+
 What makes the forward capturable: the attention kernels take the block tables' width (fixed
 here: the blocks of `max_model_len`) as their bound, never a length read back from the device;
 nothing in the decode forward syncs with the host. Prefills and mixed steps stay eager.
@@ -19,7 +26,7 @@ has no graphs), and on CUDA it is the fallback when capture fails.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +53,8 @@ class GraphedDecode:
     """Decode-only steps of up to `max_batch` sequences through captured CUDA graphs.
 
     `scratch_block` is a KV block outside the scheduler's pool (the runner allocates one more
-    than it hands out): padded rows write and read only there.
+    than it hands out): padded rows write and read only there. `greedy(logits, out=tokens)`
+    is the sampler's argmax (`Sampler.greedy`; torch's if none).
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class GraphedDecode:
         scratch_block: int,
         max_batch: int,
         capture: bool = True,
+        greedy: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -77,7 +86,11 @@ class GraphedDecode:
         self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
         self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
-        self.hidden: dict[int, torch.Tensor] = {}
+        # What every graph writes: one buffer for all sizes (a graph's own outputs would be
+        # a copy per size: some 1 GB of logits at 35 sizes of up to 256 rows of Llama-3's vocabulary).
+        self.logits = torch.empty(n, model.arch.vocab_size, dtype=self.dtype, device=dev)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.greedy = greedy or (lambda logits, out: torch.argmax(logits, dim=-1, out=out))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured = False
         if capture:
@@ -101,8 +114,9 @@ class GraphedDecode:
             mask_dtype=self.dtype,
         )
 
-    def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+    def _forward(self, b: int) -> None:
+        self.model.forward_greedy(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b),
+                                  self.greedy, self.logits[:b], self.tokens[:b])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -117,7 +131,7 @@ class GraphedDecode:
                     self._forward(b)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.hidden[b] = self._forward(b)
+                        self._forward(b)
                     pool = graph.pool()
                     self.graphs[b] = graph
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -125,7 +139,6 @@ class GraphedDecode:
             logger.info("captured CUDA graphs for decode batches %s", self.sizes)
         except RuntimeError as e:  # a kernel that is not capturable: stay correct, stay eager
             self.graphs.clear()
-            self.hidden.clear()
             logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
 
     @torch.inference_mode()
@@ -135,10 +148,12 @@ class GraphedDecode:
         positions: Sequence[int],
         slots: Sequence[int],
         tables: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
-        """Hidden states `[n, hidden]` of a step of n decodes: token `input_ids[i]` (already on
-        the device: it may be a pending token) at `positions[i]`, written to `slots[i]`, over
-        the blocks `tables[i]`."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits `[n, vocab]` and greedy tokens `[n]` of a step of n decodes: token
+        `input_ids[i]` (already on the device: it may be a pending token) at `positions[i]`,
+        written to `slots[i]`, over the blocks `tables[i]`. Both are views of the fixed
+        buffers, which the next step overwrites: whatever reads them is queued on the stream
+        before that step's launch (the next step's input ids, the copy of the tokens to the host)."""
         n = len(positions)
         b = self.padded_size(n)
         pad = b - n
@@ -163,6 +178,7 @@ class GraphedDecode:
             self.input_ids[n:b].zero_()
         graph = self.graphs.get(b)
         if graph is None:
-            return self._forward(b)[:n]
-        graph.replay()
-        return self.hidden[b][:n]
+            self._forward(b)
+        else:
+            graph.replay()
+        return self.logits[:n], self.tokens[:n]

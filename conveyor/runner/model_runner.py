@@ -39,6 +39,8 @@ class StepHandle:
             self._event.record()
         else:  # computed already: the step's time is known now
             output.duration_s = time.perf_counter() - start
+            if tokens is not None:  # a graphed step's buffer, which the next step overwrites
+                self._host = tokens.clone()
 
     def result(self) -> RunnerOutput:
         if self._event is not None:
@@ -104,7 +106,7 @@ class ModelRunner:
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
             self.graphs = GraphedDecode(model, self.kv_caches, block_size, max_blocks, self.scratch_block,
-                                        cuda_graph_max_batch)
+                                        cuda_graph_max_batch, greedy=self.sampler.greedy)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -174,11 +176,16 @@ class ModelRunner:
                 token_ids.extend(it.token_ids)
         input_ids = self._input_ids(token_ids, pending_rows, pending_from)
         graphs = self.graphs
+        # A graphed step gives every row's logits and greedy token (`GraphedDecode`); an eager
+        # one the hidden states, which go through the LM head below.
+        logits: torch.Tensor | None = None
+        greedy: torch.Tensor | None = None
+        hidden: torch.Tensor | None = None
         if graphs is not None and graphs.applies(len(items), all_decodes):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [it.block_table[p // bs] * bs + p % bs for it, p in zip(items, positions, strict=True)]
-            hidden = graphs(input_ids, positions, slots, [it.block_table for it in items])
+            logits, greedy = graphs(input_ids, positions, slots, [it.block_table for it in items])
         else:
             meta = build_metadata(
                 [it.block_table for it in items],
@@ -191,8 +198,9 @@ class ModelRunner:
             )
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
 
+        rows: torch.Tensor | None = None  # the rows that sample, if not all of them
         if all_decodes and all(it.sample for it in items):  # (a 1-token prompt chunk may not sample)
-            samplers, picked = items, hidden  # every row, in order
+            samplers = items  # every row, in order
         else:
             rows_out: list[int] = []
             samplers = []
@@ -204,7 +212,7 @@ class ModelRunner:
                     samplers.append(it)
             if not samplers:
                 return StepHandle(RunnerOutput(sampled={}), start, cuda)
-            picked = hidden[to_device(host_longs(rows_out), hidden.device)]  # not a list: it would wait
+            rows = to_device(host_longs(rows_out), self.device)  # not a list: indexing by one would wait
         params = [it.sampling_params for it in samplers]
         batch = prepare(params, [it.prompt_len for it in samplers])
         # Generators and histories only for a batch that uses them: per sequence, they would
@@ -213,7 +221,16 @@ class ModelRunner:
             batch.generators = [self._generator(it) for it in samplers]
         if batch.any_penalty:
             batch.history = [self._history(it) for it in samplers]
-        tokens, logprobs = self.sampler.sample(self.model.compute_logits(picked), batch)
+        if logits is None:
+            assert hidden is not None
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+        elif rows is not None:
+            assert greedy is not None
+            logits, greedy = logits[rows], greedy[rows]
+        if greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None:
+            tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
+        else:
+            tokens, logprobs = self.sampler.sample(logits, batch)
         seq_ids = [it.seq_id for it in samplers]
         self._last_tokens = tokens
         self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}

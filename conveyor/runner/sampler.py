@@ -62,19 +62,24 @@ class Sampler:
             from conveyor.kernels import argmax
 
             self._argmax = argmax()  # torch's argmax over [64, 32000] takes ~2 ms here, the kernel ~0.2
-        self._cuda_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._cuda_argmax: Callable[..., torch.Tensor] | None = None
         if device.type == "cuda":
             from conveyor.kernels import triton_fused
 
             if triton_fused.enabled():  # CONVEYOR_TRITON_FUSED=1
                 self._cuda_argmax = triton_fused.argmax
 
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's argmax (the first index of a tie), into `out` if given: what a greedy
+        step samples. Launches only device work, so a CUDA graph can capture it."""
         if self._argmax is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-            return self._argmax(logits)
+            tokens = self._argmax(logits)
+            return tokens if out is None else out.copy_(tokens)
         if self._cuda_argmax is not None and logits.is_cuda:
-            return self._cuda_argmax(logits)
-        return logits.argmax(dim=-1)
+            return self._cuda_argmax(logits, out=out)
+        if out is None:
+            return logits.argmax(dim=-1)
+        return torch.argmax(logits, dim=-1, out=out)
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
@@ -96,7 +101,7 @@ class Sampler:
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits.clone(), batch)
-        tokens = self._greedy(logits) if batch.all_greedy else self._sample(logits, batch)
+        tokens = self.greedy(logits) if batch.all_greedy else self._sample(logits, batch)
         if batch.max_logprobs is None:
             return tokens, None
         return tokens, self._logprobs(raw, tokens, batch)
@@ -155,7 +160,7 @@ class Sampler:
             if g is not None:
                 noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, self._greedy(logits), sampled)
+        return torch.where(greedy, self.greedy(logits), sampled)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -277,3 +277,110 @@ def test_pdl_chain_matches_the_plain_chain(graphed):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 1200), k=st.integers(1, 200),
+       block_n=st.sampled_from([None, 4, 32]), norm=st.booleans(), ties=st.booleans(),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
+def test_the_lm_head_gemv_takes_the_argmax_in_the_same_launch(rows, n, k, block_n, norm, ties, dtype, seed):
+    """`linear_argmax`: the logits are `linear`'s bit for bit, and the tokens are torch's argmax
+    of those logits (the first column of a tie, across the programs' blocks too); the arrival
+    counter is back at zero for the next launch, and the buffers given are the ones written."""
+    from conveyor.kernels import triton_gemv
+    from conveyor.kernels.triton_gemv import Config, linear_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    if ties:  # few distinct logits: the largest is in several columns, in several blocks
+        w = torch.randint(-2, 3, (n, k), generator=g).to(dtype).to(DEVICE)
+        x = x.sign()
+    else:
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    gain = torch.rand(k, generator=g).to(dtype).to(DEVICE) + 0.5 if norm else None
+    config = Config(block_n, 64) if block_n else None
+    out = torch.full((rows, n), 7.0, dtype=dtype, device=DEVICE)
+    tokens = torch.full((rows,), -1, dtype=torch.long, device=DEVICE)
+    logits, got = linear_argmax(x, w, norm=gain, eps=1e-5, config=config, out=out, tokens=tokens)
+    assert logits is out and got is tokens
+    assert torch.equal(logits, linear(x, w, norm=gain, eps=1e-5, config=config))
+    assert torch.equal(got, logits.argmax(-1))
+    assert triton_gemv._counters[DEVICE].item() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_argmax_merges_its_partials_a_block_at_a_time(rows, monkeypatch):
+    """More programs than the merge reads at once: the blocks' maxima are taken in turns, and a
+    tie between turns keeps the earlier column."""
+    from conveyor.kernels import triton_gemv
+    from conveyor.kernels.triton_gemv import Config, linear_argmax
+
+    monkeypatch.setattr(triton_gemv, "ARGMAX_MERGE_BLOCK", 16)
+    n = 300  # 75 programs of 4 columns: 5 turns of 16
+    x = torch.ones(rows, 16, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(n, 16, dtype=torch.bfloat16, device=DEVICE)
+    w[[170, 90, 299]] = 1.0  # the maximum in the 2nd, 3rd and 5th turns (programs 22, 42 and 74)
+    w[17] = 0.5
+    assert linear_argmax(x, w, config=Config(4, 16))[1].tolist() == [90] * rows
+    w[90] = 0.0
+    assert linear_argmax(x, w, config=Config(4, 16))[1].tolist() == [170] * rows
+
+
+def test_the_model_folds_the_final_norm_lm_head_and_argmax_into_one_gemv(tiny_models, monkeypatch):
+    """`forward_greedy` on the GEMV path (the final norm, the LM head and the argmax in one
+    launch) against the model's own forward and LM head: logits within the ulp a folded norm
+    may move them, tokens the argmax of the logits it returns."""
+    from conveyor import LLM
+    from conveyor.kernels.triton_gemv import linear_argmax
+    from conveyor.models.attention import build_metadata
+
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=64, block_size=4,
+              enforce_eager=True)
+    model = llm.engine.runner.model
+    if DEVICE.type == "cpu":
+        model._use_triton_gemv(torch.bfloat16)
+    calls: list[int] = []
+    model.gemv_head = lambda x, *a, **kw: calls.append(x.shape[0]) or linear_argmax(x, *a, **kw)
+    caches = llm.engine.runner.kv_caches
+    rows = 5
+    meta = build_metadata([[i] for i in range(rows)], [0] * rows, [1] * rows, 4, DEVICE, None, torch.bfloat16)
+    ids = torch.tensor([3, 50, 101, 7, 250], device=DEVICE)
+    want = model.compute_logits(model(ids, meta.positions, caches, meta))
+    logits = torch.empty_like(want)
+    tokens = torch.empty(rows, dtype=torch.long, device=DEVICE)
+    model.forward_greedy(ids, meta.positions, caches, meta, lambda lg, out: None, logits, tokens)
+    assert calls == [rows]
+    tol = 2 * torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(logits, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_graphed_decode_steps_through_the_gemv_head(tiny_models, monkeypatch):
+    """The engine on the GEMV path with graphed decode steps (replayed eagerly on a CPU): each
+    step's tokens come from the LM head's own argmax (`forward_greedy`), padded rows included,
+    and agree with the eager GEMV path's (the folded final norm may move a logit by an ulp)."""
+    from conveyor import LLM, SamplingParams
+    from tests.runner.test_cuda_graphs import graphed
+
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 4 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    runs = []
+    for graph in (False, True):
+        llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=128, block_size=4,
+                  enforce_eager=True)
+        model = llm.engine.runner.model
+        if DEVICE.type == "cpu":
+            model._use_triton_gemv(torch.bfloat16)
+        heads: list[int] = []
+        head = model.gemv_head
+        model.gemv_head = lambda x, *a, heads=heads, head=head, **kw: heads.append(x.shape[0]) or head(x, *a, **kw)
+        sizes = graphed(llm, max_batch=8, capture=False) if graph else []
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if graph:  # six decodes padded to eight rows, down to one
+            assert 6 in sizes and 8 in heads and len(heads) == len(sizes)
+        else:
+            assert not heads
+    agree = sum(a == b for a, b in zip(*runs, strict=True))
+    assert agree >= len(prompts) - 1, f"{agree}/{len(prompts)} prompts agree"

@@ -28,7 +28,7 @@ def graphed(llm: LLM, max_batch: int, capture: bool) -> list[int]:
     runner = llm.engine.runner
     max_blocks = -(-llm.engine.max_model_len // runner.block_size)
     graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, max_blocks, runner.scratch_block,
-                           max_batch, capture=capture)
+                           max_batch, capture=capture, greedy=runner.sampler.greedy)
     sizes: list[int] = []
     call = graphs.__call__
 
@@ -60,6 +60,44 @@ def test_padded_fixed_buffer_decode_gives_the_same_tokens(tiny_models, async_sch
     # Padded rows wrote only to the scratch block; the scheduler's blocks all came back.
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_greedy_step_takes_the_graphs_tokens_and_samples_nothing(tiny_models):
+    """The graph runs through the LM head and the argmax: a graphed step of greedy requests
+    calls no sampler at all; steps with prompts (eager) still do."""
+    prompts, params = mixed_requests(16, seed=8)
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", num_kv_blocks=256, block_size=4)
+    want = tokens(llm.generate(prompts, params, use_tqdm=False))
+    sizes = graphed(llm, max_batch=16, capture=False)
+    sampler = llm.engine.runner.sampler
+    calls: list[int] = []
+    sample = sampler.sample
+    sampler.sample = lambda logits, batch: calls.append(len(logits)) or sample(logits, batch)  # type: ignore[method-assign]
+    before = len(llm.engine.step_trace)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    steps = list(llm.engine.step_trace)[before:]
+    with_prompts = sum(1 for s in steps if s.num_prefill_tokens)
+    assert len(sizes) > 10 and 0 < len(calls) <= with_prompts  # graphed steps: none of the sampler's calls
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_penalised_and_logprob_steps_read_the_graphs_logits(tiny_models, async_scheduling):
+    """Steps that do not take the graph's argmax sample from the graph's logits: seeded
+    draws, penalties and logprobs come out as on the plain path, and greedy rows beside them."""
+    prompts, base = mixed_requests(20, seed=9)
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=3), dict(temperature=0.9, top_k=30),
+             dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=1.0, top_p=0.8, logprobs=0)]
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, seed=i, **kinds[i % len(kinds)])
+              for i, p in enumerate(base)]
+    path = str(tiny_models["llama"])
+    runs = []
+    for graph in (False, True):
+        llm = LLM(path, dtype="float64", num_kv_blocks=256, block_size=4, async_scheduling=async_scheduling)
+        sizes = graphed(llm, max_batch=8, capture=False) if graph else []
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert not graph or sizes
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
