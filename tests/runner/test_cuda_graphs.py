@@ -114,6 +114,33 @@ def test_captured_graphs_match_eager_on_gpu(tiny_models):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kernels", ["default", "fused", "fused+gemv"])
+def test_a_captured_graph_replays_the_forward_it_captured_on_gpu(tiny_models, kernels, monkeypatch):
+    """In bfloat16 on each CUDA path: the captured graphs (LM head and argmax inside, the
+    GEMV's own argmax on the GEMV path) give the tokens of the same fixed-buffer forward run
+    eagerly, greedy and sampled requests together; the GEMV argmax's counter is back at zero."""
+    from conveyor.kernels import triton_gemv
+
+    monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1" if "fused" in kernels else "0")
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1" if "gemv" in kernels else "0")
+    prompts, base = mixed_requests(40, seed=10)
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, seed=i,
+                             temperature=0.0 if i % 3 else 0.8) for i, p in enumerate(base)]
+    outs = []
+    for capture in (True, False):
+        llm = LLM(str(tiny_models["llama"]), device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                  cuda_graph_max_batch=32)
+        runner = llm.engine.runner
+        assert runner.graphs is not None and runner.graphs.captured
+        assert (runner.model.gemv_head is not None) == ("gemv" in kernels)
+        if not capture:
+            graphed(llm, max_batch=32, capture=False)
+        outs.append(tokens(llm.generate(prompts, params, use_tqdm=False)))
+    assert outs[0] == outs[1]
+    assert all(int(c.item()) == 0 for c in triton_gemv._counters.values())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("eager", [False, True])
 def test_launching_a_step_never_waits_for_the_device(tiny_models, eager):
