@@ -163,8 +163,7 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
         torch.zeros(2, 512, 8, 64, dtype=dt), torch.arange(4)), "_rope_write_kv_kernel"
     yield "silu_mul", triton_fused, lambda: triton_fused.silu_mul(torch.zeros(4, 16384, dtype=dt)), "_silu_mul_kernel"
     logits = torch.zeros(4, 128256, dtype=torch.float32)
-    yield "argmax (chunks)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_chunk_kernel"
-    yield "argmax (merge)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_merge_kernel"
+    yield "argmax (chunks, the last merges)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_kernel"
     # Paged attention at Llama-3.2-1B's heads (32 query, 8 kv, 64 dims), 16-token blocks: two
     # decodes split over their context (so the reduce runs too), then a prefill of 40 tokens.
     from conveyor.kernels import triton_attention
@@ -262,7 +261,7 @@ def main() -> int:
                     problems.append("PDL without griddepcontrol.wait")
             if constants.get("TRIGGER") and "griddepcontrol.launch_dependents" not in ptx:
                 problems.append("TRIGGER without griddepcontrol.launch_dependents")
-            if constants.get("MERGE") or constants.get("ARGMAX"):
+            if constants.get("MERGE") or constants.get("ARGMAX") or name == "_argmax_kernel":
                 # The last split (or GEMV program) merges what the others stored: their stores
                 # must come before the count (a barrier, then an acquire-release atomic at GPU scope).
                 if not re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx):

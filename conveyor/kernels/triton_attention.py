@@ -369,6 +369,31 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, 1 << (n - 1).bit_length())
 
 
+class ArrivalCounters:
+    """int32 counters at zero for a kernel whose last program to arrive merges the others'
+    partials (the one-launch decode's splits, the LM head GEMV's argmax, the one-launch
+    argmax). Each launch leaves its counters at zero, so they are allocated once, outside any
+    CUDA graph capture (the eager run before each capture allocates what the graph will need),
+    at least `at_least` of them. A launch that needs more gets a larger buffer; the outgrown one
+    is kept (`retired`), because graphs captured earlier still read it."""
+
+    def __init__(self, what: str, at_least: int = 1) -> None:
+        self.what = what
+        self.at_least = at_least
+        self.current: torch.Tensor | None = None
+        self.retired: list[torch.Tensor] = []
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        counters = self.current
+        if counters is None or counters.numel() < n or counters.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"the {self.what} counters must be allocated before a CUDA graph capture")
+            if counters is not None:  # graphs captured earlier still point at it: never freed
+                self.retired.append(counters)
+            counters = self.current = torch.zeros(max(n, self.at_least), dtype=torch.int32, device=device)
+        return counters
+
+
 class TritonPagedAttention(AttentionBackend):
     """Paged attention in Triton kernels: fp32 / fp16 / bf16 inputs, fp32 accumulation.
 
@@ -395,8 +420,10 @@ class TritonPagedAttention(AttentionBackend):
         self._plan_meta: AttentionMetadata | None = None
         self._plan: PrefillPlan | None = None
         self._num_sms: int | None = None
-        self._counters: torch.Tensor | None = None
-        self._retired: list[torch.Tensor] = []
+        # One per (sequence, kv head) for the one-launch merge. The first 1024 cover every
+        # step the default heuristic splits (it splits only while sequences x kv heads are
+        # under twice the SMs); a fixed `decode_split_len` can need more.
+        self.counters = ArrivalCounters("decode split", 1024)
         self.pdl = pdl_enabled()  # the kernels after attention (GEMVs) may launch early
 
     def forward(
@@ -476,7 +503,7 @@ class TritonPagedAttention(AttentionBackend):
             part_lse = torch.empty(num_decodes, heads, splits, dtype=torch.float32, device=q.device)
         else:
             part_out = part_lse = out  # unused: the kernel writes `out` directly
-        counters = self._zeroed_counters(num_decodes * kv_heads, q.device) if merge else out
+        counters = self.counters.get(num_decodes * kv_heads, q.device) if merge else out
         cos, sin, slots = rope if rope is not None else (out, out, out)  # unused without rope
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _decode_split_kernel[(num_decodes, kv_heads, splits)](
@@ -495,23 +522,6 @@ class TritonPagedAttention(AttentionBackend):
                 part_out, part_lse, out, out.stride(0), out.stride(1), splits,
                 NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d, TRIGGER=self.pdl,
             )
-
-    def _zeroed_counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """`n` int32 counters at zero, one per (sequence, kv head), for the one-launch merge.
-        Each launch leaves them at zero, so they are allocated once, outside any CUDA graph
-        capture (the eager run before each capture allocates what the graph will need). The
-        first 1024 cover every step the default heuristic splits (it splits only while
-        sequences x kv heads are under twice the SMs); a fixed `decode_split_len` can need
-        more, and a larger buffer then replaces this one, which is kept for the graphs that
-        read it."""
-        counters = self._counters
-        if counters is None or counters.numel() < n or counters.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the decode split counters must be allocated before a CUDA graph capture")
-            if counters is not None:  # graphs captured earlier still point at it: never freed
-                self._retired.append(counters)
-            counters = self._counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        return counters
 
     def _prefill(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor

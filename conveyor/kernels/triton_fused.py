@@ -16,7 +16,8 @@ argmax:
   step of decodes only: RoPE, the K/V write and the attention are one launch
   (`TritonPagedAttention.attend_decodes_rope`).
 - `silu_mul`: SiLU of the gate times the up projection.
-- `argmax`: the first index of each row's maximum, over chunks of the vocabulary in two launches.
+- `argmax`: the first index of each row's maximum, over chunks of the vocabulary in one launch
+  (the last chunk of a row to finish merges the row).
 
 Each kernel rounds where the torch reference rounds (every torch op of the reference stores
 its result in the model dtype; the kernels compute in float32 and round at the same points),
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.kernels.triton_attention import (
+    ArrivalCounters,
     TritonPagedAttention,
     _jit,
     _pow2,
@@ -239,32 +241,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
-def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, stride_row, n, chunks, CHUNK: tl.constexpr):
+def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, counters, stride_row, n, chunks,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of one row: its maximum and first index, stored; the row's last chunk to
+    arrive (an acquire-release count at GPU scope after a barrier, one counter a row) takes the
+    first chunk holding the row's maximum, and zeroes the counter for the next launch."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_row + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-    best = tl.argmax(x, 0, tie_break_left=True)
     tl.store(val_ptr + row * chunks + c, tl.max(x, 0))
-    tl.store(idx_ptr + row * chunks + c, c * CHUNK + best)
-
-
-@_jit
-def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK)
-    v = tl.load(val_ptr + row * chunks + j, mask=j < chunks, other=float("-inf"))
-    k = tl.argmax(v, 0, tie_break_left=True)  # the first chunk holding the maximum
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + k))
+    tl.store(idx_ptr + row * chunks + c, c * CHUNK + tl.argmax(x, 0, tie_break_left=True))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == chunks - 1:
+        j = tl.arange(0, BLOCK)
+        v = tl.load(val_ptr + row * chunks + j, mask=j < chunks, other=float("-inf"), cache_modifier=".cg")
+        k = tl.argmax(v, 0, tie_break_left=True)  # the first chunk holding the maximum
+        tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + k, cache_modifier=".cg"))
+        tl.store(counters + row, 0)
 
 
 ARGMAX_CHUNK = 2048
+ARGMAX_COUNTERS = ArrivalCounters("argmax", 1024)  # one a row
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`logits.argmax(-1)` for `[rows, vocab]` (the first index of a tie, as torch), into `out`
-    if given, in two launches over chunks of the vocabulary: torch's one reduction per row took
-    27 µs over Llama-3's 128,256 entries at batch 1 on an H100 (BENCHMARKS.md, "CUDA path")."""
+    if given, in one launch over chunks of the vocabulary, whose last chunk to finish a row
+    merges it: torch's one reduction per row took 27 µs over Llama-3's 128,256 entries at
+    batch 1 on an H100 (BENCHMARKS.md, "CUDA path")."""
     rows, n = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.long, device=logits.device)
@@ -275,6 +281,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     chunks = triton.cdiv(n, ARGMAX_CHUNK)
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
-    _argmax_chunk_kernel[(rows, chunks)](logits, vals, idx, logits.stride(0), n, chunks, CHUNK=ARGMAX_CHUNK)
-    _argmax_merge_kernel[(rows,)](vals, idx, out, chunks, BLOCK=_pow2(chunks, 16))
+    counters = ARGMAX_COUNTERS.get(rows, logits.device)
+    _argmax_kernel[(rows, chunks)](logits, vals, idx, out, counters, logits.stride(0), n, chunks,
+                                   CHUNK=ARGMAX_CHUNK, BLOCK=_pow2(chunks, 16))
     return out

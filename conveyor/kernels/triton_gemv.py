@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from conveyor.kernels.triton_attention import (
+    ArrivalCounters,
     _jit,
     _pow2,
     opted_in,
@@ -343,19 +344,8 @@ def linear_argmax(
     return logits, tokens
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The argmax's arrival counter: one int32 at zero, which every launch leaves at zero (so
-    one serves every launch on the device, one at a time in stream order). Allocated outside
-    any CUDA graph capture: the eager run before each capture allocates it."""
-    counter = _counters.get(device)
-    if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the GEMV argmax counter must be allocated before a CUDA graph capture")
-        counter = _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+# The argmax's arrival counter: one serves every launch on the device, one at a time in stream order.
+ARGMAX_COUNTER = ArrivalCounters("GEMV argmax")
 
 
 def _launch(
@@ -390,7 +380,7 @@ def _launch(
     if argmax:
         part_val = torch.empty((rows, programs), dtype=torch.float32, device=x.device)
         part_idx = torch.empty((rows, programs), dtype=torch.int32, device=x.device)
-        counter = _counter(x.device)
+        counter = ARGMAX_COUNTER.get(1, x.device)
     else:
         part_val = part_idx = counter = tokens = out  # never read: ARGMAX is off
     _gemv_kernel[(programs,)](

@@ -35,11 +35,10 @@ def test_kernels_a_graphed_decode_step_launches(tmp_path):
     assert gemv["layer_kernels"] == {"triton._gemv_kernel": 4, "triton._decode_split_kernel": 1}
     # Outside the layers, in the same graph: the embedding, one gather of both RoPE tables, and
     # the final norm, LM head and greedy argmax as one GEMV (on the fused path: the norm, the
-    # head's GEMM, the two-launch argmax).
+    # head's GEMM, the one-launch argmax).
     assert gemv["outside_kernels"] == {"torch.embedding": 1, "torch.index": 1, "triton._gemv_kernel": 1}
     assert fused["outside_kernels"] == {"torch.embedding": 1, "torch.index": 1, "triton._add_rms_norm_kernel": 1,
-                                        "torch.mm": 1, "triton._argmax_chunk_kernel": 1,
-                                        "triton._argmax_merge_kernel": 1}
+                                        "torch.mm": 1, "triton._argmax_kernel": 1}
     assert "torch.argmax" in plain["outside_kernels"] and "torch.mm" in plain["outside_kernels"]
     assert plain["forward"] > 3 * fused["forward"] > 3 * gemv["forward"]
     assert gemv["forward_syncs"] == 0

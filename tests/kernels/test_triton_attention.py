@@ -218,7 +218,7 @@ def test_merged_splits_match_the_reduce_launch(contexts, shape, block_size, wind
         cache = step.cache.clone()
         outs.append(backend.forward(step.q, step.k, step.v, cache, step.meta, step.scale))
         if merge and max(contexts) > 64:  # more than one split: the counters were used
-            assert backend._counters is not None and not backend._counters.any()
+            assert backend.counters.current is not None and not backend.counters.current.any()
     assert torch.equal(outs[0], outs[1])
     check(step, split_len=64, tol=2e-5 if dtype == torch.float32 else 2e-3)
 
@@ -227,11 +227,12 @@ def test_merge_counters_outgrown_stay_alive_for_captured_graphs():
     """A step that needs more counters than the buffer holds gets a larger one; the old one,
     which a captured CUDA graph may still read, is kept, not freed."""
     backend = TritonPagedAttention(None, decode_split_len=64, merge_splits=True)
-    small = backend._zeroed_counters(8, DEVICE)
-    assert backend._zeroed_counters(1000, DEVICE) is small  # within the first 1024
-    big = backend._zeroed_counters(4096, DEVICE)
+    counters = backend.counters
+    small = counters.get(8, DEVICE)
+    assert counters.get(1000, DEVICE) is small  # within the first 1024
+    big = counters.get(4096, DEVICE)
     assert big.numel() >= 4096 and not big.any()
-    assert len(backend._retired) == 1 and backend._retired[0] is small
+    assert len(counters.retired) == 1 and counters.retired[0] is small
 
 
 def rope_tables(seed: int, tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,4 +337,4 @@ def test_one_launch_decodes_replayed_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(graph_cache, want_cache)
         torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-3)
-        assert merged._counters is not None and not merged._counters.any()
+        assert merged.counters.current is not None and not merged.counters.current.any()

@@ -190,7 +190,7 @@ def test_model_forward_with_rope_kv_write_and_attention_in_one_kernel(tiny_model
 @given(rows=st.integers(1, 4), vocab=st.integers(1, 5000), ties=st.booleans(), seed=st.integers(0, 1000),
        dtype=st.sampled_from(DTYPES))
 def test_argmax_matches_torch_first_index_of_a_tie(rows, vocab, ties, seed, dtype):
-    from conveyor.kernels.triton_fused import argmax
+    from conveyor.kernels.triton_fused import ARGMAX_COUNTERS, argmax
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g)
@@ -199,6 +199,8 @@ def test_argmax_matches_torch_first_index_of_a_tie(rows, vocab, ties, seed, dtyp
         logits[:, torch.randint(0, vocab, (3,), generator=g)] = 9.0
     logits = logits.to(dtype).to(DEVICE)
     assert torch.equal(argmax(logits), logits.argmax(-1))
+    counters = ARGMAX_COUNTERS.current  # every row's back at zero for the next launch (a graph's replay)
+    assert counters is not None and counters.numel() >= rows and not counters.any()
 
 
 def test_fused_kernels_are_opt_in(monkeypatch):

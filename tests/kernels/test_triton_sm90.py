@@ -40,6 +40,7 @@ def test_the_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = re.search(r"(\d+) compiles for sm_90: 0 failed, 0 spill, 0 with narrow", proc.stdout)
     # GEMVs at 1-8 rows and with PDL at 1 row (the LM head also with its argmax, which merges
-    # like the decodes below), 6 fused, 4 attention, 3 with PDL's trigger, and 3 decodes that
-    # merge their splits in the launch (one with RoPE and the K/V write, one more with PDL)
-    assert summary is not None and int(summary.group(1)) >= 46, proc.stdout[-2000:]
+    # like the decodes below), 5 fused (the argmax merging its chunks in the launch), 4
+    # attention, 3 with PDL's trigger, and 3 decodes that merge their splits in the launch
+    # (one with RoPE and the K/V write, one more with PDL)
+    assert summary is not None and int(summary.group(1)) >= 45, proc.stdout[-2000:]

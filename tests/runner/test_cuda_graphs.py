@@ -138,7 +138,8 @@ def test_a_captured_graph_replays_the_forward_it_captured_on_gpu(tiny_models, ke
             graphed(llm, max_batch=32, capture=False)
         outs.append(tokens(llm.generate(prompts, params, use_tqdm=False)))
     assert outs[0] == outs[1]
-    assert all(int(c.item()) == 0 for c in triton_gemv._counters.values())
+    counter = triton_gemv.ARGMAX_COUNTER.current
+    assert counter is None or not counter.any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
