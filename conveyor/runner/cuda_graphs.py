@@ -3,9 +3,10 @@
 A decode step of a small model on a GPU is launch-bound: hundreds of kernels of a few
 microseconds each, every one launched from Python. Capturing the forward once per batch size
 and replaying it costs one launch. The graph reads fixed buffers, so a step copies its inputs
-into them (token ids, positions, K/V slots, block tables, context lengths) and pads the batch
-up to the next captured size; padded rows write their K/V into a scratch block that no
-sequence owns and attend over it alone, and their outputs are dropped.
+into them and pads the batch up to the next captured size: the token ids (on the device
+already), the block tables, and the positions, K/V slots and context lengths in one copy
+(packed as the graph of that size reads them). Padded rows write their K/V into a scratch
+block that no sequence owns and attend over it alone, and their outputs are dropped.
 
 The graph runs on through the LM head and the greedy sampler's argmax
 (`LlamaForCausalLM.forward_greedy`), into two fixed buffers that every captured size shares:
@@ -81,11 +82,13 @@ class GraphedDecode:
         self.sliding_window = model.arch.sliding_window
         n, dev = self.max_batch, self.device
         # The fixed buffers every graph reads; a step copies its inputs into their first rows.
+        # Input ids only ever hold token ids: a padded row reads whichever an earlier step left.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
+        # Positions, K/V slots and context lengths, packed as a graph of size b reads them:
+        # `[positions | slots | context lengths]` of b each at the start, so a step's three
+        # vectors are one copy from the host (`_vectors`).
+        self.packed = torch.zeros(3 * n, dtype=torch.long, device=dev)
         self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
         # What every graph writes: one buffer for all sizes (a graph's own outputs would be
         # a copy per size: some 1 GB of logits at 35 sizes of up to 256 rows of Llama-3's vocabulary).
         self.logits = torch.empty(n, model.arch.vocab_size, dtype=self.dtype, device=dev)
@@ -102,21 +105,36 @@ class GraphedDecode:
     def padded_size(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
+    def _vectors(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The positions, slots and context lengths a graph of size b reads."""
+        packed = self.packed
+        return packed[:b], packed[b : 2 * b], packed[2 * b : 3 * b]
+
     def _meta(self, b: int) -> AttentionMetadata:
+        positions, slots, context_lens = self._vectors(b)
         return AttentionMetadata(
             block_size=self.block_size,
-            positions=self.positions[:b],
-            slot_mapping=self.slots[:b],
+            positions=positions,
+            slot_mapping=slots,
             num_decodes=b,
             decode_blocks=self.tables[:b],
-            decode_context_lens=self.context_lens[:b],
+            decode_context_lens=context_lens,
             sliding_window=self.sliding_window,
             mask_dtype=self.dtype,
         )
 
     def _forward(self, b: int) -> None:
-        self.model.forward_greedy(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b),
+        meta = self._meta(b)
+        self.model.forward_greedy(self.input_ids[:b], meta.positions, self.kv_caches, meta,
                                   self.greedy, self.logits[:b], self.tokens[:b])
+
+    def _idle_inputs(self, b: int) -> None:
+        """Rows that write to the scratch block at position 0 and attend over it alone: what
+        the run before a capture, and the capture, compute on."""
+        positions, slots, context_lens = self._vectors(b)
+        positions.zero_()
+        slots.fill_(self.scratch_block * self.block_size)
+        context_lens.fill_(1)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -128,6 +146,7 @@ class GraphedDecode:
         try:
             with torch.cuda.stream(stream):
                 for b in reversed(self.sizes):
+                    self._idle_inputs(b)
                     self._forward(b)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -161,21 +180,15 @@ class GraphedDecode:
         # context length, so whatever an earlier step left further right is never read.
         width = max(map(len, tables))
         scratch = self.scratch_block
-        host = [
-            host_longs([*positions, *[0] * pad]),
-            host_longs([*slots, *[scratch * self.block_size] * pad]),
-            host_longs([p + 1 for p in positions] + [1] * pad),
-            host_table([*tables, *[()] * pad], width, scratch),  # padded rows: the scratch block
-        ]
+        # Padded rows: position 0, the scratch block's first slot, over the scratch block alone.
+        vectors = host_longs([*positions, *[0] * pad, *slots, *[scratch * self.block_size] * pad,
+                              *[p + 1 for p in positions], *[1] * pad])
+        table = host_table([*tables, *[()] * pad], width, scratch)
         if self.device.type == "cuda":
-            host = [h.pin_memory() for h in host]
-        *vectors, table = host
-        for dst, src in zip((self.positions, self.slots, self.context_lens), vectors, strict=True):
-            dst[:b].copy_(src, non_blocking=True)
+            vectors, table = vectors.pin_memory(), table.pin_memory()
+        self.packed[: 3 * b].copy_(vectors, non_blocking=True)
         self.tables[:b, :width].copy_(table, non_blocking=True)
         self.input_ids[:n].copy_(input_ids)
-        if pad:
-            self.input_ids[n:b].zero_()
         graph = self.graphs.get(b)
         if graph is None:
             self._forward(b)

@@ -327,22 +327,32 @@ def test_the_argmax_merges_its_partials_a_block_at_a_time(rows, monkeypatch):
     assert linear_argmax(x, w, config=Config(4, 16))[1].tolist() == [170] * rows
 
 
+def gemv_engine(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
+    """The tiny Llama in bfloat16 on the GEMV path, and the row counts its LM head's GEMV
+    with the argmax (`gemv_head`) is called with."""
+    from conveyor import LLM
+
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=128, block_size=4,
+              enforce_eager=True)
+    model = llm.engine.runner.model
+    if DEVICE.type == "cpu":
+        model._use_triton_gemv(torch.bfloat16)  # on CUDA prepare_for_inference has done it
+    heads: list[int] = []
+    head = model.gemv_head
+    assert head is not None
+    model.gemv_head = lambda x, *a, **kw: heads.append(x.shape[0]) or head(x, *a, **kw)
+    return llm, heads
+
+
 def test_the_model_folds_the_final_norm_lm_head_and_argmax_into_one_gemv(tiny_models, monkeypatch):
     """`forward_greedy` on the GEMV path (the final norm, the LM head and the argmax in one
     launch) against the model's own forward and LM head: logits within the ulp a folded norm
     may move them, tokens the argmax of the logits it returns."""
-    from conveyor import LLM
-    from conveyor.kernels.triton_gemv import linear_argmax
     from conveyor.models.attention import build_metadata
 
-    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
-    llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=64, block_size=4,
-              enforce_eager=True)
+    llm, calls = gemv_engine(tiny_models, monkeypatch)
     model = llm.engine.runner.model
-    if DEVICE.type == "cpu":
-        model._use_triton_gemv(torch.bfloat16)
-    calls: list[int] = []
-    model.gemv_head = lambda x, *a, **kw: calls.append(x.shape[0]) or linear_argmax(x, *a, **kw)
     caches = llm.engine.runner.kv_caches
     rows = 5
     meta = build_metadata([[i] for i in range(rows)], [0] * rows, [1] * rows, 4, DEVICE, None, torch.bfloat16)
@@ -361,22 +371,14 @@ def test_graphed_decode_steps_through_the_gemv_head(tiny_models, monkeypatch):
     """The engine on the GEMV path with graphed decode steps (replayed eagerly on a CPU): each
     step's tokens come from the LM head's own argmax (`forward_greedy`), padded rows included,
     and agree with the eager GEMV path's (the folded final norm may move a logit by an ulp)."""
-    from conveyor import LLM, SamplingParams
+    from conveyor import SamplingParams
     from tests.runner.test_cuda_graphs import graphed
 
-    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
     prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(3 + 4 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     runs = []
     for graph in (False, True):
-        llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=128, block_size=4,
-                  enforce_eager=True)
-        model = llm.engine.runner.model
-        if DEVICE.type == "cpu":
-            model._use_triton_gemv(torch.bfloat16)
-        heads: list[int] = []
-        head = model.gemv_head
-        model.gemv_head = lambda x, *a, heads=heads, head=head, **kw: heads.append(x.shape[0]) or head(x, *a, **kw)
+        llm, heads = gemv_engine(tiny_models, monkeypatch)
         sizes = graphed(llm, max_batch=8, capture=False) if graph else []
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if graph:  # six decodes padded to eight rows, down to one
