@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs, as a few calls of the device tool (each under its
+# 10-minute limit, inside the session's 30 minutes of device time, machine starts included).
+# Each stage runs its steps in order; a step that would not finish inside the stage's budget
+# is skipped and named, and a step that fails is logged and the stage goes on. Everything
+# lands in $OUT (the device tool brings it back): one session.log and a folder per step.
+#
+#   bash benchmarks/gpu_session.sh 1   # the CUDA tests; the GEMV sweep; batch-1 decode and the host share
+#   bash benchmarks/gpu_session.sh 2   # throughput against HF continuous and static batching; parity
+#   bash benchmarks/gpu_session.sh 3   # the profile of a batch-1 step, the host's phases at 256 sequences
+#
+# Stage 1 writes $OUT/gemv/gemv_configs.json. Stages after it read the configs from
+# .gpu/gemv_configs.json if it is there: copy the file there (`echo /.gpu/ >> .git/info/exclude`
+# once) and name `.gpu` in the call's `carry`. Without it, the GEMVs take the heuristic's configs.
+# STAGE_BUDGET_S (default 560) is the stage's time; HF_NUM_REQUESTS (default 64) the requests
+# HF's baselines and conveyor run in the throughput steps.
+set -u
+stage=${1:?"usage: gpu_session.sh 1|2|3"}
+out=${OUT:-results/gpu-session}
+mkdir -p "$out"
+log="$out/session.log"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+budget=${STAGE_BUDGET_S:-560}
+hf_requests=${HF_NUM_REQUESTS:-64}
+configs=.gpu/gemv_configs.json
+
+# step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S seconds (less if the stage's
+# budget has less left), its output into the log; skipped if under 30 s would be left.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((budget - ($(date +%s) - start)))
+    if ((left < 30)); then
+        echo "== $name: skipped, ${left}s of the stage left" | tee -a "$log"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (at most ${limit}s) $(date -u +%FT%TZ): $*" | tee -a "$log"
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc after $(($(date +%s) - t0))s" | tee -a "$log"
+}
+
+with_configs() {
+    if [[ -f $configs ]]; then
+        CONVEYOR_GEMV_CONFIGS=$configs "$@"
+    else
+        echo "(no $configs: the GEMVs take the heuristic's configs)" >>"$log"
+        "$@"
+    fi
+}
+
+{
+    echo "== stage $stage at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+    python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1
+} >>"$log"
+
+case $stage in
+1)
+    step tests 170 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/runner
+    step gemv 170 python3 benchmarks/gpu_speed.py --parts gemv --gemv-budget-s 100 --out "$out/gemv"
+    # The configs just written, for the steps after it in this call.
+    [[ -f $out/gemv/gemv_configs.json ]] && mkdir -p .gpu && cp "$out/gemv/gemv_configs.json" "$configs"
+    step batch1 240 with_configs python3 benchmarks/gpu_speed.py --parts batch1,overhead --out "$out/batch1"
+    ;;
+2)
+    step hf_continuous 300 python3 benchmarks/gpu_speed.py --parts throughput --baselines hf_continuous \
+        --hf-num-requests "$hf_requests" --out "$out/hf_continuous"
+    step hf_static 170 python3 benchmarks/gpu_speed.py --parts throughput --baselines hf_static \
+        --hf-num-requests "$hf_requests" --out "$out/hf_static"
+    step parity 80 with_configs python3 benchmarks/gpu_speed.py --parts parity --out "$out/parity"
+    ;;
+3)
+    step profile 200 with_configs python3 benchmarks/gpu_profile.py --fused --gemv --out "$out/profile"
+    step host_time 120 python3 benchmarks/host_time.py --seqs 256 --out "$out/host_time.json"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
+echo "== stage $stage done after $(($(date +%s) - start))s" | tee -a "$log"

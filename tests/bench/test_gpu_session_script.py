@@ -1,0 +1,33 @@
+"""benchmarks/gpu_session.sh: the stages a session with a lent GPU runs. Without a GPU only its
+bookkeeping can be checked: a stage whose budget is spent skips every step and says so in the
+log under $OUT, and an unknown stage is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_session.sh"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_a_stage_out_of_budget_skips_its_steps_and_logs_them(tmp_path, stage):
+    env = dict(os.environ, OUT=str(tmp_path), STAGE_BUDGET_S="0")
+    proc = subprocess.run(["bash", str(SCRIPT), stage], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=SCRIPT.parents[1])
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "session.log").read_text()
+    skipped = [line for line in log.splitlines() if line.endswith("of the stage left")]
+    assert len(skipped) >= 2 and f"== stage {stage} done" in log
+    assert "rc=" not in log  # nothing ran
+
+
+def test_an_unknown_stage_is_refused(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "9"], capture_output=True, text=True,
+                          env=dict(os.environ, OUT=str(tmp_path)), timeout=60, cwd=SCRIPT.parents[1])
+    assert proc.returncode == 2 and "unknown stage" in proc.stderr
