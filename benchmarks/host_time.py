@@ -107,13 +107,13 @@ def measure(model: str, n: int, steps: int, async_scheduling: bool, stream: bool
     # core (2 vCPUs here), and the host's time moved by 2x from round to round with it.
     torch.set_num_threads(1)
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
-              num_kv_blocks=n * 24 + 64, max_model_len=2048, async_scheduling=async_scheduling)
+              num_kv_blocks=max(n * 24 + 64, 2048 // block_size), max_model_len=2048, async_scheduling=async_scheduling)
     engine = llm.engine
     runner = engine.runner
     graph_args = (runner.model, runner.kv_caches, runner.block_size, 2048 // block_size, runner.scratch_block, n)
-    try:
+    if hasattr(runner.sampler, "greedy"):
         runner.graphs = GraphedDecode(*graph_args, capture=False, greedy=runner.sampler.greedy)
-    except TypeError:  # a baseline from before the graph ran through the LM head
+    else:  # a baseline from before the graph ran through the LM head
         runner.graphs = GraphedDecode(*graph_args, capture=False)
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(n):
