@@ -43,12 +43,14 @@ step() {
     echo "== $name: rc=$rc after $(($(date +%s) - t0))s" | tee -a "$log"
 }
 
-with_configs() {
+# The GEMV configs for a step's environment (`env "$(gemv_configs)" COMMAND`): the file if it is
+# there, else empty (the heuristic's configs). `timeout` runs programs, not shell functions.
+gemv_configs() {
     if [[ -f $configs ]]; then
-        CONVEYOR_GEMV_CONFIGS=$configs "$@"
+        echo "CONVEYOR_GEMV_CONFIGS=$configs"
     else
         echo "(no $configs: the GEMVs take the heuristic's configs)" >>"$log"
-        "$@"
+        echo "CONVEYOR_GEMV_CONFIGS="
     fi
 }
 
@@ -64,17 +66,17 @@ case $stage in
     step gemv 170 python3 benchmarks/gpu_speed.py --parts gemv --gemv-budget-s 100 --out "$out/gemv"
     # The configs just written, for the steps after it in this call.
     [[ -f $out/gemv/gemv_configs.json ]] && mkdir -p .gpu && cp "$out/gemv/gemv_configs.json" "$configs"
-    step batch1 240 with_configs python3 benchmarks/gpu_speed.py --parts batch1,overhead --out "$out/batch1"
+    step batch1 240 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts batch1,overhead --out "$out/batch1"
     ;;
 2)
     step hf_continuous 300 python3 benchmarks/gpu_speed.py --parts throughput --baselines hf_continuous \
         --hf-num-requests "$hf_requests" --out "$out/hf_continuous"
     step hf_static 170 python3 benchmarks/gpu_speed.py --parts throughput --baselines hf_static \
         --hf-num-requests "$hf_requests" --out "$out/hf_static"
-    step parity 80 with_configs python3 benchmarks/gpu_speed.py --parts parity --out "$out/parity"
+    step parity 80 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts parity --out "$out/parity"
     ;;
 3)
-    step profile 200 with_configs python3 benchmarks/gpu_profile.py --fused --gemv --out "$out/profile"
+    step profile 200 env "$(gemv_configs)" python3 benchmarks/gpu_profile.py --fused --gemv --out "$out/profile"
     step host_time 120 python3 benchmarks/host_time.py --seqs 256 --out "$out/host_time.json"
     ;;
 *)
