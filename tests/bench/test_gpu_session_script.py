@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,9 @@ def test_an_unknown_stage_is_refused(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash, timeout")
 def test_a_failing_step_is_logged_and_the_stage_goes_on(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path / "out"), STAGE_BUDGET_S="120")
+    # The script runs `python3`, the device's interpreter: here, the one running the tests.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), STAGE_BUDGET_S="120", PATH=path)
     proc = subprocess.run(["bash", str(SCRIPT), "3"], capture_output=True, text=True, env=env, timeout=300,
                           cwd=SCRIPT.parents[1])
     assert proc.returncode == 0, proc.stderr
