@@ -241,11 +241,34 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
+def _merge_argmax(part_val, part_idx, tokens_ptr, rows, row_mask, programs,
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Each row's token from its blocks' partials `[rows, programs]` (each block's largest
+    value and that value's first column), which other programs of this launch stored (read
+    past the L1): the column of the first block holding the row's maximum, `BLOCK_P` blocks
+    at a time. The merge of both one-launch argmaxes: `_argmax_kernel`'s chunks and the
+    LM head GEMV's column blocks (`triton_gemv.linear_argmax`)."""
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    at = tl.zeros([BLOCK_M], tl.int32)
+    for p0 in range(0, programs, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        m = row_mask[:, None] & (ps < programs)[None, :]
+        v = tl.load(part_val + rows[:, None] * programs + ps[None, :], mask=m, other=float("-inf"),
+                    cache_modifier=".cg")
+        v_max = tl.max(v, 1)
+        take = v_max > best  # strictly: an earlier block keeps a tie
+        at = tl.where(take, p0 + tl.argmax(v, 1, tie_break_left=True), at)
+        best = tl.where(take, v_max, best)
+    token = tl.load(part_idx + rows * programs + at, mask=row_mask, other=0, cache_modifier=".cg")
+    tl.store(tokens_ptr + rows, token, mask=row_mask)
+
+
+@_jit
 def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, counters, stride_row, n, chunks,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of one row: its maximum and first index, stored; the row's last chunk to
-    arrive (an acquire-release count at GPU scope after a barrier, one counter a row) takes the
-    first chunk holding the row's maximum, and zeroes the counter for the next launch."""
+    arrive (an acquire-release count at GPU scope after a barrier, one counter a row) merges
+    the row (`_merge_argmax`), and zeroes the counter for the next launch."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -255,15 +278,14 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, counters, stride_row, n, ch
     tl.debug_barrier()
     arrived = tl.atomic_add(counters + row, 1, sem="acq_rel", scope="gpu")
     if arrived == chunks - 1:
-        j = tl.arange(0, BLOCK)
-        v = tl.load(val_ptr + row * chunks + j, mask=j < chunks, other=float("-inf"), cache_modifier=".cg")
-        k = tl.argmax(v, 0, tie_break_left=True)  # the first chunk holding the maximum
-        tl.store(out_ptr + row, tl.load(idx_ptr + row * chunks + k, cache_modifier=".cg"))
+        rows = row + tl.arange(0, 1)
+        _merge_argmax(val_ptr, idx_ptr, out_ptr, rows, rows == row, chunks, 1, BLOCK)
         tl.store(counters + row, 0)
 
 
 ARGMAX_CHUNK = 2048
 ARGMAX_COUNTERS = ArrivalCounters("argmax", 1024)  # one a row
+ARGMAX_MERGE_BLOCK = 1024  # partials an argmax's merge reads at a time (an LM head GEMV of 128k: 4 times)
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,5 +305,5 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     idx = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
     counters = ARGMAX_COUNTERS.get(rows, logits.device)
     _argmax_kernel[(rows, chunks)](logits, vals, idx, out, counters, logits.stride(0), n, chunks,
-                                   CHUNK=ARGMAX_CHUNK, BLOCK=_pow2(chunks, 16))
+                                   CHUNK=ARGMAX_CHUNK, BLOCK=_pow2(min(chunks, ARGMAX_MERGE_BLOCK), 16))
     return out

@@ -54,19 +54,19 @@ from conveyor.kernels.triton_attention import (
     ArrivalCounters,
     _jit,
     _pow2,
+    _rnd,
     opted_in,
     pdl_enabled,
     tl,
     triton_available,
 )
-from conveyor.kernels.triton_fused import _rnd
+from conveyor.kernels.triton_fused import ARGMAX_MERGE_BLOCK, _merge_argmax
 
 __all__ = ["MAX_ROWS", "Config", "config_for", "enabled", "linear", "linear_argmax", "load_configs", "pdl_enabled",
            "set_configs", "triton_available"]
 
 MAX_ROWS = 8  # steps of more rows keep cuBLAS: the prologues are recomputed by every program
 TILE = 8192  # elements of the product tile a program holds at once (64 float32 a thread at 4 warps)
-ARGMAX_MERGE_BLOCK = 1024  # partials the argmax's merge reads at a time (an LM head of 128k: 4 times)
 
 
 def enabled() -> bool:
@@ -172,26 +172,6 @@ def _load_w(w_rows, ks, K, col_mask):
     rows."""
     return tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
                    eviction_policy="evict_first")
-
-
-@_jit
-def _merge_argmax(part_val, part_idx, tokens_ptr, rows, row_mask, programs,
-                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Each row's token: the first program's column among those whose block holds the row's
-    largest logit (the partials other programs of this launch stored, read past the L1)."""
-    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    at = tl.zeros([BLOCK_M], tl.int32)
-    for p0 in range(0, programs, BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        m = row_mask[:, None] & (ps < programs)[None, :]
-        v = tl.load(part_val + rows[:, None] * programs + ps[None, :], mask=m, other=float("-inf"),
-                    cache_modifier=".cg")
-        v_max = tl.max(v, 1)
-        take = v_max > best  # strictly: an earlier block keeps a tie
-        at = tl.where(take, p0 + tl.argmax(v, 1, tie_break_left=True), at)
-        best = tl.where(take, v_max, best)
-    token = tl.load(part_idx + rows * programs + at, mask=row_mask, other=0, cache_modifier=".cg")
-    tl.store(tokens_ptr + rows, token, mask=row_mask)
 
 
 @_jit

@@ -418,6 +418,11 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_head: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # ... with the argmax
         self.gemv_max_rows = 0
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight `[vocab, hidden]`: the embedding table's where they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -475,8 +480,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.gemv_head
         if head is not None and input_ids.shape[0] <= self.gemv_max_rows:
             x = self._forward_gemv(input_ids, positions, kv_caches, meta)
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            head(x, weight, norm=self.norm.weight, eps=self.norm.eps, out=logits, tokens=tokens)
+            head(x, self.head_weight, norm=self.norm.weight, eps=self.norm.eps, out=logits, tokens=tokens)
             return
         self.compute_logits(self(input_ids, positions, kv_caches, meta), out=logits)
         greedy(logits, out=tokens)
@@ -511,7 +515,7 @@ class LlamaForCausalLM(nn.Module):
         LM head become `Int8Linear`s (conveyor/models/quantize.py), smoothed with activations
         recorded on `calibration_ids`; the embedding table stays float32 for lookups.
         """
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         self._head_t: torch.Tensor | None = None
         self._head_kernel: Callable[..., torch.Tensor] | None = None
         self._head_int8: Int8Linear | None = None
@@ -662,7 +666,7 @@ class LlamaForCausalLM(nn.Module):
         head_t = getattr(self, "_head_t", None)
         if head_t is not None:
             return _into(out, hidden @ head_t)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         if self.gemv is not None and hidden.shape[0] <= self.gemv_max_rows:
             return self.gemv(hidden, weight, out=out)
         kernel = getattr(self, "_head_kernel", None)
