@@ -20,6 +20,8 @@ out=${OUT:-results/gpu-session}
 mkdir -p "$out"
 log="$out/session.log"
 export PYTHONUNBUFFERED=1
+# The checkout's conveyor, not installed there: the scripts import it from the working tree.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
 budget=${STAGE_BUDGET_S:-560}
 hf_requests=${HF_NUM_REQUESTS:-64}
