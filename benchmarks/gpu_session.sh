@@ -14,6 +14,11 @@
 # once) and name `.gpu` in the call's `carry`. Without it, the GEMVs take the heuristic's configs.
 # STAGE_BUDGET_S (default 560) is the stage's time; HF_NUM_REQUESTS (default 64) the requests
 # HF's baselines and conveyor run in the throughput steps.
+#
+# GPU_SESSION_SMOKE=1 rehearses a stage on a CPU: the same steps, each script with --smoke
+# (tiny shapes), the tests collected rather than run, the host's phases at 8 sequences.
+# tests/bench/test_gpu_session_script.py runs every stage so in a copy of the checkout where
+# only what the device's image holds can be imported.
 set -u
 stage=${1:?"usage: gpu_session.sh 1|2|3"}
 out=${OUT:-results/gpu-session}
@@ -26,6 +31,10 @@ start=$(date +%s)
 budget=${STAGE_BUDGET_S:-560}
 hf_requests=${HF_NUM_REQUESTS:-64}
 configs=.gpu/gemv_configs.json
+smoke=() collect=() host_seqs=256
+if [[ -n ${GPU_SESSION_SMOKE:-} ]]; then  # a rehearsal on a CPU: the scripts' own check
+    smoke=(--smoke) collect=(--collect-only) host_seqs=8
+fi
 
 # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S seconds (less if the stage's
 # budget has less left), its output into the log; skipped if under 30 s would be left.
@@ -64,22 +73,22 @@ gemv_configs() {
 
 case $stage in
 1)
-    step tests 170 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/runner
-    step gemv 170 python3 benchmarks/gpu_speed.py --parts gemv --gemv-budget-s 100 --out "$out/gemv"
+    step tests 170 python3 -m pytest -q -x -p no:cacheprovider "${collect[@]}" tests/kernels tests/runner
+    step gemv 170 python3 benchmarks/gpu_speed.py --parts gemv --gemv-budget-s 100 "${smoke[@]}" --out "$out/gemv"
     # The configs just written, for the steps after it in this call.
     [[ -f $out/gemv/gemv_configs.json ]] && mkdir -p .gpu && cp "$out/gemv/gemv_configs.json" "$configs"
-    step batch1 240 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts batch1,overhead --out "$out/batch1"
+    step batch1 240 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts batch1,overhead "${smoke[@]}" --out "$out/batch1"
     ;;
 2)
     step hf_continuous 300 python3 benchmarks/gpu_speed.py --parts throughput --baselines hf_continuous \
-        --hf-num-requests "$hf_requests" --out "$out/hf_continuous"
+        --hf-num-requests "$hf_requests" "${smoke[@]}" --out "$out/hf_continuous"
     step hf_static 170 python3 benchmarks/gpu_speed.py --parts throughput --baselines hf_static \
-        --hf-num-requests "$hf_requests" --out "$out/hf_static"
-    step parity 80 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts parity --out "$out/parity"
+        --hf-num-requests "$hf_requests" "${smoke[@]}" --out "$out/hf_static"
+    step parity 80 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts parity "${smoke[@]}" --out "$out/parity"
     ;;
 3)
-    step profile 200 env "$(gemv_configs)" python3 benchmarks/gpu_profile.py --fused --gemv --out "$out/profile"
-    step host_time 120 python3 benchmarks/host_time.py --seqs 256 --out "$out/host_time.json"
+    step profile 200 env "$(gemv_configs)" python3 benchmarks/gpu_profile.py --fused --gemv "${smoke[@]}" --out "$out/profile"
+    step host_time 120 python3 benchmarks/host_time.py --seqs "${host_seqs}" --out "$out/host_time.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
