@@ -1,0 +1,171 @@
+"""How much of a decode step the host adds, against a device of a given speed, on a CPU.
+
+On a GPU a step's kernels run asynchronously: the host launches them and is free until it
+asks for the sampled tokens. Async scheduling spends that time on the next step (schedule,
+prepare its inputs, launch it) and then takes the earlier step's tokens into the requests, so
+the host's time should hide behind the device's as long as it is the shorter. This script
+checks that on the real engine without a GPU, with an emulated device:
+
+- the model's forward is replaced by a stub that writes a token into the graphed step's token
+  buffer (the host's work around it, which is what is measured, is the real engine's);
+- a step's device time starts when the runner's `submit` returns (its launch) or when the
+  step before it ends, whichever is later, and lasts `--device-ms`; the step's `result()`
+  waits until then (spinning its last 0.2 ms, as a CUDA event's synchronize spins).
+
+Each engine step's wall time is timed; the host's share of a step is 1 - device / wall (the
+median of `--steps` decode steps after the prompts). Without async scheduling the step is the
+host's time plus the device's; with it, the larger of the two, if the overlap works.
+
+    python benchmarks/overlap.py                                   # 256 sequences, 4.64 ms
+    python benchmarks/overlap.py --seqs 1,256 --device-ms 0.82,4.64 --modes sync,async,stream
+
+`--device-ms` defaults to 4.64, what a decode step of Llama-3.2-1B's shape at 256 sequences
+took on the ninth session's H100 (the runner alone, BENCHMARKS.md); 0.82 ms is a batch-1
+step of that model at the H100's measured HBM limit. The modes are host_time.py's: `stream`
+is async with every request streaming its text. What the emulation cannot show: a host wait
+that torch inserts on a real device (a blocking copy, `.item()`); tests/runner's GPU test
+under torch's sync debug mode is for those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_time import build_model  # a sibling: this folder is on sys.path
+
+SPIN_S = 2e-4
+
+
+def wait_until(t: float) -> None:
+    """Sleep, then spin the last `SPIN_S` (time.sleep overshoots by tens of µs)."""
+    left = t - time.perf_counter()
+    if left > SPIN_S:
+        time.sleep(left - SPIN_S)
+    while time.perf_counter() < t:
+        pass
+
+
+class EmulatedDevice:
+    """A device queue in front of a runner: each launched step runs `step_s` after the later of
+    its launch and the previous step's end; its tokens are ready then."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.free_at = 0.0
+        self.waited_s = 0.0  # the host's time blocked in result(), for the record
+
+    def attach(self, runner: Any) -> None:
+        launch = runner.submit
+
+        def submit(scheduled: Any) -> Any:
+            handle = launch(scheduled)
+            self.free_at = max(time.perf_counter(), self.free_at) + self.step_s
+            done_at, result = self.free_at, handle.result
+
+            def waited() -> Any:
+                t = time.perf_counter()
+                wait_until(done_at)
+                self.waited_s += time.perf_counter() - t
+                return result()
+
+            handle.result = waited
+            return handle
+
+        runner.submit = submit  # `execute` calls self.submit: the instance's attribute
+
+
+def measure(model: str, n: int, steps: int, device_ms: float, mode: str) -> dict[str, float]:
+    import torch
+
+    from conveyor import LLM, SamplingParams
+    from conveyor.runner.cuda_graphs import GraphedDecode
+
+    prompt_len, block_size = 128, 16
+    torch.set_num_threads(1)  # as host_time.py: no OpenMP worker spinning on the host's core
+    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
+              num_kv_blocks=max(n * 24 + 64, 2048 // block_size), max_model_len=2048,
+              async_scheduling=mode != "sync")
+    engine = llm.engine
+    runner: Any = engine.runner  # a ModelRunner
+    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, 2048 // block_size,
+                           runner.scratch_block, n, capture=False, greedy=runner.sampler.greedy)
+    runner.graphs = graphs
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params,
+                           stream=mode == "stream")
+    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # the prompts, on the real model
+    # From here the device is emulated: the forward only writes tokens (ids of real text).
+    stub_tokens = torch.arange(n, dtype=graphs.tokens.dtype) % 400 + 100
+
+    def forward(b: int) -> None:
+        graphs.tokens[: min(b, n)].copy_(stub_tokens[: min(b, n)])
+
+    graphs._forward = forward  # type: ignore[method-assign]
+    device = EmulatedDevice(device_ms / 1e3)
+    device.attach(runner)
+    for _ in range(8):
+        engine.step()
+    walls = []
+    device.waited_s = 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    assert all(len(s.token_ids) > prompt_len + steps for s in engine.scheduler.running)
+    wall = statistics.median(walls)
+    return {"step_ms": wall * 1e3, "host_share": 1 - device_ms / 1e3 / wall,
+            "waited_ms": device.waited_s / steps * 1e3}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="256", help="running sequences, comma-separated")
+    ap.add_argument("--device-ms", default="4.64", help="the emulated device's time a step, comma-separated")
+    ap.add_argument("--modes", default="sync,async,stream", help="of sync, async and stream")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="each figure is the median over the rounds")
+    ap.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = ap.parse_args()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    device_ms = [float(d) for d in args.device_ms.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    if set(modes) - {"sync", "async", "stream"}:
+        ap.error("--modes takes sync, async and/or stream")
+    rows: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model")
+        texts = build_model(Path(tmp) / "with-tokenizer", tokenizer=True) if "stream" in modes else model
+        for _ in range(args.rounds):  # rounds interleave the cells, so the machine's drift spreads over all
+            for n in seqs:
+                for d in device_ms:
+                    for mode in modes:
+                        m = measure(texts if mode == "stream" else model, n, args.steps, d, mode)
+                        rows.setdefault(f"{n},{d},{mode}", []).append(m)
+    print("| sequences | device ms (emulated) | scheduling | step ms | host share | host blocked in result() ms |")
+    print("|---|---|---|---|---|---|")
+    table: dict[str, Any] = {}
+    for key, runs in rows.items():
+        cell_n, cell_d, cell_mode = key.split(",")
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        table[key] = med | {"rounds": runs}
+        print(f"| {cell_n} | {float(cell_d):.2f} | {cell_mode} | {med['step_ms']:.3f} | {med['host_share']:.1%} "
+              f"| {med['waited_ms']:.3f} |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"),
+                                        "figures": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
