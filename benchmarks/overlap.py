@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_time import build_model  # a sibling: this folder is on sys.path
 
 SPIN_S = 2e-4
+TEXT = ("Continuous batching rebuilds the batch at every step: a finished sequence leaves at once "
+        "and a waiting one joins at once, so the device never idles on padding. ")
 
 
 def wait_until(t: float) -> None:
@@ -82,7 +84,7 @@ class EmulatedDevice:
         runner.submit = submit  # `execute` calls self.submit: the instance's attribute
 
 
-def measure(model: str, n: int, steps: int, device_ms: float, mode: str) -> dict[str, float]:
+def measure(model: str, n: int, steps: int, device_ms: float, mode: str, warmup: int = 8) -> dict[str, float]:
     import torch
 
     from conveyor import LLM, SamplingParams
@@ -90,30 +92,40 @@ def measure(model: str, n: int, steps: int, device_ms: float, mode: str) -> dict
 
     prompt_len, block_size = 128, 16
     torch.set_num_threads(1)  # as host_time.py: no OpenMP worker spinning on the host's core
+    max_len = prompt_len + warmup + steps + 64
+    blocks = n * -(-max_len // block_size) + 64  # every sequence runs to the end: none is preempted
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
-              num_kv_blocks=max(n * 24 + 64, 2048 // block_size), max_model_len=2048,
+              num_kv_blocks=blocks, max_model_len=max(2048, max_len),
               async_scheduling=mode != "sync")
     engine = llm.engine
     runner: Any = engine.runner  # a ModelRunner
-    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, 2048 // block_size,
+    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, -(-max(2048, max_len) // block_size),
                            runner.scratch_block, n, capture=False, greedy=runner.sampler.greedy)
     runner.graphs = graphs
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params,
                            stream=mode == "stream")
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prompts, on the real model
-    # From here the device is emulated: the forward only writes tokens (ids of real text).
-    stub_tokens = torch.arange(n, dtype=graphs.tokens.dtype) % 400 + 100
+    # From here the device is emulated: the forward only writes tokens. They are the ids of
+    # real text, read on from a different place for each sequence, so that streamed text
+    # decodes as text does (a token that is a lone piece of a character forever would not).
+    text = TEXT * 8
+    ids = engine.tokenizer.encode(text, add_special_tokens=False) if engine.tokenizer else list(range(100, 400))
+    story = torch.tensor(ids, dtype=graphs.tokens.dtype)
+    offsets = torch.arange(n) * 7
+    step = [0]
 
     def forward(b: int) -> None:
-        graphs.tokens[: min(b, n)].copy_(stub_tokens[: min(b, n)])
+        rows = min(b, n)
+        graphs.tokens[:rows].copy_(story[(offsets[:rows] + step[0]) % len(ids)])
+        step[0] += 1
 
     graphs._forward = forward  # type: ignore[method-assign]
     device = EmulatedDevice(device_ms / 1e3)
     device.attach(runner)
-    for _ in range(8):
+    for _ in range(warmup):
         engine.step()
     walls = []
     device.waited_s = 0.0
@@ -121,7 +133,8 @@ def measure(model: str, n: int, steps: int, device_ms: float, mode: str) -> dict
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    assert all(len(s.token_ids) > prompt_len + steps for s in engine.scheduler.running)
+    running = engine.scheduler.running
+    assert len(running) == n and all(len(s.token_ids) > prompt_len + warmup + steps for s in running)
     wall = statistics.median(walls)
     return {"step_ms": wall * 1e3, "host_share": 1 - device_ms / 1e3 / wall,
             "waited_ms": device.waited_s / steps * 1e3}
@@ -133,6 +146,8 @@ def main() -> int:
     ap.add_argument("--device-ms", default="4.64", help="the emulated device's time a step, comma-separated")
     ap.add_argument("--modes", default="sync,async,stream", help="of sync, async and stream")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8,
+                    help="decode steps before the timed ones: the outputs' length when timing starts")
     ap.add_argument("--rounds", type=int, default=3, help="each figure is the median over the rounds")
     ap.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = ap.parse_args()
@@ -149,7 +164,7 @@ def main() -> int:
             for n in seqs:
                 for d in device_ms:
                     for mode in modes:
-                        m = measure(texts if mode == "stream" else model, n, args.steps, d, mode)
+                        m = measure(texts if mode == "stream" else model, n, args.steps, d, mode, args.warmup)
                         rows.setdefault(f"{n},{d},{mode}", []).append(m)
     print("| sequences | device ms (emulated) | scheduling | step ms | host share | host blocked in result() ms |")
     print("|---|---|---|---|---|---|")

@@ -106,6 +106,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
         self.num_pending = 0  # trailing PLACEHOLDERs in token_ids: tokens the runner still owes
+        # Grows in place by appends only; any other change assigns a new list (HostBlockTables).
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -54,7 +54,9 @@ class BlockManager:
 
     # -- mutations -------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_total_tokens: int) -> bool:
-        """Grow `seq`'s table to cover `num_total_tokens` slots. All or nothing."""
+        """Grow `seq`'s table to cover `num_total_tokens` slots. All or nothing. The one change
+        made to a table in place, by appends: free and swap assign a new list (the runner
+        keeps a row per list object, `HostBlockTables`)."""
         need = -(-num_total_tokens // self.block_size) - len(seq.block_table)  # num_new_blocks_needed, inline
         if need <= 0:
             return True  # the common case: a decode within its last block

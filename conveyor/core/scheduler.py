@@ -421,9 +421,10 @@ class Scheduler:
                 seq.seq_id,
                 tokens[start:end],
                 start,
-                # A snapshot when the step may still be running while the next one is
-                # scheduled (the block manager and `update` change these lists in place).
-                list(seq.block_table) if self.config.async_scheduling else seq.block_table,
+                # The list itself, not a snapshot, also with async scheduling: the runner reads
+                # it when the step is launched, before the next schedule can append to it
+                # (and HostBlockTables keeps a row per list object).
+                seq.block_table,
                 sample,
                 seq.sampling_params,
                 tokens,

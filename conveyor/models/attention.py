@@ -71,15 +71,59 @@ def host_longs(values: list[int]) -> torch.Tensor:
 
 def host_table(tables: Sequence[Sequence[int]], width: int, fill: int) -> torch.Tensor:
     """Block tables as a CPU int64 tensor `[len(tables), width]`, each row cut to `width` or
-    padded with `fill`: built as one flat list, not a nested `torch.tensor`."""
-    flat: list[int] = []
+    padded with `fill`: built as one flat `array`, not a nested `torch.tensor`. Rows that are
+    int64 arrays already (`HostBlockTables`) are copied as memory; lists are converted int by
+    int (at 256 rows of 70 blocks, about 20x the time)."""
+    if not tables or not width:
+        return torch.empty(len(tables), width, dtype=torch.long)
+    flat = array("q")
+    pad = array("q", [fill]) * width
     for t in tables:
-        if len(t) < width:
-            flat += t
-            flat += [fill] * (width - len(t))
+        n = len(t)
+        if n < width:
+            flat.extend(t)
+            flat += pad[: width - n]
         else:
-            flat += t[:width]
-    return host_longs(flat).view(len(tables), width)
+            flat.extend(t[:width] if n > width else t)
+    return torch.frombuffer(flat, dtype=torch.long).view(len(tables), width)
+
+
+class HostBlockTables:
+    """Each running sequence's block table as an int64 `array`, kept from step to step, so
+    that a step's tables are copied as memory rather than converted from Python ints: a
+    decode step's host time would otherwise grow with every sequence's context (about 1.2 ms
+    a step at 256 sequences of 4,000 tokens).
+
+    The scheduler's contract makes this exact: a sequence's table list only ever grows in
+    place by appends (`BlockManager.allocate`); anything else (free, swap out or in) assigns
+    the sequence a new list. So a row is valid while it was built from the same list object,
+    and only that list's new tail is appended to it."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[list[int], array]] = {}
+
+    def rows(self, seq_ids: Sequence[int], tables: Sequence[list[int]]) -> list[array]:
+        """The rows of these sequences' tables (the cached arrays themselves: copy them, as
+        `host_table` does, before the tables grow again)."""
+        cache = self._rows
+        out = []
+        for seq_id, table in zip(seq_ids, tables, strict=True):
+            hit = cache.get(seq_id)
+            if hit is not None and hit[0] is table and len(hit[1]) <= len(table):
+                row = hit[1]
+                if len(row) < len(table):
+                    row.extend(table[len(row):])
+            else:
+                row = array("q", table)
+                cache[seq_id] = (table, row)
+            out.append(row)
+        return out
+
+    def drop(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -93,7 +137,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def build_metadata(
-    block_tables: list[list[int]],
+    block_tables: Sequence[Sequence[int]],
     start_positions: list[int],
     num_new_tokens: list[int],
     block_size: int,
@@ -112,7 +156,7 @@ def build_metadata(
 
 
 def _mixed_metadata(
-    block_tables: list[list[int]],
+    block_tables: Sequence[Sequence[int]],
     start_positions: list[int],
     num_new_tokens: list[int],
     block_size: int,
@@ -174,7 +218,7 @@ def _mixed_metadata(
 
 
 def _decode_metadata(
-    block_tables: list[list[int]],
+    block_tables: Sequence[Sequence[int]],
     start_positions: list[int],
     block_size: int,
     device: torch.device,

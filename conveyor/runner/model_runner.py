@@ -12,7 +12,7 @@ import time
 import torch
 
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
-from conveyor.models.attention import build_metadata, host_longs, to_device
+from conveyor.models.attention import HostBlockTables, build_metadata, host_longs, to_device
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.runner.base import RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
@@ -97,6 +97,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed, device)
         self._generators: dict[int, torch.Generator] = {}
+        self.host_tables = HostBlockTables()  # running sequences' block tables as int64 arrays
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
         self._last_tokens: torch.Tensor | None = None
@@ -148,6 +149,7 @@ class ModelRunner:
         start = time.perf_counter()
         for seq_id in scheduler_output.finished_seq_ids:
             self._generators.pop(seq_id, None)
+            self.host_tables.drop(seq_id)
         # All swap-outs first: their device blocks may be handed to others in this very step.
         if scheduler_output.blocks_to_swap_out:
             self._copy_blocks(self.kv_caches, self.swap_caches, scheduler_output.blocks_to_swap_out)
@@ -175,6 +177,7 @@ class ModelRunner:
             else:
                 token_ids.extend(it.token_ids)
         input_ids = self._input_ids(token_ids, pending_rows, pending_from)
+        tables = self.host_tables.rows([it.seq_id for it in items], [it.block_table for it in items])
         graphs = self.graphs
         # A graphed step gives every row's logits and greedy token (`GraphedDecode`); an eager
         # one the hidden states, which go through the LM head below.
@@ -184,11 +187,11 @@ class ModelRunner:
         if graphs is not None and graphs.applies(len(items), all_decodes):
             bs = self.block_size
             positions = [it.start_pos for it in items]
-            slots = [it.block_table[p // bs] * bs + p % bs for it, p in zip(items, positions, strict=True)]
-            logits, greedy = graphs(input_ids, positions, slots, [it.block_table for it in items])
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+            logits, greedy = graphs(input_ids, positions, slots, tables)
         else:
             meta = build_metadata(
-                [it.block_table for it in items],
+                tables,
                 [it.start_pos for it in items],
                 num_new,
                 self.block_size,

@@ -16,6 +16,7 @@ from typing import Any
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.models.attention import HostBlockTables
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import FinishReason, Sequence
 
@@ -84,6 +85,7 @@ class FakeRunner:
         self.swapped_out: list[int] = []  # sequences the latest step swapped out
         self.recomputed: list[int] = []  # sequences the latest step dropped to recompute
         self.blocks_copied = 0
+        self.host_tables = HostBlockTables()
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -115,18 +117,23 @@ class FakeRunner:
         self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out)
         self._copy(self.swap_slots, self.slots, out.blocks_to_swap_in)
         sampled: dict[int, int] = {}
-        for item in out.scheduled:
+        # The tables as the model runner reads them: its rows kept from step to step, which
+        # must equal the scheduler's lists (every slot below is read and written through them).
+        rows = self.host_tables.rows([it.seq_id for it in out.scheduled], [it.block_table for it in out.scheduled])
+        for item, row in zip(out.scheduled, rows, strict=True):
+            assert row.tolist() == item.block_table, f"seq {item.seq_id}: host row {row} for {item.block_table}"
+            table = row.tolist()
             epoch = self.epoch.get(item.seq_id, 0)
             context = []
             for pos in range(item.start_pos):
-                tag = self.slots[self._slot(item.block_table, pos)]
+                tag = self.slots[self._slot(table, pos)]
                 assert tag is not None and tag[:3] == (item.seq_id, epoch, pos), (
                     f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
                 )
                 context.append(tag[3])
             for i, token in enumerate(item.token_ids):
                 pos = item.start_pos + i
-                self.slots[self._slot(item.block_table, pos)] = (item.seq_id, epoch, pos, token)
+                self.slots[self._slot(table, pos)] = (item.seq_id, epoch, pos, token)
                 context.append(token)
             assert context == item.all_token_ids[: item.context_len]
             self.tables[item.seq_id] = list(item.block_table)
@@ -134,6 +141,7 @@ class FakeRunner:
                 sampled[item.seq_id] = next_token(context)
         for seq_id in out.finished_seq_ids:
             self.tables.pop(seq_id, None)
+            self.host_tables.drop(seq_id)
         return sampled
 
 

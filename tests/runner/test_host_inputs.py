@@ -3,13 +3,14 @@ step whose decodes read the previous step's sampled tokens (async scheduling).""
 
 from __future__ import annotations
 
+from array import array
 from types import SimpleNamespace
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.models.attention import host_longs, host_table
+from conveyor.models.attention import HostBlockTables, host_longs, host_table
 from conveyor.runner.model_runner import ModelRunner
 
 longs = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -25,9 +26,31 @@ def test_host_longs_is_torch_tensor_of_the_list(values):
 @given(st.lists(st.lists(st.integers(0, 10**6), max_size=9), max_size=12), st.integers(0, 9), st.integers(-1, 10**6))
 def test_host_table_cuts_and_pads_each_row(tables, width, fill):
     want = [t[:width] + [fill] * (width - len(t[:width])) for t in tables]
-    got = host_table(tables, width, fill)
-    assert got.dtype == torch.long and got.shape == (len(tables), width)
-    assert got.tolist() == want
+    for rows in (tables, [array("q", t) for t in tables]):  # lists, or HostBlockTables' arrays
+        got = host_table(rows, width, fill)
+        assert got.dtype == torch.long and got.shape == (len(tables), width)
+        assert got.tolist() == want
+
+
+@given(st.lists(st.tuples(st.sampled_from(["append", "replace", "drop", "read"]), st.integers(0, 3),
+                          st.lists(st.integers(0, 10**6), max_size=4)), max_size=60))
+def test_host_block_tables_follow_lists_that_grow_in_place_or_are_replaced(ops):
+    """The block manager's contract (appends in place, a new list for anything else) with
+    reads between: every read gives each sequence's table as it is now."""
+    tables: dict[int, list[int]] = {}
+    host = HostBlockTables()
+    for op, seq, blocks in ops:
+        if op == "append":
+            tables.setdefault(seq, []).extend(blocks)
+        elif op == "replace":
+            tables[seq] = list(blocks)
+        elif op == "drop":
+            tables.pop(seq, None)
+            host.drop(seq)
+        ids = sorted(tables)
+        rows = host.rows(ids, [tables[i] for i in ids])
+        assert [r.tolist() for r in rows] == [tables[i] for i in ids]
+    assert len(host) <= len(tables)  # a dropped sequence leaves nothing behind
 
 
 @st.composite
