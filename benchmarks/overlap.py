@@ -21,8 +21,10 @@ host's time plus the device's; with it, the larger of the two, if the overlap wo
 
 `--device-ms` defaults to 4.64, what a decode step of Llama-3.2-1B's shape at 256 sequences
 took on the ninth session's H100 (the runner alone, BENCHMARKS.md); 0.82 ms is a batch-1
-step of that model at the H100's measured HBM limit. The modes are host_time.py's: `stream`
-is async with every request streaming its text. What the emulation cannot show: a host wait
+step of that model at the H100's measured HBM limit. The modes: `sync`, `async` (async
+scheduling), `stream` (async, every request streaming its text in cumulative outputs, as
+host_time.py's `stream`) and `served` (the same with `output_kind="delta"`, as the HTTP server
+streams: each output only what is new). What the emulation cannot show: a host wait
 that torch inserts on a real device (a blocking copy, `.item()`); tests/runner's GPU test
 under torch's sync debug mode is for those.
 """
@@ -102,10 +104,11 @@ def measure(model: str, n: int, steps: int, device_ms: float, mode: str, warmup:
     graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, -(-max(2048, max_len) // block_size),
                            runner.scratch_block, n, capture=False, greedy=runner.sampler.greedy)
     runner.graphs = graphs
-    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True,
+                            output_kind="delta" if mode == "served" else "cumulative")
     for i in range(n):
         engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params,
-                           stream=mode == "stream")
+                           stream=mode in ("stream", "served"))
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prompts, on the real model
     # From here the device is emulated: the forward only writes tokens. They are the ids of
@@ -144,7 +147,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="256", help="running sequences, comma-separated")
     ap.add_argument("--device-ms", default="4.64", help="the emulated device's time a step, comma-separated")
-    ap.add_argument("--modes", default="sync,async,stream", help="of sync, async and stream")
+    ap.add_argument("--modes", default="sync,async,stream,served", help="of sync, async, stream and served")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8,
                     help="decode steps before the timed ones: the outputs' length when timing starts")
@@ -154,17 +157,18 @@ def main() -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     device_ms = [float(d) for d in args.device_ms.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
-    if set(modes) - {"sync", "async", "stream"}:
-        ap.error("--modes takes sync, async and/or stream")
+    if set(modes) - {"sync", "async", "stream", "served"}:
+        ap.error("--modes takes sync, async, stream and/or served")
     rows: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model")
-        texts = build_model(Path(tmp) / "with-tokenizer", tokenizer=True) if "stream" in modes else model
+        texted = {"stream", "served"} & set(modes)
+        texts = build_model(Path(tmp) / "with-tokenizer", tokenizer=True) if texted else model
         for _ in range(args.rounds):  # rounds interleave the cells, so the machine's drift spreads over all
             for n in seqs:
                 for d in device_ms:
                     for mode in modes:
-                        m = measure(texts if mode == "stream" else model, n, args.steps, d, mode, args.warmup)
+                        m = measure(texts if mode in ("stream", "served") else model, n, args.steps, d, mode, args.warmup)
                         rows.setdefault(f"{n},{d},{mode}", []).append(m)
     print("| sequences | device ms (emulated) | scheduling | step ms | host share | host blocked in result() ms |")
     print("|---|---|---|---|---|---|")

@@ -89,6 +89,8 @@ class _Request:
     logprobs: list[TokenLogprob] | None
     emitted_tokens: int = 0
     emitted_text: int = 0
+    delta: bool = False  # output_kind "delta": each output holds only what is new
+    emitted_logprobs: int = 0  # ... and these logprobs went out already
     done: bool = False
     prompt_token_ids: list[int] | None = None  # sliced once, shared by every output of a stream
     extra: dict[str, object] = field(default_factory=dict)
@@ -327,8 +329,10 @@ class Engine:
                 params.stop,
                 params.include_stop_str_in_output,
             )
+        kind = params.output_kind
         req = _Request(
-            request_id, text if text is not None else prompt_text, seq, detok, stream, [] if params.logprobs is not None else None
+            request_id, text if text is not None else prompt_text, seq, detok, stream and kind != "final_only",
+            [] if params.logprobs is not None else None, delta=kind == "delta",
         )
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
@@ -412,7 +416,7 @@ class Engine:
                 self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now)
             if req.seq.status is SequenceStatus.FINISHED:
                 outputs.append(self._finish_output(req))
-            elif req.stream:
+            elif req.stream:  # (not with output_kind "final_only")
                 outputs.append(self._output(req))
         return outputs
 
@@ -465,19 +469,36 @@ class Engine:
         req.emitted_text = len(text)
         return text, delta
 
+    def _delta_text(self, req: _Request, final: bool) -> str:
+        """The text new since the last output (`_text`'s delta, without the full text)."""
+        if req.detokenizer is not None:
+            return req.detokenizer.delta(final=final)
+        return self._text(req, final)[1]  # no stream decoder: decoded whole, as `_text` does
+
     def _output(self, req: _Request, final: bool = False) -> RequestOutput:
         seq = req.seq
-        text, delta = self._text(req, final)
-        out_ids = seq.output_token_ids
-        delta_ids = out_ids[req.emitted_tokens :]
-        req.emitted_tokens = len(out_ids)
+        tokens, start = seq.token_ids, seq.prompt_len
+        end = len(tokens) - seq.num_pending  # the outputs so far (never a placeholder)
+        delta_ids = tokens[start + req.emitted_tokens : end]
+        logprobs = req.logprobs
+        if req.delta:  # only what is new: no copy of the whole output a token
+            delta = text = self._delta_text(req, final)
+            out_ids = delta_ids
+            if logprobs is not None:
+                logprobs = logprobs[req.emitted_logprobs :]
+                req.emitted_logprobs += len(logprobs)
+        else:
+            text, delta = self._text(req, final)
+            out_ids = tokens[start:end]
+            logprobs = list(logprobs) if logprobs is not None else None
+        req.emitted_tokens = end - start
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=out_ids,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=logprobs,
             delta_text=delta,
             delta_token_ids=delta_ids,
         )

@@ -16,6 +16,9 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -34,6 +37,11 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # What a streamed request's outputs hold (vLLM's RequestOutputKind): "cumulative", the
+    # text, token ids and logprobs so far in each; "delta", only what is new since the
+    # previous output (a stream of n tokens then costs O(n), not O(n^2)); "final_only", one
+    # output, when the request ends (as a request that does not stream).
+    output_kind: str = "cumulative"
     # scheduling hints (used by the queue policies)
     priority: int = 0
     expected_output_tokens: int | None = None
@@ -71,6 +79,8 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:

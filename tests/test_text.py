@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
+from conveyor.sampling_params import InvalidRequestError
 from conveyor.tokenizer import IncrementalDetokenizer
 
 
@@ -64,6 +67,49 @@ def test_streamed_deltas_concatenate_to_the_final_text(llm):
     assert final is not None and final.finished
     assert "".join(deltas) == final.outputs[0].text
     assert "Fri" not in final.outputs[0].text  # a stop-string prefix is never streamed
+
+
+def _stream(engine, rid, ids, params):
+    engine.add_request(rid, ids, params, stream=True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=60, temperature=0.0, stop=["Friday"], logprobs=2),
+    SamplingParams(max_tokens=30, temperature=0.8, seed=5, logprobs=0),
+    SamplingParams(max_tokens=25, temperature=0.0),
+], ids=["stop+logprobs", "sampled", "plain"])
+def test_output_kinds_hold_the_same_request(llm, params):
+    """"delta" outputs concatenate to the cumulative stream's final output (text, token ids,
+    logprobs), one output for each of its; "final_only" is that final output alone."""
+    engine = llm.engine
+    ids = llm.tokenizer.encode("The days of the week are Monday,")
+    cumulative = _stream(engine, "c", ids, params)
+    final = cumulative[-1].outputs[0]
+    assert final.logprobs is None or len(final.logprobs) == len(final.token_ids)
+    delta = _stream(engine, "d", ids, dataclasses.replace(params, output_kind="delta"))
+    assert len(delta) == len(cumulative) and delta[-1].finished
+    for d, c in zip(delta, cumulative, strict=True):  # each output: the cumulative one's news
+        got, want = d.outputs[0], c.outputs[0]
+        assert got.text == got.delta_text == want.delta_text
+        assert got.token_ids == got.delta_token_ids == want.delta_token_ids
+    assert "".join(o.outputs[0].text for o in delta) == final.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == final.token_ids
+    if final.logprobs is not None:
+        assert [lp for o in delta for lp in o.outputs[0].logprobs] == final.logprobs
+    assert delta[-1].outputs[0].finish_reason == final.finish_reason
+    only = _stream(engine, "f", ids, dataclasses.replace(params, output_kind="final_only"))
+    assert len(only) == 1 and only[0].finished
+    assert only[0].outputs[0].text == final.text and only[0].outputs[0].token_ids == final.token_ids
+    assert only[0].outputs[0].logprobs == final.logprobs
+
+
+def test_an_unknown_output_kind_is_refused():
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind="partial")
 
 
 def test_detokenizer_never_splits_utf8(llm):

@@ -76,10 +76,10 @@ class _Choice:
 
     index: int
     prompt: _Prompt
-    logprobs_sent: int = 0
     started: bool = False
     final: RequestOutput | None = None
     num_tokens: int = 0
+    text_sent: int = 0  # characters of completion text streamed so far
 
 
 class _Handler:
@@ -135,6 +135,9 @@ class _Handler:
             "priority": b.priority,
             "logprobs": self.logprobs(),
             "expected_output_tokens": b.expected_output_tokens,
+            # A stream's chunks are what is new since the last (the engine copies nothing
+            # cumulative a token); a response waits for the end and its one output.
+            "output_kind": "delta" if b.stream else "final_only",
         }
         optional = {
             "temperature": b.temperature,
@@ -249,7 +252,7 @@ class _Handler:
                 yield _sse(chunk)
             async for out in stream:
                 choice = by_id[out.request_id]
-                choice.num_tokens = len(out.outputs[0].token_ids)
+                choice.num_tokens += len(out.outputs[0].token_ids)  # output_kind "delta"
                 if out.finished:
                     choice.final = out
                 delta = self.delta_chunk(choice, out)
@@ -310,11 +313,9 @@ class _Handler:
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def new_logprobs(self, choice: _Choice, out: RequestOutput) -> list[TokenLogprob]:
-        entries = out.outputs[0].logprobs or []
-        new = entries[choice.logprobs_sent :]
-        choice.logprobs_sent = len(entries)
-        return new
+    def new_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
+        """A streamed output's logprobs: only the new ones (output_kind "delta")."""
+        return out.outputs[0].logprobs or []
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -395,9 +396,10 @@ class CompletionHandler(_Handler):
                 text = choice.prompt.text + text
         logprobs = None
         if self.body.logprobs is not None:
-            new = self.new_logprobs(choice, out)
+            new = self.new_logprobs(out)
             if new:
-                logprobs = self._logprobs_block(new, len(c.text) - len(c.delta_text))
+                logprobs = self._logprobs_block(new, choice.text_sent)
+        choice.text_sent += len(c.delta_text)
         if not text and logprobs is None and not out.finished:
             return None
         return self.chunk([{
@@ -503,7 +505,7 @@ class ChatCompletionHandler(_Handler):
         c = out.outputs[0]
         logprobs = None
         if self.body.logprobs:
-            new = self.new_logprobs(choice, out)
+            new = self.new_logprobs(out)
             if new:
                 logprobs = self._logprobs_block(new)
         if not c.delta_text and logprobs is None and not out.finished:

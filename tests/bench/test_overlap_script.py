@@ -16,7 +16,7 @@ def test_overlap_small(tmp_path, smollm2):
                            "--rounds", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     figures = json.loads(out.read_text())["figures"]
-    assert set(figures) == {f"4,{d},{m}" for d in ("0.0", "3.0") for m in ("sync", "async", "stream")}
+    assert set(figures) == {f"4,{d},{m}" for d in ("0.0", "3.0") for m in ("sync", "async", "stream", "served")}
     for key, cell in figures.items():
         assert cell["step_ms"] > 0 and 0 <= cell["waited_ms"] <= cell["step_ms"] * 1.01, key
     assert figures["4,3.0,sync"]["step_ms"] >= 3.0  # launch, then 3 ms of device, every step

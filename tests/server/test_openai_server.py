@@ -155,6 +155,34 @@ def test_logprobs_and_vllm_extensions(client: openai.OpenAI) -> None:
     assert lp is not None and len(lp.tokens) == 4 and len(lp.top_logprobs[0]) == 2
 
 
+def test_streamed_logprobs_and_usage_match_the_response(client: openai.OpenAI) -> None:
+    """A stream's chunks carry only what is new (output_kind "delta" inside): together they
+    are the response's tokens, logprobs and text offsets, and its usage."""
+    kwargs = dict(model="smollm2", prompt="The days of the week are Monday,", max_tokens=12, logprobs=2,
+                  temperature=0, echo=False)
+    whole = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    want = whole.choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float] = []
+    offsets: list[int] = []
+    text = ""
+    usage = None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **kwargs):  # type: ignore[call-overload]
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.choices[0].text
+    assert tokens == want.tokens and offsets == want.text_offset and len(offsets) == 12
+    assert values == pytest.approx(want.token_logprobs)
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 12
+
+
 def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2", "SmolLM2-135M-Instruct"]
