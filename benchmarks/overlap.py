@@ -95,13 +95,15 @@ def measure(model: str, n: int, steps: int, device_ms: float, mode: str, warmup:
     prompt_len, block_size = 128, 16
     torch.set_num_threads(1)  # as host_time.py: no OpenMP worker spinning on the host's core
     max_len = prompt_len + warmup + steps + 64
-    blocks = n * -(-max_len // block_size) + 64  # every sequence runs to the end: none is preempted
+    model_len = max(2048, max_len)
+    # Every sequence runs to the end (none is preempted), and one can reach max_model_len.
+    blocks = max(n * -(-max_len // block_size) + 64, -(-model_len // block_size))
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
-              num_kv_blocks=blocks, max_model_len=max(2048, max_len),
+              num_kv_blocks=blocks, max_model_len=model_len,
               async_scheduling=mode != "sync")
     engine = llm.engine
     runner: Any = engine.runner  # a ModelRunner
-    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, -(-max(2048, max_len) // block_size),
+    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, -(-model_len // block_size),
                            runner.scratch_block, n, capture=False, greedy=runner.sampler.greedy)
     runner.graphs = graphs
     params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True,
