@@ -106,8 +106,8 @@ def measure(model: str, n: int, steps: int, device_ms: float, mode: str, warmup:
     graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, -(-model_len // block_size),
                            runner.scratch_block, n, capture=False, greedy=runner.sampler.greedy)
     runner.graphs = graphs
-    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True,
-                            output_kind="delta" if mode == "served" else "cumulative")
+    served = {"output_kind": "delta"} if mode == "served" else {}  # (a conveyor before it: the other modes)
+    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True, **served)
     for i in range(n):
         engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params,
                            stream=mode in ("stream", "served"))
