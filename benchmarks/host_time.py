@@ -46,6 +46,7 @@ from typing import Any
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, initializer_range=0.08)
 PHASES = ("schedule", "prep", "complete", "host")
+PROMPT_LEN, BLOCK_SIZE = 128, 16
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -95,31 +96,50 @@ class Timers:
             v.clear()
 
 
-def measure(model: str, n: int, steps: int, async_scheduling: bool, stream: bool = False) -> dict[str, float]:
-    """Median ms a step of each phase, `n` sequences decoding."""
+def decoding_engine(model: str, n: int, params: Any, *, async_scheduling: bool, stream: bool,
+                    num_kv_blocks: int, max_model_len: int) -> Any:
+    """An engine on the CPU whose `n` sequences (`PROMPT_LEN`-token prompts, `params`) are past
+    their prompts and decoding, its decode steps on the CUDA-graph path's inputs
+    (`GraphedDecode` run eagerly, as on a CPU it must be), which is what a GPU's decode runs."""
     import torch
 
-    from conveyor import LLM, SamplingParams
+    from conveyor import LLM
     from conveyor.runner.cuda_graphs import GraphedDecode
 
-    prompt_len, block_size = 128, 16
     # torch on one thread: an OpenMP worker that spins after each op would share the host's
     # core (2 vCPUs here), and the host's time moved by 2x from round to round with it.
     torch.set_num_threads(1)
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
-              num_kv_blocks=max(n * 24 + 64, 2048 // block_size), max_model_len=2048, async_scheduling=async_scheduling)
+              num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, async_scheduling=async_scheduling)
     engine = llm.engine
     runner = engine.runner
-    graph_args = (runner.model, runner.kv_caches, runner.block_size, 2048 // block_size, runner.scratch_block, n)
+    graph_args = (runner.model, runner.kv_caches, runner.block_size, -(-max_model_len // runner.block_size),
+                  runner.scratch_block, n)
     if hasattr(runner.sampler, "greedy"):
         runner.graphs = GraphedDecode(*graph_args, capture=False, greedy=runner.sampler.greedy)
     else:  # a baseline from before the graph ran through the LM head
         runner.graphs = GraphedDecode(*graph_args, capture=False)
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(n):
-        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params, stream=stream)
+        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(PROMPT_LEN)], params, stream=stream)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prompts
+    return engine
+
+
+def write_figures(out: Path, **figures: Any) -> None:
+    """A script's figures as JSON, with its arguments and the time it ran."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"), **figures}, indent=1))
+
+
+def measure(model: str, n: int, steps: int, async_scheduling: bool, stream: bool = False) -> dict[str, float]:
+    """Median ms a step of each phase, `n` sequences decoding."""
+    from conveyor import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    engine = decoding_engine(model, n, params, async_scheduling=async_scheduling, stream=stream,
+                             num_kv_blocks=max(n * 24 + 64, 2048 // BLOCK_SIZE), max_model_len=2048)
+    runner = engine.runner
     for _ in range(8):
         engine.step()
     timers = Timers()
@@ -141,7 +161,7 @@ def measure(model: str, n: int, steps: int, async_scheduling: bool, stream: bool
         for phase, v in zip(PHASES, (schedule, prep, complete, schedule + prep + complete), strict=True):
             per_step[phase].append(v)
         timers.clear()
-    assert all(len(s.token_ids) > prompt_len for s in engine.scheduler.running)
+    assert all(len(s.token_ids) > PROMPT_LEN for s in engine.scheduler.running)
     assert not stream or engine.tokenizer is not None, "stream: the model has no tokenizer"
     return {p: statistics.median(v) * 1e3 for p, v in per_step.items()}
 
@@ -234,9 +254,7 @@ def main() -> int:
             row += f" {statistics.median(ratios):.2f}× ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
         print(row)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"),
-                                        "sides": sides}, indent=1))
+        write_figures(args.out, sides=sides)
     return 0
 
 

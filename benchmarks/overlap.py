@@ -32,7 +32,6 @@ under torch's sync debug mode is for those.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_time import build_model  # a sibling: this folder is on sys.path
+from host_time import (  # siblings: on sys.path
+    BLOCK_SIZE,
+    PROMPT_LEN,
+    build_model,
+    decoding_engine,
+    write_figures,
+)
 
 SPIN_S = 2e-4
 TEXT = ("Continuous batching rebuilds the batch at every step: a finished sequence leaves at once "
@@ -89,30 +94,18 @@ class EmulatedDevice:
 def measure(model: str, n: int, steps: int, device_ms: float, mode: str, warmup: int = 8) -> dict[str, float]:
     import torch
 
-    from conveyor import LLM, SamplingParams
-    from conveyor.runner.cuda_graphs import GraphedDecode
+    from conveyor import SamplingParams
 
-    prompt_len, block_size = 128, 16
-    torch.set_num_threads(1)  # as host_time.py: no OpenMP worker spinning on the host's core
-    max_len = prompt_len + warmup + steps + 64
+    max_len = PROMPT_LEN + warmup + steps + 64
     model_len = max(2048, max_len)
-    # Every sequence runs to the end (none is preempted), and one can reach max_model_len.
-    blocks = max(n * -(-max_len // block_size) + 64, -(-model_len // block_size))
-    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(8192, n),
-              num_kv_blocks=blocks, max_model_len=model_len,
-              async_scheduling=mode != "sync")
-    engine = llm.engine
-    runner: Any = engine.runner  # a ModelRunner
-    graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, -(-model_len // block_size),
-                           runner.scratch_block, n, capture=False, greedy=runner.sampler.greedy)
-    runner.graphs = graphs
     served = {"output_kind": "delta"} if mode == "served" else {}  # (a conveyor before it: the other modes)
-    params = SamplingParams(max_tokens=max_len - prompt_len, temperature=0.0, ignore_eos=True, **served)
-    for i in range(n):
-        engine.add_request(f"r{i}", [100 + (i + j) % 400 for j in range(prompt_len)], params,
-                           stream=mode in ("stream", "served"))
-    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # the prompts, on the real model
+    params = SamplingParams(max_tokens=max_len - PROMPT_LEN, temperature=0.0, ignore_eos=True, **served)
+    # Every sequence runs to the end (none is preempted), and one can reach max_model_len.
+    blocks = max(n * -(-max_len // BLOCK_SIZE) + 64, -(-model_len // BLOCK_SIZE))
+    engine = decoding_engine(model, n, params, async_scheduling=mode != "sync", stream=mode in ("stream", "served"),
+                             num_kv_blocks=blocks, max_model_len=model_len)  # the prompts ran on the real model
+    runner = engine.runner
+    graphs = runner.graphs
     # From here the device is emulated: the forward only writes tokens. They are the ids of
     # real text, read on from a different place for each sequence, so that streamed text
     # decodes as text does (a token that is a lone piece of a character forever would not).
@@ -139,7 +132,7 @@ def measure(model: str, n: int, steps: int, device_ms: float, mode: str, warmup:
         engine.step()
         walls.append(time.perf_counter() - t)
     running = engine.scheduler.running
-    assert len(running) == n and all(len(s.token_ids) > prompt_len + warmup + steps for s in running)
+    assert len(running) == n and all(len(s.token_ids) > PROMPT_LEN + warmup + steps for s in running)
     wall = statistics.median(walls)
     return {"step_ms": wall * 1e3, "host_share": 1 - device_ms / 1e3 / wall,
             "waited_ms": device.waited_s / steps * 1e3}
@@ -182,9 +175,7 @@ def main() -> int:
         print(f"| {cell_n} | {float(cell_d):.2f} | {cell_mode} | {med['step_ms']:.3f} | {med['host_share']:.1%} "
               f"| {med['waited_ms']:.3f} |")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"),
-                                        "figures": table}, indent=1))
+        write_figures(args.out, figures=table)
     return 0
 
 
