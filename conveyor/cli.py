@@ -83,7 +83,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
