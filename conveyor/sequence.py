@@ -45,6 +45,7 @@ class RequestMetrics:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
     @property
     def ttft(self) -> float | None:
@@ -76,6 +77,7 @@ class Sequence:
     """Mutable state of one generation stream. Owned by the scheduler."""
 
     __slots__ = (
+        "block_hashes",
         "block_table",
         "finish_reason",
         "metrics",
@@ -108,6 +110,9 @@ class Sequence:
         self.num_pending = 0  # trailing PLACEHOLDERs in token_ids: tokens the runner still owes
         # Grows in place by appends only; any other change assigns a new list (HostBlockTables).
         self.block_table: list[int] = []
+        # Chained hashes of the leading full blocks of token_ids, as far as the block manager
+        # has needed them (prefix caching); tokens never change once known, so they stay valid.
+        self.block_hashes: list[bytes] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

@@ -1,30 +1,70 @@
-"""Fixed-size KV blocks: a free pool, reference counts and per-sequence block tables.
+"""Fixed-size KV blocks: a free pool, reference counts, per-sequence block tables and, when
+enabled, a prefix cache of full blocks found by chained hashes.
+
+Prefix caching (vLLM's automatic prefix caching, SGLang's radix cache at block granularity):
+a full block whose K/V are written is registered under a hash of its tokens chained with the
+hash of the block before it, so equal hashes mean equal token prefixes. A new (or recomputed)
+sequence takes the cached blocks of its longest registered prefix into its table, shared by
+reference count, and computes only what follows. A block keeps its hash when its last holder
+frees it: it waits in the free pool, least recently freed first, and loses its hash only when
+it is handed out again (evicted). A shared block is never written: a hit covers whole blocks
+and leaves at least one token to compute, so writes start in a block of the sequence's own.
 
 Invariants (checked by `check_integrity`, which tests call after every step):
 - every block is either free (ref count 0, in the free pool exactly once) or used (ref count
   equal to the number of block tables that hold it);
 - free + used == total;
 - a sequence's block table covers at least its computed tokens and never more than it needs
-  plus what the current step grants.
+  plus what the current step grants;
+- the prefix cache maps each hash to one block and that block back to the same hash.
 No torch: this module plans memory, the runner owns the tensors.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from conveyor.sequence import Sequence
 
 
+def chain_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], num_blocks: int) -> list[bytes]:
+    """Extend `hashes` (those of the first blocks of `token_ids`) to `num_blocks` full blocks.
+
+    Block i's hash is SHA-256 over block i-1's hash and block i's token ids, so it names the
+    whole prefix up to the end of block i. A cryptographic hash, as vLLM's default: with a
+    64-bit one, a crafted prompt could collide with another user's prefix and read its K/V.
+    """
+    parent = hashes[-1] if hashes else b""
+    for i in range(len(hashes), num_blocks):
+        parent = hashlib.sha256(parent + array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()).digest()
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_swap_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # Ordered: handed out from the front, returned to the back (the least recently freed
+        # cached block is evicted first); a prefix hit takes a block from anywhere in it.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
+        self.num_queried_tokens = 0  # tokens of the sequences looked up at admission
+        self.num_hit_tokens = 0  # of those, tokens found in the cache
         # CPU swap space: a second, plain pool (swapped blocks are never shared).
         self.num_swap_blocks = num_swap_blocks
         self._swap_free: deque[int] = deque(range(num_swap_blocks))
@@ -62,8 +102,11 @@ class BlockManager:
             return True  # the common case: a decode within its last block
         if need > len(self._free):
             return False
+        pop, hashed = self._free.popitem, self._block_hash
         for _ in range(need):
-            block = self._free.popleft()
+            block = pop(last=False)[0]
+            if hashed[block] is not None:
+                self._evict(block)
             self._ref_counts[block] = 1
             seq.block_table.append(block)
         return True
@@ -73,6 +116,76 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of `seq`'s longest registered prefix of full blocks, leaving at
+        least its last token to compute (a step must compute a token to sample the next).
+        Changes nothing; `acquire` takes them."""
+        if not self.enable_prefix_caching:
+            return []
+        known = len(seq.token_ids) - seq.num_pending  # placeholders have no ids to hash yet
+        num_blocks = min(known, len(seq.token_ids) - 1) // self.block_size
+        if not num_blocks:
+            return []
+        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_blocks)
+        hits: list[int] = []
+        cached = self._cached
+        for i in range(num_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_evictable(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` sit in the free pool: taking them leaves that many fewer free."""
+        counts = self._ref_counts
+        return sum(1 for b in blocks if counts[b] == 0)
+
+    def acquire(self, seq: Sequence, blocks: list[int]) -> None:
+        """Start `seq`'s (empty) table with the cached `blocks` from `match_prefix`, and count
+        the lookup (tokens queried, tokens hit) for the hit rate."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        counts, free = self._ref_counts, self._free
+        for block in blocks:
+            assert self._block_hash[block] is not None, f"block {block} is not cached"
+            if counts[block] == 0:
+                del free[block]
+            counts[block] += 1
+        seq.block_table = list(blocks)
+        self.num_queried_tokens += len(seq.token_ids) - seq.num_pending
+        self.num_hit_tokens += len(blocks) * self.block_size
+
+    def cache_blocks(self, seq: Sequence, table: list[int], first: int, end: int) -> None:
+        """Register `table[first:end]`, full blocks of `seq` whose K/V the runner has written.
+        A block already registered, or whose prefix another block already holds, is skipped."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end)
+        cached, hashed = self._cached, self._block_hash
+        for i in range(first, end):
+            block, h = table[i], hashes[i]
+            if hashed[block] is None and h not in cached:
+                cached[h] = block
+                hashed[block] = h
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay in use). Returns how many were held."""
+        n = len(self._cached)
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        return n
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def _evict(self, block: int) -> None:
+        h = self._block_hash[block]
+        assert h is not None
+        del self._cached[h]
+        self._block_hash[block] = None
 
     # -- swap ------------------------------------------------------------------------------
     @property
@@ -107,7 +220,9 @@ class BlockManager:
             raise RuntimeError("not enough free device blocks to swap in")
         mapping = []
         for cpu in seq.block_table:
-            block = self._free.popleft()
+            block = self._free.popitem(last=False)[0]
+            if self._block_hash[block] is not None:
+                self._evict(block)
             self._ref_counts[block] = 1
             mapping.append((cpu, block))
             self._swap_free.append(cpu)
@@ -131,7 +246,7 @@ class BlockManager:
             raise RuntimeError(f"block {block} released while already free")
         self._ref_counts[block] = count - 1
         if count == 1:
-            self._free.append(block)
+            self._free[block] = None
 
     # -- checks ----------------------------------------------------------------------------
     def ref_count(self, block: int) -> int:
@@ -155,7 +270,6 @@ class BlockManager:
                 assert 0 <= block < self.num_blocks, f"block id {block} out of range"
                 held[block] += 1
         free = list(self._free)
-        assert len(set(free)) == len(free), "a block is in the free pool twice"
         free_set = set(free)
         for block in range(self.num_blocks):
             count = self._ref_counts[block]
@@ -166,3 +280,9 @@ class BlockManager:
                 f"block {block}: ref count {count} disagrees with free pool membership"
             )
         assert len(free) + sum(1 for c in self._ref_counts if c > 0) == self.num_blocks
+        for h, block in self._cached.items():
+            assert self._block_hash[block] == h, f"block {block} is cached under another hash"
+        assert sum(1 for h in self._block_hash if h is not None) == len(self._cached), (
+            "a block has a hash the cache does not map back to it"
+        )
+        assert self.enable_prefix_caching or not self._cached, "a cache while prefix caching is off"

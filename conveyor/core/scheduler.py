@@ -376,26 +376,34 @@ class Scheduler:
         reserve = self.config.kv_reservation == "reserve"
         admitted: list[Sequence] = []
         fresh = False
+        caching = bm.enable_prefix_caching
         for seq in eligible:
             if budget <= 0 or len(self.running) >= seats:
                 break
+            # A prefix-cache hit is computed already: the sequence starts after it (a waiting
+            # sequence holds no blocks and has computed nothing, fresh or preempted).
+            hits = bm.match_prefix(seq) if caching else []
+            seq.num_computed_tokens = len(hits) * bm.block_size
             num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1
-            if num_new <= 0:
-                break  # head-of-line: keep the policy's order
             target = seq.num_computed_tokens + num_new
             if reserve:
                 remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
                 target = max(target, min(seq.num_tokens + remaining, self.max_model_len))
-            need = bm.num_new_blocks_needed(seq, target)
+            # Cached blocks in the free pool leave it when taken: they count as new.
+            need = bm.blocks_for_tokens(target) - len(hits) + (bm.num_evictable(hits) if hits else 0)
             # Keep a watermark of blocks for running decodes, unless the cache is otherwise idle.
-            if need > bm.num_free_blocks or (
+            if num_new <= 0 or need > bm.num_free_blocks or (
                 not reserve and need + self.watermark_blocks > bm.num_free_blocks and self.running
             ):
-                break
+                seq.num_computed_tokens = 0
+                break  # head-of-line: keep the policy's order
+            if caching:
+                bm.acquire(seq, hits)
             bm.allocate(seq, target)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
+                seq.metrics.num_cached_tokens = len(hits) * bm.block_size
             fresh = fresh or seq.num_output_tokens == 0
             self.running.append(seq)
             self.batching.on_admitted(seq)
@@ -486,10 +494,18 @@ class Scheduler:
         updates: list[SequenceUpdate] = []
         progressed: list[Sequence] = []
         by_id, stop_reason = self._by_id, self._stop_reason  # once: this loop runs per sequence
+        bm = self.block_manager
+        block_size = bm.block_size if bm.enable_prefix_caching else 0
         for item in out.scheduled:
             seq = by_id.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
+            # Blocks this step filled have their K/V written now: register them for prefix
+            # hits, unless the table was freed or swapped since (async: a new list object).
+            if block_size and (end := item.context_len // block_size) > (
+                first := item.start_pos // block_size
+            ) and seq.block_table is item.block_table:
+                bm.cache_blocks(seq, item.block_table, first, end)
             if not item.sample:
                 updates.append(SequenceUpdate(seq, None))
                 continue

@@ -6,6 +6,8 @@ sequence. The sampled token is a hash of what it read. So a step that skips toke
 them twice into the wrong place, reads another sequence's blocks, resumes after preemption
 without recomputing, or swaps the wrong blocks (or forgets to swap) gives a different token or
 a failed read, and the outputs differ from a reference that generates each request alone.
+With prefix caching, reading another sequence's K/V is right when it holds the same tokens:
+the runner then tags each slot with its token prefix alone, which is what real K/V depend on.
 No torch.
 """
 
@@ -24,7 +26,7 @@ VOCAB = 16
 EOS = 0
 STOP_TOKEN = 7
 
-Tag = tuple[int, int, int, int]  # (seq_id, epoch, pos, token)
+Tag = tuple[int, int]  # (key of the tokens at positions 0..pos, pos)
 
 
 # -- the model: a deterministic next-token function of the whole context ------------------
@@ -64,18 +66,26 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class FakeRunner:
     """A KV cache of tagged slots, with a CPU swap pool of the same layout.
 
-    A tag is (seq_id, epoch, pos, token). A sequence preempted by recompute gets a new epoch,
-    so KV left over from before does not count as computed; a swapped-out sequence keeps its
-    epoch, so its KV must come back through the swap pool intact.
+    A tag is (key, pos): the key chains the tokens at positions 0..pos from a seed. Without
+    `shared_prefixes` the seed is (seq_id, epoch): a sequence preempted by recompute gets a new
+    epoch, so KV left over from before does not count as computed, and a swapped-out sequence
+    keeps its epoch, so its KV must come back through the swap pool intact. With
+    `shared_prefixes` (prefix caching) the seed is the same for all: a slot is right for any
+    sequence whose tokens up to that position are the same, as real K/V are.
 
     Runner contract, as `ModelRunner.execute`: every swap-out of a step (device -> swap) is
     copied before any swap-in (swap -> device), and both before computing, since a device
     block freed by a swap-out may be handed to another sequence in the same step. The source
-    of every copy is then cleared: a freed block holds nothing anyone may read.
+    of every copy is then cleared: a freed block holds nothing anyone may read. With
+    `shared_prefixes` a swapped-out device block is kept: another table may share it, and a
+    freed block keeps its K/V for later prefix hits.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False
+    ) -> None:
         self.block_size = block_size
+        self.shared_prefixes = shared_prefixes
         self.slots: list[Tag | None] = [None] * (num_blocks * block_size)
         self.swap_slots: list[Tag | None] = [None] * (num_swap_blocks * block_size)
         self.epoch: dict[int, int] = {}
@@ -91,7 +101,7 @@ class FakeRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _copy(
-        self, src: list[Tag | None], dst: list[Tag | None], pairs: list[tuple[int, int]]
+        self, src: list[Tag | None], dst: list[Tag | None], pairs: list[tuple[int, int]], clear: bool = True
     ) -> None:
         bs = self.block_size
         sources = [a for a, _ in pairs]
@@ -101,7 +111,8 @@ class FakeRunner:
         for a, b in pairs:
             for k in range(bs):
                 dst[b * bs + k] = src[a * bs + k]
-                src[a * bs + k] = None
+                if clear:
+                    src[a * bs + k] = None
         self.blocks_copied += len(pairs)
 
     def __call__(self, out: SchedulerOutput) -> dict[int, int]:
@@ -114,7 +125,7 @@ class FakeRunner:
             else:
                 self.recomputed.append(seq_id)
                 self.epoch[seq_id] = self.epoch.get(seq_id, 0) + 1
-        self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out)
+        self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out, clear=not self.shared_prefixes)
         self._copy(self.swap_slots, self.slots, out.blocks_to_swap_in)
         sampled: dict[int, int] = {}
         # The tables as the model runner reads them: its rows kept from step to step, which
@@ -123,19 +134,17 @@ class FakeRunner:
         for item, row in zip(out.scheduled, rows, strict=True):
             assert row.tolist() == item.block_table, f"seq {item.seq_id}: host row {row} for {item.block_table}"
             table = row.tolist()
-            epoch = self.epoch.get(item.seq_id, 0)
-            context = []
-            for pos in range(item.start_pos):
-                tag = self.slots[self._slot(table, pos)]
-                assert tag is not None and tag[:3] == (item.seq_id, epoch, pos), (
-                    f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
-                )
-                context.append(tag[3])
-            for i, token in enumerate(item.token_ids):
-                pos = item.start_pos + i
-                self.slots[self._slot(table, pos)] = (item.seq_id, epoch, pos, token)
-                context.append(token)
-            assert context == item.all_token_ids[: item.context_len]
+            context = item.all_token_ids[: item.context_len]
+            assert context[item.start_pos :] == item.token_ids
+            key = 0 if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
+            for pos, token in enumerate(context):
+                key = hash((key, token))
+                slot = self._slot(table, pos)
+                if pos < item.start_pos:
+                    tag = self.slots[slot]
+                    assert tag == (key, pos), f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
+                else:
+                    self.slots[slot] = (key, pos)
             self.tables[item.seq_id] = list(item.block_table)
             if item.sample:
                 sampled[item.seq_id] = next_token(context)

@@ -52,9 +52,9 @@ class LaunchingRunner:
 
 def run_async_scenario(sc: Scenario) -> tuple[RunResult, int]:
     config = dataclasses.replace(sc.config, async_scheduling=True)
-    bm = BlockManager(sc.num_blocks, sc.block_size)
+    bm = BlockManager(sc.num_blocks, sc.block_size, enable_prefix_caching=sc.prefix_caching)
     sched = Scheduler(config, bm, sc.max_model_len, frozenset({EOS}))
-    runner = LaunchingRunner(FakeRunner(sc.num_blocks, sc.block_size))
+    runner = LaunchingRunner(FakeRunner(sc.num_blocks, sc.block_size, shared_prefixes=sc.prefix_caching))
     specs = {i: s for i, s in enumerate(sc.requests) if sc.admissible(s)}
     seqs: dict[int, Sequence] = {}
     reported: Counter[int] = Counter()
@@ -71,7 +71,7 @@ def run_async_scenario(sc: Scenario) -> tuple[RunResult, int]:
         now = float(step)
         for i, spec in specs.items():
             if spec.arrival_step == step:
-                seqs[i] = Sequence(i, f"r{i}", make_prompt(i, spec.prompt_len), spec.params(), now)
+                seqs[i] = Sequence(i, f"r{i}", spec.prompt(i), spec.params(), now)
                 sched.add(seqs[i])
         abort_due(step, mid=False)
         if step > last_arrival and not sched.has_unfinished() and in_flight is None:
@@ -106,7 +106,7 @@ def run_async_scenario(sc: Scenario) -> tuple[RunResult, int]:
     assert last.is_empty
     reported.update(last.finished_seq_ids)
     assert reported == Counter(seqs.keys())
-    return RunResult(seqs, specs, step, sched.num_preemptions), runner.pending_inputs
+    return RunResult(seqs, specs, step, sched.num_preemptions, bm.num_hit_tokens), runner.pending_inputs
 
 
 ASYNC_STREAMS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,6 +118,8 @@ def check_async_stream(sc: Scenario) -> None:
     target(float(result.num_preemptions), label="preemptions")
     event("preempted" if result.num_preemptions else "no preemption")
     event("overlapped" if overlapped else "never overlapped")
+    if sc.prefix_caching:
+        event("prefix hits" if result.num_hit_tokens else "prefix caching, no hit")
 
 
 @ASYNC_STREAMS

@@ -44,6 +44,7 @@ class RequestSpec:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_on_token: bool = False
+    family: int | None = None  # requests of one family share their prompts' leading tokens
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -53,6 +54,9 @@ class RequestSpec:
             stop_token_ids=(STOP_TOKEN,) if self.stop_on_token else (),
         )
 
+    def prompt(self, index: int) -> list[int]:
+        return make_prompt(index if self.family is None else 1000 + self.family, self.prompt_len)
+
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
@@ -60,6 +64,7 @@ class Scenario:
     block_size: int
     num_blocks: int
     requests: list[RequestSpec]
+    prefix_caching: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -85,6 +90,7 @@ class RunResult:
     specs: dict[int, RequestSpec]
     steps: int
     num_preemptions: int
+    num_hit_tokens: int = 0
 
 
 def fcfs_key(seq: Sequence) -> tuple[float, int]:
@@ -130,7 +136,7 @@ def check_after_schedule(
         assert item.sample == (seq.num_pending == 1)
         assert end == seq.num_tokens - seq.num_pending if item.sample else end < seq.num_tokens
         assert PLACEHOLDER not in item.token_ids
-        if cfg.prefill_mode != "chunked" and item.start_pos == 0 and seq.num_output_tokens == 0:
+        if cfg.prefill_mode != "chunked" and item.start_pos % bs == 0 and seq.num_output_tokens == 0:
             assert item.sample, "chunked prefill is off but a prompt was split"
     scheduled = set(ids)
     for seq in sched.running:
@@ -141,9 +147,9 @@ def check_after_schedule(
     for seq_id in out.preempted_seq_ids:
         seq = sched.get(seq_id)
         assert seq is not None and seq in sched.waiting and seq_id not in scheduled
-    # No prefix sharing in this scheduler: tables must be disjoint.
-    held = [b for s in sched.all_sequences() for b in s.block_table]
-    assert len(held) == len(set(held))
+    if not sc.prefix_caching:  # only a prefix-cache hit shares a block
+        held = [b for s in sched.all_sequences() for b in s.block_table]
+        assert len(held) == len(set(held))
 
 
 def check_after_update(sched: Scheduler, sc: Scenario, seqs: dict[int, Sequence]) -> None:
@@ -173,9 +179,9 @@ def check_updates(
 
 
 def run_scenario(sc: Scenario) -> RunResult:
-    bm = BlockManager(sc.num_blocks, sc.block_size)
+    bm = BlockManager(sc.num_blocks, sc.block_size, enable_prefix_caching=sc.prefix_caching)
     sched = Scheduler(sc.config, bm, sc.max_model_len, frozenset({EOS}))
-    runner = FakeRunner(sc.num_blocks, sc.block_size)
+    runner = FakeRunner(sc.num_blocks, sc.block_size, shared_prefixes=sc.prefix_caching)
     specs = {i: s for i, s in enumerate(sc.requests) if sc.admissible(s)}
     seqs: dict[int, Sequence] = {}
     reported_finished: Counter[int] = Counter()
@@ -195,7 +201,7 @@ def run_scenario(sc: Scenario) -> RunResult:
         now = float(step)
         for i, spec in specs.items():
             if spec.arrival_step == step:
-                seqs[i] = Sequence(i, f"r{i}", make_prompt(i, spec.prompt_len), spec.params(), now)
+                seqs[i] = Sequence(i, f"r{i}", spec.prompt(i), spec.params(), now)
                 sched.add(seqs[i])
         abort_due(step, mid=False)
         if step > last_arrival and not sched.has_unfinished():
@@ -220,7 +226,7 @@ def run_scenario(sc: Scenario) -> RunResult:
     reported_finished.update(last.finished_seq_ids)
     assert reported_finished == Counter(seqs.keys())
     assert sched.num_preemptions == sum(seq.num_preemptions for seq in seqs.values())
-    return RunResult(seqs, specs, step, sched.num_preemptions)
+    return RunResult(seqs, specs, step, sched.num_preemptions, bm.num_hit_tokens)
 
 
 def check_outputs(result: RunResult, max_model_len: int) -> None:
@@ -228,7 +234,7 @@ def check_outputs(result: RunResult, max_model_len: int) -> None:
     assert set(result.seqs) == set(result.specs), "an admissible request never arrived"
     for i, seq in result.seqs.items():
         assert seq.is_finished, f"request {i} never finished"
-        assert seq.prompt_token_ids == make_prompt(i, result.specs[i].prompt_len)
+        assert seq.prompt_token_ids == result.specs[i].prompt(i)
         want, reason = reference(seq.prompt_token_ids, seq.sampling_params, max_model_len)
         got = seq.output_token_ids
         if seq.finish_reason is FinishReason.ABORT:
@@ -275,7 +281,7 @@ def scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
         longest = min(longest, config.max_num_batched_tokens)
     near_budget = min(config.max_num_batched_tokens, longest)
     requests = draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=16))
-    return Scenario(config, block_size, num_blocks, requests)
+    return Scenario(config, block_size, num_blocks, requests, draw(st.booleans()))
 
 
 @st.composite
@@ -298,6 +304,7 @@ def request_specs(draw: st.DrawFn, longest_prompt: int, near_budget: int) -> Req
         abort_mid_step=draw(st.booleans()),
         ignore_eos=draw(st.booleans()),
         min_tokens=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
+        family=draw(st.one_of(st.none(), st.integers(0, 2))),
         stop_on_token=draw(st.booleans()),
     )
 
@@ -310,6 +317,8 @@ def check_random_stream(sc: Scenario) -> None:
     event("preempted" if result.num_preemptions else "no preemption")
     aborts = any(s.abort_step is not None for s in result.specs.values())
     event("abort requested" if aborts else "no abort")
+    if sc.prefix_caching:
+        event("prefix hits" if result.num_hit_tokens else "prefix caching, no hit")
 
 
 # One test per prefill mode, so that the search effort (and the targeting) covers both.

@@ -264,6 +264,10 @@ class Req:
     ignore_eos: bool = True
     min_tokens: int = 0
     stop_on_token: bool = False
+    family: int | None = None  # requests of one family share their prompts' leading tokens
+
+    def prompt(self, index: int) -> list[int]:
+        return make_prompt(index if self.family is None else 1000 + self.family, self.prompt_len)
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -283,6 +287,7 @@ class Board:
     num_blocks: int
     num_swap_blocks: int
     requests: tuple[Req, ...]
+    prefix_caching: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -357,7 +362,7 @@ def boards(draw: st.DrawFn, memory: str, prefill_mode: str) -> Board:
         longest = min(longest, config.max_num_batched_tokens)
     near_budget = min(config.max_num_batched_tokens, longest)
     requests = draw(st.lists(reqs(longest, near_budget), min_size=2, max_size=14))
-    return Board(config, block_size, num_blocks, num_swap_blocks, tuple(requests))
+    return Board(config, block_size, num_blocks, num_swap_blocks, tuple(requests), draw(st.booleans()))
 
 
 @st.composite
@@ -389,6 +394,7 @@ def reqs(draw: st.DrawFn, longest_prompt: int, near_budget: int) -> Req:
         ignore_eos=draw(st.booleans()),
         min_tokens=draw(st.one_of(st.just(0), st.integers(0, max_tokens))),
         stop_on_token=draw(st.booleans()),
+        family=draw(st.one_of(st.none(), st.integers(0, 2))),
     )
 
 
@@ -496,6 +502,9 @@ class Checker:
             assert end == seq.num_tokens - seq.num_pending if item.sample else end < seq.num_tokens
             if cfg.kv_reservation == "on_demand":
                 assert len(item.block_table) == blocks_for(end, bs)
+            if before.computed[item.seq_id] == 0 and item.start_pos > 0:  # a prefix-cache hit
+                assert self.board.prefix_caching and item.start_pos % bs == 0, item
+                assert item.start_pos < seq.num_tokens - seq.num_pending, "a hit left nothing to compute"
         for seq in sched.running:
             if cfg.kv_reservation == "reserve":
                 reserved = min(seq.prompt_len + seq.sampling_params.max_tokens, self.board.max_model_len)
@@ -567,9 +576,12 @@ class Checker:
                 continue
             seq = by_id[item.seq_id]
             end = item.start_pos + len(item.token_ids)
+            hit = before.computed[item.seq_id] == 0 and item.start_pos > 0  # prefix cache
+            if hit:
+                assert self.board.prefix_caching and item.start_pos % self.board.block_size == 0, item
             if seq.num_output_tokens == 0:
-                # A fresh prompt runs whole.
-                assert item.start_pos == 0 and len(item.token_ids) == seq.prompt_len, item
+                # A fresh prompt runs whole (after its cached prefix).
+                assert (item.start_pos == 0 or hit) and end == seq.prompt_len, item
             else:
                 # A resume runs to the end, unless it outgrew the step budget (then in chunks).
                 known = seq.num_tokens - seq.num_pending
@@ -658,9 +670,9 @@ def admissible(board: Board, req: Req) -> bool:
 
 
 def run_board(board: Board) -> BoardRun:
-    bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks)
+    bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
-    runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks)
+    runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching)
     checker = Checker(board, sched)
     specs = {i: r for i, r in enumerate(board.requests) if admissible(board, r)}
     pending = sorted(specs, key=lambda i: (specs[i].arrival, i))
@@ -683,7 +695,7 @@ def run_board(board: Board) -> BoardRun:
         while pending and specs[pending[0]].arrival <= now:
             i = pending.pop(0)
             spec = specs[i]
-            seqs[i] = Sequence(i, f"r{i}", make_prompt(i, spec.prompt_len), spec.params(), spec.arrival)
+            seqs[i] = Sequence(i, f"r{i}", spec.prompt(i), spec.params(), spec.arrival)
             sched.add(seqs[i])
         abort_due(mid=False)
         if not pending and not sched.has_unfinished():
@@ -768,6 +780,8 @@ def test_every_switchboard_keeps_the_invariants(memory: str, prefill_mode: str, 
     event(f"admission={cfg.admission}")
     event("swapped" if run.sched.num_swaps_out else "no swap")
     event("preempted" if run.sched.num_preemptions else "no preemption")
+    if board.prefix_caching:
+        event("prefix hits" if run.sched.block_manager.num_hit_tokens else "prefix caching, no hit")
 
 
 # == deterministic behaviour of each axis ===================================================

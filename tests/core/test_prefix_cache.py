@@ -1,0 +1,216 @@
+"""Prefix caching in the block manager: hits name blocks that hold exactly the prefix asked for.
+
+The stateful test drives one manager with admissions (look up, take the hits, allocate and
+"write" the rest), frees, memory pressure and resets, against a model that knows what every
+block holds (the token prefix whose K/V its last writer computed) and which prefixes are
+registered. A hit must hold the same tokens as the sequence that takes it, and be the longest
+registered prefix; `check_integrity` must hold after every operation.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from conveyor.core.block_manager import BlockManager, chain_hashes
+from conveyor.sampling_params import SamplingParams
+from conveyor.sequence import PLACEHOLDER, Sequence
+
+SHARED = [5, 3, 8, 1, 9, 2, 7, 4, 6, 0, 5, 5, 3, 1, 2, 8, 9, 9, 4, 1]  # a "system prompt"
+
+
+def seq_of(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", tokens, SamplingParams(), arrival_time=0.0)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> list[int]:
+    """What the scheduler does for a waiting sequence that fits: hits, then the rest; then the
+    runner writes the rest and the scheduler registers the full blocks."""
+    hits = bm.match_prefix(seq)
+    bm.acquire(seq, hits)
+    assert bm.allocate(seq, seq.num_tokens)
+    bm.cache_blocks(seq, seq.block_table, len(hits), seq.num_tokens // bm.block_size)
+    return hits
+
+
+# -- unit tests ----------------------------------------------------------------------------
+def test_chained_hashes_name_the_whole_prefix() -> None:
+    a = chain_hashes([1, 2, 3, 4], 2, [], 2)
+    b = chain_hashes([9, 9, 3, 4], 2, [], 2)
+    assert a[1] != b[1], "equal blocks after different prefixes must not share a hash"
+    assert chain_hashes([1, 2, 3, 4, 5, 6], 2, list(a), 3)[:2] == a
+
+
+def test_a_second_sequence_takes_the_first_ones_full_blocks() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a = seq_of(0, SHARED[:10])
+    assert admit(bm, a) == []
+    b = seq_of(1, [*SHARED[:9], 0, 0])
+    hits = admit(bm, b)
+    assert hits == a.block_table[:2]  # two full blocks of 4 in common; the third differs
+    assert all(bm.ref_count(x) == 2 for x in hits)
+    assert bm.num_queried_tokens == 21 and bm.num_hit_tokens == 8
+    bm.check_integrity([a.block_table, b.block_table])
+
+
+def test_a_hit_leaves_the_last_token_to_compute() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    admit(bm, seq_of(0, SHARED[:8]))
+    assert len(bm.match_prefix(seq_of(1, SHARED[:8]))) == 1  # not 2: the 8th token must run
+    assert len(bm.match_prefix(seq_of(2, SHARED[:9]))) == 2
+
+
+def test_placeholders_are_not_hashed() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    admit(bm, seq_of(0, SHARED[:12]))
+    seq = seq_of(1, SHARED[:7])
+    seq.token_ids += [PLACEHOLDER, PLACEHOLDER]  # two sampled tokens not back yet
+    seq.num_pending = 2
+    assert len(bm.match_prefix(seq)) == 1
+
+
+def test_freed_blocks_stay_cached_until_handed_out_again() -> None:
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    a = seq_of(0, SHARED[:9])
+    admit(bm, a)
+    first_two = a.block_table[:2]
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    b = seq_of(1, SHARED[:9])
+    assert bm.num_evictable(bm.match_prefix(b)) == 2
+    assert admit(bm, b) == first_two
+    bm.free(b)
+    # Memory pressure: a sequence of 4 new blocks evicts every cached one.
+    c = seq_of(2, [0] * 16)
+    assert admit(bm, c) == []
+    assert set(first_two) <= set(c.block_table)
+    bm.free(c)
+    assert bm.match_prefix(seq_of(3, SHARED[:9])) == []
+
+
+def test_least_recently_freed_blocks_are_evicted_first() -> None:
+    bm = BlockManager(6, 2, enable_prefix_caching=True)
+    old, new = seq_of(0, [1, 1, 1, 1, 1]), seq_of(1, [2, 2, 2, 2, 2])
+    admit(bm, old)
+    admit(bm, new)
+    bm.free(old)
+    bm.free(new)
+    filler = seq_of(2, [3, 3, 3])
+    assert bm.allocate(filler, 4)  # two blocks from the front of the pool: never `new`'s
+    assert len(bm.match_prefix(seq_of(3, [2, 2, 2, 2, 2]))) == 2
+
+
+def test_off_means_no_hits_and_no_cache() -> None:
+    bm = BlockManager(8, 4)
+    admit(bm, seq_of(0, SHARED[:12]))
+    assert bm.match_prefix(seq_of(1, SHARED[:12])) == [] and bm.num_cached_blocks == 0
+
+
+def test_reset_forgets_every_prefix_and_keeps_blocks_in_use() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a = seq_of(0, SHARED[:12])
+    admit(bm, a)
+    assert bm.reset_prefix_cache() == 3
+    assert bm.match_prefix(seq_of(1, SHARED[:12])) == []
+    bm.check_integrity([a.block_table])
+
+
+def test_integrity_catches_a_cache_entry_that_names_the_wrong_block() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a = seq_of(0, SHARED[:12])
+    admit(bm, a)
+    h = next(iter(bm._cached))
+    bm._cached[h] = (bm._cached[h] + 1) % 8
+    try:
+        bm.check_integrity([a.block_table])
+    except AssertionError as e:
+        assert "another hash" in str(e)
+    else:
+        raise AssertionError("a wrong cache entry went unnoticed")
+
+
+# -- stateful: random admissions against a model of what each block holds ------------------
+NUM_SEQS = 4
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(1, 1, enable_prefix_caching=True)
+        self.live: dict[int, Sequence] = {}
+        self.content: dict[int, tuple[int, ...]] = {}  # block -> the prefix its K/V belong to
+        self.registered: dict[tuple[int, ...], int] = {}  # the model of the prefix cache
+        self.next_id = 0
+
+    @initialize(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 4]))
+    def create(self, num_blocks: int, block_size: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+
+    def expected_hits(self, tokens: list[int]) -> list[int]:
+        bs, hits = self.bm.block_size, []
+        for j in range((len(tokens) - 1) // bs):
+            block = self.registered.get(tuple(tokens[: (j + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    @rule(
+        shared=st.integers(0, len(SHARED)),
+        tail=st.lists(st.integers(0, 3), max_size=6),
+    )
+    def admit(self, shared: int, tail: list[int]) -> None:
+        tokens = SHARED[:shared] + tail
+        if not tokens or len(self.live) >= NUM_SEQS:
+            return
+        bm, bs = self.bm, self.bm.block_size
+        seq = seq_of(self.next_id, tokens)
+        self.next_id += 1
+        hits = bm.match_prefix(seq)
+        assert hits == self.expected_hits(tokens)
+        for j, block in enumerate(hits):
+            assert self.content[block] == tuple(tokens[: (j + 1) * bs]), "a hit holds another prefix"
+        need = -(-len(tokens) // bs) - len(hits) + bm.num_evictable(hits)
+        free = bm.num_free_blocks
+        if need > free:
+            return
+        bm.acquire(seq, hits)
+        assert bm.allocate(seq, len(tokens))
+        assert bm.num_free_blocks == free - need
+        for j in range(len(hits), len(seq.block_table)):
+            block = seq.block_table[j]
+            stale = [k for k, b in self.registered.items() if b == block]
+            for k in stale:  # handed out again: evicted
+                del self.registered[k]
+            self.content[block] = tuple(tokens[: (j + 1) * bs])
+        end = len(tokens) // bs
+        bm.cache_blocks(seq, seq.block_table, len(hits), end)
+        for j in range(len(hits), end):
+            key = tuple(tokens[: (j + 1) * bs])
+            block = seq.block_table[j]
+            if key not in self.registered and block not in self.registered.values():
+                self.registered[key] = block
+        self.live[seq.seq_id] = seq
+
+    @rule(k=st.integers(0, NUM_SEQS - 1))
+    def free(self, k: int) -> None:
+        if not self.live:
+            return
+        seq = self.live.pop(sorted(self.live)[k % len(self.live)])
+        self.bm.free(seq)
+        assert seq.block_table == []
+
+    @rule()
+    def reset(self) -> None:
+        self.bm.reset_prefix_cache()
+        self.registered.clear()
+
+    @invariant()
+    def integrity(self) -> None:
+        self.bm.check_integrity([s.block_table for s in self.live.values()])
+        assert self.bm.num_cached_blocks == len(self.registered)
+
+
+PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+TestPrefixCache = PrefixCacheMachine.TestCase
