@@ -105,6 +105,15 @@ class CacheConfig:
     num_swap_blocks: int | None = field(
         default=None, metadata=_help("Exact number of CPU swap blocks (overrides swap_space).")
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=_help(
+            "Reuse the K/V of full blocks whose token prefix an earlier request computed "
+            "(chained block hashes, as vLLM's automatic prefix caching): a shared system prompt "
+            "or conversation history is computed once. Cached blocks are evicted least recently "
+            "used first, only when a block is needed."
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_help(

@@ -244,7 +244,7 @@ class Engine:
         # The scheduler first: an unknown policy name fails before the KV cache is allocated.
         scheduler = Scheduler(
             config.scheduler,
-            BlockManager(num_blocks, config.cache.block_size, num_swap_blocks),
+            BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching),
             max_len,
             eos_ids,
         )
@@ -348,6 +348,12 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (a benchmark's cold start, or after changing weights).
+        Requests in flight keep their blocks; they only stop being found by new requests."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -512,6 +518,7 @@ class Engine:
             finished=seq.status is SequenceStatus.FINISHED,
             metrics=seq.metrics,
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.metrics.num_cached_tokens,
         )
 
     def _finish_output(self, req: _Request) -> RequestOutput:

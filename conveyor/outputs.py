@@ -41,3 +41,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache

@@ -32,6 +32,7 @@ from conveyor.bench.workload import (
     parse_sweep,
     sharegpt_requests,
     synthetic_requests,
+    with_shared_prefix,
 )
 
 
@@ -112,6 +113,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", default="uniform:16,128", help="output tokens, same forms as --input-len")
     w.add_argument("--sharegpt-scale", type=float, default=1.0, help="multiply ShareGPT-like lengths (0.25 on a CPU)")
     w.add_argument("--sharegpt-sigma", type=float, default=1.0, help="lognormal shape of the ShareGPT-like lengths (an assumption)")
+    w.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every prompt starts with the same N random tokens (a system prompt; prefix caching finds it)")
     w.add_argument("--trace", type=Path, default=None,
                    help="JSONL trace: arrival_s, prompt | prompt_token_ids | prompt_len, output_len")
     w.add_argument("--request-rate", default=None,
@@ -167,6 +170,10 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[Benc
         requests = synthetic_requests(n, inp, out, vocab_size, args.seed)
         desc.update(kind="synthetic", description=f"input {inp.describe()}, output {out.describe()}",
                     input_len=inp.describe(), output_len=out.describe())
+    if args.shared_prefix_len:
+        requests = with_shared_prefix(requests, args.shared_prefix_len, vocab_size, args.seed)
+        desc["description"] += f", a shared prefix of {args.shared_prefix_len} tokens"
+        desc["shared_prefix_len"] = args.shared_prefix_len
     kind = points[0].kind
     desc["arrivals"] = {
         "trace": "the trace's times",

@@ -215,6 +215,22 @@ def sharegpt_requests(num_requests: int, mix: ShareGPTLike, vocab_size: int, see
     return out
 
 
+def with_shared_prefix(requests: list[BenchRequest], prefix_len: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """Every prompt starts with the same `prefix_len` random ids (a system prompt; vLLM's
+    `--random-prefix-len`), so that prefix caching has something to find."""
+    if prefix_len < 0:
+        raise ValueError(f"shared prefix length {prefix_len} must be >= 0")
+    if not prefix_len:
+        return requests
+    prefix = _prompt_ids(_rng(seed, "shared_prefix"), prefix_len, vocab_size)
+    out = []
+    for r in requests:
+        if isinstance(r.prompt, str):
+            raise ValueError("a shared prefix needs token-id prompts; this workload has text prompts")
+        out.append(replace(r, prompt=prefix + r.prompt, prompt_len=prefix_len + len(r.prompt)))
+    return out
+
+
 def load_trace(
     path: str | Path,
     vocab_size: int,

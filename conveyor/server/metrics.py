@@ -88,6 +88,11 @@ class ServerMetrics:
         self.prompt_tokens = counter("conveyor:prompt_tokens",
                                      "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("conveyor:generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter(
+            "conveyor:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (requests that produced a first token).")
+        self.prefix_cache_hits = counter(
+            "conveyor:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
         self._success = Counter("conveyor:request_success",
                                 "Finished requests, by finish reason (stop, length, abort).",
                                 ["model_name", "finished_reason"], registry=r)
@@ -119,6 +124,8 @@ class ServerMetrics:
         if not progress.saw_first_token and metrics.first_token_time is not None:
             progress.saw_first_token = True
             self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prefix_cache_queries.inc(len(out.prompt_token_ids))
+            self.prefix_cache_hits.inc(out.num_cached_tokens)
             self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
         times = metrics.token_times
         for i in range(max(progress.token_times_seen, 1), len(times)):

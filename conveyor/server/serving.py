@@ -80,6 +80,7 @@ class _Choice:
     final: RequestOutput | None = None
     num_tokens: int = 0
     text_sent: int = 0  # characters of completion text streamed so far
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 class _Handler:
@@ -229,6 +230,7 @@ class _Handler:
             async for out in stream:
                 choice = by_id[out.request_id]
                 choice.num_tokens = len(out.outputs[0].token_ids)
+                choice.cached_tokens = out.num_cached_tokens
                 if out.finished:
                     choice.final = out
         except EngineDeadError as e:
@@ -253,6 +255,7 @@ class _Handler:
             async for out in stream:
                 choice = by_id[out.request_id]
                 choice.num_tokens += len(out.outputs[0].token_ids)  # output_kind "delta"
+                choice.cached_tokens = out.num_cached_tokens
                 if out.finished:
                     choice.final = out
                 delta = self.delta_chunk(choice, out)
@@ -272,17 +275,21 @@ class _Handler:
             stream.abort()
 
     # -- rendering ---------------------------------------------------------------------------
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompts = {id(c.prompt): len(c.prompt.token_ids) for c in self.choices}
         prompt_tokens = sum(prompts.values())  # a prompt counts once, however many choices
         completion_tokens = sum(c.num_tokens for c in self.choices)
+        cached: dict[int, int] = {}  # per prompt, the least any of its choices was served
+        for c in self.choices:
+            cached[id(c.prompt)] = min(cached.get(id(c.prompt), c.cached_tokens), c.cached_tokens)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.request_id,
             "object": self.chunk_object,

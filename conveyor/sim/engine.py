@@ -115,7 +115,7 @@ def build_sim_engine(
         lambda: kv_budget(config, hardware, model, b),
     )
     eos = frozenset(model.eos_token_ids)
-    scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap), max_len, eos)
+    scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     engine = SimEngine(config, scheduler, SimRunner(cost, token), None, max_len, model.vocab_size,

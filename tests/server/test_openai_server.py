@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -104,7 +105,10 @@ def test_chat_streamed_text_equals_non_streamed(client: openai.OpenAI, seed: int
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text == choice.message.content
     assert finishes == [choice.finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    # The same counts; the second request may find the first one's prompt in the prefix cache.
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
 
 
 def test_completions_streamed_text_equals_non_streamed(client: openai.OpenAI) -> None:
@@ -223,6 +227,29 @@ def test_metrics_parse_and_counters_move(smol_server: ServerProcess, client: ope
     assert moved("conveyor:inter_token_latency_seconds_count") == 5
     assert moved("conveyor:iteration_tokens_total_count") >= 6
     assert moved("conveyor:iteration_tokens_total_sum") >= usage.prompt_tokens + 5
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(smol_server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "You are a terse assistant who answers in one short sentence. " * 4 + "What is the tallest mountain?"
+    kwargs: dict[str, Any] = dict(model="smollm2", prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**kwargs)
+    before = scrape(smol_server.url)
+    second = client.completions.create(**kwargs)
+    after = scrape(smol_server.url)
+    assert first.usage is not None and second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    # Every full 16-token block of the prompt but the one holding its last token.
+    assert details.cached_tokens == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert second.choices[0].text == first.choices[0].text
+    hits = sample(after, "conveyor:prefix_cache_hits_total") - sample(before, "conveyor:prefix_cache_hits_total")
+    queries = sample(after, "conveyor:prefix_cache_queries_total") - sample(before, "conveyor:prefix_cache_queries_total")
+    assert (hits, queries) == (details.cached_tokens, second.usage.prompt_tokens)
+    # The streamed usage says the same.
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == details.cached_tokens
 
 
 def _wait_for_abort(url: str, aborted_before: float, timeout: float = 15.0) -> dict:

@@ -1,0 +1,155 @@
+"""Prefix caching on the real (tiny, float64) Llama: a hit changes how much is computed, never
+which tokens come out.
+
+Requests share a "system prompt", one repeats another whole, and a second turn extends a first
+turn's prompt and answer, as a chat does. Under every prefill mode, with and without
+preemption, the greedy tokens equal those of an engine with prefix caching off; the cached
+tokens are reported per request and the steps compute exactly the prompts less the hits.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.config import PREFILL_MODES, EngineConfig
+from conveyor.engine import Engine
+from conveyor.outputs import RequestOutput
+
+BLOCK_SIZE = 4
+MAX_STEPS = 5_000
+
+
+def shared_prefix_workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 384) for _ in range(22)]
+    prompts = [system + [rng.randrange(3, 384) for _ in range(rng.randint(1, 12))] for _ in range(7)]
+    prompts.append(list(prompts[2]))  # the same prompt twice
+    prompts.append(system[:9])  # a prefix of the others, not block-aligned
+    params = [SamplingParams(max_tokens=rng.randint(2, 10), temperature=0.0, ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models) -> str:
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def base(model_dir) -> LLM:
+    return LLM(model_dir, dtype="float64", num_kv_blocks=256, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def make_engine(base, model_dir):
+    def make(**options: Any) -> Engine:
+        config = EngineConfig.from_kwargs(model=model_dir, dtype="float64", block_size=BLOCK_SIZE, **options)
+        return Engine.from_model(config, base.engine.runner.model, base.engine.tokenizer)
+
+    return make
+
+
+def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], tag: str = "r") -> list[RequestOutput]:
+    """Queue everything at once and step to the end, checking the block accounting every step."""
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"{tag}{i}", p, sp)
+    done: dict[str, RequestOutput] = {}
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.scheduler.check_integrity()
+    else:
+        pytest.fail("not finished")
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def tokens(outs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    prompts, params = shared_prefix_workload()
+    return tokens(drive(make_engine(enable_prefix_caching=False, num_kv_blocks=128), prompts, params))
+
+
+@pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
+@pytest.mark.parametrize("arrivals", ["together", "one_by_one"])
+def test_hits_keep_the_tokens_and_compute_only_the_rest(make_engine, reference, prefill_mode, arrivals):
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(prefill_mode=prefill_mode, num_kv_blocks=128, max_num_batched_tokens=64)
+    if arrivals == "together":
+        outs = drive(engine, prompts, params)
+    else:  # each request after the one before finished: every prefix is cached by then
+        outs = [drive(engine, [p], [sp], tag=f"r{i}-")[0] for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    assert tokens(outs) == reference
+    cached = [o.num_cached_tokens for o in outs]
+    assert all(c % BLOCK_SIZE == 0 and c < len(p) for c, p in zip(cached, prompts, strict=True))
+    assert cached[0] == 0
+    if arrivals == "one_by_one":
+        # The system prompt's 5 full blocks for every later request that holds them whole;
+        # the repeated prompt all its full blocks but the last token's.
+        assert cached[1:7] == [20] * 6
+        assert cached[7] == (len(prompts[7]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert cached[8] == 8
+    assert sum(cached) > 0
+    bm = engine.scheduler.block_manager
+    assert bm.num_hit_tokens == sum(cached)
+    # Nothing was preempted: the steps computed each prompt less its hit, and each output but
+    # the last (which is sampled, never fed back).
+    assert sum(o.num_preemptions for o in outs) == 0
+    computed = sum(s.num_prefill_tokens + s.num_decode_tokens for s in engine.step_trace)
+    want = sum(len(p) - c for p, c in zip(prompts, cached, strict=True)) + sum(len(t) - 1 for t in reference)
+    assert computed == want
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_hits_under_preemption_keep_the_tokens(make_engine, reference, preemption_mode):
+    """A cache too small for the batch: sequences are preempted, cached blocks evicted, and a
+    recomputed sequence finds its own earlier blocks when they survive."""
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(preemption_mode=preemption_mode, num_kv_blocks=16, max_num_batched_tokens=32, num_swap_blocks=64)
+    outs = drive(engine, prompts, params)
+    assert tokens(outs) == reference
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(make_engine):
+    engine = make_engine(num_kv_blocks=64)
+    rng = random.Random(1)
+    first = [rng.randrange(3, 384) for _ in range(17)]
+    sp = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    answer = drive(engine, [first], [sp], tag="turn1-")[0].outputs[0].token_ids
+    second = first + answer + [rng.randrange(3, 384) for _ in range(5)]
+    out = drive(engine, [second], [sp], tag="turn2-")[0]
+    # Blocks 0-5 hold the first turn's prompt and all its answer but the last token (that
+    # one was sampled, never computed): 24 of its 26 tokens.
+    assert out.num_cached_tokens == 24
+    off = make_engine(num_kv_blocks=64, enable_prefix_caching=False)
+    assert out.outputs[0].token_ids == drive(off, [second], [sp])[0].outputs[0].token_ids
+
+
+def test_llm_generate_reports_cached_tokens_and_reset_forgets_them(model_dir):
+    llm = LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=64)
+    prompt = list(range(5, 30))
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    first = llm.generate([prompt], sp, use_tqdm=False)[0]
+    again = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 24)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_off_computes_every_prompt_token(make_engine, reference):
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(enable_prefix_caching=False, num_kv_blocks=128)
+    outs = drive(engine, prompts, params)
+    assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
+    assert engine.scheduler.block_manager.num_cached_blocks == 0
