@@ -24,6 +24,7 @@ from conveyor.bench.workload import (
     synthetic_requests,
     token_id_range,
     unit_gaps,
+    with_shared_prefix,
 )
 
 VOCAB = 1000
@@ -42,6 +43,21 @@ def test_same_seed_same_workload_and_prefix_stable() -> None:
         assert isinstance(r.prompt, tuple) and len(r.prompt) == r.prompt_len
         assert all(low <= t < high for t in r.prompt)
         assert r.output_len >= 1 and r.arrival_s == 0.0
+
+
+def test_a_shared_prefix_starts_every_prompt_and_keeps_the_rest() -> None:
+    base = make(0, 10)
+    shared = with_shared_prefix(base, 32, VOCAB, seed=0)
+    prefix = shared[0].prompt[:32]
+    for before, after in zip(base, shared, strict=True):
+        assert after.prompt[:32] == prefix and after.prompt[32:] == before.prompt
+        assert after.prompt_len == before.prompt_len + 32
+        assert (after.output_len, after.arrival_s) == (before.output_len, before.arrival_s)
+    assert with_shared_prefix(base, 32, VOCAB, seed=0) == shared
+    assert with_shared_prefix(base, 0, VOCAB) == base
+    text = [BenchRequest(0, "hello", None, 4)]
+    with pytest.raises(ValueError, match="token-id prompts"):
+        with_shared_prefix(text, 8, VOCAB)
 
 
 @pytest.mark.parametrize(
