@@ -130,6 +130,9 @@ async def send_request(
                 usage = chunk.get("usage") or {}
                 if usage.get("prompt_tokens") is not None:
                     timing.prompt_len = int(usage["prompt_tokens"])
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if cached is not None:
+                    timing.cached_tokens = int(cached)
                 total = usage.get("completion_tokens")
                 if chunk.get("choices"):
                     if total is not None:

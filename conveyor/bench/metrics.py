@@ -45,6 +45,7 @@ class RequestTiming:
     end: float | None = None
     prompt_len: int | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held, where reported
 
     @property
     def ok(self) -> bool:
@@ -178,6 +179,10 @@ def summarize(timings: Sequence[RequestTiming], duration_s: float, slo: SLO | No
         "itl_s": distribution(x for t in done for x in t.itls),
         "e2e_s": distribution(t.e2e for t in done if t.e2e is not None),
     }
+    cached = [t.cached_tokens for t in done if t.cached_tokens is not None]
+    if cached:
+        out["total_cached_tokens"] = sum(cached)
+        out["prefix_cache_hit_rate"] = sum(cached) / in_tokens if in_tokens else 0.0
     if slo is not None and not slo.empty:
         good = sum(1 for t in timings if slo.met_by(t))
         out["goodput"] = good / duration_s
@@ -207,6 +212,7 @@ def per_request_rows(timings: Sequence[RequestTiming]) -> list[dict[str, Any]]:
             "ttft_s": t.ttft,
             "tpot_s": t.tpot,
             "e2e_s": t.e2e,
+            **({"cached_tokens": t.cached_tokens} if t.cached_tokens is not None else {}),
             **({"error": t.error} if t.error else {}),
         }
         for t in timings

@@ -130,6 +130,7 @@ def _timing_from_output(index: int, out: RequestOutput) -> RequestTiming:
         chunk_times=list(m.token_times),
         end=m.finished_time,
         prompt_len=len(out.prompt_token_ids),
+        cached_tokens=out.num_cached_tokens,
     )
 
 

@@ -181,25 +181,26 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "| system | load | done | req/s | in tok/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-        "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | goodput (req/s) | SLO met | preemptions | KV peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | goodput (req/s) | SLO met | preemptions | KV peak | prefix hits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system in result["systems"]:
         if system.get("error") and not system["points"]:
-            lines.append(f"| {system['name']} | – | error: {system['error'][:80]} |" + " |" * 11)
+            lines.append(f"| {system['name']} | – | error: {system['error'][:80]} |" + " |" * 12)
             continue
         for p in system["points"]:
             s = p["summary"]
             goodput = _num(s.get("goodput"))
             met = "–" if s.get("slo_attainment") is None else f"{s['slo_attainment']:.0%}"
             pre, kv = _pressure(p)
+            hits = "–" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.0%}"
             lines.append(
                 f"| {system['name']} | {p['load']['label']} | {s['completed']}/{s['num_requests']} "
                 f"| {s['request_throughput']:.2f} | {s['input_throughput']:.1f} | {s['output_throughput']:.1f} "
                 f"| {_ms(s['ttft_s'], 'p50')} / {_ms(s['ttft_s'], 'p99')} "
                 f"| {_ms(s['tpot_s'], 'p50')} / {_ms(s['tpot_s'], 'p99')} "
                 f"| {_ms(s['itl_s'], 'p50')} / {_ms(s['itl_s'], 'p99')} "
-                f"| {_s(s['e2e_s'], 'p50')} / {_s(s['e2e_s'], 'p99')} | {goodput} | {met} | {pre} | {kv} |"
+                f"| {_s(s['e2e_s'], 'p50')} / {_s(s['e2e_s'], 'p99')} | {goodput} | {met} | {pre} | {kv} | {hits} |"
             )
     if slo is not None:
         lines += ["", f"Highest load meeting the SLO for {result['slo_attainment_target']:.0%} of requests (DistServe's goodput):", ""]

@@ -502,10 +502,12 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             # Blocks this step filled have their K/V written now: register them for prefix
             # hits, unless the table was freed or swapped since (async: a new list object).
-            if block_size and (end := item.context_len // block_size) > (
-                first := item.start_pos // block_size
-            ) and seq.block_table is item.block_table:
-                bm.cache_blocks(seq, item.block_table, first, end)
+            if (
+                block_size
+                and (start := item.start_pos) % block_size + len(item.token_ids) >= block_size
+                and seq.block_table is item.block_table
+            ):
+                bm.cache_blocks(seq, item.block_table, start // block_size, (start + len(item.token_ids)) // block_size)
             if not item.sample:
                 updates.append(SequenceUpdate(seq, None))
                 continue

@@ -80,7 +80,8 @@ def fake_app(state: FakeState) -> FastAPI:
                     yield f"data: {json.dumps(chunk)}\n\n"
                     if sent < n:
                         await asyncio.sleep(gap)
-                yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': len(prompt), 'completion_tokens': n}})}\n\n"
+                final = {"prompt_tokens": len(prompt), "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": len(prompt) // 2}}
+                yield f"data: {json.dumps({'choices': [], 'usage': final})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 state.in_flight -= 1
@@ -123,7 +124,7 @@ def test_ttft_itl_tpot_measured_per_chunk(fake_server: tuple[str, FakeState]) ->
     assert len(a.itls) == 3 and all(0.09 <= g < 0.1 + SLACK for g in a.itls)
     assert len(b.itls) == 5 and all(0.045 <= g < 0.05 + SLACK for g in b.itls)
     assert 0.09 <= a.tpot < 0.1 + SLACK
-    assert a.prompt_len == 6
+    assert a.prompt_len == 6 and a.cached_tokens == 3  # the usage's prompt_tokens_details
     body = state.bodies[-1]
     assert body["model"] == "fake-model" and body["ignore_eos"] is True and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}

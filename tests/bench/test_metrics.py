@@ -84,6 +84,15 @@ def test_summarize_throughputs_distributions_and_goodput_exact() -> None:
     assert s["errors"] == ["timeout"]
 
 
+def test_prefix_cache_hit_rate_counts_completed_requests_that_report_it() -> None:
+    timings = [timing(0, 0.0, 0.1, [0.02], prompt_len=100), timing(1, 0.0, 0.1, [0.02], prompt_len=60)]
+    assert "prefix_cache_hit_rate" not in summarize(timings, 1.0)  # nobody reported it
+    timings[0].cached_tokens, timings[1].cached_tokens = 64, 16
+    timings.append(RequestTiming(2, 0.0, prompt_len=40, error="timeout", cached_tokens=32))
+    s = summarize(timings, 1.0)
+    assert s["total_cached_tokens"] == 80 and s["prefix_cache_hit_rate"] == 80 / 160
+
+
 def test_e2e_slo_and_no_slo() -> None:
     timings = [timing(0, 0.0, 0.1, [0.1] * 9), timing(1, 0.0, 0.1, [0.3] * 9)]  # E2E 1.0 and 2.8 s
     assert summarize(timings, 3.0, SLO(e2e_s=1.5))["requests_meeting_slo"] == 1

@@ -96,6 +96,21 @@ def test_offline_closed_loop_without_baselines(model_dir: str, tmp_path: Path) -
     assert not (out / "throughput.png").exists()
 
 
+def test_a_shared_prefix_is_found_by_prefix_caching_and_reported(model_dir: str, tmp_path: Path) -> None:
+    out = tmp_path / "prefix"
+    rc = main(["bench", "compare", "on:enable_prefix_caching=true", "off:enable_prefix_caching=false",
+               "--model", model_dir, *SMALL, "--block-size", "4", "--shared-prefix-len", "32", "--num-requests", "6",
+               "--concurrency", "1", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["workload"]["shared_prefix_len"] == 32
+    on, off = ({s["name"]: s["points"][0]["summary"] for s in result["systems"]}[k] for k in ("on", "off"))
+    # One at a time: every request after the first finds the prefix's 8 blocks of 4.
+    assert on["total_cached_tokens"] == 5 * 32 and off["total_cached_tokens"] == 0
+    rows = {line.split(" | ")[0]: line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| o")}
+    assert rows["| on"].endswith(f"| {on['prefix_cache_hit_rate']:.0%} |") and rows["| off"].endswith("| 0% |")
+
+
 def test_serve_launch_reads_server_metrics(model_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "srv"
     rc = main(["bench", "serve", "--launch", "--model", model_dir, "--vocab-size", "384", *SMALL,
