@@ -17,10 +17,9 @@ import pytest
 from conveyor import LLM, SamplingParams
 from conveyor.config import PREFILL_MODES, EngineConfig
 from conveyor.engine import Engine
-from conveyor.outputs import RequestOutput
+from tests.test_switchboard import drive, tokens
 
 BLOCK_SIZE = 4
-MAX_STEPS = 5_000
 
 
 def shared_prefix_workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -50,27 +49,6 @@ def make_engine(base, model_dir):
         return Engine.from_model(config, base.engine.runner.model, base.engine.tokenizer)
 
     return make
-
-
-def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], tag: str = "r") -> list[RequestOutput]:
-    """Queue everything at once and step to the end, checking the block accounting every step."""
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"{tag}{i}", p, sp)
-    done: dict[str, RequestOutput] = {}
-    for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.scheduler.check_integrity()
-    else:
-        pytest.fail("not finished")
-    return [done[f"{tag}{i}"] for i in range(len(prompts))]
-
-
-def tokens(outs: list[RequestOutput]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")

@@ -127,10 +127,11 @@ def requests_and_alone(base):
 
 
 # -- helpers -------------------------------------------------------------------------------
-def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
-    """Queue everything at once and step to the end, checking the block accounting every step."""
+def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], tag: str = "r") -> list[RequestOutput]:
+    """Queue everything at once and step to the end, checking the block accounting every step.
+    Request i is named `{tag}{i}`."""
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", p, sp)
+        engine.add_request(f"{tag}{i}", p, sp)
     done: dict[str, RequestOutput] = {}
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished_requests():
@@ -141,7 +142,7 @@ def drive(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
         engine.scheduler.check_integrity()
     else:
         pytest.fail(f"not finished after {MAX_STEPS} steps: {engine.config.scheduler}")
-    return [done[f"r{i}"] for i in range(len(prompts))]
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]
 
 
 def tokens(outs: list[RequestOutput]) -> list[list[int]]:
