@@ -34,6 +34,7 @@ def trace_dict(engine: Engine) -> dict[str, Any]:
                 "finish_reason": r.finish_reason,
                 "priority": r.priority,
                 "num_preemptions": r.num_preemptions,
+                "num_cached_tokens": m.num_cached_tokens,
                 "arrival_time": m.arrival_time,
                 "first_scheduled_time": m.first_scheduled_time,
                 "first_token_time": m.first_token_time,

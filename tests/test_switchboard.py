@@ -522,6 +522,7 @@ def test_export_json_holds_steps_requests_and_config(traced, tmp_path):
         assert r["prompt_len"] == len(out.prompt_token_ids)
         assert r["finish_reason"] == "length"
         assert r["num_preemptions"] == out.num_preemptions
+        assert r["num_cached_tokens"] == out.num_cached_tokens
         assert r["arrival_time"] <= r["first_scheduled_time"] <= r["first_token_time"] <= r["finished_time"]
         assert r["ttft"] >= 0 and r["e2e"] >= r["ttft"]
 
