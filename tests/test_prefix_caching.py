@@ -131,3 +131,12 @@ def test_off_computes_every_prompt_token(make_engine, reference):
     outs = drive(engine, prompts, params)
     assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
     assert engine.scheduler.block_manager.num_cached_blocks == 0
+
+
+def test_a_seeded_sample_is_the_same_with_and_without_a_hit(model_dir):
+    llm = LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=64)
+    prompt = list(range(5, 40))
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    first, again = (llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
