@@ -102,13 +102,9 @@ class BlockManager:
             return True  # the common case: a decode within its last block
         if need > len(self._free):
             return False
-        pop, hashed = self._free.popitem, self._block_hash
+        take, table = self._take_free, seq.block_table
         for _ in range(need):
-            block = pop(last=False)[0]
-            if hashed[block] is not None:
-                self._evict(block)
-            self._ref_counts[block] = 1
-            seq.block_table.append(block)
+            table.append(take())
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -181,11 +177,15 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def _evict(self, block: int) -> None:
+    def _take_free(self) -> int:
+        """The least recently freed block, evicted from the prefix cache, at ref count 1."""
+        block = self._free.popitem(last=False)[0]
         h = self._block_hash[block]
-        assert h is not None
-        del self._cached[h]
-        self._block_hash[block] = None
+        if h is not None:
+            del self._cached[h]
+            self._block_hash[block] = None
+        self._ref_counts[block] = 1
+        return block
 
     # -- swap ------------------------------------------------------------------------------
     @property
@@ -220,10 +220,7 @@ class BlockManager:
             raise RuntimeError("not enough free device blocks to swap in")
         mapping = []
         for cpu in seq.block_table:
-            block = self._free.popitem(last=False)[0]
-            if self._block_hash[block] is not None:
-                self._evict(block)
-            self._ref_counts[block] = 1
+            block = self._take_free()
             mapping.append((cpu, block))
             self._swap_free.append(cpu)
         seq.block_table = [block for _, block in mapping]

@@ -382,7 +382,7 @@ class Scheduler:
                 break
             # A prefix-cache hit is computed already: the sequence starts after it (a waiting
             # sequence holds no blocks and has computed nothing, fresh or preempted).
-            hits = bm.match_prefix(seq) if caching else []
+            hits = bm.match_prefix(seq)
             seq.num_computed_tokens = len(hits) * bm.block_size
             num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1
             target = seq.num_computed_tokens + num_new
@@ -390,7 +390,7 @@ class Scheduler:
                 remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
                 target = max(target, min(seq.num_tokens + remaining, self.max_model_len))
             # Cached blocks in the free pool leave it when taken: they count as new.
-            need = bm.blocks_for_tokens(target) - len(hits) + (bm.num_evictable(hits) if hits else 0)
+            need = bm.blocks_for_tokens(target) - len(hits) + bm.num_evictable(hits)
             # Keep a watermark of blocks for running decodes, unless the cache is otherwise idle.
             if num_new <= 0 or need > bm.num_free_blocks or (
                 not reserve and need + self.watermark_blocks > bm.num_free_blocks and self.running
