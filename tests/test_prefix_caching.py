@@ -70,12 +70,12 @@ def test_hits_keep_the_tokens_and_compute_only_the_rest(make_engine, reference, 
     cached = [o.num_cached_tokens for o in outs]
     assert all(c % BLOCK_SIZE == 0 and c < len(p) for c, p in zip(cached, prompts, strict=True))
     assert cached[0] == 0
-    if arrivals == "one_by_one":
-        # The system prompt's 5 full blocks for every later request that holds them whole;
-        # the repeated prompt all its full blocks but the last token's.
-        assert cached[1:7] == [20] * 6
-        assert cached[7] == (len(prompts[7]) - 1) // BLOCK_SIZE * BLOCK_SIZE
-        assert cached[8] == 8
+    # The system prompt's 5 full blocks for every later request that holds them whole; the
+    # repeated prompt all its full blocks but the last token's. Also for requests admitted in
+    # the same step as the one whose prefill writes those blocks ("together").
+    assert cached[1:7] == [20] * 6
+    assert cached[7] == (len(prompts[7]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert cached[8] == 8
     assert sum(cached) > 0
     bm = engine.scheduler.block_manager
     assert bm.num_hit_tokens == sum(cached)
@@ -85,6 +85,16 @@ def test_hits_keep_the_tokens_and_compute_only_the_rest(make_engine, reference, 
     computed = sum(s.num_prefill_tokens + s.num_decode_tokens for s in engine.step_trace)
     want = sum(len(p) - c for p, c in zip(prompts, cached, strict=True)) + sum(len(t) - 1 for t in reference)
     assert computed == want
+
+
+def test_hits_with_async_scheduling_keep_the_tokens(make_engine, reference):
+    """Step t+1 is scheduled before step t's tokens are back: its hits are blocks that step t
+    or step t+1 itself writes, before step t+1's attention reads them."""
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(async_scheduling=True, num_kv_blocks=128, max_num_batched_tokens=64)
+    outs = drive(engine, prompts, params)
+    assert tokens(outs) == reference
+    assert [o.num_cached_tokens for o in outs][1:7] == [20] * 6
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])

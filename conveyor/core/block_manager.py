@@ -2,8 +2,9 @@
 enabled, a prefix cache of full blocks found by chained hashes.
 
 Prefix caching (vLLM's automatic prefix caching, SGLang's radix cache at block granularity):
-a full block whose K/V are written is registered under a hash of its tokens chained with the
-hash of the block before it, so equal hashes mean equal token prefixes. A new (or recomputed)
+a full block is registered under a hash of its tokens chained with the hash of the block
+before it, so equal hashes mean equal token prefixes. The scheduler registers a block once a
+scheduled step writes its K/V before anyone can read them (see `Scheduler._emit`). A new (or recomputed)
 sequence takes the cached blocks of its longest registered prefix into its table, shared by
 reference count, and computes only what follows. A block keeps its hash when its last holder
 frees it: it waits in the free pool, least recently freed first, and loses its hash only when
@@ -154,7 +155,7 @@ class BlockManager:
         self.num_hit_tokens += len(blocks) * self.block_size
 
     def cache_blocks(self, seq: Sequence, table: list[int], first: int, end: int) -> None:
-        """Register `table[first:end]`, full blocks of `seq` whose K/V the runner has written.
+        """Register `table[first:end]`, full blocks of `seq` whose K/V a scheduled step writes.
         A block already registered, or whose prefix another block already holds, is skipped."""
         if not self.enable_prefix_caching:
             return

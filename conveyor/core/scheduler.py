@@ -440,6 +440,16 @@ class Scheduler:
             )
         )
         seq.num_computed_tokens = end
+        if num_new > 1 and self.block_manager.enable_prefix_caching:
+            # The full blocks this prefill chunk completes are hits from now on, for requests
+            # admitted later in this very step too: every layer writes the whole step's K/V
+            # before any attention reads them (`AttentionBackend`), and later steps run after
+            # this one. Not for a one-token item: a step of decodes only may run in one fused
+            # kernel that writes and reads K/V per sequence; its blocks wait for `update`.
+            bs = self.block_manager.block_size
+            known = min(end, len(tokens) - seq.num_pending)  # a placeholder has no id to hash
+            if known // bs > start // bs:
+                self.block_manager.cache_blocks(seq, seq.block_table, start // bs, known // bs)
         if sample:
             tokens.append(PLACEHOLDER)
             seq.num_pending += 1
@@ -500,8 +510,10 @@ class Scheduler:
             seq = by_id.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
-            # Blocks this step filled have their K/V written now: register them for prefix
-            # hits, unless the table was freed or swapped since (async: a new list object).
+            # Blocks this step filled have their K/V written now: register those not yet
+            # registered (a decode's; a prefill chunk's were when it was scheduled, but for a
+            # placeholder's block), unless the table was freed or swapped since (async: a new
+            # list object).
             if (
                 block_size
                 and (start := item.start_pos) % block_size + len(item.token_ids) >= block_size

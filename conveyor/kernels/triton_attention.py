@@ -14,7 +14,9 @@ Three kernels, all reading K/V in place through block tables (no gather, no padd
   `attend_decodes_rope` folds in RoPE and the K/V write as well: the kernel reads the fused
   QKV projection's output, rotates its query heads, and the split that holds the new token
   writes that token's rotated key and its value to the cache before it attends. A decode
-  layer's attention is then one launch.
+  layer's attention is then one launch. A program sees only its own sequence's writes, so
+  the scheduler never lets a sequence of a step of decodes only read another's new K/V as a
+  prefix-cache hit (`Scheduler._emit`).
 - prefill: one launch for every prefill span, fresh or chunked. A program takes a tile of
   query rows (tokens x heads of one kv-head group) of one sequence and loops over that
   sequence's context, cached prefix and this step's tokens alike (the write kernel has

@@ -247,7 +247,9 @@ class AttentionBackend(ABC):
     """Computes attention for a step's flat token batch over the paged KV cache.
 
     Contract: `forward` first writes this step's `k`/`v` into `kv_cache` at
-    `meta.slot_mapping`, then returns attention over each sequence's whole context.
+    `meta.slot_mapping`, then returns attention over each sequence's whole context. Prefix
+    caching relies on it: a sequence may read, as a cached prefix, blocks that another
+    sequence's prefill writes in the same step (`Scheduler._emit`).
     """
 
     @abstractmethod

@@ -131,6 +131,11 @@ class FakeRunner:
         # The tables as the model runner reads them: its rows kept from step to step, which
         # must equal the scheduler's lists (every slot below is read and written through them).
         rows = self.host_tables.rows([it.seq_id for it in out.scheduled], [it.block_table for it in out.scheduled])
+        # As an attention backend: the whole step's K/V are written before any is read. A step
+        # of decodes only may run in one fused kernel that writes and reads per sequence, so
+        # there no sequence may read a slot that another writes in the same step.
+        reads: list[tuple[int, int, int, Tag]] = []  # (seq_id, pos, slot, expected tag)
+        written: set[int] = set()
         for item, row in zip(out.scheduled, rows, strict=True):
             assert row.tolist() == item.block_table, f"seq {item.seq_id}: host row {row} for {item.block_table}"
             table = row.tolist()
@@ -141,13 +146,20 @@ class FakeRunner:
                 key = hash((key, token))
                 slot = self._slot(table, pos)
                 if pos < item.start_pos:
-                    tag = self.slots[slot]
-                    assert tag == (key, pos), f"seq {item.seq_id} pos {pos}: KV slot holds {tag}"
+                    reads.append((item.seq_id, pos, slot, (key, pos)))
                 else:
                     self.slots[slot] = (key, pos)
+                    written.add(slot)
             self.tables[item.seq_id] = list(item.block_table)
             if item.sample:
                 sampled[item.seq_id] = next_token(context)
+        decodes_only = all(len(item.token_ids) == 1 for item in out.scheduled)
+        for seq_id, pos, slot, expected in reads:
+            tag = self.slots[slot]
+            assert tag == expected, f"seq {seq_id} pos {pos}: KV slot holds {tag}"
+            assert not (decodes_only and slot in written), (
+                f"seq {seq_id} pos {pos}: reads a slot written in the same step of decodes only"
+            )
         for seq_id in out.finished_seq_ids:
             self.tables.pop(seq_id, None)
             self.host_tables.drop(seq_id)
@@ -166,13 +178,14 @@ class Driver:
         num_swap_blocks: int = 0,
         max_model_len: int | None = None,
         dt: float = 1.0,
+        prefix_caching: bool = False,
         **config: Any,
     ) -> None:
         self.config = SchedulerConfig(**config)
-        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks)
+        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=prefix_caching)
         self.max_model_len = max_model_len or num_blocks * block_size
         self.sched = Scheduler(self.config, self.bm, self.max_model_len, frozenset({EOS}))
-        self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks)
+        self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks, shared_prefixes=prefix_caching)
         self.now = 0.0
         self.dt = dt
         self.seqs: dict[int, Sequence] = {}
@@ -189,6 +202,7 @@ class Driver:
         priority: int = 0,
         expected: int | None = None,
         at: float | None = None,
+        prompt: list[int] | None = None,
     ) -> Sequence:
         # ignore_eos: these tests count steps and tokens, an early EOS would change them.
         params = SamplingParams(
@@ -198,7 +212,8 @@ class Driver:
             expected_output_tokens=expected,
         )
         arrival = self.now if at is None else at
-        seq = Sequence(seq_id, f"r{seq_id}", make_prompt(seq_id, prompt_len), params, arrival)
+        tokens = make_prompt(seq_id, prompt_len) if prompt is None else prompt
+        seq = Sequence(seq_id, f"r{seq_id}", tokens, params, arrival)
         self.seqs[seq_id] = seq
         self.sched.add(seq)
         return seq

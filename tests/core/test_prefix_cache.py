@@ -214,3 +214,57 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
 TestPrefixCache = PrefixCacheMachine.TestCase
+
+
+# -- in the scheduler: when a block becomes a hit -------------------------------------------
+def test_a_burst_computes_a_new_prefix_once() -> None:
+    """Requests admitted in the same step as the one that writes their shared prefix hit it:
+    a prefill chunk's full blocks are registered when it is scheduled (every layer writes the
+    step's K/V before any attention reads them)."""
+    from tests.core.helpers import Driver, ids
+
+    d = Driver(32, 4, prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=64)
+    tails = [[40 + i, 50 + i, 60 + i] for i in range(4)]
+    seqs = [d.add(i, 0, 3, prompt=[*SHARED[:12], *tail]) for i, tail in enumerate(tails)]
+    out = d.step()
+    assert ids(out) == [0, 1, 2, 3]
+    assert [item.start_pos for item in out.scheduled] == [0, 12, 12, 12]
+    assert [s.metrics.num_cached_tokens for s in seqs] == [0, 12, 12, 12]
+    assert out.num_tokens == 15 + 3 * 3
+    d.run()
+    d.check_outputs()
+
+
+def test_a_chunked_prefix_is_shared_as_far_as_it_was_scheduled() -> None:
+    """A later request hits the blocks of the chunks scheduled so far, this step's included."""
+    from tests.core.helpers import Driver
+
+    d = Driver(
+        32, 4, prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=12, long_prefill_token_threshold=8
+    )
+    d.add(0, 0, 2, prompt=SHARED[:18])
+    d.step()  # tokens 0..7 of seq 0: blocks 0 and 1
+    late = d.add(1, 0, 2, prompt=[*SHARED[:18], 7])
+    out = d.step()  # seq 0's tokens 8..15 (blocks 2, 3) first, then seq 1 hits blocks 0..3
+    assert late.metrics.num_cached_tokens == 16
+    assert [(item.seq_id, item.start_pos) for item in out.scheduled] == [(0, 8), (1, 16)]
+    d.run()
+    d.check_outputs()
+
+
+def test_a_block_a_decode_fills_is_a_hit_only_after_its_step() -> None:
+    """A step of decodes only may run in one fused kernel that writes and reads K/V per
+    sequence: a block completed by a decode is registered after the step, not before."""
+    from tests.core.helpers import Driver, ids
+
+    d = Driver(32, 4, prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=64)
+    a = d.add(0, 0, 4, prompt=SHARED[:3])
+    d.step()  # a's prompt; samples its 4th token
+    turn = d.add(1, 0, 2, prompt=[*a.token_ids, 9])  # a's tokens so far, then one more
+    out = d.step()  # a's decode fills block 0; the newcomer cannot take it yet
+    assert ids(out) == [0, 1] and turn.metrics.num_cached_tokens == 0
+    again = d.add(2, 0, 2, prompt=[*a.token_ids[:4], 9])
+    d.step()
+    assert again.metrics.num_cached_tokens == 4
+    d.run()
+    d.check_outputs()
