@@ -198,12 +198,13 @@ class SchedulerConfig:
     waiting_served_ratio: float = field(default=1.2, metadata=_help("admission=ratio: waiting/running ratio that opens admission."))
     max_waiting_tokens: int = field(default=20, metadata=_help("admission=ratio: decode steps after which waiting requests join anyway."))
     policy: str = field(
-        default="fcfs", metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq (or a registered name).")
+        default="fcfs",
+        metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq, lpm (or a registered name)."),
     )
     aging_bound_s: float | None = field(
         default=None,
         metadata=_help(
-            "Starvation guard of priority/sjf/spf/mlfq: a request waiting longer than this is "
+            "Starvation guard of priority/sjf/spf/mlfq/lpm: a request waiting longer than this is "
             "served first (default 30 s for those policies)."
         ),
     )
@@ -364,6 +365,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     SECTIONS = ("model", "cache", "scheduler")
+
+    def __post_init__(self) -> None:
+        if self.scheduler.policy == "lpm" and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "policy='lpm' orders the queue by prefix-cache hits, and enable_prefix_caching=False "
+                "leaves none; turn prefix caching on or use policy='fcfs'"
+            )
 
     @classmethod
     def section_types(cls) -> dict[str, type]:

@@ -40,7 +40,7 @@ from conveyor.config import (
 from conveyor.engine import Engine
 from conveyor.outputs import RequestOutput
 
-POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq")
+POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm")
 
 # The tight engine every combination runs on: 12 blocks of 4 tokens (48 slots) for 12 requests
 # of up to 30 + 16 tokens, a step budget of 32 tokens (so chunked prefill really splits prompts
@@ -235,7 +235,7 @@ ADMISSIONS = [
 )
 def test_admission_triggers_keep_outputs(make_engine, requests_and_alone, admission, prefill_mode, preemption):
     prompts, params, alone = requests_and_alone
-    policy = POLICIES[(admission * 9 + PREFILL_MODES.index(prefill_mode) * 3 + PREEMPTION_MODES.index(preemption)) % 5]
+    policy = POLICIES[(admission * 9 + PREFILL_MODES.index(prefill_mode) * 3 + PREEMPTION_MODES.index(preemption)) % len(POLICIES)]
     engine = make_engine(
         prefill_mode=prefill_mode, **TIGHT, **ADMISSIONS[admission],
         **scheduler_options("continuous", policy, preemption),

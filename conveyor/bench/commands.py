@@ -115,6 +115,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--sharegpt-sigma", type=float, default=1.0, help="lognormal shape of the ShareGPT-like lengths (an assumption)")
     w.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same N random tokens (a system prompt; prefix caching finds it)")
+    w.add_argument("--prefix-groups", type=int, default=1,
+                   help="with --shared-prefix-len: that many different prefixes, one drawn at random per request")
     w.add_argument("--trace", type=Path, default=None,
                    help="JSONL trace: arrival_s, prompt | prompt_token_ids | prompt_len, output_len")
     w.add_argument("--request-rate", default=None,
@@ -170,10 +172,17 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[Benc
         requests = synthetic_requests(n, inp, out, vocab_size, args.seed)
         desc.update(kind="synthetic", description=f"input {inp.describe()}, output {out.describe()}",
                     input_len=inp.describe(), output_len=out.describe())
+    if args.prefix_groups != 1 and not args.shared_prefix_len:
+        raise ValueError("--prefix-groups needs --shared-prefix-len")
     if args.shared_prefix_len:
-        requests = with_shared_prefix(requests, args.shared_prefix_len, vocab_size, args.seed)
-        desc["description"] += f", a shared prefix of {args.shared_prefix_len} tokens"
+        groups = args.prefix_groups
+        requests = with_shared_prefix(requests, args.shared_prefix_len, vocab_size, args.seed, groups)
+        desc["description"] += (
+            f", a shared prefix of {args.shared_prefix_len} tokens"
+            if groups == 1 else f", one of {groups} shared prefixes of {args.shared_prefix_len} tokens"
+        )
         desc["shared_prefix_len"] = args.shared_prefix_len
+        desc["prefix_groups"] = groups
     kind = points[0].kind
     desc["arrivals"] = {
         "trace": "the trace's times",

@@ -215,18 +215,27 @@ def sharegpt_requests(num_requests: int, mix: ShareGPTLike, vocab_size: int, see
     return out
 
 
-def with_shared_prefix(requests: list[BenchRequest], prefix_len: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
-    """Every prompt starts with the same `prefix_len` random ids (a system prompt; vLLM's
-    `--random-prefix-len`), so that prefix caching has something to find."""
+def with_shared_prefix(
+    requests: list[BenchRequest], prefix_len: int, vocab_size: int, seed: int = 0, num_groups: int = 1
+) -> list[BenchRequest]:
+    """Every prompt starts with a shared `prefix_len` random ids (a system prompt; vLLM's
+    `--random-prefix-len`), so that prefix caching has something to find. With `num_groups`
+    > 1 there are that many different prefixes and each request takes one at random (SGLang's
+    generated-shared-prefix workload: several system prompts or documents, interleaved)."""
     if prefix_len < 0:
         raise ValueError(f"shared prefix length {prefix_len} must be >= 0")
+    if num_groups < 1:
+        raise ValueError(f"prefix groups {num_groups} must be >= 1")
     if not prefix_len:
         return requests
-    prefix = _prompt_ids(_rng(seed, "shared_prefix"), prefix_len, vocab_size)
+    prefixes = [_prompt_ids(_rng(seed, "shared_prefix" if g == 0 else f"shared_prefix:{g}"), prefix_len, vocab_size)
+                for g in range(num_groups)]
+    pick = _rng(seed, "prefix_group")
     out = []
     for r in requests:
         if isinstance(r.prompt, str):
             raise ValueError("a shared prefix needs token-id prompts; this workload has text prompts")
+        prefix = prefixes[pick.randrange(num_groups)] if num_groups > 1 else prefixes[0]
         out.append(replace(r, prompt=prefix + r.prompt, prompt_len=prefix_len + len(r.prompt)))
     return out
 

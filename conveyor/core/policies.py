@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Protocol
 
 from conveyor.config import ConfigError, SchedulerConfig
+from conveyor.core.block_manager import BlockManager
 from conveyor.sequence import Sequence
 
 SortKey = tuple[Any, ...]
@@ -97,6 +98,10 @@ class QueuePolicy(ABC):
         last = seq.metrics.last_token_time
         return now - (last if last is not None else seq.metrics.arrival_time)
 
+    def prepare(self, waiting: list[Sequence], block_manager: BlockManager) -> None:  # noqa: B027 - optional hook
+        """Called at the start of each schedule, before the queues are sorted (a policy that
+        orders by what the KV cache holds looks it up here)."""
+
     def on_step(self, seqs: Iterable[Sequence]) -> None:  # noqa: B027 - optional hook
         """Called after each step with the sequences that got a new token."""
 
@@ -133,6 +138,36 @@ class ShortestJobFirstPolicy(QueuePolicy):
 
     def sort_key(self, seq: Sequence, now: float) -> SortKey:
         return (seq.prompt_len, seq.metrics.arrival_time, seq.seq_id)
+
+
+@register_policy("lpm")
+class LongestPrefixMatchPolicy(QueuePolicy):
+    """SGLang's cache-aware order: the waiting request with the longest prefix-cache hit first,
+    then arrival. Requests that share what the cache holds now run while it holds it, instead
+    of being admitted in arrival order among requests whose prefixes evict theirs (SGLang,
+    arXiv 2312.07104, section 3). Running and swapped sequences keep arrival order (the latest
+    arrival is preempted first). Not preemptive; it can starve a request whose prefix is never
+    cached, hence the aging guard.
+
+    The hits are looked up for every waiting request at every step, so past `max_waiting`
+    waiting requests the order falls back to arrival (SGLang does the same past 128).
+    """
+
+    max_waiting: ClassVar[int] = 128
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._hit_blocks: dict[int, int] = {}
+
+    def prepare(self, waiting: list[Sequence], block_manager: BlockManager) -> None:
+        self._hit_blocks = (
+            {s.seq_id: len(block_manager.match_prefix(s)) for s in waiting}
+            if len(waiting) <= self.max_waiting and block_manager.enable_prefix_caching
+            else {}
+        )
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        return (-self._hit_blocks.get(seq.seq_id, 0), seq.metrics.arrival_time, seq.seq_id)
 
 
 class OutputLengthPredictor(Protocol):

@@ -198,6 +198,7 @@ class Scheduler:
         out.finished_seq_ids = self._finished_since_last_step
         self._finished_since_last_step = []
 
+        self.policy.prepare(self.waiting, self.block_manager)
         policy_key = self.policy.key
 
         def key(s: Sequence) -> SortKey:

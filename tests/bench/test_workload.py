@@ -60,6 +60,20 @@ def test_a_shared_prefix_starts_every_prompt_and_keeps_the_rest() -> None:
         with_shared_prefix(text, 8, VOCAB)
 
 
+def test_prefix_groups_draw_one_of_several_prefixes_per_request() -> None:
+    base = make(0, 40)
+    grouped = with_shared_prefix(base, 16, VOCAB, seed=0, num_groups=3)
+    prefixes = {tuple(r.prompt[:16]) for r in grouped}
+    assert len(prefixes) == 3
+    assert tuple(with_shared_prefix(base, 16, VOCAB, seed=0)[0].prompt[:16]) in prefixes  # group 0
+    for before, after in zip(base, grouped, strict=True):
+        assert after.prompt[16:] == before.prompt and after.prompt_len == before.prompt_len + 16
+    assert with_shared_prefix(base, 16, VOCAB, seed=0, num_groups=3) == grouped
+    assert with_shared_prefix(base[:10], 16, VOCAB, seed=0, num_groups=3) == grouped[:10]
+    with pytest.raises(ValueError, match="groups"):
+        with_shared_prefix(base, 16, VOCAB, num_groups=0)
+
+
 @pytest.mark.parametrize(
     ("spec", "mean", "std"),
     [

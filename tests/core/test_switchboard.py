@@ -53,7 +53,7 @@ from tests.core.helpers import (
     reference,
 )
 
-POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq")
+POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm")
 PREEMPTIVE = ("priority", "mlfq")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
 
@@ -1160,6 +1160,65 @@ def test_spf_learns_output_lengths_from_finished_requests() -> None:
     d.run()
     # y asked for as much as x, but its prompt bucket predicts a short answer: it goes first.
     assert d.finish_order[-2:] == [3, 2]
+    d.check_outputs()
+
+
+def lpm_prompt(family: int, own: int) -> list[int]:
+    """8 tokens of a family's shared prefix (two blocks of 4), then one of the request's own."""
+    return [*make_prompt(1000 + family, 8), 300 + own]
+
+
+def test_lpm_admits_the_requests_whose_prefix_is_cached_first() -> None:
+    d = Driver(64, 4, policy="lpm", max_num_seqs=1, prefix_caching=True)
+    d.add(0, 0, 2, prompt=lpm_prompt(0, 0))
+    d.step()  # family 0's prefix is now cached
+    d.add(1, 0, 2, prompt=lpm_prompt(1, 1))  # waits first, but nothing of it is cached
+    d.add(2, 0, 2, prompt=lpm_prompt(0, 2))
+    d.add(3, 0, 2, prompt=lpm_prompt(1, 3))
+    d.add(4, 0, 2, prompt=lpm_prompt(0, 4))
+    d.run()
+    # 2 and 4 hit family 0; once 1 has run, 3 hits family 1's prefix.
+    assert d.finish_order == [0, 2, 4, 1, 3]
+    assert [d.seqs[i].metrics.num_cached_tokens for i in range(5)] == [0, 0, 8, 8, 8]
+    assert d.sched.num_preemptions == 0
+    d.check_outputs()
+
+
+def test_lpm_is_fcfs_for_running_sequences_and_past_its_queue_limit(monkeypatch) -> None:
+    from conveyor.core.policies import LongestPrefixMatchPolicy
+
+    monkeypatch.setattr(LongestPrefixMatchPolicy, "max_waiting", 2)
+    d = Driver(64, 4, policy="lpm", max_num_seqs=1, prefix_caching=True)
+    d.add(0, 0, 2, prompt=lpm_prompt(0, 0))
+    d.step()
+    for i, family in enumerate([1, 0, 1], start=1):  # three waiting: more than the limit
+        d.add(i, 0, 2, prompt=lpm_prompt(family, i))
+    d.run()
+    assert d.finish_order == [0, 1, 2, 3]  # arrival order: the hits are not looked up
+    d.check_outputs()
+
+
+def test_lpm_needs_prefix_caching() -> None:
+    with pytest.raises(ConfigError, match="lpm"):
+        EngineConfig.from_kwargs(policy="lpm", enable_prefix_caching=False)
+    assert EngineConfig.from_kwargs(policy="lpm").scheduler.policy == "lpm"
+
+
+def test_lpm_aging_ends_starvation_of_a_request_that_never_hits() -> None:
+    """A stream of requests with a cached prefix goes ahead of one without, until it ages."""
+    bound, dt = 0.1, 0.01
+    d = Driver(512, 4, policy="lpm", aging_bound_s=bound, max_num_seqs=1, dt=dt, prefix_caching=True)
+    d.add(0, 0, 2, prompt=lpm_prompt(0, 0))
+    d.step()
+    d.add(1, 0, 2, prompt=lpm_prompt(1, 1))  # the victim
+    for k in range(60):
+        d.add(100 + k, 0, 2, prompt=lpm_prompt(0, 100 + k))
+        d.step()
+    first = fresh_admissions(d)
+    assert 1 in first, "the request without a hit starved"
+    assert d.times[first[1]] > bound  # every request with a hit goes first until then
+    assert d.times[first[1]] <= bound + 3 * dt + 1e-9
+    d.run()
     d.check_outputs()
 
 
