@@ -199,12 +199,12 @@ class SchedulerConfig:
     max_waiting_tokens: int = field(default=20, metadata=_help("admission=ratio: decode steps after which waiting requests join anyway."))
     policy: str = field(
         default="fcfs",
-        metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq, lpm (or a registered name)."),
+        metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq, lpm, slo (or a registered name)."),
     )
     aging_bound_s: float | None = field(
         default=None,
         metadata=_help(
-            "Starvation guard of priority/sjf/spf/mlfq/lpm: a request waiting longer than this is "
+            "Starvation guard of priority/sjf/spf/mlfq/lpm/slo: a request waiting longer than this is "
             "served first (default 30 s for those policies)."
         ),
     )
@@ -212,6 +212,12 @@ class SchedulerConfig:
     mlfq_quantum: int = field(default=32, metadata=_help("mlfq: tokens served at level 0 before demotion (doubles per level)."))
     mlfq_prompt_quantum: int = field(
         default=256, metadata=_help("mlfq skip-join: prompt tokens level 0 accepts (doubles per level).")
+    )
+    slo_ttft_ms: float = field(
+        default=1000.0, metadata=_help("slo: the time to first token each request should meet (ms).")
+    )
+    slo_tpot_ms: float = field(
+        default=100.0, metadata=_help("slo: the mean time per output token each request should meet (ms).")
     )
     preemption_mode: str = field(
         default="recompute",
@@ -260,6 +266,9 @@ class SchedulerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.waiting_served_ratio <= 0:
             raise ConfigError(f"waiting_served_ratio={self.waiting_served_ratio} must be > 0")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         self._check_combinations()
 
     def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
@@ -310,6 +319,8 @@ class SchedulerConfig:
         mlfq_knobs = ("mlfq_levels", "mlfq_quantum", "mlfq_prompt_quantum")
         if self.policy != "mlfq" and any(self._differs(k) for k in mlfq_knobs):
             raise ConfigError(f"{', '.join(mlfq_knobs)} apply only to policy='mlfq'")
+        if self.policy != "slo" and (self._differs("slo_ttft_ms") or self._differs("slo_tpot_ms")):
+            raise ConfigError("slo_ttft_ms and slo_tpot_ms apply only to policy='slo'")
         if self.kv_reservation == "reserve" and self.preemption_mode != "recompute":
             raise ConfigError(
                 "kv_reservation='reserve' never preempts, so preemption_mode has no effect; "
@@ -354,7 +365,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 _DEPENDENT_KNOBS = frozenset({
     "max_batch_size", "batch_timeout_ms", "long_prefill_token_threshold", "schedule_interval",
     "waiting_served_ratio", "max_waiting_tokens", "aging_bound_s", "mlfq_levels", "mlfq_quantum",
-    "mlfq_prompt_quantum", "auto_swap_min_tokens",
+    "mlfq_prompt_quantum", "slo_ttft_ms", "slo_tpot_ms", "auto_swap_min_tokens",
 })
 
 

@@ -40,7 +40,7 @@ from conveyor.config import (
 from conveyor.engine import Engine
 from conveyor.outputs import RequestOutput
 
-POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm")
+POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm", "slo")
 
 # The tight engine every combination runs on: 12 blocks of 4 tokens (48 slots) for 12 requests
 # of up to 30 + 16 tokens, a step budget of 32 tokens (so chunked prefill really splits prompts
@@ -83,6 +83,8 @@ def scheduler_options(batching: str, policy: str, preemption: str, reserve: bool
         kw["batch_timeout_ms"] = 5.0  # the partial batch starts after 5 ms
     if policy == "mlfq":
         kw.update(mlfq_quantum=4, mlfq_prompt_quantum=8)  # long prompts skip levels, others drop
+    if policy == "slo":
+        kw.update(slo_ttft_ms=20.0, slo_tpot_ms=2.0)  # tight: some requests fall late on this CPU
     if reserve:
         kw["kv_reservation"] = "reserve"
     else:

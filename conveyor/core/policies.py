@@ -170,6 +170,38 @@ class LongestPrefixMatchPolicy(QueuePolicy):
         return (-self._hit_blocks.get(seq.seq_id, 0), seq.metrics.arrival_time, seq.seq_id)
 
 
+@register_policy("slo")
+class SLOAwarePolicy(QueuePolicy):
+    """Earliest deadline first, and a request that can no longer meet its deadline goes last.
+
+    A request's deadline is when its next token is due: `slo_ttft_ms` after arrival for its
+    first token; once it has one, `slo_tpot_ms` per token after its first, which is when the
+    next must come for its mean time per output token to stay within the objective. Under
+    overload FCFS serves the oldest requests first, which are late already, and so makes the
+    next ones late too; this order serves those that can still meet the objectives and leaves
+    the late ones for when there is room (or until the aging guard serves them), which is what
+    goodput counts (DistServe, OSDI '24). When memory runs out, the victim is a late running
+    sequence if there is one, else the one whose next token is due last (the most slack).
+    Not preemptive.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.ttft_s = config.slo_ttft_ms / 1e3
+        self.tpot_s = config.slo_tpot_ms / 1e3
+
+    def deadline(self, seq: Sequence) -> float:
+        """When `seq`'s next token is due."""
+        first = seq.metrics.first_token_time
+        if first is None:
+            return seq.metrics.arrival_time + self.ttft_s
+        return first + self.tpot_s * seq.num_output_tokens
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        due = self.deadline(seq)
+        return (due < now, due, seq.seq_id)
+
+
 class OutputLengthPredictor(Protocol):
     def predict(self, seq: Sequence) -> float: ...
 

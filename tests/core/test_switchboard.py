@@ -53,7 +53,7 @@ from tests.core.helpers import (
     reference,
 )
 
-POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm")
+POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm", "slo")
 PREEMPTIVE = ("priority", "mlfq")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
 
@@ -87,6 +87,8 @@ def config_problem(kw: dict[str, Any]) -> str | None:
         return "negative"
     if get("waiting_served_ratio") <= 0:
         return "waiting_served_ratio"
+    if get("slo_ttft_ms") <= 0 or get("slo_tpot_ms") <= 0:
+        return "slo targets"
     batched = get("batching") != "continuous"
     if get("max_batch_size") is not None and (
         not batched or not 1 <= get("max_batch_size") <= get("max_num_seqs")
@@ -112,6 +114,8 @@ def config_problem(kw: dict[str, Any]) -> str | None:
         differs(k) for k in ("mlfq_levels", "mlfq_quantum", "mlfq_prompt_quantum")
     ):
         return "mlfq knobs"
+    if get("policy") != "slo" and (differs("slo_ttft_ms") or differs("slo_tpot_ms")):
+        return "slo knobs"
     if get("kv_reservation") == "reserve" and get("preemption_mode") != "recompute":
         return "reserve with swap"
     if get("preemption_mode") != "auto" and differs("auto_swap_min_tokens"):
@@ -138,6 +142,8 @@ def any_scheduler_kwargs(draw: st.DrawFn) -> dict[str, Any]:
         "mlfq_levels": st.sampled_from([4, 2, 0]),
         "mlfq_quantum": st.sampled_from([32, 8]),
         "mlfq_prompt_quantum": st.sampled_from([256, 16]),
+        "slo_ttft_ms": st.sampled_from([1000.0, 20.0, 0.0]),
+        "slo_tpot_ms": st.sampled_from([100.0, 5.0, -1.0]),
         "preemption_mode": st.sampled_from(PREEMPTION_MODES),
         "auto_swap_min_tokens": st.sampled_from([256, 16, -1]),
         "max_preemptions": st.sampled_from([3, 1, 0]),
@@ -336,6 +342,9 @@ def switchboard_configs(draw: st.DrawFn, memory: str, prefill_mode: str) -> Sche
         kw["mlfq_levels"] = draw(st.integers(1, 4))
         kw["mlfq_quantum"] = draw(st.integers(1, 8))
         kw["mlfq_prompt_quantum"] = draw(st.integers(1, 32))
+    if kw["policy"] == "slo":  # the fake clock advances 1.0 a step: deadlines of a few steps
+        kw["slo_ttft_ms"] = draw(st.sampled_from([500.0, 2000.0, 5000.0, 1e6]))
+        kw["slo_tpot_ms"] = draw(st.sampled_from([500.0, 1000.0, 3000.0]))
     if memory != "reserve":
         kw["preemption_mode"] = memory
     if kw.get("preemption_mode") == "auto":
@@ -420,6 +429,7 @@ class Before:
     def of(cls, sched: Scheduler, now: float) -> Before:
         everyone = list(sched.all_sequences())
         batching = sched.batching
+        sched.policy.prepare(sched.waiting, sched.block_manager)  # as `schedule` will, first (lpm)
         return cls(
             now=now,
             waiting=list(sched.waiting),
@@ -1220,6 +1230,62 @@ def test_lpm_aging_ends_starvation_of_a_request_that_never_hits() -> None:
     assert d.times[first[1]] <= bound + 3 * dt + 1e-9
     d.run()
     d.check_outputs()
+
+
+def test_slo_serves_requests_that_can_still_meet_their_ttft_before_late_ones() -> None:
+    def run(policy: str) -> Driver:
+        kw: dict[str, Any] = dict(slo_ttft_ms=2500.0) if policy == "slo" else {}
+        d = Driver(64, 4, policy=policy, max_num_seqs=1, dt=1.0, **kw)
+        for i in range(3):
+            d.add(i, 4, 3)  # each holds the seat 3 steps; 1 and 2 are late (due at 2.5) at 3.0
+        for _ in range(3):
+            d.step()
+        d.add(3, 4, 3)  # arrives at 3.0, due at 5.5: it can still make it
+        d.run()
+        d.check_outputs()
+        return d
+
+    def met(d: Driver) -> list[int]:
+        return [i for i, s in d.seqs.items() if s.metrics.first_token_time - s.metrics.arrival_time <= 2.5]
+
+    fcfs, slo = run("fcfs"), run("slo")
+    assert fcfs.finish_order == [0, 1, 2, 3] and met(fcfs) == [0]
+    assert slo.finish_order == [0, 3, 1, 2] and met(slo) == [0, 3]
+
+
+def test_slo_deadlines_and_victims() -> None:
+    from conveyor.core.policies import SLOAwarePolicy
+
+    policy = SLOAwarePolicy(SchedulerConfig(policy="slo", slo_ttft_ms=500.0, slo_tpot_ms=100.0))
+
+    def seq(seq_id: int, arrival: float, first: float | None = None, outputs: int = 0) -> Sequence:
+        s = Sequence(seq_id, "r", [1, 2, 3], SamplingParams(max_tokens=50), arrival)
+        s.metrics.first_token_time = first
+        s.token_ids += [4] * outputs
+        return s
+
+    fresh = seq(0, arrival=10.0)
+    assert policy.deadline(fresh) == 10.5
+    assert policy.deadline(seq(1, 9.0, first=9.2, outputs=5)) == 9.2 + 0.5  # the 6th token's
+    now = 10.0
+    behind = seq(2, 8.0, first=8.1, outputs=3)  # due at 8.4: late
+    ahead = seq(3, 9.8, first=9.9, outputs=10)  # due at 10.9: the most slack of the punctual
+    close = seq(4, 9.5, first=9.6, outputs=5)  # due at 10.1
+    order = sorted([behind, ahead, close, fresh], key=lambda s: policy.key(s, now))
+    assert [s.seq_id for s in order] == [4, 0, 3, 2]  # victims come off the end: late first
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(slo_ttft_ms=200.0), "apply only to policy='slo'"),
+        (dict(policy="slo", slo_tpot_ms=0.0), "slo_tpot_ms"),
+        (dict(policy="slo", slo_ttft_ms=-1.0), "slo_ttft_ms"),
+    ],
+)
+def test_slo_knobs_are_checked(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        SchedulerConfig(**kw)
 
 
 def test_online_mean_predictor() -> None:
