@@ -199,12 +199,12 @@ class SchedulerConfig:
     max_waiting_tokens: int = field(default=20, metadata=_help("admission=ratio: decode steps after which waiting requests join anyway."))
     policy: str = field(
         default="fcfs",
-        metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq, lpm, slo (or a registered name)."),
+        metadata=_help("Queue order: fcfs, priority, sjf, spf, mlfq, lpm, slo, vtc (or a registered name)."),
     )
     aging_bound_s: float | None = field(
         default=None,
         metadata=_help(
-            "Starvation guard of priority/sjf/spf/mlfq/lpm/slo: a request waiting longer than this is "
+            "Starvation guard of every policy but fcfs: a request waiting longer than this is "
             "served first (default 30 s for those policies)."
         ),
     )

@@ -45,6 +45,7 @@ class SamplingParams:
     # scheduling hints (used by the queue policies)
     priority: int = 0
     expected_output_tokens: int | None = None
+    tenant: str | None = None  # whose share the request counts against (policy "vtc"); the server's `user`
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ from conveyor.config import (
 from conveyor.engine import Engine
 from conveyor.outputs import RequestOutput
 
-POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm", "slo")
+POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm", "slo", "vtc")
 
 # The tight engine every combination runs on: 12 blocks of 4 tokens (48 slots) for 12 requests
 # of up to 30 + 16 tokens, a step budget of 32 tokens (so chunked prefill really splits prompts
@@ -68,7 +68,7 @@ def workload(n: int = 12, seed: int = 0) -> tuple[list[list[int]], list[Sampling
         params.append(
             SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                priority=rng.randint(0, 2), expected_output_tokens=hint,
+                priority=rng.randint(0, 2), expected_output_tokens=hint, tenant=f"tenant{i % 3}",
             )
         )
     return prompts, params
@@ -398,7 +398,7 @@ def test_replay_serves_a_timed_jsonl_workload_at_its_arrival_times(make_engine, 
     lines = [
         json.dumps({
             "arrival_s": t, "prompt_token_ids": p, "max_tokens": sp.max_tokens, "ignore_eos": True,
-            "priority": sp.priority, "expected_output_tokens": sp.expected_output_tokens,
+            "priority": sp.priority, "expected_output_tokens": sp.expected_output_tokens, "tenant": sp.tenant,
         })
         for t, p, sp in zip(arrivals, prompts, params, strict=True)
     ]

@@ -102,6 +102,9 @@ class QueuePolicy(ABC):
         """Called at the start of each schedule, before the queues are sorted (a policy that
         orders by what the KV cache holds looks it up here)."""
 
+    def on_admitted(self, seq: Sequence) -> None:  # noqa: B027 - optional hook
+        """Called when a waiting sequence is admitted (fresh, or again after a preemption)."""
+
     def on_step(self, seqs: Iterable[Sequence]) -> None:  # noqa: B027 - optional hook
         """Called after each step with the sequences that got a new token."""
 
@@ -200,6 +203,77 @@ class SLOAwarePolicy(QueuePolicy):
     def sort_key(self, seq: Sequence, now: float) -> SortKey:
         due = self.deadline(seq)
         return (due < now, due, seq.seq_id)
+
+
+@register_policy("vtc")
+class VirtualTokenCounterPolicy(QueuePolicy):
+    """Per-tenant fair share by virtual token counters (VTC: Sheng et al., "Fairness in Serving
+    Large Language Models", OSDI '24). Each tenant (`SamplingParams.tenant`, the server's
+    `user`) has a counter of the service it got: `input_weight` per prompt token when one of
+    its requests is first admitted, `output_weight` per output token. The waiting request of
+    the tenant with the smallest counter goes first, each tenant's own in arrival order; so a
+    tenant that sends ten times as much gets no more than its share while others wait. A
+    tenant that starts waiting again is lifted to the smallest counter of those already
+    waiting, so an idle spell earns no credit to crowd the others out later. The victim of a
+    preemption is the latest request of the tenant with the largest counter. Not preemptive.
+    """
+
+    input_weight: ClassVar[float] = 1.0  # the paper's w_p and w_q: an output token costs two
+    output_weight: ClassVar[float] = 2.0
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.counters: dict[str | None, float] = {}
+        self._waiting_tenants: set[str | None] = set()
+        self._floor = 0.0  # the smallest counter of the tenants that last waited
+        self._charged: set[int] = set()  # sequences whose prompt is counted
+        self._keys: dict[int, float] = {}
+
+    def prepare(self, waiting: list[Sequence], block_manager: BlockManager) -> None:
+        counters = self.counters
+        tenants = {s.sampling_params.tenant for s in waiting}
+        stayed = [counters.get(t, 0.0) for t in tenants & self._waiting_tenants]
+        floor = min(stayed) if stayed else self._floor
+        for t in tenants - self._waiting_tenants:
+            counters[t] = max(counters.get(t, 0.0), floor)
+        self._waiting_tenants = tenants
+        if tenants:
+            self._floor = min(counters[t] for t in tenants)
+        # A tenant's k-th waiting request comes up once its k-1 before it are charged: as if
+        # the requests were picked one at a time, with the counters updated in between.
+        ahead: dict[str | None, float] = {}
+        keys = self._keys = {}
+        for s in sorted(waiting, key=lambda s: (s.metrics.arrival_time, s.seq_id)):
+            t = s.sampling_params.tenant
+            before = ahead.get(t, 0.0)
+            keys[s.seq_id] = counters[t] + before
+            if s.seq_id not in self._charged:
+                ahead[t] = before + self.input_weight * s.prompt_len
+
+    def sort_key(self, seq: Sequence, now: float) -> SortKey:
+        key = self._keys.get(seq.seq_id)
+        if key is None:  # running or swapped: the most served tenant's latest is the victim
+            key = self.counters.get(seq.sampling_params.tenant, 0.0)
+        return (key, seq.metrics.arrival_time, seq.seq_id)
+
+    def on_admitted(self, seq: Sequence) -> None:
+        if seq.seq_id not in self._charged:
+            self._charged.add(seq.seq_id)
+            t = seq.sampling_params.tenant
+            self.counters[t] = self.counters.get(t, 0.0) + self.input_weight * seq.prompt_len
+
+    def on_step(self, seqs: Iterable[Sequence]) -> None:
+        counters, w = self.counters, self.output_weight
+        for s in seqs:
+            t = s.sampling_params.tenant
+            counters[t] = counters.get(t, 0.0) + w
+
+    def on_finished(self, seq: Sequence) -> None:
+        super().on_finished(seq)
+        self._charged.discard(seq.seq_id)
+        if seq.finish_reason is not None and seq.finish_reason.value != "abort":
+            t = seq.sampling_params.tenant  # its last token: `on_step` counts only those going on
+            self.counters[t] = self.counters.get(t, 0.0) + self.output_weight
 
 
 class OutputLengthPredictor(Protocol):

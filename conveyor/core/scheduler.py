@@ -408,6 +408,7 @@ class Scheduler:
             fresh = fresh or seq.num_output_tokens == 0
             self.running.append(seq)
             self.batching.on_admitted(seq)
+            self.policy.on_admitted(seq)
             admitted.append(seq)
             self._emit(out, seq, num_new)
             budget -= num_new

@@ -159,6 +159,7 @@ class _Handler:
             kwargs["seed"] = b.seed + choice
         if b.user is not None:
             kwargs["extra"] = {"user": b.user}
+            kwargs["tenant"] = b.user
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:

@@ -53,7 +53,7 @@ from tests.core.helpers import (
     reference,
 )
 
-POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm", "slo")
+POLICIES = ("fcfs", "priority", "sjf", "spf", "mlfq", "lpm", "slo", "vtc")
 PREEMPTIVE = ("priority", "mlfq")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
 
@@ -283,6 +283,7 @@ class Req:
             stop_token_ids=(STOP_TOKEN,) if self.stop_on_token else (),
             priority=self.priority,
             expected_output_tokens=self.expected,
+            tenant=f"tenant{self.priority}",  # (vtc) a tenant per priority level
         )
 
 
@@ -342,9 +343,9 @@ def switchboard_configs(draw: st.DrawFn, memory: str, prefill_mode: str) -> Sche
         kw["mlfq_levels"] = draw(st.integers(1, 4))
         kw["mlfq_quantum"] = draw(st.integers(1, 8))
         kw["mlfq_prompt_quantum"] = draw(st.integers(1, 32))
-    if kw["policy"] == "slo":  # the fake clock advances 1.0 a step: deadlines of a few steps
-        kw["slo_ttft_ms"] = draw(st.sampled_from([500.0, 2000.0, 5000.0, 1e6]))
-        kw["slo_tpot_ms"] = draw(st.sampled_from([500.0, 1000.0, 3000.0]))
+    if kw["policy"] == "slo":  # the fake clock advances DT (10 ms) a step: deadlines of a few steps
+        kw["slo_ttft_ms"] = draw(st.sampled_from([20.0, 50.0, 200.0, 1e6]))
+        kw["slo_tpot_ms"] = draw(st.sampled_from([10.0, 30.0, 100.0]))
     if memory != "reserve":
         kw["preemption_mode"] = memory
     if kw.get("preemption_mode") == "auto":
@@ -1286,6 +1287,64 @@ def test_slo_deadlines_and_victims() -> None:
 def test_slo_knobs_are_checked(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         SchedulerConfig(**kw)
+
+
+def add_for(d: Driver, seq_id: int, tenant: str) -> Sequence:
+    seq = d.add(seq_id, 4, 3)
+    object.__setattr__(seq.sampling_params, "tenant", tenant)  # (a frozen dataclass)
+    return seq
+
+
+def test_vtc_shares_the_engine_between_tenants_not_requests() -> None:
+    """Tenant a sends 8 requests before tenant b's 2: FCFS serves all of a's first; VTC
+    serves the tenant with the least counted service, so b's come second and fourth."""
+    orders = {}
+    for policy in ("fcfs", "vtc"):
+        d = Driver(64, 4, policy=policy, max_num_seqs=1)
+        for i in range(8):
+            add_for(d, i, "a")
+        for i in (8, 9):
+            add_for(d, i, "b")
+        d.run()
+        d.check_outputs()
+        orders[policy] = d.finish_order
+    assert orders["fcfs"] == list(range(10))
+    assert orders["vtc"] == [0, 8, 1, 9, 2, 3, 4, 5, 6, 7]
+
+
+def test_vtc_counts_tokens_and_lifts_a_tenant_that_was_idle() -> None:
+    """b arrives after a has been served three times: it is lifted to a's counter, so the two
+    alternate instead of b's requests running back to back on credit saved while idle."""
+    from conveyor.core.policies import VirtualTokenCounterPolicy
+
+    d = Driver(64, 4, policy="vtc", max_num_seqs=1)
+    policy = d.sched.policy
+    assert isinstance(policy, VirtualTokenCounterPolicy)
+    for i in range(6):
+        add_for(d, i, "a")
+    while len(d.finish_order) < 3:
+        d.step()
+    # Three requests of 4 prompt tokens (weight 1) and 3 output tokens (weight 2): 30.
+    assert policy.counters["a"] == 30.0
+    for i in (10, 11, 12):
+        add_for(d, i, "b")
+    d.run()
+    d.check_outputs()
+    assert d.finish_order == [0, 1, 2, 3, 10, 4, 11, 5, 12]
+    assert policy.counters == {"a": 60.0, "b": 60.0}
+
+
+def test_vtc_tenant_is_the_servers_user() -> None:
+    from types import SimpleNamespace
+
+    from conveyor.server.protocol import CompletionRequest
+    from conveyor.server.serving import CompletionHandler
+
+    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
+    body = CompletionRequest(prompt="hi", user="alice")
+    params = CompletionHandler(state, body).sampling_params(4, 0)  # type: ignore[arg-type]
+    assert params.tenant == "alice"
+    assert CompletionHandler(state, CompletionRequest(prompt="hi")).sampling_params(4, 0).tenant is None  # type: ignore[arg-type]
 
 
 def test_online_mean_predictor() -> None:
