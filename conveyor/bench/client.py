@@ -84,6 +84,8 @@ def request_body(target: Target, req: BenchRequest, model: str | None) -> dict[s
         body["model"] = model
     if target.ignore_eos:
         body["ignore_eos"] = True
+    if req.tenant is not None:
+        body["user"] = req.tenant
     if target.stream_usage:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     body.update(target.extra_body)

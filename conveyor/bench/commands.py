@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.bench import report
-from conveyor.bench.metrics import SLO
+from conveyor.bench.metrics import SLO, RequestTiming
 from conveyor.bench.workload import (
     BenchRequest,
     LengthDist,
@@ -30,9 +30,11 @@ from conveyor.bench.workload import (
     describe,
     load_trace,
     parse_sweep,
+    parse_tenants,
     sharegpt_requests,
     synthetic_requests,
     with_shared_prefix,
+    with_tenants,
 )
 
 
@@ -117,6 +119,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="every prompt starts with the same N random tokens (a system prompt; prefix caching finds it)")
     w.add_argument("--prefix-groups", type=int, default=1,
                    help="with --shared-prefix-len: that many different prefixes, one drawn at random per request")
+    w.add_argument("--tenants", default=None,
+                   help="requests come from these tenants, NAME:WEIGHT,... (share of requests); the report adds "
+                   "a table per tenant (offline: SamplingParams.tenant; online: the request's user)")
     w.add_argument("--trace", type=Path, default=None,
                    help="JSONL trace: arrival_s, prompt | prompt_token_ids | prompt_len, output_len")
     w.add_argument("--request-rate", default=None,
@@ -183,6 +188,10 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[Benc
         )
         desc["shared_prefix_len"] = args.shared_prefix_len
         desc["prefix_groups"] = groups
+    if args.tenants:
+        requests = with_tenants(requests, parse_tenants(args.tenants), args.seed)
+        desc["description"] += f", tenants {args.tenants}"
+        desc["tenants"] = args.tenants
     kind = points[0].kind
     desc["arrivals"] = {
         "trace": "the trace's times",
@@ -335,6 +344,7 @@ def run_systems(
                 except Exception as e:  # e.g. HF continuous batching unsupported here
                     run = failed_run(reqs, f"{type(e).__name__}: {e}")
                 bar.update(len(reqs) - (bar.n - before))
+                _tag_tenants(run.timings, reqs)
                 p = report.add_point(entry, point, run.timings, run.duration_s, slo, run.engine_stats,
                                      None, run.occupancy, run.error)
                 if on_point is not None and run.error is None:
@@ -343,6 +353,13 @@ def run_systems(
             system.close()
     finally:
         bar.close()
+
+
+def _tag_tenants(timings: list[RequestTiming], requests: list[BenchRequest]) -> None:
+    """Each timing gets its request's tenant (whatever system ran it)."""
+    tenant = {r.index: r.tenant for r in requests}
+    for t in timings:
+        t.tenant = tenant.get(t.index)
 
 
 # -- serve ---------------------------------------------------------------------------------
@@ -372,6 +389,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                args.warmup if i == 0 else 0, bar)
             finally:
                 bar.close()
+            _tag_tenants(r.timings, reqs)
             p = report.add_point(entry, point, r.timings, r.duration_s, slo, server_metrics=r.server_metrics)
             print(_line(label, point, p["summary"]))
 

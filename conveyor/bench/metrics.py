@@ -46,6 +46,7 @@ class RequestTiming:
     prompt_len: int | None = None
     error: str | None = None
     cached_tokens: int | None = None  # prompt tokens the prefix cache held, where reported
+    tenant: str | None = None  # who sent it (workloads with --tenants)
 
     @property
     def ok(self) -> bool:
@@ -191,6 +192,25 @@ def summarize(timings: Sequence[RequestTiming], duration_s: float, slo: SLO | No
     errors = sorted({t.error for t in timings if t.error})
     if errors:
         out["errors"] = errors[:5]
+    tenants = sorted({t.tenant for t in timings if t.tenant is not None})
+    if tenants:
+        out["per_tenant"] = {name: _tenant_summary([t for t in timings if t.tenant == name], duration_s, slo)
+                             for name in tenants}
+    return out
+
+
+def _tenant_summary(timings: Sequence[RequestTiming], duration_s: float, slo: SLO | None) -> dict[str, Any]:
+    """One tenant's share of a run: its throughput and latencies (fairness is how these differ)."""
+    done = [t for t in timings if t.ok]
+    out: dict[str, Any] = {
+        "num_requests": len(timings),
+        "completed": len(done),
+        "output_throughput": sum(t.output_len for t in done) / duration_s,
+        "ttft_s": distribution(t.ttft for t in done if t.ttft is not None),
+        "e2e_s": distribution(t.e2e for t in done if t.e2e is not None),
+    }
+    if slo is not None and not slo.empty:
+        out["slo_attainment"] = sum(1 for t in timings if slo.met_by(t)) / len(timings)
     return out
 
 
@@ -213,6 +233,7 @@ def per_request_rows(timings: Sequence[RequestTiming]) -> list[dict[str, Any]]:
             "tpot_s": t.tpot,
             "e2e_s": t.e2e,
             **({"cached_tokens": t.cached_tokens} if t.cached_tokens is not None else {}),
+            **({"tenant": t.tenant} if t.tenant is not None else {}),
             **({"error": t.error} if t.error else {}),
         }
         for t in timings

@@ -188,7 +188,8 @@ class ConveyorSystem:
         engine = self._engine()
         try:
             params = {
-                r.index: SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests
+                r.index: SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, tenant=r.tenant)
+                for r in requests
             }
             t0 = engine.clock()
             if point.concurrency is not None:

@@ -202,6 +202,25 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_ms(s['itl_s'], 'p50')} / {_ms(s['itl_s'], 'p99')} "
                 f"| {_s(s['e2e_s'], 'p50')} / {_s(s['e2e_s'], 'p99')} | {goodput} | {met} | {pre} | {kv} | {hits} |"
             )
+    tenant_rows = [
+        (system["name"], p["load"]["label"], name, t)
+        for system in result["systems"] for p in system["points"]
+        for name, t in (p["summary"].get("per_tenant") or {}).items()
+    ]
+    if tenant_rows:
+        lines += [
+            "",
+            "Per tenant:",
+            "",
+            "| system | load | tenant | done | out tok/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (s) | SLO met |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, label, tenant, t in tenant_rows:
+            met = "–" if t.get("slo_attainment") is None else f"{t['slo_attainment']:.0%}"
+            lines.append(
+                f"| {name} | {label} | {tenant} | {t['completed']}/{t['num_requests']} | {t['output_throughput']:.1f} "
+                f"| {_ms(t['ttft_s'], 'p50')} / {_ms(t['ttft_s'], 'p99')} | {_s(t['e2e_s'], 'p50')} / {_s(t['e2e_s'], 'p99')} | {met} |"
+            )
     if slo is not None:
         lines += ["", f"Highest load meeting the SLO for {result['slo_attainment_target']:.0%} of requests (DistServe's goodput):", ""]
         for system in result["systems"]:

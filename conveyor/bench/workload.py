@@ -64,6 +64,7 @@ class BenchRequest:
     prompt_len: int | None
     output_len: int
     arrival_s: float = 0.0
+    tenant: str | None = None  # whose share it counts against (policy "vtc"; the server's `user`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +239,34 @@ def with_shared_prefix(
         prefix = prefixes[pick.randrange(num_groups)] if num_groups > 1 else prefixes[0]
         out.append(replace(r, prompt=prefix + r.prompt, prompt_len=prefix_len + len(r.prompt)))
     return out
+
+
+def parse_tenants(spec: str) -> list[tuple[str, float]]:
+    """`a:4,b:1` -> [("a", 0.8), ("b", 0.2)]: tenants and the share of requests each sends."""
+    pairs = []
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--tenants: {part.strip()!r} is not NAME or NAME:WEIGHT") from None
+        if not name or not w > 0:
+            raise ValueError(f"--tenants: {part.strip()!r} needs a name and a weight > 0")
+        pairs.append((name, w))
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise ValueError(f"--tenants: a tenant is named twice in {spec!r}")
+    total = sum(w for _, w in pairs)
+    return [(n, w / total) for n, w in pairs]
+
+
+def with_tenants(requests: list[BenchRequest], tenants: list[tuple[str, float]], seed: int = 0) -> list[BenchRequest]:
+    """Each request is sent by one of `tenants` (name, share), drawn per request: with Poisson
+    arrivals each tenant's requests are a Poisson stream of its share of the rate."""
+    if not tenants:
+        return requests
+    rng = _rng(seed, "tenants")
+    names, weights = [n for n, _ in tenants], [w for _, w in tenants]
+    return [replace(r, tenant=rng.choices(names, weights)[0]) for r in requests]
 
 
 def load_trace(

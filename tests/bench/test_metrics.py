@@ -93,6 +93,18 @@ def test_prefix_cache_hit_rate_counts_completed_requests_that_report_it() -> Non
     assert s["total_cached_tokens"] == 80 and s["prefix_cache_hit_rate"] == 80 / 160
 
 
+def test_per_tenant_summaries_split_the_requests_by_who_sent_them() -> None:
+    timings = [timing(0, 0.0, 0.1, [0.02]), timing(1, 0.0, 0.5, [0.02, 0.02]), timing(2, 1.0, 0.3, [0.02])]
+    assert "per_tenant" not in summarize(timings, 2.0)
+    timings[0].tenant, timings[1].tenant, timings[2].tenant = "a", "b", "a"
+    timings.append(RequestTiming(3, 0.0, prompt_len=5, error="timeout", tenant="b"))
+    per = summarize(timings, 2.0, SLO(ttft_s=0.4))["per_tenant"]
+    assert sorted(per) == ["a", "b"]
+    assert per["a"]["completed"] == 2 and per["a"]["output_throughput"] == 4 / 2.0
+    assert per["a"]["ttft_s"]["max"] == pytest.approx(0.3) and per["a"]["slo_attainment"] == 1.0
+    assert per["b"]["num_requests"] == 2 and per["b"]["completed"] == 1 and per["b"]["slo_attainment"] == 0.0
+
+
 def test_e2e_slo_and_no_slo() -> None:
     timings = [timing(0, 0.0, 0.1, [0.1] * 9), timing(1, 0.0, 0.1, [0.3] * 9)]  # E2E 1.0 and 2.8 s
     assert summarize(timings, 3.0, SLO(e2e_s=1.5))["requests_meeting_slo"] == 1

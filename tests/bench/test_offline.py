@@ -111,6 +111,21 @@ def test_a_shared_prefix_is_found_by_prefix_caching_and_reported(model_dir: str,
     assert rows["| on"].endswith(f"| {on['prefix_cache_hit_rate']:.0%} |") and rows["| off"].endswith("| 0% |")
 
 
+def test_tenants_reach_the_engine_and_the_report(model_dir: str, tmp_path: Path) -> None:
+    out = tmp_path / "tenants"
+    rc = main(["bench", "compare", "vtc:policy=vtc", "--model", model_dir, *SMALL, "--tenants", "a:1,b:1",
+               "--num-requests", "8", "--request-rate", "inf", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["workload"]["tenants"] == "a:1,b:1"
+    (point,) = result["systems"][0]["points"]
+    per = point["summary"]["per_tenant"]
+    assert sorted(per) == ["a", "b"] and sum(t["completed"] for t in per.values()) == 8
+    assert {r["tenant"] for r in point["requests"]} == {"a", "b"}
+    summary = (out / "summary.md").read_text()
+    assert "Per tenant:" in summary and "| vtc | inf | a |" in summary
+
+
 def test_serve_launch_reads_server_metrics(model_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "srv"
     rc = main(["bench", "serve", "--launch", "--model", model_dir, "--vocab-size", "384", *SMALL,

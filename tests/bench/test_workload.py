@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,13 @@ from conveyor.bench.workload import (
     at_load,
     load_trace,
     parse_sweep,
+    parse_tenants,
     sharegpt_requests,
     synthetic_requests,
     token_id_range,
     unit_gaps,
     with_shared_prefix,
+    with_tenants,
 )
 
 VOCAB = 1000
@@ -72,6 +75,20 @@ def test_prefix_groups_draw_one_of_several_prefixes_per_request() -> None:
     assert with_shared_prefix(base[:10], 16, VOCAB, seed=0, num_groups=3) == grouped[:10]
     with pytest.raises(ValueError, match="groups"):
         with_shared_prefix(base, 16, VOCAB, num_groups=0)
+
+
+def test_tenants_split_the_requests_by_their_shares() -> None:
+    assert parse_tenants("heavy:3,light:1") == [("heavy", 0.75), ("light", 0.25)]
+    assert parse_tenants("a,b") == [("a", 0.5), ("b", 0.5)]
+    for bad in ("a:0", "a:x", ":2", "a,a"):
+        with pytest.raises(ValueError, match="--tenants"):
+            parse_tenants(bad)
+    base = make(0, 400)
+    tagged = with_tenants(base, parse_tenants("heavy:3,light:1"), seed=0)
+    assert [replace(r, tenant=None) for r in tagged] == base  # nothing else changes
+    share = sum(r.tenant == "heavy" for r in tagged) / len(tagged)
+    assert 0.7 < share < 0.8
+    assert with_tenants(base[:10], parse_tenants("heavy:3,light:1"), seed=0) == tagged[:10]
 
 
 @pytest.mark.parametrize(
