@@ -283,7 +283,8 @@ def load_trace(
         {"arrival_s": 0.90, "prompt_len": 200, "output_len": 64}     # synthetic ids, exact length
 
     `timestamp` is accepted for `arrival_s` (seconds; shifted so the first request is at 0),
-    `max_tokens` for `output_len`; without either, `default_output_len` is drawn.
+    `max_tokens` for `output_len`; without either, `default_output_len` is drawn. `tenant`
+    (or `user`) names who sent the request (policy "vtc", the per-tenant report).
     """
     ids_rng, out_rng = _rng(seed, "ids"), _rng(seed, "output_len")
     rows: list[dict[str, Any]] = []
@@ -329,7 +330,8 @@ def load_trace(
             raise ValueError(f"{where}: needs output_len (or give a default output length)")
         if (plen is not None and plen < 1) or olen < 1:
             raise ValueError(f"{where}: prompt and output lengths must be at least 1")
-        out.append(BenchRequest(i, prompt, plen, olen, max(0.0, t - t0)))
+        tenant = row.get("tenant", row.get("user"))
+        out.append(BenchRequest(i, prompt, plen, olen, max(0.0, t - t0), None if tenant is None else str(tenant)))
     if not out:
         raise ValueError(f"{path}: no requests")
     return out

@@ -169,8 +169,8 @@ def test_load_trace(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     rows = [
         {"timestamp": 100.5, "prompt_len": 12, "output_len": 4},
-        {"timestamp": 101.0, "prompt_token_ids": [5, 6, 7], "max_tokens": 2},
-        {"timestamp": 103.0, "prompt": "hello there"},
+        {"timestamp": 101.0, "prompt_token_ids": [5, 6, 7], "max_tokens": 2, "tenant": "a"},
+        {"timestamp": 103.0, "prompt": "hello there", "user": "b"},
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     reqs = load_trace(path, VOCAB, seed=0, default_output_len=LengthDist.parse("9"))
@@ -178,6 +178,7 @@ def test_load_trace(tmp_path: Path) -> None:
     assert [r.prompt_len for r in reqs] == [12, 3, None]
     assert [r.output_len for r in reqs] == [4, 2, 9]
     assert reqs[1].prompt == (5, 6, 7) and reqs[2].prompt == "hello there"
+    assert [r.tenant for r in reqs] == [None, "a", "b"]  # `tenant`, or the OpenAI `user`
     assert load_trace(path, VOCAB, 0, LengthDist.parse("9")) == reqs
     assert len(load_trace(path, VOCAB, 0, LengthDist.parse("9"), limit=2)) == 2
     bad = tmp_path / "bad.jsonl"
