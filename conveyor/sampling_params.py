@@ -46,6 +46,8 @@ class SamplingParams:
     priority: int = 0
     expected_output_tokens: int | None = None
     tenant: str | None = None  # whose share the request counts against (policy "vtc"); the server's `user`
+    slo_ttft_ms: float | None = None  # this request's objectives (policy "slo"; default: the engine's)
+    slo_tpot_ms: float | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +98,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [-2**63, 2**64)")
         if self.expected_output_tokens is not None and self.expected_output_tokens < 0:
             raise bad("expected_output_tokens", "must be >= 0")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise bad(name, "must be > 0 (milliseconds)")
 
     @property
     def greedy(self) -> bool:

@@ -177,8 +177,8 @@ class LongestPrefixMatchPolicy(QueuePolicy):
 class SLOAwarePolicy(QueuePolicy):
     """Earliest deadline first, and a request that can no longer meet its deadline goes last.
 
-    A request's deadline is when its next token is due: `slo_ttft_ms` after arrival for its
-    first token; once it has one, `slo_tpot_ms` per token after its first, which is when the
+    A request's deadline is when its next token is due: `slo_ttft_ms` (the request's own
+    `SamplingParams.slo_ttft_ms`, else the engine's) after arrival for its first token; once it has one, `slo_tpot_ms` per token after its first, which is when the
     next must come for its mean time per output token to stay within the objective. Under
     overload FCFS serves the oldest requests first, which are late already, and so makes the
     next ones late too; this order serves those that can still meet the objectives and leaves
@@ -194,11 +194,14 @@ class SLOAwarePolicy(QueuePolicy):
         self.tpot_s = config.slo_tpot_ms / 1e3
 
     def deadline(self, seq: Sequence) -> float:
-        """When `seq`'s next token is due."""
+        """When `seq`'s next token is due (its own objectives if it has any, else the engine's)."""
+        params = seq.sampling_params
         first = seq.metrics.first_token_time
         if first is None:
-            return seq.metrics.arrival_time + self.ttft_s
-        return first + self.tpot_s * seq.num_output_tokens
+            ttft = self.ttft_s if params.slo_ttft_ms is None else params.slo_ttft_ms / 1e3
+            return seq.metrics.arrival_time + ttft
+        tpot = self.tpot_s if params.slo_tpot_ms is None else params.slo_tpot_ms / 1e3
+        return first + tpot * seq.num_output_tokens
 
     def sort_key(self, seq: Sequence, now: float) -> SortKey:
         due = self.deadline(seq)

@@ -56,6 +56,9 @@ class SamplingRequest(OpenAIBaseModel):
     priority: int = 0
     # conveyor's: a hint for the shortest-predicted-output queue policies
     expected_output_tokens: int | None = None
+    # conveyor's: this request's objectives for policy "slo" (default: the server's)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 class CompletionRequest(SamplingRequest):

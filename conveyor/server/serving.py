@@ -136,6 +136,8 @@ class _Handler:
             "priority": b.priority,
             "logprobs": self.logprobs(),
             "expected_output_tokens": b.expected_output_tokens,
+            "slo_ttft_ms": b.slo_ttft_ms,
+            "slo_tpot_ms": b.slo_tpot_ms,
             # A stream's chunks are what is new since the last (the engine copies nothing
             # cumulative a token); a response waits for the end and its one output.
             "output_kind": "delta" if b.stream else "final_only",

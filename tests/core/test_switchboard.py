@@ -40,7 +40,7 @@ from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import OnlineMeanPredictor, ShortestPredictedFirstPolicy
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.sequence import FinishReason, Sequence, SequenceStatus
 from tests.core.helpers import (
     EOS,
@@ -1276,6 +1276,31 @@ def test_slo_deadlines_and_victims() -> None:
     assert [s.seq_id for s in order] == [4, 0, 3, 2]  # victims come off the end: late first
 
 
+def test_slo_per_request_objectives_put_a_tight_request_ahead_of_loose_ones() -> None:
+    """Interactive and batch requests in one queue: the batch ones ask for a TTFT of a minute,
+    the interactive one for 3 s; it arrives last and is served first (earliest deadline)."""
+    d = Driver(64, 4, policy="slo", max_num_seqs=1, dt=1.0)
+    d.add(0, 4, 3)  # the engine's objective (1 s): late from its second step on
+    for i in (1, 2):
+        seq = d.add(i, 4, 3)
+        object.__setattr__(seq.sampling_params, "slo_ttft_ms", 60_000.0)
+    urgent = d.add(3, 4, 3)
+    object.__setattr__(urgent.sampling_params, "slo_ttft_ms", 3_000.0)
+    d.run()
+    d.check_outputs()
+    assert d.finish_order == [0, 3, 1, 2]
+    policy = d.sched.policy
+    assert policy.deadline(urgent) == urgent.metrics.first_token_time + 0.1 * 3  # engine's TPOT
+
+
+def test_slo_per_request_objectives_are_validated() -> None:
+    with pytest.raises(InvalidRequestError, match="slo_ttft_ms"):
+        SamplingParams(slo_ttft_ms=0)
+    with pytest.raises(InvalidRequestError, match="slo_tpot_ms"):
+        SamplingParams(slo_tpot_ms=-5.0)
+    assert SamplingParams(slo_ttft_ms=250, slo_tpot_ms=20.5).slo_tpot_ms == 20.5
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
@@ -1334,7 +1359,7 @@ def test_vtc_counts_tokens_and_lifts_a_tenant_that_was_idle() -> None:
     assert policy.counters == {"a": 60.0, "b": 60.0}
 
 
-def test_vtc_tenant_is_the_servers_user() -> None:
+def test_the_servers_user_is_the_tenant_and_slo_fields_reach_the_request() -> None:
     from types import SimpleNamespace
 
     from conveyor.server.protocol import CompletionRequest
@@ -1344,6 +1369,9 @@ def test_vtc_tenant_is_the_servers_user() -> None:
     body = CompletionRequest(prompt="hi", user="alice")
     params = CompletionHandler(state, body).sampling_params(4, 0)  # type: ignore[arg-type]
     assert params.tenant == "alice"
+    body = CompletionRequest(prompt="hi", slo_ttft_ms=300, slo_tpot_ms=40)
+    params = CompletionHandler(state, body).sampling_params(4, 0)  # type: ignore[arg-type]
+    assert (params.slo_ttft_ms, params.slo_tpot_ms) == (300, 40)
     assert CompletionHandler(state, CompletionRequest(prompt="hi")).sampling_params(4, 0).tenant is None  # type: ignore[arg-type]
 
 
