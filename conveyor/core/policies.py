@@ -223,6 +223,7 @@ class VirtualTokenCounterPolicy(QueuePolicy):
 
     input_weight: ClassVar[float] = 1.0  # the paper's w_p and w_q: an output token costs two
     output_weight: ClassVar[float] = 2.0
+    max_tenants: ClassVar[int] = 4096  # past this many counters, forget those that cannot matter
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
@@ -242,6 +243,11 @@ class VirtualTokenCounterPolicy(QueuePolicy):
         self._waiting_tenants = tenants
         if tenants:
             self._floor = min(counters[t] for t in tenants)
+        if len(counters) > self.max_tenants:
+            # A tenant not waiting, at or below the floor, would be lifted to it on its return
+            # anyway: its counter can go (a server sees many users that come once).
+            for t in [t for t, c in counters.items() if c <= self._floor and t not in tenants]:
+                del counters[t]
         # A tenant's k-th waiting request comes up once its k-1 before it are charged: as if
         # the requests were picked one at a time, with the counters updated in between.
         ahead: dict[str | None, float] = {}

@@ -1359,6 +1359,25 @@ def test_vtc_counts_tokens_and_lifts_a_tenant_that_was_idle() -> None:
     assert policy.counters == {"a": 60.0, "b": 60.0}
 
 
+def test_vtc_forgets_counters_that_cannot_matter(monkeypatch) -> None:
+    """Many one-off tenants: past `max_tenants` the counters at or below the floor of those
+    waiting go, and the order is what it would have been."""
+    from conveyor.core.policies import VirtualTokenCounterPolicy
+
+    orders, sizes = [], []
+    for limit in (4096, 3):
+        monkeypatch.setattr(VirtualTokenCounterPolicy, "max_tenants", limit)
+        d = Driver(64, 4, policy="vtc", max_num_seqs=1)
+        for i in range(12):
+            add_for(d, i, f"user{i % 6}" if i < 6 else "regular")
+        d.run()
+        d.check_outputs()
+        orders.append(d.finish_order)
+        sizes.append(len(d.sched.policy.counters))
+    assert orders[0] == orders[1]
+    assert sizes[0] == 7 and sizes[1] <= 4
+
+
 def test_the_servers_user_is_the_tenant_and_slo_fields_reach_the_request() -> None:
     from types import SimpleNamespace
 

@@ -216,7 +216,7 @@ def test_deterministic():
     seed=st.integers(0, 10_000),
     batching=st.sampled_from(["continuous", "static", "dynamic"]),
     prefill_mode=st.sampled_from(["chunked", "mixed", "prefill_first"]),
-    policy=st.sampled_from(["fcfs", "priority", "sjf", "mlfq"]),
+    policy=st.sampled_from(["fcfs", "priority", "sjf", "mlfq", "lpm", "slo", "vtc"]),
     preemption=st.sampled_from(["recompute", "swap"]),
     blocks=st.integers(14, 60),
 )
