@@ -106,7 +106,9 @@ class FakeRunner:
         bs = self.block_size
         sources = [a for a, _ in pairs]
         targets = [b for _, b in pairs]
-        assert len(set(sources)) == len(sources), f"a block is copied out twice: {pairs}"
+        # A device block shared by prefix caching goes out once with each holder swapped out
+        # in the step (swap blocks are never shared); it is kept (not cleared) for that.
+        assert clear is False or len(set(sources)) == len(sources), f"a block is copied out twice: {pairs}"
         assert len(set(targets)) == len(targets), f"a block is copied into twice: {pairs}"
         for a, b in pairs:
             for k in range(bs):
