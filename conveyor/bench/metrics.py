@@ -153,8 +153,11 @@ def distribution(values: Iterable[float]) -> dict[str, float | None]:
     return {"mean": sum(xs) / len(xs), **{f"p{p}": percentile(xs, p) for p in PERCENTILES}, "max": max(xs)}
 
 
-def summarize(timings: Sequence[RequestTiming], duration_s: float, slo: SLO | None = None) -> dict[str, Any]:
-    """Throughputs, latency distributions and (with an SLO) goodput of one run.
+def summarize(
+    timings: Sequence[RequestTiming], duration_s: float, slo: SLO | None = None, by_tenant: bool = True
+) -> dict[str, Any]:
+    """Throughputs, latency distributions and (with an SLO) goodput of one run; with tenants,
+    the same for each tenant's requests under `per_tenant` (fairness is how these differ).
 
     `duration_s` is the run's wall time, from the first send to the last completion.
     Throughputs count completed requests only.
@@ -192,25 +195,12 @@ def summarize(timings: Sequence[RequestTiming], duration_s: float, slo: SLO | No
     errors = sorted({t.error for t in timings if t.error})
     if errors:
         out["errors"] = errors[:5]
-    tenants = sorted({t.tenant for t in timings if t.tenant is not None})
+    tenants = sorted({t.tenant for t in timings if t.tenant is not None}) if by_tenant else []
     if tenants:
-        out["per_tenant"] = {name: _tenant_summary([t for t in timings if t.tenant == name], duration_s, slo)
-                             for name in tenants}
-    return out
-
-
-def _tenant_summary(timings: Sequence[RequestTiming], duration_s: float, slo: SLO | None) -> dict[str, Any]:
-    """One tenant's share of a run: its throughput and latencies (fairness is how these differ)."""
-    done = [t for t in timings if t.ok]
-    out: dict[str, Any] = {
-        "num_requests": len(timings),
-        "completed": len(done),
-        "output_throughput": sum(t.output_len for t in done) / duration_s,
-        "ttft_s": distribution(t.ttft for t in done if t.ttft is not None),
-        "e2e_s": distribution(t.e2e for t in done if t.e2e is not None),
-    }
-    if slo is not None and not slo.empty:
-        out["slo_attainment"] = sum(1 for t in timings if slo.met_by(t)) / len(timings)
+        out["per_tenant"] = {
+            name: summarize([t for t in timings if t.tenant == name], duration_s, slo, by_tenant=False)
+            for name in tenants
+        }
     return out
 
 

@@ -178,8 +178,9 @@ class SLOAwarePolicy(QueuePolicy):
     """Earliest deadline first, and a request that can no longer meet its deadline goes last.
 
     A request's deadline is when its next token is due: `slo_ttft_ms` (the request's own
-    `SamplingParams.slo_ttft_ms`, else the engine's) after arrival for its first token; once it has one, `slo_tpot_ms` per token after its first, which is when the
-    next must come for its mean time per output token to stay within the objective. Under
+    `SamplingParams.slo_ttft_ms`, else the engine's) after arrival for its first token; once
+    it has one, `slo_tpot_ms` per token after its first, which is when the next must come for
+    its mean time per output token to stay within the objective. Under
     overload FCFS serves the oldest requests first, which are late already, and so makes the
     next ones late too; this order serves those that can still meet the objectives and leaves
     the late ones for when there is room (or until the aging guard serves them), which is what
