@@ -205,6 +205,7 @@ class Driver:
         expected: int | None = None,
         at: float | None = None,
         prompt: list[int] | None = None,
+        **params_kw: Any,
     ) -> Sequence:
         # ignore_eos: these tests count steps and tokens, an early EOS would change them.
         params = SamplingParams(
@@ -212,6 +213,7 @@ class Driver:
             ignore_eos=True,
             priority=priority,
             expected_output_tokens=expected,
+            **params_kw,  # other SamplingParams fields (tenant, slo_ttft_ms, ...)
         )
         arrival = self.now if at is None else at
         tokens = make_prompt(seq_id, prompt_len) if prompt is None else prompt

@@ -1282,10 +1282,8 @@ def test_slo_per_request_objectives_put_a_tight_request_ahead_of_loose_ones() ->
     d = Driver(64, 4, policy="slo", max_num_seqs=1, dt=1.0)
     d.add(0, 4, 3)  # the engine's objective (1 s): late from its second step on
     for i in (1, 2):
-        seq = d.add(i, 4, 3)
-        object.__setattr__(seq.sampling_params, "slo_ttft_ms", 60_000.0)
-    urgent = d.add(3, 4, 3)
-    object.__setattr__(urgent.sampling_params, "slo_ttft_ms", 3_000.0)
+        d.add(i, 4, 3, slo_ttft_ms=60_000.0)
+    urgent = d.add(3, 4, 3, slo_ttft_ms=3_000.0)
     d.run()
     d.check_outputs()
     assert d.finish_order == [0, 3, 1, 2]
@@ -1315,9 +1313,7 @@ def test_slo_knobs_are_checked(kw: dict[str, Any], match: str) -> None:
 
 
 def add_for(d: Driver, seq_id: int, tenant: str) -> Sequence:
-    seq = d.add(seq_id, 4, 3)
-    object.__setattr__(seq.sampling_params, "tenant", tenant)  # (a frozen dataclass)
-    return seq
+    return d.add(seq_id, 4, 3, tenant=tenant)
 
 
 def test_vtc_shares_the_engine_between_tenants_not_requests() -> None:
