@@ -71,6 +71,21 @@ class RequestRecord:
 
 
 @dataclass(slots=True)
+class Resume:
+    """Where a request stood when the engine serving it died: a new engine goes on from there.
+
+    The outputs are recomputed as a recompute-preempted sequence's are (prompt and outputs
+    prefilled again); the text up to `emitted_text_len` characters went out already and is
+    not emitted twice; the timestamps carry over, so TTFT and TPOT span the restart.
+    """
+
+    output_token_ids: list[int]
+    emitted_text_len: int
+    metrics: RequestMetrics
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
 class _InFlight:
     """A step launched and not yet completed (async scheduling)."""
 
@@ -302,10 +317,13 @@ class Engine:
         arrival_time: float | None = None,
         stream: bool = False,
         prompt_text: str | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never run.
 
         `prompt_text` names the text of already-tokenized `prompt` ids, for the output.
+        `resume` continues a request another engine had started (an engine process replaced
+        after a crash); its outputs are not emitted again.
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -334,9 +352,29 @@ class Engine:
             request_id, text if text is not None else prompt_text, seq, detok, stream and kind != "final_only",
             [] if params.logprobs is not None else None, delta=kind == "delta",
         )
+        if resume is not None:
+            self._resume(req, resume)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
         self.scheduler.add(seq)
+
+    def _resume(self, req: _Request, resume: Resume) -> None:
+        seq = req.seq
+        outputs = resume.output_token_ids
+        if len(outputs) >= seq.sampling_params.max_tokens or seq.prompt_len + len(outputs) >= self.max_model_len:
+            raise InvalidRequestError("a resumed request has no tokens left to generate", param="resume")
+        seq.token_ids += outputs
+        seq.metrics = RequestMetrics(
+            **{k: getattr(resume.metrics, k) for k in resume.metrics.__dataclass_fields__}
+        )
+        seq.metrics.token_times = list(resume.metrics.token_times)
+        seq.num_preemptions = resume.num_preemptions
+        req.emitted_tokens = len(outputs)
+        if req.detokenizer is not None:
+            for t in outputs:  # the same text as before: nothing in it ended the request
+                req.detokenizer.add(t)
+            req.detokenizer.emitted = resume.emitted_text_len
+        req.emitted_text = resume.emitted_text_len
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are free when this returns."""

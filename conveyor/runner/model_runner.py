@@ -121,6 +121,13 @@ class ModelRunner:
         if g is None:
             g = torch.Generator(device=self.device)
             g.manual_seed(seed)
+            # A request resumed with outputs (its engine died) draws on where it stood: one
+            # row of noise a sampled token, as the sampler draws them.
+            ids, done = item.all_token_ids, len(item.all_token_ids)
+            while done > item.prompt_len and ids[done - 1] == PLACEHOLDER:  # this step's own
+                done -= 1
+            for _ in range(done - item.prompt_len):
+                torch.empty(self.model.arch.vocab_size, device=self.device).exponential_(generator=g)
             self._generators[item.seq_id] = g
         return g
 

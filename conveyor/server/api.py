@@ -26,7 +26,7 @@ from conveyor.server.serving import ChatCompletionHandler, CompletionHandler, Se
 def served_model_names(config: ServerConfig, engine: AsyncEngine) -> tuple[str, ...]:
     if config.served_model_name:
         return config.served_model_name
-    return (default_model_name(getattr(engine.engine, "model_path", "model")),)
+    return (default_model_name(engine.model_path or "model"),)
 
 
 def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
@@ -36,7 +36,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
         async_engine.metrics = ServerMetrics(names[0])
     state = ServerState(async_engine, server_config, names, async_engine.metrics)
     # The --model value as typed is accepted too, as vLLM does when no name is given.
-    model_arg = async_engine.engine.config.model.model
+    model_arg = async_engine.model_arg
     accepted = set(names) | ({model_arg} if model_arg and not server_config.served_model_name else set())
 
     @asynccontextmanager
@@ -92,7 +92,7 @@ def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI
                     "object": "model",
                     "created": state.created,
                     "owned_by": "conveyor",
-                    "root": getattr(async_engine.engine, "model_path", None),
+                    "root": async_engine.model_path,
                     "max_model_len": async_engine.max_model_len,
                 }
                 for name in names

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.server.metrics import queue_counts
 
 if TYPE_CHECKING:
     from conveyor.engine import Engine
@@ -155,6 +156,12 @@ class AsyncEngine:
         idle_poll_s: float = 0.002,
     ) -> None:
         self.engine = engine
+        self._init_front(max_queued_requests, metrics, idle_poll_s)
+
+    def _init_front(
+        self, max_queued_requests: int | None, metrics: ServerMetrics | None, idle_poll_s: float
+    ) -> None:
+        """The state every front end has, whichever way its engine runs."""
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         # Wait this long when the scheduler had work but chose to run nothing (a batching
@@ -179,6 +186,23 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_path(self) -> str | None:
+        """The weights' file or folder."""
+        return getattr(self.engine, "model_path", None)
+
+    @property
+    def model_arg(self) -> str | None:
+        """`--model` as typed."""
+        return self.engine.config.model.model
+
+    def _clock(self) -> float:
+        return self.engine.clock()
+
+    def _wake(self) -> None:
+        """A command is queued (called holding `_cond`): the engine thread waits on `_cond`."""
+        self._cond.notify()
 
     @property
     def is_running(self) -> bool:
@@ -228,7 +252,7 @@ class AsyncEngine:
         self._accepting = False
         with self._cond:
             self._stop_requested = True
-            self._cond.notify()
+            self._wake()
         thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join, timeout)
@@ -245,7 +269,7 @@ class AsyncEngine:
         future: asyncio.Future[None] = self._loop.create_future()
         # The HTTP arrival, not the moment the engine thread gets to it: queue time includes the
         # wait for the current step to end. `clock` is a plain function of time (thread-safe).
-        arrival = self.engine.clock()
+        arrival = self._clock()
         with self._cond:
             # Checked under the lock the engine thread drains with: a command that gets in is
             # always answered, by the thread or by `_fail_everything`.
@@ -256,7 +280,7 @@ class AsyncEngine:
             self._open_streams.add(stream)
             self._idle.clear()
             self._commands.append(_Add(list(requests), stream, future, arrival))
-            self._cond.notify()
+            self._wake()
         try:
             await future
         except asyncio.CancelledError:
@@ -299,7 +323,7 @@ class AsyncEngine:
     def _push(self, command: _Command) -> None:
         with self._cond:
             self._commands.append(command)
-            self._cond.notify()
+            self._wake()
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -418,7 +442,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         if self.metrics is not None:
-            self.metrics.on_queues(self.engine.scheduler)
+            self.metrics.on_queues(queue_counts(self.engine.scheduler))
 
     def _deliver(self, routed: list[tuple[OutputStream, RequestOutput]]) -> None:
         if routed and self._loop is not None:

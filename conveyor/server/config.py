@@ -35,6 +35,20 @@ class ServerConfig:
         default=30.0,
         metadata=_help("Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted."),
     )
+    engine_process: bool = field(
+        default=False,
+        metadata=_help(
+            "Run the engine in its own process: if it dies, it is started again and the "
+            "requests in flight resume where they stood."
+        ),
+    )
+    engine_max_replays: int = field(
+        default=1,
+        metadata=_help(
+            "With --engine-process: how many engine deaths a request may live through; in "
+            "flight through one more, it fails with HTTP 500 (it may be what kills the engine)."
+        ),
+    )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
 
@@ -51,6 +65,8 @@ class ServerConfig:
             raise ConfigError(f"max_queued_requests={self.max_queued_requests} must be at least 1")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        if self.engine_max_replays < 0:
+            raise ConfigError(f"engine_max_replays={self.engine_max_replays} must be >= 0")
         if self.log_level not in ("trace", "debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"log_level={self.log_level!r}: use trace, debug, info, warning or error")
 

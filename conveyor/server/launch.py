@@ -90,16 +90,28 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> in
     """Load the model, serve until a signal, drain, return the exit status (0)."""
     from conveyor.engine import Engine
 
+    async_engine: AsyncEngine
+    config = EngineConfig.from_kwargs(**engine_kwargs)  # a bad flag fails here, in either mode
     # Nothing is in flight while the model loads: a SIGTERM then just ends the process, cleanly.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        engine = Engine.from_config(EngineConfig.from_kwargs(**engine_kwargs))
+        if server_config.engine_process:
+            from conveyor.server.engine_process import ProcessAsyncEngine
+
+            async_engine = ProcessAsyncEngine(
+                engine_kwargs,
+                max_queued_requests=server_config.max_queued_requests,
+                max_replays=server_config.engine_max_replays,
+            )
+            async_engine.launch()
+        else:
+            engine = Engine.from_config(config)
+            async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
     app = build_app(async_engine, server_config)
     state: ServerState = app.state.conveyor
-    config = uvicorn.Config(
+    uv_config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
@@ -108,10 +120,10 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> in
         timeout_graceful_shutdown=int(_FLUSH_TIMEOUT_S),
         lifespan="on",
     )
-    server = _Server(config, state, server_config.shutdown_timeout)
+    server = _Server(uv_config, state, server_config.shutdown_timeout)
     logger.info(
         "serving %s (max_model_len %d) on http://%s:%d",
-        state.model_name, engine.max_model_len, server_config.host, server_config.port,
+        state.model_name, async_engine.max_model_len, server_config.host, server_config.port,
     )
     asyncio.run(server.serve())
     return 0 if server.started else 1

@@ -1,15 +1,16 @@
 """Prometheus metrics of one server, named like vLLM's with a `conveyor:` prefix.
 
 Everything lives in the server's own `CollectorRegistry` (no process-global state, so two
-servers or two tests never share counters). The engine thread is the only writer: it calls
-`on_step` after each step, `on_output` for each output it routes and `on_queues` whenever the
-queues may have changed (after a step, after an abort). prometheus_client is thread-safe, so
-`/metrics` reads concurrently from the event loop.
+servers or two tests never share counters). One thread writes: the engine thread, or with an
+engine process the thread that reads its messages. It calls `on_step` after each step,
+`on_output` for each output it routes and `on_queues` whenever the queues may have changed
+(after a step, after an abort). prometheus_client is thread-safe, so `/metrics` reads
+concurrently from the event loop.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -43,6 +44,26 @@ class SchedulerQueues(Protocol):
     waiting: list[Any]
     running: list[Any]
     block_manager: BlockManager
+
+
+class QueueCounts(NamedTuple):
+    """The queues' sizes after a step: what an engine process sends instead of its scheduler."""
+
+    running: int
+    waiting: int
+    swapped: int
+    kv_usage: float
+
+
+def queue_counts(scheduler: SchedulerQueues) -> QueueCounts:
+    bm = scheduler.block_manager
+    return QueueCounts(
+        len(scheduler.running),
+        len(scheduler.waiting),
+        # A scheduler without swap preemption has no swapped queue: report 0.
+        len(getattr(scheduler, "swapped", ())),
+        bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0,
+    )
 
 
 class ServerMetrics:
@@ -97,6 +118,16 @@ class ServerMetrics:
                                 "Finished requests, by finish reason (stop, length, abort).",
                                 ["model_name", "finished_reason"], registry=r)
         self.success = {reason: self._success.labels(m, reason) for reason in FINISH_REASONS}
+        self.engine_restarts = counter(
+            "conveyor:engine_restarts",
+            "Engine processes started again after one died (--engine-process).")
+        self.requests_replayed = counter(
+            "conveyor:requests_replayed",
+            "Requests in flight when an engine process died, resumed by its successor.")
+        self.requests_failed = counter(
+            "conveyor:requests_failed",
+            "Requests ended by an error: in flight through more engine deaths than "
+            "--engine-max-replays allows, or when the engine could not be started again.")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -107,13 +138,11 @@ class ServerMetrics:
         if record.num_preempted:
             self.preemptions.inc(record.num_preempted)
 
-    def on_queues(self, scheduler: SchedulerQueues) -> None:
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        # A scheduler without swap preemption has no swapped queue: report 0.
-        self.swapped.set(len(getattr(scheduler, "swapped", ())))
-        bm = scheduler.block_manager
-        self.kv_usage.set(bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0)
+    def on_queues(self, counts: QueueCounts) -> None:
+        self.running.set(counts.running)
+        self.waiting.set(counts.waiting)
+        self.swapped.set(counts.swapped)
+        self.kv_usage.set(counts.kv_usage)
 
     def on_output(self, out: RequestOutput, progress: RequestProgress) -> None:
         """Count what is new in `out` since this request's previous output."""

@@ -1,0 +1,721 @@
+"""The engine in its own process: the server outlives an engine that dies, and resumes its work.
+
+`ProcessAsyncEngine` is `AsyncEngine` with the `Engine` moved to a child process (spawned, so a
+restart never forks a process holding threads or a CUDA context). The HTTP front end, its
+streams and its metrics stay in the server's process; the child builds the engine and steps it.
+
+Why a process (DESIGN.md §8):
+- a crash of the engine (a CUDA error, an out-of-memory kill, a bug on one input) no longer
+  ends the server: the child is started again and every request that was in flight goes on
+  from its last token delivered, as a recompute-preempted sequence does; clients see a pause,
+  not an error;
+- a request in flight through more deaths than `max_replays` allows ends with an error (it may
+  be what kills the engine), so one poisonous request cannot stall the server forever;
+- the event loop's Python (HTTP, JSON, SSE) no longer takes the engine's GIL.
+
+Wire (both ways `multiprocessing` connections; the child's reader thread drains commands at
+once, so neither side blocks the other):
+- parent -> child: `("add", add_id, [_AddItem], arrival, check_queue)`, `("abort", ids)`,
+  `("stop",)`;
+- child -> parent: `("ready", _Facts)` or `("load_failed", text)` once; then `("added", add_id,
+  error)` per add, `("step", [_Update], StepRecord | None, QueueCounts)` per step or command
+  batch, and `("failed", text)` before a child whose step raised exits.
+Each `_Update` carries only what is new (tokens, text, logprobs, timestamps), whatever
+`output_kind` the caller asked for: the parent keeps each request's whole output, builds the
+outputs the caller asked for from it, and has what a resume needs when the child dies.
+
+Greedy and seeded requests continue with the tokens an uninterrupted engine would give;
+unseeded sampled ones go on sampling from where they stood.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.sequence import RequestMetrics
+from conveyor.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    EngineShuttingDownError,
+    OutputStream,
+    QueueFullError,
+    _AbortAll,
+    _Add,
+    _Command,
+)
+from conveyor.server.metrics import QueueCounts, queue_counts
+
+if TYPE_CHECKING:
+    from conveyor.engine import Engine, Resume, StepRecord
+    from conveyor.server.metrics import ServerMetrics
+    from conveyor.tokenizer import Tokenizer
+
+logger = logging.getLogger("conveyor.server")
+
+
+class RequestFailedError(EngineDeadError):
+    """The engine died under this request more often than `max_replays` allows (HTTP 500; the
+    server goes on serving the others)."""
+
+
+# -- the wire ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Facts:
+    """What the front end needs of the engine, sent once the child has built it."""
+
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    model_path: str | None
+    model_arg: str | None
+    pid: int
+
+
+@dataclass(slots=True)
+class _AddItem:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams  # with output_kind "delta": the child sends only what is new
+    prompt_text: str | None
+    resume: Resume | None = None
+
+
+@dataclass(slots=True)
+class _Update:
+    """One request's news from one step."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_preemptions: int
+    num_cached_tokens: int
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_times: list[float]  # new since the last update
+    prompt: str | None = None  # the first update only
+    prompt_token_ids: list[int] | None = None  # the first update only
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    "InvalidRequestError": InvalidRequestError,
+    "QueueFullError": QueueFullError,
+}
+
+
+def _wire_error(e: BaseException) -> tuple[str, str, str | None]:
+    """An exception as plain data (InvalidRequestError's `param` does not survive pickling)."""
+    return type(e).__name__, str(e), getattr(e, "param", None)
+
+
+def _error_from_wire(kind: str, message: str, param: str | None) -> Exception:
+    cls = _ERRORS.get(kind)
+    if cls is InvalidRequestError:
+        return InvalidRequestError(message, param=param)
+    if cls is not None:
+        return cls(message)
+    return RuntimeError(f"{kind}: {message}")
+
+
+# -- the child -----------------------------------------------------------------------------------
+def _child_main(
+    engine_kwargs: dict[str, Any],
+    conn: mpc.Connection,
+    max_queued_requests: int | None,
+    idle_poll_s: float,
+    log_level: int,
+) -> None:
+    """The engine process: build the engine, then step it until told to stop or orphaned."""
+    # Signals are the front end's to act on (it drains, then stops us); a Ctrl-C reaches the
+    # whole process group, and must not kill the engine under a draining server.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine): %(message)s")
+    from conveyor.config import EngineConfig
+    from conveyor.engine import Engine
+
+    try:
+        engine = Engine.from_config(EngineConfig.from_kwargs(**engine_kwargs))
+    except BaseException as e:
+        conn.send(("load_failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", _Facts(
+        engine.tokenizer, engine.max_model_len, getattr(engine, "model_path", None),
+        engine.config.model.model, os.getpid(),
+    )))
+    _EngineCore(engine, conn, max_queued_requests, idle_poll_s).run()
+
+
+class _EngineCore:
+    """The child's loop: commands in (a reader thread queues them), one step, news out."""
+
+    def __init__(
+        self, engine: Engine, conn: mpc.Connection, max_queued_requests: int | None, idle_poll_s: float
+    ) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.max_queued_requests = max_queued_requests
+        self.idle_poll_s = idle_poll_s
+        self.cond = threading.Condition()
+        self.inbox: list[tuple[Any, ...]] = []
+        self.stop = False
+        self.times_sent: dict[str, int] = {}  # token_times already sent, per request
+        self.unannounced: set[str] = set()  # requests whose prompt was not sent yet
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the front end is gone: nobody to serve
+                msg = ("stop",)
+            with self.cond:
+                if msg[0] == "stop":
+                    self.stop = True
+                else:
+                    self.inbox.append(msg)
+                self.cond.notify()
+            if msg[0] == "stop":
+                return
+
+    def run(self) -> None:
+        threading.Thread(target=self._read, name="conveyor-engine-inbox", daemon=True).start()
+        engine = self.engine
+        has_work = False
+        try:
+            while True:
+                with self.cond:
+                    while not self.inbox and not has_work and not self.stop:
+                        self.cond.wait()
+                    commands, self.inbox = self.inbox, []
+                    if self.stop:
+                        return  # the front end ends what was in flight itself
+                outputs: list[RequestOutput] = []
+                for cmd in commands:
+                    if cmd[0] == "add":
+                        self._add(*cmd[1:])
+                    else:  # abort
+                        for rid in cmd[1]:
+                            out = engine.abort_request(rid)
+                            if out is not None:
+                                outputs.append(out)
+                record = None
+                if engine.has_unfinished_requests():
+                    before = engine.last_step
+                    outputs += engine.step()
+                    if engine.last_step is not before:
+                        record = engine.last_step
+                    else:  # a policy holds the batch back: nap, woken by a command
+                        with self.cond:
+                            if not self.inbox and not self.stop:
+                                self.cond.wait(self.idle_poll_s)
+                if outputs or record is not None or commands:
+                    updates = [self._update(out) for out in outputs]
+                    self.conn.send(("step", updates, record, queue_counts(engine.scheduler)))
+                has_work = engine.has_unfinished_requests()
+        except BaseException:
+            text = traceback.format_exc()
+            logger.error("the engine failed:\n%s", text)
+            with contextlib.suppress(Exception):
+                self.conn.send(("failed", text))
+            # Not a clean return: the state is not to be trusted, and the front end starts anew.
+            os._exit(1)
+
+    def _add(self, add_id: int, items: list[_AddItem], arrival: float, check_queue: bool) -> None:
+        engine = self.engine
+        error: tuple[str, str, str | None] | None = None
+        limit = self.max_queued_requests
+        if check_queue and limit is not None:
+            waiting = len(engine.scheduler.waiting)
+            if len(items) > limit:
+                error = _wire_error(InvalidRequestError(
+                    f"this request asks for {len(items)} sequences, but at most {limit} may "
+                    "wait in the queue (--max-queued-requests)", param="n",
+                ))
+            elif waiting + len(items) > limit:
+                error = _wire_error(QueueFullError(
+                    f"the waiting queue is full ({waiting} of {limit} requests waiting); retry later"
+                ))
+        if error is None:
+            added: list[str] = []
+            try:
+                for it in items:
+                    engine.add_request(
+                        it.request_id, it.prompt, it.params, arrival_time=arrival, stream=True,
+                        prompt_text=it.prompt_text, resume=it.resume,
+                    )
+                    added.append(it.request_id)
+                    self.times_sent[it.request_id] = len(it.resume.metrics.token_times) if it.resume else 0
+                    self.unannounced.add(it.request_id)
+            except Exception as e:  # InvalidRequestError mostly: the caller's to see
+                error = _wire_error(e)
+                for rid in added:
+                    engine.abort_request(rid)
+                    self.times_sent.pop(rid, None)
+                    self.unannounced.discard(rid)
+        self.conn.send(("added", add_id, error))
+
+    def _update(self, out: RequestOutput) -> _Update:
+        rid = out.request_id
+        c = out.outputs[0]
+        m = out.metrics
+        sent = self.times_sent.get(rid, 0)
+        if out.finished:
+            self.times_sent.pop(rid, None)
+        else:
+            self.times_sent[rid] = len(m.token_times)
+        first = rid in self.unannounced
+        if first:
+            self.unannounced.discard(rid)
+        return _Update(
+            rid, c.delta_token_ids, c.delta_text, c.logprobs, c.finish_reason, c.stop_reason,
+            out.num_preemptions, out.num_cached_tokens, m.first_scheduled_time,
+            m.first_token_time, m.finished_time, m.token_times[sent:],
+            out.prompt if first else None, out.prompt_token_ids if first else None,
+        )
+
+
+# -- the front end -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Tracked:
+    """A request in flight, as the front end knows it: enough to answer and to resume it."""
+
+    request: EngineRequest
+    stream: OutputStream
+    arrival: float
+    kind: str  # the output_kind the caller asked for
+    add_id: int
+    metrics: RequestMetrics
+    acked: bool = False
+    aborting: bool = False
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    deaths: int = 0  # engine deaths this request was in flight through
+    # for ServerMetrics.on_output (RequestProgress)
+    saw_first_token: bool = False
+    token_times_seen: int = 0
+
+
+class ProcessAsyncEngine(AsyncEngine):
+    """`AsyncEngine` over an engine in a child process, started again if it dies.
+
+    `launch()` starts the child and waits until its engine is built (a load error raises
+    there, with the child's message); `start()` launches it if that was not done and starts the
+    thread that talks to it. Everything else is `AsyncEngine`'s interface.
+    """
+
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        max_queued_requests: int | None = None,
+        metrics: ServerMetrics | None = None,
+        idle_poll_s: float = 0.002,
+        max_replays: int = 1,
+        start_timeout: float = 600.0,
+    ) -> None:
+        if max_replays < 0:
+            raise ValueError(f"max_replays={max_replays} must be >= 0")
+        self.engine_kwargs = dict(engine_kwargs)
+        self.max_replays = max_replays
+        self.start_timeout = start_timeout
+        self._init_front(max_queued_requests, metrics, idle_poll_s)
+        self._facts: _Facts | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: mpc.Connection | None = None
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._tracked: dict[str, _Tracked] = {}  # supervisor thread only (in arrival order)
+        self._adds: dict[int, _Add] = {}  # sent, not yet answered
+        self._add_ids = itertools.count()
+        self.restarts = 0
+
+    # -- facts -------------------------------------------------------------------------------
+    def _known(self) -> _Facts:
+        if self._facts is None:
+            raise RuntimeError("ProcessAsyncEngine: launch() or start() first")
+        return self._facts
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._known().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._known().max_model_len
+
+    @property
+    def model_path(self) -> str | None:
+        return self._known().model_path
+
+    @property
+    def model_arg(self) -> str | None:
+        return self._known().model_arg
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's pid (it changes when the engine is started again)."""
+        return self._facts.pid if self._facts is not None else None
+
+    def _clock(self) -> float:
+        return time.perf_counter()  # the engine's clock; system-wide, so the child's too
+
+    def _wake(self) -> None:
+        self._cond.notify()
+        self._wake_w.send_bytes(b"")
+
+    # -- life cycle --------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Start the engine process and wait for its engine (raises if it cannot be built)."""
+        if self._conn is None:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_child_main,
+            args=(self.engine_kwargs, child, self.max_queued_requests, self.idle_poll_s,
+                  logging.getLogger().getEffectiveLevel()),
+            name="conveyor-engine",
+            daemon=True,
+        )
+        proc.start()
+        child.close()  # ours: with it closed, the child's death reads as EOF
+        try:
+            if not parent.poll(self.start_timeout):
+                raise RuntimeError(f"the engine process was not ready within {self.start_timeout:.0f} s")
+            msg = parent.recv()
+        except (EOFError, OSError):
+            msg = ("load_failed", f"the engine process exited with status {proc.exitcode}")
+        except BaseException:
+            proc.kill()
+            raise
+        if msg[0] != "ready":
+            proc.join(5.0)
+            raise RuntimeError(f"the engine process could not start: {msg[1]}")
+        self._proc, self._conn, self._facts = proc, parent, msg[1]
+        logger.info("engine process %d ready", self._facts.pid)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice")
+        import asyncio
+
+        self.launch()
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._supervise, name="conveyor-engine-io", daemon=True)
+        self._thread.start()
+
+    # -- the supervisor thread ---------------------------------------------------------------
+    def _supervise(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    commands, self._commands = self._commands, []
+                    stopping = self._stop_requested
+                for cmd in commands:
+                    self._forward(cmd)
+                if stopping:
+                    self._shutdown()
+                    return
+                assert self._conn is not None
+                ready = mpc.wait([self._conn, self._wake_r])
+                if self._wake_r in ready:
+                    while self._wake_r.poll():
+                        self._wake_r.recv_bytes()
+                if self._conn in ready:
+                    try:
+                        while self._conn.poll():
+                            self._handle(self._conn.recv())
+                    except (EOFError, OSError):
+                        self._recover("the engine process died")
+        except BaseException as e:
+            logger.exception("the engine could not go on; no further requests will be served")
+            self._fail_all(e)
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        assert self._conn is not None
+        with contextlib.suppress(OSError):  # a dead child: its EOF is read and handled next
+            self._conn.send(msg)
+
+    def _forward(self, cmd: _Command) -> None:
+        if isinstance(cmd, _Add):
+            add_id = next(self._add_ids)
+            self._adds[add_id] = cmd
+            items = []
+            for r in cmd.requests:
+                self._tracked[r.request_id] = _Tracked(
+                    r, cmd.stream, cmd.arrival_time, r.params.output_kind, add_id,
+                    RequestMetrics(arrival_time=cmd.arrival_time),
+                    logprobs=[] if r.params.logprobs is not None else None,
+                )
+                items.append(self._item(self._tracked[r.request_id]))
+            self._send(("add", add_id, items, cmd.arrival_time, True))
+        else:
+            ids = list(self._tracked) if isinstance(cmd, _AbortAll) else cmd.request_ids
+            ids = [rid for rid in ids if rid in self._tracked]
+            for rid in ids:
+                self._tracked[rid].aborting = True
+            if ids:
+                self._send(("abort", ids))
+
+    @staticmethod
+    def _item(tr: _Tracked, resume: Resume | None = None) -> _AddItem:
+        r = tr.request
+        params = dataclasses.replace(r.params, output_kind="delta")
+        return _AddItem(r.request_id, r.prompt, params, r.prompt_text, resume)
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, updates, record, counts = msg
+            self._on_step(updates, record, counts)
+        elif kind == "added":
+            _, add_id, error = msg
+            self._on_added(add_id, error)
+        elif kind == "failed":
+            raise EOFError  # the child exits next: handled as its death
+
+    def _on_added(self, add_id: int, error: tuple[str, str, str | None] | None) -> None:
+        cmd = self._adds.pop(add_id, None)
+        members = [tr for tr in self._tracked.values() if tr.add_id == add_id]
+        if error is None:
+            for tr in members:
+                tr.acked = True
+            if cmd is not None:
+                self._resolve(cmd.future, None)
+            return
+        exc = _error_from_wire(*error)
+        for tr in members:
+            del self._tracked[tr.request.request_id]
+        if cmd is not None:  # a new request: its caller gets the error from `add()`
+            self._call_in_loop(self._stream_closed, cmd.stream)
+            self._resolve(cmd.future, exc)
+        elif members:  # a resumed one: its stream ends with it
+            self._fail_streams({tr.stream for tr in members}, exc)
+
+    def _on_step(self, updates: list[_Update], record: StepRecord | None, counts: QueueCounts) -> None:
+        routed: list[tuple[OutputStream, RequestOutput]] = []
+        for upd in updates:
+            tr = self._tracked.get(upd.request_id)
+            if tr is None:
+                continue
+            out = self._absorb(tr, upd)
+            if upd.finish_reason is not None:
+                del self._tracked[upd.request_id]
+            if self.metrics is not None:
+                self.metrics.on_output(out, tr)
+            if out.finished or tr.kind != "final_only":
+                routed.append((tr.stream, out))
+        if self.metrics is not None:
+            if record is not None:
+                self.metrics.on_step(record)
+            self.metrics.on_queues(counts)
+        self._deliver(routed)
+
+    @staticmethod
+    def _absorb(tr: _Tracked, upd: _Update) -> RequestOutput:
+        """Add one update to what `tr` holds; the output its caller's `output_kind` makes."""
+        if upd.prompt_token_ids is not None:
+            tr.prompt, tr.prompt_token_ids = upd.prompt, upd.prompt_token_ids
+        tr.token_ids += upd.token_ids
+        if upd.text:
+            tr.text.append(upd.text)
+            tr.text_len += len(upd.text)
+        if tr.logprobs is not None and upd.logprobs:
+            tr.logprobs += upd.logprobs
+        tr.finish_reason, tr.stop_reason = upd.finish_reason, upd.stop_reason
+        tr.num_preemptions, tr.num_cached_tokens = upd.num_preemptions, upd.num_cached_tokens
+        m = tr.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = upd.first_scheduled_time
+        if m.first_token_time is None:
+            m.first_token_time = upd.first_token_time
+        m.finished_time = upd.finished_time
+        m.token_times += upd.token_times
+        if m.token_times:
+            m.last_token_time = m.token_times[-1]
+        m.num_preemptions, m.num_cached_tokens = upd.num_preemptions, upd.num_cached_tokens
+        if tr.kind == "delta":
+            text, ids, logprobs = upd.text, upd.token_ids, upd.logprobs
+        else:
+            text = "".join(tr.text)
+            tr.text[:] = [text]
+            ids = list(tr.token_ids)
+            logprobs = list(tr.logprobs) if tr.logprobs is not None else None
+        return tr_output(tr, CompletionOutput(
+            0, text, ids, upd.finish_reason, upd.stop_reason, logprobs, upd.text, upd.token_ids,
+        ))
+
+    # -- deaths ------------------------------------------------------------------------------
+    def _recover(self, why: str) -> None:
+        """The child died: end the requests it may have died of, start another, resume the rest."""
+        proc = self._proc
+        if proc is not None:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        code = proc.exitcode if proc is not None else None
+        with self._cond:
+            stopping = self._stop_requested
+        if stopping:
+            return  # `_shutdown` ends everything
+        self.restarts += 1
+        n = len(self._tracked)
+        logger.error("%s (exit status %s) with %d request(s) in flight; starting it again", why, code, n)
+        if self.metrics is not None:
+            self.metrics.engine_restarts.inc()
+        poisoned: list[_Tracked] = []
+        for tr in list(self._tracked.values()):
+            tr.deaths += 1
+            if tr.aborting:  # its abort may not have been seen: it ends now, as asked
+                del self._tracked[tr.request.request_id]
+                self._deliver([(tr.stream, self._final(tr, "abort"))])
+            elif tr.deaths > self.max_replays:
+                del self._tracked[tr.request.request_id]
+                poisoned.append(tr)
+        if poisoned:
+            logger.error(
+                "%d request(s) failed: in flight through %d engine death(s)", len(poisoned), self.max_replays + 1
+            )
+            self._fail_requests(poisoned, RequestFailedError(
+                f"the engine died {self.max_replays + 1} time(s) while serving this request; "
+                "it was not retried again"
+            ))
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+        self._spawn()  # raises if the engine cannot be built again: everything fails
+        resumed = 0
+        for tr in list(self._tracked.values()):  # in arrival order: the oldest first
+            if tr.add_id in self._adds:
+                continue
+            tr.add_id = next(self._add_ids)
+            self._send(("add", tr.add_id, [self._item(tr, self._resume_of(tr))], tr.arrival, False))
+            resumed += 1
+        for add_id, cmd in list(self._adds.items()):  # never answered: sent again, as they were
+            members = [self._tracked[r.request_id] for r in cmd.requests if r.request_id in self._tracked]
+            if len(members) < len(cmd.requests):  # a member failed: so does the group
+                self._adds.pop(add_id)
+                for tr in members:
+                    del self._tracked[tr.request.request_id]
+                self._call_in_loop(self._stream_closed, cmd.stream)
+                self._resolve(cmd.future, RequestFailedError("the engine died while accepting this request"))
+                continue
+            self._send(("add", add_id, [self._item(tr) for tr in members], cmd.arrival_time, True))
+        if self.metrics is not None:
+            self.metrics.requests_replayed.inc(resumed)
+
+    @staticmethod
+    def _resume_of(tr: _Tracked) -> Resume | None:
+        from conveyor.engine import Resume
+
+        if not tr.token_ids:
+            return None if tr.metrics.first_scheduled_time is None else Resume([], 0, tr.metrics)
+        return Resume(list(tr.token_ids), tr.text_len, tr.metrics, tr.num_preemptions)
+
+    def _final(self, tr: _Tracked, reason: str) -> RequestOutput:
+        """`tr`'s last output, made here (the engine that would have made it is gone)."""
+        tr.finish_reason = reason
+        tr.metrics.finished_time = self._clock()
+        delta = tr.kind == "delta"
+        text = "" if delta else "".join(tr.text)
+        ids = [] if delta else list(tr.token_ids)
+        logprobs = ([] if delta else list(tr.logprobs)) if tr.logprobs is not None else None
+        out = tr_output(tr, CompletionOutput(0, text, ids, reason, None, logprobs, "", []))
+        if self.metrics is not None:
+            self.metrics.on_output(out, tr)
+        return out
+
+    def _fail_requests(self, members: list[_Tracked], error: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_failed.inc(len(members))
+        self._fail_streams({tr.stream for tr in members}, error)
+        # Their group mates are ended too: a stream that failed delivers nothing more.
+        for stream in {tr.stream for tr in members}:
+            for rid in stream.request_ids:
+                self._tracked.pop(rid, None)
+
+    def _fail_streams(self, streams: set[OutputStream], error: BaseException) -> None:
+        def fail() -> None:
+            for s in streams:
+                s._put(error)
+
+        self._call_in_loop(fail)
+
+    def _shutdown(self) -> None:
+        """Stop: every request still in flight ends as aborted, then the child exits."""
+        self._send(("stop",))
+        routed = [(tr.stream, self._final(tr, "abort")) for tr in self._tracked.values()]
+        self._tracked.clear()
+        for cmd in self._adds.values():
+            self._call_in_loop(self._stream_closed, cmd.stream)
+            self._resolve(cmd.future, EngineShuttingDownError("the server is shutting down; no new requests"))
+        self._adds.clear()
+        self._deliver(routed)
+        proc = self._proc
+        if proc is not None:
+            proc.join(10.0)
+            if proc.is_alive():
+                logger.warning("the engine process did not stop; killing it")
+                proc.kill()
+                proc.join()
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._accepting = False
+        dead = EngineDeadError(f"the engine failed: {error!r}")
+        streams = {tr.stream for tr in self._tracked.values()}
+        self._tracked.clear()
+        with self._cond:
+            self._dead = error
+            pending, self._commands = self._commands, []
+        for cmd in [*pending, *self._adds.values()]:
+            if isinstance(cmd, _Add):
+                streams.add(cmd.stream)
+                self._resolve(cmd.future, dead)
+        self._adds.clear()
+        self._fail_streams(streams, dead)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+
+
+def tr_output(tr: _Tracked, completion: CompletionOutput) -> RequestOutput:
+    return RequestOutput(
+        request_id=tr.request.request_id,
+        prompt=tr.prompt if tr.prompt is not None else tr.request.prompt_text,
+        prompt_token_ids=tr.prompt_token_ids if tr.prompt_token_ids is not None else (
+            list(tr.request.prompt) if isinstance(tr.request.prompt, list) else []  # never reached the engine
+        ),
+        outputs=[completion],
+        finished=completion.finish_reason is not None,
+        metrics=tr.metrics,
+        num_preemptions=tr.num_preemptions,
+        num_cached_tokens=tr.num_cached_tokens,
+    )

@@ -1,0 +1,248 @@
+"""The engine in its own process (`ProcessAsyncEngine`, `conveyor serve --engine-process`).
+
+The engine process is killed with SIGKILL mid-stream: the front end starts another and every
+request in flight goes on from its last delivered token, with the tokens an engine that never
+died gives (greedy and seeded requests), in every output kind. A request in flight through more
+deaths than allowed fails alone; the server serves the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conveyor import EngineConfig, InvalidRequestError, SamplingParams
+from conveyor.engine import Engine
+from conveyor.outputs import RequestOutput
+from conveyor.server.async_engine import EngineRequest, EngineShuttingDownError, OutputStream
+from conveyor.server.engine_process import ProcessAsyncEngine, RequestFailedError
+from conveyor.server.metrics import ServerMetrics
+from tests.server.conftest import ServerProcess, sample, scrape
+
+LONG = 1500  # tokens: long enough to be killed in the middle of
+
+
+def kwargs(model: Path) -> dict[str, Any]:
+    return {"model": str(model), "num_kv_blocks": 1024, "max_num_seqs": 4, "num_threads": 1}
+
+
+def run(model: Path, body: Callable[[ProcessAsyncEngine], Awaitable[Any]], **opts: Any) -> Any:
+    async def main() -> Any:
+        engine = ProcessAsyncEngine(kwargs(model), metrics=ServerMetrics("tiny"), **opts)
+        engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def reference(model: Path, prompts: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+    """The same requests on an engine in this process that nobody kills."""
+    import torch
+
+    torch.set_num_threads(1)
+    engine = Engine.from_config(EngineConfig.from_kwargs(**kwargs(model)))
+    for rid, (prompt, params) in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+async def collect(stream: OutputStream, into: list[RequestOutput] | None = None) -> list[RequestOutput]:
+    outs = into if into is not None else []
+    async for out in stream:
+        outs.append(out)
+    return outs
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_killed_engine_restarts_and_every_request_resumes_with_the_same_tokens(tiny_model: Path) -> None:
+    greedy = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+    prompts = {
+        "delta": ([5, 6, 7], SamplingParams(**{**_fields(greedy), "output_kind": "delta", "logprobs": 2})),
+        "cumulative": ([8, 9], SamplingParams(**{**_fields(greedy), "output_kind": "cumulative"})),
+        "final": ([10, 11, 12, 13], SamplingParams(**{**_fields(greedy), "output_kind": "final_only"})),
+        "seeded": ([14, 15], SamplingParams(max_tokens=LONG, temperature=1.0, top_k=50, seed=7,
+                                            ignore_eos=True, output_kind="delta")),
+    }
+
+    async def body(engine: ProcessAsyncEngine) -> tuple[dict[str, list[RequestOutput]], int, int | None, ServerMetrics]:
+        first_pid = engine.engine_pid
+        streams = {rid: await engine.add([EngineRequest(rid, p, sp)]) for rid, (p, sp) in prompts.items()}
+        seen: list[RequestOutput] = []
+        tasks = {rid: asyncio.create_task(collect(s, seen if rid == "delta" else None)) for rid, s in streams.items()}
+        await wait_for(lambda: len(seen) > 50)  # tokens are flowing
+        assert first_pid is not None
+        os.kill(first_pid, signal.SIGKILL)
+        results = {rid: await t for rid, t in tasks.items()}
+        assert engine.engine_pid != first_pid
+        assert engine.metrics is not None
+        return results, engine.restarts, first_pid, engine.metrics
+
+    results, restarts, _, metrics = run(tiny_model, body)
+    ref = reference(tiny_model, {rid: (p, SamplingParams(**{**_fields(sp), "output_kind": "cumulative"}))
+                                 for rid, (p, sp) in prompts.items()})
+    assert restarts == 1
+    assert metrics.engine_restarts._value.get() == 1
+    assert metrics.requests_replayed._value.get() == 4  # all four were in flight
+
+    delta = results["delta"]
+    tokens = [t for out in delta for t in out.outputs[0].token_ids]
+    assert tokens == ref["delta"].outputs[0].token_ids  # nothing lost, nothing twice
+    logprobs = [lp for out in delta for lp in out.outputs[0].logprobs or []]
+    assert [lp.token_id for lp in logprobs] == tokens and all(len(lp.top or []) == 2 for lp in logprobs)
+    assert delta[-1].finished and delta[-1].outputs[0].finish_reason == "length"
+
+    cumulative = results["cumulative"]
+    assert cumulative[-1].outputs[0].token_ids == ref["cumulative"].outputs[0].token_ids
+    assert all(a.outputs[0].token_ids == b.outputs[0].token_ids[: len(a.outputs[0].token_ids)]
+               for a, b in itertools.pairwise(cumulative))  # each a prefix of the next
+
+    final = results["final"]
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == ref["final"].outputs[0].token_ids
+    assert final[0].prompt_token_ids == [10, 11, 12, 13]
+    m = final[0].metrics  # timestamps span the restart: one per token, in order
+    assert m.first_token_time is not None and len(m.token_times) == LONG
+    assert m.token_times == sorted(m.token_times) and m.first_token_time == m.token_times[0]
+
+    seeded = [t for out in results["seeded"] for t in out.outputs[0].token_ids]
+    assert seeded == ref["seeded"].outputs[0].token_ids  # its generator went on where it stood
+
+
+def _fields(params: SamplingParams) -> dict[str, Any]:
+    return {f: getattr(params, f) for f in params.__dataclass_fields__}
+
+
+def test_a_request_through_more_deaths_than_allowed_fails_alone_and_serving_goes_on(tiny_model: Path) -> None:
+    params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True, output_kind="delta")
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def body(engine: ProcessAsyncEngine) -> tuple[BaseException | None, list[RequestOutput], ServerMetrics]:
+        stream = await engine.add([EngineRequest("doomed", [5, 6, 7], params)])
+        seen: list[RequestOutput] = []
+        task = asyncio.create_task(collect(stream, seen))
+        await wait_for(lambda: len(seen) > 5)
+        assert engine.engine_pid is not None
+        os.kill(engine.engine_pid, signal.SIGKILL)
+        error: BaseException | None = None
+        try:
+            await task
+        except RequestFailedError as e:
+            error = e
+        after = await collect(await engine.add([EngineRequest("next", [5, 6, 7], short)]))
+        assert engine.metrics is not None
+        return error, after, engine.metrics
+
+    error, after, metrics = run(tiny_model, body, max_replays=0)
+    assert isinstance(error, RequestFailedError) and "died 1 time" in str(error)
+    ref = reference(tiny_model, {"next": ([5, 6, 7], short)})
+    assert after[-1].outputs[0].token_ids == ref["next"].outputs[0].token_ids
+    assert metrics.requests_failed._value.get() == 1
+    assert metrics.requests_replayed._value.get() == 0
+
+
+def test_bad_requests_full_queues_and_stop_behave_as_in_the_thread(tiny_model: Path) -> None:
+    endless = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, output_kind="delta")
+
+    async def body(engine: ProcessAsyncEngine) -> None:
+        with pytest.raises(InvalidRequestError) as bad:
+            await engine.add([EngineRequest("bad", [5, 10**9], endless)])
+        assert bad.value.param == "prompt"
+        with pytest.raises(InvalidRequestError) as many:
+            await engine.add([EngineRequest(f"g{i}", [5], endless) for i in range(3)])
+        assert many.value.param == "n"
+        running = await engine.add([EngineRequest("running", [5, 6], endless)])
+        seen: list[RequestOutput] = []
+        task = asyncio.create_task(collect(running, seen))
+        await wait_for(lambda: len(seen) > 0)
+        await engine.stop()
+        outs = await task
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        with pytest.raises(EngineShuttingDownError):
+            await engine.add([EngineRequest("late", [5], endless)])
+        assert engine.tokenizer is None and engine.max_model_len > 0
+
+    run(tiny_model, body, max_queued_requests=2)
+
+
+def _engine_pid(server: ServerProcess) -> int:
+    """The server's engine process: its child running multiprocessing's spawn entry point."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == server.proc.pid and "spawn_main" in cmdline:
+            return int(entry.name)
+    raise AssertionError("no engine process")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_served_streams_survive_a_killed_engine(tiny_model: Path, tmp_path: Path) -> None:
+    server = ServerProcess(
+        ["--model", str(tiny_model), "--max-num-seqs", "4", "--num-kv-blocks", "1024", "--engine-process"],
+        tmp_path / "server.log",
+    )
+    try:
+        server.wait_ready()
+        body = {"prompt": [5, 6, 7], "max_tokens": LONG, "ignore_eos": True, "temperature": 0.0,
+                "logprobs": 0, "stream": True}
+        events: list[dict[str, Any]] = []
+        flowing = threading.Event()
+
+        def read() -> None:
+            with httpx.Client(timeout=120.0) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        if len(events) > 20:
+                            flowing.set()
+                    elif line == "data: [DONE]":
+                        events.append({"done": True})
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert flowing.wait(60)
+        os.kill(_engine_pid(server), signal.SIGKILL)
+        reader.join(120)
+        assert events and events[-1] == {"done": True}, server.log()
+        tokens = [t for e in events[:-1] for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+        assert len(tokens) == LONG
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        # The same tokens as a request nobody interrupted, on the restarted engine.
+        again = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=120.0).json()
+        assert again["choices"][0]["logprobs"]["tokens"] == tokens
+        m = scrape(server.url)
+        assert sample(m, "conveyor:engine_restarts_total") == 1
+        assert sample(m, "conveyor:requests_replayed_total") == 1
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.log()
