@@ -36,10 +36,11 @@ class ServerConfig:
         metadata=_help("Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted."),
     )
     engine_process: bool = field(
-        default=False,
+        default=True,
         metadata=_help(
             "Run the engine in its own process: if it dies, it is started again and the "
-            "requests in flight resume where they stood."
+            "requests in flight resume where they stood. --no-engine-process steps it in a "
+            "thread of the server's process."
         ),
     )
     engine_max_replays: int = field(

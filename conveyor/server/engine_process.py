@@ -68,6 +68,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("conveyor.server")
 
 
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine (the child's error is in the message)."""
+
+
 class RequestFailedError(EngineDeadError):
     """The engine died under this request more often than `max_replays` allows (HTTP 500; the
     server goes on serving the others)."""
@@ -406,7 +410,7 @@ class ProcessAsyncEngine(AsyncEngine):
         child.close()  # ours: with it closed, the child's death reads as EOF
         try:
             if not parent.poll(self.start_timeout):
-                raise RuntimeError(f"the engine process was not ready within {self.start_timeout:.0f} s")
+                raise EngineStartError(f"the engine process was not ready within {self.start_timeout:.0f} s")
             msg = parent.recv()
         except (EOFError, OSError):
             msg = ("load_failed", f"the engine process exited with status {proc.exitcode}")
@@ -415,7 +419,7 @@ class ProcessAsyncEngine(AsyncEngine):
             raise
         if msg[0] != "ready":
             proc.join(5.0)
-            raise RuntimeError(f"the engine process could not start: {msg[1]}")
+            raise EngineStartError(f"the engine process could not start: {msg[1]}")
         self._proc, self._conn, self._facts = proc, parent, msg[1]
         logger.info("engine process %d ready", self._facts.pid)
 

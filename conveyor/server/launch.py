@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from types import FrameType
 from typing import Any
 
@@ -96,14 +97,18 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> in
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         if server_config.engine_process:
-            from conveyor.server.engine_process import ProcessAsyncEngine
+            from conveyor.server.engine_process import EngineStartError, ProcessAsyncEngine
 
             async_engine = ProcessAsyncEngine(
                 engine_kwargs,
                 max_queued_requests=server_config.max_queued_requests,
                 max_replays=server_config.engine_max_replays,
             )
-            async_engine.launch()
+            try:
+                async_engine.launch()
+            except EngineStartError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
         else:
             engine = Engine.from_config(config)
             async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)

@@ -208,7 +208,7 @@ def _engine_pid(server: ServerProcess) -> int:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_served_streams_survive_a_killed_engine(tiny_model: Path, tmp_path: Path) -> None:
     server = ServerProcess(
-        ["--model", str(tiny_model), "--max-num-seqs", "4", "--num-kv-blocks", "1024", "--engine-process"],
+        ["--model", str(tiny_model), "--max-num-seqs", "4", "--num-kv-blocks", "1024"],  # the default
         tmp_path / "server.log",
     )
     try:
@@ -244,5 +244,21 @@ def test_served_streams_survive_a_killed_engine(tiny_model: Path, tmp_path: Path
         assert sample(m, "conveyor:engine_restarts_total") == 1
         assert sample(m, "conveyor:requests_replayed_total") == 1
         assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks for the engine process through /proc")
+def test_no_engine_process_serves_from_a_thread(tiny_model: Path, tmp_path: Path) -> None:
+    server = ServerProcess(
+        ["--model", str(tiny_model), "--num-kv-blocks", "256", "--no-engine-process"], tmp_path / "server.log"
+    )
+    try:
+        server.wait_ready()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4, "logprobs": 0},
+                       timeout=60.0)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4
+        with pytest.raises(AssertionError, match="no engine process"):
+            _engine_pid(server)
     finally:
         assert server.stop() == 0, server.log()
