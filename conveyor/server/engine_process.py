@@ -306,7 +306,6 @@ class _Tracked:
     kind: str  # the output_kind the caller asked for
     add_id: int
     metrics: RequestMetrics
-    acked: bool = False
     aborting: bool = False
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -350,7 +349,11 @@ class ProcessAsyncEngine(AsyncEngine):
         self._facts: _Facts | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: mpc.Connection | None = None
-        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        # Wakes the supervisor from its wait on the child: a byte per queued command, never
+        # blocking (a full pipe already holds a wake-up).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._tracked: dict[str, _Tracked] = {}  # supervisor thread only (in arrival order)
         self._adds: dict[int, _Add] = {}  # sent, not yet answered
         self._add_ids = itertools.count()
@@ -388,7 +391,8 @@ class ProcessAsyncEngine(AsyncEngine):
 
     def _wake(self) -> None:
         self._cond.notify()
-        self._wake_w.send_bytes(b"")
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"w")
 
     # -- life cycle --------------------------------------------------------------------------
     def launch(self) -> None:
@@ -451,8 +455,9 @@ class ProcessAsyncEngine(AsyncEngine):
                 assert self._conn is not None
                 ready = mpc.wait([self._conn, self._wake_r])
                 if self._wake_r in ready:
-                    while self._wake_r.poll():
-                        self._wake_r.recv_bytes()
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_r, 4096):
+                            pass
                 if self._conn in ready:
                     try:
                         while self._conn.poll():
@@ -508,13 +513,11 @@ class ProcessAsyncEngine(AsyncEngine):
 
     def _on_added(self, add_id: int, error: tuple[str, str, str | None] | None) -> None:
         cmd = self._adds.pop(add_id, None)
-        members = [tr for tr in self._tracked.values() if tr.add_id == add_id]
         if error is None:
-            for tr in members:
-                tr.acked = True
             if cmd is not None:
                 self._resolve(cmd.future, None)
             return
+        members = [tr for tr in self._tracked.values() if tr.add_id == add_id]
         exc = _error_from_wire(*error)
         for tr in members:
             del self._tracked[tr.request.request_id]
