@@ -18,7 +18,8 @@ def test_overlap_small(tmp_path, smollm2):
     figures = json.loads(out.read_text())["figures"]
     assert set(figures) == {f"4,{d},{m}" for d in ("0.0", "3.0") for m in ("sync", "async", "stream", "served")}
     for key, cell in figures.items():
-        assert cell["step_ms"] > 0 and 0 <= cell["waited_ms"] <= cell["step_ms"] * 1.01, key
+        # The host waits within a step: on average, no longer than the average step.
+        assert cell["step_ms"] > 0 and 0 <= cell["waited_ms"] <= cell["step_mean_ms"], key
     assert figures["4,3.0,sync"]["step_ms"] >= 3.0  # launch, then 3 ms of device, every step
     assert figures["4,3.0,sync"]["waited_ms"] > 2.5  # the stub forward leaves the wait to the device
     assert "| 4 | 3.00 | stream |" in proc.stdout
