@@ -5,7 +5,8 @@ Shutdown on SIGTERM or SIGINT, in order:
    the socket stays open, so clients get an answer rather than a refused connection;
 2. in-flight requests get `shutdown_timeout` seconds to finish; what is left is aborted (a
    stream ends with finish_reason "abort", a non-streamed request gets 503);
-3. uvicorn closes the connections, the engine thread stops, the process exits with status 0.
+3. uvicorn closes the connections, the engine (its process, or its thread with
+   --no-engine-process) stops, the process exits with status 0.
 A second signal skips the wait: everything is aborted at once.
 """
 
