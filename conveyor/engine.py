@@ -9,6 +9,7 @@ work overlaps the device's (SGLang's overlap scheduler).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -364,10 +365,7 @@ class Engine:
         if len(outputs) >= seq.sampling_params.max_tokens or seq.prompt_len + len(outputs) >= self.max_model_len:
             raise InvalidRequestError("a resumed request has no tokens left to generate", param="resume")
         seq.token_ids += outputs
-        seq.metrics = RequestMetrics(
-            **{k: getattr(resume.metrics, k) for k in resume.metrics.__dataclass_fields__}
-        )
-        seq.metrics.token_times = list(resume.metrics.token_times)
+        seq.metrics = dataclasses.replace(resume.metrics, token_times=list(resume.metrics.token_times))
         seq.num_preemptions = resume.num_preemptions
         req.emitted_tokens = len(outputs)
         if req.detokenizer is not None:

@@ -50,6 +50,23 @@ class EngineDeadError(RuntimeError):
     """A step raised; the engine's state can no longer be trusted (HTTP 500 / 503)."""
 
 
+def queue_limit_error(num_new: int, num_waiting: int, limit: int | None) -> Exception | None:
+    """Why a group of `num_new` requests may not join a queue of `num_waiting` (None: it may)."""
+    if limit is None:
+        return None
+    if num_new > limit:
+        return InvalidRequestError(
+            f"this request asks for {num_new} sequences, but at most {limit} may wait in the "
+            "queue (--max-queued-requests)",
+            param="n",
+        )
+    if num_waiting + num_new > limit:
+        return QueueFullError(
+            f"the waiting queue is full ({num_waiting} of {limit} requests waiting); retry later"
+        )
+    return None
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One engine request: one choice of one prompt of an API request."""
@@ -222,13 +239,17 @@ class AsyncEngine:
 
     # -- life cycle (event loop) -------------------------------------------------------------
     def start(self) -> None:
+        self._start_thread(self._run, "conveyor-engine")
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        """Bind to the running event loop and start the thread that talks to the engine."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
 
     def stop_accepting(self) -> None:
@@ -376,20 +397,7 @@ class AsyncEngine:
     def _apply_add(self, cmd: _Add) -> None:
         engine = self.engine
         added: list[str] = []
-        error: BaseException | None = None
-        if self.max_queued_requests is not None:
-            waiting = len(engine.scheduler.waiting)
-            if len(cmd.requests) > self.max_queued_requests:
-                error = InvalidRequestError(
-                    f"this request asks for {len(cmd.requests)} sequences, but at most "
-                    f"{self.max_queued_requests} may wait in the queue (--max-queued-requests)",
-                    param="n",
-                )
-            elif waiting + len(cmd.requests) > self.max_queued_requests:
-                error = QueueFullError(
-                    f"the waiting queue is full ({waiting} of {self.max_queued_requests} "
-                    f"requests waiting); retry later"
-                )
+        error = queue_limit_error(len(cmd.requests), len(engine.scheduler.waiting), self.max_queued_requests)
         if error is None:
             try:
                 for r in cmd.requests:

@@ -57,6 +57,7 @@ from conveyor.server.async_engine import (
     _AbortAll,
     _Add,
     _Command,
+    queue_limit_error,
 )
 from conveyor.server.metrics import QueueCounts, queue_counts
 
@@ -244,18 +245,9 @@ class _EngineCore:
     def _add(self, add_id: int, items: list[_AddItem], arrival: float, check_queue: bool) -> None:
         engine = self.engine
         error: tuple[str, str, str | None] | None = None
-        limit = self.max_queued_requests
-        if check_queue and limit is not None:
-            waiting = len(engine.scheduler.waiting)
-            if len(items) > limit:
-                error = _wire_error(InvalidRequestError(
-                    f"this request asks for {len(items)} sequences, but at most {limit} may "
-                    "wait in the queue (--max-queued-requests)", param="n",
-                ))
-            elif waiting + len(items) > limit:
-                error = _wire_error(QueueFullError(
-                    f"the waiting queue is full ({waiting} of {limit} requests waiting); retry later"
-                ))
+        if check_queue:
+            refusal = queue_limit_error(len(items), len(engine.scheduler.waiting), self.max_queued_requests)
+            error = _wire_error(refusal) if refusal is not None else None
         if error is None:
             added: list[str] = []
             try:
@@ -311,16 +303,26 @@ class _Tracked:
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
-    text_len: int = 0
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
     deaths: int = 0  # engine deaths this request was in flight through
     # for ServerMetrics.on_output (RequestProgress)
     saw_first_token: bool = False
     token_times_seen: int = 0
+
+    def output(self, completion: CompletionOutput) -> RequestOutput:
+        prompt_ids = self.prompt_token_ids
+        if prompt_ids is None:  # it never reached an engine
+            prompt_ids = list(self.request.prompt) if isinstance(self.request.prompt, list) else []
+        return RequestOutput(
+            request_id=self.request.request_id,
+            prompt=self.prompt if self.prompt is not None else self.request.prompt_text,
+            prompt_token_ids=prompt_ids,
+            outputs=[completion],
+            finished=completion.finish_reason is not None,
+            metrics=self.metrics,
+            num_preemptions=self.metrics.num_preemptions,
+            num_cached_tokens=self.metrics.num_cached_tokens,
+        )
 
 
 class ProcessAsyncEngine(AsyncEngine):
@@ -430,15 +432,8 @@ class ProcessAsyncEngine(AsyncEngine):
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
-        import asyncio
-
         self.launch()
-        self._loop = asyncio.get_running_loop()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._accepting = True
-        self._thread = threading.Thread(target=self._supervise, name="conveyor-engine-io", daemon=True)
-        self._thread.start()
+        self._start_thread(self._supervise, "conveyor-engine-io")
 
     # -- the supervisor thread ---------------------------------------------------------------
     def _supervise(self) -> None:
@@ -554,11 +549,8 @@ class ProcessAsyncEngine(AsyncEngine):
         tr.token_ids += upd.token_ids
         if upd.text:
             tr.text.append(upd.text)
-            tr.text_len += len(upd.text)
         if tr.logprobs is not None and upd.logprobs:
             tr.logprobs += upd.logprobs
-        tr.finish_reason, tr.stop_reason = upd.finish_reason, upd.stop_reason
-        tr.num_preemptions, tr.num_cached_tokens = upd.num_preemptions, upd.num_cached_tokens
         m = tr.metrics
         if m.first_scheduled_time is None:
             m.first_scheduled_time = upd.first_scheduled_time
@@ -576,7 +568,7 @@ class ProcessAsyncEngine(AsyncEngine):
             tr.text[:] = [text]
             ids = list(tr.token_ids)
             logprobs = list(tr.logprobs) if tr.logprobs is not None else None
-        return tr_output(tr, CompletionOutput(
+        return tr.output(CompletionOutput(
             0, text, ids, upd.finish_reason, upd.stop_reason, logprobs, upd.text, upd.token_ids,
         ))
 
@@ -646,17 +638,17 @@ class ProcessAsyncEngine(AsyncEngine):
 
         if not tr.token_ids:
             return None if tr.metrics.first_scheduled_time is None else Resume([], 0, tr.metrics)
-        return Resume(list(tr.token_ids), tr.text_len, tr.metrics, tr.num_preemptions)
+        emitted = sum(len(piece) for piece in tr.text)
+        return Resume(list(tr.token_ids), emitted, tr.metrics, tr.metrics.num_preemptions)
 
     def _final(self, tr: _Tracked, reason: str) -> RequestOutput:
         """`tr`'s last output, made here (the engine that would have made it is gone)."""
-        tr.finish_reason = reason
         tr.metrics.finished_time = self._clock()
         delta = tr.kind == "delta"
         text = "" if delta else "".join(tr.text)
         ids = [] if delta else list(tr.token_ids)
         logprobs = ([] if delta else list(tr.logprobs)) if tr.logprobs is not None else None
-        out = tr_output(tr, CompletionOutput(0, text, ids, reason, None, logprobs, "", []))
+        out = tr.output(CompletionOutput(0, text, ids, reason, None, logprobs, "", []))
         if self.metrics is not None:
             self.metrics.on_output(out, tr)
         return out
@@ -712,17 +704,3 @@ class ProcessAsyncEngine(AsyncEngine):
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
 
-
-def tr_output(tr: _Tracked, completion: CompletionOutput) -> RequestOutput:
-    return RequestOutput(
-        request_id=tr.request.request_id,
-        prompt=tr.prompt if tr.prompt is not None else tr.request.prompt_text,
-        prompt_token_ids=tr.prompt_token_ids if tr.prompt_token_ids is not None else (
-            list(tr.request.prompt) if isinstance(tr.request.prompt, list) else []  # never reached the engine
-        ),
-        outputs=[completion],
-        finished=completion.finish_reason is not None,
-        metrics=tr.metrics,
-        num_preemptions=tr.num_preemptions,
-        num_cached_tokens=tr.num_cached_tokens,
-    )

@@ -126,8 +126,8 @@ class ServerMetrics:
             "Requests in flight when an engine process died, resumed by its successor.")
         self.requests_failed = counter(
             "conveyor:requests_failed",
-            "Requests ended by an error: in flight through more engine deaths than "
-            "--engine-max-replays allows, or when the engine could not be started again.")
+            "Requests ended by an error for being in flight through more engine deaths than "
+            "--engine-max-replays allows.")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
