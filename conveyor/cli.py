@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 from conveyor.config import ConfigError, EngineConfig
+from conveyor.core.routing import RouterConfig  # light: no torch
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.config import ServerConfig  # light: no FastAPI until `serve` runs
+
+T = TypeVar("T")
 
 
 def _arg_type(annotation: Any) -> tuple[Any, bool]:
@@ -161,9 +164,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     _add_field_args(parser.add_argument_group("server"), ServerConfig)
 
 
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Flags generated from `RouterConfig`'s fields: replicas and how requests are spread."""
+    _add_field_args(parser.add_argument_group("replicas (data parallelism)"), RouterConfig)
+
+
+def _config_of(config_type: type[T], args: argparse.Namespace) -> T:
+    names = {f.name for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
+    return config_type(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    return _config_of(ServerConfig, args)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return _config_of(RouterConfig, args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -174,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = server_config(args)
     level = "DEBUG" if config.log_level == "trace" else config.log_level.upper()
     logging.getLogger("conveyor").setLevel(level)
-    return run_server(engine_kwargs(args), config)
+    return run_server(engine_kwargs(args), config, router_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
     )
     add_server_args(serve)
+    add_router_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

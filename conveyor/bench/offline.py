@@ -36,6 +36,7 @@ from conveyor.bench.workload import BenchRequest, LoadPoint
 if TYPE_CHECKING:
     from conveyor.engine import Engine
     from conveyor.outputs import RequestOutput
+    from conveyor.sampling_params import SamplingParams
 
 clock = time.perf_counter
 
@@ -182,15 +183,11 @@ class ConveyorSystem:
 
     def run(self, requests: Sequence[BenchRequest], point: LoadPoint, progress: Progress | None = None) -> SystemRun:
         from conveyor.replay import TimedRequest, replay
-        from conveyor.sampling_params import SamplingParams
         from conveyor.trace import trace_dict
 
         engine = self._engine()
         try:
-            params = {
-                r.index: SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, tenant=r.tenant)
-                for r in requests
-            }
+            params = {r.index: bench_params(r) for r in requests}
             t0 = engine.clock()
             if point.concurrency is not None:
                 outs = _closed_loop(engine, requests, params, point.concurrency, progress)
@@ -208,6 +205,13 @@ class ConveyorSystem:
 
     def close(self) -> None:
         pass
+
+
+def bench_params(r: BenchRequest) -> SamplingParams:
+    """A bench request's sampling: greedy, exactly its output length."""
+    from conveyor.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, tenant=r.tenant)
 
 
 def _prompt(r: BenchRequest) -> str | list[int]:

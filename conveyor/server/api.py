@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an `AsyncEngine`: `build_app` and its routes.
+"""The OpenAI-compatible HTTP API over an `EngineFront` (one engine, or replicas behind a router): `build_app` and its routes.
 
 `build_app` returns a self-contained FastAPI app: its state hangs off closures and
 `app.state.conveyor`, its metrics live in their own registry, nothing is module-global. The
@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from conveyor import __version__
-from conveyor.server.async_engine import AsyncEngine, EngineShuttingDownError
+from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
 from conveyor.server.config import ServerConfig, default_model_name
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -23,13 +23,13 @@ from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.serving import ChatCompletionHandler, CompletionHandler, ServerState
 
 
-def served_model_names(config: ServerConfig, engine: AsyncEngine) -> tuple[str, ...]:
+def served_model_names(config: ServerConfig, engine: EngineFront) -> tuple[str, ...]:
     if config.served_model_name:
         return config.served_model_name
     return (default_model_name(engine.model_path or "model"),)
 
 
-def build_app(async_engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI:
     """A FastAPI app serving `async_engine`; its lifespan starts and stops the engine thread."""
     names = served_model_names(server_config, async_engine)
     if async_engine.metrics is None:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -156,7 +157,99 @@ class _AbortAll:
 _Command = _Add | _Abort | _AbortAll
 
 
-class AsyncEngine:
+class EngineFront(ABC):
+    """What the HTTP layer serves from: one engine (`AsyncEngine`, in a thread or a process) or
+    several behind a router (`ReplicaSet`). Everything is called from the event loop."""
+
+    metrics: ServerMetrics | None
+
+    # -- facts (constant once started) -------------------------------------------------------
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def model_path(self) -> str | None:
+        """The weights' file or folder."""
+
+    @property
+    @abstractmethod
+    def model_arg(self) -> str | None:
+        """`--model` as typed."""
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def is_running(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def accepting(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def dead(self) -> BaseException | None:
+        """Why no request can be served any more (None while one can)."""
+
+    @property
+    @abstractmethod
+    def num_open_streams(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_in_flight(self) -> int:
+        """Engine requests accepted (or being accepted) whose final output is not delivered yet."""
+
+    # -- life cycle --------------------------------------------------------------------------
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop_accepting(self) -> None: ...
+
+    @abstractmethod
+    async def wait_idle(self, timeout: float | None = None) -> bool: ...
+
+    @abstractmethod
+    def abort_all(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self, timeout: float = 5.0) -> None: ...
+
+    # -- requests ----------------------------------------------------------------------------
+    @abstractmethod
+    async def add(self, requests: Sequence[EngineRequest]) -> OutputStream:
+        """Queue a group of engine requests; all are accepted or none (then this raises)."""
+
+    @abstractmethod
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        prompt_text: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the request is aborted if the consumer stops early.
+
+        Errors of `add()` are raised by the first `__anext__`; an HTTP layer that must answer
+        before its response starts calls `add()` itself.
+        """
+        stream = await self.add([EngineRequest(request_id, prompt, params, prompt_text)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+
+class AsyncEngine(EngineFront):
     """Owns an `Engine` and steps it in a dedicated thread; requests arrive from asyncio.
 
     `start()` must be called from the event loop that will consume the streams; `stop()` ends
@@ -181,6 +274,7 @@ class AsyncEngine:
         """The state every front end has, whichever way its engine runs."""
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
+        self.replica_index = 0  # which replica this is behind a router (its queue gauges' slot)
         # Wait this long when the scheduler had work but chose to run nothing (a batching
         # policy collecting a batch): short, and cut short by any new command.
         self.idle_poll_s = idle_poll_s
@@ -236,6 +330,10 @@ class AsyncEngine:
     @property
     def num_open_streams(self) -> int:
         return len(self._open_streams)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(s._undelivered) for s in self._open_streams)
 
     # -- life cycle (event loop) -------------------------------------------------------------
     def start(self) -> None:
@@ -312,25 +410,6 @@ class AsyncEngine:
             self._stream_closed(stream)
             raise
         return stream
-
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        prompt_text: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; the request is aborted if the consumer stops early.
-
-        Errors of `add()` are raised by the first `__anext__`; an HTTP layer that must answer
-        before its response starts calls `add()` itself.
-        """
-        stream = await self.add([EngineRequest(request_id, prompt, params, prompt_text)])
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (unknown or finished ids are ignored); thread-safe."""
@@ -450,7 +529,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         if self.metrics is not None:
-            self.metrics.on_queues(queue_counts(self.engine.scheduler))
+            self.metrics.on_queues(queue_counts(self.engine.scheduler), self.replica_index)
 
     def _deliver(self, routed: list[tuple[OutputStream, RequestOutput]]) -> None:
         if routed and self._loop is not None:

@@ -429,6 +429,12 @@ class ProcessAsyncEngine(AsyncEngine):
         self._proc, self._conn, self._facts = proc, parent, msg[1]
         logger.info("engine process %d ready", self._facts.pid)
 
+    def kill(self) -> None:
+        """End the engine process at once, if there is one (a launch that must be undone)."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
@@ -538,7 +544,7 @@ class ProcessAsyncEngine(AsyncEngine):
         if self.metrics is not None:
             if record is not None:
                 self.metrics.on_step(record)
-            self.metrics.on_queues(counts)
+            self.metrics.on_queues(counts, self.replica_index)
         self._deliver(routed)
 
     @staticmethod

@@ -22,9 +22,11 @@ from typing import Any
 import uvicorn
 
 from conveyor.config import EngineConfig
+from conveyor.core.routing import RouterConfig
 from conveyor.server.api import build_app
-from conveyor.server.async_engine import AsyncEngine
+from conveyor.server.async_engine import AsyncEngine, EngineFront
 from conveyor.server.config import ServerConfig
+from conveyor.server.engine_process import EngineStartError, ProcessAsyncEngine
 from conveyor.server.serving import ServerState
 
 logger = logging.getLogger("conveyor.server")
@@ -84,38 +86,52 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def _build_front(engine_kwargs: dict[str, Any], server_config: ServerConfig, router_config: RouterConfig) -> EngineFront:
+    """The engine (in its process or a thread) or, with several replicas, the replica set; ready."""
+    if router_config.data_parallel_size > 1:
+        from conveyor.server.replicas import build_replica_set
+
+        replicas = build_replica_set(
+            engine_kwargs, router_config, server_config.engine_process,
+            server_config.max_queued_requests, server_config.engine_max_replays,
+        )
+        replicas.launch()
+        logger.info("%d engine replicas, routed by %s", len(replicas.replicas), router_config.router_policy)
+        return replicas
+    if server_config.engine_process:
+        process = ProcessAsyncEngine(
+            engine_kwargs,
+            max_queued_requests=server_config.max_queued_requests,
+            max_replays=server_config.engine_max_replays,
+        )
+        process.launch()
+        return process
+    from conveyor.engine import Engine
+
+    engine = Engine.from_config(EngineConfig.from_kwargs(**engine_kwargs))
+    return AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
+
+
 def _exit_cleanly(sig: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> int:
+def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig, router_config: RouterConfig | None = None) -> int:
     """Load the model, serve until a signal, drain, return the exit status (0)."""
-    from conveyor.engine import Engine
-
-    async_engine: AsyncEngine
-    config = EngineConfig.from_kwargs(**engine_kwargs)  # a bad flag fails here, in either mode
+    router_config = router_config or RouterConfig()
+    front: EngineFront
+    EngineConfig.from_kwargs(**engine_kwargs)  # a bad flag fails here, in either mode
     # Nothing is in flight while the model loads: a SIGTERM then just ends the process, cleanly.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        if server_config.engine_process:
-            from conveyor.server.engine_process import EngineStartError, ProcessAsyncEngine
-
-            async_engine = ProcessAsyncEngine(
-                engine_kwargs,
-                max_queued_requests=server_config.max_queued_requests,
-                max_replays=server_config.engine_max_replays,
-            )
-            try:
-                async_engine.launch()
-            except EngineStartError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-        else:
-            engine = Engine.from_config(config)
-            async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
+        try:
+            front = _build_front(engine_kwargs, server_config, router_config)
+        except EngineStartError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    app = build_app(async_engine, server_config)
+    app = build_app(front, server_config)
     state: ServerState = app.state.conveyor
     uv_config = uvicorn.Config(
         app,
@@ -129,7 +145,7 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> in
     server = _Server(uv_config, state, server_config.shutdown_timeout)
     logger.info(
         "serving %s (max_model_len %d) on http://%s:%d",
-        state.model_name, async_engine.max_model_len, server_config.host, server_config.port,
+        state.model_name, front.max_model_len, server_config.host, server_config.port,
     )
     asyncio.run(server.serve())
     return 0 if server.started else 1

@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, named like vLLM's with a `conveyor:` prefix.
 
 Everything lives in the server's own `CollectorRegistry` (no process-global state, so two
-servers or two tests never share counters). One thread writes: the engine thread, or with an
-engine process the thread that reads its messages. It calls `on_step` after each step,
+servers or two tests never share counters). One thread per engine replica writes: the engine
+thread, or with an engine process the thread that reads its messages. It calls `on_step` after each step,
 `on_output` for each output it routes and `on_queues` whenever the queues may have changed
 (after a step, after an abort). prometheus_client is thread-safe, so `/metrics` reads
 concurrently from the event loop.
@@ -10,6 +10,7 @@ concurrently from the event loop.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -129,6 +130,15 @@ class ServerMetrics:
             "Requests ended by an error for being in flight through more engine deaths than "
             "--engine-max-replays allows.")
 
+        self._routed = Counter(
+            "conveyor:router_requests",
+            "Requests (API requests; their n choices go together) routed to each engine replica, "
+            "by the reason the routing policy gave (--data-parallel-size > 1).",
+            ["model_name", "replica", "reason"], registry=r)
+        self.model_name = m
+        self._queues: dict[int, QueueCounts] = {}
+        self._queues_lock = threading.Lock()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -138,11 +148,19 @@ class ServerMetrics:
         if record.num_preempted:
             self.preemptions.inc(record.num_preempted)
 
-    def on_queues(self, counts: QueueCounts) -> None:
-        self.running.set(counts.running)
-        self.waiting.set(counts.waiting)
-        self.swapped.set(counts.swapped)
-        self.kv_usage.set(counts.kv_usage)
+    def on_queues(self, counts: QueueCounts, replica: int = 0) -> None:
+        """A replica's queues after its step; the gauges show the sum over replicas (the KV
+        usage: the mean). Replicas call this from their own threads."""
+        with self._queues_lock:
+            self._queues[replica] = counts
+            every = list(self._queues.values())
+        self.running.set(sum(c.running for c in every))
+        self.waiting.set(sum(c.waiting for c in every))
+        self.swapped.set(sum(c.swapped for c in every))
+        self.kv_usage.set(sum(c.kv_usage for c in every) / len(every))
+
+    def on_routed(self, replica: int, reason: str) -> None:
+        self._routed.labels(self.model_name, str(replica), reason).inc()
 
     def on_output(self, out: RequestOutput, progress: RequestProgress) -> None:
         """Count what is new in `out` since this request's previous output."""

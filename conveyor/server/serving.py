@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from conveyor.outputs import RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.server.async_engine import (
-    AsyncEngine,
     EngineDeadError,
+    EngineFront,
     EngineRequest,
     EngineShuttingDownError,
     OutputStream,
@@ -48,7 +48,7 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 class ServerState:
     """What the routes share. `shutting_down` flips once, when a drain starts."""
 
-    engine: AsyncEngine
+    engine: EngineFront
     config: ServerConfig
     model_names: tuple[str, ...]
     metrics: ServerMetrics

@@ -31,6 +31,9 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve",
     )
     add_engine_args(sim)
+    from conveyor.cli import add_router_args
+
+    add_router_args(sim)
     g = sim.add_argument_group("simulation")
     g.add_argument("--hardware", required=True, help=f"one of {', '.join(hardware_names())} (cpu: calibrated)")
     g.add_argument("--model", default="smollm2-135m",
@@ -86,20 +89,30 @@ def resolve(args: argparse.Namespace) -> tuple[Hardware, ModelShape, Any]:
 
 class SimSystem(ConveyorSystem):
     """One scheduler configuration on the cost model. The measured system's run loop (replay,
-    closed loop, traces) with a simulated engine in place of the real one."""
+    closed loop, traces) with a simulated engine in place of the real one; with
+    `data_parallel_size` > 1 (a flag, or a CONFIG's option, as the router's), that many replicas
+    of it, one device each, behind the router."""
 
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
-                 params: Any, batch_size: int, cost_model: Any = None) -> None:
+                 params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None) -> None:
         """`cost_model` replaces the roofline model that `params` would build (a profiled table,
-        or one that records the steps it prices)."""
+        or one that records the steps it prices); `router` holds `RouterConfig` options."""
+        from conveyor.core.routing import RouterConfig
+
+        names = {f.name for f in dataclasses.fields(RouterConfig)}
+        router_options = {**(router or {}), **{k: v for k, v in spec.options.items() if k in names}}
+        spec = dataclasses.replace(spec, options={k: v for k, v in spec.options.items() if k not in names})
         super().__init__(spec, None, options, batch_size)  # type: ignore[arg-type]  # no base engine
+        self.router_config = RouterConfig(**router_options)
         self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
         self.last_engine: Any = None
+        self.last_engines: list[Any] = []
 
     def _engine(self) -> Any:
         from conveyor.sim.engine import build_sim_engine
 
         self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model)
+        self.last_engines = [self.last_engine]
         return self.last_engine
 
     def run(self, requests: Any, point: Any, progress: Any = None) -> Any:
@@ -109,9 +122,47 @@ class SimSystem(ConveyorSystem):
         # would only rescan the live ones (a quarter of the wall time at 10,000 requests).
         gc.disable()
         try:
+            if self.router_config.data_parallel_size > 1:
+                return self._run_replicas(requests, point, progress)
             return super().run(requests, point, progress)
         finally:
             gc.enable()
+
+    def _run_replicas(self, requests: Any, point: Any, progress: Any) -> Any:
+        from conveyor.bench.offline import (
+            SystemRun,
+            _prompt,
+            _timing_from_output,
+            bench_params,
+            engine_stats,
+            occupancy_from_trace,
+        )
+        from conveyor.core.routing import make_router
+        from conveyor.replay import TimedRequest
+        from conveyor.sim.engine import build_sim_engine
+        from conveyor.sim.replicas import replay_on_replicas
+        from conveyor.trace import trace_dict
+
+        n = self.router_config.data_parallel_size
+        engines = [build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model) for _ in range(n)]
+        self.last_engine, self.last_engines = engines[0], engines
+        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
+        concurrency = int(point.value) if point.kind == "concurrency" else None
+        t0 = max(e.clock() for e in engines)
+        done = replay_on_replicas(engines, make_router(self.router_config), timed, concurrency, progress)
+        timings = [_timing_from_output(r.index, out) for r, out in zip(requests, done.outputs, strict=True)]
+        end = max((t.end for t in timings if t.end is not None), default=t0)
+        traces = [trace_dict(e) for e in engines]
+        stats = engine_stats([s for t in traces for s in t["steps"]])
+        stats["replicas"] = [
+            {"requests": done.routed.count(i), "busy_s": e.runner_busy_s,
+             "prompt_tokens": sum(t.prompt_len or 0 for t, k in zip(timings, done.routed, strict=True) if k == i),
+             "cached_tokens": sum(t.cached_tokens or 0 for t, k in zip(timings, done.routed, strict=True) if k == i),
+             "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
+            for i, (e, tr) in enumerate(zip(engines, traces, strict=True))
+        ]
+        stats["routing"] = {"policy": self.router_config.router_policy, "reasons": dict(done.reasons)}
+        return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[0]))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -125,12 +176,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         run_systems,
     )
     from conveyor.bench.offline import SystemSpec, parse_config
-    from conveyor.cli import engine_kwargs
+    from conveyor.cli import engine_kwargs, router_config
     from conveyor.sim.engine import describe_capacity
 
     _require(args)
     hardware, model, params = resolve(args)
     options = {k: v for k, v in engine_kwargs(args).items() if k != "model"}
+    router = dataclasses.asdict(router_config(args))
     specs = [parse_config(c) for c in args.configs] if args.configs else [SystemSpec(hardware.name, "conveyor", {})]
     for s in specs:
         if s.kind != "conveyor":
@@ -147,14 +199,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result["simulation"] = sim
 
     def on_point(spec: Any, system: SimSystem, point: dict[str, Any]) -> None:
-        point["simulated_busy_s"] = system.last_engine.runner_busy_s
-        sim["systems"][spec.name] = describe_capacity(system.last_engine)
+        point["simulated_busy_s"] = sum(e.runner_busy_s for e in system.last_engines)
+        sim["systems"][spec.name] = {**describe_capacity(system.last_engine),
+                                     "replicas": system.router_config.data_parallel_size}
 
     wall = time.perf_counter()
     run_systems(
         args, result, specs, requests, points, slo,
-        build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size),
-        options_of=lambda spec, system: dataclasses.asdict(system.config.scheduler),
+        build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size, router=router),
+        options_of=lambda spec, system: {**dataclasses.asdict(system.config.scheduler),
+                                         **dataclasses.asdict(system.router_config)},
         kind="simulated", on_point=on_point,
     )
     sim["wall_s"] = time.perf_counter() - wall

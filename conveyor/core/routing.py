@@ -1,0 +1,270 @@
+"""Routing policies: which engine replica serves a request (data parallelism).
+
+Several replicas of the engine, each with its own scheduler and KV cache, serve one stream of
+requests. The router sees, per request, its prompt and each replica's load (the requests routed
+to it and not yet finished), and picks a replica. Policies:
+
+- `round_robin`: in turn; blind to load and to caches.
+- `random`: uniformly at random (seeded).
+- `least_requests`: the replica with the fewest requests in flight.
+- `power_of_two`: two replicas drawn at random, the less loaded of them (Mitzenmacher's "power
+  of two choices": almost the balance of `least_requests` without comparing every replica).
+- `cache_aware`: SGLang's cache-aware router (its model gateway's default). Each replica has
+  an approximate index of the prompts sent to it; a request goes where the longest prefix of
+  its prompt was sent before, so that replica's prefix cache holds it; when loads drift apart,
+  the least loaded replica wins instead. Defaults are the gateway's (cache threshold 0.3,
+  balance thresholds 64 requests and 1.5x).
+
+Every policy is one class behind `RoutingPolicy` and `@register_router`; `make_router` builds
+one by name. Nothing here imports torch: the server and the simulator route with the same code.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
+
+from conveyor.config import ConfigError
+
+Prompt = str | Sequence[int]
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How requests are spread over `data_parallel_size` engine replicas."""
+
+    data_parallel_size: int = field(
+        default=1, metadata=_help("Engine replicas, each with its own scheduler and KV cache; a router spreads requests over them.")
+    )
+    router_policy: str = field(
+        default="cache_aware",
+        metadata=_help("With several replicas: round_robin, random, least_requests, power_of_two or cache_aware."),
+    )
+    router_cache_threshold: float = field(
+        default=0.3,
+        metadata=_help("cache_aware: the share of a prompt a replica must have seen before to get it for its cache."),
+    )
+    router_balance_abs_threshold: int = field(
+        default=64,
+        metadata=_help("cache_aware: loads count as imbalanced (the least loaded replica wins) when the largest "
+                       "exceeds the smallest by more than this many requests ..."),
+    )
+    router_balance_rel_threshold: float = field(
+        default=1.5, metadata=_help("cache_aware: ... and is more than this many times the smallest.")
+    )
+    router_block_size: int = field(
+        default=16, metadata=_help("cache_aware: prompts are matched in blocks of this many tokens (or characters).")
+    )
+    router_max_blocks: int = field(
+        default=1 << 20,
+        metadata=_help("cache_aware: blocks remembered per replica; the least recently routed go first."),
+    )
+    router_seed: int = field(default=0, metadata=_help("random and power_of_two: the seed of their draws."))
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size={self.data_parallel_size} must be at least 1")
+        if self.router_policy not in _ROUTERS:
+            raise ConfigError(f"router_policy={self.router_policy!r} is not one of {available_routers()}")
+        if not 0.0 <= self.router_cache_threshold <= 1.0:
+            raise ConfigError(f"router_cache_threshold={self.router_cache_threshold} must be in [0, 1]")
+        if self.router_balance_abs_threshold < 0:
+            raise ConfigError(f"router_balance_abs_threshold={self.router_balance_abs_threshold} must be >= 0")
+        if self.router_balance_rel_threshold < 1.0:
+            raise ConfigError(f"router_balance_rel_threshold={self.router_balance_rel_threshold} must be >= 1")
+        if self.router_block_size < 1:
+            raise ConfigError(f"router_block_size={self.router_block_size} must be at least 1")
+        if self.router_max_blocks < 1:
+            raise ConfigError(f"router_max_blocks={self.router_max_blocks} must be at least 1")
+
+
+class Decision(NamedTuple):
+    """A routing decision: the replica, and why (a metric label)."""
+
+    replica: int
+    reason: str
+
+
+_ROUTERS: dict[str, type[RoutingPolicy]] = {}
+
+
+def register_router(name: str) -> Callable[[type[RoutingPolicy]], type[RoutingPolicy]]:
+    def wrap(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
+        if name in _ROUTERS and _ROUTERS[name] is not cls:
+            raise ValueError(f"a routing policy named {name!r} is already registered")
+        cls.name = name
+        _ROUTERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_routers() -> list[str]:
+    return sorted(_ROUTERS)
+
+
+def make_router(config: RouterConfig) -> RoutingPolicy:
+    return _ROUTERS[config.router_policy](config)
+
+
+class RoutingPolicy(ABC):
+    """Picks a replica per request.
+
+    Invariants: `route` returns one of `candidates` (the replicas that accept requests now,
+    never empty); `loads[i]` is replica i's requests in flight, for every replica. The same
+    calls give the same decisions (the random policies draw from their own seeded generator).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.num_replicas = config.data_parallel_size
+
+    @abstractmethod
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        """The replica for a request with this prompt."""
+
+    def on_replica_reset(self, replica: int) -> None:  # noqa: B027 - optional hook
+        """Replica `replica` lost its KV cache (its engine was started again)."""
+
+    @staticmethod
+    def least_loaded(loads: Sequence[int], candidates: Sequence[int]) -> int:
+        return min(candidates, key=lambda i: (loads[i], i))
+
+
+@register_router("round_robin")
+class RoundRobinRouter(RoutingPolicy):
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._next = 0
+
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        # The next replica in turn that accepts requests.
+        for k in range(self.num_replicas):
+            i = (self._next + k) % self.num_replicas
+            if i in candidates:
+                self._next = i + 1
+                return Decision(i, "turn")
+        raise AssertionError("route() needs a candidate")
+
+
+@register_router("random")
+class RandomRouter(RoutingPolicy):
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._rng = random.Random(config.router_seed)
+
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        return Decision(candidates[self._rng.randrange(len(candidates))], "random")
+
+
+@register_router("least_requests")
+class LeastRequestsRouter(RoutingPolicy):
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        return Decision(self.least_loaded(loads, candidates), "load")
+
+
+@register_router("power_of_two")
+class PowerOfTwoRouter(RoutingPolicy):
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self._rng = random.Random(config.router_seed)
+
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        if len(candidates) == 1:
+            return Decision(candidates[0], "load")
+        a, b = self._rng.sample(list(candidates), 2)
+        return Decision(self.least_loaded(loads, (a, b)), "load")
+
+
+def block_hashes(prompt: Prompt, block_size: int) -> list[int]:
+    """Chained hashes of the prompt's whole blocks: block k's hash stands for the prompt's
+    first (k+1) x block_size elements (tokens or characters), as a prefix cache's block hashes do."""
+    hashes: list[int] = []
+    h = 0
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        h = hash((h, tuple(prompt[start:start + block_size])))
+        hashes.append(h)
+    return hashes
+
+
+class PrefixIndex:
+    """The prompt blocks routed to one replica, least recently routed first.
+
+    An approximation of that replica's prefix cache: it sees what was sent, not what the
+    replica kept; the replica evicts by its own LRU, this index by its own size bound.
+    """
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt were routed here."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+@register_router("cache_aware")
+class CacheAwareRouter(RoutingPolicy):
+    """SGLang's cache-aware routing, with chained block hashes in place of its radix tree.
+
+    Per request, in order:
+    1. loads imbalanced (largest - smallest > abs threshold and largest > rel threshold x
+       smallest): the least loaded replica ("balance");
+    2. else, if the best replica has seen more than `cache_threshold` of the prompt: that
+       replica, the least loaded on ties ("cache");
+    3. else: the replica whose index is smallest, the one with the most room for a new prefix
+       ("room").
+    The prompt's blocks are then recorded for the chosen replica.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self.indexes = [PrefixIndex(config.router_max_blocks) for _ in range(self.num_replicas)]
+
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        cfg = self.config
+        hashes = block_hashes(prompt, cfg.router_block_size)
+        most, least = max(loads[i] for i in candidates), min(loads[i] for i in candidates)
+        if most - least > cfg.router_balance_abs_threshold and most > least * cfg.router_balance_rel_threshold:
+            decision = Decision(self.least_loaded(loads, candidates), "balance")
+        else:
+            matched = {i: self.indexes[i].match(hashes) for i in candidates}
+            best = max(candidates, key=lambda i: (matched[i], -loads[i], -i))
+            rate = matched[best] * cfg.router_block_size / len(prompt) if len(prompt) else 0.0
+            if matched[best] and rate > cfg.router_cache_threshold:
+                decision = Decision(best, "cache")
+            else:
+                decision = Decision(min(candidates, key=lambda i: (len(self.indexes[i]), loads[i], i)), "room")
+        self.indexes[decision.replica].insert(hashes)
+        return decision
+
+    def on_replica_reset(self, replica: int) -> None:
+        self.indexes[replica].clear()

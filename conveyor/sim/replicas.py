@@ -1,0 +1,107 @@
+"""Several simulated replicas behind one router: data parallelism at GPU scale.
+
+Each replica is a whole simulated engine (the real scheduler, block manager and prefix cache on
+its own virtual clock, one device of the simulated hardware each); the router is the server's
+(`conveyor.core.routing`). A discrete-event loop keeps the replicas in step with the arrivals:
+it always advances whichever comes first, the next arrival or the replica whose clock is
+furthest behind. So when a request is routed at time t, every busy replica has run up to t, and
+its load (requests routed to it, less those finished by t) is what a live router would see.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from conveyor.core.routing import RoutingPolicy
+
+if TYPE_CHECKING:
+    from conveyor.engine import Engine
+    from conveyor.outputs import RequestOutput
+    from conveyor.replay import TimedRequest
+
+
+@dataclass(slots=True)
+class ReplicaReplay:
+    """What a replay over replicas gives back besides the outputs."""
+
+    outputs: list[RequestOutput]
+    routed: list[int]  # the replica of each request, in the given order
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+class _Replica:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.routed = 0
+        self.finish_times: list[float] = []  # non-decreasing: the replica's clock only moves on
+
+    def load_at(self, t: float) -> int:
+        return self.routed - bisect.bisect_right(self.finish_times, t)
+
+
+def replay_on_replicas(
+    engines: Sequence[Engine],
+    router: RoutingPolicy,
+    requests: Sequence[TimedRequest],
+    concurrency: int | None = None,
+    on_finished: Any = None,
+) -> ReplicaReplay:
+    """Serve `requests` on `engines` (simulated: their clocks are virtual) as `router` spreads
+    them. Open loop at each request's `arrival_s`; with `concurrency`, a closed loop instead:
+    that many requests at t=0, and each finish sends the next at its finish time."""
+    replicas = [_Replica(e) for e in engines]
+    start = max(e.clock() for e in engines)
+    for e in engines:
+        e.wait_until(start)
+    ids = [r.request_id or f"replay-{i}" for i, r in enumerate(requests)]
+    index_of = {rid: i for i, rid in enumerate(ids)}
+    # (arrival time, order, request index): the heap of requests sent and not yet routed.
+    arrivals: list[tuple[float, int, int]] = []
+    pending = iter(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
+    if concurrency is None:
+        for n, i in enumerate(pending):
+            heapq.heappush(arrivals, (start + requests[i].arrival_s, n, i))
+    else:
+        for n, i in zip(range(concurrency), pending, strict=False):
+            heapq.heappush(arrivals, (start, n, i))
+    sent = len(arrivals)
+    outputs: dict[int, RequestOutput] = {}
+    routed = [-1] * len(requests)
+    reasons: Counter[str] = Counter()
+    candidates = list(range(len(replicas)))
+    while arrivals or any(r.engine.has_unfinished_requests() for r in replicas):
+        busy = [r for r in replicas if r.engine.has_unfinished_requests()]
+        behind = min(busy, key=lambda r: r.engine.clock()) if busy else None
+        if arrivals and (behind is None or arrivals[0][0] <= behind.engine.clock()):
+            t, _, i = heapq.heappop(arrivals)
+            req = requests[i]
+            decision = router.route(req.prompt, [r.load_at(t) for r in replicas], candidates)
+            replica = replicas[decision.replica]
+            if not replica.engine.has_unfinished_requests():
+                replica.engine.wait_until(t)
+            replica.engine.add_request(ids[i], req.prompt, req.params, arrival_time=t)
+            replica.routed += 1
+            routed[i] = decision.replica
+            reasons[decision.reason] += 1
+            continue
+        assert behind is not None
+        for out in behind.engine.step():
+            if not out.finished:
+                continue
+            i = index_of[out.request_id]
+            outputs[i] = out
+            end = out.metrics.finished_time if out.metrics.finished_time is not None else behind.engine.clock()
+            behind.finish_times.append(end)
+            if on_finished is not None:
+                on_finished(1)
+            if concurrency is not None:
+                nxt = next(pending, None)
+                if nxt is not None:
+                    heapq.heappush(arrivals, (end, sent, nxt))
+                    sent += 1
+    return ReplicaReplay([outputs[i] for i in range(len(requests))], routed, reasons)
