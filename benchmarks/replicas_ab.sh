@@ -1,0 +1,31 @@
+#!/bin/bash
+# Served throughput of one engine against two replicas behind a router, alternating:
+# one, round_robin, cache_aware, one, round_robin, cache_aware, ...
+#   bash benchmarks/replicas_ab.sh [ROUNDS=2] [OUT=results/replicas-ab]
+# Each run: SmolLM2 served with default options (`one`), or with --data-parallel-size 2 and the
+# router policy; `conveyor bench serve` at 32 concurrent streams, 96 requests whose prompts
+# start with one of 8 shared 256-token prefixes (then uniform 32-256 tokens), outputs uniform
+# 16-128. On CPU the cores are split between the replicas (one torch thread each on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-2}
+out=${2:-results/replicas-ab}
+mkdir -p "$out"
+conveyor=(python -m conveyor.cli)
+for round in $(seq 1 "$rounds"); do
+  for mode in one round_robin cache_aware; do
+    flags=()
+    [ "$mode" != one ] && flags=(--data-parallel-size 2 --router-policy "$mode")
+    port=$((18200 + round * 3 + ${#mode} % 3))
+    "${conveyor[@]}" serve --port "$port" "${flags[@]}" > "$out/server-$mode-$round.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+    "${conveyor[@]}" bench serve --base-url "http://127.0.0.1:$port" --label "$mode-$round" \
+      --input-len uniform:32,256 --output-len uniform:16,128 --num-requests 96 --concurrency 32 \
+      --shared-prefix-len 256 --prefix-groups 8 \
+      --seed 0 --no-plots --no-progress --out "$out/$mode-$round" | grep "^| $mode"
+    curl -s "http://127.0.0.1:$port/metrics" | grep "^conveyor:router_requests_total" > "$out/routed-$mode-$round.txt" || true
+    kill -TERM "$pid"
+    wait "$pid" || true
+  done
+done
