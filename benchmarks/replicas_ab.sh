@@ -1,7 +1,9 @@
 #!/bin/bash
 # Served throughput of one engine against two replicas behind a router, alternating:
 # one, round_robin, cache_aware, one, round_robin, cache_aware, ...
-#   bash benchmarks/replicas_ab.sh [ROUNDS=2] [OUT=results/replicas-ab]
+#   bash benchmarks/replicas_ab.sh [ROUNDS=2] [OUT=results/replicas-ab] [MODES="one round_robin cache_aware"]
+# MODES also takes `ray`: one engine in a Ray actor (--data-parallel-backend ray), the cost of
+# the Ray hop against `one`, the engine in a child process.
 # Each run: SmolLM2 served with default options (`one`), or with --data-parallel-size 2 and the
 # router policy; `conveyor bench serve` at 32 concurrent streams, 96 requests whose prompts
 # start with one of 8 shared 256-token prefixes (then uniform 32-256 tokens), outputs uniform
@@ -10,13 +12,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}
 out=${2:-results/replicas-ab}
+modes=${3:-one round_robin cache_aware}
 mkdir -p "$out"
 conveyor=(python -m conveyor.cli)
+n=0
 for round in $(seq 1 "$rounds"); do
-  for mode in one round_robin cache_aware; do
-    flags=()
-    [ "$mode" != one ] && flags=(--data-parallel-size 2 --router-policy "$mode")
-    port=$((18200 + round * 3 + ${#mode} % 3))
+  for mode in $modes; do
+    case "$mode" in
+      one) flags=() ;;
+      ray) flags=(--data-parallel-backend ray) ;;
+      *) flags=(--data-parallel-size 2 --router-policy "$mode") ;;
+    esac
+    port=$((18200 + n)); n=$((n + 1))
     "${conveyor[@]}" serve --port "$port" "${flags[@]}" > "$out/server-$mode-$round.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done

@@ -44,6 +44,16 @@ class RouterConfig:
     data_parallel_size: int = field(
         default=1, metadata=_help("Engine replicas, each with its own scheduler and KV cache; a router spreads requests over them.")
     )
+    data_parallel_backend: str = field(
+        default="mp",
+        metadata=_help("Where replicas run: mp (processes of this machine) or ray (actors of a Ray cluster, "
+                       "on as many machines as it has; needs `pip install ray`)."),
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=_help("With --data-parallel-backend ray: the cluster to join (auto: this machine's); "
+                       "default: start a local Ray instance."),
+    )
     router_policy: str = field(
         default="cache_aware",
         metadata=_help("With several replicas: round_robin, random, least_requests, power_of_two or cache_aware."),
@@ -72,6 +82,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size={self.data_parallel_size} must be at least 1")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ConfigError(f"data_parallel_backend={self.data_parallel_backend!r}: use 'mp' or 'ray'")
+        if self.ray_address is not None and self.data_parallel_backend != "ray":
+            raise ConfigError("ray_address needs data_parallel_backend='ray'")
         if self.router_policy not in _ROUTERS:
             raise ConfigError(f"router_policy={self.router_policy!r} is not one of {available_routers()}")
         if not 0.0 <= self.router_cache_threshold <= 1.0:

@@ -42,7 +42,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
@@ -67,6 +67,33 @@ if TYPE_CHECKING:
     from conveyor.tokenizer import Tokenizer
 
 logger = logging.getLogger("conveyor.server")
+
+
+class Child(Protocol):
+    """The engine's host as the front end handles it: a process, or a Ray actor (`ray_engine`)."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+
+class Wire(Protocol):
+    """The front end's end of the connection to its engine (a `multiprocessing` connection)."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def poll(self, timeout: float | None = 0.0) -> bool: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class EngineStartError(RuntimeError):
@@ -146,13 +173,16 @@ def _child_main(
     max_queued_requests: int | None,
     idle_poll_s: float,
     log_level: int,
+    own_process: bool = True,
 ) -> None:
-    """The engine process: build the engine, then step it until told to stop or orphaned."""
-    # Signals are the front end's to act on (it drains, then stops us); a Ctrl-C reaches the
-    # whole process group, and must not kill the engine under a draining server.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine): %(message)s")
+    """The engine process: build the engine, then step it until told to stop or orphaned.
+    `own_process=False`: the same in a thread of a process that is not ours (a Ray actor)."""
+    if own_process:
+        # Signals are the front end's to act on (it drains, then stops us); a Ctrl-C reaches
+        # the whole process group, and must not kill the engine under a draining server.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine): %(message)s")
     from conveyor.config import EngineConfig
     from conveyor.engine import Engine
 
@@ -349,8 +379,8 @@ class ProcessAsyncEngine(AsyncEngine):
         self.start_timeout = start_timeout
         self._init_front(max_queued_requests, metrics, idle_poll_s)
         self._facts: _Facts | None = None
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._conn: mpc.Connection | None = None
+        self._proc: Child | None = None
+        self._conn: Wire | None = None
         # Wakes the supervisor from its wait on the child: a byte per queued command, never
         # blocking (a full pipe already holds a wake-up).
         self._wake_r, self._wake_w = os.pipe()
@@ -403,6 +433,25 @@ class ProcessAsyncEngine(AsyncEngine):
             self._spawn()
 
     def _spawn(self) -> None:
+        child, parent = self._start_child()
+        try:
+            if not parent.poll(self.start_timeout):
+                raise EngineStartError(f"the engine process was not ready within {self.start_timeout:.0f} s")
+            msg = parent.recv()
+        except (EOFError, OSError):
+            msg = ("load_failed", f"the engine process exited with status {child.exitcode}")
+        except BaseException:
+            child.kill()
+            raise
+        if msg[0] != "ready":
+            child.join(5.0)
+            raise EngineStartError(f"the engine process could not start: {msg[1]}")
+        self._proc, self._conn, self._facts = child, parent, msg[1]
+        logger.info("engine process %d ready", self._facts.pid)
+
+    def _start_child(self) -> tuple[Child, Wire]:
+        """Start the engine somewhere; the child, and our end of the connection to it (its first
+        message is "ready" or "load_failed"; its end reads as EOF once it is gone)."""
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(
@@ -414,20 +463,7 @@ class ProcessAsyncEngine(AsyncEngine):
         )
         proc.start()
         child.close()  # ours: with it closed, the child's death reads as EOF
-        try:
-            if not parent.poll(self.start_timeout):
-                raise EngineStartError(f"the engine process was not ready within {self.start_timeout:.0f} s")
-            msg = parent.recv()
-        except (EOFError, OSError):
-            msg = ("load_failed", f"the engine process exited with status {proc.exitcode}")
-        except BaseException:
-            proc.kill()
-            raise
-        if msg[0] != "ready":
-            proc.join(5.0)
-            raise EngineStartError(f"the engine process could not start: {msg[1]}")
-        self._proc, self._conn, self._facts = proc, parent, msg[1]
-        logger.info("engine process %d ready", self._facts.pid)
+        return proc, parent
 
     def kill(self) -> None:
         """End the engine process at once, if there is one (a launch that must be undone)."""
@@ -454,12 +490,13 @@ class ProcessAsyncEngine(AsyncEngine):
                     self._shutdown()
                     return
                 assert self._conn is not None
-                ready = mpc.wait([self._conn, self._wake_r])
+                conn_fd = self._conn.fileno()
+                ready = mpc.wait([conn_fd, self._wake_r])
                 if self._wake_r in ready:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(self._wake_r, 4096):
                             pass
-                if self._conn in ready:
+                if conn_fd in ready:
                     try:
                         while self._conn.poll():
                             self._handle(self._conn.recv())

@@ -88,7 +88,7 @@ class _Server(uvicorn.Server):
 
 def _build_front(engine_kwargs: dict[str, Any], server_config: ServerConfig, router_config: RouterConfig) -> EngineFront:
     """The engine (in its process or a thread) or, with several replicas, the replica set; ready."""
-    if router_config.data_parallel_size > 1:
+    if router_config.data_parallel_size > 1 or router_config.data_parallel_backend == "ray":
         from conveyor.server.replicas import build_replica_set
 
         replicas = build_replica_set(
@@ -96,7 +96,8 @@ def _build_front(engine_kwargs: dict[str, Any], server_config: ServerConfig, rou
             server_config.max_queued_requests, server_config.engine_max_replays,
         )
         replicas.launch()
-        logger.info("%d engine replicas, routed by %s", len(replicas.replicas), router_config.router_policy)
+        logger.info("%d engine replica(s) on %s, routed by %s", len(replicas.replicas),
+                    router_config.data_parallel_backend, router_config.router_policy)
         return replicas
     if server_config.engine_process:
         process = ProcessAsyncEngine(

@@ -2,7 +2,7 @@
 
 Each replica is a whole engine, with its own scheduler, KV cache and prefix cache: an
 `AsyncEngine` in a process of its own (the default; each survives its own death as a single
-engine does) or in a thread. The router (`conveyor.core.routing`) picks one per API request;
+engine does), in a Ray actor (`ray_engine`, on any machine of a Ray cluster), or in a thread. The router (`conveyor.core.routing`) picks one per API request;
 the n choices of a request go together, so they share their prompt's cached prefix.
 
 What the set adds to its replicas:
@@ -236,8 +236,17 @@ def build_replica_set(
     yet launched (with `engine_process`) or built and ready to start (without: the weights are
     loaded once and shared by every replica's runner)."""
     size = router_config.data_parallel_size
-    per_replica = replica_engine_kwargs(engine_kwargs, size, gpus)
     replicas: list[AsyncEngine] = []
+    if router_config.data_parallel_backend == "ray":
+        if not engine_process:
+            raise ConfigError("replicas on Ray run in actors, not in threads: leave out --no-engine-process")
+        from conveyor.server.ray_engine import RayAsyncEngine, init_ray, ray_replica_options
+
+        init_ray(router_config.ray_address)
+        replicas = [RayAsyncEngine(kw, actor_options=opts, max_queued_requests=max_queued_requests, max_replays=max_replays)
+                    for kw, opts in ray_replica_options(engine_kwargs, size)]
+        return ReplicaSet(replicas, make_router(router_config), metrics)
+    per_replica = replica_engine_kwargs(engine_kwargs, size, gpus)
     if engine_process:
         from conveyor.server.engine_process import ProcessAsyncEngine
 
