@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,9 @@ from conveyor.models.quantize import (
     int8_supported,
     quantize_linears,
 )
+
+# Fused-decode pointer tables kept: one per KV cache of the engines sharing a model.
+MAX_CACHE_TABLES = 16
 
 
 class RMSNorm(nn.Module):
@@ -357,20 +361,23 @@ class FusedDecode:
         # int8 projections pass over their weights once per 8 rows; float32 ones once per step.
         self.max_rows = Q8_MAX_ROWS if bool(self.int8.any()) else FUSED_DECODE_ROWS
         assert self.weights.shape[1] + 2 + self.int8.shape[1] == len(LAYER_FIELDS)
-        self._table: torch.Tensor | None = None
-        self._table_key: tuple[int, ...] = ()
+        # One table per KV cache (engines that share the model each have their own cache, and
+        # may step at once from their threads): built once, looked up by the caches' addresses.
+        self._tables: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     def table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The weight pointers with each layer's K and V cache pointers appended (rebuilt only
-        when the caches move)."""
+        """The weight pointers with each layer's K and V cache pointers appended (built once
+        per cache; safe to call from several threads)."""
         key = tuple(c.data_ptr() for c in kv_caches)
-        if key != self._table_key:
+        table = self._tables.get(key)
+        if table is None:
             assert all(c.is_contiguous() and c.dtype in NATIVE_KV_DTYPES for c in kv_caches)
             caches = torch.tensor([[c[0].data_ptr(), c[1].data_ptr()] for c in kv_caches], dtype=torch.int64)
-            self._table = torch.cat((self.weights, caches, self.int8), dim=1).contiguous()
-            self._table_key = key
-        assert self._table is not None
-        return self._table
+            table = torch.cat((self.weights, caches, self.int8), dim=1).contiguous()
+            self._tables[key] = table
+            while len(self._tables) > MAX_CACHE_TABLES:
+                self._tables.popitem(last=False)
+        return table
 
     def applies(self, num_tokens: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
         return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= self.max_rows

@@ -104,9 +104,17 @@ class SimSystem(ConveyorSystem):
         spec = dataclasses.replace(spec, options={k: v for k, v in spec.options.items() if k not in names})
         super().__init__(spec, None, options, batch_size)  # type: ignore[arg-type]  # no base engine
         self.router_config = RouterConfig(**router_options)
+        self.check_backend(self.router_config.data_parallel_backend)
         self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
         self.last_engine: Any = None
         self.last_engines: list[Any] = []
+
+    @staticmethod
+    def check_backend(backend: str) -> None:
+        if backend != "mp":
+            from conveyor.config import ConfigError
+
+            raise ConfigError("the simulator runs its replicas on a virtual clock: --data-parallel-backend does not apply")
 
     def _engine(self) -> Any:
         from conveyor.sim.engine import build_sim_engine
@@ -183,6 +191,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     hardware, model, params = resolve(args)
     options = {k: v for k, v in engine_kwargs(args).items() if k != "model"}
     router = dataclasses.asdict(router_config(args))
+    SimSystem.check_backend(router["data_parallel_backend"])
     specs = [parse_config(c) for c in args.configs] if args.configs else [SystemSpec(hardware.name, "conveyor", {})]
     for s in specs:
         if s.kind != "conveyor":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +137,47 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def engine_pids(server: ServerProcess) -> list[int]:
+    """The server's engine processes: its children running multiprocessing's spawn entry point."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server.proc.pid and "spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+class StreamReader:
+    """One streamed completion read in a thread: `events` fills with its chunks (and
+    `{"done": True}` at `[DONE]`); `flowing` is set once more than 20 have come."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.flowing = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, body: dict[str, Any]) -> None:
+        with httpx.Client(timeout=120.0) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.events.append(json.loads(line[6:]))
+                    if len(self.events) > 20:
+                        self.flowing.set()
+                elif line == "data: [DONE]":
+                    self.events.append({"done": True})
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def tokens(self) -> list[str]:
+        return [t for e in self.events for c in e.get("choices", []) for t in (c.get("logprobs") or {}).get("tokens", [])]
+

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import signal
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from conveyor.outputs import RequestOutput
 from conveyor.server.async_engine import EngineRequest, EngineShuttingDownError, OutputStream
 from conveyor.server.engine_process import ProcessAsyncEngine, RequestFailedError
 from conveyor.server.metrics import ServerMetrics
-from tests.server.conftest import ServerProcess, sample, scrape
+from tests.server.conftest import ServerProcess, StreamReader, engine_pids, sample, scrape
 
 LONG = 1500  # tokens: long enough to be killed in the middle of
 
@@ -190,19 +188,12 @@ def test_bad_requests_full_queues_and_stop_behave_as_in_the_thread(tiny_model: P
 
 
 def _engine_pid(server: ServerProcess) -> int:
-    """The server's engine process: its child running multiprocessing's spawn entry point."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server.proc.pid and "spawn_main" in cmdline:
-            return int(entry.name)
-    raise AssertionError("no engine process")
+    """The server's one engine process."""
+    pids = engine_pids(server)
+    if not pids:
+        raise AssertionError("no engine process")
+    (pid,) = pids
+    return pid
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
@@ -215,26 +206,13 @@ def test_served_streams_survive_a_killed_engine(tiny_model: Path, tmp_path: Path
         server.wait_ready()
         body = {"prompt": [5, 6, 7], "max_tokens": LONG, "ignore_eos": True, "temperature": 0.0,
                 "logprobs": 0, "stream": True}
-        events: list[dict[str, Any]] = []
-        flowing = threading.Event()
-
-        def read() -> None:
-            with httpx.Client(timeout=120.0) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line[6:]))
-                        if len(events) > 20:
-                            flowing.set()
-                    elif line == "data: [DONE]":
-                        events.append({"done": True})
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert flowing.wait(60)
+        reader = StreamReader(server.url, body)
+        assert reader.flowing.wait(60)
         os.kill(_engine_pid(server), signal.SIGKILL)
         reader.join(120)
+        events = reader.events
         assert events and events[-1] == {"done": True}, server.log()
-        tokens = [t for e in events[:-1] for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+        tokens = reader.tokens()
         assert len(tokens) == LONG
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         # The same tokens as a request nobody interrupted, on the restarted engine.

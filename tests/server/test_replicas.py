@@ -9,10 +9,8 @@ requests while the others go on.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from conveyor.server.async_engine import (
 )
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.replicas import ReplicaSet, build_replica_set, replica_engine_kwargs
-from tests.server.conftest import ServerProcess, sample, scrape
+from tests.server.conftest import ServerProcess, StreamReader, engine_pids, sample, scrape
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -200,22 +198,6 @@ def test_replica_options_split_cores_or_give_one_gpu_each() -> None:
         replica_engine_kwargs({"model": "m", "device": "cuda:1"}, 2, gpus=2)
 
 
-def _engine_pids(server: ServerProcess) -> list[int]:
-    """The server's engine processes: its children running multiprocessing's spawn entry point."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server.proc.pid and "spawn_main" in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
@@ -239,24 +221,12 @@ def test_served_replicas_share_the_load_and_one_survives_the_others_death(tiny_m
     )
     try:
         server.wait_ready()
-        pids = _engine_pids(server)
+        pids = engine_pids(server)
         assert len(pids) == 2
         long = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0.0,
                 "logprobs": 0, "stream": True}
-        events: list[dict[str, Any]] = []
-        flowing = threading.Event()
-
-        def read() -> None:
-            with httpx.Client(timeout=120.0) as http, http.stream("POST", server.url + "/v1/completions", json=long) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line[6:]))
-                        if len(events) > 20:
-                            flowing.set()
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert flowing.wait(60), server.log()
+        reader = StreamReader(server.url, long)
+        assert reader.flowing.wait(60), server.log()
         os.kill(_busiest(pids), signal.SIGKILL)
         # The other replica answers while the victim's successor loads (round robin's next turn
         # is the other replica; the turn after it, the restarted one).
@@ -265,8 +235,8 @@ def test_served_replicas_share_the_load_and_one_survives_the_others_death(tiny_m
         assert [a.status_code for a in answers] == [200, 200]
         assert answers[0].json()["choices"][0]["logprobs"]["tokens"] == answers[1].json()["choices"][0]["logprobs"]["tokens"]
         reader.join(120)
-        tokens = [t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
-        assert len(tokens) == 4000 and events[-1]["choices"][0]["finish_reason"] == "length"
+        tokens = reader.tokens()
+        assert len(tokens) == 4000 and reader.events[-2]["choices"][0]["finish_reason"] == "length"
         again = httpx.post(server.url + "/v1/completions", json={**long, "stream": False}, timeout=120.0).json()
         assert again["choices"][0]["logprobs"]["tokens"] == tokens  # on the other replica: the same tokens
         m = scrape(server.url)

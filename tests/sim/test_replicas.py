@@ -117,3 +117,5 @@ def test_simulate_cli_with_replicas(tmp_path) -> None:  # type: ignore[no-untype
     assert result["simulation"]["systems"]["ca"]["replicas"] == 2
     assert main(["simulate", "--hardware", "h100-sxm", "--request-rate", "inf", "--no-plots",
                  "--router-policy", "fastest", "--out", str(tmp_path / "x")]) == 2
+    assert main(["simulate", "--hardware", "h100-sxm", "--request-rate", "inf", "--no-plots",
+                 "--data-parallel-backend", "ray", "--out", str(tmp_path / "y")]) == 2
