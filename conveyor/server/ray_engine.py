@@ -207,7 +207,12 @@ def ray_replica_options(engine_kwargs: dict[str, Any], size: int) -> list[tuple[
 
 def init_ray(address: str | None) -> None:
     """Join the cluster at `address` (`auto`: this machine's), or start a local Ray instance."""
-    import ray
+    try:
+        import ray
+    except ImportError as e:
+        from conveyor.config import ConfigError
+
+        raise ConfigError("data_parallel_backend='ray' needs Ray: `pip install ray` (or conveyor's `ray` extra)") from e
 
     if ray.is_initialized():
         return

@@ -245,3 +245,13 @@ def test_served_replicas_share_the_load_and_one_survives_the_others_death(tiny_m
         assert [sample(m, "conveyor:router_requests_total", replica=str(i), reason="turn") for i in (0, 1)] == [2, 2]
     finally:
         assert server.stop() == 0
+
+
+def test_ray_backend_without_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    import sys
+
+    from conveyor.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ConfigError, match="pip install ray"):
+        build_replica_set(kwargs(tiny_model), RouterConfig(data_parallel_backend="ray"))
