@@ -201,11 +201,13 @@ class PowerOfTwoRouter(RoutingPolicy):
 
 
 def block_hashes(prompt: Prompt, block_size: int) -> list[int]:
-    """Chained hashes of the prompt's whole blocks: block k's hash stands for the prompt's
-    first (k+1) x block_size elements (tokens or characters), as a prefix cache's block hashes do."""
+    """Chained hashes of the prompt's blocks: hash k stands for the prompt's first
+    (k+1) x block_size elements (tokens or characters), as a prefix cache's block hashes do.
+    A last, partial block is hashed too: it matches only a prompt that is the same to its end
+    (a short prompt sent again), and it makes every prompt count in the index's size."""
     hashes: list[int] = []
     h = 0
-    for start in range(0, len(prompt) - block_size + 1, block_size):
+    for start in range(0, len(prompt), block_size):
         h = hash((h, tuple(prompt[start:start + block_size])))
         hashes.append(h)
     return hashes
@@ -255,7 +257,7 @@ class CacheAwareRouter(RoutingPolicy):
     2. else, if the best replica has seen more than `cache_threshold` of the prompt: that
        replica, the least loaded on ties ("cache");
     3. else: the replica whose index is smallest, the one with the most room for a new prefix
-       ("room").
+       ("room"; every prompt adds to the index, so new prompts take turns at level loads).
     The prompt's blocks are then recorded for the chosen replica.
     """
 
@@ -272,7 +274,7 @@ class CacheAwareRouter(RoutingPolicy):
         else:
             matched = {i: self.indexes[i].match(hashes) for i in candidates}
             best = max(candidates, key=lambda i: (matched[i], -loads[i], -i))
-            rate = matched[best] * cfg.router_block_size / len(prompt) if len(prompt) else 0.0
+            rate = min(matched[best] * cfg.router_block_size, len(prompt)) / len(prompt) if len(prompt) else 0.0
             if matched[best] and rate > cfg.router_cache_threshold:
                 decision = Decision(best, "cache")
             else:

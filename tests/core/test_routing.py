@@ -83,7 +83,8 @@ def test_random_policies_are_reproducible_from_their_seed() -> None:
 def test_block_hashes_name_whole_prefixes() -> None:
     a = block_hashes(list(range(40)), 16)
     b = block_hashes([*range(32), 99, 99, 99, 99, 99, 99, 99, 99], 16)
-    assert len(a) == 2 and a == b[:2]  # the partial third block is not hashed
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]  # a partial last block is hashed too
+    assert block_hashes(list(range(32)), 16) == a[:2]
     assert block_hashes([7, *range(1, 40)], 16)[1] != a[1]  # a block's hash depends on what precedes it
     assert block_hashes("hello world, hello router", 4)[:2] == block_hashes("hello world", 4)[:2]
 
@@ -166,3 +167,10 @@ def test_spread_of_unrelated_prompts_is_even_under_cache_aware() -> None:
 def test_bad_router_options_are_refused_with_their_name(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         RouterConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_cache_aware_spreads_short_prompts_and_keeps_a_repeated_one_home() -> None:
+    r = make_router(RouterConfig(data_parallel_size=2, router_policy="cache_aware"))
+    picks = [r.route([k, k + 1, k + 2], [0, 0], [0, 1]) for k in range(0, 40, 4)]  # 3 tokens each
+    assert [d.replica for d in picks] == [0, 1] * 5 and {d.reason for d in picks} == {"room"}
+    assert r.route([0, 1, 2], [0, 0], [0, 1]) == (0, "cache")  # the same short prompt again
