@@ -1,4 +1,5 @@
-"""`AsyncEngine`: the synchronous `Engine` stepping in one background thread, fed by asyncio.
+"""`AsyncEngine`: the synchronous `Engine` stepping in one background thread, fed by asyncio;
+and `EngineFront`, the interface the HTTP layer serves from (an `AsyncEngine`, or a `ReplicaSet`).
 
 Threading contract (the whole reason this file exists):
 - Exactly one thread, the engine thread, touches the `Engine` (it is not thread-safe). Torch
