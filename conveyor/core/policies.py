@@ -23,28 +23,22 @@ from typing import Any, ClassVar, Protocol
 
 from conveyor.config import ConfigError, SchedulerConfig
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.registry import Registry
 from conveyor.sequence import Sequence
 
 SortKey = tuple[Any, ...]
 
-_POLICIES: dict[str, type[QueuePolicy]] = {}
+_POLICIES: Registry[QueuePolicy] = Registry("queue policy")
 
 DEFAULT_AGING_BOUND_S = 30.0
 
 
 def register_policy(name: str) -> Callable[[type[QueuePolicy]], type[QueuePolicy]]:
-    def wrap(cls: type[QueuePolicy]) -> type[QueuePolicy]:
-        if name in _POLICIES and _POLICIES[name] is not cls:
-            raise ValueError(f"a queue policy named {name!r} is already registered")
-        cls.name = name
-        _POLICIES[name] = cls
-        return cls
-
-    return wrap
+    return _POLICIES.register(name)
 
 
 def available_policies() -> list[str]:
-    return sorted(_POLICIES)
+    return _POLICIES.names()
 
 
 def make_policy(config: SchedulerConfig | str) -> QueuePolicy:

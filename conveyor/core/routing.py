@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 from conveyor.config import ConfigError
+from conveyor.core.registry import Registry
 
 Prompt = str | Sequence[int]
 
@@ -107,22 +108,15 @@ class Decision(NamedTuple):
     reason: str
 
 
-_ROUTERS: dict[str, type[RoutingPolicy]] = {}
+_ROUTERS: Registry[RoutingPolicy] = Registry("routing policy")
 
 
 def register_router(name: str) -> Callable[[type[RoutingPolicy]], type[RoutingPolicy]]:
-    def wrap(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
-        if name in _ROUTERS and _ROUTERS[name] is not cls:
-            raise ValueError(f"a routing policy named {name!r} is already registered")
-        cls.name = name
-        _ROUTERS[name] = cls
-        return cls
-
-    return wrap
+    return _ROUTERS.register(name)
 
 
 def available_routers() -> list[str]:
-    return sorted(_ROUTERS)
+    return _ROUTERS.names()
 
 
 def make_router(config: RouterConfig) -> RoutingPolicy:
@@ -142,6 +136,7 @@ class RoutingPolicy(ABC):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.num_replicas = config.data_parallel_size
+        self.rng = random.Random(config.router_seed)  # the only source of a policy's draws
 
     @abstractmethod
     def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
@@ -173,12 +168,8 @@ class RoundRobinRouter(RoutingPolicy):
 
 @register_router("random")
 class RandomRouter(RoutingPolicy):
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__(config)
-        self._rng = random.Random(config.router_seed)
-
     def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
-        return Decision(candidates[self._rng.randrange(len(candidates))], "random")
+        return Decision(candidates[self.rng.randrange(len(candidates))], "random")
 
 
 @register_router("least_requests")
@@ -189,14 +180,10 @@ class LeastRequestsRouter(RoutingPolicy):
 
 @register_router("power_of_two")
 class PowerOfTwoRouter(RoutingPolicy):
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__(config)
-        self._rng = random.Random(config.router_seed)
-
     def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
         if len(candidates) == 1:
             return Decision(candidates[0], "load")
-        a, b = self._rng.sample(list(candidates), 2)
+        a, b = self.rng.sample(list(candidates), 2)
         return Decision(self.least_loaded(loads, (a, b)), "load")
 
 

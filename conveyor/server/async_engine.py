@@ -276,6 +276,7 @@ class AsyncEngine(EngineFront):
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.replica_index = 0  # which replica this is behind a router (its queue gauges' slot)
+        self.restarts = 0  # engines started again after one died (an engine process only)
         # Wait this long when the scheduler had work but chose to run nothing (a batching
         # policy collecting a batch): short, and cut short by any new command.
         self.idle_poll_s = idle_poll_s

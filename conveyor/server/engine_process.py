@@ -389,7 +389,6 @@ class ProcessAsyncEngine(AsyncEngine):
         self._tracked: dict[str, _Tracked] = {}  # supervisor thread only (in arrival order)
         self._adds: dict[int, _Add] = {}  # sent, not yet answered
         self._add_ids = itertools.count()
-        self.restarts = 0
 
     # -- facts -------------------------------------------------------------------------------
     def _known(self) -> _Facts:

@@ -62,7 +62,7 @@ class ReplicaSet(EngineFront):
         self.router = router
         for i, r in enumerate(self.replicas):
             r.replica_index = i
-        self._restarts_seen = [self._restarts(r) for r in self.replicas]
+        self._restarts_seen = [r.restarts for r in self.replicas]
         self.metrics = metrics
 
     @property
@@ -187,13 +187,9 @@ class ReplicaSet(EngineFront):
         for r in self.replicas:
             r.abort(request_ids)
 
-    @staticmethod
-    def _restarts(replica: AsyncEngine) -> int:
-        return int(getattr(replica, "restarts", 0))
-
     def _forget_restarted(self) -> None:
         for i, r in enumerate(self.replicas):
-            n = self._restarts(r)
+            n = r.restarts
             if n != self._restarts_seen[i]:
                 self._restarts_seen[i] = n
                 self.router.on_replica_reset(i)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ def replay_on_replicas(
     router: RoutingPolicy,
     requests: Sequence[TimedRequest],
     concurrency: int | None = None,
-    on_finished: Any = None,
+    on_finished: Callable[[int], Any] | None = None,
 ) -> ReplicaReplay:
     """Serve `requests` on `engines` (simulated: their clocks are virtual) as `router` spreads
     them. Open loop at each request's `arrival_s`; with `concurrency`, a closed loop instead:

@@ -25,7 +25,7 @@ from conveyor.server.engine_process import EngineStartError
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.replicas import ReplicaSet, build_replica_set
 from tests.server.conftest import ServerProcess, sample, scrape
-from tests.server.test_replicas import kwargs, reference
+from tests.server.test_replicas import kwargs, reference, run
 
 ray = pytest.importorskip("ray")
 
@@ -59,18 +59,6 @@ def local_ray() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-
-
-def run(replicas: ReplicaSet, body: Any) -> Any:
-    async def main() -> Any:
-        replicas.launch()
-        replicas.start()
-        try:
-            return await body(replicas)
-        finally:
-            await replicas.stop()
-
-    return asyncio.run(main())
 
 
 def test_an_actor_killed_mid_stream_is_replaced_and_its_request_resumes(local_ray: None, tiny_model: Path) -> None:
