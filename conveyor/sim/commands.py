@@ -162,12 +162,15 @@ class SimSystem(ConveyorSystem):
         end = max((t.end for t in timings if t.end is not None), default=t0)
         traces = [trace_dict(e) for e in engines]
         stats = engine_stats([s for t in traces for s in t["steps"]])
+        served: list[list[Any]] = [[] for _ in engines]  # each replica's timings
+        for t, k in zip(timings, done.routed, strict=True):
+            served[k].append(t)
         stats["replicas"] = [
-            {"requests": done.routed.count(i), "busy_s": e.runner_busy_s,
-             "prompt_tokens": sum(t.prompt_len or 0 for t, k in zip(timings, done.routed, strict=True) if k == i),
-             "cached_tokens": sum(t.cached_tokens or 0 for t, k in zip(timings, done.routed, strict=True) if k == i),
+            {"requests": len(mine), "busy_s": e.runner_busy_s,
+             "prompt_tokens": sum(t.prompt_len or 0 for t in mine),
+             "cached_tokens": sum(t.cached_tokens or 0 for t in mine),
              "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
-            for i, (e, tr) in enumerate(zip(engines, traces, strict=True))
+            for mine, e, tr in zip(served, engines, traces, strict=True)
         ]
         stats["routing"] = {"policy": self.router_config.router_policy, "reasons": dict(done.reasons)}
         return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[0]))
