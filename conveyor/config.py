@@ -246,6 +246,34 @@ class SchedulerConfig:
         ),
     )
 
+    speculative_method: str | None = field(
+        default=None,
+        metadata=_help(
+            "Speculative decoding: ngram (prompt lookup) guesses each decoding sequence's next "
+            "tokens from its own prompt and output, and one step verifies them all, keeping the "
+            "longest run the model agrees with plus one token of its own. Outputs are the same "
+            "as without it (greedy: the same tokens; sampled: the same distribution, and the "
+            "same tokens for a seeded request). None: off."
+        ),
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata=_help("Speculative decoding: most draft tokens a sequence verifies per step.")
+    )
+    prompt_lookup_min: int = field(
+        default=2, metadata=_help("ngram: shortest suffix of a sequence looked up in its earlier tokens.")
+    )
+    prompt_lookup_max: int = field(
+        default=4, metadata=_help("ngram: longest suffix looked up (the longest that matches wins).")
+    )
+    speculative_disable_by_batch_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "Speculative decoding: no drafts in a step while this many sequences or more run "
+            "(a large batch already reads each weight for many tokens; verifying drafts only "
+            "adds compute). None: always draft."
+        ),
+    )
+
     def __post_init__(self) -> None:
         self._check_choice("batching", BATCHING_MODES)
         self._check_choice("prefill_mode", PREFILL_MODES)
@@ -328,6 +356,35 @@ class SchedulerConfig:
             )
         if self.preemption_mode != "auto" and self._differs("auto_swap_min_tokens"):
             raise ConfigError("auto_swap_min_tokens applies only to preemption_mode='auto'")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "speculative_disable_by_batch_size")
+        if self.speculative_method is None:
+            if any(self._differs(k) for k in knobs):
+                raise ConfigError(f"{', '.join(knobs)} apply only with a speculative_method")
+            return
+        from conveyor.core.speculative import available_proposers  # no torch; imports this module
+
+        if self.speculative_method not in available_proposers():
+            raise ConfigError(f"speculative_method={self.speculative_method!r} is not one of {available_proposers()}")
+        if self.async_scheduling:
+            raise ConfigError(
+                "speculative decoding schedules each step from the tokens the last one accepted, "
+                "and async_scheduling schedules a step before they are back; turn one off"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                f"{self.prompt_lookup_max} must satisfy 1 <= min <= max"
+            )
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            raise ConfigError(
+                f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size} must be at least 1"
+            )
 
     @property
     def batch_size(self) -> int:

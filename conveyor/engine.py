@@ -445,7 +445,7 @@ class Engine:
     def _complete(
         self, sched_out: SchedulerOutput, run_out: RunnerOutput, start: float, now: float
     ) -> list[RequestOutput]:
-        updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs)
+        updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs, run_out.accepted)
         self._record(sched_out, start, now - start)
 
         outputs: list[RequestOutput] = []
@@ -454,9 +454,14 @@ class Engine:
             req = by_seq.get(upd.seq.seq_id)
             if req is None or upd.new_token_id is None:
                 continue
+            stopped = False  # by a stop string at this token
             if req.detokenizer is not None or req.logprobs is not None:  # else a token has nothing to add
-                self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now)
-            if req.seq.status is SequenceStatus.FINISHED:
+                stopped = self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now, upd.last)
+            if not upd.last:  # more of this step's tokens follow (speculative decoding)
+                if stopped:  # they come after the stop: not outputs
+                    del req.seq.token_ids[upd.index + 1 :]
+                    outputs.append(self._finish_output(req))
+            elif req.seq.status is SequenceStatus.FINISHED:
                 outputs.append(self._finish_output(req))
             elif req.stream:  # (not with output_kind "final_only")
                 outputs.append(self._output(req))
@@ -484,16 +489,26 @@ class Engine:
         logprob: float | None,
         top: list[tuple[int, float]] | None,
         now: float,
-    ) -> None:
+        last: bool = True,
+    ) -> bool:
+        """Take one new token of `req`; True if it completes a stop string, which ends `req`.
+
+        `last`: no token of this step follows (the sequence's state is this token's)."""
         seq = req.seq
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(TokenLogprob(token, logprob, top))
-        ended_by_token = seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.STOP
+        # An EOS or stop token that ended the sequence is not text.
+        ended_by_token = last and seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.STOP
         if req.detokenizer is not None and not ended_by_token:
             req.detokenizer.add(token)
-            if req.detokenizer.stopped_by is not None and not seq.is_finished:
+            if req.detokenizer.stopped_by is not None and not (last and seq.is_finished):
                 seq.stop_reason = req.detokenizer.stopped_by
-                self.scheduler.finish(seq, FinishReason.STOP, now)
+                if seq.is_finished:  # by a later token of the step: the stop string came first
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP, now)
+                return True
+        return False
 
     def _text(self, req: _Request, final: bool) -> tuple[str, str]:
         """(full text, delta since the last output)."""

@@ -27,6 +27,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
+from conveyor.core.speculative import make_proposer
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
@@ -38,6 +39,8 @@ class ScheduledSequence:
     `token_ids` are the tokens to compute at positions `start_pos .. start_pos+len-1`;
     `sample` says whether the step ends the sequence's known tokens, so one token is sampled.
     `all_token_ids` and `block_table` are read-only views for the runner (penalties, attention).
+    With speculative decoding, the last `num_draft` of `token_ids` are draft tokens, not yet
+    the sequence's: a token is sampled after each position (`core/speculative.py`).
     """
 
     seq_id: int
@@ -48,6 +51,7 @@ class ScheduledSequence:
     sampling_params: SamplingParams
     all_token_ids: list[int]
     prompt_len: int
+    num_draft: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -80,21 +84,30 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled if len(s.token_ids) > 1)
+        return sum(len(s.token_ids) for s in self.scheduled if len(s.token_ids) > 1 and not s.num_draft)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if len(s.token_ids) == 1)
+        """Decodes, a token each, and with speculative decoding their drafts too."""
+        return sum(len(s.token_ids) for s in self.scheduled if len(s.token_ids) == 1 or s.num_draft)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft for s in self.scheduled)
 
 
 @dataclass(slots=True)
 class SequenceUpdate:
-    """One sequence's result of a step, as seen by the engine."""
+    """One new token of a sequence (or none: a prefill chunk that samples nothing), as seen by
+    the engine. A step of speculative decoding gives a sequence several, in order, all but the
+    last with `last=False`; `index` is the token's place in `seq.token_ids`."""
 
     seq: Sequence
     new_token_id: int | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    last: bool = True
+    index: int = 0
 
 
 class Scheduler:
@@ -125,6 +138,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.policy = policy or make_policy(config)
+        self.proposer = make_proposer(config)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those accepted
+        self.num_accepted_tokens = 0
         self.batching = make_batching(config)
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting: list[Sequence] = []
@@ -184,6 +200,8 @@ class Scheduler:
         self._finished_since_last_step.append(seq.seq_id)
         self.policy.on_finished(seq)
         self.batching.on_finished(seq)
+        if self.proposer is not None:
+            self.proposer.on_finished(seq)
 
     def abort(self, seq_id: int, now: float) -> Sequence | None:
         seq = self._by_id.get(seq_id)
@@ -301,6 +319,9 @@ class Scheduler:
         kept: list[Sequence] = []
         queue = deque(self.running)  # sorted most valuable first: victims come off the end
         allocate, emit = self.block_manager.allocate, self._emit  # once: this loop runs per sequence
+        drafting = self.proposer is not None and (
+            (limit := self.config.speculative_disable_by_batch_size) is None or len(self.running) < limit
+        )
         while queue:
             seq = queue.popleft()
             in_prefill = len(seq.token_ids) - seq.num_computed_tokens > 1
@@ -312,6 +333,11 @@ class Scheduler:
             num_new = self._prefill_chunk(seq, budget) if in_prefill else min(1, budget)
             if num_new <= 0:
                 kept.append(seq)
+                continue
+            if drafting and not in_prefill and budget > 1 and (drafts := self._drafts(seq, budget - 1)):
+                kept.append(seq)
+                self._emit_drafts(out, seq, drafts)
+                budget -= 1 + len(drafts)
                 continue
             while not allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self._pick_victim(queue) if queue else seq
@@ -326,6 +352,48 @@ class Scheduler:
                 budget -= num_new
         self.running = kept
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for decoding `seq` this step, with blocks allocated for them; none if
+        its next token ends it, or if the drafts would need blocks the watermark keeps."""
+        if seq.num_pending:  # (only with async scheduling, which speculative decoding refuses)
+            return []
+        params = seq.sampling_params
+        n = len(seq.token_ids)
+        # The step's tokens (1 + drafts) must not overrun max_tokens or the model's length.
+        most = min(
+            self.config.num_speculative_tokens, budget,
+            params.max_tokens - (n - seq.prompt_len) - 1, self.max_model_len - n - 1,
+        )
+        if most < 1:
+            return []
+        assert self.proposer is not None
+        drafts = self.proposer.propose(seq, most)[:most]
+        if not drafts:
+            return []
+        bm = self.block_manager
+        room = len(seq.block_table) * bm.block_size - n  # slots held beyond the last token
+        spare = max(bm.num_free_blocks - self.watermark_blocks, 0) * bm.block_size
+        drafts = drafts[: max(room + spare, 0)]  # drafts never preempt anyone
+        if drafts and not bm.allocate(seq, n + len(drafts)):
+            return []
+        return drafts
+
+    def _emit_drafts(self, out: SchedulerOutput, seq: Sequence, drafts: list[int]) -> None:
+        """A decode with drafts (`_drafts`): its last token and the drafts are computed, one
+        token is sampled at each. Only the last token counts as computed until `update` knows
+        which drafts the model accepted."""
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids
+        out.scheduled.append(
+            ScheduledSequence(
+                seq.seq_id, [tokens[start], *drafts], start, seq.block_table, True,
+                seq.sampling_params, tokens, seq.prompt_len, len(drafts),
+            )
+        )
+        seq.num_computed_tokens = start + 1
+        tokens.append(PLACEHOLDER)
+        seq.num_pending += 1
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens a sequence with more than one uncomputed token may compute this step."""
@@ -498,8 +566,12 @@ class Scheduler:
         sampled: dict[int, int],
         now: float,
         logprobs: dict[int, tuple[float, list[tuple[int, float]] | None]] | None = None,
+        accepted: dict[int, list[tuple[int, tuple[float, list[tuple[int, float]] | None] | None]]] | None = None,
     ) -> list[SequenceUpdate]:
         """Put the sampled tokens in place of their placeholders, finish on EOS / length limits.
+
+        `accepted` holds, for a sequence that verified drafts, the tokens after its first one
+        (the drafts the model accepted, then one of its own), with their logprobs if asked.
 
         With async scheduling the next step has already been scheduled: a sequence finished
         here has a useless share in it, which the next `update` skips."""
@@ -516,6 +588,9 @@ class Scheduler:
             # registered (a decode's; a prefill chunk's were when it was scheduled, but for a
             # placeholder's block), unless the table was freed or swapped since (async: a new
             # list object).
+            if item.num_draft:
+                self._update_drafts(seq, item, sampled[item.seq_id], now, logprobs, accepted, updates, progressed)
+                continue
             if (
                 block_size
                 and (start := item.start_pos) % block_size + len(item.token_ids) >= block_size
@@ -535,15 +610,61 @@ class Scheduler:
             metrics.last_token_time = now
             metrics.token_times.append(now)
             if logprobs and (lp := logprobs.get(item.seq_id)) is not None:
-                updates.append(SequenceUpdate(seq, token, lp[0], lp[1]))
+                updates.append(SequenceUpdate(seq, token, lp[0], lp[1], True, len(seq.token_ids) - seq.num_pending - 1))
             else:
-                updates.append(SequenceUpdate(seq, token))
+                updates.append(SequenceUpdate(seq, token, None, None, True, len(seq.token_ids) - seq.num_pending - 1))
             progressed.append(seq)
             reason = stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
         self.policy.on_step(s for s in progressed if s.status is not SequenceStatus.FINISHED)
         return updates
+
+    def _update_drafts(
+        self,
+        seq: Sequence,
+        item: ScheduledSequence,
+        first: int,
+        now: float,
+        logprobs: dict[int, tuple[float, list[tuple[int, float]] | None]] | None,
+        accepted: dict[int, list[tuple[int, tuple[float, list[tuple[int, float]] | None] | None]]] | None,
+        updates: list[SequenceUpdate],
+        progressed: list[Sequence],
+    ) -> None:
+        """A decode that verified drafts: its first token replaces the placeholder, each token
+        after it (an accepted draft's successor) makes the draft before it computed, up to the
+        first token that ends the sequence."""
+        lp = logprobs.get(item.seq_id) if logprobs else None
+        more = accepted.get(item.seq_id, []) if accepted else []
+        self.num_draft_tokens += item.num_draft
+        self.num_accepted_tokens += len(more)
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        tokens = seq.token_ids
+        for i, (token, token_lp) in enumerate([(first, lp), *more]):
+            if i == 0:
+                seq.resolve(token)
+            else:
+                seq.num_computed_tokens += 1
+                tokens.append(token)
+            metrics.token_times.append(now)
+            reason = self._stop_reason(seq, token)
+            last = reason is not None or i == len(more)
+            if token_lp is None:
+                updates.append(SequenceUpdate(seq, token, last=last, index=len(tokens) - 1))
+            else:
+                updates.append(SequenceUpdate(seq, token, token_lp[0], token_lp[1], last, len(tokens) - 1))
+            progressed.append(seq)
+            if reason is not None:
+                self.finish(seq, reason, now)
+                return
+        bm = self.block_manager
+        if bm.enable_prefix_caching and seq.block_table is item.block_table:
+            # The blocks filled by the last token and the accepted drafts (known tokens now).
+            bs, start = bm.block_size, item.start_pos
+            bm.cache_blocks(seq, item.block_table, start // bs, seq.num_computed_tokens // bs)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.sampling_params

@@ -18,6 +18,9 @@ TopLogprobs = list[tuple[int, float]]
 class RunnerOutput:
     sampled: dict[int, int]  # seq_id -> token id, for every scheduled sequence with sample=True
     logprobs: dict[int, tuple[float, TopLogprobs | None]] = field(default_factory=dict)
+    # Speculative decoding: a sequence's tokens after its first (in `sampled`), each with its
+    # logprobs if asked: the drafts the model accepted, then one of its own.
+    accepted: dict[int, list[tuple[int, tuple[float, TopLogprobs | None] | None]]] = field(default_factory=dict)
     duration_s: float = 0.0  # measured (ModelRunner) or simulated (SimRunner) step time
 
 

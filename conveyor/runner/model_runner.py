@@ -16,7 +16,7 @@ from conveyor.models.attention import HostBlockTables, build_metadata, host_long
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.runner.base import RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
-from conveyor.runner.sampler import Sampler, prepare
+from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
 from conveyor.sequence import PLACEHOLDER
 
 
@@ -209,6 +209,7 @@ class ModelRunner:
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
 
         rows: torch.Tensor | None = None  # the rows that sample, if not all of them
+        drafting = False  # a sequence verifies drafts: it samples at each of its rows
         if all_decodes and all(it.sample for it in items):  # (a 1-token prompt chunk may not sample)
             samplers = items  # every row, in order
         else:
@@ -217,7 +218,11 @@ class ModelRunner:
             end = 0
             for it, n in zip(items, num_new, strict=True):
                 end += n
-                if it.sample:
+                if it.num_draft:
+                    drafting = True
+                    rows_out.extend(range(end - 1 - it.num_draft, end))
+                    samplers.extend([it] * (1 + it.num_draft))
+                elif it.sample:
                     rows_out.append(end - 1)
                     samplers.append(it)
             if not samplers:
@@ -230,17 +235,23 @@ class ModelRunner:
         if not batch.all_greedy and any(p.seed is not None for p in params):
             batch.generators = [self._generator(it) for it in samplers]
         if batch.any_penalty:
-            batch.history = [self._history(it) for it in samplers]
+            batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
         if logits is None:
             assert hidden is not None
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
         elif rows is not None:
             assert greedy is not None
             logits, greedy = logits[rows], greedy[rows]
+        # Drafting: seeded generators draw a row per position, and give back those not kept.
+        states = self._generator_states(samplers, batch) if drafting else None
         if greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None:
             tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
         else:
             tokens, logprobs = self.sampler.sample(logits, batch)
+        if drafting:
+            self._last_tokens, self._last_rows, self._last_handle = None, {}, None
+            output = self._verify(samplers, tokens.tolist(), logprobs, states)
+            return StepHandle(output, start, cuda)
         seq_ids = [it.seq_id for it in samplers]
         self._last_tokens = tokens
         self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
@@ -270,6 +281,69 @@ class ModelRunner:
             rows = to_device(host_longs(pending_rows), self.device)
             input_ids[rows] = self._last_tokens[index]
         return input_ids
+
+    def _verify(
+        self,
+        samplers: list[ScheduledSequence],
+        tokens: list[int],
+        logprobs: list[tuple[float, TopLogprobs | None]] | None,
+        states: dict[int, torch.Tensor] | None,
+    ) -> RunnerOutput:
+        """Each sequence's tokens of a step with drafts: the token sampled at its first row,
+        then, while the draft at a row equals the token sampled at the row before it, the
+        token sampled at that row. A seeded sequence's generator is left where one row of
+        noise per kept token leaves it, as if it had decoded them one by one."""
+        output = RunnerOutput(sampled={})
+        row = 0
+        while row < len(samplers):
+            it = samplers[row]
+            lps = logprobs is not None and it.sampling_params.logprobs is not None
+            n = 1 + it.num_draft
+            drafts = it.token_ids[1:]
+            keep = 1
+            while keep < n and tokens[row + keep - 1] == drafts[keep - 1]:
+                keep += 1
+            output.sampled[it.seq_id] = tokens[row]
+            if lps:
+                assert logprobs is not None
+                output.logprobs[it.seq_id] = logprobs[row]
+            if keep > 1:
+                output.accepted[it.seq_id] = [
+                    (tokens[r], logprobs[r] if lps and logprobs is not None else None)
+                    for r in range(row + 1, row + keep)
+                ]
+            if states is not None and (state := states.get(it.seq_id)) is not None:
+                g = self._generators[it.seq_id]
+                g.set_state(state)
+                for _ in range(keep):
+                    torch.empty(self.model.arch.vocab_size, device=self.device).exponential_(generator=g)
+            row += n
+        return output
+
+    def _generator_states(self, samplers: list[ScheduledSequence], batch: SamplingBatch) -> dict[int, torch.Tensor]:
+        """Where each seeded sequence with drafts has its generator before the step's draws."""
+        return {
+            it.seq_id: g.get_state()
+            for it, g in zip(samplers, batch.generators, strict=True)
+            if g is not None and it.num_draft
+        }
+
+    def _histories(self, samplers: list[ScheduledSequence]) -> list[list[int]]:
+        """`_history` of each row of a step with drafts: a sequence's row i follows its last
+        token and its first i drafts."""
+        out: list[list[int]] = []
+        row = 0
+        while row < len(samplers):
+            it = samplers[row]
+            if not it.num_draft:
+                out.append(self._history(it))
+                row += 1
+                continue
+            base = it.all_token_ids[: it.start_pos + 1] if it.sampling_params.needs_penalties else None
+            for i in range(1 + it.num_draft):
+                out.append([] if base is None else base + it.token_ids[1 : 1 + i])
+            row += 1 + it.num_draft
+        return out
 
     def _history(self, item: ScheduledSequence) -> list[int]:
         """The tokens before this step's sampled one, for penalties (others get none). A

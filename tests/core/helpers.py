@@ -20,7 +20,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.models.attention import HostBlockTables
 from conveyor.sampling_params import SamplingParams
-from conveyor.sequence import FinishReason, Sequence
+from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence
 
 VOCAB = 16
 EOS = 0
@@ -96,6 +96,9 @@ class FakeRunner:
         self.recomputed: list[int] = []  # sequences the latest step dropped to recompute
         self.blocks_copied = 0
         self.host_tables = HostBlockTables()
+        # Speculative decoding, as `ModelRunner`: a token is sampled after each draft too, and
+        # the tokens after the first that the drafts led to are the latest step's `accepted`.
+        self.accepted: dict[int, list[tuple[int, None]]] = {}
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -130,6 +133,7 @@ class FakeRunner:
         self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out, clear=not self.shared_prefixes)
         self._copy(self.swap_slots, self.slots, out.blocks_to_swap_in)
         sampled: dict[int, int] = {}
+        self.accepted = {}
         # The tables as the model runner reads them: its rows kept from step to step, which
         # must equal the scheduler's lists (every slot below is read and written through them).
         rows = self.host_tables.rows([it.seq_id for it in out.scheduled], [it.block_table for it in out.scheduled])
@@ -141,7 +145,11 @@ class FakeRunner:
         for item, row in zip(out.scheduled, rows, strict=True):
             assert row.tolist() == item.block_table, f"seq {item.seq_id}: host row {row} for {item.block_table}"
             table = row.tolist()
-            context = item.all_token_ids[: item.context_len]
+            if item.num_draft:  # the drafts are not the sequence's tokens (yet)
+                assert item.all_token_ids[item.start_pos + 1 :] == [PLACEHOLDER], item
+                context = item.all_token_ids[: item.start_pos] + item.token_ids
+            else:
+                context = item.all_token_ids[: item.context_len]
             assert context[item.start_pos :] == item.token_ids
             key = 0 if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
             for pos, token in enumerate(context):
@@ -153,7 +161,16 @@ class FakeRunner:
                     self.slots[slot] = (key, pos)
                     written.add(slot)
             self.tables[item.seq_id] = list(item.block_table)
-            if item.sample:
+            if item.num_draft:
+                n = item.start_pos + 1
+                tokens = [next_token(context[: n + i]) for i in range(1 + item.num_draft)]
+                keep = 1
+                while keep <= item.num_draft and tokens[keep - 1] == item.token_ids[keep]:
+                    keep += 1
+                sampled[item.seq_id] = tokens[0]
+                if keep > 1:
+                    self.accepted[item.seq_id] = [(t, None) for t in tokens[1:keep]]
+            elif item.sample:
                 sampled[item.seq_id] = next_token(context)
         decodes_only = all(len(item.token_ids) == 1 for item in out.scheduled)
         for seq_id, pos, slot, expected in reads:
@@ -226,7 +243,8 @@ class Driver:
         out = self.sched.schedule(self.now)
         self.sched.check_integrity()
         live = [s for s in self.seqs.values() if not s.is_finished]
-        self.sched.update(out, self.runner(out), self.now)
+        sampled = self.runner(out)
+        self.sched.update(out, sampled, self.now, accepted=self.runner.accepted)
         self.sched.check_integrity()
         self.finish_order += [s.seq_id for s in live if s.is_finished]
         self.log.append(out)

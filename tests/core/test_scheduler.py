@@ -122,26 +122,38 @@ def check_after_schedule(
         # Liveness: with unfinished requests something always fits (the oldest alone fits
         # the empty cache and the full budget), so an empty step is a stall.
         assert out.scheduled, f"empty step with {sched.num_unfinished} unfinished"
+    spare = spare_blocks(cfg, bs)
     for item in out.scheduled:
         seq = sched.get(item.seq_id)
         assert seq is not None and seq.status is SequenceStatus.RUNNING
         end = item.start_pos + len(item.token_ids)
         assert len(item.token_ids) >= 1
+        assert item.block_table is seq.block_table
+        # Covers every token it will hold after the step, and no block more (with drafts,
+        # at most the blocks a rejected draft left over from an earlier step).
+        assert blocks_for(end, bs) <= len(item.block_table) <= blocks_for(end, bs) + spare
+        assert item.sample == (seq.num_pending == 1)
+        assert PLACEHOLDER not in item.token_ids
+        if item.num_draft:  # a decode with drafts: only its last token counts as computed
+            assert cfg.speculative_method is not None and item.sample
+            assert 1 <= item.num_draft <= cfg.num_speculative_tokens
+            assert item.start_pos + 1 == seq.num_computed_tokens == seq.num_tokens - 1
+            assert item.token_ids[0] == seq.token_ids[item.start_pos]
+            # The step's tokens never overrun max_tokens or the model's length.
+            assert seq.num_scheduled_outputs + item.num_draft <= seq.sampling_params.max_tokens
+            assert seq.num_tokens + item.num_draft <= sc.max_model_len
+            continue
         # Scheduled tokens count as computed at once; a token to sample is a placeholder.
         assert end == seq.num_computed_tokens
         assert item.token_ids == seq.token_ids[item.start_pos : end]
-        assert item.block_table is seq.block_table
-        # Covers every token it will hold after the step, and no block more.
-        assert len(item.block_table) == blocks_for(end, bs)
-        assert item.sample == (seq.num_pending == 1)
         assert end == seq.num_tokens - seq.num_pending if item.sample else end < seq.num_tokens
-        assert PLACEHOLDER not in item.token_ids
         if cfg.prefill_mode != "chunked" and item.start_pos % bs == 0 and seq.num_output_tokens == 0:
             assert item.sample, "chunked prefill is off but a prompt was split"
     scheduled = set(ids)
     for seq in sched.running:
         if seq.seq_id not in scheduled:
-            assert len(seq.block_table) == blocks_for(seq.num_computed_tokens, bs)
+            need = blocks_for(seq.num_computed_tokens, bs)
+            assert need <= len(seq.block_table) <= need + spare
     for seq in sched.waiting:
         assert seq.block_table == [] and seq.num_computed_tokens == 0
     for seq_id in out.preempted_seq_ids:
@@ -152,11 +164,20 @@ def check_after_schedule(
         assert len(held) == len(set(held))
 
 
+def spare_blocks(cfg: SchedulerConfig, block_size: int) -> int:
+    """Blocks a running sequence may hold beyond its computed tokens: those allocated for
+    drafts the model rejected (speculative decoding), at most a step's drafts."""
+    return blocks_for(cfg.num_speculative_tokens, block_size) if cfg.speculative_method else 0
+
+
 def check_after_update(sched: Scheduler, sc: Scenario, seqs: dict[int, Sequence]) -> None:
     sched.check_integrity()
+    spare = spare_blocks(sc.config, sc.block_size)
     for seq in sched.running:
-        # Computed KV is exactly what the table covers; something is always left to compute.
-        assert len(seq.block_table) == blocks_for(seq.num_computed_tokens, sc.block_size)
+        # Computed KV is what the table covers (and drafts' leftovers); something is always
+        # left to compute.
+        need = blocks_for(seq.num_computed_tokens, sc.block_size)
+        assert need <= len(seq.block_table) <= need + spare
         assert seq.num_uncomputed_tokens >= 1
         assert seq.num_tokens < sc.max_model_len
     for seq in seqs.values():
@@ -166,16 +187,32 @@ def check_after_update(sched: Scheduler, sc: Scenario, seqs: dict[int, Sequence]
 
 
 def check_updates(
-    out: SchedulerOutput, sampled: dict[int, int], updates: list[SequenceUpdate], gone: set[int]
+    out: SchedulerOutput,
+    sampled: dict[int, int],
+    updates: list[SequenceUpdate],
+    gone: set[int],
+    accepted: dict[int, list[tuple[int, None]]] | None = None,
 ) -> None:
-    """One update per scheduled sequence still alive, carrying exactly the sampled token."""
+    """One update per scheduled sequence still alive, carrying exactly the sampled token; with
+    drafts, one per token it kept, in order, up to the first that ended it."""
     live = [item for item in out.scheduled if item.seq_id not in gone]
-    assert [u.seq.seq_id for u in updates] == [item.seq_id for item in live]
-    for item, update in zip(live, updates, strict=True):
-        if item.sample:
-            assert update.new_token_id == sampled[item.seq_id] == update.seq.token_ids[-1]
-        else:
-            assert update.new_token_id is None
+    queue = list(updates)
+    for item in live:
+        if not item.sample:
+            update = queue.pop(0)
+            assert update.seq.seq_id == item.seq_id and update.new_token_id is None and update.last
+            continue
+        kept = [sampled[item.seq_id], *(t for t, _ in (accepted or {}).get(item.seq_id, []))]
+        for i, token in enumerate(kept):
+            update = queue.pop(0)
+            seq = update.seq
+            assert seq.seq_id == item.seq_id and update.new_token_id == token
+            assert seq.token_ids[update.index] == token
+            if update.last:
+                assert i == len(kept) - 1 or seq.is_finished
+                assert update.index == len(seq.token_ids) - seq.num_pending - 1
+                break
+    assert not queue, f"updates left over: {queue}"
 
 
 def run_scenario(sc: Scenario) -> RunResult:
@@ -215,7 +252,8 @@ def run_scenario(sc: Scenario) -> RunResult:
         sampled = runner(out)
         abort_due(step, mid=True)
         gone = {item.seq_id for item in out.scheduled if seqs[item.seq_id].is_finished}
-        check_updates(out, sampled, sched.update(out, sampled, now), gone)
+        updates = sched.update(out, sampled, now, accepted=runner.accepted)
+        check_updates(out, sampled, updates, gone, runner.accepted)
         check_after_update(sched, sc, seqs)
     else:
         pytest.fail(f"not finished after {MAX_STEPS} steps: starvation or livelock")

@@ -1,0 +1,111 @@
+"""Speculative decoding, the draft side: a proposer guesses a decoding sequence's next tokens,
+and the model verifies them all in the sequence's share of one step.
+
+The scheduler grants a sequence with drafts `1 + k` tokens to compute (its last token and the
+`k` drafts), out of the same step budget as everything else. The runner samples a token at each
+of the `1 + k` positions and keeps them while each draft equals the token sampled before it:
+the accepted drafts plus one token of the model's own. A draft that is a fixed guess (not
+sampled from a draft distribution) makes this exactly speculative sampling's rejection rule
+(Leviathan et al. 2023; Chen et al. 2023): a draft `d` is accepted with probability `p(d)`,
+and on a rejection the token is drawn from `p` without `d`. So greedy requests get the same
+tokens as without drafts, and sampled ones the same distribution (seeded ones the same tokens:
+each position draws its own row of noise, as `runner/sampler.py` does one row a token).
+
+Proposers are chosen by name (`speculative_method`). `ngram` is prompt lookup decoding
+(Saxena 2023; vLLM's "ngram" method): no second model, so nothing costs GPU memory or time
+but the verification. No torch here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Callable
+from typing import ClassVar
+
+from conveyor.config import ConfigError, SchedulerConfig
+from conveyor.core.registry import Registry
+from conveyor.sequence import Sequence
+
+_PROPOSERS: Registry[Proposer] = Registry("speculative method")
+
+
+def register_proposer(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
+    return _PROPOSERS.register(name)
+
+
+def available_proposers() -> list[str]:
+    return _PROPOSERS.names()
+
+
+def make_proposer(config: SchedulerConfig) -> Proposer | None:
+    if config.speculative_method is None:
+        return None
+    if config.speculative_method not in _PROPOSERS:
+        raise ConfigError(f"speculative_method={config.speculative_method!r} is not one of {available_proposers()}")
+    return _PROPOSERS[config.speculative_method](config)
+
+
+class Proposer(ABC):
+    """Guesses the tokens that follow a sequence. Holds per-sequence state at most until
+    `on_finished`."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` (>= 1) guesses of the tokens after `seq.token_ids` (all known:
+        no placeholder), or none."""
+
+    def on_finished(self, seq: Sequence) -> None:  # noqa: B027 - optional hook
+        """`seq` has ended: forget it."""
+
+
+@register_proposer("ngram")
+class NgramProposer(Proposer):
+    """Prompt lookup: the longest suffix of the sequence, from `prompt_lookup_max` tokens down
+    to `prompt_lookup_min`, that occurred before in it; the proposal is what followed its most
+    recent earlier occurrence. That occurrence says the text repeats with a period (the
+    distance between the two), so the proposal goes on with that period where the tokens after
+    the occurrence run out (`a b a b` proposes `a b a b ...`, not just `a b`).
+
+    The search is `bytearray.rfind` over each sequence's token ids as 4-byte integers, kept
+    and grown in place from step to step: C speed, no per-step copy of a long context."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self._bytes: dict[int, bytearray] = {}
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        tokens = seq.token_ids
+        n_tokens = len(tokens)
+        if n_tokens <= self.min_n:
+            return []
+        hay = self._bytes.get(seq.seq_id)
+        if hay is None or len(hay) > 4 * n_tokens:  # new, or its tokens were cut (a stop string)
+            hay = self._bytes[seq.seq_id] = bytearray(array("i", tokens).tobytes())
+        elif len(hay) < 4 * n_tokens:
+            hay.extend(array("i", tokens[len(hay) // 4 :]).tobytes())
+        limit = 4 * (n_tokens - 1)  # an earlier occurrence ends before the last token
+        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            needle = hay[4 * (n_tokens - n) :]
+            end = limit
+            while (at := hay.rfind(needle, 0, end)) >= 0:
+                if at % 4 == 0:  # aligned on a token, not straddling two
+                    return self._follow(tokens, at // 4 + n, n_tokens, max_tokens)
+                end = at + len(needle) - 1
+        return []
+
+    @staticmethod
+    def _follow(tokens: list[int], start: int, n_tokens: int, max_tokens: int) -> list[int]:
+        """`max_tokens` tokens from `start` on, repeating with period `n_tokens - start`."""
+        period = n_tokens - start
+        return [tokens[start + i % period] for i in range(max_tokens)]
+
+    def on_finished(self, seq: Sequence) -> None:
+        self._bytes.pop(seq.seq_id, None)
