@@ -55,6 +55,8 @@ class StepRecord:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     seq_ids: tuple[int, ...] = ()  # the sequences this step computed (occupancy timelines)
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified (in num_decode_tokens) ...
+    num_accepted_tokens: int = 0  # ... and those the model accepted
 
 
 @dataclass(slots=True)
@@ -445,8 +447,9 @@ class Engine:
     def _complete(
         self, sched_out: SchedulerOutput, run_out: RunnerOutput, start: float, now: float
     ) -> list[RequestOutput]:
+        accepted_before = self.scheduler.num_accepted_tokens
         updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs, run_out.accepted)
-        self._record(sched_out, start, now - start)
+        self._record(sched_out, start, now - start, self.scheduler.num_accepted_tokens - accepted_before)
 
         outputs: list[RequestOutput] = []
         by_seq = self._by_seq
@@ -588,7 +591,7 @@ class Engine:
         self._by_seq.pop(req.seq.seq_id, None)
         return out
 
-    def _record(self, sched_out: SchedulerOutput, start: float, duration: float) -> None:
+    def _record(self, sched_out: SchedulerOutput, start: float, duration: float, accepted: int = 0) -> None:
         bm = self.scheduler.block_manager
         self.last_step = StepRecord(
                 step_id=sched_out.step_id,
@@ -605,6 +608,8 @@ class Engine:
                 blocks_swapped_out=len(sched_out.blocks_to_swap_out),
                 blocks_swapped_in=len(sched_out.blocks_to_swap_in),
                 seq_ids=tuple(s.seq_id for s in sched_out.scheduled),
+                num_draft_tokens=sched_out.num_draft_tokens,
+                num_accepted_tokens=accepted,
         )
         if self.trace:
             self.step_trace.append(self.last_step)

@@ -115,6 +115,13 @@ class ServerMetrics:
             "Prompt tokens looked up in the prefix cache (requests that produced a first token).")
         self.prefix_cache_hits = counter(
             "conveyor:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
+        self.spec_draft_tokens = counter(
+            "conveyor:spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified (--speculative-method).")
+        self.spec_accepted_tokens = counter(
+            "conveyor:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens the model accepted (the acceptance rate is "
+            "this over the drafts).")
         self._success = Counter("conveyor:request_success",
                                 "Finished requests, by finish reason (stop, length, abort).",
                                 ["model_name", "finished_reason"], registry=r)
@@ -147,6 +154,9 @@ class ServerMetrics:
         self.step_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
         if record.num_preempted:
             self.preemptions.inc(record.num_preempted)
+        if record.num_draft_tokens:
+            self.spec_draft_tokens.inc(record.num_draft_tokens)
+            self.spec_accepted_tokens.inc(record.num_accepted_tokens)
 
     def on_queues(self, counts: QueueCounts, replica: int = 0) -> None:
         """A replica's queues after its step; the gauges show the sum over replicas (the KV
