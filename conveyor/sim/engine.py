@@ -101,6 +101,13 @@ def build_sim_engine(
     max_trace_steps: int | None = 100_000,
 ) -> SimEngine:
     """A simulated engine for `config` (scheduler and cache sections as for a real one)."""
+    if config.scheduler.speculative_method is not None:
+        from conveyor.config import ConfigError
+
+        raise ConfigError(
+            "speculative decoding drafts from the model's own tokens, and the simulator has none "
+            "(its runner samples a constant); leave speculative_method unset here"
+        )
     b = dtype_bytes_of(config, hardware)
     weights = model.weight_bytes(b)
     if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:

@@ -277,6 +277,13 @@ def test_weights_that_do_not_fit_are_refused():
         build_sim_engine(EngineConfig(), get_hardware("rtx-4070-laptop"), get_model("llama-2-13b"))
 
 
+def test_speculative_decoding_is_refused_with_a_reason():
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="simulator has none"):
+        build_sim_engine(EngineConfig.from_kwargs(speculative_method="ngram"), get_hardware("h100-sxm"), get_model("llama-2-7b"))
+
+
 @pytest.mark.parametrize("fused_rows", [0, 16])
 def test_fit_recovers_a_known_cost_model(fused_rows):
     truth = CostParams(mfu=0.6, attn_mfu=0.3, mbu=0.2, kv_mbu=0.05, gemv_mbu=0.35, gemv_mfu=0.3, skinny_rows=16, skinny_pass_rows=8,

@@ -1,0 +1,101 @@
+"""Speculative decoding (n-gram prompt lookup) against decoding one token a step, side by side.
+
+Two engines on one model (SmolLM2 by default), the same greedy requests, run in turns
+(A B B A ...), so both see the same machine. Greedy outputs are the same with and without
+drafts (tests/test_speculative.py), so both engines generate the same tokens and the ratio of
+their times is the speedup. Workloads, chat-templated:
+  - echo: rewrite or repeat a passage given in the prompt (what prompt lookup is for:
+    summaries, edits, extraction, retrieval-grounded answers);
+  - open: open questions with nothing to copy from the prompt.
+
+    python benchmarks/speculative.py --batch 1 8 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from conveyor import LLM, SamplingParams
+
+PASSAGES = [
+    "The quick brown fox jumps over the lazy dog. The dog does not move; it has seen foxes "
+    "before, and it knows that this one will be back tomorrow, jumping over it again.",
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
+    "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n",
+    "Paged attention stores the KV cache in fixed-size blocks. A block table maps each "
+    "sequence's logical blocks to physical ones, so memory is allocated as a sequence grows "
+    "and freed the moment it finishes.",
+    "Meeting notes: the release moves to Friday. Anna owns the changelog, Ben the migration "
+    "guide, and Chris the benchmark tables. Everyone reviews the draft on Thursday morning.",
+]
+ECHO = [
+    "Repeat the following text exactly, word for word:\n\n{p}",
+    "Rewrite the following text, keeping every sentence, but fix any awkward wording:\n\n{p}",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
+    "What are three good habits for learning a language?", "Describe a rainy afternoon in a city.",
+    "Why is the sky blue? Answer for a child.", "Give advice to someone starting to cook.",
+    "Write a poem about autumn leaves.", "How do bees make honey?",
+]
+
+
+def conversations(kind: str, n: int) -> list[list[dict[str, str]]]:
+    if kind == "echo":
+        texts = [ECHO[i % len(ECHO)].format(p=PASSAGES[(i // len(ECHO)) % len(PASSAGES)]) for i in range(n)]
+    else:
+        texts = [OPEN[i % len(OPEN)] for i in range(n)]
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--workloads", nargs="+", default=["echo", "open"])
+    args = ap.parse_args()
+
+    base = LLM(args.model)
+    spec = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
+    engines = [("one token a step", base), ("ngram drafts", spec)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    base.chat(conversations("open", 1), SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    spec.chat(conversations("echo", 1), SamplingParams(max_tokens=8), use_tqdm=False)
+
+    print("| workload | batch | engine | s by round | median s | output tok/s | drafts accepted | tokens / step of a request |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in args.workloads:
+        for batch in args.batch:
+            convs = conversations(kind, batch)
+            times: dict[str, list[float]] = {name: [] for name, _ in engines}
+            outputs: dict[str, list[list[int]]] = {}
+            stats: dict[str, tuple[int, int, int]] = {}
+            for rnd in range(args.rounds):
+                for name, llm in engines if rnd % 2 == 0 else engines[::-1]:
+                    sched = llm.engine.scheduler
+                    d0, a0 = sched.num_draft_tokens, sched.num_accepted_tokens
+                    t = time.perf_counter()
+                    outs = llm.chat(convs, params, use_tqdm=False)
+                    times[name].append(time.perf_counter() - t)
+                    outputs[name] = [o.outputs[0].token_ids for o in outs]
+                    steps = sum(len(set(o.metrics.token_times)) for o in outs)  # steps that gave tokens
+                    stats[name] = (sched.num_draft_tokens - d0, sched.num_accepted_tokens - a0, steps)
+            same = outputs[engines[0][0]] == outputs[engines[1][0]]
+            n_tokens = sum(len(o) for o in outputs[engines[0][0]])
+            medians = {name: statistics.median(ts) for name, ts in times.items()}
+            for name, ts in times.items():
+                drafts, accepted, steps = stats[name]
+                acc = f"{accepted}/{drafts} ({accepted / drafts:.0%})" if drafts else "-"
+                print(f"| {kind} | {batch} | {name} | {', '.join(f'{t:.2f}' for t in ts)} | {medians[name]:.2f} | "
+                      f"{n_tokens / medians[name]:.1f} | {acc} | {n_tokens / steps:.2f} |")
+            ratio = medians[engines[0][0]] / medians[engines[1][0]]
+            print(f"| {kind} | {batch} | **speedup** | | **{ratio:.2f}x** | | same tokens: {same} | |")
+
+
+if __name__ == "__main__":
+    main()
