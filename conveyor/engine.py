@@ -462,7 +462,9 @@ class Engine:
                 stopped = self._on_token(req, upd.new_token_id, upd.logprob, upd.top_logprobs, now, upd.last)
             if not upd.last:  # more of this step's tokens follow (speculative decoding)
                 if stopped:  # they come after the stop: not outputs
-                    del req.seq.token_ids[upd.index + 1 :]
+                    seq = req.seq
+                    del seq.token_ids[upd.index + 1 :]
+                    del seq.metrics.token_times[seq.num_output_tokens :]
                     outputs.append(self._finish_output(req))
             elif req.seq.status is SequenceStatus.FINISHED:
                 outputs.append(self._finish_output(req))

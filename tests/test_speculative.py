@@ -148,4 +148,5 @@ def test_a_stop_string_inside_the_accepted_drafts_ends_the_output_there(smollm2)
         assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (x.text, x.token_ids, x.finish_reason, x.stop_reason)
         assert x.finish_reason == "stop" and isinstance(x.stop_reason, str)
         assert y.logprobs is not None and len(y.logprobs) == len(y.token_ids)
+        assert len(b.metrics.token_times) == len(y.token_ids)
 
