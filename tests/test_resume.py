@@ -88,3 +88,37 @@ def test_a_resume_with_nothing_left_to_generate_is_refused(base: Engine) -> None
     with pytest.raises(InvalidRequestError):
         engine.add_request("r", PROMPT, params, resume=Resume([1, 2, 3], 0, RequestMetrics(0.0)))
     assert not engine.has_unfinished_requests()
+
+
+REPEATING = "Say it again and again: one two three, one two three, one two three, one two three,"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_resume_with_speculative_decoding_emits_the_uninterrupted_text(base: Engine, case: str) -> None:
+    """Engines that verify drafts (a step may emit several tokens, so a cut falls where a step
+    ends) resume to the text of an engine without drafts, never interrupted: a seeded
+    request's generator is where one row of noise per kept token leaves it."""
+    params = CASES[case]
+    if case == "stop string":
+        params = dataclasses.replace(params, stop=("three, one two",))
+    whole = fresh(base)
+    whole.add_request("r", REPEATING, params, stream=True)
+    ref_tokens, ref_text, ref_lp, ref_reason = drive(whole)
+    config = EngineConfig.from_kwargs(**{**base.config.flat(), "speculative_method": "ngram", "prompt_lookup_min": 1})
+    drafted = 0
+    for cut in (1, len(ref_tokens) // 2, len(ref_tokens) - 2):
+        first = Engine.from_model(config, base.runner.model, base.tokenizer)
+        first.add_request("r", REPEATING, params, stream=True)
+        tokens, text, lp, _ = drive(first, until=cut)
+        seq = first._requests["r"].seq
+        metrics = dataclasses.replace(seq.metrics, token_times=list(seq.metrics.token_times))
+        second = Engine.from_model(config, base.runner.model, base.tokenizer)
+        second.add_request("r", REPEATING, params, stream=True, resume=Resume(tokens, len(text), metrics))
+        more_tokens, more_text, more_lp, reason = drive(second)
+        assert tokens + more_tokens == ref_tokens, cut
+        assert text + more_text == ref_text, cut
+        assert reason == ref_reason
+        if params.logprobs is not None:
+            assert lp + more_lp == ref_lp
+        drafted += first.scheduler.num_accepted_tokens + second.scheduler.num_accepted_tokens
+    assert drafted > 0
