@@ -47,6 +47,9 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                         ("step-overhead-ms", "fixed time per step"),
                         ("seq-overhead-us", "time per sequence in a step")):
         g.add_argument(f"--{name}", type=float, default=None, help=f"cost model: {help_} (overrides the default)")
+    g.add_argument("--spec-acceptance-rate", type=float, default=None,
+                   help="with --speculative-method: the chance that the (absent) model accepts a draft, "
+                        "independently per position (the simulator has no model to verify drafts)")
     sim.add_argument("configs", nargs="*", metavar="CONFIG",
                      help="systems as in `conveyor bench compare` (default: one, with the flags given)")
     _add_offline(sim)
@@ -94,9 +97,11 @@ class SimSystem(ConveyorSystem):
     of it, one device each, behind the router."""
 
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
-                 params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None) -> None:
+                 params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None,
+                 acceptance_rate: float | None = None) -> None:
         """`cost_model` replaces the roofline model that `params` would build (a profiled table,
-        or one that records the steps it prices); `router` holds `RouterConfig` options."""
+        or one that records the steps it prices); `router` holds `RouterConfig` options;
+        `acceptance_rate` is the chance a speculative draft is accepted."""
         from conveyor.core.routing import RouterConfig
 
         names = {f.name for f in dataclasses.fields(RouterConfig)}
@@ -106,6 +111,7 @@ class SimSystem(ConveyorSystem):
         self.router_config = RouterConfig(**router_options)
         self.check_backend(self.router_config.data_parallel_backend)
         self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
+        self.acceptance_rate = acceptance_rate
         self.last_engine: Any = None
         self.last_engines: list[Any] = []
 
@@ -119,7 +125,8 @@ class SimSystem(ConveyorSystem):
     def _engine(self) -> Any:
         from conveyor.sim.engine import build_sim_engine
 
-        self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model)
+        self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
+                                            acceptance_rate=self.acceptance_rate)
         self.last_engines = [self.last_engine]
         return self.last_engine
 
@@ -152,7 +159,8 @@ class SimSystem(ConveyorSystem):
         from conveyor.trace import trace_dict
 
         n = self.router_config.data_parallel_size
-        engines = [build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model) for _ in range(n)]
+        engines = [build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
+                                    acceptance_rate=self.acceptance_rate, seed=i) for i in range(n)]
         self.last_engine, self.last_engines = engines[0], engines
         timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
         concurrency = int(point.value) if point.kind == "concurrency" else None
@@ -201,6 +209,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"{s.name!r}: the simulator runs conveyor's scheduler only, not HF baselines")
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"configuration names must differ: {[s.name for s in specs]}")
+    if args.spec_acceptance_rate is not None and not any(
+        {**options, **s.options}.get("speculative_method") for s in specs
+    ):
+        raise ValueError("--spec-acceptance-rate applies only with a --speculative-method (a flag or a CONFIG's)")
     slo = _slo(args)
     out = _out_dir(args, "simulate")
     requests, points, desc = build_workload(args, model.vocab_size)
@@ -218,7 +230,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
     run_systems(
         args, result, specs, requests, points, slo,
-        build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size, router=router),
+        build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size, router=router,
+                                     acceptance_rate=args.spec_acceptance_rate),
         options_of=lambda spec, system: {**dataclasses.asdict(system.config.scheduler),
                                          **dataclasses.asdict(system.router_config)},
         kind="simulated", on_point=on_point,

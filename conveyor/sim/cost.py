@@ -56,7 +56,7 @@ class StepShape:
             ctx = item.start_pos + n
             s.num_seqs += 1
             s.num_tokens += n
-            s.num_sampled += item.sample
+            s.num_sampled += item.sample + item.num_draft  # (a draft's position samples too)
             if n == 1:
                 s.decode_seqs += 1
                 s.decode_context += ctx

@@ -3,10 +3,17 @@ with a `SimRunner` that returns each step's duration from a cost model instead o
 
 Nothing here imports torch or a model. A request ends where the workload says: bench requests
 carry `max_tokens=output_len, ignore_eos=True`, and the runner samples a token that is not EOS.
+
+Speculative decoding runs with the real scheduler and proposer, but the runner has no model to
+agree or disagree with the drafts: it accepts each draft with a given probability
+(`acceptance_rate`, independently per position, the model of Leviathan et al. 2023), keeping
+them up to the first rejection. (With every sampled token the same, prompt lookup drafts the
+full `num_speculative_tokens` from a request's third token on.)
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from conveyor.config import EngineConfig
@@ -24,9 +31,12 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 class SimRunner:
     """The runner interface on a cost model: no tensors, a duration per step."""
 
-    def __init__(self, cost_model: CostModel, token_id: int = 1) -> None:
+    def __init__(self, cost_model: CostModel, token_id: int = 1, acceptance_rate: float | None = None,
+                 seed: int = 0) -> None:
         self.cost_model = cost_model
         self.token_id = token_id
+        self.acceptance_rate = acceptance_rate  # speculative decoding: P(a draft is accepted)
+        self._rng = random.Random(seed)
         self.busy_s = 0.0  # total simulated compute time
         self.num_steps = 0
         self.idle_s = 0.0  # idle time since the last step that computed (the engine adds to it)
@@ -39,10 +49,19 @@ class SimRunner:
         self.busy_s += duration
         self.num_steps += 1
         tok = self.token_id
-        return RunnerOutput(
+        out = RunnerOutput(
             sampled={s.seq_id: tok for s in scheduler_output.scheduled if s.sample},
             duration_s=duration,
         )
+        if self.acceptance_rate is not None:
+            rate, draw = self.acceptance_rate, self._rng.random
+            for item in scheduler_output.scheduled:
+                kept = 0
+                while kept < item.num_draft and draw() < rate:
+                    kept += 1
+                if kept:
+                    out.accepted[item.seq_id] = [(tok, None)] * kept
+        return out
 
 
 class VirtualClock:
@@ -99,15 +118,22 @@ def build_sim_engine(
     cost_model: CostModel | None = None,
     trace: bool = True,
     max_trace_steps: int | None = 100_000,
+    acceptance_rate: float | None = None,
+    seed: int = 0,
 ) -> SimEngine:
-    """A simulated engine for `config` (scheduler and cache sections as for a real one)."""
-    if config.scheduler.speculative_method is not None:
+    """A simulated engine for `config` (scheduler and cache sections as for a real one);
+    `acceptance_rate` is the chance that a speculative draft is accepted (`seed` draws them)."""
+    if config.scheduler.speculative_method is not None and acceptance_rate is None:
         from conveyor.config import ConfigError
 
         raise ConfigError(
-            "speculative decoding drafts from the model's own tokens, and the simulator has none "
-            "(its runner samples a constant); leave speculative_method unset here"
+            "the simulator has no model to verify drafts: speculative decoding needs "
+            "--spec-acceptance-rate (the probability that a draft is accepted)"
         )
+    if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
+        from conveyor.config import ConfigError
+
+        raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
     b = dtype_bytes_of(config, hardware)
     weights = model.weight_bytes(b)
     if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:
@@ -125,7 +151,7 @@ def build_sim_engine(
     scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
-    engine = SimEngine(config, scheduler, SimRunner(cost, token), None, max_len, model.vocab_size,
+    engine = SimEngine(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
                        clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
     engine.hardware = hardware  # type: ignore[attr-defined]
     engine.model_shape = model  # type: ignore[attr-defined]
