@@ -10,6 +10,7 @@ same tokens.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -55,31 +56,41 @@ CASES = {
 }
 
 
+def check_cut(make: Callable[[], Engine], prompt: str, params: SamplingParams, cut: int,
+              reference: tuple[list[int], str, list[int], str | None], exact: bool = True) -> tuple[Engine, Engine]:
+    """One engine serves `prompt` until `cut` tokens came out (`exact`: not more; else the step
+    that passed `cut` may have emitted several), a second resumes it: together they emit the
+    uninterrupted `reference`. Returns both engines."""
+    first = make()
+    first.add_request("r", prompt, params, stream=True)
+    tokens, text, lp, _ = drive(first, until=cut)
+    assert len(tokens) == cut if exact else len(tokens) >= cut
+    seq = first._requests["r"].seq
+    metrics = dataclasses.replace(seq.metrics, token_times=list(seq.metrics.token_times))
+    second = make()
+    second.add_request("r", prompt, params, stream=True, resume=Resume(tokens, len(text), metrics))
+    more_tokens, more_text, more_lp, reason = drive(second)
+    ref_tokens, ref_text, ref_lp, ref_reason = reference
+    assert tokens + more_tokens == ref_tokens, cut
+    assert text + more_text == ref_text, cut
+    assert reason == ref_reason
+    if params.logprobs is not None:
+        assert lp + more_lp == ref_lp
+    assert second.scheduler.block_manager.num_used_blocks == 0
+    return first, second
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_resumed_request_emits_the_rest_of_the_uninterrupted_text(base: Engine, case: str) -> None:
     params = CASES[case]
     whole = fresh(base)
     whole.add_request("r", PROMPT, params, stream=True)
-    ref_tokens, ref_text, ref_lp, ref_reason = drive(whole)
-    assert len(ref_tokens) > 4 and ref_text
-
-    for cut in sorted({1, 3, len(ref_tokens) // 2, len(ref_tokens) - 2, len(ref_tokens) - 1}):
-        first = fresh(base)
-        first.add_request("r", PROMPT, params, stream=True)
-        tokens, text, lp, _ = drive(first, until=cut)
-        assert len(tokens) == cut
-        seq = first._requests["r"].seq
-        metrics = dataclasses.replace(seq.metrics, token_times=list(seq.metrics.token_times))
-
-        second = fresh(base)
-        second.add_request("r", PROMPT, params, stream=True, resume=Resume(tokens, len(text), metrics))
-        more_tokens, more_text, more_lp, reason = drive(second)
-        assert tokens + more_tokens == ref_tokens, cut
-        assert text + more_text == ref_text, cut
-        assert reason == ref_reason
-        if params.logprobs is not None:
-            assert lp + more_lp == ref_lp
-        assert second.scheduler.block_manager.num_used_blocks == 0
+    reference = drive(whole)
+    assert len(reference[0]) > 4 and reference[1]
+    n = len(reference[0])
+    for cut in sorted({1, 3, n // 2, n - 2, n - 1}):
+        first, _ = check_cut(lambda: fresh(base), PROMPT, params, cut, reference)
+        assert first.scheduler.num_draft_tokens == 0
 
 
 def test_a_resume_with_nothing_left_to_generate_is_refused(base: Engine) -> None:
@@ -103,22 +114,12 @@ def test_a_resume_with_speculative_decoding_emits_the_uninterrupted_text(base: E
         params = dataclasses.replace(params, stop=("three, one two",))
     whole = fresh(base)
     whole.add_request("r", REPEATING, params, stream=True)
-    ref_tokens, ref_text, ref_lp, ref_reason = drive(whole)
+    reference = drive(whole)
     config = EngineConfig.from_kwargs(**{**base.config.flat(), "speculative_method": "ngram", "prompt_lookup_min": 1})
     drafted = 0
-    for cut in (1, len(ref_tokens) // 2, len(ref_tokens) - 2):
-        first = Engine.from_model(config, base.runner.model, base.tokenizer)
-        first.add_request("r", REPEATING, params, stream=True)
-        tokens, text, lp, _ = drive(first, until=cut)
-        seq = first._requests["r"].seq
-        metrics = dataclasses.replace(seq.metrics, token_times=list(seq.metrics.token_times))
-        second = Engine.from_model(config, base.runner.model, base.tokenizer)
-        second.add_request("r", REPEATING, params, stream=True, resume=Resume(tokens, len(text), metrics))
-        more_tokens, more_text, more_lp, reason = drive(second)
-        assert tokens + more_tokens == ref_tokens, cut
-        assert text + more_text == ref_text, cut
-        assert reason == ref_reason
-        if params.logprobs is not None:
-            assert lp + more_lp == ref_lp
+    n = len(reference[0])
+    for cut in (1, n // 2, n - 2):
+        first, second = check_cut(lambda: Engine.from_model(config, base.runner.model, base.tokenizer),
+                                  REPEATING, params, cut, reference, exact=False)
         drafted += first.scheduler.num_accepted_tokens + second.scheduler.num_accepted_tokens
     assert drafted > 0
