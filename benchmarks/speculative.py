@@ -8,7 +8,7 @@ their times is the speedup. Workloads, chat-templated:
     summaries, edits, extraction, retrieval-grounded answers);
   - open: open questions with nothing to copy from the prompt.
 
-    python benchmarks/speculative.py --batch 1 8 --rounds 3
+    python benchmarks/speculative.py --batch 1 8 --rounds 3 [--draft-cost 0.3]
 """
 
 from __future__ import annotations
@@ -58,11 +58,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--workloads", nargs="+", default=["echo", "open"])
+    ap.add_argument("--draft-cost", type=float, default=None,
+                    help="also an engine with adaptive drafting (speculative_draft_cost)")
     args = ap.parse_args()
 
     base = LLM(args.model)
     spec = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
     engines = [("one token a step", base), ("ngram drafts", spec)]
+    if args.draft_cost is not None:
+        adaptive = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+                       speculative_draft_cost=args.draft_cost)
+        engines.append((f"ngram, draft cost {args.draft_cost}", adaptive))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     base.chat(conversations("open", 1), SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     spec.chat(conversations("echo", 1), SamplingParams(max_tokens=8), use_tqdm=False)
@@ -85,7 +91,7 @@ def main() -> None:
                     outputs[name] = [o.outputs[0].token_ids for o in outs]
                     steps = sum(len(set(o.metrics.token_times)) for o in outs)  # steps that gave tokens
                     stats[name] = (sched.num_draft_tokens - d0, sched.num_accepted_tokens - a0, steps)
-            same = outputs[engines[0][0]] == outputs[engines[1][0]]
+            same = all(outputs[name] == outputs[engines[0][0]] for name, _ in engines)
             n_tokens = sum(len(o) for o in outputs[engines[0][0]])
             medians = {name: statistics.median(ts) for name, ts in times.items()}
             for name, ts in times.items():
@@ -93,8 +99,9 @@ def main() -> None:
                 acc = f"{accepted}/{drafts} ({accepted / drafts:.0%})" if drafts else "-"
                 print(f"| {kind} | {batch} | {name} | {', '.join(f'{t:.2f}' for t in ts)} | {medians[name]:.2f} | "
                       f"{n_tokens / medians[name]:.1f} | {acc} | {n_tokens / steps:.2f} |")
-            ratio = medians[engines[0][0]] / medians[engines[1][0]]
-            print(f"| {kind} | {batch} | **speedup** | | **{ratio:.2f}x** | | same tokens: {same} | |")
+            for name, _ in engines[1:]:
+                ratio = medians[engines[0][0]] / medians[name]
+                print(f"| {kind} | {batch} | **speedup, {name}** | | **{ratio:.2f}x** | | same tokens: {same} | |")
 
 
 if __name__ == "__main__":

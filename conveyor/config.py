@@ -265,6 +265,15 @@ class SchedulerConfig:
     prompt_lookup_max: int = field(
         default=4, metadata=_help("ngram: longest suffix looked up (the longest that matches wins).")
     )
+    speculative_draft_cost: float = field(
+        default=0.0,
+        metadata=_help(
+            "Speculative decoding, adaptive: what verifying one draft position costs, as a share "
+            "of a decode step. A request then drafts only as far as the next draft is still "
+            "accepted with at least this probability, by the acceptance it has had so far. "
+            "0: always up to num_speculative_tokens."
+        ),
+    )
     speculative_disable_by_batch_size: int | None = field(
         default=None,
         metadata=_help(
@@ -360,7 +369,7 @@ class SchedulerConfig:
 
     def _check_speculative(self) -> None:
         knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "speculative_disable_by_batch_size")
+                 "speculative_draft_cost", "speculative_disable_by_batch_size")
         if self.speculative_method is None:
             if any(self._differs(k) for k in knobs):
                 raise ConfigError(f"{', '.join(knobs)} apply only with a speculative_method")
@@ -381,6 +390,8 @@ class SchedulerConfig:
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
                 f"{self.prompt_lookup_max} must satisfy 1 <= min <= max"
             )
+        if not 0 <= self.speculative_draft_cost < 1:
+            raise ConfigError(f"speculative_draft_cost={self.speculative_draft_cost} must be in [0, 1)")
         if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
             raise ConfigError(
                 f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size} must be at least 1"

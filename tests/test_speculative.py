@@ -61,8 +61,9 @@ def plain(model_dir):
         {"enable_prefix_caching": False, "num_speculative_tokens": 1},
         {"num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
         {"speculative_disable_by_batch_size": 4},
+        {"speculative_draft_cost": 0.3},
     ],
-    ids=["default", "chunked-16", "mixed", "preempt", "swap", "one-draft", "eight-drafts", "by-batch-size"],
+    ids=["default", "chunked-16", "mixed", "preempt", "swap", "one-draft", "eight-drafts", "by-batch-size", "adaptive"],
 )
 def test_greedy_tokens_equal_decoding_one_at_a_time(model_dir, plain, options):
     prompts, params, want = plain

@@ -141,6 +141,9 @@ class Scheduler:
         self.proposer = make_proposer(config)
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those accepted
         self.num_accepted_tokens = 0
+        # Adaptive drafting (`speculative_draft_cost`): per sequence, [drafts accepted, drafts
+        # rejected] (after a rejection the later drafts of the step say nothing).
+        self._acceptance: dict[int, list[int]] = {}
         self.batching = make_batching(config)
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.waiting: list[Sequence] = []
@@ -202,6 +205,7 @@ class Scheduler:
         self.batching.on_finished(seq)
         if self.proposer is not None:
             self.proposer.on_finished(seq)
+            self._acceptance.pop(seq.seq_id, None)
 
     def abort(self, seq_id: int, now: float) -> Sequence | None:
         seq = self._by_id.get(seq_id)
@@ -365,6 +369,8 @@ class Scheduler:
             self.config.num_speculative_tokens, budget,
             params.max_tokens - (n - seq.prompt_len) - 1, self.max_model_len - n - 1,
         )
+        if self.config.speculative_draft_cost:
+            most = self._worth_drafting(seq, most)
         if most < 1:
             return []
         assert self.proposer is not None
@@ -378,6 +384,22 @@ class Scheduler:
         if drafts and not bm.allocate(seq, n + len(drafts)):
             return []
         return drafts
+
+    def _worth_drafting(self, seq: Sequence, most: int) -> int:
+        """Adaptive drafting: draft position j is accepted with probability a^j (every draft
+        before it accepted too), where a is the sequence's acceptance so far (a Beta(1, 1)
+        prior: one half before any evidence). Verifying it costs `speculative_draft_cost` of
+        a step, so the sequence drafts the positions whose a^j is at least that.
+
+        A sequence that stops drafting gathers no more evidence, so it does not start again."""
+        accepted, rejected = self._acceptance.get(seq.seq_id, (0, 0))
+        rate = (accepted + 1) / (accepted + rejected + 2)
+        cost = self.config.speculative_draft_cost
+        k, p = 0, rate
+        while k < most and p >= cost:
+            k += 1
+            p *= rate
+        return k
 
     def _emit_drafts(self, out: SchedulerOutput, seq: Sequence, drafts: list[int]) -> None:
         """A decode with drafts (`_drafts`): its last token and the drafts are computed, one
@@ -638,6 +660,10 @@ class Scheduler:
         more = accepted.get(item.seq_id, []) if accepted else []
         self.num_draft_tokens += item.num_draft
         self.num_accepted_tokens += len(more)
+        if self.config.speculative_draft_cost:
+            counts = self._acceptance.setdefault(seq.seq_id, [0, 0])
+            counts[0] += len(more)
+            counts[1] += len(more) < item.num_draft
         metrics = seq.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now

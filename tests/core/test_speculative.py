@@ -91,16 +91,41 @@ class OracleProposer(Proposer):
         return out
 
 
+@register_proposer("test-wrong")
+class WrongProposer(Proposer):
+    """Drafts the model never accepts."""
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        tokens = list(seq.token_ids)
+        out = []
+        for _ in range(max_tokens):
+            out.append((next_token(tokens) + 1) % VOCAB)
+            tokens.append(out[-1])
+        return out
+
+
+@register_proposer("test-right")
+class RightProposer(Proposer):
+    """Drafts the model always accepts."""
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        tokens = list(seq.token_ids)
+        for _ in range(max_tokens):
+            tokens.append(next_token(tokens))
+        return tokens[len(seq.token_ids) :]
+
+
 @st.composite
 def speculative_scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
     sc = draw(scenarios(chunked))
-    method = draw(st.sampled_from(["test-oracle", "ngram"]))
+    method = draw(st.sampled_from(["test-oracle", "ngram", "test-wrong", "test-right"]))
     config = dataclasses.replace(
         sc.config,
         speculative_method=method,
         num_speculative_tokens=draw(st.integers(1, 6)),
         prompt_lookup_min=1 if method == "ngram" else 2,  # a 16-token vocabulary: short matches abound
         speculative_disable_by_batch_size=draw(st.none() | st.integers(1, 8)),
+        speculative_draft_cost=draw(st.sampled_from([0.0, 0.0, 0.3])),
     )
     return dataclasses.replace(sc, config=config)
 
@@ -203,3 +228,23 @@ def test_cached_blocks_hold_only_verified_kv(block_size: int) -> None:
                     checked += 1
     d.check_outputs()
     assert checked and d.sched.num_accepted_tokens
+
+
+def test_adaptive_drafting_follows_each_requests_acceptance() -> None:
+    """With a draft cost, a request whose drafts are all rejected soon stops drafting (each
+    rejection lowers its estimate: 1/2, 1/3, 1/4 ... below the cost), and one whose drafts are
+    all accepted drafts the most it may."""
+    wrong = Driver(64, 4, speculative_method="test-wrong", num_speculative_tokens=4, speculative_draft_cost=0.3)
+    wrong.add(0, prompt_len=3, max_tokens=30)
+    wrong.run()
+    wrong.check_outputs()
+    drafts = [out.num_draft_tokens for out in wrong.log[1:]]
+    assert drafts[:2] == [1, 1] and sum(drafts) == 2  # a = 1/2, 1/3: then 1/4 < 0.3
+
+    right = Driver(64, 4, speculative_method="test-right", num_speculative_tokens=4, speculative_draft_cost=0.3)
+    right.add(0, prompt_len=3, max_tokens=31)
+    right.run()
+    right.check_outputs()
+    drafts = [out.num_draft_tokens for out in right.log[1:]]
+    assert drafts[:5] == [1, 2, 4, 4, 4]  # a = 1/2: k=1; 2/3: k=2 ((2/3)^3 < 0.3); 4/5: k=4
+    assert right.sched.num_accepted_tokens == right.sched.num_draft_tokens
