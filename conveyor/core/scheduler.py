@@ -606,13 +606,13 @@ class Scheduler:
             seq = by_id.get(item.seq_id)
             if seq is None:
                 continue  # finished or aborted while the step ran
+            if item.num_draft:
+                self._update_drafts(seq, item, sampled[item.seq_id], now, logprobs, accepted, updates, progressed)
+                continue
             # Blocks this step filled have their K/V written now: register those not yet
             # registered (a decode's; a prefill chunk's were when it was scheduled, but for a
             # placeholder's block), unless the table was freed or swapped since (async: a new
             # list object).
-            if item.num_draft:
-                self._update_drafts(seq, item, sampled[item.seq_id], now, logprobs, accepted, updates, progressed)
-                continue
             if (
                 block_size
                 and (start := item.start_pos) % block_size + len(item.token_ids) >= block_size
@@ -631,10 +631,11 @@ class Scheduler:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.token_times.append(now)
+            index = len(seq.token_ids) - seq.num_pending - 1  # the token just resolved
             if logprobs and (lp := logprobs.get(item.seq_id)) is not None:
-                updates.append(SequenceUpdate(seq, token, lp[0], lp[1], True, len(seq.token_ids) - seq.num_pending - 1))
+                updates.append(SequenceUpdate(seq, token, lp[0], lp[1], True, index))
             else:
-                updates.append(SequenceUpdate(seq, token, None, None, True, len(seq.token_ids) - seq.num_pending - 1))
+                updates.append(SequenceUpdate(seq, token, None, None, True, index))
             progressed.append(seq)
             reason = stop_reason(seq, token)
             if reason is not None:

@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Callable
 from typing import ClassVar
 
-from conveyor.config import ConfigError, SchedulerConfig
+from conveyor.config import SchedulerConfig
 from conveyor.core.registry import Registry
 from conveyor.sequence import Sequence
 
@@ -39,10 +39,9 @@ def available_proposers() -> list[str]:
 
 
 def make_proposer(config: SchedulerConfig) -> Proposer | None:
+    """The configured proposer (`SchedulerConfig` has checked that its name is registered)."""
     if config.speculative_method is None:
         return None
-    if config.speculative_method not in _PROPOSERS:
-        raise ConfigError(f"speculative_method={config.speculative_method!r} is not one of {available_proposers()}")
     return _PROPOSERS[config.speculative_method](config)
 
 

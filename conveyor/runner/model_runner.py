@@ -297,20 +297,18 @@ class ModelRunner:
         row = 0
         while row < len(samplers):
             it = samplers[row]
-            lps = logprobs is not None and it.sampling_params.logprobs is not None
+            lps = logprobs if it.sampling_params.logprobs is not None else None  # this sequence's asked
             n = 1 + it.num_draft
             drafts = it.token_ids[1:]
             keep = 1
             while keep < n and tokens[row + keep - 1] == drafts[keep - 1]:
                 keep += 1
             output.sampled[it.seq_id] = tokens[row]
-            if lps:
-                assert logprobs is not None
-                output.logprobs[it.seq_id] = logprobs[row]
+            if lps is not None:
+                output.logprobs[it.seq_id] = lps[row]
             if keep > 1:
                 output.accepted[it.seq_id] = [
-                    (tokens[r], logprobs[r] if lps and logprobs is not None else None)
-                    for r in range(row + 1, row + keep)
+                    (tokens[r], None if lps is None else lps[r]) for r in range(row + 1, row + keep)
                 ]
             if states is not None and (state := states.get(it.seq_id)) is not None:
                 g = self._generators[it.seq_id]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from conveyor.config import EngineConfig
+from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.engine import CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_RESERVE, Engine, plan_cache
@@ -124,21 +124,15 @@ def build_sim_engine(
     """A simulated engine for `config` (scheduler and cache sections as for a real one);
     `acceptance_rate` is the chance that a speculative draft is accepted (`seed` draws them)."""
     if config.scheduler.speculative_method is not None and acceptance_rate is None:
-        from conveyor.config import ConfigError
-
         raise ConfigError(
             "the simulator has no model to verify drafts: speculative decoding needs "
             "--spec-acceptance-rate (the probability that a draft is accepted)"
         )
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
-        from conveyor.config import ConfigError
-
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
     b = dtype_bytes_of(config, hardware)
     weights = model.weight_bytes(b)
     if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:
-        from conveyor.config import ConfigError
-
         raise ConfigError(
             f"{model.name} weighs {weights / 2**30:.1f} GiB in {b}-byte weights, more than "
             f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"

@@ -80,9 +80,12 @@ class OracleProposer(Proposer):
     """Proposes the model's true continuation (the fake model is a known function), wrong from
     a pseudo-random position on, or entirely wrong: every acceptance length happens."""
 
+    def num_right(self, seq: Sequence, max_tokens: int) -> int:
+        return hash((seq.seq_id, len(seq.token_ids))) % (max_tokens + 2)
+
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         tokens = list(seq.token_ids)
-        right = hash((seq.seq_id, len(tokens))) % (max_tokens + 2)
+        right = self.num_right(seq, max_tokens)
         out = []
         for i in range(max_tokens):
             t = next_token(tokens)
@@ -92,27 +95,19 @@ class OracleProposer(Proposer):
 
 
 @register_proposer("test-wrong")
-class WrongProposer(Proposer):
+class WrongProposer(OracleProposer):
     """Drafts the model never accepts."""
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        tokens = list(seq.token_ids)
-        out = []
-        for _ in range(max_tokens):
-            out.append((next_token(tokens) + 1) % VOCAB)
-            tokens.append(out[-1])
-        return out
+    def num_right(self, seq: Sequence, max_tokens: int) -> int:
+        return 0
 
 
 @register_proposer("test-right")
-class RightProposer(Proposer):
+class RightProposer(OracleProposer):
     """Drafts the model always accepts."""
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        tokens = list(seq.token_ids)
-        for _ in range(max_tokens):
-            tokens.append(next_token(tokens))
-        return tokens[len(seq.token_ids) :]
+    def num_right(self, seq: Sequence, max_tokens: int) -> int:
+        return max_tokens
 
 
 @st.composite
