@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.outputs import CompletionOutput, RequestOutput
-from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "InvalidRequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputParams",
 ]
 
 

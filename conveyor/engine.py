@@ -23,7 +23,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.runner.base import Runner, RunnerOutput
-from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -272,6 +272,10 @@ class Engine:
             seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
             cuda_graph_max_batch=0 if mc.enforce_eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         )
+        if tokenizer is not None:
+            from conveyor.structured.grammar import GrammarCache
+
+            runner.grammars = GrammarCache(tokenizer.hf, eos_ids, arch.vocab_size, device)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
         return engine
@@ -303,6 +307,8 @@ class Engine:
                 "shorten the prompt",
                 param="prompt",
             )
+        if params.structured_outputs is not None:
+            self._check_grammar(params.structured_outputs)
         sc = self.scheduler.config
         if sc.prefill_mode != "chunked" and len(token_ids) > sc.max_num_batched_tokens:
             raise InvalidRequestError(
@@ -311,6 +317,22 @@ class Engine:
                 "whole; use prefill_mode='chunked' or a larger max_num_batched_tokens",
                 param="prompt",
             )
+
+    def _check_grammar(self, spec: StructuredOutputParams) -> None:
+        """Compile a request's grammar against the vocabulary now (the engine caches it), so
+        one that cannot work fails here, not in a step."""
+        from conveyor.structured import GrammarError
+
+        grammars = getattr(self.runner, "grammars", None)
+        if grammars is None:
+            raise InvalidRequestError(
+                "structured outputs need the engine's tokenizer (this engine has none, or its "
+                "runner samples no tokens)", param="structured_outputs",
+            )
+        try:
+            grammars.get(spec)
+        except GrammarError as e:
+            raise InvalidRequestError(f"structured outputs: {e}", param="structured_outputs") from None
 
     def add_request(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 
 
@@ -17,6 +18,53 @@ class InvalidRequestError(ValueError):
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """What the output must match (vLLM's structured outputs): exactly one of a JSON Schema
+    (`json`, a dict or its text), any JSON object (`json_object`), a regular expression
+    (`regex`, matched whole, as `re.fullmatch`) or one of several strings (`choice`).
+
+    Checked here (the pattern parsed, the schema converted), so a bad one fails before the
+    request is queued; the engine compiles it against its vocabulary (`conveyor/structured`).
+    """
+
+    json: str | dict[str, object] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        from conveyor.structured import GrammarError, to_node
+
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, dict):  # kept as text: frozen and hashable, the compile cache's key
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured outputs need exactly one of json, json_object, regex, choice"
+                + (f" (got {', '.join(given)})" if given else ""),
+                param="structured_outputs",
+            )
+        try:
+            to_node(self)
+        except GrammarError as e:
+            raise InvalidRequestError(f"structured outputs: {e}", param=f"structured_outputs.{given[0]}") from None
+
+    @property
+    def key(self) -> tuple[str, object]:
+        """What the compiled grammar is cached under."""
+        if self.json is not None:
+            return ("json", self.json)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", self.choice)
+        return ("json_object", True)
 
 
 @dataclass(frozen=True)
@@ -48,6 +96,9 @@ class SamplingParams:
     tenant: str | None = None  # whose share the request counts against (policy "vtc"); the server's `user`
     slo_ttft_ms: float | None = None  # this request's objectives (policy "slo"; default: the engine's)
     slo_tpot_ms: float | None = None
+    # Constrained decoding: each token is drawn only from those that keep the output a
+    # prefix of something the grammar accepts, and the end only where it accepts.
+    structured_outputs: StructuredOutputParams | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +149,11 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [-2**63, 2**64)")
         if self.expected_output_tokens is not None and self.expected_output_tokens < 0:
             raise bad("expected_output_tokens", "must be >= 0")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputParams):
+                raise bad("structured_outputs", "must be a StructuredOutputParams")
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be combined with structured_outputs: the grammar ends the output with EOS")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):

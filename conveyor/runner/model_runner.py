@@ -18,6 +18,7 @@ from conveyor.runner.base import RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
 from conveyor.sequence import PLACEHOLDER
+from conveyor.structured.grammar import Grammar, GrammarCache
 
 
 class StepHandle:
@@ -97,6 +98,10 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed, device)
         self._generators: dict[int, torch.Generator] = {}
+        # Structured outputs: the engine's grammars (None: it has no tokenizer), and where
+        # each constrained sequence stands in its grammar.
+        self.grammars: GrammarCache | None = None
+        self._guides: dict[int, _Guide] = {}
         self.host_tables = HostBlockTables()  # running sequences' block tables as int64 arrays
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
@@ -156,6 +161,7 @@ class ModelRunner:
         start = time.perf_counter()
         for seq_id in scheduler_output.finished_seq_ids:
             self._generators.pop(seq_id, None)
+            self._guides.pop(seq_id, None)
             self.host_tables.drop(seq_id)
         # All swap-outs first: their device blocks may be handed to others in this very step.
         if scheduler_output.blocks_to_swap_out:
@@ -236,6 +242,8 @@ class ModelRunner:
             batch.generators = [self._generator(it) for it in samplers]
         if batch.any_penalty:
             batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
+        if any(p.structured_outputs is not None for p in params):
+            batch.allowed = self._allowed(samplers)
         if logits is None:
             assert hidden is not None
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
@@ -244,7 +252,8 @@ class ModelRunner:
             logits, greedy = logits[rows], greedy[rows]
         # Drafting: seeded generators draw a row per position, and give back those not kept.
         states = self._generator_states(samplers, batch) if drafting else None
-        if greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None:
+        if (greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None
+                and batch.allowed is None):
             tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
         else:
             tokens, logprobs = self.sampler.sample(logits, batch)
@@ -344,13 +353,74 @@ class ModelRunner:
         return out
 
     def _history(self, item: ScheduledSequence) -> list[int]:
-        """The tokens before this step's sampled one, for penalties (others get none). A
-        token still pending (async scheduling) is read from the previous step: a sync, paid
-        only by requests with penalties."""
+        """The tokens before this step's sampled one, for penalties (others get none)."""
         if not item.sampling_params.needs_penalties:
             return []
-        history = item.all_token_ids[: item.context_len]
-        if history and history[-1] == PLACEHOLDER:
+        return self._known(item, item.context_len)
+
+    def _known(self, item: ScheduledSequence, end: int) -> list[int]:
+        """The sequence's first `end` tokens. A token still pending (async scheduling) is
+        read from the previous step: a sync, paid only by requests that need the tokens
+        (penalties, structured outputs)."""
+        tokens = item.all_token_ids[:end]
+        if tokens and tokens[-1] == PLACEHOLDER:
             assert self._last_handle is not None
-            history[-1] = self._last_handle.result().sampled[item.seq_id]
-        return history
+            tokens[-1] = self._last_handle.result().sampled[item.seq_id]
+        return tokens
+
+    def _allowed(self, samplers: list[ScheduledSequence]) -> torch.Tensor:
+        """The tokens each row may draw: a constrained sequence's grammar state after the
+        tokens before the row (with drafts, a row i follows the first i drafts); any token
+        in the other rows."""
+        assert self.grammars is not None, "the engine checks structured outputs before queueing them"
+        masks: list[torch.Tensor | None] = []
+        row = 0
+        while row < len(samplers):
+            it = samplers[row]
+            spec = it.sampling_params.structured_outputs
+            if spec is None:
+                masks.append(None)
+                row += 1
+                continue
+            guide = self._guides.get(it.seq_id)
+            if guide is None:
+                guide = self._guides[it.seq_id] = _Guide(self.grammars.get(spec))
+            grammar = guide.grammar
+            outputs = self._known(it, it.start_pos + 1 if it.num_draft else it.context_len)[it.prompt_len :]
+            state = guide.catch_up(outputs)
+            for i in range(1 + it.num_draft):
+                masks.append(grammar.allowed(state))
+                if i < it.num_draft:
+                    state = grammar.advance(state, it.token_ids[1 + i])
+            row += 1 + it.num_draft
+        vocab = self.model.arch.vocab_size
+        constrained = [r for r, m in enumerate(masks) if m is not None]
+        stacked = torch.stack([m for m in masks if m is not None])
+        if stacked.shape[1] < vocab:  # a tokenizer smaller than the model's logits: the rest never
+            stacked = torch.nn.functional.pad(stacked, (0, vocab - stacked.shape[1]))
+        if len(constrained) == len(masks):
+            return stacked
+        allowed = torch.ones((len(masks), vocab), dtype=torch.bool, device=self.device)
+        allowed[to_device(host_longs(constrained), self.device)] = stacked
+        return allowed
+
+
+class _Guide:
+    """Where one constrained sequence stands in its grammar: the state after its first
+    `consumed` output tokens. Outputs only grow while it runs (a preempted sequence keeps
+    them), so each step walks just the new ones; a shorter list starts over."""
+
+    __slots__ = ("consumed", "grammar", "state")
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.state = grammar.START
+        self.consumed = 0
+
+    def catch_up(self, outputs: list[int]) -> int:
+        if len(outputs) < self.consumed:
+            self.state, self.consumed = self.grammar.START, 0
+        for token in outputs[self.consumed :]:
+            self.state = self.grammar.advance(self.state, token)
+        self.consumed = len(outputs)
+        return self.state

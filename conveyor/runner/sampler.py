@@ -1,7 +1,7 @@
 """Sampling: per-request parameters turned into tensors once per step, then one batched pass.
 
-Order of operations (as in vLLM): penalties on the raw logits, then temperature, then
-top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax of the penalised
+Order of operations (as in vLLM): penalties on the raw logits, then the structured-output
+mask, then temperature, then top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax of the penalised
 logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
 samples exactly from `probs`; each seeded request draws its `E` from its own generator, so the
 same seed gives the same tokens whatever else shares the batch.
@@ -30,6 +30,8 @@ class SamplingBatch:
     all_greedy: bool
     any_penalty: bool
     max_logprobs: int | None  # None: no row wants logprobs
+    # Structured outputs: [rows, vocab] bool, the tokens each row may draw (None: any)
+    allowed: torch.Tensor | None = None
 
 
 def prepare(
@@ -101,6 +103,8 @@ class Sampler:
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits.clone(), batch)
+        if batch.allowed is not None:
+            logits = logits.masked_fill(~batch.allowed, float("-inf"))
         tokens = self.greedy(logits) if batch.all_greedy else self._sample(logits, batch)
         if batch.max_logprobs is None:
             return tokens, None

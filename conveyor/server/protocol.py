@@ -54,6 +54,13 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    # ({"json" | "regex" | "choice" | "json_object": ...}) and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # conveyor's: a hint for the shortest-predicted-output queue policies
     expected_output_tokens: int | None = None
     # conveyor's: this request's objectives for policy "slo" (default: the server's)
@@ -87,7 +94,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM's chat extensions
     add_generation_prompt: bool = True

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conveyor.outputs import RequestOutput, TokenLogprob
-from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.server.async_engine import (
     EngineDeadError,
     EngineFront,
@@ -162,6 +162,7 @@ class _Handler:
         if b.user is not None:
             kwargs["extra"] = {"user": b.user}
             kwargs["tenant"] = b.user
+        kwargs["structured_outputs"] = self.structured_outputs()
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:
@@ -171,6 +172,51 @@ class _Handler:
 
     def max_tokens_param(self) -> str:
         return "max_tokens"
+
+    def structured_outputs(self) -> StructuredOutputParams | None:
+        """What the request's output must match, from whichever field says it (one at most)."""
+        b = self.body
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = b.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise InvalidRequestError(
+                        "response_format json_schema needs json_schema.schema, an object", param="response_format"
+                    )
+                given.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise InvalidRequestError(
+                    f"response_format type {kind!r}: must be text, json_object or json_schema",
+                    param="response_format",
+                )
+        if b.structured_outputs:
+            unknown = set(b.structured_outputs) - {"json", "regex", "choice", "json_object"}
+            if unknown:
+                raise InvalidRequestError(
+                    f"structured_outputs: {', '.join(sorted(unknown))} not supported "
+                    "(json, regex, choice or json_object)", param="structured_outputs",
+                )
+            given.append(("structured_outputs", dict(b.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            value = getattr(b, name)
+            if value is not None:
+                given.append((name, {key: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"{' and '.join(n for n, _ in given)}: give at most one output constraint", param=given[1][0]
+            )
+        name, spec = given[0]
+        try:
+            return StructuredOutputParams(**spec)
+        except (InvalidRequestError, TypeError) as e:
+            raise InvalidRequestError(str(e), param=name) from None
 
     def fit(self, prompt: _Prompt) -> int:
         """The max_tokens to run with; raises if the prompt and completion cannot fit."""
@@ -454,10 +500,6 @@ class ChatCompletionHandler(_Handler):
             raise InvalidRequestError(f"top_logprobs={b.top_logprobs}: must be in [0, 20]", param="top_logprobs")
         if b.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
-        if b.response_format and b.response_format.get("type", "text") != "text":
-            raise InvalidRequestError(
-                "only response_format {'type': 'text'} is supported", param="response_format"
-            )
 
     def prompts(self) -> list[_Prompt]:
         if self.tokenizer is None:

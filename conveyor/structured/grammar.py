@@ -1,0 +1,181 @@
+"""A grammar's DFA against a vocabulary: which tokens each state allows, and where each leads.
+
+Each token is the byte string it adds to the output (`token_bytes`); a token is allowed in a
+state when walking its bytes does not reach the dead state, and an end-of-sequence token
+when the state accepts. Masks are computed the first time a state is met, for the whole
+vocabulary at once: the tokens, sorted by length, walk the DFA's table one byte column at a
+time (numpy), so a state costs about the vocabulary's total bytes in gathers. Masks are kept
+per grammar and state, grammars per engine (`GrammarCache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from conveyor.structured import GrammarError, to_node
+from conveyor.structured.regex import ByteDFA, compile_dfa
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def token_bytes(hf_tokenizer: Any) -> list[bytes | None]:
+    """Each token id's bytes in decoded text; None for special tokens (control, not text).
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM2) spell bytes with stand-in
+    characters; SentencePiece ones use '▁' for a space and '<0xHH>' for raw bytes."""
+    import json
+
+    size = len(hf_tokenizer)
+    pieces = hf_tokenizer.convert_ids_to_tokens(list(range(size)))
+    special = set(hf_tokenizer.all_special_ids)
+    added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+    special |= {i for i, t in added.items() if getattr(t, "special", False)}
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    byte_level = _is_byte_level(decoder)
+    table = _byte_level_decoder()
+    out: list[bytes | None] = []
+    for i, piece in enumerate(pieces):
+        if piece is None or i in special:
+            out.append(None)
+        elif i in added:
+            out.append(piece.encode("utf-8"))
+        elif byte_level:
+            try:
+                out.append(bytes(table[c] for c in piece))
+            except KeyError:
+                out.append(piece.encode("utf-8"))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(bytes([int(piece[3:5], 16)]))
+        else:
+            out.append(piece.replace("▁", " ").encode("utf-8"))
+    return out
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_is_byte_level(d) for d in decoder.get("decoders", []) or [])
+
+
+class TokenVocab:
+    """The vocabulary as bytes, laid out for the vectorized walk; `size` is the model's
+    vocabulary (its logits' width), which may exceed the tokenizer's."""
+
+    def __init__(self, tokens: Sequence[bytes | None], eos_token_ids: Iterable[int], size: int) -> None:
+        self.size = size
+        self.tokens = list(tokens)[:size]
+        self.eos_token_ids = sorted(t for t in eos_token_ids if 0 <= t < size)
+        ids = [i for i, b in enumerate(self.tokens) if b]
+        ids.sort(key=lambda i: -len(self.tokens[i] or b""))
+        self.ids = np.array(ids, dtype=np.int64)
+        lengths = [len(self.tokens[i] or b"") for i in ids]
+        width = lengths[0] if lengths else 0
+        self.bytes = np.full((len(ids), width), 256, dtype=np.int64)  # 256: past a token's end
+        for row, i in enumerate(ids):
+            data = self.tokens[i] or b""
+            self.bytes[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        # How many tokens (a prefix, longest first) are longer than j bytes, for each j.
+        self.longer_than = np.searchsorted(-np.array(lengths), -np.arange(width), side="left")
+
+
+class Grammar:
+    """One compiled grammar. `allowed(state)` is a bool tensor over the vocabulary (on
+    `device`); `advance(state, token)` is the state after a token (0 once it cannot match)."""
+
+    START = 1
+
+    def __init__(self, dfa: ByteDFA, vocab: TokenVocab, device: torch.device) -> None:
+        self.dfa = dfa
+        self.vocab = vocab
+        self.device = device
+        self._rows = dfa.table.tolist()  # a Python walk per sampled token: lists beat numpy scalars
+        self._eos = frozenset(vocab.eos_token_ids)
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def advance(self, state: int, token: int) -> int:
+        if token in self._eos:
+            return state  # an end the scheduler did not take (min_tokens): text is unchanged
+        data = self.vocab.tokens[token] if 0 <= token < len(self.vocab.tokens) else None
+        if not data or not state:
+            return 0
+        rows = self._rows
+        for b in data:
+            state = rows[state][b]
+            if not state:
+                return 0
+        return state
+
+    def is_accepting(self, state: int) -> bool:
+        return bool(self.dfa.accepting[state])
+
+    def allowed(self, state: int) -> torch.Tensor:
+        mask = self._masks.get(state)
+        if mask is None:
+            mask = self._masks[state] = self._compute(state)
+        return mask
+
+    def _compute(self, state: int) -> torch.Tensor:
+        vocab = self.vocab
+        mask = np.zeros(vocab.size, dtype=bool)
+        if state:
+            table = np.concatenate([self.dfa.table, np.arange(self.dfa.num_states, dtype=np.int32)[:, None]], axis=1)
+            cur = np.full(len(vocab.ids), state, dtype=np.int32)
+            for j, n in enumerate(vocab.longer_than.tolist()):
+                cur[:n] = table[cur[:n], vocab.bytes[:n, j]]
+            mask[vocab.ids[cur != 0]] = True
+            if self.dfa.accepting[state]:
+                mask[vocab.eos_token_ids] = True
+        if not mask.any():  # nothing can continue the text (a token outside the grammar came first): end it
+            mask[vocab.eos_token_ids] = True
+        return torch.from_numpy(mask).to(self.device)
+
+
+class GrammarCache:
+    """An engine's grammars, compiled once per distinct request grammar (`params.key`), the
+    `capacity` most recently used kept."""
+
+    capacity = 64
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], vocab_size: int, device: torch.device) -> None:
+        self._tokenizer = tokenizer
+        self._eos = list(eos_token_ids)
+        self._vocab_size = vocab_size
+        self.device = device
+        self._vocab: TokenVocab | None = None
+        self._grammars: dict[tuple[str, object], Grammar] = {}
+
+    @property
+    def vocab(self) -> TokenVocab:
+        if self._vocab is None:
+            self._vocab = TokenVocab(token_bytes(self._tokenizer), self._eos, self._vocab_size)
+        return self._vocab
+
+    def get(self, params: Any) -> Grammar:
+        """The grammar of a `StructuredOutputParams`; raises GrammarError."""
+        key = params.key
+        grammar = self._grammars.pop(key, None)
+        if grammar is None:
+            if not self.vocab.eos_token_ids:
+                raise GrammarError("the model has no end-of-sequence token to end a structured output with")
+            grammar = Grammar(compile_dfa(to_node(params)), self.vocab, self.device)
+            if len(self._grammars) >= self.capacity:  # the least recently used goes (its requests hold it)
+                self._grammars.pop(next(iter(self._grammars)))
+        self._grammars[key] = grammar
+        return grammar

@@ -1,0 +1,280 @@
+"""JSON Schema to a pattern (`regex.Node`) that matches the JSON texts the schema allows.
+
+Objects list their properties in the schema's order, one optional space around the
+punctuation (`WS`), so a small model cannot loop on whitespace. Supported: `type` (one or a
+list), `enum`, `const`, `properties` / `required`, `additionalProperties` (a schema, true or
+false) for objects without `properties`, `items`, `prefixItems`, `minItems` / `maxItems`,
+`minLength` / `maxLength` (an escape counts one character, so a character beyond the
+basic plane written as a `\\u` surrogate pair counts two), `pattern` (over the string's JSON text), `format` (date,
+time, date-time, uuid; a date's day is 01-31 whatever the month), `minimum >= 0` (no minus sign), `anyOf` / `oneOf`, `allOf` (merged),
+and `$ref` into `$defs` / `definitions`. A value of any type, and a recursive `$ref`, nest at
+most `max_depth` levels. Numeric bounds beyond the sign are not enforced, nor `uniqueItems`;
+keywords that would change the language and are not listed here raise `GrammarError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from conveyor.structured.regex import (
+    DIGIT,
+    Alternate,
+    CharSet,
+    Concat,
+    GrammarError,
+    Node,
+    Repeat,
+    negate,
+    parse,
+)
+
+WS = Repeat(CharSet(((0x20, 0x20),)), 0, 1)
+NOTHING = CharSet(())  # matches no text: a branch cut off at the depth limit
+
+IGNORED = {
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "name",
+    "strict", "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+    "contentEncoding", "contentMediaType",
+}
+KNOWN = IGNORED | {
+    "type", "enum", "const", "properties", "required", "items", "prefixItems", "minItems",
+    "maxItems", "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "allOf", "$ref",
+}
+
+
+def lit(text: str) -> Node:
+    return Concat(tuple(CharSet(((ord(c), ord(c)),)) for c in text))
+
+
+def cat(*parts: Node) -> Node:
+    return Concat(parts)
+
+
+def alt(*options: Node) -> Node:
+    return options[0] if len(options) == 1 else Alternate(options)
+
+
+def chars(ranges: list[tuple[int, int]]) -> Node:
+    return CharSet(tuple(ranges))
+
+
+def digits(n: int) -> Node:
+    return Repeat(chars(DIGIT), n, n)
+
+
+# A string's characters as JSON writes them: anything but '"', '\' and control characters,
+# or an escape.
+STRING_CHAR = alt(
+    chars(negate([(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])),
+    cat(lit("\\"), alt(chars([(0x22, 0x22), (0x2F, 0x2F), (0x5C, 0x5C), (0x62, 0x62), (0x66, 0x66),
+                              (0x6E, 0x6E), (0x72, 0x72), (0x74, 0x74)]),
+                       cat(lit("u"), Repeat(chars([(0x30, 0x39), (0x41, 0x46), (0x61, 0x66)]), 4, 4)))),
+)
+INTEGER_DIGITS = alt(lit("0"), cat(chars([(0x31, 0x39)]), Repeat(chars(DIGIT), 0, None)))
+INTEGER = cat(Repeat(lit("-"), 0, 1), INTEGER_DIGITS)
+FRACTION = Repeat(cat(lit("."), Repeat(chars(DIGIT), 1, None)), 0, 1)
+EXPONENT = Repeat(cat(chars([(0x45, 0x45), (0x65, 0x65)]), Repeat(chars([(0x2B, 0x2B), (0x2D, 0x2D)]), 0, 1),
+                      Repeat(chars(DIGIT), 1, None)), 0, 1)
+NUMBER = cat(Repeat(lit("-"), 0, 1), INTEGER_DIGITS, FRACTION, EXPONENT)
+HEX = chars([(0x30, 0x39), (0x61, 0x66), (0x41, 0x46)])
+def two_digits(high: int) -> Node:
+    """00 .. high (high >= 20)."""
+    tens, ones = divmod(high, 10)
+    return alt(cat(chars([(0x30, 0x30 + tens - 1)]), chars(DIGIT)), cat(lit(str(tens)), chars([(0x30, 0x30 + ones)])))
+
+
+MONTH = alt(cat(lit("0"), chars([(0x31, 0x39)])), cat(lit("1"), chars([(0x30, 0x32)])))
+DAY = alt(cat(lit("0"), chars([(0x31, 0x39)])), cat(chars([(0x31, 0x32)]), chars(DIGIT)), cat(lit("3"), chars([(0x30, 0x31)])))
+TIME = cat(two_digits(23), lit(":"), two_digits(59), lit(":"), two_digits(59),
+           Repeat(cat(lit("."), Repeat(chars(DIGIT), 1, None)), 0, 1),
+           Repeat(alt(lit("Z"), cat(chars([(0x2B, 0x2B), (0x2D, 0x2D)]), two_digits(23), lit(":"), two_digits(59))), 0, 1))
+DATE = cat(digits(4), lit("-"), MONTH, lit("-"), DAY)  # days 01-31 in any month
+FORMATS: dict[str, Node] = {
+    "date": DATE,
+    "time": TIME,
+    "date-time": cat(DATE, lit("T"), TIME),
+    "uuid": cat(*(part for k, n in enumerate((8, 4, 4, 4, 12))
+                  for part in ((lit("-"),) if k else ()) + (Repeat(HEX, n, n),))),
+}
+
+
+def quoted(inner: Node) -> Node:
+    return cat(lit('"'), inner, lit('"'))
+
+
+def schema_to_node(schema: Any, max_depth: int = 3) -> Node:
+    """The pattern of `schema` (a dict, or True for anything); raises GrammarError."""
+    return _Converter(schema, max_depth).node(schema, max_depth)
+
+
+class _Converter:
+    def __init__(self, root: Any, max_depth: int) -> None:
+        self.root = root
+        self.max_depth = max_depth
+
+    def resolve(self, ref: str) -> Any:
+        if not ref.startswith("#"):
+            raise GrammarError(f"$ref {ref!r}: only references inside the schema ('#/...') are supported")
+        target = self.root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise GrammarError(f"$ref {ref!r} points to nothing in the schema")
+            target = target[part]
+        return target
+
+    def node(self, schema: Any, depth: int) -> Node:
+        if schema is True or schema == {}:
+            return self.any_value(depth)
+        if schema is False:
+            return NOTHING
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a schema must be an object or a boolean, not {schema!r}")
+        unknown = set(schema) - KNOWN
+        if unknown:
+            raise GrammarError(f"JSON Schema keyword(s) not supported: {', '.join(sorted(unknown))}")
+        if "$ref" in schema:
+            if depth < 0:
+                return NOTHING
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            target = self.resolve(schema["$ref"])
+            return self.node({**target, **rest} if rest and isinstance(target, dict) else target, depth - 1)
+        if "allOf" in schema:
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for part in schema["allOf"]:
+                part = self.resolve(part["$ref"]) if isinstance(part, dict) and "$ref" in part else part
+                if not isinstance(part, dict):
+                    raise GrammarError("allOf: each part must be an object")
+                for key, value in part.items():
+                    if key == "properties":
+                        merged["properties"] = {**merged.get("properties", {}), **value}
+                    elif key == "required":
+                        merged["required"] = [*merged.get("required", []), *value]
+                    else:
+                        merged[key] = value
+            return self.node(merged, depth)
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                rest = {k: v for k, v in schema.items() if k != key}
+                return alt(*(self.node({**rest, **o} if isinstance(o, dict) else o, depth) for o in schema[key]))
+        if "const" in schema:
+            return lit(json.dumps(schema["const"], ensure_ascii=False))
+        if "enum" in schema:
+            if not schema["enum"]:
+                raise GrammarError("enum must list at least one value")
+            return alt(*(lit(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]))
+        kind = schema.get("type")
+        if kind is None:
+            if "properties" in schema:
+                kind = "object"
+            elif "items" in schema or "prefixItems" in schema:
+                kind = "array"
+            else:
+                return self.any_value(depth)
+        if isinstance(kind, list):
+            return alt(*(self.node({**schema, "type": k}, depth) for k in kind))
+        return self.typed(kind, schema, depth)
+
+    def typed(self, kind: str, schema: dict[str, Any], depth: int) -> Node:
+        if kind == "string":
+            return self.string(schema)
+        if kind == "integer":
+            nonneg = _number(schema.get("minimum", schema.get("exclusiveMinimum"))) >= 0
+            return INTEGER_DIGITS if nonneg else INTEGER
+        if kind == "number":
+            nonneg = _number(schema.get("minimum", schema.get("exclusiveMinimum"))) >= 0
+            return cat(INTEGER_DIGITS, FRACTION, EXPONENT) if nonneg else NUMBER
+        if kind == "boolean":
+            return alt(lit("true"), lit("false"))
+        if kind == "null":
+            return lit("null")
+        if kind == "array":
+            return self.array(schema, depth)
+        if kind == "object":
+            return self.object(schema, depth)
+        raise GrammarError(f"unknown JSON Schema type {kind!r}")
+
+    def string(self, schema: dict[str, Any]) -> Node:
+        if "format" in schema:
+            fmt = FORMATS.get(schema["format"])
+            if fmt is None:
+                raise GrammarError(f"string format {schema['format']!r} is not supported "
+                                   f"(supported: {', '.join(FORMATS)})")
+            return quoted(fmt)
+        if "pattern" in schema:
+            pattern = schema["pattern"]
+            body = pattern.removeprefix("^").removesuffix("$") if isinstance(pattern, str) else pattern
+            return quoted(parse(body))
+        low, high = _bounds(schema, "minLength", "maxLength")
+        return quoted(Repeat(STRING_CHAR, low, high))
+
+    def array(self, schema: dict[str, Any], depth: int) -> Node:
+        if depth <= 0:
+            return NOTHING
+        comma = cat(WS, lit(","), WS)
+        prefix = [self.node(s, depth - 1) for s in schema.get("prefixItems", [])]
+        items = schema.get("items", True)
+        item = NOTHING if items is False else self.node(items, depth - 1)
+        low, high = _bounds(schema, "minItems", "maxItems")
+        if prefix:  # a tuple: the listed items, then more of `items` if allowed
+            more = Repeat(cat(comma, item), max(0, low - len(prefix)),
+                          None if high is None else max(0, high - len(prefix)))
+            inner: Node = cat(prefix[0], *(cat(comma, p) for p in prefix[1:]), more)
+            if low == 0:
+                inner = Repeat(inner, 0, 1)
+        else:
+            rest = Repeat(cat(comma, item), max(0, low - 1), None if high is None else max(0, high - 1))
+            inner = cat(item, rest)
+            if low == 0:
+                inner = Repeat(inner, 0, 1) if high != 0 else Concat(())
+        return cat(lit("["), WS, inner, WS, lit("]"))
+
+    def object(self, schema: dict[str, Any], depth: int) -> Node:
+        if depth <= 0:
+            return NOTHING
+        props: dict[str, Any] = schema.get("properties") or {}
+        colon = cat(WS, lit(":"), WS)
+        comma = cat(WS, lit(","), WS)
+        if not props:
+            extra = schema.get("additionalProperties", True)
+            if extra is False:
+                return cat(lit("{"), WS, lit("}"))
+            member = cat(quoted(Repeat(STRING_CHAR, 0, None)), colon, self.node(extra, depth - 1))
+            return cat(lit("{"), WS, Repeat(cat(member, Repeat(cat(comma, member), 0, None)), 0, 1), WS, lit("}"))
+        required = set(schema.get("required", []))
+        missing = required - set(props)
+        if missing:
+            raise GrammarError(f"required properties not in properties: {', '.join(sorted(missing))}")
+        names = list(props)
+        members = [cat(lit(json.dumps(n, ensure_ascii=False)), colon, self.node(props[n], depth - 1)) for n in names]
+        first_required = next((i for i, n in enumerate(names) if n in required), len(names))
+        # The first member written is some k at or before the first required one; after it,
+        # the required members follow for sure and the others may.
+        options: list[Node] = []
+        for k in range(min(first_required, len(names) - 1) + 1):
+            tail = [cat(comma, m) if names[j] in required else Repeat(cat(comma, m), 0, 1)
+                    for j, m in enumerate(members) if j > k]
+            options.append(cat(members[k], *tail))
+        body: Node = alt(*options)
+        if first_required == len(names):  # nothing required: the empty object too
+            body = Repeat(body, 0, 1)
+        return cat(lit("{"), WS, body, WS, lit("}"))
+
+    def any_value(self, depth: int) -> Node:
+        scalars = [quoted(Repeat(STRING_CHAR, 0, None)), NUMBER, lit("true"), lit("false"), lit("null")]
+        if depth <= 0:
+            return alt(*scalars)
+        return alt(*scalars, self.object({}, depth), self.array({}, depth))
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else float("-inf")
+
+
+def _bounds(schema: dict[str, Any], low_key: str, high_key: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_key, 0), schema.get(high_key)
+    if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
+        raise GrammarError(f"{low_key}={low!r}, {high_key}={high!r}: need integers with 0 <= {low_key} <= {high_key}")
+    return low, high

@@ -1,0 +1,468 @@
+"""Regular expressions compiled to a DFA over UTF-8 bytes, for constrained decoding.
+
+A token is a byte string (it may end inside a multi-byte character), so the automaton reads
+bytes: a pattern's characters and classes become the UTF-8 byte sequences that spell them,
+the pattern becomes a Thompson NFA over byte ranges, and subset construction makes it a
+dense table `[num_states, 256]`. State 0 is dead (no continuation matches), state 1 is the
+start. The language is Python's `re.fullmatch` of the pattern on the decoded text.
+
+Supported: literals and escapes (`\\n \\t \\xHH \\uHHHH \\d \\w \\s` and their negations),
+`.`, classes with ranges and negation, groups (`(...)`, `(?:...)`, `(?P<name>...)`),
+alternation and the quantifiers `* + ? {n} {n,} {n,m}` (lazy forms accepted: a full match
+does not depend on laziness). Anchors `^` at the start and `$` at the end are accepted, as
+the match is whole anyway. Anything else (backreferences, lookaround, `\\b`, flags) raises
+`GrammarError`: refused, never silently approximated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_CODEPOINT = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)
+MAX_NFA_STATES = 200_000
+MAX_DFA_STATES = 20_000
+
+Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code point ranges
+
+
+class GrammarError(ValueError):
+    """A pattern, schema or choice that cannot be compiled; the message says what and where."""
+
+
+# -- the pattern's syntax tree ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CharSet:
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Concat:
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Alternate:
+    options: tuple[Node, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    node: Node
+    low: int
+    high: int | None  # None: unbounded
+
+
+Node = CharSet | Concat | Alternate | Repeat
+
+EMPTY = Concat(())
+
+
+def normalize(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def negate(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    nxt = 0
+    for lo, hi in normalize(ranges):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    if nxt <= MAX_CODEPOINT:
+        out.append((nxt, MAX_CODEPOINT))
+    return out
+
+
+DIGIT: Ranges = [(0x30, 0x39)]
+WORD: Ranges = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+SPACE: Ranges = [(0x09, 0x0D), (0x20, 0x20)]
+CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
+SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "a": "\a"}
+
+
+class _Parser:
+    def __init__(self, pattern: str) -> None:
+        self.p = pattern
+        self.i = 0
+
+    def fail(self, why: str) -> GrammarError:
+        return GrammarError(f"regex {self.p!r} at position {self.i}: {why}")
+
+    def peek(self) -> str | None:
+        return self.p[self.i] if self.i < len(self.p) else None
+
+    def take(self) -> str:
+        if self.i >= len(self.p):
+            raise self.fail("unexpected end of pattern")
+        c = self.p[self.i]
+        self.i += 1
+        return c
+
+    def parse(self) -> Node:
+        if self.peek() == "^":
+            self.i += 1
+        node = self.alternation()
+        if self.i != len(self.p):
+            raise self.fail("unbalanced ')'")
+        return node
+
+    def alternation(self) -> Node:
+        options = [self.concat()]
+        while self.peek() == "|":
+            self.i += 1
+            options.append(self.concat())
+        return options[0] if len(options) == 1 else Alternate(tuple(options))
+
+    def concat(self) -> Node:
+        parts: list[Node] = []
+        while (c := self.peek()) is not None and c not in "|)":
+            if c == "$" and self.i == len(self.p) - 1:
+                self.i += 1
+                break
+            parts.append(self.quantified(self.atom()))
+        return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def quantified(self, node: Node) -> Node:
+        c = self.peek()
+        if c is None or c not in "*+?{":
+            return node
+        if c == "{":
+            bounds = self.braces()
+            if bounds is None:
+                return node  # a literal '{', as Python reads it
+            low, high = bounds
+        else:
+            self.i += 1
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        if self.peek() == "?":
+            self.i += 1  # lazy: the same language
+        elif self.peek() == "+":
+            raise self.fail("possessive quantifiers are not supported")
+        c = self.peek()
+        if c is not None and (c in "*+?" or (c == "{" and self.braces() is not None)):
+            raise self.fail("nothing to repeat: a quantifier follows a quantifier")
+        return Repeat(node, low, high)
+
+    def braces(self) -> tuple[int, int | None] | None:
+        end = self.p.find("}", self.i)
+        if end < 0:
+            return None
+        body = self.p[self.i + 1 : end]
+        lo_s, comma, hi_s = body.partition(",")
+        if not (lo_s.isdigit() or (comma and lo_s == "")) or not (hi_s == "" or hi_s.isdigit()):
+            return None
+        low = int(lo_s) if lo_s else 0
+        high = (int(hi_s) if hi_s else None) if comma else low
+        if high is not None and high < low:
+            raise self.fail(f"bad repetition {{{body}}}")
+        self.i = end + 1
+        return low, high
+
+    def atom(self) -> Node:
+        c = self.take()
+        if c == "(":
+            if self.peek() == "?":
+                self.i += 1
+                kind = self.take()
+                if kind == "P" and self.peek() == "<":
+                    end = self.p.find(">", self.i)
+                    if end < 0:
+                        raise self.fail("unterminated group name")
+                    self.i = end + 1
+                elif kind != ":":
+                    raise self.fail(f"'(?{kind}' (lookaround, flags, references) is not supported")
+            node = self.alternation()
+            if self.peek() != ")":
+                raise self.fail("missing ')'")
+            self.i += 1
+            return node
+        if c == "[":
+            return CharSet(tuple(self.char_class()))
+        if c == ".":
+            return CharSet(tuple(negate([(0x0A, 0x0A)])))
+        if c == "\\":
+            return CharSet(tuple(self.escape(in_class=False)))
+        if c in "*+?":
+            raise self.fail(f"nothing to repeat before {c!r}")
+        if c in "^$":
+            raise self.fail(f"{c!r} is only supported at the pattern's start or end")
+        return CharSet(((ord(c), ord(c)),))
+
+    def escape(self, in_class: bool) -> Ranges:
+        c = self.take()
+        if c.lower() in CLASS_ESCAPES:
+            base = CLASS_ESCAPES[c.lower()]
+            return negate(base) if c.isupper() else list(base)
+        if c in SIMPLE_ESCAPES:
+            v = ord(SIMPLE_ESCAPES[c])
+            return [(v, v)]
+        if c in "xuU":
+            width = {"x": 2, "u": 4, "U": 8}[c]
+            digits = self.p[self.i : self.i + width]
+            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.fail(f"bad escape \\{c}{digits}")
+            self.i += width
+            v = int(digits, 16)
+            if v > MAX_CODEPOINT:
+                raise self.fail(f"code point {v:#x} is out of range")
+            return [(v, v)]
+        if c == "b" and in_class:
+            return [(8, 8)]
+        if c.isalnum():
+            raise self.fail(f"escape \\{c} is not supported")
+        return [(ord(c), ord(c))]
+
+    def char_class(self) -> Ranges:
+        negated = self.peek() == "^"
+        if negated:
+            self.i += 1
+        ranges: Ranges = []
+        first = True
+        while True:
+            c = self.take()
+            if c == "]" and not first:
+                break
+            first = False
+            if c == "[" and self.peek() == ":":
+                raise self.fail("POSIX classes are not supported")
+            item = self.escape(in_class=True) if c == "\\" else [(ord(c), ord(c))]
+            if (
+                len(item) == 1 and item[0][0] == item[0][1]
+                and self.peek() == "-" and self.i + 1 < len(self.p) and self.p[self.i + 1] != "]"
+            ):
+                self.i += 1
+                d = self.take()
+                end = self.escape(in_class=True) if d == "\\" else [(ord(d), ord(d))]
+                if len(end) != 1 or end[0][0] != end[0][1] or end[0][0] < item[0][0]:
+                    raise self.fail("bad range in a character class")
+                item = [(item[0][0], end[0][0])]
+            ranges.extend(item)
+        return negate(ranges) if negated else normalize(ranges)
+
+
+def parse(pattern: str) -> Node:
+    """The syntax tree of `pattern`; raises GrammarError on what is not supported."""
+    return _Parser(pattern).parse()
+
+
+# -- code points to UTF-8 byte ranges -----------------------------------------------------
+def _encode(cp: int) -> bytes:
+    return chr(cp).encode("utf-8", "surrogatepass")
+
+
+def utf8_sequences(lo: int, hi: int) -> Iterator[list[tuple[int, int]]]:
+    """Byte-range sequences whose concatenations spell exactly the UTF-8 encodings of the
+    code points in [lo, hi] (surrogates left out): each a list of (low, high) per byte."""
+    for a, b in ((lo, min(hi, SURROGATES[0] - 1)), (max(lo, SURROGATES[1] + 1), hi)):
+        if a > b:
+            continue
+        for limit in (0x7F, 0x7FF, 0xFFFF, MAX_CODEPOINT):  # one encoded length at a time
+            if a > b:
+                break
+            if a <= limit:
+                yield from _split(a, min(b, limit))
+                a = limit + 1
+
+
+def _split(lo: int, hi: int) -> Iterator[list[tuple[int, int]]]:
+    n = len(_encode(lo))
+    for i in range(1, n):
+        m = (1 << (6 * i)) - 1  # the low bits the last i continuation bytes hold
+        if lo & ~m != hi & ~m:
+            if lo & m:
+                yield from _split(lo, lo | m)
+                yield from _split((lo | m) + 1, hi)
+                return
+            if hi & m != m:
+                yield from _split(lo, (hi & ~m) - 1)
+                yield from _split(hi & ~m, hi)
+                return
+    yield list(zip(_encode(lo), _encode(hi), strict=True))
+
+
+# -- NFA -----------------------------------------------------------------------------------
+class _NFA:
+    def __init__(self) -> None:
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[int, int, int]]] = []  # (low byte, high byte, target)
+
+    def state(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise GrammarError(f"the grammar is too large (over {MAX_NFA_STATES} automaton states)")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def build(self, node: Node) -> tuple[int, int]:
+        """A fragment for `node`: its entry and exit states."""
+        if isinstance(node, CharSet):
+            start, end = self.state(), self.state()
+            for lo, hi in node.ranges:
+                for seq in utf8_sequences(lo, hi):
+                    cur = start
+                    for k, (a, b) in enumerate(seq):
+                        nxt = end if k == len(seq) - 1 else self.state()
+                        self.edges[cur].append((a, b, nxt))
+                        cur = nxt
+            return start, end
+        if isinstance(node, Concat):
+            start = end = self.state()
+            for part in node.parts:
+                s, e = self.build(part)
+                self.eps[end].append(s)
+                end = e
+            return start, end
+        if isinstance(node, Alternate):
+            start, end = self.state(), self.state()
+            for option in node.options:
+                s, e = self.build(option)
+                self.eps[start].append(s)
+                self.eps[e].append(end)
+            return start, end
+        start = end = self.state()
+        for _ in range(node.low):
+            s, e = self.build(node.node)
+            self.eps[end].append(s)
+            end = e
+        if node.high is None:
+            s, e = self.build(node.node)
+            self.eps[end].append(s)
+            self.eps[e].append(s)
+            after = self.state()
+            self.eps[end].append(after)
+            self.eps[e].append(after)
+            return start, after
+        exit_ = self.state()
+        for _ in range(node.high - node.low):
+            self.eps[end].append(exit_)
+            s, e = self.build(node.node)
+            self.eps[end].append(s)
+            end = e
+        self.eps[end].append(exit_)
+        return start, exit_
+
+    def closure(self, states: set[int]) -> frozenset[int]:
+        stack = list(states)
+        seen = set(states)
+        while stack:
+            for t in self.eps[stack.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(seen)
+
+
+@dataclass(slots=True)
+class ByteDFA:
+    """`table[s, b]` is the state after byte `b` in state `s`; 0 is dead, 1 the start."""
+
+    table: np.ndarray  # [num_states, 256] int32
+    accepting: np.ndarray  # [num_states] bool
+
+    @property
+    def num_states(self) -> int:
+        return int(self.table.shape[0])
+
+    def walk(self, state: int, data: bytes) -> int:
+        table = self.table
+        for b in data:
+            state = int(table[state, b])
+            if not state:
+                return 0
+        return state
+
+    def matches(self, text: str) -> bool:
+        return bool(self.accepting[self.walk(1, text.encode("utf-8"))])
+
+
+def compile_dfa(node: Node) -> ByteDFA:
+    """Subset construction over byte ranges: each DFA state's outgoing bytes are cut at the
+    bounds of its NFA states' edges, so the work grows with edges, not with 256 per state."""
+    nfa = _NFA()
+    start, final = nfa.build(node)
+    ids: dict[frozenset[int], int] = {frozenset(): 0}
+    sets: list[frozenset[int]] = [frozenset()]
+    rows: list[np.ndarray] = [np.zeros(256, dtype=np.int32)]
+    first = nfa.closure({start})
+    ids[first] = 1
+    sets.append(first)
+    rows.append(np.zeros(256, dtype=np.int32))
+    k = 1
+    while k < len(sets):
+        edges = [e for s in sets[k] for e in nfa.edges[s]]
+        cuts = sorted({a for a, _, _ in edges} | {b + 1 for _, b, _ in edges})
+        row = rows[k]
+        for lo, nxt_cut in itertools.pairwise(cuts):
+            targets = {t for a, b, t in edges if a <= lo <= b}
+            if not targets:
+                continue
+            target = nfa.closure(targets)
+            tid = ids.get(target)
+            if tid is None:
+                if len(sets) >= MAX_DFA_STATES:
+                    raise GrammarError(f"the grammar is too large (over {MAX_DFA_STATES} DFA states)")
+                tid = ids[target] = len(sets)
+                sets.append(target)
+                rows.append(np.zeros(256, dtype=np.int32))
+            row[lo:nxt_cut] = tid
+        k += 1
+    table = np.stack(rows)
+    accepting = np.array([final in s for s in sets], dtype=bool)
+    # States from which no text is accepted (a branch cut to nothing) are dead too, so that
+    # a live state always has a way to finish.
+    live = accepting.copy()
+    while True:
+        grown = live | live[table].any(axis=1)
+        if (grown == live).all():
+            break
+        live = grown
+    if not live[1]:
+        raise GrammarError("the grammar matches no text at all")
+    table[~live[table]] = 0
+    table[~live] = 0
+    return _minimize(table, accepting)
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray) -> ByteDFA:
+    """Moore's partition refinement: states that accept the same continuations are merged,
+    so each distinct set of allowed tokens is computed once. The dead state stays 0 and the
+    start 1."""
+    cls = accepting.astype(np.int64)
+    cls[0] = 2  # the dead state apart from the live non-accepting ones
+    count = len(np.unique(cls))
+    while True:
+        signature = np.concatenate([cls[:, None], cls[table]], axis=1)
+        _, cls = np.unique(signature, axis=0, return_inverse=True)
+        cls = cls.reshape(-1)
+        new_count = int(cls.max()) + 1
+        if new_count == count:
+            break
+        count = new_count
+    order = [int(cls[0]), int(cls[1])]  # dead, start, then the rest by first appearance
+    seen = set(order)
+    for c in cls.tolist():
+        if c not in seen:
+            seen.add(c)
+            order.append(c)
+    renumber = np.empty(count, dtype=np.int32)
+    renumber[order] = np.arange(count, dtype=np.int32)
+    first = np.unique(cls, return_index=True)[1]  # a representative state of each class
+    reps = np.empty(count, dtype=np.int64)
+    reps[renumber[np.arange(count)]] = first
+    return ByteDFA(renumber[cls[table[reps]]], accepting[reps])
+
+
+def escape(text: str) -> str:
+    """`text` as a pattern that matches it literally."""
+    return "".join("\\" + c if c in ".^$*+?{}[]\\|()-" else c for c in text)

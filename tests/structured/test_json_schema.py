@@ -1,0 +1,157 @@
+"""JSON Schema patterns: every text the DFA accepts is JSON that the schema validates (random
+walks through the automaton), and the schema's instances, written compactly or with a space
+after the punctuation, are accepted."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.structured import GrammarError
+from conveyor.structured.json_schema import schema_to_node
+from conveyor.structured.regex import ByteDFA, compile_dfa
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
+        "kind": {"enum": ["a", "b", 1, None]},
+        "born": {"type": "string", "format": "date"},
+        "id": {"type": "string", "format": "uuid"},
+        "home": {"$ref": "#/$defs/place"},
+        "alias": {"anyOf": [{"type": "string", "pattern": "^[a-z]{2,4}$"}, {"type": "null"}]},
+    },
+    "required": ["name", "age"],
+    "$defs": {"place": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "boolean"}},
+                        "required": ["x"]}},
+}
+SCHEMAS = [
+    PERSON,
+    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"const": "x"}], "items": {"type": "null"}},
+    {"type": ["string", "integer", "null"]},
+    {"type": "object"},  # any object, nesting bounded
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},  # none required
+    {"allOf": [{"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+               {"properties": {"b": {"type": "string", "format": "date-time"}}}]},
+    {"type": "string", "format": "time"},
+]
+
+
+def random_accepted(dfa: ByteDFA, rng: random.Random, max_len: int = 400) -> bytes | None:
+    """A random text the DFA accepts: a walk that stops at an accepting state by a coin toss."""
+    out = bytearray()
+    state = 1
+    while len(out) < max_len:
+        if dfa.accepting[state] and (rng.random() < 0.3 or not dfa.table[state].any()):
+            return bytes(out)
+        live = [b for b in range(256) if dfa.table[state, b]]
+        if not live:
+            return None
+        b = rng.choice(live)
+        out.append(b)
+        state = int(dfa.table[state, b])
+    return None
+
+
+def dates(value) -> list[str]:
+    if isinstance(value, dict):
+        return [v for k, v in value.items() if k in ("born", "b") and isinstance(v, str)] + \
+            [d for v in value.values() for d in dates(v)]
+    return [d for v in value for d in dates(v)] if isinstance(value, list) else []
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_every_accepted_text_is_valid_json_for_the_schema(schema):
+    dfa = compile_dfa(schema_to_node(schema))
+    rng = random.Random(0)
+    seen = 0
+    for _ in range(300):
+        text = random_accepted(dfa, rng)
+        if text is None:
+            continue
+        seen += 1
+        value = json.loads(text.decode("utf-8"))
+        jsonschema.validate(value, schema)
+        for date in dates(value):  # formats, as far as documented: a day may not exist in its month
+            datetime.date.fromisoformat(date[:8] + "01")
+            if "T" in date:
+                datetime.time.fromisoformat(date.split("T")[1].rstrip("Z"))
+    assert seen >= 50
+
+
+@functools.lru_cache
+def compiled(schema_text: str) -> ByteDFA:
+    return compile_dfa(schema_to_node(json.loads(schema_text)))
+
+
+def accepts(schema, value) -> bool:
+    dfa = compiled(json.dumps(schema))
+    texts = [json.dumps(value, separators=(",", ":")), json.dumps(value), json.dumps(value, ensure_ascii=False)]
+    return all(dfa.matches(t) for t in texts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    # Characters of the basic plane: escaped as \uXXXX a character counts one, and one beyond
+    # it is written as two (a surrogate pair), which a length bound counts twice.
+    st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs",)), min_size=1, max_size=12),
+    st.integers(0, 10**12),
+    st.one_of(st.integers(), st.floats(allow_nan=False, allow_infinity=False)),
+    st.lists(st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs",)), max_size=3), max_size=3),
+    st.sampled_from(["a", "b", 1, None]),
+    st.one_of(st.none(), st.from_regex(r"[a-z]{2,4}", fullmatch=True)),
+)
+def test_the_schemas_instances_are_accepted(name, age, score, tags, kind, alias):
+    value = {"name": name, "age": age, "score": score, "tags": tags, "kind": kind, "born": "2024-02-29",
+             "id": "123e4567-e89b-12d3-a456-426614174000", "home": {"x": 1.5, "y": True}, "alias": alias}
+    jsonschema.validate(value, PERSON)
+    assert accepts(PERSON, value)
+    for drop in ("score", "tags", "kind", "born", "id", "home", "alias"):
+        assert accepts(PERSON, {k: v for k, v in value.items() if k != drop})
+
+
+def test_instances_the_schema_refuses_are_refused():
+    base = {"name": "bob", "age": 3}
+    for bad in ({"age": 3}, {"name": "bob"}, {**base, "age": -1}, {**base, "name": ""},
+                {**base, "tags": ["a", "b", "c", "d"]}, {**base, "home": {"y": True}}, {**base, "kind": "c"},
+                {**base, "extra": 1}, {"age": 3, "name": "bob"}):
+        assert not accepts(PERSON, bad), bad
+    assert accepts({"type": "object", "properties": {"a": {}, "b": {}}}, {})
+    assert not accepts(SCHEMAS[1], [1]) and accepts(SCHEMAS[1], [1, 2]) and not accepts(SCHEMAS[1], [1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize(
+    ("schema", "why"),
+    [({"type": "object", "patternProperties": {}}, "not supported: patternProperties"),
+     ({"type": "string", "format": "email"}, "format 'email'"),
+     ({"type": "thing"}, "unknown JSON Schema type"),
+     ({"$ref": "#/$defs/missing"}, "points to nothing"),
+     ({"$ref": "http://x/schema"}, "only references inside"),
+     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required properties not in properties"),
+     ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
+     ({"enum": []}, "at least one")],
+)
+def test_unsupported_or_broken_schemas_are_refused(schema, why):
+    with pytest.raises(GrammarError, match=why):
+        schema_to_node(schema)
+
+
+def test_recursive_references_nest_to_the_depth_limit():
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {
+        "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["v"]}}}
+    dfa = compile_dfa(schema_to_node(tree, max_depth=6))
+    assert dfa.matches('{"v":1,"kids":[{"v":2,"kids":[]}]}')
+    assert not dfa.matches('{"v":1,"kids":[{"v":2,"kids":[{"v":3,"kids":[{"v":4}]}]}]}')

@@ -1,0 +1,192 @@
+"""Structured outputs on real models.
+
+The reference is HF transformers' greedy `generate` on the same weights (float64) with a
+logits processor written independently of conveyor's automata: a token is allowed when the
+`regex` module says the text with the token's decoded text appended can still match the
+pattern (`partial=True`), the end when the text matches whole. Greedy tokens must be equal,
+under every scheduling that changes how a sequence's tokens reach the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import regex
+import torch
+
+from conveyor import LLM, InvalidRequestError, SamplingParams, StructuredOutputParams
+from tests.structured.tiny_tokenizer import with_tokenizer
+
+# Patterns of ASCII characters the tokenizer spells in whole tokens (a negated class would
+# also take a lone byte of a multi-byte character, which the reference decodes as U+FFFD).
+PATTERNS = [
+    r"(cat|dog|bird)s? [0-9]{1,3}",
+    r"\{\"name\": \"[a-z]{1,8}\", \"age\": [1-9][0-9]?\}",
+    r"(yes|no|maybe)",
+    r"[a-z ]{4,30}!",
+    r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
+]
+PROMPTS = ["the cat", "hello world", '{"name": ', "12 345", "yes no", "abc xyz dogs", "0.5", "the"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models, tmp_path_factory):
+    return str(with_tokenizer(tiny_models["llama"], tmp_path_factory.mktemp("structured") / "llama"))
+
+
+def hf_constrained(model_dir: str, prompt_ids: list[int], pattern: str, max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    vocab = model.config.vocab_size
+    pieces = [tok.decode([i]) if i < len(tok) and i not in tok.all_special_ids else None for i in range(vocab)]
+    n = len(prompt_ids)
+
+    class Reference(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            text = tok.decode(input_ids[0, n:].tolist())
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            for i, piece in enumerate(pieces):
+                if piece and regex.fullmatch(pattern, text + piece, partial=True):
+                    allowed[i] = True
+            if regex.fullmatch(pattern, text):
+                allowed[tok.eos_token_id] = True
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=0, logits_processor=[Reference()],
+    )
+    return out[0, n:].tolist()
+
+
+@pytest.fixture(scope="module")
+def cases(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)
+    out = []
+    for i, pattern in enumerate(PATTERNS * 2):
+        ids = tok.encode(rng.choice(PROMPTS))
+        max_tokens = rng.randint(8, 24)
+        out.append((ids, pattern, max_tokens, hf_constrained(model_dir, ids, pattern, max_tokens)))
+        assert i >= len(PATTERNS) or regex.fullmatch(pattern, tok.decode(out[-1][3], skip_special_tokens=True)) \
+            or len(out[-1][3]) == max_tokens
+    return out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 16, "block_size": 4},  # chunked prompts
+        {"num_kv_blocks": 10, "block_size": 4},  # preemption by recompute
+        {"async_scheduling": True},
+        {"speculative_method": "ngram", "prompt_lookup_min": 1},
+    ],
+    ids=["default", "chunked-16", "preempt", "async", "speculative"],
+)
+def test_greedy_tokens_equal_hf_with_a_reference_processor(model_dir, cases, options):
+    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(regex=p))
+              for _, p, m, _ in cases]
+    outs = llm.generate([ids for ids, *_ in cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    finished = [o for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert finished, "no output reached the end of its pattern: nothing was tested"
+    for o, (_, pattern, _, _) in zip(outs, cases, strict=True):
+        if o.outputs[0].finish_reason == "stop":
+            assert regex.fullmatch(pattern, o.outputs[0].text)
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_sampled_outputs_match_their_grammar_whatever_the_batch(model_dir):
+    """Sampling at temperature 1.5 with mixed constrained and free requests in one batch:
+    every constrained output that ends is in its language, and every one that runs out of
+    tokens is a prefix of something in it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+              "required": ["n", "ok"]}
+    specs = [StructuredOutputParams(json=schema), StructuredOutputParams(choice=("cat", "dog", "bird")),
+             StructuredOutputParams(regex=r"[a-z]{2,5}( [a-z]{2,5}){1,3}\."), None]
+    llm = LLM(model_dir, dtype="float64", num_kv_blocks=64, block_size=4)
+    rng = random.Random(1)
+    chosen = [rng.choice(specs) for _ in range(40)]
+    params = [SamplingParams(max_tokens=60, temperature=1.5, seed=i, structured_outputs=s)
+              for i, s in enumerate(chosen)]
+    outs = llm.generate([rng.choice(PROMPTS) for _ in chosen], params, use_tqdm=False)
+    ended = 0
+    for o, spec in zip(outs, chosen, strict=True):
+        c = o.outputs[0]
+        if spec is None:
+            continue
+        text = c.text
+        if spec.json is not None:
+            if c.finish_reason == "stop":
+                value = json.loads(text)
+                assert isinstance(value["n"], int) and isinstance(value["ok"], bool)
+                assert set(value) <= {"n", "ok", "tags"} and set(value.get("tags", [])) <= {"a", "b"}
+        elif spec.choice is not None:
+            assert c.finish_reason != "stop" or text in spec.choice
+        else:
+            assert regex.fullmatch(spec.regex, text, partial=c.finish_reason != "stop")
+        ended += c.finish_reason == "stop"
+    assert ended >= 10
+
+
+def test_bad_grammars_are_refused_and_the_engine_serves_on(model_dir):
+    llm = LLM(model_dir, dtype="float64", num_kv_blocks=64)
+    with pytest.raises(InvalidRequestError, match="lookaround"):
+        SamplingParams(structured_outputs=StructuredOutputParams(regex="a(?=b)"))
+    with pytest.raises(InvalidRequestError, match="not supported: patternProperties"):
+        StructuredOutputParams(json={"type": "object", "patternProperties": {}})
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputParams(regex="a", choice=("a",))
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputParams(choice=("a",)))
+    with pytest.raises(InvalidRequestError, match="too large"):
+        llm.generate(["the"], SamplingParams(structured_outputs=StructuredOutputParams(regex="[a-z]{1,3000}x{1,3000}")),
+                     use_tqdm=False)
+    out = llm.generate(["the"], SamplingParams(max_tokens=8, temperature=0,
+                                               structured_outputs=StructuredOutputParams(choice=("cat", "dog"))),
+                       use_tqdm=False)
+    assert out[0].outputs[0].text in ("cat", "dog")
+
+
+def test_an_engine_without_a_tokenizer_refuses_structured_outputs(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", num_kv_blocks=32)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        llm.generate([[5, 6, 7]], SamplingParams(structured_outputs=StructuredOutputParams(choice=("a",))),
+                     use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_in_the_schema(smollm2):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0},
+            "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            "employed": {"type": "boolean"},
+        },
+        "required": ["name", "age", "employed"],
+    }
+    llm = LLM(smollm2)
+    questions = ["Describe a fictional software engineer as JSON.", "Invent a person and give their details in JSON.",
+                 "Who are you? Reply in JSON."]
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=StructuredOutputParams(json=schema))
+    outs = llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    choice = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputParams(choice=("yes", "no")))
+    out = llm.chat([[{"role": "user", "content": "Is water wet? Answer yes or no."}]], choice, use_tqdm=False)
+    assert out[0].outputs[0].text in ("yes", "no")
