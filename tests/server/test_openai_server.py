@@ -187,6 +187,35 @@ def test_streamed_logprobs_and_usage_match_the_response(client: openai.OpenAI) -
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 12
 
 
+def test_structured_outputs_over_the_api(client: openai.OpenAI) -> None:
+    """OpenAI's response_format (json_schema, json_object) and vLLM's guided_choice, streamed or not."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"]}
+    messages = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60, temperature=0, stream=True,
+        response_format={"type": "json_object"},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
+    r2 = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Is the sea salty? Answer:", max_tokens=5, temperature=0.9, n=4,
+        seed=3, extra_body={"guided_choice": [" yes", " no"]},
+    )
+    assert {c.text for c in r2.choices} <= {" yes", " no"}
+
+
 def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2", "SmolLM2-135M-Instruct"]

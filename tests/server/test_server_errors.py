@@ -42,6 +42,17 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     (CHAT, {"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"messages": [{"role": "user"}], "n": 200}, 400, "n"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": USER, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400, "guided_regex"),
+    (COMP, {"prompt": "x", "guided_regex": "a(?=b)"}, 400, "guided_regex"),
+    (COMP, {"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
+    (COMP, {"prompt": "x", "guided_json": {"type": "object", "patternProperties": {}}}, 400, "guided_json"),
+    (COMP, {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    (COMP, {"prompt": "x", "structured_outputs": {"grammar": "root ::= x"}}, 400, "structured_outputs"),
+    (COMP, {"prompt": "x", "guided_choice": ["a"], "ignore_eos": True}, 400, "ignore_eos"),
+    # refused by the engine (in its own process) when it compiles the grammar: still a 400
+    (COMP, {"prompt": "x", "guided_regex": "[a-z]{1,3000}x{1,3000}"}, 400, "structured_outputs"),
     (COMP, {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
     (CHAT, {"messages": USER, "model": "gpt-4o"}, 404, "model"),
 ]
