@@ -438,17 +438,19 @@ def _minimize(table: np.ndarray, accepting: np.ndarray) -> ByteDFA:
     """Moore's partition refinement: states that accept the same continuations are merged,
     so each distinct set of allowed tokens is computed once. The dead state stays 0 and the
     start 1."""
+    # Bytes that every state treats alike (the letters inside a string, say) are one column.
+    _, columns = np.unique(table, axis=1, return_index=True)
+    narrow = table[:, np.sort(columns)]
     cls = accepting.astype(np.int64)
     cls[0] = 2  # the dead state apart from the live non-accepting ones
     count = len(np.unique(cls))
     while True:
-        signature = np.concatenate([cls[:, None], cls[table]], axis=1)
-        _, cls = np.unique(signature, axis=0, return_inverse=True)
-        cls = cls.reshape(-1)
-        new_count = int(cls.max()) + 1
-        if new_count == count:
+        signature = np.concatenate([cls[:, None], cls[narrow]], axis=1)
+        ids: dict[tuple[int, ...], int] = {}
+        cls = np.array([ids.setdefault(row, len(ids)) for row in map(tuple, signature.tolist())], dtype=np.int64)
+        if len(ids) == count:
             break
-        count = new_count
+        count = len(ids)
     order = [int(cls[0]), int(cls[1])]  # dead, start, then the rest by first appearance
     seen = set(order)
     for c in cls.tolist():
