@@ -7,8 +7,9 @@ false) for objects without `properties`, `items`, `prefixItems`, `minItems` / `m
 `minLength` / `maxLength` (an escape counts one character, so a character beyond the
 basic plane written as a `\\u` surrogate pair counts two), `pattern` (over the string's JSON text), `format` (date,
 time, date-time, uuid; a date's day is 01-31 whatever the month), `minimum >= 0` (no minus sign), `anyOf` / `oneOf`, `allOf` (merged),
-and `$ref` into `$defs` / `definitions`. A value of any type, and a recursive `$ref`, nest at
-most `max_depth` levels. Numeric bounds beyond the sign are not enforced, nor `uniqueItems`;
+and `$ref` into `$defs` / `definitions`. A schema's own nesting is unbounded; a value of any
+type (`{}`, or an object or array with nothing said of its contents) nests at most
+`max_depth` levels, and a recursive `$ref` expands at most `max_depth` times inside itself. Numeric bounds beyond the sign are not enforced, nor `uniqueItems`;
 keywords that would change the language and are not listed here raise `GrammarError`.
 """
 
@@ -113,6 +114,7 @@ class _Converter:
     def __init__(self, root: Any, max_depth: int) -> None:
         self.root = root
         self.max_depth = max_depth
+        self.refs: list[str] = []  # the references being expanded, outermost first
 
     def resolve(self, ref: str) -> Any:
         if not ref.startswith("#"):
@@ -136,11 +138,16 @@ class _Converter:
         if unknown:
             raise GrammarError(f"JSON Schema keyword(s) not supported: {', '.join(sorted(unknown))}")
         if "$ref" in schema:
-            if depth < 0:
+            ref = schema["$ref"]
+            if self.refs.count(ref) >= self.max_depth:  # recursion: cut here
                 return NOTHING
             rest = {k: v for k, v in schema.items() if k != "$ref"}
-            target = self.resolve(schema["$ref"])
-            return self.node({**target, **rest} if rest and isinstance(target, dict) else target, depth - 1)
+            target = self.resolve(ref)
+            self.refs.append(ref)
+            try:
+                return self.node({**target, **rest} if rest and isinstance(target, dict) else target, depth)
+            finally:
+                self.refs.pop()
         if "allOf" in schema:
             merged = {k: v for k, v in schema.items() if k != "allOf"}
             for part in schema["allOf"]:
@@ -211,12 +218,10 @@ class _Converter:
         return quoted(Repeat(STRING_CHAR, low, high))
 
     def array(self, schema: dict[str, Any], depth: int) -> Node:
-        if depth <= 0:
-            return NOTHING
         comma = cat(WS, lit(","), WS)
-        prefix = [self.node(s, depth - 1) for s in schema.get("prefixItems", [])]
+        prefix = [self.node(s, depth) for s in schema.get("prefixItems", [])]
         items = schema.get("items", True)
-        item = NOTHING if items is False else self.node(items, depth - 1)
+        item = NOTHING if items is False else self.node(items, depth - 1 if items in (True, {}) else depth)
         low, high = _bounds(schema, "minItems", "maxItems")
         if prefix:  # a tuple: the listed items, then more of `items` if allowed
             more = Repeat(cat(comma, item), max(0, low - len(prefix)),
@@ -232,8 +237,6 @@ class _Converter:
         return cat(lit("["), WS, inner, WS, lit("]"))
 
     def object(self, schema: dict[str, Any], depth: int) -> Node:
-        if depth <= 0:
-            return NOTHING
         props: dict[str, Any] = schema.get("properties") or {}
         colon = cat(WS, lit(":"), WS)
         comma = cat(WS, lit(","), WS)
@@ -248,7 +251,7 @@ class _Converter:
         if missing:
             raise GrammarError(f"required properties not in properties: {', '.join(sorted(missing))}")
         names = list(props)
-        members = [cat(lit(json.dumps(n, ensure_ascii=False)), colon, self.node(props[n], depth - 1)) for n in names]
+        members = [cat(lit(json.dumps(n, ensure_ascii=False)), colon, self.node(props[n], depth)) for n in names]
         first_required = next((i for i, n in enumerate(names) if n in required), len(names))
         # The first member written is some k at or before the first required one; after it,
         # the required members follow for sure and the others may.

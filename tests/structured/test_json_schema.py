@@ -152,6 +152,18 @@ def test_recursive_references_nest_to_the_depth_limit():
     tree = {"$ref": "#/$defs/node", "$defs": {"node": {
         "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
         "required": ["v"]}}}
-    dfa = compile_dfa(schema_to_node(tree, max_depth=6))
+    dfa = compile_dfa(schema_to_node(tree, max_depth=2))
     assert dfa.matches('{"v":1,"kids":[{"v":2,"kids":[]}]}')
-    assert not dfa.matches('{"v":1,"kids":[{"v":2,"kids":[{"v":3,"kids":[{"v":4}]}]}]}')
+    assert not dfa.matches('{"v":1,"kids":[{"v":2,"kids":[{"v":3}]}]}')
+
+
+def test_a_schemas_own_nesting_is_not_cut():
+    """Only values of any type and recursion are bounded: six levels of declared objects, each
+    reached through its own $ref (as pydantic writes nested models), are all there."""
+    defs = {f"L{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/L{i + 1}"}}, "required": ["next"]}
+            for i in range(5)}
+    defs["L5"] = {"type": "object", "properties": {"leaf": {"type": "array", "items": {"type": "array"}}}}
+    value = {"next": {"next": {"next": {"next": {"next": {"leaf": [[[[1]]]]}}}}}}
+    assert accepts({"$ref": "#/$defs/L0", "$defs": defs}, value)
+    assert not accepts({"$ref": "#/$defs/L0", "$defs": defs}, {"next": {"next": {"next": {"next": {"next": {
+        "leaf": [[[[[1]]]]]}}}}}})  # a value of any type: 3 levels inside the declared arrays
