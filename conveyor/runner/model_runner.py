@@ -358,11 +358,11 @@ class ModelRunner:
             return []
         return self._known(item, item.context_len)
 
-    def _known(self, item: ScheduledSequence, end: int) -> list[int]:
-        """The sequence's first `end` tokens. A token still pending (async scheduling) is
+    def _known(self, item: ScheduledSequence, end: int, start: int = 0) -> list[int]:
+        """The sequence's tokens `start .. end-1`. A token still pending (async scheduling) is
         read from the previous step: a sync, paid only by requests that need the tokens
         (penalties, structured outputs)."""
-        tokens = item.all_token_ids[:end]
+        tokens = item.all_token_ids[start:end]
         if tokens and tokens[-1] == PLACEHOLDER:
             assert self._last_handle is not None
             tokens[-1] = self._last_handle.result().sampled[item.seq_id]
@@ -386,21 +386,20 @@ class ModelRunner:
             if guide is None:
                 guide = self._guides[it.seq_id] = _Guide(self.grammars.get(spec))
             grammar = guide.grammar
-            outputs = self._known(it, it.start_pos + 1 if it.num_draft else it.context_len)[it.prompt_len :]
-            state = guide.catch_up(outputs)
+            end = it.start_pos + 1 if it.num_draft else it.context_len  # the tokens before the first row
+            if end - it.prompt_len < guide.consumed:
+                guide.restart()
+            state = guide.advance(self._known(it, end, start=it.prompt_len + guide.consumed))
             for i in range(1 + it.num_draft):
                 masks.append(grammar.allowed(state))
                 if i < it.num_draft:
                     state = grammar.advance(state, it.token_ids[1 + i])
             row += 1 + it.num_draft
-        vocab = self.model.arch.vocab_size
         constrained = [r for r, m in enumerate(masks) if m is not None]
-        stacked = torch.stack([m for m in masks if m is not None])
-        if stacked.shape[1] < vocab:  # a tokenizer smaller than the model's logits: the rest never
-            stacked = torch.nn.functional.pad(stacked, (0, vocab - stacked.shape[1]))
+        stacked = torch.stack([m for m in masks if m is not None])  # the model's vocabulary wide
         if len(constrained) == len(masks):
             return stacked
-        allowed = torch.ones((len(masks), vocab), dtype=torch.bool, device=self.device)
+        allowed = torch.ones((len(masks), stacked.shape[1]), dtype=torch.bool, device=self.device)
         allowed[to_device(host_longs(constrained), self.device)] = stacked
         return allowed
 
@@ -408,19 +407,19 @@ class ModelRunner:
 class _Guide:
     """Where one constrained sequence stands in its grammar: the state after its first
     `consumed` output tokens. Outputs only grow while it runs (a preempted sequence keeps
-    them), so each step walks just the new ones; a shorter list starts over."""
+    them), so each step reads and walks just the new ones; fewer than were walked restart it."""
 
     __slots__ = ("consumed", "grammar", "state")
 
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
-        self.state = grammar.START
-        self.consumed = 0
+        self.restart()
 
-    def catch_up(self, outputs: list[int]) -> int:
-        if len(outputs) < self.consumed:
-            self.state, self.consumed = self.grammar.START, 0
-        for token in outputs[self.consumed :]:
+    def restart(self) -> None:
+        self.state, self.consumed = self.grammar.START, 0
+
+    def advance(self, new: list[int]) -> int:
+        for token in new:
             self.state = self.grammar.advance(self.state, token)
-        self.consumed = len(outputs)
+        self.consumed += len(new)
         return self.state

@@ -12,6 +12,7 @@ streaming output); a client that goes away aborts every engine request of its AP
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -162,7 +163,7 @@ class _Handler:
         if b.user is not None:
             kwargs["extra"] = {"user": b.user}
             kwargs["tenant"] = b.user
-        kwargs["structured_outputs"] = self.structured_outputs()
+        kwargs["structured_outputs"] = self.structured_outputs
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:
@@ -173,8 +174,10 @@ class _Handler:
     def max_tokens_param(self) -> str:
         return "max_tokens"
 
+    @functools.cached_property
     def structured_outputs(self) -> StructuredOutputParams | None:
-        """What the request's output must match, from whichever field says it (one at most)."""
+        """What the request's output must match, from whichever field says it (one at most):
+        built once, shared by every prompt and choice of the request."""
         b = self.body
         given: list[tuple[str, dict[str, Any]]] = []
         rf = b.response_format

@@ -106,6 +106,8 @@ class Grammar:
         self.vocab = vocab
         self.device = device
         self._rows = dfa.table.tolist()  # a Python walk per sampled token: lists beat numpy scalars
+        # The table for the vectorized walk: column 256 (past a token's end) stays put.
+        self._walk = np.concatenate([dfa.table, np.arange(dfa.num_states, dtype=np.int32)[:, None]], axis=1)
         self._eos = frozenset(vocab.eos_token_ids)
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -135,7 +137,7 @@ class Grammar:
         vocab = self.vocab
         mask = np.zeros(vocab.size, dtype=bool)
         if state:
-            table = np.concatenate([self.dfa.table, np.arange(self.dfa.num_states, dtype=np.int32)[:, None]], axis=1)
+            table = self._walk
             cur = np.full(len(vocab.ids), state, dtype=np.int32)
             for j, n in enumerate(vocab.longer_than.tolist()):
                 cur[:n] = table[cur[:n], vocab.bytes[:n, j]]

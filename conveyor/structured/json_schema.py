@@ -33,15 +33,15 @@ from conveyor.structured.regex import (
 WS = Repeat(CharSet(((0x20, 0x20),)), 0, 1)
 NOTHING = CharSet(())  # matches no text: a branch cut off at the depth limit
 
-IGNORED = {
+IGNORED = {  # annotations, or constraints not enforced (documented above)
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "name",
-    "strict", "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
-    "contentEncoding", "contentMediaType",
+    "strict", "deprecated", "readOnly", "writeOnly", "$defs", "definitions",
+    "maximum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contentEncoding", "contentMediaType",
 }
 KNOWN = IGNORED | {
-    "type", "enum", "const", "properties", "required", "items", "prefixItems", "minItems",
-    "maxItems", "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "allOf", "$ref",
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "minimum", "exclusiveMinimum",
+    "anyOf", "oneOf", "allOf", "$ref",
 }
 
 
