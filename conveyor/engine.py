@@ -276,6 +276,7 @@ class Engine:
             from conveyor.structured.grammar import GrammarCache
 
             runner.grammars = GrammarCache(tokenizer.hf, eos_ids, arch.vocab_size, device)
+        runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
         return engine
@@ -307,6 +308,12 @@ class Engine:
                 "shorten the prompt",
                 param="prompt",
             )
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})", param=name
+                )
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)
         sc = self.scheduler.config

@@ -99,6 +99,11 @@ class SamplingParams:
     # Constrained decoding: each token is drawn only from those that keep the output a
     # prefix of something the grammar accepts, and the end only where it accepts.
     structured_outputs: StructuredOutputParams | None = None
+    # Added to the logits before the draw (OpenAI's logit_bias): token id -> bias in
+    # [-100, 100]; -100 all but bans a token, 100 all but forces it.
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    # Only these tokens may be drawn (vLLM's allowed_token_ids); the end too only if listed.
+    allowed_token_ids: tuple[int, ...] | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +116,15 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:  # a copy: the caller's dict may change after
+            try:
+                object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    f"logit_bias={self.logit_bias!r}: must map token ids to biases", param="logit_bias"
+                ) from None
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -154,6 +168,17 @@ class SamplingParams:
                 raise bad("structured_outputs", "must be a StructuredOutputParams")
             if self.ignore_eos:
                 raise bad("ignore_eos", "cannot be combined with structured_outputs: the grammar ends the output with EOS")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise bad("logit_bias", f"key {token!r} is not a token id (an integer >= 0)")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                    raise bad("logit_bias", f"the bias of token {token} must be a number in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
@@ -162,6 +187,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the runner masks or biases this request's logits (structured outputs,
+        logit_bias, allowed_token_ids, min_tokens' ban on the end)."""
+        return (
+            self.structured_outputs is not None
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.min_tokens > 0
+        )
 
     @property
     def needs_penalties(self) -> bool:

@@ -102,6 +102,7 @@ class ModelRunner:
         # each constrained sequence stands in its grammar.
         self.grammars: GrammarCache | None = None
         self._guides: dict[int, _Guide] = {}
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(arch.eos_token_ids))  # what min_tokens holds back
         self.host_tables = HostBlockTables()  # running sequences' block tables as int64 arrays
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
@@ -242,8 +243,8 @@ class ModelRunner:
             batch.generators = [self._generator(it) for it in samplers]
         if batch.any_penalty:
             batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
-        if any(p.structured_outputs is not None for p in params):
-            batch.allowed = self._allowed(samplers)
+        if any(p.shapes_logits for p in params):
+            batch.allowed, batch.bias = self._constraints(samplers)
         if logits is None:
             assert hidden is not None
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
@@ -253,7 +254,7 @@ class ModelRunner:
         # Drafting: seeded generators draw a row per position, and give back those not kept.
         states = self._generator_states(samplers, batch) if drafting else None
         if (greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None
-                and batch.allowed is None):
+                and batch.allowed is None and batch.bias is None):
             tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
         else:
             tokens, logprobs = self.sampler.sample(logits, batch)
@@ -368,40 +369,106 @@ class ModelRunner:
             tokens[-1] = self._last_handle.result().sampled[item.seq_id]
         return tokens
 
-    def _allowed(self, samplers: list[ScheduledSequence]) -> torch.Tensor:
-        """The tokens each row may draw: a constrained sequence's grammar state after the
-        tokens before the row (with drafts, a row i follows the first i drafts); any token
-        in the other rows."""
-        assert self.grammars is not None, "the engine checks structured outputs before queueing them"
-        masks: list[torch.Tensor | None] = []
+    def _constraints(self, samplers: list[ScheduledSequence]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The tokens each row may draw (`[rows, vocab]` bool; None: any) and the bias added
+        to its logits (float; None: none), from its request's structured outputs,
+        allowed_token_ids, logit_bias, and min_tokens, which holds the end and the stop
+        token ids back while the row's output index is below it.
+
+        A row left with no token (allowed_token_ids or min_tokens against its grammar) falls
+        back to its grammar's mask: the grammar decides what is valid output."""
+        grammar_rows: list[int] = []
+        grammar_masks: list[torch.Tensor] = []
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        only_rows: list[int] = []
+        only_ids: list[tuple[int, ...]] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_vals: list[float] = []
+        row = 0
+        for it in self._first_rows(samplers):
+            p = it.sampling_params
+            n = 1 + it.num_draft
+            first = it.start_pos + 1 if it.num_draft else it.context_len  # the tokens before the first row
+            states = self._grammar_states(it, first) if p.structured_outputs is not None else None
+            grammar = self._guides[it.seq_id].grammar if states is not None else None
+            for i in range(n):
+                r = row + i
+                if grammar is not None and states is not None:
+                    grammar_rows.append(r)
+                    grammar_masks.append(grammar.allowed(states[i]))
+                if first + i - it.prompt_len < p.min_tokens and not (
+                    grammar is not None and states is not None and grammar.ends_only(states[i])
+                ):
+                    held = (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids)
+                    ban_rows.extend([r] * len(held))
+                    ban_ids.extend(held)
+                if p.allowed_token_ids is not None:
+                    only_rows.append(r)
+                    only_ids.append(p.allowed_token_ids)
+                if p.logit_bias:
+                    bias_rows.extend([r] * len(p.logit_bias))
+                    bias_ids.extend(p.logit_bias)
+                    bias_vals.extend(p.logit_bias.values())
+            row += n
+        rows, vocab, dev = row, self.model.arch.vocab_size, self.device
+        bias: torch.Tensor | None = None
+        if bias_rows:
+            bias = torch.zeros((rows, vocab), dtype=torch.float32, device=dev)
+            bias[to_device(host_longs(bias_rows), dev), to_device(host_longs(bias_ids), dev)] = to_device(
+                torch.tensor(bias_vals, dtype=torch.float32), dev
+            )
+        if not (grammar_rows or ban_rows or only_rows):
+            return None, bias
+        stacked = torch.stack(grammar_masks) if grammar_masks else None
+        if stacked is not None and len(grammar_rows) == rows:
+            allowed = stacked
+        else:
+            allowed = torch.ones((rows, vocab), dtype=torch.bool, device=dev)
+            if stacked is not None:
+                allowed[to_device(host_longs(grammar_rows), dev)] = stacked
+        if not (ban_rows or only_rows):
+            return allowed, bias
+        grammar_only = allowed.clone() if stacked is not None else None
+        if only_rows:
+            keep = torch.zeros((len(only_rows), vocab), dtype=torch.bool, device=dev)
+            flat_rows = [i for i, ids in enumerate(only_ids) for _ in ids]
+            keep[to_device(host_longs(flat_rows), dev), to_device(host_longs([t for ids in only_ids for t in ids]), dev)] = True
+            index = to_device(host_longs(only_rows), dev)
+            allowed[index] &= keep
+        if ban_rows:
+            allowed[to_device(host_longs(ban_rows), dev), to_device(host_longs(ban_ids), dev)] = False
+        if grammar_only is not None:  # on the device: no sync to find the rows left empty
+            allowed = torch.where(allowed.any(dim=1, keepdim=True), allowed, grammar_only)
+        return allowed, bias
+
+    @staticmethod
+    def _first_rows(samplers: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """Each sampling sequence once, in row order (one with drafts has 1 + num_draft rows)."""
+        out: list[ScheduledSequence] = []
         row = 0
         while row < len(samplers):
-            it = samplers[row]
-            spec = it.sampling_params.structured_outputs
-            if spec is None:
-                masks.append(None)
-                row += 1
-                continue
-            guide = self._guides.get(it.seq_id)
-            if guide is None:
-                guide = self._guides[it.seq_id] = _Guide(self.grammars.get(spec))
-            grammar = guide.grammar
-            end = it.start_pos + 1 if it.num_draft else it.context_len  # the tokens before the first row
-            if end - it.prompt_len < guide.consumed:
-                guide.restart()
-            state = guide.advance(self._known(it, end, start=it.prompt_len + guide.consumed))
-            for i in range(1 + it.num_draft):
-                masks.append(grammar.allowed(state))
-                if i < it.num_draft:
-                    state = grammar.advance(state, it.token_ids[1 + i])
-            row += 1 + it.num_draft
-        constrained = [r for r, m in enumerate(masks) if m is not None]
-        stacked = torch.stack([m for m in masks if m is not None])  # the model's vocabulary wide
-        if len(constrained) == len(masks):
-            return stacked
-        allowed = torch.ones((len(masks), stacked.shape[1]), dtype=torch.bool, device=self.device)
-        allowed[to_device(host_longs(constrained), self.device)] = stacked
-        return allowed
+            out.append(samplers[row])
+            row += 1 + samplers[row].num_draft
+        return out
+
+    def _grammar_states(self, it: ScheduledSequence, end: int) -> list[int]:
+        """A constrained sequence's grammar state at each of its rows: after its output tokens
+        before position `end`, then (with drafts) after each draft in turn."""
+        spec = it.sampling_params.structured_outputs
+        assert self.grammars is not None and spec is not None, "the engine checks structured outputs before queueing them"
+        guide = self._guides.get(it.seq_id)
+        if guide is None:
+            guide = self._guides[it.seq_id] = _Guide(self.grammars.get(spec))
+        if end - it.prompt_len < guide.consumed:
+            guide.restart()
+        state = guide.advance(self._known(it, end, start=it.prompt_len + guide.consumed))
+        states = [state]
+        for token in it.token_ids[1 : 1 + it.num_draft]:
+            state = guide.grammar.advance(state, token)
+            states.append(state)
+        return states
 
 
 class _Guide:

@@ -1,7 +1,7 @@
 """Sampling: per-request parameters turned into tensors once per step, then one batched pass.
 
-Order of operations (as in vLLM): penalties on the raw logits, then the structured-output
-mask, then temperature, then top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax of the penalised
+Order of operations (as in vLLM): penalties on the raw logits, then logit_bias, then the
+mask (structured outputs, allowed_token_ids, min_tokens' held-back ends), then temperature, then top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax of the penalised
 logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
 samples exactly from `probs`; each seeded request draws its `E` from its own generator, so the
 same seed gives the same tokens whatever else shares the batch.
@@ -30,8 +30,11 @@ class SamplingBatch:
     all_greedy: bool
     any_penalty: bool
     max_logprobs: int | None  # None: no row wants logprobs
-    # Structured outputs: [rows, vocab] bool, the tokens each row may draw (None: any)
+    # [rows, vocab] bool, the tokens each row may draw (None: any): structured outputs,
+    # allowed_token_ids, min_tokens
     allowed: torch.Tensor | None = None
+    # logit_bias: [rows, vocab] float, added to the logits (None: no row has any)
+    bias: torch.Tensor | None = None
 
 
 def prepare(
@@ -98,11 +101,13 @@ class Sampler:
         Without logprobs nothing here waits for the device: the caller copies the ids to the
         host when it needs them (the one sync of a step). A step that only takes an argmax
         reads the logits in the model's dtype (the same index); anything else in float32."""
-        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None):
+        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None and batch.bias is None):
             logits = logits.float()
         raw = logits
         if batch.any_penalty:
             logits = self._apply_penalties(logits.clone(), batch)
+        if batch.bias is not None:
+            logits = logits + batch.bias
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
         tokens = self.greedy(logits) if batch.all_greedy else self._sample(logits, batch)

@@ -122,8 +122,7 @@ class _Handler:
             raise InvalidRequestError(
                 "stream_options may only be set when stream is true", param="stream_options"
             )
-        if body.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        self.logit_bias  # noqa: B018 (parsed now: a bad key is the request's error, before any choice)
 
     # -- building the engine requests --------------------------------------------------------
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
@@ -164,12 +163,30 @@ class _Handler:
             kwargs["extra"] = {"user": b.user}
             kwargs["tenant"] = b.user
         kwargs["structured_outputs"] = self.structured_outputs
+        kwargs["logit_bias"] = self.logit_bias
+        if b.allowed_token_ids is not None:
+            kwargs["allowed_token_ids"] = tuple(b.allowed_token_ids)
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:
             if e.param == "max_tokens":  # name the field the client actually sent
                 raise InvalidRequestError(str(e), self.max_tokens_param()) from None
             raise
+
+    @functools.cached_property
+    def logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias, its keys token ids written as strings, as SamplingParams takes it."""
+        if not self.body.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.body.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise InvalidRequestError(
+                    f"logit_bias: key {key!r} is not a token id (an integer written as a string)", param="logit_bias"
+                ) from None
+        return out
 
     def max_tokens_param(self) -> str:
         return "max_tokens"

@@ -110,6 +110,7 @@ class Grammar:
         self._walk = np.concatenate([dfa.table, np.arange(dfa.num_states, dtype=np.int32)[:, None]], axis=1)
         self._eos = frozenset(vocab.eos_token_ids)
         self._masks: dict[int, torch.Tensor] = {}
+        self._ends: set[int] = set()  # states whose mask allows only the end
 
     def advance(self, state: int, token: int) -> int:
         if token in self._eos:
@@ -133,6 +134,12 @@ class Grammar:
             mask = self._masks[state] = self._compute(state)
         return mask
 
+    def ends_only(self, state: int) -> bool:
+        """Whether the end is the one token `allowed(state)` allows (the output is complete):
+        min_tokens then does not hold the end back, there being nothing else to draw."""
+        self.allowed(state)
+        return state in self._ends
+
     def _compute(self, state: int) -> torch.Tensor:
         vocab = self.vocab
         mask = np.zeros(vocab.size, dtype=bool)
@@ -146,6 +153,8 @@ class Grammar:
                 mask[vocab.eos_token_ids] = True
         if not mask.any():  # nothing can continue the text (a token outside the grammar came first): end it
             mask[vocab.eos_token_ids] = True
+        if mask.sum() == np.count_nonzero(mask[vocab.eos_token_ids]):
+            self._ends.add(state)
         return torch.from_numpy(mask).to(self.device)
 
 

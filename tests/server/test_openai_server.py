@@ -159,6 +159,28 @@ def test_logprobs_and_vllm_extensions(client: openai.OpenAI) -> None:
     assert lp is not None and len(lp.tokens) == 4 and len(lp.top_logprobs[0]) == 2
 
 
+def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI) -> None:
+    """A +100 bias forces its token as surely as allowing only that token, in both APIs, and
+    min_tokens holds the end back: the answers are the same token three times, not the
+    model's greedy text."""
+    kwargs: dict[str, Any] = dict(model="smollm2", max_tokens=3, temperature=0)
+    prompt = "The capital of France is"
+    plain = client.completions.create(prompt=prompt, **kwargs).choices[0].text
+    biased = client.completions.create(prompt=prompt, logit_bias={"330": 100}, **kwargs)
+    only = client.completions.create(prompt=prompt, extra_body={"allowed_token_ids": [330]}, **kwargs)
+    assert biased.choices[0].text == only.choices[0].text != plain
+    assert biased.usage is not None and biased.usage.completion_tokens == 3
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(messages=messages, logit_bias={"330": 100}, **kwargs)
+    assert chat.choices[0].message.content == only.choices[0].text
+    ended = client.chat.completions.create(
+        messages=messages, model="smollm2", max_tokens=6, temperature=0,
+        logit_bias={"2": 100}, extra_body={"min_tokens": 4},  # 2 is SmolLM2's <|im_end|>
+    )
+    assert ended.choices[0].finish_reason == "stop" and ended.usage is not None
+    assert ended.usage.completion_tokens == 5  # four held back, then the end
+
+
 def test_streamed_logprobs_and_usage_match_the_response(client: openai.OpenAI) -> None:
     """A stream's chunks carry only what is new (output_kind "delta" inside): together they
     are the response's tokens, logprobs and text offsets, and its usage."""

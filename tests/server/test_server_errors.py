@@ -29,7 +29,11 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     (COMP, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (COMP, {"prompt": "x", "seed": 2**70}, 400, "seed"),
     (COMP, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    (COMP, {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (COMP, {"prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
+    (COMP, {"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"1": "up"}}, 400, "logit_bias.1"),
+    (COMP, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # refused by the engine
+    (COMP, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMP, {"prompt": ""}, 400, "prompt"),
     (COMP, {"prompt": []}, 400, "prompt"),
