@@ -22,7 +22,7 @@ from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from conveyor.runner.base import Runner, RunnerOutput
+from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -109,9 +109,26 @@ class _Request:
     emitted_text: int = 0
     delta: bool = False  # output_kind "delta": each output holds only what is new
     emitted_logprobs: int = 0  # ... and these logprobs went out already
+    # SamplingParams.prompt_logprobs: the prompt's so far (its first token has none)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    emitted_prompt_logprobs: bool = False  # (output_kind "delta": they go out once)
     done: bool = False
     prompt_token_ids: list[int] | None = None  # sliced once, shared by every output of a stream
     extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Parent:
+    """A request with n > 1: its choices run as requests of their own (`child_ids`), whose
+    outputs are merged into the parent's."""
+
+    request_id: str
+    child_ids: list[str]
+    kind: str  # the output_kind asked for
+    stream: bool
+    latest: list[CompletionOutput | None]  # each choice's output so far (cumulative kinds)
+    finished: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # choice 0 computes them
 
 
 class Engine:
@@ -143,6 +160,8 @@ class Engine:
         self.finished_requests: deque[RequestRecord] = deque(maxlen=max_trace_steps)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
+        self._parents: dict[str, _Parent] = {}  # requests with n > 1, by id
+        self._child_of: dict[str, tuple[_Parent, int]] = {}  # their choices' ids
         self._next_seq_id = 0
         # Async scheduling needs a runner that launches a step without waiting for it (the
         # simulator's runner prices a step at once: it keeps the plain loop).
@@ -357,9 +376,12 @@ class Engine:
         `resume` continues a request another engine had started (an engine process replaced
         after a crash); its outputs are not emitted again.
         """
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
+        if params.n > 1:
+            self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume)
+            return
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate(token_ids, params)
         seq = Sequence(
@@ -384,11 +406,73 @@ class Engine:
             request_id, text if text is not None else prompt_text, seq, detok, stream and kind != "final_only",
             [] if params.logprobs is not None else None, delta=kind == "delta",
         )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         if resume is not None:
             self._resume(req, resume)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
         self.scheduler.add(seq)
+
+    def _add_parent(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,
+        stream: bool, prompt_text: str | None, resume: Resume | None,
+    ) -> None:
+        """n choices as n requests over the same prompt: the first computes the prompt's
+        logprobs if asked, choice i of a seeded request uses seed + i (vLLM's parallel sampling)."""
+        if resume is not None:
+            raise InvalidRequestError("a resumed request has one choice (n=1)", param="resume")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate(token_ids, params)
+        child_ids = [f"{request_id}#{i}" for i in range(params.n)]
+        if any(c in self._requests or c in self._parents for c in child_ids):
+            raise InvalidRequestError(f"request id {request_id!r}'s choices' ids are in use", param="request_id")
+        parent = _Parent(request_id, child_ids, params.output_kind, stream, [None] * params.n)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        for i, child in enumerate(child_ids):
+            one = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            )
+            self.add_request(child, token_ids, one, arrival, stream, text if text is not None else prompt_text)
+            self._child_of[child] = (parent, i)
+        self._parents[request_id] = parent
+
+    def _merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of requests with n > 1 as their parents': a choice's moves alone
+        (output_kind "delta"), every choice's so far ("cumulative"), or all n once the last
+        ends (not streamed, or "final_only"). Metrics are those of the choice in question
+        (for the final output, the choice that ended last)."""
+        merged: list[RequestOutput] = []
+        for out in outputs:
+            found = self._child_of.get(out.request_id)
+            if found is None:
+                merged.append(out)
+                continue
+            parent, index = found
+            completion = out.outputs[0]
+            completion.index = index
+            parent.latest[index] = completion
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = out.prompt_logprobs
+            if out.finished:
+                parent.finished += 1
+                del self._child_of[out.request_id]
+            done = parent.finished == len(parent.child_ids)
+            if done:
+                del self._parents[parent.request_id]
+            if parent.stream and parent.kind == "delta":
+                choices = [completion]
+                prompt_logprobs = out.prompt_logprobs
+            elif (parent.stream and parent.kind == "cumulative") or done:
+                choices = [c for c in parent.latest if c is not None]
+                prompt_logprobs = parent.prompt_logprobs
+            else:
+                continue
+            merged.append(dataclasses.replace(
+                out, request_id=parent.request_id, outputs=choices, finished=done, prompt_logprobs=prompt_logprobs,
+            ))
+        return merged
 
     def _resume(self, req: _Request, resume: Resume) -> None:
         seq = req.seq
@@ -407,6 +491,14 @@ class Engine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are free when this returns."""
+        parent = self._parents.get(request_id)
+        if parent is not None:  # every choice still running; the last gives the parent's output
+            outs = [out for c in parent.child_ids if c in self._child_of and (out := self._abort_one(c))]
+            merged = self._merge(outs)
+            return merged[-1] if merged else None
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
         if req is None or req.done:
             return None
@@ -433,8 +525,10 @@ class Engine:
         With async scheduling (and a runner that can launch a step without waiting for it),
         a call schedules and launches the next step, then completes the one launched before:
         the outputs are that earlier step's."""
-        if self._async:
-            return self._step_async()
+        outputs = self._step_async() if self._async else self._step_sync()
+        return self._merge(outputs) if self._child_of else outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         start = self.clock()
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
@@ -482,6 +576,8 @@ class Engine:
 
         outputs: list[RequestOutput] = []
         by_seq = self._by_seq
+        if run_out.prompt_logprobs:
+            self._take_prompt_logprobs(run_out.prompt_logprobs)
         for upd in updates:
             req = by_seq.get(upd.seq.seq_id)
             if req is None or upd.new_token_id is None:
@@ -500,6 +596,18 @@ class Engine:
             elif req.stream:  # (not with output_kind "final_only")
                 outputs.append(self._output(req))
         return outputs
+
+    def _take_prompt_logprobs(self, got: dict[int, tuple[int, list[PromptLogprob]]]) -> None:
+        """Append the prompt logprobs a step computed to their requests' lists; those a
+        request has already (its prompt computed again after a preemption) are not taken twice."""
+        for seq_id, (first, entries) in got.items():
+            req = self._by_seq.get(seq_id)
+            if req is None or req.prompt_logprobs is None:
+                continue
+            have, ids = req.prompt_logprobs, req.seq.token_ids
+            for i, (logprob, rank, top) in enumerate(entries, start=first):
+                if i == len(have):
+                    have.append(TokenLogprob(ids[i], logprob, top, rank))
 
     def _idle(self, wake_at: float | None) -> None:
         """Nothing is schedulable yet (a dynamic batch's window is open): wait a little."""
@@ -595,6 +703,10 @@ class Engine:
         )
         if req.prompt_token_ids is None:
             req.prompt_token_ids = seq.prompt_token_ids
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is not None and req.delta:
+            prompt_logprobs = None if req.emitted_prompt_logprobs else prompt_logprobs
+            req.emitted_prompt_logprobs = True
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -604,6 +716,7 @@ class Engine:
             metrics=seq.metrics,
             num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.metrics.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish_output(self, req: _Request) -> RequestOutput:

@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None = None  # the top-k (token id, logprob), best first
+    rank: int | None = None  # a prompt token's place in its position's distribution (1: the likeliest)
 
 
 @dataclass(slots=True)
@@ -42,3 +43,6 @@ class RequestOutput:
     metrics: RequestMetrics
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
+    # comes before it). With output_kind "delta", only in the request's first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -69,6 +69,10 @@ class StructuredOutputParams:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # Outputs per prompt (vLLM's n): the engine runs n sequences over the prompt (its K/V
+    # computed once through the prefix cache) and gives one RequestOutput with n outputs;
+    # choice i of a seeded request uses seed + i.
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -82,6 +86,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    # The prompt's tokens' logprobs (vLLM's prompt_logprobs): None: none; 0: each prompt
+    # token's own (and its rank); k: plus the top k at its position. The first token has none.
+    # A request asking them computes its whole prompt (no prefix cache hit).
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -131,6 +139,8 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param}={getattr(self, param)!r}: {why}", param=param)
 
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if self.temperature < 0:
@@ -151,6 +161,11 @@ class SamplingParams:
             raise bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}]")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -472,8 +472,10 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= seats:
                 break
             # A prefix-cache hit is computed already: the sequence starts after it (a waiting
-            # sequence holds no blocks and has computed nothing, fresh or preempted).
-            hits = bm.match_prefix(seq)
+            # sequence holds no blocks and has computed nothing, fresh or preempted). One
+            # that asks for its prompt's logprobs computes the prompt whole, until it has them.
+            wants_prompt = seq.sampling_params.prompt_logprobs is not None and not seq.num_output_tokens
+            hits = [] if wants_prompt else bm.match_prefix(seq)
             seq.num_computed_tokens = len(hits) * bm.block_size
             num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1
             target = seq.num_computed_tokens + num_new

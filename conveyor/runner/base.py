@@ -12,6 +12,7 @@ from typing import Protocol
 from conveyor.core.scheduler import SchedulerOutput
 
 TopLogprobs = list[tuple[int, float]]
+PromptLogprob = tuple[float, int, TopLogprobs | None]  # a prompt token's logprob, rank, top k
 
 
 @dataclass(slots=True)
@@ -21,6 +22,9 @@ class RunnerOutput:
     # Speculative decoding: a sequence's tokens after its first (in `sampled`), each with its
     # logprobs if asked: the drafts the model accepted, then one of its own.
     accepted: dict[int, list[tuple[int, tuple[float, TopLogprobs | None] | None]]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: seq_id -> (the index of the first prompt token they are
+    # of, then one entry per token): those the step's prompt rows predict.
+    prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     duration_s: float = 0.0  # measured (ModelRunner) or simulated (SimRunner) step time
 
 

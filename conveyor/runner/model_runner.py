@@ -14,7 +14,7 @@ import torch
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.models.attention import HostBlockTables, build_metadata, host_longs, to_device
 from conveyor.models.llama import LlamaForCausalLM
-from conveyor.runner.base import RunnerOutput
+from conveyor.runner.base import PromptLogprob, RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
 from conveyor.sequence import PLACEHOLDER
@@ -214,6 +214,10 @@ class ModelRunner:
                 self.dtype,
             )
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        prompt_lps = (
+            self._prompt_logprobs(items, num_new, hidden, logits)
+            if any(it.sampling_params.prompt_logprobs is not None for it in items) else None
+        )
 
         rows: torch.Tensor | None = None  # the rows that sample, if not all of them
         drafting = False  # a sequence verifies drafts: it samples at each of its rows
@@ -233,7 +237,7 @@ class ModelRunner:
                     rows_out.append(end - 1)
                     samplers.append(it)
             if not samplers:
-                return StepHandle(RunnerOutput(sampled={}), start, cuda)
+                return StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}), start, cuda)
             rows = to_device(host_longs(rows_out), self.device)  # not a list: indexing by one would wait
         params = [it.sampling_params for it in samplers]
         batch = prepare(params, [it.prompt_len for it in samplers])
@@ -261,11 +265,12 @@ class ModelRunner:
         if drafting:
             self._last_tokens, self._last_rows, self._last_handle = None, {}, None
             output = self._verify(samplers, tokens.tolist(), logprobs, states)
+            output.prompt_logprobs = prompt_lps or {}
             return StepHandle(output, start, cuda)
         seq_ids = [it.seq_id for it in samplers]
         self._last_tokens = tokens
         self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
-        handle = StepHandle(RunnerOutput(sampled={}), start, cuda, seq_ids, tokens)
+        handle = StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}), start, cuda, seq_ids, tokens)
         if logprobs is not None:
             handle.output.logprobs = {
                 it.seq_id: lp
@@ -274,6 +279,60 @@ class ModelRunner:
             }
         self._last_handle = handle
         return handle
+
+    def _prompt_logprobs(
+        self, items: list[ScheduledSequence], num_new: list[int], hidden: torch.Tensor | None,
+        logits: torch.Tensor | None,
+    ) -> dict[int, tuple[int, list[PromptLogprob]]]:
+        """The prompt tokens' logprobs that this step's rows predict, for the sequences that
+        ask them: the row at position p predicts the token at p + 1, a prompt token while
+        p + 1 < prompt_len. The LM head runs on those rows only, a slice at a time (a
+        2048-token chunk's logits over a large vocabulary would be hundreds of MB at once)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[ScheduledSequence, int, int]] = []  # (sequence, first row, rows)
+        end = 0
+        for it, n in zip(items, num_new, strict=True):
+            first_row, end = end, end + n
+            if it.sampling_params.prompt_logprobs is None or it.num_draft:
+                continue
+            last = min(it.start_pos + n, it.prompt_len - 1)  # positions start_pos .. last-1
+            if last <= it.start_pos:
+                continue
+            spans.append((it, len(rows), last - it.start_pos))
+            rows.extend(range(first_row, first_row + last - it.start_pos))
+            targets.extend(it.all_token_ids[it.start_pos + 1 : last + 1])
+        if not rows:
+            return {}
+        k = max(it.sampling_params.prompt_logprobs or 0 for it, _, _ in spans)
+        chosen: list[float] = []
+        ranks: list[int] = []
+        top_ids: list[list[int]] = []
+        top_vals: list[list[float]] = []
+        dev = self.device
+        for s in range(0, len(rows), 256):
+            index = to_device(host_longs(rows[s : s + 256]), dev)
+            if hidden is not None:
+                part = self.model.compute_logits(hidden[index])
+            else:
+                assert logits is not None  # a graphed step: every row's logits
+                part = logits[index]
+            logp = torch.log_softmax(part.float(), dim=-1)
+            own = logp.gather(1, to_device(host_longs(targets[s : s + 256]), dev)[:, None])
+            chosen += own.squeeze(1).tolist()
+            ranks += ((logp > own).sum(dim=1) + 1).tolist()
+            if k:
+                vals, ids = logp.topk(k, dim=-1)
+                top_vals += vals.tolist()
+                top_ids += ids.tolist()
+        out: dict[int, tuple[int, list[PromptLogprob]]] = {}
+        for it, at, count in spans:
+            want = it.sampling_params.prompt_logprobs or 0
+            out[it.seq_id] = (it.start_pos + 1, [
+                (chosen[r], ranks[r], list(zip(top_ids[r][:want], top_vals[r][:want], strict=True)) if want else None)
+                for r in range(at, at + count)
+            ])
+        return out
 
     def _input_ids(self, token_ids: list[int], pending_rows: list[int], pending_from: list[int]) -> torch.Tensor:
         """The step's input ids on the device: `token_ids`, where rows `pending_rows` take the

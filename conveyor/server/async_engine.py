@@ -78,6 +78,12 @@ class EngineRequest:
     params: SamplingParams
     prompt_text: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.params.n != 1:  # a group's members are its choices (the HTTP layer makes n)
+            raise InvalidRequestError(
+                "an engine request is one choice: add n requests, one per choice (params.n must be 1)", param="n"
+            )
+
 
 class OutputStream:
     """The outputs of a group of engine requests (the n choices of one API request), in order.

@@ -144,6 +144,7 @@ class _Update:
     token_times: list[float]  # new since the last update
     prompt: str | None = None  # the first update only
     prompt_token_ids: list[int] | None = None  # the first update only
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first that has them only
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -313,7 +314,7 @@ class _EngineCore:
             rid, c.delta_token_ids, c.delta_text, c.logprobs, c.finish_reason, c.stop_reason,
             out.num_preemptions, out.num_cached_tokens, m.first_scheduled_time,
             m.first_token_time, m.finished_time, m.token_times[sent:],
-            out.prompt if first else None, out.prompt_token_ids if first else None,
+            out.prompt if first else None, out.prompt_token_ids if first else None, out.prompt_logprobs,
         )
 
 
@@ -334,12 +335,13 @@ class _Tracked:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     deaths: int = 0  # engine deaths this request was in flight through
     # for ServerMetrics.on_output (RequestProgress)
     saw_first_token: bool = False
     token_times_seen: int = 0
 
-    def output(self, completion: CompletionOutput) -> RequestOutput:
+    def output(self, completion: CompletionOutput, fresh_prompt_logprobs: bool = False) -> RequestOutput:
         prompt_ids = self.prompt_token_ids
         if prompt_ids is None:  # it never reached an engine
             prompt_ids = list(self.request.prompt) if isinstance(self.request.prompt, list) else []
@@ -352,6 +354,8 @@ class _Tracked:
             metrics=self.metrics,
             num_preemptions=self.metrics.num_preemptions,
             num_cached_tokens=self.metrics.num_cached_tokens,
+            # as the engine gives them: once in a delta stream, in every other output
+            prompt_logprobs=self.prompt_logprobs if fresh_prompt_logprobs or self.kind != "delta" else None,
         )
 
 
@@ -588,6 +592,9 @@ class ProcessAsyncEngine(AsyncEngine):
         """Add one update to what `tr` holds; the output its caller's `output_kind` makes."""
         if upd.prompt_token_ids is not None:
             tr.prompt, tr.prompt_token_ids = upd.prompt, upd.prompt_token_ids
+        fresh = upd.prompt_logprobs is not None and tr.prompt_logprobs is None  # (a resumed request's come again)
+        if fresh:
+            tr.prompt_logprobs = upd.prompt_logprobs
         tr.token_ids += upd.token_ids
         if upd.text:
             tr.text.append(upd.text)
@@ -612,7 +619,7 @@ class ProcessAsyncEngine(AsyncEngine):
             logprobs = list(tr.logprobs) if tr.logprobs is not None else None
         return tr.output(CompletionOutput(
             0, text, ids, upd.finish_reason, upd.stop_reason, logprobs, upd.text, upd.token_ids,
-        ))
+        ), fresh)
 
     # -- deaths ------------------------------------------------------------------------------
     def _recover(self, why: str) -> None:

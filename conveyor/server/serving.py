@@ -116,6 +116,10 @@ class _Handler:
     def logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def prompt_logprobs(self) -> int | None:
+        """How many top logprobs each prompt token's entry holds (None: no entries)."""
+        return self.body.prompt_logprobs
+
     def validate(self) -> None:
         body = self.body
         if body.stream_options is not None and not body.stream:
@@ -135,6 +139,7 @@ class _Handler:
             "include_stop_str_in_output": b.include_stop_str_in_output,
             "priority": b.priority,
             "logprobs": self.logprobs(),
+            "prompt_logprobs": self.prompt_logprobs(),
             "expected_output_tokens": b.expected_output_tokens,
             "slo_ttft_ms": b.slo_ttft_ms,
             "slo_tpot_ms": b.slo_tpot_ms,
@@ -393,6 +398,23 @@ class _Handler:
         """A streamed output's logprobs: only the new ones (output_kind "delta")."""
         return out.outputs[0].logprobs or []
 
+    def prompt_logprobs_field(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice: per prompt token, None for the first, else
+        each of its id and its position's top ids (as strings) to its logprob, rank and text."""
+        if self.body.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        field: list[dict[str, Any] | None] = []
+        for e in out.prompt_logprobs:
+            if e is None:
+                field.append(None)
+                continue
+            entry = {str(e.token_id): {"logprob": _clamp(e.logprob), "rank": e.rank,
+                                       "decoded_token": self.token_text(e.token_id)}}
+            for rank, (t, lp) in enumerate(e.top or [], start=1):
+                entry.setdefault(str(t), {"logprob": _clamp(lp), "rank": rank, "decoded_token": self.token_text(t)})
+            field.append(entry)
+        return field
+
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
@@ -412,11 +434,6 @@ class CompletionHandler(_Handler):
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if b.best_of is not None and b.best_of != b.n:
             raise InvalidRequestError("best_of must be unset or equal to n", param="best_of")
-        if b.echo and b.logprobs is not None:
-            raise InvalidRequestError(
-                "echo with logprobs is not supported (prompt logprobs are not computed)",
-                param="echo",
-            )
 
     def prompts(self) -> list[_Prompt]:
         p = self.body.prompt
@@ -452,8 +469,31 @@ class CompletionHandler(_Handler):
     def logprobs(self) -> int | None:
         return self.body.logprobs
 
-    def _logprobs_block(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, values, tops, offsets = [], [], [], []
+    def prompt_logprobs(self) -> int | None:
+        # echo with logprobs (OpenAI's legacy API): the echoed prompt's tokens have them too
+        b = self.body
+        wanted = [k for k in (b.prompt_logprobs, b.logprobs if b.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
+    def _logprobs_block(
+        self, entries: list[TokenLogprob], offset: int, prompt: tuple[list[int], list[TokenLogprob | None]] | None = None
+    ) -> dict[str, Any]:
+        """OpenAI's completion logprobs, the output's text offsets from `offset`; `prompt`
+        (echo): the prompt's ids and entries first, from offset 0, the first token's logprob
+        and top ones null."""
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        k = self.body.logprobs or 0
+        at = 0
+        for token_id, e in zip(*prompt, strict=True) if prompt is not None else ():
+            text = self.token_text(token_id)
+            tokens.append(text)
+            values.append(None if e is None else _clamp(e.logprob))
+            tops.append(None if e is None else {self.token_text(t): _clamp(lp) for t, lp in (e.top or [])[:k]})
+            offsets.append(at)
+            at += len(text)
         for e in entries:
             text = self.token_text(e.token_id)
             tokens.append(text)
@@ -463,28 +503,39 @@ class CompletionHandler(_Handler):
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
+    def _echoed(self, out: RequestOutput) -> tuple[list[int], list[TokenLogprob | None]] | None:
+        if not (self.body.echo and self.body.logprobs is not None and out.prompt_logprobs is not None):
+            return None
+        return out.prompt_token_ids, out.prompt_logprobs
+
     def delta_chunk(self, choice: _Choice, out: RequestOutput) -> dict[str, Any] | None:
         c = out.outputs[0]
         text = c.delta_text
-        if not choice.started:
+        first = not choice.started
+        if first:
             choice.started = True
             if self.body.echo and choice.prompt.text:
                 text = choice.prompt.text + text
+                choice.text_sent += len(choice.prompt.text)
         logprobs = None
         if self.body.logprobs is not None:
             new = self.new_logprobs(out)
-            if new:
-                logprobs = self._logprobs_block(new, choice.text_sent)
+            prompt = self._echoed(out) if first else None
+            if new or prompt:
+                logprobs = self._logprobs_block(new, choice.text_sent, prompt)
         choice.text_sent += len(c.delta_text)
         if not text and logprobs is None and not out.finished:
             return None
-        return self.chunk([{
+        fields: dict[str, Any] = {
             "index": choice.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": c.finish_reason if out.finished else None,
             "stop_reason": c.stop_reason if out.finished else None,
-        }])
+        }
+        if first and (prompt_lps := self.prompt_logprobs_field(out)) is not None:
+            fields["prompt_logprobs"] = prompt_lps
+        return self.chunk([fields])
 
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
         assert choice.final is not None
@@ -494,13 +545,15 @@ class CompletionHandler(_Handler):
             text = choice.prompt.text + text
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = self._logprobs_block(c.logprobs or [], 0)
+            offset = len(text) - len(c.text)  # into the text returned (after an echoed prompt)
+            logprobs = self._logprobs_block(c.logprobs or [], offset, self._echoed(choice.final))
         return {
             "index": choice.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
+            "prompt_logprobs": self.prompt_logprobs_field(choice.final),
         }
 
 
@@ -583,13 +636,16 @@ class ChatCompletionHandler(_Handler):
         if not c.delta_text and logprobs is None and not out.finished:
             return None
         delta = {"content": c.delta_text} if c.delta_text else {}
-        return self.chunk([{
+        fields: dict[str, Any] = {
             "index": choice.index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": c.finish_reason if out.finished else None,
             "stop_reason": c.stop_reason if out.finished else None,
-        }])
+        }
+        if (prompt_lps := self.prompt_logprobs_field(out)) is not None:  # (in a choice's first output only)
+            fields["prompt_logprobs"] = prompt_lps
+        return self.chunk([fields])
 
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
         assert choice.final is not None
@@ -600,6 +656,7 @@ class ChatCompletionHandler(_Handler):
             "logprobs": self._logprobs_block(c.logprobs or []) if self.body.logprobs else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
+            "prompt_logprobs": self.prompt_logprobs_field(choice.final),
         }
 
 

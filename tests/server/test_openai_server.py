@@ -181,6 +181,41 @@ def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI) -> None:
     assert ended.usage.completion_tokens == 5  # four held back, then the end
 
 
+def test_prompt_logprobs_echoed_and_as_vllm_gives_them(client: openai.OpenAI) -> None:
+    """echo with logprobs (OpenAI's legacy API) puts the prompt's tokens first, the first
+    with null logprobs; vLLM's prompt_logprobs gives the same values per token id with their
+    ranks; a stream's chunks add up to the response."""
+    kwargs: dict[str, Any] = dict(model="smollm2", prompt="One, two, three,", max_tokens=3, temperature=0, logprobs=2)
+    echoed = client.completions.create(echo=True, **kwargs)
+    lp = echoed.choices[0].logprobs
+    assert echoed.usage is not None and lp is not None
+    n_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3 and "".join(lp.tokens) == echoed.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:]) and lp.text_offset[n_prompt] == len("One, two, three,")
+    plain = client.completions.create(extra_body={"prompt_logprobs": 0}, **kwargs).model_dump()["choices"][0]
+    field = plain["prompt_logprobs"]
+    assert len(field) == n_prompt and field[0] is None
+    values = [next(iter(e.values())) for e in field[1:]]  # the prompt token's own (its key first)
+    assert [v["logprob"] for v in values] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
+    assert all(v["rank"] >= 1 for v in values) and plain["text"] == echoed.choices[0].text[len("One, two, three,"):]
+    tokens: list[str] = []
+    streamed: list[float | None] = []
+    for chunk in client.completions.create(echo=True, stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                streamed += c.logprobs.token_logprobs
+    assert tokens == lp.tokens and streamed == pytest.approx(lp.token_logprobs)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"prompt_logprobs": 1},
+    ).model_dump()
+    field = chat["choices"][0]["prompt_logprobs"]
+    assert len(field) == chat["usage"]["prompt_tokens"] and field[0] is None
+    assert all(1 <= len(e) <= 2 and any(v["rank"] == 1 for v in e.values()) for e in field[1:])
+
+
 def test_streamed_logprobs_and_usage_match_the_response(client: openai.OpenAI) -> None:
     """A stream's chunks carry only what is new (output_kind "delta" inside): together they
     are the response's tokens, logprobs and text offsets, and its usage."""
