@@ -1,4 +1,4 @@
-"""What logit_bias, allowed_token_ids, min_tokens and prompt logprobs cost, on one model
+"""What logit_bias, allowed_token_ids, min_tokens, bad_words and prompt logprobs cost, on one model
 (SmolLM2 by default), each against the same requests without it, in turns (A B B A ...) on
 one engine; the first round of each is a warm-up, not counted.
 
@@ -20,6 +20,7 @@ import time
 from conveyor import LLM, SamplingParams
 
 ASK = "Tell me a long story about a lighthouse keeper and a storm."
+WORDS = ("storm", "lighthouse keeper", "waves", "night", "suddenly", "ocean", "light", "ship", "wind", "dark")
 
 
 def timed(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[float, int]:
@@ -47,6 +48,7 @@ def main() -> None:
         "logit_bias (100 tokens)": SamplingParams(**base, logit_bias=bias),
         "allowed_token_ids (2,000)": SamplingParams(**base, allowed_token_ids=allowed),
         "min_tokens = max_tokens": SamplingParams(**base, min_tokens=args.max_tokens),
+        "bad_words (10 words)": SamplingParams(**base, bad_words=WORDS),
     }
     free = SamplingParams(**base)
     print("| batch | variant | free (ms/token) | with it (ms/token) | ratio |")

@@ -10,6 +10,7 @@ work overlaps the device's (SGLang's overlap scheduler).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
@@ -296,6 +297,8 @@ class Engine:
 
             runner.grammars = GrammarCache(tokenizer.hf, eos_ids, arch.vocab_size, device)
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        if tokenizer is not None:
+            runner.word_token_ids = functools.lru_cache(maxsize=256)(tokenizer.word_token_ids)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
         return engine
@@ -333,6 +336,11 @@ class Engine:
                 raise InvalidRequestError(
                     f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})", param=name
                 )
+        if params.bad_words and getattr(self.runner, "word_token_ids", None) is None:
+            raise InvalidRequestError(
+                "bad_words need the engine's tokenizer (this engine has none, or its runner samples no tokens)",
+                param="bad_words",
+            )
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)
         sc = self.scheduler.config

@@ -112,6 +112,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     # Only these tokens may be drawn (vLLM's allowed_token_ids); the end too only if listed.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Words never to write (vLLM's bad_words): each word's tokens, with and without a leading
+    # space; the last token of one is masked wherever the output ends with the ones before it.
+    bad_words: tuple[str, ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +134,10 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"logit_bias={self.logit_bias!r}: must map token ids to biases", param="logit_bias"
                 ) from None
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
@@ -194,6 +201,8 @@ class SamplingParams:
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must be words: non-empty strings")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
@@ -206,12 +215,13 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether the runner masks or biases this request's logits (structured outputs,
-        logit_bias, allowed_token_ids, min_tokens' ban on the end)."""
+        logit_bias, allowed_token_ids, min_tokens' ban on the end, bad_words)."""
         return (
             self.structured_outputs is not None
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
             or self.min_tokens > 0
+            or bool(self.bad_words)
         )
 
     @property

@@ -73,6 +73,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def word_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences that spell each of `words` (vLLM's bad_words): alone and after
+        a space (a word inside a sentence is usually its own, different, token)."""
+        out: set[tuple[int, ...]] = set()
+        for word in words:
+            for prefix in ("", " "):
+                ids = tuple(self.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids:
+                    out.add(ids)
+        return tuple(sorted(out))
+
     def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

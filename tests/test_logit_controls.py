@@ -1,9 +1,10 @@
-"""logit_bias, allowed_token_ids and min_tokens on a real model.
+"""logit_bias, allowed_token_ids, min_tokens and bad_words on a real model.
 
 The reference is HF transformers' greedy `generate` on the same weights (float64) with a
 logits processor written here from the parameters' definitions (OpenAI's and vLLM's): the
 bias added to the logits, every token outside allowed_token_ids masked, and the end and the
-stop token ids masked while fewer than min_tokens tokens were generated. The greedy tokens
+stop token ids masked while fewer than min_tokens tokens were generated, a bad word's last
+token masked where the output ends with the rest of its spelling. The greedy tokens
 must be equal under every scheduling that changes how a sequence's rows reach the sampler.
 """
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from conveyor import LLM, InvalidRequestError, SamplingParams, StructuredOutputParams
+from tests.schedulings import SCHEDULINGS
 from tests.structured.tiny_tokenizer import with_tokenizer
 
 EOS = 2  # the tiny models' end of sequence
@@ -85,17 +87,7 @@ def cases(tiny_models):
     return out
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"max_num_batched_tokens": 16, "block_size": 4},  # chunked prompts
-        {"num_kv_blocks": 10, "block_size": 4},  # preemption by recompute
-        {"async_scheduling": True},
-        {"speculative_method": "ngram", "prompt_lookup_min": 1},
-    ],
-    ids=["default", "chunked-16", "preempt", "async", "speculative"],
-)
+@SCHEDULINGS
 def test_greedy_tokens_equal_hf_with_a_reference_processor(tiny_models, cases, options):
     llm = LLM(str(tiny_models["llama"]), dtype="float64", **{"num_kv_blocks": 128, **options})
     outs = llm.generate([p for p, _, _ in cases], [s for _, s, _ in cases], use_tqdm=False)
@@ -106,6 +98,61 @@ def test_greedy_tokens_equal_hf_with_a_reference_processor(tiny_models, cases, o
         assert o.outputs[0].finish_reason == "length" or len(o.outputs[0].token_ids) > s.min_tokens
     if options.get("num_kv_blocks") == 10:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def words_reference(base: type, spellings: set[tuple[int, ...]], n: int):
+    class Reference(base):  # type: ignore[misc, valid-type]
+        def __call__(self, input_ids, scores):
+            made = input_ids[0, n:].tolist()
+            for s in spellings:
+                if len(s) == 1 or (len(made) >= len(s) - 1 and made[len(made) - len(s) + 1 :] == list(s[:-1])):
+                    scores[0, s[-1]] = float("-inf")
+            return scores
+
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def word_cases(tiny_models, tmp_path_factory):
+    """Prompts, the words each must not write (pieces of its own free greedy output, so the
+    bans bite), and HF's greedy tokens with a processor that masks a spelling's last token
+    wherever the output ends with the rest of it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    model_dir = str(with_tokenizer(tiny_models["llama"], tmp_path_factory.mktemp("words") / "llama"))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    rng = random.Random(5)
+    out = []
+    for text in ["the cat", "hello world", "yes no", "abc xyz dogs", "12 345", "the"]:
+        prompt = tok.encode(text)
+        ids = torch.tensor([prompt])
+        free = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+        at = rng.randrange(0, len(free) - 2)
+        words = (tok.decode(free[at : at + 2]), tok.decode(free[at + 2 : at + 3]))
+        words = tuple(w for w in words if w.strip())
+        spellings = {tuple(tok.encode(p + w.lstrip(), add_special_tokens=False)) for w in words for p in ("", " ")}
+
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=0,
+                              logits_processor=[words_reference(LogitsProcessor, spellings, len(prompt))])
+        want = want[0, len(prompt):].tolist()
+        out.append((prompt, words, spellings, free, want))
+    assert any(free != want for *_, free, want in out), "no ban changed an output: nothing was tested"
+    return model_dir, out
+
+
+@SCHEDULINGS
+def test_bad_words_equal_hf_with_a_reference_processor(word_cases, options):
+    model_dir, cases = word_cases
+    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = [SamplingParams(max_tokens=16, temperature=0.0, bad_words=words) for _, words, *_ in cases]
+    outs = llm.generate([prompt for prompt, *_ in cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    for o, (_, _, spellings, _, _) in zip(outs, cases, strict=True):
+        made = o.outputs[0].token_ids
+        assert not any(tuple(made[i : i + len(s)]) == s for s in spellings for i in range(len(made)))
 
 
 def test_sampled_tokens_keep_to_their_request_whatever_the_batch(tiny_models):
@@ -160,6 +207,8 @@ def test_a_grammar_wins_where_the_controls_leave_no_token(tiny_models, tmp_path)
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [3, -2]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": ["ok", 3]}, "bad_words"),
     ],
 )
 def test_bad_controls_are_refused_when_built(kwargs, param):

@@ -17,6 +17,7 @@ import regex
 import torch
 
 from conveyor import LLM, InvalidRequestError, SamplingParams, StructuredOutputParams
+from tests.schedulings import SCHEDULINGS
 from tests.structured.tiny_tokenizer import with_tokenizer
 
 # Patterns of ASCII characters the tokenizer spells in whole tokens (a negated class would
@@ -80,17 +81,7 @@ def cases(model_dir):
     return out
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"max_num_batched_tokens": 16, "block_size": 4},  # chunked prompts
-        {"num_kv_blocks": 10, "block_size": 4},  # preemption by recompute
-        {"async_scheduling": True},
-        {"speculative_method": "ngram", "prompt_lookup_min": 1},
-    ],
-    ids=["default", "chunked-16", "preempt", "async", "speculative"],
-)
+@SCHEDULINGS
 def test_greedy_tokens_equal_hf_with_a_reference_processor(model_dir, cases, options):
     llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
     params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(regex=p))

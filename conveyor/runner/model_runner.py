@@ -8,6 +8,7 @@ each sampling sequence's last row.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -103,6 +104,8 @@ class ModelRunner:
         self.grammars: GrammarCache | None = None
         self._guides: dict[int, _Guide] = {}
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(arch.eos_token_ids))  # what min_tokens holds back
+        # bad_words -> the token sequences that spell them (the engine's tokenizer, cached)
+        self.word_token_ids: Callable[[tuple[str, ...]], tuple[tuple[int, ...], ...]] | None = None
         self.host_tables = HostBlockTables()  # running sequences' block tables as int64 arrays
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
@@ -452,6 +455,7 @@ class ModelRunner:
             first = it.start_pos + 1 if it.num_draft else it.context_len  # the tokens before the first row
             states = self._grammar_states(it, first) if p.structured_outputs is not None else None
             grammar = self._guides[it.seq_id].grammar if states is not None else None
+            words = self._bad_word_bans(it, first) if p.bad_words else None
             for i in range(n):
                 r = row + i
                 if grammar is not None and states is not None:
@@ -463,6 +467,9 @@ class ModelRunner:
                     held = (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids)
                     ban_rows.extend([r] * len(held))
                     ban_ids.extend(held)
+                if words is not None:
+                    ban_rows.extend([r] * len(words[i]))
+                    ban_ids.extend(words[i])
                 if p.allowed_token_ids is not None:
                     only_rows.append(r)
                     only_ids.append(p.allowed_token_ids)
@@ -501,6 +508,23 @@ class ModelRunner:
         if grammar_only is not None:  # on the device: no sync to find the rows left empty
             allowed = torch.where(allowed.any(dim=1, keepdim=True), allowed, grammar_only)
         return allowed, bias
+
+    def _bad_word_bans(self, it: ScheduledSequence, first: int) -> list[list[int]]:
+        """The tokens each row of `it` may not draw for its bad_words: a word's last token
+        where the output so far ends with the word's other tokens (a one-token word always).
+        Row i follows the tokens before position `first` and the first i drafts."""
+        assert self.word_token_ids is not None, "the engine checks bad_words before queueing them"
+        spellings = self.word_token_ids(it.sampling_params.bad_words)
+        longest = max(len(s) for s in spellings)
+        recent = self._known(it, first, start=max(it.prompt_len, first - longest + 1)) if longest > 1 else []
+        bans: list[list[int]] = []
+        for i in range(1 + it.num_draft):
+            before = recent + it.token_ids[1 : 1 + i]
+            bans.append([
+                s[-1] for s in spellings
+                if len(s) == 1 or (len(before) >= len(s) - 1 and tuple(before[len(before) - len(s) + 1 :]) == s[:-1])
+            ])
+        return bans
 
     @staticmethod
     def _first_rows(samplers: list[ScheduledSequence]) -> list[ScheduledSequence]:

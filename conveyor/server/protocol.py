@@ -51,6 +51,7 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True

@@ -171,6 +171,8 @@ class _Handler:
         kwargs["logit_bias"] = self.logit_bias
         if b.allowed_token_ids is not None:
             kwargs["allowed_token_ids"] = tuple(b.allowed_token_ids)
+        if b.bad_words:
+            kwargs["bad_words"] = tuple(b.bad_words)
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:

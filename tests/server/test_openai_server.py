@@ -162,7 +162,7 @@ def test_logprobs_and_vllm_extensions(client: openai.OpenAI) -> None:
 def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI) -> None:
     """A +100 bias forces its token as surely as allowing only that token, in both APIs, and
     min_tokens holds the end back: the answers are the same token three times, not the
-    model's greedy text."""
+    model's greedy text. A bad word's token is never drawn."""
     kwargs: dict[str, Any] = dict(model="smollm2", max_tokens=3, temperature=0)
     prompt = "The capital of France is"
     plain = client.completions.create(prompt=prompt, **kwargs).choices[0].text
@@ -179,6 +179,11 @@ def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI) -> None:
     )
     assert ended.choices[0].finish_reason == "stop" and ended.usage is not None
     assert ended.usage.completion_tokens == 5  # four held back, then the end
+    free = client.completions.create(prompt=prompt, logprobs=0, **kwargs).choices[0].logprobs
+    assert free is not None
+    first = free.tokens[0]  # the model's first word, a token of its own
+    banned = client.completions.create(prompt=prompt, logprobs=0, extra_body={"bad_words": [first.strip()]}, **kwargs)
+    assert banned.choices[0].logprobs is not None and first not in banned.choices[0].logprobs.tokens
 
 
 def test_prompt_logprobs_echoed_and_as_vllm_gives_them(client: openai.OpenAI) -> None:

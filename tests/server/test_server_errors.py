@@ -34,6 +34,7 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     (CHAT, {"messages": USER, "logit_bias": {"1": "up"}}, 400, "logit_bias.1"),
     (COMP, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # refused by the engine
     (COMP, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (COMP, {"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMP, {"prompt": ""}, 400, "prompt"),
     (COMP, {"prompt": []}, 400, "prompt"),
