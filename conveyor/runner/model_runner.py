@@ -434,11 +434,11 @@ class ModelRunner:
     def _constraints(self, samplers: list[ScheduledSequence]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The tokens each row may draw (`[rows, vocab]` bool; None: any) and the bias added
         to its logits (float; None: none), from its request's structured outputs,
-        allowed_token_ids, logit_bias, and min_tokens, which holds the end and the stop
-        token ids back while the row's output index is below it.
+        allowed_token_ids, bad_words, logit_bias, and min_tokens, which holds the end and
+        the stop token ids back while the row's output index is below it.
 
-        A row left with no token (allowed_token_ids or min_tokens against its grammar) falls
-        back to its grammar's mask: the grammar decides what is valid output."""
+        A row left with no token (the controls against its grammar) falls back to its
+        grammar's mask: the grammar decides what is valid output."""
         grammar_rows: list[int] = []
         grammar_masks: list[torch.Tensor] = []
         ban_rows: list[int] = []
