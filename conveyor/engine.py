@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -351,6 +351,22 @@ class Engine:
                 "whole; use prefill_mode='chunked' or a larger max_num_batched_tokens",
                 param="prompt",
             )
+
+    def uncompiled_grammars(self, params: Iterable[SamplingParams]) -> list[StructuredOutputParams]:
+        """The grammars of these requests that adding them would compile (not cached yet):
+        an engine process compiles them in a worker first (`compile_grammars`), so that its
+        loop goes on stepping the running requests meanwhile."""
+        grammars = getattr(self.runner, "grammars", None)
+        if grammars is None:
+            return []
+        specs = {p.structured_outputs for p in params if p.structured_outputs is not None}
+        return [s for s in specs if not grammars.cached(s)]
+
+    def compile_grammars(self, specs: Iterable[StructuredOutputParams]) -> None:
+        """Compile grammars into the engine's cache; raises InvalidRequestError as adding a
+        request with one would. Safe from another thread than the one stepping the engine."""
+        for spec in specs:
+            self._check_grammar(spec)
 
     def _check_grammar(self, spec: StructuredOutputParams) -> None:
         """Compile a request's grammar against the vocabulary now (the engine caches it), so

@@ -41,6 +41,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -214,6 +215,11 @@ class _EngineCore:
         self.stop = False
         self.times_sent: dict[str, int] = {}  # token_times already sent, per request
         self.unannounced: set[str] = set()  # requests whose prompt was not sent yet
+        # Adds whose new grammars compile in a worker meanwhile (the loop keeps stepping the
+        # running requests), each with its compile; added when it is done, in arrival order.
+        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="conveyor-grammar")
+        self.deferred: list[tuple[Future[None], tuple[Any, ...]]] = []
+        self.dropped: set[str] = set()  # ids aborted while their grammar compiled
 
     def _read(self) -> None:
         while True:
@@ -237,20 +243,24 @@ class _EngineCore:
         try:
             while True:
                 with self.cond:
-                    while not self.inbox and not has_work and not self.stop:
+                    while not self.inbox and not has_work and not self.stop and not self._compiled():
                         self.cond.wait()
                     commands, self.inbox = self.inbox, []
                     if self.stop:
+                        self.compiler.shutdown(wait=False, cancel_futures=True)
                         return  # the front end ends what was in flight itself
                 outputs: list[RequestOutput] = []
                 for cmd in commands:
                     if cmd[0] == "add":
-                        self._add(*cmd[1:])
+                        self._add_or_defer(cmd)
                     else:  # abort
                         for rid in cmd[1]:
                             out = engine.abort_request(rid)
                             if out is not None:
                                 outputs.append(out)
+                            elif self.deferred:
+                                self.dropped.add(rid)
+                self._add_compiled()
                 record = None
                 if engine.has_unfinished_requests():
                     before = engine.last_step
@@ -272,6 +282,41 @@ class _EngineCore:
                 self.conn.send(("failed", text))
             # Not a clean return: the state is not to be trusted, and the front end starts anew.
             os._exit(1)
+
+    def _add_or_defer(self, cmd: tuple[Any, ...]) -> None:
+        """Add now, or, if the requests bring grammars not compiled yet, once a worker has
+        compiled them: a 0.5 s schema then holds no other request's tokens (the worker
+        shares the GIL, so the steps meanwhile are slower, not stopped)."""
+        specs = self.engine.uncompiled_grammars(it.params for it in cmd[2])
+        if not specs:
+            self._add(*cmd[1:])
+            return
+        future = self.compiler.submit(self.engine.compile_grammars, specs)
+        future.add_done_callback(self._wake)
+        self.deferred.append((future, cmd))
+
+    def _wake(self, _future: Future[None]) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    def _compiled(self) -> bool:
+        return any(future.done() for future, _ in self.deferred)
+
+    def _add_compiled(self) -> None:
+        """Add the deferred requests whose grammars are ready; a grammar that cannot be
+        built refuses its add with the error adding it would have raised."""
+        done = [d[0].done() for d in self.deferred]  # once: a compile may end between two looks
+        ready = [d for d, ok in zip(self.deferred, done, strict=True) if ok]
+        self.deferred = [d for d, ok in zip(self.deferred, done, strict=True) if not ok]
+        for future, (_, add_id, items, arrival, check_queue) in ready:
+            items = [it for it in items if it.request_id not in self.dropped]
+            error = future.exception()
+            if error is not None:
+                self.conn.send(("added", add_id, _wire_error(error)))
+            else:
+                self._add(add_id, items, arrival, check_queue)
+        if not self.deferred:
+            self.dropped.clear()
 
     def _add(self, add_id: int, items: list[_AddItem], arrival: float, check_queue: bool) -> None:
         engine = self.engine

@@ -10,6 +10,7 @@ per grammar and state, grammars per engine (`GrammarCache`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -160,7 +161,9 @@ class Grammar:
 
 class GrammarCache:
     """An engine's grammars, compiled once per distinct request grammar (`params.key`), the
-    `capacity` most recently used kept."""
+    `capacity` most recently used kept. Safe to use from two threads (the engine process
+    compiles new grammars in a worker while its loop reads compiled ones); a grammar is
+    compiled outside the lock."""
 
     capacity = 64
 
@@ -171,6 +174,7 @@ class GrammarCache:
         self.device = device
         self._vocab: TokenVocab | None = None
         self._grammars: dict[tuple[str, object], Grammar] = {}
+        self._lock = threading.Lock()
 
     @property
     def vocab(self) -> TokenVocab:
@@ -178,15 +182,23 @@ class GrammarCache:
             self._vocab = TokenVocab(token_bytes(self._tokenizer), self._eos, self._vocab_size)
         return self._vocab
 
+    def cached(self, params: Any) -> bool:
+        with self._lock:
+            return params.key in self._grammars
+
     def get(self, params: Any) -> Grammar:
         """The grammar of a `StructuredOutputParams`; raises GrammarError."""
         key = params.key
-        grammar = self._grammars.pop(key, None)
-        if grammar is None:
-            if not self.vocab.eos_token_ids:
-                raise GrammarError("the model has no end-of-sequence token to end a structured output with")
-            grammar = Grammar(compile_dfa(to_node(params)), self.vocab, self.device)
-            if len(self._grammars) >= self.capacity:  # the least recently used goes (its requests hold it)
-                self._grammars.pop(next(iter(self._grammars)))
-        self._grammars[key] = grammar
+        with self._lock:
+            grammar = self._grammars.pop(key, None)
+            if grammar is not None:
+                self._grammars[key] = grammar  # the most recently used now
+                return grammar
+        if not self.vocab.eos_token_ids:
+            raise GrammarError("the model has no end-of-sequence token to end a structured output with")
+        grammar = Grammar(compile_dfa(to_node(params)), self.vocab, self.device)
+        with self._lock:
+            if key not in self._grammars and len(self._grammars) >= self.capacity:
+                self._grammars.pop(next(iter(self._grammars)))  # the least recently used (its requests hold it)
+            self._grammars[key] = grammar
         return grammar

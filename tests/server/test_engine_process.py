@@ -240,3 +240,80 @@ def test_no_engine_process_serves_from_a_thread(tiny_model: Path, tmp_path: Path
             _engine_pid(server)
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_new_grammar_compiles_while_the_running_requests_go_on(tiny_model: Path, tmp_path: Path) -> None:
+    """The engine process's loop, in a thread, with each grammar's compile held until the test
+    lets it go: meanwhile the running request's tokens keep coming, step after step; then the
+    constrained request is added and served, and one whose grammar cannot be built is refused
+    with the error adding it gives."""
+    import multiprocessing
+    import threading
+    import time
+
+    from conveyor import StructuredOutputParams
+    from conveyor.server.engine_process import _AddItem, _EngineCore
+    from tests.structured.tiny_tokenizer import with_tokenizer
+
+    engine = Engine.from_config(EngineConfig.from_kwargs(
+        model=str(with_tokenizer(tiny_model, tmp_path / "llama")), num_kv_blocks=256, num_threads=1))
+    release = threading.Event()
+    compile_grammars = engine.compile_grammars
+
+    def held(specs):  # the worker's compile, held
+        release.wait(60)
+        compile_grammars(specs)
+
+    engine.compile_grammars = held  # type: ignore[method-assign]
+    ours, theirs = multiprocessing.Pipe()
+    core = _EngineCore(engine, theirs, None, 0.01)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+
+    def add(add_id: int, rid: str, params: SamplingParams) -> None:
+        ours.send(("add", add_id, [_AddItem(rid, [5, 6, 7], params, None)], time.perf_counter(), True))
+
+    def until(kind: str) -> list[tuple[Any, ...]]:
+        seen = []
+        while True:
+            assert ours.poll(60), f"no {kind!r} message"
+            msg = ours.recv()
+            seen.append(msg)
+            if msg[0] == kind:
+                return seen
+
+    try:
+        add(1, "plain", SamplingParams(max_tokens=400, ignore_eos=True, output_kind="delta"))
+        assert until("added")[-1] == ("added", 1, None)
+        add(2, "json", SamplingParams(max_tokens=30, temperature=0.0, output_kind="delta",
+                                      structured_outputs=StructuredOutputParams(regex=r"(cat|dog)s? [0-9]{1,3}")))
+        add(3, "huge", SamplingParams(structured_outputs=StructuredOutputParams(regex="[a-z]{1,3000}x{1,3000}")))
+        steps_meanwhile = 0
+        while steps_meanwhile < 5:  # the compiles are held: only the plain request moves
+            msg = until("step")[-1]
+            assert all(u.request_id == "plain" for u in msg[1])
+            steps_meanwhile += any(u.token_ids for u in msg[1])
+        release.set()
+        answers: dict[int, Any] = {}
+        texts: dict[str, list[int]] = {"json": []}
+        while len(answers) < 2 or not any(texts.get("done", [])):
+            msg = ours.recv() if ours.poll(60) else pytest.fail("the loop went quiet")
+            if msg[0] == "added":
+                answers[msg[1]] = msg[2]
+            elif msg[0] == "step":
+                for u in msg[1]:
+                    if u.request_id == "json":
+                        texts["json"] += u.token_ids
+                        if u.finish_reason is not None:
+                            texts["done"] = [1]
+        assert answers[2] is None
+        kind, message, param = answers[3]
+        assert kind == "InvalidRequestError" and param == "structured_outputs" and "too large" in message
+        assert engine.tokenizer is not None
+        import regex
+
+        assert regex.fullmatch(r"(cat|dog)s? [0-9]{1,3}", engine.tokenizer.decode(texts["json"]))
+    finally:
+        ours.send(("stop",))
+        loop.join(30)
+        release.set()
