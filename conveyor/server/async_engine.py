@@ -392,6 +392,9 @@ class AsyncEngine(EngineFront):
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down; no new requests")
         assert self._loop is not None and self._idle is not None
+        specs = self.engine.uncompiled_grammars(r.params for r in requests)
+        if specs:  # compiled in a worker thread: the engine thread goes on stepping meanwhile
+            await asyncio.to_thread(self.engine.compile_grammars, specs)
         stream = OutputStream(self, [r.request_id for r in requests])
         future: asyncio.Future[None] = self._loop.create_future()
         # The HTTP arrival, not the moment the engine thread gets to it: queue time includes the

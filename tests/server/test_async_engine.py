@@ -179,3 +179,58 @@ def test_stop_aborts_what_is_in_flight_and_refuses_new_work(engine: Engine) -> N
     reason, error = run(engine, body)
     assert reason == "abort"
     assert error is EngineShuttingDownError
+
+
+def test_a_new_grammar_compiles_while_the_running_requests_go_on(tiny_model: Path, tmp_path: Path) -> None:
+    """A request bringing a new grammar is added once a worker thread has compiled it; held
+    there, the running request's tokens keep coming; a grammar that cannot be built makes
+    `add` raise, naming the field."""
+    import threading
+
+    import regex
+
+    from conveyor import StructuredOutputParams
+    from tests.structured.tiny_tokenizer import with_tokenizer
+
+    engine = Engine.from_config(EngineConfig.from_kwargs(
+        model=str(with_tokenizer(tiny_model, tmp_path / "llama")), num_kv_blocks=256, num_threads=1))
+    release = threading.Event()
+    compile_grammars = engine.compile_grammars
+
+    def held(specs):
+        release.wait(60)
+        compile_grammars(specs)
+
+    engine.compile_grammars = held  # type: ignore[method-assign]
+    pattern = r"(cat|dog)s? [0-9]{1,3}"
+
+    async def body(ae: AsyncEngine) -> None:
+        plain = await ae.add([EngineRequest("plain", [5, 6, 7], ENDLESS)])
+        outputs = aiter(plain)
+        await anext(outputs)
+        constrained = asyncio.create_task(ae.add([EngineRequest("json", [5, 6, 7], SamplingParams(
+            max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputParams(regex=pattern)))]))
+        for _ in range(5):  # the compile is held: the plain stream moves on
+            await asyncio.wait_for(anext(outputs), 30)
+        assert not constrained.done()
+        release.set()
+        stream = await asyncio.wait_for(constrained, 30)
+        finals = [o async for o in stream]
+        assert engine.tokenizer is not None
+        assert regex.fullmatch(pattern, finals[-1].outputs[0].text)
+        with pytest.raises(InvalidRequestError) as e:
+            await ae.add([EngineRequest("huge", [5, 6, 7], SamplingParams(
+                structured_outputs=StructuredOutputParams(regex="[a-z]{1,3000}x{1,3000}")))])
+        assert e.value.param == "structured_outputs"
+        plain.abort()
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            await body(ae)
+        finally:
+            release.set()
+            await ae.stop()
+
+    asyncio.run(main())
