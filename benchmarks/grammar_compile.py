@@ -1,13 +1,17 @@
 """What a new grammar's compile does to the requests already running, on one model (SmolLM2
-by default): compiled on the engine's loop (as `LLM.generate` and a thread-mode server do
-when a request is added) or in a worker thread while the loop goes on stepping (as the
-engine process does).
+by default). Three ways to compile it:
 
-B requests decode; after a few steps a JSON Schema not seen before is compiled, inline or
-in a worker, in turns (A B B A ...). Reported: the longest gap between two steps' ends while
-the compile runs (what a streaming client sees as a stall), and the steps done meanwhile.
+  loop     on the engine's loop, which waits for it (`LLM.generate`; the server before the
+           twenty-third session);
+  thread   in a thread of the engine's process, the loop stepping meanwhile (it shares the GIL);
+  process  in the grammar worker process (`conveyor/structured/compile_worker.py`), a thread
+           waiting for it; what the server does.
 
-    python benchmarks/grammar_compile.py --batch 4 --rounds 3
+B requests decode; after a few steps a JSON Schema not seen before is compiled, each way in
+turn over the rounds ("none": ten steps and no compile, for the plain step time). Reported: the longest gap between two steps' ends while the compile
+runs (what a streaming client sees as a stall), the steps done meanwhile, and the window.
+
+    python benchmarks/grammar_compile.py --batch 4 --rounds 3 [--num-threads 1]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 import time
 
 from conveyor import LLM, SamplingParams, StructuredOutputParams
+from conveyor.structured.compile_worker import DFACompiler
 
 
 def schema(i: int) -> dict:
@@ -36,8 +41,9 @@ def schema(i: int) -> dict:
     }
 
 
-def run(llm: LLM, batch: int, spec: StructuredOutputParams, background: bool, tag: str) -> tuple[float, int, float]:
+def run(llm: LLM, batch: int, spec: StructuredOutputParams, mode: str, tag: str) -> tuple[float, int, float]:
     engine = llm.engine
+    grammars = engine.runner.grammars
     params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.8, seed=1)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [1, 2, 3, 4, 5, 6, 7, 8], params)
@@ -45,17 +51,21 @@ def run(llm: LLM, batch: int, spec: StructuredOutputParams, background: bool, ta
         engine.step()
     ends = [time.perf_counter()]
     start = ends[0]
-    if background:
-        worker = threading.Thread(target=engine.compile_grammars, args=([spec],))
+    if mode == "none":  # no compile: ten plain steps, for the step time
+        for _ in range(10):
+            engine.step()
+            ends.append(time.perf_counter())
+    elif mode == "loop":
+        grammars.get(spec)
+        engine.step()
+        ends.append(time.perf_counter())
+    else:
+        worker = threading.Thread(target=grammars.get, args=(spec,))
         worker.start()
         while worker.is_alive():
             engine.step()
             ends.append(time.perf_counter())
         worker.join()
-    else:
-        engine.compile_grammars([spec])
-        engine.step()
-        ends.append(time.perf_counter())
     took = ends[-1] - start
     for i in range(batch):
         engine.abort_request(f"{tag}-{i}")
@@ -68,20 +78,26 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-threads", type=int, default=None, help="torch's threads (default: the engine's)")
     args = ap.parse_args()
 
-    llm = LLM(args.model)
-    llm.engine.compile_grammars([StructuredOutputParams(json_object=True)])  # the vocabulary's bytes, once
-    results: dict[str, list[tuple[float, int, float]]] = {"inline": [], "worker": []}
+    llm = LLM(args.model, **({"num_threads": args.num_threads} if args.num_threads else {}))
+    grammars = llm.engine.runner.grammars
+    grammars.get(StructuredOutputParams(json_object=True))  # the vocabulary's bytes, once
+    process = DFACompiler()
+    process.compile(StructuredOutputParams(choice=("a",)))  # the worker started, as a server's is by then
+    modes = ["none", "loop", "thread", "process"]
+    results: dict[str, list[tuple[float, int, float]]] = {m: [] for m in modes}
     n = 0
     for r in range(args.rounds + 1):
-        order = ["inline", "worker"] if r % 2 == 0 else ["worker", "inline"]
-        for mode in order:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             n += 1
-            got = run(llm, args.batch, StructuredOutputParams(json=schema(n)), mode == "worker", f"r{n}")
+            grammars.compiler = process if mode == "process" else None
+            got = run(llm, args.batch, StructuredOutputParams(json=schema(n)), mode, f"r{n}")
             if r:  # the first round warms up
                 results[mode].append(got)
-    print(f"batch {args.batch}, {args.rounds} rounds (medians)")
+    process.close()
+    print(f"batch {args.batch}, {args.rounds} rounds (medians), num_threads={args.num_threads or 'default'}")
     print("| compile | longest gap between steps (ms) | steps during the compile | compile window (ms) |")
     print("|---|---:|---:|---:|")
     for mode, rows in results.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -364,7 +365,16 @@ class Engine:
 
     def compile_grammars(self, specs: Iterable[StructuredOutputParams]) -> None:
         """Compile grammars into the engine's cache; raises InvalidRequestError as adding a
-        request with one would. Safe from another thread than the one stepping the engine."""
+        request with one would. Safe from another thread than the one stepping the engine.
+
+        The DFAs are compiled in a worker process (started on the first call), so that the
+        compile does not share the GIL with the thread stepping the engine."""
+        grammars = getattr(self.runner, "grammars", None)
+        with _COMPILER_LOCK:
+            if grammars is not None and grammars.compiler is None:
+                from conveyor.structured.compile_worker import DFACompiler
+
+                grammars.compiler = DFACompiler()
         for spec in specs:
             self._check_grammar(spec)
 
@@ -781,6 +791,9 @@ class Engine:
         )
         if self.trace:
             self.step_trace.append(self.last_step)
+
+
+_COMPILER_LOCK = threading.Lock()  # one grammar compiler process per engine
 
 
 def _has_tokenizer_files(folder: Path) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from conveyor.structured import GrammarError, to_node
+from conveyor.structured.compile_worker import DFACompiler
 from conveyor.structured.regex import ByteDFA, compile_dfa
 
 
@@ -175,6 +176,8 @@ class GrammarCache:
         self._vocab: TokenVocab | None = None
         self._grammars: dict[tuple[str, object], Grammar] = {}
         self._lock = threading.Lock()
+        # Where DFAs are compiled: here (None), or a worker process (`compile_worker`).
+        self.compiler: DFACompiler | None = None
 
     @property
     def vocab(self) -> TokenVocab:
@@ -196,7 +199,8 @@ class GrammarCache:
                 return grammar
         if not self.vocab.eos_token_ids:
             raise GrammarError("the model has no end-of-sequence token to end a structured output with")
-        grammar = Grammar(compile_dfa(to_node(params)), self.vocab, self.device)
+        dfa = self.compiler.compile(params) if self.compiler is not None else compile_dfa(to_node(params))
+        grammar = Grammar(dfa, self.vocab, self.device)
         with self._lock:
             if key not in self._grammars and len(self._grammars) >= self.capacity:
                 self._grammars.pop(next(iter(self._grammars)))  # the least recently used (its requests hold it)
