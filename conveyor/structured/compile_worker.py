@@ -1,10 +1,10 @@
 """Grammars compiled in a process of their own, so that a compile never holds the GIL of
 the process that steps the engine.
 
-A compile is pure Python and numpy (seconds for a large schema). In a thread of the engine's
-process it shares the GIL with the loop: the loop's steps go on, but many times slower (on
-this project's CPU box, 8 steps in the 1.5 s a compile took, where 50 would have run). The
-worker is a torch-free Python (`python -m conveyor.structured.compile_worker`, about 0.2 s
+A compile is pure Python and numpy (about a second for a 5-property schema). In a thread
+of the engine's process it shares the GIL with the loop: the loop's steps go on, but many
+times slower (on this project's CPU box, 3 steps of SmolLM2 at batch 4 ran during a 1.1 s
+compile, where a step takes about 41 ms; BENCHMARKS.md, twenty-third session). The worker is a torch-free Python (`python -m conveyor.structured.compile_worker`, about 0.2 s
 to start), fed `StructuredOutputParams` and answering `ByteDFA`s, pickled over its stdin
 and stdout; it exits when its stdin closes (the engine's process ended, however it ended).
 """
