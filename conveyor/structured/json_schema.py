@@ -6,16 +6,19 @@ list), `enum`, `const`, `properties` / `required`, `additionalProperties` (a sch
 false) for objects without `properties`, `items`, `prefixItems`, `minItems` / `maxItems`,
 `minLength` / `maxLength` (an escape counts one character, so a character beyond the
 basic plane written as a `\\u` surrogate pair counts two), `pattern` (over the string's JSON text), `format` (date,
-time, date-time, uuid; a date's day is 01-31 whatever the month), `minimum >= 0` (no minus sign), `anyOf` / `oneOf`, `allOf` (merged),
+time, date-time, uuid; a date's day is 01-31 whatever the month), an integer's `minimum` /
+`maximum` / `exclusiveMinimum` / `exclusiveMaximum` (exactly: the digits of the range), a
+number's `minimum >= 0` (no minus sign), `anyOf` / `oneOf`, `allOf` (merged),
 and `$ref` into `$defs` / `definitions`. A schema's own nesting is unbounded; a value of any
 type (`{}`, or an object or array with nothing said of its contents) nests at most
-`max_depth` levels, and a recursive `$ref` expands at most `max_depth` times inside itself. Numeric bounds beyond the sign are not enforced, nor `uniqueItems`;
+`max_depth` levels, and a recursive `$ref` expands at most `max_depth` times inside itself. A number's other bounds are not enforced, nor `multipleOf` or `uniqueItems`;
 keywords that would change the language and are not listed here raise `GrammarError`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from conveyor.structured.regex import (
@@ -36,12 +39,12 @@ NOTHING = CharSet(())  # matches no text: a branch cut off at the depth limit
 IGNORED = {  # annotations, or constraints not enforced (documented above)
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "name",
     "strict", "deprecated", "readOnly", "writeOnly", "$defs", "definitions",
-    "maximum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contentEncoding", "contentMediaType",
+    "multipleOf", "uniqueItems", "contentEncoding", "contentMediaType",
 }
 KNOWN = IGNORED | {
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
     "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "minimum", "exclusiveMinimum",
-    "anyOf", "oneOf", "allOf", "$ref",
+    "maximum", "exclusiveMaximum", "anyOf", "oneOf", "allOf", "$ref",
 }
 
 
@@ -188,8 +191,8 @@ class _Converter:
         if kind == "string":
             return self.string(schema)
         if kind == "integer":
-            nonneg = _number(schema.get("minimum", schema.get("exclusiveMinimum"))) >= 0
-            return INTEGER_DIGITS if nonneg else INTEGER
+            low, high = _integer_bounds(schema)
+            return integer_range(low, high)
         if kind == "number":
             nonneg = _number(schema.get("minimum", schema.get("exclusiveMinimum"))) >= 0
             return cat(INTEGER_DIGITS, FRACTION, EXPONENT) if nonneg else NUMBER
@@ -270,6 +273,77 @@ class _Converter:
         if depth <= 0:
             return alt(*scalars)
         return alt(*scalars, self.object({}, depth), self.array({}, depth))
+
+
+def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The smallest and largest integer the schema's minimum / maximum allow (None: no
+    bound). exclusiveMinimum / exclusiveMaximum are numbers (draft 6 on) or, with minimum /
+    maximum, booleans (draft 4)."""
+
+    def number(key: str) -> float | None:
+        value = schema.get(key)
+        if value is None or isinstance(value, bool):
+            return None
+        if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
+            raise GrammarError(f"{key}={value!r}: must be a finite number")
+        return value
+
+    low: int | None = None
+    high: int | None = None
+    if (m := number("minimum")) is not None:
+        low = math.ceil(m) + (1 if schema.get("exclusiveMinimum") is True and m == math.ceil(m) else 0)
+    if (m := number("exclusiveMinimum")) is not None:
+        low = max(low if low is not None else math.floor(m) + 1, math.floor(m) + 1)
+    if (m := number("maximum")) is not None:
+        high = math.floor(m) - (1 if schema.get("exclusiveMaximum") is True and m == math.floor(m) else 0)
+    if (m := number("exclusiveMaximum")) is not None:
+        high = min(high if high is not None else math.ceil(m) - 1, math.ceil(m) - 1)
+    if low is not None and high is not None and low > high:
+        raise GrammarError(f"no integer lies between the schema's bounds ({low} > {high})")
+    return low, high
+
+
+def integer_range(low: int | None, high: int | None) -> Node:
+    """The JSON integers n with low <= n <= high (None: unbounded), as JSON writes them: no
+    leading zeros, "-" before a negative one."""
+    options: list[Node] = []
+    if high is None or high >= 0:  # the non-negative part
+        options.append(_natural_range(max(low, 0) if low is not None else 0, high))
+    if low is None or low < 0:  # the negative part: "-" and the magnitudes
+        top = None if low is None else -low
+        bottom = 1 if high is None or high >= 0 else -high
+        options.append(cat(lit("-"), _natural_range(bottom, top)))
+    return alt(*options)
+
+
+def _natural_range(low: int, high: int | None) -> Node:
+    """The integers low <= n <= high (high None: unbounded), low >= 0, as decimal digits."""
+    options: list[Node] = []
+    top_len = len(str(high)) if high is not None else len(str(low))
+    for length in range(len(str(low)), top_len + 1):
+        first = 0 if length == 1 else 10 ** (length - 1)
+        a, b = max(low, first), min(high if high is not None else 10**length - 1, 10**length - 1)
+        if a <= b:
+            options.append(_same_length(str(a), str(b)))
+    if high is None:  # and every longer number
+        options.append(cat(chars([(0x31, 0x39)]), Repeat(chars(DIGIT), top_len, None)))
+    return alt(*options)
+
+
+def _same_length(a: str, b: str) -> Node:
+    """The digit strings of a's length from a to b (a <= b), digit by digit."""
+    if not a:
+        return lit("")
+    if a[0] == b[0]:
+        return cat(lit(a[0]), _same_length(a[1:], b[1:]))
+    rest = len(a) - 1
+    if a[1:] == "0" * rest and b[1:] == "9" * rest:  # whole decades: one class and any digits
+        return cat(chars([(ord(a[0]), ord(b[0]))]), digits(rest))
+    options = [cat(lit(a[0]), _same_length(a[1:], "9" * rest))]
+    if ord(a[0]) + 1 <= ord(b[0]) - 1:
+        options.append(cat(chars([(ord(a[0]) + 1, ord(b[0]) - 1)]), digits(rest)))
+    options.append(cat(lit(b[0]), _same_length("0" * rest, b[1:])))
+    return alt(*options)
 
 
 def _number(value: Any) -> float:

@@ -167,3 +167,48 @@ def test_a_schemas_own_nesting_is_not_cut():
     assert accepts({"$ref": "#/$defs/L0", "$defs": defs}, value)
     assert not accepts({"$ref": "#/$defs/L0", "$defs": defs}, {"next": {"next": {"next": {"next": {"next": {
         "leaf": [[[[[1]]]]]}}}}}})  # a value of any type: 3 levels inside the declared arrays
+
+
+BOUND = st.none() | st.integers(-(10**7), 10**7)
+
+
+@settings(max_examples=150, deadline=None)
+@given(BOUND, BOUND, st.data())
+def test_integer_bounds_accept_exactly_the_integers_between(low, high, data):
+    """An integer schema's minimum / maximum: the DFA accepts `str(n)` exactly when
+    low <= n <= high, probed at and beside the bounds, at powers of ten and at random."""
+    if low is not None and high is not None and low > high:
+        low, high = high, low
+    schema = {"type": "integer", **({"minimum": low} if low is not None else {}),
+              **({"maximum": high} if high is not None else {})}
+    dfa = compile_dfa(schema_to_node(schema))
+    probes = {0, 1, -1, 9, 10, -10, 99, 100, -100, 10**8, -(10**8)}
+    for b in (low, high):
+        if b is not None:
+            probes |= {b - 1, b, b + 1, -b, 10 ** len(str(abs(b))), 10 ** (len(str(abs(b))) - 1) - 1}
+    probes |= {data.draw(st.integers(-(10**8), 10**8)) for _ in range(30)}
+    for n in probes:
+        assert dfa.matches(str(n)) == ((low is None or low <= n) and (high is None or n <= high)), n
+    assert not dfa.matches("-0")  # JSON's integers, as written
+    assert not any(dfa.matches(t) for t in ("01", "-01", "00", "+1", ""))
+
+
+@pytest.mark.parametrize(
+    ("schema", "inside", "outside"),
+    [
+        ({"minimum": 2.5, "exclusiveMaximum": 7}, [3, 6], [2, 7]),
+        ({"exclusiveMinimum": -3, "maximum": 4.9}, [-2, 4], [-3, 5]),
+        ({"minimum": 5, "exclusiveMinimum": True}, [6, 60], [5]),  # draft 4's boolean form
+        ({"maximum": -5, "exclusiveMaximum": True}, [-6, -60], [-5, 0]),
+    ],
+)
+def test_exclusive_and_fractional_bounds(schema, inside, outside):
+    dfa = compile_dfa(schema_to_node({"type": "integer", **schema}))
+    assert all(dfa.matches(str(n)) for n in inside) and not any(dfa.matches(str(n)) for n in outside)
+
+
+@pytest.mark.parametrize("schema", [{"minimum": 5, "maximum": 4}, {"exclusiveMinimum": 1, "exclusiveMaximum": 2},
+                                    {"minimum": "3"}, {"maximum": float("nan")}])
+def test_bounds_no_integer_meets_are_refused(schema):
+    with pytest.raises(GrammarError):
+        schema_to_node({"type": "integer", **schema})
