@@ -392,9 +392,7 @@ class AsyncEngine(EngineFront):
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down; no new requests")
         assert self._loop is not None and self._idle is not None
-        specs = self.engine.uncompiled_grammars(r.params for r in requests)
-        if specs:  # compiled in a worker thread: the engine thread goes on stepping meanwhile
-            await asyncio.to_thread(self.engine.compile_grammars, specs)
+        await self._compile_grammars(requests)
         stream = OutputStream(self, [r.request_id for r in requests])
         future: asyncio.Future[None] = self._loop.create_future()
         # The HTTP arrival, not the moment the engine thread gets to it: queue time includes the
@@ -421,6 +419,13 @@ class AsyncEngine(EngineFront):
             self._stream_closed(stream)
             raise
         return stream
+
+    async def _compile_grammars(self, requests: Sequence[EngineRequest]) -> None:
+        """The requests' new grammars, compiled in a worker before they are queued: the
+        engine thread goes on stepping meanwhile. Raises InvalidRequestError as adding does."""
+        specs = self.engine.uncompiled_grammars(r.params for r in requests)
+        if specs:
+            await asyncio.to_thread(self.engine.compile_grammars, specs)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (unknown or finished ids are ignored); thread-safe."""

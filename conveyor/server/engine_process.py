@@ -41,6 +41,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -465,6 +466,9 @@ class ProcessAsyncEngine(AsyncEngine):
     def engine_pid(self) -> int | None:
         """The engine process's pid (it changes when the engine is started again)."""
         return self._facts.pid if self._facts is not None else None
+
+    async def _compile_grammars(self, requests: Sequence[EngineRequest]) -> None:
+        """Nothing here: the engine process compiles new grammars itself, off its loop."""
 
     def _clock(self) -> float:
         return time.perf_counter()  # the engine's clock; system-wide, so the child's too
