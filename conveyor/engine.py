@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -293,12 +292,11 @@ class Engine:
             seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
             cuda_graph_max_batch=0 if mc.enforce_eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         )
+        runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
         if tokenizer is not None:
             from conveyor.structured.grammar import GrammarCache
 
             runner.grammars = GrammarCache(tokenizer.hf, eos_ids, arch.vocab_size, device)
-        runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
-        if tokenizer is not None:
             runner.word_token_ids = functools.lru_cache(maxsize=256)(tokenizer.word_token_ids)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
@@ -370,11 +368,8 @@ class Engine:
         The DFAs are compiled in a worker process (started on the first call), so that the
         compile does not share the GIL with the thread stepping the engine."""
         grammars = getattr(self.runner, "grammars", None)
-        with _COMPILER_LOCK:
-            if grammars is not None and grammars.compiler is None:
-                from conveyor.structured.compile_worker import DFACompiler
-
-                grammars.compiler = DFACompiler()
+        if grammars is not None:
+            grammars.compile_in_worker()
         for spec in specs:
             self._check_grammar(spec)
 
@@ -791,9 +786,6 @@ class Engine:
         )
         if self.trace:
             self.step_trace.append(self.last_step)
-
-
-_COMPILER_LOCK = threading.Lock()  # one grammar compiler process per engine
 
 
 def _has_tokenizer_files(folder: Path) -> bool:

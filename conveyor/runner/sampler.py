@@ -1,8 +1,9 @@
 """Sampling: per-request parameters turned into tensors once per step, then one batched pass.
 
 Order of operations (as in vLLM): penalties on the raw logits, then logit_bias, then the
-mask (structured outputs, allowed_token_ids, min_tokens' held-back ends), then temperature, then top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax of the penalised
-logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
+mask (structured outputs, allowed_token_ids, bad_words, min_tokens' held-back ends), then
+temperature, then top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax
+of the penalised, biased and masked logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
 samples exactly from `probs`; each seeded request draws its `E` from its own generator, so the
 same seed gives the same tokens whatever else shares the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature).
@@ -31,7 +32,7 @@ class SamplingBatch:
     any_penalty: bool
     max_logprobs: int | None  # None: no row wants logprobs
     # [rows, vocab] bool, the tokens each row may draw (None: any): structured outputs,
-    # allowed_token_ids, min_tokens
+    # allowed_token_ids, bad_words, min_tokens
     allowed: torch.Tensor | None = None
     # logit_bias: [rows, vocab] float, added to the logits (None: no row has any)
     bias: torch.Tensor | None = None

@@ -216,8 +216,8 @@ class _EngineCore:
         self.stop = False
         self.times_sent: dict[str, int] = {}  # token_times already sent, per request
         self.unannounced: set[str] = set()  # requests whose prompt was not sent yet
-        # Adds whose new grammars compile in a worker meanwhile (the loop keeps stepping the
-        # running requests), each with its compile; added when it is done, in arrival order.
+        # Adds whose new grammars compile meanwhile (the loop keeps stepping the running
+        # requests), each with its compile; each is added when its compile is done.
         self.compiler = ThreadPoolExecutor(1, thread_name_prefix="conveyor-grammar")
         self.deferred: list[tuple[Future[None], tuple[Any, ...]]] = []
         self.dropped: set[str] = set()  # ids aborted while their grammar compiled
@@ -285,9 +285,9 @@ class _EngineCore:
             os._exit(1)
 
     def _add_or_defer(self, cmd: tuple[Any, ...]) -> None:
-        """Add now, or, if the requests bring grammars not compiled yet, once a worker has
-        compiled them: a 0.5 s schema then holds no other request's tokens (the worker
-        shares the GIL, so the steps meanwhile are slower, not stopped)."""
+        """Add now, or, if the requests bring grammars not compiled yet, once they are
+        compiled (`Engine.compile_grammars`, from a worker thread, in the grammar worker
+        process): a schema's compile then holds no other request's tokens."""
         specs = self.engine.uncompiled_grammars(it.params for it in cmd[2])
         if not specs:
             self._add(*cmd[1:])

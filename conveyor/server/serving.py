@@ -482,27 +482,25 @@ class CompletionHandler(_Handler):
     ) -> dict[str, Any]:
         """OpenAI's completion logprobs, the output's text offsets from `offset`; `prompt`
         (echo): the prompt's ids and entries first, from offset 0, the first token's logprob
-        and top ones null."""
+        and top ones null, the top ones cut to `logprobs` (prompt_logprobs may ask more)."""
         tokens: list[str] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        k = self.body.logprobs or 0
-        at = 0
-        for token_id, e in zip(*prompt, strict=True) if prompt is not None else ():
+
+        def put(token_id: int, e: TokenLogprob | None, at: int, k: int | None) -> int:
             text = self.token_text(token_id)
             tokens.append(text)
             values.append(None if e is None else _clamp(e.logprob))
             tops.append(None if e is None else {self.token_text(t): _clamp(lp) for t, lp in (e.top or [])[:k]})
             offsets.append(at)
-            at += len(text)
+            return at + len(text)
+
+        at = 0
+        for token_id, e in zip(*prompt, strict=True) if prompt is not None else ():
+            at = put(token_id, e, at, self.body.logprobs or 0)
         for e in entries:
-            text = self.token_text(e.token_id)
-            tokens.append(text)
-            values.append(_clamp(e.logprob))
-            tops.append({self.token_text(t): _clamp(lp) for t, lp in (e.top or [])})
-            offsets.append(offset)
-            offset += len(text)
+            offset = put(e.token_id, e, offset, None)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _echoed(self, out: RequestOutput) -> tuple[list[int], list[TokenLogprob | None]] | None:

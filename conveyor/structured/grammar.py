@@ -185,6 +185,14 @@ class GrammarCache:
             self._vocab = TokenVocab(token_bytes(self._tokenizer), self._eos, self._vocab_size)
         return self._vocab
 
+    def compile_in_worker(self) -> None:
+        """From now on, compile DFAs in a worker process (`compile_worker`), started on the
+        first compile: a caller in another thread than the engine's loop then shares no GIL
+        with it while a grammar compiles."""
+        with self._lock:
+            if self.compiler is None:
+                self.compiler = DFACompiler()
+
     def cached(self, params: Any) -> bool:
         with self._lock:
             return params.key in self._grammars
