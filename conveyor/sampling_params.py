@@ -24,7 +24,8 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 class StructuredOutputParams:
     """What the output must match (vLLM's structured outputs): exactly one of a JSON Schema
     (`json`, a dict or its text), any JSON object (`json_object`), a regular expression
-    (`regex`, matched whole, as `re.fullmatch`) or one of several strings (`choice`).
+    (`regex`, matched whole, as `re.fullmatch`), one of several strings (`choice`) or a
+    context-free grammar in GBNF (`grammar`, starting at its `root` rule).
 
     Checked here (the pattern parsed, the schema converted), so a bad one fails before the
     request is queued; the engine compiles it against its vocabulary (`conveyor/structured`).
@@ -34,24 +35,25 @@ class StructuredOutputParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        from conveyor.structured import GrammarError, to_node
+        from conveyor.structured import GrammarError, check
 
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
         if isinstance(self.json, dict):  # kept as text: frozen and hashable, the compile cache's key
             object.__setattr__(self, "json", _json.dumps(self.json))
-        given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise InvalidRequestError(
-                "structured outputs need exactly one of json, json_object, regex, choice"
+                "structured outputs need exactly one of json, json_object, regex, choice, grammar"
                 + (f" (got {', '.join(given)})" if given else ""),
                 param="structured_outputs",
             )
         try:
-            to_node(self)
+            check(self)
         except GrammarError as e:
             raise InvalidRequestError(f"structured outputs: {e}", param=f"structured_outputs.{given[0]}") from None
 
@@ -64,6 +66,8 @@ class StructuredOutputParams:
             return ("regex", self.regex)
         if self.choice is not None:
             return ("choice", self.choice)
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
         return ("json_object", True)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from conveyor.runner.base import PromptLogprob, RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
 from conveyor.sequence import PLACEHOLDER
-from conveyor.structured.grammar import Grammar, GrammarCache
+from conveyor.structured.grammar import Grammar, GrammarCache, PushdownGrammar
 
 
 class StepHandle:
@@ -536,7 +537,7 @@ class ModelRunner:
             row += 1 + samplers[row].num_draft
         return out
 
-    def _grammar_states(self, it: ScheduledSequence, end: int) -> list[int]:
+    def _grammar_states(self, it: ScheduledSequence, end: int) -> list[Any]:
         """A constrained sequence's grammar state at each of its rows: after its output tokens
         before position `end`, then (with drafts) after each draft in turn."""
         spec = it.sampling_params.structured_outputs
@@ -561,14 +562,14 @@ class _Guide:
 
     __slots__ = ("consumed", "grammar", "state")
 
-    def __init__(self, grammar: Grammar) -> None:
-        self.grammar = grammar
+    def __init__(self, grammar: Grammar | PushdownGrammar) -> None:
+        self.grammar: Any = grammar  # states: a DFA's ints, a pushdown grammar's Configs
         self.restart()
 
     def restart(self) -> None:
         self.state, self.consumed = self.grammar.START, 0
 
-    def advance(self, new: list[int]) -> int:
+    def advance(self, new: list[int]) -> Any:
         for token in new:
             self.state = self.grammar.advance(self.state, token)
         self.consumed += len(new)

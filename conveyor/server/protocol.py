@@ -58,12 +58,15 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
-    # ({"json" | "regex" | "choice" | "json_object": ...}) and its older guided_* fields
+    # ({"json" | "regex" | "choice" | "json_object" | "grammar": ...}), its older guided_*
+    # fields, and SGLang's ebnf (a GBNF grammar, as structured_outputs.grammar)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    ebnf: str | None = None
     # conveyor's: a hint for the shortest-predicted-output queue policies
     expected_output_tokens: int | None = None
     # conveyor's: this request's objectives for policy "slo" (default: the server's)

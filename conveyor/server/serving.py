@@ -222,14 +222,17 @@ class _Handler:
                     param="response_format",
                 )
         if b.structured_outputs:
-            unknown = set(b.structured_outputs) - {"json", "regex", "choice", "json_object"}
+            unknown = set(b.structured_outputs) - {"json", "regex", "choice", "json_object", "grammar"}
             if unknown:
                 raise InvalidRequestError(
                     f"structured_outputs: {', '.join(sorted(unknown))} not supported "
-                    "(json, regex, choice or json_object)", param="structured_outputs",
+                    "(json, regex, choice, json_object or grammar)", param="structured_outputs",
                 )
             given.append(("structured_outputs", dict(b.structured_outputs)))
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        for name, key in (
+            ("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"), ("ebnf", "grammar"),
+        ):
             value = getattr(b, name)
             if value is not None:
                 given.append((name, {key: value}))

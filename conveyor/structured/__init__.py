@@ -1,6 +1,7 @@
 """Structured outputs: a request's grammar (JSON Schema, JSON object, regex or choice) as a
-byte-level DFA (`regex.py`, `json_schema.py`), and each DFA state as the set of vocabulary
-tokens that keep the output alive (`grammar.py`, which needs torch and numpy).
+byte-level DFA (`regex.py`, `json_schema.py`), a context-free grammar (GBNF) as a pushdown
+automaton of such DFAs (`cfg.py`), and each state as the set of vocabulary tokens that keep
+the output alive (`grammar.py`, which needs torch and numpy).
 
 This package's top level is torch-free: `SamplingParams` checks a grammar here when it is
 made, before any engine sees it.
@@ -11,14 +12,40 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from conveyor.structured.cfg import Pushdown, compile_grammar, parse_grammar
 from conveyor.structured.json_schema import lit, schema_to_node
-from conveyor.structured.regex import Alternate, GrammarError, Node, escape, parse
+from conveyor.structured.regex import (
+    Alternate,
+    ByteDFA,
+    GrammarError,
+    Node,
+    compile_dfa,
+    escape,
+    parse,
+)
 
-__all__ = ["GrammarError", "Node", "escape", "to_node"]
+__all__ = ["GrammarError", "Node", "check", "compile_automaton", "escape", "to_node"]
+
+
+def check(params: Any) -> None:
+    """Raise GrammarError if a `StructuredOutputParams` cannot be what it says (parsed, not
+    compiled: a grammar's rules are checked for what they refer to)."""
+    if params.grammar is not None:
+        parse_grammar(params.grammar)
+    else:
+        to_node(params)
+
+
+def compile_automaton(params: Any) -> ByteDFA | Pushdown:
+    """The automaton of a `StructuredOutputParams`: a DFA, or for a recursive grammar a
+    pushdown automaton; raises GrammarError."""
+    if params.grammar is not None:
+        return compile_grammar(params.grammar)
+    return compile_dfa(to_node(params))
 
 
 def to_node(params: Any) -> Node:
-    """The pattern of a `StructuredOutputParams`; raises GrammarError."""
+    """The pattern of a `StructuredOutputParams` that is not a grammar; raises GrammarError."""
     if params.regex is not None:
         if not isinstance(params.regex, str):
             raise GrammarError("regex must be a string")

@@ -5,7 +5,7 @@ A compile is pure Python and numpy (about a second for a 5-property schema). In 
 of the engine's process it shares the GIL with the loop: the loop's steps go on, but many
 times slower (on this project's CPU box, 3 steps of SmolLM2 at batch 4 ran during a 1.1 s
 compile, where a step takes about 41 ms; BENCHMARKS.md, twenty-third session). The worker is a torch-free Python (`python -m conveyor.structured.compile_worker`, about 0.2 s
-to start), fed `StructuredOutputParams` and answering `ByteDFA`s, pickled over its stdin
+to start), fed `StructuredOutputParams` and answering automata (`ByteDFA`, `Pushdown`), pickled over its stdin
 and stdout; it exits when its stdin closes (the engine's process ended, however it ended).
 """
 
@@ -20,8 +20,9 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from conveyor.structured import GrammarError, to_node
-from conveyor.structured.regex import ByteDFA, compile_dfa
+from conveyor.structured import GrammarError, compile_automaton
+from conveyor.structured.cfg import Pushdown
+from conveyor.structured.regex import ByteDFA
 
 
 class DFACompiler:
@@ -32,8 +33,9 @@ class DFACompiler:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
-    def compile(self, spec: Any) -> ByteDFA:
-        """The DFA of a `StructuredOutputParams`; raises GrammarError as `compile_dfa` does."""
+    def compile(self, spec: Any) -> ByteDFA | Pushdown:
+        """The automaton of a `StructuredOutputParams`; raises GrammarError as
+        `compile_automaton` does."""
         with self._lock:
             try:
                 proc = self._worker()
@@ -43,7 +45,7 @@ class DFACompiler:
                 kind, value = pickle.load(proc.stdout)
             except (EOFError, OSError, pickle.UnpicklingError):
                 self.close()
-                return compile_dfa(to_node(spec))
+                return compile_automaton(spec)
         if kind == "error":
             raise GrammarError(value)
         return value
@@ -76,7 +78,7 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         except EOFError:
             return
         try:
-            answer: tuple[str, object] = ("ok", compile_dfa(to_node(spec)))
+            answer: tuple[str, object] = ("ok", compile_automaton(spec))
         except GrammarError as e:
             answer = ("error", str(e))
         pickle.dump(answer, answers)

@@ -1,4 +1,5 @@
-"""A grammar's DFA against a vocabulary: which tokens each state allows, and where each leads.
+"""A grammar's automaton against a vocabulary: which tokens each state allows, and where each
+leads.
 
 Each token is the byte string it adds to the output (`token_bytes`); a token is allowed in a
 state when walking its bytes does not reach the dead state, and an end-of-sequence token
@@ -6,20 +7,28 @@ when the state accepts. Masks are computed the first time a state is met, for th
 vocabulary at once: the tokens, sorted by length, walk the DFA's table one byte column at a
 time (numpy), so a state costs about the vocabulary's total bytes in gathers. Masks are kept
 per grammar and state, grammars per engine (`GrammarCache`).
+
+A context-free grammar (`PushdownGrammar`) stands in a set of stacks of (rule, DFA state)
+frames. The tokens its top frames take without returning below themselves are the same
+whatever lies beneath, so they are computed once per (rule, state) by the same vectorized
+walk; only the few tokens that pass a return or a call mid-token (`"},` inside a nested
+object) are walked exactly against the stacks, byte by byte.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from conveyor.structured import GrammarError, to_node
+from conveyor.structured import GrammarError, compile_automaton
+from conveyor.structured.cfg import Pushdown
 from conveyor.structured.compile_worker import DFACompiler
-from conveyor.structured.regex import ByteDFA, compile_dfa
+from conveyor.structured.regex import ByteDFA
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -153,11 +162,194 @@ class Grammar:
             mask[vocab.ids[cur != 0]] = True
             if self.dfa.accepting[state]:
                 mask[vocab.eos_token_ids] = True
-        if not mask.any():  # nothing can continue the text (a token outside the grammar came first): end it
-            mask[vocab.eos_token_ids] = True
-        if mask.sum() == np.count_nonzero(mask[vocab.eos_token_ids]):
+        if _finish(mask, vocab):
             self._ends.add(state)
         return torch.from_numpy(mask).to(self.device)
+
+
+def _finish(mask: np.ndarray, vocab: TokenVocab) -> bool:
+    """Allow the end where nothing can continue the text (a token outside the grammar came
+    first); whether the end is all the mask allows."""
+    if not mask.any():
+        mask[vocab.eos_token_ids] = True
+    return bool(mask.sum() == np.count_nonzero(mask[vocab.eos_token_ids]))
+
+
+Stack = tuple[int, int, Any]  # (rule, state, the stack beneath: a Stack or None)
+
+
+class Config:
+    """Where a context-free grammar's output stands: the stacks whose top frame reads a byte
+    next (`tops`), and whether the output may end here. Hashable; false when dead."""
+
+    __slots__ = ("_hash", "accepting", "tops")
+
+    def __init__(self, tops: frozenset[Stack], accepting: bool) -> None:
+        self.tops = tops
+        self.accepting = accepting
+        self._hash = hash((tops, accepting))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Config) and self._hash == other._hash
+            and self.accepting == other.accepting and self.tops == other.tops
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.tops) or self.accepting
+
+
+class PushdownGrammar:
+    """A compiled context-free grammar, with `Grammar`'s interface over `Config` states."""
+
+    # An ambiguous grammar can keep many parses alive at once; past this many stacks the
+    # rest are dropped: tokens may then be refused that one of them would take, never
+    # allowed where none would.
+    max_stacks = 10_000
+    mask_capacity = 256  # masks kept (LRU): a context-free grammar's states do not end
+    step_capacity = 200_000  # (state, byte) steps kept, then forgotten all at once
+
+    def __init__(self, pda: Pushdown, vocab: TokenVocab, device: torch.device) -> None:
+        self.pda = pda
+        self.vocab = vocab
+        self.device = device
+        self._rows = [t.tolist() for t in pda.tables]
+        self._accepting = [a.tolist() for a in pda.accepting]
+        self._reads: list[Any] = [t.any(axis=1).tolist() for t in pda.tables]
+        # For the vectorized walk, as Grammar's; a frame may leave its rule (call or return)
+        # in a state with calls or that accepts.
+        self._walk = [
+            np.concatenate([t, np.arange(t.shape[0], dtype=t.dtype)[:, None]], axis=1) for t in pda.tables
+        ]
+        self._leaves = [
+            np.array([bool(c) for c in calls], dtype=bool) | acc for calls, acc in zip(pda.calls, pda.accepting, strict=True)
+        ]
+        self._eos = frozenset(vocab.eos_token_ids)
+        self.DEAD = Config(frozenset(), False)
+        self.START = self._closure([(0, 1, None)])
+        self._steps: dict[tuple[Config, int], Config] = {}
+        self._tokens: dict[tuple[Config, int], Config] = {}
+        self._masks: OrderedDict[Config, torch.Tensor] = OrderedDict()
+        self._ends: set[Config] = set()
+        self._nodes: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _closure(self, stacks: Iterable[Stack]) -> Config:
+        """Every stack reachable without reading a byte: calls push their callee's start, a
+        frame that accepts returns to the one beneath (or, at the bottom, may end)."""
+        calls, accepting, reads = self.pda.calls, self._accepting, self._reads
+        seen: set[Stack] = set()
+        tops: set[Stack] = set()
+        ends = False
+        work = list(stacks)
+        while work:
+            st = work.pop()
+            if st in seen:
+                continue
+            seen.add(st)
+            r, s, below = st
+            if reads[r][s]:
+                tops.add(st)
+                if len(tops) >= self.max_stacks:
+                    break
+            for callee, ret, tail in calls[r][s]:
+                work.append((callee, 1, below if tail else (r, ret, below)))
+            if accepting[r][s]:
+                if below is None:
+                    ends = True
+                else:
+                    work.append(below)
+        return Config(frozenset(tops), ends)
+
+    def _step(self, state: Config, b: int) -> Config:
+        key = (state, b)
+        nxt = self._steps.get(key)
+        if nxt is None:
+            rows = self._rows
+            moved = [(r, rows[r][s][b], below) for r, s, below in state.tops if rows[r][s][b]]
+            nxt = self._closure(moved) if moved else self.DEAD
+            if len(self._steps) >= self.step_capacity:
+                self._steps.clear()
+            self._steps[key] = nxt
+        return nxt
+
+    def _read(self, state: Config, data: bytes) -> Config:
+        for b in data:
+            state = self._step(state, b)
+            if not state:
+                break
+        return state
+
+    def advance(self, state: Config, token: int) -> Config:
+        if token in self._eos:
+            return state  # an end the scheduler did not take (min_tokens): text is unchanged
+        key = (state, token)
+        nxt = self._tokens.get(key)
+        if nxt is None:
+            data = self.vocab.tokens[token] if 0 <= token < len(self.vocab.tokens) else None
+            nxt = self._read(state, data) if data and state else self.DEAD
+            if len(self._tokens) >= self.step_capacity:
+                self._tokens.clear()
+            self._tokens[key] = nxt
+        return nxt
+
+    def is_accepting(self, state: Config) -> bool:
+        return state.accepting
+
+    def allowed(self, state: Config) -> torch.Tensor:
+        mask = self._masks.get(state)
+        if mask is None:
+            mask = self._masks[state] = self._compute(state)
+            if len(self._masks) > self.mask_capacity:
+                self._ends.discard(self._masks.popitem(last=False)[0])
+        else:
+            self._masks.move_to_end(state)
+        return mask
+
+    def ends_only(self, state: Config) -> bool:
+        self.allowed(state)
+        return state in self._ends
+
+    def _compute(self, state: Config) -> torch.Tensor:
+        vocab = self.vocab
+        mask = np.zeros(vocab.size, dtype=bool)
+        unsure = []
+        for r, s in {(r, s) for r, s, _ in state.tops}:
+            takes, maybe = self._node(r, s)
+            mask |= takes
+            unsure.append(maybe)
+        if unsure:
+            candidates = np.unique(np.concatenate(unsure))
+            for t in candidates[~mask[candidates]].tolist():
+                data = vocab.tokens[t]
+                if data and self._read(state, data):
+                    mask[t] = True
+        if state.accepting:
+            mask[vocab.eos_token_ids] = True
+        if _finish(mask, vocab):
+            self._ends.add(state)
+        return torch.from_numpy(mask).to(self.device)
+
+    def _node(self, r: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a frame of rule r in state s reads whole within its rule (allowed
+        whatever is beneath), and those that die after passing a state where the frame could
+        call or return (to walk exactly)."""
+        node = self._nodes.get((r, s))
+        if node is None:
+            vocab = self.vocab
+            table, leaves = self._walk[r], self._leaves[r]
+            cur = np.full(len(vocab.ids), s, dtype=table.dtype)
+            passed = np.zeros(len(vocab.ids), dtype=bool)
+            for j, n in enumerate(vocab.longer_than.tolist()):
+                if j:
+                    passed[:n] |= leaves[cur[:n]]
+                cur[:n] = table[cur[:n], vocab.bytes[:n, j]]
+            takes = np.zeros(vocab.size, dtype=bool)
+            takes[vocab.ids[cur != 0]] = True
+            node = self._nodes[(r, s)] = (takes, vocab.ids[(cur == 0) & passed])
+        return node
 
 
 class GrammarCache:
@@ -174,7 +366,7 @@ class GrammarCache:
         self._vocab_size = vocab_size
         self.device = device
         self._vocab: TokenVocab | None = None
-        self._grammars: dict[tuple[str, object], Grammar] = {}
+        self._grammars: dict[tuple[str, object], Grammar | PushdownGrammar] = {}
         self._lock = threading.Lock()
         # Where DFAs are compiled: here (None), or a worker process (`compile_worker`).
         self.compiler: DFACompiler | None = None
@@ -197,18 +389,22 @@ class GrammarCache:
         with self._lock:
             return params.key in self._grammars
 
-    def get(self, params: Any) -> Grammar:
+    def get(self, params: Any) -> Grammar | PushdownGrammar:
         """The grammar of a `StructuredOutputParams`; raises GrammarError."""
         key = params.key
         with self._lock:
-            grammar = self._grammars.pop(key, None)
-            if grammar is not None:
-                self._grammars[key] = grammar  # the most recently used now
-                return grammar
+            known = self._grammars.pop(key, None)
+            if known is not None:
+                self._grammars[key] = known  # the most recently used now
+                return known
         if not self.vocab.eos_token_ids:
             raise GrammarError("the model has no end-of-sequence token to end a structured output with")
-        dfa = self.compiler.compile(params) if self.compiler is not None else compile_dfa(to_node(params))
-        grammar = Grammar(dfa, self.vocab, self.device)
+        automaton = self.compiler.compile(params) if self.compiler is not None else compile_automaton(params)
+        grammar: Grammar | PushdownGrammar
+        if isinstance(automaton, Pushdown):
+            grammar = PushdownGrammar(automaton, self.vocab, self.device)
+        else:
+            grammar = Grammar(automaton, self.vocab, self.device)
         with self._lock:
             if key not in self._grammars and len(self._grammars) >= self.capacity:
                 self._grammars.pop(next(iter(self._grammars)))  # the least recently used (its requests hold it)

@@ -57,7 +57,15 @@ class Repeat:
     high: int | None  # None: unbounded
 
 
-Node = CharSet | Concat | Alternate | Repeat
+@dataclass(frozen=True, slots=True)
+class Symbol:
+    """An edge on one symbol past the bytes (256 + k): a context-free grammar's call of its
+    rule k (`cfg.py`). Regular patterns never hold one."""
+
+    value: int
+
+
+Node = CharSet | Concat | Alternate | Repeat | Symbol
 
 EMPTY = Concat(())
 
@@ -316,6 +324,10 @@ class _NFA:
                         self.edges[cur].append((a, b, nxt))
                         cur = nxt
             return start, end
+        if isinstance(node, Symbol):
+            start, end = self.state(), self.state()
+            self.edges[start].append((node.value, node.value, end))
+            return start, end
         if isinstance(node, Concat):
             start = end = self.state()
             for part in node.parts:
@@ -365,7 +377,8 @@ class _NFA:
 
 @dataclass(slots=True)
 class ByteDFA:
-    """`table[s, b]` is the state after byte `b` in state `s`; 0 is dead, 1 the start."""
+    """`table[s, b]` is the state after byte `b` in state `s`; 0 is dead, 1 the start.
+    (A context-free grammar's rule has columns past 256 too: the state after each call.)"""
 
     table: np.ndarray  # [num_states, 256] int32
     accepting: np.ndarray  # [num_states] bool
@@ -386,18 +399,20 @@ class ByteDFA:
         return bool(self.accepting[self.walk(1, text.encode("utf-8"))])
 
 
-def compile_dfa(node: Node) -> ByteDFA:
+def compile_dfa(node: Node, width: int = 256) -> ByteDFA:
     """Subset construction over byte ranges: each DFA state's outgoing bytes are cut at the
-    bounds of its NFA states' edges, so the work grows with edges, not with 256 per state."""
+    bounds of its NFA states' edges, so the work grows with edges, not with 256 per state.
+    `width` is the alphabet's size: 256 bytes, and for a context-free grammar's rule the
+    `Symbol`s of its calls after them."""
     nfa = _NFA()
     start, final = nfa.build(node)
     ids: dict[frozenset[int], int] = {frozenset(): 0}
     sets: list[frozenset[int]] = [frozenset()]
-    rows: list[np.ndarray] = [np.zeros(256, dtype=np.int32)]
+    rows: list[np.ndarray] = [np.zeros(width, dtype=np.int32)]
     first = nfa.closure({start})
     ids[first] = 1
     sets.append(first)
-    rows.append(np.zeros(256, dtype=np.int32))
+    rows.append(np.zeros(width, dtype=np.int32))
     k = 1
     while k < len(sets):
         edges = [e for s in sets[k] for e in nfa.edges[s]]
@@ -414,7 +429,7 @@ def compile_dfa(node: Node) -> ByteDFA:
                     raise GrammarError(f"the grammar is too large (over {MAX_DFA_STATES} DFA states)")
                 tid = ids[target] = len(sets)
                 sets.append(target)
-                rows.append(np.zeros(256, dtype=np.int32))
+                rows.append(np.zeros(width, dtype=np.int32))
             row[lo:nxt_cut] = tid
         k += 1
     table = np.stack(rows)

@@ -1,0 +1,456 @@
+"""Context-free grammars (GBNF, the EBNF of llama.cpp, xgrammar and vLLM's
+`structured_outputs.grammar`) compiled to a pushdown automaton over UTF-8 bytes.
+
+    root   ::= object
+    object ::= "{" ws ( pair ( "," ws pair )* )? "}"
+    pair   ::= string ":" ws value          # comments run to the end of the line
+    value  ::= object | string | [0-9]+
+    string ::= "\\"" [^"\\\\]* "\\""
+    ws     ::= [ \\t\\n]*
+
+A rule is `name ::= alternatives`; a sequence's items are quoted strings (escapes `\\n \\t
+\\r \\\\ \\" \\xHH \\uHHHH \\UHHHHHHHH`), character classes (`[a-z]`, `[^"]`), `.` (any
+character), groups and rule names, each with `*`, `+`, `?` or `{m}`, `{m,}`, `{m,n}`. The
+grammar starts at `root`.
+
+Compiling: a rule that no cycle of references leads back to is inlined into the rules that
+use it, so a grammar without recursion becomes one regular pattern and compiles to the
+same DFA as a regex (`regex.compile_dfa`). The rules left (the root and the recursive
+ones) each compile to a DFA whose columns past the 256 bytes are calls of the others: the
+state after the call. At run time (`grammar.PushdownGrammar`) a stack of (rule, state)
+frames says where the output stands: a call pushes the caller's return state, a rule in an
+accepting state may return. A call whose return state accepts and can go nowhere else
+pushes nothing (a tail call), so right recursion (`list ::= item list?`) runs in constant
+stack. Left recursion (`expr ::= expr "+" term`) would call forever without reading a byte
+and is refused, as llama.cpp refuses it; write it as a repetition (`term ("+" term)*`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from conveyor.structured.regex import (
+    MAX_CODEPOINT,
+    SIMPLE_ESCAPES,
+    Alternate,
+    ByteDFA,
+    CharSet,
+    Concat,
+    GrammarError,
+    Node,
+    Repeat,
+    Symbol,
+    compile_dfa,
+    negate,
+    normalize,
+)
+
+ROOT = "root"
+MAX_RULES = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A reference to a rule by name, before the rules are inlined or numbered."""
+
+    name: str
+
+
+Expr = Node | Ref
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.s = text
+        self.i = 0
+
+    def fail(self, why: str) -> GrammarError:
+        line = self.s.count("\n", 0, self.i) + 1
+        col = self.i - (self.s.rfind("\n", 0, self.i) + 1) + 1
+        return GrammarError(f"grammar at line {line}, column {col}: {why}")
+
+    def space(self) -> None:
+        s = self.s
+        while self.i < len(s):
+            c = s[self.i]
+            if c == "#":
+                end = s.find("\n", self.i)
+                self.i = len(s) if end < 0 else end + 1
+            elif c in " \t\r\n":
+                self.i += 1
+            else:
+                return
+
+    def name(self) -> str | None:
+        j = self.i
+        while j < len(self.s) and (self.s[j].isalnum() or self.s[j] in "-_"):
+            j += 1
+        if j == self.i:
+            return None
+        out = self.s[self.i : j]
+        self.i = j
+        return out
+
+    def rule_starts(self) -> bool:
+        """Whether `name ::=` comes next (a sequence ends where the next rule begins)."""
+        at = self.i
+        name = self.name()
+        self.space()
+        starts = name is not None and self.s.startswith("::=", self.i)
+        self.i = at
+        return starts
+
+    def grammar(self) -> dict[str, Expr]:
+        rules: dict[str, Expr] = {}
+        self.space()
+        while self.i < len(self.s):
+            at = self.i
+            name = self.name()
+            if name is None:
+                raise self.fail("expected a rule name")
+            self.space()
+            if not self.s.startswith("::=", self.i):
+                raise self.fail(f"expected '::=' after {name!r}")
+            self.i += 3
+            if name in rules:
+                self.i = at
+                raise self.fail(f"rule {name!r} is defined twice")
+            rules[name] = self.alternatives(nested=False)
+            if len(rules) > MAX_RULES:
+                raise self.fail(f"over {MAX_RULES} rules")
+            self.space()
+        if not rules:
+            raise GrammarError("the grammar has no rules")
+        return rules
+
+    def alternatives(self, nested: bool) -> Expr:
+        options = [self.sequence(nested)]
+        while self.i < len(self.s) and self.s[self.i] == "|":
+            self.i += 1
+            options.append(self.sequence(nested))
+        return options[0] if len(options) == 1 else Alternate(tuple(options))  # type: ignore[arg-type]
+
+    def sequence(self, nested: bool) -> Expr:
+        items: list[Expr] = []
+        while True:
+            self.space()
+            if self.i >= len(self.s):
+                break
+            c = self.s[self.i]
+            if c == "|" or (c == ")" and nested):
+                break
+            if c == ")":
+                raise self.fail("unbalanced ')'")
+            if not nested and self.rule_starts():
+                break
+            items.append(self.quantified(self.atom()))
+        return items[0] if len(items) == 1 else Concat(tuple(items))  # type: ignore[arg-type]
+
+    def atom(self) -> Expr:
+        c = self.s[self.i]
+        if c == '"':
+            self.i += 1
+            chars: list[Node] = []
+            while True:
+                if self.i >= len(self.s) or self.s[self.i] == "\n":
+                    raise self.fail("unterminated string")
+                c = self.s[self.i]
+                if c == '"':
+                    self.i += 1
+                    break
+                cp = self.char()
+                chars.append(CharSet(((cp, cp),)))
+            return chars[0] if len(chars) == 1 else Concat(tuple(chars))
+        if c == "[":
+            self.i += 1
+            return CharSet(tuple(self.char_class()))
+        if c == ".":
+            self.i += 1
+            return CharSet(((0, MAX_CODEPOINT),))
+        if c == "(":
+            self.i += 1
+            inner = self.alternatives(nested=True)
+            self.space()
+            if self.i >= len(self.s) or self.s[self.i] != ")":
+                raise self.fail("missing ')'")
+            self.i += 1
+            return inner
+        name = self.name()
+        if name is None:
+            raise self.fail(f"unexpected {c!r}")
+        return Ref(name)
+
+    def char(self) -> int:
+        """One character of a string or class, an escape read whole."""
+        c = self.s[self.i]
+        self.i += 1
+        if c != "\\":
+            return ord(c)
+        if self.i >= len(self.s):
+            raise self.fail("a lone '\\' at the end")
+        e = self.s[self.i]
+        self.i += 1
+        if e in "xuU":
+            width = {"x": 2, "u": 4, "U": 8}[e]
+            digits = self.s[self.i : self.i + width]
+            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.fail(f"bad escape \\{e}{digits}")
+            self.i += width
+            v = int(digits, 16)
+            if v > MAX_CODEPOINT:
+                raise self.fail(f"code point {v:#x} is out of range")
+            return v
+        if e in SIMPLE_ESCAPES:
+            return ord(SIMPLE_ESCAPES[e])
+        if e in "\\\"[]-^'":
+            return ord(e)
+        raise self.fail(f"unknown escape \\{e}")
+
+    def char_class(self) -> list[tuple[int, int]]:
+        negated = self.i < len(self.s) and self.s[self.i] == "^"
+        if negated:
+            self.i += 1
+        ranges: list[tuple[int, int]] = []
+        while True:
+            if self.i >= len(self.s):
+                raise self.fail("unterminated character class")
+            if self.s[self.i] == "]":
+                self.i += 1
+                break
+            lo = self.char()
+            hi = lo
+            if self.s.startswith("-", self.i) and not self.s.startswith("-]", self.i):
+                self.i += 1
+                if self.i >= len(self.s):
+                    raise self.fail("unterminated character class")
+                hi = self.char()
+                if hi < lo:
+                    raise self.fail("bad range in a character class")
+            ranges.append((lo, hi))
+        return negate(ranges) if negated else normalize(ranges)
+
+    def quantified(self, node: Expr) -> Expr:
+        while True:  # "a"+? and the like stack, as llama.cpp reads them
+            self.space_inline()
+            c = self.s[self.i] if self.i < len(self.s) else ""
+            if c in ("*", "+", "?"):
+                self.i += 1
+                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{":
+                end = self.s.find("}", self.i)
+                body = self.s[self.i + 1 : end] if end >= 0 else ""
+                lo_s, comma, hi_s = (x.strip() for x in body.partition(","))
+                if end < 0 or not lo_s.isdigit() or not (hi_s == "" or hi_s.isdigit()):
+                    raise self.fail("bad repetition: {m}, {m,} or {m,n}")
+                low = int(lo_s)
+                high = (int(hi_s) if hi_s else None) if comma else low
+                if high is not None and high < low:
+                    raise self.fail(f"bad repetition {{{body}}}")
+                self.i = end + 1
+            else:
+                return node
+            node = Repeat(node, low, high)  # type: ignore[arg-type]
+
+    def space_inline(self) -> None:
+        while self.i < len(self.s) and self.s[self.i] in " \t":
+            self.i += 1
+
+
+def parse_grammar(text: str) -> dict[str, Expr]:
+    """The rules of a GBNF grammar, each checked to refer only to defined rules; raises
+    GrammarError saying what and where."""
+    if not isinstance(text, str):
+        raise GrammarError("grammar must be a string")
+    rules = _Parser(text).grammar()
+    if ROOT not in rules:
+        raise GrammarError(f"the grammar has no {ROOT!r} rule (it starts there)")
+    for name, body in rules.items():
+        for ref in _refs(body):
+            if ref not in rules:
+                raise GrammarError(f"rule {name!r} refers to {ref!r}, which is not defined")
+    return rules
+
+
+def _refs(node: Expr) -> set[str]:
+    if isinstance(node, Ref):
+        return {node.name}
+    if isinstance(node, Concat):
+        return set().union(*(_refs(p) for p in node.parts))
+    if isinstance(node, Alternate):
+        return set().union(*(_refs(p) for p in node.options))
+    if isinstance(node, Repeat):
+        return _refs(node.node)
+    return set()
+
+
+@dataclass(slots=True)
+class Pushdown:
+    """A compiled context-free grammar: rule 0 is the root. `tables[r]` is rule r's DFA over
+    bytes (`[states, 256]`, 0 dead, 1 its start), `accepting[r]` where it may return, and
+    `calls[r][s]` the calls in state s: (callee, the caller's state after it, whether that
+    is a tail call that pushes nothing)."""
+
+    names: list[str]
+    tables: list[np.ndarray]
+    accepting: list[np.ndarray]
+    calls: list[list[tuple[tuple[int, int, bool], ...]]]
+
+
+def compile_grammar(text: str) -> ByteDFA | Pushdown:
+    """A GBNF grammar's automaton: a DFA when no rule is recursive, else a `Pushdown`."""
+    rules = parse_grammar(text)
+    reachable = _reachable(rules)
+    recursive = _recursive(rules, reachable)
+    frames = [ROOT, *sorted(recursive - {ROOT})]
+    index = {name: k for k, name in enumerate(frames)}
+    inlined: dict[str, Node] = {}
+
+    def expand(node: Expr) -> Node:
+        if isinstance(node, Ref):
+            if node.name in index:
+                return Symbol(256 + index[node.name])
+            if node.name not in inlined:
+                inlined[node.name] = expand(rules[node.name])
+            return inlined[node.name]
+        if isinstance(node, Concat):
+            return Concat(tuple(expand(p) for p in node.parts))
+        if isinstance(node, Alternate):
+            return Alternate(tuple(expand(p) for p in node.options))
+        if isinstance(node, Repeat):
+            return Repeat(expand(node.node), node.low, node.high)
+        return node
+
+    if not recursive:
+        return compile_dfa(expand(rules[ROOT]))
+    width = 256 + len(frames)
+    dfas: list[ByteDFA] = []
+    for name in frames:
+        try:
+            dfas.append(compile_dfa(expand(rules[name]), width))
+        except GrammarError as e:
+            raise GrammarError(f"rule {name!r}: {e}") from None
+    _check_productive(frames, dfas)
+    calls = [_calls(dfa, len(frames)) for dfa in dfas]
+    _check_left_recursion(frames, dfas, calls)
+    return Pushdown(
+        names=frames,
+        tables=[np.ascontiguousarray(d.table[:, :256]) for d in dfas],
+        accepting=[d.accepting.copy() for d in dfas],
+        calls=calls,
+    )
+
+
+def _reachable(rules: dict[str, Expr]) -> set[str]:
+    seen = {ROOT}
+    stack = [ROOT]
+    while stack:
+        for ref in _refs(rules[stack.pop()]):
+            if ref not in seen:
+                seen.add(ref)
+                stack.append(ref)
+    return seen
+
+
+def _recursive(rules: dict[str, Expr], reachable: set[str]) -> set[str]:
+    """The rules on a cycle of references (they cannot be inlined)."""
+    graph = {n: _refs(rules[n]) for n in reachable}
+    out: set[str] = set()
+    for start in graph:
+        stack = list(graph[start])
+        seen: set[str] = set()
+        while stack:
+            n = stack.pop()
+            if n == start:
+                out.add(start)
+                break
+            if n not in seen:
+                seen.add(n)
+                stack.extend(graph[n])
+    return out
+
+
+def _calls(dfa: ByteDFA, num_rules: int) -> list[tuple[tuple[int, int, bool], ...]]:
+    table = dfa.table
+    byte_edges = table[:, :256].any(axis=1)
+    call_edges = table[:, 256:].any(axis=1)
+    # A return state that accepts and has nowhere else to go: the callee's end is the caller's.
+    sink = dfa.accepting & ~byte_edges & ~call_edges
+    out = []
+    for s in range(dfa.num_states):
+        row = table[s, 256:]
+        out.append(tuple((k, int(row[k]), bool(sink[row[k]])) for k in np.flatnonzero(row).tolist()))
+    return out
+
+
+def _check_productive(names: list[str], dfas: list[ByteDFA]) -> None:
+    """Every rule must be able to finish: a path from its start to an accepting state over
+    bytes and calls of rules that can."""
+    productive = [False] * len(dfas)
+    changed = True
+    while changed:
+        changed = False
+        for r, dfa in enumerate(dfas):
+            if productive[r]:
+                continue
+            usable = dfa.table[:, :256].copy()
+            for k, ok in enumerate(productive):
+                if ok:
+                    usable = np.concatenate([usable, dfa.table[:, 256 + k : 257 + k]], axis=1)
+            live = dfa.accepting.copy()
+            while True:
+                grown = live | (live[usable] & (usable != 0)).any(axis=1)
+                if (grown == live).all():
+                    break
+                live = grown
+            if live[1]:
+                productive[r] = changed = True
+    stuck = [repr(names[r]) for r, ok in enumerate(productive) if not ok]
+    if stuck:
+        raise GrammarError(
+            f"{'rule' if len(stuck) == 1 else 'rules'} {', '.join(stuck)} can never finish "
+            "(every way through recurses forever)"
+        )
+
+
+def _check_left_recursion(names: list[str], dfas: list[ByteDFA], calls: list[list[tuple[tuple[int, int, bool], ...]]]) -> None:
+    """Refuse a rule that can call itself before reading a byte: its stack would grow
+    without bound. Rules that can match nothing (nullable) are stepped over on the way."""
+    n = len(dfas)
+    nullable = [bool(d.accepting[1]) for d in dfas]
+
+    def reach(r: int) -> tuple[set[int], set[int]]:
+        """The states of rule r reached from its start through calls of nullable rules, and
+        the rules called in them."""
+        states, called = {1}, set()
+        stack = [1]
+        while stack:
+            s = stack.pop()
+            for callee, ret, _ in calls[r][s]:
+                called.add(callee)
+                if nullable[callee] and ret not in states:
+                    states.add(ret)
+                    stack.append(ret)
+        return states, called
+
+    changed = True
+    while changed:
+        changed = False
+        for r in range(n):
+            if not nullable[r] and any(dfas[r].accepting[s] for s in reach(r)[0]):
+                nullable[r] = changed = True
+    first = {r: reach(r)[1] for r in range(n)}
+    for r in range(n):
+        seen: set[int] = set()
+        stack = list(first[r])
+        while stack:
+            k = stack.pop()
+            if k == r:
+                raise GrammarError(
+                    f"rule {names[r]!r} is left-recursive (it can reach itself before reading any text); "
+                    "write the recursion as a repetition, e.g. term (\"+\" term)*"
+                )
+            if k not in seen:
+                seen.add(k)
+                stack.extend(first[k])
