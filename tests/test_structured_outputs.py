@@ -65,6 +65,58 @@ def hf_constrained(model_dir: str, prompt_ids: list[int], pattern: str, max_new_
     return out[0, n:].tolist()
 
 
+# Context-free grammars (GBNF) and the same languages as `regex` recursive patterns, the
+# reference's independent recognizer.
+GRAMMARS = [
+    (
+        'root ::= "[" list ( ", " item )* "]"\nlist ::= "[" ( item ( ", " item )* )? "]"\n'
+        'item ::= [0-9]{1,3} | list | "\\"" [a-z]{1,6} "\\""',
+        r'\[(?&l)(?:, (?&i))*\](?(DEFINE)(?P<l>\[(?:(?&i)(?:, (?&i))*)?\])(?P<i>[0-9]{1,3}|(?&l)|"[a-z]{1,6}"))',
+    ),
+    (
+        'root ::= "{\\"a\\": " obj "}"\nobj ::= "{" ( pair ( ", " pair )* )? "}"\npair ::= "\\"" [a-z]{1,8} "\\": " val\n'
+        'val ::= obj | [0-9]{1,3} | "true" | "null" | "[" ( val ( ", " val )* )? "]"',
+        r'\{"a": (?&o)\}(?(DEFINE)(?P<o>\{(?:(?&p)(?:, (?&p))*)?\})(?P<p>"[a-z]{1,8}": (?&v))'
+        r'(?P<v>(?&o)|[0-9]{1,3}|true|null|\[(?:(?&v)(?:, (?&v))*)?\]))',
+    ),
+    (
+        'root ::= "(" expr ") * " term\nexpr ::= term ( ( " + " | " - " ) term )*\nterm ::= [0-9]{1,2} | "(" expr ")"',
+        r'\((?&e)\) \* (?&t)(?(DEFINE)(?P<e>(?&t)(?: [+-] (?&t))*)(?P<t>[0-9]{1,2}|\((?&e)\)))',
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def grammar_cases(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(2)
+    out = []
+    for gbnf, pattern in GRAMMARS * 2:
+        ids = tok.encode(rng.choice(PROMPTS))
+        max_tokens = rng.randint(12, 28)
+        out.append((ids, gbnf, pattern, max_tokens, hf_constrained(model_dir, ids, pattern, max_tokens)))
+    return out
+
+
+@SCHEDULINGS
+def test_greedy_tokens_under_a_grammar_equal_hf_with_a_reference_processor(model_dir, grammar_cases, options):
+    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(grammar=g))
+              for _, g, _, m, _ in grammar_cases]
+    outs = llm.generate([ids for ids, *_ in grammar_cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in grammar_cases]
+    nested = 0
+    for o, (_, _, pattern, _, _) in zip(outs, grammar_cases, strict=True):
+        text = o.outputs[0].text
+        assert regex.fullmatch(pattern, text, partial=o.outputs[0].finish_reason != "stop"), text
+        nested += max(text.count("["), text.count("{"), text.count("(")) >= 2 + (text[0] == "(")
+    assert nested >= 3, "few outputs nested: the stack was barely tested"
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
 @pytest.fixture(scope="module")
 def cases(model_dir):
     from transformers import AutoTokenizer

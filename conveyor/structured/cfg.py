@@ -27,7 +27,9 @@ and is refused, as llama.cpp refuses it; write it as a repetition (`term ("+" te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -285,22 +287,124 @@ def _refs(node: Expr) -> set[str]:
     return set()
 
 
+Stack = tuple[int, int, Any]  # (rule, state, the stack beneath: a Stack or None)
+
+
+class Config:
+    """Where a context-free grammar's output stands: the stacks whose top frame reads a byte
+    next (`tops`), and whether the output may end here. Hashable; false when dead."""
+
+    __slots__ = ("_hash", "accepting", "tops")
+
+    def __init__(self, tops: frozenset[Stack], accepting: bool) -> None:
+        self.tops = tops
+        self.accepting = accepting
+        self._hash = hash((tops, accepting))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Config) and self._hash == other._hash
+            and self.accepting == other.accepting and self.tops == other.tops
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.tops) or self.accepting
+
+
+DEAD = Config(frozenset(), False)
+
+
 @dataclass(slots=True)
 class Pushdown:
     """A compiled context-free grammar: rule 0 is the root. `tables[r]` is rule r's DFA over
     bytes (`[states, 256]`, 0 dead, 1 its start), `accepting[r]` where it may return, and
     `calls[r][s]` the calls in state s: (callee, the caller's state after it, whether that
-    is a tail call that pushes nothing)."""
+    is a tail call that pushes nothing).
+
+    `start()` and `step(config, byte)` recognize its language byte by byte."""
 
     names: list[str]
     tables: list[np.ndarray]
     accepting: list[np.ndarray]
     calls: list[list[tuple[tuple[int, int, bool], ...]]]
+    # An ambiguous grammar can keep many parses alive at once; past this many stacks the
+    # rest are dropped: a text one of them would take may then be refused, never one that
+    # none would take accepted.
+    max_stacks: int = 10_000
+    _lists: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.names, self.tables, self.accepting, self.calls, self.max_stacks)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.names, self.tables, self.accepting, self.calls, self.max_stacks = state
+        self._lists = None
+
+    def start(self) -> Config:
+        return self._closure([(0, 1, None)])
+
+    def step(self, config: Config, byte: int) -> Config:
+        """Where `config` stands after one more byte (DEAD if it cannot take it)."""
+        rows = self._tables()[0]
+        moved = [(r, rows[r][s][byte], below) for r, s, below in config.tops if rows[r][s][byte]]
+        return self._closure(moved) if moved else DEAD
+
+    def matches(self, text: str) -> bool:
+        config = self.start()
+        for b in text.encode("utf-8"):
+            config = self.step(config, b)
+        return config.accepting
+
+    def _tables(self) -> tuple[list[Any], list[Any], list[Any]]:
+        """The tables as lists (a Python walk beats numpy scalars): rows, accepting, and
+        whether each state reads a byte."""
+        if self._lists is None:
+            self._lists = (
+                [t.tolist() for t in self.tables],
+                [a.tolist() for a in self.accepting],
+                [t.any(axis=1).tolist() for t in self.tables],
+            )
+        return self._lists
+
+    def _closure(self, stacks: Iterable[Stack]) -> Config:
+        """Every stack reachable without reading a byte: calls push their callee's start, a
+        frame that accepts returns to the one beneath (or, at the bottom, may end)."""
+        _, accepting, reads = self._tables()
+        calls = self.calls
+        seen: set[Stack] = set()
+        tops: set[Stack] = set()
+        ends = False
+        work = list(stacks)
+        while work:
+            st = work.pop()
+            if st in seen:
+                continue
+            seen.add(st)
+            r, s, below = st
+            if reads[r][s]:
+                tops.add(st)
+                if len(tops) >= self.max_stacks:
+                    break
+            for callee, ret, tail in calls[r][s]:
+                work.append((callee, 1, below if tail else (r, ret, below)))
+            if accepting[r][s]:
+                if below is None:
+                    ends = True
+                else:
+                    work.append(below)
+        return Config(frozenset(tops), ends)
 
 
 def compile_grammar(text: str) -> ByteDFA | Pushdown:
     """A GBNF grammar's automaton: a DFA when no rule is recursive, else a `Pushdown`."""
-    rules = parse_grammar(text)
+    return compile_rules(parse_grammar(text))
+
+
+def compile_rules(rules: dict[str, Expr]) -> ByteDFA | Pushdown:
+    """The automaton of rules starting at `root` (each reference defined)."""
     reachable = _reachable(rules)
     recursive = _recursive(rules, reachable)
     frames = [ROOT, *sorted(recursive - {ROOT})]

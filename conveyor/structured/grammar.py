@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from conveyor.structured import GrammarError, compile_automaton
-from conveyor.structured.cfg import Pushdown
+from conveyor.structured.cfg import DEAD, Config, Pushdown
 from conveyor.structured.compile_worker import DFACompiler
 from conveyor.structured.regex import ByteDFA
 
@@ -175,40 +175,9 @@ def _finish(mask: np.ndarray, vocab: TokenVocab) -> bool:
     return bool(mask.sum() == np.count_nonzero(mask[vocab.eos_token_ids]))
 
 
-Stack = tuple[int, int, Any]  # (rule, state, the stack beneath: a Stack or None)
-
-
-class Config:
-    """Where a context-free grammar's output stands: the stacks whose top frame reads a byte
-    next (`tops`), and whether the output may end here. Hashable; false when dead."""
-
-    __slots__ = ("_hash", "accepting", "tops")
-
-    def __init__(self, tops: frozenset[Stack], accepting: bool) -> None:
-        self.tops = tops
-        self.accepting = accepting
-        self._hash = hash((tops, accepting))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Config) and self._hash == other._hash
-            and self.accepting == other.accepting and self.tops == other.tops
-        )
-
-    def __bool__(self) -> bool:
-        return bool(self.tops) or self.accepting
-
-
 class PushdownGrammar:
     """A compiled context-free grammar, with `Grammar`'s interface over `Config` states."""
 
-    # An ambiguous grammar can keep many parses alive at once; past this many stacks the
-    # rest are dropped: tokens may then be refused that one of them would take, never
-    # allowed where none would.
-    max_stacks = 10_000
     mask_capacity = 256  # masks kept (LRU): a context-free grammar's states do not end
     step_capacity = 200_000  # (state, byte) steps kept, then forgotten all at once
 
@@ -216,9 +185,6 @@ class PushdownGrammar:
         self.pda = pda
         self.vocab = vocab
         self.device = device
-        self._rows = [t.tolist() for t in pda.tables]
-        self._accepting = [a.tolist() for a in pda.accepting]
-        self._reads: list[Any] = [t.any(axis=1).tolist() for t in pda.tables]
         # For the vectorized walk, as Grammar's; a frame may leave its rule (call or return)
         # in a state with calls or that accepts.
         self._walk = [
@@ -228,48 +194,18 @@ class PushdownGrammar:
             np.array([bool(c) for c in calls], dtype=bool) | acc for calls, acc in zip(pda.calls, pda.accepting, strict=True)
         ]
         self._eos = frozenset(vocab.eos_token_ids)
-        self.DEAD = Config(frozenset(), False)
-        self.START = self._closure([(0, 1, None)])
+        self.START = pda.start()
         self._steps: dict[tuple[Config, int], Config] = {}
         self._tokens: dict[tuple[Config, int], Config] = {}
         self._masks: OrderedDict[Config, torch.Tensor] = OrderedDict()
         self._ends: set[Config] = set()
         self._nodes: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def _closure(self, stacks: Iterable[Stack]) -> Config:
-        """Every stack reachable without reading a byte: calls push their callee's start, a
-        frame that accepts returns to the one beneath (or, at the bottom, may end)."""
-        calls, accepting, reads = self.pda.calls, self._accepting, self._reads
-        seen: set[Stack] = set()
-        tops: set[Stack] = set()
-        ends = False
-        work = list(stacks)
-        while work:
-            st = work.pop()
-            if st in seen:
-                continue
-            seen.add(st)
-            r, s, below = st
-            if reads[r][s]:
-                tops.add(st)
-                if len(tops) >= self.max_stacks:
-                    break
-            for callee, ret, tail in calls[r][s]:
-                work.append((callee, 1, below if tail else (r, ret, below)))
-            if accepting[r][s]:
-                if below is None:
-                    ends = True
-                else:
-                    work.append(below)
-        return Config(frozenset(tops), ends)
-
     def _step(self, state: Config, b: int) -> Config:
         key = (state, b)
         nxt = self._steps.get(key)
         if nxt is None:
-            rows = self._rows
-            moved = [(r, rows[r][s][b], below) for r, s, below in state.tops if rows[r][s][b]]
-            nxt = self._closure(moved) if moved else self.DEAD
+            nxt = self.pda.step(state, b)
             if len(self._steps) >= self.step_capacity:
                 self._steps.clear()
             self._steps[key] = nxt
@@ -289,7 +225,7 @@ class PushdownGrammar:
         nxt = self._tokens.get(key)
         if nxt is None:
             data = self.vocab.tokens[token] if 0 <= token < len(self.vocab.tokens) else None
-            nxt = self._read(state, data) if data and state else self.DEAD
+            nxt = self._read(state, data) if data and state else DEAD
             if len(self._tokens) >= self.step_capacity:
                 self._tokens.clear()
             self._tokens[key] = nxt

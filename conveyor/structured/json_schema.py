@@ -9,10 +9,12 @@ basic plane written as a `\\u` surrogate pair counts two), `pattern` (over the s
 time, date-time, uuid; a date's day is 01-31 whatever the month), an integer's `minimum` /
 `maximum` / `exclusiveMinimum` / `exclusiveMaximum` (exactly: the digits of the range), a
 number's `minimum >= 0` (no minus sign), `anyOf` / `oneOf`, `allOf` (merged),
-and `$ref` into `$defs` / `definitions`. A schema's own nesting is unbounded; a value of any
-type (`{}`, or an object or array with nothing said of its contents) nests at most
-`max_depth` levels, and a recursive `$ref` expands at most `max_depth` times inside itself. A number's other bounds are not enforced, nor `multipleOf` or `uniqueItems`;
-keywords that would change the language and are not listed here raise `GrammarError`.
+and `$ref` into `$defs` / `definitions`. Nesting is unbounded: a value of any type (`{}`, or
+an object or array with nothing said of its contents) is a reference to a recursive JSON
+value rule, and a recursive `$ref` a rule of its own, so such schemas compile to a
+context-free grammar (`cfg.py`); the others stay one regular pattern. A number's other
+bounds are not enforced, nor `multipleOf` or `uniqueItems`; keywords that would change the
+language and are not listed here raise `GrammarError`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import math
 from typing import Any
 
+from conveyor.structured.cfg import Expr, Ref
 from conveyor.structured.regex import (
     DIGIT,
     Alternate,
@@ -34,7 +37,8 @@ from conveyor.structured.regex import (
 )
 
 WS = Repeat(CharSet(((0x20, 0x20),)), 0, 1)
-NOTHING = CharSet(())  # matches no text: a branch cut off at the depth limit
+NOTHING = CharSet(())  # matches no text (a schema of false)
+ANY = "json-value"  # the rule of a value of any type
 
 IGNORED = {  # annotations, or constraints not enforced (documented above)
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "name",
@@ -108,16 +112,21 @@ def quoted(inner: Node) -> Node:
     return cat(lit('"'), inner, lit('"'))
 
 
-def schema_to_node(schema: Any, max_depth: int = 3) -> Node:
-    """The pattern of `schema` (a dict, or True for anything); raises GrammarError."""
-    return _Converter(schema, max_depth).node(schema, max_depth)
+def schema_to_rules(schema: Any) -> dict[str, Expr]:
+    """The grammar of `schema` (a dict, or True for anything): its `root` rule, and the rules
+    it refers to (none for a schema without recursion); raises GrammarError."""
+    converter = _Converter(schema)
+    root = converter.node(schema)
+    return {"root": root, **converter.rules}
 
 
 class _Converter:
-    def __init__(self, root: Any, max_depth: int) -> None:
+    def __init__(self, root: Any) -> None:
         self.root = root
-        self.max_depth = max_depth
-        self.refs: list[str] = []  # the references being expanded, outermost first
+        self.expanding: list[str] = []  # the references being expanded, outermost first
+        self.names: dict[str, str] = {}  # a reference (with what its schema adds) to its rule
+        self.recursive: set[str] = set()  # the rules of references met inside themselves
+        self.rules: dict[str, Expr] = {}
 
     def resolve(self, ref: str) -> Any:
         if not ref.startswith("#"):
@@ -130,9 +139,9 @@ class _Converter:
             target = target[part]
         return target
 
-    def node(self, schema: Any, depth: int) -> Node:
+    def node(self, schema: Any) -> Node:
         if schema is True or schema == {}:
-            return self.any_value(depth)
+            return self.any_value()
         if schema is False:
             return NOTHING
         if not isinstance(schema, dict):
@@ -142,15 +151,22 @@ class _Converter:
             raise GrammarError(f"JSON Schema keyword(s) not supported: {', '.join(sorted(unknown))}")
         if "$ref" in schema:
             ref = schema["$ref"]
-            if self.refs.count(ref) >= self.max_depth:  # recursion: cut here
-                return NOTHING
             rest = {k: v for k, v in schema.items() if k != "$ref"}
+            key = ref + (json.dumps(rest, sort_keys=True) if rest else "")
+            name = self.names.setdefault(key, f"json-ref-{len(self.names)}")
+            if key in self.expanding:  # recursion: a rule of its own
+                self.recursive.add(name)
+                return Ref(name)  # type: ignore[return-value]
             target = self.resolve(ref)
-            self.refs.append(ref)
+            self.expanding.append(key)
             try:
-                return self.node({**target, **rest} if rest and isinstance(target, dict) else target, depth)
+                node = self.node({**target, **rest} if rest and isinstance(target, dict) else target)
             finally:
-                self.refs.pop()
+                self.expanding.pop()
+            if name not in self.recursive:
+                return node
+            self.rules[name] = node
+            return Ref(name)  # type: ignore[return-value]
         if "allOf" in schema:
             merged = {k: v for k, v in schema.items() if k != "allOf"}
             for part in schema["allOf"]:
@@ -164,11 +180,11 @@ class _Converter:
                         merged["required"] = [*merged.get("required", []), *value]
                     else:
                         merged[key] = value
-            return self.node(merged, depth)
+            return self.node(merged)
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 rest = {k: v for k, v in schema.items() if k != key}
-                return alt(*(self.node({**rest, **o} if isinstance(o, dict) else o, depth) for o in schema[key]))
+                return alt(*(self.node({**rest, **o} if isinstance(o, dict) else o) for o in schema[key]))
         if "const" in schema:
             return lit(json.dumps(schema["const"], ensure_ascii=False))
         if "enum" in schema:
@@ -182,12 +198,12 @@ class _Converter:
             elif "items" in schema or "prefixItems" in schema:
                 kind = "array"
             else:
-                return self.any_value(depth)
+                return self.any_value()
         if isinstance(kind, list):
-            return alt(*(self.node({**schema, "type": k}, depth) for k in kind))
-        return self.typed(kind, schema, depth)
+            return alt(*(self.node({**schema, "type": k}) for k in kind))
+        return self.typed(kind, schema)
 
-    def typed(self, kind: str, schema: dict[str, Any], depth: int) -> Node:
+    def typed(self, kind: str, schema: dict[str, Any]) -> Node:
         if kind == "string":
             return self.string(schema)
         if kind == "integer":
@@ -201,9 +217,9 @@ class _Converter:
         if kind == "null":
             return lit("null")
         if kind == "array":
-            return self.array(schema, depth)
+            return self.array(schema)
         if kind == "object":
-            return self.object(schema, depth)
+            return self.object(schema)
         raise GrammarError(f"unknown JSON Schema type {kind!r}")
 
     def string(self, schema: dict[str, Any]) -> Node:
@@ -220,11 +236,11 @@ class _Converter:
         low, high = _bounds(schema, "minLength", "maxLength")
         return quoted(Repeat(STRING_CHAR, low, high))
 
-    def array(self, schema: dict[str, Any], depth: int) -> Node:
+    def array(self, schema: dict[str, Any]) -> Node:
         comma = cat(WS, lit(","), WS)
-        prefix = [self.node(s, depth) for s in schema.get("prefixItems", [])]
+        prefix = [self.node(s) for s in schema.get("prefixItems", [])]
         items = schema.get("items", True)
-        item = NOTHING if items is False else self.node(items, depth - 1 if items in (True, {}) else depth)
+        item = NOTHING if items is False else self.node(items)
         low, high = _bounds(schema, "minItems", "maxItems")
         if prefix:  # a tuple: the listed items, then more of `items` if allowed
             more = Repeat(cat(comma, item), max(0, low - len(prefix)),
@@ -239,7 +255,7 @@ class _Converter:
                 inner = Repeat(inner, 0, 1) if high != 0 else Concat(())
         return cat(lit("["), WS, inner, WS, lit("]"))
 
-    def object(self, schema: dict[str, Any], depth: int) -> Node:
+    def object(self, schema: dict[str, Any]) -> Node:
         props: dict[str, Any] = schema.get("properties") or {}
         colon = cat(WS, lit(":"), WS)
         comma = cat(WS, lit(","), WS)
@@ -247,14 +263,14 @@ class _Converter:
             extra = schema.get("additionalProperties", True)
             if extra is False:
                 return cat(lit("{"), WS, lit("}"))
-            member = cat(quoted(Repeat(STRING_CHAR, 0, None)), colon, self.node(extra, depth - 1))
+            member = cat(quoted(Repeat(STRING_CHAR, 0, None)), colon, self.node(extra))
             return cat(lit("{"), WS, Repeat(cat(member, Repeat(cat(comma, member), 0, None)), 0, 1), WS, lit("}"))
         required = set(schema.get("required", []))
         missing = required - set(props)
         if missing:
             raise GrammarError(f"required properties not in properties: {', '.join(sorted(missing))}")
         names = list(props)
-        members = [cat(lit(json.dumps(n, ensure_ascii=False)), colon, self.node(props[n], depth)) for n in names]
+        members = [cat(lit(json.dumps(n, ensure_ascii=False)), colon, self.node(props[n])) for n in names]
         first_required = next((i for i, n in enumerate(names) if n in required), len(names))
         # The first member written is some k at or before the first required one; after it,
         # the required members follow for sure and the others may.
@@ -268,11 +284,12 @@ class _Converter:
             body = Repeat(body, 0, 1)
         return cat(lit("{"), WS, body, WS, lit("}"))
 
-    def any_value(self, depth: int) -> Node:
-        scalars = [quoted(Repeat(STRING_CHAR, 0, None)), NUMBER, lit("true"), lit("false"), lit("null")]
-        if depth <= 0:
-            return alt(*scalars)
-        return alt(*scalars, self.object({}, depth), self.array({}, depth))
+    def any_value(self) -> Node:
+        if ANY not in self.rules:
+            self.rules[ANY] = NOTHING  # defined below; references to it meanwhile are fine
+            scalars = [quoted(Repeat(STRING_CHAR, 0, None)), NUMBER, lit("true"), lit("false"), lit("null")]
+            self.rules[ANY] = alt(*scalars, self.object({}), self.array({}))
+        return Ref(ANY)  # type: ignore[return-value]
 
 
 def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import regex
 
 from conveyor import LLM, SamplingParams
 from tests.server.conftest import ServerProcess, sample, scrape
@@ -276,6 +277,16 @@ def test_structured_outputs_over_the_api(client: openai.OpenAI) -> None:
         seed=3, extra_body={"guided_choice": [" yes", " no"]},
     )
     assert {c.text for c in r2.choices} <= {" yes", " no"}
+    # A context-free grammar (GBNF), as vLLM's structured_outputs.grammar and SGLang's ebnf
+    nested = 'root ::= "[" list "]"\nlist ::= item ("," item)*\nitem ::= [0-9]{1,3} | "[" list "]"'
+    pattern = r"\[(?&l)\](?(DEFINE)(?P<l>(?&i)(?:,(?&i))*)(?P<i>[0-9]{1,3}|\[(?&l)\]))"
+    for extra in ({"structured_outputs": {"grammar": nested}}, {"ebnf": nested}):
+        r3 = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt="Nested lists of numbers: [[1,2],[3,[4]]] and", max_tokens=24,
+            temperature=0, extra_body=extra,
+        )
+        text = r3.choices[0].text
+        assert regex.fullmatch(pattern, text, partial=r3.choices[0].finish_reason != "stop"), text
 
 
 def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from conveyor import InvalidRequestError, StructuredOutputParams
 from conveyor.structured import GrammarError, compile_automaton
-from conveyor.structured.cfg import Pushdown, compile_grammar, parse_grammar
-from conveyor.structured.grammar import Config, PushdownGrammar, TokenVocab
+from conveyor.structured.cfg import Config, Pushdown, compile_grammar, parse_grammar
+from conveyor.structured.grammar import PushdownGrammar, TokenVocab
 from conveyor.structured.regex import ByteDFA
 
 EOS = 0

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 
 from conveyor import StructuredOutputParams
-from conveyor.structured import GrammarError, to_node
+from conveyor.structured import GrammarError, compile_automaton
+from conveyor.structured.cfg import Pushdown
 from conveyor.structured.compile_worker import DFACompiler
-from conveyor.structured.regex import compile_dfa
 
 SPECS = [
     StructuredOutputParams(regex=r"(cat|dog)s? [0-9]{1,3}"),
     StructuredOutputParams(choice=("yes", "no", "maybe")),
     StructuredOutputParams(json={"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
                                  "required": ["n"]}),
-    StructuredOutputParams(json_object=True),
+    StructuredOutputParams(json={"type": "array", "items": {"enum": [1, "a"]}}),
 ]
 
 
@@ -29,14 +29,26 @@ def compiler():
 
 def test_the_worker_gives_the_dfa_compiled_here(compiler):
     for spec in SPECS:
-        got, want = compiler.compile(spec), compile_dfa(to_node(spec))
+        got, want = compiler.compile(spec), compile_automaton(spec)
         assert np.array_equal(got.table, want.table) and np.array_equal(got.accepting, want.accepting)
+
+
+def test_the_worker_gives_a_context_free_grammar_as_compiled_here(compiler):
+    for spec in (StructuredOutputParams(grammar='root ::= "[" (item ("," item)*)? "]"\nitem ::= [0-9]+ | root'),
+                 StructuredOutputParams(json_object=True)):
+        got, want = compiler.compile(spec), compile_automaton(spec)
+        assert isinstance(got, Pushdown) and isinstance(want, Pushdown)
+        assert got.names == want.names and got.calls == want.calls
+        assert all(np.array_equal(a, b) for a, b in zip(got.tables, want.tables, strict=True))
+        assert got.matches('{"a": [1, {"b": []}]}' if spec.json_object else "[1,[2,[]]]")
+    with pytest.raises(GrammarError, match="left-recursive"):
+        compiler.compile(StructuredOutputParams(grammar='root ::= root "a" | "b"'))
 
 
 def test_a_grammar_error_comes_back_as_one(compiler):
     huge = StructuredOutputParams(regex="[a-z]{1,3000}x{1,3000}")
     with pytest.raises(GrammarError) as here:
-        compile_dfa(to_node(huge))
+        compile_automaton(huge)
     with pytest.raises(GrammarError) as there:
         compiler.compile(huge)
     assert str(there.value) == str(here.value)

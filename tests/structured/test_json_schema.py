@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.structured import GrammarError
-from conveyor.structured.json_schema import schema_to_node
-from conveyor.structured.regex import ByteDFA, compile_dfa
+from conveyor.structured.cfg import Pushdown, compile_rules
+from conveyor.structured.json_schema import schema_to_rules
+from conveyor.structured.regex import ByteDFA
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -41,7 +42,7 @@ SCHEMAS = [
     {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
     {"type": "array", "prefixItems": [{"type": "boolean"}, {"const": "x"}], "items": {"type": "null"}},
     {"type": ["string", "integer", "null"]},
-    {"type": "object"},  # any object, nesting bounded
+    {"type": "object"},  # any object, nesting unbounded
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},  # none required
     {"allOf": [{"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
                {"properties": {"b": {"type": "string", "format": "date-time"}}}]},
@@ -49,19 +50,38 @@ SCHEMAS = [
 ]
 
 
-def random_accepted(dfa: ByteDFA, rng: random.Random, max_len: int = 400) -> bytes | None:
-    """A random text the DFA accepts: a walk that stops at an accepting state by a coin toss."""
+def compile_schema(schema) -> ByteDFA | Pushdown:
+    return compile_rules(schema_to_rules(schema))
+
+
+def random_accepted(automaton: ByteDFA | Pushdown, rng: random.Random, max_len: int = 400) -> bytes | None:
+    """A random text the automaton accepts: a walk that stops where it may end by a coin toss."""
     out = bytearray()
-    state = 1
+    if isinstance(automaton, ByteDFA):
+        table = automaton.table
+        state = 1
+        while len(out) < max_len:
+            if automaton.accepting[state] and (rng.random() < 0.3 or not table[state].any()):
+                return bytes(out)
+            live = [b for b in range(256) if table[state, b]]
+            if not live:
+                return None
+            b = rng.choice(live)
+            out.append(b)
+            state = int(table[state, b])
+        return None
+    config = automaton.start()
     while len(out) < max_len:
-        if dfa.accepting[state] and (rng.random() < 0.3 or not dfa.table[state].any()):
+        # Past half the length, prefer closing brackets and quotes, so that walks end.
+        closing = [b for b in b'"]}' if automaton.step(config, b)] if len(out) > max_len // 2 else []
+        if config.accepting and (rng.random() < 0.3 or not config.tops):
             return bytes(out)
-        live = [b for b in range(256) if dfa.table[state, b]]
+        live = closing or [b for b in range(256) if automaton.step(config, b)]
         if not live:
             return None
         b = rng.choice(live)
         out.append(b)
-        state = int(dfa.table[state, b])
+        config = automaton.step(config, b)
     return None
 
 
@@ -74,7 +94,7 @@ def dates(value) -> list[str]:
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
 def test_every_accepted_text_is_valid_json_for_the_schema(schema):
-    dfa = compile_dfa(schema_to_node(schema))
+    dfa = compile_schema(schema)
     rng = random.Random(0)
     seen = 0
     for _ in range(300):
@@ -92,8 +112,8 @@ def test_every_accepted_text_is_valid_json_for_the_schema(schema):
 
 
 @functools.lru_cache
-def compiled(schema_text: str) -> ByteDFA:
-    return compile_dfa(schema_to_node(json.loads(schema_text)))
+def compiled(schema_text: str) -> ByteDFA | Pushdown:
+    return compile_schema(json.loads(schema_text))
 
 
 def accepts(schema, value) -> bool:
@@ -145,28 +165,38 @@ def test_instances_the_schema_refuses_are_refused():
 )
 def test_unsupported_or_broken_schemas_are_refused(schema, why):
     with pytest.raises(GrammarError, match=why):
-        schema_to_node(schema)
+        schema_to_rules(schema)
 
 
-def test_recursive_references_nest_to_the_depth_limit():
+def test_recursive_references_nest_without_bound():
     tree = {"$ref": "#/$defs/node", "$defs": {"node": {
         "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
         "required": ["v"]}}}
-    dfa = compile_dfa(schema_to_node(tree, max_depth=2))
-    assert dfa.matches('{"v":1,"kids":[{"v":2,"kids":[]}]}')
-    assert not dfa.matches('{"v":1,"kids":[{"v":2,"kids":[{"v":3}]}]}')
+    pda = compile_schema(tree)
+    assert isinstance(pda, Pushdown)
+    deep: dict = {"v": 0}
+    for i in range(1, 40):
+        deep = {"v": i, "kids": [deep, {"v": -i}]}
+    assert accepts(tree, deep)
+    assert not accepts(tree, {"v": 1, "kids": [{"v": 2, "kids": [{"w": 3}]}]})
+    assert not pda.matches('{"v":1,"kids":[{"v":2,"kids":[{"v":3}]}]')
 
 
 def test_a_schemas_own_nesting_is_not_cut():
-    """Only values of any type and recursion are bounded: six levels of declared objects, each
-    reached through its own $ref (as pydantic writes nested models), are all there."""
+    """Six levels of declared objects, each reached through its own $ref (as pydantic writes
+    nested models), with a value of any type nested deep inside: no recursion between the
+    references, so one regular pattern but for the value of any type."""
     defs = {f"L{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/L{i + 1}"}}, "required": ["next"]}
             for i in range(5)}
     defs["L5"] = {"type": "object", "properties": {"leaf": {"type": "array", "items": {"type": "array"}}}}
     value = {"next": {"next": {"next": {"next": {"next": {"leaf": [[[[1]]]]}}}}}}
     assert accepts({"$ref": "#/$defs/L0", "$defs": defs}, value)
+    assert accepts({"$ref": "#/$defs/L0", "$defs": defs}, {"next": {"next": {"next": {"next": {"next": {
+        "leaf": [[[[[[[[[[1, {"a": [[{}]]}]]]]]]]]]]}}}}}})
     assert not accepts({"$ref": "#/$defs/L0", "$defs": defs}, {"next": {"next": {"next": {"next": {"next": {
-        "leaf": [[[[[1]]]]]}}}}}})  # a value of any type: 3 levels inside the declared arrays
+        "leaf": [1]}}}}}})
+    assert set(schema_to_rules({"$ref": "#/$defs/L0", "$defs": defs})) == {"root", "json-value"}
+    assert set(schema_to_rules({"$ref": "#/$defs/L4", "$defs": {**defs, "L5": {"type": "boolean"}}})) == {"root"}
 
 
 BOUND = st.none() | st.integers(-(10**7), 10**7)
@@ -181,7 +211,7 @@ def test_integer_bounds_accept_exactly_the_integers_between(low, high, data):
         low, high = high, low
     schema = {"type": "integer", **({"minimum": low} if low is not None else {}),
               **({"maximum": high} if high is not None else {})}
-    dfa = compile_dfa(schema_to_node(schema))
+    dfa = compile_schema(schema)
     probes = {0, 1, -1, 9, 10, -10, 99, 100, -100, 10**8, -(10**8)}
     for b in (low, high):
         if b is not None:
@@ -203,7 +233,7 @@ def test_integer_bounds_accept_exactly_the_integers_between(low, high, data):
     ],
 )
 def test_exclusive_and_fractional_bounds(schema, inside, outside):
-    dfa = compile_dfa(schema_to_node({"type": "integer", **schema}))
+    dfa = compile_schema({"type": "integer", **schema})
     assert all(dfa.matches(str(n)) for n in inside) and not any(dfa.matches(str(n)) for n in outside)
 
 
@@ -211,4 +241,4 @@ def test_exclusive_and_fractional_bounds(schema, inside, outside):
                                     {"minimum": "3"}, {"maximum": float("nan")}])
 def test_bounds_no_integer_meets_are_refused(schema):
     with pytest.raises(GrammarError):
-        schema_to_node({"type": "integer", **schema})
+        schema_to_rules({"type": "integer", **schema})
