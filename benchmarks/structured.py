@@ -1,11 +1,18 @@
 """Structured outputs: what a grammar costs, and what it buys, on one model (SmolLM2 by default).
 
-  1. Compile: the vocabulary's bytes (once per engine), then each grammar's DFA, cold.
-  2. Cost: the same chat requests asking for JSON, free and constrained by a JSON Schema, run
-     in turns (A B B A ...) on one engine. Outputs differ in length, so the
-     figure is time per output token; the ratio is constrained over free. The first round of
-     each is a warm-up (the constrained one computes its masks then), not counted.
-  3. Value: the share of outputs that parse as JSON and validate against the schema.
+  1. Compile: the vocabulary's bytes (once per engine), then each grammar's automaton (a DFA,
+     or a pushdown automaton for a recursive grammar), cold.
+  2. Cost: the same chat requests asking for JSON, free and constrained, run in turns
+     (A B C D, then D C B A ...) on one engine: by a JSON Schema (a DFA), by any JSON object
+     (a pushdown automaton: values nest without bound) and by a GBNF grammar of JSON (the
+     same, written by hand). Outputs differ in length, so the figure is time per output
+     token; the ratio is constrained over free. The first round of each is a warm-up (the
+     constrained ones compute their masks then), not counted.
+  4. Depth: the host's time per token (state step and mask) of a pushdown automaton walking a
+     JSON text 40 levels deep token by token, cold (each level meets new stacks, so new masks)
+     and again warm.
+  3. Value: the share of outputs that end (the end token, not max_tokens), parse as JSON and
+     validate against the schema, and how deep the deepest one nests.
 
     python benchmarks/structured.py --batch 1 8 --rounds 3
 """
@@ -18,6 +25,7 @@ import statistics
 import time
 
 from conveyor import LLM, SamplingParams, StructuredOutputParams
+from conveyor.structured.grammar import PushdownGrammar
 
 SCHEMA = {
     "type": "object",
@@ -36,9 +44,22 @@ ASKS = [
     "Give me a JSON record of a made-up athlete: name, age, city, hobbies and whether employed.",
     "Create a character for a novel and output it as JSON with name, age, city, hobbies, employed.",
 ]
+JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ws ( string ws ":" ws value ( ws "," ws string ws ":" ws value )* )? ws "}"
+array  ::= "[" ws ( value ( ws "," ws value )* )? ws "]"
+string ::= "\"" ( [^"\\\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
+ws     ::= " "?
+"""
 GRAMMARS = {
     "json schema (5 properties)": StructuredOutputParams(json=SCHEMA),
-    "json object (any, 3 levels)": StructuredOutputParams(json_object=True),
+    "json object (any, unbounded)": StructuredOutputParams(json_object=True),
+    "GBNF: JSON": StructuredOutputParams(grammar=JSON_GBNF),
+    "GBNF: arithmetic": StructuredOutputParams(
+        grammar='root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= factor (("*" | "/") factor)*\n'
+                'factor ::= [0-9]+ | "(" expr ")"'),
     "regex (date)": StructuredOutputParams(regex=r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"),
     "choice (3)": StructuredOutputParams(choice=("positive", "negative", "neutral")),
 }
@@ -68,38 +89,107 @@ def main() -> None:
     start = time.perf_counter()
     vocab = cache.vocab
     print(f"vocabulary as bytes: {(time.perf_counter() - start) * 1e3:.0f} ms ({vocab.size} tokens)")
-    print("| grammar | DFA states | compile (ms) | first mask (ms) |")
-    print("|---|---:|---:|---:|")
+    print("| grammar | automaton | compile (ms) | first mask (ms) |")
+    print("|---|---|---:|---:|")
     for name, spec in GRAMMARS.items():
         start = time.perf_counter()
         grammar = cache.get(spec)
         compiled = time.perf_counter() - start
         start = time.perf_counter()
         grammar.allowed(grammar.START)
-        print(f"| {name} | {grammar.dfa.num_states} | {compiled * 1e3:.0f} | {(time.perf_counter() - start) * 1e3:.1f} |")
+        if isinstance(grammar, PushdownGrammar):
+            pda = grammar.pda
+            shape = f"pushdown: {len(pda.names)} rules, {sum(t.shape[0] for t in pda.tables)} states"
+        else:
+            shape = f"DFA: {grammar.dfa.num_states} states"
+        print(f"| {name} | {shape} | {compiled * 1e3:.0f} | {(time.perf_counter() - start) * 1e3:.1f} |")
 
-    spec = StructuredOutputParams(json=SCHEMA)
-    print("\n| batch | free ms/token | constrained ms/token | ratio | valid free | valid constrained |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    variants = {
+        "free": None,
+        "schema (DFA)": StructuredOutputParams(json=SCHEMA),
+        "json_object (pushdown)": StructuredOutputParams(json_object=True),
+        "GBNF JSON (pushdown)": StructuredOutputParams(grammar=JSON_GBNF),
+    }
+    print("\n| batch | constraint | ms/token | ratio to free | ended | valid JSON | valid for the schema | deepest |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
         convs = [[{"role": "user", "content": ASKS[i % len(ASKS)]}] for i in range(batch)]
-        runs: dict[str, list[float]] = {"free": [], "constrained": []}
-        ok: dict[str, list[bool]] = {"free": [], "constrained": []}
+        runs: dict[str, list[float]] = {k: [] for k in variants}
+        parsed: dict[str, list[bool]] = {k: [] for k in variants}
+        ok: dict[str, list[bool]] = {k: [] for k in variants}
+        ended: dict[str, list[bool]] = {k: [] for k in variants}
+        deepest = dict.fromkeys(variants, 0)
         for r in range(args.rounds + 1):
-            order = ["free", "constrained"] if r % 2 == 0 else ["constrained", "free"]
+            order = list(variants) if r % 2 == 0 else list(reversed(variants))
             for which in order:
-                params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
-                                        structured_outputs=spec if which == "constrained" else None)
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_outputs=variants[which])
                 start = time.perf_counter()
                 outs = llm.chat(convs, params, use_tqdm=False)
                 elapsed = time.perf_counter() - start
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 if r:  # round 0 warms up
                     runs[which].append(elapsed / tokens * 1e3)
-                    ok[which] += [valid(o.outputs[0].text) for o in outs]
-        f, c = statistics.median(runs["free"]), statistics.median(runs["constrained"])
-        share = {k: f"{sum(v)}/{len(v)}" for k, v in ok.items()}
-        print(f"| {batch} | {f:.1f} | {c:.1f} | {c / f:.2f}× | {share['free']} | {share['constrained']} |")
+                    for o in outs:
+                        value = parse(o.outputs[0].text)
+                        parsed[which].append(value is not None)
+                        ended[which].append(o.outputs[0].finish_reason == "stop")
+                        ok[which].append(valid(o.outputs[0].text))
+                        deepest[which] = max(deepest[which], depth(value))
+        free = statistics.median(runs["free"])
+        for which in variants:
+            t = statistics.median(runs[which])
+            print(f"| {batch} | {which} | {t:.1f} | {t / free:.2f}× | {sum(ended[which])}/{len(ended[which])} "
+                  f"| {sum(parsed[which])}/{len(parsed[which])} "
+                  f"| {sum(ok[which])}/{len(ok[which])} | {deepest[which]} |")
+
+
+    deep_walk(llm)
+
+
+def deep_walk(llm: LLM) -> None:
+    from conveyor.structured.grammar import GrammarCache
+
+    runner = llm.engine.runner
+    value: object = {"leaf": [1, 2.5, "x"]}
+    for i in range(40):
+        value = {f"k{i}": [value, i]} if i % 2 else {f"k{i}": value, "n": None}
+    text = json.dumps(value)
+    tokens = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    cache = GrammarCache(runner.grammars._tokenizer, runner.eos_token_ids, runner.grammars.vocab.size,
+                         runner.grammars.device)
+    cache._vocab = runner.grammars.vocab  # the vocabulary's bytes, computed once above
+    grammar = cache.get(StructuredOutputParams(json_object=True))
+    print(f"\n{len(text)} characters, {len(tokens)} tokens, 40 levels deep")
+    print("| walk | mean ms/token | max ms/token | masks computed |")
+    print("|---|---:|---:|---:|")
+    for label in ("cold", "warm"):
+        times = []
+        before = len(grammar._masks)
+        state = grammar.START
+        for t in tokens:
+            start = time.perf_counter()
+            grammar.allowed(state)
+            state = grammar.advance(state, t)
+            times.append((time.perf_counter() - start) * 1e3)
+        assert state and grammar.is_accepting(state), "the text is in the grammar"
+        computed = len(grammar._masks) - before if label == "cold" else 0
+        print(f"| {label} | {statistics.mean(times):.2f} | {max(times):.1f} | {computed} |")
+
+
+def parse(text: str) -> object | None:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def depth(value: object) -> int:
+    """How deep objects and arrays nest in a JSON value (0 for a scalar)."""
+    if isinstance(value, dict):
+        return 1 + max((depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((depth(v) for v in value), default=0)
+    return 0
 
 
 if __name__ == "__main__":
