@@ -45,6 +45,7 @@ from conveyor.structured.regex import (
     Repeat,
     Symbol,
     compile_dfa,
+    hex_escape,
     negate,
     normalize,
 )
@@ -195,14 +196,10 @@ class _Parser:
         e = self.s[self.i]
         self.i += 1
         if e in "xuU":
-            width = {"x": 2, "u": 4, "U": 8}[e]
-            digits = self.s[self.i : self.i + width]
-            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
-                raise self.fail(f"bad escape \\{e}{digits}")
-            self.i += width
-            v = int(digits, 16)
-            if v > MAX_CODEPOINT:
-                raise self.fail(f"code point {v:#x} is out of range")
+            try:
+                v, self.i = hex_escape(self.s, self.i, e)
+            except ValueError as err:
+                raise self.fail(str(err)) from None
             return v
         if e in SIMPLE_ESCAPES:
             return ord(SIMPLE_ESCAPES[e])

@@ -216,14 +216,10 @@ class _Parser:
             v = ord(SIMPLE_ESCAPES[c])
             return [(v, v)]
         if c in "xuU":
-            width = {"x": 2, "u": 4, "U": 8}[c]
-            digits = self.p[self.i : self.i + width]
-            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
-                raise self.fail(f"bad escape \\{c}{digits}")
-            self.i += width
-            v = int(digits, 16)
-            if v > MAX_CODEPOINT:
-                raise self.fail(f"code point {v:#x} is out of range")
+            try:
+                v, self.i = hex_escape(self.p, self.i, c)
+            except ValueError as e:
+                raise self.fail(str(e)) from None
             return [(v, v)]
         if c == "b" and in_class:
             return [(8, 8)]
@@ -257,6 +253,19 @@ class _Parser:
                 item = [(item[0][0], end[0][0])]
             ranges.extend(item)
         return negate(ranges) if negated else normalize(ranges)
+
+
+def hex_escape(text: str, i: int, kind: str) -> tuple[int, int]:
+    """The code point of a `\\x`, `\\u` or `\\U` escape (`kind`) whose digits start at `i`, and
+    where they end; raises ValueError saying what is wrong."""
+    width = {"x": 2, "u": 4, "U": 8}[kind]
+    digits = text[i : i + width]
+    if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+        raise ValueError(f"bad escape \\{kind}{digits}")
+    v = int(digits, 16)
+    if v > MAX_CODEPOINT:
+        raise ValueError(f"code point {v:#x} is out of range")
+    return v, i + width
 
 
 def parse(pattern: str) -> Node:

@@ -204,6 +204,7 @@ def test_syntax():
     ('root ::= "a")', "unbalanced ')'"),
     ('root ::= [a-', "unterminated character class"),
     ('root ::= "\\q"', "unknown escape"),
+    ('root ::= "\\xZ1"', "bad escape \\xZ1"),
     ('root ::= "a"{3,1}', "bad repetition"),
     ('root ::= "a"\nroot ::= "b"', "defined twice"),
     ('main ::= "a"', "no 'root' rule"),
