@@ -92,6 +92,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -101,6 +103,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -116,5 +120,9 @@ class ChatCompletionRequest(SamplingRequest):
             d: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out

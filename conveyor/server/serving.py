@@ -41,6 +41,7 @@ from conveyor.server.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from conveyor.server.tools import Tools, ToolStream, history_for_template
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 
@@ -82,6 +83,7 @@ class _Choice:
     num_tokens: int = 0
     text_sent: int = 0  # characters of completion text streamed so far
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    tool_stream: ToolStream | None = None  # a chat choice's tool calls as its text streams
 
 
 class _Handler:
@@ -198,8 +200,13 @@ class _Handler:
     def max_tokens_param(self) -> str:
         return "max_tokens"
 
-    @functools.cached_property
+    @property
     def structured_outputs(self) -> StructuredOutputParams | None:
+        """What the request's output must match."""
+        return self.requested_outputs
+
+    @functools.cached_property
+    def requested_outputs(self) -> StructuredOutputParams | None:
         """What the request's output must match, from whichever field says it (one at most):
         built once, shared by every prompt and choice of the request."""
         b = self.body
@@ -574,8 +581,25 @@ class ChatCompletionHandler(_Handler):
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if b.top_logprobs is not None and not 0 <= b.top_logprobs <= 20:
             raise InvalidRequestError(f"top_logprobs={b.top_logprobs}: must be in [0, 20]", param="top_logprobs")
-        if b.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
+        self.tools  # noqa: B018 (parsed now: bad tools are the request's error)
+
+    @functools.cached_property
+    def tools(self) -> Tools | None:
+        b = self.body
+        tools = Tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls)
+        if tools is not None and tools.choice in ("required", "named") and self.requested_outputs is not None:
+            raise InvalidRequestError(
+                f"tool_choice {b.tool_choice!r} holds the output to the tools' schemas: "
+                "it cannot be combined with another output constraint", param="tool_choice",
+            )
+        return tools
+
+    @functools.cached_property
+    def structured_outputs(self) -> StructuredOutputParams | None:
+        """The tools' schema where tool_choice holds the output to it, else what was asked."""
+        tools = self.tools
+        constraint = tools.constraint() if tools is not None else None
+        return constraint if constraint is not None else self.requested_outputs
 
     def prompts(self) -> list[_Prompt]:
         if self.tokenizer is None:
@@ -584,9 +608,12 @@ class ChatCompletionHandler(_Handler):
         kwargs = dict(b.chat_template_kwargs or {})
         if b.continue_final_message:
             kwargs["continue_final_message"] = True
+        template = self.tokenizer.chat_template or ""
+        if self.tools is not None and self.tools.shown and "tools" in template:
+            kwargs["tools"] = self.tools.template_tools()
         try:
             ids = self.tokenizer.apply_chat_template(
-                b.message_dicts(),
+                history_for_template(b.message_dicts(), self.tools, template),
                 add_generation_prompt=b.add_generation_prompt and not b.continue_final_message,
                 **kwargs,
             )
@@ -619,6 +646,9 @@ class ChatCompletionHandler(_Handler):
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         # OpenAI's first chunk of each choice names the role and carries no text.
+        if self.tools is not None:
+            for c in self.choices:
+                c.tool_stream = ToolStream(self.tools)
         return [
             self.chunk([{
                 "index": c.index,
@@ -638,12 +668,19 @@ class ChatCompletionHandler(_Handler):
                 logprobs = self._logprobs_block(new)
         if not c.delta_text and logprobs is None and not out.finished:
             return None
-        delta = {"content": c.delta_text} if c.delta_text else {}
+        if choice.tool_stream is not None:
+            delta = choice.tool_stream.feed(c.delta_text, out.finished)
+            if not delta and logprobs is None and not out.finished:
+                return None
+        else:
+            delta = {"content": c.delta_text} if c.delta_text else {}
         fields: dict[str, Any] = {
             "index": choice.index,
             "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": c.finish_reason if out.finished else None,
+            "finish_reason": self._finish_reason(c.finish_reason, choice.tool_stream.calls > 0
+                                                 if choice.tool_stream is not None else False)
+            if out.finished else None,
             "stop_reason": c.stop_reason if out.finished else None,
         }
         if (prompt_lps := self.prompt_logprobs_field(out)) is not None:  # (in a choice's first output only)
@@ -653,14 +690,26 @@ class ChatCompletionHandler(_Handler):
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
         assert choice.final is not None
         c = choice.final.outputs[0]
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if self.tools is not None:
+            content, calls = self.tools.calls(c.text)
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": self._logprobs_block(c.logprobs or []) if self.body.logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": self._finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
             "stop_reason": c.stop_reason,
             "prompt_logprobs": self.prompt_logprobs_field(choice.final),
         }
+
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """"tool_calls" where the model chose to call ("auto", "required") and ended; a named
+        function's call ends with "stop", as OpenAI's does."""
+        if called and reason == "stop" and self.tools is not None and self.tools.choice != "named":
+            return "tool_calls"
+        return reason
 
 
 # -- helpers ---------------------------------------------------------------------------------

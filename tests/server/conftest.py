@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,6 +110,12 @@ def smol_server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 def smol_server(smol_server_process: ServerProcess) -> ServerProcess:
     smol_server_process.wait_ready()
     return smol_server_process
+
+
+@pytest.fixture(scope="module")
+def client(smol_server: ServerProcess) -> openai.OpenAI:
+    """The official `openai` client on the session's SmolLM2 server."""
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -43,11 +43,6 @@ def offline_reference(smollm2: str, smol_server_process: ServerProcess) -> list[
     return [(o.outputs[0].text, o.outputs[0].finish_reason or "") for o in outs]
 
 
-@pytest.fixture(scope="module")
-def client(smol_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
-
-
 # Must stay the first test of the module (and this module the first to use the server, hence
 # test_server_errors.py sorts after it): its reference is computed while the server loads.
 def test_32_concurrent_streaming_clients_match_offline_generate(

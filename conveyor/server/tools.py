@@ -1,0 +1,307 @@
+"""Tool calling on the chat API: OpenAI's `tools` and `tool_choice`, as vLLM serves them.
+
+- `tool_choice="none"`: the tools are not shown to the model; plain text comes back.
+- `"auto"` (the default with tools): the model is shown the tools and answers freely; calls it
+  writes in the Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (a
+  JSON object or a list of them inside the tags), are parsed out of the text into
+  `message.tool_calls`, the rest stays `content`.
+- `"required"`: the output is held by structured outputs to a JSON list of one or more
+  `{"name": <a tool's name>, "parameters": <that tool's parameters>}` (one only with
+  `parallel_tool_calls=false`), as vLLM does, and every element becomes a call.
+- `{"type": "function", "function": {"name": ...}}`: the output is held to that function's
+  `parameters` schema and becomes its arguments.
+
+A chat template that renders tools itself (it names `tools`) gets them as `tools=`; for one
+that does not (SmolLM2's), a system prompt lists them in the Hermes format and asks for that
+format back, and an assistant message's earlier `tool_calls` are written into its content the
+same way, so a conversation's history reads as the model was asked to write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.sampling_params import InvalidRequestError, StructuredOutputParams
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+TOOL_PROMPT = (
+    "You are a function calling AI model. You may call one or more functions to assist with "
+    "the user query. Don't make assumptions about what values to plug into functions. The "
+    "functions available to you are listed within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, reply with a JSON object with its name and arguments within "
+    "<tool_call></tool_call> XML tags, for each call:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's tools (each `{"type": "function", "function": {...}}`), checked, and what
+    its `tool_choice` asks: "none", "auto", "required", or a function's name."""
+
+    functions: tuple[dict[str, Any], ...]
+    choice: str
+    named: str | None = None
+    parallel: bool = True
+
+    @classmethod
+    def parse(cls, tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> Tools | None:
+        """None when the request has no tools; raises InvalidRequestError naming the field."""
+        if not tools:
+            if tool_choice not in (None, "none"):
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            return None
+        functions: list[dict[str, Any]] = []
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise InvalidRequestError(
+                    f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{...}}}}", param="tools"
+                )
+            name = fn.get("name")
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise InvalidRequestError(
+                    f"tools[{i}].function.name {name!r}: 1-64 letters, digits, '_', '.' or '-'", param="tools"
+                )
+            params = fn.get("parameters", {"type": "object", "properties": {}})
+            if not isinstance(params, dict):
+                raise InvalidRequestError(f"tools[{i}].function.parameters: must be a JSON Schema object", param="tools")
+            try:
+                StructuredOutputParams(json=params)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"tools[{i}].function.parameters: {e}", param="tools") from None
+            functions.append({**fn, "parameters": params})
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools: two functions share a name", param="tools")
+        choice, named = tool_choice if tool_choice is not None else "auto", None
+        if isinstance(choice, dict):
+            fn = choice.get("function") if choice.get("type") == "function" else None
+            named = fn.get("name") if isinstance(fn, dict) else None
+            if named not in names:
+                raise InvalidRequestError(
+                    f"tool_choice names {named!r}, which is not among the tools", param="tool_choice"
+                )
+            choice = "named"
+        elif choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(
+                f"tool_choice {choice!r}: none, auto, required or {{\"type\": \"function\", ...}}", param="tool_choice"
+            )
+        return cls(tuple(functions), choice, named, parallel is not False)
+
+    # -- the prompt ----------------------------------------------------------------------------
+    @property
+    def shown(self) -> bool:
+        return self.choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [{"type": "function", "function": f} for f in self.functions]
+
+    def system_prompt(self) -> str:
+        return TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in self.template_tools()))
+
+    # -- the output ----------------------------------------------------------------------------
+    def constraint(self) -> StructuredOutputParams | None:
+        """What the output is held to: a call list ("required"), one function's arguments
+        (named), or nothing."""
+        if self.choice == "named":
+            fn = next(f for f in self.functions if f["name"] == self.named)
+            return StructuredOutputParams(json=fn["parameters"])
+        if self.choice == "required":
+            call = {"anyOf": [
+                {"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+                 "required": ["name", "parameters"]}
+                for f in self.functions
+            ]}
+            schema = {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+            return StructuredOutputParams(json=schema)
+        return None
+
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A finished output as (content, tool calls)."""
+        if self.choice == "named":
+            assert self.named is not None
+            return None, [tool_call(self.named, text)]
+        if self.choice == "required":
+            try:
+                items = json.loads(text)
+                return None, [tool_call(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items]
+            except (ValueError, TypeError, KeyError):  # cut short by max_tokens: the text as it is
+                return text, []
+        if self.choice == "auto":
+            return parse_hermes(text)
+        return text, []
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls written as `<tool_call>{...}</tool_call>` (an object or a list of them), and the
+    text around them. A block that is not a call (bad JSON, no name) stays in the text; an
+    unclosed one at the end is read to the end."""
+    calls: list[dict[str, Any]] = []
+    content: list[str] = []
+    at = 0
+    while (start := text.find(OPEN, at)) >= 0:
+        end = text.find(CLOSE, start)
+        body = text[start + len(OPEN) : end if end >= 0 else len(text)]
+        found = _calls_in(body)
+        stop = end + len(CLOSE) if end >= 0 else len(text)
+        if found is None:
+            content.append(text[at:stop])
+        else:
+            content.append(text[at:start])
+            calls.extend(found)
+        at = stop
+    content.append(text[at:])
+    rest = "".join(content)
+    if calls:
+        rest = rest.strip()
+    return (rest or None) if calls else rest, calls
+
+
+def _calls_in(body: str) -> list[dict[str, Any]] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for it in items:
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+            return None
+        args = it.get("arguments", it.get("parameters", {}))
+        out.append(tool_call(it["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+    return out
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice's text, split as it grows into content deltas and tool calls.
+
+    With `tool_choice="auto"`, text is passed on as content until a `<tool_call>` begins (a
+    tail that could be its start is held back); a call is sent whole once its block closes.
+    Named: each piece of text is the function's arguments, the call's id and name first.
+    Required: the calls are sent when the output ends (its JSON is only whole then)."""
+
+    tools: Tools
+    text: str = ""
+    sent: int = 0  # characters of `text` passed on or consumed
+    calls: int = 0  # tool calls sent so far
+    named_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def feed(self, piece: str, final: bool) -> dict[str, Any]:
+        """The delta for a new piece of text: {"content": ...} and/or {"tool_calls": [...]}."""
+        self.text += piece
+        t = self.tools
+        if t.choice == "named":
+            delta: list[dict[str, Any]] = []
+            if self.calls == 0:
+                self.calls = 1
+                delta.append({"index": 0, "id": self.named_id, "type": "function",
+                              "function": {"name": t.named, "arguments": piece}})
+            elif piece:
+                delta.append({"index": 0, "function": {"arguments": piece}})
+            return {"tool_calls": delta} if delta else {}
+        if t.choice == "required":
+            if not final:
+                return {}
+            return self._out(*t.calls(self.text))
+        if t.choice != "auto":
+            return {"content": piece} if piece else {}
+        content_parts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            rest = self.text[self.sent :]
+            start = rest.find(OPEN)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(rest, OPEN)
+                content_parts.append(rest[: len(rest) - keep])
+                self.sent += len(rest) - keep
+                break
+            end = rest.find(CLOSE, start)
+            if end < 0 and not final:
+                content_parts.append(rest[:start])
+                self.sent += start
+                break
+            block_end = end + len(CLOSE) if end >= 0 else len(rest)
+            found = _calls_in(rest[start + len(OPEN) : end if end >= 0 else len(rest)])
+            if found is None:
+                content_parts.append(rest[:block_end])
+            else:
+                content_parts.append(rest[:start])
+                calls.extend(found)
+            self.sent += block_end
+        return self._out("".join(content_parts), calls)
+
+    def _out(self, content: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": self.calls + i, **c} for i, c in enumerate(calls)]
+            self.calls += len(calls)
+        return delta
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def history_for_template(messages: list[dict[str, Any]], tools: Tools | None, template: str) -> list[dict[str, Any]]:
+    """Messages for a chat template. A template that names `tool_calls` gets them with their
+    arguments as objects (as HF templates expect); for one that does not, an assistant's calls
+    are written into its content in the Hermes format. Tools shown to a template that does
+    not name `tools` come as a system prompt (merged into the first system message)."""
+    knows_calls = "tool_calls" in template
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            if knows_calls:
+                m["tool_calls"] = [_with_object_arguments(c) for c in calls]
+            else:
+                written = "\n".join(
+                    f'{OPEN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                    f'{_arguments_text(c["function"].get("arguments"))}}}\n{CLOSE}'
+                    for c in calls
+                )
+                m["content"] = "\n".join(filter(None, [m.get("content") or "", written]))
+                del m["tool_calls"]
+        out.append(m)
+    if tools is not None and tools.shown and "tools" not in template:
+        prompt = tools.system_prompt()
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments_text(args: Any) -> str:
+    if isinstance(args, str):
+        return args
+    return json.dumps(args if args is not None else {}, ensure_ascii=False)
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):
+            fn["arguments"] = json.loads(args)
+    return {**call, "function": fn}

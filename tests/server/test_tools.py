@@ -1,0 +1,196 @@
+"""Tool calling on the chat API (`conveyor/server/tools.py`): the Hermes parser against
+random texts and random chunkings of their streams, the history written for templates with
+and without tool support, and over HTTP on SmolLM2 each `tool_choice`, streamed and whole."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor import InvalidRequestError
+from conveyor.server.tools import Tools, ToolStream, history_for_template, parse_hermes
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 60}},
+                   "required": ["query"]}}}
+TOOLS = [WEATHER, SEARCH]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+
+
+def test_hermes_calls_and_the_text_around_them():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>[{"name": "search", "arguments": {"query": "x"}}, {"name": "f", "parameters": {}}]</tool_call>')
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("search", {"query": "x"}), ("f", {})]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 3
+    # not a call: bad JSON or no name stays text; an unclosed block at the end is read to the end
+    assert parse_hermes("a <tool_call>{oops}</tool_call> b") == ("a <tool_call>{oops}</tool_call> b", [])
+    assert parse_hermes('<tool_call>{"args": 1}</tool_call>')[1] == []
+    content, calls = parse_hermes('Sure <tool_call>{"name": "search", "arguments": {"query": "q"}}')
+    assert content == "Sure" and calls[0]["function"]["name"] == "search"
+    assert parse_hermes("no calls at all") == ("no calls at all", [])
+
+
+CALL = st.builds(
+    lambda name, args: f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>',
+    st.sampled_from(["get_weather", "search"]),
+    st.dictionaries(st.sampled_from(["city", "query"]), st.text(max_size=6), max_size=2),
+)
+PIECE = st.one_of(CALL, st.text(alphabet="ab <>/_tolc\n", max_size=12), st.just("<tool_c"), st.just("<tool_call>{bad}</tool_call>"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PIECE, max_size=6), st.data())
+def test_a_stream_cut_anywhere_gives_the_calls_and_text_of_the_whole(pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ToolStream(Tools.parse(TOOLS, "auto", None))
+    content, calls = "", []
+    for i, chunk in enumerate(chunks):
+        delta = stream.feed(chunk, final=i == len(chunks) - 1)
+        content += delta.get("content", "")
+        for c in delta.get("tool_calls", []):
+            assert c["index"] == len(calls)
+            calls.append((c["function"]["name"], c["function"]["arguments"]))
+    want_content, want_calls = parse_hermes(text)
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    assert (content.strip() if calls else content) == (want_content or "")
+
+
+def test_a_named_stream_sends_the_id_and_name_first_then_arguments():
+    stream = ToolStream(Tools.parse(TOOLS, {"type": "function", "function": {"name": "search"}}, None))
+    first = stream.feed('{"query"', final=False)["tool_calls"][0]
+    assert first["function"] == {"name": "search", "arguments": '{"query"'} and first["id"].startswith("call_")
+    assert stream.feed(': "x"}', final=True) == {"tool_calls": [{"index": 0, "function": {"arguments": ': "x"}'}}]}
+
+
+@pytest.mark.parametrize(("tools", "choice", "why"), [
+    ([], "required", "tool_choice needs tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}], None, "if"),
+    ([{"type": "function", "function": {"name": ""}}], None, "1-64 letters"),
+    ([{"type": "function", "function": {"name": "f"}}], {"type": "function", "function": {"name": "g"}}, "'g'"),
+    ([{"type": "function", "function": {"name": "f"}}], "sometimes", "none, auto, required"),
+])
+def test_bad_tools_are_refused_naming_what(tools, choice, why):
+    with pytest.raises(InvalidRequestError, match=why) as e:
+        Tools.parse(tools, choice, None)
+    assert e.value.param in ("tools", "tool_choice")
+
+
+def test_the_required_schema_takes_calls_of_the_tools_only():
+    tools = Tools.parse(TOOLS, "required", False)
+    schema = json.loads(tools.constraint().json)
+    jsonschema.validate([{"name": "search", "parameters": {"query": "x"}}], schema)
+    for bad in ([], [{"name": "search", "parameters": {"city": 1}}], [{"name": "other", "parameters": {}}],
+                [{"name": "search", "parameters": {"query": "x"}}] * 2):  # parallel_tool_calls=false: one
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    content, calls = tools.calls('[{"name": "search", "parameters": {"query": "x"}}]')
+    assert content is None and calls[0]["function"] == {"name": "search", "arguments": '{"query": "x"}'}
+    assert tools.calls('[{"name": "sea')[0] == '[{"name": "sea'  # cut short: the text as it is
+
+
+def test_history_for_templates_with_and_without_tool_support():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"},
+    ]
+    tools = Tools.parse(TOOLS, "auto", None)
+    plain = history_for_template(messages, tools, "{{ message['content'] }}")
+    assert plain[0]["content"].startswith("Be brief.\n\nYou are a function calling AI model")
+    assert '"name": "get_weather"' in plain[0]["content"] and "<tools>" in plain[0]["content"]
+    assert plain[2] == {"role": "assistant", "content":
+                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    aware = history_for_template(messages, tools, "{% if tools %}{{ tools }}{% endif %}{{ m.tool_calls }}")
+    assert aware[0] == messages[0]  # the template shows the tools itself
+    assert aware[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert history_for_template(messages, Tools.parse(TOOLS, "none", None), "")[0] == messages[0]
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def collect(stream: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    content, calls, reason = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            entry = calls.setdefault(t.index, {"id": "", "name": "", "arguments": ""})
+            entry["id"] = t.id or entry["id"]
+            entry["name"] = (t.function.name if t.function else None) or entry["name"]
+            entry["arguments"] += (t.function.arguments if t.function else None) or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content, calls, reason
+
+
+def test_a_named_function_is_called_with_arguments_in_its_schema(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    content, calls, reason = collect(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0, stream=True))
+    assert content == "" and reason == "stop" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+
+
+def test_required_calls_one_or_more_tools_and_a_conversation_goes_on(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=80, temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls
+    for call in msg.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    content, calls, reason = collect(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0, stream=True))
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in msg.tool_calls]
+    # The calls and the tool's answer go back in; the model answers in text.
+    history = [*ASK, msg.model_dump(exclude_none=True),
+               *({"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "sky": "clear"}'}
+                 for c in msg.tool_calls)]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=20, temperature=0)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
+
+
+def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=24, temperature=0)
+        msg = r.choices[0].message
+        assert msg.content or msg.tool_calls
+        assert choice == "auto" or not msg.tool_calls
+        for call in msg.tool_calls or []:
+            assert call.function.name in SCHEMAS
+        content, calls, _ = collect(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=24, temperature=0, stream=True))
+        assert (content.strip(), len(calls)) == ((msg.content or "").strip(), len(msg.tool_calls or []))
