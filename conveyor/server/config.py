@@ -50,6 +50,14 @@ class ServerConfig:
             "flight through one more, it fails with HTTP 500 (it may be what kills the engine)."
         ),
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_help(
+            "Return a thinking model's <think> block apart from its answer, as "
+            "reasoning_content on the chat API: deepseek_r1 (the output starts inside the "
+            "block) or qwen3 (it thinks only if it opens one). Default: off."
+        ),
+    )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
 
@@ -68,6 +76,8 @@ class ServerConfig:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         if self.engine_max_replays < 0:
             raise ConfigError(f"engine_max_replays={self.engine_max_replays} must be >= 0")
+        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
+            raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: use deepseek_r1 or qwen3")
         if self.log_level not in ("trace", "debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"log_level={self.log_level!r}: use trace, debug, info, warning or error")
 

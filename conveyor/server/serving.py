@@ -41,6 +41,7 @@ from conveyor.server.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from conveyor.server.reasoning import ReasoningStream, split_reasoning
 from conveyor.server.tools import Tools, ToolStream, history_for_template
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
@@ -84,6 +85,7 @@ class _Choice:
     text_sent: int = 0  # characters of completion text streamed so far
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     tool_stream: ToolStream | None = None  # a chat choice's tool calls as its text streams
+    reasoning_stream: ReasoningStream | None = None  # and its reasoning, with a reasoning parser
 
 
 class _Handler:
@@ -646,9 +648,10 @@ class ChatCompletionHandler(_Handler):
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         # OpenAI's first chunk of each choice names the role and carries no text.
-        if self.tools is not None:
-            for c in self.choices:
-                c.tool_stream = ToolStream(self.tools)
+        parser = self.reasoning_parser
+        for c in self.choices:
+            c.tool_stream = ToolStream(self.tools) if self.tools is not None else None
+            c.reasoning_stream = ReasoningStream(parser) if parser is not None else None
         return [
             self.chunk([{
                 "index": c.index,
@@ -668,12 +671,17 @@ class ChatCompletionHandler(_Handler):
                 logprobs = self._logprobs_block(new)
         if not c.delta_text and logprobs is None and not out.finished:
             return None
+        text, thought = c.delta_text, ""
+        if choice.reasoning_stream is not None:
+            thought, text = choice.reasoning_stream.feed(text, out.finished)
         if choice.tool_stream is not None:
-            delta = choice.tool_stream.feed(c.delta_text, out.finished)
-            if not delta and logprobs is None and not out.finished:
-                return None
+            delta = choice.tool_stream.feed(text, out.finished)
         else:
-            delta = {"content": c.delta_text} if c.delta_text else {}
+            delta = {"content": text} if text else {}
+        if thought:
+            delta = {"reasoning_content": thought, **delta}
+        if not delta and logprobs is None and not out.finished:
+            return None
         fields: dict[str, Any] = {
             "index": choice.index,
             "delta": delta,
@@ -691,9 +699,13 @@ class ChatCompletionHandler(_Handler):
         assert choice.final is not None
         c = choice.final.outputs[0]
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        parser = self.reasoning_parser
+        if parser is not None:
+            reasoning, message["content"] = split_reasoning(c.text, parser)
+            message["reasoning_content"] = reasoning
         if self.tools is not None:
-            content, calls = self.tools.calls(c.text)
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            content, calls = self.tools.calls(message["content"] or "")
+            message.update(content=content, tool_calls=calls)
         return {
             "index": choice.index,
             "message": message,
@@ -703,6 +715,12 @@ class ChatCompletionHandler(_Handler):
             "prompt_logprobs": self.prompt_logprobs_field(choice.final),
         }
 
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The server's reasoning parser, unless a grammar holds this output: it then holds
+        the whole output, which has no thinking block to split off."""
+        return self.state.config.reasoning_parser if self.structured_outputs is None else None
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """"tool_calls" where the model chose to call ("auto", "required") and ended; a named

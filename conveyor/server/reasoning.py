@@ -1,0 +1,93 @@
+"""Reasoning outputs (`conveyor serve --reasoning-parser`): a thinking model's thoughts,
+written between `<think>` and `</think>`, come back apart from its answer, as
+`message.reasoning_content` (and `delta.reasoning_content` streamed), the way vLLM's parsers
+of the same names return them.
+
+- `deepseek_r1`: the chat template opens `<think>` in the prompt, so the output starts inside
+  it (an opening tag written anyway is dropped); everything before `</think>` is reasoning,
+  and an output cut off before it is all reasoning.
+- `qwen3`: the output thinks only if it opens with `<think>` (Qwen3 thinks unless told not to
+  by `enable_thinking=false`, then the template closes the block in the prompt); otherwise it
+  is all answer.
+
+Tool calls and everything else about the answer are read from the content alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output; None where there is none."""
+    body = text.lstrip()
+    opened = body.startswith(OPEN)
+    if opened:
+        body = body[len(OPEN) :]
+    elif parser == "qwen3":
+        return None, text
+    else:
+        body = text
+    end = body.find(CLOSE)
+    if end < 0:
+        return body or None, None
+    reasoning, content = body[:end], body[end + len(CLOSE) :].lstrip("\n")
+    return reasoning or None, content or None
+
+
+@dataclass
+class ReasoningStream:
+    """One streamed choice's text, split as it grows into reasoning and content deltas. A tail
+    that could be the start of a tag is held back until the next piece tells."""
+
+    parser: str
+    text: str = ""
+    sent: int = 0  # characters of `text` passed on
+    state: str = "start"  # start (before the first non-space), reasoning, content
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str]:
+        """(new reasoning, new content)."""
+        self.text += piece
+        reasoning, content = "", ""
+        while True:
+            rest = self.text[self.sent :]
+            if self.state == "start":
+                stripped = rest.lstrip()
+                if not final and (not stripped or (OPEN.startswith(stripped) and stripped != OPEN)):
+                    return reasoning, content  # nothing yet, or `<thi`: wait
+                if stripped.startswith(OPEN):
+                    self.sent += len(rest) - len(stripped) + len(OPEN)
+                    self.state = "reasoning"
+                else:
+                    self.state = "content" if self.parser == "qwen3" else "reasoning"
+            elif self.state == "reasoning":
+                end = rest.find(CLOSE)
+                if end >= 0:
+                    reasoning += rest[:end]
+                    self.sent += end + len(CLOSE)
+                    self.state = "after"
+                    continue
+                keep = 0 if final else _partial_suffix(rest, CLOSE)
+                reasoning += rest[: len(rest) - keep]
+                self.sent += len(rest) - keep
+                return reasoning, content
+            elif self.state == "after":  # the newlines after </think> are not the answer's
+                stripped = rest.lstrip("\n")
+                self.sent += len(rest) - len(stripped)
+                if not stripped and not final:
+                    return reasoning, content
+                self.state = "content"
+            else:
+                content += rest
+                self.sent += len(rest)
+                return reasoning, content
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,85 @@
+"""Reasoning outputs (`--reasoning-parser`): the split of a `<think>` block from the answer,
+whole and streamed in random pieces, for both parsers; and over HTTP, a SmolLM2 server with
+the parser against the session's server without it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.server.reasoning import ReasoningStream, split_reasoning
+from tests.server.conftest import ServerProcess
+
+
+@pytest.mark.parametrize(("parser", "text", "want"), [
+    ("deepseek_r1", "I should add.</think>\n\n4", ("I should add.", "4")),
+    ("deepseek_r1", "<think>\nhmm</think>4", ("\nhmm", "4")),
+    ("deepseek_r1", "still thinking when cut off", ("still thinking when cut off", None)),
+    ("deepseek_r1", "</think>just the answer", (None, "just the answer")),
+    ("qwen3", "<think>a</think>\nb", ("a", "b")),
+    ("qwen3", "  <think>a</think>b", ("a", "b")),
+    ("qwen3", "no thinking here</think>", (None, "no thinking here</think>")),
+    ("qwen3", "<think>cut off", ("cut off", None)),
+])
+def test_split(parser, text, want):
+    assert split_reasoning(text, parser) == want
+
+
+PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "b<", "nk>", "x"]),
+                  max_size=10)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["deepseek_r1", "qwen3"]), PIECES, st.data())
+def test_a_stream_cut_anywhere_splits_as_the_whole(parser, pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ReasoningStream(parser)
+    reasoning = content = ""
+    for i, chunk in enumerate(chunks):
+        r, c = stream.feed(chunk, final=i == len(chunks) - 1)
+        reasoning, content = reasoning + r, content + c
+    want_reasoning, want_content = split_reasoning(text, parser)
+    assert (reasoning, content) == (want_reasoning or "", want_content or "")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory, smol_server: ServerProcess) -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        ["--kv-cache-memory", str(128 << 20), "--max-model-len", "1024", "--served-model-name", "smollm2",
+         "--reasoning-parser", "deepseek_r1", "--no-engine-process", "--shutdown-timeout", "2"],
+        tmp_path_factory.mktemp("thinking") / "server.log",
+    )
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+def test_a_served_output_comes_back_as_reasoning(client: openai.OpenAI, thinking_server: ServerProcess) -> None:
+    """SmolLM2 writes no </think>: under deepseek_r1 (the output starts inside the block) its
+    whole answer is reasoning, and a grammar's output is not split."""
+    thinking = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0)
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 16,
+           "temperature": 0}
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    msg = thinking.chat.completions.create(**ask).choices[0].message
+    assert msg.content is None and msg.model_extra["reasoning_content"] == plain
+    streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                       for c in thinking.chat.completions.create(**ask, stream=True) if c.choices)
+    assert streamed == plain
+    constrained = thinking.chat.completions.create(**ask, response_format={"type": "json_object"}).choices[0].message
+    assert constrained.content and constrained.content.startswith("{")
+    assert constrained.model_extra.get("reasoning_content") is None
+
+
+def test_an_unknown_parser_is_refused():
+    from conveyor.config import ConfigError
+    from conveyor.server.config import ServerConfig
+
+    with pytest.raises(ConfigError, match="deepseek_r1 or qwen3"):
+        ServerConfig(reasoning_parser="o1")
