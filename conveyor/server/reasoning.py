@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.server.tools import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -70,7 +72,7 @@ class ReasoningStream:
                     self.sent += end + len(CLOSE)
                     self.state = "after"
                     continue
-                keep = 0 if final else _partial_suffix(rest, CLOSE)
+                keep = 0 if final else partial_suffix(rest, CLOSE)
                 reasoning += rest[: len(rest) - keep]
                 self.sent += len(rest) - keep
                 return reasoning, content
@@ -84,10 +86,3 @@ class ReasoningStream:
                 content += rest
                 self.sent += len(rest)
                 return reasoning, content
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -224,7 +224,7 @@ class ToolStream:
             rest = self.text[self.sent :]
             start = rest.find(OPEN)
             if start < 0:
-                keep = 0 if final else _partial_suffix(rest, OPEN)
+                keep = 0 if final else partial_suffix(rest, OPEN)
                 content_parts.append(rest[: len(rest) - keep])
                 self.sent += len(rest) - keep
                 break
@@ -253,7 +253,7 @@ class ToolStream:
         return delta
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
