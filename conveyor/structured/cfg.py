@@ -46,6 +46,7 @@ from conveyor.structured.regex import (
     Symbol,
     compile_dfa,
     hex_escape,
+    live_states,
     negate,
     normalize,
 )
@@ -433,7 +434,7 @@ def compile_rules(rules: dict[str, Expr]) -> ByteDFA | Pushdown:
         except GrammarError as e:
             raise GrammarError(f"rule {name!r}: {e}") from None
     _check_productive(frames, dfas)
-    calls = [_calls(dfa, len(frames)) for dfa in dfas]
+    calls = [_calls(dfa) for dfa in dfas]
     _check_left_recursion(frames, dfas, calls)
     return Pushdown(
         names=frames,
@@ -456,11 +457,15 @@ def _reachable(rules: dict[str, Expr]) -> set[str]:
 
 def _recursive(rules: dict[str, Expr], reachable: set[str]) -> set[str]:
     """The rules on a cycle of references (they cannot be inlined)."""
-    graph = {n: _refs(rules[n]) for n in reachable}
-    out: set[str] = set()
+    return _on_cycles({n: _refs(rules[n]) for n in reachable})
+
+
+def _on_cycles(graph: dict[Any, set[Any]]) -> set[Any]:
+    """The nodes of `graph` (node -> its successors) from which a path leads back to them."""
+    out = set()
     for start in graph:
         stack = list(graph[start])
-        seen: set[str] = set()
+        seen: set[Any] = set()
         while stack:
             n = stack.pop()
             if n == start:
@@ -472,7 +477,7 @@ def _recursive(rules: dict[str, Expr], reachable: set[str]) -> set[str]:
     return out
 
 
-def _calls(dfa: ByteDFA, num_rules: int) -> list[tuple[tuple[int, int, bool], ...]]:
+def _calls(dfa: ByteDFA) -> list[tuple[tuple[int, int, bool], ...]]:
     table = dfa.table
     byte_edges = table[:, :256].any(axis=1)
     call_edges = table[:, 256:].any(axis=1)
@@ -493,20 +498,10 @@ def _check_productive(names: list[str], dfas: list[ByteDFA]) -> None:
     while changed:
         changed = False
         for r, dfa in enumerate(dfas):
-            if productive[r]:
-                continue
-            usable = dfa.table[:, :256].copy()
-            for k, ok in enumerate(productive):
-                if ok:
-                    usable = np.concatenate([usable, dfa.table[:, 256 + k : 257 + k]], axis=1)
-            live = dfa.accepting.copy()
-            while True:
-                grown = live | (live[usable] & (usable != 0)).any(axis=1)
-                if (grown == live).all():
-                    break
-                live = grown
-            if live[1]:
-                productive[r] = changed = True
+            if not productive[r]:
+                usable = [*range(256), *(256 + k for k, ok in enumerate(productive) if ok)]
+                if live_states(dfa.table[:, usable], dfa.accepting)[1]:
+                    productive[r] = changed = True
     stuck = [repr(names[r]) for r, ok in enumerate(productive) if not ok]
     if stuck:
         raise GrammarError(
@@ -542,16 +537,9 @@ def _check_left_recursion(names: list[str], dfas: list[ByteDFA], calls: list[lis
             if not nullable[r] and any(dfas[r].accepting[s] for s in reach(r)[0]):
                 nullable[r] = changed = True
     first = {r: reach(r)[1] for r in range(n)}
-    for r in range(n):
-        seen: set[int] = set()
-        stack = list(first[r])
-        while stack:
-            k = stack.pop()
-            if k == r:
-                raise GrammarError(
-                    f"rule {names[r]!r} is left-recursive (it can reach itself before reading any text); "
-                    "write the recursion as a repetition, e.g. term (\"+\" term)*"
-                )
-            if k not in seen:
-                seen.add(k)
-                stack.extend(first[k])
+    left = _on_cycles(first)
+    if left:
+        raise GrammarError(
+            f"rule {names[min(left)]!r} is left-recursive (it can reach itself before reading any text); "
+            "write the recursion as a repetition, e.g. term (\"+\" term)*"
+        )

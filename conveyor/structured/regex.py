@@ -445,17 +445,23 @@ def compile_dfa(node: Node, width: int = 256) -> ByteDFA:
     accepting = np.array([final in s for s in sets], dtype=bool)
     # States from which no text is accepted (a branch cut to nothing) are dead too, so that
     # a live state always has a way to finish.
-    live = accepting.copy()
-    while True:
-        grown = live | live[table].any(axis=1)
-        if (grown == live).all():
-            break
-        live = grown
+    live = live_states(table, accepting)
     if not live[1]:
         raise GrammarError("the grammar matches no text at all")
     table[~live[table]] = 0
     table[~live] = 0
     return _minimize(table, accepting)
+
+
+def live_states(table: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """The states from which some path over `table`'s columns reaches an accepting state
+    (state 0, the dead one, never accepts and goes nowhere)."""
+    live = accepting.copy()
+    while True:
+        grown = live | live[table].any(axis=1)
+        if (grown == live).all():
+            return live
+        live = grown
 
 
 def _minimize(table: np.ndarray, accepting: np.ndarray) -> ByteDFA:
