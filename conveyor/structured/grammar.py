@@ -105,6 +105,23 @@ class TokenVocab:
         # How many tokens (a prefix, longest first) are longer than j bytes, for each j.
         self.longer_than = np.searchsorted(-np.array(lengths), -np.arange(width), side="left")
 
+    @staticmethod
+    def walk_table(table: np.ndarray) -> np.ndarray:
+        """A DFA's byte table for `walk`: a column 256 (past a token's end) that stays put."""
+        return np.concatenate([table[:, :256], np.arange(table.shape[0], dtype=table.dtype)[:, None]], axis=1)
+
+    def walk(self, table: np.ndarray, state: int, leaves: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every token's bytes walked from `state` at once (`table` from `walk_table`): the
+        state each ends in, by row of `ids` (0: dead), and whether it passed, after its
+        first byte and before its last, a state that `leaves` marks."""
+        cur = np.full(len(self.ids), state, dtype=table.dtype)
+        passed = np.zeros(len(self.ids), dtype=bool)
+        for j, n in enumerate(self.longer_than.tolist()):
+            if j and leaves is not None:
+                passed[:n] |= leaves[cur[:n]]
+            cur[:n] = table[cur[:n], self.bytes[:n, j]]
+        return cur, passed
+
 
 class Grammar:
     """One compiled grammar. `allowed(state)` is a bool tensor over the vocabulary (on
@@ -117,8 +134,7 @@ class Grammar:
         self.vocab = vocab
         self.device = device
         self._rows = dfa.table.tolist()  # a Python walk per sampled token: lists beat numpy scalars
-        # The table for the vectorized walk: column 256 (past a token's end) stays put.
-        self._walk = np.concatenate([dfa.table, np.arange(dfa.num_states, dtype=np.int32)[:, None]], axis=1)
+        self._walk = vocab.walk_table(dfa.table)
         self._eos = frozenset(vocab.eos_token_ids)
         self._masks: dict[int, torch.Tensor] = {}
         self._ends: set[int] = set()  # states whose mask allows only the end
@@ -155,10 +171,7 @@ class Grammar:
         vocab = self.vocab
         mask = np.zeros(vocab.size, dtype=bool)
         if state:
-            table = self._walk
-            cur = np.full(len(vocab.ids), state, dtype=np.int32)
-            for j, n in enumerate(vocab.longer_than.tolist()):
-                cur[:n] = table[cur[:n], vocab.bytes[:n, j]]
+            cur, _ = vocab.walk(self._walk, state)
             mask[vocab.ids[cur != 0]] = True
             if self.dfa.accepting[state]:
                 mask[vocab.eos_token_ids] = True
@@ -187,9 +200,7 @@ class PushdownGrammar:
         self.device = device
         # For the vectorized walk, as Grammar's; a frame may leave its rule (call or return)
         # in a state with calls or that accepts.
-        self._walk = [
-            np.concatenate([t, np.arange(t.shape[0], dtype=t.dtype)[:, None]], axis=1) for t in pda.tables
-        ]
+        self._walk = [vocab.walk_table(t) for t in pda.tables]
         self._leaves = [
             np.array([bool(c) for c in calls], dtype=bool) | acc for calls, acc in zip(pda.calls, pda.accepting, strict=True)
         ]
@@ -275,13 +286,7 @@ class PushdownGrammar:
         node = self._nodes.get((r, s))
         if node is None:
             vocab = self.vocab
-            table, leaves = self._walk[r], self._leaves[r]
-            cur = np.full(len(vocab.ids), s, dtype=table.dtype)
-            passed = np.zeros(len(vocab.ids), dtype=bool)
-            for j, n in enumerate(vocab.longer_than.tolist()):
-                if j:
-                    passed[:n] |= leaves[cur[:n]]
-                cur[:n] = table[cur[:n], vocab.bytes[:n, j]]
+            cur, passed = vocab.walk(self._walk[r], s, self._leaves[r])
             takes = np.zeros(vocab.size, dtype=bool)
             takes[vocab.ids[cur != 0]] = True
             node = self._nodes[(r, s)] = (takes, vocab.ids[(cur == 0) & passed])
