@@ -25,18 +25,7 @@ PARSERS = ("deepseek_r1", "qwen3")
 
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; None where there is none."""
-    body = text.lstrip()
-    opened = body.startswith(OPEN)
-    if opened:
-        body = body[len(OPEN) :]
-    elif parser == "qwen3":
-        return None, text
-    else:
-        body = text
-    end = body.find(CLOSE)
-    if end < 0:
-        return body or None, None
-    reasoning, content = body[:end], body[end + len(CLOSE) :].lstrip("\n")
+    reasoning, content = ReasoningStream(parser).feed(text, final=True)
     return reasoning or None, content or None
 
 

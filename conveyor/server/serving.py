@@ -674,8 +674,10 @@ class ChatCompletionHandler(_Handler):
         text, thought = c.delta_text, ""
         if choice.reasoning_stream is not None:
             thought, text = choice.reasoning_stream.feed(text, out.finished)
+        called = False
         if choice.tool_stream is not None:
             delta = choice.tool_stream.feed(text, out.finished)
+            called = choice.tool_stream.calls > 0
         else:
             delta = {"content": text} if text else {}
         if thought:
@@ -686,9 +688,7 @@ class ChatCompletionHandler(_Handler):
             "index": choice.index,
             "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": self._finish_reason(c.finish_reason, choice.tool_stream.calls > 0
-                                                 if choice.tool_stream is not None else False)
-            if out.finished else None,
+            "finish_reason": self._finish_reason(c.finish_reason, called) if out.finished else None,
             "stop_reason": c.stop_reason if out.finished else None,
         }
         if (prompt_lps := self.prompt_logprobs_field(out)) is not None:  # (in a choice's first output only)
@@ -714,7 +714,6 @@ class ChatCompletionHandler(_Handler):
             "stop_reason": c.stop_reason,
             "prompt_logprobs": self.prompt_logprobs_field(choice.final),
         }
-
 
     @property
     def reasoning_parser(self) -> str | None:

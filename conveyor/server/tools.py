@@ -148,25 +148,37 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Calls written as `<tool_call>{...}</tool_call>` (an object or a list of them), and the
     text around them. A block that is not a call (bad JSON, no name) stays in the text; an
     unclosed one at the end is read to the end."""
-    calls: list[dict[str, Any]] = []
+    content, calls, _ = _scan(text, final=True)
+    if calls:
+        return content.strip() or None, calls
+    return content, calls
+
+
+def _scan(text: str, final: bool) -> tuple[str, list[dict[str, Any]], int]:
+    """The content and the calls in `text`, and how much of it they account for: not
+    finished (`final` false), a block that is not closed yet, or an end that may begin one,
+    waits for more."""
     content: list[str] = []
+    calls: list[dict[str, Any]] = []
     at = 0
-    while (start := text.find(OPEN, at)) >= 0:
+    while True:
+        start = text.find(OPEN, at)
+        if start < 0:
+            keep = 0 if final else partial_suffix(text[at:], OPEN)
+            content.append(text[at : len(text) - keep])
+            return "".join(content), calls, len(text) - keep
         end = text.find(CLOSE, start)
-        body = text[start + len(OPEN) : end if end >= 0 else len(text)]
-        found = _calls_in(body)
+        if end < 0 and not final:
+            content.append(text[at:start])
+            return "".join(content), calls, start
         stop = end + len(CLOSE) if end >= 0 else len(text)
-        if found is None:
+        found = _calls_in(text[start + len(OPEN) : end if end >= 0 else len(text)])
+        if found is None:  # not a call: text
             content.append(text[at:stop])
         else:
             content.append(text[at:start])
             calls.extend(found)
         at = stop
-    content.append(text[at:])
-    rest = "".join(content)
-    if calls:
-        rest = rest.strip()
-    return (rest or None) if calls else rest, calls
 
 
 def _calls_in(body: str) -> list[dict[str, Any]] | None:
@@ -218,30 +230,9 @@ class ToolStream:
             return self._out(*t.calls(self.text))
         if t.choice != "auto":
             return {"content": piece} if piece else {}
-        content_parts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        while True:
-            rest = self.text[self.sent :]
-            start = rest.find(OPEN)
-            if start < 0:
-                keep = 0 if final else partial_suffix(rest, OPEN)
-                content_parts.append(rest[: len(rest) - keep])
-                self.sent += len(rest) - keep
-                break
-            end = rest.find(CLOSE, start)
-            if end < 0 and not final:
-                content_parts.append(rest[:start])
-                self.sent += start
-                break
-            block_end = end + len(CLOSE) if end >= 0 else len(rest)
-            found = _calls_in(rest[start + len(OPEN) : end if end >= 0 else len(rest)])
-            if found is None:
-                content_parts.append(rest[:block_end])
-            else:
-                content_parts.append(rest[:start])
-                calls.extend(found)
-            self.sent += block_end
-        return self._out("".join(content_parts), calls)
+        content, calls, used = _scan(self.text[self.sent :], final)
+        self.sent += used
+        return self._out(content, calls)
 
     def _out(self, content: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
         delta: dict[str, Any] = {}
