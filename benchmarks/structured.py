@@ -25,6 +25,7 @@ import statistics
 import time
 
 from conveyor import LLM, SamplingParams, StructuredOutputParams
+from conveyor.structured.cfg import Pushdown
 from conveyor.structured.grammar import PushdownGrammar
 
 SCHEMA = {
@@ -147,18 +148,17 @@ def main() -> None:
 
 
 def deep_walk(llm: LLM) -> None:
-    from conveyor.structured.grammar import GrammarCache
+    from conveyor.structured import compile_automaton
 
-    runner = llm.engine.runner
+    cache = llm.engine.runner.grammars
     value: object = {"leaf": [1, 2.5, "x"]}
     for i in range(40):
         value = {f"k{i}": [value, i]} if i % 2 else {f"k{i}": value, "n": None}
     text = json.dumps(value)
     tokens = llm.engine.tokenizer.encode(text, add_special_tokens=False)
-    cache = GrammarCache(runner.grammars._tokenizer, runner.eos_token_ids, runner.grammars.vocab.size,
-                         runner.grammars.device)
-    cache._vocab = runner.grammars.vocab  # the vocabulary's bytes, computed once above
-    grammar = cache.get(StructuredOutputParams(json_object=True))
+    pda = compile_automaton(StructuredOutputParams(json_object=True))
+    assert isinstance(pda, Pushdown)
+    grammar = PushdownGrammar(pda, cache.vocab, cache.device)  # not the cache's: no mask computed yet
     print(f"\n{len(text)} characters, {len(tokens)} tokens, 40 levels deep")
     print("| walk | mean ms/token | max ms/token | masks computed |")
     print("|---|---:|---:|---:|")
