@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
+from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 
@@ -21,6 +22,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "InvalidRequestError",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",

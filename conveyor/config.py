@@ -66,6 +66,20 @@ class ModelConfig:
         ),
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata=_help(
+            "Serve LoRA adapters (PEFT folders) beside the base model: each request may name "
+            "one (LLM.generate's lora_request, the server's --lora-modules); a step runs the "
+            "base model's requests and up to max_loras adapters' side by side."
+        ),
+    )
+    max_lora_rank: int = field(default=16, metadata=_help("enable_lora: the highest adapter rank accepted."))
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=_help("enable_lora: adapters kept loaded, least recently used dropped first (default: max_loras)."),
+    )
+
     def __post_init__(self) -> None:
         allowed = ("auto", "float32", "float64", "float16", "bfloat16")
         if self.dtype not in allowed:
@@ -78,6 +92,10 @@ class ModelConfig:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
         if self.quantization not in (None, "int8"):
             raise ConfigError(f"quantization={self.quantization!r}: use 'int8' or leave it unset")
+        if not self.enable_lora and (self.max_lora_rank != 16 or self.max_cpu_loras is not None):
+            raise ConfigError("max_lora_rank and max_cpu_loras apply only with enable_lora=True")
+        if self.max_lora_rank < 1 or (self.max_cpu_loras is not None and self.max_cpu_loras < 1):
+            raise ConfigError("max_lora_rank and max_cpu_loras must be at least 1")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError(
                 f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be at least 1 "
@@ -246,6 +264,16 @@ class SchedulerConfig:
         ),
     )
 
+    max_loras: int = field(
+        default=1,
+        metadata=_help(
+            "enable_lora: most distinct adapters among the running requests (vLLM's default, 1). "
+            "A waiting request of another adapter waits for a place, while requests of the base "
+            "model or of the running adapters go ahead of it; each adapter adds two small "
+            "products per projection to a step."
+        ),
+    )
+
     speculative_method: str | None = field(
         default=None,
         metadata=_help(
@@ -298,6 +326,8 @@ class SchedulerConfig:
         for name in ("schedule_interval", "max_waiting_tokens", "mlfq_levels", "mlfq_quantum", "mlfq_prompt_quantum", "max_preemptions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras={self.max_loras} must be at least 1")
         for name in ("long_prefill_token_threshold", "auto_swap_min_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
@@ -446,6 +476,13 @@ class EngineConfig:
     SECTIONS = ("model", "cache", "scheduler")
 
     def __post_init__(self) -> None:
+        if not self.model.enable_lora and self.scheduler.max_loras != 1:
+            raise ConfigError("max_loras applies only with enable_lora=True")
+        if self.model.max_cpu_loras is not None and self.model.max_cpu_loras < self.scheduler.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras={self.model.max_cpu_loras} must be at least max_loras={self.scheduler.max_loras}: "
+                "a step's adapters must all be loaded"
+            )
         if self.scheduler.policy == "lpm" and not self.cache.enable_prefix_caching:
             raise ConfigError(
                 "policy='lpm' orders the queue by prefix-cache hits, and enable_prefix_caching=False "

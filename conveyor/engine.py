@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
@@ -293,6 +294,10 @@ class Engine:
             cuda_graph_max_batch=0 if mc.enforce_eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        if mc.enable_lora:
+            from conveyor.models.lora import LoRAManager
+
+            runner.lora = LoRAManager(model, mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras)
         if tokenizer is not None:
             from conveyor.structured.grammar import GrammarCache
 
@@ -398,27 +403,32 @@ class Engine:
         stream: bool = False,
         prompt_text: str | None = None,
         resume: Resume | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never run.
 
         `prompt_text` names the text of already-tokenized `prompt` ids, for the output.
         `resume` continues a request another engine had started (an engine process replaced
-        after a crash); its outputs are not emitted again.
+        after a crash); its outputs are not emitted again. `lora_request` names the adapter
+        it runs with (`enable_lora`); the adapter is loaded now, so a bad one fails here.
         """
         if request_id in self._requests or request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
         if params.n > 1:
-            self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume)
+            self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
             return
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate(token_ids, params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         seq = Sequence(
             self._next_seq_id,
             request_id,
             token_ids,
             params,
             self.clock() if arrival_time is None else arrival_time,
+            lora_request,
         )
         self._next_seq_id += 1
         detok = None
@@ -443,9 +453,19 @@ class Engine:
         self._by_seq[seq.seq_id] = req
         self.scheduler.add(seq)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Load (and so check) an adapter; InvalidRequestError if it cannot serve."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r}: this engine serves none (start it with enable_lora=True)",
+                param="lora_request",
+            )
+        lora.get(lora_request)
+
     def _add_parent(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,
-        stream: bool, prompt_text: str | None, resume: Resume | None,
+        stream: bool, prompt_text: str | None, resume: Resume | None, lora_request: LoRARequest | None,
     ) -> None:
         """n choices as n requests over the same prompt: the first computes the prompt's
         logprobs if asked, choice i of a seeded request uses seed + i (vLLM's parallel sampling)."""
@@ -463,7 +483,8 @@ class Engine:
                 params, n=1, seed=None if params.seed is None else params.seed + i,
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None,
             )
-            self.add_request(child, token_ids, one, arrival, stream, text if text is not None else prompt_text)
+            self.add_request(child, token_ids, one, arrival, stream, text if text is not None else prompt_text,
+                             lora_request=lora_request)
             self._child_of[child] = (parent, i)
         self._parents[request_id] = parent
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
+from conveyor.lora import LoRARequest
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.tokenizer import Tokenizer
@@ -40,22 +41,28 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order.
 
-        Every prompt is validated before any work starts: one bad prompt raises and nothing runs.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt; the engine needs `enable_lora=True`. Every prompt is validated, and every
+        adapter loaded, before any work starts: one bad prompt raises and nothing runs.
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
+        loras = _as_lora_list(lora_request, len(batch))
         checked: list[tuple[str | None, list[int]]] = []
-        for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(batch, params, loras, strict=True)):
             text, ids = self.engine.tokenize_prompt(prompt)
             try:
                 self.engine.validate(ids, p)
+                if lora is not None:
+                    self.engine.check_lora(lora)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
             checked.append((text, ids))
-        return self._run(checked, params, use_tqdm)
+        return self._run(checked, params, use_tqdm, loras)
 
     def chat(
         self,
@@ -64,6 +71,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
         if self.engine.tokenizer is None:
@@ -79,20 +87,21 @@ class LLM:
             )
             for c in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
         self,
         prompts: list[tuple[str | None, list[int]]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
-        for (text, token_ids), p in zip(prompts, params, strict=True):
+        for (text, token_ids), p, lora in zip(prompts, params, loras, strict=True):
             rid = f"gen-{self._counter}"
             self._counter += 1
-            engine.add_request(rid, token_ids, p, prompt_text=text)
+            engine.add_request(rid, token_ids, p, prompt_text=text, lora_request=lora)
             ids.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -145,4 +154,13 @@ def _as_params_list(
     items = list(params)
     if len(items) != n:
         raise InvalidRequestError(f"{len(items)} sampling params for {n} prompts", "sampling_params")
+    return items
+
+
+def _as_lora_list(loras: LoRARequest | Seq[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if loras is None or isinstance(loras, LoRARequest):
+        return [loras] * n
+    items = list(loras)
+    if len(items) != n:
+        raise InvalidRequestError(f"{len(items)} LoRA requests for {n} prompts", "lora_request")
     return items

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from conveyor.lora import LoRARequest
 from conveyor.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token not back from the runner yet (see the module docstring)
@@ -80,6 +81,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "finish_reason",
+        "lora_request",
         "metrics",
         "num_computed_tokens",
         "num_pending",
@@ -100,6 +102,7 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -118,6 +121,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
 
     @property
     def num_tokens(self) -> int:

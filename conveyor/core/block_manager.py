@@ -31,18 +31,25 @@ from collections.abc import Iterable
 from conveyor.sequence import Sequence
 
 
-def chain_hashes(token_ids: list[int], block_size: int, hashes: list[bytes], num_blocks: int) -> list[bytes]:
+def chain_hashes(
+    token_ids: list[int], block_size: int, hashes: list[bytes], num_blocks: int, salt: bytes = b""
+) -> list[bytes]:
     """Extend `hashes` (those of the first blocks of `token_ids`) to `num_blocks` full blocks.
 
     Block i's hash is SHA-256 over block i-1's hash and block i's token ids, so it names the
     whole prefix up to the end of block i. A cryptographic hash, as vLLM's default: with a
     64-bit one, a crafted prompt could collide with another user's prefix and read its K/V.
+    The first block chains onto `salt`: what else than the tokens makes the K/V (a LoRA adapter).
     """
-    parent = hashes[-1] if hashes else b""
+    parent = hashes[-1] if hashes else salt
     for i in range(len(hashes), num_blocks):
         parent = hashlib.sha256(parent + array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()).digest()
         hashes.append(parent)
     return hashes
+
+
+def _salt(seq: Sequence) -> bytes:
+    return b"" if seq.lora_request is None else seq.lora_request.hash_salt
 
 
 class BlockManager:
@@ -125,7 +132,7 @@ class BlockManager:
         num_blocks = min(known, len(seq.token_ids) - 1) // self.block_size
         if not num_blocks:
             return []
-        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_blocks)
+        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_blocks, _salt(seq))
         hits: list[int] = []
         cached = self._cached
         for i in range(num_blocks):
@@ -159,7 +166,7 @@ class BlockManager:
         A block already registered, or whose prefix another block already holds, is skipped."""
         if not self.enable_prefix_caching:
             return
-        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end)
+        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq))
         cached, hashed = self._cached, self._block_hash
         for i in range(first, end):
             block, h = table[i], hashes[i]

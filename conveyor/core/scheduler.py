@@ -28,6 +28,7 @@ from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
 from conveyor.core.speculative import make_proposer
+from conveyor.lora import LoRARequest
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
@@ -52,6 +53,7 @@ class ScheduledSequence:
     all_token_ids: list[int]
     prompt_len: int
     num_draft: int = 0
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -295,7 +297,10 @@ class Scheduler:
         bm = self.block_manager
         seats = self.batching.seat_limit() - len(self.running) - len(self.swapped)
         free = bm.num_free_blocks - self.watermark_blocks
+        adapters = self._adapters()
         for cand in eligible:
+            if not self._adapter_fits(cand, adapters):
+                continue  # admission would pass it by: preempting for it would make room for nobody
             need = bm.blocks_for_tokens(min(cand.num_tokens, self.config.max_num_batched_tokens))
             # Aging reorders admission only: aged requests neither displace nor are displaced
             # (were they to displace, their victims would age in turn and displace them back).
@@ -410,7 +415,7 @@ class Scheduler:
         out.scheduled.append(
             ScheduledSequence(
                 seq.seq_id, [tokens[start], *drafts], start, seq.block_table, True,
-                seq.sampling_params, tokens, seq.prompt_len, len(drafts),
+                seq.sampling_params, tokens, seq.prompt_len, len(drafts), seq.lora_request,
             )
         )
         seq.num_computed_tokens = start + 1
@@ -468,9 +473,15 @@ class Scheduler:
         admitted: list[Sequence] = []
         fresh = False
         caching = bm.enable_prefix_caching
+        adapters: set[str] | None = None  # the adapters running or swapped out, once one is asked for
         for seq in eligible:
             if budget <= 0 or len(self.running) >= seats:
                 break
+            if seq.lora_request is not None:
+                if adapters is None:
+                    adapters = self._adapters()
+                if not self._adapter_fits(seq, adapters):
+                    continue  # others (the base model, the adapters running) go ahead; it keeps its place
             # A prefix-cache hit is computed already: the sequence starts after it (a waiting
             # sequence holds no blocks and has computed nothing, fresh or preempted). One
             # that asks for its prompt's logprobs computes the prompt whole, until it has them.
@@ -499,6 +510,8 @@ class Scheduler:
                 seq.metrics.num_cached_tokens = len(hits) * bm.block_size
             fresh = fresh or seq.num_output_tokens == 0
             self.running.append(seq)
+            if adapters is not None and seq.lora_request is not None:
+                adapters.add(seq.lora_request.lora_name)
             self.batching.on_admitted(seq)
             self.policy.on_admitted(seq)
             admitted.append(seq)
@@ -508,6 +521,16 @@ class Scheduler:
             chosen = {id(s) for s in admitted}
             self.waiting = [s for s in self.waiting if id(s) not in chosen]
         return fresh
+
+    def _adapters(self) -> set[str]:
+        """The LoRA adapters of the running and swapped-out sequences: at most `max_loras`."""
+        return {s.lora_request.lora_name for q in (self.running, self.swapped) for s in q if s.lora_request is not None}
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
+        """Whether `seq` may run beside `adapters` (vLLM's max_loras: a step adds two small
+        products per projection and adapter, and the runner keeps max_cpu_loras loaded)."""
+        lora = seq.lora_request
+        return lora is None or lora.lora_name in adapters or len(adapters) < self.config.max_loras
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         """Put `num_new` tokens of `seq` into the step. They count as computed from now on, and
@@ -531,6 +554,8 @@ class Scheduler:
                 seq.sampling_params,
                 tokens,
                 seq.prompt_len,
+                0,
+                seq.lora_request,
             )
         )
         seq.num_computed_tokens = end
@@ -734,3 +759,4 @@ class Scheduler:
             covered = len(seq.block_table) * self.block_manager.block_size
             assert covered >= seq.num_computed_tokens, seq
         assert len(self.running) + len(self.swapped) <= self.config.max_num_seqs
+        assert len(self._adapters()) <= self.config.max_loras, self._adapters()

@@ -12,6 +12,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from conveyor.models.quantize import (
     int8_supported,
     quantize_linears,
 )
+
+if TYPE_CHECKING:
+    from conveyor.models.lora import LoRAContext
 
 # Fused-decode pointer tables kept: one per KV cache of the engines sharing a model.
 MAX_CACHE_TABLES = 16
@@ -424,6 +428,7 @@ class LlamaForCausalLM(nn.Module):
         self.gemv: Gemv | None = None  # set by prepare_for_inference (CUDA, half precision, opt-in)
         self.gemv_head: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # ... with the argmax
         self.gemv_max_rows = 0
+        self.lora: LoRAContext | None = None  # set by attach_lora (enable_lora)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -438,10 +443,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm."""
+        # A step with adapters runs the modules, where `LoRALinear` adds their deltas; the
+        # fused paths read the base weights directly.
+        plain = self.lora is None or self.lora.current() is None
         fused = self.fused_decode
-        if fused is not None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
+        if plain and fused is not None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
             return fused(input_ids, positions, kv_caches, meta)
-        if self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
+        if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)

@@ -16,6 +16,7 @@ import torch
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.models.attention import HostBlockTables, build_metadata, host_longs, to_device
 from conveyor.models.llama import LlamaForCausalLM
+from conveyor.models.lora import LoRAManager
 from conveyor.runner.base import PromptLogprob, RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
@@ -113,6 +114,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[int, int] = {}
         self._last_handle: StepHandle | None = None
+        self.lora: LoRAManager | None = None  # the adapters (enable_lora; set by the engine)
         self.graphs: GraphedDecode | None = None
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
@@ -202,7 +204,8 @@ class ModelRunner:
         logits: torch.Tensor | None = None
         greedy: torch.Tensor | None = None
         hidden: torch.Tensor | None = None
-        if graphs is not None and graphs.applies(len(items), all_decodes):
+        adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
+        if graphs is not None and adapters is None and graphs.applies(len(items), all_decodes):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
@@ -217,7 +220,12 @@ class ModelRunner:
                 self.sliding_window,
                 self.dtype,
             )
-            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+            if adapters is None:
+                hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+            else:
+                assert self.lora is not None
+                with self.lora.context.use(adapters):
+                    hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         prompt_lps = (
             self._prompt_logprobs(items, num_new, hidden, logits)
             if any(it.sampling_params.prompt_logprobs is not None for it in items) else None

@@ -18,6 +18,7 @@ from typing import Any
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.lora import LoRARequest
 from conveyor.models.attention import HostBlockTables
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence
@@ -151,7 +152,9 @@ class FakeRunner:
             else:
                 context = item.all_token_ids[: item.context_len]
             assert context[item.start_pos :] == item.token_ids
-            key = 0 if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
+            # Real K/V depend on the adapter too: a block shared across adapters reads wrong.
+            adapter = None if item.lora_request is None else item.lora_request.lora_name
+            key = hash(adapter) if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
             for pos, token in enumerate(context):
                 key = hash((key, token))
                 slot = self._slot(table, pos)
@@ -222,6 +225,7 @@ class Driver:
         expected: int | None = None,
         at: float | None = None,
         prompt: list[int] | None = None,
+        lora: LoRARequest | None = None,
         **params_kw: Any,
     ) -> Sequence:
         # ignore_eos: these tests count steps and tokens, an early EOS would change them.
@@ -234,7 +238,7 @@ class Driver:
         )
         arrival = self.now if at is None else at
         tokens = make_prompt(seq_id, prompt_len) if prompt is None else prompt
-        seq = Sequence(seq_id, f"r{seq_id}", tokens, params, arrival)
+        seq = Sequence(seq_id, f"r{seq_id}", tokens, params, arrival, lora)
         self.seqs[seq_id] = seq
         self.sched.add(seq)
         return seq

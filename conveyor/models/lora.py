@@ -1,0 +1,298 @@
+"""Low-rank adapters over the running model, many at once (S-LoRA / Punica's idea, vLLM's
+multi-LoRA serving).
+
+An adapter adds `scale * B A x` to a projection, `A` `[r, in]` and `B` `[out, r]`. The base
+weights are never touched: `attach_lora` wraps each layer's four projections in `LoRALinear`,
+which adds the deltas of the step's adapters to the base's output, each to its own rows only.
+So one step serves the base model and several adapters side by side, as a batch of one
+adapter would (the scheduler holds a step to `max_loras` adapters).
+
+The fused projections take their slices' factors stacked: `qkv_proj`'s `A` is q's, k's and v's
+`A` one above the other `[r_q + r_k + r_v, in]`, and its `B` is block-diagonal, so the three
+deltas are two matrix products. The scale is folded into `B` when an adapter is loaded.
+
+Adapters load from PEFT's layout (`adapter_config.json`, `adapter_model.safetensors` or
+`.bin`); what the base model's modules cannot take is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.lora import LoRARequest
+from conveyor.models.arch import ArchConfig
+from conveyor.models.attention import host_longs, to_device
+from conveyor.sampling_params import InvalidRequestError
+
+# HF projection -> (the fused module it lives in, its slice there)
+TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$"
+)
+
+
+def _slices(arch: ArchConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each fused module's input width and its slices' output widths."""
+    q, kv, h, i = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, arch.intermediate_size
+    return {"qkv_proj": (h, [q, kv, kv]), "o_proj": (q, [h]), "gate_up_proj": (h, [i, i]), "down_proj": (i, [h])}
+
+
+@dataclass(slots=True)
+class LoRAWeights:
+    """One adapter, ready to apply: per layer, each fused module's `A^T` `[in, R]` and scaled
+    `B^T` `[R, out]` (R the slices' ranks together); a module it does not adapt is absent."""
+
+    name: str
+    path: str
+    rank: int
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _refuse(request: LoRARequest, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {why}", param="lora_request")
+
+
+def _read_config(request: LoRARequest) -> dict[str, Any]:
+    path = Path(request.lora_path) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise _refuse(request, "no adapter_config.json there (a PEFT adapter folder is expected)") from None
+    except (OSError, ValueError) as e:
+        raise _refuse(request, f"adapter_config.json cannot be read: {e}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
+        raise _refuse(request, "adapter_config.json has no positive integer rank 'r'")
+    unsupported = [
+        ("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (fully trained modules)"),
+        ("rank_pattern", "rank_pattern (ranks per module)"), ("alpha_pattern", "alpha_pattern (alphas per module)"),
+    ]
+    for key, what in unsupported:
+        if config.get(key):
+            raise _refuse(request, f"{what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise _refuse(request, f"bias={config['bias']!r} is not supported (only 'none')")
+    return config
+
+
+def _read_tensors(request: LoRARequest) -> dict[str, torch.Tensor]:
+    folder = Path(request.lora_path)
+    st, pt = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    try:
+        if st.exists():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if pt.exists():
+            loaded = torch.load(str(pt), map_location="cpu", weights_only=True)
+            return dict(loaded)
+    except Exception as e:  # a truncated or foreign file: the request's to see
+        raise _refuse(request, f"its weights cannot be read: {e}") from None
+    raise _refuse(request, "no adapter_model.safetensors or adapter_model.bin there")
+
+
+def load_adapter(
+    request: LoRARequest, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_rank: int
+) -> LoRAWeights:
+    """Read and check an adapter and lay it out for `LoRALinear` (see the module docstring)."""
+    config = _read_config(request)
+    rank = int(config["r"])
+    if rank > max_rank:
+        raise _refuse(request, f"its rank {rank} exceeds max_lora_rank={max_rank}")
+    alpha = float(config.get("lora_alpha", rank))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(request).items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise _refuse(request, f"tensor {key!r} adapts no projection of a decoder layer "
+                                   f"(supported: {', '.join(TARGETS)})")
+        layer = int(m.group(1))
+        if layer >= arch.num_layers:
+            raise _refuse(request, f"tensor {key!r}: the model has {arch.num_layers} layers")
+        factors.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
+    if not factors:
+        raise _refuse(request, "it holds no LoRA weights")
+    shapes = _slices(arch)
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(arch.num_layers)]
+    for layer in range(arch.num_layers):
+        for module, (fan_in, widths) in shapes.items():
+            present = [(slot, name) for name, (mod, slot) in TARGETS.items() if mod == module and (layer, name) in factors]
+            if not present:
+                continue
+            a_parts, b_full_rows = [], []
+            for slot, name in present:
+                ab = factors[(layer, name)]
+                if set(ab) != {"A", "B"}:
+                    raise _refuse(request, f"layer {layer} {name} has lora_{''.join(ab)} without its pair")
+                a, b = ab["A"], ab["B"]
+                if a.shape != (rank, fan_in) or b.shape != (widths[slot], rank):
+                    raise _refuse(
+                        request, f"layer {layer} {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                        f"this model (expected ({rank}, {fan_in}) and ({widths[slot]}, {rank}))",
+                    )
+                a_parts.append(a)
+                b_full_rows.append((slot, b))
+            total = rank * len(present)
+            b_t = torch.zeros(total, sum(widths), dtype=torch.float64)
+            offsets = [sum(widths[:s]) for s in range(len(widths))]
+            for j, (slot, b) in enumerate(b_full_rows):  # block-diagonal: slice j's rank feeds slice j's rows
+                b_t[j * rank:(j + 1) * rank, offsets[slot]:offsets[slot] + widths[slot]] = b.double().t() * scale
+            a_t = torch.cat(a_parts).t()
+            layers[layer][module] = (
+                a_t.to(device=device, dtype=dtype).contiguous(), b_t.to(device=device, dtype=dtype).contiguous()
+            )
+    return LoRAWeights(request.lora_name, request.lora_path, rank, layers)
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """The adapters of one step and their rows: `rows` None means every row of the step."""
+
+    groups: list[tuple[LoRAWeights, torch.Tensor | None]]
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base projection of `x`) with each group's delta added to its rows."""
+        for weights, rows in self.groups:
+            factors = weights.layers[layer].get(module)
+            if factors is None:
+                continue
+            a_t, b_t = factors
+            if rows is None:
+                y = torch.addmm(y, x @ a_t, b_t)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
+        return y
+
+
+class LoRAContext:
+    """The step a thread is running, for its `LoRALinear`s to read (engines that share one
+    model step from their own threads: each sees only its own step)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def current(self) -> LoRAStep | None:
+        return getattr(self._local, "step", None)
+
+    @contextmanager
+    def use(self, step: LoRAStep | None) -> Iterator[None]:
+        self._local.step = step
+        try:
+            yield
+        finally:
+            self._local.step = None
+
+
+class LoRALinear(nn.Module):
+    """A projection and the step's adapters' deltas to it (`LoRAStep.apply`). Paths that read
+    the base weights directly (the fused CPU decode, the Triton GEMVs, CUDA graphs) serve steps
+    without adapters only (`LlamaForCausalLM.forward`, `ModelRunner.submit`)."""
+
+    def __init__(self, base: nn.Module, layer: int, module: str, context: LoRAContext) -> None:
+        super().__init__()
+        self.base = base
+        self.layer = layer
+        self.module = module
+        self.context = context
+
+    @property
+    def weight(self) -> Any:
+        return self.base.weight
+
+    @property
+    def bias(self) -> Any:
+        return getattr(self.base, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        step = self.context.current()
+        return y if step is None else step.apply(self.layer, self.module, x, y)
+
+
+def attach_lora(model: Any) -> LoRAContext:
+    """Wrap every decoder layer's projections in `LoRALinear` (once: engines sharing the model
+    share its context)."""
+    if model.lora is not None:
+        return model.lora
+    context = LoRAContext()
+    for index, layer in enumerate(model.layers):
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            setattr(owner, name, LoRALinear(getattr(owner, name), index, name, context))
+    model.lora = context
+    return context
+
+
+class LoRAManager:
+    """The runner's adapters: loaded on first use, the `capacity` most recently used kept
+    (`max_cpu_loras`), and each step's groups of rows (`step`)."""
+
+    def __init__(self, model: Any, max_rank: int, capacity: int) -> None:
+        self.context = attach_lora(model)
+        self.arch: ArchConfig = model.arch
+        weight = model.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.max_rank = max_rank
+        self.capacity = capacity
+        self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self.num_loads = 0
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
+    def get(self, request: LoRARequest) -> LoRAWeights:
+        """The adapter, loaded (and checked) if it is not; raises InvalidRequestError if it
+        cannot be, or if its name is loaded from another path."""
+        weights = self._loaded.get(request.lora_name)
+        if weights is not None:
+            if weights.path != request.lora_path:
+                raise _refuse(request, f"an adapter of that name is loaded from {weights.path}; "
+                                       "names must stay with one adapter")
+            self._loaded.move_to_end(request.lora_name)
+            return weights
+        weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank)
+        self.num_loads += 1
+        self._loaded[request.lora_name] = weights
+        while len(self._loaded) > self.capacity:
+            self._loaded.popitem(last=False)  # a step that uses it holds its own reference
+        return weights
+
+    def step(self, requests: Sequence[LoRARequest | None], num_new: Sequence[int]) -> LoRAStep | None:
+        """The groups of rows for a step whose items (in row order, `num_new` rows each) run
+        these adapters; None when none does."""
+        if not any(requests):
+            return None
+        rows: dict[str, list[int]] = {}
+        adapters: dict[str, LoRARequest] = {}
+        start = 0
+        for request, n in zip(requests, num_new, strict=True):
+            if request is not None:
+                rows.setdefault(request.lora_name, []).extend(range(start, start + n))
+                adapters[request.lora_name] = request
+            start += n
+        groups: list[tuple[LoRAWeights, torch.Tensor | None]] = []
+        for name, picked in rows.items():
+            weights = self.get(adapters[name])
+            if len(picked) == start:
+                groups.append((weights, None))
+            else:
+                groups.append((weights, to_device(host_longs(picked), self.device)))
+        return LoRAStep(groups)

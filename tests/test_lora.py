@@ -1,0 +1,183 @@
+"""LoRA adapters on a real model, against HF transformers with each adapter merged into the
+weights (`W + scale * B @ A`, written here from PEFT's definition) on the tiny Llama in float64.
+
+Requests of the base model and of three adapters run in one batch, the same prompts under
+each (so the prefix cache would hand out another adapter's K/V if it could): every output must
+be the merged model's greedy tokens, under every scheduling of tests/schedulings.py and with
+one adapter a step. The adapters differ in what they adapt: q and v only (a fused projection
+with a slice missing), all seven projections with rsLoRA's scale, and two MLP projections in
+two of the three layers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor import LLM, InvalidRequestError, LoRARequest, SamplingParams
+from tests.schedulings import SCHEDULINGS
+
+EOS = 2
+VOCAB = 384
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+PREFIX = {name: "self_attn" for name in ATTN} | {name: "mlp" for name in ("gate_proj", "up_proj", "down_proj")}
+SPECS = {  # name -> (rank, alpha, modules, layers, rslora)
+    "attn-qv": (4, 8, ("q_proj", "v_proj"), (0, 1, 2), False),
+    "everything": (8, 16, tuple(PREFIX), (0, 1, 2), True),
+    "mlp-some": (2, 4, ("gate_proj", "down_proj"), (0, 2), False),
+}
+
+
+def write_adapter(folder: Path, model_dir: Path, rank: int, alpha: float, modules: tuple[str, ...],
+                  layers: tuple[int, ...], rslora: bool, seed: int, std: float = 0.08) -> Path:
+    """A random adapter in PEFT's layout for the HF model in `model_dir`."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    h, i = config["hidden_size"], config["intermediate_size"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in layers:
+        for name in modules:
+            fan_in, fan_out = dims[name]
+            key = f"base_model.model.model.layers.{layer}.{PREFIX[name]}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std * 4
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "bias": "none",
+        "target_modules": list(modules), "use_rslora": rslora, "base_model_name_or_path": str(model_dir),
+    }))
+    return folder
+
+
+def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF's greedy tokens with the adapter merged into the weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    if adapter is not None:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        r, alpha = config["r"], config["lora_alpha"]
+        scale = alpha / r**0.5 if config.get("use_rslora") else alpha / r
+        tensors = load_file(str(adapter / "adapter_model.safetensors"))
+        with torch.no_grad():
+            for key, a in tensors.items():
+                if key.endswith("lora_A.weight"):
+                    b = tensors[key.replace("lora_A", "lora_B")]
+                    module = model.get_submodule(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
+                    module.weight += scale * (b.double() @ a.double())
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=EOS, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    model_dir = tiny_models["llama"]
+    return {
+        name: LoRARequest(name, k + 1, str(write_adapter(root / name, model_dir, *spec, seed=k)))
+        for k, (name, spec) in enumerate(SPECS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_models, adapters):
+    """(prompt, adapter or None, HF's merged greedy tokens): each prompt under each adapter."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(17, 24))] for _ in range(4)]
+    out = []
+    for lora in [None, *adapters.values()]:
+        wants = merged_reference(tiny_models["llama"], None if lora is None else Path(lora.lora_path), prompts, 12)
+        out += [(p, lora, w) for p, w in zip(prompts, wants, strict=True)]
+    base = [w for _, lora, w in out if lora is None]
+    for lora in adapters.values():
+        assert [w for _, lo, w in out if lo is lora] != base, f"{lora.lora_name} changes nothing: nothing is tested"
+    return out
+
+
+@SCHEDULINGS
+def test_greedy_tokens_equal_hf_with_each_adapter_merged(tiny_models, cases, options):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_loras=3,
+              **{"num_kv_blocks": 128, **options})
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([p for p, _, _ in cases], params, use_tqdm=False, lora_request=[lo for _, lo, _ in cases])
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_one_adapter_a_step_serves_them_all_in_turn(tiny_models, cases):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, num_kv_blocks=128)
+    engine = llm.engine
+    seen: list[set[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(now: float):
+        out = schedule(now)
+        seen.append({it.lora_request.lora_name for it in out.scheduled if it.lora_request is not None})
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([p for p, _, _ in cases], params, use_tqdm=False, lora_request=[lo for _, lo, _ in cases])
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    assert max(len(s) for s in seen) == 1 and len(set().union(*seen)) == 3
+    assert engine.runner.lora.num_loads >= 3 and len(engine.runner.lora.loaded) == 1  # max_cpu_loras = max_loras
+
+
+def test_sampled_requests_of_an_adapter_are_reproducible_beside_others(tiny_models, adapters):
+    """A seeded sampled request gives the same tokens alone and in a batch of other adapters."""
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_loras=3, num_kv_blocks=128)
+    lora = adapters["everything"]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    alone = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+    again = llm.generate([[9, 10], [5, 6, 7, 8]], params, use_tqdm=False, lora_request=[None, lora])
+    assert again[1].outputs[0].token_ids == alone
+
+
+def test_bad_adapters_are_refused_before_anything_runs(tiny_models, adapters, tmp_path):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_lora_rank=4, num_kv_blocks=64)
+    ok = adapters["attn-qv"]
+    cases = {
+        "no adapter_config.json": LoRARequest("missing", 9, str(tmp_path / "nowhere")),
+        "exceeds max_lora_rank=4": adapters["everything"],
+    }
+    wrong = write_adapter(tmp_path / "wrong", tiny_models["qwen3"], 2, 4, ("q_proj",), (0,), False, seed=1)
+    cases["do not fit this model"] = LoRARequest("wrong", 10, str(wrong))
+    dora = write_adapter(tmp_path / "dora", tiny_models["llama"], 2, 4, ("q_proj",), (0,), False, seed=1)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    cases["DoRA is not supported"] = LoRARequest("dora", 11, str(dora))
+    head = write_adapter(tmp_path / "head", tiny_models["llama"], 2, 4, ("q_proj",), (0,), False, seed=1)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(head / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(2, 64)
+    save_file(tensors, str(head / "adapter_model.safetensors"))
+    cases["adapts no projection of a decoder layer"] = LoRARequest("head", 12, str(head))
+    cases["loaded from"] = LoRARequest("attn-qv", 13, str(wrong))
+    llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=ok)  # loads attn-qv
+    for match, lora in cases.items():
+        with pytest.raises(InvalidRequestError, match=match) as info:
+            llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=[None, lora])
+        assert info.value.param == "lora_request"
+        assert not llm.engine.has_unfinished_requests()
+    plain = LLM(str(tiny_models["llama"]), dtype="float64", num_kv_blocks=64)
+    with pytest.raises(InvalidRequestError, match="enable_lora=True"):
+        plain.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=ok)
