@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from conveyor import __version__
+from conveyor.config import ConfigError
 from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
 from conveyor.server.config import ServerConfig, default_model_name
 from conveyor.server.errors import APIError, install_error_handlers
@@ -38,6 +39,10 @@ def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI
     # The --model value as typed is accepted too, as vLLM does when no name is given.
     model_arg = async_engine.model_arg
     accepted = set(names) | ({model_arg} if model_arg and not server_config.served_model_name else set())
+    clash = accepted & set(state.loras)
+    if clash:
+        raise ConfigError(f"lora_modules: {sorted(clash)[0]!r} is the base model's name; name the adapter otherwise")
+    accepted |= set(state.loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,7 +66,8 @@ def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI
         if model is not None and model not in accepted:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist. This server serves `{state.model_name}`.",
+                f"The model `{model}` does not exist. This server serves `{state.model_name}`"
+                + (f" and the adapters {', '.join(f'`{n}`' for n in state.loras)}." if state.loras else "."),
                 param="model",
                 code="model_not_found",
             )
@@ -96,6 +102,17 @@ def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI
                     "max_model_len": async_engine.max_model_len,
                 }
                 for name in names
+            ] + [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "conveyor",
+                    "root": lora.lora_path,
+                    "parent": state.model_name,
+                    "max_model_len": async_engine.max_model_len,
+                }
+                for name, lora in state.loras.items()
             ],
         }
 

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from conveyor.lora import LoRARequest
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.server.metrics import queue_counts
@@ -77,6 +78,7 @@ class EngineRequest:
     prompt: Prompt
     params: SamplingParams
     prompt_text: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (the server's --lora-modules)
 
     def __post_init__(self) -> None:
         if self.params.n != 1:  # a group's members are its choices (the HTTP layer makes n)
@@ -503,6 +505,7 @@ class AsyncEngine(EngineFront):
                         arrival_time=cmd.arrival_time,
                         stream=True,
                         prompt_text=r.prompt_text,
+                        lora_request=r.lora_request,
                     )
                     added.append(r.request_id)
                     self._active[r.request_id] = _Active(cmd.stream)

@@ -6,10 +6,12 @@ end's own.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from conveyor.config import ConfigError
+from conveyor.lora import LoRARequest
 
 
 def _help(text: str) -> dict[str, str]:
@@ -58,6 +60,14 @@ class ServerConfig:
             "block) or qwen3 (it thinks only if it opens one). Default: off."
         ),
     )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "LoRA adapters served under their own model names, as name=path (a PEFT folder) "
+            'or vLLM\'s JSON {"name": ..., "path": ...}; a request whose model is the name '
+            "runs with the adapter. Needs --enable-lora."
+        ),
+    )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
 
@@ -78,8 +88,36 @@ class ServerConfig:
             raise ConfigError(f"engine_max_replays={self.engine_max_replays} must be >= 0")
         if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
             raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: use deepseek_r1 or qwen3")
+        if not isinstance(self.lora_modules, tuple):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        names = list(self.lora_requests)
+        if len(names) != len(self.lora_modules):
+            raise ConfigError("lora_modules: each adapter needs a name of its own")
         if self.log_level not in ("trace", "debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"log_level={self.log_level!r}: use trace, debug, info, warning or error")
+
+    @property
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The adapters by the model name a request sends (ids 1, 2, ... in the given order)."""
+        out: dict[str, LoRARequest] = {}
+        for i, spec in enumerate(self.lora_modules):
+            name, path = _lora_module(spec)
+            out[name] = LoRARequest(name, i + 1, path)
+        return out
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+        except ValueError as e:
+            raise ConfigError(f"lora_modules: {spec!r} is not valid JSON: {e}") from None
+        name, path = obj.get("name"), obj.get("path")
+    else:
+        name, _, path = spec.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ConfigError(f'lora_modules: {spec!r} must be name=path or {{"name": ..., "path": ...}}')
+    return name, path
 
 
 def default_model_name(model_path: str | Path) -> str:

@@ -46,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.sequence import RequestMetrics
@@ -126,6 +127,7 @@ class _AddItem:
     params: SamplingParams  # with output_kind "delta": the child sends only what is new
     prompt_text: str | None
     resume: Resume | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -331,7 +333,7 @@ class _EngineCore:
                 for it in items:
                     engine.add_request(
                         it.request_id, it.prompt, it.params, arrival_time=arrival, stream=True,
-                        prompt_text=it.prompt_text, resume=it.resume,
+                        prompt_text=it.prompt_text, resume=it.resume, lora_request=it.lora_request,
                     )
                     added.append(it.request_id)
                     self.times_sent[it.request_id] = len(it.resume.metrics.token_times) if it.resume else 0
@@ -588,7 +590,7 @@ class ProcessAsyncEngine(AsyncEngine):
     def _item(tr: _Tracked, resume: Resume | None = None) -> _AddItem:
         r = tr.request
         params = dataclasses.replace(r.params, output_kind="delta")
-        return _AddItem(r.request_id, r.prompt, params, r.prompt_text, resume)
+        return _AddItem(r.request_id, r.prompt, params, r.prompt_text, resume, r.lora_request)
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]

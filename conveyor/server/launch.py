@@ -16,12 +16,13 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from conveyor.config import EngineConfig
+from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.routing import RouterConfig
 from conveyor.server.api import build_app
 from conveyor.server.async_engine import AsyncEngine, EngineFront
@@ -113,6 +114,18 @@ def _build_front(engine_kwargs: dict[str, Any], server_config: ServerConfig, rou
     return AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
 
 
+def check_lora_modules(server_config: ServerConfig, config: EngineConfig) -> None:
+    """Refuse at start what would make every request of an adapter fail: LoRA off, or a
+    folder without an adapter's config (its weights are read and checked by the engine, at
+    the first request that names it)."""
+    loras = server_config.lora_requests
+    if loras and not config.model.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    for lora in loras.values():
+        if not (Path(lora.lora_path) / "adapter_config.json").is_file():
+            raise ConfigError(f"lora_modules: {lora.lora_name}: no adapter_config.json in {lora.lora_path}")
+
+
 def _exit_cleanly(sig: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
@@ -121,7 +134,12 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig, route
     """Load the model, serve until a signal, drain, return the exit status (0)."""
     router_config = router_config or RouterConfig()
     front: EngineFront
-    EngineConfig.from_kwargs(**engine_kwargs)  # a bad flag fails here, in either mode
+    config = EngineConfig.from_kwargs(**engine_kwargs)  # a bad flag fails here, in either mode
+    try:
+        check_lora_modules(server_config, config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     # Nothing is in flight while the model loads: a SIGTERM then just ends the process, cleanly.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from conveyor.lora import LoRARequest
 from conveyor.outputs import RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.server.async_engine import (
@@ -57,6 +58,10 @@ class ServerState:
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    loras: dict[str, LoRARequest] = field(init=False)  # the adapters, by the model name requests send
+
+    def __post_init__(self) -> None:
+        self.loras = self.config.lora_requests
 
     @property
     def model_name(self) -> str:
@@ -109,6 +114,8 @@ class _Handler:
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
+        self.lora = None if body.model is None else state.loras.get(body.model)
+        self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
     # subclass hooks
     def prompts(self) -> list[_Prompt]:
@@ -296,7 +303,7 @@ class _Handler:
                 params = self.sampling_params(max_tokens, i)
                 self.choices.append(_Choice(index, prompt))
                 requests.append(
-                    EngineRequest(f"{self.request_id}-{index}", prompt.token_ids, params, prompt.text)
+                    EngineRequest(f"{self.request_id}-{index}", prompt.token_ids, params, prompt.text, self.lora)
                 )
         return requests
 
@@ -382,7 +389,7 @@ class _Handler:
             "id": self.request_id,
             "object": self.chunk_object,
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.model_name,
             "choices": choices,
         }
         if self.include_usage or self.continuous_usage:
@@ -400,7 +407,7 @@ class _Handler:
             "id": self.request_id,
             "object": self.object_name,
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.model_name,
             "choices": [self.final_choice(c) for c in self.choices],
             "usage": self.usage(),
         }
