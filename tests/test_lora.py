@@ -60,12 +60,13 @@ def write_adapter(folder: Path, model_dir: Path, rank: int, alpha: float, module
     return folder
 
 
-def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int,
+                     dtype: torch.dtype = torch.float64) -> list[list[int]]:
     """HF's greedy tokens with the adapter merged into the weights."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     if adapter is not None:
         config = json.loads((adapter / "adapter_config.json").read_text())
         r, alpha = config["r"], config["lora_alpha"]
@@ -76,7 +77,7 @@ def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[i
                 if key.endswith("lora_A.weight"):
                     b = tensors[key.replace("lora_A", "lora_B")]
                     module = model.get_submodule(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
-                    module.weight += scale * (b.double() @ a.double())
+                    module.weight += (scale * (b.double() @ a.double())).to(dtype)
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -120,6 +121,26 @@ def test_greedy_tokens_equal_hf_with_each_adapter_merged(tiny_models, cases, opt
     assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
     if options.get("num_kv_blocks") == 10:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_float32_on_cpu_with_the_native_kernels(tiny_models, adapters):
+    """The CPU's float32 path: steps of the base model alone run the fused native decode,
+    steps with an adapter the modules (native norms, RoPE, attention and skinny GEMVs) with
+    the deltas added; both give HF's float32 greedy tokens, merged for the adapters."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 20))] for _ in range(3)]
+    loras = [None, adapters["everything"], adapters["attn-qv"]]
+    want = []
+    for lora in loras:
+        want += merged_reference(tiny_models["llama"], None if lora is None else Path(lora.lora_path), prompts, 16,
+                                 torch.float32)
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=128)
+    from conveyor.kernels import decode_layers
+
+    assert (llm.engine.runner.model.fused_decode is not None) == (decode_layers() is not None)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    outs = llm.generate(prompts * 3, params, use_tqdm=False, lora_request=[lo for lo in loras for _ in prompts])
+    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def test_one_adapter_a_step_serves_them_all_in_turn(tiny_models, cases):
