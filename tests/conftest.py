@@ -44,18 +44,28 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}
     shard = params.pop("max_shard_size", None)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**params)).eval()
-    if family == "qwen2" and params.get("attention_bias", True):
-        # HF initialises biases to zero; make them matter.
-        with torch.no_grad():
+    with torch.no_grad():
+        if family in ("qwen2", "qwen2_moe") and params.get("attention_bias", True):
+            # HF initialises biases to zero; make them matter.
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+        for name, p in model.named_parameters():
+            # Routers start at zero in HF (every expert tied): make each token's choice clear
+            # and varied; stacked expert weights get the initializer's spread explicitly.
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)
+            elif ".experts." in name:
+                p.normal_(0, params["initializer_range"])
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
@@ -83,6 +93,26 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": build_tiny_model(root / "qwen2", "qwen2", seed=1, tie_word_embeddings=True),
         "qwen3": build_tiny_model(root / "qwen3", "qwen3", seed=2, head_dim=32),
         "mistral": build_tiny_model(root / "mistral", "mistral", seed=3, sliding_window=None),
+    }
+
+
+MOE = dict(num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The three mixture-of-experts families, each with its own twist: Mixtral's renormalized
+    top 2 of 4; Qwen2-MoE's shared expert, q/k/v biases, a dense layer among sparse ones and raw
+    top-k weights; Qwen3-MoE's q/k norms and renormalized top 3 of 8 narrow experts."""
+    root = tmp_path_factory.mktemp("tiny_moe_models")
+    return {
+        "mixtral": build_tiny_model(root / "mixtral", "mixtral", seed=4, num_local_experts=4, sliding_window=None,
+                                    **MOE),
+        "qwen2_moe": build_tiny_model(root / "qwen2_moe", "qwen2_moe", seed=5, num_experts=6, moe_intermediate_size=48,
+                                      shared_expert_intermediate_size=64, mlp_only_layers=[1],
+                                      norm_topk_prob=False, **MOE),
+        "qwen3_moe": build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=6, num_experts=8, num_experts_per_tok=3,
+                                      moe_intermediate_size=32, norm_topk_prob=True, head_dim=32),
     }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,12 +62,13 @@ def write_adapter(folder: Path, model_dir: Path, rank: int, alpha: float, module
 
 
 def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int,
-                     dtype: torch.dtype = torch.float64) -> list[list[int]]:
-    """HF's greedy tokens with the adapter merged into the weights."""
+                     dtype: torch.dtype = torch.float64, **load: Any) -> list[list[int]]:
+    """HF's greedy tokens with the adapter merged into the weights (`load`: from_pretrained's
+    options)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load).eval()
     if adapter is not None:
         config = json.loads((adapter / "adapter_config.json").read_text())
         r, alpha = config["r"], config["lora_alpha"]

@@ -1,4 +1,7 @@
-"""The shape of a Llama-family transformer, read from an HF config.json or GGUF metadata."""
+"""The shape of a Llama-family transformer, read from an HF config.json or GGUF metadata.
+
+The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE) are Llama-family attention with
+a routed MLP: `num_experts > 0`, and `is_sparse_layer` says which layers route."""
 
 from __future__ import annotations
 
@@ -10,7 +13,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
+_BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -19,7 +27,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ArchConfig:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,6 +45,17 @@ class ArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (0 experts: a dense MLP in every layer). A sparse layer's router picks
+    # `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size` per token,
+    # weighted by their softmax probabilities (renormalized over the chosen with
+    # `norm_topk_prob`); Qwen2-MoE adds a shared expert behind a sigmoid gate to every token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1  # every n-th layer routes (Qwen-MoE)...
+    mlp_only_layers: tuple[int, ...] = ()  # ...except these, which keep a dense MLP
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -44,16 +63,52 @@ class ArchConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
+            raise UnsupportedModelError("a mixture of experts needs moe_intermediate_size and decoder_sparse_step >= 1")
+
+    @property
+    def attention_family(self) -> str:
+        """The dense family whose attention this one has (itself for a dense model)."""
+        return _BASE_FAMILY.get(self.family, self.family)
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` routes its tokens to experts (HF's rule for Qwen-MoE)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(self.num_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's weights (gate, up and down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        attention = h * (q + 2 * kv) + q * h + 2 * h  # projections and the two norms
+        attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        sparse = self.num_sparse_layers
+        moe = self.num_experts * (self.expert_params + h) + 3 * h * self.shared_expert_intermediate_size
+        moe += h if self.shared_expert_intermediate_size else 0  # the shared expert's gate
+        mlp = (L - sparse) * 3 * h * i + sparse * moe
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return L * per_layer + embed + head + h
+        return L * attention + mlp + embed + head + h
+
+    @property
+    def num_active_params(self) -> int:
+        """The weights one token computes with: the routed experts it is sent to, not all."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_params - self.num_sparse_layers * idle * self.expert_params
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -67,9 +122,7 @@ class ArchConfig:
             if family:
                 break
         if family is None:
-            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                cfg.get("model_type", "")
-            )
+            family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(cfg.get("model_type", ""))
         if family is None:
             raise UnsupportedModelError(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
@@ -86,7 +139,9 @@ class ArchConfig:
                 rope_scaling = params
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        use_sw = cfg.get("use_sliding_window", family == "mistral")
+        base = _BASE_FAMILY.get(family, family)
+        use_sw = cfg.get("use_sliding_window", base == "mistral")
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if family in _BASE_FAMILY else 0
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -100,10 +155,18 @@ class ArchConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", base == "qwen2"))),
+            qk_norm=base == "qwen3",
             rope_scaling=rope_scaling,
             sliding_window=cfg.get("sliding_window") if use_sw else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            # Mixtral's experts are `intermediate_size` wide; Qwen's have a size of their own.
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+            norm_topk_prob=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),  # Mixtral always does
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
         )

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat token batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE: conveyor/models/moe.py) over a flat token batch.
 
 Selective batching: embeddings, norms, projections and the MLP run once over all of a step's
 tokens `[T, hidden]`; only attention looks at sequences, through the paged KV cache. Q/K/V and
@@ -41,6 +42,7 @@ from conveyor.models.attention import (
     CpuPagedAttention,
     build_metadata,
 )
+from conveyor.models.moe import Experts, SparseMoE
 from conveyor.models.quantize import (
     ActivationRecorder,
     Int8Linear,
@@ -238,11 +240,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     native_silu_mul: Callable[..., torch.Tensor] | None = None  # set by prepare_for_inference (CPU float32)
 
@@ -255,12 +257,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp: MLP | SparseMoE
+        if arch.is_sparse_layer(index):
+            shared = arch.shared_expert_intermediate_size
+            self.mlp = SparseMoE(arch, MLP(arch.hidden_size, shared) if shared else None)
+        else:
+            self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(
         self,
@@ -298,6 +305,7 @@ class DecoderLayer(nn.Module):
         `gate_up_proj`, SiLU × up before `down_proj`, the residual add after `o_proj` and
         `down_proj`. Four GEMVs, RoPE and attention; the same roundings as `forward`."""
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, MLP), "a mixture of experts takes the modules' path"
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv(x, attn.qkv_proj.weight, norm=ln1.weight, eps=ln1.eps)
         h = gemv(attn.attend(qkv, rope, kv_cache, meta), attn.o_proj.weight, residual=x)
@@ -350,6 +358,7 @@ class FusedDecode:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP), "the fused decode runs dense models only"
             rows.append([
                 ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), ptr(attn.qkv_proj.bias),
                 ptr(attn.q_norm.weight if attn.q_norm is not None else None),
@@ -419,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(arch, backend) for _ in range(arch.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(arch, backend, i) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(arch, max_positions)
@@ -529,8 +538,11 @@ class LlamaForCausalLM(nn.Module):
         about twice as fast as `x @ W.T`. With `quantization="int8"` every projection and the
         LM head become `Int8Linear`s (conveyor/models/quantize.py), smoothed with activations
         recorded on `calibration_ids`; the embedding table stays float32 for lookups.
+        A mixture of experts runs its layers as modules (no fused decode, no int8): each expert
+        streams its stacked slice through the same skinny kernel.
         """
         weight = self.head_weight
+        moe = self.arch.num_experts > 0
         self._head_t: torch.Tensor | None = None
         self._head_kernel: Callable[..., torch.Tensor] | None = None
         self._head_int8: Int8Linear | None = None
@@ -541,6 +553,8 @@ class LlamaForCausalLM(nn.Module):
                 raise UnsupportedModelError(
                     "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
                 )
+            if moe:
+                raise UnsupportedModelError("quantization='int8' covers dense models; this one is a mixture of experts")
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)
@@ -564,8 +578,12 @@ class LlamaForCausalLM(nn.Module):
                     module.native_rope = rotate
                     if attention is not None:
                         module.backend = CpuPagedAttention(attention, self.arch.sliding_window, writer)
-                elif isinstance(module, MLP):
+                elif isinstance(module, (MLP, Experts)):
                     module.native_silu_mul = act
+                if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice
+                    module.skinny, module.skinny_max_rows = kernel, SKINNY_MAX_ROWS
+                    module.gate_up_proj = nn.Parameter(to_huge_pages(module.gate_up_proj.detach()), requires_grad=False)
+                    module.down_proj = nn.Parameter(to_huge_pages(module.down_proj.detach()), requires_grad=False)
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and child is not self.lm_head:
@@ -573,7 +591,7 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
-        fused = decode_layers() if kernel is not None else None
+        fused = decode_layers() if kernel is not None and not moe else None  # the native call has no router
         self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
             self.fused_decode = FusedDecode(self, fused)
@@ -621,7 +639,7 @@ class LlamaForCausalLM(nn.Module):
                     module.backend.merge_splits = one_launch
                     module.rope_attend = functools.partial(triton_fused.rope_attend, module.backend,
                                                            one_launch=one_launch)
-            elif isinstance(module, MLP):
+            elif isinstance(module, (MLP, Experts)):
                 module.native_silu_mul = triton_fused.silu_mul
 
     def _use_triton_gemv(self, dtype: torch.dtype) -> None:
@@ -630,10 +648,10 @@ class LlamaForCausalLM(nn.Module):
         the norms, SiLU × up and residual adds folded in (`DecoderLayer.forward_gemv`), and
         their LM head as a GEMV, launched with programmatic dependent launch where
         `CONVEYOR_TRITON_PDL=1` on Hopper or later (`triton_gemv.pdl_enabled`). Models with
-        projection biases keep the other path."""
+        projection biases, and mixtures of experts, keep the other path."""
         from conveyor.kernels import triton_gemv
 
-        if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
+        if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled() or self.arch.num_experts:
             return
         if any(isinstance(m, (nn.Linear, TransposedLinear)) and m.bias is not None for m in self.modules()):
             return

@@ -1,4 +1,4 @@
-"""Load a Llama-family model from an HF folder (safetensors) or a GGUF file.
+"""Load a Llama-family model (mixtures of experts too) from an HF folder (safetensors) or a GGUF file.
 
 Both paths produce HF-named float tensors (`model.layers.0.self_attn.q_proj.weight`, ...) that
 `load_weights` fuses into conveyor's layout. GGUF tensors are dequantized with the `gguf`
@@ -126,6 +126,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixtures of experts: the router, the experts stacked [E, rows, cols], the shared expert
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 # Tensor types conveyor promises to read (others the gguf package knows may work too).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -160,7 +169,8 @@ def gguf_has_tokenizer(reader: Any) -> bool:
 
 def read_gguf_arch(reader: Any) -> ArchConfig:
     arch = gguf_field(reader, "general.architecture")
-    families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+    families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
     if arch not in families:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; conveyor runs {sorted(families)}"
@@ -186,12 +196,20 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
     head_count_kv = get("attention.head_count_kv", heads)
+    family = families[arch]
+    experts = int(get("expert_count", 0) or 0)
+    if experts and family == "llama":
+        family = "mixtral"  # llama.cpp writes Mixtral as a Llama with experts
+    # llama.cpp renormalizes the top k for Mixtral and Qwen3-MoE, not for Qwen2-MoE
+    norm = get("expert_weights_norm", family != "qwen2_moe")
+    num_layers = get("block_count")
+    dense = tuple(i for i in range(num_layers) if experts and f"blk.{i}.ffn_gate_inp.weight" not in names)
     return ArchConfig(
-        family=families[arch],
+        family=family,
         vocab_size=get("vocab_size") or len(tokens),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=head_count_kv,
         head_dim=get("attention.key_length") or hidden // heads,
@@ -205,6 +223,12 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
         sliding_window=None,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")) if experts else 0,
+        norm_topk_prob=bool(norm),
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
+        mlp_only_layers=dense,
     )
 
 
@@ -221,7 +245,7 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import quants
 
-    permuted = arch.family in ("llama", "mistral")
+    permuted = arch.family in ("llama", "mistral", "mixtral")
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -240,6 +264,8 @@ def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torc
             ) from e
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+            tensor = tensor.unsqueeze(0)  # llama.cpp keeps the shared expert's one-row gate as a vector
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute_rope_rows(tensor, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -257,30 +283,40 @@ def _replace(arch: ArchConfig, **changes: Any) -> ArchConfig:
 def load_weights(
     model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> None:
-    """Copy HF-named tensors into the model, fusing q/k/v and gate/up. Checks completeness."""
+    """Copy HF-named tensors into the model, fusing q/k/v and gate/up, and stacking a mixture's
+    experts (`experts.{e}.gate_proj` or Mixtral's `w1` / `w3` / `w2`; transformers >= 5's
+    stacked `experts.gate_up_proj` too). Checks completeness."""
     arch = model.arch
     params = dict(model.named_parameters())
     loaded: set[str] = set()
 
-    def put(target: str, value: torch.Tensor, row: int = 0) -> None:
+    def put(target: str, value: torch.Tensor, row: int | None = 0, expert: int | None = None) -> None:
+        """Rows `row..` of `target` (of its expert `expert`); `row=None`: the second half."""
         p = params.get(target)
         if p is None:
             raise ModelLoadError(f"no parameter for {target!r}")
+        dst = p if expert is None else p[expert]
+        row = dst.shape[0] // 2 if row is None else row
         rows = value.shape[0]
-        if p.shape[1:] != value.shape[1:] or row + rows > p.shape[0]:
-            raise ModelLoadError(f"{target}: tensor of shape {tuple(value.shape)} does not fit {tuple(p.shape)}")
+        if dst.shape[1:] != value.shape[1:] or row + rows > dst.shape[0]:
+            raise ModelLoadError(f"{target}: tensor of shape {tuple(value.shape)} does not fit {tuple(dst.shape)}")
         with torch.no_grad():
-            p[row : row + rows].copy_(value)
-        loaded.add(f"{target}@{row}")
+            dst[row : row + rows].copy_(value)
+        loaded.add(f"{target}@{row}" if expert is None else f"{target}#{expert}@{row}")
 
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
-    fused_rows = {
+    fused_rows: dict[str, tuple[str, int | None]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", q),
         "v_proj": ("qkv_proj", q + kv),
         "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", arch.intermediate_size),
+        "up_proj": ("gate_up_proj", None),
+    }
+    expert_rows: dict[str, tuple[str, int | None]] = {
+        "gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", None), "w3": ("gate_up_proj", None),
+        "down_proj": ("down_proj", 0), "w2": ("down_proj", 0),
     }
     for name, tensor in tensors:
         if name.startswith("model."):
@@ -289,7 +325,29 @@ def load_weights(
             continue
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # a tied checkpoint may still store the head
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the same block
         parts = name.split(".")
+        if "experts" in parts:
+            i = parts.index("experts")
+            prefix = ".".join(parts[: i + 1])
+            if len(parts) == i + 2 and tensor.dim() == 3:  # all experts stacked already
+                proj = parts[-1]
+                for e, one in enumerate(tensor):
+                    if proj == "gate_up_proj":  # transformers >= 5
+                        half = one.shape[0] // 2
+                        put(f"{prefix}.gate_up_proj", one[:half], 0, e)
+                        put(f"{prefix}.gate_up_proj", one[half:], None, e)
+                    elif proj in expert_rows:  # GGUF: gate, up and down stacked apart
+                        target, row = expert_rows[proj]
+                        put(f"{prefix}.{target}", one, row, e)
+                    else:
+                        raise ModelLoadError(f"unexpected expert tensor {name!r}")
+                continue
+            if len(parts) == i + 4 and parts[i + 1].isdigit() and parts[i + 2] in expert_rows and parts[-1] == "weight":
+                target, row = expert_rows[parts[i + 2]]
+                put(f"{prefix}.{target}", tensor, row, int(parts[i + 1]))
+                continue
+            raise ModelLoadError(f"unexpected expert tensor {name!r}")
         if len(parts) >= 2 and parts[-2] in fused_rows:
             target, row = fused_rows[parts[-2]]
             name = ".".join([*parts[:-2], target, parts[-1]])
@@ -297,11 +355,15 @@ def load_weights(
         else:
             put(name, tensor)
     expected = set()
-    for pname, _p in params.items():
+    for pname, p in params.items():
         if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             expected |= {f"{pname}@0", f"{pname}@{q}", f"{pname}@{q + kv}"}
         elif pname.endswith("gate_up_proj.weight"):
-            expected |= {f"{pname}@0", f"{pname}@{arch.intermediate_size}"}
+            expected |= {f"{pname}@0", f"{pname}@{p.shape[0] // 2}"}
+        elif pname.endswith("experts.gate_up_proj"):
+            expected |= {f"{pname}#{e}@{r}" for e in range(p.shape[0]) for r in (0, p.shape[1] // 2)}
+        elif pname.endswith("experts.down_proj"):
+            expected |= {f"{pname}#{e}@0" for e in range(p.shape[0])}
         else:
             expected.add(f"{pname}@0")
     missing = sorted(expected - loaded)

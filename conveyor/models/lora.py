@@ -126,6 +126,9 @@ def load_adapter(
         layer = int(m.group(1))
         if layer >= arch.num_layers:
             raise _refuse(request, f"tensor {key!r}: the model has {arch.num_layers} layers")
+        if TARGETS[m.group(2)][0] in ("gate_up_proj", "down_proj") and arch.is_sparse_layer(layer):
+            raise _refuse(request, f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts, "
+                                   "which adapters do not reach here (attention projections only)")
         factors.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
     if not factors:
         raise _refuse(request, "it holds no LoRA weights")
@@ -233,8 +236,10 @@ def attach_lora(model: Any) -> LoRAContext:
         return model.lora
     context = LoRAContext()
     for index, layer in enumerate(model.layers):
-        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+        targets = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+        if not model.arch.is_sparse_layer(index):  # a mixture's experts take no adapter
+            targets += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+        for owner, name in targets:
             setattr(owner, name, LoRALinear(getattr(owner, name), index, name, context))
     model.lora = context
     return context

@@ -5,6 +5,10 @@ A step is summarised by a `StepShape` (tokens, sequences, attention work, swappe
 the roofline, with efficiency factors for what real kernels reach:
 
     linear layers   FLOPs 2 x layer_params x tokens       bytes: the layer weights, once
+    experts         a mixture of experts' routed experts: of E experts a layer, a step of T
+                    tokens sending each to k reads the ones chosen, E (1 - (1 - k/E)^T) of them
+                    expected under uniform routing, each a roofline of its own over its share
+                    of the T k rows (a grouped GEMM); the rest of the layer is `linear`
     LM head         FLOPs 2 x vocab x hidden x sampled    bytes: the head weights, once
     attention       FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs (causal in
                     a prompt); bytes: every context token's K and V, at its own efficiency
@@ -28,6 +32,7 @@ Any object with `step_time(shape) -> float` can replace it (a profiled table, sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -151,11 +156,14 @@ class RooflineCostModel:
         flops = hardware.peak_flops * p.mfu
         bw = hardware.mem_bandwidth * p.mbu
         gemv_bw = hardware.mem_bandwidth * (p.gemv_mbu if p.gemv_mbu is not None else p.mbu)
-        self._lin_flop_s = 2 * m.layer_params / flops  # seconds per token
-        self._lin_mem_s = m.layer_params * b / bw  # seconds per step
-        self._lin_gemv_s = m.layer_params * b / gemv_bw  # seconds per skinny pass
+        dense = m.dense_params  # a dense model's layer_params; a mixture's without its routed experts
+        self._lin_flop_s = 2 * dense / flops  # seconds per token
+        self._lin_mem_s = dense * b / bw  # seconds per step
+        self._lin_gemv_s = dense * b / gemv_bw  # seconds per skinny pass
         gemv_flops = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
-        self._lin_gemv_flop_s = 2 * m.layer_params / gemv_flops  # per token, skinny kernel
+        self._lin_gemv_flop_s = 2 * dense / gemv_flops  # per token, skinny kernel
+        e = m.expert_params  # one expert's: the same four constants
+        self._expert = (2 * e / flops, e * b / bw, 2 * e / gemv_flops, e * b / gemv_bw)
         self._head_gemv_flop_s = 2 * m.head_params / gemv_flops
         self._skinny, self._pass = p.skinny_rows, p.skinny_pass_rows
         self._head_flop_s = 2 * m.head_params / flops  # per sampled row
@@ -170,6 +178,22 @@ class RooflineCostModel:
             return max(self._lin_gemv_flop_s * tokens, self._lin_gemv_s * -(-tokens // self._pass))
         return max(self._lin_flop_s * tokens, self._lin_mem_s)
 
+    def experts_touched(self, tokens: int) -> float:
+        """Experts a sparse layer reads for `tokens` tokens, expected under uniform routing."""
+        m = self.model
+        return m.num_experts * (1 - (1 - m.experts_per_token / m.num_experts) ** tokens)
+
+    def _experts(self, tokens: int) -> float:
+        """The routed experts of all sparse layers: each expert read runs its share of rows."""
+        touched = self.experts_touched(tokens)
+        rows = tokens * self.model.experts_per_token / touched
+        flop_s, mem_s, gemv_flop_s, gemv_s = self._expert
+        if rows <= self._skinny:
+            one = max(gemv_flop_s * rows, gemv_s * math.ceil(rows / self._pass))
+        else:
+            one = max(flop_s * rows, mem_s)
+        return self.model.num_sparse_layers * touched * one
+
     def _head(self, rows: int) -> float:
         if rows <= self._skinny:
             return max(self._head_gemv_flop_s * rows, self._head_gemv_s * -(-rows // self._pass))
@@ -181,6 +205,7 @@ class RooflineCostModel:
         busy = s.num_tokens > 0
         parts = {
             "linear": self._linear(s.num_tokens) if busy else 0.0,
+            "experts": self._experts(s.num_tokens) if busy and self.model.num_experts else 0.0,
             "lm_head": self._head(s.num_sampled) if s.num_sampled else 0.0,
             "attn_prefill": max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
@@ -195,8 +220,9 @@ class RooflineCostModel:
         return parts
 
     def fused(self, s: StepShape) -> bool:
-        """Whether the runner takes its fused decode path for this step."""
-        return s.decode_seqs == s.num_seqs and s.num_tokens <= self.params.fused_rows
+        """Whether the runner takes its fused decode path for this step (never for a mixture of
+        experts: the native call has no router)."""
+        return s.decode_seqs == s.num_seqs and s.num_tokens <= self.params.fused_rows and not self.model.num_experts
 
     def matrix_path(self, s: StepShape) -> bool:
         """Whether the step's linear layers take the matrix-matrix path (more rows than the

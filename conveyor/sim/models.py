@@ -2,6 +2,10 @@
 
 No weights and no torch: a `ModelShape` is the handful of sizes that decide a step's FLOPs and
 bytes. The catalog holds the published config.json values of the models the docs simulate.
+
+A mixture of experts (`num_experts > 0`) splits the per-layer weights in two: those every token
+reads (attention, dense MLPs, routers, shared experts: `dense_params`) and the routed experts
+(`expert_params` each), of which a step reads only the ones its tokens chose (the cost model).
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ class ModelShape:
     max_position_embeddings: int = 4096
     learned_positions: int = 0  # OPT: a learned position table (rows), read like embeddings
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0: dense): `num_sparse_layers` layers route each token to
+    # `experts_per_token` of `num_experts` gated MLPs `expert_intermediate_size` wide, beside
+    # an always-on shared expert `shared_expert_intermediate_size` wide (Qwen2-MoE; 0: none).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -35,16 +47,42 @@ class ModelShape:
                 raise ValueError(f"{self.name}: {name} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: {self.num_heads} heads do not divide into {self.num_kv_heads} KV heads")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
+                                     and self.expert_intermediate_size > 0
+                                     and 0 < self.num_sparse_layers <= self.num_layers):
+            raise ValueError(f"{self.name}: a mixture of experts needs 1 <= experts_per_token <= num_experts, "
+                             "an expert_intermediate_size and 1 <= num_sparse_layers <= num_layers")
 
     # -- sizes -----------------------------------------------------------------------------
     @property
     def layer_params(self) -> int:
-        """Weights of the per-layer matrices (q, k, v, o and the MLP), all layers."""
+        """Weights of the per-layer matrices (q, k, v, o and the MLP or the experts), all layers."""
+        return self.dense_params + self.num_sparse_layers * self.num_experts * self.expert_params
+
+    @property
+    def dense_params(self) -> int:
+        """The per-layer weights every token computes with: all of a dense model's; a mixture's
+        attention, dense MLPs, routers and shared experts."""
         h = self.hidden_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
-        return self.num_layers * (h * (q + 2 * kv) + q * h + mlp)
+        sparse = self.num_sparse_layers
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        moe = h * self.num_experts + shared  # the router and the shared expert (with its gate)
+        return self.num_layers * (h * (q + 2 * kv) + q * h) + (self.num_layers - sparse) * mlp + sparse * moe
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's weights (gate, up and down)."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    @property
+    def active_params(self) -> int:
+        """The weights a token computes with, as model cards count them (a mixture: its chosen
+        experts only, not the others)."""
+        idle = self.num_experts - self.experts_per_token
+        return self.num_params - self.num_sparse_layers * idle * self.expert_params
 
     @property
     def head_params(self) -> int:
@@ -73,11 +111,16 @@ class ModelShape:
             num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, intermediate_size=arch.intermediate_size,
             vocab_size=arch.vocab_size, tie_word_embeddings=arch.tie_word_embeddings,
             max_position_embeddings=arch.max_position_embeddings, eos_token_ids=tuple(arch.eos_token_ids),
+            num_experts=arch.num_experts, experts_per_token=arch.num_experts_per_tok,
+            expert_intermediate_size=arch.moe_intermediate_size,
+            shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+            num_sparse_layers=arch.num_sparse_layers,
         )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelShape:
-        """Llama-family keys (Llama, Mistral, Qwen2/3, SmolLM...) or OPT's."""
+        """Llama-family keys (Llama, Mistral, Qwen2/3, SmolLM, and the mixtures Mixtral and
+        Qwen2/3-MoE...) or OPT's."""
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -101,6 +144,16 @@ class ModelShape:
             )
         if "intermediate_size" not in cfg:
             raise ValueError(f"{name}: config.json has no 'intermediate_size'")
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        moe: dict[str, Any] = {}
+        if experts:
+            step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+            moe = dict(
+                num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+                expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                num_sparse_layers=sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0),
+            )
         return cls(
             name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -109,6 +162,7 @@ class ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
 
@@ -134,6 +188,13 @@ MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-7b": ("mistralai/Mistral-7B-v0.1", _llama(4096, 32, 32, 8, 14336, 32000, 32768)),
     "qwen3-0.6b": ("Qwen/Qwen3-0.6B", _llama(1024, 28, 16, 8, 3072, 151936, 40960, tied=True, head_dim=128)),
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", _llama(576, 30, 9, 3, 1536, 49152, 8192, tied=True)),
+    # Mixtures of experts: 46.7B weights, 12.9B active a token; 30.5B, 3.3B.
+    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", {**_llama(4096, 32, 32, 8, 14336, 32000, 32768),
+                                                     "model_type": "mixtral", "num_local_experts": 8,
+                                                     "num_experts_per_tok": 2}),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", {**_llama(2048, 48, 32, 4, 6144, 151936, 40960, head_dim=128),
+                                             "model_type": "qwen3_moe", "num_experts": 128,
+                                             "num_experts_per_tok": 8, "moe_intermediate_size": 768}),
 }
 
 
