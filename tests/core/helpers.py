@@ -153,8 +153,8 @@ class FakeRunner:
                 context = item.all_token_ids[: item.context_len]
             assert context[item.start_pos :] == item.token_ids
             # Real K/V depend on the adapter too: a block shared across adapters reads wrong.
-            adapter = None if item.lora_request is None else item.lora_request.lora_name
-            key = hash(adapter) if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
+            salt = 0 if item.lora_request is None else hash(item.lora_request.lora_name)
+            key = salt if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
             for pos, token in enumerate(context):
                 key = hash((key, token))
                 slot = self._slot(table, pos)

@@ -1380,7 +1380,7 @@ def test_the_servers_user_is_the_tenant_and_slo_fields_reach_the_request() -> No
     from conveyor.server.protocol import CompletionRequest
     from conveyor.server.serving import CompletionHandler
 
-    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
+    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=None), model_name="m", loras={})
     body = CompletionRequest(prompt="hi", user="alice")
     params = CompletionHandler(state, body).sampling_params(4, 0)  # type: ignore[arg-type]
     assert params.tenant == "alice"
