@@ -288,10 +288,13 @@ class Engine:
             eos_ids,
         )
         mc = config.model
+        # A mixture of experts sizes each expert's rows on the host (one sync a layer), which a
+        # CUDA graph cannot capture: its steps run eagerly.
+        eager = mc.enforce_eager or arch.num_experts > 0
         runner = ModelRunner(
             model, num_blocks, config.cache.block_size, dtype, device,
             seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
-            cuda_graph_max_batch=0 if mc.enforce_eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
+            cuda_graph_max_batch=0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
         if mc.enable_lora:

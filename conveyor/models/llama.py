@@ -582,6 +582,7 @@ class LlamaForCausalLM(nn.Module):
                     module.native_silu_mul = act
                 if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice
                     module.skinny, module.skinny_max_rows = kernel, SKINNY_MAX_ROWS
+                    module.grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
                     module.gate_up_proj = nn.Parameter(to_huge_pages(module.gate_up_proj.detach()), requires_grad=False)
                     module.down_proj = nn.Parameter(to_huge_pages(module.down_proj.detach()), requires_grad=False)
         for module in list(self.modules()):

@@ -35,30 +35,40 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     # Set by prepare_for_inference (CPU float32): the native kernels the dense MLP uses, the
-    # skinny GEMV for an expert's few rows of a decode step, SiLU × up in one pass.
+    # skinny GEMV for an expert's few rows of a decode step, SiLU × up in one pass; and
+    # torch's grouped GEMM, all experts in one call, past `loop_max_rows` rows a step.
     skinny: Callable[..., torch.Tensor] | None = None
     skinny_max_rows = 0
     native_silu_mul: Callable[..., torch.Tensor] | None = None
+    grouped_mm: Callable[..., torch.Tensor] | None = None
+    loop_max_rows = 8
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native_silu_mul is not None:
+            return self.native_silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.skinny is not None and x.shape[0] <= self.skinny_max_rows:
             return self.skinny(x, weight)
         return F.linear(x, weight)
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` `[n, hidden]` grouped by expert, `counts[e]` of them for expert e; returns each
         row through its expert, in the same order."""
+        grouped = self.grouped_mm
+        if grouped is not None and rows.shape[0] > self.loop_max_rows:
+            # One call a projection: the weights' transposed views, the groups' ends as offsets.
+            ends = counts.cumsum(0).to(torch.int32)
+            act = self._act(grouped(rows, self.gate_up_proj.transpose(1, 2), offs=ends))
+            return grouped(act, self.down_proj.transpose(1, 2), offs=ends)
         outs = []
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):  # the step's one host sync a layer
             if not n:
                 continue
-            gate_up = self._linear(rows[start : start + n], self.gate_up_proj[e])
-            if self.native_silu_mul is not None:
-                act = self.native_silu_mul(gate_up)
-            else:
-                gate, up = gate_up.split(self.intermediate, dim=-1)
-                act = F.silu(gate) * up
+            act = self._act(self._linear(rows[start : start + n], self.gate_up_proj[e]))
             outs.append(self._linear(act, self.down_proj[e]))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -97,7 +107,7 @@ class SparseMoE(nn.Module):
         chosen = experts.flatten()
         order = chosen.argsort(stable=True)  # assignments grouped by expert, tokens ascending
         tokens = order // self.top_k
-        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()  # the step's one sync a layer
+        counts = torch.bincount(chosen, minlength=self.num_experts)
         out = self.experts(x.index_select(0, tokens), counts)
         out = (out * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, tokens, out)
