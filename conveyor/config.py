@@ -121,7 +121,15 @@ class CacheConfig:
         metadata=_help("Bytes of CPU memory for swapped-out KV blocks (used by preemption_mode swap/auto)."),
     )
     num_swap_blocks: int | None = field(
-        default=None, metadata=_help("Exact number of CPU swap blocks (overrides swap_space).")
+        default=None, metadata=_help("Exact number of CPU swap blocks (overrides swap_space and kv_receive_space).")
+    )
+    kv_receive_space: int = field(
+        default=0,
+        metadata=_help(
+            "Bytes of CPU memory where the K/V of requests handed over by a prefill engine wait for a "
+            "seat (prefill/decode disaggregation; shared with swap_space); 0: a handed-over request "
+            "computes its prompt again."
+        ),
     )
     enable_prefix_caching: bool = field(
         default=True,
@@ -152,8 +160,10 @@ class CacheConfig:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be at least 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory={self.kv_cache_memory} must be positive (bytes)")
-        if self.swap_space < 0 or (self.num_swap_blocks is not None and self.num_swap_blocks < 0):
-            raise ConfigError("swap_space and num_swap_blocks must be >= 0")
+        if self.swap_space < 0 or self.kv_receive_space < 0 or (
+            self.num_swap_blocks is not None and self.num_swap_blocks < 0
+        ):
+            raise ConfigError("swap_space, kv_receive_space and num_swap_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
@@ -117,6 +118,8 @@ class _Request:
     done: bool = False
     prompt_token_ids: list[int] | None = None  # sliced once, shared by every output of a stream
     extra: dict[str, object] = field(default_factory=dict)
+    export_kv: bool = False  # the prefill of a disaggregated request: its K/V go out at the end
+    handoff: KVHandoff | None = None  # ... read when its last prompt token is computed
 
 
 @dataclass(slots=True)
@@ -169,6 +172,11 @@ class Engine:
         # simulator's runner prices a step at once: it keeps the plain loop).
         self._async = config.scheduler.async_scheduling and hasattr(runner, "submit")
         self._in_flight: _InFlight | None = None
+        # Requests handed over with their K/V (conveyor/kv_transfer.py), in arrival order, until
+        # the scheduler has a seat and swap space for them.
+        self._incoming: deque[tuple[_Request, KVHandoff]] = deque()
+        self.num_kv_received = 0  # handed-over requests that came in with their K/V
+        self.num_kv_recomputed = 0  # ... and those whose K/V could never fit, computed here again
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -407,17 +415,30 @@ class Engine:
         prompt_text: str | None = None,
         resume: Resume | None = None,
         lora_request: LoRARequest | None = None,
+        export_kv: bool = False,
+        kv_handoff: KVHandoff | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never run.
 
         `prompt_text` names the text of already-tokenized `prompt` ids, for the output.
         `resume` continues a request another engine had started (an engine process replaced
-        after a crash); its outputs are not emitted again. `lora_request` names the adapter
-        it runs with (`enable_lora`); the adapter is loaded now, so a bad one fails here.
+        after a crash, or the prefill engine of a disaggregated request); its outputs are not
+        emitted again. `lora_request` names the adapter it runs with (`enable_lora`); the
+        adapter is loaded now, so a bad one fails here. `export_kv` makes this the prefill of a
+        disaggregated request (`max_tokens=1`): its final output carries the K/V of its prompt
+        (`RequestOutput.kv_handoff`). `kv_handoff` brings such K/V in: they must be of a prefix
+        of the request's tokens (prompt, then resumed outputs) and leave one to compute; the
+        request then computes only the rest (conveyor/kv_transfer.py).
         """
         if request_id in self._requests or request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
+        if (export_kv or kv_handoff is not None) and params.n > 1:
+            raise InvalidRequestError("K/V are handed over for one choice (n=1)", param="kv_transfer")
+        if export_kv and params.max_tokens != 1:
+            raise InvalidRequestError(
+                "export_kv runs the prefill of a disaggregated request: max_tokens must be 1", param="kv_transfer"
+            )
         if params.n > 1:
             self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
             return
@@ -452,9 +473,51 @@ class Engine:
             req.prompt_logprobs = [None]
         if resume is not None:
             self._resume(req, resume)
+        if kv_handoff is not None:
+            self._check_handoff(seq, kv_handoff)
+        req.export_kv = export_kv
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
-        self.scheduler.add(seq)
+        bm = self.scheduler.block_manager
+        if kv_handoff is None:
+            self.scheduler.add(seq)
+        elif bm.blocks_for_tokens(kv_handoff.num_tokens) > bm.num_swap_blocks:
+            logger.warning("request %s: its %d handed-over tokens exceed the swap space (kv_receive_space); "
+                           "computing them again", request_id, kv_handoff.num_tokens)
+            self.num_kv_recomputed += 1
+            self.scheduler.add(seq)
+        else:
+            self._incoming.append((req, kv_handoff))
+            self._admit_incoming()
+
+    def _check_handoff(self, seq: Sequence, handoff: KVHandoff) -> None:
+        n = handoff.num_tokens
+        if not 0 < n < seq.num_tokens or handoff.token_ids != seq.token_ids[:n]:
+            raise InvalidRequestError(
+                f"the handed-over K/V are of {n} tokens that are not a proper prefix of the request's "
+                f"{seq.num_tokens}", param="kv_transfer",
+            )
+        lora = None if seq.lora_request is None else seq.lora_request.lora_name
+        if handoff.lora_name != lora:
+            raise InvalidRequestError(
+                f"the handed-over K/V were computed with adapter {handoff.lora_name!r}, the request runs {lora!r}",
+                param="kv_transfer",
+            )
+        why = None if handoff.data is None else self.runner.kv_mismatch(handoff.data)
+        if why is not None:
+            raise InvalidRequestError(f"the handed-over {why}", param="kv_transfer")
+
+    def _admit_incoming(self) -> None:
+        """Queue handed-over requests, in arrival order, while the scheduler has a seat and swap
+        space: their K/V go into swap blocks, and they come in as swapped-out sequences do."""
+        while self._incoming:
+            req, handoff = self._incoming[0]
+            if not self.scheduler.can_receive(req.seq, handoff.num_tokens):
+                return
+            self._incoming.popleft()
+            self.scheduler.receive(req.seq, handoff.num_tokens)
+            self.runner.receive_kv(req.seq.block_table, handoff.data)
+            self.num_kv_received += 1
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Load (and so check) an adapter; InvalidRequestError if it cannot serve."""
@@ -555,11 +618,18 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None or req.done:
             return None
+        for i, (waiting, _) in enumerate(self._incoming):
+            if waiting is req:  # handed over, not yet in the scheduler: nothing to free
+                del self._incoming[i]
+                seq = req.seq
+                seq.status, seq.finish_reason, seq.metrics.finished_time = (
+                    SequenceStatus.FINISHED, FinishReason.ABORT, self.clock())
+                return self._finish_output(req)
         self.scheduler.abort(req.seq.seq_id, self.clock())
         return self._finish_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._incoming)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (a benchmark's cold start, or after changing weights).
@@ -569,7 +639,7 @@ class Engine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self._incoming)
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -578,6 +648,8 @@ class Engine:
         With async scheduling (and a runner that can launch a step without waiting for it),
         a call schedules and launches the next step, then completes the one launched before:
         the outputs are that earlier step's."""
+        if self._incoming:
+            self._admit_incoming()
         outputs = self._step_async() if self._async else self._step_sync()
         return self._merge(outputs) if self._child_of else outputs
 
@@ -624,6 +696,9 @@ class Engine:
         self, sched_out: SchedulerOutput, run_out: RunnerOutput, start: float, now: float
     ) -> list[RequestOutput]:
         accepted_before = self.scheduler.num_accepted_tokens
+        for item in sched_out.scheduled:  # the K/V a disaggregated prefill hands over, before its blocks go
+            if item.sample and (req := self._by_seq.get(item.seq_id)) is not None and req.export_kv:
+                self._export(req, item.block_table, item.context_len)
         updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs, run_out.accepted)
         self._record(sched_out, start, now - start, self.scheduler.num_accepted_tokens - accepted_before)
 
@@ -649,6 +724,13 @@ class Engine:
             elif req.stream:  # (not with output_kind "final_only")
                 outputs.append(self._output(req))
         return outputs
+
+    def _export(self, req: _Request, block_table: list[int], num_tokens: int) -> None:
+        lora = req.seq.lora_request
+        req.handoff = KVHandoff(
+            req.seq.token_ids[:num_tokens], self.runner.read_kv(block_table, num_tokens),
+            self.runner.kv_bytes(num_tokens), None if lora is None else lora.lora_name,
+        )
 
     def _take_prompt_logprobs(self, got: dict[int, tuple[int, list[PromptLogprob]]]) -> None:
         """Append the prompt logprobs a step computed to their requests' lists; those a
@@ -775,6 +857,7 @@ class Engine:
     def _finish_output(self, req: _Request) -> RequestOutput:
         req.done = True
         out = self._output(req, final=True)
+        out.kv_handoff = req.handoff
         seq = req.seq
         if self.trace:
             self.finished_requests.append(
@@ -857,11 +940,13 @@ def plan_cache(
         logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
         max_len = capacity
 
+    # One CPU pool: blocks swapped out by preemption, and K/V handed over by a prefill engine.
+    swaps = config.scheduler.preemption_mode != "recompute"
     num_swap_blocks = 0
-    if config.scheduler.preemption_mode != "recompute":
-        num_swap_blocks = (
-            cc.num_swap_blocks if cc.num_swap_blocks is not None else cc.swap_space // block_bytes
-        )
+    if cc.num_swap_blocks is not None and (swaps or cc.kv_receive_space):
+        num_swap_blocks = cc.num_swap_blocks
+    elif cc.num_swap_blocks is None:
+        num_swap_blocks = ((cc.swap_space if swaps else 0) + cc.kv_receive_space) // block_bytes
     return num_blocks, num_swap_blocks, max_len
 
 

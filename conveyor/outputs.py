@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.kv_transfer import KVHandoff
 from conveyor.sequence import RequestMetrics
 
 
@@ -43,6 +44,9 @@ class RequestOutput:
     metrics: RequestMetrics
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # Engine.add_request(export_kv=True): the K/V of the prompt, for a decode engine to take
+    # over (conveyor/kv_transfer.py); on the final output only.
+    kv_handoff: KVHandoff | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
     # comes before it). With output_kind "delta", only in the request's first output.
     prompt_logprobs: list[TokenLogprob | None] | None = None

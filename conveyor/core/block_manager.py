@@ -234,6 +234,18 @@ class BlockManager:
         seq.block_table = [block for _, block in mapping]
         return mapping
 
+    def can_receive(self, num_tokens: int) -> bool:
+        return self.blocks_for_tokens(num_tokens) <= len(self._swap_free)
+
+    def receive(self, seq: Sequence, num_tokens: int) -> None:
+        """Give `seq` (holding no blocks) swap blocks for the K/V of its first `num_tokens`
+        tokens, which another engine computed (conveyor/kv_transfer.py): it is then as if
+        swapped out, and `swap_in` brings it onto the device."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        if not self.can_receive(num_tokens):
+            raise RuntimeError(f"not enough swap space for {num_tokens} tokens")
+        seq.block_table = [self._swap_free.popleft() for _ in range(self.blocks_for_tokens(num_tokens))]
+
     def free_swapped(self, seq: Sequence) -> None:
         """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""
         self._swap_free.extend(seq.block_table)

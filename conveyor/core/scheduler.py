@@ -165,6 +165,26 @@ class Scheduler:
         self.waiting.append(seq)
         self._by_id[seq.seq_id] = seq
 
+    def can_receive(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`, the K/V of its first `num_tokens` tokens computed by another engine,
+        could be queued now: a seat, swap space for them, and a place for its adapter."""
+        if len(self.running) + len(self.swapped) >= self.config.max_num_seqs:
+            return False
+        if seq.lora_request is not None and not self._adapter_fits(seq, self._adapters()):
+            return False
+        return self.block_manager.can_receive(num_tokens)
+
+    def receive(self, seq: Sequence, num_tokens: int) -> None:
+        """Queue `seq` swapped out, the K/V of its first `num_tokens` tokens in swap space (the
+        runner writes them there): it comes in as any swapped sequence does, before anyone new,
+        and computes only the rest (prefill/decode disaggregation, conveyor/kv_transfer.py)."""
+        assert 0 < num_tokens < seq.num_tokens and self.can_receive(seq, num_tokens), (seq, num_tokens)
+        self.block_manager.receive(seq, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        self._by_id[seq.seq_id] = seq
+
     def get(self, seq_id: int) -> Sequence | None:
         return self._by_id.get(seq_id)
 

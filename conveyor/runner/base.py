@@ -7,7 +7,7 @@ Neither sees queues or policies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from conveyor.core.scheduler import SchedulerOutput
 
@@ -31,4 +31,16 @@ class RunnerOutput:
 class Runner(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step. Must sample exactly the sequences marked `sample`."""
+        ...
+
+    # Prefill/decode disaggregation (conveyor/kv_transfer.py): the K/V of a sequence's first
+    # `num_tokens` tokens out of its device blocks, and handed-over K/V into swap blocks.
+    def read_kv(self, block_table: list[int], num_tokens: int) -> Any: ...
+
+    def receive_kv(self, swap_table: list[int], data: Any) -> None: ...
+
+    def kv_bytes(self, num_tokens: int) -> int: ...
+
+    def kv_mismatch(self, data: Any) -> str | None:
+        """Why handed-over K/V cannot serve this model (None: they can)."""
         ...

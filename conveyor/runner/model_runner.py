@@ -154,6 +154,40 @@ class ModelRunner:
             dv = d.view(2, -1, bs, *d.shape[2:])
             dv[:, dst_ids.to(dv.device)] = sv[:, src_ids.to(sv.device)].to(dv.device, non_blocking=True)
 
+    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(num_tokens)
+        return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """The K/V of a sequence's first `num_tokens` tokens, `[layers, 2, tokens, kv_heads,
+        head_dim]` on the CPU (prefill/decode disaggregation: conveyor/kv_transfer.py)."""
+        slots = self._slots(block_table, num_tokens).to(self.device)
+        return torch.stack([cache[:, slots] for cache in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def receive_kv(self, swap_table: list[int], data: torch.Tensor) -> None:
+        """Write handed-over K/V (`read_kv`'s layout, any float dtype) into swap blocks, from
+        where the scheduler's swap-in brings them onto the device."""
+        slots = self._slots(swap_table, data.shape[2])
+        if self.device.type == "cuda":  # a swap-in still copying out of these pinned blocks
+            torch.cuda.current_stream(self.device).synchronize()
+        for cache, layer in zip(self.swap_caches, data, strict=True):
+            cache[:, slots] = layer.to(cache.dtype)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return self.model.arch.kv_bytes_per_token(self.kv_caches[0].element_size()) * num_tokens
+
+    def kv_mismatch(self, data: torch.Tensor) -> str | None:
+        arch = self.model.arch
+        want = (arch.num_layers, 2, arch.num_kv_heads, arch.head_dim)
+        got = (*data.shape[:2], *data.shape[3:]) if isinstance(data, torch.Tensor) and data.dim() == 5 else None
+        if got != want or not data.is_floating_point():
+            shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
+            return f"K/V of shape {shape} do not fit this model ([{want[0]}, 2, tokens, {want[2]}, {want[3]}])"
+        return None
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.submit(scheduler_output).result()
 

@@ -41,6 +41,20 @@ class SimRunner:
         self.num_steps = 0
         self.idle_s = 0.0  # idle time since the last step that computed (the engine adds to it)
 
+    # Prefill/decode disaggregation: simulated K/V have a size, not contents.
+    def read_kv(self, block_table: list[int], num_tokens: int) -> None:
+        return None
+
+    def receive_kv(self, swap_table: list[int], data: None) -> None:
+        return None
+
+    def kv_mismatch(self, data: object) -> str | None:
+        return None
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        model, dtype_bytes = getattr(self.cost_model, "model", None), getattr(self.cost_model, "dtype_bytes", 2)
+        return 0 if model is None else model.kv_bytes_per_token(dtype_bytes) * num_tokens
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         shape = StepShape.of(scheduler_output)
         if shape.num_tokens:
