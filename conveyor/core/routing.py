@@ -21,6 +21,7 @@ one by name. Nothing here imports torch: the server and the simulator route with
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -79,6 +80,16 @@ class RouterConfig:
         metadata=_help("cache_aware: blocks remembered per replica; the least recently routed go first."),
     )
     router_seed: int = field(default=0, metadata=_help("random and power_of_two: the seed of their draws."))
+    prefill_replicas: int = field(
+        default=0,
+        metadata=_help("Prefill/decode disaggregation (with --decode-replicas): replicas that run prompts and "
+                       "first tokens only, each request's K/V then handed to a decode replica; 0: every replica "
+                       "does both."),
+    )
+    decode_replicas: int = field(
+        default=0, metadata=_help("Prefill/decode disaggregation: replicas that take requests over from the "
+                                  "prefill replicas and decode them (least loaded first).")
+    )
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -99,6 +110,28 @@ class RouterConfig:
             raise ConfigError(f"router_block_size={self.router_block_size} must be at least 1")
         if self.router_max_blocks < 1:
             raise ConfigError(f"router_max_blocks={self.router_max_blocks} must be at least 1")
+        if min(self.prefill_replicas, self.decode_replicas) < 0 or (self.prefill_replicas > 0) != (
+            self.decode_replicas > 0
+        ):
+            raise ConfigError(
+                f"prefill_replicas={self.prefill_replicas} and decode_replicas={self.decode_replicas}: "
+                "disaggregation needs at least one of each (both 0: every replica does both)"
+            )
+        if self.disaggregated and self.data_parallel_size > 1:
+            raise ConfigError("with prefill_replicas and decode_replicas, data_parallel_size is their sum: leave it at 1")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    def pool(self, role: str) -> RouterConfig:
+        """The router of one pool of a disaggregated set: the configured policy over the prefill
+        replicas (their prefix caches hold the prompts), least loaded over the decode ones."""
+        if role == "prefill":
+            return dataclasses.replace(self, data_parallel_size=self.prefill_replicas, prefill_replicas=0,
+                                       decode_replicas=0)
+        return dataclasses.replace(self, data_parallel_size=self.decode_replicas, prefill_replicas=0,
+                                   decode_replicas=0, router_policy="least_requests")
 
 
 class Decision(NamedTuple):

@@ -47,6 +47,9 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                         ("step-overhead-ms", "fixed time per step"),
                         ("seq-overhead-us", "time per sequence in a step")):
         g.add_argument(f"--{name}", type=float, default=None, help=f"cost model: {help_} (overrides the default)")
+    g.add_argument("--kv-transfer-gbps", type=float, default=50.0,
+                   help="with --prefill-replicas/--decode-replicas: the link a handoff's K/V cross, in GB/s "
+                        "(default 50: one 400 Gb/s NIC between machines; NVLink within one is ~450)")
     g.add_argument("--spec-acceptance-rate", type=float, default=None,
                    help="with --speculative-method: the chance that the (absent) model accepts a draft, "
                         "independently per position (the simulator has no model to verify drafts)")
@@ -98,10 +101,11 @@ class SimSystem(ConveyorSystem):
 
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
                  params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None,
-                 acceptance_rate: float | None = None) -> None:
+                 acceptance_rate: float | None = None, link_bandwidth: float = 50e9) -> None:
         """`cost_model` replaces the roofline model that `params` would build (a profiled table,
         or one that records the steps it prices); `router` holds `RouterConfig` options;
-        `acceptance_rate` is the chance a speculative draft is accepted."""
+        `acceptance_rate` is the chance a speculative draft is accepted; `link_bandwidth` (bytes/s)
+        carries the K/V from prefill to decode replicas."""
         from conveyor.core.routing import RouterConfig
 
         names = {f.name for f in dataclasses.fields(RouterConfig)}
@@ -112,6 +116,7 @@ class SimSystem(ConveyorSystem):
         self.check_backend(self.router_config.data_parallel_backend)
         self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
         self.acceptance_rate = acceptance_rate
+        self.link_bandwidth = link_bandwidth
         self.last_engine: Any = None
         self.last_engines: list[Any] = []
 
@@ -137,6 +142,8 @@ class SimSystem(ConveyorSystem):
         # would only rescan the live ones (a quarter of the wall time at 10,000 requests).
         gc.disable()
         try:
+            if self.router_config.disaggregated:
+                return self._run_disaggregated(requests, point, progress)
             if self.router_config.data_parallel_size > 1:
                 return self._run_replicas(requests, point, progress)
             return super().run(requests, point, progress)
@@ -184,6 +191,64 @@ class SimSystem(ConveyorSystem):
         return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[0]))
 
 
+    def _run_disaggregated(self, requests: Any, point: Any, progress: Any) -> Any:
+        from conveyor.bench.offline import (
+            SystemRun,
+            _prompt,
+            _timing_from_output,
+            bench_params,
+            engine_stats,
+            occupancy_from_trace,
+        )
+        from conveyor.core.routing import make_router
+        from conveyor.replay import TimedRequest
+        from conveyor.sim.engine import build_sim_engine
+        from conveyor.sim.replicas import replay_disaggregated
+        from conveyor.trace import trace_dict
+
+        rc = self.router_config
+        # The decode replicas receive K/V into host memory: a host's share a device unless set.
+        receive = self.config.cache.kv_receive_space or DEFAULT_SIM_RECEIVE_SPACE
+        decode_config = dataclasses.replace(self.config, cache=dataclasses.replace(self.config.cache,
+                                                                                  kv_receive_space=receive))
+
+        def build(config: Any, seed: int) -> Any:
+            return build_sim_engine(config, self.hardware, self.model, self.params, self.cost_model,
+                                    acceptance_rate=self.acceptance_rate, seed=seed)
+
+        prefill = [build(self.config, i) for i in range(rc.prefill_replicas)]
+        decode = [build(decode_config, rc.prefill_replicas + i) for i in range(rc.decode_replicas)]
+        engines = [*prefill, *decode]
+        self.last_engine, self.last_engines = decode[0], engines
+        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
+        concurrency = int(point.value) if point.kind == "concurrency" else None
+        t0 = max(e.clock() for e in engines)
+        done = replay_disaggregated(prefill, decode, make_router(rc.pool("prefill")), make_router(rc.pool("decode")),
+                                    timed, self.link_bandwidth, concurrency, progress)
+        timings = [_timing_from_output(r.index, out) for r, out in zip(requests, done.outputs, strict=True)]
+        end = max((t.end for t in timings if t.end is not None), default=t0)
+        traces = [trace_dict(e) for e in engines]
+        stats = engine_stats([s for t in traces for s in t["steps"]])
+        stats["replicas"] = [
+            {"role": "prefill" if k < len(prefill) else "decode", "busy_s": e.runner_busy_s,
+             "requests": sum(1 for r in (done.prefill_routed if k < len(prefill) else done.decode_routed)
+                             if r == (k if k < len(prefill) else k - len(prefill))),
+             "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
+            for k, (e, tr) in enumerate(zip(engines, traces, strict=True))
+        ]
+        n = len(done.transfer_s)
+        stats["kv_transfer"] = {
+            "handoffs": n, "bytes": done.transfer_bytes, "link_gbps": self.link_bandwidth / 1e9,
+            "mean_s": sum(done.transfer_s) / n if n else 0.0, "max_s": max(done.transfer_s, default=0.0),
+            "recomputed": sum(e.num_kv_recomputed for e in decode),
+        }
+        return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[-1]))
+
+
+# What a simulated decode replica keeps for received K/V when kv_receive_space is not given.
+DEFAULT_SIM_RECEIVE_SPACE = 64 << 30
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from conveyor.bench import report
     from conveyor.bench.commands import (
@@ -224,14 +289,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     def on_point(spec: Any, system: SimSystem, point: dict[str, Any]) -> None:
         point["simulated_busy_s"] = sum(e.runner_busy_s for e in system.last_engines)
-        sim["systems"][spec.name] = {**describe_capacity(system.last_engine),
-                                     "replicas": system.router_config.data_parallel_size}
+        rc = system.router_config
+        replicas = rc.prefill_replicas + rc.decode_replicas if rc.disaggregated else rc.data_parallel_size
+        sim["systems"][spec.name] = {**describe_capacity(system.last_engine), "replicas": replicas,
+                                     "prefill_replicas": rc.prefill_replicas, "decode_replicas": rc.decode_replicas}
 
     wall = time.perf_counter()
     run_systems(
         args, result, specs, requests, points, slo,
         build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size, router=router,
-                                     acceptance_rate=args.spec_acceptance_rate),
+                                     acceptance_rate=args.spec_acceptance_rate,
+                                     link_bandwidth=args.kv_transfer_gbps * 1e9),
         options_of=lambda spec, system: {**dataclasses.asdict(system.config.scheduler),
                                          **dataclasses.asdict(system.router_config)},
         kind="simulated", on_point=on_point,

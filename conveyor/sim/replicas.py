@@ -11,6 +11,7 @@ its load (requests routed to it, less those finished by t) is what a live router
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -105,3 +106,112 @@ def replay_on_replicas(
                     heapq.heappush(arrivals, (end, sent, nxt))
                     sent += 1
     return ReplicaReplay([outputs[i] for i in range(len(requests))], routed, reasons)
+
+
+@dataclass(slots=True)
+class DisaggregatedReplay:
+    """What a disaggregated replay gives back besides the outputs."""
+
+    outputs: list[RequestOutput]
+    prefill_routed: list[int]  # the prefill replica of each request
+    decode_routed: list[int]  # its decode replica (-1: it ended with its first token)
+    transfer_s: list[float]  # each handoff's time on the link
+    transfer_bytes: int = 0
+
+
+def replay_disaggregated(
+    prefill: Sequence[Engine],
+    decode: Sequence[Engine],
+    prefill_router: RoutingPolicy,
+    decode_router: RoutingPolicy,
+    requests: Sequence[TimedRequest],
+    link_bandwidth: float,
+    concurrency: int | None = None,
+    on_finished: Callable[[int], Any] | None = None,
+) -> DisaggregatedReplay:
+    """Serve `requests` with prefill/decode disaggregation (DistServe, Splitwise): each goes to
+    a prefill replica, which computes its prompt and first token (`export_kv`, `max_tokens=1`);
+    its K/V then cross a link of `link_bandwidth` bytes/s, and a decode replica takes it over
+    (`kv_handoff`), generating the rest. A request that ends with its first token never leaves
+    its prefill replica. The same discrete-event loop as `replay_on_replicas`, with handoffs as a
+    second kind of arrival: whatever comes first, an arrival, a handoff or the replica furthest
+    behind, happens next."""
+    from conveyor.engine import Resume
+
+    pool = [_Replica(e) for e in (*prefill, *decode)]
+    first_decode = len(prefill)
+    start = max(e.clock() for e in (*prefill, *decode))
+    for r in pool:
+        r.engine.wait_until(start)
+    ids = [r.request_id or f"replay-{i}" for i, r in enumerate(requests)]
+    index_of = {rid: i for i, rid in enumerate(ids)}
+    # (time, order, request index, the prefill's output for a handoff; None for an arrival)
+    events: list[tuple[float, int, int, RequestOutput | None]] = []
+    pending = iter(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
+    if concurrency is None:
+        for n, i in enumerate(pending):
+            heapq.heappush(events, (start + requests[i].arrival_s, n, i, None))
+    else:
+        for n, i in zip(range(concurrency), pending, strict=False):
+            heapq.heappush(events, (start, n, i, None))
+    order = len(events)
+    outputs: dict[int, RequestOutput] = {}
+    prefill_routed, decode_routed = [-1] * len(requests), [-1] * len(requests)
+    transfer_s: list[float] = []
+    transfer_bytes = 0
+    prefill_ids, decode_ids = list(range(first_decode)), list(range(len(pool) - first_decode))
+
+    def done(i: int, out: RequestOutput, end: float) -> None:
+        nonlocal order
+        outputs[i] = out
+        if on_finished is not None:
+            on_finished(1)
+        if concurrency is not None and (nxt := next(pending, None)) is not None:
+            heapq.heappush(events, (end, order, nxt, None))
+            order += 1
+
+    while events or any(r.engine.has_unfinished_requests() for r in pool):
+        busy = [r for r in pool if r.engine.has_unfinished_requests()]
+        behind = min(busy, key=lambda r: r.engine.clock()) if busy else None
+        if events and (behind is None or events[0][0] <= behind.engine.clock()):
+            t, _, i, first = heapq.heappop(events)
+            req = requests[i]
+            if first is None:  # a new request: to a prefill replica
+                k = prefill_router.route(req.prompt, [r.load_at(t) for r in pool[:first_decode]], prefill_ids).replica
+                replica = pool[k]
+                prefill_routed[i] = k
+                kwargs: dict[str, Any] = {"export_kv": True, "arrival_time": t}
+                params = dataclasses.replace(req.params, max_tokens=1)
+            else:  # its K/V arrived: to a decode replica
+                k = decode_router.route(req.prompt, [r.load_at(t) for r in pool[first_decode:]], decode_ids).replica
+                replica = pool[first_decode + k]
+                decode_routed[i] = k
+                got = first.outputs[0]
+                kwargs = {"resume": Resume(got.token_ids, len(got.text), first.metrics), "kv_handoff": first.kv_handoff}
+                params = req.params
+            if not replica.engine.has_unfinished_requests():
+                replica.engine.wait_until(t)
+            replica.engine.add_request(ids[i], req.prompt, params, **kwargs)
+            replica.routed += 1
+            continue
+        assert behind is not None
+        is_prefill = pool.index(behind) < first_decode
+        for out in behind.engine.step():
+            if not out.finished:
+                continue
+            i = index_of[out.request_id]
+            end = out.metrics.finished_time if out.metrics.finished_time is not None else behind.engine.clock()
+            behind.finish_times.append(end)
+            handoff = out.kv_handoff
+            if not is_prefill or handoff is None or out.outputs[0].finish_reason != "length" or (
+                requests[i].params.max_tokens == 1
+            ):
+                done(i, out, end)
+                continue
+            seconds = handoff.num_bytes / link_bandwidth
+            transfer_s.append(seconds)
+            transfer_bytes += handoff.num_bytes
+            heapq.heappush(events, (end + seconds, order, i, out))
+            order += 1
+    return DisaggregatedReplay([outputs[i] for i in range(len(requests))], prefill_routed, decode_routed,
+                               transfer_s, transfer_bytes)
