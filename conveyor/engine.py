@@ -89,6 +89,7 @@ class Resume:
     emitted_text_len: int
     metrics: RequestMetrics
     num_preemptions: int = 0
+    text: str = ""  # what was emitted, for a front end that must hold it (the engine needs only its length)
 
 
 @dataclass(slots=True)

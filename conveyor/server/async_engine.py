@@ -26,13 +26,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.server.metrics import queue_counts
 
 if TYPE_CHECKING:
-    from conveyor.engine import Engine
+    from conveyor.engine import Engine, Resume
     from conveyor.server.metrics import ServerMetrics
     from conveyor.tokenizer import Tokenizer
 
@@ -79,6 +80,11 @@ class EngineRequest:
     params: SamplingParams
     prompt_text: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (the server's --lora-modules)
+    # Prefill/decode disaggregation (conveyor/server/disaggregated.py): the prefill stage
+    # exports its K/V; the decode stage goes on from the first token with them.
+    export_kv: bool = False
+    resume: Resume | None = None
+    kv_handoff: KVHandoff | None = None
 
     def __post_init__(self) -> None:
         if self.params.n != 1:  # a group's members are its choices (the HTTP layer makes n)
@@ -284,6 +290,9 @@ class AsyncEngine(EngineFront):
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.replica_index = 0  # which replica this is behind a router (its queue gauges' slot)
+        # Whether its requests count in the server's request metrics (a disaggregated set's
+        # prefill replicas leave that to the decode replicas: one request, counted once).
+        self.count_requests = True
         self.restarts = 0  # engines started again after one died (an engine process only)
         # Wait this long when the scheduler had work but chose to run nothing (a batching
         # policy collecting a batch): short, and cut short by any new command.
@@ -506,6 +515,9 @@ class AsyncEngine(EngineFront):
                         stream=True,
                         prompt_text=r.prompt_text,
                         lora_request=r.lora_request,
+                        resume=r.resume,
+                        export_kv=r.export_kv,
+                        kv_handoff=r.kv_handoff,
                     )
                     added.append(r.request_id)
                     self._active[r.request_id] = _Active(cmd.stream)
@@ -539,7 +551,7 @@ class AsyncEngine(EngineFront):
             active = self._active.get(out.request_id)
             if active is None:
                 continue
-            if self.metrics is not None:
+            if self.metrics is not None and self.count_requests:
                 self.metrics.on_output(out, active)
             if out.finished:
                 del self._active[out.request_id]

@@ -46,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
@@ -128,6 +129,8 @@ class _AddItem:
     prompt_text: str | None
     resume: Resume | None = None
     lora_request: LoRARequest | None = None
+    export_kv: bool = False
+    kv_handoff: KVHandoff | None = None
 
 
 @dataclass(slots=True)
@@ -149,6 +152,7 @@ class _Update:
     prompt: str | None = None  # the first update only
     prompt_token_ids: list[int] | None = None  # the first update only
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the first that has them only
+    kv_handoff: KVHandoff | None = None  # an export_kv request's last update
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -334,6 +338,7 @@ class _EngineCore:
                     engine.add_request(
                         it.request_id, it.prompt, it.params, arrival_time=arrival, stream=True,
                         prompt_text=it.prompt_text, resume=it.resume, lora_request=it.lora_request,
+                        export_kv=it.export_kv, kv_handoff=it.kv_handoff,
                     )
                     added.append(it.request_id)
                     self.times_sent[it.request_id] = len(it.resume.metrics.token_times) if it.resume else 0
@@ -363,6 +368,7 @@ class _EngineCore:
             out.num_preemptions, out.num_cached_tokens, m.first_scheduled_time,
             m.first_token_time, m.finished_time, m.token_times[sent:],
             out.prompt if first else None, out.prompt_token_ids if first else None, out.prompt_logprobs,
+            out.kv_handoff,
         )
 
 
@@ -571,12 +577,15 @@ class ProcessAsyncEngine(AsyncEngine):
             self._adds[add_id] = cmd
             items = []
             for r in cmd.requests:
-                self._tracked[r.request_id] = _Tracked(
+                tr = self._tracked[r.request_id] = _Tracked(
                     r, cmd.stream, cmd.arrival_time, r.params.output_kind, add_id,
                     RequestMetrics(arrival_time=cmd.arrival_time),
                     logprobs=[] if r.params.logprobs is not None else None,
                 )
-                items.append(self._item(self._tracked[r.request_id]))
+                if r.resume is not None:  # handed over by a prefill engine: it holds what went out
+                    tr.token_ids, tr.text = list(r.resume.output_token_ids), [r.resume.text]
+                    tr.metrics = dataclasses.replace(r.resume.metrics, token_times=list(r.resume.metrics.token_times))
+                items.append(self._item(tr, r.resume))
             self._send(("add", add_id, items, cmd.arrival_time, True))
         else:
             ids = list(self._tracked) if isinstance(cmd, _AbortAll) else cmd.request_ids
@@ -590,7 +599,9 @@ class ProcessAsyncEngine(AsyncEngine):
     def _item(tr: _Tracked, resume: Resume | None = None) -> _AddItem:
         r = tr.request
         params = dataclasses.replace(r.params, output_kind="delta")
-        return _AddItem(r.request_id, r.prompt, params, r.prompt_text, resume, r.lora_request)
+        # A handoff's K/V are of a prefix of the prompt: still right after a restart.
+        return _AddItem(r.request_id, r.prompt, params, r.prompt_text, resume, r.lora_request, r.export_kv,
+                        r.kv_handoff)
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -628,7 +639,7 @@ class ProcessAsyncEngine(AsyncEngine):
             out = self._absorb(tr, upd)
             if upd.finish_reason is not None:
                 del self._tracked[upd.request_id]
-            if self.metrics is not None:
+            if self.metrics is not None and self.count_requests:
                 self.metrics.on_output(out, tr)
             if out.finished or tr.kind != "final_only":
                 routed.append((tr.stream, out))
@@ -668,9 +679,11 @@ class ProcessAsyncEngine(AsyncEngine):
             tr.text[:] = [text]
             ids = list(tr.token_ids)
             logprobs = list(tr.logprobs) if tr.logprobs is not None else None
-        return tr.output(CompletionOutput(
+        out = tr.output(CompletionOutput(
             0, text, ids, upd.finish_reason, upd.stop_reason, logprobs, upd.text, upd.token_ids,
         ), fresh)
+        out.kv_handoff = upd.kv_handoff
+        return out
 
     # -- deaths ------------------------------------------------------------------------------
     def _recover(self, why: str) -> None:
@@ -728,7 +741,7 @@ class ProcessAsyncEngine(AsyncEngine):
                 self._call_in_loop(self._stream_closed, cmd.stream)
                 self._resolve(cmd.future, RequestFailedError("the engine died while accepting this request"))
                 continue
-            self._send(("add", add_id, [self._item(tr) for tr in members], cmd.arrival_time, True))
+            self._send(("add", add_id, [self._item(tr, tr.request.resume) for tr in members], cmd.arrival_time, True))
         if self.metrics is not None:
             self.metrics.requests_replayed.inc(resumed)
 
@@ -749,7 +762,7 @@ class ProcessAsyncEngine(AsyncEngine):
         ids = [] if delta else list(tr.token_ids)
         logprobs = ([] if delta else list(tr.logprobs)) if tr.logprobs is not None else None
         out = tr.output(CompletionOutput(0, text, ids, reason, None, logprobs, "", []))
-        if self.metrics is not None:
+        if self.metrics is not None and self.count_requests:
             self.metrics.on_output(out, tr)
         return out
 

@@ -88,7 +88,17 @@ class _Server(uvicorn.Server):
 
 
 def _build_front(engine_kwargs: dict[str, Any], server_config: ServerConfig, router_config: RouterConfig) -> EngineFront:
-    """The engine (in its process or a thread) or, with several replicas, the replica set; ready."""
+    """The engine (in its process or a thread) or, with several replicas, the replica set or the
+    prefill and decode pools; ready."""
+    if router_config.disaggregated:
+        from conveyor.server.disaggregated import build_disaggregated_set
+
+        pd = build_disaggregated_set(engine_kwargs, router_config, server_config.engine_process,
+                                     server_config.max_queued_requests, server_config.engine_max_replays)
+        pd.launch()
+        logger.info("%d prefill and %d decode replica(s); prefill routed by %s", router_config.prefill_replicas,
+                    router_config.decode_replicas, router_config.router_policy)
+        return pd
     if router_config.data_parallel_size > 1 or router_config.data_parallel_backend == "ray":
         from conveyor.server.replicas import build_replica_set
 

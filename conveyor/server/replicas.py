@@ -227,10 +227,12 @@ def build_replica_set(
     max_replays: int = 1,
     metrics: ServerMetrics | None = None,
     gpus: int | None = None,
+    per_replica: list[dict[str, Any]] | None = None,
 ) -> ReplicaSet:
     """`router_config.data_parallel_size` replicas of the engine `engine_kwargs` describes, not
     yet launched (with `engine_process`) or built and ready to start (without: the weights are
-    loaded once and shared by every replica's runner)."""
+    loaded once and shared by every replica's runner). `per_replica`: each replica's own
+    options, where the caller has split the devices (`replica_engine_kwargs`) itself."""
     size = router_config.data_parallel_size
     replicas: list[AsyncEngine] = []
     if router_config.data_parallel_backend == "ray":
@@ -242,7 +244,8 @@ def build_replica_set(
         replicas = [RayAsyncEngine(kw, actor_options=opts, max_queued_requests=max_queued_requests, max_replays=max_replays)
                     for kw, opts in ray_replica_options(engine_kwargs, size)]
         return ReplicaSet(replicas, make_router(router_config), metrics)
-    per_replica = replica_engine_kwargs(engine_kwargs, size, gpus)
+    if per_replica is None:
+        per_replica = replica_engine_kwargs(engine_kwargs, size, gpus)
     if engine_process:
         from conveyor.server.engine_process import ProcessAsyncEngine
 
