@@ -169,3 +169,27 @@ def test_served_over_http(tmp_path: Path, smol_server: ServerProcess) -> None:
             k: v for k, v in metrics.items() if "success" in k[0]})
     finally:
         server.stop()
+
+
+def test_a_decode_replica_killed_mid_stream_resumes_the_request(tiny_model: Path) -> None:
+    """Its successor takes the request back with the prompt's K/V (still a prefix of its tokens)
+    and the tokens delivered so far: the stream goes on as if nothing happened."""
+    import os
+    import signal
+
+    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, output_kind="delta")
+    want = reference(tiny_model, {"k": [5, 6, 7, 8]}, params)["k"]
+    pd = pd_set(tiny_model, engine_process=True)
+
+    async def body(pd: DisaggregatedSet) -> list[int]:
+        stream = await pd.add([EngineRequest("k", [5, 6, 7, 8], params)])
+        got: list[int] = []
+        async for out in stream:
+            got += out.outputs[0].token_ids
+            if len(got) >= 20 and pd.decode.replicas[0].restarts == 0 and not getattr(body, "killed", False):
+                os.kill(pd.decode.replicas[0].engine_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+                body.killed = True  # type: ignore[attr-defined]
+        return got
+
+    assert run(pd, body) == want
+    assert pd.decode.replicas[0].restarts == 1
