@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,12 @@ class SimSystem(ConveyorSystem):
         finally:
             gc.enable()
 
-    def _run_replicas(self, requests: Any, point: Any, progress: Any) -> Any:
+    def _run_engines(self, engines: list[Any], requests: Any, point: Any,
+                     replay: Callable[[list[Any], int | None], Any],
+                     describe: Callable[[Any, list[Any], list[Any], dict[str, Any]], None]) -> Any:
+        """One load point over several simulated engines: `replay(timed, concurrency)` serves
+        the requests (its result has `outputs` in their order), `describe(done, timings, traces,
+        stats)` adds what the layout has to say to the pooled engine stats."""
         from conveyor.bench.offline import (
             SystemRun,
             _prompt,
@@ -159,52 +165,53 @@ class SimSystem(ConveyorSystem):
             engine_stats,
             occupancy_from_trace,
         )
-        from conveyor.core.routing import make_router
         from conveyor.replay import TimedRequest
+        from conveyor.trace import trace_dict
+
+        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
+        concurrency = int(point.value) if point.kind == "concurrency" else None
+        t0 = max(e.clock() for e in engines)
+        done = replay(timed, concurrency)
+        timings = [_timing_from_output(r.index, out) for r, out in zip(requests, done.outputs, strict=True)]
+        end = max((t.end for t in timings if t.end is not None), default=t0)
+        traces = [trace_dict(e) for e in engines]
+        stats = engine_stats([s for t in traces for s in t["steps"]])
+        describe(done, timings, traces, stats)
+        return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[engines.index(self.last_engine)]))
+
+    def _run_replicas(self, requests: Any, point: Any, progress: Any) -> Any:
+        from conveyor.bench.offline import engine_stats
+        from conveyor.core.routing import make_router
         from conveyor.sim.engine import build_sim_engine
         from conveyor.sim.replicas import replay_on_replicas
-        from conveyor.trace import trace_dict
 
         n = self.router_config.data_parallel_size
         engines = [build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
                                     acceptance_rate=self.acceptance_rate, seed=i) for i in range(n)]
         self.last_engine, self.last_engines = engines[0], engines
-        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
-        concurrency = int(point.value) if point.kind == "concurrency" else None
-        t0 = max(e.clock() for e in engines)
-        done = replay_on_replicas(engines, make_router(self.router_config), timed, concurrency, progress)
-        timings = [_timing_from_output(r.index, out) for r, out in zip(requests, done.outputs, strict=True)]
-        end = max((t.end for t in timings if t.end is not None), default=t0)
-        traces = [trace_dict(e) for e in engines]
-        stats = engine_stats([s for t in traces for s in t["steps"]])
-        served: list[list[Any]] = [[] for _ in engines]  # each replica's timings
-        for t, k in zip(timings, done.routed, strict=True):
-            served[k].append(t)
-        stats["replicas"] = [
-            {"requests": len(mine), "busy_s": e.runner_busy_s,
-             "prompt_tokens": sum(t.prompt_len or 0 for t in mine),
-             "cached_tokens": sum(t.cached_tokens or 0 for t in mine),
-             "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
-            for mine, e, tr in zip(served, engines, traces, strict=True)
-        ]
-        stats["routing"] = {"policy": self.router_config.router_policy, "reasons": dict(done.reasons)}
-        return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[0]))
 
+        def describe(done: Any, timings: list[Any], traces: list[Any], stats: dict[str, Any]) -> None:
+            served: list[list[Any]] = [[] for _ in engines]  # each replica's timings
+            for t, k in zip(timings, done.routed, strict=True):
+                served[k].append(t)
+            stats["replicas"] = [
+                {"requests": len(mine), "busy_s": e.runner_busy_s,
+                 "prompt_tokens": sum(t.prompt_len or 0 for t in mine),
+                 "cached_tokens": sum(t.cached_tokens or 0 for t in mine),
+                 "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
+                for mine, e, tr in zip(served, engines, traces, strict=True)
+            ]
+            stats["routing"] = {"policy": self.router_config.router_policy, "reasons": dict(done.reasons)}
+
+        router = make_router(self.router_config)
+        return self._run_engines(engines, requests, point,
+                                 lambda timed, c: replay_on_replicas(engines, router, timed, c, progress), describe)
 
     def _run_disaggregated(self, requests: Any, point: Any, progress: Any) -> Any:
-        from conveyor.bench.offline import (
-            SystemRun,
-            _prompt,
-            _timing_from_output,
-            bench_params,
-            engine_stats,
-            occupancy_from_trace,
-        )
+        from conveyor.bench.offline import engine_stats
         from conveyor.core.routing import make_router
-        from conveyor.replay import TimedRequest
         from conveyor.sim.engine import build_sim_engine
         from conveyor.sim.replicas import replay_disaggregated
-        from conveyor.trace import trace_dict
 
         rc = self.router_config
         # The decode replicas receive K/V into host memory: a host's share a device unless set.
@@ -220,29 +227,25 @@ class SimSystem(ConveyorSystem):
         decode = [build(decode_config, rc.prefill_replicas + i) for i in range(rc.decode_replicas)]
         engines = [*prefill, *decode]
         self.last_engine, self.last_engines = decode[0], engines
-        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
-        concurrency = int(point.value) if point.kind == "concurrency" else None
-        t0 = max(e.clock() for e in engines)
-        done = replay_disaggregated(prefill, decode, make_router(rc.pool("prefill")), make_router(rc.pool("decode")),
-                                    timed, self.link_bandwidth, concurrency, progress)
-        timings = [_timing_from_output(r.index, out) for r, out in zip(requests, done.outputs, strict=True)]
-        end = max((t.end for t in timings if t.end is not None), default=t0)
-        traces = [trace_dict(e) for e in engines]
-        stats = engine_stats([s for t in traces for s in t["steps"]])
-        stats["replicas"] = [
-            {"role": "prefill" if k < len(prefill) else "decode", "busy_s": e.runner_busy_s,
-             "requests": sum(1 for r in (done.prefill_routed if k < len(prefill) else done.decode_routed)
-                             if r == (k if k < len(prefill) else k - len(prefill))),
-             "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
-            for k, (e, tr) in enumerate(zip(engines, traces, strict=True))
-        ]
-        n = len(done.transfer_s)
-        stats["kv_transfer"] = {
-            "handoffs": n, "bytes": done.transfer_bytes, "link_gbps": self.link_bandwidth / 1e9,
-            "mean_s": sum(done.transfer_s) / n if n else 0.0, "max_s": max(done.transfer_s, default=0.0),
-            "recomputed": sum(e.num_kv_recomputed for e in decode),
-        }
-        return SystemRun(timings, max(end - t0, 1e-9), stats, occupancy_from_trace(traces[-1]))
+
+        def describe(done: Any, timings: list[Any], traces: list[Any], stats: dict[str, Any]) -> None:
+            roles = [("prefill", k, done.prefill_routed) for k in range(len(prefill))]
+            roles += [("decode", k, done.decode_routed) for k in range(len(decode))]
+            stats["replicas"] = [
+                {"role": role, "requests": routed.count(k), "busy_s": e.runner_busy_s,
+                 "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
+                for (role, k, routed), e, tr in zip(roles, engines, traces, strict=True)
+            ]
+            n = len(done.transfer_s)
+            stats["kv_transfer"] = {
+                "handoffs": n, "bytes": done.transfer_bytes, "link_gbps": self.link_bandwidth / 1e9,
+                "mean_s": sum(done.transfer_s) / n if n else 0.0, "max_s": max(done.transfer_s, default=0.0),
+                "recomputed": sum(e.num_kv_recomputed for e in decode),
+            }
+
+        prefill_router, decode_router = make_router(rc.pool("prefill")), make_router(rc.pool("decode"))
+        return self._run_engines(engines, requests, point, lambda timed, c: replay_disaggregated(
+            prefill, decode, prefill_router, decode_router, timed, self.link_bandwidth, c, progress), describe)
 
 
 # What a simulated decode replica keeps for received K/V when kv_receive_space is not given.

@@ -14,7 +14,7 @@ import bisect
 import dataclasses
 import heapq
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,23 @@ class _Replica:
         return self.routed - bisect.bisect_right(self.finish_times, t)
 
 
+def _first_events(
+    requests: Sequence[TimedRequest], start: float, concurrency: int | None
+) -> tuple[list[tuple[float, int, int, Any]], Iterator[int]]:
+    """The heap of (time, order, request index, payload) events sent at once, and the requests
+    still to send: all at their arrival times (open loop), or `concurrency` at `start` and the
+    rest one per finish (closed loop)."""
+    pending = iter(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
+    events: list[tuple[float, int, int, Any]] = []
+    if concurrency is None:
+        for n, i in enumerate(pending):
+            heapq.heappush(events, (start + requests[i].arrival_s, n, i, None))
+    else:
+        for n, i in zip(range(concurrency), pending, strict=False):
+            heapq.heappush(events, (start, n, i, None))
+    return events, pending
+
+
 def replay_on_replicas(
     engines: Sequence[Engine],
     router: RoutingPolicy,
@@ -61,15 +78,7 @@ def replay_on_replicas(
         e.wait_until(start)
     ids = [r.request_id or f"replay-{i}" for i, r in enumerate(requests)]
     index_of = {rid: i for i, rid in enumerate(ids)}
-    # (arrival time, order, request index): the heap of requests sent and not yet routed.
-    arrivals: list[tuple[float, int, int]] = []
-    pending = iter(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
-    if concurrency is None:
-        for n, i in enumerate(pending):
-            heapq.heappush(arrivals, (start + requests[i].arrival_s, n, i))
-    else:
-        for n, i in zip(range(concurrency), pending, strict=False):
-            heapq.heappush(arrivals, (start, n, i))
+    arrivals, pending = _first_events(requests, start, concurrency)  # sent and not yet routed
     sent = len(arrivals)
     outputs: dict[int, RequestOutput] = {}
     routed = [-1] * len(requests)
@@ -79,7 +88,7 @@ def replay_on_replicas(
         busy = [r for r in replicas if r.engine.has_unfinished_requests()]
         behind = min(busy, key=lambda r: r.engine.clock()) if busy else None
         if arrivals and (behind is None or arrivals[0][0] <= behind.engine.clock()):
-            t, _, i = heapq.heappop(arrivals)
+            t, _, i, _ = heapq.heappop(arrivals)
             req = requests[i]
             decision = router.route(req.prompt, [r.load_at(t) for r in replicas], candidates)
             replica = replicas[decision.replica]
@@ -103,7 +112,7 @@ def replay_on_replicas(
             if concurrency is not None:
                 nxt = next(pending, None)
                 if nxt is not None:
-                    heapq.heappush(arrivals, (end, sent, nxt))
+                    heapq.heappush(arrivals, (end, sent, nxt, None))
                     sent += 1
     return ReplicaReplay([outputs[i] for i in range(len(requests))], routed, reasons)
 
@@ -145,15 +154,8 @@ def replay_disaggregated(
         r.engine.wait_until(start)
     ids = [r.request_id or f"replay-{i}" for i, r in enumerate(requests)]
     index_of = {rid: i for i, rid in enumerate(ids)}
-    # (time, order, request index, the prefill's output for a handoff; None for an arrival)
-    events: list[tuple[float, int, int, RequestOutput | None]] = []
-    pending = iter(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
-    if concurrency is None:
-        for n, i in enumerate(pending):
-            heapq.heappush(events, (start + requests[i].arrival_s, n, i, None))
-    else:
-        for n, i in zip(range(concurrency), pending, strict=False):
-            heapq.heappush(events, (start, n, i, None))
+    # payload: the prefill's output for a handoff (its K/V arrived), None for an arrival
+    events, pending = _first_events(requests, start, concurrency)
     order = len(events)
     outputs: dict[int, RequestOutput] = {}
     prefill_routed, decode_routed = [-1] * len(requests), [-1] * len(requests)
