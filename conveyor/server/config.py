@@ -60,6 +60,15 @@ class ServerConfig:
             "block) or qwen3 (it thinks only if it opens one). Default: off."
         ),
     )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata=_help(
+            "How the model writes tool calls under tool_choice auto (vLLM's parsers of the same "
+            "names): hermes (<tool_call> blocks), llama3_json ({\"name\", \"parameters\"} "
+            "objects), mistral ([TOOL_CALLS] and a JSON list) or pythonic ([f(a=1), g()]). A chat "
+            "template without tools is asked for that format."
+        ),
+    )
     lora_modules: tuple[str, ...] = field(
         default=(),
         metadata=_help(
@@ -88,6 +97,10 @@ class ServerConfig:
             raise ConfigError(f"engine_max_replays={self.engine_max_replays} must be >= 0")
         if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
             raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: use deepseek_r1 or qwen3")
+        from conveyor.server.tool_parsers import tool_parser_names
+
+        if self.tool_call_parser not in tool_parser_names():
+            raise ConfigError(f"tool_call_parser={self.tool_call_parser!r}: use {', '.join(tool_parser_names())}")
         if not isinstance(self.lora_modules, tuple):
             object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         names = list(self.lora_requests)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.server.tools import partial_suffix
+from conveyor.server.tool_parsers import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")

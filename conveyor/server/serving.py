@@ -43,6 +43,7 @@ from conveyor.server.protocol import (
     SamplingRequest,
 )
 from conveyor.server.reasoning import ReasoningStream, split_reasoning
+from conveyor.server.tool_parsers import ToolParser, make_tool_parser
 from conveyor.server.tools import Tools, ToolStream, history_for_template
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
@@ -59,9 +60,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     loras: dict[str, LoRARequest] = field(init=False)  # the adapters, by the model name requests send
+    tool_parser: ToolParser = field(init=False)  # --tool-call-parser
 
     def __post_init__(self) -> None:
         self.loras = self.config.lora_requests
+        self.tool_parser = make_tool_parser(self.config.tool_call_parser)
 
     @property
     def model_name(self) -> str:
@@ -595,7 +598,7 @@ class ChatCompletionHandler(_Handler):
     @functools.cached_property
     def tools(self) -> Tools | None:
         b = self.body
-        tools = Tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls)
+        tools = Tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls, self.state.tool_parser)
         if tools is not None and tools.choice in ("required", "named") and self.requested_outputs is not None:
             raise InvalidRequestError(
                 f"tool_choice {b.tool_choice!r} holds the output to the tools' schemas: "

@@ -27,18 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.sampling_params import InvalidRequestError, StructuredOutputParams
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-TOOL_PROMPT = (
-    "You are a function calling AI model. You may call one or more functions to assist with "
-    "the user query. Don't make assumptions about what values to plug into functions. The "
-    "functions available to you are listed within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
-    "To call a function, reply with a JSON object with its name and arguments within "
-    "<tool_call></tool_call> XML tags, for each call:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+from conveyor.server.tool_parsers import (
+    HermesParser,
+    ToolParser,
+    partial_suffix,
+    tool_call,
 )
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+HERMES = HermesParser()
+
+__all__ = ["ToolStream", "Tools", "history_for_template", "parse_hermes", "partial_suffix", "tool_call"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,11 @@ class Tools:
     choice: str
     named: str | None = None
     parallel: bool = True
+    parser: ToolParser = HERMES  # how calls are written under "auto" (--tool-call-parser)
 
     @classmethod
-    def parse(cls, tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> Tools | None:
+    def parse(cls, tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
+              parser: ToolParser = HERMES) -> Tools | None:
         """None when the request has no tools; raises InvalidRequestError naming the field."""
         if not tools:
             if tool_choice not in (None, "none"):
@@ -94,7 +95,7 @@ class Tools:
             raise InvalidRequestError(
                 f"tool_choice {choice!r}: none, auto, required or {{\"type\": \"function\", ...}}", param="tool_choice"
             )
-        return cls(tuple(functions), choice, named, parallel is not False)
+        return cls(tuple(functions), choice, named, parallel is not False, parser)
 
     # -- the prompt ----------------------------------------------------------------------------
     @property
@@ -105,7 +106,7 @@ class Tools:
         return [{"type": "function", "function": f} for f in self.functions]
 
     def system_prompt(self) -> str:
-        return TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in self.template_tools()))
+        return self.parser.prompt(self.template_tools())
 
     # -- the output ----------------------------------------------------------------------------
     def constraint(self) -> StructuredOutputParams | None:
@@ -136,78 +137,30 @@ class Tools:
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens: the text as it is
                 return text, []
         if self.choice == "auto":
-            return parse_hermes(text)
+            return self.parser.parse(text)
         return text, []
-
-
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Calls written as `<tool_call>{...}</tool_call>` (an object or a list of them), and the
     text around them. A block that is not a call (bad JSON, no name) stays in the text; an
     unclosed one at the end is read to the end."""
-    content, calls, _ = _scan(text, final=True)
-    if calls:
-        return content.strip() or None, calls
-    return content, calls
-
-
-def _scan(text: str, final: bool) -> tuple[str, list[dict[str, Any]], int]:
-    """The content and the calls in `text`, and how much of it they account for: not
-    finished (`final` false), a block that is not closed yet, or an end that may begin one,
-    waits for more."""
-    content: list[str] = []
-    calls: list[dict[str, Any]] = []
-    at = 0
-    while True:
-        start = text.find(OPEN, at)
-        if start < 0:
-            keep = 0 if final else partial_suffix(text[at:], OPEN)
-            content.append(text[at : len(text) - keep])
-            return "".join(content), calls, len(text) - keep
-        end = text.find(CLOSE, start)
-        if end < 0 and not final:
-            content.append(text[at:start])
-            return "".join(content), calls, start
-        stop = end + len(CLOSE) if end >= 0 else len(text)
-        found = _calls_in(text[start + len(OPEN) : end if end >= 0 else len(text)])
-        if found is None:  # not a call: text
-            content.append(text[at:stop])
-        else:
-            content.append(text[at:start])
-            calls.extend(found)
-        at = stop
-
-
-def _calls_in(body: str) -> list[dict[str, Any]] | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    out = []
-    for it in items:
-        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
-            return None
-        args = it.get("arguments", it.get("parameters", {}))
-        out.append(tool_call(it["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-    return out
+    return HERMES.parse(text)
 
 
 @dataclass
 class ToolStream:
     """One streamed choice's text, split as it grows into content deltas and tool calls.
 
-    With `tool_choice="auto"`, text is passed on as content until a `<tool_call>` begins (a
-    tail that could be its start is held back); a call is sent whole once its block closes.
-    Named: each piece of text is the function's arguments, the call's id and name first.
-    Required: the calls are sent when the output ends (its JSON is only whole then)."""
+    With `tool_choice="auto"`, the parser's scan of the text so far says what is content and
+    what calls (a tail that could begin a call is held back); what is new since the last piece
+    is sent, a call whole once it is complete. Named: each piece of text is the function's
+    arguments, the call's id and name first. Required: the calls are sent when the output ends
+    (its JSON is only whole then)."""
 
     tools: Tools
     text: str = ""
-    sent: int = 0  # characters of `text` passed on or consumed
+    sent: int = 0  # characters of content passed on
     calls: int = 0  # tool calls sent so far
     named_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
@@ -230,9 +183,9 @@ class ToolStream:
             return self._out(*t.calls(self.text))
         if t.choice != "auto":
             return {"content": piece} if piece else {}
-        content, calls, used = _scan(self.text[self.sent :], final)
-        self.sent += used
-        return self._out(content, calls)
+        content, calls, _ = t.parser.scan(self.text, final)  # monotone: only what is new goes out
+        new_content, self.sent = content[self.sent :], len(content)
+        return self._out(new_content, calls[self.calls :])
 
     def _out(self, content: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
         delta: dict[str, Any] = {}
@@ -244,19 +197,12 @@ class ToolStream:
         return delta
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 def history_for_template(messages: list[dict[str, Any]], tools: Tools | None, template: str) -> list[dict[str, Any]]:
     """Messages for a chat template. A template that names `tool_calls` gets them with their
     arguments as objects (as HF templates expect); for one that does not, an assistant's calls
-    are written into its content in the Hermes format. Tools shown to a template that does
-    not name `tools` come as a system prompt (merged into the first system message)."""
+    are written into its content in the parser's format (Hermes without tools). Tools shown to
+    a template that does not name `tools` come as a system prompt (merged into the first system
+    message)."""
     knows_calls = "tool_calls" in template
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -266,11 +212,7 @@ def history_for_template(messages: list[dict[str, Any]], tools: Tools | None, te
             if knows_calls:
                 m["tool_calls"] = [_with_object_arguments(c) for c in calls]
             else:
-                written = "\n".join(
-                    f'{OPEN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-                    f'{_arguments_text(c["function"].get("arguments"))}}}\n{CLOSE}'
-                    for c in calls
-                )
+                written = (tools.parser if tools is not None else HERMES).write(calls)
                 m["content"] = "\n".join(filter(None, [m.get("content") or "", written]))
                 del m["tool_calls"]
         out.append(m)
@@ -281,12 +223,6 @@ def history_for_template(messages: list[dict[str, Any]], tools: Tools | None, te
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
-
-
-def _arguments_text(args: Any) -> str:
-    if isinstance(args, str):
-        return args
-    return json.dumps(args if args is not None else {}, ensure_ascii=False)
 
 
 def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:

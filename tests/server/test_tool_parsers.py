@@ -1,0 +1,132 @@
+"""The tool-call parsers (`--tool-call-parser`): each format's texts read as calls and content,
+a stream cut at random points giving what the whole output gives (hypothesis), each parser's
+`write` read back by its own `scan` (hypothesis), and the history and system prompt of a
+template without tool support written in the chosen format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.config import ConfigError
+from conveyor.server.config import ServerConfig
+from conveyor.server.tool_parsers import make_tool_parser, tool_call, tool_parser_names
+from conveyor.server.tools import Tools, ToolStream, history_for_template
+from tests.server.test_tools import ASK, TOOLS
+
+
+def named(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_the_parsers_are_vllms():
+    assert tool_parser_names() == ["hermes", "llama3_json", "mistral", "pythonic"]
+    with pytest.raises(ConfigError, match="use hermes, llama3_json, mistral, pythonic"):
+        ServerConfig(tool_call_parser="granite")
+
+
+def test_llama3_json_calls_and_content():
+    p = make_tool_parser("llama3_json")
+    content, calls = p.parse('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert content is None and named(calls) == [("get_weather", {"city": "Paris"})]
+    content, calls = p.parse('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}')
+    assert content is None and named(calls) == [("a", {}), ("b", {"x": 1})]
+    assert p.parse("The weather is fine.") == ("The weather is fine.", [])
+    assert p.parse('{"city": "Paris"}') == ('{"city": "Paris"}', [])  # JSON, but not a call
+    assert p.parse('{"name": "a", "parame') == ('{"name": "a", "parame', [])  # cut short: text
+    content, calls = p.parse('{"name": "a", "parameters": {}} and then some words')
+    assert content == "and then some words" and named(calls) == [("a", {})]
+
+
+def test_mistral_calls_and_content():
+    p = make_tool_parser("mistral")
+    content, calls = p.parse('Let me look.[TOOL_CALLS][{"name": "search", "arguments": {"query": "x"}}, '
+                             '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert content == "Let me look." and named(calls) == [("search", {"query": "x"}), ("get_weather", {"city": "Oslo"})]
+    assert p.parse("[TOOL_CALLS] not json") == ("[TOOL_CALLS] not json", [])
+    assert p.parse("plain [TOOL_ text") == ("plain [TOOL_ text", [])
+
+
+def test_pythonic_calls_and_content():
+    p = make_tool_parser("pythonic")
+    content, calls = p.parse('[get_weather(city="Paris", days=2, metric=True), search(query=\'x\', tags=["a", None])]')
+    assert content is None
+    assert named(calls) == [("get_weather", {"city": "Paris", "days": 2, "metric": True}),
+                            ("search", {"query": "x", "tags": ["a", None]})]
+    for text in ("[1, 2, 3]", "[f(x=y)]", "[f(1)]", "Hello [world]", "[f(**k)]", "[]"):
+        assert p.parse(text) == (text, []), text
+
+
+# -- streams ---------------------------------------------------------------------------------
+ARGS = st.dictionaries(st.sampled_from(["city", "query", "n"]),
+                       st.one_of(st.text(alphabet="ab ;,[]{}\"'", max_size=5), st.integers(-3, 3), st.booleans()),
+                       max_size=2)
+NAMES = st.sampled_from(["get_weather", "search"])
+CALLS = st.lists(st.builds(lambda n, a: tool_call(n, json.dumps(a)), NAMES, ARGS), min_size=1, max_size=3)
+NOISE = st.text(alphabet="ab {}[];<>|_TOLCS\n\"", max_size=10)
+
+
+@st.composite
+def outputs(draw, parser: str) -> str:
+    """Texts a model might write in the format: its calls (as `write` puts them) with text
+    around where the format allows it, near-misses, or just text."""
+    p = make_tool_parser(parser)
+    kind = draw(st.sampled_from(["calls", "text", "mixed"]))
+    if kind == "text":
+        return draw(NOISE)
+    calls = p.write(draw(CALLS))
+    if kind == "calls":
+        return calls
+    before, after = draw(NOISE), draw(NOISE)
+    cut = draw(st.integers(0, len(calls)))
+    return draw(st.sampled_from([before + calls + after, calls[:cut], before + calls, calls + after]))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_stream_cut_anywhere_gives_what_the_whole_gives(parser, data):
+    text = data.draw(outputs(parser))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    tools = Tools.parse(TOOLS, "auto", None, make_tool_parser(parser))
+    stream = ToolStream(tools)
+    content, calls = "", []
+    for i, chunk in enumerate(chunks):
+        delta = stream.feed(chunk, final=i == len(chunks) - 1)
+        content += delta.get("content", "")
+        for c in delta.get("tool_calls", []):
+            assert c["index"] == len(calls)
+            calls.append((c["function"]["name"], c["function"]["arguments"]))
+    want_content, want_calls = tools.calls(text)
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    assert (content.strip() if calls else content) == (want_content or "")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+@settings(max_examples=100, deadline=None)
+@given(calls=CALLS)
+def test_what_a_parser_writes_it_reads_back(parser, calls):
+    p = make_tool_parser(parser)
+    content, got = p.parse(p.write(calls))
+    assert content is None and named(got) == named(calls)
+
+
+def test_a_template_without_tools_is_asked_for_the_parsers_format_and_shown_its_history():
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+    written = {
+        "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "pythonic": "[get_weather(city='Paris')]",
+    }
+    for parser, text in written.items():
+        tools = Tools.parse(TOOLS, "auto", None, make_tool_parser(parser))
+        out = history_for_template(messages, tools, "{{ message['content'] }}")
+        assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
+        assert out[2] == {"role": "assistant", "content": text}, parser
+    assert "[TOOL_CALLS]" in Tools.parse(TOOLS, "auto", None, make_tool_parser("mistral")).system_prompt()
