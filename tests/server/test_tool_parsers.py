@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from conveyor.config import ConfigError
 from conveyor.server.config import ServerConfig
 from conveyor.server.tool_parsers import make_tool_parser, tool_call, tool_parser_names
-from conveyor.server.tools import Tools, ToolStream, history_for_template
-from tests.server.test_tools import ASK, TOOLS
+from conveyor.server.tools import Tools, history_for_template
+from tests.server.test_tools import ASK, TOOLS, check_stream_cut
 
 
 def named(calls):
@@ -89,21 +89,7 @@ def outputs(draw, parser: str) -> str:
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_a_stream_cut_anywhere_gives_what_the_whole_gives(parser, data):
-    text = data.draw(outputs(parser))
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    tools = Tools.parse(TOOLS, "auto", None, make_tool_parser(parser))
-    stream = ToolStream(tools)
-    content, calls = "", []
-    for i, chunk in enumerate(chunks):
-        delta = stream.feed(chunk, final=i == len(chunks) - 1)
-        content += delta.get("content", "")
-        for c in delta.get("tool_calls", []):
-            assert c["index"] == len(calls)
-            calls.append((c["function"]["name"], c["function"]["arguments"]))
-    want_content, want_calls = tools.calls(text)
-    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
-    assert (content.strip() if calls else content) == (want_content or "")
+    check_stream_cut(Tools.parse(TOOLS, "auto", None, make_tool_parser(parser)), data.draw(outputs(parser)), data)
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])

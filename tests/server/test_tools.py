@@ -55,13 +55,11 @@ CALL = st.builds(
 PIECE = st.one_of(CALL, st.text(alphabet="ab <>/_tolc\n", max_size=12), st.just("<tool_c"), st.just("<tool_call>{bad}</tool_call>"))
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(PIECE, max_size=6), st.data())
-def test_a_stream_cut_anywhere_gives_the_calls_and_text_of_the_whole(pieces, data):
-    text = "".join(pieces)
+def check_stream_cut(tools: Tools, text: str, data: st.DataObject) -> None:
+    """`text` streamed in random pieces gives the calls and the content of the whole."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    stream = ToolStream(Tools.parse(TOOLS, "auto", None))
+    stream = ToolStream(tools)
     content, calls = "", []
     for i, chunk in enumerate(chunks):
         delta = stream.feed(chunk, final=i == len(chunks) - 1)
@@ -69,9 +67,15 @@ def test_a_stream_cut_anywhere_gives_the_calls_and_text_of_the_whole(pieces, dat
         for c in delta.get("tool_calls", []):
             assert c["index"] == len(calls)
             calls.append((c["function"]["name"], c["function"]["arguments"]))
-    want_content, want_calls = parse_hermes(text)
+    want_content, want_calls = tools.calls(text)
     assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
     assert (content.strip() if calls else content) == (want_content or "")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PIECE, max_size=6), st.data())
+def test_a_stream_cut_anywhere_gives_the_calls_and_text_of_the_whole(pieces, data):
+    check_stream_cut(Tools.parse(TOOLS, "auto", None), "".join(pieces), data)
 
 
 def test_a_named_stream_sends_the_id_and_name_first_then_arguments():
