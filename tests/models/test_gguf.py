@@ -154,6 +154,28 @@ def random_kquant_bytes(rows: int, cols: int, qtype: QT, rng: np.random.Generato
     return raw.reshape(rows, cols // block * size)
 
 
+def gguf_writer(cfg: dict[str, Any], out: Path, arch: str) -> Any:
+    """A `GGUFWriter` for `arch` with the metadata convert_hf_to_gguf.py writes for a Llama-family
+    config (the caller adds its tensors, and a mixture's expert keys)."""
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or heads)
+    w.add_rope_freq_base(_rope(cfg)[0])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if head_dim != hidden // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    return w
+
+
 def write_gguf(
     model_dir: Path,
     out: Path,
@@ -169,24 +191,9 @@ def write_gguf(
     family = arch or cfg["model_type"]
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
-    hidden = cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    theta, scaling = _rope(cfg)
+    _, scaling = _rope(cfg)
     rng = np.random.default_rng(seed)
-
-    w = gguf.GGUFWriter(str(out), family)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    if head_dim != hidden // heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+    w = gguf_writer(cfg, out, family)
 
     written: dict[str, tuple[np.ndarray, QT]] = {}
     if scaling is not None and scaling.get("rope_type") == "llama3":

@@ -252,36 +252,21 @@ _GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj":
 def write_moe_gguf(model_dir, out, family):
     """Experts stacked per projection `[E, rows, cols]`, the router `ffn_gate_inp`, Qwen2-MoE's
     shared expert `*_shexp` (its one-row gate a vector), Mixtral as a Llama (Q/K permuted)."""
-    import gguf
     import numpy as np
 
-    from tests.models.test_gguf import _rope, hf_gguf_name, hf_state, llama_cpp_permute
+    from tests.models.test_gguf import gguf_writer, hf_gguf_name, hf_state, llama_cpp_permute
 
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = _GGUF_ARCH[family]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hidden = cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(_rope(cfg)[0])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    w = gguf_writer(cfg, out, arch)
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if family != "mixtral":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if head_dim != hidden // heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, tensor in hf_state(model_dir).items():
         data = tensor.float().numpy()
