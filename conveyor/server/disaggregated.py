@@ -59,7 +59,6 @@ class _Member:
     text: list[str] = dataclasses.field(default_factory=list)
     logprobs: list[Any] | None = None
     decode_stream: OutputStream | None = None
-    done: bool = False
 
 
 class _Stream(OutputStream):
@@ -287,7 +286,6 @@ class DisaggregatedSet(EngineFront):
             logprobs = None if member.logprobs is None else list(member.logprobs)
         completion = CompletionOutput(c.index, text, ids, c.finish_reason if final else None,
                                       c.stop_reason if final else None, logprobs, c.delta_text, list(c.delta_token_ids))
-        member.done = final
         stream._put(dataclasses.replace(out, finished=final, outputs=[completion], kv_handoff=None))
 
 
