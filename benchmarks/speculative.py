@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) against decoding one token a step, side by side.
+"""Speculative decoding (n-gram prompt lookup, and a draft model) against decoding one token a
+step, side by side.
 
 Two engines on one model (SmolLM2 by default), the same greedy requests, run in turns
 (A B B A ...), so both see the same machine. Greedy outputs are the same with and without
@@ -9,6 +10,7 @@ their times is the speedup. Workloads, chat-templated:
   - open: open questions with nothing to copy from the prompt.
 
     python benchmarks/speculative.py --batch 1 8 --rounds 3 [--draft-cost 0.3]
+    python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram
 """
 
 from __future__ import annotations
@@ -60,18 +62,32 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["echo", "open"])
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="also an engine with adaptive drafting (speculative_draft_cost)")
+    ap.add_argument("--draft-model", default=None,
+                    help="also an engine whose drafts come from this model (speculative_method="
+                         "'draft_model'); 'self': the model itself")
+    ap.add_argument("--draft-quantization", default=None, choices=["int8"],
+                    help="--draft-model: its weights in int8 (speculative_quantization)")
+    ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
     args = ap.parse_args()
 
     base = LLM(args.model)
-    spec = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
-    engines = [("one token a step", base), ("ngram drafts", spec)]
+    engines = [("one token a step", base)]
+    if not args.no_ngram:
+        engines.append(("ngram drafts", LLM(args.model, speculative_method="ngram",
+                                            num_speculative_tokens=args.num_speculative_tokens)))
+    if args.draft_model is not None:
+        draft = base.engine.model_path if args.draft_model == "self" else args.draft_model  # type: ignore[attr-defined]
+        name = f"draft model{', int8' if args.draft_quantization else ''}"
+        engines.append((name, LLM(args.model, speculative_method="draft_model", speculative_model=draft,
+                                  speculative_quantization=args.draft_quantization,
+                                  num_speculative_tokens=args.num_speculative_tokens)))
     if args.draft_cost is not None:
         adaptive = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                        speculative_draft_cost=args.draft_cost)
         engines.append((f"ngram, draft cost {args.draft_cost}", adaptive))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    base.chat(conversations("open", 1), SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    spec.chat(conversations("echo", 1), SamplingParams(max_tokens=8), use_tqdm=False)
+    for _, llm in engines:  # warm-up
+        llm.chat(conversations("echo", 1), SamplingParams(max_tokens=8), use_tqdm=False)
 
     print("| workload | batch | engine | s by round | median s | output tok/s | drafts accepted | tokens / step of a request |")
     print("|---|---|---|---|---|---|---|---|")

@@ -79,6 +79,19 @@ class ModelConfig:
         default=None,
         metadata=_help("enable_lora: adapters kept loaded, least recently used dropped first (default: max_loras)."),
     )
+    speculative_model: str | None = field(
+        default=None,
+        metadata=_help(
+            "speculative_method='draft_model': the draft model (HF folder or .gguf) that guesses "
+            "each decoding sequence's next tokens, greedily, one batched step a token. It must "
+            "have the target's vocabulary; its K/V live in a cache of its own, in the same "
+            "blocks as the target's (the KV budget holds both)."
+        ),
+    )
+    speculative_quantization: str | None = field(
+        default=None,
+        metadata=_help("speculative_model: int8 weights for the draft (CPU, float32), as quantization does."),
+    )
 
     def __post_init__(self) -> None:
         allowed = ("auto", "float32", "float64", "float16", "bfloat16")
@@ -90,8 +103,11 @@ class ModelConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be at least 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
-        if self.quantization not in (None, "int8"):
-            raise ConfigError(f"quantization={self.quantization!r}: use 'int8' or leave it unset")
+        for name in ("quantization", "speculative_quantization"):
+            if getattr(self, name) not in (None, "int8"):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: use 'int8' or leave it unset")
+        if self.speculative_quantization is not None and self.speculative_model is None:
+            raise ConfigError("speculative_quantization applies only with a speculative_model")
         if not self.enable_lora and (self.max_lora_rank != 16 or self.max_cpu_loras is not None):
             raise ConfigError("max_lora_rank and max_cpu_loras apply only with enable_lora=True")
         if self.max_lora_rank < 1 or (self.max_cpu_loras is not None and self.max_cpu_loras < 1):
@@ -291,7 +307,8 @@ class SchedulerConfig:
             "tokens from its own prompt and output, and one step verifies them all, keeping the "
             "longest run the model agrees with plus one token of its own. Outputs are the same "
             "as without it (greedy: the same tokens; sampled: the same distribution, and the "
-            "same tokens for a seeded request). None: off."
+            "same tokens for a seeded request). draft_model: a smaller model "
+            "(speculative_model) guesses them. None: off."
         ),
     )
     num_speculative_tokens: int = field(
@@ -486,6 +503,11 @@ class EngineConfig:
     SECTIONS = ("model", "cache", "scheduler")
 
     def __post_init__(self) -> None:
+        if self.model.speculative_model is not None and self.scheduler.speculative_method != "draft_model":
+            raise ConfigError(
+                "speculative_model is the draft of speculative_method='draft_model' "
+                f"(speculative_method is {self.scheduler.speculative_method!r})"
+            )
         if not self.model.enable_lora and self.scheduler.max_loras != 1:
             raise ConfigError("max_loras applies only with enable_lora=True")
         if self.model.max_cpu_loras is not None and self.model.max_cpu_loras < self.scheduler.max_loras:

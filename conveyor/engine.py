@@ -33,6 +33,8 @@ from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 if TYPE_CHECKING:  # torch is imported where a model is built, not by the engine's import
     import torch
 
+    from conveyor.runner.drafter import Drafter
+
 logger = logging.getLogger("conveyor")
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
@@ -178,6 +180,7 @@ class Engine:
         self._incoming: deque[tuple[_Request, KVHandoff]] = deque()
         self.num_kv_received = 0  # handed-over requests that came in with their K/V
         self.num_kv_recomputed = 0  # ... and those whose K/V could never fit, computed here again
+        self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -219,16 +222,34 @@ class Engine:
         else:
             logger.warning("%s has no tokenizer: prompts must be token ids", path)
 
-        weight_bytes = arch.num_params * torch.empty((), dtype=dtype).element_size()
+        draft_arch = draft_tensors = None
+        if config.scheduler.speculative_method == "draft_model":
+            if mc.speculative_model is None:
+                raise ConfigError("speculative_method='draft_model' needs a speculative_model (its path)")
+            draft_path = resolve_model_path(mc.speculative_model)
+            if is_gguf(draft_path):
+                draft_reader = open_gguf(draft_path)
+                draft_arch = read_gguf_arch(draft_reader)
+                draft_tensors = iter_gguf_tensors(draft_reader, draft_arch)
+            else:
+                draft_arch = read_hf_arch(draft_path)
+                draft_tensors = iter_hf_tensors(draft_path)
+            _check_draft(arch, draft_arch)
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        weight_bytes = (arch.num_params + (draft_arch.num_params if draft_arch else 0)) * itemsize
         kv_dtype = _resolve_kv_dtype(config, dtype, device)
-        num_blocks, num_swap_blocks, max_len = _plan_cache(config, arch, kv_dtype, device, weight_bytes)
-        if mc.quantization is not None and (device.type != "cpu" or dtype != torch.float32):
-            raise ConfigError(
-                f"quantization={mc.quantization!r} is a CPU float32 path; this engine is "
-                f"{device.type} {str(dtype).removeprefix('torch.')}"
-            )
+        num_blocks, num_swap_blocks, max_len = _plan_cache(
+            config, arch, kv_dtype, device, weight_bytes, draft_arch=draft_arch
+        )
+        for name in ("quantization", "speculative_quantization"):
+            if getattr(mc, name) is not None and (device.type != "cpu" or dtype != torch.float32):
+                raise ConfigError(
+                    f"{name}={getattr(mc, name)!r} is a CPU float32 path; this engine is "
+                    f"{device.type} {str(dtype).removeprefix('torch.')}"
+                )
         calibration = None
-        if mc.quantization is not None:
+        if mc.quantization is not None or mc.speculative_quantization is not None:
             from conveyor.models.quantize import calibration_ids
 
             calibration = calibration_ids(
@@ -237,8 +258,15 @@ class Engine:
         model = build_model(
             arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration
         )
+        draft_model = None
+        if draft_arch is not None:
+            assert draft_tensors is not None
+            draft_model = build_model(
+                draft_arch, draft_tensors, TorchPagedAttention(), max_len, dtype, device,
+                mc.speculative_quantization, calibration,
+            )
         engine = cls._assemble(
-            config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype
+            config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model
         )
         engine.model_path = str(path)  # type: ignore[attr-defined]
         return engine
@@ -250,9 +278,12 @@ class Engine:
         model: Any,
         tokenizer: Tokenizer | None,
         model_path: str | None = None,
+        draft_model: Any = None,
     ) -> Engine:
         """A new engine (its own KV cache, scheduler and traces) over an already-built model,
         whose weights it shares: building many engines costs one load (tests, benchmarks).
+        `draft_model` is the draft of `speculative_method='draft_model'` (an already-built
+        model too, perhaps `model` itself); `speculative_model` is not looked at.
 
         `model` is another engine's `runner.model`. Its dtype and device are used; the model
         section of `config` (path, dtype, device, tokenizer) is not looked at, except
@@ -263,11 +294,20 @@ class Engine:
         positions = int(model.rotary.cos.shape[0])
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
         kv_dtype = _resolve_kv_dtype(config, weight.dtype, weight.device)
+        drafting = config.scheduler.speculative_method == "draft_model"
+        if drafting != (draft_model is not None):
+            raise ConfigError("a draft_model goes with speculative_method='draft_model', and only with it")
+        draft_arch = None
+        if draft_model is not None:
+            draft_arch = draft_model.arch
+            _check_draft(model.arch, draft_arch)
+            positions = min(positions, int(draft_model.rotary.cos.shape[0]))
         num_blocks, num_swap_blocks, max_len = _plan_cache(
-            config, model.arch, kv_dtype, weight.device, 0, max_positions=positions
+            config, model.arch, kv_dtype, weight.device, 0, max_positions=positions, draft_arch=draft_arch
         )
         engine = cls._assemble(
-            config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len, kv_dtype
+            config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len, kv_dtype,
+            draft_model,
         )
         engine.model_path = model_path  # type: ignore[attr-defined]
         return engine
@@ -284,6 +324,7 @@ class Engine:
         num_swap_blocks: int,
         max_len: int,
         kv_dtype: Any = None,
+        draft_model: Any = None,
     ) -> Engine:
         from conveyor.runner.model_runner import ModelRunner
 
@@ -297,13 +338,17 @@ class Engine:
             eos_ids,
         )
         mc = config.model
-        # A mixture of experts sizes each expert's rows on the host (one sync a layer), which a
-        # CUDA graph cannot capture: its steps run eagerly.
-        eager = mc.enforce_eager or arch.num_experts > 0
+
+        def graphs(arch: Any) -> int:
+            # A mixture of experts sizes each expert's rows on the host (one sync a layer), which
+            # a CUDA graph cannot capture: its steps run eagerly.
+            eager = mc.enforce_eager or arch.num_experts > 0
+            return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+
         runner = ModelRunner(
             model, num_blocks, config.cache.block_size, dtype, device,
             seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
-            cuda_graph_max_batch=0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs),
+            cuda_graph_max_batch=graphs(arch),
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
         if mc.enable_lora:
@@ -317,6 +362,14 @@ class Engine:
             runner.word_token_ids = functools.lru_cache(maxsize=256)(tokenizer.word_token_ids)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
+        if draft_model is not None:
+            from conveyor.runner.drafter import Drafter
+
+            # The draft's own KV cache, over the same block ids as the target's.
+            engine.drafter = Drafter(ModelRunner(
+                draft_model, num_blocks, config.cache.block_size, dtype, device,
+                kv_dtype=kv_dtype, max_model_len=max_len, cuda_graph_max_batch=graphs(draft_model.arch),
+            ))
         return engine
 
     # -- requests --------------------------------------------------------------------------
@@ -657,6 +710,8 @@ class Engine:
     def _step_sync(self) -> list[RequestOutput]:
         start = self.clock()
         sched_out = self.scheduler.schedule(start)
+        if self.drafter is not None:  # the draft model's guesses, into the step's placeholders
+            self.drafter.fill(sched_out)
         if sched_out.is_empty:
             self._nothing_to_run(sched_out, start)
             return []
@@ -951,6 +1006,14 @@ def plan_cache(
     return num_blocks, num_swap_blocks, max_len
 
 
+def _check_draft(arch: Any, draft: Any) -> None:
+    if draft.vocab_size != arch.vocab_size:
+        raise ConfigError(
+            f"the speculative model's vocabulary ({draft.vocab_size} tokens) is not the model's "
+            f"({arch.vocab_size}): its guesses must be the model's tokens"
+        )
+
+
 def _plan_cache(
     config: EngineConfig,
     arch: Any,
@@ -958,19 +1021,24 @@ def _plan_cache(
     device: Any,
     weight_bytes: int,
     max_positions: int | None = None,
+    draft_arch: Any = None,
 ) -> tuple[int, int, int]:
+    """`plan_cache` for a model (and its draft, whose K/V take a share of every block)."""
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
+    kv_per_token = arch.kv_bytes_per_token(itemsize)
+    max_model_len = arch.max_position_embeddings
+    if draft_arch is not None:
+        kv_per_token += draft_arch.kv_bytes_per_token(itemsize)
+        max_model_len = min(max_model_len, draft_arch.max_position_embeddings)
 
     def default_budget() -> int:
         if device.type == "cuda":
             return _cuda_kv_budget(device, weight_bytes, config.cache.gpu_memory_utilization)
         return CPU_DEFAULT_KV_BYTES
 
-    return plan_cache(
-        config, arch.kv_bytes_per_token(itemsize), arch.max_position_embeddings, default_budget, max_positions
-    )
+    return plan_cache(config, kv_per_token, max_model_len, default_budget, max_positions)
 
 
 def _resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:

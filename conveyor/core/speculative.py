@@ -13,7 +13,11 @@ each position draws its own row of noise, as `runner/sampler.py` does one row a 
 
 Proposers are chosen by name (`speculative_method`). `ngram` is prompt lookup decoding
 (Saxena 2023; vLLM's "ngram" method): no second model, so nothing costs GPU memory or time
-but the verification. No torch here.
+but the verification. `draft_model` is a smaller model's greedy guesses (vLLM's
+"draft_model"): its proposals are `deferred`, placeholders the engine's drafter
+(`runner/drafter.py`) fills once the step's blocks are allocated, by running the draft model
+over every drafting sequence of the step at once. A greedy draft is a fixed guess given its
+context, so the same rule verifies it. No torch here.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import ClassVar
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.registry import Registry
-from conveyor.sequence import Sequence
+from conveyor.sequence import PLACEHOLDER, Sequence
 
 _PROPOSERS: Registry[Proposer] = Registry("speculative method")
 
@@ -50,6 +54,8 @@ class Proposer(ABC):
     `on_finished`."""
 
     name: ClassVar[str] = ""
+    # The proposals are placeholders, filled after scheduling by the engine (`runner/drafter.py`).
+    deferred: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -108,3 +114,14 @@ class NgramProposer(Proposer):
 
     def on_finished(self, seq: Sequence) -> None:
         self._bytes.pop(seq.seq_id, None)
+
+
+@register_proposer("draft_model")
+class DraftModelProposer(Proposer):
+    """A draft model's guesses: always `max_tokens` of them, placeholders until the engine's
+    drafter has run the draft model over the step (`Drafter.fill`)."""
+
+    deferred = True
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return [PLACEHOLDER] * max_tokens
