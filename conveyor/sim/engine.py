@@ -8,7 +8,10 @@ Speculative decoding runs with the real scheduler and proposer, but the runner h
 agree or disagree with the drafts: it accepts each draft with a given probability
 (`acceptance_rate`, independently per position, the model of Leviathan et al. 2023), keeping
 them up to the first rejection. (With every sampled token the same, prompt lookup drafts the
-full `num_speculative_tokens` from a request's third token on.)
+full `num_speculative_tokens` from a request's third token on.) With a draft model
+(`speculative_model`, a catalog name or config.json), the engine's real drafter runs the
+draft's steps on a second runner over the draft's cost model, and a step's time is its draft
+steps' and its own.
 """
 
 from __future__ import annotations
@@ -101,12 +104,14 @@ class SimEngine(Engine):
         self.wait_until(wake_at if wake_at is not None else self.clock.now + 1e-3)
 
     def _after_run(self, start: float, run_out: RunnerOutput) -> float:
-        self.clock.now = start + run_out.duration_s
+        drafts = self.drafter.last_duration_s if self.drafter is not None else 0.0
+        self.clock.now = start + drafts + run_out.duration_s
         return self.clock.now
 
     @property
     def runner_busy_s(self) -> float:
-        return self.runner.busy_s  # type: ignore[attr-defined]
+        drafts = self.drafter.runner.busy_s if self.drafter is not None else 0.0  # type: ignore[attr-defined]
+        return self.runner.busy_s + drafts  # type: ignore[attr-defined]
 
 
 def dtype_bytes_of(config: EngineConfig, hardware: Hardware) -> int:
@@ -114,14 +119,37 @@ def dtype_bytes_of(config: EngineConfig, hardware: Hardware) -> int:
     return hardware.dtype_bytes if name == "auto" else DTYPE_BYTES[name]
 
 
-def kv_budget(config: EngineConfig, hardware: Hardware, model: ModelShape, dtype_bytes: int) -> int:
+def kv_budget(config: EngineConfig, hardware: Hardware, model: ModelShape, dtype_bytes: int,
+              draft: ModelShape | None = None) -> int:
     """The KV bytes the real engine would take on this hardware by default: on a GPU, memory x
-    gpu_memory_utilization - weights - a 1 GiB runtime reserve (as `Engine.from_config`); on
-    a CPU, the engine's fixed default."""
+    gpu_memory_utilization - weights (the draft model's too) - a 1 GiB runtime reserve (as
+    `Engine.from_config`); on a CPU, the engine's fixed default."""
     if not hardware.is_gpu:
         return CPU_DEFAULT_KV_BYTES
     budget = int(hardware.memory_bytes * config.cache.gpu_memory_utilization)
-    return max(budget - model.weight_bytes(dtype_bytes) - CUDA_RUNTIME_RESERVE, 0)
+    weights = model.weight_bytes(dtype_bytes) + (draft.weight_bytes(dtype_bytes) if draft else 0)
+    return max(budget - weights - CUDA_RUNTIME_RESERVE, 0)
+
+
+def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
+    """The draft model of `speculative_method='draft_model'` (a catalog name or config.json)."""
+    if config.scheduler.speculative_method != "draft_model":
+        return None
+    from conveyor.sim.models import get_model
+
+    name = config.model.speculative_model
+    if name is None:
+        raise ConfigError("speculative_method='draft_model' needs a speculative_model (a catalog name or config.json)")
+    try:
+        draft = get_model(name)
+    except ValueError as e:
+        raise ConfigError(f"speculative_model: {e}") from None
+    if draft.vocab_size != model.vocab_size:
+        raise ConfigError(
+            f"the speculative model's vocabulary ({draft.vocab_size} tokens) is not {model.name}'s "
+            f"({model.vocab_size}): its guesses must be the model's tokens"
+        )
+    return draft
 
 
 def build_sim_engine(
@@ -145,15 +173,18 @@ def build_sim_engine(
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
     b = dtype_bytes_of(config, hardware)
-    weights = model.weight_bytes(b)
+    draft = _draft_shape(config, model)
+    weights = model.weight_bytes(b) + (draft.weight_bytes(b) if draft else 0)
     if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:
         raise ConfigError(
-            f"{model.name} weighs {weights / 2**30:.1f} GiB in {b}-byte weights, more than "
-            f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"
+            f"{model.name}{' and its draft weigh' if draft else ' weighs'} {weights / 2**30:.1f} GiB in {b}-byte weights, "
+            f"more than {config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s "
+            f"{hardware.memory_bytes / 2**30:.0f} GiB"
         )
     num_blocks, num_swap, max_len = plan_cache(
-        config, model.kv_bytes_per_token(b), model.max_position_embeddings,
-        lambda: kv_budget(config, hardware, model, b),
+        config, model.kv_bytes_per_token(b) + (draft.kv_bytes_per_token(b) if draft else 0),
+        min(model.max_position_embeddings, draft.max_position_embeddings if draft else model.max_position_embeddings),
+        lambda: kv_budget(config, hardware, model, b, draft),
     )
     eos = frozenset(model.eos_token_ids)
     scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
@@ -161,6 +192,10 @@ def build_sim_engine(
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     engine = SimEngine(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
                        clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
+    if draft is not None:
+        from conveyor.runner.drafter import Drafter
+
+        engine.drafter = Drafter(SimRunner(RooflineCostModel(hardware, draft, params, b, config.cache.block_size), token))
     engine.hardware = hardware  # type: ignore[attr-defined]
     engine.model_shape = model  # type: ignore[attr-defined]
     engine.cost_model = cost  # type: ignore[attr-defined]
@@ -174,14 +209,17 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
     model, hw = engine.model_shape, engine.hardware
     b = dtype_bytes_of(cfg, hw)
     blocks = engine.num_kv_blocks
+    draft = _draft_shape(cfg, model)  # its weights and K/V count too
+    weights = model.weight_bytes(b) + (draft.weight_bytes(b) if draft else 0)
+    per_token = model.kv_bytes_per_token(b) + (draft.kv_bytes_per_token(b) if draft else 0)
     return {
         "hardware": hw.name,
         "model": model.name,
         "dtype_bytes": b,
-        "weight_gib": model.weight_bytes(b) / 2**30,
-        "kv_bytes_per_token": model.kv_bytes_per_token(b),
+        "weight_gib": weights / 2**30,
+        "kv_bytes_per_token": per_token,
         "kv_blocks": blocks,
         "kv_tokens": blocks * cfg.cache.block_size,
-        "kv_gib": blocks * cfg.cache.block_size * model.kv_bytes_per_token(b) / 2**30,
+        "kv_gib": blocks * cfg.cache.block_size * per_token / 2**30,
         "max_model_len": engine.max_model_len,
     }

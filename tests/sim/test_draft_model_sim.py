@@ -1,0 +1,101 @@
+"""Speculative decoding with a draft model in the simulator: the engine's real drafter runs the
+draft's steps on a second cost model, and every number here can be followed by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.cli import main
+from conveyor.config import ConfigError, EngineConfig
+from conveyor.replay import TimedRequest, replay
+from conveyor.sampling_params import SamplingParams
+from conveyor.sim.engine import build_sim_engine, describe_capacity
+from conveyor.sim.hardware import get_hardware
+from conveyor.sim.models import get_model
+from tests.sim.test_sim import TOY, TOY_HW, TOY_PARAMS
+
+DRAFT = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 1000, "max_position_embeddings": 512}
+
+
+@pytest.fixture
+def draft_path(tmp_path):
+    path = tmp_path / "draft" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(DRAFT))
+    return str(path.parent)
+
+
+def engine(draft_path, rate, **kw):
+    config = EngineConfig.from_kwargs(speculative_method="draft_model", speculative_model=draft_path,
+                                      gpu_memory_utilization=0.5, **kw)
+    return build_sim_engine(config, TOY_HW, TOY, TOY_PARAMS, acceptance_rate=rate)
+
+
+def test_the_draft_shares_the_kv_budget_and_its_weights_count(draft_path):
+    draft = get_model(draft_path)
+    assert draft.kv_bytes_per_token(2) == 1 * 2 * 1 * 16 * 2 == 64  # one layer, K and V, one head of 16
+    eng = engine(draft_path, 1.0)
+    # 4 GiB x 0.5 - 1 GiB - the weights of both; a block holds 16 tokens of both models' K/V.
+    budget = 2 * 2**30 - 2**30 - TOY.weight_bytes(2) - draft.weight_bytes(2)
+    assert eng.num_kv_blocks == budget // (16 * (256 + 64))
+    cap = describe_capacity(eng)
+    assert cap["kv_bytes_per_token"] == 320
+    assert cap["weight_gib"] == (TOY.weight_bytes(2) + draft.weight_bytes(2)) / 2**30
+
+
+def test_one_request_by_hand(draft_path):
+    """Prompt 32, 41 tokens, 4 guesses a round, all accepted: the prompt's step gives 1 token and
+    8 rounds give 5 each. The draft is fed the 33 known tokens and 3 guesses in round 1, then
+    the last guess, the model's token and 3 guesses in each of 7 more: 71 tokens, 32 steps."""
+    eng = engine(draft_path, 1.0, num_speculative_tokens=4)
+    replay(eng, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=41, ignore_eos=True))])
+    drafter = eng.drafter
+    assert drafter is not None
+    assert eng.scheduler.num_draft_tokens == eng.scheduler.num_accepted_tokens == 32
+    assert drafter.runner.num_steps == 32  # type: ignore[attr-defined]
+    assert drafter.num_fed_tokens == 33 + 3 + 7 * (2 + 3)
+    assert len(eng.step_trace) == 9
+    # The clock moved by the target's steps and the draft's, nothing else.
+    assert eng.clock.now == pytest.approx(eng.runner_busy_s)
+    assert eng.runner_busy_s > eng.runner.busy_s > 0  # type: ignore[attr-defined]
+
+
+def test_guesses_pay_only_when_accepted():
+    """Llama-3.1-8B on an H100 at batch 1 with Llama-3.2-1B drafting: all accepted is faster
+    than one token a step, none accepted slower (the draft's steps cost, nothing is kept)."""
+    def duration(rate=None, **kw):
+        config = EngineConfig.from_kwargs(**kw)
+        eng = build_sim_engine(config, get_hardware("h100-sxm"), get_model("llama-3.1-8b"), acceptance_rate=rate)
+        replay(eng, [TimedRequest(0.0, [5] * 256, SamplingParams(max_tokens=128, ignore_eos=True))])
+        return eng.clock.now
+
+    base = duration()
+    spec = {"speculative_method": "draft_model", "speculative_model": "llama-3.2-1b"}
+    assert duration(1.0, **spec) < 0.6 * base
+    assert duration(0.0, **spec) > base
+
+
+def test_bad_drafts_are_refused(draft_path):
+    hw, model = get_hardware("h100-sxm"), get_model("llama-2-7b")
+    with pytest.raises(ConfigError, match="needs a speculative_model"):
+        build_sim_engine(EngineConfig.from_kwargs(speculative_method="draft_model"), hw, model, acceptance_rate=0.5)
+    config = EngineConfig.from_kwargs(speculative_method="draft_model", speculative_model="llama-3.2-1b")
+    with pytest.raises(ConfigError, match="vocabulary"):  # Llama 2's 32,000 tokens against Llama 3's
+        build_sim_engine(config, hw, model, acceptance_rate=0.5)
+    config = EngineConfig.from_kwargs(speculative_method="draft_model", speculative_model="no-such-model")
+    with pytest.raises(ConfigError, match="unknown model"):
+        build_sim_engine(config, hw, model, acceptance_rate=0.5)
+
+
+def test_simulate_command_with_a_draft_model(tmp_path):
+    out = tmp_path / "out"
+    assert main(["simulate", "--hardware", "h100-sxm", "--model", "llama-3.1-8b", "--num-requests", "4",
+                 "--concurrency", "2", "--input-len", "128", "--output-len", "64", "--no-plots", "--no-progress",
+                 "--speculative-method", "draft_model", "--speculative-model", "llama-3.2-1b",
+                 "--spec-acceptance-rate", "0.8", "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["systems"][0]["points"][0]["summary"]["completed"] == 4
+    assert result["engine_options"]["speculative_model"] == "llama-3.2-1b"
