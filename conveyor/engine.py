@@ -551,10 +551,10 @@ class Engine:
                 f"the handed-over K/V are of {n} tokens that are not a proper prefix of the request's "
                 f"{seq.num_tokens}", param="kv_transfer",
             )
-        lora = None if seq.lora_request is None else seq.lora_request.lora_name
-        if handoff.lora_name != lora:
+        lora = None if seq.lora_request is None else seq.lora_request.key
+        if handoff.lora_key != lora:
             raise InvalidRequestError(
-                f"the handed-over K/V were computed with adapter {handoff.lora_name!r}, the request runs {lora!r}",
+                f"the handed-over K/V were computed with adapter {handoff.lora_key!r}, the request runs {lora!r}",
                 param="kv_transfer",
             )
         why = None if handoff.data is None else self.runner.kv_mismatch(handoff.data)
@@ -785,7 +785,7 @@ class Engine:
         lora = req.seq.lora_request
         req.handoff = KVHandoff(
             req.seq.token_ids[:num_tokens], self.runner.read_kv(block_table, num_tokens),
-            self.runner.kv_bytes(num_tokens), None if lora is None else lora.lora_name,
+            self.runner.kv_bytes(num_tokens), None if lora is None else lora.key,
         )
 
     def _take_prompt_logprobs(self, got: dict[int, tuple[int, list[PromptLogprob]]]) -> None:

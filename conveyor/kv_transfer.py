@@ -27,7 +27,7 @@ class KVHandoff:
     token_ids: list[int]  # the tokens whose K/V `data` holds, from position 0
     data: Any  # [layers, 2, len(token_ids), kv_heads, head_dim] on the CPU; None when simulated
     num_bytes: int  # what crosses the link between the engines
-    lora_name: str | None = None  # the adapter the K/V were computed with
+    lora_key: tuple[str, int] | None = None  # the adapter the K/V were computed with (`LoRARequest.key`)
 
     @property
     def num_tokens(self) -> int:

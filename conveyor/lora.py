@@ -16,8 +16,11 @@ from conveyor.sampling_params import InvalidRequestError
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
-    """An adapter by name (what the scheduler counts and the prefix cache keys on), its id
-    (vLLM's `lora_int_id`, kept for its users' code) and where its files are."""
+    """An adapter: its name (the model name a server's requests send), its id (vLLM's
+    `lora_int_id`) and where its files are. Name and id together are the adapter's identity
+    (`key`), what the scheduler counts, the engine keeps loaded and the prefix cache keys on:
+    a server that unloads an adapter and loads another under the same name gives it a new id,
+    so nothing of the old one (weights, cached K/V) can serve the new one."""
 
     lora_name: str
     lora_int_id: int
@@ -32,7 +35,11 @@ class LoRARequest:
             )
 
     @property
+    def key(self) -> tuple[str, int]:
+        return (self.lora_name, self.lora_int_id)
+
+    @property
     def hash_salt(self) -> bytes:
         """What the prefix cache chains a request's first block onto: the same tokens under
         another adapter are other K/V, so they never share a cached block."""
-        return b"lora:" + self.lora_name.encode()
+        return b"lora:%d:" % self.lora_int_id + self.lora_name.encode()

@@ -178,8 +178,8 @@ def test_bad_handoffs_are_refused(model, tiny_models):
     wrong = dataclasses.replace(handoff, data=handoff.data[:, :, :, :1])
     with pytest.raises(InvalidRequestError, match="do not fit this model"):
         decode.add_request("x", prompt, params, resume=resume, kv_handoff=wrong)
-    with pytest.raises(InvalidRequestError, match="adapter 'sql'"):
-        decode.add_request("x", prompt, params, resume=resume, kv_handoff=dataclasses.replace(handoff, lora_name="sql"))
+    with pytest.raises(InvalidRequestError, match="adapter \\('sql', 1\\)"):
+        decode.add_request("x", prompt, params, resume=resume, kv_handoff=dataclasses.replace(handoff, lora_key=("sql", 1)))
     with pytest.raises(InvalidRequestError, match="max_tokens must be 1"):
         decode.add_request("x", prompt, SamplingParams(max_tokens=2), export_kv=True)
     with pytest.raises(InvalidRequestError, match="n=1"):

@@ -164,6 +164,24 @@ def test_one_adapter_a_step_serves_them_all_in_turn(tiny_models, cases):
     assert engine.runner.lora.num_loads >= 3 and len(engine.runner.lora.loaded) == 1  # max_cpu_loras = max_loras
 
 
+def test_a_name_given_a_new_id_is_another_adapter(tiny_models, cases, adapters):
+    """What a server's unload and load under the same name does (`LoRARequest.key`): the new id
+    loads the other folder and its own K/V, never the old adapter's weights or cached blocks,
+    though its prompts' blocks under the old id are cached and the old id still runs."""
+    old = adapters["attn-qv"]
+    new = LoRARequest(old.lora_name, 99, adapters["mlp-some"].lora_path)
+    want = {lo: [w for _, lora, w in cases if lora is lo] for lo in (old, adapters["mlp-some"])}
+    prompts = [p for p, lora, _ in cases if lora is None]
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_loras=2, num_kv_blocks=128)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    first = llm.generate(prompts, params, use_tqdm=False, lora_request=old)
+    assert [o.outputs[0].token_ids for o in first] == want[old]
+    hits = llm.engine.scheduler.block_manager.num_hit_tokens
+    both = llm.generate(prompts * 2, params, use_tqdm=False, lora_request=[new] * 4 + [old] * 4)
+    assert [o.outputs[0].token_ids for o in both] == want[adapters["mlp-some"]] + want[old]
+    assert llm.engine.scheduler.block_manager.num_hit_tokens > hits  # the old id's blocks were hit, by it alone
+
+
 def test_sampled_requests_of_an_adapter_are_reproducible_beside_others(tiny_models, adapters):
     """A seeded sampled request gives the same tokens alone and in a batch of other adapters."""
     llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_loras=3, num_kv_blocks=128)
@@ -194,7 +212,7 @@ def test_bad_adapters_are_refused_before_anything_runs(tiny_models, adapters, tm
     tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(2, 64)
     save_file(tensors, str(head / "adapter_model.safetensors"))
     cases["adapts no projection of a decoder layer"] = LoRARequest("head", 12, str(head))
-    cases["loaded from"] = LoRARequest("attn-qv", 13, str(wrong))
+    cases["loaded from"] = LoRARequest("attn-qv", ok.lora_int_id, str(wrong))  # its name and id, another path
     llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=ok)  # loads attn-qv
     for match, lora in cases.items():
         with pytest.raises(InvalidRequestError, match=match) as info:

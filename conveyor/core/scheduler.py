@@ -531,7 +531,7 @@ class Scheduler:
             fresh = fresh or seq.num_output_tokens == 0
             self.running.append(seq)
             if adapters is not None and seq.lora_request is not None:
-                adapters.add(seq.lora_request.lora_name)
+                adapters.add(seq.lora_request.key)
             self.batching.on_admitted(seq)
             self.policy.on_admitted(seq)
             admitted.append(seq)
@@ -544,13 +544,13 @@ class Scheduler:
 
     def _adapters(self) -> set[str]:
         """The LoRA adapters of the running and swapped-out sequences: at most `max_loras`."""
-        return {s.lora_request.lora_name for q in (self.running, self.swapped) for s in q if s.lora_request is not None}
+        return {s.lora_request.key for q in (self.running, self.swapped) for s in q if s.lora_request is not None}
 
     def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
         """Whether `seq` may run beside `adapters` (vLLM's max_loras: a step adds two small
         products per projection and adapter, and the runner keeps max_cpu_loras loaded)."""
         lora = seq.lora_request
-        return lora is None or lora.lora_name in adapters or len(adapters) < self.config.max_loras
+        return lora is None or lora.key in adapters or len(adapters) < self.config.max_loras
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         """Put `num_new` tokens of `seq` into the step. They count as computed from now on, and

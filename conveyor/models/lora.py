@@ -256,26 +256,26 @@ class LoRAManager:
         self.dtype, self.device = weight.dtype, weight.device
         self.max_rank = max_rank
         self.capacity = capacity
-        self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self._loaded: OrderedDict[tuple[str, int], LoRAWeights] = OrderedDict()  # by LoRARequest.key
         self.num_loads = 0
 
     @property
     def loaded(self) -> list[str]:
-        return list(self._loaded)
+        return [name for name, _ in self._loaded]
 
     def get(self, request: LoRARequest) -> LoRAWeights:
         """The adapter, loaded (and checked) if it is not; raises InvalidRequestError if it
         cannot be, or if its name is loaded from another path."""
-        weights = self._loaded.get(request.lora_name)
+        weights = self._loaded.get(request.key)
         if weights is not None:
             if weights.path != request.lora_path:
-                raise _refuse(request, f"an adapter of that name is loaded from {weights.path}; "
-                                       "names must stay with one adapter")
-            self._loaded.move_to_end(request.lora_name)
+                raise _refuse(request, f"an adapter of that name and id is loaded from {weights.path}; "
+                                       "a name and id must stay with one adapter")
+            self._loaded.move_to_end(request.key)
             return weights
         weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank)
         self.num_loads += 1
-        self._loaded[request.lora_name] = weights
+        self._loaded[request.key] = weights
         while len(self._loaded) > self.capacity:
             self._loaded.popitem(last=False)  # a step that uses it holds its own reference
         return weights
@@ -285,13 +285,13 @@ class LoRAManager:
         these adapters; None when none does."""
         if not any(requests):
             return None
-        rows: dict[str, list[int]] = {}
-        adapters: dict[str, LoRARequest] = {}
+        rows: dict[tuple[str, int], list[int]] = {}
+        adapters: dict[tuple[str, int], LoRARequest] = {}
         start = 0
         for request, n in zip(requests, num_new, strict=True):
             if request is not None:
-                rows.setdefault(request.lora_name, []).extend(range(start, start + n))
-                adapters[request.lora_name] = request
+                rows.setdefault(request.key, []).extend(range(start, start + n))
+                adapters[request.key] = request
             start += n
         groups: list[tuple[LoRAWeights, torch.Tensor | None]] = []
         for name, picked in rows.items():
