@@ -493,7 +493,7 @@ class Scheduler:
         admitted: list[Sequence] = []
         fresh = False
         caching = bm.enable_prefix_caching
-        adapters: set[str] | None = None  # the adapters running or swapped out, once one is asked for
+        adapters: set[tuple[str, int]] | None = None  # the adapters running or swapped out, once one is asked for
         for seq in eligible:
             if budget <= 0 or len(self.running) >= seats:
                 break
@@ -542,11 +542,11 @@ class Scheduler:
             self.waiting = [s for s in self.waiting if id(s) not in chosen]
         return fresh
 
-    def _adapters(self) -> set[str]:
+    def _adapters(self) -> set[tuple[str, int]]:
         """The LoRA adapters of the running and swapped-out sequences: at most `max_loras`."""
         return {s.lora_request.key for q in (self.running, self.swapped) for s in q if s.lora_request is not None}
 
-    def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
+    def _adapter_fits(self, seq: Sequence, adapters: set[tuple[str, int]]) -> bool:
         """Whether `seq` may run beside `adapters` (vLLM's max_loras: a step adds two small
         products per projection and adapter, and the runner keeps max_cpu_loras loaded)."""
         lora = seq.lora_request

@@ -69,6 +69,11 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
 
+def read_arch(path: Path) -> ArchConfig:
+    """The architecture of an HF folder or a GGUF file, without its weights."""
+    return read_gguf_arch(open_gguf(path)) if is_gguf(path) else read_hf_arch(path)
+
+
 # -- HF folders ---------------------------------------------------------------------------
 def read_hf_arch(folder: Path) -> ArchConfig:
     try:

@@ -301,3 +301,16 @@ class LoRAManager:
             else:
                 groups.append((weights, to_device(host_longs(picked), self.device)))
         return LoRAStep(groups)
+
+
+def check_adapter(request: LoRARequest, model_path: str | None, max_rank: int | None) -> None:
+    """Read and check an adapter as an engine would load it, against the model's shapes read
+    from `model_path` (its config only: no weights); InvalidRequestError if it cannot serve.
+    A server checks an adapter loaded while it runs this way before any request names it."""
+    if model_path is None:
+        _read_config(request)
+        return
+    from conveyor.models.loader import read_arch
+
+    arch = read_arch(Path(model_path))
+    load_adapter(request, arch, torch.float32, torch.device("cpu"), max_rank or 1 << 30)

@@ -12,15 +12,22 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from conveyor import __version__
-from conveyor.config import ConfigError
+from conveyor.config import ConfigError, EngineConfig
+from conveyor.lora import LoRARequest
+from conveyor.sampling_params import InvalidRequestError
 from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
 from conveyor.server.config import ServerConfig, default_model_name
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from conveyor.server.serving import ChatCompletionHandler, CompletionHandler, ServerState
 
 
@@ -30,19 +37,22 @@ def served_model_names(config: ServerConfig, engine: EngineFront) -> tuple[str, 
     return (default_model_name(engine.model_path or "model"),)
 
 
-def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI:
-    """A FastAPI app serving `async_engine`; its lifespan starts and stops the engine thread."""
+def build_app(
+    async_engine: EngineFront, server_config: ServerConfig, engine_config: EngineConfig | None = None
+) -> FastAPI:
+    """A FastAPI app serving `async_engine`; its lifespan starts and stops the engine thread.
+    `engine_config` (optional) tells what the engines accept (an adapter's highest rank)."""
     names = served_model_names(server_config, async_engine)
     if async_engine.metrics is None:
         async_engine.metrics = ServerMetrics(names[0])
-    state = ServerState(async_engine, server_config, names, async_engine.metrics)
+    state = ServerState(async_engine, server_config, names, async_engine.metrics,
+                        max_lora_rank=engine_config.model.max_lora_rank if engine_config else None)
     # The --model value as typed is accepted too, as vLLM does when no name is given.
     model_arg = async_engine.model_arg
-    accepted = set(names) | ({model_arg} if model_arg and not server_config.served_model_name else set())
-    clash = accepted & set(state.loras)
+    base_names = set(names) | ({model_arg} if model_arg and not server_config.served_model_name else set())
+    clash = base_names & set(state.loras)
     if clash:
         raise ConfigError(f"lora_modules: {sorted(clash)[0]!r} is the base model's name; name the adapter otherwise")
-    accepted |= set(state.loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,7 +73,8 @@ def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI
             raise EngineShuttingDownError("the server is shutting down; no new requests")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model not in accepted:
+        # The adapters are looked up at each request: the server may load and unload them.
+        if model is not None and model not in base_names and model not in state.loras:
             raise APIError(
                 404,
                 f"The model `{model}` does not exist. This server serves `{state.model_name}`"
@@ -116,6 +127,9 @@ def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI
             ],
         }
 
+    if server_config.allow_runtime_lora_updating:
+        _add_lora_routes(app, state, base_names)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_accepting()
@@ -129,3 +143,45 @@ def build_app(async_engine: EngineFront, server_config: ServerConfig) -> FastAPI
         return await ChatCompletionHandler(state, body).run(raw)
 
     return app
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> None:
+    """vLLM's runtime LoRA routes. An adapter loaded here is checked against the model's
+    shapes before it is served; it takes a new id, so a name unloaded and loaded again is
+    another adapter to the engines (`LoRARequest.key`). Unloading stops new requests naming
+    it; those already running end with it."""
+    import asyncio
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        name = body.lora_name
+        if name in base_names:
+            raise APIError(400, f"{name!r} is the base model's name; name the adapter otherwise", param="lora_name")
+        if name in state.loras:
+            raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
+        try:
+            request = LoRARequest(name, state.next_lora_id, body.lora_path)
+            await asyncio.to_thread(check_adapter, request, state.engine.model_path, state.max_lora_rank)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        if name in state.loras:  # loaded by another call while this one checked
+            raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
+        state.next_lora_id += 1
+        state.loras[name] = request
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        name = body.lora_name
+        lora = state.loras.get(name)
+        if lora is None or (body.lora_int_id is not None and body.lora_int_id != lora.lora_int_id):
+            raise APIError(404, f"The LoRA adapter {name!r} cannot be found", "not_found_error",
+                           param="lora_name", code="lora_not_found")
+        del state.loras[name]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def check_adapter(request: LoRARequest, model_path: str | None, max_rank: int | None) -> None:
+    from conveyor.models.lora import check_adapter as check  # torch: only when an adapter is loaded
+
+    check(request, model_path, max_rank)

@@ -77,6 +77,14 @@ class ServerConfig:
             "runs with the adapter. Needs --enable-lora."
         ),
     )
+    allow_runtime_lora_updating: bool = field(
+        default=False,
+        metadata=_help(
+            "Serve POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
+            "{lora_name} (vLLM's routes, behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters "
+            "added and removed while the server runs. Needs --enable-lora."
+        ),
+    )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
 

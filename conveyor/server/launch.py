@@ -131,6 +131,8 @@ def check_lora_modules(server_config: ServerConfig, config: EngineConfig) -> Non
     loras = server_config.lora_requests
     if loras and not config.model.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
+    if server_config.allow_runtime_lora_updating and not config.model.enable_lora:
+        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora")
     for lora in loras.values():
         if not (Path(lora.lora_path) / "adapter_config.json").is_file():
             raise ConfigError(f"lora_modules: {lora.lora_name}: no adapter_config.json in {lora.lora_path}")
@@ -160,7 +162,7 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig, route
             return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    app = build_app(front, server_config)
+    app = build_app(front, server_config, config)
     state: ServerState = app.state.conveyor
     uv_config = uvicorn.Config(
         app,

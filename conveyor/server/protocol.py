@@ -126,3 +126,17 @@ class ChatCompletionRequest(SamplingRequest):
                 d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve a PEFT folder under a model name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving a model name's adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -59,11 +59,14 @@ class ServerState:
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    max_lora_rank: int | None = None  # the engines' (what an adapter loaded at run time is checked for)
     loras: dict[str, LoRARequest] = field(init=False)  # the adapters, by the model name requests send
     tool_parser: ToolParser = field(init=False)  # --tool-call-parser
+    next_lora_id: int = field(init=False)  # an adapter loaded at run time takes the next id
 
     def __post_init__(self) -> None:
         self.loras = self.config.lora_requests
+        self.next_lora_id = len(self.loras) + 1
         self.tool_parser = make_tool_parser(self.config.tool_call_parser)
 
     @property

@@ -2,7 +2,8 @@
 name, listed by /v1/models with the base model as its parent; a request naming it gets what
 HF transformers makes with the adapter merged into the weights, streamed or whole, beside
 requests of the base model and of the other adapter; a broken adapter fails its own requests
-with a 400 while the server serves on; a server that could serve no adapter refuses to start."""
+with a 400 while the server serves on; a server that could serve no adapter refuses to start.
+With `--allow-runtime-lora-updating`, adapters are loaded and unloaded while it runs."""
 
 from __future__ import annotations
 
@@ -99,7 +100,64 @@ def test_a_server_that_could_serve_no_adapter_refuses_to_start(tiny_model: Path,
         "must be name=path": ["--enable-lora", "--lora-modules", "just-a-name"],
         "is the base model's name": ["--enable-lora", "--served-model-name", "a", "--lora-modules",
                                      f"a={adapters['attn-qv']}"],
+        "--allow-runtime-lora-updating needs --enable-lora": ["--allow-runtime-lora-updating"],
     }
     for message, args in cases.items():
         done = subprocess.run([*base, *args], capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and message in done.stderr, (message, done.stderr[-2000:])
+
+
+def test_adapters_loaded_and_unloaded_while_the_server_runs(tiny_model: Path, adapters: dict[str, Path],
+                                                            server: ServerProcess, tmp_path: Path) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a loaded adapter serves HF's
+    merged tokens; a name unloaded and loaded again from another folder serves the new one's
+    (its prompts' cached blocks under the old adapter are not reused); what cannot serve is
+    refused at load with the reason; a server without the flag has no such routes."""
+    other = write_adapter(tmp_path / "mlp-some", tiny_model, *SPECS["mlp-some"], seed=5)
+    proc = ServerProcess(
+        ["--model", str(tiny_model), "--dtype", "float64", "--num-kv-blocks", "256", "--served-model-name", "base",
+         "--enable-lora", "--max-lora-rank", "4", "--allow-runtime-lora-updating"],
+        tmp_path / "server.log",
+    )
+    body = {"model": "x", "prompt": PROMPTS, "max_tokens": 10, "temperature": 0, "logprobs": 0}
+
+    def tokens(http: httpx.Client) -> list[list[int]]:
+        r = http.post(proc.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in r.json()["choices"]]
+
+    try:
+        proc.wait_ready()
+        with httpx.Client(timeout=120.0) as http:
+            load, unload = proc.url + "/v1/load_lora_adapter", proc.url + "/v1/unload_lora_adapter"
+            assert [m["id"] for m in http.get(proc.url + "/v1/models").json()["data"]] == ["base"]
+            assert_openai_error(http.post(proc.url + "/v1/completions", json=body), 404, param="model")
+            r = http.post(load, json={"lora_name": "x", "lora_path": str(adapters["attn-qv"])})
+            assert r.status_code == 200 and "added" in r.text, r.text
+            assert [(m["id"], m.get("parent")) for m in http.get(proc.url + "/v1/models").json()["data"]] == [
+                ("base", None), ("x", "base")]
+            assert tokens(http) == merged_reference(tiny_model, adapters["attn-qv"], PROMPTS, 10)
+
+            refusals = {
+                "already loaded": ("x", adapters["attn-qv"]),
+                "base model's name": ("base", adapters["attn-qv"]),
+                "exceeds max_lora_rank=4": ("y", adapters["everything"]),
+                "adapter_model.safetensors": ("y", adapters["broken"]),
+                "no adapter_config.json": ("y", tmp_path),
+            }
+            for message, (name, path) in refusals.items():
+                err = assert_openai_error(http.post(load, json={"lora_name": name, "lora_path": str(path)}), 400)
+                assert message in err["message"], (message, err)
+
+            r = http.post(unload, json={"lora_name": "x"})
+            assert r.status_code == 200 and "removed" in r.text, r.text
+            assert_openai_error(http.post(proc.url + "/v1/completions", json=body), 404, param="model")
+            assert_openai_error(http.post(unload, json={"lora_name": "x"}), 404, param="lora_name")
+            assert http.post(load, json={"lora_name": "x", "lora_path": str(other)}).status_code == 200
+            want = merged_reference(tiny_model, other, PROMPTS, 10)
+            assert want != merged_reference(tiny_model, adapters["attn-qv"], PROMPTS, 10)  # told apart
+            assert tokens(http) == want
+        assert httpx.post(server.url + "/v1/load_lora_adapter",
+                          json={"lora_name": "z", "lora_path": str(other)}).status_code == 404
+    finally:
+        proc.stop()
