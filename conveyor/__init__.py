@@ -6,8 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.lora import LoRARequest
-from conveyor.outputs import CompletionOutput, RequestOutput
-from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
+from conveyor.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from conveyor.sampling_params import (
+    InvalidRequestError,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputParams,
+)
 
 __version__ = "0.1.0"
 
@@ -19,10 +24,12 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "ConfigError",
+    "EmbeddingRequestOutput",
     "Engine",
     "EngineConfig",
     "InvalidRequestError",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",

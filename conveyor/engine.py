@@ -26,7 +26,12 @@ from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
-from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
+from conveyor.sampling_params import (
+    InvalidRequestError,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputParams,
+)
 from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -123,6 +128,7 @@ class _Request:
     extra: dict[str, object] = field(default_factory=dict)
     export_kv: bool = False  # the prefill of a disaggregated request: its K/V go out at the end
     handoff: KVHandoff | None = None  # ... read when its last prompt token is computed
+    embedding: list[float] | None = None  # SamplingParams.pooling: the pooled vector, once computed
 
 
 @dataclass(slots=True)
@@ -392,7 +398,14 @@ class Engine:
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
                 param="prompt",
             )
-        if len(token_ids) >= self.max_model_len:
+        if params.pooling is not None:  # an embedding generates nothing: its prompt may fill the context
+            self._check_pooling(params.pooling)
+            if len(token_ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {len(token_ids)} tokens, but this engine embeds at most "
+                    f"{self.max_model_len}; shorten the prompt", param="prompt",
+                )
+        elif len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but this engine serves at most "
                 f"{self.max_model_len} tokens per sequence (prompt + at least 1 generated); "
@@ -493,6 +506,8 @@ class Engine:
             raise InvalidRequestError(
                 "export_kv runs the prefill of a disaggregated request: max_tokens must be 1", param="kv_transfer"
             )
+        if params.pooling is not None and (export_kv or kv_handoff is not None):
+            raise InvalidRequestError("an embedding request has no K/V to hand over", param="kv_transfer")
         if params.n > 1:
             self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
             return
@@ -543,6 +558,15 @@ class Engine:
         else:
             self._incoming.append((req, kv_handoff))
             self._admit_incoming()
+
+    def _check_pooling(self, pooling: PoolingParams) -> None:
+        size = getattr(self.runner, "hidden_size", None)
+        if size is None:
+            raise InvalidRequestError("this engine's runner computes no hidden states to embed", param="pooling")
+        if pooling.dimensions is not None and pooling.dimensions > size:
+            raise InvalidRequestError(
+                f"dimensions={pooling.dimensions}: this model's embeddings have {size} values", param="dimensions"
+            )
 
     def _check_handoff(self, seq: Sequence, handoff: KVHandoff) -> None:
         n = handoff.num_tokens
@@ -762,6 +786,8 @@ class Engine:
         by_seq = self._by_seq
         if run_out.prompt_logprobs:
             self._take_prompt_logprobs(run_out.prompt_logprobs)
+        if run_out.pooled:
+            self._take_pooled(run_out.pooled)
         for upd in updates:
             req = by_seq.get(upd.seq.seq_id)
             if req is None or upd.new_token_id is None:
@@ -799,6 +825,22 @@ class Engine:
             for i, (logprob, rank, top) in enumerate(entries, start=first):
                 if i == len(have):
                     have.append(TokenLogprob(ids[i], logprob, top, rank))
+
+    def _take_pooled(self, got: dict[int, Any]) -> None:
+        """The embedding requests' pooled vectors: cut to their `dimensions`, normalized."""
+        import torch
+
+        for seq_id, vector in got.items():
+            req = self._by_seq.get(seq_id)
+            pooling = None if req is None else req.seq.sampling_params.pooling
+            if req is None or pooling is None:
+                continue
+            v = vector.cpu()
+            if pooling.dimensions is not None:
+                v = v[: pooling.dimensions]
+            if pooling.normalize:
+                v = torch.nn.functional.normalize(v, dim=0)
+            req.embedding = v.tolist()
 
     def _idle(self, wake_at: float | None) -> None:
         """Nothing is schedulable yet (a dynamic batch's window is open): wait a little."""
@@ -882,11 +924,16 @@ class Engine:
             out_ids = tokens[start:end]
             logprobs = list(logprobs) if logprobs is not None else None
         req.emitted_tokens = end - start
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        if seq.sampling_params.pooling is not None:  # an embedding: the token its step sampled is no output
+            text = delta = ""
+            out_ids, delta_ids = [], []
+            reason = "stop" if reason == "length" else reason
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=out_ids,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            finish_reason=reason,
             stop_reason=seq.stop_reason,
             logprobs=logprobs,
             delta_text=delta,
@@ -914,6 +961,7 @@ class Engine:
         req.done = True
         out = self._output(req, final=True)
         out.kv_handoff = req.handoff
+        out.embedding = req.embedding
         seq = req.seq
         if self.trace:
             self.finished_requests.append(

@@ -8,8 +8,8 @@ from typing import Any
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
-from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -63,6 +63,35 @@ class LLM:
                 raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
             checked.append((text, ids))
         return self._run(checked, params, use_tqdm, loras)
+
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        priority: int = 0,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`): the prompt's final hidden states
+        pooled (`PoolingParams`: the last token's by default, normalized), batched with
+        continuous batching beside any other requests. `out.outputs.embedding` is a list of
+        floats. Every prompt is validated before any work starts."""
+        batch = _as_prompt_list(prompts)
+        pooling: list[PoolingParams]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling = [pooling_params or PoolingParams()] * len(batch)
+        else:
+            pooling = list(pooling_params)
+            if len(pooling) != len(batch):
+                raise InvalidRequestError(
+                    f"{len(pooling)} pooling params for {len(batch)} prompts", param="pooling_params"
+                )
+        params = [SamplingParams.for_pooling(p, priority) for p in pooling]
+        outs = self.generate(batch, params, use_tqdm, lora_request)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []), o.finished)
+            for o in outs
+        ]
 
     def chat(
         self,

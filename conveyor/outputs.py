@@ -50,3 +50,20 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
     # comes before it). With output_kind "delta", only in the request's first output.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # SamplingParams.pooling (an embedding request): the pooled vector, on the final output.
+    embedding: list[float] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns for one prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

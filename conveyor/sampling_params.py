@@ -71,6 +71,40 @@ class StructuredOutputParams:
         return ("json_object", True)
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding instead of a completion (vLLM's pooling): the prompt's final hidden states
+    (after the model's last norm) pooled into one vector.
+
+    `pooling_type`: "last", the last prompt token's state (what a causal model's prompt ends
+    in: the default, as vLLM's for decoder models); "mean", the mean over every prompt
+    token; "cls", the first token's. `dimensions` keeps the first that many values
+    (Matryoshka truncation, OpenAI's `dimensions`), before `normalize` scales the vector to
+    unit L2 norm.
+    """
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(
+                f"pooling_type={self.pooling_type!r}: must be one of {', '.join(POOLING_TYPES)}", param="pooling_type"
+            )
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise InvalidRequestError(f"dimensions={d!r}: must be an integer >= 1", param="dimensions")
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed here (no prefix-cache hits)."""
+        return self.pooling_type != "last"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # Outputs per prompt (vLLM's n): the engine runs n sequences over the prompt (its K/V
@@ -119,6 +153,10 @@ class SamplingParams:
     # Words never to write (vLLM's bad_words): each word's tokens, with and without a leading
     # space; the last token of one is masked wherever the output ends with the ones before it.
     bad_words: tuple[str, ...] = ()
+    # An embedding request (`LLM.embed`, the server's /v1/embeddings): the engine pools the
+    # prompt's hidden states and gives them as `RequestOutput.embedding`; no text is generated
+    # (the one token its step samples is dropped). Made by `SamplingParams.for_pooling`.
+    pooling: PoolingParams | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +249,22 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
                 raise bad(name, "must be > 0 (milliseconds)")
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingParams):
+                raise bad("pooling", "must be a PoolingParams")
+            clash = [name for name, ok in (
+                ("n", self.n == 1), ("max_tokens", self.max_tokens == 1), ("logprobs", self.logprobs is None),
+                ("prompt_logprobs", self.prompt_logprobs is None), ("structured_outputs", self.structured_outputs is None),
+            ) if not ok]
+            if clash:
+                raise bad(clash[0], "an embedding request generates nothing: use SamplingParams.for_pooling")
+
+    @classmethod
+    def for_pooling(cls, pooling: PoolingParams | None = None, priority: int = 0,
+                    tenant: str | None = None) -> SamplingParams:
+        """The parameters of an embedding request: the prompt's pooled hidden states, no text."""
+        return cls(max_tokens=1, temperature=0.0, output_kind="final_only", priority=priority, tenant=tenant,
+                   pooling=pooling or PoolingParams())
 
     @property
     def greedy(self) -> bool:

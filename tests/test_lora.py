@@ -65,6 +65,18 @@ def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[i
                      dtype: torch.dtype = torch.float64, **load: Any) -> list[list[int]]:
     """HF's greedy tokens with the adapter merged into the weights (`load`: from_pretrained's
     options)."""
+    model = merged_model(model_dir, adapter, dtype, **load)
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=EOS, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def merged_model(model_dir: Path, adapter: Path | None, dtype: torch.dtype = torch.float64, **load: Any) -> Any:
+    """The HF model with the adapter merged into its weights."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -80,13 +92,7 @@ def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[i
                     b = tensors[key.replace("lora_A", "lora_B")]
                     module = model.get_submodule(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
                     module.weight += (scale * (b.double() @ a.double())).to(dtype)
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=EOS, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
+    return model
 
 
 @pytest.fixture(scope="module")

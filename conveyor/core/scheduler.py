@@ -504,8 +504,11 @@ class Scheduler:
                     continue  # others (the base model, the adapters running) go ahead; it keeps its place
             # A prefix-cache hit is computed already: the sequence starts after it (a waiting
             # sequence holds no blocks and has computed nothing, fresh or preempted). One
-            # that asks for its prompt's logprobs computes the prompt whole, until it has them.
-            wants_prompt = seq.sampling_params.prompt_logprobs is not None and not seq.num_output_tokens
+            # that asks for its prompt's logprobs, or pools every prompt position (an
+            # embedding's mean), computes the prompt whole, until it has them.
+            sp = seq.sampling_params
+            wants_prompt = (sp.prompt_logprobs is not None or (sp.pooling is not None and sp.pooling.whole_prompt)
+                            ) and not seq.num_output_tokens
             hits = [] if wants_prompt else bm.match_prefix(seq)
             seq.num_computed_tokens = len(hits) * bm.block_size
             num_new = self._prefill_chunk(seq, budget) if seq.num_uncomputed_tokens > 1 else 1

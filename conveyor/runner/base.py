@@ -25,6 +25,9 @@ class RunnerOutput:
     # SamplingParams.prompt_logprobs: seq_id -> (the index of the first prompt token they are
     # of, then one entry per token): those the step's prompt rows predict.
     prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    # SamplingParams.pooling: seq_id -> the pooled hidden states (on the runner's device,
+    # float32 at least) of an embedding request whose prompt the step completed.
+    pooled: dict[int, Any] = field(default_factory=dict)
     duration_s: float = 0.0  # measured (ModelRunner) or simulated (SimRunner) step time
 
 

@@ -100,7 +100,11 @@ class ModelRunner:
             for _ in range(arch.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(seed, device)
+        self.hidden_size = arch.hidden_size  # an embedding's length (SamplingParams.pooling)
         self._generators: dict[int, torch.Generator] = {}
+        # Embedding requests pooling every prompt position ("mean"): the sum of their rows so
+        # far, over the chunks of their prompt (restarted when a prompt is computed again).
+        self._pool_sums: dict[int, torch.Tensor] = {}
         # Structured outputs: the engine's grammars (None: it has no tokenizer), and where
         # each constrained sequence stands in its grammar.
         self.grammars: GrammarCache | None = None
@@ -203,6 +207,7 @@ class ModelRunner:
         for seq_id in scheduler_output.finished_seq_ids:
             self._generators.pop(seq_id, None)
             self._guides.pop(seq_id, None)
+            self._pool_sums.pop(seq_id, None)
             self.host_tables.drop(seq_id)
         # All swap-outs first: their device blocks may be handed to others in this very step.
         if scheduler_output.blocks_to_swap_out:
@@ -239,7 +244,8 @@ class ModelRunner:
         greedy: torch.Tensor | None = None
         hidden: torch.Tensor | None = None
         adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
-        if graphs is not None and adapters is None and graphs.applies(len(items), all_decodes):
+        pooling = any(it.sampling_params.pooling is not None for it in items)  # (they need hidden states)
+        if graphs is not None and adapters is None and not pooling and graphs.applies(len(items), all_decodes):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
@@ -264,6 +270,7 @@ class ModelRunner:
             self._prompt_logprobs(items, num_new, hidden, logits)
             if any(it.sampling_params.prompt_logprobs is not None for it in items) else None
         )
+        pooled = self._pool(items, num_new, hidden) if pooling else None
 
         rows: torch.Tensor | None = None  # the rows that sample, if not all of them
         drafting = False  # a sequence verifies drafts: it samples at each of its rows
@@ -283,7 +290,8 @@ class ModelRunner:
                     rows_out.append(end - 1)
                     samplers.append(it)
             if not samplers:
-                return StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}), start, cuda)
+                return StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}, pooled=pooled or {}),
+                                  start, cuda)
             rows = to_device(host_longs(rows_out), self.device)  # not a list: indexing by one would wait
         params = [it.sampling_params for it in samplers]
         batch = prepare(params, [it.prompt_len for it in samplers])
@@ -312,11 +320,13 @@ class ModelRunner:
             self._last_tokens, self._last_rows, self._last_handle = None, {}, None
             output = self._verify(samplers, tokens.tolist(), logprobs, states)
             output.prompt_logprobs = prompt_lps or {}
+            output.pooled = pooled or {}
             return StepHandle(output, start, cuda)
         seq_ids = [it.seq_id for it in samplers]
         self._last_tokens = tokens
         self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
-        handle = StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}), start, cuda, seq_ids, tokens)
+        handle = StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}, pooled=pooled or {}),
+                            start, cuda, seq_ids, tokens)
         if logprobs is not None:
             handle.output.logprobs = {
                 it.seq_id: lp
@@ -378,6 +388,40 @@ class ModelRunner:
                 (chosen[r], ranks[r], list(zip(top_ids[r][:want], top_vals[r][:want], strict=True)) if want else None)
                 for r in range(at, at + count)
             ])
+        return out
+
+    def _pool(
+        self, items: list[ScheduledSequence], num_new: list[int], hidden: torch.Tensor | None
+    ) -> dict[int, torch.Tensor]:
+        """The pooled hidden states (on the device, float32 at least) of the embedding requests whose
+        prompt this step completes; a "mean" request's earlier chunks are summed as they pass."""
+        assert hidden is not None  # (a step with an embedding request is never graphed)
+        if hidden.dtype not in (torch.float32, torch.float64):
+            hidden = hidden.float()  # half precision pools in float32
+        out: dict[int, torch.Tensor] = {}
+        end = 0
+        for it, n in zip(items, num_new, strict=True):
+            first, end = end, end + n
+            pooling = it.sampling_params.pooling
+            if pooling is None:
+                continue
+            kind = pooling.pooling_type
+            if kind == "mean":
+                part = hidden[first:end].sum(dim=0)
+                if it.start_pos:
+                    part = part + self._pool_sums[it.seq_id]
+                if it.sample:
+                    self._pool_sums.pop(it.seq_id, None)
+                    out[it.seq_id] = part / it.prompt_len
+                else:
+                    self._pool_sums[it.seq_id] = part
+            elif kind == "cls":
+                if it.start_pos == 0:
+                    self._pool_sums[it.seq_id] = hidden[first]
+                if it.sample:
+                    out[it.seq_id] = self._pool_sums.pop(it.seq_id)
+            elif it.sample:  # "last"
+                out[it.seq_id] = hidden[end - 1]
         return out
 
     def _input_ids(self, token_ids: list[int], pending_rows: list[int], pending_from: list[int]) -> torch.Tensor:

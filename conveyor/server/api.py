@@ -20,12 +20,16 @@ from conveyor.lora import LoRARequest
 from conveyor.sampling_params import InvalidRequestError
 from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
 from conveyor.server.config import ServerConfig, default_model_name
+from conveyor.server.embeddings import EmbeddingHandler, detokenize, tokenize
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from conveyor.server.serving import ChatCompletionHandler, CompletionHandler, ServerState
@@ -141,6 +145,22 @@ def build_app(
         check_accepting()
         check_model(body.model)
         return await ChatCompletionHandler(state, body).run(raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        check_accepting()
+        check_model(body.model)
+        return await EmbeddingHandler(state, body).run(raw)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return detokenize(state, body)
 
     return app
 

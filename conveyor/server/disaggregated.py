@@ -184,8 +184,10 @@ class DisaggregatedSet(EngineFront):
         a bad request, a full queue); the rest runs in a task of the set's."""
         members = {r.request_id: _Member(r, logprobs=[] if r.params.logprobs is not None else None)
                    for r in requests}
-        stages = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=1, output_kind="final_only"),
-                                      export_kv=True) for r in requests]
+        # An embedding request is done at its prefill replica; it hands nothing over.
+        stages = [r if r.params.pooling is not None else dataclasses.replace(
+            r, params=dataclasses.replace(r.params, max_tokens=1, output_kind="final_only"), export_kv=True)
+            for r in requests]
         prefill_stream = await self.prefill.add(stages)
         stream = _Stream(self, [r.request_id for r in requests])
         self._streams.add(stream)

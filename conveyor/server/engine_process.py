@@ -153,6 +153,7 @@ class _Update:
     prompt_token_ids: list[int] | None = None  # the first update only
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the first that has them only
     kv_handoff: KVHandoff | None = None  # an export_kv request's last update
+    embedding: list[float] | None = None  # an embedding request's last update
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -368,7 +369,7 @@ class _EngineCore:
             out.num_preemptions, out.num_cached_tokens, m.first_scheduled_time,
             m.first_token_time, m.finished_time, m.token_times[sent:],
             out.prompt if first else None, out.prompt_token_ids if first else None, out.prompt_logprobs,
-            out.kv_handoff,
+            out.kv_handoff, out.embedding,
         )
 
 
@@ -683,6 +684,7 @@ class ProcessAsyncEngine(AsyncEngine):
             0, text, ids, upd.finish_reason, upd.stop_reason, logprobs, upd.text, upd.token_ids,
         ), fresh)
         out.kv_handoff = upd.kv_handoff
+        out.embedding = upd.embedding
         return out
 
     # -- deaths ------------------------------------------------------------------------------

@@ -140,3 +140,41 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
 
     lora_name: str
     lora_int_id: int | None = None
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings (OpenAI's, with vLLM's extensions and conveyor's `pooling_type`)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extensions
+    truncate_prompt_tokens: int | None = None  # keep the last k tokens (-1: the context length)
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # default: true
+    priority: int = 0
+    # conveyor's: how the hidden states are pooled ("last", the default; "mean"; "cls")
+    pooling_type: str | None = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

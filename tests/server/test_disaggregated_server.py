@@ -2,7 +2,7 @@
 P --decode-replicas D`): prefill and decode replicas in threads and in processes give the
 tokens one engine gives, greedy and seeded, in every output kind and for a group of n choices;
 the client sees the first token before the rest; an abort during either stage frees both
-pools; a request that ends with its first token never reaches a decode replica; request
+pools; a request that ends with its first token (or an embedding request) never reaches a decode replica; request
 metrics count each request once; over HTTP on SmolLM2, streamed and whole, the session
 server's greedy text."""
 
@@ -16,8 +16,9 @@ from typing import Any
 import openai
 import pytest
 
-from conveyor import SamplingParams
+from conveyor import EngineConfig, SamplingParams
 from conveyor.core.routing import RouterConfig
+from conveyor.engine import Engine
 from conveyor.outputs import RequestOutput
 from conveyor.server.async_engine import EngineRequest, OutputStream
 from conveyor.server.disaggregated import DisaggregatedSet, build_disaggregated_set
@@ -112,7 +113,14 @@ def test_a_group_of_choices_and_requests_that_end_with_their_first_token(tiny_mo
                  for i, p in enumerate(choices)]
         finals = {o.request_id: o.outputs[0].token_ids for o in await collect(await pd.add(group)) if o.finished}
         assert [finals[f"g#{i}"] for i in range(3)] == wants
+        # An embedding request is done at its prefill replica, with nothing handed over.
+        outs = await collect(await pd.add([EngineRequest("emb", prompt, SamplingParams.for_pooling())]))
+        assert [o.embedding for o in outs if o.finished] == [want_embedding]
 
+    engine = Engine.from_config(EngineConfig.from_kwargs(**kwargs(tiny_model)))
+    engine.add_request("emb", prompt, SamplingParams.for_pooling())
+    want_embedding = next(o.embedding for _ in range(3) for o in engine.step() if o.finished)
+    assert want_embedding is not None and len(want_embedding) == engine.runner.hidden_size  # type: ignore[attr-defined]
     run(pd, body)
     assert pd.decode.replicas[0].engine.num_kv_received == 3  # type: ignore[attr-defined]
 
