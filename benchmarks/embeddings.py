@@ -1,0 +1,105 @@
+"""Embedding throughput: `LLM.embed` against HF transformers' padded batches, side by side.
+
+The same prompts (random token ids, lengths uniform in [--min-len, --max-len], seed 0) are
+embedded by conveyor (the scheduler packs the prompts into steps of up to
+max_num_batched_tokens, no padding) and by HF transformers (`model.model` over batches of
+--hf-batch prompts, right-padded, with an attention mask; the last real token's hidden state),
+both in float32 on the same weights, in turns (A B B A ...); the median of the rounds is
+compared, and the vectors are checked to agree.
+
+    python benchmarks/embeddings.py --num-prompts 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from conveyor import LLM, PoolingParams
+
+
+def hf_embed(model, prompts: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for s in range(0, len(prompts), batch):
+            group = prompts[s : s + batch]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
+            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            for row, p in enumerate(group):
+                out.append(torch.nn.functional.normalize(hidden[row, len(p) - 1], dim=0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: SmolLM2 (the GGUF)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--hf-batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=512 << 20)
+    rng = random.Random(0)
+    vocab = llm.engine.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.num_prompts)]
+    tokens = sum(len(p) for p in prompts)
+
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(llm.engine.model_path or "")
+        load = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent if load else path), dtype=torch.float32,
+                                                  **load).eval()
+
+    def run_conveyor() -> tuple[float, list[torch.Tensor]]:
+        t = time.perf_counter()
+        outs = llm.embed(prompts, PoolingParams(), use_tqdm=False)
+        return time.perf_counter() - t, [torch.tensor(o.outputs.embedding) for o in outs]
+
+    systems = {"conveyor": run_conveyor}
+    if hf is not None:
+        for b in args.hf_batch:
+            def run_hf(b: int = b) -> tuple[float, list[torch.Tensor]]:
+                t = time.perf_counter()
+                vecs = hf_embed(hf, prompts, b, 0)
+                return time.perf_counter() - t, vecs
+
+            systems[f"HF batch {b}"] = run_hf
+    run_conveyor()  # warm up (kernels, allocator)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    vectors: dict[str, list[torch.Tensor]] = {}
+    order = list(systems)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            dt, vecs = systems[name]()
+            times[name].append(dt)
+            vectors[name] = vecs
+    print(f"{args.num_prompts} prompts, {tokens} tokens (lengths {args.min_len}-{args.max_len}), "
+          f"torch threads {torch.get_num_threads()}")
+    print("| system | s by round | median s | prompt tok/s | its time over conveyor's | max abs diff to conveyor |")
+    print("|---|---|---|---|---|---|")
+    base = statistics.median(times["conveyor"])
+    for name in systems:
+        med = statistics.median(times[name])
+        diff = max((a - b).abs().max().item() for a, b in zip(vectors[name], vectors["conveyor"], strict=True))
+        print(f"| {name} | {', '.join(f'{t:.2f}' for t in times[name])} | {med:.2f} | {tokens / med:,.0f} | "
+              f"{med / base:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
