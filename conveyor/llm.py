@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
@@ -93,6 +94,51 @@ class LLM:
             for o in outs
         ]
 
+    def beam_search(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best continuations of each prompt by beam search
+        (conveyor/beam_search.py): each round runs every live beam of every prompt as one batch
+        of one-token requests, the prefix cache giving back the K/V they share. Every prompt is
+        validated (with room for `max_tokens`) before any work starts."""
+        batch = _as_prompt_list(prompts)
+        whole = SamplingParams(max_tokens=params.max_tokens)
+        searches: list[BeamSearch] = []
+        for i, prompt in enumerate(batch):
+            _, ids = self.engine.tokenize_prompt(prompt)
+            try:
+                self.engine.validate(ids, whole)
+                if len(ids) + params.max_tokens > self.engine.max_model_len:
+                    raise InvalidRequestError(
+                        f"the prompt has {len(ids)} tokens: with max_tokens={params.max_tokens}, a beam would "
+                        f"outgrow the {self.engine.max_model_len} tokens a sequence may have", param="max_tokens",
+                    )
+                if lora_request is not None:
+                    self.engine.check_lora(lora_request)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
+            searches.append(BeamSearch(ids, params, self.engine.scheduler.eos_token_ids))
+        one = params.round_params()
+        while live := [s for s in searches if not s.done]:
+            beams = [(s, b) for s in live for b in s.beams]
+            outs = self._run([(None, b.tokens) for _, b in beams], [one] * len(beams), False,
+                             [lora_request] * len(beams))
+            at = 0
+            for s in live:
+                n = len(s.beams)
+                s.advance([_candidates(o) for o in outs[at : at + n]])
+                at += n
+        results = [s.result() for s in searches]
+        tokenizer = self.engine.tokenizer
+        if tokenizer is not None:
+            for r in results:
+                for seq in r.sequences:
+                    seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return results
+
     def chat(
         self,
         messages: list[Message] | Seq[list[Message]],
@@ -154,6 +200,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def _candidates(out: RequestOutput) -> list[tuple[int, float]]:
+    """A beam's next tokens with their logprobs, best first (its one-token request's top k)."""
+    entries = out.outputs[0].logprobs
+    if not entries or entries[0].top is None:  # aborted
+        raise RuntimeError(f"beam search: request {out.request_id} ended without its logprobs")
+    return list(entries[0].top)
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

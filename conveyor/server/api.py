@@ -20,7 +20,13 @@ from conveyor.lora import LoRARequest
 from conveyor.sampling_params import InvalidRequestError
 from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
 from conveyor.server.config import ServerConfig, default_model_name
-from conveyor.server.embeddings import EmbeddingHandler, detokenize, tokenize
+from conveyor.server.embeddings import (
+    EmbeddingHandler,
+    RerankHandler,
+    ScoreHandler,
+    detokenize,
+    tokenize,
+)
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.protocol import (
@@ -29,6 +35,8 @@ from conveyor.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -151,6 +159,21 @@ def build_app(
         check_accepting()
         check_model(body.model)
         return await EmbeddingHandler(state, body).run(raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, raw: Request) -> Response:
+        check_accepting()
+        check_model(body.model)
+        return await ScoreHandler(state, body).run(raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request) -> Response:
+        check_accepting()
+        check_model(body.model)
+        return await RerankHandler(state, body).run(raw)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:

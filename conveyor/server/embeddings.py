@@ -1,8 +1,9 @@
-"""/v1/embeddings, /tokenize and /detokenize: the API requests that generate nothing.
+"""/v1/embeddings, /score, /rerank, /tokenize and /detokenize: the API requests that generate nothing.
 
 An embedding request's inputs run as engine requests with `SamplingParams.for_pooling`,
 batched by the scheduler with every other request (the prompt computed, its hidden states
-pooled; conveyor/runner/model_runner.py `_pool`). Every check that can fail runs before the
+pooled; conveyor/runner/model_runner.py `_pool`). Scores and reranking are a bi-encoder's: the
+cosine similarity of two texts' embeddings. Every check that can fail runs before the
 engine sees any input; a client that goes away aborts the inputs still running.
 """
 
@@ -31,6 +32,8 @@ from conveyor.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from conveyor.server.serving import ChatCompletionHandler, ServerState, _abort_on_disconnect
@@ -38,40 +41,30 @@ from conveyor.server.serving import ChatCompletionHandler, ServerState, _abort_o
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 
 
-class EmbeddingHandler:
-    def __init__(self, state: ServerState, body: EmbeddingRequest) -> None:
+class _PoolingHandler:
+    """What the API requests that embed share: inputs to token ids (truncated or refused past
+    the context), one engine request an input, the vectors back (or the request's error)."""
+
+    id_prefix = ""
+    input_param = "input"  # the field an input's error names
+
+    def __init__(self, state: ServerState, body: Any) -> None:
         self.state = state
         self.body = body
-        self.request_id = f"embd-{uuid.uuid4().hex}"
+        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
+        self.num_prompt_tokens = 0
 
     def pooling(self) -> PoolingParams:
-        b = self.body
-        kind = b.pooling_type or "last"
-        if kind not in POOLING_TYPES:
-            raise InvalidRequestError(f"pooling_type={kind!r}: must be one of {', '.join(POOLING_TYPES)}",
-                                      param="pooling_type")
-        return PoolingParams(kind, True if b.normalize is None else b.normalize, b.dimensions)
+        return PoolingParams()
 
-    def prompts(self) -> list[list[int]]:
-        b = self.body
-        items: list[Any] = [b.input] if isinstance(b.input, str) or (
-            b.input and isinstance(b.input[0], int)) else list(b.input)
-        if not items:
-            raise InvalidRequestError("input must not be empty", param="input")
-        if len(items) > MAX_INPUTS:
-            raise InvalidRequestError(f"input has {len(items)} items; at most {MAX_INPUTS}", param="input")
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self.state.engine.tokenizer
-        out: list[list[int]] = []
-        for item in items:
-            if isinstance(item, str):
-                if tokenizer is None:
-                    raise InvalidRequestError("this model has no tokenizer; send token ids as the input", param="input")
-                item = tokenizer.encode(item, add_special_tokens=b.add_special_tokens)
-            out.append(self.truncate(list(item)))
-        return out
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send token ids", param=self.input_param)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncate(self, ids: list[int]) -> list[int]:
         k = self.body.truncate_prompt_tokens
@@ -80,7 +73,7 @@ class EmbeddingHandler:
             if limit is not None and len(ids) > limit:
                 raise InvalidRequestError(
                     f"an input has {len(ids)} tokens, but this model embeds at most {limit}; shorten it, "
-                    "or set truncate_prompt_tokens to keep its last ones", param="input",
+                    "or set truncate_prompt_tokens to keep its last ones", param=self.input_param,
                 )
             return ids
         if k == -1:
@@ -92,14 +85,13 @@ class EmbeddingHandler:
             )
         return ids[-k:]
 
-    def engine_requests(self) -> list[EngineRequest]:
+    async def embed(self, raw: Request, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's vector, the prompts run side by side with whatever else the engine has."""
         b = self.body
         params = SamplingParams.for_pooling(self.pooling(), b.priority, b.user)
-        return [EngineRequest(f"{self.request_id}-{i}", ids, params, None, self.lora)
-                for i, ids in enumerate(self.prompts())]
-
-    async def run(self, raw: Request) -> Response:
-        requests = self.engine_requests()
+        requests = [EngineRequest(f"{self.request_id}-{i}", ids, params, None, self.lora)
+                    for i, ids in enumerate(prompts)]
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
         stream = await self.state.engine.add(requests)
         watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
         finals: dict[str, RequestOutput] = {}
@@ -112,28 +104,133 @@ class EmbeddingHandler:
         finally:
             watcher.cancel()
             stream.abort()
-        if any(finals[r.request_id].embedding is None for r in requests):
+        vectors = [finals[r.request_id].embedding for r in requests]
+        if any(v is None for v in vectors):
             if self.state.shutting_down:
                 raise EngineShuttingDownError("the server shut down before this request finished; it was aborted")
             raise APIError(500, "an input was aborted before its embedding was computed", "internal_server_error")
-        data = [
-            {"index": i, "object": "embedding", "embedding": self.encode(finals[r.request_id].embedding or [])}
-            for i, r in enumerate(requests)
-        ]
-        prompt_tokens = sum(len(r.prompt) for r in requests)
+        return [v or [] for v in vectors]
+
+    def usage(self) -> dict[str, int]:
+        n = self.num_prompt_tokens
+        return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+
+
+class EmbeddingHandler(_PoolingHandler):
+    id_prefix = "embd"
+    body: EmbeddingRequest
+
+    def pooling(self) -> PoolingParams:
+        b = self.body
+        kind = b.pooling_type or "last"
+        if kind not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling_type={kind!r}: must be one of {', '.join(POOLING_TYPES)}",
+                                      param="pooling_type")
+        return PoolingParams(kind, True if b.normalize is None else b.normalize, b.dimensions)
+
+    def prompts(self) -> list[list[int]]:
+        b = self.body
+        if (b.input is None) == (b.messages is None):
+            raise InvalidRequestError("give exactly one of input and messages", param="input")
+        if b.messages is not None:
+            chat = ChatCompletionRequest.model_validate({
+                "messages": b.messages, "add_generation_prompt": b.add_generation_prompt,
+                "continue_final_message": b.continue_final_message, "chat_template_kwargs": b.chat_template_kwargs,
+            })
+            return [self.truncate(ChatCompletionHandler(self.state, chat).prompts()[0].token_ids)]
+        assert b.input is not None
+        items: list[Any] = [b.input] if isinstance(b.input, str) or (
+            b.input and isinstance(b.input[0], int)) else list(b.input)
+        if not items:
+            raise InvalidRequestError("input must not be empty", param="input")
+        if len(items) > MAX_INPUTS:
+            raise InvalidRequestError(f"input has {len(items)} items; at most {MAX_INPUTS}", param="input")
+        return [self.truncate(self.encode_text(it, b.add_special_tokens) if isinstance(it, str) else list(it))
+                for it in items]
+
+    async def run(self, raw: Request) -> Response:
+        self.pooling()  # (a bad pooling_type is the request's error before anything runs)
+        vectors = await self.embed(raw, self.prompts())
         return JSONResponse({
             "id": self.request_id,
             "object": "list",
             "created": self.created,
             "model": self.model_name,
-            "data": data,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0},
+            "data": [{"index": i, "object": "embedding", "embedding": self.encode(v)} for i, v in enumerate(vectors)],
+            "usage": self.usage(),
         })
 
     def encode(self, vector: list[float]) -> list[float] | str:
         if self.body.encoding_format == "base64":  # OpenAI's: the float32 values' bytes, little-endian
             return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         return vector
+
+
+class _SimilarityHandler(_PoolingHandler):
+    """Scores as a bi-encoder gives them: the cosine similarity of two texts' embeddings (the
+    last token's hidden state, normalized), each distinct text embedded once."""
+
+    async def similarities(self, raw: Request, pairs: list[tuple[str, str]]) -> list[float]:
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        if len(texts) > MAX_INPUTS:
+            raise InvalidRequestError(f"{len(texts)} distinct texts; at most {MAX_INPUTS}", param=self.input_param)
+        vectors = dict(zip(texts, await self.embed(raw, [self.truncate(self.encode_text(t)) for t in texts]),
+                           strict=True))
+        return [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
+
+
+class ScoreHandler(_SimilarityHandler):
+    id_prefix = "score"
+    input_param = "text_1"
+    body: ScoreRequest
+
+    def pairs(self) -> list[tuple[str, str]]:
+        b = self.body
+        one = [b.text_1] if isinstance(b.text_1, str) else list(b.text_1)
+        two = [b.text_2] if isinstance(b.text_2, str) else list(b.text_2)
+        if not one or not two:
+            raise InvalidRequestError("text_1 and text_2 must not be empty", param="text_1" if not one else "text_2")
+        if len(one) == 1:
+            one = one * len(two)
+        if len(one) != len(two):
+            raise InvalidRequestError(
+                f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1, or as many as text_2",
+                param="text_2",
+            )
+        return list(zip(one, two, strict=True))
+
+    async def run(self, raw: Request) -> Response:
+        scores = await self.similarities(raw, self.pairs())
+        return JSONResponse({
+            "id": self.request_id,
+            "object": "list",
+            "created": self.created,
+            "model": self.model_name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": self.usage(),
+        })
+
+
+class RerankHandler(_SimilarityHandler):
+    id_prefix = "rerank"
+    input_param = "documents"
+    body: RerankRequest
+
+    async def run(self, raw: Request) -> Response:
+        b = self.body
+        if not b.documents:
+            raise InvalidRequestError("documents must not be empty", param="documents")
+        if b.top_n is not None and b.top_n < 0:
+            raise InvalidRequestError(f"top_n={b.top_n}: must be >= 0 (0: every document)", param="top_n")
+        scores = await self.similarities(raw, [(b.query, d) for d in b.documents])
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: b.top_n or None]
+        return JSONResponse({
+            "id": self.request_id,
+            "model": self.model_name,
+            "usage": {"total_tokens": self.num_prompt_tokens},
+            "results": [{"index": i, "document": {"text": b.documents[i]}, "relevance_score": scores[i]}
+                        for i in order],
+        })
 
 
 def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:

@@ -57,6 +57,9 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's beam search: `n` beams, the best n sequences as the choices (not streamed)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs
     # ({"json" | "regex" | "choice" | "json_object" | "grammar": ...}), its older guided_*
     # fields, and SGLang's ebnf (a GBNF grammar, as structured_outputs.grammar)
@@ -143,10 +146,15 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
 
 
 class EmbeddingRequest(OpenAIBaseModel):
-    """POST /v1/embeddings (OpenAI's, with vLLM's extensions and conveyor's `pooling_type`)."""
+    """POST /v1/embeddings (OpenAI's, with vLLM's extensions and conveyor's `pooling_type`):
+    `input`, or vLLM's chat form, `messages` rendered by the chat template into one input."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False  # (messages)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -157,6 +165,31 @@ class EmbeddingRequest(OpenAIBaseModel):
     priority: int = 0
     # conveyor's: how the hidden states are pooled ("last", the default; "mean"; "cls")
     pooling_type: str | None = None
+
+
+class ScoreRequest(OpenAIBaseModel):
+    """POST /score and /v1/score (vLLM's, for an embedding model): the cosine similarity of
+    `text_1` and `text_2`'s embeddings: one against each of many, or pairwise."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    user: str | None = None
+
+
+class RerankRequest(OpenAIBaseModel):
+    """POST /rerank, /v1/rerank and /v2/rerank (vLLM's, Jina's and Cohere's shape): the
+    documents ordered by the cosine similarity of their embeddings to the query's."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # None or 0: every document
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    user: str | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -12,6 +12,7 @@ streaming output); a client that goes away aborts every engine request of its AP
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import math
@@ -24,9 +25,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from conveyor.lora import LoRARequest
-from conveyor.outputs import RequestOutput, TokenLogprob
+from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
+from conveyor.sequence import RequestMetrics
 from conveyor.server.async_engine import (
     EngineDeadError,
     EngineFront,
@@ -315,6 +318,8 @@ class _Handler:
 
     # -- running -----------------------------------------------------------------------------
     async def run(self, raw: Request) -> Response:
+        if self.body.use_beam_search:
+            return await self._run_beam_search(raw)
         requests = self.engine_requests()
         by_id = {r.request_id: c for r, c in zip(requests, self.choices, strict=True)}
         stream = await self.state.engine.add(requests)
@@ -346,6 +351,68 @@ class _Handler:
                 "the server shut down before this request finished; it was aborted"
             )
         return JSONResponse(self.full_response())
+
+    # -- beam search (vLLM's use_beam_search) ------------------------------------------------
+    async def _run_beam_search(self, raw: Request) -> Response:
+        """The best `n` beams of each prompt as its choices (conveyor/beam_search.py); the
+        prompts' searches run side by side, each round's beams batched by the engine."""
+        b = self.body
+        self.validate()
+        if b.stream:
+            raise InvalidRequestError("beam search is not streamed: its best beams are known at the end", param="stream")
+        if self.structured_outputs is not None or self.logprobs() is not None or self.prompt_logprobs() is not None:
+            raise InvalidRequestError(
+                "beam search ranks the model's own distribution: structured outputs and logprobs do not apply",
+                param="use_beam_search",
+            )
+        jobs = []
+        for prompt in self.prompts():
+            try:
+                jobs.append((prompt, BeamSearchParams(b.n, self.fit(prompt), b.ignore_eos, b.length_penalty)))
+            except InvalidRequestError as e:  # name the field the client sent: n is the beam width
+                raise InvalidRequestError(str(e).replace("beam_width", "n"), "n" if e.param == "beam_width"
+                                          else self.max_tokens_param()) from None
+        results = await asyncio.gather(*(self._beam_search(raw, k, p, params) for k, (p, params) in enumerate(jobs)))
+        now = time.time()
+        for (prompt, _), result in zip(jobs, results, strict=True):
+            for seq in result.sequences:
+                choice = _Choice(len(self.choices), prompt)
+                ids = seq.output_token_ids
+                text = "" if self.tokenizer is None else self.tokenizer.decode(ids, b.skip_special_tokens)
+                choice.num_tokens = len(ids)
+                choice.final = RequestOutput(
+                    f"{self.request_id}-{choice.index}", prompt.text, prompt.token_ids,
+                    [CompletionOutput(0, text, ids, seq.finish_reason)], True, RequestMetrics(now),
+                )
+                self.choices.append(choice)
+        return JSONResponse(self.full_response())
+
+    async def _beam_search(self, raw: Request, k: int, prompt: _Prompt, params: BeamSearchParams) -> BeamSearchOutput:
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
+        search = BeamSearch(prompt.token_ids, params, eos)
+        one = dataclasses.replace(params.round_params(), priority=self.body.priority, tenant=self.body.user)
+        while not search.done:
+            requests = [EngineRequest(f"{self.request_id}-{k}-{search.rounds}-{i}", beam.tokens, one, None, self.lora)
+                        for i, beam in enumerate(search.beams)]
+            stream = await self.state.engine.add(requests)
+            watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+            finals: dict[str, RequestOutput] = {}
+            try:
+                async for out in stream:
+                    if out.finished:
+                        finals[out.request_id] = out
+            except EngineDeadError as e:
+                raise APIError(500, str(e), "internal_server_error") from e
+            finally:
+                watcher.cancel()
+                stream.abort()
+            outs = [finals[r.request_id] for r in requests]
+            if any(o.outputs[0].finish_reason == "abort" for o in outs):
+                if self.state.shutting_down:
+                    raise EngineShuttingDownError("the server shut down before this request finished; it was aborted")
+                raise APIError(500, "a beam's request was aborted", "internal_server_error")
+            search.advance([list(o.outputs[0].logprobs[0].top or []) for o in outs])  # type: ignore[index]
+        return search.result()
 
     async def _events(
         self, stream: OutputStream, by_id: dict[str, _Choice], watcher: asyncio.Task[None]

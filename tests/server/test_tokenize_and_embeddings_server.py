@@ -1,9 +1,10 @@
-"""/v1/embeddings, /tokenize and /detokenize on the session's SmolLM2 server.
+"""/v1/embeddings, /score, /rerank, /tokenize and /detokenize on the session's SmolLM2 server.
 
 Embeddings through the official `openai` client equal offline `LLM.embed`'s (which
 tests/models/test_gguf.py checks against HF transformers), as floats and as base64, cut by
 `dimensions`, pooled by `pooling_type`; they run beside a streaming completion; bad inputs get a
-400 naming the field. /tokenize gives the offline tokenizer's ids for a prompt and for chat
+400 naming the field; chat `messages` embed as the template renders them. /score and /rerank
+give the cosine similarities of the offline embeddings, ranked. /tokenize gives the offline tokenizer's ids for a prompt and for chat
 messages (the chat template's), /detokenize reverses them.
 """
 
@@ -122,3 +123,40 @@ def test_tokenize_and_detokenize(smol_server: ServerProcess, offline: LLM) -> No
     assert_openai_error(httpx.post(url + "/tokenize", json={}), 400, "prompt")
     assert_openai_error(httpx.post(url + "/detokenize", json={"tokens": [5, 10**7]}), 400, "tokens")
     assert_openai_error(httpx.post(url + "/tokenize", json={"model": "nope", "prompt": "a"}), 404, "model")
+
+
+def test_chat_messages_embed_as_their_template_renders_them(smol_server: ServerProcess, offline: LLM) -> None:
+    tok = offline.tokenizer
+    assert tok is not None
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    r = httpx.post(smol_server.url + "/v1/embeddings", json={"messages": messages}, timeout=60).json()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    assert close(r["data"][0]["embedding"], offline.embed([ids], use_tqdm=False)[0].outputs.embedding)
+    both = httpx.post(smol_server.url + "/v1/embeddings", json={"messages": messages, "input": "x"}, timeout=60)
+    assert_openai_error(both, 400, "input")
+
+
+def test_score_and_rerank_are_cosine_similarities_of_embeddings(smol_server: ServerProcess, offline: LLM) -> None:
+    query, docs = "Where is Paris?", ["Paris is the capital of France.", "Bees make honey.", "Hi"]
+    vecs = [o.outputs.embedding for o in offline.embed([query, *docs], use_tqdm=False)]
+    want = [sum(a * b for a, b in zip(vecs[0], v, strict=True)) for v in vecs[1:]]
+    r = httpx.post(smol_server.url + "/v1/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["index"] for d in r["data"]] == [0, 1, 2]
+    assert [d["score"] for d in r["data"]] == pytest.approx(want, abs=1e-4)
+    pairwise = httpx.post(smol_server.url + "/score", json={"text_1": [query, docs[1]], "text_2": [docs[0], docs[1]]},
+                          timeout=60).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([want[0], 1.0], abs=1e-4)
+    ranked = httpx.post(smol_server.url + "/rerank", json={"query": query, "documents": docs, "top_n": 2},
+                        timeout=60).json()
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [x["index"] for x in ranked["results"]] == order
+    assert [x["document"]["text"] for x in ranked["results"]] == [docs[i] for i in order]
+    assert [x["relevance_score"] for x in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-4)
+    for path in ("/v1/rerank", "/v2/rerank"):
+        every = httpx.post(smol_server.url + path, json={"query": query, "documents": docs}, timeout=60).json()
+        assert len(every["results"]) == 3
+    bad = httpx.post(smol_server.url + "/v1/score", json={"text_1": [query, query], "text_2": docs}, timeout=60)
+    assert_openai_error(bad, 400, "text_2")
+    assert_openai_error(httpx.post(smol_server.url + "/rerank", json={"query": query, "documents": []}, timeout=60),
+                        400, "documents")
