@@ -36,10 +36,12 @@ from conveyor.server.protocol import (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     RerankRequest,
+    ResponsesRequest,
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from conveyor.server.responses import ResponsesHandler, ResponseStore
 from conveyor.server.serving import ChatCompletionHandler, CompletionHandler, ServerState
 
 
@@ -159,6 +161,22 @@ def build_app(
         check_accepting()
         check_model(body.model)
         return await EmbeddingHandler(state, body).run(raw)
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        check_accepting()
+        check_model(body.model)
+        return await ResponsesHandler(state, body, stored).run(raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        found = stored.get(response_id)
+        if found is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", "not_found_error",
+                           param="response_id", code="response_not_found")
+        return found[0]
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -211,3 +211,30 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (OpenAI's Responses API, as vLLM serves it): `input` (text, or items:
+    messages, function calls and their outputs), `instructions`, `previous_response_id` to go on
+    from a stored response, function `tools`, `text.format` for structured outputs."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    user: str | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    # vLLM's sampling extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    priority: int = 0

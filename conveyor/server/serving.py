@@ -431,6 +431,8 @@ class _Handler:
                     if self.continuous_usage:
                         delta["usage"] = self.usage()
                     yield _sse(delta)
+            for chunk in self.closing_chunks():
+                yield _sse(chunk)
             if self.include_usage:
                 yield _sse(self.chunk([], usage=self.usage()))
             yield "data: [DONE]\n\n"
@@ -470,6 +472,10 @@ class _Handler:
         return chunk
 
     def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def closing_chunks(self) -> list[dict[str, Any]]:
+        """Events after the last output, before `[DONE]` (the Responses API's closing events)."""
         return []
 
     def delta_chunk(self, choice: _Choice, out: RequestOutput) -> dict[str, Any] | None:
