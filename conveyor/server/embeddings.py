@@ -9,7 +9,6 @@ engine sees any input; a client that goes away aborts the inputs still running.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
@@ -19,15 +18,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import (
     POOLING_TYPES,
     InvalidRequestError,
     PoolingParams,
     SamplingParams,
 )
-from conveyor.server.async_engine import EngineDeadError, EngineRequest, EngineShuttingDownError
-from conveyor.server.errors import APIError
+from conveyor.server.async_engine import EngineRequest
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -36,7 +33,7 @@ from conveyor.server.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
-from conveyor.server.serving import ChatCompletionHandler, ServerState, _abort_on_disconnect
+from conveyor.server.serving import ChatCompletionHandler, ServerState, run_to_end
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 
@@ -92,24 +89,8 @@ class _PoolingHandler:
         requests = [EngineRequest(f"{self.request_id}-{i}", ids, params, None, self.lora)
                     for i, ids in enumerate(prompts)]
         self.num_prompt_tokens = sum(len(p) for p in prompts)
-        stream = await self.state.engine.add(requests)
-        watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
-        finals: dict[str, RequestOutput] = {}
-        try:
-            async for out in stream:
-                if out.finished:
-                    finals[out.request_id] = out
-        except EngineDeadError as e:
-            raise APIError(500, str(e), "internal_server_error") from e
-        finally:
-            watcher.cancel()
-            stream.abort()
-        vectors = [finals[r.request_id].embedding for r in requests]
-        if any(v is None for v in vectors):
-            if self.state.shutting_down:
-                raise EngineShuttingDownError("the server shut down before this request finished; it was aborted")
-            raise APIError(500, "an input was aborted before its embedding was computed", "internal_server_error")
-        return [v or [] for v in vectors]
+        outs = await run_to_end(self.state, raw, requests, "an input")
+        return [o.embedding or [] for o in outs]
 
     def usage(self) -> dict[str, int]:
         n = self.num_prompt_tokens

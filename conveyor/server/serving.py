@@ -394,23 +394,7 @@ class _Handler:
         while not search.done:
             requests = [EngineRequest(f"{self.request_id}-{k}-{search.rounds}-{i}", beam.tokens, one, None, self.lora)
                         for i, beam in enumerate(search.beams)]
-            stream = await self.state.engine.add(requests)
-            watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
-            finals: dict[str, RequestOutput] = {}
-            try:
-                async for out in stream:
-                    if out.finished:
-                        finals[out.request_id] = out
-            except EngineDeadError as e:
-                raise APIError(500, str(e), "internal_server_error") from e
-            finally:
-                watcher.cancel()
-                stream.abort()
-            outs = [finals[r.request_id] for r in requests]
-            if any(o.outputs[0].finish_reason == "abort" for o in outs):
-                if self.state.shutting_down:
-                    raise EngineShuttingDownError("the server shut down before this request finished; it was aborted")
-                raise APIError(500, "a beam's request was aborted", "internal_server_error")
+            outs = await run_to_end(self.state, raw, requests, "a beam's request")
             search.advance([list(o.outputs[0].logprobs[0].top or []) for o in outs])  # type: ignore[index]
         return search.result()
 
@@ -816,6 +800,30 @@ class ChatCompletionHandler(_Handler):
 
 
 # -- helpers ---------------------------------------------------------------------------------
+async def run_to_end(state: ServerState, raw: Request, requests: list[EngineRequest], what: str) -> list[RequestOutput]:
+    """Run engine requests whose outputs matter only at their end (embeddings, a round of beam
+    search): each one's final output, in order. A client gone aborts them all; an aborted one
+    is this API request's error."""
+    stream = await state.engine.add(requests)
+    watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for out in stream:
+            if out.finished:
+                finals[out.request_id] = out
+    except EngineDeadError as e:
+        raise APIError(500, str(e), "internal_server_error") from e
+    finally:
+        watcher.cancel()
+        stream.abort()
+    outs = [finals[r.request_id] for r in requests]
+    if any(o.outputs[0].finish_reason == "abort" for o in outs):
+        if state.shutting_down:
+            raise EngineShuttingDownError("the server shut down before this request finished; it was aborted")
+        raise APIError(500, f"{what} was aborted", "internal_server_error")
+    return outs
+
+
 async def _abort_on_disconnect(raw: Request, stream: OutputStream) -> None:
     """Abort `stream` when the client goes away. Cancelled once the response is complete.
 
