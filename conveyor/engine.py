@@ -379,14 +379,26 @@ class Engine:
         return engine
 
     # -- requests --------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids, or a prompt cut short) and token ids, cut to
+        their last `params.truncate_prompt_tokens`."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer; pass token ids", param="prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        k = None if params is None else params.truncate_prompt_tokens
+        if k is not None:
+            if k == -1:
+                k = self.max_model_len - (0 if params is not None and params.pooling is not None else 1)
+            if len(ids) > k:
+                text, ids = None, ids[-k:]
+        return text, ids
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never be served."""
@@ -511,7 +523,7 @@ class Engine:
         if params.n > 1:
             self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
             return
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids = self.tokenize_prompt(prompt, params)
         self.validate(token_ids, params)
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -615,7 +627,7 @@ class Engine:
         logprobs if asked, choice i of a seeded request uses seed + i (vLLM's parallel sampling)."""
         if resume is not None:
             raise InvalidRequestError("a resumed request has one choice (n=1)", param="resume")
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids = self.tokenize_prompt(prompt, params)
         self.validate(token_ids, params)
         child_ids = [f"{request_id}#{i}" for i in range(params.n)]
         if any(c in self._requests or c in self._parents for c in child_ids):

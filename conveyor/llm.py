@@ -55,7 +55,7 @@ class LLM:
         loras = _as_lora_list(lora_request, len(batch))
         checked: list[tuple[str | None, list[int]]] = []
         for i, (prompt, p, lora) in enumerate(zip(batch, params, loras, strict=True)):
-            text, ids = self.engine.tokenize_prompt(prompt)
+            text, ids = self.engine.tokenize_prompt(prompt, p)
             try:
                 self.engine.validate(ids, p)
                 if lora is not None:

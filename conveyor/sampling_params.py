@@ -128,6 +128,9 @@ class SamplingParams:
     # token's own (and its rank); k: plus the top k at its position. The first token has none.
     # A request asking them computes its whole prompt (no prefix cache hit).
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last k tokens (vLLM's truncate_prompt_tokens); -1: as many as fit
+    # (max_model_len - 1, room for one generated token; an embedding's may fill the context).
+    truncate_prompt_tokens: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -215,6 +218,9 @@ class SamplingParams:
             or not 0 <= self.prompt_logprobs <= 20
         ):
             raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not (t == -1 or t >= 1)):
+            raise bad("truncate_prompt_tokens", "must be -1 (as many as fit) or an integer >= 1")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}]")
         if any(not isinstance(s, str) or not s for s in self.stop):

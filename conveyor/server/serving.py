@@ -273,6 +273,26 @@ class _Handler:
         except (InvalidRequestError, TypeError) as e:
             raise InvalidRequestError(str(e), param=name) from None
 
+    def truncated_prompts(self) -> list[_Prompt]:
+        """The prompts, each cut to its last `truncate_prompt_tokens` (vLLM's; -1: as many as
+        leave room for one token), its text then the kept tokens' (an echo shows what ran)."""
+        k = self.body.truncate_prompt_tokens
+        prompts = self.prompts()
+        if k is None:
+            return prompts
+        if isinstance(k, bool) or not (k == -1 or k >= 1):
+            raise InvalidRequestError(f"truncate_prompt_tokens={k!r}: must be -1 (as many as fit) or >= 1",
+                                      param="truncate_prompt_tokens")
+        if k == -1:
+            k = self.state.engine.max_model_len - 1
+        out = []
+        for p in prompts:
+            if len(p.token_ids) > k:
+                ids = p.token_ids[-k:]
+                p = _Prompt(ids, None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False))
+            out.append(p)
+        return out
+
     def fit(self, prompt: _Prompt) -> int:
         """The max_tokens to run with; raises if the prompt and completion cannot fit."""
         limit = self.state.engine.max_model_len
@@ -305,7 +325,7 @@ class _Handler:
         self.validate()
         requests: list[EngineRequest] = []
         n = self.body.n
-        for prompt in self.prompts():
+        for prompt in self.truncated_prompts():
             max_tokens = self.fit(prompt)
             for i in range(n):
                 index = len(self.choices)
@@ -366,7 +386,7 @@ class _Handler:
                 param="use_beam_search",
             )
         jobs = []
-        for prompt in self.prompts():
+        for prompt in self.truncated_prompts():
             try:
                 jobs.append((prompt, BeamSearchParams(b.n, self.fit(prompt), b.ignore_eos, b.length_penalty)))
             except InvalidRequestError as e:  # name the field the client sent: n is the beam width

@@ -4,7 +4,8 @@ Embeddings through the official `openai` client equal offline `LLM.embed`'s (whi
 tests/models/test_gguf.py checks against HF transformers), as floats and as base64, cut by
 `dimensions`, pooled by `pooling_type`; they run beside a streaming completion; bad inputs get a
 400 naming the field; chat `messages` embed as the template renders them. /score and /rerank
-give the cosine similarities of the offline embeddings, ranked. /tokenize gives the offline tokenizer's ids for a prompt and for chat
+give the cosine similarities of the offline embeddings, ranked. Completions
+cut a long prompt by `truncate_prompt_tokens`. /tokenize gives the offline tokenizer's ids for a prompt and for chat
 messages (the chat template's), /detokenize reverses them.
 """
 
@@ -160,3 +161,15 @@ def test_score_and_rerank_are_cosine_similarities_of_embeddings(smol_server: Ser
     assert_openai_error(bad, 400, "text_2")
     assert_openai_error(httpx.post(smol_server.url + "/rerank", json={"query": query, "documents": []}, timeout=60),
                         400, "documents")
+
+
+def test_completions_truncate_prompt_tokens(smol_server: ServerProcess) -> None:
+    url = smol_server.url + "/v1/completions"
+    long = "word " * 3000  # more than --max-model-len 2048 tokens
+    assert_openai_error(httpx.post(url, json={"prompt": long, "max_tokens": 2}, timeout=60), 400, "prompt")
+    cut = httpx.post(url, json={"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 100}, timeout=60)
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 100
+    most = httpx.post(url, json={"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": -1}, timeout=120)
+    assert most.status_code == 200 and most.json()["usage"]["prompt_tokens"] == 2047
+    assert_openai_error(httpx.post(url, json={"prompt": "hi", "truncate_prompt_tokens": 0}), 400,
+                        "truncate_prompt_tokens")
