@@ -8,12 +8,13 @@ false) for objects without `properties`, `items`, `prefixItems`, `minItems` / `m
 basic plane written as a `\\u` surrogate pair counts two), `pattern` (over the string's JSON text), `format` (date,
 time, date-time, uuid; a date's day is 01-31 whatever the month), an integer's `minimum` /
 `maximum` / `exclusiveMinimum` / `exclusiveMaximum` (exactly: the digits of the range), a
-number's `minimum >= 0` (no minus sign), `anyOf` / `oneOf`, `allOf` (merged),
+number's bounds too (exactly, any bounds: a bounded number is written in fixed notation, without
+an exponent), `anyOf` / `oneOf`, `allOf` (merged),
 and `$ref` into `$defs` / `definitions`. Nesting is unbounded: a value of any type (`{}`, or
 an object or array with nothing said of its contents) is a reference to a recursive JSON
 value rule, and a recursive `$ref` a rule of its own, so such schemas compile to a
-context-free grammar (`cfg.py`); the others stay one regular pattern. A number's other
-bounds are not enforced, nor `multipleOf` or `uniqueItems`; keywords that would change the
+context-free grammar (`cfg.py`); the others stay one regular pattern. `multipleOf` and
+`uniqueItems` are not enforced; keywords that would change the
 language and are not listed here raise `GrammarError`.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 from typing import Any
 
 from conveyor.structured.cfg import Expr, Ref
@@ -210,8 +212,8 @@ class _Converter:
             low, high = _integer_bounds(schema)
             return integer_range(low, high)
         if kind == "number":
-            nonneg = _number(schema.get("minimum", schema.get("exclusiveMinimum"))) >= 0
-            return cat(INTEGER_DIGITS, FRACTION, EXPONENT) if nonneg else NUMBER
+            below, above = _number_bounds(schema)
+            return NUMBER if below is None and above is None else number_range(below, above)
         if kind == "boolean":
             return alt(lit("true"), lit("false"))
         if kind == "null":
@@ -363,8 +365,160 @@ def _same_length(a: str, b: str) -> Node:
     return alt(*options)
 
 
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else float("-inf")
+# -- numbers between bounds ---------------------------------------------------------------------
+# A bound: (its value, inclusive). A bounded number is written in fixed notation (no exponent),
+# so that its digits can be held to the range exactly: the integer part by `_natural_range`,
+# the fraction digit by digit against the bounds' fractions.
+Bound = tuple[Decimal, bool]
+
+
+def _number_bounds(schema: dict[str, Any]) -> tuple[Bound | None, Bound | None]:
+    """A number schema's lower and upper bounds (draft 4's boolean exclusives too)."""
+
+    def value(key: str) -> Decimal | None:
+        v = schema.get(key)
+        if v is None or isinstance(v, bool):
+            return None
+        if not isinstance(v, int | float) or v != v or v in (float("inf"), float("-inf")):
+            raise GrammarError(f"{key}={v!r}: must be a finite number")
+        return Decimal(str(v))
+
+    low: Bound | None = None
+    high: Bound | None = None
+    if (m := value("minimum")) is not None:
+        low = (m, schema.get("exclusiveMinimum") is not True)
+    if (m := value("exclusiveMinimum")) is not None and (low is None or m >= low[0]):
+        low = (m, False)
+    if (m := value("maximum")) is not None:
+        high = (m, schema.get("exclusiveMaximum") is not True)
+    if (m := value("exclusiveMaximum")) is not None and (high is None or m <= high[0]):
+        high = (m, False)
+    if low is not None and high is not None and (low[0] > high[0] or (low[0] == high[0] and not (low[1] and high[1]))):
+        raise GrammarError(f"no number lies between the schema's bounds ({low[0]}, {high[0]})")
+    return low, high
+
+
+def number_range(low: Bound | None, high: Bound | None) -> Node:
+    """The JSON numbers x (fixed notation) with low <= x <= high (strict where a bound is
+    exclusive; None: unbounded), "-" before a negative one; negative zero is not written."""
+    zero = Decimal(0)
+    options: list[Node] = []
+    if high is None or high[0] > zero or (high[0] == zero and high[1]):  # x >= 0
+        start = low if low is not None and low[0] >= zero else (zero, True)
+        options += _magnitudes(start, high)
+    if low is None or low[0] < zero:  # x < 0: "-" and its magnitude in (max(-high, 0), -low]
+        top = None if low is None else (-low[0], low[1])
+        bottom = (-high[0], high[1]) if high is not None and high[0] < zero else (zero, False)
+        options += [cat(lit("-"), m) for m in _magnitudes(bottom, top)]
+    if not options:
+        return NOTHING
+    return alt(*options)
+
+
+def _split(d: Decimal) -> tuple[int, str]:
+    """A non-negative decimal's integer part and fraction digits (no trailing zeros)."""
+    text = format(d, "f")
+    whole, _, frac = text.partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _magnitudes(low: Bound, high: Bound | None) -> list[Node]:
+    """Non-negative numbers between the bounds (both >= 0), as alternatives."""
+    a, fa = _split(low[0])
+    options: list[Node] = []
+    if high is not None:
+        b, fb = _split(high[0])
+        if a == b:
+            return _with_fraction(lit(str(a)), *_between(fa, low[1], fb, high[1]))
+    options += _with_fraction(lit(str(a)), *_above(fa, low[1]))
+    if high is None:
+        options.append(cat(_natural_range(a + 1, None), FRACTION))
+        return options
+    if a + 1 <= b - 1:
+        options.append(cat(_natural_range(a + 1, b - 1), FRACTION))
+    options += _with_fraction(lit(str(b)), *_below(fb, high[1]))
+    return options
+
+
+def _with_fraction(whole: Node, digits_node: Node | None, bare: bool) -> list[Node]:
+    """`whole` followed by no fraction (if `bare`) or by "." and digits `digits_node` matches."""
+    out = [whole] if bare else []
+    if digits_node is not None:
+        out.append(cat(whole, lit("."), digits_node))
+    return out
+
+
+ANY_DIGITS = Repeat(chars(DIGIT), 0, None)
+
+
+def _digit(lo: int, hi: int) -> Node | None:
+    return chars([(0x30 + lo, 0x30 + hi)]) if lo <= hi else None
+
+
+def _seq(first: Node | None, rest: Node | None) -> Node | None:
+    return None if first is None or rest is None else cat(first, rest)
+
+
+def _alts(*options: Node | None) -> Node | None:
+    kept = [o for o in options if o is not None]
+    return alt(*kept) if kept else None
+
+
+# Each of these gives (the non-empty digit strings D meeting the condition on 0.D, or None if
+# none does; whether the empty fraction (0) meets it). `g` is a bound's fraction digits.
+def _above(g: str, inclusive: bool) -> tuple[Node | None, bool]:
+    """0.D >= 0.g (> if not inclusive)."""
+    if not g:
+        nonzero = cat(ANY_DIGITS, chars([(0x31, 0x39)]), ANY_DIGITS)
+        return (Repeat(chars(DIGIT), 1, None), True) if inclusive else (nonzero, False)
+    c, rest = int(g[0]), g[1:]
+    tail, tail_bare = _above(rest, inclusive)
+    return _alts(_seq(_digit(c + 1, 9), ANY_DIGITS), lit(g[0]) if tail_bare else None, _seq(lit(g[0]), tail)), False
+
+
+def _below(g: str, inclusive: bool) -> tuple[Node | None, bool]:
+    """0.D <= 0.g (< if not inclusive)."""
+    if not g:
+        return (Repeat(lit("0"), 1, None), True) if inclusive else (None, False)
+    c, rest = int(g[0]), g[1:]
+    tail, tail_bare = _below(rest, inclusive)
+    return _alts(_seq(_digit(0, c - 1), ANY_DIGITS), lit(g[0]) if tail_bare else None,
+                 _seq(lit(g[0]), tail)), True
+
+
+def _between(ga: str, incl_a: bool, gb: str, incl_b: bool) -> tuple[Node | None, bool]:
+    """0.ga <= 0.D <= 0.gb (strict where not inclusive), ga <= gb."""
+    if not ga:
+        if incl_a:
+            return _below(gb, incl_b)
+        return (_intersect_nonzero(gb, incl_b) if gb else None), False  # 0 < 0.D <= 0.gb
+    if not gb:  # 0.gb == 0 < 0.ga: nothing
+        return None, False
+    ca, cb = int(ga[0]), int(gb[0])
+    if ca == cb:
+        tail, tail_bare = _between(ga[1:], incl_a, gb[1:], incl_b)
+        return _alts(_seq(lit(ga[0]), tail), lit(ga[0]) if tail_bare else None), False
+    up, up_bare = _above(ga[1:], incl_a)
+    down, down_bare = _below(gb[1:], incl_b)
+    return _alts(
+        _seq(lit(ga[0]), up), lit(ga[0]) if up_bare else None,
+        _seq(_digit(ca + 1, cb - 1), ANY_DIGITS),
+        _seq(lit(gb[0]), down), lit(gb[0]) if down_bare else None,
+    ), False
+
+
+def _intersect_nonzero(gb: str, incl_b: bool) -> Node | None:
+    """0 < 0.D <= 0.gb (< if not inclusive), gb non-empty: a nonzero digit string below gb."""
+    c, rest = int(gb[0]), gb[1:]
+    if c == 0:  # (gb has a nonzero digit later: its trailing zeros are stripped)
+        return _seq(lit("0"), _intersect_nonzero(rest, incl_b))
+    nonzero = cat(ANY_DIGITS, chars([(0x31, 0x39)]), ANY_DIGITS)
+    down, down_bare = _below(rest, incl_b)
+    return _alts(
+        cat(lit("0"), nonzero),  # 0.0x.. with a nonzero digit later: below 0.c
+        _seq(_digit(1, c - 1), ANY_DIGITS),
+        _seq(lit(gb[0]), down), lit(gb[0]) if down_bare else None,
+    )
 
 
 def _bounds(schema: dict[str, Any], low_key: str, high_key: str) -> tuple[int, int | None]:

@@ -8,6 +8,7 @@ import datetime
 import functools
 import json
 import random
+from decimal import Decimal
 
 import pytest
 from hypothesis import given, settings
@@ -242,3 +243,54 @@ def test_exclusive_and_fractional_bounds(schema, inside, outside):
 def test_bounds_no_integer_meets_are_refused(schema):
     with pytest.raises(GrammarError):
         schema_to_rules({"type": "integer", **schema})
+
+
+DEC = st.none() | st.decimals(min_value=-1000, max_value=1000, places=3, allow_nan=False, allow_infinity=False)
+
+
+def _number_text(d: Decimal, extra_zeros: int = 0) -> str:
+    text = format(d, "f")
+    if extra_zeros:
+        text += ("" if "." in text else ".") + "0" * extra_zeros
+    return text
+
+
+@settings(max_examples=200, deadline=None)
+@given(DEC, DEC, st.booleans(), st.booleans(), st.data())
+def test_number_bounds_accept_exactly_the_numbers_between(low, high, incl_low, incl_high, data):
+    """A number schema's bounds, inclusive or not: the DFA accepts a number written in fixed
+    notation exactly when it lies between them, probed at, just inside and just outside each
+    bound (with trailing zeros too), and at random; bounds no number meets are refused."""
+    if low is not None and high is not None and low > high:
+        low, high = high, low
+    schema: dict = {"type": "number"}
+    if low is not None:
+        schema["minimum" if incl_low else "exclusiveMinimum"] = float(low)
+    if high is not None:
+        schema["maximum" if incl_high else "exclusiveMaximum"] = float(high)
+    lo = None if low is None else Decimal(str(float(low)))
+    hi = None if high is None else Decimal(str(float(high)))
+    if lo is not None and hi is not None and (lo > hi or (lo == hi and not (incl_low and incl_high))):
+        with pytest.raises(GrammarError):
+            schema_to_rules(schema)
+        return
+    dfa = compile_schema(schema)
+
+    def inside(d: Decimal) -> bool:
+        return ((lo is None or (d >= lo if incl_low else d > lo)) and (hi is None or (d <= hi if incl_high else d < hi)))
+
+    probes = {Decimal(0), Decimal(1), Decimal(-1), Decimal("0.5"), Decimal("-0.5"), Decimal(1000), Decimal(-1000)}
+    for b in (lo, hi):
+        if b is not None:
+            for step in (Decimal(1), Decimal("0.1"), Decimal("0.001"), Decimal("0.0001")):
+                probes |= {b, b - step, b + step}
+    probes |= {data.draw(st.decimals(min_value=-2000, max_value=2000, places=4)) for _ in range(25)}
+    for d in probes:
+        for zeros in (0, 2):
+            text = _number_text(d, zeros)
+            if text.startswith("-") and Decimal(text) == 0:
+                assert not dfa.matches(text)  # no negative zero
+                continue
+            assert dfa.matches(text) == inside(d), (schema, text)
+    assert not any(dfa.matches(t) for t in ("01", "1.", ".5", "+1", "", "-"))
+    assert dfa.matches("1e2") == (lo is None and hi is None)  # a bounded number is written without an exponent
