@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
+             "/v1/embeddings, /score, /rerank, /tokenize, /metrics)",
     )
     add_server_args(serve)
     add_router_args(serve)
