@@ -11,6 +11,7 @@ from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
 from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
+from conveyor.scoring import cosine, score_pairs
 from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -93,6 +94,22 @@ class LLM:
             EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []), o.finished)
             for o in outs
         ]
+
+    def score(
+        self,
+        text_1: str | Seq[str],
+        text_2: str | Seq[str],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[float]:
+        """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's
+        embeddings (last token, normalized): one `text_1` against each `text_2`, or pairwise.
+        Each distinct text is embedded once."""
+        pairs = score_pairs(text_1, text_2)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        outs = self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)
+        vectors = {t: o.outputs.embedding for t, o in zip(texts, outs, strict=True)}
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs]
 
     def beam_search(
         self,

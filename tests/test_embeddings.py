@@ -271,3 +271,4 @@ def test_an_adapters_embeddings_are_hf_merged(tiny_models, cases, tmp_path):
                 want = model.model(torch.tensor([prompts[i]])).last_hidden_state[0]
             assert out.outputs.embedding != pytest.approx(reference(hidden[i], PoolingParams("mean")), abs=1e-3)
         assert out.outputs.embedding == pytest.approx(reference(want, PoolingParams("mean")), abs=1e-6)
+

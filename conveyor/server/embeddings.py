@@ -24,6 +24,7 @@ from conveyor.sampling_params import (
     PoolingParams,
     SamplingParams,
 )
+from conveyor.scoring import cosine, score_pairs
 from conveyor.server.async_engine import EngineRequest
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -157,7 +158,7 @@ class _SimilarityHandler(_PoolingHandler):
             raise InvalidRequestError(f"{len(texts)} distinct texts; at most {MAX_INPUTS}", param=self.input_param)
         vectors = dict(zip(texts, await self.embed(raw, [self.truncate(self.encode_text(t)) for t in texts]),
                            strict=True))
-        return [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs]
 
 
 class ScoreHandler(_SimilarityHandler):
@@ -165,23 +166,8 @@ class ScoreHandler(_SimilarityHandler):
     input_param = "text_1"
     body: ScoreRequest
 
-    def pairs(self) -> list[tuple[str, str]]:
-        b = self.body
-        one = [b.text_1] if isinstance(b.text_1, str) else list(b.text_1)
-        two = [b.text_2] if isinstance(b.text_2, str) else list(b.text_2)
-        if not one or not two:
-            raise InvalidRequestError("text_1 and text_2 must not be empty", param="text_1" if not one else "text_2")
-        if len(one) == 1:
-            one = one * len(two)
-        if len(one) != len(two):
-            raise InvalidRequestError(
-                f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1, or as many as text_2",
-                param="text_2",
-            )
-        return list(zip(one, two, strict=True))
-
     async def run(self, raw: Request) -> Response:
-        scores = await self.similarities(raw, self.pairs())
+        scores = await self.similarities(raw, score_pairs(self.body.text_1, self.body.text_2))
         return JSONResponse({
             "id": self.request_id,
             "object": "list",

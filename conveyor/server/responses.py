@@ -259,8 +259,21 @@ class ResponsesHandler(ChatCompletionHandler):
             self._event("response.output_item.done", output_index=0, item=done_item),
         ]
         for index, item in enumerate((i for i in items if i["type"] != "message"), start=1):
-            events.append(self._event("response.output_item.added", output_index=index, item=item))
-            events.append(self._event("response.output_item.done", output_index=index, item=item))
+            if item["type"] != "function_call":
+                events.append(self._event("response.output_item.added", output_index=index, item=item))
+                events.append(self._event("response.output_item.done", output_index=index, item=item))
+                continue
+            # A call's arguments come whole, once the call is parsed: one delta, then done.
+            args = item["arguments"]
+            events += [
+                self._event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=args),
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=args),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         events.append(self._event(kind, response=response))
         return events

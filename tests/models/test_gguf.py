@@ -517,3 +517,17 @@ def test_smollm2_embeddings_are_hf_hidden_states_pooled(smol_llm: LLM, smol_hf: 
             got = torch.tensor(out.outputs.embedding)
             assert got.shape == want.shape
             assert (got - want).abs().max().item() < 1e-4, (text, pooling)
+
+
+@pytest.mark.slow
+def test_smollm2_score_is_the_cosine_of_its_embeddings(smol_llm: LLM) -> None:
+    query, docs = "Where is Paris?", ["Paris is the capital of France.", "Bees make honey."]
+    vecs = [torch.tensor(o.outputs.embedding) for o in smol_llm.embed([query, *docs], use_tqdm=False)]
+    assert smol_llm.score(query, docs, use_tqdm=False) == pytest.approx(
+        [float(vecs[0] @ vecs[1]), float(vecs[0] @ vecs[2])], abs=1e-5)
+    assert smol_llm.score([query, docs[1]], [docs[0], docs[1]], use_tqdm=False) == pytest.approx(
+        [float(vecs[0] @ vecs[1]), 1.0], abs=1e-5)
+    from conveyor import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="give one text_1"):
+        smol_llm.score([query, query], docs + docs[:1], use_tqdm=False)

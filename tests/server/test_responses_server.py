@@ -77,6 +77,16 @@ def test_a_forced_function_call_and_json_output(client: openai.OpenAI) -> None:
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
 
+    events = list(client.responses.create(
+        model="smollm2", input="What is the weather in Paris?", tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=48, temperature=0, stream=True))
+    args = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [a.arguments for a in args] == [calls[0].arguments]
+    delta = next(e for e in events if e.type == "response.function_call_arguments.delta")
+    assert delta.delta == calls[0].arguments
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(d.name, d.arguments) for d in done] == [("get_weather", calls[0].arguments)]
+
     schema = {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}
     j = client.responses.create(model="smollm2", input="Name a color as JSON.", max_output_tokens=32, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
