@@ -294,18 +294,23 @@ class _Converter:
         return Ref(ANY)  # type: ignore[return-value]
 
 
+def _bound_value(schema: dict[str, Any], key: str) -> float | None:
+    """A bound keyword's number (None: absent, or draft 4's boolean exclusive form)."""
+    value = schema.get(key)
+    if value is None or isinstance(value, bool):
+        return None
+    if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
+        raise GrammarError(f"{key}={value!r}: must be a finite number")
+    return value
+
+
 def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     """The smallest and largest integer the schema's minimum / maximum allow (None: no
     bound). exclusiveMinimum / exclusiveMaximum are numbers (draft 6 on) or, with minimum /
     maximum, booleans (draft 4)."""
 
     def number(key: str) -> float | None:
-        value = schema.get(key)
-        if value is None or isinstance(value, bool):
-            return None
-        if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
-            raise GrammarError(f"{key}={value!r}: must be a finite number")
-        return value
+        return _bound_value(schema, key)
 
     low: int | None = None
     high: int | None = None
@@ -376,12 +381,8 @@ def _number_bounds(schema: dict[str, Any]) -> tuple[Bound | None, Bound | None]:
     """A number schema's lower and upper bounds (draft 4's boolean exclusives too)."""
 
     def value(key: str) -> Decimal | None:
-        v = schema.get(key)
-        if v is None or isinstance(v, bool):
-            return None
-        if not isinstance(v, int | float) or v != v or v in (float("inf"), float("-inf")):
-            raise GrammarError(f"{key}={v!r}: must be a finite number")
-        return Decimal(str(v))
+        v = _bound_value(schema, key)
+        return None if v is None else Decimal(str(v))
 
     low: Bound | None = None
     high: Bound | None = None
