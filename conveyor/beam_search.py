@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_BEAM_WIDTH = 10  # 2 * beam_width logprobs a round, and the engine gives at most 20
@@ -72,6 +73,14 @@ class BeamSearchOutput:
     """The best `beam_width` sequences of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+def candidates(out: RequestOutput) -> list[tuple[int, float]]:
+    """A beam's next tokens with their logprobs, best first (its one-token request's top k)."""
+    entries = out.outputs[0].logprobs
+    if not entries or entries[0].top is None:  # aborted
+        raise RuntimeError(f"beam search: request {out.request_id} ended without its logprobs")
+    return list(entries[0].top)
 
 
 def beam_score(num_generated: int, cum_logprob: float, finished: bool, length_penalty: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
@@ -54,17 +54,27 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
         loras = _as_lora_list(lora_request, len(batch))
-        checked: list[tuple[str | None, list[int]]] = []
-        for i, (prompt, p, lora) in enumerate(zip(batch, params, loras, strict=True)):
-            text, ids = self.engine.tokenize_prompt(prompt, p)
-            try:
-                self.engine.validate(ids, p)
-                if lora is not None:
-                    self.engine.check_lora(lora)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
-            checked.append((text, ids))
+        checked = [self._checked(i, prompt, p, lora)
+                   for i, (prompt, p, lora) in enumerate(zip(batch, params, loras, strict=True))]
         return self._run(checked, params, use_tqdm, loras)
+
+    def _checked(self, i: int, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
+                 room: int = 0) -> tuple[str | None, list[int]]:
+        """Prompt `i`'s text and token ids, validated (with `room` more tokens after it, if
+        asked); its error names it."""
+        text, ids = self.engine.tokenize_prompt(prompt, params)
+        try:
+            self.engine.validate(ids, params)
+            if room and len(ids) + room > self.engine.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {len(ids)} tokens: with max_tokens={room}, a beam would "
+                    f"outgrow the {self.engine.max_model_len} tokens a sequence may have", param="max_tokens",
+                )
+            if lora is not None:
+                self.engine.check_lora(lora)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
+        return text, ids
 
     def embed(
         self,
@@ -123,21 +133,9 @@ class LLM:
         validated (with room for `max_tokens`) before any work starts."""
         batch = _as_prompt_list(prompts)
         whole = SamplingParams(max_tokens=params.max_tokens)
-        searches: list[BeamSearch] = []
-        for i, prompt in enumerate(batch):
-            _, ids = self.engine.tokenize_prompt(prompt)
-            try:
-                self.engine.validate(ids, whole)
-                if len(ids) + params.max_tokens > self.engine.max_model_len:
-                    raise InvalidRequestError(
-                        f"the prompt has {len(ids)} tokens: with max_tokens={params.max_tokens}, a beam would "
-                        f"outgrow the {self.engine.max_model_len} tokens a sequence may have", param="max_tokens",
-                    )
-                if lora_request is not None:
-                    self.engine.check_lora(lora_request)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
-            searches.append(BeamSearch(ids, params, self.engine.scheduler.eos_token_ids))
+        eos = self.engine.scheduler.eos_token_ids
+        searches = [BeamSearch(self._checked(i, prompt, whole, lora_request, params.max_tokens)[1], params, eos)
+                    for i, prompt in enumerate(batch)]
         one = params.round_params()
         while live := [s for s in searches if not s.done]:
             beams = [(s, b) for s in live for b in s.beams]
@@ -146,7 +144,7 @@ class LLM:
             at = 0
             for s in live:
                 n = len(s.beams)
-                s.advance([_candidates(o) for o in outs[at : at + n]])
+                s.advance([candidates(o) for o in outs[at : at + n]])
                 at += n
         results = [s.result() for s in searches]
         tokenizer = self.engine.tokenizer
@@ -217,14 +215,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
-
-
-def _candidates(out: RequestOutput) -> list[tuple[int, float]]:
-    """A beam's next tokens with their logprobs, best first (its one-token request's top k)."""
-    entries = out.outputs[0].logprobs
-    if not entries or entries[0].top is None:  # aborted
-        raise RuntimeError(f"beam search: request {out.request_id} ended without its logprobs")
-    return list(entries[0].top)
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -18,12 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.sampling_params import (
-    POOLING_TYPES,
-    InvalidRequestError,
-    PoolingParams,
-    SamplingParams,
-)
+from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.scoring import cosine, score_pairs
 from conveyor.server.async_engine import EngineRequest
 from conveyor.server.protocol import (
@@ -102,24 +97,16 @@ class EmbeddingHandler(_PoolingHandler):
     id_prefix = "embd"
     body: EmbeddingRequest
 
-    def pooling(self) -> PoolingParams:
+    def pooling(self) -> PoolingParams:  # (PoolingParams refuses a bad pooling_type, naming it)
         b = self.body
-        kind = b.pooling_type or "last"
-        if kind not in POOLING_TYPES:
-            raise InvalidRequestError(f"pooling_type={kind!r}: must be one of {', '.join(POOLING_TYPES)}",
-                                      param="pooling_type")
-        return PoolingParams(kind, True if b.normalize is None else b.normalize, b.dimensions)
+        return PoolingParams(b.pooling_type or "last", True if b.normalize is None else b.normalize, b.dimensions)
 
     def prompts(self) -> list[list[int]]:
         b = self.body
         if (b.input is None) == (b.messages is None):
             raise InvalidRequestError("give exactly one of input and messages", param="input")
         if b.messages is not None:
-            chat = ChatCompletionRequest.model_validate({
-                "messages": b.messages, "add_generation_prompt": b.add_generation_prompt,
-                "continue_final_message": b.continue_final_message, "chat_template_kwargs": b.chat_template_kwargs,
-            })
-            return [self.truncate(ChatCompletionHandler(self.state, chat).prompts()[0].token_ids)]
+            return [self.truncate(chat_prompt(self.state, b))]
         assert b.input is not None
         items: list[Any] = [b.input] if isinstance(b.input, str) or (
             b.input and isinstance(b.input[0], int)) else list(b.input)
@@ -200,6 +187,16 @@ class RerankHandler(_SimilarityHandler):
         })
 
 
+def chat_prompt(state: ServerState, body: EmbeddingRequest | TokenizeRequest,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A request's chat `messages` as the chat completions render them (the template, tools)."""
+    chat = ChatCompletionRequest.model_validate({
+        "messages": body.messages, "tools": tools, "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message, "chat_template_kwargs": body.chat_template_kwargs,
+    })
+    return ChatCompletionHandler(state, chat).prompts()[0].token_ids
+
+
 def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
@@ -212,11 +209,7 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
         if body.add_special_tokens:
             raise InvalidRequestError("add_special_tokens applies to a prompt; a chat template writes its own",
                                       param="add_special_tokens")
-        chat = ChatCompletionRequest.model_validate({
-            "messages": body.messages, "tools": body.tools, "add_generation_prompt": body.add_generation_prompt,
-            "continue_final_message": body.continue_final_message, "chat_template_kwargs": body.chat_template_kwargs,
-        })
-        ids = ChatCompletionHandler(state, chat).prompts()[0].token_ids
+        ids = chat_prompt(state, body, tools=body.tools)
     return {
         "count": len(ids),
         "max_model_len": state.engine.max_model_len,

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
@@ -415,7 +415,7 @@ class _Handler:
             requests = [EngineRequest(f"{self.request_id}-{k}-{search.rounds}-{i}", beam.tokens, one, None, self.lora)
                         for i, beam in enumerate(search.beams)]
             outs = await run_to_end(self.state, raw, requests, "a beam's request")
-            search.advance([list(o.outputs[0].logprobs[0].top or []) for o in outs])  # type: ignore[index]
+            search.advance([candidates(o) for o in outs])
         return search.result()
 
     async def _events(
