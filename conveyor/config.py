@@ -46,6 +46,15 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("torch intra-op threads on CPU; default: torch's choice.")
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "Tensor parallelism (Megatron-LM's, vLLM's -tp): the model's attention heads and MLP "
+            "columns split across this many ranks, each a process with its shard of the weights "
+            "and of the KV cache, their partial sums all-reduced twice a layer (gloo, CPU). "
+            "Heads, KV heads and MLP widths must divide by it; kv_cache_memory is each rank's."
+        ),
+    )
     quantization: str | None = field(
         default=None,
         metadata=_help(
@@ -103,6 +112,10 @@ class ModelConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be at least 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not built: adapters run on one rank's model")
         for name in ("quantization", "speculative_quantization"):
             if getattr(self, name) not in (None, "int8"):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: use 'int8' or leave it unset")

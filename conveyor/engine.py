@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -198,33 +199,34 @@ class Engine:
             build_model,
             gguf_has_tokenizer,
             is_gguf,
-            iter_gguf_tensors,
-            iter_hf_tensors,
-            open_gguf,
-            read_gguf_arch,
-            read_hf_arch,
+            open_model,
             resolve_model_path,
         )
 
         mc = config.model
         device = _resolve_device(mc.device)
         dtype = _resolve_dtype(mc.dtype, device)
-        if mc.num_threads is not None and device.type == "cpu":
-            torch.set_num_threads(mc.num_threads)
+        tp = mc.tensor_parallel_size
+        if tp > 1 and device.type != "cpu":
+            raise ConfigError(
+                f"tensor_parallel_size={tp} runs on CPU ranks (gloo); across GPUs (NCCL) it is not built yet"
+            )
+        threads = mc.num_threads if tp == 1 else mc.num_threads or max(1, (os.cpu_count() or 1) // tp)
+        if threads is not None and device.type == "cpu":
+            torch.set_num_threads(threads)
         path = resolve_model_path(mc.model)
         gguf = is_gguf(path)
-        if gguf:
-            reader = open_gguf(path)
-            arch = read_gguf_arch(reader)
-            tensors = iter_gguf_tensors(reader, arch)
-        else:
-            arch = read_hf_arch(path)
-            tensors = iter_hf_tensors(path)
+        arch, tensors, reader = open_model(path)
+        full_arch = arch
+        if tp > 1:  # this process is rank 0: its shard, and a KV cache over its heads
+            from conveyor.models.tensor_parallel import shard_arch, shard_tensors
+
+            arch, tensors = shard_arch(arch, tp), shard_tensors(tensors, 0, tp)
         tok_path = Path(mc.tokenizer) if mc.tokenizer else path
         tokenizer: Tokenizer | None = None
         has_tokenizer = gguf_has_tokenizer(reader) if gguf else _has_tokenizer_files(path)
         if mc.tokenizer or has_tokenizer:
-            tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, arch.eos_token_ids)
+            tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, full_arch.eos_token_ids)
         else:
             logger.warning("%s has no tokenizer: prompts must be token ids", path)
 
@@ -232,14 +234,7 @@ class Engine:
         if config.scheduler.speculative_method == "draft_model":
             if mc.speculative_model is None:
                 raise ConfigError("speculative_method='draft_model' needs a speculative_model (its path)")
-            draft_path = resolve_model_path(mc.speculative_model)
-            if is_gguf(draft_path):
-                draft_reader = open_gguf(draft_path)
-                draft_arch = read_gguf_arch(draft_reader)
-                draft_tensors = iter_gguf_tensors(draft_reader, draft_arch)
-            else:
-                draft_arch = read_hf_arch(draft_path)
-                draft_tensors = iter_hf_tensors(draft_path)
+            draft_arch, draft_tensors, _ = open_model(resolve_model_path(mc.speculative_model))
             _check_draft(arch, draft_arch)
 
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -261,9 +256,26 @@ class Engine:
             calibration = calibration_ids(
                 None if tokenizer is None else tokenizer.encode, arch.vocab_size, min(256, max_len)
             )
-        model = build_model(
-            arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration
-        )
+        peers = None
+        if tp > 1:  # the workers load their shards while this process loads its own
+            from conveyor.runner.tensor_parallel import Recipe, TensorParallelGroup
+
+            name = str(dtype).removeprefix("torch.")
+            peers = TensorParallelGroup(tp, Recipe(
+                str(path), name, str(kv_dtype).removeprefix("torch."), max_len, num_blocks,
+                config.cache.block_size, num_swap_blocks, threads or 1, mc.quantization, calibration,
+            ))
+        try:
+            model = build_model(
+                arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration,
+                all_reduce=None if peers is None else peers.all_reduce,
+            )
+            if peers is not None:
+                peers.wait_ready()
+        except BaseException:
+            if peers is not None:
+                peers.close()
+            raise
         draft_model = None
         if draft_arch is not None:
             assert draft_tensors is not None
@@ -272,7 +284,8 @@ class Engine:
                 mc.speculative_quantization, calibration,
             )
         engine = cls._assemble(
-            config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model
+            config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model,
+            peers,
         )
         engine.model_path = str(path)  # type: ignore[attr-defined]
         return engine
@@ -296,6 +309,8 @@ class Engine:
         `max_model_len` and `seed`. The cache and scheduler sections apply as in `from_config`,
         and `max_model_len` is further capped by the positions the model was built for.
         """
+        if config.model.tensor_parallel_size > 1 or model.tensor_parallel:
+            raise ConfigError("tensor_parallel_size > 1 builds its ranks from the model's path: use from_config")
         weight = model.embed_tokens.weight
         positions = int(model.rotary.cos.shape[0])
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
@@ -331,6 +346,7 @@ class Engine:
         max_len: int,
         kv_dtype: Any = None,
         draft_model: Any = None,
+        peers: Any = None,
     ) -> Engine:
         from conveyor.runner.model_runner import ModelRunner
 
@@ -357,6 +373,7 @@ class Engine:
             cuda_graph_max_batch=graphs(arch),
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        runner.peers = peers  # tensor parallelism's other ranks (runner/tensor_parallel.py)
         if mc.enable_lora:
             from conveyor.models.lora import LoRAManager
 

@@ -269,6 +269,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
 
+    # Tensor parallelism (conveyor/models/tensor_parallel.py): sums the ranks' partial outputs
+    # of the attention and of the MLP, in place, before each joins the residual stream.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -276,6 +280,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        reduce = self.reduce
+        if reduce is not None:
+            h = x + reduce(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+            return h + reduce(self.mlp(self.post_attention_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -294,8 +302,11 @@ class DecoderLayer(nn.Module):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         normed, residual = add_norm(delta, residual, ln1.weight, ln1.eps)
         attn = self.self_attn(normed, rope, kv_cache, meta)
+        if self.reduce is not None:
+            attn = self.reduce(attn)
         normed, residual = add_norm(attn, residual, ln2.weight, ln2.eps)
-        return self.mlp(normed), residual
+        out = self.mlp(normed)
+        return (out if self.reduce is None else self.reduce(out)), residual
 
     def forward_gemv(
         self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata, gemv: Gemv
@@ -438,6 +449,11 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_head: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # ... with the argmax
         self.gemv_max_rows = 0
         self.lora: LoRAContext | None = None  # set by attach_lora (enable_lora)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """One rank's shard (conveyor/models/tensor_parallel.py): its layers all-reduce."""
+        return any(isinstance(layer, DecoderLayer) and layer.reduce is not None for layer in self.layers)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -592,7 +608,8 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
-        fused = decode_layers() if kernel is not None and not moe else None  # the native call has no router
+        # The native call has no router, and no all-reduce between a tensor-parallel rank's layers.
+        fused = decode_layers() if kernel is not None and not moe and not self.tensor_parallel else None
         self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
             self.fused_decode = FusedDecode(self, fused)

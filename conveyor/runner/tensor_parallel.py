@@ -1,0 +1,252 @@
+"""Tensor parallelism's ranks (`tensor_parallel_size`): one engine, `size` processes.
+
+Rank 0 is the engine's own `ModelRunner`: it schedules, samples and holds the LM head, as
+without tensor parallelism. Ranks 1.. are worker processes started here (`python -m
+conveyor.runner.tensor_parallel`), each with its shard of the weights
+(conveyor/models/tensor_parallel.py) and a KV cache of the same blocks over its own heads.
+Each step rank 0 sends every worker what it needs to run the same forward pass over its
+shard: the step's token ids, each sequence's block table, start position and token count,
+and the blocks to swap. The ranks then meet in the all-reduces after each layer's attention
+and MLP; a worker's hidden states are dropped (rank 0's are the same).
+
+Steps go down each worker's stdin, length-prefixed pickles: a worker whose engine is gone
+reads the end of its input and exits. The all-reduces run in a gloo process group of their
+own (not torch.distributed's global one), so one process may hold several engines. A
+worker's `ready` or its load error comes back on its stdout before the engine starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from conveyor.runner.model_runner import ModelRunner
+
+# How long a rank waits for the others in one collective (also to meet at start-up): ranks
+# run the same work, so a wait this long means a rank is gone.
+TIMEOUT = datetime.timedelta(seconds=600)
+_HEADER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a worker needs to build its shard and KV cache as rank 0 built its own."""
+
+    model_path: str
+    dtype: str  # torch dtype names ("float32")
+    kv_dtype: str
+    max_len: int
+    num_blocks: int
+    block_size: int
+    num_swap_blocks: int
+    num_threads: int
+    quantization: str | None = None
+    calibration_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's work on a worker: swaps first, then the forward pass (none if no tokens)."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    tables: list[Any] = field(default_factory=list)  # each sequence's block table
+    starts: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+
+
+def _write(stream: IO[bytes], message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read(stream: IO[bytes]) -> Any:
+    """The next message, or None at the end of the stream."""
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    (n,) = _HEADER.unpack(head)
+    data = stream.read(n)
+    if len(data) < n:
+        return None
+    return pickle.loads(data)
+
+
+class TensorParallelGroup:
+    """Rank 0's side: starts the workers, meets them in a gloo group, sends them each step."""
+
+    def __init__(self, size: int, recipe: Recipe) -> None:
+        from torch.distributed import ProcessGroupGloo, TCPStore
+
+        self.size = size
+        store = TCPStore("127.0.0.1", 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
+        env = {**os.environ, "OMP_NUM_THREADS": str(recipe.num_threads)}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "conveyor.runner.tensor_parallel", str(store.port), str(rank), str(size)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            )
+            for rank in range(1, size)
+        ]
+        # The workers go when the engine does (or the interpreter ends): their input closes.
+        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        for proc in self.procs:
+            assert proc.stdin is not None
+            _write(proc.stdin, recipe)
+        self.group = self._meet(lambda: ProcessGroupGloo(store, 0, size, TIMEOUT))
+        self._store = store  # (the group's rendezvous; kept while the group lives)
+
+    def _meet(self, make: Callable[[], Any]) -> Any:
+        """`make()` (the group, which waits for every rank to join), failing at once, not after
+        TIMEOUT, if a worker exits before it joins."""
+        made: list[Any] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                made.append(make())
+            except BaseException as e:  # (handed to the caller)
+                errors.append(e)
+
+        thread = threading.Thread(target=run, name="conveyor-tp-meet", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            gone = [(rank, proc.poll()) for rank, proc in enumerate(self.procs, start=1) if proc.poll() is not None]
+            if gone and thread.is_alive():
+                self.close()
+                raise RuntimeError(f"tensor-parallel rank {gone[0][0]} exited with code {gone[0][1]} before it joined")
+        if errors:
+            self.close()
+            raise errors[0]
+        return made[0]
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `t`, into `t` (each rank gets the same bits)."""
+        self.group.allreduce([t]).wait()  # type: ignore[attr-defined]
+        return t
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has built its shard; a worker's load error is raised here."""
+        for rank, proc in enumerate(self.procs, start=1):
+            assert proc.stdout is not None
+            answer = _read(proc.stdout)
+            if answer != "ready":
+                self.close()
+                why = answer if isinstance(answer, str) else f"exited with code {proc.wait()}"
+                raise RuntimeError(f"tensor-parallel rank {rank} could not start: {why}")
+
+    def send(self, step: Step) -> None:
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = _HEADER.pack(len(data)) + data
+        for rank, proc in enumerate(self.procs, start=1):
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(frame)
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError) as e:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit code {proc.poll()})") from e
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@torch.inference_mode()
+def run_step(runner: ModelRunner, step: Step) -> None:
+    """A worker's share of one step: the same swaps and forward pass as rank 0's."""
+    from conveyor.models.attention import build_metadata
+
+    if step.swap_out:
+        runner._copy_blocks(runner.kv_caches, runner.swap_caches, step.swap_out)
+    if step.swap_in:
+        runner._copy_blocks(runner.swap_caches, runner.kv_caches, step.swap_in)
+    if not step.token_ids:
+        return
+    meta = build_metadata(step.tables, step.starts, step.num_new, runner.block_size, runner.device,
+                          runner.sliding_window, runner.dtype)
+    input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
+    runner.model(input_ids, meta.positions, runner.kv_caches, meta)
+
+
+def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelRunner:
+    from conveyor.models.attention import TorchPagedAttention
+    from conveyor.models.loader import build_model, open_model
+    from conveyor.models.tensor_parallel import shard_arch, shard_tensors
+    from conveyor.runner.model_runner import ModelRunner
+
+    device = torch.device("cpu")
+    dtype = getattr(torch, recipe.dtype)
+    arch, tensors, _ = open_model(Path(recipe.model_path))
+    model = build_model(
+        shard_arch(arch, size), shard_tensors(tensors, rank, size), TorchPagedAttention(), recipe.max_len, dtype,
+        device, recipe.quantization, recipe.calibration_ids, all_reduce=all_reduce,
+    )
+    return ModelRunner(model, recipe.num_blocks, recipe.block_size, dtype, device,
+                       num_swap_blocks=recipe.num_swap_blocks, kv_dtype=getattr(torch, recipe.kv_dtype),
+                       max_model_len=recipe.max_len)
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    port, rank, size = (int(a) for a in argv)
+    stdin, answers = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to the log, not into the answers
+    recipe = _read(stdin)
+    if not isinstance(recipe, Recipe):
+        return 2
+    torch.set_num_threads(recipe.num_threads)
+    store = TCPStore("127.0.0.1", port, size, False, timeout=TIMEOUT)
+    group = ProcessGroupGloo(store, rank, size, TIMEOUT)
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        group.allreduce([t]).wait()  # type: ignore[attr-defined]
+        return t
+
+    try:
+        runner = _build_rank(recipe, rank, size, all_reduce)
+    except Exception as e:  # the engine raises it: the worker's only report
+        _write(answers, f"{type(e).__name__}: {e}")
+        return 1
+    _write(answers, "ready")
+    while (step := _read(stdin)) is not None:
+        run_step(runner, step)
+    return 0
+
+
+if __name__ == "__main__":
+    # The module's own `main`, not this copy's: the recipe rank 0 pickles is the module's `Recipe`.
+    from conveyor.runner.tensor_parallel import main as _main
+
+    sys.exit(_main(sys.argv[1:]))

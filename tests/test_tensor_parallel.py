@@ -1,0 +1,265 @@
+"""Tensor parallelism (`tensor_parallel_size`): two CPU ranks over gloo give the tokens of one.
+
+The references: HF transformers' greedy tokens on the same float64 weights, and a one-rank
+engine under the same schedule (its logprobs, to 1e-9: the ranks' partial sums round apart
+from one whole product only in the last bits)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conveyor import LLM, ConfigError, PoolingParams, SamplingParams
+from conveyor.models.arch import ArchConfig
+from conveyor.models.tensor_parallel import shard_arch, shard_tensor
+from tests.models.test_hf_parity import PROMPTS, hf_greedy
+from tests.schedulings import SCHEDULINGS
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """A tensor-parallel engine sets this process's torch threads (rank 0's share of the cores)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def tp_llm(path, size=2, **options) -> LLM:
+    return LLM(str(path), dtype="float64", tensor_parallel_size=size, num_threads=1, **options)
+
+
+def run(llm: LLM, prompts, params) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs]
+
+
+def assert_same(got, want, tol=1e-9):
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=tol)
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_two_ranks_give_transformers_greedy_tokens(tiny_models, family):
+    """Llama (GQA, llama3 RoPE, untied head), Qwen2 (q/k/v biases, tied head), Qwen3 (q/k
+    norms, a head_dim of its own), Mistral."""
+    expected = hf_greedy(tiny_models[family], PROMPTS, max_new_tokens=16)
+    llm = tp_llm(tiny_models[family], num_kv_blocks=64, block_size=8)
+    got = run(llm, PROMPTS, GREEDY)
+    assert [t for t, _ in got] == expected
+    one = LLM(str(tiny_models[family]), dtype="float64", num_kv_blocks=64, block_size=8)
+    assert_same(got, run(one, PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixtures_of_experts_split_each_expert(tiny_moe_models, family):
+    """Each expert's inner width (and Qwen2-MoE's shared expert's) split across the ranks; the
+    router whole on each."""
+    path = tiny_moe_models[family]
+    got = run(tp_llm(path, num_kv_blocks=64, block_size=8), PROMPTS, GREEDY)
+    assert_same(got, run(LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=8), PROMPTS, GREEDY))
+
+
+@SCHEDULINGS
+def test_every_scheduling_gives_one_ranks_tokens(tiny_models, options):
+    """Chunked prompts, preemption by recompute, async scheduling, n-gram speculation: the
+    workers follow whatever rows rank 0 runs."""
+    path = tiny_models["llama"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(1, 40))] for _ in range(10)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.8]), seed=i, logprobs=0,
+                       ignore_eos=True)
+        for i in range(10)
+    ]
+    options = {"num_kv_blocks": 64, "block_size": 8, **options}
+    got = run(tp_llm(path, **options), prompts, params)
+    assert_same(got, run(LLM(str(path), dtype="float64", **options), prompts, params))
+
+
+def test_swapping_prefix_cache_and_embeddings(tiny_models):
+    """Preemption by swap moves each rank's blocks; prefix-cache hits reuse each rank's K/V;
+    an embedding request pools rank 0's whole hidden states."""
+    path = tiny_models["llama"]
+    options = dict(num_kv_blocks=12, block_size=4, preemption_mode="swap", swap_space=1 << 20,
+                   enable_prefix_caching=True)
+    shared = list(range(10, 30))
+    prompts = [shared + [i + 3] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=0)
+    two, one = tp_llm(path, **options), LLM(str(path), dtype="float64", **options)
+    got = run(two, prompts, params)
+    assert_same(got, run(one, prompts, params))
+    assert two.engine.scheduler.num_swaps_out > 0 and two.engine.scheduler.num_swaps_in > 0
+    again = run(two, prompts[:2], params)  # the shared prefix is cached now
+    assert_same(again, got[:2])
+    pooling = PoolingParams(pooling_type="mean")
+    a = two.embed(prompts[:3], pooling, use_tqdm=False)
+    b = one.embed(prompts[:3], pooling, use_tqdm=False)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs.embedding == pytest.approx(y.outputs.embedding, abs=1e-9)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(3, 380), min_size=1, max_size=30), st.integers(1, 12),
+                  st.sampled_from([0.0, 0.7]), st.integers(0, 3)),
+        min_size=1, max_size=8,
+    ),
+    abort=st.integers(-1, 7),
+)
+def test_random_arrivals_and_aborts_keep_the_ranks_in_step(tp_pair, requests, abort):
+    """Requests arrive between steps in a random pattern, one may be aborted mid-way, under a
+    small cache and token budget (chunking, preemption): the two-rank engine's outputs are the
+    one-rank engine's, and every block comes back."""
+    results = []
+    for llm in tp_pair:
+        engine = llm.engine
+        done: dict[str, tuple[list[int], list[float]]] = {}
+        pending = list(enumerate(requests))
+        steps = 0
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][1][3] <= steps:
+                i, (prompt, max_tokens, temperature, _) = pending.pop(0)
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                   seed=i, logprobs=0, ignore_eos=True))
+            if steps == 2 and 0 <= abort < len(requests):
+                engine.abort_request(f"r{abort}")
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids, [lp.logprob for lp in out.outputs[0].logprobs or []])
+            steps += 1
+            if not engine.has_unfinished_requests() and pending:
+                steps = max(steps, pending[0][1][3])
+        assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+        results.append(done)
+    two, one = results
+    assert two.keys() == one.keys()
+    for key in one:
+        assert_same([two[key]], [one[key]])
+
+
+@pytest.fixture(scope="module")
+def tp_pair(tiny_models):
+    path = tiny_models["llama"]
+    options = dict(num_kv_blocks=16, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
+    threads = torch.get_num_threads()
+    pair = (tp_llm(path, **options), LLM(str(path), dtype="float64", **options))
+    torch.set_num_threads(threads)
+    yield pair
+
+
+def test_int8_ranks_are_as_close_to_float32_as_one_int8_engine(tiny_models):
+    """int8 quantizes each rank's shard (a column split gets its own row scales), so its tokens
+    may differ from one int8 engine's; they stay as close to float32's."""
+    path = str(tiny_models["llama"])
+    ids = [(7 * i + 3) % 380 + 2 for i in range(60)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def prompt_logprobs(llm: LLM) -> torch.Tensor:
+        out = llm.generate([ids], params, use_tqdm=False)[0]
+        return torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]], dtype=torch.float64)
+
+    reference = prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=64, block_size=8))
+    one = prompt_logprobs(LLM(path, quantization="int8", num_kv_blocks=64, block_size=8))
+    two = prompt_logprobs(LLM(path, quantization="int8", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64,
+                              block_size=8))
+    err_one, err_two = (one - reference).abs().mean(), (two - reference).abs().mean()
+    assert err_two < max(2 * err_one, 1e-3)
+
+
+def test_a_draft_model_runs_on_rank_0(tiny_models):
+    path = tiny_models["llama"]
+    options = dict(num_kv_blocks=64, block_size=8, speculative_method="draft_model", speculative_model=str(path),
+                   num_speculative_tokens=3)
+    got = run(tp_llm(path, **options), PROMPTS, GREEDY)
+    assert_same(got, run(LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=8), PROMPTS, GREEDY))
+
+
+def test_workers_end_with_their_engine(tiny_models):
+    llm = tp_llm(tiny_models["llama"], num_kv_blocks=16, block_size=8)
+    procs = list(llm.engine.runner.peers.procs)
+    assert all(p.poll() is None for p in procs)
+    del llm
+    gc.collect()
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang(tiny_models):
+    llm = tp_llm(tiny_models["llama"], num_kv_blocks=16, block_size=8)
+    proc = llm.engine.runner.peers.procs[0]
+    proc.kill()
+    proc.wait()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_bad_configurations_say_why(tiny_models, tmp_path):
+    path = str(tiny_models["llama"])  # 4 heads, 2 KV heads, MLP width 128
+    with pytest.raises(ConfigError, match="num_key_value_heads=2"):
+        tp_llm(path, size=4)
+    with pytest.raises(ConfigError, match="at least 1"):
+        LLM(path, tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="enable_lora"):
+        LLM(path, tensor_parallel_size=2, enable_lora=True)
+    from conveyor.config import EngineConfig
+    from conveyor.engine import Engine
+
+    one = LLM(path, dtype="float64", num_kv_blocks=16)
+    with pytest.raises(ConfigError, match="from_config"):
+        Engine.from_model(EngineConfig.from_kwargs(tensor_parallel_size=2), one.engine.runner.model, None)
+
+
+def test_a_workers_load_error_comes_back():
+    """A rank that cannot build its shard says why, at start-up."""
+    from conveyor.runner.tensor_parallel import Recipe, TensorParallelGroup
+
+    group = TensorParallelGroup(2, Recipe("/nonexistent/model", "float64", "float64", 64, 4, 8, 0, 1))
+    with pytest.raises(RuntimeError, match="rank 1 could not start: ModelLoadError: cannot read"):
+        group.wait_ready()
+    assert group.procs[0].poll() is not None
+
+
+def test_shards_put_back_together_are_the_tensor():
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "layers.0.self_attn.q_proj.weight": (torch.randn(8, 6, generator=g), -2),
+        "layers.0.self_attn.k_proj.bias": (torch.randn(8, generator=g), 0),
+        "layers.0.self_attn.o_proj.weight": (torch.randn(6, 8, generator=g), -1),
+        "layers.0.mlp.down_proj.weight": (torch.randn(6, 8, generator=g), -1),
+        "layers.0.mlp.experts.down_proj": (torch.randn(3, 6, 8, generator=g), -1),  # stacked (GGUF)
+        "layers.0.mlp.experts.gate_proj": (torch.randn(3, 8, 6, generator=g), -2),
+        "layers.0.mlp.experts.1.w1.weight": (torch.randn(8, 6, generator=g), -2),  # Mixtral
+    }
+    for name, (tensor, dim) in cases.items():
+        parts = [shard_tensor(name, tensor, r, 2) for r in range(2)]
+        assert torch.equal(torch.cat(parts, dim=dim), tensor), name
+    whole = {"embed_tokens.weight", "layers.0.mlp.gate.weight", "layers.0.input_layernorm.weight",
+             "layers.0.mlp.shared_expert_gate.weight"}
+    for name in whole:
+        t = torch.randn(4, 6, generator=g)
+        assert shard_tensor(name, t, 1, 2) is t
+    stacked = torch.randn(3, 8, 6, generator=g)  # transformers >= 5: gate rows, then up rows
+    parts = [shard_tensor("layers.0.mlp.experts.gate_up_proj", stacked, r, 2) for r in range(2)]
+    gate = torch.cat([p[:, :2] for p in parts], dim=1)
+    up = torch.cat([p[:, 2:] for p in parts], dim=1)
+    assert torch.equal(gate, stacked[:, :4]) and torch.equal(up, stacked[:, 4:])
+
+
+def test_shard_arch_divides_heads_and_widths():
+    arch = ArchConfig(family="llama", vocab_size=10, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    local = shard_arch(arch, 4)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.head_dim) == (2, 1, 24, 8)
+    assert local.kv_bytes_per_token(4) * 4 == arch.kv_bytes_per_token(4)
+    with pytest.raises(ConfigError, match="num_key_value_heads=4"):
+        shard_arch(arch, 8)
