@@ -139,7 +139,7 @@ class TensorParallelGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `t`, into `t` (each rank gets the same bits)."""
-        self.group.allreduce([t]).wait()  # type: ignore[attr-defined]
+        self.group.allreduce([t]).wait()
         return t
 
     def wait_ready(self) -> None:
