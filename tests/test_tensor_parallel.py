@@ -263,3 +263,57 @@ def test_shard_arch_divides_heads_and_widths():
     assert local.kv_bytes_per_token(4) * 4 == arch.kv_bytes_per_token(4)
     with pytest.raises(ConfigError, match="num_key_value_heads=4"):
         shard_arch(arch, 8)
+
+
+def test_gloo_all_reduce_gives_the_same_tokens(tiny_models, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_TP_ALL_REDUCE", "gloo")
+    llm = tp_llm(tiny_models["llama"], num_kv_blocks=64, block_size=8)
+    assert llm.engine.runner.peers.all_reduce._map is None  # gloo, not the shared mapping
+    got = run(llm, PROMPTS, GREEDY)
+    assert_same(got, run(LLM(str(tiny_models["llama"]), dtype="float64", num_kv_blocks=64, block_size=8), PROMPTS,
+                         GREEDY))
+
+
+def shared_all_reduces(tmp_path, size: int) -> list:
+    from conveyor.kernels import shm_all_reduce
+    from conveyor.runner.tensor_parallel import AllReduce
+
+    if shm_all_reduce() is None:
+        pytest.skip("native kernels unavailable here")
+    path = str(tmp_path / "shm")
+    return [AllReduce(None, r, size, path, create=(r == 0)) for r in range(size)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(2, 4), numels=st.lists(st.sampled_from([1, 7, 1024, 1 << 20, (1 << 20) + 3, 3 << 20]),
+                                               min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_shared_memory_all_reduce_sums_in_rank_order(tmp_path_factory, size, numels, dtype):
+    """Ranks as threads over one mapping (the kernel waits without the GIL): every rank gets
+    the sum in rank order, bit for bit, over calls of any size (several rounds of a slot)."""
+    import threading
+
+    reducers = shared_all_reduces(tmp_path_factory.mktemp("shm"), size)
+    g = torch.Generator().manual_seed(size)
+    for numel in numels:
+        inputs = [torch.randn(numel, generator=g, dtype=dtype) for _ in range(size)]
+        want = inputs[0].clone()
+        for x in inputs[1:]:
+            want += x
+        outs = [x.clone() for x in inputs]
+        threads = [threading.Thread(target=reducers[r], args=(outs[r],)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for out in outs:
+            assert torch.equal(out, want)
+
+
+def test_a_rank_that_never_arrives_is_aborted(tmp_path):
+    import threading
+
+    reducers = shared_all_reduces(tmp_path, 2)
+    threading.Timer(0.3, reducers[0].abort).start()  # what the watchdog does when a rank dies
+    with pytest.raises(RuntimeError, match="a rank is gone"):
+        reducers[0](torch.ones(8))

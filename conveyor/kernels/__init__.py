@@ -135,6 +135,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decode_layers.restype = None
     lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, p, i64, p, i64, f32, i64,
                                   i64, p, p, p]
+    lib.shm_all_reduce.restype = ctypes.c_int
+    lib.shm_all_reduce.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_double]
     return lib
 
 
@@ -415,3 +417,12 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     out = raw[offset : offset + t.numel()].view(t.shape)
     out.copy_(t)
     return out
+
+
+def shm_all_reduce() -> Callable[..., int] | None:
+    """`f(base, rank, size, slot_bytes, x, n, elem_bytes, gen, timeout_s) -> 0`: the shared-memory
+    all-reduce of tensor-parallel ranks (cpu_kernels.cpp; conveyor/runner/tensor_parallel.py
+    holds the mapping), in place over `n` float32 or float64 elements at address `x`; -1 on
+    timeout, -2 when the mapping's abort word is set. Or None."""
+    lib = _library()
+    return None if lib is None else lib.shm_all_reduce

@@ -716,3 +716,71 @@ extern "C" void skinny_linear_q8(const float* x, const int8_t* w, const float* s
 #pragma omp parallel
   team_linear(x, w, y, M, K, N, nullptr, false, tmp.data(), scale, inv_smooth, xs.data());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor parallelism's all-reduce among the processes of one machine (conveyor/runner/
+// tensor_parallel.py), through a shared mapping: a header of one 64-byte line per rank (its
+// generation counter) and one abort word, then two sets (by generation parity) of one slot
+// per rank. A call copies its chunk into its slot, publishes its generation (release), waits
+// for every rank's (acquire), and sums the slots in rank order: every rank gets the same bits.
+// A slot of a parity is written again two generations later, after every rank has published
+// the generation in between, which it does only after its reads: no second barrier is needed.
+// Waiting spins with pause, then yields the core (more ranks than cores); it gives up on the
+// abort word (a watchdog saw a rank die) or after `timeout_s`.
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <sched.h>
+
+namespace {
+constexpr int64_t SHM_LINE = 64;
+
+template <typename T>
+int shm_all_reduce_impl(char* base, int64_t rank, int64_t size, int64_t slot_bytes, T* x, int64_t n, int64_t* gen,
+                        double timeout_s) {
+    auto flag = [&](int64_t r) { return reinterpret_cast<std::atomic<int64_t>*>(base + r * SHM_LINE); };
+    auto* abort_word = reinterpret_cast<std::atomic<int64_t>*>(base + size * SHM_LINE);
+    char* slots = base + (size + 1) * SHM_LINE;
+    const int64_t per = slot_bytes / int64_t(sizeof(T));
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t at = 0; at < n; at += per) {
+        const int64_t len = std::min(per, n - at);
+        const int64_t g = ++*gen;
+        T* set = reinterpret_cast<T*>(slots + (g & 1) * size * slot_bytes);
+        std::memcpy(set + rank * per, x + at, len * sizeof(T));
+        flag(rank)->store(g, std::memory_order_release);
+        for (int64_t q = 0; q < size; ++q) {
+            int64_t spins = 0;
+            while (flag(q)->load(std::memory_order_acquire) < g) {
+                if (++spins < 4096) {
+                    _mm_pause();
+                    continue;
+                }
+                sched_yield();
+                if ((spins & 1023) == 0) {
+                    if (abort_word->load(std::memory_order_relaxed)) return -2;
+                    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+                    if (waited.count() > timeout_s) return -1;
+                }
+            }
+        }
+        T* out = x + at;
+        std::memcpy(out, set, len * sizeof(T));
+        for (int64_t q = 1; q < size; ++q) {
+            const T* s = set + q * per;
+            for (int64_t i = 0; i < len; ++i) out[i] += s[i];
+        }
+    }
+    return 0;
+}
+}  // namespace
+
+extern "C" int shm_all_reduce(void* base, int64_t rank, int64_t size, int64_t slot_bytes, void* x, int64_t n,
+                              int64_t elem_bytes, int64_t* gen, double timeout_s) {
+    char* b = static_cast<char*>(base);
+    if (elem_bytes == 4)
+        return shm_all_reduce_impl(b, rank, size, slot_bytes, static_cast<float*>(x), n, gen, timeout_s);
+    if (elem_bytes == 8)
+        return shm_all_reduce_impl(b, rank, size, slot_bytes, static_cast<double*>(x), n, gen, timeout_s);
+    return -3;
+}

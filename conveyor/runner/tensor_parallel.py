@@ -18,12 +18,16 @@ worker's `ready` or its load error comes back on its stdout before the engine st
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import datetime
+import mmap
 import os
 import pickle
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -56,6 +60,7 @@ class Recipe:
     num_threads: int
     quantization: str | None = None
     calibration_ids: list[int] | None = None
+    shm_path: str | None = None  # the shared all-reduce mapping (None: gloo); set by the group
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,72 @@ def _read(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
+class AllReduce:
+    """The ranks' sum of a tensor, in place; every rank gets the same bits.
+
+    float32/float64 tensors go through a mapping every rank shares (`shm_all_reduce` in
+    conveyor/kernels/cpu_kernels.cpp): a decode step's row in microseconds, where gloo's
+    TCP round trips take hundreds (BENCHMARKS.md). Other dtypes, machines without the native
+    kernels, and `CONVEYOR_TP_ALL_REDUCE=gloo` use the gloo group."""
+
+    SLOT_BYTES = 4 << 20  # a rank's share of one round; larger tensors go in several
+
+    def __init__(self, group: Any, rank: int, size: int, shm_path: str | None, create: bool = False) -> None:
+        from conveyor.kernels import shm_all_reduce
+
+        self.group, self.rank, self.size = group, rank, size
+        self._kernel = shm_all_reduce() if shm_path is not None else None
+        self._map: mmap.mmap | None = None
+        if self._kernel is None or shm_path is None:
+            return
+        header = (size + 1) * 64  # one line per rank's generation, then the abort word
+        total = header + 2 * size * self.SLOT_BYTES
+        fd = os.open(shm_path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, total)
+            self._map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._abort = ctypes.c_int64.from_buffer(self._map, size * 64)
+        self._gen = ctypes.c_int64(0)
+
+    @staticmethod
+    def wanted() -> bool:
+        from conveyor.kernels import shm_all_reduce
+
+        return os.environ.get("CONVEYOR_TP_ALL_REDUCE", "shm") != "gloo" and shm_all_reduce() is not None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self._kernel is None or t.dtype not in (torch.float32, torch.float64) or not t.is_contiguous():
+            self.group.allreduce([t]).wait()
+            return t
+        rc = self._kernel(self._base, self.rank, self.size, self.SLOT_BYTES, t.data_ptr(), t.numel(),
+                          t.element_size(), ctypes.byref(self._gen), TIMEOUT.total_seconds())
+        if rc:
+            why = "a rank is gone" if rc == -2 else f"a rank did not arrive within {TIMEOUT.total_seconds():.0f} s"
+            raise RuntimeError(f"tensor-parallel all-reduce failed: {why}")
+        return t
+
+    def abort(self) -> None:
+        """Make every rank's waiting all-reduce give up (a watchdog saw a rank die)."""
+        if self._map is not None:
+            self._abort.value = 1
+
+
+def _watch(alive: Callable[[], bool], all_reduce: AllReduce, stop: threading.Event) -> None:
+    """Abort the all-reduces once `alive()` fails (checked twice a second) or `stop` is set."""
+
+    def run() -> None:
+        while not stop.wait(0.5):
+            if not alive():
+                all_reduce.abort()
+                return
+
+    threading.Thread(target=run, name="conveyor-tp-watchdog", daemon=True).start()
+
+
 class TensorParallelGroup:
     """Rank 0's side: starts the workers, meets them in a gloo group, sends them each step."""
 
@@ -96,6 +167,11 @@ class TensorParallelGroup:
 
         self.size = size
         store = TCPStore("127.0.0.1", 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
+        shm_path = None
+        if AllReduce.wanted():
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            shm_path = os.path.join(folder, f"conveyor-tp-{os.getpid()}-{store.port}")
+            recipe = dataclasses.replace(recipe, shm_path=shm_path)
         env = {**os.environ, "OMP_NUM_THREADS": str(recipe.num_threads)}
         self.procs = [
             subprocess.Popen(
@@ -105,12 +181,19 @@ class TensorParallelGroup:
             for rank in range(1, size)
         ]
         # The workers go when the engine does (or the interpreter ends): their input closes.
-        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, None, None)
         for proc in self.procs:
             assert proc.stdin is not None
             _write(proc.stdin, recipe)
         self.group = self._meet(lambda: ProcessGroupGloo(store, 0, size, TIMEOUT))
         self._store = store  # (the group's rendezvous; kept while the group lives)
+        self.all_reduce = AllReduce(self.group, 0, size, shm_path, create=True)
+        self._shm_path = shm_path
+        self._stop_watch = threading.Event()
+        self._finalizer.detach()
+        procs = self.procs  # (not `self`: the watchdog must not keep the group alive)
+        _watch(lambda: all(proc.poll() is None for proc in procs), self.all_reduce, self._stop_watch)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, shm_path, self._stop_watch)
 
     def _meet(self, make: Callable[[], Any]) -> Any:
         """`make()` (the group, which waits for every rank to join), failing at once, not after
@@ -137,11 +220,6 @@ class TensorParallelGroup:
             raise errors[0]
         return made[0]
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `t`, into `t` (each rank gets the same bits)."""
-        self.group.allreduce([t]).wait()
-        return t
-
     def wait_ready(self) -> None:
         """Wait until every worker has built its shard; a worker's load error is raised here."""
         for rank, proc in enumerate(self.procs, start=1):
@@ -151,6 +229,9 @@ class TensorParallelGroup:
                 self.close()
                 why = answer if isinstance(answer, str) else f"exited with code {proc.wait()}"
                 raise RuntimeError(f"tensor-parallel rank {rank} could not start: {why}")
+        if self._shm_path is not None:  # every rank has it mapped: the name can go
+            with contextlib.suppress(OSError):
+                os.unlink(self._shm_path)
 
     def send(self, step: Step) -> None:
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
@@ -167,7 +248,12 @@ class TensorParallelGroup:
         self._finalizer()
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop(procs: list[subprocess.Popen[bytes]], shm_path: str | None, watch: threading.Event | None) -> None:
+    if watch is not None:
+        watch.set()
+    if shm_path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(shm_path)
     for proc in procs:
         if proc.stdin is not None:
             with contextlib.suppress(OSError):
@@ -229,12 +315,10 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(recipe.num_threads)
     store = TCPStore("127.0.0.1", port, size, False, timeout=TIMEOUT)
     group = ProcessGroupGloo(store, rank, size, TIMEOUT)
-
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        group.allreduce([t]).wait()  # type: ignore[attr-defined]
-        return t
-
     try:
+        all_reduce = AllReduce(group, rank, size, recipe.shm_path)
+        parent = os.getppid()
+        _watch(lambda: os.getppid() == parent, all_reduce, threading.Event())  # rank 0 gone: stop waiting
         runner = _build_rank(recipe, rank, size, all_reduce)
     except Exception as e:  # the engine raises it: the worker's only report
         _write(answers, f"{type(e).__name__}: {e}")
