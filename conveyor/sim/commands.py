@@ -310,8 +310,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim["wall_s"] = time.perf_counter() - wall
     cap = next(iter(sim["systems"].values()), None)
     if cap:
+        each = f" on each of {cap['tensor_parallel_size']} devices" if cap["tensor_parallel_size"] > 1 else ""
         print(f"{model.name} on {hardware.description}: weights {cap['weight_gib']:.1f} GiB, KV cache "
-              f"{cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens; simulated in {sim['wall_s']:.1f} s")
+              f"{cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens{each}; simulated in {sim['wall_s']:.1f} s")
     return _finish(args, result, out)
 
 

@@ -21,6 +21,10 @@ the roofline, with efficiency factors for what real kernels reach:
     host            `host_s` a step: the engine's host work between two runner steps
                     (scheduling, outputs), which a calibrated CPU serializes with the steps
     swap            blocks x block bytes / host link bandwidth
+    allreduce       tensor parallelism over n devices (`tensor_parallel`): each prices 1/n of
+                    the weights, heads and LM head above, and a step adds 2 all-reduces a
+                    layer (latency + 2 (n-1)/n x tokens x hidden bytes / link bandwidth) and
+                    the gather of the sampled rows' logits
     after idle      a step that starts after the device sat idle for `idle_threshold_s` or
                     more costs `idle_cost_s` seconds more, and `idle_factor` times its price
                     more (a calibrated CPU: caches and clocks gone cold while the server
@@ -115,14 +119,21 @@ class CostParams:
     # (fitted by `calibrate` since the tenth session; docs/simulation.md, "Calibration in
     # slices, a fixed cost for the matrix path, balanced weights").
     gemm_overhead_s: float = 0.0
+    # Tensor parallelism's all-reduces (assumptions, not measurements): a fixed latency each
+    # (NCCL's small-message all-reduce within an NVLink machine is of the order of 10 us) and
+    # the share of the link's bandwidth a ring all-reduce reaches.
+    allreduce_latency_s: float = 10e-6
+    link_efficiency: float = 0.8
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1.5:
                 raise ValueError(f"{name}={v} must be in (0, 1.5]")
+        if not 0 < self.link_efficiency <= 1:
+            raise ValueError(f"link_efficiency={self.link_efficiency} must be in (0, 1]")
         if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s, self.unfused_overhead_s,
-               self.gemm_overhead_s) < 0:
+               self.gemm_overhead_s, self.allreduce_latency_s) < 0:
             raise ValueError("overheads must be >= 0")
         if self.skinny_rows < 1 or self.skinny_pass_rows < 1:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
@@ -146,32 +157,48 @@ class CostParams:
 
 class RooflineCostModel:
     def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
-                 dtype_bytes: int | None = None, block_size: int = 16) -> None:
+                 dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1) -> None:
+        """`tensor_parallel`: the devices one step runs on (Megatron-LM's split, as vLLM's -tp):
+        each computes 1/n of the layers' weights, of the LM head (split by vocabulary) and of
+        the attention heads, holds its share of the K/V (`ModelShape.kv_share`), and the step
+        adds two all-reduces of its `[tokens, hidden]` activations a layer (a ring: each device
+        sends and receives 2 (n-1)/n of them) and a gather of the sampled rows' logits."""
         self.hardware = hardware
         self.model = model
         self.params = params or CostParams()
         self.dtype_bytes = dtype_bytes or hardware.dtype_bytes
+        self.tensor_parallel = n = tensor_parallel
+        if n > 1:
+            model.check_tensor_parallel(n)
         p, m, b = self.params, model, self.dtype_bytes
         # Constants of the formulas, folded once: a step is priced in a dozen float operations.
         flops = hardware.peak_flops * p.mfu
         bw = hardware.mem_bandwidth * p.mbu
         gemv_bw = hardware.mem_bandwidth * (p.gemv_mbu if p.gemv_mbu is not None else p.mbu)
-        dense = m.dense_params  # a dense model's layer_params; a mixture's without its routed experts
+        dense = m.dense_params / n  # a dense model's layer_params; a mixture's without its routed experts
         self._lin_flop_s = 2 * dense / flops  # seconds per token
         self._lin_mem_s = dense * b / bw  # seconds per step
         self._lin_gemv_s = dense * b / gemv_bw  # seconds per skinny pass
         gemv_flops = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
         self._lin_gemv_flop_s = 2 * dense / gemv_flops  # per token, skinny kernel
-        e = m.expert_params  # one expert's: the same four constants
+        e = m.expert_params / n  # one expert's: the same four constants
         self._expert = (2 * e / flops, e * b / bw, 2 * e / gemv_flops, e * b / gemv_bw)
-        self._head_gemv_flop_s = 2 * m.head_params / gemv_flops
+        head = m.head_params / n
+        self._head_gemv_flop_s = 2 * head / gemv_flops
         self._skinny, self._pass = p.skinny_rows, p.skinny_pass_rows
-        self._head_flop_s = 2 * m.head_params / flops  # per sampled row
-        self._head_mem_s = m.head_params * b / bw
-        self._head_gemv_s = m.head_params * b / gemv_bw
-        self._attn_flop_s = 4 * m.num_layers * m.num_heads * m.head_dim / (hardware.peak_flops * p.attn_mfu)
-        self._kv_mem_s = m.kv_bytes_per_token(b) / (hardware.mem_bandwidth * p.kv_mbu)  # per context token
-        self._swap_s = m.kv_bytes_per_token(b) * block_size / hardware.host_bandwidth  # per block
+        self._head_flop_s = 2 * head / flops  # per sampled row
+        self._head_mem_s = head * b / bw
+        self._head_gemv_s = head * b / gemv_bw
+        self._attn_flop_s = 4 * m.num_layers * m.num_heads * m.head_dim / n / (hardware.peak_flops * p.attn_mfu)
+        kv = m.kv_bytes_per_token(b) * m.kv_share(n)  # one device's
+        self._kv_mem_s = kv / (hardware.mem_bandwidth * p.kv_mbu)  # per context token
+        self._swap_s = kv * block_size / hardware.host_bandwidth  # per block (the devices swap at once)
+        link = hardware.peer_bandwidth * p.link_efficiency
+        # Per step: 2 all-reduces a layer, a fixed latency each and 2 (n-1)/n of the rows' bytes
+        # over the link; the logits' gather (float32 rows of the vocabulary), the same way.
+        self._ar_fixed_s = 2 * m.num_layers * p.allreduce_latency_s if n > 1 else 0.0
+        self._ar_token_s = 2 * m.num_layers * 2 * (n - 1) / n * m.hidden_size * b / link if n > 1 else 0.0
+        self._gather_row_s = (n - 1) / n * m.vocab_size * 4 / link if n > 1 else 0.0
 
     def _linear(self, tokens: int) -> float:
         if tokens <= self._skinny:
@@ -210,6 +237,9 @@ class RooflineCostModel:
             "attn_prefill": max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
             "swap": self._swap_s * s.swap_blocks,
+            "allreduce": self._ar_fixed_s + self._ar_token_s * s.num_tokens
+            + (p.allreduce_latency_s + self._gather_row_s * s.num_sampled if s.num_sampled else 0.0)
+            if busy and self.tensor_parallel > 1 else 0.0,
             "overhead": p.step_overhead_s + p.seq_overhead_s * s.num_seqs + p.token_overhead_s * s.num_tokens
             + (0.0 if self.fused(s) else p.unfused_overhead_s)
             + (p.gemm_overhead_s if self.matrix_path(s) else 0.0) if busy else 0.0,

@@ -16,6 +16,7 @@ steps' and its own.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -121,14 +122,30 @@ def dtype_bytes_of(config: EngineConfig, hardware: Hardware) -> int:
 
 def kv_budget(config: EngineConfig, hardware: Hardware, model: ModelShape, dtype_bytes: int,
               draft: ModelShape | None = None) -> int:
-    """The KV bytes the real engine would take on this hardware by default: on a GPU, memory x
-    gpu_memory_utilization - weights (the draft model's too) - a 1 GiB runtime reserve (as
-    `Engine.from_config`); on a CPU, the engine's fixed default."""
+    """The KV bytes the real engine would take on one device by default: on a GPU, memory x
+    gpu_memory_utilization - its share of the weights (the draft model's too) - a 1 GiB runtime
+    reserve (as `Engine.from_config`); on a CPU, the engine's fixed default."""
     if not hardware.is_gpu:
         return CPU_DEFAULT_KV_BYTES
     budget = int(hardware.memory_bytes * config.cache.gpu_memory_utilization)
+    return max(budget - device_weight_bytes(config, model, dtype_bytes, draft) - CUDA_RUNTIME_RESERVE, 0)
+
+
+def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: int,
+                        draft: ModelShape | None = None) -> int:
+    """The weights one device holds: 1/n of the model's (and its draft's) under tensor parallelism."""
     weights = model.weight_bytes(dtype_bytes) + (draft.weight_bytes(dtype_bytes) if draft else 0)
-    return max(budget - weights - CUDA_RUNTIME_RESERVE, 0)
+    return -(-weights // config.model.tensor_parallel_size)
+
+
+def device_kv_bytes_per_token(config: EngineConfig, model: ModelShape, dtype_bytes: int,
+                              draft: ModelShape | None = None) -> int:
+    """A token's K/V on one device (its share of the KV heads under tensor parallelism)."""
+    n = config.model.tensor_parallel_size
+    per_token = model.kv_bytes_per_token(dtype_bytes) * model.kv_share(n)
+    if draft is not None:
+        per_token += draft.kv_bytes_per_token(dtype_bytes) * draft.kv_share(n)
+    return math.ceil(per_token)
 
 
 def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
@@ -174,28 +191,37 @@ def build_sim_engine(
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
     b = dtype_bytes_of(config, hardware)
     draft = _draft_shape(config, model)
-    weights = model.weight_bytes(b) + (draft.weight_bytes(b) if draft else 0)
+    tp = config.model.tensor_parallel_size
+    for shape in (model, draft) if tp > 1 else ():
+        if shape is not None:
+            try:
+                shape.check_tensor_parallel(tp)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    weights = device_weight_bytes(config, model, b, draft)
     if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:
         raise ConfigError(
-            f"{model.name}{' and its draft weigh' if draft else ' weighs'} {weights / 2**30:.1f} GiB in {b}-byte weights, "
-            f"more than {config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s "
-            f"{hardware.memory_bytes / 2**30:.0f} GiB"
+            f"{model.name}{' and its draft weigh' if draft else ' weighs'} {weights / 2**30:.1f} GiB in {b}-byte weights"
+            f"{f' on each of {tp} devices' if tp > 1 else ''}, more than "
+            f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"
+            f"{'' if tp > 1 else ' (tensor_parallel_size splits them across devices)'}"
         )
     num_blocks, num_swap, max_len = plan_cache(
-        config, model.kv_bytes_per_token(b) + (draft.kv_bytes_per_token(b) if draft else 0),
+        config, device_kv_bytes_per_token(config, model, b, draft),
         min(model.max_position_embeddings, draft.max_position_embeddings if draft else model.max_position_embeddings),
         lambda: kv_budget(config, hardware, model, b, draft),
     )
     eos = frozenset(model.eos_token_ids)
     scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
-    cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size)
+    cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     engine = SimEngine(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
                        clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
     if draft is not None:
         from conveyor.runner.drafter import Drafter
 
-        engine.drafter = Drafter(SimRunner(RooflineCostModel(hardware, draft, params, b, config.cache.block_size), token))
+        engine.drafter = Drafter(SimRunner(RooflineCostModel(hardware, draft, params, b, config.cache.block_size, tp),
+                                           token))
     engine.hardware = hardware  # type: ignore[attr-defined]
     engine.model_shape = model  # type: ignore[attr-defined]
     engine.cost_model = cost  # type: ignore[attr-defined]
@@ -210,11 +236,12 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
     b = dtype_bytes_of(cfg, hw)
     blocks = engine.num_kv_blocks
     draft = _draft_shape(cfg, model)  # its weights and K/V count too
-    weights = model.weight_bytes(b) + (draft.weight_bytes(b) if draft else 0)
-    per_token = model.kv_bytes_per_token(b) + (draft.kv_bytes_per_token(b) if draft else 0)
+    weights = device_weight_bytes(cfg, model, b, draft)  # (one device's, as the KV figures below)
+    per_token = device_kv_bytes_per_token(cfg, model, b, draft)
     return {
         "hardware": hw.name,
         "model": model.name,
+        "tensor_parallel_size": cfg.model.tensor_parallel_size,
         "dtype_bytes": b,
         "weight_gib": weights / 2**30,
         "kv_bytes_per_token": per_token,

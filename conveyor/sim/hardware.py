@@ -24,6 +24,13 @@ class Hardware:
     dtype_bytes: int = 2  # bfloat16 on a GPU, float32 on a CPU
     is_gpu: bool = True
     source: str = ""
+    # Bytes/s each way between two devices of one machine (NVLink), what tensor parallelism's
+    # all-reduces cross; 0: none listed, they go over the host link (PCIe).
+    link_bandwidth: float = 0.0
+
+    @property
+    def peer_bandwidth(self) -> float:
+        return self.link_bandwidth or self.host_bandwidth
 
     def __post_init__(self) -> None:
         if min(self.peak_flops, self.mem_bandwidth, self.host_bandwidth) <= 0 or self.memory_bytes <= 0:
@@ -43,16 +50,19 @@ HARDWARE: dict[str, Hardware] = {
     for h in (
         Hardware("h100-sxm", "NVIDIA H100 SXM5 80GB", 989 * T, 3350 * G, 80 * GiB, PCIE5,
                  source="NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/ "
-                 "(BF16 Tensor 1,979 TFLOPS with sparsity, so 989 dense; HBM3 3.35 TB/s)"),
+                 "(BF16 Tensor 1,979 TFLOPS with sparsity, so 989 dense; HBM3 3.35 TB/s; "
+                 "NVLink 900 GB/s, so 450 each way)", link_bandwidth=450 * G),
         Hardware("h200", "NVIDIA H200 SXM 141GB", 989 * T, 4800 * G, 141 * GiB, PCIE5,
                  source="NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/ "
-                 "(BF16 Tensor 1,979 TFLOPS with sparsity; HBM3e 4.8 TB/s)"),
+                 "(BF16 Tensor 1,979 TFLOPS with sparsity; HBM3e 4.8 TB/s; NVLink 900 GB/s)",
+                 link_bandwidth=450 * G),
         Hardware("a100-40gb", "NVIDIA A100 SXM4 40GB", 312 * T, 1555 * G, 40 * GiB, PCIE4,
                  source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ "
-                 "(BF16 Tensor 312 TFLOPS dense; HBM2 1,555 GB/s)"),
+                 "(BF16 Tensor 312 TFLOPS dense; HBM2 1,555 GB/s; NVLink 600 GB/s, so 300 each way)",
+                 link_bandwidth=300 * G),
         Hardware("a100-80gb", "NVIDIA A100 SXM4 80GB", 312 * T, 2039 * G, 80 * GiB, PCIE4,
                  source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ "
-                 "(BF16 Tensor 312 TFLOPS dense; HBM2e 2,039 GB/s)"),
+                 "(BF16 Tensor 312 TFLOPS dense; HBM2e 2,039 GB/s; NVLink 600 GB/s)", link_bandwidth=300 * G),
         Hardware("a10g", "NVIDIA A10G 24GB (AWS G5)", 70 * T, 600 * G, 24 * GiB, PCIE4,
                  source="Baseten, 'NVIDIA A10 vs A10G for ML model inference', "
                  "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/ "

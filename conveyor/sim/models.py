@@ -102,6 +102,24 @@ class ModelShape:
     def weight_bytes(self, dtype_bytes: int) -> int:
         return self.num_params * dtype_bytes
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Whether `size` devices can split this model as vLLM does: the query heads and the
+        MLP widths evenly, the KV heads evenly or each held by `size / num_kv_heads` devices."""
+        kv = self.num_kv_heads
+        widths = {"num_heads": self.num_heads, "intermediate_size": self.intermediate_size}
+        if self.num_experts:
+            widths["expert_intermediate_size"] = self.expert_intermediate_size
+        bad = [f"{k}={v}" for k, v in widths.items() if v % size]
+        if kv % size and size % kv:
+            bad.append(f"num_kv_heads={kv}")
+        if bad:
+            raise ValueError(f"{self.name}: tensor_parallel_size={size} does not split {', '.join(bad)}")
+
+    def kv_share(self, tensor_parallel: int) -> float:
+        """The share of a token's K/V one of `tensor_parallel` devices holds (KV heads fewer than
+        the devices are copied: each holds one)."""
+        return max(self.num_kv_heads // tensor_parallel, 1) / self.num_kv_heads
+
     # -- reading ---------------------------------------------------------------------------
     @classmethod
     def from_arch(cls, arch: Any, name: str = "model") -> ModelShape:
@@ -181,6 +199,7 @@ MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", _llama(4096, 32, 32, 8, 14336, 128256, 131072)),
     # Llama-3.1-8B's vocabulary: the draft model of speculative decoding's usual pairing.
     "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", _llama(2048, 16, 32, 8, 8192, 128256, 131072, tied=True, head_dim=64)),
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", _llama(8192, 80, 64, 8, 28672, 128256, 131072)),
     "llama-2-7b": ("meta-llama/Llama-2-7b-hf", _llama(4096, 32, 32, 32, 11008, 32000, 4096)),
     "llama-2-13b": ("meta-llama/Llama-2-13b-hf", _llama(5120, 40, 40, 40, 13824, 32000, 4096)),
     "llama-13b": ("huggyllama/llama-13b (LLaMA-1)", _llama(5120, 40, 40, 40, 13824, 32000, 2048)),
