@@ -20,7 +20,7 @@ from conveyor.models.lora import LoRAManager
 from conveyor.runner.base import PromptLogprob, RunnerOutput
 from conveyor.runner.cuda_graphs import GraphedDecode
 from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
-from conveyor.runner.tensor_parallel import Step, TensorParallelGroup
+from conveyor.runner.tensor_parallel import Step, TensorParallelGroup, split_logits, splits_head
 from conveyor.sequence import PLACEHOLDER
 from conveyor.structured.grammar import Grammar, GrammarCache, PushdownGrammar
 
@@ -123,6 +123,10 @@ class ModelRunner:
         # Tensor parallelism: the other ranks, which run each step's swaps and forward pass
         # over their shards (conveyor/runner/tensor_parallel.py; set by the engine).
         self.peers: TensorParallelGroup | None = None
+        # A worker rank's: its last forward pass's hidden states, (rank, size), its all-reduce.
+        self._tp_hidden: torch.Tensor | None = None
+        self._tp_rank: tuple[int, int] = (0, 1)
+        self._tp_all_reduce: Any = None
         self.graphs: GraphedDecode | None = None
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
@@ -323,7 +327,12 @@ class ModelRunner:
             batch.allowed, batch.bias = self._constraints(samplers)
         if logits is None:
             assert hidden is not None
-            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+            sampled = hidden if rows is None else hidden[rows]
+            if peers is not None and splits_head(self.model):  # each rank a slice of the vocabulary
+                peers.send(Step(head=True, head_rows=None if rows is None else rows_out))
+                logits = split_logits(self.model, sampled, 0, peers.size, peers.all_reduce)
+            else:
+                logits = self.model.compute_logits(sampled)
         elif rows is not None:
             assert greedy is not None
             logits, greedy = logits[rows], greedy[rows]

@@ -73,6 +73,10 @@ class Step:
     tables: list[Any] = field(default_factory=list)  # each sequence's block table
     starts: list[int] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
+    # The LM head over the last forward pass's rows `head_rows` (None: all), split by vocabulary
+    # (`split_logits`); a message of its own, after the forward pass, when rank 0 samples.
+    head: bool = False
+    head_rows: list[int] | None = None
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -268,11 +272,47 @@ def _stop(procs: list[subprocess.Popen[bytes]], shm_path: str | None, watch: thr
             proc.stdout.close()
 
 
+def splits_head(model: Any) -> bool:
+    """Whether the ranks share the LM head's work (not the int8 head, which rank 0 keeps)."""
+    return getattr(model, "_head_int8", None) is None
+
+
+def split_logits(model: Any, hidden: torch.Tensor, rank: int, size: int, all_reduce: Any) -> torch.Tensor:
+    """The logits of `hidden` `[rows, hidden]` with each rank computing the vocabulary's `rank`-th
+    slice (the head's weight is whole on every rank: a slice of its rows is contiguous), put
+    together by an all-reduce of the zero-padded slices (every rank gets them all)."""
+    from conveyor.kernels import SKINNY_MAX_ROWS
+
+    vocab = model.arch.vocab_size
+    per = -(-vocab // size)
+    lo, hi = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    weight = model.head_weight[lo:hi]
+    kernel = getattr(model, "_head_kernel", None)
+    head_t = getattr(model, "_head_t", None)
+    if kernel is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
+        part = kernel(hidden.contiguous(), weight)
+    elif head_t is not None:
+        part = hidden @ head_t[:, lo:hi]
+    else:
+        part = torch.nn.functional.linear(hidden, weight)
+    out = torch.zeros((hidden.shape[0], vocab), dtype=part.dtype, device=part.device)
+    out[:, lo:hi] = part
+    return all_reduce(out)
+
+
 @torch.inference_mode()
 def run_step(runner: ModelRunner, step: Step) -> None:
-    """A worker's share of one step: the same swaps and forward pass as rank 0's."""
+    """A worker's share of one step: the same swaps and forward pass as rank 0's, or its slice
+    of the LM head over the last pass's rows."""
     from conveyor.models.attention import build_metadata
 
+    if step.head:
+        hidden = runner._tp_hidden
+        assert hidden is not None, "the head follows a forward pass"
+        rows = hidden if step.head_rows is None else hidden[torch.tensor(step.head_rows, dtype=torch.long)]
+        peers = runner._tp_rank
+        split_logits(runner.model, rows, peers[0], peers[1], runner._tp_all_reduce)
+        return
     if step.swap_out:
         runner._copy_blocks(runner.kv_caches, runner.swap_caches, step.swap_out)
     if step.swap_in:
@@ -282,7 +322,7 @@ def run_step(runner: ModelRunner, step: Step) -> None:
     meta = build_metadata(step.tables, step.starts, step.num_new, runner.block_size, runner.device,
                           runner.sliding_window, runner.dtype)
     input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
-    runner.model(input_ids, meta.positions, runner.kv_caches, meta)
+    runner._tp_hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
 
 
 def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelRunner:
@@ -320,6 +360,7 @@ def main(argv: list[str]) -> int:
         parent = os.getppid()
         _watch(lambda: os.getppid() == parent, all_reduce, threading.Event())  # rank 0 gone: stop waiting
         runner = _build_rank(recipe, rank, size, all_reduce)
+        runner._tp_rank, runner._tp_all_reduce = (rank, size), all_reduce
     except Exception as e:  # the engine raises it: the worker's only report
         _write(answers, f"{type(e).__name__}: {e}")
         return 1
