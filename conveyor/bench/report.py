@@ -180,7 +180,7 @@ def markdown(result: dict[str, Any]) -> str:
             tp = cap.get("tensor_parallel_size", 1)
             each = f" on each of {tp} devices (tensor parallel)" if tp > 1 else ""
             lines.append(f"  - {name}: KV cache {cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens, "
-                         f"weights {cap['weight_gib']:.1f} GiB{each}; {cap.get('replicas', 1) * tp} devices in all")
+                         f"weights {cap['weight_gib']:.1f} GiB{each}; {cap.get('replicas', 1) * tp} device{'s' if cap.get('replicas', 1) * tp > 1 else ''} in all")
     lines += [
         "",
         "| system | load | done | req/s | in tok/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "

@@ -46,7 +46,11 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                         ("mbu", "share of memory bandwidth reached streaming weights"),
                         ("kv-mbu", "share of memory bandwidth reached reading K/V in attention"),
                         ("step-overhead-ms", "fixed time per step"),
-                        ("seq-overhead-us", "time per sequence in a step")):
+                        ("seq-overhead-us", "time per sequence in a step"),
+                        ("allreduce-latency-us", "tensor_parallel_size > 1: fixed time of one all-reduce "
+                                                 "(default 10)"),
+                        ("link-efficiency", "tensor_parallel_size > 1: share of the device link's bandwidth "
+                                            "an all-reduce reaches (default 0.8)")):
         g.add_argument(f"--{name}", type=float, default=None, help=f"cost model: {help_} (overrides the default)")
     g.add_argument("--kv-transfer-gbps", type=float, default=50.0,
                    help="with --prefill-replicas/--decode-replicas: the link a handoff's K/V cross, in GB/s "
@@ -89,6 +93,8 @@ def resolve(args: argparse.Namespace) -> tuple[Hardware, ModelShape, Any]:
         "mfu": args.mfu, "attn_mfu": args.attn_mfu, "mbu": args.mbu, "kv_mbu": args.kv_mbu,
         "step_overhead_s": None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3,
         "seq_overhead_s": None if args.seq_overhead_us is None else args.seq_overhead_us / 1e6,
+        "allreduce_latency_s": None if args.allreduce_latency_us is None else args.allreduce_latency_us / 1e6,
+        "link_efficiency": args.link_efficiency,
     }
     params = dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})
     return hardware, model, params

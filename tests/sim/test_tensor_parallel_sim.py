@@ -92,3 +92,25 @@ def test_simulated_runs_from_the_command_line(tmp_path, capsys):
     summary = (tmp_path / "summary.md").read_text()
     assert "on each of 4 devices (tensor parallel); 4 devices in all" in summary
     assert "on each of 8 devices" in summary
+
+
+def test_all_reduce_assumptions_are_flags(tmp_path):
+    """A slower all-reduce (50 us, not 10) makes two devices slower than one at one request."""
+    import json
+
+    from conveyor.cli import main
+
+    def itl(latency_us: float, system: str) -> float:
+        out = tmp_path / f"{latency_us}"
+        main(["simulate", "--hardware", "h100-sxm", "--model", "llama-3.1-8b", "--num-requests", "4",
+              "--concurrency", "1", "--no-plots", "--no-progress", "--out", str(out),
+              "--allreduce-latency-us", str(latency_us), "--link-efficiency", "0.5",
+              "one:tensor_parallel_size=1", "two:tensor_parallel_size=2"])
+        result = json.loads((out / "result.json").read_text())
+        assert result["simulation"]["cost_params"]["allreduce_latency_s"] == pytest.approx(latency_us / 1e6)
+        assert result["simulation"]["cost_params"]["link_efficiency"] == 0.5
+        point = next(s for s in result["systems"] if s["name"] == system)["points"][0]
+        return point["summary"]["itl_s"]["p50"]
+
+    assert itl(10, "two") < itl(10, "one")
+    assert itl(50, "two") > itl(50, "one")
