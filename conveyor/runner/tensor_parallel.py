@@ -176,6 +176,9 @@ class TensorParallelGroup:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             shm_path = os.path.join(folder, f"conveyor-tp-{os.getpid()}-{store.port}")
             recipe = dataclasses.replace(recipe, shm_path=shm_path)
+        # The mapping exists before any worker looks for it; the gloo group is set once met.
+        self.all_reduce = AllReduce(None, 0, size, shm_path, create=True)
+        self._shm_path = shm_path
         env = {**os.environ, "OMP_NUM_THREADS": str(recipe.num_threads)}
         self.procs = [
             subprocess.Popen(
@@ -185,19 +188,16 @@ class TensorParallelGroup:
             for rank in range(1, size)
         ]
         # The workers go when the engine does (or the interpreter ends): their input closes.
-        self._finalizer = weakref.finalize(self, _stop, self.procs, None, None)
+        self._stop_watch = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, shm_path, self._stop_watch)
+        procs = self.procs  # (not `self`: the watchdog must not keep the group alive)
+        _watch(lambda: all(proc.poll() is None for proc in procs), self.all_reduce, self._stop_watch)
         for proc in self.procs:
             assert proc.stdin is not None
             _write(proc.stdin, recipe)
         self.group = self._meet(lambda: ProcessGroupGloo(store, 0, size, TIMEOUT))
+        self.all_reduce.group = self.group
         self._store = store  # (the group's rendezvous; kept while the group lives)
-        self.all_reduce = AllReduce(self.group, 0, size, shm_path, create=True)
-        self._shm_path = shm_path
-        self._stop_watch = threading.Event()
-        self._finalizer.detach()
-        procs = self.procs  # (not `self`: the watchdog must not keep the group alive)
-        _watch(lambda: all(proc.poll() is None for proc in procs), self.all_reduce, self._stop_watch)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, shm_path, self._stop_watch)
 
     def _meet(self, make: Callable[[], Any]) -> Any:
         """`make()` (the group, which waits for every rank to join), failing at once, not after
