@@ -196,8 +196,8 @@ class ReplicaSet(EngineFront):
 
 
 def replica_engine_kwargs(engine_kwargs: dict[str, Any], size: int, gpus: int | None = None) -> list[dict[str, Any]]:
-    """Each replica's engine options: on CUDA replica i gets `cuda:i`; on CPU each gets its share
-    of the cores unless `num_threads` was given. `gpus` is the number of visible GPUs (None:
+    """Each replica's engine options: on CUDA replica i gets `cuda:i`; on CPU each of its ranks
+    (`tensor_parallel_size`) gets its share of the cores unless `num_threads` was given. `gpus` is the number of visible GPUs (None:
     asked of torch when the device may be a GPU)."""
     if size == 1:
         return [dict(engine_kwargs)]
@@ -215,7 +215,8 @@ def replica_engine_kwargs(engine_kwargs: dict[str, Any], size: int, gpus: int | 
             return [{**engine_kwargs, "device": f"cuda:{i}"} for i in range(size)]
         if device == "cuda":
             raise ConfigError("device='cuda' but no GPU is visible")
-    threads = engine_kwargs.get("num_threads") or max(1, (os.cpu_count() or 1) // size)
+    ranks = size * int(engine_kwargs.get("tensor_parallel_size") or 1)  # a replica's ranks share its cores
+    threads = engine_kwargs.get("num_threads") or max(1, (os.cpu_count() or 1) // ranks)
     return [{**engine_kwargs, "device": "cpu", "num_threads": threads} for _ in range(size)]
 
 

@@ -46,12 +46,12 @@ def run(model: Path, body: Callable[[ProcessAsyncEngine], Awaitable[Any]], **opt
     return asyncio.run(main())
 
 
-def reference(model: Path, prompts: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def reference(model: Path, prompts: dict[str, tuple[list[int], SamplingParams]], **options: Any) -> dict[str, RequestOutput]:
     """The same requests on an engine in this process that nobody kills."""
     import torch
 
     torch.set_num_threads(1)
-    engine = Engine.from_config(EngineConfig.from_kwargs(**kwargs(model)))
+    engine = Engine.from_config(EngineConfig.from_kwargs(**{**kwargs(model), **options}))
     for rid, (prompt, params) in prompts.items():
         engine.add_request(rid, prompt, params)
     done: dict[str, RequestOutput] = {}
@@ -317,3 +317,54 @@ def test_a_new_grammar_compiles_while_the_running_requests_go_on(tiny_model: Pat
         ours.send(("stop",))
         loop.join(30)
         release.set()
+
+
+def _tp_workers(parent: int) -> list[int]:
+    """The tensor-parallel worker processes whose parent is `parent`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "conveyor.runner.tensor_parallel" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_killed_tensor_parallel_engine_takes_its_workers_and_restarts_with_new_ones(tiny_model: Path) -> None:
+    """The engine process (rank 0) of a two-rank engine is killed mid-stream: its worker exits
+    (its input closes), a new engine starts a new worker, and the request goes on with the
+    tokens a one-rank engine that never died gives."""
+    opts = {**kwargs(tiny_model), "dtype": "float64", "tensor_parallel_size": 2}
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, output_kind="delta")
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        engine = ProcessAsyncEngine(opts, metrics=ServerMetrics("tiny"))
+        engine.start()
+        try:
+            stream = await engine.add([EngineRequest("r", [5, 6, 7], params)])
+            seen: list[RequestOutput] = []
+            task = asyncio.create_task(collect(stream, seen))
+            await wait_for(lambda: len(seen) > 20)
+            first = engine.engine_pid
+            assert first is not None
+            old = _tp_workers(first)
+            os.kill(first, signal.SIGKILL)
+            await task
+            assert engine.engine_pid != first
+            assert engine.metrics is not None and engine.metrics.requests_replayed._value.get() == 1  # mid-stream
+            await wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in old), timeout=30)
+            new = _tp_workers(engine.engine_pid or 0)
+            return [t for out in seen for t in out.outputs[0].token_ids], old, new
+        finally:
+            await engine.stop()
+
+    tokens, old, new = asyncio.run(main())
+    assert len(old) == 1 and len(new) == 1 and old != new
+    ref = reference(tiny_model, {"r": ([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))},
+                    dtype="float64")
+    assert tokens == ref["r"].outputs[0].token_ids
