@@ -191,6 +191,10 @@ def test_replica_options_split_cores_or_give_one_gpu_each() -> None:
     cpu = replica_engine_kwargs({"model": "m", "device": "cpu"}, 2)
     assert [kw["device"] for kw in cpu] == ["cpu", "cpu"] and all(kw["num_threads"] >= 1 for kw in cpu)
     assert replica_engine_kwargs({"model": "m", "num_threads": 3}, 2, gpus=0)[1]["num_threads"] == 3
+    from unittest import mock
+
+    with mock.patch("os.cpu_count", return_value=16):  # 2 replicas of 4 ranks: 2 cores a rank
+        assert replica_engine_kwargs({"model": "m", "device": "cpu", "tensor_parallel_size": 4}, 2)[0]["num_threads"] == 2
     assert [kw["device"] for kw in replica_engine_kwargs({"model": "m"}, 2, gpus=4)] == ["cuda:0", "cuda:1"]
     with pytest.raises(ConfigError, match="needs 3 GPUs"):
         replica_engine_kwargs({"model": "m", "device": "cuda"}, 3, gpus=2)
