@@ -114,8 +114,6 @@ class ModelConfig:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
-        if self.tensor_parallel_size > 1 and self.enable_lora:
-            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not built: adapters run on one rank's model")
         for name in ("quantization", "speculative_quantization"):
             if getattr(self, name) not in (None, "int8"):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: use 'int8' or leave it unset")

@@ -264,7 +264,8 @@ class Engine:
             peers = TensorParallelGroup(tp, Recipe(
                 str(path), name, str(kv_dtype).removeprefix("torch."), max_len, num_blocks,
                 config.cache.block_size, num_swap_blocks, threads or 1, mc.quantization, calibration,
-            ))
+                lora=(mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras) if mc.enable_lora else None,
+            ), arch=full_arch)
         try:
             model = build_model(
                 arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration,
@@ -377,7 +378,9 @@ class Engine:
         if mc.enable_lora:
             from conveyor.models.lora import LoRAManager
 
-            runner.lora = LoRAManager(model, mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras)
+            shard = (0, peers.size) if peers is not None else (0, 1)  # (checked against the whole model)
+            runner.lora = LoRAManager(model, mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras,
+                                      arch=None if peers is None else peers.arch, shard=shard)
         if tokenizer is not None:
             from conveyor.structured.grammar import GrammarCache
 

@@ -208,8 +208,6 @@ def test_bad_configurations_say_why(tiny_models, tmp_path):
         tp_llm(path, size=4)
     with pytest.raises(ConfigError, match="at least 1"):
         LLM(path, tensor_parallel_size=0)
-    with pytest.raises(ConfigError, match="enable_lora"):
-        LLM(path, tensor_parallel_size=2, enable_lora=True)
     from conveyor.config import EngineConfig
     from conveyor.engine import Engine
 
@@ -317,3 +315,27 @@ def test_a_rank_that_never_arrives_is_aborted(tmp_path):
     threading.Timer(0.3, reducers[0].abort).start()  # what the watchdog does when a rank dies
     with pytest.raises(RuntimeError, match="a rank is gone"):
         reducers[0](torch.ones(8))
+
+
+def test_adapters_split_with_the_model(tiny_models, tmp_path):
+    """LoRA adapters on every projection, several in one step beside the base model, on two
+    ranks: each rank takes its slice of B (projections into a slice) or of A (out of one), and
+    the tokens are HF transformers' with each adapter merged into the weights."""
+    from pathlib import Path
+
+    from conveyor import LoRARequest
+    from tests.test_lora import SPECS, merged_reference, write_adapter
+
+    model_dir = tiny_models["llama"]
+    adapters = [LoRARequest(name, k + 1, str(write_adapter(tmp_path / name, model_dir, *spec, seed=k)))
+                for k, (name, spec) in enumerate(SPECS.items())]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(17, 24))] for _ in range(3)]
+    cases = [(p, lora) for lora in [None, *adapters] for p in prompts]
+    llm = tp_llm(model_dir, num_kv_blocks=64, block_size=8, enable_lora=True, max_loras=2, max_num_batched_tokens=40)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([p for p, _ in cases], params, lora_request=[lora for _, lora in cases], use_tqdm=False)
+    for lora in [None, *adapters]:
+        want = merged_reference(model_dir, None if lora is None else Path(lora.lora_path), prompts, 12)
+        got = [o.outputs[0].token_ids for (_, used), o in zip(cases, outs, strict=True) if used is lora]
+        assert got == want, lora

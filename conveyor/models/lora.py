@@ -249,9 +249,13 @@ class LoRAManager:
     """The runner's adapters: loaded on first use, the `capacity` most recently used kept
     (`max_cpu_loras`), and each step's groups of rows (`step`)."""
 
-    def __init__(self, model: Any, max_rank: int, capacity: int) -> None:
+    def __init__(self, model: Any, max_rank: int, capacity: int, arch: ArchConfig | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> None:
+        """`arch` and `shard`: a tensor-parallel rank's (the whole model's shape, which adapters
+        are checked against, and (rank, size)); each adapter is then cut to the rank's shard."""
         self.context = attach_lora(model)
-        self.arch: ArchConfig = model.arch
+        self.arch: ArchConfig = arch or model.arch
+        self.shard = shard
         weight = model.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.max_rank = max_rank
@@ -274,6 +278,10 @@ class LoRAManager:
             self._loaded.move_to_end(request.key)
             return weights
         weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank)
+        if self.shard[1] > 1:
+            from conveyor.models.tensor_parallel import shard_lora
+
+            weights = shard_lora(weights, self.arch, *self.shard)
         self.num_loads += 1
         self._loaded[request.key] = weights
         while len(self._loaded) > self.capacity:

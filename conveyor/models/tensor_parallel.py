@@ -21,6 +21,7 @@ import torch
 
 from conveyor.config import ConfigError
 from conveyor.models.arch import ArchConfig
+from conveyor.models.lora import LoRAWeights
 
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # out features split
 COLUMN_SPLIT = ("o_proj", "down_proj", "w2")  # in features split
@@ -81,3 +82,28 @@ def shard_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in tensors:
         yield name, shard_tensor(name, tensor, rank, size)
+
+
+def shard_lora(weights: LoRAWeights, arch: ArchConfig, rank: int, size: int) -> LoRAWeights:
+    """Rank `rank`'s part of an adapter laid out for the whole model `arch`: a projection into a
+    slice (q/k/v, gate/up) keeps the whole `A` and its slice's columns of `B^T`; a projection out
+    of one (o_proj, down_proj) its slice's rows of `A^T` and the whole `B`, so its delta is a
+    partial sum that the layer's all-reduce completes, as the base projection's is."""
+    if size == 1:
+        return weights
+    q, kv, i = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    widths = {"qkv_proj": [q, kv, kv], "gate_up_proj": [i, i]}
+
+    def columns(b_t: torch.Tensor, parts: list[int]) -> torch.Tensor:
+        return torch.cat([piece.chunk(size, dim=1)[rank] for piece in b_t.split(parts, dim=1)], dim=1).contiguous()
+
+    layers = []
+    for layer in weights.layers:
+        out = {}
+        for module, (a_t, b_t) in layer.items():
+            if module in widths:
+                out[module] = (a_t, columns(b_t, widths[module]))
+            else:  # o_proj, down_proj: the input is split
+                out[module] = (a_t.chunk(size, dim=0)[rank].contiguous(), b_t)
+        layers.append(out)
+    return LoRAWeights(weights.name, weights.path, weights.rank, layers)

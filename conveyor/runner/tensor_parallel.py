@@ -61,6 +61,7 @@ class Recipe:
     quantization: str | None = None
     calibration_ids: list[int] | None = None
     shm_path: str | None = None  # the shared all-reduce mapping (None: gloo); set by the group
+    lora: tuple[int, int] | None = None  # enable_lora: (max_lora_rank, adapters kept loaded)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Step:
     # (`split_logits`); a message of its own, after the forward pass, when rank 0 samples.
     head: bool = False
     head_rows: list[int] | None = None
+    lora: list[Any] | None = None  # each sequence's LoRARequest (None: a step without adapters)
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -166,10 +168,12 @@ def _watch(alive: Callable[[], bool], all_reduce: AllReduce, stop: threading.Eve
 class TensorParallelGroup:
     """Rank 0's side: starts the workers, meets them in a gloo group, sends them each step."""
 
-    def __init__(self, size: int, recipe: Recipe) -> None:
+    def __init__(self, size: int, recipe: Recipe, arch: Any = None) -> None:
+        """`arch`: the whole model's `ArchConfig` (rank 0's adapters are checked against it)."""
         from torch.distributed import ProcessGroupGloo, TCPStore
 
         self.size = size
+        self.arch = arch
         store = TCPStore("127.0.0.1", 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
         shm_path = None
         if AllReduce.wanted():
@@ -322,7 +326,12 @@ def run_step(runner: ModelRunner, step: Step) -> None:
     meta = build_metadata(step.tables, step.starts, step.num_new, runner.block_size, runner.device,
                           runner.sliding_window, runner.dtype)
     input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
-    runner._tp_hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
+    if step.lora is None:
+        runner._tp_hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
+        return
+    assert runner.lora is not None, "rank 0 sends adapters only to an engine with enable_lora"
+    with runner.lora.context.use(runner.lora.step(step.lora, step.num_new)):
+        runner._tp_hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
 
 
 def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelRunner:
@@ -338,9 +347,14 @@ def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelR
         shard_arch(arch, size), shard_tensors(tensors, rank, size), TorchPagedAttention(), recipe.max_len, dtype,
         device, recipe.quantization, recipe.calibration_ids, all_reduce=all_reduce,
     )
-    return ModelRunner(model, recipe.num_blocks, recipe.block_size, dtype, device,
-                       num_swap_blocks=recipe.num_swap_blocks, kv_dtype=getattr(torch, recipe.kv_dtype),
-                       max_model_len=recipe.max_len)
+    runner = ModelRunner(model, recipe.num_blocks, recipe.block_size, dtype, device,
+                         num_swap_blocks=recipe.num_swap_blocks, kv_dtype=getattr(torch, recipe.kv_dtype),
+                         max_model_len=recipe.max_len)
+    if recipe.lora is not None:
+        from conveyor.models.lora import LoRAManager
+
+        runner.lora = LoRAManager(model, *recipe.lora, arch=arch, shard=(rank, size))
+    return runner
 
 
 def main(argv: list[str]) -> int:
