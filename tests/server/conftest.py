@@ -148,6 +148,11 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 
 def engine_pids(server: ServerProcess) -> list[int]:
     """The server's engine processes: its children running multiprocessing's spawn entry point."""
+    return child_pids(server.proc.pid, "spawn_main")
+
+
+def child_pids(parent: int, marker: str) -> list[int]:
+    """The processes whose parent is `parent` and whose command line holds `marker`."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -157,7 +162,7 @@ def engine_pids(server: ServerProcess) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server.proc.pid and "spawn_main" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and marker in cmdline:
             pids.append(int(entry.name))
     return pids
 

@@ -25,7 +25,14 @@ from conveyor.outputs import RequestOutput
 from conveyor.server.async_engine import EngineRequest, EngineShuttingDownError, OutputStream
 from conveyor.server.engine_process import ProcessAsyncEngine, RequestFailedError
 from conveyor.server.metrics import ServerMetrics
-from tests.server.conftest import ServerProcess, StreamReader, engine_pids, sample, scrape
+from tests.server.conftest import (
+    ServerProcess,
+    StreamReader,
+    child_pids,
+    engine_pids,
+    sample,
+    scrape,
+)
 
 LONG = 1500  # tokens: long enough to be killed in the middle of
 
@@ -321,18 +328,7 @@ def test_a_new_grammar_compiles_while_the_running_requests_go_on(tiny_model: Pat
 
 def _tp_workers(parent: int) -> list[int]:
     """The tensor-parallel worker processes whose parent is `parent`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and "conveyor.runner.tensor_parallel" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return child_pids(parent, "conveyor.runner.tensor_parallel")
 
 
 def test_a_killed_tensor_parallel_engine_takes_its_workers_and_restarts_with_new_ones(tiny_model: Path) -> None:
