@@ -51,7 +51,8 @@ class ModelConfig:
         metadata=_help(
             "Tensor parallelism (Megatron-LM's, vLLM's -tp): the model's attention heads and MLP "
             "columns split across this many ranks, each a process with its shard of the weights "
-            "and of the KV cache, their partial sums all-reduced twice a layer (gloo, CPU). "
+            "and of the KV cache, their partial sums all-reduced twice a layer (CPU: through shared "
+            "memory, or gloo). "
             "Heads, KV heads and MLP widths must divide by it; kv_cache_memory is each rank's."
         ),
     )

@@ -209,7 +209,7 @@ class Engine:
         tp = mc.tensor_parallel_size
         if tp > 1 and device.type != "cpu":
             raise ConfigError(
-                f"tensor_parallel_size={tp} runs on CPU ranks (gloo); across GPUs (NCCL) it is not built yet"
+                f"tensor_parallel_size={tp} runs on CPU ranks; across GPUs (NCCL) it is not built yet"
             )
         threads = mc.num_threads if tp == 1 else mc.num_threads or max(1, (os.cpu_count() or 1) // tp)
         if threads is not None and device.type == "cpu":

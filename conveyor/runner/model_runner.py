@@ -123,10 +123,6 @@ class ModelRunner:
         # Tensor parallelism: the other ranks, which run each step's swaps and forward pass
         # over their shards (conveyor/runner/tensor_parallel.py; set by the engine).
         self.peers: TensorParallelGroup | None = None
-        # A worker rank's: its last forward pass's hidden states, (rank, size), its all-reduce.
-        self._tp_hidden: torch.Tensor | None = None
-        self._tp_rank: tuple[int, int] = (0, 1)
-        self._tp_all_reduce: Any = None
         self.graphs: GraphedDecode | None = None
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)

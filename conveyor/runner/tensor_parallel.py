@@ -304,34 +304,42 @@ def split_logits(model: Any, hidden: torch.Tensor, rank: int, size: int, all_red
     return all_reduce(out)
 
 
-@torch.inference_mode()
-def run_step(runner: ModelRunner, step: Step) -> None:
-    """A worker's share of one step: the same swaps and forward pass as rank 0's, or its slice
-    of the LM head over the last pass's rows."""
-    from conveyor.models.attention import build_metadata
+class Worker:
+    """A worker rank: its runner (shard and KV cache), its place, its all-reduce, and its last
+    forward pass's hidden states (what a head step reads)."""
 
-    if step.head:
-        hidden = runner._tp_hidden
-        assert hidden is not None, "the head follows a forward pass"
-        rows = hidden if step.head_rows is None else hidden[torch.tensor(step.head_rows, dtype=torch.long)]
-        peers = runner._tp_rank
-        split_logits(runner.model, rows, peers[0], peers[1], runner._tp_all_reduce)
-        return
-    if step.swap_out:
-        runner._copy_blocks(runner.kv_caches, runner.swap_caches, step.swap_out)
-    if step.swap_in:
-        runner._copy_blocks(runner.swap_caches, runner.kv_caches, step.swap_in)
-    if not step.token_ids:
-        return
-    meta = build_metadata(step.tables, step.starts, step.num_new, runner.block_size, runner.device,
-                          runner.sliding_window, runner.dtype)
-    input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
-    if step.lora is None:
-        runner._tp_hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
-        return
-    assert runner.lora is not None, "rank 0 sends adapters only to an engine with enable_lora"
-    with runner.lora.context.use(runner.lora.step(step.lora, step.num_new)):
-        runner._tp_hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
+    def __init__(self, runner: ModelRunner, rank: int, size: int, all_reduce: Any) -> None:
+        self.runner, self.rank, self.size, self.all_reduce = runner, rank, size, all_reduce
+        self.hidden: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> None:
+        """A worker's share of one step: the same swaps and forward pass as rank 0's, or its
+        slice of the LM head over the last pass's rows."""
+        from conveyor.models.attention import build_metadata
+
+        runner = self.runner
+        if step.head:
+            hidden = self.hidden
+            assert hidden is not None, "the head follows a forward pass"
+            rows = hidden if step.head_rows is None else hidden[torch.tensor(step.head_rows, dtype=torch.long)]
+            split_logits(runner.model, rows, self.rank, self.size, self.all_reduce)
+            return
+        if step.swap_out:
+            runner._copy_blocks(runner.kv_caches, runner.swap_caches, step.swap_out)
+        if step.swap_in:
+            runner._copy_blocks(runner.swap_caches, runner.kv_caches, step.swap_in)
+        if not step.token_ids:
+            return
+        meta = build_metadata(step.tables, step.starts, step.num_new, runner.block_size, runner.device,
+                              runner.sliding_window, runner.dtype)
+        input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
+        if step.lora is None:
+            self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
+            return
+        assert runner.lora is not None, "rank 0 sends adapters only to an engine with enable_lora"
+        with runner.lora.context.use(runner.lora.step(step.lora, step.num_new)):
+            self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
 
 
 def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelRunner:
@@ -373,14 +381,13 @@ def main(argv: list[str]) -> int:
         all_reduce = AllReduce(group, rank, size, recipe.shm_path)
         parent = os.getppid()
         _watch(lambda: os.getppid() == parent, all_reduce, threading.Event())  # rank 0 gone: stop waiting
-        runner = _build_rank(recipe, rank, size, all_reduce)
-        runner._tp_rank, runner._tp_all_reduce = (rank, size), all_reduce
+        worker = Worker(_build_rank(recipe, rank, size, all_reduce), rank, size, all_reduce)
     except Exception as e:  # the engine raises it: the worker's only report
         _write(answers, f"{type(e).__name__}: {e}")
         return 1
     _write(answers, "ready")
     while (step := _read(stdin)) is not None:
-        run_step(runner, step)
+        worker.run(step)
     return 0
 
 
