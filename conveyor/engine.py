@@ -188,6 +188,8 @@ class Engine:
         self.num_kv_received = 0  # handed-over requests that came in with their K/V
         self.num_kv_recomputed = 0  # ... and those whose K/V could never fit, computed here again
         self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
+        # A sequence classifier's class names (its model's `score` rows); empty for a causal LM.
+        self.labels: tuple[str, ...] = ()
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -388,6 +390,7 @@ class Engine:
             runner.word_token_ids = functools.lru_cache(maxsize=256)(tokenizer.word_token_ids)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
+        engine.labels = arch.labels
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 
@@ -429,6 +432,11 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
                 param="prompt",
+            )
+        if params.pooling is None and self.labels:
+            raise InvalidRequestError(
+                f"this model is a classifier ({len(self.labels)} classes): it generates no text; "
+                "classify, score or embed with it", param="model",
             )
         if params.pooling is not None:  # an embedding generates nothing: its prompt may fill the context
             self._check_pooling(params.pooling)
@@ -595,6 +603,11 @@ class Engine:
         size = getattr(self.runner, "hidden_size", None)
         if size is None:
             raise InvalidRequestError("this engine's runner computes no hidden states to embed", param="pooling")
+        if pooling.task == "classify" and not self.labels:
+            raise InvalidRequestError(
+                "this model has no classification head: classify with a *ForSequenceClassification model, "
+                "or embed with this one", param="task",
+            )
         if pooling.dimensions is not None and pooling.dimensions > size:
             raise InvalidRequestError(
                 f"dimensions={pooling.dimensions}: this model's embeddings have {size} values", param="dimensions"
@@ -859,7 +872,8 @@ class Engine:
                     have.append(TokenLogprob(ids[i], logprob, top, rank))
 
     def _take_pooled(self, got: dict[int, Any]) -> None:
-        """The embedding requests' pooled vectors: cut to their `dimensions`, normalized."""
+        """The embedding requests' pooled vectors: cut to their `dimensions`, normalized; a
+        classification's logits as probabilities (softmax; a sigmoid for one class)."""
         import torch
 
         for seq_id, vector in got.items():
@@ -868,6 +882,11 @@ class Engine:
             if req is None or pooling is None:
                 continue
             v = vector.cpu()
+            if pooling.task == "classify":
+                if pooling.activation:
+                    v = torch.sigmoid(v) if v.numel() == 1 else torch.softmax(v, dim=0)
+                req.embedding = v.tolist()
+                continue
             if pooling.dimensions is not None:
                 v = v[: pooling.dimensions]
             if pooling.normalize:

@@ -9,9 +9,15 @@ from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams,
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
-from conveyor.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from conveyor.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import cosine, score_pairs
+from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs
 from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -105,6 +111,29 @@ class LLM:
             for o in outs
         ]
 
+    def classify(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        priority: int = 0,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (vLLM's `LLM.classify`), from a sequence
+        classifier (`*ForSequenceClassification`): its head over the last token's hidden
+        state, softmax over the classes (a sigmoid for a one-class model; the logits with
+        `PoolingParams(activation=False)`). `out.outputs.probs`, `out.label` the most probable
+        class's name. Batched with continuous batching beside any other requests."""
+        base = pooling_params or PoolingParams()
+        pooling = PoolingParams(base.pooling_type, task="classify", activation=base.activation)
+        outs = self.embed(prompts, pooling, use_tqdm, lora_request, priority)
+        labels = self.engine.labels
+        return [
+            ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(o.outputs.embedding),
+                                        _top_label(o.outputs.embedding, labels), o.finished)
+            for o in outs
+        ]
+
     def score(
         self,
         text_1: str | Seq[str],
@@ -112,14 +141,24 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[float]:
-        """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's
-        embeddings (last token, normalized): one `text_1` against each `text_2`, or pairwise.
-        Each distinct text is embedded once."""
+        """vLLM's `LLM.score`: one `text_1` against each `text_2`, or pairwise. A cross-encoder
+        (a one-class sequence classifier, a reranker) reads each pair as one input (the
+        tokenizer's pair template) and scores it by its sigmoid; an embedding model gives the
+        cosine similarity of the two texts' embeddings (last token, normalized), each distinct
+        text embedded once."""
         pairs = score_pairs(text_1, text_2)
+        if self.engine.labels:
+            return self._cross_encode(pairs, use_tqdm, lora_request)
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         outs = self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)
         vectors = {t: o.outputs.embedding for t, o in zip(texts, outs, strict=True)}
         return [cosine(vectors[a], vectors[b]) for a, b in pairs]
+
+    def _cross_encode(self, pairs: list[tuple[str, str]], use_tqdm: bool,
+                      lora_request: LoRARequest | None) -> list[float]:
+        inputs = cross_encoder_inputs(pairs, self.engine.labels, self.engine.tokenizer)
+        outs = self.classify(inputs, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [o.outputs.probs[0] for o in outs]
 
     def beam_search(
         self,
@@ -254,3 +293,8 @@ def _as_lora_list(loras: LoRARequest | Seq[LoRARequest | None] | None, n: int) -
     if len(items) != n:
         raise InvalidRequestError(f"{len(items)} LoRA requests for {n} prompts", "lora_request")
     return items
+
+
+def _top_label(probs: list[float], labels: Seq[str]) -> str:
+    """The most probable class's name (a one-class model's only)."""
+    return labels[max(range(len(probs)), key=probs.__getitem__)] if probs and labels else ""

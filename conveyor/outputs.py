@@ -50,7 +50,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
     # comes before it). With output_kind "delta", only in the request's first output.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # SamplingParams.pooling (an embedding request): the pooled vector, on the final output.
+    # SamplingParams.pooling (an embedding request): the pooled vector, on the final output;
+    # a classification's (task "classify"): its classes' probabilities (or logits).
     embedding: list[float] | None = None
 
 
@@ -66,4 +67,25 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # one a class (a sigmoid's one value for a one-class model), or logits
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns for one prompt (vLLM's shape: `.outputs.probs`); `label`
+    names the most probable class."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    label: str
     finished: bool = True

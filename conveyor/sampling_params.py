@@ -72,6 +72,7 @@ class StructuredOutputParams:
 
 
 POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TASKS = ("embed", "classify")
 
 
 @dataclass(frozen=True)
@@ -84,17 +85,29 @@ class PoolingParams:
     token; "cls", the first token's. `dimensions` keeps the first that many values
     (Matryoshka truncation, OpenAI's `dimensions`), before `normalize` scales the vector to
     unit L2 norm.
+
+    `task="classify"` (a sequence classifier's model only): the pooled state goes through the
+    model's classification head; the output is its classes' probabilities (softmax, or a
+    sigmoid where there is one class: a cross-encoder's relevance), or the raw logits with
+    `activation=False`. `normalize` and `dimensions` are the embeddings'.
     """
 
     pooling_type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    task: str = "embed"
+    activation: bool = True
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(
                 f"pooling_type={self.pooling_type!r}: must be one of {', '.join(POOLING_TYPES)}", param="pooling_type"
             )
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError(f"task={self.task!r}: must be one of {', '.join(POOLING_TASKS)}", param="task")
+        if self.task == "classify" and self.dimensions is not None:
+            raise InvalidRequestError("dimensions cuts an embedding; a classification has one value a class",
+                                      param="dimensions")
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise InvalidRequestError(f"dimensions={d!r}: must be an integer >= 1", param="dimensions")

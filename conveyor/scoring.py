@@ -1,11 +1,18 @@
-"""Scores as a bi-encoder gives them (vLLM's `LLM.score` and `/score` for an embedding model):
-the cosine similarity of two texts' embeddings. Shared by `LLM.score` and the server."""
+"""Scores (vLLM's `LLM.score`, `/score` and `/rerank`), shared by `LLM.score` and the server.
+
+A bi-encoder (an embedding model) scores a pair by the cosine similarity of the two texts'
+embeddings; a cross-encoder (a sequence classifier with one class: a reranker) reads the pair
+as one input, joined by the tokenizer's pair template, and scores it by its class's sigmoid."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from conveyor.sampling_params import InvalidRequestError
+
+if TYPE_CHECKING:
+    from conveyor.tokenizer import Tokenizer
 
 
 def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
@@ -27,3 +34,17 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     """The dot product of two unit vectors (normalized embeddings)."""
     return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def cross_encoder_inputs(pairs: Sequence[tuple[str, str]], labels: Sequence[str],
+                         tokenizer: Tokenizer | None) -> list[list[int]]:
+    """Each pair as a cross-encoder's one input (the tokenizer's pair template), or the reason
+    this classifier cannot score: a score is one class's relevance."""
+    if len(labels) != 1:
+        raise InvalidRequestError(
+            f"this classifier has {len(labels)} classes; a cross-encoder's score is a one-class "
+            "model's relevance: use classify", param="model",
+        )
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer to join the pairs", param="text_1")
+    return [tokenizer.encode_pair(a, b) for a, b in pairs]

@@ -73,6 +73,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, text: str, text_pair: str) -> list[int]:
+        """Two texts as one input, joined by the tokenizer's pair template (a cross-encoder's
+        query and document, as HF's `tokenizer(text, text_pair)` writes them)."""
+        return list(self.hf.encode(text, text_pair, add_special_tokens=True))
+
     def word_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """The token sequences that spell each of `words` (vLLM's bad_words): alone and after
         a space (a word inside a sentence is usually its own, different, token)."""

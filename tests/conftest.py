@@ -72,6 +72,48 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
     return out_dir
 
 
+def save_word_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
+    """A word-level tokenizer over `vocab_size` ids ("w4" .. are words; 0-3 pad, <s>, </s>,
+    unk) whose pair template is `<s> A </s> B` (what a cross-encoder's pair reads as)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A </s> $B", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(out_dir)
+
+
+def build_tiny_classifier(out_dir: Path, family: str, labels: list[str], seed: int = 0, **overrides: Any) -> Path:
+    """A random-weight HF `*ForSequenceClassification` of `family` with these class names and
+    a word-level tokenizer (`save_word_tokenizer`), saved to `out_dir`."""
+    import torch
+    import transformers as tf
+
+    kinds = {
+        "llama": (tf.LlamaConfig, tf.LlamaForSequenceClassification),
+        "mistral": (tf.MistralConfig, tf.MistralForSequenceClassification),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForSequenceClassification),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForSequenceClassification),
+    }
+    config_cls, model_cls = kinds[family]
+    id2label = dict(enumerate(labels))
+    config = config_cls(**{**TINY, **overrides}, id2label=id2label, label2id={v: k for k, v in id2label.items()},
+                        pad_token_id=0)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)  # logits far enough apart to tell the classes
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_word_tokenizer(out_dir, config.vocab_size)
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")

@@ -17,6 +17,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# The same bodies with a classification head (`score`) over the last token instead of an LM
+# head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
+CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+}
 # The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
 _BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
@@ -56,6 +64,9 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1  # every n-th layer routes (Qwen-MoE)...
     mlp_only_layers: tuple[int, ...] = ()  # ...except these, which keep a dense MLP
+    # A sequence classifier (`*ForSequenceClassification`): the names of its classes, one
+    # each row of its `score` head; empty for a causal LM.
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -69,6 +80,11 @@ class ArchConfig:
             )
         if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
             raise UnsupportedModelError("a mixture of experts needs moe_intermediate_size and decoder_sparse_step >= 1")
+
+    @property
+    def num_labels(self) -> int:
+        """A classifier's classes (0: a causal LM, which generates)."""
+        return len(self.labels)
 
     @property
     def attention_family(self) -> str:
@@ -101,7 +117,7 @@ class ArchConfig:
         moe += h if self.shared_expert_intermediate_size else 0  # the shared expert's gate
         mlp = (L - sparse) * 3 * h * i + sparse * moe
         embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        head = self.num_labels * h if self.labels else 0 if self.tie_word_embeddings else self.vocab_size * h
         return L * attention + mlp + embed + head + h
 
     @property
@@ -117,16 +133,18 @@ class ArchConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or []
         family = None
+        classifier = False
         for a in archs:
-            family = SUPPORTED_ARCHITECTURES.get(a)
+            family = SUPPORTED_ARCHITECTURES.get(a) or CLASSIFIER_ARCHITECTURES.get(a)
             if family:
+                classifier = a in CLASSIFIER_ARCHITECTURES
                 break
         if family is None:
             family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(cfg.get("model_type", ""))
         if family is None:
             raise UnsupportedModelError(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES)}"
             )
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -169,4 +187,21 @@ class ArchConfig:
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            labels=_labels(cfg) if classifier else (),
         )
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's class names, by index: HF's `id2label` (written for every classifier;
+    `num_labels` alone names them LABEL_i, as transformers does)."""
+    id2label = cfg.get("id2label") or {}
+    n = int(cfg.get("num_labels") or len(id2label) or 2)
+    if id2label and len(id2label) != n:
+        raise UnsupportedModelError(f"num_labels={n} but id2label names {len(id2label)} classes")
+    try:
+        names = {int(k): str(v) for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        raise UnsupportedModelError(f"id2label's keys must be class indices, got {sorted(id2label)!r}") from None
+    if id2label and sorted(names) != list(range(n)):
+        raise UnsupportedModelError(f"id2label's keys must be 0..{n - 1}, got {sorted(names)}")
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(n))

@@ -441,7 +441,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(arch, backend, i) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # A classifier (`arch.labels`) has a `score` head over the pooled hidden state and no LM head.
+        self.lm_head = (None if arch.tie_word_embeddings or arch.labels
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        self.score = nn.Linear(arch.hidden_size, arch.num_labels, bias=False) if arch.labels else None
         self.rotary = Rotary(arch, max_positions)
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
         self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)
@@ -698,12 +701,19 @@ class LlamaForCausalLM(nn.Module):
             recorder.remove()
         n = len(calibration_ids)
         inputs = {name: (recorder.absmax[name], recorder.rows[name]) for name in recorder.absmax}
-        quantize_linears(self, inputs, skip=[self.lm_head] if self.lm_head is not None else [])
+        quantize_linears(self, inputs, skip=[m for m in (self.lm_head, self.score) if m is not None])
         head_rows = hidden[:: max(1, n // 256)]
         self._head_int8 = Int8Linear(
             head_weight, None, choose_smoothing(head_rows, head_weight, hidden.abs().amax(dim=0))
         )
         self.lm_head = None  # the int8 copy serves; a tied embedding keeps its float32 table
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A classifier's logits `[rows, num_labels]` (float32 at least) over pooled hidden states."""
+        if self.score is None:
+            raise UnsupportedModelError("this model has no classification head")
+        logits = self.score(pooled.to(self.embed_tokens.weight.dtype))
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head over `hidden` (after the final norm); into `out` if given (a CUDA graph's

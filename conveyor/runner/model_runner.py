@@ -54,7 +54,7 @@ class StepHandle:
             self._event = None
         if self._seq_ids is not None:
             assert self._host is not None
-            self.output.sampled = dict(zip(self._seq_ids, self._host.tolist(), strict=True))
+            self.output.sampled.update(zip(self._seq_ids, self._host.tolist(), strict=True))
             self._seq_ids = self._host = None
         return self.output
 
@@ -293,7 +293,10 @@ class ModelRunner:
 
         rows: torch.Tensor | None = None  # the rows that sample, if not all of them
         drafting = False  # a sequence verifies drafts: it samples at each of its rows
-        if all_decodes and all(it.sample for it in items):  # (a 1-token prompt chunk may not sample)
+        # An embedding or classification ends with its prompt: its one "sampled" token (which
+        # finishes it, and is no output) skips the LM head. A classifier has none.
+        done_pooling = {it.seq_id: 0 for it in items if it.sample and it.sampling_params.pooling is not None}
+        if all_decodes and not done_pooling and all(it.sample for it in items):  # (a 1-token chunk may not sample)
             samplers = items  # every row, in order
         else:
             rows_out: list[int] = []
@@ -305,12 +308,12 @@ class ModelRunner:
                     drafting = True
                     rows_out.extend(range(end - 1 - it.num_draft, end))
                     samplers.extend([it] * (1 + it.num_draft))
-                elif it.sample:
+                elif it.sample and it.seq_id not in done_pooling:
                     rows_out.append(end - 1)
                     samplers.append(it)
             if not samplers:
-                return StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}, pooled=pooled or {}),
-                                  start, cuda)
+                return StepHandle(RunnerOutput(sampled=done_pooling, prompt_logprobs=prompt_lps or {},
+                                               pooled=pooled or {}), start, cuda)
             rows = to_device(host_longs(rows_out), self.device)  # not a list: indexing by one would wait
         params = [it.sampling_params for it in samplers]
         batch = prepare(params, [it.prompt_len for it in samplers])
@@ -343,13 +346,14 @@ class ModelRunner:
         if drafting:
             self._last_tokens, self._last_rows, self._last_handle = None, {}, None
             output = self._verify(samplers, tokens.tolist(), logprobs, states)
+            output.sampled.update(done_pooling)
             output.prompt_logprobs = prompt_lps or {}
             output.pooled = pooled or {}
             return StepHandle(output, start, cuda)
         seq_ids = [it.seq_id for it in samplers]
         self._last_tokens = tokens
         self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
-        handle = StepHandle(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps or {}, pooled=pooled or {}),
+        handle = StepHandle(RunnerOutput(sampled=done_pooling, prompt_logprobs=prompt_lps or {}, pooled=pooled or {}),
                             start, cuda, seq_ids, tokens)
         if logprobs is not None:
             handle.output.logprobs = {
@@ -446,6 +450,11 @@ class ModelRunner:
                     out[it.seq_id] = self._pool_sums.pop(it.seq_id)
             elif it.sample:  # "last"
                 out[it.seq_id] = hidden[end - 1]
+        classify = [seq_id for it in items if (seq_id := it.seq_id) in out
+                    and it.sampling_params.pooling is not None and it.sampling_params.pooling.task == "classify"]
+        if classify:  # a classifier's head, once over the step's pooled rows
+            logits = self.model.classify(torch.stack([out[seq_id] for seq_id in classify]))
+            out.update(zip(classify, logits, strict=True))
         return out
 
     def _input_ids(self, token_ids: list[int], pending_rows: list[int], pending_from: list[int]) -> torch.Tensor:

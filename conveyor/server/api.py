@@ -21,6 +21,7 @@ from conveyor.sampling_params import InvalidRequestError
 from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
 from conveyor.server.config import ServerConfig, default_model_name
 from conveyor.server.embeddings import (
+    ClassifyHandler,
     EmbeddingHandler,
     RerankHandler,
     ScoreHandler,
@@ -31,6 +32,7 @@ from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -177,6 +179,13 @@ def build_app(
             raise APIError(404, f"Response with id {response_id!r} not found.", "not_found_error",
                            param="response_id", code="response_not_found")
         return found[0]
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassifyRequest, raw: Request) -> Response:
+        check_accepting()
+        check_model(body.model)
+        return await ClassifyHandler(state, body).run(raw)
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -189,6 +189,11 @@ class EngineFront(ABC):
 
     @property
     @abstractmethod
+    def labels(self) -> tuple[str, ...]:
+        """A sequence classifier's class names (empty for a model that generates)."""
+
+    @property
+    @abstractmethod
     def model_path(self) -> str | None:
         """The weights' file or folder."""
 
@@ -316,6 +321,10 @@ class AsyncEngine(EngineFront):
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.engine.labels
 
     @property
     def model_path(self) -> str | None:

@@ -107,6 +107,10 @@ class DisaggregatedSet(EngineFront):
         return min(self.prefill.max_model_len, self.decode.max_model_len)
 
     @property
+    def labels(self) -> tuple[str, ...]:
+        return self.prefill.labels
+
+    @property
     def model_path(self) -> str | None:
         return self.prefill.model_path
 

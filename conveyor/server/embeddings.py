@@ -1,10 +1,13 @@
-"""/v1/embeddings, /score, /rerank, /tokenize and /detokenize: the API requests that generate nothing.
+"""/v1/embeddings, /classify, /score, /rerank, /tokenize and /detokenize: the API requests that
+generate nothing.
 
-An embedding request's inputs run as engine requests with `SamplingParams.for_pooling`,
-batched by the scheduler with every other request (the prompt computed, its hidden states
-pooled; conveyor/runner/model_runner.py `_pool`). Scores and reranking are a bi-encoder's: the
-cosine similarity of two texts' embeddings. Every check that can fail runs before the
-engine sees any input; a client that goes away aborts the inputs still running.
+An embedding or classification request's inputs run as engine requests with
+`SamplingParams.for_pooling`, batched by the scheduler with every other request (the prompt
+computed, its hidden states pooled; conveyor/runner/model_runner.py `_pool`; a classifier's
+head over them). Scores and reranking are a cross-encoder's where the model is a one-class
+classifier (each pair one input), else a bi-encoder's: the cosine similarity of two texts'
+embeddings (conveyor/scoring.py). Every check that can fail runs before the engine sees any
+input; a client that goes away aborts the inputs still running.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import cosine, score_pairs
+from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs
 from conveyor.server.async_engine import EngineRequest
 from conveyor.server.protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    PoolingInputs,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -51,6 +56,8 @@ class _PoolingHandler:
         self.num_prompt_tokens = 0
 
     def pooling(self) -> PoolingParams:
+        if self.state.engine.labels:  # a cross-encoder's score: its one class's sigmoid
+            return PoolingParams(task="classify")
         return PoolingParams()
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -93,13 +100,10 @@ class _PoolingHandler:
         return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
 
 
-class EmbeddingHandler(_PoolingHandler):
-    id_prefix = "embd"
-    body: EmbeddingRequest
+class _InputsHandler(_PoolingHandler):
+    """A request of `PoolingInputs`: one engine request an input (or its chat `messages`)."""
 
-    def pooling(self) -> PoolingParams:  # (PoolingParams refuses a bad pooling_type, naming it)
-        b = self.body
-        return PoolingParams(b.pooling_type or "last", True if b.normalize is None else b.normalize, b.dimensions)
+    body: PoolingInputs
 
     def prompts(self) -> list[list[int]]:
         b = self.body
@@ -116,6 +120,15 @@ class EmbeddingHandler(_PoolingHandler):
             raise InvalidRequestError(f"input has {len(items)} items; at most {MAX_INPUTS}", param="input")
         return [self.truncate(self.encode_text(it, b.add_special_tokens) if isinstance(it, str) else list(it))
                 for it in items]
+
+
+class EmbeddingHandler(_InputsHandler):
+    id_prefix = "embd"
+    body: EmbeddingRequest
+
+    def pooling(self) -> PoolingParams:  # (PoolingParams refuses a bad pooling_type, naming it)
+        b = self.body
+        return PoolingParams(b.pooling_type or "last", True if b.normalize is None else b.normalize, b.dimensions)
 
     async def run(self, raw: Request) -> Response:
         self.pooling()  # (a bad pooling_type is the request's error before anything runs)
@@ -135,11 +148,42 @@ class EmbeddingHandler(_PoolingHandler):
         return vector
 
 
+class ClassifyHandler(_InputsHandler):
+    id_prefix = "classify"
+    body: ClassifyRequest
+
+    def pooling(self) -> PoolingParams:
+        b = self.body
+        return PoolingParams(b.pooling_type or "last", task="classify", activation=b.activation is not False)
+
+    async def run(self, raw: Request) -> Response:
+        labels = self.state.engine.labels
+        if not labels:
+            raise InvalidRequestError("this model has no classification head: /classify needs a "
+                                      "*ForSequenceClassification model", param="model")
+        self.pooling()
+        results = await self.embed(raw, self.prompts())
+        return JSONResponse({
+            "id": self.request_id,
+            "object": "list",
+            "created": self.created,
+            "model": self.model_name,
+            "data": [{"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
+                      "num_classes": len(p)} for i, p in enumerate(results)],
+            "usage": self.usage(),
+        })
+
+
 class _SimilarityHandler(_PoolingHandler):
-    """Scores as a bi-encoder gives them: the cosine similarity of two texts' embeddings (the
-    last token's hidden state, normalized), each distinct text embedded once."""
+    """Scores: a cross-encoder's where the model is a one-class classifier (each pair read as
+    one input, its class's sigmoid), else a bi-encoder's, the cosine similarity of two texts'
+    embeddings (the last token's hidden state, normalized), each distinct text embedded once."""
 
     async def similarities(self, raw: Request, pairs: list[tuple[str, str]]) -> list[float]:
+        labels = self.state.engine.labels
+        if labels:
+            inputs = [self.truncate(ids) for ids in cross_encoder_inputs(pairs, labels, self.state.engine.tokenizer)]
+            return [p[0] for p in await self.embed(raw, inputs)]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         if len(texts) > MAX_INPUTS:
             raise InvalidRequestError(f"{len(texts)} distinct texts; at most {MAX_INPUTS}", param=self.input_param)
@@ -187,7 +231,7 @@ class RerankHandler(_SimilarityHandler):
         })
 
 
-def chat_prompt(state: ServerState, body: EmbeddingRequest | TokenizeRequest,
+def chat_prompt(state: ServerState, body: PoolingInputs | TokenizeRequest,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     """A request's chat `messages` as the chat completions render them (the template, tools)."""
     chat = ChatCompletionRequest.model_validate({

@@ -116,6 +116,7 @@ class _Facts:
 
     tokenizer: Tokenizer | None
     max_model_len: int
+    labels: tuple[str, ...]
     model_path: str | None
     model_arg: str | None
     pid: int
@@ -202,7 +203,7 @@ def _child_main(
         conn.send(("load_failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", _Facts(
-        engine.tokenizer, engine.max_model_len, getattr(engine, "model_path", None),
+        engine.tokenizer, engine.max_model_len, engine.labels, getattr(engine, "model_path", None),
         engine.config.model.model, os.getpid(),
     )))
     _EngineCore(engine, conn, max_queued_requests, idle_poll_s).run()
@@ -462,6 +463,10 @@ class ProcessAsyncEngine(AsyncEngine):
     @property
     def max_model_len(self) -> int:
         return self._known().max_model_len
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self._known().labels
 
     @property
     def model_path(self) -> str | None:

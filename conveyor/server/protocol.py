@@ -146,9 +146,9 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_int_id: int | None = None
 
 
-class EmbeddingRequest(OpenAIBaseModel):
-    """POST /v1/embeddings (OpenAI's, with vLLM's extensions and conveyor's `pooling_type`):
-    `input`, or vLLM's chat form, `messages` rendered by the chat template into one input."""
+class PoolingInputs(OpenAIBaseModel):
+    """The inputs of a request that pools instead of generating: `input` (texts or token ids),
+    or vLLM's chat form, `messages` rendered by the chat template into one input."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
@@ -156,21 +156,34 @@ class EmbeddingRequest(OpenAIBaseModel):
     add_generation_prompt: bool = False  # (messages)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     # vLLM's extensions
     truncate_prompt_tokens: int | None = None  # keep the last k tokens (-1: the context length)
     add_special_tokens: bool = True
-    normalize: bool | None = None  # default: true
     priority: int = 0
     # conveyor's: how the hidden states are pooled ("last", the default; "mean"; "cls")
     pooling_type: str | None = None
 
 
+class EmbeddingRequest(PoolingInputs):
+    """POST /v1/embeddings (OpenAI's, with vLLM's extensions and conveyor's `pooling_type`)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None  # default: true
+
+
+class ClassifyRequest(PoolingInputs):
+    """POST /classify and /v1/classify (vLLM's, for a sequence classifier): each input's class
+    probabilities; `activation=false` gives the logits."""
+
+    activation: bool | None = None  # default: true
+
+
 class ScoreRequest(OpenAIBaseModel):
-    """POST /score and /v1/score (vLLM's, for an embedding model): the cosine similarity of
-    `text_1` and `text_2`'s embeddings: one against each of many, or pairwise."""
+    """POST /score and /v1/score (vLLM's): `text_1` scored against each of `text_2`, or
+    pairwise: by a cross-encoder (a one-class classifier) reading each pair as one input, or
+    by the cosine similarity of an embedding model's embeddings."""
 
     model: str | None = None
     text_1: str | list[str]
@@ -182,7 +195,7 @@ class ScoreRequest(OpenAIBaseModel):
 
 class RerankRequest(OpenAIBaseModel):
     """POST /rerank, /v1/rerank and /v2/rerank (vLLM's, Jina's and Cohere's shape): the
-    documents ordered by the cosine similarity of their embeddings to the query's."""
+    documents ordered by their score against the query (as /score gives it)."""
 
     model: str | None = None
     query: str

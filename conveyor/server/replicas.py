@@ -85,6 +85,10 @@ class ReplicaSet(EngineFront):
         return self.replicas[0].max_model_len
 
     @property
+    def labels(self) -> tuple[str, ...]:
+        return self.replicas[0].labels
+
+    @property
     def model_path(self) -> str | None:
         return self.replicas[0].model_path
 

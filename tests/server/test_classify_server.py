@@ -1,0 +1,111 @@
+"""/classify, and /score and /rerank by a cross-encoder, served from tiny random-weight
+`*ForSequenceClassification` models (tests/conftest.py `build_tiny_classifier`).
+
+What the server answers equals offline `LLM.classify` and `LLM.score` (which
+tests/test_classification.py checks against HF transformers): a one-class model (a reranker)
+scores each (query, document) pair read as one input; a three-class model behind two replicas
+names its most probable class. A classifier refuses completions with a 400 naming `model`, and
+a causal LM refuses /classify; the server goes on serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conveyor import LLM, PoolingParams
+from tests.conftest import build_tiny_classifier
+from tests.server.conftest import ServerProcess, assert_openai_error
+
+QUERY = "w10 w11 w12"
+DOCS = ["w20 w21", "w10 w11 w30", "w40 w41 w42 w43", "w10"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("classifier_models")
+    return {"reranker": build_tiny_classifier(root / "reranker", "llama", ["relevant"], seed=11),
+            "sentiment": build_tiny_classifier(root / "sentiment", "mistral", ["neg", "neu", "pos"], seed=12,
+                                               sliding_window=None)}
+
+
+def serve(model: Path, log: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(["--model", str(model), "--dtype", "float64", "--num-kv-blocks", "128",
+                          "--served-model-name", "clf", *extra], log)
+
+
+@pytest.fixture(scope="module")
+def servers(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    logs = tmp_path_factory.mktemp("classifier_servers")
+    started = {"reranker": serve(models["reranker"], logs / "reranker.log"),
+               "sentiment": serve(models["sentiment"], logs / "sentiment.log", "--data-parallel-size", "2")}
+    try:
+        for s in started.values():
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def test_classify_equals_offline(servers: dict[str, ServerProcess], models: dict[str, Path]) -> None:
+    offline = LLM(str(models["sentiment"]), dtype="float64", num_kv_blocks=64)
+    texts = ["w5 w6 w7", "w100 w200", "w9"]
+    want = offline.classify(texts, use_tqdm=False)
+    url = servers["sentiment"].url
+    r = httpx.post(url + "/classify", json={"model": "clf", "input": texts}, timeout=60).json()
+    assert r["object"] == "list" and r["model"] == "clf" and r["id"].startswith("classify-")
+    assert [d["index"] for d in r["data"]] == [0, 1, 2]
+    assert [d["probs"] for d in r["data"]] == [pytest.approx(w.outputs.probs, abs=1e-12) for w in want]
+    assert [d["label"] for d in r["data"]] == [w.label for w in want]
+    assert {d["num_classes"] for d in r["data"]} == {3}
+    assert r["usage"] == {"prompt_tokens": sum(len(w.prompt_token_ids) for w in want),
+                          "total_tokens": sum(len(w.prompt_token_ids) for w in want), "completion_tokens": 0}
+    ids = httpx.post(url + "/v1/classify", json={"input": want[0].prompt_token_ids, "activation": False},
+                     timeout=60).json()["data"][0]
+    logits = offline.classify([want[0].prompt_token_ids], PoolingParams(activation=False), use_tqdm=False)[0]
+    assert ids["probs"] == pytest.approx(logits.outputs.probs, abs=1e-12)
+    # a three-class model has no one relevance to score with
+    assert_openai_error(httpx.post(url + "/score", json={"text_1": QUERY, "text_2": DOCS}, timeout=60), 400, "model")
+
+
+def test_cross_encoder_scores_and_reranks(servers: dict[str, ServerProcess], models: dict[str, Path]) -> None:
+    offline = LLM(str(models["reranker"]), dtype="float64", num_kv_blocks=64)
+    want = offline.score(QUERY, DOCS, use_tqdm=False)
+    url = servers["reranker"].url
+    r = httpx.post(url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS}, timeout=60).json()
+    assert [d["score"] for d in r["data"]] == pytest.approx(want, abs=1e-12)
+    assert all(0 < s < 1 for s in want) and len(set(want)) == len(want)
+    ranked = httpx.post(url + "/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 3}, timeout=60).json()
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])[:3]
+    assert [x["index"] for x in ranked["results"]] == order
+    assert [x["relevance_score"] for x in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-12)
+    one = httpx.post(url + "/classify", json={"input": QUERY}, timeout=60).json()["data"][0]
+    assert one["label"] == "relevant" and one["num_classes"] == 1
+    # each pair is one input: the pair template's tokens, not the two texts' apart
+    pair_tokens = len(offline.tokenizer.encode_pair(QUERY, DOCS[0]))  # type: ignore[union-attr]
+    alone = httpx.post(url + "/score", json={"text_1": QUERY, "text_2": DOCS[0]}, timeout=60).json()
+    assert alone["usage"]["prompt_tokens"] == pair_tokens == 7
+
+
+def test_a_classifier_refuses_to_generate_and_goes_on(servers: dict[str, ServerProcess]) -> None:
+    url = servers["reranker"].url
+    body = {"model": "clf", "prompt": "w5 w6", "max_tokens": 4}
+    assert_openai_error(httpx.post(url + "/v1/completions", json=body, timeout=60), 400, "model")
+    chat = {"model": "clf", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400
+    assert_openai_error(httpx.post(url + "/classify", json={"input": []}, timeout=60), 400, "input")
+    assert_openai_error(httpx.post(url + "/classify", json={"input": [[1, 10**9]]}, timeout=60), 400, "prompt")
+    emb = httpx.post(url + "/v1/embeddings", json={"input": "w5 w6"}, timeout=60).json()["data"][0]["embedding"]
+    assert len(emb) == 64  # its hidden states still embed
+    assert httpx.post(url + "/classify", json={"input": "w5"}, timeout=60).status_code == 200
+
+
+def test_a_causal_lm_refuses_classify(smol_server: ServerProcess) -> None:
+    r = httpx.post(smol_server.url + "/classify", json={"input": "Hello"}, timeout=60)
+    assert_openai_error(r, 400, "model")
+    assert "no classification head" in r.json()["error"]["message"]
