@@ -8,6 +8,14 @@ both in float32 on the same weights, in turns (A B B A ...); the median of the r
 compared, and the vectors are checked to agree.
 
     python benchmarks/embeddings.py --num-prompts 64 --rounds 3
+
+With --classify, the same for a sequence classifier: the model's body with a random
+two-class head (`LlamaForSequenceClassification`, saved to a temporary folder), `LLM.classify`
+against HF's `AutoModelForSequenceClassification` over the same padded batches (its own
+last-real-token pick through `pad_token_id`, which no prompt contains); the probabilities are
+checked to agree.
+
+    python benchmarks/embeddings.py --num-prompts 64 --rounds 3 --classify --hf-batch 8
 """
 
 from __future__ import annotations
@@ -37,6 +45,37 @@ def hf_embed(model, prompts: list[list[int]], batch: int, pad: int) -> list[torc
     return out
 
 
+def hf_classify(model, prompts: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for s in range(0, len(prompts), batch):
+            group = prompts[s : s + batch]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
+            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
+            out.extend(model(input_ids=ids, attention_mask=mask).logits.softmax(dim=-1))
+    return out
+
+
+def make_classifier(model: str | None, out: Path) -> str:
+    """The model's body with a random two-class head, as an HF folder (pad token id 0)."""
+    from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
+
+    from conveyor.models.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    load = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    causal = AutoModelForCausalLM.from_pretrained(str(path.parent if load else path), dtype=torch.float32, **load)
+    config = causal.config
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.id2label, config.label2id, config.pad_token_id = {0: "no", 1: "yes"}, {"no": 0, "yes": 1}, 0
+    torch.manual_seed(0)
+    clf = LlamaForSequenceClassification(config)
+    clf.model.load_state_dict(causal.model.state_dict())
+    clf.save_pretrained(out)
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2 (the GGUF)")
@@ -47,36 +86,46 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--classify", action="store_true", help="a random two-class head on the model's body")
     args = ap.parse_args()
 
-    llm = LLM(args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
+    model = args.model
+    if args.classify:
+        import tempfile
+
+        model = make_classifier(model, Path(tempfile.mkdtemp(prefix="conveyor-classifier-")))
+    llm = LLM(model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=512 << 20)
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+    low = 1 if args.classify else 0  # (a classifier's prompts never hold its pad token, 0)
+    prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.num_prompts)]
     tokens = sum(len(p) for p in prompts)
 
     hf = None
     if not args.no_hf:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         path = Path(llm.engine.model_path or "")
         load = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent if load else path), dtype=torch.float32,
-                                                  **load).eval()
+        auto = AutoModelForSequenceClassification if args.classify else AutoModelForCausalLM
+        hf = auto.from_pretrained(str(path.parent if load else path), dtype=torch.float32, **load).eval()
 
     def run_conveyor() -> tuple[float, list[torch.Tensor]]:
         t = time.perf_counter()
-        outs = llm.embed(prompts, PoolingParams(), use_tqdm=False)
-        return time.perf_counter() - t, [torch.tensor(o.outputs.embedding) for o in outs]
+        if args.classify:
+            got = [o.outputs.probs for o in llm.classify(prompts, use_tqdm=False)]
+        else:
+            got = [o.outputs.embedding for o in llm.embed(prompts, PoolingParams(), use_tqdm=False)]
+        return time.perf_counter() - t, [torch.tensor(v) for v in got]
 
     systems = {"conveyor": run_conveyor}
     if hf is not None:
         for b in args.hf_batch:
             def run_hf(b: int = b) -> tuple[float, list[torch.Tensor]]:
                 t = time.perf_counter()
-                vecs = hf_embed(hf, prompts, b, 0)
+                vecs = (hf_classify if args.classify else hf_embed)(hf, prompts, b, 0)
                 return time.perf_counter() - t, vecs
 
             systems[f"HF batch {b}"] = run_hf
