@@ -16,6 +16,12 @@ last-real-token pick through `pad_token_id`, which no prompt contains); the prob
 checked to agree.
 
     python benchmarks/embeddings.py --num-prompts 64 --rounds 3 --classify --hf-batch 8
+
+With --encoder minilm or bert-base, a random-weight BERT of all-MiniLM-L6-v2's or
+bert-base's shape (saved to a temporary folder; the speed does not depend on the values)
+embeds by its CLS state, against HF's `BertModel` over the same padded batches.
+
+    python benchmarks/embeddings.py --encoder minilm --min-len 16 --max-len 256 --num-prompts 256 --hf-batch 32 1
 """
 
 from __future__ import annotations
@@ -76,6 +82,36 @@ def make_classifier(model: str | None, out: Path) -> str:
     return str(out)
 
 
+ENCODERS = {  # (hidden, layers, heads, intermediate)
+    "minilm": (384, 6, 12, 1536),  # all-MiniLM-L6-v2
+    "bert-base": (768, 12, 12, 3072),  # bert-base-uncased, bge-base, e5-base
+}
+
+
+def make_encoder(kind: str, out: Path) -> str:
+    """A random BERT of `kind`'s shape (BERT's vocabulary and 512 positions), as an HF folder."""
+    from transformers import BertConfig, BertModel
+
+    hidden, layers, heads, inner = ENCODERS[kind]
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=inner, max_position_embeddings=512)).save_pretrained(out)
+    return str(out)
+
+
+def hf_encode(model, prompts: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for s in range(0, len(prompts), batch):
+            group = prompts[s : s + batch]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
+            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            out.extend(torch.nn.functional.normalize(hidden[:, 0], dim=-1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2 (the GGUF)")
@@ -87,18 +123,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--classify", action="store_true", help="a random two-class head on the model's body")
+    ap.add_argument("--encoder", choices=sorted(ENCODERS), help="a random BERT of this shape instead of --model")
     args = ap.parse_args()
+
+    import tempfile
 
     model = args.model
     if args.classify:
-        import tempfile
-
         model = make_classifier(model, Path(tempfile.mkdtemp(prefix="conveyor-classifier-")))
+    elif args.encoder:
+        model = make_encoder(args.encoder, Path(tempfile.mkdtemp(prefix="conveyor-encoder-")))
     llm = LLM(model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=512 << 20)
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
-    low = 1 if args.classify else 0  # (a classifier's prompts never hold its pad token, 0)
+    low = 1 if args.classify or args.encoder else 0  # (never the pad token, 0)
     prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.num_prompts)]
     tokens = sum(len(p) for p in prompts)
@@ -109,7 +148,9 @@ def main() -> None:
 
         path = Path(llm.engine.model_path or "")
         load = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-        auto = AutoModelForSequenceClassification if args.classify else AutoModelForCausalLM
+        from transformers import AutoModel
+
+        auto = AutoModelForSequenceClassification if args.classify else AutoModel if args.encoder else AutoModelForCausalLM
         hf = auto.from_pretrained(str(path.parent if load else path), dtype=torch.float32, **load).eval()
 
     def run_conveyor() -> tuple[float, list[torch.Tensor]]:
@@ -125,7 +166,7 @@ def main() -> None:
         for b in args.hf_batch:
             def run_hf(b: int = b) -> tuple[float, list[torch.Tensor]]:
                 t = time.perf_counter()
-                vecs = (hf_classify if args.classify else hf_embed)(hf, prompts, b, 0)
+                vecs = (hf_classify if args.classify else hf_encode if args.encoder else hf_embed)(hf, prompts, b, 0)
                 return time.perf_counter() - t, vecs
 
             systems[f"HF batch {b}"] = run_hf

@@ -190,6 +190,8 @@ class Engine:
         self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
         # A sequence classifier's class names (its model's `score` rows); empty for a causal LM.
         self.labels: tuple[str, ...] = ()
+        self.is_encoder = False  # a bidirectional encoder (BERT): it pools, and generates nothing
+        self.default_pooling = "last"  # what an embedding pools when its request does not say
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -220,6 +222,8 @@ class Engine:
         gguf = is_gguf(path)
         arch, tensors, reader = open_model(path)
         full_arch = arch
+        if arch.is_encoder:
+            _check_encoder_config(config)
         if tp > 1:  # this process is rank 0: its shard, and a KV cache over its heads
             from conveyor.models.tensor_parallel import shard_arch, shard_tensors
 
@@ -268,11 +272,17 @@ class Engine:
                 config.cache.block_size, num_swap_blocks, threads or 1, mc.quantization, calibration,
                 lora=(mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras) if mc.enable_lora else None,
             ), arch=full_arch)
+        model: Any
         try:
-            model = build_model(
-                arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration,
-                all_reduce=None if peers is None else peers.all_reduce,
-            )
+            if arch.is_encoder:
+                from conveyor.models.bert import build_encoder
+
+                model = build_encoder(arch, tensors, dtype, device)
+            else:
+                model = build_model(
+                    arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration,
+                    all_reduce=None if peers is None else peers.all_reduce,
+                )
             if peers is not None:
                 peers.wait_ready()
         except BaseException:
@@ -315,7 +325,7 @@ class Engine:
         if config.model.tensor_parallel_size > 1 or model.tensor_parallel:
             raise ConfigError("tensor_parallel_size > 1 builds its ranks from the model's path: use from_config")
         weight = model.embed_tokens.weight
-        positions = int(model.rotary.cos.shape[0])
+        positions = model.arch.max_position_embeddings if model.arch.is_encoder else int(model.rotary.cos.shape[0])
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
         kv_dtype = _resolve_kv_dtype(config, weight.dtype, weight.device)
         drafting = config.scheduler.speculative_method == "draft_model"
@@ -355,6 +365,10 @@ class Engine:
 
         arch = model.arch
         eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
+        if arch.is_encoder:
+            config = _encoder_config(config, max_len)
+            if model.sep_token_id is None and tokenizer is not None:
+                model.sep_token_id = getattr(tokenizer.hf, "sep_token_id", None)
         # The scheduler first: an unknown policy name fails before the KV cache is allocated.
         scheduler = Scheduler(
             config.scheduler,
@@ -367,7 +381,7 @@ class Engine:
         def graphs(arch: Any) -> int:
             # A mixture of experts sizes each expert's rows on the host (one sync a layer), which
             # a CUDA graph cannot capture: its steps run eagerly.
-            eager = mc.enforce_eager or arch.num_experts > 0
+            eager = mc.enforce_eager or arch.num_experts > 0 or arch.is_encoder
             return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
 
         runner = ModelRunner(
@@ -391,6 +405,8 @@ class Engine:
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
         engine.labels = arch.labels
+        engine.is_encoder = arch.is_encoder
+        engine.default_pooling = arch.default_pooling
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 
@@ -438,6 +454,9 @@ class Engine:
                 f"this model is a classifier ({len(self.labels)} classes): it generates no text; "
                 "classify, score or embed with it", param="model",
             )
+        if params.pooling is None and self.is_encoder:
+            raise InvalidRequestError("this model is an encoder: it generates no text; embed or score with it",
+                                      param="model")
         if params.pooling is not None:  # an embedding generates nothing: its prompt may fill the context
             self._check_pooling(params.pooling)
             if len(token_ids) > self.max_model_len:
@@ -540,6 +559,9 @@ class Engine:
         if request_id in self._requests or request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
+        if params.pooling is not None and params.pooling.pooling_type is None:  # the model's own pooling
+            params = dataclasses.replace(
+                params, pooling=dataclasses.replace(params.pooling, pooling_type=self.default_pooling))
         if (export_kv or kv_handoff is not None) and params.n > 1:
             raise InvalidRequestError("K/V are handed over for one choice (n=1)", param="kv_transfer")
         if export_kv and params.max_tokens != 1:
@@ -1069,6 +1091,9 @@ def plan_cache(
     block_bytes = kv_bytes_per_token * cc.block_size
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
+    elif not block_bytes:  # an encoder keeps no K/V: its blocks only count seats' tokens
+        longest = min(mc.max_model_len or model_max_len, max_positions or model_max_len)
+        num_blocks = config.scheduler.max_num_seqs * -(-(longest + 1) // cc.block_size)
     else:
         budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_budget()
         num_blocks = budget // block_bytes
@@ -1100,9 +1125,41 @@ def plan_cache(
     num_swap_blocks = 0
     if cc.num_swap_blocks is not None and (swaps or cc.kv_receive_space):
         num_swap_blocks = cc.num_swap_blocks
-    elif cc.num_swap_blocks is None:
+    elif cc.num_swap_blocks is None and block_bytes:
         num_swap_blocks = ((cc.swap_space if swaps else 0) + cc.kv_receive_space) // block_bytes
     return num_blocks, num_swap_blocks, max_len
+
+
+def _check_encoder_config(config: EngineConfig) -> None:
+    mc, sc = config.model, config.scheduler
+    refused = [name for name, on in (
+        ("tensor_parallel_size > 1", mc.tensor_parallel_size > 1),
+        ("quantization", mc.quantization is not None),
+        ("enable_lora", mc.enable_lora),
+        ("speculative_method='draft_model'", sc.speculative_method == "draft_model"),
+    ) if on]
+    if refused:
+        raise ConfigError(f"an encoder model (BERT, RoBERTa) runs without {', '.join(refused)}: not built for encoders")
+
+
+def _encoder_config(config: EngineConfig, max_len: int) -> EngineConfig:
+    """An encoder's prompt is computed whole, in one step (its every token sees every other):
+    no chunks (whole prompts join the step, as prefill_mode='mixed' runs them, with a budget
+    that fits the longest) and no prefix cache (a cached prefix's K/V would not have seen the
+    rest of the prompt). vLLM turns both off for encoder-only models the same way."""
+    import dataclasses
+
+    sc, cc = config.scheduler, config.cache
+    if sc.prefill_mode == "chunked" or sc.max_num_batched_tokens < max_len or cc.enable_prefix_caching:
+        logger.info("an encoder computes each prompt whole: prompts unchunked, no prefix cache")
+    return dataclasses.replace(
+        config,
+        scheduler=dataclasses.replace(
+            sc, prefill_mode="mixed" if sc.prefill_mode == "chunked" else sc.prefill_mode,
+            max_num_batched_tokens=max(sc.max_num_batched_tokens, max_len), long_prefill_token_threshold=0,
+        ),
+        cache=dataclasses.replace(cc, enable_prefix_caching=False),
+    )
 
 
 def _check_draft(arch: Any, draft: Any) -> None:

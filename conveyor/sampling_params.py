@@ -81,8 +81,10 @@ class PoolingParams:
     (after the model's last norm) pooled into one vector.
 
     `pooling_type`: "last", the last prompt token's state (what a causal model's prompt ends
-    in: the default, as vLLM's for decoder models); "mean", the mean over every prompt
-    token; "cls", the first token's. `dimensions` keeps the first that many values
+    in); "mean", the mean over every prompt token; "cls", the first token's; None (the
+    default): the model's own (`ArchConfig.default_pooling`: sentence-transformers' pooling
+    config where the model has one, else "last" for a decoder and "cls" for an encoder, as
+    vLLM's defaults), filled in by the engine. `dimensions` keeps the first that many values
     (Matryoshka truncation, OpenAI's `dimensions`), before `normalize` scales the vector to
     unit L2 norm.
 
@@ -92,14 +94,14 @@ class PoolingParams:
     `activation=False`. `normalize` and `dimensions` are the embeddings'.
     """
 
-    pooling_type: str = "last"
+    pooling_type: str | None = None
     normalize: bool = True
     dimensions: int | None = None
     task: str = "embed"
     activation: bool = True
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(
                 f"pooling_type={self.pooling_type!r}: must be one of {', '.join(POOLING_TYPES)}", param="pooling_type"
             )
@@ -115,7 +117,7 @@ class PoolingParams:
     @property
     def whole_prompt(self) -> bool:
         """Whether every prompt position must be computed here (no prefix-cache hits)."""
-        return self.pooling_type != "last"
+        return self.pooling_type != "last"  # (None, not yet the model's: assume so)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,59 @@ def build_tiny_classifier(out_dir: Path, family: str, labels: list[str], seed: i
     return out_dir
 
 
+ENCODER = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               max_position_embeddings=130, initializer_range=0.05)
+
+
+def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None, seed: int = 0,
+                       pooling: str | None = None, **overrides: Any) -> Path:
+    """A random-weight HF BERT or XLM-RoBERTa (`kind`), a classifier with `labels` or an
+    embedding model, with a word-level tokenizer writing BERT's `[CLS] A [SEP] B [SEP]` (ids 2
+    and 3, B in segment 1 for BERT) and, with `pooling` ("cls", "mean", "lasttoken"), a
+    sentence-transformers Pooling module declaring it."""
+    import json
+
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bert = kind == "bert"
+    config_cls = tf.BertConfig if bert else tf.XLMRobertaConfig
+    extra: dict[str, Any] = {} if bert else {"type_vocab_size": 1, "pad_token_id": 0}
+    if labels is not None:
+        extra |= {"id2label": dict(enumerate(labels)), "label2id": {v: i for i, v in enumerate(labels)}}
+    config = config_cls(**{**ENCODER, **extra, **overrides})
+    model_cls = {(True, True): tf.BertForSequenceClassification, (True, False): tf.BertModel,
+                 (False, True): tf.XLMRobertaForSequenceClassification, (False, False): tf.XLMRobertaModel}
+    torch.manual_seed(seed)
+    model = model_cls[bert, labels is not None](config).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{f"w{i}": i for i in range(4, config.vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    b = "$B:1 [SEP]:1" if bert else "$B [SEP]"
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair=f"[CLS] $A [SEP] {b}", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    names = ["input_ids", "token_type_ids", "attention_mask"] if bert else ["input_ids", "attention_mask"]
+    PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+                            unk_token="[UNK]", model_input_names=names).save_pretrained(out_dir)
+    if pooling is not None:
+        (out_dir / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]))
+        (out_dir / "1_Pooling").mkdir(exist_ok=True)
+        (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": config.hidden_size,
+            "pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken",
+        }))
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")

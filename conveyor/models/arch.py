@@ -25,6 +25,17 @@ CLASSIFIER_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
+# Bidirectional encoders (conveyor/models/bert.py): they embed, classify and score pairs, and
+# generate nothing. RoBERTa's positions start after its padding id; XLM-RoBERTa is RoBERTa's.
+ENCODER_ARCHITECTURES = {
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
+    "RobertaModel": "roberta",
+    "RobertaForSequenceClassification": "roberta",
+    "XLMRobertaModel": "roberta",
+    "XLMRobertaForSequenceClassification": "roberta",
+}
+ENCODER_FAMILIES = ("bert", "roberta")
 # The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
 _BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
@@ -35,7 +46,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ArchConfig:
-    family: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe
+    family: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe | bert | roberta
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,6 +78,17 @@ class ArchConfig:
     # A sequence classifier (`*ForSequenceClassification`): the names of its classes, one
     # each row of its `score` head; empty for a causal LM.
     labels: tuple[str, ...] = ()
+    # How the model pools an embedding when a request does not say ("last", "mean", "cls"):
+    # sentence-transformers' 1_Pooling/config.json where the folder has one, else "cls" for an
+    # encoder and "last" for a decoder (vLLM's defaults).
+    pooling: str | None = None
+    # Encoders (BERT, RoBERTa): `rms_norm_eps` is their LayerNorm's eps. Segment embeddings
+    # (`type_vocab_size`; a pair's second text, after the first `sep_token_id`, is segment 1),
+    # the MLP's activation, and where positions start (RoBERTa: after its padding id).
+    type_vocab_size: int = 0
+    hidden_act: str = "silu"
+    position_offset: int = 0
+    sep_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -85,6 +107,16 @@ class ArchConfig:
     def num_labels(self) -> int:
         """A classifier's classes (0: a causal LM, which generates)."""
         return len(self.labels)
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder: every token sees the whole prompt, so a prompt is computed
+        in one step (never in chunks, never from a cached prefix) and nothing is generated."""
+        return self.family in ENCODER_FAMILIES
+
+    @property
+    def default_pooling(self) -> str:
+        return self.pooling or ("cls" if self.is_encoder else "last")
 
     @property
     def attention_family(self) -> str:
@@ -108,6 +140,12 @@ class ArchConfig:
     @property
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        if self.is_encoder:  # biases everywhere, two LayerNorms a layer; a classifier's pooler or dense + head
+            layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
+            positions = self.max_position_embeddings + self.position_offset
+            embed = (self.vocab_size + positions + self.type_vocab_size) * h + 2 * h
+            head = (h * h + h + self.num_labels * (h + 1)) if self.labels else 0
+            return L * layer + embed + head
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attention = h * (q + 2 * kv) + q * h + 2 * h  # projections and the two norms
@@ -127,11 +165,16 @@ class ArchConfig:
         return self.num_params - self.num_sparse_layers * idle * self.expert_params
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.is_encoder:  # a prompt's K/V live only within its one step
+            return 0
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or []
+        for a in archs:
+            if a in ENCODER_ARCHITECTURES:
+                return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("ForSequenceClassification"))
         family = None
         classifier = False
         for a in archs:
@@ -144,7 +187,7 @@ class ArchConfig:
         if family is None:
             raise UnsupportedModelError(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES)}"
+                f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | ENCODER_ARCHITECTURES)}"
             )
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -189,6 +232,42 @@ class ArchConfig:
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             labels=_labels(cfg) if classifier else (),
         )
+
+
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
+def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool) -> ArchConfig:
+    """A BERT or RoBERTa config: absolute position embeddings only (what their checkpoints
+    use); RoBERTa numbers positions from its padding id + 1, so it has two positions fewer."""
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise UnsupportedModelError(f"position_embedding_type={kind!r}: conveyor's encoders have absolute positions")
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act={act!r}: conveyor's encoders run {', '.join(ENCODER_ACTIVATIONS)}")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    positions = cfg.get("max_position_embeddings", 512)
+    offset = int(cfg.get("pad_token_id") or 0) + 1 if family == "roberta" else 0
+    return ArchConfig(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        rope_theta=10000.0,  # (no rotary positions)
+        max_position_embeddings=positions - offset,
+        tie_word_embeddings=False,
+        labels=_labels(cfg) if classifier else (),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        hidden_act=act,
+        position_offset=offset,
+        sep_token_id=cfg.get("sep_token_id"),
+    )
 
 
 def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:

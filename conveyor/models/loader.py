@@ -92,6 +92,9 @@ def read_hf_arch(folder: Path) -> ArchConfig:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
     gen = folder / "generation_config.json"
     arch = ArchConfig.from_hf(cfg)
+    pooling = sentence_transformers_pooling(folder)
+    if pooling is not None:
+        arch = _replace(arch, pooling=pooling)
     if gen.is_file():
         try:
             eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -102,6 +105,22 @@ def read_hf_arch(folder: Path) -> ArchConfig:
             ids = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
             arch = _replace(arch, eos_token_ids=ids)
     return arch
+
+
+_ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+
+
+def sentence_transformers_pooling(folder: Path) -> str | None:
+    """The pooling a sentence-transformers folder declares (its Pooling module's config:
+    CLS, mean or last token), or None where it has none or one conveyor does not pool by."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        path = next(m["path"] for m in modules if str(m.get("type", "")).endswith("models.Pooling"))
+        cfg = json.loads((folder / path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, StopIteration, KeyError, TypeError, AttributeError):
+        return None
+    chosen = [kind for key, kind in _ST_POOLING.items() if cfg.get(key)]
+    return chosen[0] if len(chosen) == 1 else None
 
 
 def iter_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -87,9 +87,10 @@ class ModelRunner:
         slots = (num_blocks + 1) * block_size
         # Zeroed, not just allocated: attention reads whole blocks and hides the unused slots
         # with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
+        layers = 0 if arch.is_encoder else arch.num_layers  # (an encoder keeps no K/V)
         self.kv_caches = [
             torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=self.kv_dtype, device=device)
-            for _ in range(arch.num_layers)
+            for _ in range(layers)
         ]
         # CPU swap space, same layout (pinned on CUDA so copies can be asynchronous).
         pin = device.type == "cuda"
@@ -98,7 +99,7 @@ class ModelRunner:
                 (2, num_swap_blocks * block_size, arch.num_kv_heads, arch.head_dim),
                 dtype=self.kv_dtype, pin_memory=pin,
             )
-            for _ in range(arch.num_layers if num_swap_blocks else 0)
+            for _ in range(layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(seed, device)
         self.hidden_size = arch.hidden_size  # an embedding's length (SamplingParams.pooling)

@@ -128,7 +128,7 @@ class EmbeddingHandler(_InputsHandler):
 
     def pooling(self) -> PoolingParams:  # (PoolingParams refuses a bad pooling_type, naming it)
         b = self.body
-        return PoolingParams(b.pooling_type or "last", True if b.normalize is None else b.normalize, b.dimensions)
+        return PoolingParams(b.pooling_type, True if b.normalize is None else b.normalize, b.dimensions)
 
     async def run(self, raw: Request) -> Response:
         self.pooling()  # (a bad pooling_type is the request's error before anything runs)
@@ -154,7 +154,7 @@ class ClassifyHandler(_InputsHandler):
 
     def pooling(self) -> PoolingParams:
         b = self.body
-        return PoolingParams(b.pooling_type or "last", task="classify", activation=b.activation is not False)
+        return PoolingParams(b.pooling_type, task="classify", activation=b.activation is not False)
 
     async def run(self, raw: Request) -> Response:
         labels = self.state.engine.labels

@@ -512,7 +512,7 @@ def test_smollm2_embeddings_are_hf_hidden_states_pooled(smol_llm: LLM, smol_hf: 
             assert out.prompt_token_ids == ids
             with torch.no_grad():
                 hidden = smol_hf.model(torch.tensor([ids])).last_hidden_state[0]
-            want = hidden[-1] if pooling.pooling_type == "last" else hidden.mean(dim=0)
+            want = hidden[-1] if pooling.pooling_type in (None, "last") else hidden.mean(dim=0)
             want = torch.nn.functional.normalize(want, dim=0)
             got = torch.tensor(out.outputs.embedding)
             assert got.shape == want.shape

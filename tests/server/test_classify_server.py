@@ -1,5 +1,6 @@
 """/classify, and /score and /rerank by a cross-encoder, served from tiny random-weight
-`*ForSequenceClassification` models (tests/conftest.py `build_tiny_classifier`).
+`*ForSequenceClassification` models (tests/conftest.py `build_tiny_classifier`) and a BERT
+cross-encoder (`build_tiny_encoder`).
 
 What the server answers equals offline `LLM.classify` and `LLM.score` (which
 tests/test_classification.py checks against HF transformers): a one-class model (a reranker)
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from conveyor import LLM, PoolingParams
-from tests.conftest import build_tiny_classifier
+from tests.conftest import build_tiny_classifier, build_tiny_encoder
 from tests.server.conftest import ServerProcess, assert_openai_error
 
 QUERY = "w10 w11 w12"
@@ -29,7 +30,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("classifier_models")
     return {"reranker": build_tiny_classifier(root / "reranker", "llama", ["relevant"], seed=11),
             "sentiment": build_tiny_classifier(root / "sentiment", "mistral", ["neg", "neu", "pos"], seed=12,
-                                               sliding_window=None)}
+                                               sliding_window=None),
+            "bert": build_tiny_encoder(root / "bert", "bert", ["relevant"], seed=13)}
 
 
 def serve(model: Path, log: Path, *extra: str) -> ServerProcess:
@@ -41,7 +43,8 @@ def serve(model: Path, log: Path, *extra: str) -> ServerProcess:
 def servers(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     logs = tmp_path_factory.mktemp("classifier_servers")
     started = {"reranker": serve(models["reranker"], logs / "reranker.log"),
-               "sentiment": serve(models["sentiment"], logs / "sentiment.log", "--data-parallel-size", "2")}
+               "sentiment": serve(models["sentiment"], logs / "sentiment.log", "--data-parallel-size", "2"),
+               "bert": serve(models["bert"], logs / "bert.log")}
     try:
         for s in started.values():
             s.wait_ready()
@@ -109,3 +112,21 @@ def test_a_causal_lm_refuses_classify(smol_server: ServerProcess) -> None:
     r = httpx.post(smol_server.url + "/classify", json={"input": "Hello"}, timeout=60)
     assert_openai_error(r, 400, "model")
     assert "no classification head" in r.json()["error"]["message"]
+
+
+def test_a_bert_cross_encoder_serves(servers: dict[str, ServerProcess], models: dict[str, Path]) -> None:
+    """BERT's pair (`[CLS] query [SEP] doc [SEP]`, the doc in segment 1) scored as offline;
+    its CLS state embeds; it generates nothing."""
+    offline = LLM(str(models["bert"]), dtype="float64")
+    want = offline.score(QUERY, DOCS, use_tqdm=False)
+    url = servers["bert"].url
+    ranked = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60).json()
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    assert [x["index"] for x in ranked["results"]] == order
+    assert [x["relevance_score"] for x in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-12)
+    emb = httpx.post(url + "/v1/embeddings", json={"input": "w5 w6 w7"}, timeout=60).json()["data"][0]["embedding"]
+    assert emb == pytest.approx(offline.embed("w5 w6 w7", use_tqdm=False)[0].outputs.embedding, abs=1e-12)
+    body = {"model": "clf", "prompt": "w5 w6", "max_tokens": 4}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert_openai_error(r, 400, "model")
+    assert "classifier" in r.json()["error"]["message"]
