@@ -56,6 +56,14 @@ class ModelConfig:
             "Heads, KV heads and MLP widths must divide by it; kv_cache_memory is each rank's."
         ),
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "Pipeline parallelism (GPipe's stages, vLLM's -pp): the layers split into this many "
+            "consecutive stages, one device each, with as many batches in flight. Priced by the "
+            "simulator (conveyor simulate); the engine does not build it and refuses more than 1."
+        ),
+    )
     quantization: str | None = field(
         default=None,
         metadata=_help(
@@ -115,6 +123,8 @@ class ModelConfig:
             raise ConfigError(f"num_threads={self.num_threads} must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be at least 1")
         for name in ("quantization", "speculative_quantization"):
             if getattr(self, name) not in (None, "int8"):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: use 'int8' or leave it unset")

@@ -208,6 +208,7 @@ class Engine:
         )
 
         mc = config.model
+        _refuse_pipeline(config)
         device = _resolve_device(mc.device)
         dtype = _resolve_dtype(mc.dtype, device)
         tp = mc.tensor_parallel_size
@@ -322,6 +323,7 @@ class Engine:
         `max_model_len` and `seed`. The cache and scheduler sections apply as in `from_config`,
         and `max_model_len` is further capped by the positions the model was built for.
         """
+        _refuse_pipeline(config)
         if config.model.tensor_parallel_size > 1 or model.tensor_parallel:
             raise ConfigError("tensor_parallel_size > 1 builds its ranks from the model's path: use from_config")
         weight = model.embed_tokens.weight
@@ -1128,6 +1130,14 @@ def plan_cache(
     elif cc.num_swap_blocks is None and block_bytes:
         num_swap_blocks = ((cc.swap_space if swaps else 0) + cc.kv_receive_space) // block_bytes
     return num_blocks, num_swap_blocks, max_len
+
+
+def _refuse_pipeline(config: EngineConfig) -> None:
+    if config.model.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"pipeline_parallel_size={config.model.pipeline_parallel_size}: the engine does not build pipeline "
+            "parallelism (the simulator prices it: conveyor simulate); use tensor_parallel_size"
+        )
 
 
 def _check_encoder_config(config: EngineConfig) -> None:

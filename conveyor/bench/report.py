@@ -177,10 +177,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"token {p.get('token_overhead_s', 0) * 1e6:.0f} us)"
         )
         for name, cap in sim.get("systems", {}).items():
-            tp = cap.get("tensor_parallel_size", 1)
-            each = f" on each of {tp} devices (tensor parallel)" if tp > 1 else ""
+            tp, pp = cap.get("tensor_parallel_size", 1), cap.get("pipeline_parallel_size", 1)
+            split = " x ".join([*([f"{tp} tensor parallel"] if tp > 1 else []), *([f"{pp} pipeline stages"] if pp > 1 else [])])
+            each = f" on each of {tp * pp} devices ({split})" if tp * pp > 1 else ""
+            devices = cap.get("replicas", 1) * tp * pp
             lines.append(f"  - {name}: KV cache {cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens, "
-                         f"weights {cap['weight_gib']:.1f} GiB{each}; {cap.get('replicas', 1) * tp} device{'s' if cap.get('replicas', 1) * tp > 1 else ''} in all")
+                         f"weights {cap['weight_gib']:.1f} GiB{each}; {devices} device{'s' if devices > 1 else ''} in all")
     lines += [
         "",
         "| system | load | done | req/s | in tok/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "

@@ -158,6 +158,15 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps_out = 0
         self.num_swaps_in = 0
+        # Pipeline parallelism (the simulator's): up to `pipeline_depth` batches in flight. A
+        # sequence whose sampled token is still in the pipeline waits for it (its next input;
+        # async scheduling's one step ahead reads it on the device instead), while a prompt's
+        # next chunk may follow the one in flight. A batch takes at most 1/depth of the
+        # sequences there are (seats at most): one batch with all of them would leave the
+        # other stages idle (vLLM V1's underused pipeline, vllm-project/vllm#27462); V0's
+        # virtual engines and SGLang's micro-batches balance them the same way.
+        self.pipeline_depth = 1
+        self._batch_cap = 1 << 62
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -251,6 +260,9 @@ class Scheduler:
         self.running.sort(key=key)
         self.swapped.sort(key=key)
         self.waiting.sort(key=key)
+        if self.pipeline_depth > 1:
+            there = min(len(self.running) + len(self.swapped) + len(self.waiting), self.batching.seat_limit())
+            self._batch_cap = max(1, -(-there // self.pipeline_depth))
         eligible = self.batching.eligible(
             QueueState(now, self.waiting, len(self.running) + len(self.swapped), self._decode_steps_since_admission)
         )
@@ -355,8 +367,8 @@ class Scheduler:
             seq = queue.popleft()
             in_prefill = len(seq.token_ids) - seq.num_computed_tokens > 1
             if (only is not None and in_prefill != (only == "prefill")) or (
-                seq.num_pending and self._owes_last_token(seq)
-            ):
+                seq.num_pending and (self.pipeline_depth > 1 or self._owes_last_token(seq))
+            ) or len(out.scheduled) >= self._batch_cap:
                 kept.append(seq)
                 continue
             num_new = self._prefill_chunk(seq, budget) if in_prefill else min(1, budget)
@@ -463,7 +475,7 @@ class Scheduler:
         (head of line: the queue's order is kept)."""
         bm = self.block_manager
         seats = self.batching.seat_limit()
-        while self.swapped and budget > 0 and len(self.running) < seats:
+        while self.swapped and budget > 0 and len(self.running) < seats and len(out.scheduled) < self._batch_cap:
             seq = self.swapped[0]
             in_prefill = seq.num_uncomputed_tokens > 1
             if only is not None and in_prefill != (only == "prefill"):
@@ -495,7 +507,7 @@ class Scheduler:
         caching = bm.enable_prefix_caching
         adapters: set[tuple[str, int]] | None = None  # the adapters running or swapped out, once one is asked for
         for seq in eligible:
-            if budget <= 0 or len(self.running) >= seats:
+            if budget <= 0 or len(self.running) >= seats or len(out.scheduled) >= self._batch_cap:
                 break
             if seq.lora_request is not None:
                 if adapters is None:

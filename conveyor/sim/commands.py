@@ -52,6 +52,9 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                         ("link-efficiency", "tensor_parallel_size > 1: share of the device link's bandwidth "
                                             "an all-reduce reaches (default 0.8)")):
         g.add_argument(f"--{name}", type=float, default=None, help=f"cost model: {help_} (overrides the default)")
+    g.add_argument("--pipeline-link-gbps", type=float, default=None,
+                   help="pipeline_parallel_size > 1: the link between stages, in GB/s (default: the devices' own, "
+                        "NVLink's 450 on an H100: stages in one machine; 50: a 400 Gb/s NIC between machines)")
     g.add_argument("--kv-transfer-gbps", type=float, default=50.0,
                    help="with --prefill-replicas/--decode-replicas: the link a handoff's K/V cross, in GB/s "
                         "(default 50: one 400 Gb/s NIC between machines; NVLink within one is ~450)")
@@ -108,7 +111,8 @@ class SimSystem(ConveyorSystem):
 
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
                  params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None,
-                 acceptance_rate: float | None = None, link_bandwidth: float = 50e9) -> None:
+                 acceptance_rate: float | None = None, link_bandwidth: float = 50e9,
+                 pipeline_link_bandwidth: float | None = None) -> None:
         """`cost_model` replaces the roofline model that `params` would build (a profiled table,
         or one that records the steps it prices); `router` holds `RouterConfig` options;
         `acceptance_rate` is the chance a speculative draft is accepted; `link_bandwidth` (bytes/s)
@@ -124,6 +128,7 @@ class SimSystem(ConveyorSystem):
         self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
         self.acceptance_rate = acceptance_rate
         self.link_bandwidth = link_bandwidth
+        self.pipeline_link_bandwidth = pipeline_link_bandwidth
         self.last_engine: Any = None
         self.last_engines: list[Any] = []
 
@@ -138,7 +143,8 @@ class SimSystem(ConveyorSystem):
         from conveyor.sim.engine import build_sim_engine
 
         self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
-                                            acceptance_rate=self.acceptance_rate)
+                                            acceptance_rate=self.acceptance_rate,
+                                            pipeline_link_bandwidth=self.pipeline_link_bandwidth)
         self.last_engines = [self.last_engine]
         return self.last_engine
 
@@ -193,7 +199,8 @@ class SimSystem(ConveyorSystem):
 
         n = self.router_config.data_parallel_size
         engines = [build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
-                                    acceptance_rate=self.acceptance_rate, seed=i) for i in range(n)]
+                                    acceptance_rate=self.acceptance_rate,
+                                    pipeline_link_bandwidth=self.pipeline_link_bandwidth, seed=i) for i in range(n)]
         self.last_engine, self.last_engines = engines[0], engines
 
         def describe(done: Any, timings: list[Any], traces: list[Any], stats: dict[str, Any]) -> None:
@@ -227,7 +234,8 @@ class SimSystem(ConveyorSystem):
 
         def build(config: Any, seed: int) -> Any:
             return build_sim_engine(config, self.hardware, self.model, self.params, self.cost_model,
-                                    acceptance_rate=self.acceptance_rate, seed=seed)
+                                    acceptance_rate=self.acceptance_rate,
+                                    pipeline_link_bandwidth=self.pipeline_link_bandwidth, seed=seed)
 
         prefill = [build(self.config, i) for i in range(rc.prefill_replicas)]
         decode = [build(decode_config, rc.prefill_replicas + i) for i in range(rc.decode_replicas)]
@@ -308,7 +316,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         args, result, specs, requests, points, slo,
         build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size, router=router,
                                      acceptance_rate=args.spec_acceptance_rate,
-                                     link_bandwidth=args.kv_transfer_gbps * 1e9),
+                                     link_bandwidth=args.kv_transfer_gbps * 1e9,
+                                     pipeline_link_bandwidth=None if args.pipeline_link_gbps is None
+                                     else args.pipeline_link_gbps * 1e9),
         options_of=lambda spec, system: {**dataclasses.asdict(system.config.scheduler),
                                          **dataclasses.asdict(system.router_config)},
         kind="simulated", on_point=on_point,
@@ -316,7 +326,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim["wall_s"] = time.perf_counter() - wall
     cap = next(iter(sim["systems"].values()), None)
     if cap:
-        each = f" on each of {cap['tensor_parallel_size']} devices" if cap["tensor_parallel_size"] > 1 else ""
+        devices = cap["tensor_parallel_size"] * cap["pipeline_parallel_size"]
+        each = f" on each of {devices} devices" if devices > 1 else ""
         print(f"{model.name} on {hardware.description}: weights {cap['weight_gib']:.1f} GiB, KV cache "
               f"{cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens{each}; simulated in {sim['wall_s']:.1f} s")
     return _finish(args, result, out)

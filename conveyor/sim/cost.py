@@ -25,6 +25,13 @@ the roofline, with efficiency factors for what real kernels reach:
                     the weights, heads and LM head above, and a step adds 2 all-reduces a
                     layer (latency + 2 (n-1)/n x tokens x hidden bytes / link bandwidth) and
                     the gather of the sampled rows' logits
+    pipeline_send   pipeline parallelism over p stages (`pipeline_parallel`): the layers split
+                    into p consecutive stages (as evenly as whole layers go), and a batch
+                    crosses p - 1 links between them (latency + tokens x hidden bytes / the
+                    link's bandwidth). `stage_times` gives each stage's share: its layers'
+                    part of everything per layer, the LM head on the last stage, the step's
+                    fixed costs (scheduling, launches, host) on the first; `step_time` is a
+                    batch's way through them all
     after idle      a step that starts after the device sat idle for `idle_threshold_s` or
                     more costs `idle_cost_s` seconds more, and `idle_factor` times its price
                     more (a calibrated CPU: caches and clocks gone cold while the server
@@ -124,6 +131,8 @@ class CostParams:
     # the share of the link's bandwidth a ring all-reduce reaches.
     allreduce_latency_s: float = 10e-6
     link_efficiency: float = 0.8
+    # Pipeline parallelism's sends between stages (an assumption): a fixed latency each.
+    send_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         for name in ("mfu", "attn_mfu", "mbu", "kv_mbu", "gemv_mbu", "gemv_mfu"):
@@ -133,7 +142,7 @@ class CostParams:
         if not 0 < self.link_efficiency <= 1:
             raise ValueError(f"link_efficiency={self.link_efficiency} must be in (0, 1]")
         if min(self.step_overhead_s, self.seq_overhead_s, self.token_overhead_s, self.unfused_overhead_s,
-               self.gemm_overhead_s, self.allreduce_latency_s) < 0:
+               self.gemm_overhead_s, self.allreduce_latency_s, self.send_latency_s) < 0:
             raise ValueError("overheads must be >= 0")
         if self.skinny_rows < 1 or self.skinny_pass_rows < 1:
             raise ValueError("skinny_rows and skinny_pass_rows must be at least 1")
@@ -157,12 +166,25 @@ class CostParams:
 
 class RooflineCostModel:
     def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
-                 dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1) -> None:
+                 dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1,
+                 pipeline_parallel: int = 1, pipeline_link_bandwidth: float | None = None) -> None:
         """`tensor_parallel`: the devices one step runs on (Megatron-LM's split, as vLLM's -tp):
         each computes 1/n of the layers' weights, of the LM head (split by vocabulary) and of
         the attention heads, holds its share of the K/V (`ModelShape.kv_share`), and the step
         adds two all-reduces of its `[tokens, hidden]` activations a layer (a ring: each device
-        sends and receives 2 (n-1)/n of them) and a gather of the sampled rows' logits."""
+        sends and receives 2 (n-1)/n of them) and a gather of the sampled rows' logits.
+        `pipeline_parallel`: stages of consecutive layers (each of `tensor_parallel` devices),
+        their activations sent from one to the next over `pipeline_link_bandwidth` bytes/s (by
+        default the devices' own link: stages within one machine)."""
+        if not 1 <= pipeline_parallel <= model.num_layers:
+            raise ValueError(f"{model.name}: pipeline_parallel_size={pipeline_parallel} must be in "
+                             f"[1, its {model.num_layers} layers]")
+        self.pipeline_parallel = pipeline_parallel
+        base, extra = divmod(model.num_layers, pipeline_parallel)  # vLLM's split: the first stages one more
+        self.stage_layers = [base + (k < extra) for k in range(pipeline_parallel)]
+        link_bw = pipeline_link_bandwidth or hardware.peer_bandwidth
+        self._send_fixed_s = (params or CostParams()).send_latency_s
+        self._send_token_s = model.hidden_size * (dtype_bytes or hardware.dtype_bytes) / link_bw
         self.hardware = hardware
         self.model = model
         self.params = params or CostParams()
@@ -226,8 +248,12 @@ class RooflineCostModel:
             return max(self._head_gemv_flop_s * rows, self._head_gemv_s * -(-rows // self._pass))
         return max(self._head_flop_s * rows, self._head_mem_s)
 
+    # The parts a layer split prices by its share of the layers; the rest sit on one stage.
+    LAYER_PARTS = ("linear", "experts", "attn_prefill", "attn_decode", "allreduce")
+
     def breakdown(self, s: StepShape) -> dict[str, float]:
-        """Seconds per part of the step; `step_time` is their sum."""
+        """Seconds per part of the step (with pipeline stages, of a batch's way through them
+        all); `step_time` is their sum."""
         p = self.params
         busy = s.num_tokens > 0
         parts = {
@@ -247,7 +273,28 @@ class RooflineCostModel:
         cold = busy and (p.idle_factor or p.idle_cost_s) and s.idle_before_s >= p.idle_threshold_s
         parts["after_idle"] = p.idle_factor * sum(parts.values()) + p.idle_cost_s if cold else 0.0
         parts["host"] = p.host_s if busy else 0.0
+        sends = self.pipeline_parallel - 1
+        parts["pipeline_send"] = sends * (self._send_fixed_s + self._send_token_s * s.num_tokens) if busy else 0.0
         return parts
+
+    def stage_times(self, s: StepShape) -> tuple[list[float], float]:
+        """Each pipeline stage's seconds of compute for this batch, and the seconds of one send
+        from a stage to the next (one stage without pipeline parallelism: `step_time`, 0).
+        The logits' gather of tensor parallelism goes with the LM head, on the last stage;
+        `step_time` is the stages' sum and the p - 1 sends."""
+        parts = self.breakdown(s)
+        n = self.pipeline_parallel
+        if n == 1:
+            return [sum(parts.values())], 0.0
+        gather = (self.params.allreduce_latency_s + self._gather_row_s * s.num_sampled
+                  if s.num_sampled and s.num_tokens and self.tensor_parallel > 1 else 0.0)
+        layered = sum(parts[k] for k in self.LAYER_PARTS) - gather
+        fixed = sum(v for k, v in parts.items() if k not in self.LAYER_PARTS and k not in ("lm_head", "pipeline_send"))
+        layers = self.model.num_layers
+        times = [layered * count / layers for count in self.stage_layers]
+        times[0] += fixed
+        times[-1] += parts["lm_head"] + gather
+        return times, parts["pipeline_send"] / (n - 1)
 
     def fused(self, s: StepShape) -> bool:
         """Whether the runner takes its fused decode path for this step (never for a mixture of

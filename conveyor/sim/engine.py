@@ -12,12 +12,20 @@ full `num_speculative_tokens` from a request's third token on.) With a draft mod
 (`speculative_model`, a catalog name or config.json), the engine's real drafter runs the
 draft's steps on a second runner over the draft's cost model, and a step's time is its draft
 steps' and its own.
+
+Pipeline parallelism (`pipeline_parallel_size` p) runs as vLLM's V1 engine does: one
+scheduler, up to p batches in flight through p stages of consecutive layers. A batch enters the
+first stage once it is free, passes each stage when that stage is free (`stage_times`), and
+its tokens come back when it leaves the last; until then its sequences sit out (their next
+input is not known yet), while a prompt's next chunk may follow the one in flight.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
@@ -66,6 +74,10 @@ class SimRunner:
         duration = self.cost_model.step_time(shape)
         self.busy_s += duration
         self.num_steps += 1
+        return self.result(scheduler_output, duration)
+
+    def result(self, scheduler_output: SchedulerOutput, duration: float) -> RunnerOutput:
+        """The step's tokens (and accepted drafts), as if computed in `duration` seconds."""
         tok = self.token_id
         out = RunnerOutput(
             sampled={s.seq_id: tok for s in scheduler_output.scheduled if s.sample},
@@ -115,6 +127,70 @@ class SimEngine(Engine):
         return self.runner.busy_s + drafts  # type: ignore[attr-defined]
 
 
+@dataclass(slots=True)
+class _Batch:
+    scheduled: SchedulerOutput
+    output: RunnerOutput
+    start: float
+    done: float  # when it leaves the last stage
+
+
+class PipelineSimEngine(SimEngine):
+    """`SimEngine` over `cost_model.stage_times`' stages, with up to one batch a stage in
+    flight. Each `step()` launches a batch if the first stage is free and the scheduler has
+    one, else lands the earliest batch (its outputs, at the time it leaves the last stage), or
+    moves the clock to when the first stage frees (so arrivals until then join the next one).
+    A step's recorded time is its batch's way through the pipeline."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.depth = len(self.runner.cost_model.stage_layers)  # type: ignore[attr-defined]
+        self._stage_free = [0.0] * self.depth  # when each stage finishes its last batch
+        self._pipe: deque[_Batch] = deque()
+        self.scheduler.pipeline_depth = self.depth
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pipe) or super().has_unfinished_requests()
+
+    def step(self) -> list[Any]:
+        if self._incoming:
+            self._admit_incoming()
+        outputs = self._step_pipelined()
+        return self._merge(outputs) if self._child_of else outputs
+
+    def _step_pipelined(self) -> list[Any]:
+        while True:
+            now = self.clock.now
+            if len(self._pipe) < self.depth and self._stage_free[0] <= now:
+                sched_out = self.scheduler.schedule(now)
+                if not sched_out.is_empty:
+                    self._launch(sched_out, now)
+                    continue
+                self._nothing_to_run(sched_out, now, idle=not self._pipe)
+                return self._land() if self._pipe else []
+            if len(self._pipe) == self.depth or self._pipe[0].done <= self._stage_free[0]:
+                return self._land()
+            self.wait_until(self._stage_free[0])  # the first stage frees before a batch lands
+            return []
+
+    def _launch(self, sched_out: SchedulerOutput, start: float) -> None:
+        runner = self.runner
+        times, send = runner.cost_model.stage_times(StepShape.of(sched_out))  # type: ignore[attr-defined]
+        free = self._stage_free
+        ready = start
+        for k, seconds in enumerate(times):
+            free[k] = max(ready, free[k]) + seconds
+            ready = free[k] + (send if k + 1 < len(times) else 0.0)  # when the next stage has the activations
+        runner.busy_s += sum(times)  # type: ignore[attr-defined]
+        runner.num_steps += 1  # type: ignore[attr-defined]
+        self._pipe.append(_Batch(sched_out, runner.result(sched_out, ready - start), start, ready))  # type: ignore[attr-defined]
+
+    def _land(self) -> list[Any]:
+        batch = self._pipe.popleft()
+        self.clock.now = max(self.clock.now, batch.done)
+        return self._complete(batch.scheduled, batch.output, batch.start, self.clock.now)
+
+
 def dtype_bytes_of(config: EngineConfig, hardware: Hardware) -> int:
     name = config.model.dtype
     return hardware.dtype_bytes if name == "auto" else DTYPE_BYTES[name]
@@ -131,18 +207,27 @@ def kv_budget(config: EngineConfig, hardware: Hardware, model: ModelShape, dtype
     return max(budget - device_weight_bytes(config, model, dtype_bytes, draft) - CUDA_RUNTIME_RESERVE, 0)
 
 
+def stage_share(config: EngineConfig, model: ModelShape) -> float:
+    """The share of the layers the fullest pipeline stage holds (1 without pipeline
+    parallelism): the first stages take one layer more where the count does not divide."""
+    p = config.model.pipeline_parallel_size
+    return -(-model.num_layers // p) / model.num_layers
+
+
 def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: int,
                         draft: ModelShape | None = None) -> int:
-    """The weights one device holds: 1/n of the model's (and its draft's) under tensor parallelism."""
+    """The weights one device holds: 1/n of the model's (and its draft's) under tensor
+    parallelism, and its stage's share of them under pipeline parallelism (the fullest's)."""
     weights = model.weight_bytes(dtype_bytes) + (draft.weight_bytes(dtype_bytes) if draft else 0)
-    return -(-weights // config.model.tensor_parallel_size)
+    return math.ceil(weights * stage_share(config, model) / config.model.tensor_parallel_size)
 
 
 def device_kv_bytes_per_token(config: EngineConfig, model: ModelShape, dtype_bytes: int,
                               draft: ModelShape | None = None) -> int:
-    """A token's K/V on one device (its share of the KV heads under tensor parallelism)."""
+    """A token's K/V on one device (its share of the KV heads under tensor parallelism, of
+    the layers under pipeline parallelism)."""
     n = config.model.tensor_parallel_size
-    per_token = model.kv_bytes_per_token(dtype_bytes) * model.kv_share(n)
+    per_token = model.kv_bytes_per_token(dtype_bytes) * model.kv_share(n) * stage_share(config, model)
     if draft is not None:
         per_token += draft.kv_bytes_per_token(dtype_bytes) * draft.kv_share(n)
     return math.ceil(per_token)
@@ -179,9 +264,12 @@ def build_sim_engine(
     max_trace_steps: int | None = 100_000,
     acceptance_rate: float | None = None,
     seed: int = 0,
+    pipeline_link_bandwidth: float | None = None,
 ) -> SimEngine:
     """A simulated engine for `config` (scheduler and cache sections as for a real one);
-    `acceptance_rate` is the chance that a speculative draft is accepted (`seed` draws them)."""
+    `acceptance_rate` is the chance that a speculative draft is accepted (`seed` draws them);
+    `pipeline_link_bandwidth` (bytes/s) the link between pipeline stages (default: the
+    devices' own)."""
     if config.scheduler.speculative_method is not None and acceptance_rate is None:
         raise ConfigError(
             "the simulator has no model to verify drafts: speculative decoding needs "
@@ -191,7 +279,14 @@ def build_sim_engine(
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
     b = dtype_bytes_of(config, hardware)
     draft = _draft_shape(config, model)
-    tp = config.model.tensor_parallel_size
+    tp, pp = config.model.tensor_parallel_size, config.model.pipeline_parallel_size
+    if pp > 1:
+        if draft is not None or config.scheduler.speculative_method is not None:
+            raise ConfigError("pipeline_parallel_size > 1 with speculative decoding is not modelled")
+        if not pp <= model.num_layers:
+            raise ConfigError(f"pipeline_parallel_size={pp}: {model.name} has {model.num_layers} layers to split")
+        if cost_model is not None and not hasattr(cost_model, "stage_times"):
+            raise ConfigError("pipeline_parallel_size > 1 needs a cost model that prices stages (stage_times)")
     for shape in (model, draft) if tp > 1 else ():
         if shape is not None:
             try:
@@ -202,9 +297,9 @@ def build_sim_engine(
     if hardware.is_gpu and weights > hardware.memory_bytes * config.cache.gpu_memory_utilization:
         raise ConfigError(
             f"{model.name}{' and its draft weigh' if draft else ' weighs'} {weights / 2**30:.1f} GiB in {b}-byte weights"
-            f"{f' on each of {tp} devices' if tp > 1 else ''}, more than "
+            f"{f' on each of {tp * pp} devices' if tp * pp > 1 else ''}, more than "
             f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"
-            f"{'' if tp > 1 else ' (tensor_parallel_size splits them across devices)'}"
+            f"{'' if tp * pp > 1 else ' (tensor_parallel_size or pipeline_parallel_size splits them across devices)'}"
         )
     num_blocks, num_swap, max_len = plan_cache(
         config, device_kv_bytes_per_token(config, model, b, draft),
@@ -213,10 +308,12 @@ def build_sim_engine(
     )
     eos = frozenset(model.eos_token_ids)
     scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
-    cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp)
+    cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
+                                           pipeline_link_bandwidth)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
-    engine = SimEngine(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
-                       clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
+    kind = PipelineSimEngine if pp > 1 else SimEngine
+    engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
+                  clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
     if draft is not None:
         from conveyor.runner.drafter import Drafter
 
@@ -242,6 +339,7 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
         "hardware": hw.name,
         "model": model.name,
         "tensor_parallel_size": cfg.model.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.model.pipeline_parallel_size,
         "dtype_bytes": b,
         "weight_gib": weights / 2**30,
         "kv_bytes_per_token": per_token,

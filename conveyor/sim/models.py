@@ -200,6 +200,7 @@ MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Llama-3.1-8B's vocabulary: the draft model of speculative decoding's usual pairing.
     "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", _llama(2048, 16, 32, 8, 8192, 128256, 131072, tied=True, head_dim=64)),
     "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", _llama(8192, 80, 64, 8, 28672, 128256, 131072)),
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B", _llama(16384, 126, 128, 8, 53248, 128256, 131072)),
     "llama-2-7b": ("meta-llama/Llama-2-7b-hf", _llama(4096, 32, 32, 32, 11008, 32000, 4096)),
     "llama-2-13b": ("meta-llama/Llama-2-13b-hf", _llama(5120, 40, 40, 40, 13824, 32000, 4096)),
     "llama-13b": ("huggyllama/llama-13b (LLaMA-1)", _llama(5120, 40, 40, 40, 13824, 32000, 2048)),

@@ -59,7 +59,7 @@ def test_capacity_is_per_device():
     """Llama-3.1-70B in bf16 (141 GB) fits no single H100; on 4, each holds a quarter of the
     weights and of each token's K/V."""
     hw, model = get_hardware("h100-sxm"), get_model("llama-3.1-70b")
-    with pytest.raises(ConfigError, match="tensor_parallel_size splits"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size or pipeline_parallel_size splits"):
         build_sim_engine(EngineConfig.from_kwargs(), hw, model)
     engine = build_sim_engine(EngineConfig.from_kwargs(tensor_parallel_size=4), hw, model)
     cap = describe_capacity(engine)
@@ -90,7 +90,7 @@ def test_simulated_runs_from_the_command_line(tmp_path, capsys):
                "tp4:tensor_parallel_size=4", "tp8:tensor_parallel_size=8"])
     assert rc == 0
     summary = (tmp_path / "summary.md").read_text()
-    assert "on each of 4 devices (tensor parallel); 4 devices in all" in summary
+    assert "on each of 4 devices (4 tensor parallel); 4 devices in all" in summary
     assert "on each of 8 devices" in summary
 
 
