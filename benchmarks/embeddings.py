@@ -30,6 +30,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,30 +38,29 @@ import torch
 from conveyor import LLM, PoolingParams
 
 
+def padded(prompts: list[list[int]], batch: int, pad: int) -> Iterator[tuple[list[list[int]], dict[str, torch.Tensor]]]:
+    """HF's inputs: `batch` prompts at a time, right-padded with `pad`, with their attention mask."""
+    for s in range(0, len(prompts), batch):
+        group = prompts[s : s + batch]
+        width = max(len(p) for p in group)
+        yield group, {"input_ids": torch.tensor([p + [pad] * (width - len(p)) for p in group]),
+                      "attention_mask": torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])}
+
+
+@torch.no_grad()
 def hf_embed(model, prompts: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A causal LM's last real token's hidden state, normalized."""
     out: list[torch.Tensor] = []
-    with torch.no_grad():
-        for s in range(0, len(prompts), batch):
-            group = prompts[s : s + batch]
-            width = max(len(p) for p in group)
-            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
-            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
-            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-            for row, p in enumerate(group):
-                out.append(torch.nn.functional.normalize(hidden[row, len(p) - 1], dim=0))
+    for group, inputs in padded(prompts, batch, pad):
+        hidden = model.model(**inputs).last_hidden_state
+        out += [torch.nn.functional.normalize(hidden[row, len(p) - 1], dim=0) for row, p in enumerate(group)]
     return out
 
 
+@torch.no_grad()
 def hf_classify(model, prompts: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    out: list[torch.Tensor] = []
-    with torch.no_grad():
-        for s in range(0, len(prompts), batch):
-            group = prompts[s : s + batch]
-            width = max(len(p) for p in group)
-            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
-            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
-            out.extend(model(input_ids=ids, attention_mask=mask).logits.softmax(dim=-1))
-    return out
+    """A sequence classifier's probabilities (its own pick of the last real token)."""
+    return [row for _, inputs in padded(prompts, batch, pad) for row in model(**inputs).logits.softmax(dim=-1)]
 
 
 def make_classifier(model: str | None, out: Path) -> str:
@@ -99,17 +99,11 @@ def make_encoder(kind: str, out: Path) -> str:
     return str(out)
 
 
+@torch.no_grad()
 def hf_encode(model, prompts: list[list[int]], batch: int, pad: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    out: list[torch.Tensor] = []
-    with torch.no_grad():
-        for s in range(0, len(prompts), batch):
-            group = prompts[s : s + batch]
-            width = max(len(p) for p in group)
-            ids = torch.tensor([p + [pad] * (width - len(p)) for p in group])
-            mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in group])
-            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            out.extend(torch.nn.functional.normalize(hidden[:, 0], dim=-1))
-    return out
+    """An encoder's CLS state, normalized."""
+    return [row for _, inputs in padded(prompts, batch, pad)
+            for row in torch.nn.functional.normalize(model(**inputs).last_hidden_state[:, 0], dim=-1)]
 
 
 def main() -> None:
