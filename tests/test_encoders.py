@@ -158,17 +158,19 @@ def bert_engine(encoders) -> Engine:
     seats=st.sampled_from([1, 3, 8]),
     blocks=st.sampled_from([None, 24]),
     mode=st.sampled_from(["chunked", "mixed", "prefill_first"]),
+    overlap=st.booleans(),
 )
 def test_any_budget_computes_each_prompt_whole(encoders, bert_engine: Engine, seed, n, budget, seats, blocks,
-                                               mode) -> None:
-    """Random prompts (one token to 60) under random token budgets, seats, caches and prefill
-    modes: each prompt is computed whole in one step, beside others (chunked prefill is turned
-    off, the budget raised to the longest prompt), and gets HF's vector as if alone."""
+                                               mode, overlap) -> None:
+    """Random prompts (one token to 60) under random token budgets, seats, caches, prefill
+    modes and async scheduling: each prompt is computed whole in one step, beside others
+    (chunked prefill is turned off, the budget raised to the longest prompt), and gets HF's
+    vector as if alone."""
     prompts = random_prompts(n, seed, longest=58)
     rng = random.Random(seed)
     prompts = [p[: rng.choice([1, len(p)])] for p in prompts]  # some one-token prompts
     options = {"max_num_batched_tokens": budget, "max_num_seqs": seats, "prefill_mode": mode,
-               "num_kv_blocks": blocks, "block_size": 4}
+               "num_kv_blocks": blocks, "block_size": 4, "async_scheduling": overlap}
     engine = Engine.from_model(EngineConfig.from_kwargs(**options), bert_engine.runner.model, bert_engine.tokenizer)
     assert engine.config.scheduler.prefill_mode != "chunked" and not engine.config.cache.enable_prefix_caching
     for i, p in enumerate(prompts):
