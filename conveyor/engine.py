@@ -130,6 +130,7 @@ class _Request:
     export_kv: bool = False  # the prefill of a disaggregated request: its K/V go out at the end
     handoff: KVHandoff | None = None  # ... read when its last prompt token is computed
     embedding: list[float] | None = None  # SamplingParams.pooling: the pooled vector, once computed
+    token_embeddings: list[list[float]] | None = None  # ... pooling_type "all": one a prompt token
 
 
 @dataclass(slots=True)
@@ -191,6 +192,7 @@ class Engine:
         # A sequence classifier's class names (its model's `score` rows); empty for a causal LM.
         self.labels: tuple[str, ...] = ()
         self.is_encoder = False  # a bidirectional encoder (BERT): it pools, and generates nothing
+        self.token_classifier = False  # its head classifies every token (`*ForTokenClassification`)
         self.default_pooling = "last"  # what an embedding pools when its request does not say
 
     # -- construction ----------------------------------------------------------------------
@@ -408,6 +410,7 @@ class Engine:
         engine.arch = arch  # type: ignore[attr-defined]
         engine.labels = arch.labels
         engine.is_encoder = arch.is_encoder
+        engine.token_classifier = arch.token_classifier
         engine.default_pooling = arch.default_pooling
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
@@ -562,8 +565,9 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
         if params.pooling is not None and params.pooling.pooling_type is None:  # the model's own pooling
-            params = dataclasses.replace(
-                params, pooling=dataclasses.replace(params.pooling, pooling_type=self.default_pooling))
+            tokens = self.token_classifier and params.pooling.task == "classify"
+            params = dataclasses.replace(params, pooling=dataclasses.replace(
+                params.pooling, pooling_type="all" if tokens else self.default_pooling))
         if (export_kv or kv_handoff is not None) and params.n > 1:
             raise InvalidRequestError("K/V are handed over for one choice (n=1)", param="kv_transfer")
         if export_kv and params.max_tokens != 1:
@@ -631,6 +635,11 @@ class Engine:
             raise InvalidRequestError(
                 "this model has no classification head: classify with a *ForSequenceClassification model, "
                 "or embed with this one", param="task",
+            )
+        if pooling.task == "classify" and self.token_classifier and pooling.pooling_type not in (None, "all"):
+            raise InvalidRequestError(
+                f"this model classifies each token: its head reads pooling_type 'all', not {pooling.pooling_type!r}",
+                param="pooling_type",
             )
         if pooling.dimensions is not None and pooling.dimensions > size:
             raise InvalidRequestError(
@@ -905,17 +914,19 @@ class Engine:
             pooling = None if req is None else req.seq.sampling_params.pooling
             if req is None or pooling is None:
                 continue
-            v = vector.cpu()
+            v = vector.cpu()  # a vector, or (pooling_type "all") a row a prompt token
             if pooling.task == "classify":
                 if pooling.activation:
-                    v = torch.sigmoid(v) if v.numel() == 1 else torch.softmax(v, dim=0)
+                    v = torch.sigmoid(v) if v.shape[-1] == 1 else torch.softmax(v, dim=-1)
+            else:
+                if pooling.dimensions is not None:
+                    v = v[..., : pooling.dimensions]
+                if pooling.normalize:
+                    v = torch.nn.functional.normalize(v, dim=-1)
+            if v.dim() == 2:
+                req.token_embeddings = v.tolist()
+            else:
                 req.embedding = v.tolist()
-                continue
-            if pooling.dimensions is not None:
-                v = v[: pooling.dimensions]
-            if pooling.normalize:
-                v = torch.nn.functional.normalize(v, dim=0)
-            req.embedding = v.tolist()
 
     def _idle(self, wake_at: float | None) -> None:
         """Nothing is schedulable yet (a dynamic batch's window is open): wait a little."""
@@ -1037,6 +1048,7 @@ class Engine:
         out = self._output(req, final=True)
         out.kv_handoff = req.handoff
         out.embedding = req.embedding
+        out.token_embeddings = req.token_embeddings
         seq = req.seq
         if self.trace:
             self.finished_requests.append(

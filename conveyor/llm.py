@@ -14,6 +14,8 @@ from conveyor.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
 )
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
@@ -94,6 +96,42 @@ class LLM:
         pooled (`PoolingParams`: the last token's by default, normalized), batched with
         continuous batching beside any other requests. `out.outputs.embedding` is a list of
         floats. Every prompt is validated before any work starts."""
+        outs = self._pooled(prompts, pooling_params, use_tqdm, lora_request, priority)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []), o.finished)
+            for o in outs
+        ]
+
+    def encode(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        priority: int = 0,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output as its `PoolingParams` ask (vLLM's `LLM.encode`):
+        `out.outputs.data` is a vector, or with `pooling_type="all"` one vector a prompt token
+        (the hidden states; with `task="classify"` a token classifier's probabilities, what a
+        token classifier gives by default)."""
+        if pooling_params is None and self.engine.token_classifier:
+            pooling_params = PoolingParams(task="classify")
+        outs = self._pooled(prompts, pooling_params, use_tqdm, lora_request, priority)
+        return [
+            PoolingRequestOutput(o.request_id, o.prompt_token_ids,
+                                 PoolingOutput(o.token_embeddings if o.token_embeddings is not None else o.embedding or []),
+                                 o.finished)
+            for o in outs
+        ]
+
+    def _pooled(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+        priority: int,
+    ) -> list[RequestOutput]:
         batch = _as_prompt_list(prompts)
         pooling: list[PoolingParams]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -105,11 +143,7 @@ class LLM:
                     f"{len(pooling)} pooling params for {len(batch)} prompts", param="pooling_params"
                 )
         params = [SamplingParams.for_pooling(p, priority) for p in pooling]
-        outs = self.generate(batch, params, use_tqdm, lora_request)
-        return [
-            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []), o.finished)
-            for o in outs
-        ]
+        return self.generate(batch, params, use_tqdm, lora_request)
 
     def classify(
         self,
@@ -123,7 +157,11 @@ class LLM:
         classifier (`*ForSequenceClassification`): its head over the last token's hidden
         state, softmax over the classes (a sigmoid for a one-class model; the logits with
         `PoolingParams(activation=False)`). `out.outputs.probs`, `out.label` the most probable
-        class's name. Batched with continuous batching beside any other requests."""
+        class's name. Batched with continuous batching beside any other requests. A token
+        classifier classifies each token: `encode` gives its rows."""
+        if self.engine.token_classifier:
+            raise InvalidRequestError("this model classifies each token: LLM.encode gives one row of "
+                                      "probabilities a prompt token", param="model")
         base = pooling_params or PoolingParams()
         pooling = PoolingParams(base.pooling_type, task="classify", activation=base.activation)
         outs = self.embed(prompts, pooling, use_tqdm, lora_request, priority)

@@ -53,6 +53,9 @@ class RequestOutput:
     # SamplingParams.pooling (an embedding request): the pooled vector, on the final output;
     # a classification's (task "classify"): its classes' probabilities (or logits).
     embedding: list[float] | None = None
+    # pooling_type "all": one such vector a prompt token (hidden states, or a token
+    # classifier's probabilities), in place of `embedding`.
+    token_embeddings: list[list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -88,4 +91,19 @@ class ClassificationRequestOutput:
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
     label: str
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    data: list[float] | list[list[float]]  # a vector, or (pooling_type "all") one a prompt token
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What `LLM.encode` returns for one prompt (vLLM's shape: `.outputs.data`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool = True

@@ -71,7 +71,7 @@ class StructuredOutputParams:
         return ("json_object", True)
 
 
-POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TYPES = ("last", "mean", "cls", "all")
 POOLING_TASKS = ("embed", "classify")
 
 
@@ -81,7 +81,8 @@ class PoolingParams:
     (after the model's last norm) pooled into one vector.
 
     `pooling_type`: "last", the last prompt token's state (what a causal model's prompt ends
-    in); "mean", the mean over every prompt token; "cls", the first token's; None (the
+    in); "mean", the mean over every prompt token; "cls", the first token's; "all", every
+    prompt token's, one vector each (a token classifier's default); None (the
     default): the model's own (`ArchConfig.default_pooling`: sentence-transformers' pooling
     config where the model has one, else "last" for a decoder and "cls" for an encoder, as
     vLLM's defaults), filled in by the engine. `dimensions` keeps the first that many values

@@ -88,19 +88,17 @@ def save_word_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
                             unk_token="<unk>").save_pretrained(out_dir)
 
 
-def build_tiny_classifier(out_dir: Path, family: str, labels: list[str], seed: int = 0, **overrides: Any) -> Path:
-    """A random-weight HF `*ForSequenceClassification` of `family` with these class names and
-    a word-level tokenizer (`save_word_tokenizer`), saved to `out_dir`."""
+def build_tiny_classifier(out_dir: Path, family: str, labels: list[str], seed: int = 0, tokens: bool = False,
+                          **overrides: Any) -> Path:
+    """A random-weight HF `*ForSequenceClassification` of `family` (`*ForTokenClassification`
+    with `tokens`) with these class names and a word-level tokenizer (`save_word_tokenizer`),
+    saved to `out_dir`."""
     import torch
     import transformers as tf
 
-    kinds = {
-        "llama": (tf.LlamaConfig, tf.LlamaForSequenceClassification),
-        "mistral": (tf.MistralConfig, tf.MistralForSequenceClassification),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForSequenceClassification),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForSequenceClassification),
-    }
-    config_cls, model_cls = kinds[family]
+    kind = "TokenClassification" if tokens else "SequenceClassification"
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    config_cls, model_cls = getattr(tf, f"{names[family]}Config"), getattr(tf, f"{names[family]}For{kind}")
     id2label = dict(enumerate(labels))
     config = config_cls(**{**TINY, **overrides}, id2label=id2label, label2id={v: k for k, v in id2label.items()},
                         pad_token_id=0)
@@ -119,11 +117,11 @@ ENCODER = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attentio
 
 
 def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None, seed: int = 0,
-                       pooling: str | None = None, **overrides: Any) -> Path:
-    """A random-weight HF BERT or XLM-RoBERTa (`kind`), a classifier with `labels` or an
-    embedding model, with a word-level tokenizer writing BERT's `[CLS] A [SEP] B [SEP]` (ids 2
-    and 3, B in segment 1 for BERT) and, with `pooling` ("cls", "mean", "lasttoken"), a
-    sentence-transformers Pooling module declaring it."""
+                       pooling: str | None = None, tokens: bool = False, **overrides: Any) -> Path:
+    """A random-weight HF BERT or XLM-RoBERTa (`kind`), a classifier with `labels` (of each
+    token with `tokens`) or an embedding model, with a word-level tokenizer writing BERT's
+    `[CLS] A [SEP] B [SEP]` (ids 2 and 3, B in segment 1 for BERT) and, with `pooling` ("cls",
+    "mean", "lasttoken"), a sentence-transformers Pooling module declaring it."""
     import json
 
     import torch
@@ -140,7 +138,10 @@ def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None
     model_cls = {(True, True): tf.BertForSequenceClassification, (True, False): tf.BertModel,
                  (False, True): tf.XLMRobertaForSequenceClassification, (False, False): tf.XLMRobertaModel}
     torch.manual_seed(seed)
-    model = model_cls[bert, labels is not None](config).eval()
+    if tokens:
+        model = (tf.BertForTokenClassification if bert else tf.XLMRobertaForTokenClassification)(config).eval()
+    else:
+        model = model_cls[bert, labels is not None](config).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{f"w{i}": i for i in range(4, config.vocab_size)}}

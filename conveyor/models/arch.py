@@ -25,6 +25,13 @@ CLASSIFIER_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
+# ... with the head over every token instead (a token classifier: NER, tagging).
+TOKEN_CLASSIFIER_ARCHITECTURES = {
+    "LlamaForTokenClassification": "llama",
+    "MistralForTokenClassification": "mistral",
+    "Qwen2ForTokenClassification": "qwen2",
+    "Qwen3ForTokenClassification": "qwen3",
+}
 # Bidirectional encoders (conveyor/models/bert.py): they embed, classify and score pairs, and
 # generate nothing. RoBERTa's positions start after its padding id; XLM-RoBERTa is RoBERTa's.
 ENCODER_ARCHITECTURES = {
@@ -34,6 +41,9 @@ ENCODER_ARCHITECTURES = {
     "RobertaForSequenceClassification": "roberta",
     "XLMRobertaModel": "roberta",
     "XLMRobertaForSequenceClassification": "roberta",
+    "BertForTokenClassification": "bert",
+    "RobertaForTokenClassification": "roberta",
+    "XLMRobertaForTokenClassification": "roberta",
 }
 ENCODER_FAMILIES = ("bert", "roberta")
 # The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
@@ -78,6 +88,7 @@ class ArchConfig:
     # A sequence classifier (`*ForSequenceClassification`): the names of its classes, one
     # each row of its `score` head; empty for a causal LM.
     labels: tuple[str, ...] = ()
+    token_classifier: bool = False  # its head classifies every token (`*ForTokenClassification`)
     # How the model pools an embedding when a request does not say ("last", "mean", "cls"):
     # sentence-transformers' 1_Pooling/config.json where the folder has one, else "cls" for an
     # encoder and "last" for a decoder (vLLM's defaults).
@@ -116,6 +127,7 @@ class ArchConfig:
 
     @property
     def default_pooling(self) -> str:
+        """An embedding's (a token classifier's classification reads "all")."""
         return self.pooling or ("cls" if self.is_encoder else "last")
 
     @property
@@ -144,7 +156,8 @@ class ArchConfig:
             layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
             positions = self.max_position_embeddings + self.position_offset
             embed = (self.vocab_size + positions + self.type_vocab_size) * h + 2 * h
-            head = (h * h + h + self.num_labels * (h + 1)) if self.labels else 0
+            pooler = 0 if self.token_classifier else h * h + h
+            head = (pooler + self.num_labels * (h + 1)) if self.labels else 0
             return L * layer + embed + head
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
@@ -155,7 +168,8 @@ class ArchConfig:
         moe += h if self.shared_expert_intermediate_size else 0  # the shared expert's gate
         mlp = (L - sparse) * 3 * h * i + sparse * moe
         embed = self.vocab_size * h
-        head = self.num_labels * h if self.labels else 0 if self.tie_word_embeddings else self.vocab_size * h
+        head = (self.num_labels * (h + self.token_classifier) if self.labels
+                else 0 if self.tie_word_embeddings else self.vocab_size * h)
         return L * attention + mlp + embed + head + h
 
     @property
@@ -174,20 +188,23 @@ class ArchConfig:
         archs = cfg.get("architectures") or []
         for a in archs:
             if a in ENCODER_ARCHITECTURES:
-                return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("ForSequenceClassification"))
+                return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
+                                        a.endswith("ForTokenClassification"))
         family = None
-        classifier = False
+        classifier = tokens = False
         for a in archs:
-            family = SUPPORTED_ARCHITECTURES.get(a) or CLASSIFIER_ARCHITECTURES.get(a)
+            family = (SUPPORTED_ARCHITECTURES.get(a) or CLASSIFIER_ARCHITECTURES.get(a)
+                      or TOKEN_CLASSIFIER_ARCHITECTURES.get(a))
             if family:
-                classifier = a in CLASSIFIER_ARCHITECTURES
+                classifier = a not in SUPPORTED_ARCHITECTURES
+                tokens = a in TOKEN_CLASSIFIER_ARCHITECTURES
                 break
         if family is None:
             family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(cfg.get("model_type", ""))
         if family is None:
             raise UnsupportedModelError(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | ENCODER_ARCHITECTURES)}"
+                f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | TOKEN_CLASSIFIER_ARCHITECTURES | ENCODER_ARCHITECTURES)}"
             )
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -231,13 +248,14 @@ class ArchConfig:
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             labels=_labels(cfg) if classifier else (),
+            token_classifier=tokens,
         )
 
 
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
-def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool) -> ArchConfig:
+def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens: bool = False) -> ArchConfig:
     """A BERT or RoBERTa config: absolute position embeddings only (what their checkpoints
     use); RoBERTa numbers positions from its padding id + 1, so it has two positions fewer."""
     kind = cfg.get("position_embedding_type", "absolute")
@@ -263,6 +281,7 @@ def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool) -> Arch
         max_position_embeddings=positions - offset,
         tie_word_embeddings=False,
         labels=_labels(cfg) if classifier else (),
+        token_classifier=tokens,
         type_vocab_size=int(cfg.get("type_vocab_size", 2)),
         hidden_act=act,
         position_offset=offset,

@@ -73,7 +73,8 @@ class Encoder(nn.Module):
         self.token_type_embeddings = nn.Embedding(max(arch.type_vocab_size, 1), h)
         self.embed_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps)
         self.layers = nn.ModuleList([EncoderLayer(arch) for _ in range(arch.num_layers)])
-        self.pooler = nn.Linear(h, h) if arch.labels else None  # RoBERTa's classifier.dense
+        # RoBERTa's classifier.dense; a token classifier has none
+        self.pooler = nn.Linear(h, h) if arch.labels and not arch.token_classifier else None
         self.score = nn.Linear(h, arch.num_labels) if arch.labels else None
         self.lm_head = None
         self.sep_token_id = arch.sep_token_id  # set from the tokenizer by the engine when the config lacks it
@@ -112,11 +113,11 @@ class Encoder(nn.Module):
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """The classifier's logits `[rows, num_labels]` over pooled states (the first token's,
-        as BERT and RoBERTa classify), float32 at least."""
-        if self.pooler is None or self.score is None:
+        as BERT and RoBERTa classify; every token's for a token classifier), float32 at least."""
+        if self.score is None:
             raise UnsupportedModelError("this model has no classification head")
-        x = torch.tanh(self.pooler(pooled.to(self.embed_tokens.weight.dtype)))
-        logits = self.score(x)
+        x = pooled.to(self.embed_tokens.weight.dtype)
+        logits = self.score(x if self.pooler is None else torch.tanh(self.pooler(x)))
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -444,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
         # A classifier (`arch.labels`) has a `score` head over the pooled hidden state and no LM head.
         self.lm_head = (None if arch.tie_word_embeddings or arch.labels
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        self.score = nn.Linear(arch.hidden_size, arch.num_labels, bias=False) if arch.labels else None
+        self.score = nn.Linear(arch.hidden_size, arch.num_labels, bias=arch.token_classifier) if arch.labels else None
         self.rotary = Rotary(arch, max_positions)
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
         self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)

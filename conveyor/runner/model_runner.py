@@ -449,13 +449,26 @@ class ModelRunner:
                     self._pool_sums[it.seq_id] = hidden[first]
                 if it.sample:
                     out[it.seq_id] = self._pool_sums.pop(it.seq_id)
+            elif kind == "all":  # every prompt row, the earlier chunks' kept as they pass
+                rows = hidden[first:end]
+                if it.start_pos:
+                    rows = torch.cat((self._pool_sums[it.seq_id], rows))
+                if it.sample:
+                    self._pool_sums.pop(it.seq_id, None)
+                    out[it.seq_id] = rows
+                else:
+                    self._pool_sums[it.seq_id] = rows.clone()
             elif it.sample:  # "last"
                 out[it.seq_id] = hidden[end - 1]
         classify = [seq_id for it in items if (seq_id := it.seq_id) in out
                     and it.sampling_params.pooling is not None and it.sampling_params.pooling.task == "classify"]
-        if classify:  # a classifier's head, once over the step's pooled rows
-            logits = self.model.classify(torch.stack([out[seq_id] for seq_id in classify]))
-            out.update(zip(classify, logits, strict=True))
+        vectors = [seq_id for seq_id in classify if out[seq_id].dim() == 1]
+        if vectors:  # a classifier's head, once over the step's pooled rows
+            logits = self.model.classify(torch.stack([out[seq_id] for seq_id in vectors]))
+            out.update(zip(vectors, logits, strict=True))
+        for seq_id in classify:
+            if out[seq_id].dim() == 2:  # "all": the head over every token
+                out[seq_id] = self.model.classify(out[seq_id])
         return out
 
     def _input_ids(self, token_ids: list[int], pending_rows: list[int], pending_from: list[int]) -> torch.Tensor:

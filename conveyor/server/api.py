@@ -23,6 +23,7 @@ from conveyor.server.config import ServerConfig, default_model_name
 from conveyor.server.embeddings import (
     ClassifyHandler,
     EmbeddingHandler,
+    PoolingHandler,
     RerankHandler,
     ScoreHandler,
     detokenize,
@@ -37,6 +38,7 @@ from conveyor.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    PoolingRequest,
     RerankRequest,
     ResponsesRequest,
     ScoreRequest,
@@ -179,6 +181,12 @@ def build_app(
             raise APIError(404, f"Response with id {response_id!r} not found.", "not_found_error",
                            param="response_id", code="response_not_found")
         return found[0]
+
+    @app.post("/pooling")
+    async def pooling(body: PoolingRequest, raw: Request) -> Response:
+        check_accepting()
+        check_model(body.model)
+        return await PoolingHandler(state, body).run(raw)
 
     @app.post("/classify")
     @app.post("/v1/classify")

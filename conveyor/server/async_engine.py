@@ -190,7 +190,12 @@ class EngineFront(ABC):
     @property
     @abstractmethod
     def labels(self) -> tuple[str, ...]:
-        """A sequence classifier's class names (empty for a model that generates)."""
+        """A classifier's class names (empty for a model that generates)."""
+
+    @property
+    def token_classifier(self) -> bool:
+        """Whether the classifier's head classifies every token (`*ForTokenClassification`)."""
+        return False
 
     @property
     @abstractmethod
@@ -325,6 +330,10 @@ class AsyncEngine(EngineFront):
     @property
     def labels(self) -> tuple[str, ...]:
         return self.engine.labels
+
+    @property
+    def token_classifier(self) -> bool:
+        return self.engine.token_classifier
 
     @property
     def model_path(self) -> str | None:

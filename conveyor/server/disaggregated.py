@@ -111,6 +111,10 @@ class DisaggregatedSet(EngineFront):
         return self.prefill.labels
 
     @property
+    def token_classifier(self) -> bool:
+        return self.prefill.token_classifier
+
+    @property
     def model_path(self) -> str | None:
         return self.prefill.model_path
 

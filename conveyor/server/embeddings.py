@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs
 from conveyor.server.async_engine import EngineRequest
@@ -30,6 +31,7 @@ from conveyor.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     PoolingInputs,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -87,13 +89,15 @@ class _PoolingHandler:
 
     async def embed(self, raw: Request, prompts: list[list[int]]) -> list[list[float]]:
         """Each prompt's vector, the prompts run side by side with whatever else the engine has."""
+        return [o.embedding or [] for o in await self.run_pooled(raw, prompts)]
+
+    async def run_pooled(self, raw: Request, prompts: list[list[int]]) -> list[RequestOutput]:
         b = self.body
         params = SamplingParams.for_pooling(self.pooling(), b.priority, b.user)
         requests = [EngineRequest(f"{self.request_id}-{i}", ids, params, None, self.lora)
                     for i, ids in enumerate(prompts)]
         self.num_prompt_tokens = sum(len(p) for p in prompts)
-        outs = await run_to_end(self.state, raw, requests, "an input")
-        return [o.embedding or [] for o in outs]
+        return await run_to_end(self.state, raw, requests, "an input")
 
     def usage(self) -> dict[str, int]:
         n = self.num_prompt_tokens
@@ -161,6 +165,8 @@ class ClassifyHandler(_InputsHandler):
         if not labels:
             raise InvalidRequestError("this model has no classification head: /classify needs a "
                                       "*ForSequenceClassification model", param="model")
+        if self.state.engine.token_classifier:
+            raise InvalidRequestError("this model classifies each token: /pooling gives its rows", param="model")
         self.pooling()
         results = await self.embed(raw, self.prompts())
         return JSONResponse({
@@ -170,6 +176,38 @@ class ClassifyHandler(_InputsHandler):
             "model": self.model_name,
             "data": [{"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
                       "num_classes": len(p)} for i, p in enumerate(results)],
+            "usage": self.usage(),
+        })
+
+
+class PoolingHandler(_InputsHandler):
+    id_prefix = "pool"
+    body: PoolingRequest
+
+    def pooling(self) -> PoolingParams:
+        b = self.body
+        engine = self.state.engine
+        task = b.task or ("token_classify" if engine.token_classifier else "classify" if engine.labels else "embed")
+        tokens = task.startswith("token_")
+        if tokens and b.pooling_type not in (None, "all"):
+            raise InvalidRequestError(f"task={task!r} pools every token: pooling_type must be 'all' or unset",
+                                      param="pooling_type")
+        kind = "all" if tokens else b.pooling_type
+        if task.endswith("classify"):
+            return PoolingParams(kind, task="classify", activation=b.activation is not False)
+        return PoolingParams(kind, True if b.normalize is None else b.normalize, b.dimensions)
+
+    async def run(self, raw: Request) -> Response:
+        self.pooling()
+        outs = await self.run_pooled(raw, self.prompts())
+        return JSONResponse({
+            "id": self.request_id,
+            "object": "list",
+            "created": self.created,
+            "model": self.model_name,
+            "data": [{"index": i, "object": "pooling",
+                      "data": o.token_embeddings if o.token_embeddings is not None else o.embedding or []}
+                     for i, o in enumerate(outs)],
             "usage": self.usage(),
         })
 

@@ -117,6 +117,7 @@ class _Facts:
     tokenizer: Tokenizer | None
     max_model_len: int
     labels: tuple[str, ...]
+    token_classifier: bool
     model_path: str | None
     model_arg: str | None
     pid: int
@@ -155,6 +156,7 @@ class _Update:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the first that has them only
     kv_handoff: KVHandoff | None = None  # an export_kv request's last update
     embedding: list[float] | None = None  # an embedding request's last update
+    token_embeddings: list[list[float]] | None = None  # ... with pooling_type "all"
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -203,7 +205,8 @@ def _child_main(
         conn.send(("load_failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", _Facts(
-        engine.tokenizer, engine.max_model_len, engine.labels, getattr(engine, "model_path", None),
+        engine.tokenizer, engine.max_model_len, engine.labels, engine.token_classifier,
+        getattr(engine, "model_path", None),
         engine.config.model.model, os.getpid(),
     )))
     _EngineCore(engine, conn, max_queued_requests, idle_poll_s).run()
@@ -370,7 +373,7 @@ class _EngineCore:
             out.num_preemptions, out.num_cached_tokens, m.first_scheduled_time,
             m.first_token_time, m.finished_time, m.token_times[sent:],
             out.prompt if first else None, out.prompt_token_ids if first else None, out.prompt_logprobs,
-            out.kv_handoff, out.embedding,
+            out.kv_handoff, out.embedding, out.token_embeddings,
         )
 
 
@@ -467,6 +470,10 @@ class ProcessAsyncEngine(AsyncEngine):
     @property
     def labels(self) -> tuple[str, ...]:
         return self._known().labels
+
+    @property
+    def token_classifier(self) -> bool:
+        return self._known().token_classifier
 
     @property
     def model_path(self) -> str | None:
@@ -690,6 +697,7 @@ class ProcessAsyncEngine(AsyncEngine):
         ), fresh)
         out.kv_handoff = upd.kv_handoff
         out.embedding = upd.embedding
+        out.token_embeddings = upd.token_embeddings
         return out
 
     # -- deaths ------------------------------------------------------------------------------

@@ -173,6 +173,18 @@ class EmbeddingRequest(PoolingInputs):
     normalize: bool | None = None  # default: true
 
 
+class PoolingRequest(PoolingInputs):
+    """POST /pooling (vLLM's): each input's pooled output for `task`: "embed" (a vector),
+    "classify" (class probabilities), "token_embed" (a vector a token), "token_classify" (a
+    token classifier's probabilities a token); default: the model's (token_classify for a token
+    classifier, classify for a sequence classifier, else embed)."""
+
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    normalize: bool | None = None  # (embeddings) default: true
+    dimensions: int | None = None
+    activation: bool | None = None  # (classifications) default: true
+
+
 class ClassifyRequest(PoolingInputs):
     """POST /classify and /v1/classify (vLLM's, for a sequence classifier): each input's class
     probabilities; `activation=false` gives the logits."""

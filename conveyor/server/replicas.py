@@ -89,6 +89,10 @@ class ReplicaSet(EngineFront):
         return self.replicas[0].labels
 
     @property
+    def token_classifier(self) -> bool:
+        return self.replicas[0].token_classifier
+
+    @property
     def model_path(self) -> str | None:
         return self.replicas[0].model_path
 

@@ -1,6 +1,6 @@
-"""/classify, and /score and /rerank by a cross-encoder, served from tiny random-weight
-`*ForSequenceClassification` models (tests/conftest.py `build_tiny_classifier`) and a BERT
-cross-encoder (`build_tiny_encoder`).
+"""/classify, /pooling, and /score and /rerank by a cross-encoder, served from tiny random-weight
+`*ForSequenceClassification` models (tests/conftest.py `build_tiny_classifier`), a BERT
+cross-encoder and an XLM-RoBERTa token classifier (`build_tiny_encoder`).
 
 What the server answers equals offline `LLM.classify` and `LLM.score` (which
 tests/test_classification.py checks against HF transformers): a one-class model (a reranker)
@@ -31,7 +31,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"reranker": build_tiny_classifier(root / "reranker", "llama", ["relevant"], seed=11),
             "sentiment": build_tiny_classifier(root / "sentiment", "mistral", ["neg", "neu", "pos"], seed=12,
                                                sliding_window=None),
-            "bert": build_tiny_encoder(root / "bert", "bert", ["relevant"], seed=13)}
+            "bert": build_tiny_encoder(root / "bert", "bert", ["relevant"], seed=13),
+            "tagger": build_tiny_encoder(root / "tagger", "xlmr", ["O", "B", "I"], seed=14, tokens=True)}
 
 
 def serve(model: Path, log: Path, *extra: str) -> ServerProcess:
@@ -44,7 +45,8 @@ def servers(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     logs = tmp_path_factory.mktemp("classifier_servers")
     started = {"reranker": serve(models["reranker"], logs / "reranker.log"),
                "sentiment": serve(models["sentiment"], logs / "sentiment.log", "--data-parallel-size", "2"),
-               "bert": serve(models["bert"], logs / "bert.log")}
+               "bert": serve(models["bert"], logs / "bert.log"),
+               "tagger": serve(models["tagger"], logs / "tagger.log")}
     try:
         for s in started.values():
             s.wait_ready()
@@ -130,3 +132,28 @@ def test_a_bert_cross_encoder_serves(servers: dict[str, ServerProcess], models: 
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert_openai_error(r, 400, "model")
     assert "classifier" in r.json()["error"]["message"]
+
+
+def test_pooling_gives_what_each_task_asks(servers: dict[str, ServerProcess], models: dict[str, Path]) -> None:
+    """/pooling: a sequence classifier's default is /classify's probabilities, `token_embed`
+    one vector a prompt token; a token classifier's default its rows of probabilities, as
+    offline `LLM.encode` gives them, and /classify refuses it."""
+    url = servers["sentiment"].url
+    texts = ["w5 w6 w7", "w9"]
+    pooled = httpx.post(url + "/pooling", json={"input": texts}, timeout=60).json()
+    classified = httpx.post(url + "/classify", json={"input": texts}, timeout=60).json()
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    assert [d["data"] for d in pooled["data"]] == [d["probs"] for d in classified["data"]]
+    rows = httpx.post(url + "/pooling", json={"input": texts, "task": "token_embed"}, timeout=60).json()["data"]
+    assert [len(d["data"]) for d in rows] == [len(t.split()) + 1 for t in texts]  # (<s> and the words)
+    assert all(len(r) == 64 and sum(x * x for x in r) == pytest.approx(1.0) for d in rows for r in d["data"])
+    bad = httpx.post(url + "/pooling", json={"input": texts, "task": "token_embed", "pooling_type": "last"}, timeout=60)
+    assert_openai_error(bad, 400, "pooling_type")
+
+    url = servers["tagger"].url
+    offline = LLM(str(models["tagger"]), dtype="float64")
+    want = offline.encode(texts, use_tqdm=False)
+    got = httpx.post(url + "/pooling", json={"input": texts}, timeout=60).json()["data"]
+    assert [d["data"] for d in got] == [[pytest.approx(r, abs=1e-12) for r in w.outputs.data] for w in want]
+    assert [len(d["data"]) for d in got] == [len(t.split()) + 2 for t in texts]  # [CLS] words [SEP]
+    assert_openai_error(httpx.post(url + "/classify", json={"input": texts}, timeout=60), 400, "model")
