@@ -23,7 +23,7 @@ from conveyor.engine import Engine
 from tests.conftest import build_tiny_classifier
 
 VOCAB = 384
-TOL = 1e-6  # HF computes RoPE's angles in float32 even in a float64 model (about 3e-8 apart here)
+TOL = 1e-5  # HF computes RoPE's angles in float32 even in a float64 model (1e-8 to 3e-6 apart here)
 LABELS = {
     "llama": ["negative", "neutral", "positive"],
     "qwen2": ["no", "yes"],

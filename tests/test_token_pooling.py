@@ -18,7 +18,7 @@ from conveyor import LLM, InvalidRequestError, PoolingParams
 from tests.conftest import build_tiny_classifier, build_tiny_encoder
 
 VOCAB = 384
-TOL = 1e-6  # (HF's RoPE angles are float32 even in a float64 model)
+TOL = 1e-5  # (HF's RoPE angles are float32 even in a float64 model: up to about 3e-6 apart)
 
 
 @pytest.fixture(scope="module")
