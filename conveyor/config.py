@@ -56,6 +56,23 @@ class ModelConfig:
             "Heads, KV heads and MLP widths must divide by it; kv_cache_memory is each rank's."
         ),
     )
+    classifier_from_tokens: tuple[str, ...] | None = field(
+        default=None,
+        metadata=_help(
+            "Serve a causal LM as a classifier whose classes are these tokens' LM-head logits at the "
+            "prompt's last token (vLLM's classifier_from_token, how Qwen3-Reranker and LLM-judge "
+            "rerankers score). Two tokens, e.g. 'no yes', make a one-class cross-encoder scoring "
+            "sigmoid(logit(yes) - logit(no)) = P(yes | yes or no); more, one class each. Each must be "
+            "one token of the vocabulary."
+        ),
+    )
+    score_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "How a cross-encoder reads a (query, document) pair: this text with {query} and {document} "
+            "filled in (special tokens added as for a prompt); default: the tokenizer's pair template."
+        ),
+    )
     pipeline_parallel_size: int = field(
         default=1,
         metadata=_help(
@@ -125,6 +142,13 @@ class ModelConfig:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
         if self.pipeline_parallel_size < 1:
             raise ConfigError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be at least 1")
+        if self.classifier_from_tokens is not None:
+            if isinstance(self.classifier_from_tokens, str) or not self.classifier_from_tokens:
+                raise ConfigError("classifier_from_tokens must be a list of one or more tokens, e.g. ['no', 'yes']")
+            object.__setattr__(self, "classifier_from_tokens", tuple(self.classifier_from_tokens))
+        if self.score_template is not None and ("{query}" not in self.score_template
+                                                or "{document}" not in self.score_template):
+            raise ConfigError("score_template must hold {query} and {document}")
         for name in ("quantization", "speculative_quantization"):
             if getattr(self, name) not in (None, "int8"):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: use 'int8' or leave it unset")

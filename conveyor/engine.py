@@ -33,6 +33,7 @@ from conveyor.sampling_params import (
     SamplingParams,
     StructuredOutputParams,
 )
+from conveyor.scoring import ModelHead
 from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -189,11 +190,19 @@ class Engine:
         self.num_kv_received = 0  # handed-over requests that came in with their K/V
         self.num_kv_recomputed = 0  # ... and those whose K/V could never fit, computed here again
         self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
-        # A sequence classifier's class names (its model's `score` rows); empty for a causal LM.
-        self.labels: tuple[str, ...] = ()
+        # A classifier's class names (its model's `score` rows), whether it classifies every
+        # token, and how a cross-encoder's pair reads (conveyor/scoring.py); empty for a causal LM.
+        self.head = ModelHead()
         self.is_encoder = False  # a bidirectional encoder (BERT): it pools, and generates nothing
-        self.token_classifier = False  # its head classifies every token (`*ForTokenClassification`)
         self.default_pooling = "last"  # what an embedding pools when its request does not say
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.head.labels
+
+    @property
+    def token_classifier(self) -> bool:
+        return self.head.token_classifier
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -299,6 +308,8 @@ class Engine:
                 draft_arch, draft_tensors, TorchPagedAttention(), max_len, dtype, device,
                 mc.speculative_quantization, calibration,
             )
+        if mc.classifier_from_tokens is not None:
+            _classifier_from_tokens(model, tokenizer, mc.classifier_from_tokens, config)
         engine = cls._assemble(
             config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model,
             peers,
@@ -326,6 +337,8 @@ class Engine:
         and `max_model_len` is further capped by the positions the model was built for.
         """
         _refuse_pipeline(config)
+        if config.model.classifier_from_tokens is not None:
+            raise ConfigError("classifier_from_tokens changes the model's head: use from_config")
         if config.model.tensor_parallel_size > 1 or model.tensor_parallel:
             raise ConfigError("tensor_parallel_size > 1 builds its ranks from the model's path: use from_config")
         weight = model.embed_tokens.weight
@@ -408,9 +421,8 @@ class Engine:
             runner.word_token_ids = functools.lru_cache(maxsize=256)(tokenizer.word_token_ids)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
-        engine.labels = arch.labels
+        engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template)
         engine.is_encoder = arch.is_encoder
-        engine.token_classifier = arch.token_classifier
         engine.default_pooling = arch.default_pooling
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
@@ -1142,6 +1154,40 @@ def plan_cache(
     elif cc.num_swap_blocks is None and block_bytes:
         num_swap_blocks = ((cc.swap_space if swaps else 0) + cc.kv_receive_space) // block_bytes
     return num_blocks, num_swap_blocks, max_len
+
+
+def _classifier_from_tokens(model: Any, tokenizer: Tokenizer | None, tokens: tuple[str, ...],
+                            config: EngineConfig) -> None:
+    """Give a causal LM a classification head read from its LM head's rows for `tokens` (vLLM's
+    classifier_from_token): with two, the difference of their rows (the second's class, a
+    cross-encoder's relevance: sigmoid(l2 - l1) is the second's share of the two's softmax);
+    with more, one row a class. The LM head stays; the model now only classifies."""
+    import dataclasses
+
+    import torch
+
+    arch = model.arch
+    why = ("it is an encoder" if arch.is_encoder else "it is a classifier already" if arch.labels
+           else "int8 quantizes the LM head" if config.model.quantization is not None
+           else "each tensor-parallel rank holds a slice of the LM head" if config.model.tensor_parallel_size > 1
+           else "it has no tokenizer to find the tokens" if tokenizer is None else None)
+    if why is not None:
+        raise ConfigError(f"classifier_from_tokens: not for this model: {why}")
+    assert tokenizer is not None
+    ids = []
+    for token in tokens:
+        found = tokenizer.encode(token, add_special_tokens=False)
+        if len(found) != 1:
+            raise ConfigError(f"classifier_from_tokens: {token!r} is {len(found)} tokens of this vocabulary, not one")
+        ids.append(found[0])
+    with torch.no_grad():
+        rows = model.head_weight[ids].clone()
+        weight = (rows[1] - rows[0])[None] if len(ids) == 2 else rows
+        score = torch.nn.Linear(arch.hidden_size, weight.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        score.weight.copy_(weight)
+    score.requires_grad_(False)
+    model.score = score
+    model.arch = dataclasses.replace(arch, labels=(tokens[1],) if len(ids) == 2 else tokens)
 
 
 def _refuse_pipeline(config: EngineConfig) -> None:

@@ -194,7 +194,7 @@ class LLM:
 
     def _cross_encode(self, pairs: list[tuple[str, str]], use_tqdm: bool,
                       lora_request: LoRARequest | None) -> list[float]:
-        inputs = cross_encoder_inputs(pairs, self.engine.labels, self.engine.tokenizer)
+        inputs = cross_encoder_inputs(pairs, self.engine.head, self.engine.tokenizer)
         outs = self.classify(inputs, use_tqdm=use_tqdm, lora_request=lora_request)
         return [o.outputs.probs[0] for o in outs]
 

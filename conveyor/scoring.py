@@ -7,12 +7,25 @@ as one input, joined by the tokenizer's pair template, and scores it by its clas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conveyor.sampling_params import InvalidRequestError
 
 if TYPE_CHECKING:
     from conveyor.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelHead:
+    """What a model pools and classifies with, as the API layers need to know it: a
+    classifier's class names (empty for a model that generates or only embeds), whether its
+    head classifies every token, and the text a cross-encoder's (query, document) pair is
+    rendered as (None: the tokenizer's pair template)."""
+
+    labels: tuple[str, ...] = ()
+    token_classifier: bool = False
+    score_template: str | None = None
 
 
 def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
@@ -36,15 +49,19 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 
 
-def cross_encoder_inputs(pairs: Sequence[tuple[str, str]], labels: Sequence[str],
+def cross_encoder_inputs(pairs: Sequence[tuple[str, str]], head: ModelHead,
                          tokenizer: Tokenizer | None) -> list[list[int]]:
-    """Each pair as a cross-encoder's one input (the tokenizer's pair template), or the reason
-    this classifier cannot score: a score is one class's relevance."""
-    if len(labels) != 1:
+    """Each pair as a cross-encoder's one input (the model's score template filled in, or the
+    tokenizer's pair template), or the reason this classifier cannot score: a score is one
+    class's relevance."""
+    if len(head.labels) != 1 or head.token_classifier:
         raise InvalidRequestError(
-            f"this classifier has {len(labels)} classes; a cross-encoder's score is a one-class "
-            "model's relevance: use classify", param="model",
+            f"this classifier has {len(head.labels)} classes{' a token' if head.token_classifier else ''}; "
+            "a cross-encoder's score is a one-class model's relevance: use classify", param="model",
         )
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer to join the pairs", param="text_1")
+    template = head.score_template
+    if template is not None:
+        return [tokenizer.encode(template.replace("{query}", a).replace("{document}", b)) for a, b in pairs]
     return [tokenizer.encode_pair(a, b) for a, b in pairs]

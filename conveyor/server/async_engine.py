@@ -30,6 +30,7 @@ from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.scoring import ModelHead
 from conveyor.server.metrics import queue_counts
 
 if TYPE_CHECKING:
@@ -189,13 +190,8 @@ class EngineFront(ABC):
 
     @property
     @abstractmethod
-    def labels(self) -> tuple[str, ...]:
-        """A classifier's class names (empty for a model that generates)."""
-
-    @property
-    def token_classifier(self) -> bool:
-        """Whether the classifier's head classifies every token (`*ForTokenClassification`)."""
-        return False
+    def head(self) -> ModelHead:
+        """What the model classifies with (conveyor/scoring.py): none for a model that generates."""
 
     @property
     @abstractmethod
@@ -328,12 +324,8 @@ class AsyncEngine(EngineFront):
         return self.engine.max_model_len
 
     @property
-    def labels(self) -> tuple[str, ...]:
-        return self.engine.labels
-
-    @property
-    def token_classifier(self) -> bool:
-        return self.engine.token_classifier
+    def head(self) -> ModelHead:
+        return self.engine.head
 
     @property
     def model_path(self) -> str | None:

@@ -33,6 +33,7 @@ from conveyor.server.async_engine import EngineFront, EngineRequest, OutputStrea
 from conveyor.server.replicas import ReplicaSet, build_replica_set
 
 if TYPE_CHECKING:
+    from conveyor.scoring import ModelHead
     from conveyor.server.metrics import ServerMetrics
     from conveyor.tokenizer import Tokenizer
 
@@ -107,12 +108,8 @@ class DisaggregatedSet(EngineFront):
         return min(self.prefill.max_model_len, self.decode.max_model_len)
 
     @property
-    def labels(self) -> tuple[str, ...]:
-        return self.prefill.labels
-
-    @property
-    def token_classifier(self) -> bool:
-        return self.prefill.token_classifier
+    def head(self) -> ModelHead:
+        return self.prefill.head
 
     @property
     def model_path(self) -> str | None:

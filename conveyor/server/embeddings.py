@@ -58,7 +58,7 @@ class _PoolingHandler:
         self.num_prompt_tokens = 0
 
     def pooling(self) -> PoolingParams:
-        if self.state.engine.labels:  # a cross-encoder's score: its one class's sigmoid
+        if self.state.engine.head.labels:  # a cross-encoder's score: its one class's sigmoid
             return PoolingParams(task="classify")
         return PoolingParams()
 
@@ -161,11 +161,11 @@ class ClassifyHandler(_InputsHandler):
         return PoolingParams(b.pooling_type, task="classify", activation=b.activation is not False)
 
     async def run(self, raw: Request) -> Response:
-        labels = self.state.engine.labels
+        labels = self.state.engine.head.labels
         if not labels:
             raise InvalidRequestError("this model has no classification head: /classify needs a "
                                       "*ForSequenceClassification model", param="model")
-        if self.state.engine.token_classifier:
+        if self.state.engine.head.token_classifier:
             raise InvalidRequestError("this model classifies each token: /pooling gives its rows", param="model")
         self.pooling()
         results = await self.embed(raw, self.prompts())
@@ -187,7 +187,8 @@ class PoolingHandler(_InputsHandler):
     def pooling(self) -> PoolingParams:
         b = self.body
         engine = self.state.engine
-        task = b.task or ("token_classify" if engine.token_classifier else "classify" if engine.labels else "embed")
+        head = engine.head
+        task = b.task or ("token_classify" if head.token_classifier else "classify" if head.labels else "embed")
         tokens = task.startswith("token_")
         if tokens and b.pooling_type not in (None, "all"):
             raise InvalidRequestError(f"task={task!r} pools every token: pooling_type must be 'all' or unset",
@@ -218,9 +219,10 @@ class _SimilarityHandler(_PoolingHandler):
     embeddings (the last token's hidden state, normalized), each distinct text embedded once."""
 
     async def similarities(self, raw: Request, pairs: list[tuple[str, str]]) -> list[float]:
-        labels = self.state.engine.labels
+        labels = self.state.engine.head.labels
         if labels:
-            inputs = [self.truncate(ids) for ids in cross_encoder_inputs(pairs, labels, self.state.engine.tokenizer)]
+            inputs = [self.truncate(ids)
+                      for ids in cross_encoder_inputs(pairs, self.state.engine.head, self.state.engine.tokenizer)]
             return [p[0] for p in await self.embed(raw, inputs)]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         if len(texts) > MAX_INPUTS:

@@ -50,6 +50,7 @@ from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.scoring import ModelHead
 from conveyor.sequence import RequestMetrics
 from conveyor.server.async_engine import (
     AsyncEngine,
@@ -116,8 +117,7 @@ class _Facts:
 
     tokenizer: Tokenizer | None
     max_model_len: int
-    labels: tuple[str, ...]
-    token_classifier: bool
+    head: ModelHead
     model_path: str | None
     model_arg: str | None
     pid: int
@@ -205,8 +205,7 @@ def _child_main(
         conn.send(("load_failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", _Facts(
-        engine.tokenizer, engine.max_model_len, engine.labels, engine.token_classifier,
-        getattr(engine, "model_path", None),
+        engine.tokenizer, engine.max_model_len, engine.head, getattr(engine, "model_path", None),
         engine.config.model.model, os.getpid(),
     )))
     _EngineCore(engine, conn, max_queued_requests, idle_poll_s).run()
@@ -468,12 +467,8 @@ class ProcessAsyncEngine(AsyncEngine):
         return self._known().max_model_len
 
     @property
-    def labels(self) -> tuple[str, ...]:
-        return self._known().labels
-
-    @property
-    def token_classifier(self) -> bool:
-        return self._known().token_classifier
+    def head(self) -> ModelHead:
+        return self._known().head
 
     @property
     def model_path(self) -> str | None:

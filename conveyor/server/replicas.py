@@ -39,6 +39,7 @@ from conveyor.server.async_engine import (
 )
 
 if TYPE_CHECKING:
+    from conveyor.scoring import ModelHead
     from conveyor.server.metrics import ServerMetrics
     from conveyor.tokenizer import Tokenizer
 
@@ -85,12 +86,8 @@ class ReplicaSet(EngineFront):
         return self.replicas[0].max_model_len
 
     @property
-    def labels(self) -> tuple[str, ...]:
-        return self.replicas[0].labels
-
-    @property
-    def token_classifier(self) -> bool:
-        return self.replicas[0].token_classifier
+    def head(self) -> ModelHead:
+        return self.replicas[0].head
 
     @property
     def model_path(self) -> str | None:

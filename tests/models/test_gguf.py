@@ -531,3 +531,44 @@ def test_smollm2_score_is_the_cosine_of_its_embeddings(smol_llm: LLM) -> None:
 
     with pytest.raises(InvalidRequestError, match="give one text_1"):
         smol_llm.score([query, query], docs + docs[:1], use_tqdm=False)
+
+
+SMOL_RERANK = ("<|im_start|>user\nQuery: {query}\nDocument: {document}\nDoes the document answer the query? "
+               "Answer yes or no.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_smollm2_as_a_reranker_reads_its_yes_and_no(smollm2: str, smol_hf: Any) -> None:
+    """`classifier_from_tokens=["no", "yes"]` with a score template: SmolLM2 scores a pair by
+    P(yes | yes or no) at the end of the rendered prompt, HF's own LM-head logits through a
+    softmax over the two; three tokens classify over three."""
+    from conveyor import InvalidRequestError, SamplingParams
+    from conveyor.config import ConfigError
+
+    llm = LLM(smollm2, dtype="float32", classifier_from_tokens=["no", "yes"], score_template=SMOL_RERANK,
+              kv_cache_memory=64 << 20)
+    tok = llm.tokenizer
+    assert tok is not None and llm.engine.labels == ("yes",)
+    query, docs = "What is the capital of France?", ["Paris is the capital of France.", "Bees make honey."]
+    no, yes = (tok.encode(t, add_special_tokens=False)[0] for t in ("no", "yes"))
+    want = []
+    with torch.no_grad():
+        for d in docs:
+            ids = tok.encode(SMOL_RERANK.replace("{query}", query).replace("{document}", d))
+            logits = smol_hf(torch.tensor([ids])).logits[0, -1]
+            want.append(float(torch.softmax(logits[[no, yes]], dim=0)[1]))
+    got = llm.score(query, docs, use_tqdm=False)
+    assert got == pytest.approx(want, abs=1e-4)
+    assert got[0] > got[1]  # it tells the answer from the bee
+    with pytest.raises(InvalidRequestError, match="generates no text"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2))
+    three = LLM(smollm2, dtype="float32", classifier_from_tokens=["red", "green", "blue"], kv_cache_memory=64 << 20)
+    ids = tok.encode("The color of the sky is")
+    out = three.classify([ids], use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = smol_hf(torch.tensor([ids])).logits[0, -1]
+    rgb = [tok.encode(t, add_special_tokens=False)[0] for t in ("red", "green", "blue")]
+    assert out.outputs.probs == pytest.approx(torch.softmax(logits[rgb], dim=0).tolist(), abs=1e-4)
+    with pytest.raises(ConfigError, match="is 6 tokens of this vocabulary, not one"):
+        LLM(smollm2, classifier_from_tokens=["no", "Supercalifragilistic"], kv_cache_memory=64 << 20)
+    with pytest.raises(ConfigError, match=r"must hold \{query\} and \{document\}"):
+        LLM(smollm2, score_template="{query} only")

@@ -157,3 +157,24 @@ def test_pooling_gives_what_each_task_asks(servers: dict[str, ServerProcess], mo
     assert [d["data"] for d in got] == [[pytest.approx(r, abs=1e-12) for r in w.outputs.data] for w in want]
     assert [len(d["data"]) for d in got] == [len(t.split()) + 2 for t in texts]  # [CLS] words [SEP]
     assert_openai_error(httpx.post(url + "/classify", json={"input": texts}, timeout=60), 400, "model")
+
+
+def test_smollm2_served_as_a_reranker(smollm2: str, tmp_path: Path) -> None:
+    """`--classifier-from-tokens no yes --score-template ...`: the embedded chat model reranks by
+    its P(yes | yes or no), /rerank's scores equal to offline `LLM.score`'s."""
+    template = ("<|im_start|>user\nQuery: {query}\nDocument: {document}\nDoes the document answer the query? "
+                "Answer yes or no.<|im_end|>\n<|im_start|>assistant\n")
+    server = ServerProcess(["--model", smollm2, "--kv-cache-memory", str(64 << 20), "--classifier-from-tokens",
+                            "no", "yes", "--score-template", template], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        query, docs = "What is the capital of France?", ["Bees make honey.", "Paris is the capital of France."]
+        offline = LLM(smollm2, classifier_from_tokens=["no", "yes"], score_template=template, kv_cache_memory=64 << 20)
+        want = offline.score(query, docs, use_tqdm=False)
+        r = httpx.post(server.url + "/rerank", json={"query": query, "documents": docs}, timeout=120).json()
+        assert [x["index"] for x in r["results"]] == [1, 0]
+        assert [x["relevance_score"] for x in r["results"]] == pytest.approx([want[1], want[0]], abs=1e-5)
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60), 400, "model")
+    finally:
+        server.stop()
