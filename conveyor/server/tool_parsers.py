@@ -16,9 +16,25 @@ Formats:
 - `llama3_json` (Llama 3.1/3.3's JSON tool calling): the whole output is one or more
   `{"name", "parameters"}` objects separated by `;`, optionally after `<|python_tag|>`; an output
   that starts otherwise is content.
-- `mistral`: content, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}`.
+- `mistral`: content, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` (v3
+  tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` once a call (v11 tokenizers: Mistral Small 3.2,
+  Magistral, Devstral); both are read, the list is written.
 - `pythonic` (Llama 3.2 / 4's): the whole output is a Python list of calls with keyword
   arguments of literals, `[get_weather(city="Paris"), search(query="x")]`.
+- `qwen3_coder` (Qwen3-Coder's XML): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
+  ...</function></tool_call>`, one call a block, each on lines of their own.
+- `glm45` (GLM-4.5 / 4.6): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+  </tool_call>`.
+- `deepseek_v3` (DeepSeek-V3 / R1 and V3.1): `<｜tool▁calls▁begin｜>` then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a fenced JSON block (V3), or
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each ending `<｜tool▁call▁end｜>`.
+- `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
+
+The XML formats' values are text: one that reads as JSON is that value (a number, a list...),
+any other a string, and `write` quotes a string that would read as JSON, so what it writes reads
+back; a string parameter whose text looks like a number comes back a number (vLLM reads the
+tool's schema for its types; these parsers do not see the tools).
 
 A block that does not parse as calls stays text. No model is needed: tests read each format's
 own texts, and round-trip `write` through `scan`.
@@ -28,6 +44,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -80,6 +97,7 @@ def _calls_of(value: Any, args_key: str) -> list[Call] | None:
 
 
 _JSON = json.JSONDecoder()
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 class ToolParser(ABC):
@@ -113,35 +131,69 @@ def make_tool_parser(name: str) -> ToolParser:
     return _PARSERS[name]()
 
 
+def _blocks(text: str, final: bool, open_tag: str, close_tag: str, read: Any) -> Scan:
+    """Calls in `open_tag ... close_tag` blocks with text around them: `read(inner)` gives a
+    block's calls, or None when it is not calls (it stays text). A block not closed yet is held
+    back, and so is a tail that may be the start of `open_tag`."""
+    content: list[str] = []
+    calls: list[Call] = []
+    at = 0
+    while True:
+        start = text.find(open_tag, at)
+        if start < 0:
+            keep = 0 if final else partial_suffix(text[at:], open_tag)
+            content.append(text[at : len(text) - keep])
+            return "".join(content), calls, len(text) - keep
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0 and not final:
+            content.append(text[at:start])
+            return "".join(content), calls, start
+        stop = end + len(close_tag) if end >= 0 else len(text)
+        found = read(text[start + len(open_tag) : end if end >= 0 else len(text)])
+        if found is None:  # not a call: text
+            content.append(text[at:stop])
+        else:
+            content.append(text[at:start])
+            calls.extend(found)
+        at = stop
+
+
+def _json_or_text(value: str) -> Any:
+    """An XML format's value: the JSON it reads as, else the text itself."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _text_of(value: Any) -> str:
+    """A value as an XML format writes it (`_json_or_text` reads it back the same)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _object_args(call: Call) -> dict[str, Any] | None:
+    args = arguments_object(call["function"].get("arguments"))
+    return args if isinstance(args, dict) else None
+
+
 @_PARSERS.register("hermes")
 class HermesParser(ToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def scan(self, text: str, final: bool) -> Scan:
-        content: list[str] = []
-        calls: list[Call] = []
-        at = 0
-        while True:
-            start = text.find(self.OPEN, at)
-            if start < 0:
-                keep = 0 if final else partial_suffix(text[at:], self.OPEN)
-                content.append(text[at : len(text) - keep])
-                return "".join(content), calls, len(text) - keep
-            end = text.find(self.CLOSE, start)
-            if end < 0 and not final:
-                content.append(text[at:start])
-                return "".join(content), calls, start
-            stop = end + len(self.CLOSE) if end >= 0 else len(text)
-            try:
-                found = _calls_of(json.loads(text[start + len(self.OPEN) : end if end >= 0 else len(text)]), "arguments")
-            except ValueError:
-                found = None
-            if found is None:  # not a call: text
-                content.append(text[at:stop])
-            else:
-                content.append(text[at:start])
-                calls.extend(found)
-            at = stop
+        return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
+
+    @staticmethod
+    def _read(inner: str) -> list[Call] | None:
+        try:
+            return _calls_of(json.loads(inner), "arguments")
+        except ValueError:
+            return None
 
     def prompt(self, tools: list[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps(t) for t in tools)
@@ -224,19 +276,55 @@ class Llama3JsonParser(ToolParser):
 
 @_PARSERS.register("mistral")
 class MistralParser(ToolParser):
-    TAG = "[TOOL_CALLS]"
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.TAG)
         if start < 0:
             keep = 0 if final else partial_suffix(text, self.TAG)
             return text[: len(text) - keep], [], len(text) - keep
-        calls, end, settled = _json_calls(text, start + len(self.TAG), final, ",", "arguments")
+        after = text[start + len(self.TAG) :].lstrip()
+        if after and after[0] != "[":  # v11: name[ARGS]{...}, the tag before each call
+            calls, end, settled = self._named_calls(text, start + len(self.TAG), final)
+        else:
+            calls, end, settled = _json_calls(text, start + len(self.TAG), final, ",", "arguments")
         if not calls and settled:  # not calls after the tag: text
             return text, [], len(text)
         if not settled:
             return text[:start], calls, end
         return text[:start] + text[end:], calls, len(text)
+
+    def _named_calls(self, text: str, at: int, final: bool) -> tuple[list[Call], int, bool]:
+        """`NAME[ARGS]{...}` calls from `at` on, each after the first led by the tag: (calls,
+        where they end, whether the rest is settled)."""
+        calls: list[Call] = []
+        pos = at
+        while True:
+            mark = text.find(self.ARGS, pos)
+            if mark < 0:  # a name still being written (and perhaps the start of the marker)?
+                tail = text[pos:]
+                head = tail[: len(tail) - partial_suffix(tail, self.ARGS)].strip()
+                return calls, pos, final or (head != "" and _NAME.fullmatch(head) is None)
+            name = text[pos:mark].strip()
+            if _NAME.fullmatch(name) is None:
+                return calls, pos, True
+            skip = mark + len(self.ARGS)
+            while skip < len(text) and text[skip].isspace():
+                skip += 1
+            try:
+                args, end = _JSON.raw_decode(text, skip)
+            except ValueError:  # an object still being written, or not one
+                return calls, pos, final or (skip < len(text) and text[skip] != "{")
+            if not isinstance(args, dict):
+                return calls, pos, True
+            calls.append(tool_call(name, arguments_text(args)))
+            rest = text[end:].lstrip()
+            if rest.startswith(self.TAG):
+                pos = len(text) - len(rest) + len(self.TAG)
+            elif not final and self.TAG.startswith(rest):  # perhaps another call's tag
+                return calls, end, rest == ""
+            else:
+                return calls, end, True
 
     def prompt(self, tools: list[dict[str, Any]]) -> str:
         listed = json.dumps(tools, ensure_ascii=False)
@@ -304,3 +392,200 @@ class PythonicParser(ToolParser):
             return f"{c['function']['name']}({kwargs})"
 
         return "[" + ", ".join(one(c) for c in calls) + "]"
+
+
+def _tools_listing(tools: list[dict[str, Any]]) -> str:
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+
+
+def _only_space_between(text: str, spans: list[tuple[int, int]]) -> bool:
+    """Whether `text` holds nothing but whitespace outside `spans` (sorted, disjoint)."""
+    at = 0
+    for a, b in spans:
+        if text[at:a].strip():
+            return False
+        at = b
+    return not text[at:].strip()
+
+
+@_PARSERS.register("qwen3_coder")
+class Qwen3CoderParser(ToolParser):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
+
+    def _read(self, inner: str) -> list[Call] | None:
+        m = self._FUNCTION.fullmatch(inner)
+        if m is None or _NAME.fullmatch(m.group(1).strip()) is None:
+            return None
+        body = m.group(2)
+        params = list(self._PARAMETER.finditer(body))
+        if not _only_space_between(body, [p.span() for p in params]):
+            return None
+        args = {}
+        for p in params:
+            value = p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[p.group(1).strip()] = _json_or_text(value)
+        return [tool_call(m.group(1).strip(), json.dumps(args, ensure_ascii=False))]
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            "# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
+            f"{_tools_listing(tools)}\n</tools>\n\n"
+            "If you choose to call a function, reply in the following format:\n\n<tool_call>\n"
+            "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+            "</function>\n</tool_call>\n\nOtherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        def one(c: Call) -> str:
+            params = "".join(f"<parameter={k}>\n{_text_of(v)}\n</parameter>\n"
+                             for k, v in (_object_args(c) or {}).items())
+            return f"{self.OPEN}\n<function={c['function']['name']}>\n{params}</function>\n{self.CLOSE}"
+
+        return "\n".join(one(c) for c in calls)
+
+
+@_PARSERS.register("glm45")
+class Glm45Parser(ToolParser):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
+
+    def _read(self, inner: str) -> list[Call] | None:
+        cut = inner.find("<arg_key>")
+        name = (inner if cut < 0 else inner[:cut]).strip()
+        if _NAME.fullmatch(name) is None:
+            return None
+        rest = "" if cut < 0 else inner[cut:]
+        pairs = list(self._PAIR.finditer(rest))
+        if not _only_space_between(rest, [p.span() for p in pairs]):
+            return None
+        args = {p.group(1).strip(): _json_or_text(p.group(2)) for p in pairs}
+        return [tool_call(name, json.dumps(args, ensure_ascii=False))]
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{_tools_listing(tools)}\n</tools>\n\nFor each function call, reply with:\n"
+            "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
+            "...\n</tool_call>"
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        def one(c: Call) -> str:
+            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_text_of(v)}</arg_value>\n"
+                            for k, v in (_object_args(c) or {}).items())
+            return f"{self.OPEN}{c['function']['name']}\n{pairs}{self.CLOSE}"
+
+        return "\n".join(one(c) for c in calls)
+
+
+class _SectionParser(ToolParser):
+    """Calls inside one section's begin and end tokens, each call between its own."""
+
+    SECTION: ClassVar[tuple[str, str]]
+    CALL: ClassVar[tuple[str, str]]
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _blocks(text, final, *self.SECTION, self._read)
+
+    def _read(self, inner: str) -> list[Call] | None:
+        begin, end = self.CALL
+        spans: list[tuple[int, int]] = []
+        calls: list[Call] = []
+        at = 0
+        while (start := inner.find(begin, at)) >= 0:
+            stop = inner.find(end, start)
+            if stop < 0:
+                return None
+            call = self._call(inner[start + len(begin) : stop])
+            if call is None:
+                return None
+            calls.append(call)
+            spans.append((start, stop + len(end)))
+            at = stop + len(end)
+        return calls if calls and _only_space_between(inner, spans) else None
+
+    @abstractmethod
+    def _call(self, body: str) -> Call | None: ...
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@_PARSERS.register("deepseek_v3")
+class DeepSeekV3Parser(_SectionParser):
+    SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+    SEP = "<｜tool▁sep｜>"
+    _FENCED = re.compile(r"\s*([^\n]+?)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*", re.S)
+
+    def _call(self, body: str) -> Call | None:
+        kind, sep, rest = body.partition(self.SEP)
+        if not sep:
+            return None
+        if kind.strip() == "function":  # V3 / R1: the name, then a fenced JSON block
+            m = self._FENCED.fullmatch(rest)
+            name, args = (m.group(1), _json_object(m.group(2))) if m else ("", None)
+        else:  # V3.1: the name before the separator, the JSON after it
+            name, args = kind.strip(), _json_object(rest)
+        if args is None or _NAME.fullmatch(name) is None:
+            return None
+        return tool_call(name, json.dumps(args, ensure_ascii=False))
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            "## Tools\nYou have access to the following tools:\n\n"
+            f"{_tools_listing(tools)}\n\n"
+            "To call tools, reply with:\n"
+            f"{self.SECTION[0]}{self.CALL[0]}tool_call_name{self.SEP}tool_call_arguments{self.CALL[1]}"
+            f"...{self.SECTION[1]}\nwhere tool_call_arguments is a JSON object. Otherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        body = "".join(f"{self.CALL[0]}{c['function']['name']}{self.SEP}"
+                       f"{json.dumps(_object_args(c) or {}, ensure_ascii=False)}{self.CALL[1]}" for c in calls)
+        return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
+
+
+@_PARSERS.register("kimi_k2")
+class KimiK2Parser(_SectionParser):
+    SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
+    ARGS = "<|tool_call_argument_begin|>"
+
+    def _call(self, body: str) -> Call | None:
+        ident, sep, rest = body.partition(self.ARGS)
+        name = ident.strip().removeprefix("functions.").rsplit(":", 1)[0]
+        args = _json_object(rest) if sep else None
+        if args is None or _NAME.fullmatch(name) is None:
+            return None
+        return tool_call(name, json.dumps(args, ensure_ascii=False))
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these tools:\n{_tools_listing(tools)}\n\nTo call tools, reply with:\n"
+            f"{self.SECTION[0]}{self.CALL[0]}functions.NAME:0{self.ARGS}"
+            '{"argument": "value"}'
+            f"{self.CALL[1]}{self.SECTION[1]}\nnumbering the calls from 0. Otherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        body = "".join(f"{self.CALL[0]}functions.{c['function']['name']}:{i}{self.ARGS}"
+                       f"{json.dumps(_object_args(c) or {}, ensure_ascii=False)}{self.CALL[1]}"
+                       for i, c in enumerate(calls))
+        return f"{self.SECTION[0]}{body}{self.SECTION[1]}"

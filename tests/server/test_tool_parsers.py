@@ -22,10 +22,73 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
+PARSERS = ["deepseek_v3", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+
+
 def test_the_parsers_are_vllms():
-    assert tool_parser_names() == ["hermes", "llama3_json", "mistral", "pythonic"]
-    with pytest.raises(ConfigError, match="use hermes, llama3_json, mistral, pythonic"):
+    assert tool_parser_names() == PARSERS
+    with pytest.raises(ConfigError, match="use deepseek_v3, glm45, hermes, kimi_k2"):
         ServerConfig(tool_call_parser="granite")
+
+
+def test_mistral_v11_calls_after_each_tag():
+    """Mistral Small 3.2 / Magistral / Devstral: `[TOOL_CALLS]name[ARGS]{...}` once a call."""
+    p = make_tool_parser("mistral")
+    content, calls = p.parse('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'
+                             '[TOOL_CALLS]search[ARGS]{"query": "x"}')
+    assert content == "Let me check."
+    assert named(calls) == [("get_weather", {"city": "Paris", "days": 2}), ("search", {"query": "x"})]
+    for text in ("[TOOL_CALLS]not a name[ARGS]{}", "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS]f[ARGS]{oops"):
+        assert p.parse(text) == (text, []), text
+
+
+def test_qwen3_coder_xml_calls():
+    p = make_tool_parser("qwen3_coder")
+    content, calls = p.parse(
+        "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=search>\n<parameter=query>\nmulti\nline\n</parameter>\n</function>\n</tool_call>")
+    assert content == "I will look."
+    assert named(calls) == [("get_weather", {"city": "San Francisco, CA", "days": 3, "hourly": True}),
+                            ("search", {"query": "multi\nline"})]
+    for text in ("<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",
+                 "<tool_call>{\"name\": \"f\"}</tool_call>"):
+        assert p.parse(text) == (text, []), text
+
+
+def test_glm45_calls():
+    p = make_tool_parser("glm45")
+    content, calls = p.parse("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
+                             "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+                             "<tool_call>now\n</tool_call>")
+    assert content == "Checking."
+    assert named(calls) == [("get_weather", {"city": "Beijing", "days": 2}), ("now", {})]
+    text = "<tool_call>get weather\n</tool_call>"
+    assert p.parse(text) == (text, [])
+
+
+def test_deepseek_v3_and_v31_calls():
+    p = make_tool_parser("deepseek_v3")
+    v3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+          '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n'
+          '{"query": "x"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    content, calls = p.parse("Sure." + v3)
+    assert content == "Sure."
+    assert named(calls) == [("get_weather", {"city": "Paris"}), ("search", {"query": "x"})]
+    v31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    assert named(p.parse(v31)[1]) == [("get_weather", {"city": "Paris"})]
+    broken = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{oops<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert p.parse(broken) == (broken, [])
+
+
+def test_kimi_k2_calls():
+    p = make_tool_parser("kimi_k2")
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>'
+            '{"query": "x"}<|tool_call_end|><|tool_calls_section_end|>')
+    content, calls = p.parse(text)
+    assert content is None
+    assert named(calls) == [("get_weather", {"city": "Paris"}), ("search", {"query": "x"})]
 
 
 def test_llama3_json_calls_and_content():
@@ -85,14 +148,14 @@ def outputs(draw, parser: str) -> str:
     return draw(st.sampled_from([before + calls + after, calls[:cut], before + calls, calls + after]))
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser", PARSERS)
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_a_stream_cut_anywhere_gives_what_the_whole_gives(parser, data):
     check_stream_cut(Tools.parse(TOOLS, "auto", None, make_tool_parser(parser)), data.draw(outputs(parser)), data)
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser", PARSERS)
 @settings(max_examples=100, deadline=None)
 @given(calls=CALLS)
 def test_what_a_parser_writes_it_reads_back(parser, calls):
@@ -116,3 +179,16 @@ def test_a_template_without_tools_is_asked_for_the_parsers_format_and_shown_its_
         assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
         assert out[2] == {"role": "assistant", "content": text}, parser
     assert "[TOOL_CALLS]" in Tools.parse(TOOLS, "auto", None, make_tool_parser("mistral")).system_prompt()
+
+
+def mistral_v11(calls) -> str:
+    return "".join(f"[TOOL_CALLS]{c['function']['name']}[ARGS]{c['function']['arguments']}" for c in calls)
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=CALLS, before=NOISE, after=NOISE, data=st.data())
+def test_a_mistral_v11_stream_cut_anywhere_gives_what_the_whole_gives(calls, before, after, data):
+    text = data.draw(st.sampled_from([mistral_v11(calls), before + mistral_v11(calls), before + mistral_v11(calls) + after]))
+    check_stream_cut(Tools.parse(TOOLS, "auto", None, make_tool_parser("mistral")), text, data)
+    content, got = make_tool_parser("mistral").parse(before + mistral_v11(calls))
+    assert named(got) == named(calls) and (content or "") == before.strip()
