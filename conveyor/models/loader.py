@@ -81,7 +81,7 @@ def open_model(path: Path) -> tuple[ArchConfig, Iterator[tuple[str, torch.Tensor
         reader = open_gguf(path)
         arch = read_gguf_arch(reader)
         return arch, iter_gguf_tensors(reader, arch), reader
-    return read_hf_arch(path), iter_hf_tensors(path), None
+    return read_hf_arch(path), dequantized(iter_hf_tensors(path), _quantization_config(path)), None
 
 
 # -- HF folders ---------------------------------------------------------------------------
@@ -105,6 +105,82 @@ def read_hf_arch(folder: Path) -> ArchConfig:
             ids = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
             arch = _replace(arch, eos_token_ids=ids)
     return arch
+
+
+# -- quantized checkpoints ------------------------------------------------------------------
+FP8_METHODS = ("fp8",)
+
+
+def _quantization_config(folder: Path) -> dict[str, Any] | None:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method")
+    if method not in FP8_METHODS:
+        raise ModelLoadError(
+            f"{folder}: quantization_config quant_method={method!r} is not read here; conveyor loads "
+            f"{', '.join(FP8_METHODS)} checkpoints (dequantized at load), GGUF files, and float ones"
+        )
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(f"{folder}: FP8 format {quant.get('fmt')!r}: conveyor reads e4m3")
+    return dict(quant)
+
+
+def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, Any] | None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors as float32 (HF's and vLLM's `fp8` method, as Qwen3-*-FP8 and
+    DeepSeek-V3 write it): each e4m3 `weight` times its `weight_scale_inv`, one scale per
+    `weight_block_size` block (one for the whole tensor if it holds one value). A weight waits for
+    its scale, which may come later (the next key, or another shard); a static activation
+    scheme's `input_scale`s are dropped (the weights are computed with in float). Tensors that
+    are not FP8 (norms, embeddings, modules left unconverted) pass as they are."""
+    if quant is None:
+        yield from tensors
+        return
+    block = quant.get("weight_block_size") or None
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(".input_scale"):
+            continue
+        if name.endswith(".weight_scale_inv"):
+            base = name[: -len("_scale_inv")]
+            if base in weights:
+                yield base, _dequantize_fp8(base, weights.pop(base), tensor, block)
+            else:
+                scales[base] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            if name in scales:
+                yield name, _dequantize_fp8(name, tensor, scales.pop(name), block)
+            else:
+                weights[name] = tensor
+        else:
+            yield name, tensor
+    if weights or scales:
+        lone = sorted(weights) or sorted(scales)
+        raise ModelLoadError(f"the FP8 checkpoint has {'weights without scales' if weights else 'scales without weights'}, "
+                             f"e.g. {lone[0]!r}")
+
+
+def _dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, block: list[int] | None) -> torch.Tensor:
+    w = weight.float()
+    if scale.numel() == 1:
+        return w * scale.float().reshape(())
+    if w.dim() != 2 or not block:
+        raise ModelLoadError(f"{name}: FP8 scales of shape {tuple(scale.shape)} for a weight of shape "
+                             f"{tuple(w.shape)} (weight_block_size {block})")
+    br, bc = int(block[0]), int(block[1])
+    rows, cols = w.shape
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale.shape) != want:
+        raise ModelLoadError(f"{name}: {tuple(scale.shape)} FP8 scales, but {want} blocks of {br}x{bc} "
+                             f"cover a weight of shape {(rows, cols)}")
+    full = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return w * full
 
 
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}

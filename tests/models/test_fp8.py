@@ -1,0 +1,119 @@
+"""FP8 checkpoints (HF's and vLLM's `fp8` method: e4m3 weights with `weight_scale_inv` block
+scales, as Qwen3-*-FP8 and DeepSeek-V3 ship), dequantized at load, against HF transformers
+loading the same folder (it dequantizes on a machine without a GPU, exactly as w * scale).
+
+The checkpoints are written here from the tiny random models: every projection quantized to
+e4m3 in blocks (a tensor-wide scale in one variant), the scales in a shard after the weights'
+in another, the norms and embeddings left in float. A scale applied wrong, to the wrong block
+or not at all changes the tokens and logprobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.models.loader import ModelLoadError
+from tests.models.test_hf_parity import PROMPTS
+
+
+def write_fp8(src: Path, dst: Path, block: int | None = 32, split_scales: bool = False) -> Path:
+    """`src` (a float checkpoint) as an FP8 one: each `*_proj.weight` in e4m3 with float32
+    `weight_scale_inv` scales, a block's absolute maximum mapped to e4m3's 448 (`block`
+    rows x columns; None: one scale for the tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    weights, scales = {}, {}
+    for name, w in tensors.items():
+        if not name.endswith("_proj.weight"):
+            weights[name] = w
+            continue
+        w = w.float()
+        if block is None:
+            scale = (w.abs().amax() / 448.0).clamp(min=1e-12)
+            q = (w / scale).to(torch.float8_e4m3fn)
+        else:
+            rows, cols = w.shape
+            br, bc = -(-rows // block), -(-cols // block)
+            padded = torch.zeros(br * block, bc * block)
+            padded[:rows, :cols] = w
+            blocks = padded.view(br, block, bc, block)
+            scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+            q = (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols].to(torch.float8_e4m3fn)
+        weights[name] = q.contiguous()
+        scales[name[: -len(".weight")] + ".weight_scale_inv"] = scale.float().reshape(scale.shape)
+    dst.mkdir(parents=True, exist_ok=True)
+    if split_scales:  # the scales in a shard of their own, read after every weight
+        files = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales}
+        for file, part in files.items():
+            save_file(part, str(dst / file), metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {n: f for f, part in files.items() for n in part}}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        save_file({**weights, **scales}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": None if block is None else [block, block]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def hf_greedy_fp8(path: Path, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids, lps = list(p), []
+            for _ in range(n):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+                t = int(logp.argmax())
+                ids.append(t)
+                lps.append(float(logp[t]))
+            out.append((ids[len(p):], lps))
+    return out
+
+
+def conveyor_greedy(path: Path, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs or []]) for o in outs]
+
+
+@pytest.mark.parametrize("family,block,split", [("llama", 32, False), ("qwen3", 32, True), ("llama", None, False)],
+                         ids=["llama-blocks", "qwen3-blocks-split-shards", "llama-tensor-scale"])
+def test_fp8_checkpoints_load_as_hf_dequantizes_them(tiny_models, tmp_path, family, block, split):
+    path = write_fp8(tiny_models[family], tmp_path / "fp8", block, split)
+    want = hf_greedy_fp8(path, PROMPTS, 12)
+    got = conveyor_greedy(path, PROMPTS, 12)
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt
+        assert gl == pytest.approx(wl, abs=2e-4)
+    plain = conveyor_greedy(tiny_models[family], PROMPTS[:2], 12)  # the float model: near, not equal
+    assert any(a != pytest.approx(b, abs=1e-5) for (_, x), (_, y) in zip(got, plain, strict=False)
+               for a, b in zip(x, y, strict=True))
+
+
+def test_bad_fp8_checkpoints_say_why(tiny_models, tmp_path):
+    path = write_fp8(tiny_models["llama"], tmp_path / "fp8", 32, split_scales=True)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="weights without scales"):
+        LLM(str(path), num_kv_blocks=8)
+    path = write_fp8(tiny_models["llama"], tmp_path / "wrong-block", 32)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [16, 16]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="blocks of 16x16 cover a weight"):
+        LLM(str(path), num_kv_blocks=8)
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quant_method='awq' is not read here"):
+        LLM(str(path), num_kv_blocks=8)
