@@ -108,7 +108,7 @@ def read_hf_arch(folder: Path) -> ArchConfig:
 
 
 # -- quantized checkpoints ------------------------------------------------------------------
-FP8_METHODS = ("fp8",)
+FP8_METHODS = ("fp8", "compressed-tensors")
 
 
 def _quantization_config(folder: Path) -> dict[str, Any] | None:
@@ -127,28 +127,50 @@ def _quantization_config(folder: Path) -> dict[str, Any] | None:
         )
     if quant.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{folder}: FP8 format {quant.get('fmt')!r}: conveyor reads e4m3")
-    return dict(quant)
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(folder, quant)
+    return {"scale_suffix": ".weight_scale_inv", "block": quant.get("weight_block_size") or None}
+
+
+def _compressed_tensors_fp8(folder: Path, quant: dict[str, Any]) -> dict[str, Any]:
+    """llm-compressor's FP8 (`format: float-quantized`, RedHatAI's *-FP8-dynamic and *-FP8
+    models): symmetric e4m3 weights with a `weight_scale` a tensor, a channel or a block."""
+    fmt = quant.get("format")
+    if fmt != "float-quantized":
+        raise ModelLoadError(f"{folder}: compressed-tensors format {fmt!r} is not read here; conveyor reads "
+                             "'float-quantized' (FP8 weights)")
+    block = None
+    for name, group in (quant.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8 or not w.get("symmetric", True):
+            raise ModelLoadError(f"{folder}: compressed-tensors group {name!r} holds {w.get('num_bits')}-bit "
+                                 f"{w.get('type')} weights{'' if w.get('symmetric', True) else ' with zero points'}; "
+                                 "conveyor reads symmetric 8-bit float (FP8) weights")
+        if w.get("strategy") == "block":
+            block = w.get("block_structure")
+    return {"scale_suffix": ".weight_scale", "block": block}
 
 
 def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, Any] | None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """An FP8 checkpoint's tensors as float32 (HF's and vLLM's `fp8` method, as Qwen3-*-FP8 and
-    DeepSeek-V3 write it): each e4m3 `weight` times its `weight_scale_inv`, one scale per
-    `weight_block_size` block (one for the whole tensor if it holds one value). A weight waits for
-    its scale, which may come later (the next key, or another shard); a static activation
-    scheme's `input_scale`s are dropped (the weights are computed with in float). Tensors that
-    are not FP8 (norms, embeddings, modules left unconverted) pass as they are."""
+    """An FP8 checkpoint's tensors as float32: each e4m3 `weight` times its scale, the
+    `weight_scale_inv` of HF's and vLLM's `fp8` method (Qwen3-*-FP8, DeepSeek-V3) or the
+    `weight_scale` of compressed-tensors' (RedHatAI's FP8 models): one a block (`block`), a
+    row, or the tensor. A weight waits for its scale, which may come later (the next key, or
+    another shard); static activation scales (`input_scale`) are dropped (the weights are
+    computed with in float). Tensors that are not FP8 (norms, embeddings, modules left
+    unconverted) pass as they are."""
     if quant is None:
         yield from tensors
         return
-    block = quant.get("weight_block_size") or None
+    block, suffix = quant["block"], quant["scale_suffix"]
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         if name.endswith(".input_scale"):
             continue
-        if name.endswith(".weight_scale_inv"):
-            base = name[: -len("_scale_inv")]
+        if name.endswith(suffix):
+            base = name[: -len(suffix)] + ".weight"
             if base in weights:
                 yield base, _dequantize_fp8(base, weights.pop(base), tensor, block)
             else:
@@ -170,6 +192,8 @@ def _dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, block:
     w = weight.float()
     if scale.numel() == 1:
         return w * scale.float().reshape(())
+    if w.dim() == 2 and tuple(scale.shape) == (w.shape[0], 1):  # one a row (output channel)
+        return w * scale.float()
     if w.dim() != 2 or not block:
         raise ModelLoadError(f"{name}: FP8 scales of shape {tuple(scale.shape)} for a weight of shape "
                              f"{tuple(w.shape)} (weight_block_size {block})")

@@ -1,6 +1,8 @@
-"""FP8 checkpoints (HF's and vLLM's `fp8` method: e4m3 weights with `weight_scale_inv` block
-scales, as Qwen3-*-FP8 and DeepSeek-V3 ship), dequantized at load, against HF transformers
-loading the same folder (it dequantizes on a machine without a GPU, exactly as w * scale).
+"""FP8 checkpoints, dequantized at load, against HF transformers loading the same folder: HF's
+and vLLM's `fp8` method (e4m3 weights with `weight_scale_inv` block scales, as Qwen3-*-FP8 and
+DeepSeek-V3 ship; HF dequantizes them on a machine without a GPU, exactly as w * scale) and
+llm-compressor's compressed-tensors FP8 (RedHatAI's models; HF's reference through the
+compressed-tensors package, `dequantize=True`).
 
 The checkpoints are written here from the tiny random models: every projection quantized to
 e4m3 in blocks (a tensor-wide scale in one variant), the scales in a shard after the weights'
@@ -117,3 +119,80 @@ def test_bad_fp8_checkpoints_say_why(tiny_models, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="quant_method='awq' is not read here"):
         LLM(str(path), num_kv_blocks=8)
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="format 'pack-quantized' is not read here"):
+        LLM(str(path), num_kv_blocks=8)
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group"}}}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="holds 4-bit float weights"):
+        LLM(str(path), num_kv_blocks=8)
+
+
+def write_compressed_tensors(src: Path, dst: Path, strategy: str) -> Path:
+    """`src` as llm-compressor writes an FP8 model (`float-quantized`): each `*_proj.weight` in
+    e4m3 with a `weight_scale` a tensor, a row (`channel`) or a 32x32 `block`; the LM head left."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    out = {}
+    for name, w in tensors.items():
+        if not name.endswith("_proj.weight"):
+            out[name] = w
+            continue
+        w = w.float()
+        if strategy == "tensor":
+            scale = (w.abs().amax() / 448.0).clamp(min=1e-12).reshape(1)
+            q = w / scale
+        elif strategy == "channel":
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+            q = w / scale
+        else:
+            rows, cols = w.shape
+            br, bc = -(-rows // 32), -(-cols // 32)
+            padded = torch.zeros(br * 32, bc * 32)
+            padded[:rows, :cols] = w
+            blocks = padded.view(br, 32, bc, 32)
+            scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+            q = (blocks / scale[:, None, :, None]).view(br * 32, bc * 32)[:rows, :cols]
+        out[name] = q.to(torch.float8_e4m3fn).contiguous()
+        out[name[: -len(".weight")] + ".weight_scale"] = scale.float().contiguous()
+        out[name[: -len(".weight")] + ".input_scale"] = torch.ones(1)  # a static scheme's: dropped
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    weights: dict[str, object] = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+                                  "dynamic": False}
+    if strategy == "block":
+        weights["block_structure"] = [32, 32]
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}},
+        "ignore": ["lm_head"],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_loads_as_hf_dequantizes_it(tiny_models, tmp_path, strategy):
+    """RedHatAI's FP8 layout (llm-compressor's `float-quantized`): HF's reference dequantizes it
+    with the compressed-tensors package (`CompressedTensorsConfig(dequantize=True)`)."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    path = write_compressed_tensors(tiny_models["llama"], tmp_path / strategy, strategy)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    got = conveyor_greedy(path, PROMPTS, 12)
+    with torch.no_grad():
+        for (tokens, lps), p in zip(got, PROMPTS, strict=True):
+            ids = list(p)
+            for t, lp in zip(tokens, lps, strict=True):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+                assert t == int(logp.argmax()) and lp == pytest.approx(float(logp[t]), abs=2e-4)
+                ids.append(t)
