@@ -12,6 +12,7 @@ from pathlib import Path
 
 from conveyor.config import ConfigError
 from conveyor.lora import LoRARequest
+from conveyor.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def _help(text: str) -> dict[str, str]:
@@ -57,7 +58,8 @@ class ServerConfig:
         metadata=_help(
             "Return a thinking model's <think> block apart from its answer, as "
             "reasoning_content on the chat API: deepseek_r1 (the output starts inside the "
-            "block) or qwen3 (it thinks only if it opens one). Default: off."
+            "block), qwen3 or glm45 (it thinks only if it opens one), mistral (Magistral's "
+            "[THINK] block, likewise). Default: off."
         ),
     )
     tool_call_parser: str = field(
@@ -103,8 +105,8 @@ class ServerConfig:
             raise ConfigError(f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
         if self.engine_max_replays < 0:
             raise ConfigError(f"engine_max_replays={self.engine_max_replays} must be >= 0")
-        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
-            raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: use deepseek_r1 or qwen3")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: use one of {', '.join(REASONING_PARSERS)}")
         from conveyor.server.tool_parsers import tool_parser_names
 
         if self.tool_call_parser not in tool_parser_names():

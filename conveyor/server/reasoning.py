@@ -8,7 +8,8 @@ of the same names return them.
   and an output cut off before it is all reasoning.
 - `qwen3`: the output thinks only if it opens with `<think>` (Qwen3 thinks unless told not to
   by `enable_thinking=false`, then the template closes the block in the prompt); otherwise it
-  is all answer.
+  is all answer. `glm45` (GLM-4.5 / 4.6) reads the same way.
+- `mistral` (Magistral): as `qwen3`, between `[THINK]` and `[/THINK]`.
 
 Tool calls and everything else about the answer are read from the content alone.
 """
@@ -20,7 +21,15 @@ from dataclasses import dataclass
 from conveyor.server.tool_parsers import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+# Each parser's (opening tag, closing tag, whether an output that does not open the block is
+# inside it already: the template opened it in the prompt).
+TAGS = {
+    "deepseek_r1": (OPEN, CLOSE, True),
+    "glm45": (OPEN, CLOSE, False),
+    "mistral": ("[THINK]", "[/THINK]", False),
+    "qwen3": (OPEN, CLOSE, False),
+}
+PARSERS = tuple(sorted(TAGS))
 
 
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
@@ -42,26 +51,27 @@ class ReasoningStream:
     def feed(self, piece: str, final: bool) -> tuple[str, str]:
         """(new reasoning, new content)."""
         self.text += piece
+        opening, closing, inside = TAGS[self.parser]
         reasoning, content = "", ""
         while True:
             rest = self.text[self.sent :]
             if self.state == "start":
                 stripped = rest.lstrip()
-                if not final and (not stripped or (OPEN.startswith(stripped) and stripped != OPEN)):
+                if not final and (not stripped or (opening.startswith(stripped) and stripped != opening)):
                     return reasoning, content  # nothing yet, or `<thi`: wait
-                if stripped.startswith(OPEN):
-                    self.sent += len(rest) - len(stripped) + len(OPEN)
+                if stripped.startswith(opening):
+                    self.sent += len(rest) - len(stripped) + len(opening)
                     self.state = "reasoning"
                 else:
-                    self.state = "content" if self.parser == "qwen3" else "reasoning"
+                    self.state = "reasoning" if inside else "content"
             elif self.state == "reasoning":
-                end = rest.find(CLOSE)
+                end = rest.find(closing)
                 if end >= 0:
                     reasoning += rest[:end]
-                    self.sent += end + len(CLOSE)
+                    self.sent += end + len(closing)
                     self.state = "after"
                     continue
-                keep = 0 if final else partial_suffix(rest, CLOSE)
+                keep = 0 if final else partial_suffix(rest, closing)
                 reasoning += rest[: len(rest) - keep]
                 self.sent += len(rest) - keep
                 return reasoning, content

@@ -24,17 +24,22 @@ from tests.server.conftest import ServerProcess
     ("qwen3", "  <think>a</think>b", ("a", "b")),
     ("qwen3", "no thinking here</think>", (None, "no thinking here</think>")),
     ("qwen3", "<think>cut off", ("cut off", None)),
+    ("glm45", "<think>a</think>\nb", ("a", "b")),
+    ("glm45", "no thinking here", (None, "no thinking here")),
+    ("mistral", "[THINK]Add them.[/THINK]\n\n4", ("Add them.", "4")),
+    ("mistral", "4", (None, "4")),
+    ("mistral", "<think>not Magistral's tag</think>", (None, "<think>not Magistral's tag</think>")),
 ])
 def test_split(parser, text, want):
     assert split_reasoning(text, parser) == want
 
 
-PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "b<", "nk>", "x"]),
-                  max_size=10)
+PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "b<", "nk>", "x",
+                                   "[THINK]", "[/THINK]", "[TH", "[/T"]), max_size=10)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.sampled_from(["deepseek_r1", "qwen3"]), PIECES, st.data())
+@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3"]), PIECES, st.data())
 def test_a_stream_cut_anywhere_splits_as_the_whole(parser, pieces, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
@@ -81,5 +86,5 @@ def test_an_unknown_parser_is_refused():
     from conveyor.config import ConfigError
     from conveyor.server.config import ServerConfig
 
-    with pytest.raises(ConfigError, match="deepseek_r1 or qwen3"):
+    with pytest.raises(ConfigError, match="use one of deepseek_r1, glm45, mistral, qwen3"):
         ServerConfig(reasoning_parser="o1")
