@@ -134,11 +134,14 @@ def _quantization_config(folder: Path) -> dict[str, Any] | None:
 
 def _compressed_tensors_fp8(folder: Path, quant: dict[str, Any]) -> dict[str, Any]:
     """llm-compressor's FP8 (`format: float-quantized`, RedHatAI's *-FP8-dynamic and *-FP8
-    models): symmetric e4m3 weights with a `weight_scale` a tensor, a channel or a block."""
+    models): symmetric e4m3 weights with a `weight_scale` a tensor, a channel or a block; and
+    its packed integers (`pack-quantized`, the *-quantized.w4a16 and w8a16 models)."""
     fmt = quant.get("format")
+    if fmt == "pack-quantized":
+        return _compressed_tensors_packed(folder, quant)
     if fmt != "float-quantized":
         raise ModelLoadError(f"{folder}: compressed-tensors format {fmt!r} is not read here; conveyor reads "
-                             "'float-quantized' (FP8 weights)")
+                             "'float-quantized' (FP8 weights) and 'pack-quantized' (int4 / int8 weights)")
     block = None
     for name, group in (quant.get("config_groups") or {}).items():
         w = group.get("weights") or {}
@@ -149,6 +152,87 @@ def _compressed_tensors_fp8(folder: Path, quant: dict[str, Any]) -> dict[str, An
         if w.get("strategy") == "block":
             block = w.get("block_structure")
     return {"scale_suffix": ".weight_scale", "block": block}
+
+
+def _compressed_tensors_packed(folder: Path, quant: dict[str, Any]) -> dict[str, Any]:
+    groups = list((quant.get("config_groups") or {}).values())
+    specs = {json.dumps(g.get("weights") or {}, sort_keys=True) for g in groups}
+    if len(specs) != 1:
+        raise ModelLoadError(f"{folder}: compressed-tensors config_groups hold {len(specs)} weight schemes; "
+                             "conveyor reads checkpoints of one")
+    w = groups[0].get("weights") or {}
+    bits, strategy = w.get("num_bits"), w.get("strategy")
+    if w.get("type") != "int" or bits not in (4, 8) or strategy not in ("group", "channel", "tensor"):
+        raise ModelLoadError(f"{folder}: compressed-tensors packs {bits}-bit {w.get('type')} weights by "
+                             f"{strategy!r}; conveyor reads 4- and 8-bit integers by group, channel or tensor")
+    return {"packed": True, "bits": int(bits), "group_size": w.get("group_size"),
+            "symmetric": bool(w.get("symmetric", True)), "g_idx": w.get("actorder") == "group"}
+
+
+def _unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """compressed-tensors' dense packing along rows: element i of a row at bit i * bits of the
+    row's int32 words (little-endian), stored with a 2^(bits-1) offset; the signed values."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    start = torch.arange(count, dtype=torch.int64) * bits
+    word, shift = start // 32, start % 32
+    mask = (1 << bits) - 1
+    values = (words[:, word] >> shift) & mask
+    spill = shift + bits > 32  # an element that straddles two words (not with 4 or 8 bits)
+    if bool(spill.any()):
+        values[:, spill] |= (words[:, word[spill] + 1] << (32 - shift[spill])) & mask
+    return values - (1 << (bits - 1))
+
+
+def _dequantize_packed(name: str, parts: dict[str, torch.Tensor], quant: dict[str, Any]) -> torch.Tensor:
+    """(q - zero point) x scale, each column by its group's: `group_size` columns a group, a
+    column's own group by index (act-order), one group a row (channel) or one for all (tensor)."""
+    rows, cols = (int(v) for v in parts["weight_shape"].tolist())
+    q = _unpack_int32(parts["weight_packed"], quant["bits"], cols).to(torch.float32)
+    scale = parts["weight_scale"].float().reshape(rows, -1) if parts["weight_scale"].numel() > 1 \
+        else parts["weight_scale"].float().reshape(1, 1).expand(rows, 1)
+    if "weight_g_idx" in parts:
+        group_of = parts["weight_g_idx"].long()
+    elif scale.shape[1] == 1:
+        group_of = torch.zeros(cols, dtype=torch.long)
+    else:
+        size = quant["group_size"] or -(-cols // scale.shape[1])
+        if scale.shape[1] != -(-cols // size):
+            raise ModelLoadError(f"{name}: {tuple(scale.shape)} scales do not cover a [{rows}, {cols}] weight "
+                                 f"in groups of {size}")
+        group_of = torch.arange(cols) // size
+    if "weight_zero_point" in parts:  # packed along the rows: one a (row, group)
+        packed = parts["weight_zero_point"].reshape(-1, scale.shape[1]).t().contiguous()
+        zero = _unpack_int32(packed, quant["bits"], rows).t().to(torch.float32)
+        q = q - zero[:, group_of]
+    return q * scale[:, group_of]
+
+
+_PACKED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def _dequantized_packed(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, Any]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """compressed-tensors' packed integer weights as float32, each module's once its parts are
+    in (its packed values, scales and shape; zero points if asymmetric, group indices with
+    GPTQ's act-order); static activation scales dropped, other tensors passed on."""
+    need = {"weight_packed", "weight_scale", "weight_shape"}
+    need |= {"weight_zero_point"} if not quant["symmetric"] else set()
+    need |= {"weight_g_idx"} if quant["g_idx"] else set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "input_scale":
+            continue
+        if leaf not in _PACKED_PARTS:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if need <= parts.keys():
+            yield f"{module}.weight", _dequantize_packed(f"{module}.weight", pending.pop(module), quant)
+    if pending:
+        module, parts = next(iter(pending.items()))
+        raise ModelLoadError(f"the packed checkpoint's {module} lacks {sorted(need - parts.keys())}")
 
 
 def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, Any] | None
@@ -162,6 +246,9 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, An
     unconverted) pass as they are."""
     if quant is None:
         yield from tensors
+        return
+    if quant.get("packed"):
+        yield from _dequantized_packed(tensors, quant)
         return
     block, suffix = quant["block"], quant["scale_suffix"]
     weights: dict[str, torch.Tensor] = {}

@@ -1,8 +1,9 @@
-"""FP8 checkpoints, dequantized at load, against HF transformers loading the same folder: HF's
-and vLLM's `fp8` method (e4m3 weights with `weight_scale_inv` block scales, as Qwen3-*-FP8 and
-DeepSeek-V3 ship; HF dequantizes them on a machine without a GPU, exactly as w * scale) and
-llm-compressor's compressed-tensors FP8 (RedHatAI's models; HF's reference through the
-compressed-tensors package, `dequantize=True`).
+"""Quantized checkpoints, dequantized at load, against HF transformers loading the same folder:
+HF's and vLLM's `fp8` method (e4m3 weights with `weight_scale_inv` block scales, as
+Qwen3-*-FP8 and DeepSeek-V3 ship; HF dequantizes them on a machine without a GPU, exactly as
+w * scale), and llm-compressor's compressed-tensors FP8 and packed integers (RedHatAI's *-FP8
+and *-quantized.w4a16 models; HF's reference through the compressed-tensors package,
+`dequantize=True`).
 
 The checkpoints are written here from the tiny random models: every projection quantized to
 e4m3 in blocks (a tensor-wide scale in one variant), the scales in a shard after the weights'
@@ -119,9 +120,14 @@ def test_bad_fp8_checkpoints_say_why(tiny_models, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="quant_method='awq' is not read here"):
         LLM(str(path), num_kv_blocks=8)
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="format 'pack-quantized' is not read here"):
+    with pytest.raises(ModelLoadError, match="format 'nvfp4-pack-quantized' is not read here"):
+        LLM(str(path), num_kv_blocks=8)
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 2, "type": "int", "strategy": "group"}}}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="packs 2-bit int weights by 'group'"):
         LLM(str(path), num_kv_blocks=8)
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group"}}}}
@@ -196,3 +202,102 @@ def test_compressed_tensors_fp8_loads_as_hf_dequantizes_it(tiny_models, tmp_path
                 logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
                 assert t == int(logp.argmax()) and lp == pytest.approx(float(logp[t]), abs=2e-4)
                 ids.append(t)
+
+
+def write_packed(src: Path, dst: Path, bits: int, strategy: str, symmetric: bool = True,
+                 actorder: bool = False) -> Path:
+    """`src` as llm-compressor packs integer weights (`pack-quantized`, the w4a16 / w8a16
+    models): each `*_proj.weight` rounded to `bits`-bit integers a group of 32 columns (a row
+    with "channel"), with zero points if asymmetric, and with act-order a random column order
+    of the groups (`weight_g_idx`); packed by compressed-tensors' own `pack_to_int32`."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    gen = torch.Generator().manual_seed(bits)
+    out, exact = {}, {}
+    for name, w in tensors.items():
+        if not name.endswith("_proj.weight"):
+            out[name] = w
+            continue
+        w = w.float()
+        rows, cols = w.shape
+        size = cols if strategy == "channel" else 32
+        order = torch.randperm(cols, generator=gen) if actorder else torch.arange(cols)
+        group_of = torch.empty(cols, dtype=torch.long)
+        group_of[order] = torch.arange(cols) // size
+        groups = -(-cols // size)
+        scale, zero = torch.empty(rows, groups), torch.zeros(rows, groups)
+        for g in range(groups):
+            part = w[:, group_of == g]
+            if symmetric:
+                scale[:, g] = (part.abs().amax(dim=1) / hi).clamp(min=1e-8)
+            else:
+                low, high = part.amin(dim=1).clamp(max=0), part.amax(dim=1).clamp(min=0)
+                scale[:, g] = ((high - low) / (hi - lo)).clamp(min=1e-8)
+                zero[:, g] = (lo - low / scale[:, g]).round().clamp(lo, hi)
+        q = (w / scale[:, group_of] + zero[:, group_of]).round().clamp(lo, hi).to(torch.int8)
+        base = name[: -len(".weight")]
+        exact[name] = (q.float() - zero[:, group_of]) * scale[:, group_of]  # what the packed values mean
+        out[base + ".weight_packed"] = pack_to_int32(q, bits)
+        out[base + ".weight_scale"] = scale.contiguous()
+        out[base + ".weight_shape"] = torch.tensor([rows, cols])
+        if not symmetric:
+            out[base + ".weight_zero_point"] = pack_to_int32(zero.to(torch.int8), bits, packed_dim=0)
+        if actorder:
+            out[base + ".weight_g_idx"] = group_of.to(torch.int32)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": bits, "type": "int", "strategy": strategy, "symmetric": symmetric, "dynamic": False,
+            "group_size": None if strategy == "channel" else 32, "actorder": "group" if actorder else None}}},
+        "ignore": ["lm_head"],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+    # the same model with the weights the packed values mean, in float: a reference of its own
+    floats = dst.parent / f"{dst.name}-float"
+    floats.mkdir(exist_ok=True)
+    save_file({**{n: t for n, t in tensors.items() if n not in exact}, **exact}, str(floats / "model.safetensors"),
+              metadata={"format": "pt"})
+    (floats / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+@pytest.mark.parametrize("bits,strategy,symmetric", [(4, "group", True), (4, "group", False), (8, "channel", True)],
+                         ids=["w4-groups", "w4-zero-points", "w8-channels"])
+def test_packed_integer_checkpoints_load_as_hf_dequantizes_them(tiny_models, tmp_path, bits, strategy, symmetric):
+    """llm-compressor's `pack-quantized` (RedHatAI's w4a16 / w8a16): HF's reference dequantizes
+    it with the compressed-tensors package."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    path = write_packed(tiny_models["llama"], tmp_path / "packed", bits, strategy, symmetric)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    got = conveyor_greedy(path, PROMPTS, 12)
+    with torch.no_grad():
+        for (tokens, lps), p in zip(got, PROMPTS, strict=True):
+            ids = list(p)
+            for t, lp in zip(tokens, lps, strict=True):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+                assert t == int(logp.argmax()) and lp == pytest.approx(float(logp[t]), abs=2e-4)
+                ids.append(t)
+
+
+
+def test_act_order_groups_are_read_by_index(tiny_models, tmp_path):
+    """GPTQ's act-order (`actorder: group`, older llm-compressor checkpoints: each column's group
+    in `weight_g_idx`, here a random order): the model equals the float one holding the weights
+    the packed values mean (compressed-tensors 0.20, HF's reference, no longer reads this form)."""
+    pytest.importorskip("compressed_tensors")
+    path = write_packed(tiny_models["llama"], tmp_path / "act-order", 4, "group", symmetric=False, actorder=True)
+    got = conveyor_greedy(path, PROMPTS, 12)
+    want = conveyor_greedy(tmp_path / "act-order-float", PROMPTS, 12)
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt and gl == pytest.approx(wl, abs=1e-6)
