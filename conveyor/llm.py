@@ -93,7 +93,7 @@ class LLM:
         priority: int = 0,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (vLLM's `LLM.embed`): the prompt's final hidden states
-        pooled (`PoolingParams`: the last token's by default, normalized), batched with
+        pooled (`PoolingParams`: the model's own pooling by default, normalized), batched with
         continuous batching beside any other requests. `out.outputs.embedding` is a list of
         floats. Every prompt is validated before any work starts."""
         outs = self._pooled(prompts, pooling_params, use_tqdm, lora_request, priority)

@@ -136,6 +136,23 @@ def test_bad_fp8_checkpoints_say_why(tiny_models, tmp_path):
         LLM(str(path), num_kv_blocks=8)
 
 
+def assert_as_hf_dequantizes(path: Path) -> None:
+    """conveyor's greedy tokens and logprobs on `path` are HF's, HF dequantizing the folder with
+    the compressed-tensors package (`CompressedTensorsConfig(dequantize=True)`), token by token."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    got = conveyor_greedy(path, PROMPTS, 12)
+    with torch.no_grad():
+        for (tokens, lps), p in zip(got, PROMPTS, strict=True):
+            ids = list(p)
+            for t, lp in zip(tokens, lps, strict=True):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+                assert t == int(logp.argmax()) and lp == pytest.approx(float(logp[t]), abs=2e-4)
+                ids.append(t)
+
+
 def write_compressed_tensors(src: Path, dst: Path, strategy: str) -> Path:
     """`src` as llm-compressor writes an FP8 model (`float-quantized`): each `*_proj.weight` in
     e4m3 with a `weight_scale` a tensor, a row (`channel`) or a 32x32 `block`; the LM head left."""
@@ -189,19 +206,8 @@ def test_compressed_tensors_fp8_loads_as_hf_dequantizes_it(tiny_models, tmp_path
     """RedHatAI's FP8 layout (llm-compressor's `float-quantized`): HF's reference dequantizes it
     with the compressed-tensors package (`CompressedTensorsConfig(dequantize=True)`)."""
     pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     path = write_compressed_tensors(tiny_models["llama"], tmp_path / strategy, strategy)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    got = conveyor_greedy(path, PROMPTS, 12)
-    with torch.no_grad():
-        for (tokens, lps), p in zip(got, PROMPTS, strict=True):
-            ids = list(p)
-            for t, lp in zip(tokens, lps, strict=True):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
-                assert t == int(logp.argmax()) and lp == pytest.approx(float(logp[t]), abs=2e-4)
-                ids.append(t)
+    assert_as_hf_dequantizes(path)
 
 
 def write_packed(src: Path, dst: Path, bits: int, strategy: str, symmetric: bool = True,
@@ -275,19 +281,8 @@ def test_packed_integer_checkpoints_load_as_hf_dequantizes_them(tiny_models, tmp
     """llm-compressor's `pack-quantized` (RedHatAI's w4a16 / w8a16): HF's reference dequantizes
     it with the compressed-tensors package."""
     pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
     path = write_packed(tiny_models["llama"], tmp_path / "packed", bits, strategy, symmetric)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    got = conveyor_greedy(path, PROMPTS, 12)
-    with torch.no_grad():
-        for (tokens, lps), p in zip(got, PROMPTS, strict=True):
-            ids = list(p)
-            for t, lp in zip(tokens, lps, strict=True):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
-                assert t == int(logp.argmax()) and lp == pytest.approx(float(logp[t]), abs=2e-4)
-                ids.append(t)
+    assert_as_hf_dequantizes(path)
 
 
 
