@@ -216,6 +216,7 @@ class Engine:
             is_gguf,
             open_model,
             resolve_model_path,
+            sentence_transformers_dense,
         )
 
         mc = config.model
@@ -233,6 +234,7 @@ class Engine:
         path = resolve_model_path(mc.model)
         gguf = is_gguf(path)
         arch, tensors, reader = open_model(path)
+        dense = [] if gguf else sentence_transformers_dense(path)  # (before the weights load: a bad one fails fast)
         full_arch = arch
         if arch.is_encoder:
             _check_encoder_config(config)
@@ -314,6 +316,10 @@ class Engine:
             config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model,
             peers,
         )
+        if dense:  # a sentence-transformers model's Dense modules, after its pooling
+            runner = engine.runner
+            runner.pool_dense = list(dense)  # type: ignore[attr-defined]
+            runner.hidden_size = int(dense[-1].weight.shape[0])  # type: ignore[attr-defined]
         engine.model_path = str(path)  # type: ignore[attr-defined]
         return engine
 

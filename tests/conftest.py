@@ -117,11 +117,13 @@ ENCODER = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attentio
 
 
 def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None, seed: int = 0,
-                       pooling: str | None = None, tokens: bool = False, **overrides: Any) -> Path:
+                       pooling: str | None = None, tokens: bool = False, dense: int | None = None,
+                       **overrides: Any) -> Path:
     """A random-weight HF BERT or XLM-RoBERTa (`kind`), a classifier with `labels` (of each
     token with `tokens`) or an embedding model, with a word-level tokenizer writing BERT's
     `[CLS] A [SEP] B [SEP]` (ids 2 and 3, B in segment 1 for BERT) and, with `pooling` ("cls",
-    "mean", "lasttoken"), a sentence-transformers Pooling module declaring it."""
+    "mean", "lasttoken"), a sentence-transformers Pooling module declaring it (and with `dense`,
+    a Dense module to that many values with tanh, then Normalize, as LaBSE's folder has)."""
     import json
 
     import torch
@@ -155,10 +157,23 @@ def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None
     PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
                             unk_token="[UNK]", model_input_names=names).save_pretrained(out_dir)
     if pooling is not None:
-        (out_dir / "modules.json").write_text(json.dumps([
+        modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        ]))
+        ]
+        if dense is not None:
+            from safetensors.torch import save_file
+
+            modules += [{"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+                        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}]
+            (out_dir / "2_Dense").mkdir(exist_ok=True)
+            (out_dir / "2_Dense" / "config.json").write_text(json.dumps({
+                "in_features": config.hidden_size, "out_features": dense, "bias": True,
+                "activation_function": "torch.nn.modules.activation.Tanh"}))
+            layer = torch.nn.Linear(config.hidden_size, dense)
+            save_file({"linear.weight": layer.weight.detach().contiguous(), "linear.bias": layer.bias.detach()},
+                      str(out_dir / "2_Dense" / "model.safetensors"))
+        (out_dir / "modules.json").write_text(json.dumps(modules))
         (out_dir / "1_Pooling").mkdir(exist_ok=True)
         (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
             "word_embedding_dimension": config.hidden_size,

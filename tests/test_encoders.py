@@ -11,6 +11,7 @@ options not built for encoders are refused with the reason.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from conveyor import LLM, InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.engine import Engine
+from conveyor.models.loader import ModelLoadError
 from tests.conftest import build_tiny_encoder
 
 VOCAB = 384
@@ -198,3 +200,28 @@ def test_refusals(encoders) -> None:
                           ({"quantization": "int8", "dtype": "float32"}, "quantization")):
         with pytest.raises(ConfigError, match=f"runs without {name}"):
             LLM(encoders["bert"], **options)
+
+
+def test_sentence_transformers_dense_modules(tmp_path) -> None:
+    """A folder whose modules are Transformer, Pooling (CLS), Dense (to 32 values, tanh) and
+    Normalize, as LaBSE's: the embedding is the Dense layer over the pooled state, what
+    sentence-transformers computes; `dimensions` is checked against the Dense output."""
+    from safetensors.torch import load_file
+
+    path = build_tiny_encoder(tmp_path / "labse", "bert", seed=5, pooling="cls", dense=32)
+    prompts = random_prompts(4, seed=8)
+    dense = load_file(str(path / "2_Dense" / "model.safetensors"))
+    want = []
+    for hidden in hf_outputs(str(path), prompts):
+        v = torch.tanh(hidden[0] @ dense["linear.weight"].double().t() + dense["linear.bias"].double())
+        want.append((v / v.norm()).tolist())
+    llm = LLM(str(path), dtype="float64")
+    got = llm.embed(prompts, use_tqdm=False)
+    assert [o.outputs.embedding for o in got] == [pytest.approx(w, abs=TOL) for w in want]
+    with pytest.raises(InvalidRequestError, match="embeddings have 32 values"):
+        llm.embed(prompts[:1], PoolingParams(dimensions=33))
+    modules = json.loads((path / "modules.json").read_text())
+    modules.append({"idx": 4, "name": "4", "path": "4_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelLoadError, match=r"module 'sentence_transformers\.models\.LayerNorm' is not applied here"):
+        LLM(str(path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,74 @@ def sentence_transformers_pooling(folder: Path) -> str | None:
         return None
     chosen = [kind for key, kind in _ST_POOLING.items() if cfg.get(key)]
     return chosen[0] if len(chosen) == 1 else None
+
+
+_ST_ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": torch.tanh,
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.ReLU": torch.relu,
+    "torch.nn.modules.activation.GELU": torch.nn.functional.gelu,
+    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+}
+# Modules an embedding passes through that change nothing conveyor computes (the transformer
+# itself, the pooling read above, the normalization `PoolingParams.normalize` does).
+_ST_PASSIVE = ("models.Transformer", "models.Pooling", "models.Normalize")
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module: an embedding's `activation(x W^T + b)`."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    activation: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.to(x.device, x.dtype).t()
+        return self.activation(y if self.bias is None else y + self.bias.to(x.device, x.dtype))
+
+
+def sentence_transformers_dense(folder: Path) -> list[DenseLayer]:
+    """The Dense modules a sentence-transformers folder applies after its pooling (LaBSE's, and
+    sentence-t5's), in order; a module of another kind that would change the embedding is
+    refused with its name."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    layers: list[DenseLayer] = []
+    for m in sorted(modules, key=lambda m: int(m.get("idx", 0))) if isinstance(modules, list) else []:
+        kind = str(m.get("type", ""))
+        if kind.endswith(_ST_PASSIVE):
+            continue
+        if not kind.endswith("models.Dense"):
+            raise ModelLoadError(f"{folder}: sentence-transformers module {kind!r} is not applied here; conveyor "
+                                 "applies Pooling, Dense and Normalize")
+        path = folder / str(m.get("path", ""))
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{path}: cannot read the Dense module's config.json: {e}") from e
+        act = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if act not in _ST_ACTIVATIONS:
+            raise ModelLoadError(f"{path}: Dense activation {act!r}; conveyor applies {', '.join(_ST_ACTIVATIONS)}")
+        tensors = _dense_tensors(path)
+        weight = tensors.get("linear.weight")
+        if weight is None or tuple(weight.shape) != (cfg.get("out_features"), cfg.get("in_features")):
+            raise ModelLoadError(f"{path}: no linear.weight of [{cfg.get('out_features')}, {cfg.get('in_features')}]")
+        bias = tensors.get("linear.bias") if cfg.get("bias", True) else None
+        layers.append(DenseLayer(weight.float(), None if bias is None else bias.float(), _ST_ACTIVATIONS[act]))
+    return layers
+
+
+def _dense_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").is_file():  # older folders: a state dict, read as tensors only
+        return dict(torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True))
+    raise ModelLoadError(f"{path}: the Dense module has no model.safetensors or pytorch_model.bin")
 
 
 def iter_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

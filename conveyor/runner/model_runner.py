@@ -103,6 +103,9 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed, device)
         self.hidden_size = arch.hidden_size  # an embedding's length (SamplingParams.pooling)
+        # A sentence-transformers model's Dense modules, applied to a pooled embedding in order
+        # (conveyor/models/loader.py; set by the engine, with `hidden_size` their output's).
+        self.pool_dense: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self._generators: dict[int, torch.Generator] = {}
         # Embedding requests pooling every prompt position ("mean"): the sum of their rows so
         # far, over the chunks of their prompt (restarted when a prompt is computed again).
@@ -460,6 +463,13 @@ class ModelRunner:
                     self._pool_sums[it.seq_id] = rows.clone()
             elif it.sample:  # "last"
                 out[it.seq_id] = hidden[end - 1]
+        if self.pool_dense:  # an embedding's Dense modules, after its pooling
+            for it in items:
+                if (v := out.get(it.seq_id)) is not None and v.dim() == 1 and it.sampling_params.pooling is not None \
+                        and it.sampling_params.pooling.task == "embed":
+                    for layer in self.pool_dense:
+                        v = layer(v)
+                    out[it.seq_id] = v
         classify = [seq_id for it in items if (seq_id := it.seq_id) in out
                     and it.sampling_params.pooling is not None and it.sampling_params.pooling.task == "classify"]
         vectors = [seq_id for seq_id in classify if out[seq_id].dim() == 1]
