@@ -71,7 +71,7 @@ class StructuredOutputParams:
         return ("json_object", True)
 
 
-POOLING_TYPES = ("last", "mean", "cls", "all")
+POOLING_TYPES = ("last", "mean", "cls", "all", "step")
 POOLING_TASKS = ("embed", "classify")
 
 
@@ -82,7 +82,9 @@ class PoolingParams:
 
     `pooling_type`: "last", the last prompt token's state (what a causal model's prompt ends
     in); "mean", the mean over every prompt token; "cls", the first token's; "all", every
-    prompt token's, one vector each (a token classifier's default); None (the
+    prompt token's, one vector each (a token classifier's default); "step", the vectors of the
+    prompt tokens equal to `step_tag_id` only, in order (vLLM's step pooling: a process reward
+    model's scores at the end of each reasoning step); None (the
     default): the model's own (`ArchConfig.default_pooling`: sentence-transformers' pooling
     config where the model has one, else "last" for a decoder and "cls" for an encoder, as
     vLLM's defaults), filled in by the engine. `dimensions` keeps the first that many values
@@ -100,12 +102,18 @@ class PoolingParams:
     dimensions: int | None = None
     task: str = "embed"
     activation: bool = True
+    step_tag_id: int | None = None  # pooling_type "step": the token that ends a step
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(
                 f"pooling_type={self.pooling_type!r}: must be one of {', '.join(POOLING_TYPES)}", param="pooling_type"
             )
+        tag = self.step_tag_id
+        if (self.pooling_type == "step") != (tag is not None) or (
+                tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or tag < 0)):
+            raise InvalidRequestError(f"step_tag_id={tag!r}: pooling_type 'step' needs a token id, and only it takes one",
+                                      param="step_tag_id")
         if self.task not in POOLING_TASKS:
             raise InvalidRequestError(f"task={self.task!r}: must be one of {', '.join(POOLING_TASKS)}", param="task")
         if self.task == "classify" and self.dimensions is not None:

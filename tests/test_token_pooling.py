@@ -115,3 +115,28 @@ def test_a_sequence_classifiers_head_over_every_token(tmp_path) -> None:
                                             use_tqdm=False)
     for o, w in zip(got, want, strict=True):
         assert o.outputs.data == [pytest.approx(r, rel=TOL, abs=TOL) for r in w.tolist()]
+
+
+@pytest.mark.parametrize("chunk", [8, 512])
+def test_step_pooling_reads_the_step_tags(tmp_path, chunk) -> None:
+    """`pooling_type="step"` (vLLM's, a process reward model's): the head's output at each
+    prompt token equal to `step_tag_id` only, in order, across a prompt's chunks; none where the
+    prompt has no tag."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = str(build_tiny_classifier(tmp_path / "prm", "llama", ["bad", "good"], seed=26))
+    tag = 9
+    batch = [[5, 6, tag, 7, 8, 10, tag, 11, tag], [12, 13, 14], [tag] * 3 + list(range(20, 40)) + [tag]]
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        want = [model.score(model.model(torch.tensor([ids])).last_hidden_state[0])[torch.tensor(ids) == tag].softmax(-1)
+                for ids in batch]
+    llm = LLM(path, dtype="float64", max_num_batched_tokens=chunk, num_kv_blocks=64, block_size=4)
+    got = llm.encode(batch, PoolingParams("step", task="classify", step_tag_id=tag), use_tqdm=False)
+    assert [len(o.outputs.data) for o in got] == [3, 0, 4]
+    for o, w in zip(got, want, strict=True):
+        assert o.outputs.data == [pytest.approx(r, rel=TOL, abs=TOL) for r in w.tolist()]
+    with pytest.raises(InvalidRequestError, match="pooling_type 'step' needs a token id"):
+        PoolingParams("step")
+    with pytest.raises(InvalidRequestError, match="only it takes one"):
+        PoolingParams("all", step_tag_id=3)

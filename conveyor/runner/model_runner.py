@@ -452,8 +452,11 @@ class ModelRunner:
                     self._pool_sums[it.seq_id] = hidden[first]
                 if it.sample:
                     out[it.seq_id] = self._pool_sums.pop(it.seq_id)
-            elif kind == "all":  # every prompt row, the earlier chunks' kept as they pass
+            elif kind in ("all", "step"):  # every prompt row (a step's last), the earlier chunks' kept
                 rows = hidden[first:end]
+                if kind == "step":
+                    tags = [i for i, t in enumerate(it.token_ids) if t == pooling.step_tag_id]
+                    rows = rows[to_device(host_longs(tags), rows.device)] if tags else rows[:0]
                 if it.start_pos:
                     rows = torch.cat((self._pool_sums[it.seq_id], rows))
                 if it.sample:

@@ -190,13 +190,14 @@ class PoolingHandler(_InputsHandler):
         head = engine.head
         task = b.task or ("token_classify" if head.token_classifier else "classify" if head.labels else "embed")
         tokens = task.startswith("token_")
-        if tokens and b.pooling_type not in (None, "all"):
-            raise InvalidRequestError(f"task={task!r} pools every token: pooling_type must be 'all' or unset",
+        if tokens and b.pooling_type not in (None, "all", "step"):
+            raise InvalidRequestError(f"task={task!r} pools tokens: pooling_type must be 'all', 'step' or unset",
                                       param="pooling_type")
-        kind = "all" if tokens else b.pooling_type
+        kind = (b.pooling_type or "all") if tokens else b.pooling_type
         if task.endswith("classify"):
-            return PoolingParams(kind, task="classify", activation=b.activation is not False)
-        return PoolingParams(kind, True if b.normalize is None else b.normalize, b.dimensions)
+            return PoolingParams(kind, task="classify", activation=b.activation is not False, step_tag_id=b.step_tag_id)
+        return PoolingParams(kind, True if b.normalize is None else b.normalize, b.dimensions,
+                             step_tag_id=b.step_tag_id)
 
     async def run(self, raw: Request) -> Response:
         self.pooling()

@@ -180,6 +180,7 @@ class PoolingRequest(PoolingInputs):
     classifier, classify for a sequence classifier, else embed)."""
 
     task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    step_tag_id: int | None = None  # pooling_type "step": the token that ends a reasoning step
     normalize: bool | None = None  # (embeddings) default: true
     dimensions: int | None = None
     activation: bool | None = None  # (classifications) default: true

@@ -149,6 +149,13 @@ def test_pooling_gives_what_each_task_asks(servers: dict[str, ServerProcess], mo
     assert all(len(r) == 64 and sum(x * x for x in r) == pytest.approx(1.0) for d in rows for r in d["data"])
     bad = httpx.post(url + "/pooling", json={"input": texts, "task": "token_embed", "pooling_type": "last"}, timeout=60)
     assert_openai_error(bad, 400, "pooling_type")
+    steps = httpx.post(url + "/pooling", json={"input": [[5, 9, 6, 9]], "task": "token_classify",
+                                                "pooling_type": "step", "step_tag_id": 9}, timeout=60).json()["data"]
+    every = httpx.post(url + "/pooling", json={"input": [[5, 9, 6, 9]], "task": "token_classify"},
+                       timeout=60).json()["data"]
+    assert steps[0]["data"] == [every[0]["data"][1], every[0]["data"][3]]  # the rows at the tags
+    missing = httpx.post(url + "/pooling", json={"input": texts, "pooling_type": "step"}, timeout=60)
+    assert_openai_error(missing, 400, "step_tag_id")
 
     url = servers["tagger"].url
     offline = LLM(str(models["tagger"]), dtype="float64")
