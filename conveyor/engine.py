@@ -1259,6 +1259,8 @@ def _plan_cache(
     itemsize = torch.empty((), dtype=dtype).element_size()
     kv_per_token = arch.kv_bytes_per_token(itemsize)
     max_model_len = arch.max_position_embeddings
+    if arch.is_encoder:  # learned positions: none past the table (a decoder's rotary ones extend)
+        max_positions = arch.max_position_embeddings if max_positions is None else min(max_positions, max_model_len)
     if draft_arch is not None:
         kv_per_token += draft_arch.kv_bytes_per_token(itemsize)
         max_model_len = min(max_model_len, draft_arch.max_position_embeddings)

@@ -196,6 +196,8 @@ def test_refusals(encoders) -> None:
     with pytest.raises(InvalidRequestError, match="no classification head"):
         llm.classify([[2, 5, 3]])
     assert llm.engine.runner.kv_caches == []  # an encoder keeps no K/V
+    with pytest.raises(ConfigError, match="exceeds the 130 positions this model was built for"):
+        LLM(encoders["bert"], max_model_len=200)
     for options, name in (({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"enable_lora": True}, "enable_lora"),
                           ({"quantization": "int8", "dtype": "float32"}, "quantization")):
         with pytest.raises(ConfigError, match=f"runs without {name}"):
