@@ -183,6 +183,27 @@ def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None
     return out_dir
 
 
+def build_tiny_modernbert(out_dir: Path, head: str | None = None, labels: int = 2, seed: int = 0,
+                          **overrides: Any) -> Path:
+    """A random-weight HF ModernBERT (`head`: None, "sequence" or "token" classification), its
+    local layers' window (16 tokens) shorter than the prompts the tests give it."""
+    import torch
+    import transformers as tf
+
+    kinds = {None: tf.ModernBertModel, "sequence": tf.ModernBertForSequenceClassification,
+             "token": tf.ModernBertForTokenClassification}
+    params = dict(vocab_size=384, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=256, local_attention=16, global_attn_every_n_layers=2, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, cls_token_id=2, sep_token_id=3, initializer_range=0.05)
+    if head is not None:
+        params["num_labels"] = labels
+    torch.manual_seed(seed)
+    model = kinds[head](tf.ModernBertConfig(**{**params, **overrides})).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")

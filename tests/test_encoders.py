@@ -23,7 +23,7 @@ from conveyor import LLM, InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.engine import Engine
 from conveyor.models.loader import ModelLoadError
-from tests.conftest import build_tiny_encoder
+from tests.conftest import build_tiny_encoder, build_tiny_modernbert
 
 VOCAB = 384
 TOL = 1e-10  # no rotary angles in float32 here: HF's float64 arithmetic, to rounding
@@ -227,3 +227,39 @@ def test_sentence_transformers_dense_modules(tmp_path) -> None:
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match=r"module 'sentence_transformers\.models\.LayerNorm' is not applied here"):
         LLM(str(path))
+
+
+@pytest.mark.parametrize("head,pooling", [(None, None), ("sequence", "cls"), ("sequence", "mean"), ("token", None)],
+                         ids=["embeddings", "classifier-cls", "classifier-mean", "tagger"])
+@pytest.mark.parametrize("budget", [64, 2048])
+def test_modernbert_matches_hf(tmp_path, head, pooling, budget) -> None:
+    """ModernBERT: rotary positions at two thetas, local layers within 8 tokens either side of
+    each (prompts up to 60 tokens cross the window), GeGLU; its classifier's head over the CLS
+    state or the mean (`classifier_pooling`), or over every token. HF's forward in float64
+    (its rotary products in float32: 1e-7 apart here), one prompt at a time."""
+    from transformers import (
+        AutoModel,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    extra = {"classifier_pooling": pooling} if pooling else {}
+    path = str(build_tiny_modernbert(tmp_path / "mb", head, 3, seed=9, **extra))
+    auto = {None: AutoModel, "sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification}
+    model = auto[head].from_pretrained(path, dtype=torch.float64).eval()
+    batch = random_prompts(6, seed=11, longest=58)
+    llm = LLM(path, dtype="float64", max_num_batched_tokens=budget)
+    if head == "sequence":
+        got = [o.outputs.probs for o in llm.classify(batch, PoolingParams(activation=False), use_tqdm=False)]
+    elif head == "token":
+        got = [o.outputs.data for o in llm.encode(batch, use_tqdm=False)]
+    else:
+        got = [o.outputs.data for o in llm.encode(batch, PoolingParams("all", normalize=False), use_tqdm=False)]
+    with torch.no_grad():
+        for g, ids in zip(got, batch, strict=True):
+            out = model(torch.tensor([ids]))
+            want = out.last_hidden_state[0] if head is None else out.logits[0]
+            if head == "token":
+                want = want.softmax(-1)
+            rows = want.tolist()
+            assert g == ([pytest.approx(r, abs=1e-6) for r in rows] if want.dim() == 2 else pytest.approx(rows, abs=1e-6))

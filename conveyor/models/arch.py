@@ -5,6 +5,7 @@ a routed MLP: `num_experts > 0`, and `is_sparse_layer` says which layers route."
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +45,11 @@ ENCODER_ARCHITECTURES = {
     "BertForTokenClassification": "bert",
     "RobertaForTokenClassification": "roberta",
     "XLMRobertaForTokenClassification": "roberta",
+    "ModernBertModel": "modernbert",
+    "ModernBertForSequenceClassification": "modernbert",
+    "ModernBertForTokenClassification": "modernbert",
 }
-ENCODER_FAMILIES = ("bert", "roberta")
+ENCODER_FAMILIES = ("bert", "roberta", "modernbert")
 # The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
 _BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
@@ -100,6 +104,12 @@ class ArchConfig:
     hidden_act: str = "silu"
     position_offset: int = 0
     sep_token_id: int | None = None
+    # ModernBERT: every n-th layer attends globally at `rope_theta`, the others within
+    # `sliding_window` tokens either side at `local_rope_theta`; its classifier's head.
+    global_attn_every: int = 0
+    local_rope_theta: float = 0.0
+    classifier_act: str = "gelu"
+    classifier_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -258,6 +268,8 @@ ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens: bool = False) -> ArchConfig:
     """A BERT or RoBERTa config: absolute position embeddings only (what their checkpoints
     use); RoBERTa numbers positions from its padding id + 1, so it has two positions fewer."""
+    if family == "modernbert":
+        return _modernbert_from_hf(cfg, classifier, tokens)
     kind = cfg.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise UnsupportedModelError(f"position_embedding_type={kind!r}: conveyor's encoders have absolute positions")
@@ -286,6 +298,50 @@ def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens:
         hidden_act=act,
         position_offset=offset,
         sep_token_id=cfg.get("sep_token_id"),
+    )
+
+
+def _modernbert_from_hf(cfg: dict[str, Any], classifier: bool, tokens: bool) -> ArchConfig:
+    """ModernBERT's config, as transformers 4.48-4.x wrote it (global_attn_every_n_layers, the
+    two rope thetas) or 5 writes it (layer_types, rope_parameters by layer type)."""
+    for key, want in (("hidden_activation", ENCODER_ACTIVATIONS), ("classifier_activation", ENCODER_ACTIVATIONS)):
+        if cfg.get(key, "gelu") not in want:
+            raise UnsupportedModelError(f"{key}={cfg.get(key)!r}: conveyor's encoders run {', '.join(want)}")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("norm_bias"):
+        raise UnsupportedModelError("ModernBERT with attention, MLP or norm biases is not read here")
+    every = int(cfg.get("global_attn_every_n_layers") or 3)
+    types = cfg.get("layer_types")
+    if types:
+        globals_at = [i for i, t in enumerate(types) if t == "full_attention"]
+        every = globals_at[1] - globals_at[0] if len(globals_at) > 1 else len(types)
+        if globals_at[:1] != [0] or any(b - a != every for a, b in itertools.pairwise(globals_at)):
+            raise UnsupportedModelError(f"layer_types {types}: conveyor reads a global layer every n from the first")
+    rope = cfg.get("rope_parameters") or {}
+    global_theta = (rope.get("full_attention") or {}).get("rope_theta", cfg.get("global_rope_theta", 160000.0))
+    local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("local_rope_theta", 10000.0))
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    return ArchConfig(
+        family="modernbert",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=cfg.get("norm_eps", 1e-5),
+        rope_theta=float(global_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_word_embeddings=False,
+        sliding_window=int(cfg.get("local_attention", 128)) // 2,
+        labels=_labels(cfg) if classifier else (),
+        token_classifier=tokens,
+        pooling=cfg.get("classifier_pooling") if classifier else None,
+        hidden_act=cfg.get("hidden_activation", "gelu"),
+        global_attn_every=every,
+        local_rope_theta=float(local_theta),
+        classifier_act=cfg.get("classifier_activation", "gelu"),
+        classifier_bias=bool(cfg.get("classifier_bias", False)),
     )
 
 

@@ -198,7 +198,21 @@ def load_encoder_weights(model: Encoder, tensors: Iterator[tuple[str, torch.Tens
 
 def build_encoder(
     arch: ArchConfig, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
-) -> Encoder:
+) -> Encoder | ModernBert:
+    if arch.family == "modernbert":
+        modern = ModernBert(arch, arch.max_position_embeddings).to(device=device, dtype=dtype)
+        # the rotary tables stay float32, as the reference computes them
+        import dataclasses
+
+        from conveyor.models.llama import Rotary
+
+        modern.rotary = Rotary(arch, arch.max_position_embeddings).to(device)
+        modern.local_rotary = Rotary(dataclasses.replace(arch, rope_theta=arch.local_rope_theta or arch.rope_theta),
+                                     arch.max_position_embeddings).to(device)
+        load_modernbert_weights(modern, ((n, t.to(dtype)) for n, t in tensors))
+        modern.eval()
+        modern.requires_grad_(False)
+        return modern
     with torch.device("meta"):
         model = Encoder(arch)
     model = model.to_empty(device=device).to(dtype)
@@ -206,3 +220,151 @@ def build_encoder(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+# -- ModernBERT ------------------------------------------------------------------------------
+class _ModernLayer(nn.Module):
+    """Pre-norm (none before the first layer's attention), rotary positions, a GeGLU MLP; its
+    attention spans the whole prompt (a global layer) or `window` tokens either side (local)."""
+
+    def __init__(self, arch: ArchConfig, index: int) -> None:
+        super().__init__()
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.num_heads, self.head_dim = arch.num_heads, arch.head_dim
+        self.attn_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps, bias=False) if index else None
+        self.qkv_proj = nn.Linear(h, 3 * h, bias=False)
+        self.o_proj = nn.Linear(h, h, bias=False)
+        self.mlp_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps, bias=False)
+        self.up_proj = nn.Linear(h, 2 * i, bias=False)  # the input and its gate
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.act = ACTIVATIONS[arch.hidden_act]
+        every = arch.global_attn_every or 1
+        self.window = None if index % every == 0 else arch.sliding_window  # tokens either side
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], singles: int,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        from conveyor.models.llama import apply_rope
+
+        normed = x if self.attn_norm is None else self.attn_norm(x)
+        q, k, v = self.qkv_proj(normed).split(x.shape[-1], dim=-1)
+        shape = (x.shape[0], self.num_heads, self.head_dim)
+        q, k = apply_rope(q.view(shape), rope), apply_rope(k.view(shape), rope)
+        v = v.view(shape)
+        out = torch.empty_like(v)
+        out[:singles] = v[:singles]
+        for a, b in spans:
+            mask = None
+            if self.window is not None and b - a > self.window + 1:
+                pos = torch.arange(b - a, device=x.device)
+                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=mask,
+            ).transpose(0, 1)
+        x = x + self.o_proj(out.reshape(x.shape[0], -1))
+        gate_in, gate = self.up_proj(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(self.act(gate_in) * gate)
+
+
+class ModernBert(nn.Module):
+    """ModernBERT (Warner et al. 2024): the embeddings' norm, pre-norm layers with rotary
+    positions (global layers at `rope_theta`, local ones at `local_rope_theta`), local layers
+    attending within a window, a final norm. A classifier's head: dense, activation, norm, then
+    `score` (classes), over the pooled state (its `classifier_pooling`) or every token."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        import dataclasses
+
+        from conveyor.models.llama import Rotary
+
+        h = arch.hidden_size
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, h)
+        self.embed_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps, bias=False)
+        self.layers = nn.ModuleList([_ModernLayer(arch, i) for i in range(arch.num_layers)])
+        self.final_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps, bias=False)
+        self.pooler = nn.Linear(h, h, bias=arch.classifier_bias) if arch.labels else None  # head.dense
+        self.head_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps, bias=False) if arch.labels else None
+        self.head_act = ACTIVATIONS[arch.classifier_act]
+        self.score = nn.Linear(h, arch.num_labels) if arch.labels else None
+        self.lm_head = None
+        self.sep_token_id = None
+        self.fused_decode = None
+        self.gemv = None
+        self.rotary = Rotary(arch, max_positions)
+        self.local_rotary = Rotary(dataclasses.replace(arch, rope_theta=arch.local_rope_theta or arch.rope_theta),
+                                   max_positions)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return False
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        singles = meta.num_decodes
+        spans = [(p.token_start, p.token_end) for p in meta.prefills]
+        if any(p.start_pos for p in meta.prefills) or (singles and bool((positions[:singles] != 0).any())):
+            raise RuntimeError("an encoder computes each prompt whole, in one step")
+        x = self.embed_norm(self.embed_tokens(input_ids))
+        tables = {}
+        for layer in self.layers:
+            assert isinstance(layer, _ModernLayer)
+            key = layer.window is None
+            if key not in tables:
+                rotary = self.rotary if key else self.local_rotary
+                tables[key] = rotary(positions, x.dtype)
+            x = layer(x, spans, singles, tables[key])
+        return self.final_norm(x)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        if self.score is None or self.pooler is None or self.head_norm is None:
+            raise UnsupportedModelError("this model has no classification head")
+        x = self.head_norm(self.head_act(self.pooler(pooled.to(self.embed_tokens.weight.dtype))))
+        logits = self.score(x)
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        raise UnsupportedModelError("an encoder has no LM head: it generates nothing")
+
+
+_MODERN_LAYER_NAMES = {"attn_norm": "attn_norm", "attn.Wqkv": "qkv_proj", "attn.Wo": "o_proj",
+                       "mlp_norm": "mlp_norm", "mlp.Wi": "up_proj", "mlp.Wo": "down_proj"}
+_MODERN_TOP_NAMES = {"embeddings.tok_embeddings": "embed_tokens", "embeddings.norm": "embed_norm",
+                     "final_norm": "final_norm", "head.dense": "pooler", "head.norm": "head_norm",
+                     "classifier": "score"}
+
+
+def load_modernbert_weights(model: ModernBert, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    from conveyor.models.loader import ModelLoadError
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        name = name.removeprefix("model.")
+        module, _, leaf = name.rpartition(".")
+        if module.startswith("layers."):
+            index, _, rest = module.removeprefix("layers.").partition(".")
+            if rest not in _MODERN_LAYER_NAMES:
+                raise ModelLoadError(f"unexpected ModernBERT tensor {name!r}")
+            target = f"layers.{index}.{_MODERN_LAYER_NAMES[rest]}"
+        elif module in _MODERN_TOP_NAMES:
+            target = _MODERN_TOP_NAMES[module]
+        elif module in ("decoder", "head.dense", "head.norm") or module.startswith("head."):
+            continue  # a masked-LM's head (or an embedding model's unused one)
+        else:
+            raise ModelLoadError(f"unexpected ModernBERT tensor {name!r}")
+        key = f"{target}.{leaf}"
+        p = params.get(key)
+        if p is None:
+            if target in ("pooler", "head_norm") and model.pooler is None:
+                continue
+            raise ModelLoadError(f"no parameter for {name!r}")
+        if p.shape != tensor.shape:
+            raise ModelLoadError(f"{name}: tensor of shape {tuple(tensor.shape)} does not fit {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor)
+        loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
