@@ -58,7 +58,32 @@ class EncoderLayer(nn.Module):
         return self.output_norm(x + self.down_proj(self.act(self.up_proj(x))))
 
 
-class Encoder(nn.Module):
+class _EncoderModel(nn.Module):
+    """What the runner asks of an encoder beside its forward pass and `classify`: no LM head,
+    no fused decode, one rank; and each step's prompts as spans of rows, each whole."""
+
+    lm_head = None
+    fused_decode = None
+    gemv = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return False
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        raise UnsupportedModelError("an encoder has no LM head: it generates nothing")
+
+    @staticmethod
+    def prompts(meta: AttentionMetadata, positions: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+        """The step's prompts: the rows of each of more than one token, and how many one-token
+        prompts lead the batch (the metadata's "decodes")."""
+        singles = meta.num_decodes
+        if any(p.start_pos for p in meta.prefills) or (singles and bool((positions[:singles] != 0).any())):
+            raise RuntimeError("an encoder computes each prompt whole, in one step")
+        return [(p.token_start, p.token_end) for p in meta.prefills], singles
+
+
+class Encoder(_EncoderModel):
     """BERT / RoBERTa with an optional classification head (`arch.labels`): BERT's pooler
     (dense + tanh over the pooled state) then `classifier`; RoBERTa's `classifier.dense` +
     tanh then `classifier.out_proj`. Parameter names follow HF's with the prefix dropped and
@@ -76,22 +101,12 @@ class Encoder(nn.Module):
         # RoBERTa's classifier.dense; a token classifier has none
         self.pooler = nn.Linear(h, h) if arch.labels and not arch.token_classifier else None
         self.score = nn.Linear(h, arch.num_labels) if arch.labels else None
-        self.lm_head = None
         self.sep_token_id = arch.sep_token_id  # set from the tokenizer by the engine when the config lacks it
-        self.fused_decode = None
-        self.gemv = None
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return False
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        singles = meta.num_decodes
-        spans = [(p.token_start, p.token_end) for p in meta.prefills]
-        if any(p.start_pos for p in meta.prefills) or (singles and bool((positions[:singles] != 0).any())):
-            raise RuntimeError("an encoder computes each prompt whole, in one step")
+        spans, singles = self.prompts(meta, positions)
         x = self.embed_tokens(input_ids) + self.position_embeddings(positions + self.arch.position_offset)
         x = x + self.token_type_embeddings(self._segments(input_ids, spans))
         x = self.embed_norm(x)
@@ -119,9 +134,6 @@ class Encoder(nn.Module):
         x = pooled.to(self.embed_tokens.weight.dtype)
         logits = self.score(x if self.pooler is None else torch.tanh(self.pooler(x)))
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        raise UnsupportedModelError("an encoder has no LM head: it generates nothing")
 
 
 _LAYER_NAMES = {
@@ -201,14 +213,7 @@ def build_encoder(
 ) -> Encoder | ModernBert:
     if arch.family == "modernbert":
         modern = ModernBert(arch, arch.max_position_embeddings).to(device=device, dtype=dtype)
-        # the rotary tables stay float32, as the reference computes them
-        import dataclasses
-
-        from conveyor.models.llama import Rotary
-
-        modern.rotary = Rotary(arch, arch.max_position_embeddings).to(device)
-        modern.local_rotary = Rotary(dataclasses.replace(arch, rope_theta=arch.local_rope_theta or arch.rope_theta),
-                                     arch.max_position_embeddings).to(device)
+        modern.rotaries(arch.max_position_embeddings, device)
         load_modernbert_weights(modern, ((n, t.to(dtype)) for n, t in tensors))
         modern.eval()
         modern.requires_grad_(False)
@@ -265,7 +270,7 @@ class _ModernLayer(nn.Module):
         return x + self.down_proj(self.act(gate_in) * gate)
 
 
-class ModernBert(nn.Module):
+class ModernBert(_EncoderModel):
     """ModernBERT (Warner et al. 2024): the embeddings' norm, pre-norm layers with rotary
     positions (global layers at `rope_theta`, local ones at `local_rope_theta`), local layers
     attending within a window, a final norm. A classifier's head: dense, activation, norm, then
@@ -273,10 +278,6 @@ class ModernBert(nn.Module):
 
     def __init__(self, arch: ArchConfig, max_positions: int) -> None:
         super().__init__()
-        import dataclasses
-
-        from conveyor.models.llama import Rotary
-
         h = arch.hidden_size
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, h)
@@ -287,25 +288,25 @@ class ModernBert(nn.Module):
         self.head_norm = nn.LayerNorm(h, eps=arch.rms_norm_eps, bias=False) if arch.labels else None
         self.head_act = ACTIVATIONS[arch.classifier_act]
         self.score = nn.Linear(h, arch.num_labels) if arch.labels else None
-        self.lm_head = None
         self.sep_token_id = None
-        self.fused_decode = None
-        self.gemv = None
-        self.rotary = Rotary(arch, max_positions)
-        self.local_rotary = Rotary(dataclasses.replace(arch, rope_theta=arch.local_rope_theta or arch.rope_theta),
-                                   max_positions)
+        self.rotaries(max_positions)
 
-    @property
-    def tensor_parallel(self) -> bool:
-        return False
+    def rotaries(self, max_positions: int, device: torch.device | None = None) -> None:
+        """The global and the local layers' rotary tables, in float32 (as the reference computes
+        them: made again after the model moves to a half-precision dtype)."""
+        import dataclasses
+
+        from conveyor.models.llama import Rotary
+
+        arch = self.arch
+        local = dataclasses.replace(arch, rope_theta=arch.local_rope_theta or arch.rope_theta)
+        self.rotary = Rotary(arch, max_positions).to(device)
+        self.local_rotary = Rotary(local, max_positions).to(device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        singles = meta.num_decodes
-        spans = [(p.token_start, p.token_end) for p in meta.prefills]
-        if any(p.start_pos for p in meta.prefills) or (singles and bool((positions[:singles] != 0).any())):
-            raise RuntimeError("an encoder computes each prompt whole, in one step")
+        spans, singles = self.prompts(meta, positions)
         x = self.embed_norm(self.embed_tokens(input_ids))
         tables = {}
         for layer in self.layers:
@@ -323,9 +324,6 @@ class ModernBert(nn.Module):
         x = self.head_norm(self.head_act(self.pooler(pooled.to(self.embed_tokens.weight.dtype))))
         logits = self.score(x)
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        raise UnsupportedModelError("an encoder has no LM head: it generates nothing")
 
 
 _MODERN_LAYER_NAMES = {"attn_norm": "attn_norm", "attn.Wqkv": "qkv_proj", "attn.Wo": "o_proj",
