@@ -19,7 +19,7 @@ from conveyor.outputs import (
     RequestOutput,
 )
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs
+from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs, top_label
 from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -168,7 +168,7 @@ class LLM:
         labels = self.engine.labels
         return [
             ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(o.outputs.embedding),
-                                        _top_label(o.outputs.embedding, labels), o.finished)
+                                        top_label(o.outputs.embedding, labels), o.finished)
             for o in outs
         ]
 
@@ -331,8 +331,3 @@ def _as_lora_list(loras: LoRARequest | Seq[LoRARequest | None] | None, n: int) -
     if len(items) != n:
         raise InvalidRequestError(f"{len(items)} LoRA requests for {n} prompts", "lora_request")
     return items
-
-
-def _top_label(probs: list[float], labels: Seq[str]) -> str:
-    """The most probable class's name (a one-class model's only)."""
-    return labels[max(range(len(probs)), key=probs.__getitem__)] if probs and labels else ""

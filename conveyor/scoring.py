@@ -28,6 +28,11 @@ class ModelHead:
     score_template: str | None = None
 
 
+def top_label(probs: Sequence[float], labels: Sequence[str]) -> str:
+    """The most probable class's name (a one-class model's only one)."""
+    return labels[max(range(len(probs)), key=probs.__getitem__)] if probs and labels else ""
+
+
 def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
     """The pairs to score: one `text_1` against each `text_2`, or pairwise (as many of each)."""
     one = [text_1] if isinstance(text_1, str) else list(text_1)

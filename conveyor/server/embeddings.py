@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs
+from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs, top_label
 from conveyor.server.async_engine import EngineRequest
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -174,8 +174,8 @@ class ClassifyHandler(_InputsHandler):
             "object": "list",
             "created": self.created,
             "model": self.model_name,
-            "data": [{"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
-                      "num_classes": len(p)} for i, p in enumerate(results)],
+            "data": [{"index": i, "label": top_label(p, labels), "probs": p, "num_classes": len(p)}
+                     for i, p in enumerate(results)],
             "usage": self.usage(),
         })
 
