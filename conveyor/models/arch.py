@@ -276,29 +276,28 @@ def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens:
     act = cfg.get("hidden_act", "gelu")
     if act not in ENCODER_ACTIVATIONS:
         raise UnsupportedModelError(f"hidden_act={act!r}: conveyor's encoders run {', '.join(ENCODER_ACTIVATIONS)}")
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     positions = cfg.get("max_position_embeddings", 512)
     offset = int(cfg.get("pad_token_id") or 0) + 1 if family == "roberta" else 0
     return ArchConfig(
-        family=family,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
+        **_encoder_shape(cfg, family, classifier, tokens),
         rms_norm_eps=cfg.get("layer_norm_eps", 1e-12),
         rope_theta=10000.0,  # (no rotary positions)
         max_position_embeddings=positions - offset,
-        tie_word_embeddings=False,
-        labels=_labels(cfg) if classifier else (),
-        token_classifier=tokens,
         type_vocab_size=int(cfg.get("type_vocab_size", 2)),
         hidden_act=act,
         position_offset=offset,
         sep_token_id=cfg.get("sep_token_id"),
     )
+
+
+def _encoder_shape(cfg: dict[str, Any], family: str, classifier: bool, tokens: bool) -> dict[str, Any]:
+    """What every encoder's config says alike: its widths and depth, one KV head a query head,
+    no LM head, and a classifier's classes."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    return dict(family=family, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+                num_kv_heads=heads, head_dim=hidden // heads, tie_word_embeddings=False,
+                labels=_labels(cfg) if classifier else (), token_classifier=tokens)
 
 
 def _modernbert_from_hf(cfg: dict[str, Any], classifier: bool, tokens: bool) -> ArchConfig:
@@ -319,23 +318,12 @@ def _modernbert_from_hf(cfg: dict[str, Any], classifier: bool, tokens: bool) -> 
     rope = cfg.get("rope_parameters") or {}
     global_theta = (rope.get("full_attention") or {}).get("rope_theta", cfg.get("global_rope_theta", 160000.0))
     local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("local_rope_theta", 10000.0))
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     return ArchConfig(
-        family="modernbert",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
+        **_encoder_shape(cfg, "modernbert", classifier, tokens),
         rms_norm_eps=cfg.get("norm_eps", 1e-5),
         rope_theta=float(global_theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-        tie_word_embeddings=False,
         sliding_window=int(cfg.get("local_attention", 128)) // 2,
-        labels=_labels(cfg) if classifier else (),
-        token_classifier=tokens,
         pooling=cfg.get("classifier_pooling") if classifier else None,
         hidden_act=cfg.get("hidden_activation", "gelu"),
         global_attn_every=every,
