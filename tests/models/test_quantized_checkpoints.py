@@ -23,6 +23,18 @@ from conveyor.models.loader import ModelLoadError
 from tests.models.test_hf_parity import PROMPTS
 
 
+def fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` over its `block` x `block` scales (the last blocks cut), each block's absolute maximum
+    mapped to e4m3's 448: the values to round to FP8, and the scales."""
+    rows, cols = w.shape
+    br, bc = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(br * block, bc * block)
+    padded[:rows, :cols] = w
+    blocks = padded.view(br, block, bc, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    return (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols], scale
+
+
 def write_fp8(src: Path, dst: Path, block: int | None = 32, split_scales: bool = False) -> Path:
     """`src` (a float checkpoint) as an FP8 one: each `*_proj.weight` in e4m3 with float32
     `weight_scale_inv` scales, a block's absolute maximum mapped to e4m3's 448 (`block`
@@ -42,13 +54,8 @@ def write_fp8(src: Path, dst: Path, block: int | None = 32, split_scales: bool =
             scale = (w.abs().amax() / 448.0).clamp(min=1e-12)
             q = (w / scale).to(torch.float8_e4m3fn)
         else:
-            rows, cols = w.shape
-            br, bc = -(-rows // block), -(-cols // block)
-            padded = torch.zeros(br * block, bc * block)
-            padded[:rows, :cols] = w
-            blocks = padded.view(br, block, bc, block)
-            scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-            q = (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols].to(torch.float8_e4m3fn)
+            q, scale = fp8_blocks(w, block)
+            q = q.to(torch.float8_e4m3fn)
         weights[name] = q.contiguous()
         scales[name[: -len(".weight")] + ".weight_scale_inv"] = scale.float().reshape(scale.shape)
     dst.mkdir(parents=True, exist_ok=True)
@@ -174,13 +181,7 @@ def write_compressed_tensors(src: Path, dst: Path, strategy: str) -> Path:
             scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
             q = w / scale
         else:
-            rows, cols = w.shape
-            br, bc = -(-rows // 32), -(-cols // 32)
-            padded = torch.zeros(br * 32, bc * 32)
-            padded[:rows, :cols] = w
-            blocks = padded.view(br, 32, bc, 32)
-            scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-            q = (blocks / scale[:, None, :, None]).view(br * 32, bc * 32)[:rows, :cols]
+            q, scale = fp8_blocks(w, 32)
         out[name] = q.to(torch.float8_e4m3fn).contiguous()
         out[name[: -len(".weight")] + ".weight_scale"] = scale.float().contiguous()
         out[name[: -len(".weight")] + ".input_scale"] = torch.ones(1)  # a static scheme's: dropped
