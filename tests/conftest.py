@@ -47,6 +47,8 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}
@@ -66,6 +68,9 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
                 p.normal_(0, 0.5)
             elif ".experts." in name:
                 p.normal_(0, params["initializer_range"])
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: zero in HF
+                b.normal_(0, 0.2)
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)

@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # The same bodies with a classification head (`score`) over the last token instead of an LM
 # head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
@@ -52,6 +54,8 @@ ENCODER_ARCHITECTURES = {
 ENCODER_FAMILIES = ("bert", "roberta", "modernbert")
 # The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
 _BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+# Multi-head latent attention (MLA) and DeepSeek's routing: conveyor/models/mla.py, moe.py.
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 class UnsupportedModelError(ValueError):
@@ -110,6 +114,27 @@ class ArchConfig:
     local_rope_theta: float = 0.0
     classifier_act: str = "gelu"
     classifier_bias: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3; `kv_lora_rank > 0`): each token caches one
+    # latent `[kv_lora_rank]` and one rotary key `[qk_rope_head_dim]` shared by all heads;
+    # queries come through a low-rank `q_lora_rank` (0: one projection). `head_dim` is then the
+    # rotary part (what the rotary tables span).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dims come in (even, odd) pairs
+    # DeepSeek's routers: a softmax (V2) or sigmoid (V3) score, the experts picked within the
+    # `topk_group` best of `n_group` groups ("group_limited_greedy" by each group's best score,
+    # "noaux_tc" by its best two plus a learned bias), weights scaled by `routed_scaling_factor`;
+    # the shared experts join every token ungated. Dense layers before `first_k_dense_replace`.
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    first_k_dense_replace: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -123,6 +148,34 @@ class ArchConfig:
             )
         if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
             raise UnsupportedModelError("a mixture of experts needs moe_intermediate_size and decoder_sparse_step >= 1")
+        if self.num_experts and (self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group):
+            raise UnsupportedModelError(
+                f"n_group={self.n_group} must divide the {self.num_experts} experts, and topk_group={self.topk_group} "
+                "be in [1, n_group]"
+            )
+        if self.num_experts and self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise UnsupportedModelError(f"topk_method={self.topk_method!r} is not supported "
+                                        "(greedy, group_limited_greedy, noaux_tc are)")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"scoring_func={self.scoring_func!r} is not supported (softmax, sigmoid are)")
+        if self.is_mla and (self.qk_rope_head_dim % 2 or self.qk_nope_head_dim < 1 or self.v_head_dim < 1):
+            raise UnsupportedModelError("multi-head latent attention needs an even qk_rope_head_dim and "
+                                        "qk_nope_head_dim, v_head_dim >= 1")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): a latent and a rotary key cached a token."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_shape(self) -> tuple[int, int]:
+        """(heads, dim) of each of a layer's two cache planes `[2, slots, heads, dim]`. MLA's one
+        latent + rotary key a token, `kv_lora_rank + qk_rope_head_dim` values, is cut in two
+        halves, one a plane (conveyor/models/mla.py): no byte kept twice, and every copy, swap
+        and hand-over of the cache stays what it is for K and V."""
+        if self.is_mla:
+            return 1, -(-(self.kv_lora_rank + self.qk_rope_head_dim) // 2)
+        return self.num_kv_heads, self.head_dim
 
     @property
     def num_labels(self) -> int:
@@ -146,8 +199,9 @@ class ArchConfig:
         return _BASE_FAMILY.get(self.family, self.family)
 
     def is_sparse_layer(self, index: int) -> bool:
-        """Whether layer `index` routes its tokens to experts (HF's rule for Qwen-MoE)."""
-        return (self.num_experts > 0 and index not in self.mlp_only_layers
+        """Whether layer `index` routes its tokens to experts (HF's rule for Qwen-MoE; DeepSeek's
+        first `first_k_dense_replace` layers are dense)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers and index >= self.first_k_dense_replace
                 and (index + 1) % self.decoder_sparse_step == 0)
 
     @property
@@ -169,18 +223,33 @@ class ArchConfig:
             pooler = 0 if self.token_classifier else h * h + h
             head = (pooler + self.num_labels * (h + 1)) if self.labels else 0
             return L * layer + embed + head
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attention = h * (q + 2 * kv) + q * h + 2 * h  # projections and the two norms
-        attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        if self.is_mla:
+            attention = self.mla_params + 2 * h
+        else:
+            q = self.num_heads * self.head_dim
+            kv = self.num_kv_heads * self.head_dim
+            attention = h * (q + 2 * kv) + q * h + 2 * h  # projections and the two norms
+            attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         sparse = self.num_sparse_layers
         moe = self.num_experts * (self.expert_params + h) + 3 * h * self.shared_expert_intermediate_size
-        moe += h if self.shared_expert_intermediate_size else 0  # the shared expert's gate
+        gated = self.shared_expert_intermediate_size and self.shared_expert_gated
+        moe += h if gated else 0  # the shared expert's gate
+        moe += self.num_experts if self.topk_method == "noaux_tc" else 0  # the router's bias
         mlp = (L - sparse) * 3 * h * i + sparse * moe
         embed = self.vocab_size * h
         head = (self.num_labels * (h + self.token_classifier) if self.labels
                 else 0 if self.tie_word_embeddings else self.vocab_size * h)
         return L * attention + mlp + embed + head + h
+
+    @property
+    def mla_params(self) -> int:
+        """One layer's latent attention: the query's (low-rank) projections, the latent's down and
+        up projections with their norms, the output projection."""
+        h, n, r = self.hidden_size, self.num_heads, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = h * n * qk if not self.q_lora_rank else h * self.q_lora_rank + self.q_lora_rank * (n * qk + 1)
+        kv = h * (r + self.qk_rope_head_dim) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * h
 
     @property
     def num_active_params(self) -> int:
@@ -191,7 +260,8 @@ class ArchConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         if self.is_encoder:  # a prompt's K/V live only within its one step
             return 0
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        heads, dim = self.kv_cache_shape
+        return 2 * self.num_layers * heads * dim * dtype_bytes
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -216,17 +286,12 @@ class ArchConfig:
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
                 f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | TOKEN_CLASSIFIER_ARCHITECTURES | ENCODER_ARCHITECTURES)}"
             )
+        if family in DEEPSEEK_FAMILIES:
+            return _deepseek_from_hf(cfg, family)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling here
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default" and rope_scaling is None:
-                rope_scaling = params
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_theta, rope_scaling = _rope(cfg)
+        eos_ids = _eos_ids(cfg)
         base = _BASE_FAMILY.get(family, family)
         use_sw = cfg.get("use_sliding_window", base == "mistral")
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if family in _BASE_FAMILY else 0
@@ -240,7 +305,7 @@ class ArchConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", base == "qwen2"))),
@@ -260,6 +325,73 @@ class ArchConfig:
             labels=_labels(cfg) if classifier else (),
             token_classifier=tokens,
         )
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """The rotary base and scaling (None: plain RoPE) of a config of either generation."""
+    rope_scaling = cfg.get("rope_scaling")
+    rope_theta = cfg.get("rope_theta")
+    params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling here
+    if isinstance(params, dict):
+        rope_theta = params.get("rope_theta", rope_theta)
+        if params.get("rope_type", "default") != "default" and rope_scaling is None:
+            rope_scaling = params
+    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
+
+
+def _eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
+    """DeepSeek-V2 (and -Lite) and DeepSeek-V3 / R1: latent attention, and a mixture of
+    `n_routed_experts` after `first_k_dense_replace` dense layers with `n_shared_experts`."""
+    rope_theta, rope_scaling = _rope(cfg)
+    heads = cfg["num_attention_heads"]
+    experts = int(cfg.get("n_routed_experts") or 0)
+    moe_width = int(cfg.get("moe_intermediate_size") or 0)
+    v3 = family == "deepseek_v3"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if int(cfg.get("moe_layer_freq") or 1) != 1:  # (every released checkpoint routes every layer)
+        raise UnsupportedModelError(f"moe_layer_freq={cfg['moe_layer_freq']} is not supported (1 is)")
+    return ArchConfig(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope_scaling=rope_scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg),
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_intermediate_size=moe_width if experts else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=moe_width * int(cfg.get("n_shared_experts") or 0) if experts else 0,
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(cfg.get("v_head_dim", 128)),
+        # V2's rotary multiplies (even, odd) pairs as complex numbers; V3's says so in its config.
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+        topk_method=method,
+        n_group=int(cfg.get("n_group") or 1) if method != "greedy" else 1,
+        topk_group=int(cfg.get("topk_group") or 1) if method != "greedy" else 1,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        shared_expert_gated=False,
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+    )
 
 
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")

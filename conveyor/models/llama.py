@@ -1,5 +1,6 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE: conveyor/models/moe.py) over a flat token batch.
+Qwen2-MoE and Qwen3-MoE: conveyor/models/moe.py) over a flat token batch; DeepSeek-V2/V3 are
+this body with latent attention (conveyor/models/mla.py) and DeepSeek's routers.
 
 Selective batching: embeddings, norms, projections and the MLP run once over all of a step's
 tokens `[T, hidden]`; only attention looks at sequences, through the paged KV cache. Q/K/V and
@@ -42,6 +43,7 @@ from conveyor.models.attention import (
     CpuPagedAttention,
     build_metadata,
 )
+from conveyor.models.mla import LatentAttention
 from conveyor.models.moe import Experts, SparseMoE
 from conveyor.models.quantize import (
     ActivationRecorder,
@@ -105,7 +107,52 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+    if kind == "yarn":  # YaRN (Peng et al., 2023): long wavelengths interpolated, short ones kept
+        factor = float(scaling["factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+        def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_len
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(arch.rope_theta))
+
+        low, high = dim_of(fast), dim_of(slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1 where a dimension keeps its frequency (extrapolates)
+        return (inv / factor) * (1 - keep) + inv * keep
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn are)")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(arch: ArchConfig) -> float:
+    """What YaRN multiplies the cos/sin tables by (1 for every other kind of RoPE)."""
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def softmax_scale_factor(arch: ArchConfig) -> float:
+    """DeepSeek's correction of the softmax scale under scaled RoPE: `mscale_all_dim`'s YaRN
+    factor, squared (1 where the config has none)."""
+    scaling = arch.rope_scaling or {}
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default" or not mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(float(scaling["factor"]), float(mscale_all_dim)) ** 2
 
 
 class Rotary(nn.Module):
@@ -119,8 +166,9 @@ class Rotary(nn.Module):
         inv = rope_inv_freq(arch)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]  # [positions, head_dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(arch)
+        self.register_buffer("cos", freqs.cos() * factor if factor != 1 else freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor if factor != 1 else freqs.sin(), persistent=False)
         self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
@@ -260,7 +308,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend)
+        self.self_attn: Attention | LatentAttention = LatentAttention(arch) if arch.is_mla else Attention(arch, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp: MLP | SparseMoE
         if arch.is_sparse_layer(index):
@@ -316,7 +364,7 @@ class DecoderLayer(nn.Module):
         `gate_up_proj`, SiLU × up before `down_proj`, the residual add after `o_proj` and
         `down_proj`. Four GEMVs, RoPE and attention; the same roundings as `forward`."""
         attn, mlp = self.self_attn, self.mlp
-        assert isinstance(mlp, MLP), "a mixture of experts takes the modules' path"
+        assert isinstance(mlp, MLP) and isinstance(attn, Attention), "a mixture of experts or MLA takes the modules' path"
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv(x, attn.qkv_proj.weight, norm=ln1.weight, eps=ln1.eps)
         h = gemv(attn.attend(qkv, rope, kv_cache, meta), attn.o_proj.weight, residual=x)
@@ -538,8 +586,7 @@ class LlamaForCausalLM(nn.Module):
         meta = build_metadata([list(range(num_blocks))], [0], [len(token_ids)], block_size, weight.device,
                               self.arch.sliding_window, weight.dtype)
         caches = [
-            torch.zeros(2, num_blocks * block_size, self.arch.num_kv_heads, self.arch.head_dim,
-                        dtype=weight.dtype, device=weight.device)
+            torch.zeros(2, num_blocks * block_size, *self.arch.kv_cache_shape, dtype=weight.dtype, device=weight.device)
             for _ in self.layers
         ]
         return self(torch.tensor(token_ids, device=weight.device), meta.positions, caches, meta)
@@ -557,7 +604,7 @@ class LlamaForCausalLM(nn.Module):
         about twice as fast as `x @ W.T`. With `quantization="int8"` every projection and the
         LM head become `Int8Linear`s (conveyor/models/quantize.py), smoothed with activations
         recorded on `calibration_ids`; the embedding table stays float32 for lookups.
-        A mixture of experts runs its layers as modules (no fused decode, no int8): each expert
+        A mixture of experts, or latent attention, runs its layers as modules (no fused decode, no int8): each expert
         streams its stacked slice through the same skinny kernel.
         """
         weight = self.head_weight
@@ -572,8 +619,9 @@ class LlamaForCausalLM(nn.Module):
                 raise UnsupportedModelError(
                     "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
                 )
-            if moe:
-                raise UnsupportedModelError("quantization='int8' covers dense models; this one is a mixture of experts")
+            if moe or self.arch.is_mla:
+                raise UnsupportedModelError("quantization='int8' covers dense models with multi-head attention; "
+                                            f"this one ({self.arch.family}) is not")
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)
@@ -611,8 +659,10 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
-        # The native call has no router, and no all-reduce between a tensor-parallel rank's layers.
-        fused = decode_layers() if kernel is not None and not moe and not self.tensor_parallel else None
+        # The native call has no router, no latent attention, and no all-reduce between a
+        # tensor-parallel rank's layers.
+        plain = not moe and not self.arch.is_mla and not self.tensor_parallel
+        fused = decode_layers() if kernel is not None and plain else None
         self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
             self.fused_decode = FusedDecode(self, fused)
@@ -672,7 +722,9 @@ class LlamaForCausalLM(nn.Module):
         projection biases, and mixtures of experts, keep the other path."""
         from conveyor.kernels import triton_gemv
 
-        if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled() or self.arch.num_experts:
+        if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
+            return
+        if self.arch.num_experts or self.arch.is_mla:
             return
         if any(isinstance(m, (nn.Linear, TransposedLinear)) and m.bias is not None for m in self.modules()):
             return

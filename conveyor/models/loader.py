@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conveyor.models.arch import ArchConfig, UnsupportedModelError
+from conveyor.models.arch import DEEPSEEK_FAMILIES, ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
 from conveyor.models.llama import DecoderLayer, LlamaForCausalLM, Rotary
 
@@ -570,6 +570,21 @@ def _replace(arch: ArchConfig, **changes: Any) -> ArchConfig:
     return dataclasses.replace(arch, **changes)
 
 
+def _deinterleave_rope(name: str, tensor: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
+    """DeepSeek's rotary dims come in (even, odd) pairs; the rows that make them are put in
+    halves (evens, then odds) for `apply_rope`. The same permutation of a query's and a key's
+    rotary dims leaves their product, all attention reads of them, unchanged."""
+    rope, nope = arch.qk_rope_head_dim, arch.qk_nope_head_dim
+    order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        rows = tensor.reshape(arch.num_heads, nope + rope, -1)
+        return torch.cat((rows[:, :nope], rows[:, nope:][:, order]), dim=1).reshape(tensor.shape)
+    if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+        r = arch.kv_lora_rank
+        return torch.cat((tensor[:r], tensor[r:][order]))
+    return tensor
+
+
 def load_weights(
     model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> None:
@@ -603,6 +618,9 @@ def load_weights(
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", None),
     }
+    if arch.is_mla:  # latent attention keeps its projections apart
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            del fused_rows[proj]
     expert_rows: dict[str, tuple[str, int | None]] = {
         "gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", None), "w3": ("gate_up_proj", None),
@@ -617,6 +635,13 @@ def load_weights(
             continue  # a tied checkpoint may still store the head
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the same block
         parts = name.split(".")
+        if arch.family in DEEPSEEK_FAMILIES:
+            if parts[0] == "layers" and int(parts[1]) >= arch.num_layers:
+                continue  # DeepSeek-V3's multi-token-prediction layer (a draft this engine does not run)
+            name = name.replace(".shared_experts.", ".shared_expert.")
+            parts = name.split(".")
+            if arch.rope_interleave:
+                tensor = _deinterleave_rope(name, tensor, arch)
         if "experts" in parts:
             i = parts.index("experts")
             prefix = ".".join(parts[: i + 1])

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from conveyor.lora import LoRARequest
-from conveyor.models.arch import ArchConfig
+from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import host_longs, to_device
 from conveyor.sampling_params import InvalidRequestError
 
@@ -234,6 +234,8 @@ def attach_lora(model: Any) -> LoRAContext:
     share its context)."""
     if model.lora is not None:
         return model.lora
+    if model.arch.is_mla:
+        raise UnsupportedModelError(f"enable_lora: {model.arch.family}'s latent attention takes no adapters yet")
     context = LoRAContext()
     for index, layer in enumerate(model.layers):
         targets = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]

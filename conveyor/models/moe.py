@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token batch.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) over a flat token batch.
 
 Each token's router picks `num_experts_per_tok` of the layer's experts; the step's
 (token, expert) assignments are sorted by expert, so every expert runs once, over exactly the
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.arch import ArchConfig
+from conveyor.models.arch import DEEPSEEK_FAMILIES, ArchConfig
 
 
 class Experts(nn.Module):
@@ -74,26 +74,65 @@ class Experts(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-class SparseMoE(nn.Module):
-    """Router, routed experts and (Qwen2-MoE) a gated shared expert; replaces a layer's MLP.
+class GroupedRouter(nn.Module):
+    """DeepSeek's router, in float32 whatever the model's dtype (as HF's): each token's scores
+    (softmax or sigmoid), its experts chosen among the `topk_group` best of `n_group` groups,
+    with V3's learned bias (`e_score_correction_bias`) steering the choice and not the weights,
+    which are the scores of the chosen, scaled by `routed_scaling_factor`."""
 
-    Parameter names are HF's (`gate` is the router, `experts.*`, `shared_expert*`)."""
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        e = arch.num_experts
+        self.weight = nn.Parameter(torch.empty(e, arch.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(e)) if arch.topk_method == "noaux_tc" else None
+        self.top_k, self.norm_topk_prob, self.scale = arch.num_experts_per_tok, arch.norm_topk_prob, arch.routed_scaling_factor
+        self.sigmoid, self.method = arch.scoring_func == "sigmoid", arch.topk_method
+        self.groups, self.topk_group = arch.n_group, arch.topk_group
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if self.method != "greedy":
+            grouped = choice.view(x.shape[0], self.groups, -1)
+            # V2 ranks a group by its best expert, V3 by its best two.
+            best = grouped.amax(dim=-1) if self.method == "group_limited_greedy" else grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1)[1], 1.0).bool()
+            fill = 0.0 if self.method == "group_limited_greedy" else float("-inf")
+            choice = grouped.masked_fill(~keep[..., None], fill).view_as(choice)
+        experts = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scale
+
+
+class SparseMoE(nn.Module):
+    """Router, routed experts and a shared expert (Qwen2-MoE's behind a sigmoid gate, DeepSeek's
+    ungated); replaces a layer's MLP.
+
+    Parameter names are HF's (`gate` is the router, `experts.*`, `shared_expert*`; DeepSeek's
+    `shared_experts` are loaded as `shared_expert`)."""
 
     def __init__(self, arch: ArchConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.num_experts = arch.num_experts
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
-        # Qwen's routers hand back their weights in the model's dtype; Mixtral's stay float32
-        # and the product with the expert outputs is rounded once (the same in float32).
-        self.weights_in_model_dtype = arch.family != "mixtral"
-        self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
+        # Qwen's routers hand back their weights in the model's dtype; Mixtral's and DeepSeek's
+        # stay float32 and the product with the expert outputs is rounded once (the same in float32).
+        self.weights_in_model_dtype = arch.family in ("qwen2_moe", "qwen3_moe")
+        self.gate: nn.Module = GroupedRouter(arch) if arch.family in DEEPSEEK_FAMILIES else nn.Linear(arch.hidden_size, arch.num_experts,
+                                                                                  bias=False)
         self.experts = Experts(arch)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False) if shared_expert is not None else None
+        gated = shared_expert is not None and arch.shared_expert_gated
+        self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False) if gated else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts `[T, k]` and their weights `[T, k]`."""
+        if isinstance(self.gate, GroupedRouter):
+            return self.gate(x)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -111,6 +150,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x.index_select(0, tokens), counts)
         out = (out * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, tokens, out)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            y = y + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return y

@@ -31,6 +31,8 @@ def shard_arch(arch: ArchConfig, size: int) -> ArchConfig:
     """The shape one rank's model has: 1/size of the heads and of the MLP widths."""
     if size == 1:
         return arch
+    if arch.is_mla:
+        raise ConfigError(f"tensor_parallel_size={size}: {arch.family}'s latent attention is not sharded yet")
     widths = {
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_kv_heads,

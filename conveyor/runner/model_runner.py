@@ -89,14 +89,14 @@ class ModelRunner:
         # with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
         layers = 0 if arch.is_encoder else arch.num_layers  # (an encoder keeps no K/V)
         self.kv_caches = [
-            torch.zeros((2, slots, arch.num_kv_heads, arch.head_dim), dtype=self.kv_dtype, device=device)
+            torch.zeros((2, slots, *arch.kv_cache_shape), dtype=self.kv_dtype, device=device)
             for _ in range(layers)
         ]
         # CPU swap space, same layout (pinned on CUDA so copies can be asynchronous).
         pin = device.type == "cuda"
         self.swap_caches = [
             torch.zeros(
-                (2, num_swap_blocks * block_size, arch.num_kv_heads, arch.head_dim),
+                (2, num_swap_blocks * block_size, *arch.kv_cache_shape),
                 dtype=self.kv_dtype, pin_memory=pin,
             )
             for _ in range(layers if num_swap_blocks else 0)
@@ -201,7 +201,7 @@ class ModelRunner:
         if self.peers is not None:
             return "this engine is tensor-parallel: its K/V lie across its ranks, and it takes none handed over"
         arch = self.model.arch
-        want = (arch.num_layers, 2, arch.num_kv_heads, arch.head_dim)
+        want = (arch.num_layers, 2, *arch.kv_cache_shape)
         got = (*data.shape[:2], *data.shape[3:]) if isinstance(data, torch.Tensor) and data.dim() == 5 else None
         if got != want or not data.is_floating_point():
             shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
