@@ -1,7 +1,8 @@
 """The shape of a Llama-family transformer, read from an HF config.json or GGUF metadata.
 
 The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE) are Llama-family attention with
-a routed MLP: `num_experts > 0`, and `is_sparse_layer` says which layers route."""
+a routed MLP: `num_experts > 0`, and `is_sparse_layer` says which layers route. DeepSeek-V2/V3
+are such a body with multi-head latent attention (`is_mla`) and grouped routers."""
 
 from __future__ import annotations
 

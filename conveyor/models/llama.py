@@ -620,8 +620,8 @@ class LlamaForCausalLM(nn.Module):
                     "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
                 )
             if moe or self.arch.is_mla:
-                raise UnsupportedModelError("quantization='int8' covers dense models with multi-head attention; "
-                                            f"this one ({self.arch.family}) is not")
+                what = "a mixture of experts" if moe else "latent attention"
+                raise UnsupportedModelError(f"quantization='int8' covers dense models; this one has {what}")
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)

@@ -405,7 +405,7 @@ def fit(hardware: Hardware, model: ModelShape, samples: Sequence[tuple[str, Step
     head_1 = col(lambda s: 0 < s.num_sampled <= skinny_rows)
     head_g = col(lambda s: base._head_gemv_s * -(-s.num_sampled // pass_rows))
     head_gc = col(lambda s: base._head_gemv_flop_s * s.num_sampled)
-    attn_c = col(lambda s: base._attn_flop_s * s.prefill_pairs)
+    attn_c = col(lambda s: base._attn_prefill_flop_s * s.prefill_pairs)
     attn_m = col(lambda s: base._kv_mem_s * s.prefill_context)
     dec_c = col(lambda s: base._attn_flop_s * s.decode_context)
     dec_m = col(lambda s: base._kv_mem_s * s.decode_context)

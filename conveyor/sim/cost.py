@@ -11,7 +11,10 @@ the roofline, with efficiency factors for what real kernels reach:
                     of the T k rows (a grouped GEMM); the rest of the layer is `linear`
     LM head         FLOPs 2 x vocab x hidden x sampled    bytes: the head weights, once
     attention       FLOPs 4 x layers x q_heads x head_dim x (query, key) pairs (causal in
-                    a prompt); bytes: every context token's K and V, at its own efficiency
+                    a prompt); bytes: every context token's K and V, at its own efficiency.
+                    Latent attention (MLA): a prompt's pairs at (nope + rope + v) / 2 for
+                    head_dim, a decode's at (2 rank + rope) / 2 (`ModelShape.attention_dims`),
+                    and bytes of one latent and rotary key a token
     skinny steps    up to `skinny_rows` rows stream the weights through a matrix-vector style
                     kernel, once per `skinny_pass_rows` rows, at its own efficiencies
                     (`gemv_mbu`, `gemv_mfu`)
@@ -211,7 +214,10 @@ class RooflineCostModel:
         self._head_flop_s = 2 * head / flops  # per sampled row
         self._head_mem_s = head * b / bw
         self._head_gemv_s = head * b / gemv_bw
-        self._attn_flop_s = 4 * m.num_layers * m.num_heads * m.head_dim / n / (hardware.peak_flops * p.attn_mfu)
+        per_pair = 4 * m.num_layers * m.num_heads / n / (hardware.peak_flops * p.attn_mfu)
+        prefill_dim, decode_dim = m.attention_dims  # head_dim both, unless latent attention
+        self._attn_flop_s = per_pair * decode_dim
+        self._attn_prefill_flop_s = per_pair * prefill_dim
         kv = m.kv_bytes_per_token(b) * m.kv_share(n)  # one device's
         self._kv_mem_s = kv / (hardware.mem_bandwidth * p.kv_mbu)  # per context token
         self._swap_s = kv * block_size / hardware.host_bandwidth  # per block (the devices swap at once)
@@ -260,7 +266,7 @@ class RooflineCostModel:
             "linear": self._linear(s.num_tokens) if busy else 0.0,
             "experts": self._experts(s.num_tokens) if busy and self.model.num_experts else 0.0,
             "lm_head": self._head(s.num_sampled) if s.num_sampled else 0.0,
-            "attn_prefill": max(self._attn_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
+            "attn_prefill": max(self._attn_prefill_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
             "swap": self._swap_s * s.swap_blocks,
             "allreduce": self._ar_fixed_s + self._ar_token_s * s.num_tokens

@@ -39,6 +39,14 @@ class ModelShape:
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     num_sparse_layers: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts have none
+    # Multi-head latent attention (DeepSeek-V2/V3; `kv_lora_rank > 0`): a token caches a latent
+    # and one rotary key for all heads; queries through a `q_lora_rank` bottleneck (0: none).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -64,13 +72,41 @@ class ModelShape:
         """The per-layer weights every token computes with: all of a dense model's; a mixture's
         attention, dense MLPs, routers and shared experts."""
         h = self.hidden_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
         mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
         sparse = self.num_sparse_layers
-        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        gate = self.shared_expert_intermediate_size and self.shared_expert_gated
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if gate else 0)
         moe = h * self.num_experts + shared  # the router and the shared expert (with its gate)
-        return self.num_layers * (h * (q + 2 * kv) + q * h) + (self.num_layers - sparse) * mlp + sparse * moe
+        return self.num_layers * self.attention_params + (self.num_layers - sparse) * mlp + sparse * moe
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention projections."""
+        h, n = self.hidden_size, self.num_heads
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * n * qk if not self.q_lora_rank else self.q_lora_rank * (h + n * qk)
+            r = self.kv_lora_rank
+            return q + h * (r + self.qk_rope_head_dim) + r * n * (self.qk_nope_head_dim + self.v_head_dim) \
+                + n * self.v_head_dim * h
+        q = n * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return h * (q + 2 * kv) + q * h
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def attention_dims(self) -> tuple[float, float]:
+        """(prefill, decode) FLOPs a head spends on one (query, key) pair, over 4: `head_dim` for
+        both with multi-head attention. MLA's prompts expand the latents into per-head keys
+        (nope + rope) and values (v); its decodes absorb the up-projection and attend over the
+        latents (rank + rope for the scores, rank for the values), as vLLM and SGLang run them."""
+        if not self.is_mla:
+            return float(self.head_dim), float(self.head_dim)
+        prefill = (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) / 2
+        return prefill, (2 * self.kv_lora_rank + self.qk_rope_head_dim) / 2
 
     @property
     def expert_params(self) -> int:
@@ -97,6 +133,8 @@ class ModelShape:
         return self.layer_params + embed + head
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.is_mla:  # one latent and one rotary key a layer
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def weight_bytes(self, dtype_bytes: int) -> int:
@@ -110,14 +148,17 @@ class ModelShape:
         if self.num_experts:
             widths["expert_intermediate_size"] = self.expert_intermediate_size
         bad = [f"{k}={v}" for k, v in widths.items() if v % size]
-        if kv % size and size % kv:
+        if kv % size and size % kv and not self.is_mla:
             bad.append(f"num_kv_heads={kv}")
         if bad:
             raise ValueError(f"{self.name}: tensor_parallel_size={size} does not split {', '.join(bad)}")
 
     def kv_share(self, tensor_parallel: int) -> float:
         """The share of a token's K/V one of `tensor_parallel` devices holds (KV heads fewer than
-        the devices are copied: each holds one)."""
+        the devices are copied: each holds one). MLA's latent serves every head: each device
+        holds all of it (vLLM's tensor-parallel MLA)."""
+        if self.is_mla:
+            return 1.0
         return max(self.num_kv_heads // tensor_parallel, 1) / self.num_kv_heads
 
     # -- reading ---------------------------------------------------------------------------
@@ -132,7 +173,21 @@ class ModelShape:
             num_experts=arch.num_experts, experts_per_token=arch.num_experts_per_tok,
             expert_intermediate_size=arch.moe_intermediate_size,
             shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
-            num_sparse_layers=arch.num_sparse_layers,
+            num_sparse_layers=arch.num_sparse_layers, shared_expert_gated=arch.shared_expert_gated,
+            kv_lora_rank=arch.kv_lora_rank, q_lora_rank=arch.q_lora_rank, qk_nope_head_dim=arch.qk_nope_head_dim,
+            qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+        )
+
+    @classmethod
+    def _deepseek(cls, cfg: dict[str, Any], name: str, eos_ids: tuple[int, ...]) -> ModelShape:
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            name=name, hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=heads, head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+            intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), eos_token_ids=eos_ids,
+            **_deepseek_keys(cfg),
         )
 
     @classmethod
@@ -162,6 +217,8 @@ class ModelShape:
             )
         if "intermediate_size" not in cfg:
             raise ValueError(f"{name}: config.json has no 'intermediate_size'")
+        if cfg.get("kv_lora_rank"):
+            return cls._deepseek(cfg, name, eos_ids)
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         moe: dict[str, Any] = {}
         if experts:
@@ -182,6 +239,19 @@ class ModelShape:
             eos_token_ids=eos_ids,
             **moe,
         )
+
+
+def _deepseek_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields a DeepSeek-V2/V3 config.json adds to a Llama's (MLA and DeepSeek's mixture)."""
+    layers = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("n_routed_experts") or 0)
+    width = int(cfg.get("moe_intermediate_size") or 0)
+    moe = dict(num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+               expert_intermediate_size=width, shared_expert_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
+               num_sparse_layers=layers - int(cfg.get("first_k_dense_replace") or 0)) if experts else {}
+    return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)), qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+                v_head_dim=int(cfg.get("v_head_dim", 128)), shared_expert_gated=False, **moe)
 
 
 def _llama(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, max_pos: int,
@@ -218,6 +288,22 @@ MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                              "model_type": "qwen3_moe", "num_experts": 128,
                                              "num_experts_per_tok": 8, "moe_intermediate_size": 768}),
 }
+
+
+def _deepseek(hidden: int, layers: int, heads: int, inter: int, vocab: int, q_lora: int | None, experts: int,
+              per_token: int, moe: int, shared: int, dense: int) -> dict[str, Any]:
+    return {**_llama(hidden, layers, heads, heads, inter, vocab, 163840), "model_type": "deepseek_v2",
+            "kv_lora_rank": 512, "q_lora_rank": q_lora, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "n_routed_experts": experts, "num_experts_per_tok": per_token,
+            "moe_intermediate_size": moe, "n_shared_experts": shared, "first_k_dense_replace": dense}
+
+
+# Latent attention: 15.7B weights, 2.4B active; 671B (the multi-token-prediction layer left out), 37B.
+MODEL_CONFIGS["deepseek-v2-lite"] = ("deepseek-ai/DeepSeek-V2-Lite",
+                                     _deepseek(2048, 27, 16, 10944, 102400, None, 64, 6, 1408, 2, 1))
+MODEL_CONFIGS["deepseek-v3"] = ("deepseek-ai/DeepSeek-V3",
+                                {**_deepseek(7168, 61, 128, 18432, 129280, 1536, 256, 8, 2048, 1, 3),
+                                 "model_type": "deepseek_v3"})
 
 
 def model_names() -> list[str]:
