@@ -417,7 +417,7 @@ class FusedDecode:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP), "the fused decode runs dense models only"
+            assert isinstance(mlp, MLP) and isinstance(attn, Attention), "the fused decode runs dense models only"
             rows.append([
                 ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), ptr(attn.qkv_proj.bias),
                 ptr(attn.q_norm.weight if attn.q_norm is not None else None),

@@ -21,6 +21,8 @@ Two orders of the same product, as in vLLM and SGLang:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,7 +59,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, n * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(n * self.v_dim, h, bias=arch.attention_bias)
         self.scale = qk**-0.5 * softmax_scale_factor(arch)
-        self.half = arch.kv_cache_shape[1]  # values of the row in each plane
+        self.plane = arch.kv_cache_shape[1]  # values of the row in each plane
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -90,9 +92,9 @@ class LatentAttention(nn.Module):
 
     def _write(self, rows: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """This step's `[c, k_pe]` rows `[T, rank + rope]` into their slots, half a plane."""
-        if rows.shape[1] < 2 * self.half:  # an odd row: one value of padding
-            rows = F.pad(rows, (0, 2 * self.half - rows.shape[1]))
-        rows = rows.to(kv_cache.dtype).view(-1, 2, 1, self.half)
+        if rows.shape[1] < 2 * self.plane:  # an odd row: one value of padding
+            rows = F.pad(rows, (0, 2 * self.plane - rows.shape[1]))
+        rows = rows.to(kv_cache.dtype).view(-1, 2, 1, self.plane)
         kv_cache[0].index_copy_(0, slots, rows[:, 0])
         kv_cache[1].index_copy_(0, slots, rows[:, 1])
 
@@ -104,7 +106,7 @@ class LatentAttention(nn.Module):
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`kv_b_proj`'s weight as each head's `W_UK` `[heads, nope, rank]` and `W_UV` `[heads, v, rank]`."""
-        proj = self.kv_b_proj
+        proj: Any = self.kv_b_proj  # an nn.Linear, or what prepare_for_inference made of it
         weight = proj.weight_t.t() if hasattr(proj, "weight_t") else proj.weight
         w = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope :]
