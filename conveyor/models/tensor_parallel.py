@@ -23,16 +23,18 @@ from conveyor.config import ConfigError
 from conveyor.models.arch import ArchConfig
 from conveyor.models.lora import LoRAWeights
 
-ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # out features split
+# Out features split. Latent attention's heads come out of `q_proj` / `q_b_proj` and `kv_b_proj`;
+# its latent (`q_a_proj`, `kv_a_proj_with_mqa` and their norms) is computed whole on every rank.
+ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj")
 COLUMN_SPLIT = ("o_proj", "down_proj", "w2")  # in features split
 
 
 def shard_arch(arch: ArchConfig, size: int) -> ArchConfig:
-    """The shape one rank's model has: 1/size of the heads and of the MLP widths."""
+    """The shape one rank's model has: 1/size of the heads and of the MLP widths. Latent
+    attention splits its heads and keeps the latent whole: each rank caches all of it (as
+    vLLM's tensor-parallel MLA does)."""
     if size == 1:
         return arch
-    if arch.is_mla:
-        raise ConfigError(f"tensor_parallel_size={size}: {arch.family}'s latent attention is not sharded yet")
     widths = {
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_kv_heads,

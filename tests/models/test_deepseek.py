@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
-from conveyor.config import ConfigError
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.moe import GroupedRouter
 from tests.conftest import build_tiny_model
@@ -165,10 +164,34 @@ def test_router_matches_transformers(seed, method, tokens, norm):
     assert torch.allclose(weights.gather(1, order), ref_w.gather(1, ref_order), atol=1e-6)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_split_the_heads_and_keep_the_latent(deepseek_models, family):
+    """Tensor parallelism: each rank takes half the heads (`q_proj` / `q_b_proj` and `kv_b_proj`
+    by rows, `o_proj` by columns) and half of each expert, computes and caches the whole
+    latent; the tokens and logprobs of one rank, and HF's greedy tokens."""
+    import gc
+
+    path = deepseek_models[family]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(str(path), dtype="float64", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64, block_size=8)
+        got = llm.generate(SHORT, params, use_tqdm=False)
+        assert llm.engine.runner.kv_caches[0].shape[2:] == (1, 20)  # the whole latent on rank 0
+        del llm
+        gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    one = LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=8).generate(SHORT, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in one]
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, SHORT, 12)
+    for a, b in zip(got, one, strict=True):
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
+
+
 def test_what_is_not_built_is_refused(deepseek_models, tmp_path):
     model = str(deepseek_models["deepseek_v2"])
-    with pytest.raises(ConfigError, match="latent attention"):
-        LLM(model, dtype="float32", tensor_parallel_size=2)
     with pytest.raises(UnsupportedModelError, match="adapters"):
         LLM(model, dtype="float32", enable_lora=True)
     with pytest.raises(UnsupportedModelError, match="int8"):
