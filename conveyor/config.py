@@ -81,6 +81,16 @@ class ModelConfig:
             "simulator (conveyor simulate); the engine does not build it and refuses more than 1."
         ),
     )
+    enable_dp_attention: bool = field(
+        default=False,
+        metadata=_help(
+            "Data-parallel attention with expert-parallel experts (SGLang's --enable-dp-attention, "
+            "vLLM's DP + --enable-expert-parallel; how DeepSeek's mixtures are served): the "
+            "tensor_parallel_size devices each run attention over their own sequences with whole "
+            "heads, dense layers copied, and hold 1/n of the routed experts whole, tokens sent to "
+            "them and back by all-to-all. Priced by the simulator; the engine does not build it."
+        ),
+    )
     quantization: str | None = field(
         default=None,
         metadata=_help(

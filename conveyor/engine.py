@@ -1198,6 +1198,9 @@ def _classifier_from_tokens(model: Any, tokenizer: Tokenizer | None, tokens: tup
 
 
 def _refuse_pipeline(config: EngineConfig) -> None:
+    if config.model.enable_dp_attention:
+        raise ConfigError("enable_dp_attention: the engine does not build data-parallel attention and "
+                          "expert parallelism (the simulator prices them: conveyor simulate)")
     if config.model.pipeline_parallel_size > 1:
         raise ConfigError(
             f"pipeline_parallel_size={config.model.pipeline_parallel_size}: the engine does not build pipeline "

@@ -178,7 +178,8 @@ def markdown(result: dict[str, Any]) -> str:
         )
         for name, cap in sim.get("systems", {}).items():
             tp, pp = cap.get("tensor_parallel_size", 1), cap.get("pipeline_parallel_size", 1)
-            split = " x ".join([*([f"{tp} tensor parallel"] if tp > 1 else []), *([f"{pp} pipeline stages"] if pp > 1 else [])])
+            parallel = "data-parallel attention, expert parallel" if cap.get("enable_dp_attention") else "tensor parallel"
+            split = " x ".join([*([f"{tp} {parallel}"] if tp > 1 else []), *([f"{pp} pipeline stages"] if pp > 1 else [])])
             each = f" on each of {tp * pp} devices ({split})" if tp * pp > 1 else ""
             devices = cap.get("replicas", 1) * tp * pp
             lines.append(f"  - {name}: KV cache {cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens, "

@@ -28,6 +28,11 @@ the roofline, with efficiency factors for what real kernels reach:
                     the weights, heads and LM head above, and a step adds 2 all-reduces a
                     layer (latency + 2 (n-1)/n x tokens x hidden bytes / link bandwidth) and
                     the gather of the sampled rows' logits
+    all_to_all      data-parallel attention with expert-parallel experts over d devices
+                    (`dp_attention`): each device prices its 1/d of the step's sequences and
+                    tokens over whole weights, 1/d of the experts the whole step's tokens
+                    chose, and two all-to-alls a sparse layer (latency + its tokens x k x
+                    (d-1)/d x hidden bytes / link bandwidth, each way)
     pipeline_send   pipeline parallelism over p stages (`pipeline_parallel`): the layers split
                     into p consecutive stages (as evenly as whole layers go), and a batch
                     crosses p - 1 links between them (latency + tokens x hidden bytes / the
@@ -170,7 +175,8 @@ class CostParams:
 class RooflineCostModel:
     def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
                  dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1, pipeline_link_bandwidth: float | None = None) -> None:
+                 pipeline_parallel: int = 1, pipeline_link_bandwidth: float | None = None,
+                 dp_attention: bool = False) -> None:
         """`tensor_parallel`: the devices one step runs on (Megatron-LM's split, as vLLM's -tp):
         each computes 1/n of the layers' weights, of the LM head (split by vocabulary) and of
         the attention heads, holds its share of the K/V (`ModelShape.kv_share`), and the step
@@ -178,7 +184,14 @@ class RooflineCostModel:
         sends and receives 2 (n-1)/n of them) and a gather of the sampled rows' logits.
         `pipeline_parallel`: stages of consecutive layers (each of `tensor_parallel` devices),
         their activations sent from one to the next over `pipeline_link_bandwidth` bytes/s (by
-        default the devices' own link: stages within one machine)."""
+        default the devices' own link: stages within one machine).
+        `dp_attention`: the `tensor_parallel` devices instead run attention data-parallel and
+        the routed experts expert-parallel (SGLang's DP attention with EP): a step's shape is
+        the whole group's, its sequences and tokens spread evenly; each device prices its share
+        of them (`local_shape`: the busiest one's, rounded up) over whole weights for all but
+        the experts, holds 1/n of the experts whole and computes the rows routed to them from
+        every device's tokens, and each sparse layer sends a device's rows to their experts
+        and back (two all-to-alls)."""
         if not 1 <= pipeline_parallel <= model.num_layers:
             raise ValueError(f"{model.name}: pipeline_parallel_size={pipeline_parallel} must be in "
                              f"[1, its {model.num_layers} layers]")
@@ -192,7 +205,13 @@ class RooflineCostModel:
         self.model = model
         self.params = params or CostParams()
         self.dtype_bytes = dtype_bytes or hardware.dtype_bytes
-        self.tensor_parallel = n = tensor_parallel
+        self.dp_size = tensor_parallel if dp_attention else 1
+        if dp_attention and pipeline_parallel > 1:
+            raise ValueError("dp_attention with pipeline parallelism is not modelled")
+        if self.dp_size > 1 and model.num_experts % self.dp_size:
+            raise ValueError(f"{model.name}: expert parallelism over {self.dp_size} devices must divide its "
+                             f"{model.num_experts} experts")
+        self.tensor_parallel = n = 1 if dp_attention else tensor_parallel
         if n > 1:
             model.check_tensor_parallel(n)
         p, m, b = self.params, model, self.dtype_bytes
@@ -227,7 +246,12 @@ class RooflineCostModel:
         self._ar_fixed_s = 2 * m.num_layers * p.allreduce_latency_s if n > 1 else 0.0
         self._ar_token_s = 2 * m.num_layers * 2 * (n - 1) / n * m.hidden_size * b / link if n > 1 else 0.0
         self._gather_row_s = (n - 1) / n * m.vocab_size * 4 / link if n > 1 else 0.0
-
+        # Expert parallelism's all-to-alls: a device's rows (k copies of a token, those bound
+        # for other devices' experts, (d-1)/d of them under uniform routing) out and back.
+        d = self.dp_size
+        self._a2a_fixed_s = 2 * m.num_sparse_layers * p.allreduce_latency_s if d > 1 and m.num_experts else 0.0
+        self._a2a_token_s = (2 * m.num_sparse_layers * m.experts_per_token * (d - 1) / d * m.hidden_size * b / link
+                             if d > 1 and m.num_experts else 0.0)
     def _linear(self, tokens: int) -> float:
         if tokens <= self._skinny:
             return max(self._lin_gemv_flop_s * tokens, self._lin_gemv_s * -(-tokens // self._pass))
@@ -239,9 +263,11 @@ class RooflineCostModel:
         return m.num_experts * (1 - (1 - m.experts_per_token / m.num_experts) ** tokens)
 
     def _experts(self, tokens: int) -> float:
-        """The routed experts of all sparse layers: each expert read runs its share of rows."""
+        """The routed experts of all sparse layers: each expert read runs its share of rows
+        (under expert parallelism, a device reads its 1/d of the experts the group's tokens chose)."""
         touched = self.experts_touched(tokens)
         rows = tokens * self.model.experts_per_token / touched
+        touched /= self.dp_size
         flop_s, mem_s, gemv_flop_s, gemv_s = self._expert
         if rows <= self._skinny:
             one = max(gemv_flop_s * rows, gemv_s * math.ceil(rows / self._pass))
@@ -255,16 +281,32 @@ class RooflineCostModel:
         return max(self._head_flop_s * rows, self._head_mem_s)
 
     # The parts a layer split prices by its share of the layers; the rest sit on one stage.
-    LAYER_PARTS = ("linear", "experts", "attn_prefill", "attn_decode", "allreduce")
+    LAYER_PARTS = ("linear", "experts", "attn_prefill", "attn_decode", "allreduce", "all_to_all")
+
+    def local_shape(self, s: StepShape) -> StepShape:
+        """Under `dp_attention`, the busiest device's share of the group's step: each count
+        divided by the devices, rounded up (itself otherwise)."""
+        d = self.dp_size
+        if d == 1:
+            return s
+
+        def share(x: int) -> int:
+            return -(-x // d)
+
+        return StepShape(share(s.num_seqs), share(s.num_tokens), share(s.num_sampled), share(s.prefill_pairs),
+                         share(s.prefill_context), share(s.decode_seqs), share(s.decode_context),
+                         share(s.swap_blocks), s.idle_before_s)
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per part of the step (with pipeline stages, of a batch's way through them
         all); `step_time` is their sum."""
         p = self.params
+        whole, s = s, self.local_shape(s)
         busy = s.num_tokens > 0
         parts = {
             "linear": self._linear(s.num_tokens) if busy else 0.0,
-            "experts": self._experts(s.num_tokens) if busy and self.model.num_experts else 0.0,
+            "experts": self._experts(whole.num_tokens) if busy and self.model.num_experts else 0.0,
+            "all_to_all": self._a2a_fixed_s + self._a2a_token_s * s.num_tokens if busy else 0.0,
             "lm_head": self._head(s.num_sampled) if s.num_sampled else 0.0,
             "attn_prefill": max(self._attn_prefill_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,

@@ -22,6 +22,7 @@ input is not known yet), while a prompt's next chunk may follow the one in fligh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import deque
@@ -219,7 +220,11 @@ def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: in
     """The weights one device holds: 1/n of the model's (and its draft's) under tensor
     parallelism, and its stage's share of them under pipeline parallelism (the fullest's)."""
     weights = model.weight_bytes(dtype_bytes) + (draft.weight_bytes(dtype_bytes) if draft else 0)
-    return math.ceil(weights * stage_share(config, model) / config.model.tensor_parallel_size)
+    n = config.model.tensor_parallel_size
+    if config.model.enable_dp_attention:  # everything whole but the routed experts, 1/n of them each
+        experts = model.num_sparse_layers * model.num_experts * model.expert_params * dtype_bytes
+        return math.ceil(weights - experts + experts / n)
+    return math.ceil(weights * stage_share(config, model) / n)
 
 
 def device_kv_bytes_per_token(config: EngineConfig, model: ModelShape, dtype_bytes: int,
@@ -227,6 +232,8 @@ def device_kv_bytes_per_token(config: EngineConfig, model: ModelShape, dtype_byt
     """A token's K/V on one device (its share of the KV heads under tensor parallelism, of
     the layers under pipeline parallelism)."""
     n = config.model.tensor_parallel_size
+    if config.model.enable_dp_attention:  # a token's K/V whole, on the one device that runs it
+        return model.kv_bytes_per_token(dtype_bytes)
     per_token = model.kv_bytes_per_token(dtype_bytes) * model.kv_share(n) * stage_share(config, model)
     if draft is not None:
         per_token += draft.kv_bytes_per_token(dtype_bytes) * draft.kv_share(n)
@@ -287,7 +294,15 @@ def build_sim_engine(
             raise ConfigError(f"pipeline_parallel_size={pp}: {model.name} has {model.num_layers} layers to split")
         if cost_model is not None and not hasattr(cost_model, "stage_times"):
             raise ConfigError("pipeline_parallel_size > 1 needs a cost model that prices stages (stage_times)")
-    for shape in (model, draft) if tp > 1 else ():
+    dp = config.model.enable_dp_attention
+    if dp:
+        if tp < 2 or pp > 1 or draft is not None:
+            raise ConfigError("enable_dp_attention needs tensor_parallel_size >= 2 (the devices of the group), "
+                              "without pipeline parallelism or a draft model")
+        if model.num_experts % tp:
+            raise ConfigError(f"enable_dp_attention: {tp} devices must divide {model.name}'s {model.num_experts} "
+                              "experts (each holds an equal share)")
+    for shape in (model, draft) if tp > 1 and not dp else ():
         if shape is not None:
             try:
                 shape.check_tensor_parallel(tp)
@@ -307,9 +322,15 @@ def build_sim_engine(
         lambda: kv_budget(config, hardware, model, b, draft),
     )
     eos = frozenset(model.eos_token_ids)
-    scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
+    scheduler_config = config.scheduler
+    if dp:  # the group's devices are one engine here: each seat, token and block a device's, n times
+        # (the sequences spread evenly over them: `RooflineCostModel.local_shape`)
+        num_blocks, num_swap = num_blocks * tp, num_swap * tp
+        scheduler_config = dataclasses.replace(scheduler_config, max_num_seqs=scheduler_config.max_num_seqs * tp,
+                                               max_num_batched_tokens=scheduler_config.max_num_batched_tokens * tp)
+    scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
-                                           pipeline_link_bandwidth)
+                                           pipeline_link_bandwidth, dp_attention=dp)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     kind = PipelineSimEngine if pp > 1 else SimEngine
     engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
@@ -335,10 +356,13 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
     draft = _draft_shape(cfg, model)  # its weights and K/V count too
     weights = device_weight_bytes(cfg, model, b, draft)  # (one device's, as the KV figures below)
     per_token = device_kv_bytes_per_token(cfg, model, b, draft)
+    if cfg.model.enable_dp_attention:  # one engine holds the group's blocks: a device's share
+        blocks //= cfg.model.tensor_parallel_size
     return {
         "hardware": hw.name,
         "model": model.name,
         "tensor_parallel_size": cfg.model.tensor_parallel_size,
+        "enable_dp_attention": cfg.model.enable_dp_attention,
         "pipeline_parallel_size": cfg.model.pipeline_parallel_size,
         "dtype_bytes": b,
         "weight_gib": weights / 2**30,
