@@ -31,10 +31,13 @@ Formats:
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
 
-The XML formats' values are text: one that reads as JSON is that value (a number, a list...),
-any other a string, and `write` quotes a string that would read as JSON, so what it writes reads
-back; a string parameter whose text looks like a number comes back a number (vLLM reads the
-tool's schema for its types; these parsers do not see the tools).
+The XML formats' values are text, typed by the request's tool schemas where they say
+(`tool_schemas`, set around a parse by `Tools`): a `string` parameter keeps its text (`42`
+stays `"42"`), an `integer` or `number` one reads as a number, a `boolean` as true or false,
+an `object` or `array` as JSON (or a Python literal, as models also write them), and `null` as
+null where the schema allows it; text that does not read as its type stays text. A parameter
+the schemas do not type: the JSON its text reads as (a number, a list...), else the text.
+`write` quotes a string that would read as JSON, so what it writes reads back.
 
 A block that does not parse as calls stays text. No model is needed: tests read each format's
 own texts, and round-trip `write` through `scan`.
@@ -47,6 +50,9 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 from conveyor.core.registry import Registry
@@ -164,6 +170,62 @@ def _json_or_text(value: str) -> Any:
         return json.loads(value)
     except ValueError:
         return value
+
+
+# The request's functions' parameter schemas by name, while its output is parsed (a context
+# variable: one parser serves every request, each parse in its own request's context).
+_SCHEMAS: ContextVar[dict[str, Any] | None] = ContextVar("tool_schemas", default=None)
+
+
+@contextmanager
+def tool_schemas(functions: Any) -> Iterator[None]:
+    """Type the XML formats' values by these functions' `parameters` within the block."""
+    token = _SCHEMAS.set({f["name"]: f.get("parameters") for f in functions})
+    try:
+        yield
+    finally:
+        _SCHEMAS.reset(token)
+
+
+def _types(function: str, key: str) -> set[str]:
+    schemas = _SCHEMAS.get()
+    params = (schemas or {}).get(function)
+    props = params.get("properties") if isinstance(params, dict) else None
+    prop = props.get(key) if isinstance(props, dict) else None
+    kind = prop.get("type") if isinstance(prop, dict) else None
+    if isinstance(kind, str):
+        return {kind}
+    return {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else set()
+
+
+def _typed_value(function: str, key: str, text: str) -> Any:
+    """An XML format's value `text` for `function`'s parameter `key`, as its schema types it."""
+    kinds = _types(function, key)
+    if not kinds:
+        return _json_or_text(text)
+    bare = text.strip()
+    if "null" in kinds and bare == "null":
+        return None
+    if "integer" in kinds and re.fullmatch(r"[+-]?\d+", bare):
+        return int(bare)
+    if "number" in kinds:
+        try:
+            number = float(bare)
+        except ValueError:
+            number = None
+        if number is not None and number == number and abs(number) != float("inf"):
+            return int(number) if re.fullmatch(r"[+-]?\d+", bare) else number
+    if "boolean" in kinds and bare.lower() in ("true", "false"):
+        return bare.lower() == "true"
+    if kinds & {"object", "array"}:
+        for read in (json.loads, ast.literal_eval):
+            try:
+                value = read(bare)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                continue
+            if (isinstance(value, dict) and "object" in kinds) or (isinstance(value, list) and "array" in kinds):
+                return value
+    return text
 
 
 def _text_of(value: Any) -> str:
@@ -430,7 +492,7 @@ class Qwen3CoderParser(ToolParser):
             value = p.group(2)
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
-            args[p.group(1).strip()] = _json_or_text(value)
+            args[p.group(1).strip()] = _typed_value(m.group(1).strip(), p.group(1).strip(), value)
         return [tool_call(m.group(1).strip(), json.dumps(args, ensure_ascii=False))]
 
     def prompt(self, tools: list[dict[str, Any]]) -> str:
@@ -468,7 +530,7 @@ class Glm45Parser(ToolParser):
         pairs = list(self._PAIR.finditer(rest))
         if not _only_space_between(rest, [p.span() for p in pairs]):
             return None
-        args = {p.group(1).strip(): _json_or_text(p.group(2)) for p in pairs}
+        args = {p.group(1).strip(): _typed_value(name, p.group(1).strip(), p.group(2)) for p in pairs}
         return [tool_call(name, json.dumps(args, ensure_ascii=False))]
 
     def prompt(self, tools: list[dict[str, Any]]) -> str:

@@ -32,6 +32,7 @@ from conveyor.server.tool_parsers import (
     ToolParser,
     partial_suffix,
     tool_call,
+    tool_schemas,
 )
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -137,7 +138,8 @@ class Tools:
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens: the text as it is
                 return text, []
         if self.choice == "auto":
-            return self.parser.parse(text)
+            with tool_schemas(self.functions):
+                return self.parser.parse(text)
         return text, []
 
 
@@ -183,7 +185,8 @@ class ToolStream:
             return self._out(*t.calls(self.text))
         if t.choice != "auto":
             return {"content": piece} if piece else {}
-        content, calls, _ = t.parser.scan(self.text, final)  # monotone: only what is new goes out
+        with tool_schemas(t.functions):
+            content, calls, _ = t.parser.scan(self.text, final)  # monotone: only what is new goes out
         new_content, self.sent = content[self.sent :], len(content)
         return self._out(new_content, calls[self.calls :])
 

@@ -56,6 +56,47 @@ def test_qwen3_coder_xml_calls():
         assert p.parse(text) == (text, []), text
 
 
+RECORD = {"type": "function", "function": {"name": "record", "parameters": {"type": "object", "properties": {
+    "code": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+    "ok": {"type": "boolean"}, "meta": {"type": "object"}, "tags": {"type": "array"},
+    "note": {"type": ["string", "null"]}, "level": {"type": "integer"}}}}}
+TYPED = {"code": "42", "count": 3, "ratio": 0.5, "ok": False, "meta": {"a": 1}, "tags": ["x", "y"], "note": None,
+         "level": "high"}
+
+
+def _qwen3_coder_text(values: dict[str, str]) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function=record>\n{params}</function>\n</tool_call>"
+
+
+RAW = {"code": "42", "count": "3", "ratio": "0.5", "ok": "False", "meta": '{"a": 1}', "tags": "['x', 'y']",
+       "note": "null", "level": "high"}
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "glm45"])
+def test_xml_values_are_typed_by_the_tools_schema(fmt):
+    """Typed by the request's schema (vLLM's reading): a string keeps its text ("42"), numbers
+    and booleans read as such (Python's `False` too), an object or array as JSON or a Python
+    literal, `null` where the type allows it; text that is not its type stays text ("high" for
+    an integer). Without the tools, the untyped reading: "42" is a number, the list text."""
+    if fmt == "qwen3_coder":
+        text = _qwen3_coder_text(RAW)
+    else:
+        text = "<tool_call>record\n" + "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>"
+                                               for k, v in RAW.items()) + "</tool_call>"
+    tools = Tools.parse([RECORD], "auto", None, make_tool_parser(fmt))
+    assert named(tools.calls(text)[1]) == [("record", TYPED)]
+    untyped = named(make_tool_parser(fmt).parse(text)[1])[0][1]
+    assert untyped["code"] == 42 and untyped["tags"] == "['x', 'y']" and untyped["note"] is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_typed_xml_values_stream_as_the_whole(data):
+    check_stream_cut(Tools.parse([RECORD], "auto", None, make_tool_parser("qwen3_coder")),
+                     "Recording.\n" + _qwen3_coder_text(RAW), data)
+
+
 def test_glm45_calls():
     p = make_tool_parser("glm45")
     content, calls = p.parse("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
