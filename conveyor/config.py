@@ -364,7 +364,8 @@ class SchedulerConfig:
             "longest run the model agrees with plus one token of its own. Outputs are the same "
             "as without it (greedy: the same tokens; sampled: the same distribution, and the "
             "same tokens for a seeded request). draft_model: a smaller model "
-            "(speculative_model) guesses them. None: off."
+            "(speculative_model) guesses them. mtp: DeepSeek-V3's multi-token-prediction layer "
+            "(in its checkpoint) guesses them from the model's hidden states. None: off."
         ),
     )
     num_speculative_tokens: int = field(

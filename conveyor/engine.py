@@ -250,6 +250,16 @@ class Engine:
         else:
             logger.warning("%s has no tokenizer: prompts must be token ids", path)
 
+        mtp: dict[str, Any] | None = None
+        if config.scheduler.speculative_method == "mtp":
+            if arch.family != "deepseek_v3" or tp > 1:
+                raise ConfigError("speculative_method='mtp' drafts with DeepSeek-V3's multi-token-prediction layer: "
+                                  f"a DeepSeek-V3 checkpoint on one rank (this is {arch.family}"
+                                  f"{f', tensor_parallel_size={tp}' if tp > 1 else ''})")
+            from conveyor.models.mtp import mtp_tensors
+
+            mtp = {}
+            tensors = mtp_tensors(tensors, arch, mtp)
         draft_arch = draft_tensors = None
         if config.scheduler.speculative_method == "draft_model":
             if mc.speculative_model is None:
@@ -316,6 +326,15 @@ class Engine:
             config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model,
             peers,
         )
+        if mtp is not None:  # the drafter: the MTP layer over the target's hidden states
+            from conveyor.models.mtp import build_mtp
+            from conveyor.runner.mtp import HiddenStore, MTPDrafter, MTPRunner
+
+            store = HiddenStore()
+            engine.runner.hidden_store = store  # type: ignore[attr-defined]
+            layer = build_mtp(arch, mtp, max_len, dtype, device)
+            engine.drafter = MTPDrafter(MTPRunner(layer, num_blocks, config.cache.block_size, dtype, device,
+                                                  kv_dtype), store)
         if dense:  # a sentence-transformers model's Dense modules, after its pooling
             runner = engine.runner
             runner.pool_dense = list(dense)  # type: ignore[attr-defined]

@@ -125,3 +125,9 @@ class DraftModelProposer(Proposer):
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         return [PLACEHOLDER] * max_tokens
+
+
+@register_proposer("mtp")
+class MTPProposer(DraftModelProposer):
+    """DeepSeek-V3's multi-token-prediction layer's guesses (conveyor/runner/mtp.py), filled
+    in as a draft model's are."""

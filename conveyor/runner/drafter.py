@@ -24,6 +24,7 @@ target found cached need not hold the draft's K/V).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.runner.base import Runner
@@ -75,7 +76,7 @@ class Drafter:
         step_id = scheduler_output.step_id
         while batch:
             self.num_fed_tokens += sum(len(d.token_ids) for d in batch)
-            out = self.runner.execute(SchedulerOutput(step_id, batch))
+            out = self._run(step_id, batch)
             self.last_duration_s += out.duration_s
             sampled = out.sampled
             following = []
@@ -91,8 +92,16 @@ class Drafter:
         for it in drafting:
             mine = guesses[it.seq_id]
             it.token_ids[1:] = mine
-            # The final guess was never fed: its K/V are not in the cache.
-            self._fed[it.seq_id] = _Fed(it.block_table, it.start_pos + 1, mine[:-1])
+            self._fed[it.seq_id] = self._after(it, mine)
+
+    def _run(self, step_id: int, batch: list[ScheduledSequence]) -> Any:
+        """One draft step over `batch` (its `sampled` and `duration_s` are read)."""
+        return self.runner.execute(SchedulerOutput(step_id, batch))
+
+    def _after(self, it: ScheduledSequence, guesses: list[int]) -> _Fed:
+        """What the draft's cache holds of `it` after its round. The final guess was never fed:
+        its K/V are not in the cache."""
+        return _Fed(it.block_table, it.start_pos + 1, guesses[:-1])
 
     def _first(self, it: ScheduledSequence) -> ScheduledSequence:
         """The draft's first step of a round for `it`: every known token its cache lacks, the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from conveyor.runner.sampler import Sampler, SamplingBatch, TopLogprobs, prepare
 from conveyor.runner.tensor_parallel import Step, TensorParallelGroup, split_logits, splits_head
 from conveyor.sequence import PLACEHOLDER
 from conveyor.structured.grammar import Grammar, GrammarCache, PushdownGrammar
+
+if TYPE_CHECKING:
+    from conveyor.runner.mtp import HiddenStore
 
 
 class StepHandle:
@@ -106,6 +109,8 @@ class ModelRunner:
         # A sentence-transformers model's Dense modules, applied to a pooled embedding in order
         # (conveyor/models/loader.py; set by the engine, with `hidden_size` their output's).
         self.pool_dense: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        # speculative_method="mtp": each sequence's hidden states, kept for the drafter.
+        self.hidden_store: HiddenStore | None = None
         self._generators: dict[int, torch.Generator] = {}
         # Embedding requests pooling every prompt position ("mean"): the sum of their rows so
         # far, over the chunks of their prompt (restarted when a prompt is computed again).
@@ -221,6 +226,8 @@ class ModelRunner:
         on the device. On CPU the step is computed here, before this returns."""
         start = time.perf_counter()
         for seq_id in scheduler_output.finished_seq_ids:
+            if self.hidden_store is not None:
+                self.hidden_store.drop(seq_id)
             self._generators.pop(seq_id, None)
             self._guides.pop(seq_id, None)
             self._pool_sums.pop(seq_id, None)
@@ -289,6 +296,8 @@ class ModelRunner:
                 assert self.lora is not None
                 with self.lora.context.use(adapters):
                     hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+            if self.hidden_store is not None:  # the MTP drafter reads them (runner/mtp.py)
+                self.hidden_store.put_step(items, num_new, hidden)
         prompt_lps = (
             self._prompt_logprobs(items, num_new, hidden, logits)
             if any(it.sampling_params.prompt_logprobs is not None for it in items) else None

@@ -284,6 +284,9 @@ def build_sim_engine(
         )
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
+    if config.scheduler.speculative_method == "mtp":
+        raise ConfigError("speculative_method='mtp' is not modelled (its layer's steps are not priced); "
+                          "draft_model with a draft shape, or ngram, are")
     b = dtype_bytes_of(config, hardware)
     draft = _draft_shape(config, model)
     tp, pp = config.model.tensor_parallel_size, config.model.pipeline_parallel_size

@@ -1,0 +1,174 @@
+"""Speculative decoding with DeepSeek's MTP layer (`speculative_method="mtp"`): the target's
+hidden states kept for the drafter, the layer's own runner and cache, and the drafter's rounds.
+
+The drafter differs from a draft model's (conveyor/runner/drafter.py) in what a row reads: the
+MTP row at position i takes token i + 1 and the target's hidden state at i (`HiddenStore`, kept
+by the target's runner as its steps compute them), so a round first feeds every known position
+the layer lacks up to the one before the last known token (whose guess is the round's first),
+then its own guesses with its own outputs as the hidden states. Rows fed from guesses never
+count as known: their hidden states were the layer's, not the target's, so the next round feeds
+those positions again. Positions whose target hidden states the store never held (a prefix-cache
+hit the target did not compute, a swap that moved the blocks) are not fed: the layer then reads
+whatever its cache holds there, which makes its guesses worse, never the output different.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
+from conveyor.models.attention import build_metadata
+from conveyor.models.mtp import MTPLayer
+from conveyor.runner.drafter import Drafter, _Fed
+
+
+class HiddenStore:
+    """Each sequence's target hidden states by position, from its last computed run of positions
+    (a step's rows overwrite from their first position on)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, rows)
+        self.num_missing = 0  # rows asked for and not held (zeros given instead)
+
+    def put(self, seq_id: int, start: int, rows: torch.Tensor) -> None:
+        kept = self._rows.get(seq_id)
+        if kept is not None and kept[0] <= start <= kept[0] + kept[1].shape[0]:
+            base, old = kept
+            self._rows[seq_id] = (base, torch.cat((old[: start - base], rows)))
+        else:
+            self._rows[seq_id] = (start, rows)
+
+    def put_step(self, items: list[ScheduledSequence], num_new: list[int], hidden: torch.Tensor) -> None:
+        """A target step's hidden states `[T, hidden]`, its items' rows in order."""
+        at = 0
+        for it, n in zip(items, num_new, strict=True):
+            self.put(it.seq_id, it.start_pos, hidden[at : at + n].detach())
+            at += n
+
+    def first(self, seq_id: int) -> int | None:
+        """The first position held (None: none)."""
+        kept = self._rows.get(seq_id)
+        return None if kept is None else kept[0]
+
+    def rows(self, seq_id: int, start: int, end: int, width: int) -> torch.Tensor:
+        """Positions [start, end); zeros for those not held (after a swap: guesses worse, the
+        output the same)."""
+        kept = self._rows.get(seq_id)
+        if kept is not None and kept[0] <= start and end <= kept[0] + kept[1].shape[0]:
+            base, rows = kept
+            return rows[start - base : end - base]
+        out = torch.zeros(end - start, width)
+        held = 0
+        if kept is not None:
+            base, rows = kept
+            lo, hi = max(start, base), min(end, base + rows.shape[0])
+            if lo < hi:
+                out = out.to(rows)
+                out[lo - start : hi - start] = rows[lo - base : hi - base]
+                held = hi - lo
+        self.num_missing += end - start - held
+        return out
+
+    def trim(self, seq_id: int, before: int) -> None:
+        """Drop the rows before `before` (the drafter has fed them)."""
+        kept = self._rows.get(seq_id)
+        if kept is not None and before > kept[0]:
+            base, rows = kept
+            self._rows[seq_id] = (before, rows[before - base :])
+
+    def drop(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+
+
+@dataclass(slots=True)
+class _DraftOutput:
+    sampled: dict[int, int]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> its last row's output
+    duration_s: float = 0.0
+
+
+class MTPRunner:
+    """Runs the MTP layer over a step of draft rows, with a one-layer latent cache of its own
+    over the target's block ids; greedy guesses."""
+
+    def __init__(self, layer: MTPLayer, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
+        self.layer = layer
+        self.block_size = block_size
+        self.dtype, self.device = dtype, device
+        slots = (num_blocks + 1) * block_size
+        self.kv_cache = torch.zeros((2, slots, *layer.arch.kv_cache_shape), dtype=kv_dtype or dtype, device=device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, previous: dict[int, torch.Tensor]) -> _DraftOutput:
+        """`previous[seq_id]`: the hidden state each of the item's rows reads, `[rows, hidden]`."""
+        start = time.perf_counter()
+        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) > 1)  # decodes first
+        num_new = [len(it.token_ids) for it in items]
+        ids = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
+        hidden = torch.cat([previous[it.seq_id].to(self.device, self.dtype) for it in items])
+        meta = build_metadata([it.block_table for it in items], [it.start_pos for it in items], num_new,
+                              self.block_size, self.device, None, self.dtype)
+        h = self.layer(ids, hidden, meta.positions, self.kv_cache, meta)
+        last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
+        rows = h[last]
+        tokens = self.layer.compute_logits(rows).argmax(dim=-1).tolist()
+        return _DraftOutput(
+            sampled={it.seq_id: tok for it, tok in zip(items, tokens, strict=True)},
+            hidden={it.seq_id: rows[i : i + 1] for i, it in enumerate(items)},
+            duration_s=time.perf_counter() - start,
+        )
+
+
+class MTPDrafter(Drafter):
+    """`Drafter`'s rounds with the MTP layer's inputs: shifted tokens and hidden states."""
+
+    def __init__(self, runner: MTPRunner, store: HiddenStore) -> None:
+        super().__init__(runner)  # type: ignore[arg-type]
+        self.store = store
+        self.mtp = runner
+        self.width = runner.layer.arch.hidden_size
+        self._own: dict[int, torch.Tensor] = {}  # the layer's last output a sequence, this round
+
+    def forget(self, seq_ids: list[int]) -> None:
+        super().forget(seq_ids)
+        for seq_id in seq_ids:
+            self.store.drop(seq_id)
+
+    def fill(self, scheduler_output: SchedulerOutput) -> None:
+        self._own = {}
+        super().fill(scheduler_output)
+
+    def _run(self, step_id: int, batch: list[ScheduledSequence]) -> _DraftOutput:
+        previous = {}
+        for d in batch:
+            own = self._own.get(d.seq_id)
+            if own is not None:  # a guess: the layer's own output before it
+                previous[d.seq_id] = own
+            else:  # known tokens: the target's hidden states at the positions before them
+                end = d.start_pos + len(d.token_ids)
+                previous[d.seq_id] = self.store.rows(d.seq_id, d.start_pos, end, self.width)
+                self.store.trim(d.seq_id, d.start_pos + len(d.token_ids))
+        out = self.mtp.execute(SchedulerOutput(step_id, batch), previous)
+        self._own.update(out.hidden)
+        return out
+
+    def _first(self, it: ScheduledSequence) -> ScheduledSequence:
+        """Rows for the known positions the layer lacks, up to the one before the step's input:
+        at position p, token p + 1 (the target's hidden state at p comes with it in `_run`)."""
+        num_known = it.start_pos + 1
+        fed = self._fed.get(it.seq_id)
+        valid = fed.num_known if fed is not None and fed.table is it.block_table else 0
+        first = self.store.first(it.seq_id)
+        valid = max(valid, first if first is not None else num_known - 2)
+        valid = min(valid, num_known - 2)
+        known = it.all_token_ids
+        return ScheduledSequence(it.seq_id, known[valid + 1 : num_known], valid, it.block_table, True,
+                                 it.sampling_params, known, it.prompt_len)
+
+    def _after(self, it: ScheduledSequence, guesses: list[int]) -> _Fed:
+        """Known: the positions fed from the target's states (all but the step's input's)."""
+        return _Fed(it.block_table, it.start_pos, [])
