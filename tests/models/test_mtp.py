@@ -199,6 +199,14 @@ def test_what_mtp_needs_is_checked(v3_with_mtp, deepseek_models):
         mtp_llm(deepseek_models["deepseek_v3"])  # a checkpoint without one
     with pytest.raises(ConfigError, match="DeepSeek-V3"):
         mtp_llm(deepseek_models["deepseek_v2"])
+    from conveyor.config import EngineConfig
+    from conveyor.sim.engine import build_sim_engine
+    from conveyor.sim.hardware import get_hardware
+    from conveyor.sim.models import get_model
+
+    with pytest.raises(ConfigError, match="not modelled"):
+        build_sim_engine(EngineConfig.from_kwargs(speculative_method="mtp"), get_hardware("h100-sxm"),
+                         get_model("deepseek-v3"), acceptance_rate=0.8)
 
 
 @pytest.fixture(scope="module")
