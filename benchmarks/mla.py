@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ from pathlib import Path
 import torch
 
 from conveyor import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from moe import spread_routers  # benchmarks/moe.py, beside this script
 
 
 def build(folder: Path, args: argparse.Namespace) -> Path:
@@ -37,12 +41,7 @@ def build(folder: Path, args: argparse.Namespace) -> Path:
         first_k_dense_replace=1, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
     )
     model = tf.DeepseekV2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)  # HF starts routers at zero: every expert tied
-            elif ".experts." in name:
-                p.normal_(0, 0.02)
+    spread_routers(model)
     model.save_pretrained(folder)
     return folder
 

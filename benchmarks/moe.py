@@ -32,6 +32,17 @@ import torch
 from conveyor import LLM, SamplingParams
 
 
+def spread_routers(model: torch.nn.Module) -> None:
+    """HF starts routers at zero (every expert tied): give each token a clear, varied choice,
+    and the stacked experts the initializer's spread."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+            elif ".experts." in name:
+                p.normal_(0, 0.02)
+
+
 def build(folder: Path, moe: bool, intermediate: int, args: argparse.Namespace) -> Path:
     import transformers as tf
 
@@ -44,12 +55,7 @@ def build(folder: Path, moe: bool, intermediate: int, args: argparse.Namespace) 
                                    num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_size,
                                    norm_topk_prob=True)
         model = tf.Qwen3MoeForCausalLM(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)  # HF starts routers at zero: every expert tied
-                elif ".experts." in name:
-                    p.normal_(0, 0.02)
+        spread_routers(model)
     else:
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, intermediate_size=intermediate))
     model.save_pretrained(folder)

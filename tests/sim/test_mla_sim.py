@@ -1,5 +1,6 @@
 """The simulator's latent attention (DeepSeek-V2/V3): the catalog's sizes against the model
-cards, the shape read from a loaded model, the K/V bytes and attention FLOPs by hand."""
+cards, the shape read from a loaded model, the K/V bytes and attention FLOPs by hand (a run
+from the command line: tests/sim/test_moe_sim.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 
 import pytest
 
-from conveyor.cli import main
 from conveyor.sim.cost import RooflineCostModel, StepShape
 from conveyor.sim.models import ModelShape, get_model
 from tests.sim.test_sim import TOY, TOY_HW, TOY_PARAMS
@@ -60,13 +60,3 @@ def test_attention_cost_by_hand():
     # a prompt's pairs at (16 + 8 + 16) / 2
     prompt = StepShape(num_seqs=1, num_tokens=64, num_sampled=1, prefill_pairs=2080, prefill_context=64)
     assert cost.breakdown(prompt)["attn_prefill"] == pytest.approx(4 * 2 * 4 * 20 * 2080 / 2.5e11)
-
-
-def test_simulate_deepseek_end_to_end(tmp_path, capsys):
-    out = tmp_path / "sim"
-    rc = main(["simulate", "--hardware", "h100-sxm", "--model", "deepseek-v2-lite", "--num-requests", "40",
-               "--request-rate", "inf", "--input-len", "256", "--output-len", "64", "--out", str(out)])
-    assert rc == 0
-    assert "40/40 done" in capsys.readouterr().out
-    result = json.loads((out / "result.json").read_text())
-    assert result["simulation"]["model"]["kv_lora_rank"] == 512

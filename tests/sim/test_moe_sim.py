@@ -88,11 +88,13 @@ def test_experts_read_grow_with_the_batch_and_stay_in_bounds(experts, data, toke
     assert step(tokens) <= bound * (1 + 1e-9)
 
 
-def test_simulate_a_mixture_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("model, field, value", [("qwen3-30b-a3b", "num_experts", 128),
+                                                 ("deepseek-v2-lite", "kv_lora_rank", 512)])
+def test_simulate_a_mixture_end_to_end(tmp_path, capsys, model, field, value):
     out = tmp_path / "sim"
-    rc = main(["simulate", "--hardware", "h100-sxm", "--model", "qwen3-30b-a3b", "--num-requests", "40",
+    rc = main(["simulate", "--hardware", "h100-sxm", "--model", model, "--num-requests", "40",
                "--request-rate", "inf", "--input-len", "256", "--output-len", "64", "--out", str(out)])
     assert rc == 0
     assert "40/40 done" in capsys.readouterr().out
     result = json.loads((out / "result.json").read_text())
-    assert result["simulation"]["model"]["num_experts"] == 128
+    assert result["simulation"]["model"][field] == value
