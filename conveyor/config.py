@@ -95,8 +95,9 @@ class ModelConfig:
         default=None,
         metadata=_help(
             "int8 (CPU, float32 only): int8 weights per output row and int8 activations per "
-            "token, smoothed on a calibration text, int8 GEMMs through fbgemm. Default: none "
-            "(the model's dtype)."
+            "token, smoothed on a calibration text, int8 GEMMs through fbgemm. fp8: the layers' "
+            "weights in FP8, priced by the simulator (the engine loads FP8 checkpoints "
+            "dequantized to its dtype). Default: none (the model's dtype)."
         ),
     )
     enforce_eager: bool = field(
@@ -159,9 +160,10 @@ class ModelConfig:
         if self.score_template is not None and ("{query}" not in self.score_template
                                                 or "{document}" not in self.score_template):
             raise ConfigError("score_template must hold {query} and {document}")
-        for name in ("quantization", "speculative_quantization"):
-            if getattr(self, name) not in (None, "int8"):
-                raise ConfigError(f"{name}={getattr(self, name)!r}: use 'int8' or leave it unset")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ConfigError(f"quantization={self.quantization!r}: use 'int8', 'fp8' (simulated) or leave it unset")
+        if self.speculative_quantization not in (None, "int8"):
+            raise ConfigError(f"speculative_quantization={self.speculative_quantization!r}: use 'int8' or leave it unset")
         if self.speculative_quantization is not None and self.speculative_model is None:
             raise ConfigError("speculative_quantization applies only with a speculative_model")
         if not self.enable_lora and (self.max_lora_rank != 16 or self.max_cpu_loras is not None):

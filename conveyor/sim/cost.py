@@ -176,7 +176,7 @@ class RooflineCostModel:
     def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
                  dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, pipeline_link_bandwidth: float | None = None,
-                 dp_attention: bool = False) -> None:
+                 dp_attention: bool = False, fp8: bool = False) -> None:
         """`tensor_parallel`: the devices one step runs on (Megatron-LM's split, as vLLM's -tp):
         each computes 1/n of the layers' weights, of the LM head (split by vocabulary) and of
         the attention heads, holds its share of the K/V (`ModelShape.kv_share`), and the step
@@ -191,7 +191,9 @@ class RooflineCostModel:
         of them (`local_shape`: the busiest one's, rounded up) over whole weights for all but
         the experts, holds 1/n of the experts whole and computes the rows routed to them from
         every device's tokens, and each sparse layer sends a device's rows to their experts
-        and back (two all-to-alls)."""
+        and back (two all-to-alls). `fp8`: the layers' weights (not the embeddings, LM head or
+        K/V) in FP8, one byte each, multiplied at the hardware's FP8 rate where it has one
+        (`Hardware.fp8_flops`; else at its 16-bit rate: a weight-only kernel)."""
         if not 1 <= pipeline_parallel <= model.num_layers:
             raise ValueError(f"{model.name}: pipeline_parallel_size={pipeline_parallel} must be in "
                              f"[1, its {model.num_layers} layers]")
@@ -216,21 +218,26 @@ class RooflineCostModel:
             model.check_tensor_parallel(n)
         p, m, b = self.params, model, self.dtype_bytes
         # Constants of the formulas, folded once: a step is priced in a dozen float operations.
-        flops = hardware.peak_flops * p.mfu
+        self.fp8 = fp8
+        w = 1 if fp8 else b  # a layer weight's bytes
+        layer_peak = hardware.fp8_flops if fp8 and hardware.fp8_flops else hardware.peak_flops
+        flops = layer_peak * p.mfu
         bw = hardware.mem_bandwidth * p.mbu
         gemv_bw = hardware.mem_bandwidth * (p.gemv_mbu if p.gemv_mbu is not None else p.mbu)
         dense = m.dense_params / n  # a dense model's layer_params; a mixture's without its routed experts
         self._lin_flop_s = 2 * dense / flops  # seconds per token
-        self._lin_mem_s = dense * b / bw  # seconds per step
-        self._lin_gemv_s = dense * b / gemv_bw  # seconds per skinny pass
-        gemv_flops = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
+        self._lin_mem_s = dense * w / bw  # seconds per step
+        self._lin_gemv_s = dense * w / gemv_bw  # seconds per skinny pass
+        gemv_flops = layer_peak * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
         self._lin_gemv_flop_s = 2 * dense / gemv_flops  # per token, skinny kernel
         e = m.expert_params / n  # one expert's: the same four constants
-        self._expert = (2 * e / flops, e * b / bw, 2 * e / gemv_flops, e * b / gemv_bw)
-        head = m.head_params / n
-        self._head_gemv_flop_s = 2 * head / gemv_flops
+        self._expert = (2 * e / flops, e * w / bw, 2 * e / gemv_flops, e * w / gemv_bw)
+        head = m.head_params / n  # (16-bit: FP8 leaves the LM head as it is)
+        head_flops = hardware.peak_flops * p.mfu
+        head_gemv_flops = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
+        self._head_gemv_flop_s = 2 * head / head_gemv_flops
         self._skinny, self._pass = p.skinny_rows, p.skinny_pass_rows
-        self._head_flop_s = 2 * head / flops  # per sampled row
+        self._head_flop_s = 2 * head / head_flops  # per sampled row
         self._head_mem_s = head * b / bw
         self._head_gemv_s = head * b / gemv_bw
         per_pair = 4 * m.num_layers * m.num_heads / n / (hardware.peak_flops * p.attn_mfu)

@@ -219,10 +219,11 @@ def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: in
                         draft: ModelShape | None = None) -> int:
     """The weights one device holds: 1/n of the model's (and its draft's) under tensor
     parallelism, and its stage's share of them under pipeline parallelism (the fullest's)."""
-    weights = model.weight_bytes(dtype_bytes) + (draft.weight_bytes(dtype_bytes) if draft else 0)
+    layer_bytes = 1 if config.model.quantization == "fp8" else None
+    weights = model.weight_bytes(dtype_bytes, layer_bytes) + (draft.weight_bytes(dtype_bytes) if draft else 0)
     n = config.model.tensor_parallel_size
     if config.model.enable_dp_attention:  # everything whole but the routed experts, 1/n of them each
-        experts = model.num_sparse_layers * model.num_experts * model.expert_params * dtype_bytes
+        experts = model.num_sparse_layers * model.num_experts * model.expert_params * (layer_bytes or dtype_bytes)
         return math.ceil(weights - experts + experts / n)
     return math.ceil(weights * stage_share(config, model) / n)
 
@@ -332,8 +333,9 @@ def build_sim_engine(
         scheduler_config = dataclasses.replace(scheduler_config, max_num_seqs=scheduler_config.max_num_seqs * tp,
                                                max_num_batched_tokens=scheduler_config.max_num_batched_tokens * tp)
     scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
+    fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
-                                           pipeline_link_bandwidth, dp_attention=dp)
+                                           pipeline_link_bandwidth, dp_attention=dp, fp8=fp8)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     kind = PipelineSimEngine if pp > 1 else SimEngine
     engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,

@@ -27,6 +27,9 @@ class Hardware:
     # Bytes/s each way between two devices of one machine (NVLink), what tensor parallelism's
     # all-reduces cross; 0: none listed, they go over the host link (PCIe).
     link_bandwidth: float = 0.0
+    # Dense FP8 tensor FLOP/s (Hopper, Ada); 0: no FP8 tensor cores, so FP8 weights are read as
+    # bytes and multiplied in 16-bit (a weight-only kernel, as vLLM's Marlin FP8 on Ampere).
+    fp8_flops: float = 0.0
 
     @property
     def peer_bandwidth(self) -> float:
@@ -51,11 +54,12 @@ HARDWARE: dict[str, Hardware] = {
         Hardware("h100-sxm", "NVIDIA H100 SXM5 80GB", 989 * T, 3350 * G, 80 * GiB, PCIE5,
                  source="NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/ "
                  "(BF16 Tensor 1,979 TFLOPS with sparsity, so 989 dense; HBM3 3.35 TB/s; "
-                 "NVLink 900 GB/s, so 450 each way)", link_bandwidth=450 * G),
+                 "NVLink 900 GB/s, so 450 each way; FP8 Tensor 3,958 with sparsity, so 1,979 dense)",
+                 link_bandwidth=450 * G, fp8_flops=1979 * T),
         Hardware("h200", "NVIDIA H200 SXM 141GB", 989 * T, 4800 * G, 141 * GiB, PCIE5,
                  source="NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/ "
-                 "(BF16 Tensor 1,979 TFLOPS with sparsity; HBM3e 4.8 TB/s; NVLink 900 GB/s)",
-                 link_bandwidth=450 * G),
+                 "(BF16 Tensor 1,979 TFLOPS with sparsity; HBM3e 4.8 TB/s; NVLink 900 GB/s; "
+                 "FP8 Tensor 3,958 with sparsity)", link_bandwidth=450 * G, fp8_flops=1979 * T),
         Hardware("a100-40gb", "NVIDIA A100 SXM4 40GB", 312 * T, 1555 * G, 40 * GiB, PCIE4,
                  source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ "
                  "(BF16 Tensor 312 TFLOPS dense; HBM2 1,555 GB/s; NVLink 600 GB/s, so 300 each way)",
@@ -69,7 +73,8 @@ HARDWARE: dict[str, Hardware] = {
                  "(70 TFLOPS tensor, 600 GB/s GDDR6)"),
         Hardware("l4", "NVIDIA L4 24GB", 121 * T, 300 * G, 24 * GiB, PCIE4,
                  source="NVIDIA L4 datasheet, https://www.nvidia.com/en-us/data-center/l4/ "
-                 "(FP16 Tensor 242 TFLOPS with sparsity, so 121 dense; 300 GB/s)"),
+                 "(FP16 Tensor 242 TFLOPS with sparsity, so 121 dense; 300 GB/s; FP8 485 with "
+                 "sparsity, so 242.5 dense)", fp8_flops=242.5 * T),
         Hardware("rtx-a6000", "NVIDIA RTX A6000 48GB", 154.8 * T, 768 * G, 48 * GiB, PCIE4,
                  source="NVIDIA RTX A6000 datasheet, https://www.nvidia.com/en-us/design-visualization/rtx-a6000/ "
                  "(Tensor 309.7 TFLOPS with sparsity, so 154.8 dense; 768 GB/s GDDR6)"),

@@ -137,8 +137,13 @@ class ModelShape:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def weight_bytes(self, dtype_bytes: int) -> int:
-        return self.num_params * dtype_bytes
+    def weight_bytes(self, dtype_bytes: int, layer_bytes: int | None = None) -> int:
+        """All weights at `dtype_bytes` each; with `layer_bytes` (FP8: 1), the layers' matrices
+        (attention, MLPs, experts) at that and the embeddings and LM head at `dtype_bytes`, as
+        vLLM quantizes them."""
+        if layer_bytes is None:
+            return self.num_params * dtype_bytes
+        return self.layer_params * layer_bytes + (self.num_params - self.layer_params) * dtype_bytes
 
     def check_tensor_parallel(self, size: int) -> None:
         """Whether `size` devices can split this model as vLLM does: the query heads and the
