@@ -268,10 +268,15 @@ class Engine:
             _check_draft(arch, draft_arch)
 
         itemsize = torch.empty((), dtype=dtype).element_size()
-        weight_bytes = (arch.num_params + (draft_arch.num_params if draft_arch else 0)) * itemsize
+        # The MTP layer counts as a draft: a sparse layer, its embeddings and head, and its
+        # projection's weights; one layer's latent a token in the cache plan.
+        planned = (dataclasses.replace(arch, num_layers=1, first_k_dense_replace=0) if mtp is not None
+                   else draft_arch)
+        extra = 2 * arch.hidden_size**2 if mtp is not None else 0
+        weight_bytes = (arch.num_params + (planned.num_params + extra if planned else 0)) * itemsize
         kv_dtype = _resolve_kv_dtype(config, dtype, device)
         num_blocks, num_swap_blocks, max_len = _plan_cache(
-            config, arch, kv_dtype, device, weight_bytes, draft_arch=draft_arch
+            config, arch, kv_dtype, device, weight_bytes, draft_arch=planned
         )
         for name in ("quantization", "speculative_quantization"):
             if getattr(mc, name) is not None and (device.type != "cpu" or dtype != torch.float32):
