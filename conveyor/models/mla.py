@@ -12,7 +12,9 @@ swaps, prefix hits and hand-overs move it as they move K and V.
 
 Two orders of the same product, as in vLLM and SGLang:
 - a prompt's rows expand their context's latents into per-head keys and values (`kv_b_proj`)
-  and attend as multi-head attention does: one expansion serves many queries;
+  and attend as multi-head attention does: one expansion serves many queries (a few rows over
+  a cached context, a speculative verification's or a short chunk's, are absorbed instead, as
+  decodes are, where that costs less: `_absorbs`);
 - a decode row absorbs `W_UK` into its query (`q_nope W_UK`, a query over the latent) and
   attends over the latents themselves as one shared head (multi-query attention with keys
   `[c, k_pe]` and values `c`), then applies `W_UV` to the result: a decode reads the small
@@ -83,11 +85,15 @@ class LatentAttention(nn.Module):
         for span in meta.prefills:
             a, b = span.token_start, span.token_end
             if span.context_blocks is None:
-                context = rows[a:b]
+                out[a:b] = self._expanded(q_nope[a:b], q_pe[a:b], rows[a:b], span.bias)
+                continue
+            length = span.start_pos + (b - a)
+            context = self._read(kv_cache, span.context_blocks[None], meta.block_size, length)[0].to(q.dtype)
+            assert span.bias is not None  # (a span after cached context always has its mask)
+            if self._absorbs(b - a):  # a few rows over a long context: a verification, a short chunk
+                out[a:b] = self._absorbed_span(q_nope[a:b], q_pe[a:b], context, span.bias)
             else:
-                length = span.start_pos + (b - a)
-                context = self._read(kv_cache, span.context_blocks[None], meta.block_size, length)[0].to(q.dtype)
-            out[a:b] = self._expanded(q_nope[a:b], q_pe[a:b], context, span.bias)
+                out[a:b] = self._expanded(q_nope[a:b], q_pe[a:b], context, span.bias)
         return self.o_proj(out.reshape(T, n * self.v_dim))
 
     def _write(self, rows: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -129,6 +135,26 @@ class LatentAttention(nn.Module):
             attn_mask=bias, is_causal=bias is None, scale=self.scale,
         )
         return o[0].transpose(0, 1)[..., : self.v_dim]
+
+    def _absorbs(self, rows: int) -> bool:
+        """Whether `rows` queries over a context are cheaper absorbed: per context token, the
+        expansion costs `rank (nope + v)` multiply-adds a head once, plus `nope + rope + v` a
+        query; absorbed, `2 rank + rope` a query. (DeepSeek-V3's shapes: up to 170 rows.)"""
+        expanded = self.rank * (self.nope + self.v_dim) + rows * (self.nope + self.rope_dim + self.v_dim)
+        return rows * (2 * self.rank + self.rope_dim) < expanded
+
+    def _absorbed_span(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+        """A span's rows `[S, heads, .]` absorbed, as decodes are, over its context's latents
+        `[L, rank + rope]` with its mask `[S, L]`; `[S, heads, v]`."""
+        S, n = q_nope.shape[:2]
+        w_uk, w_uv = self._up()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, heads, rank]
+        q = torch.cat((q_latent, q_pe), dim=-1).reshape(1, S * n, -1)
+        mask = bias[:, None, :].expand(S, n, bias.shape[-1]).reshape(1, S * n, -1)
+        scores = torch.baddbmm(mask, q, context.t()[None], alpha=self.scale)
+        o = torch.bmm(torch.softmax(scores, dim=-1), context[None, :, : self.rank]).view(S, n, self.rank)
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
