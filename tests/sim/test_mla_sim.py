@@ -60,3 +60,30 @@ def test_attention_cost_by_hand():
     # a prompt's pairs at (16 + 8 + 16) / 2
     prompt = StepShape(num_seqs=1, num_tokens=64, num_sampled=1, prefill_pairs=2080, prefill_context=64)
     assert cost.breakdown(prompt)["attn_prefill"] == pytest.approx(4 * 2 * 4 * 20 * 2080 / 2.5e11)
+
+
+def test_mtp_is_priced_as_a_one_layer_draft():
+    """`speculative_method="mtp"`: the drafter's steps priced on one sparse layer of the model with
+    its embeddings and head (FP8 with the model), its weights and one layer's latents in the
+    memory plan; every guess taken at an acceptance of 1."""
+    from conveyor.config import EngineConfig
+    from conveyor.replay import TimedRequest, replay
+    from conveyor.sampling_params import SamplingParams
+    from conveyor.sim.engine import build_sim_engine, describe_capacity
+    from conveyor.sim.hardware import get_hardware
+
+    model, hw = get_model("deepseek-v3"), get_hardware("h200")
+    kw = dict(tensor_parallel_size=8, quantization="fp8")
+    base = build_sim_engine(EngineConfig.from_kwargs(**kw), hw, model)
+    engine = build_sim_engine(EngineConfig.from_kwargs(**kw, speculative_method="mtp", num_speculative_tokens=2),
+                              hw, model, acceptance_rate=1.0)
+    draft = engine.drafter.runner.cost_model.model
+    assert (draft.num_layers, draft.num_sparse_layers, draft.kv_lora_rank) == (1, 1, 512)
+    assert engine.drafter.runner.cost_model.fp8
+    layer = (model.layer_params) // model.num_layers  # roughly one layer more: its share of the weights
+    assert describe_capacity(engine)["weight_gib"] > describe_capacity(base)["weight_gib"] + layer / 8 / 2**30 / 2
+    assert describe_capacity(engine)["kv_bytes_per_token"] == model.kv_bytes_per_token(2) * 62 // 61
+    requests = [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=16, ignore_eos=True)) for _ in range(4)]
+    replay(engine, requests)
+    scheduler = engine.scheduler
+    assert scheduler.num_draft_tokens > 0 and scheduler.num_accepted_tokens == scheduler.num_draft_tokens
