@@ -252,9 +252,9 @@ class Engine:
 
         mtp: dict[str, Any] | None = None
         if config.scheduler.speculative_method == "mtp":
-            if arch.family != "deepseek_v3" or tp > 1:
-                raise ConfigError("speculative_method='mtp' drafts with DeepSeek-V3's multi-token-prediction layer: "
-                                  f"a DeepSeek-V3 checkpoint on one rank (this is {arch.family}"
+            if arch.family not in ("deepseek_v3", "glm4_moe") or tp > 1:
+                raise ConfigError("speculative_method='mtp' drafts with the multi-token-prediction layer of DeepSeek-V3 "
+                                  f"or GLM-4.5: such a checkpoint on one rank (this is {arch.family}"
                                   f"{f', tensor_parallel_size={tp}' if tp > 1 else ''})")
             from conveyor.models.mtp import mtp_tensors
 

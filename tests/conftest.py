@@ -49,6 +49,7 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}
@@ -56,7 +57,7 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
     torch.manual_seed(seed)
     model = model_cls(config_cls(**params)).eval()
     with torch.no_grad():
-        if family in ("qwen2", "qwen2_moe") and params.get("attention_bias", True):
+        if family in ("qwen2", "qwen2_moe", "glm4_moe") and params.get("attention_bias", True):
             # HF initialises biases to zero; make them matter.
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

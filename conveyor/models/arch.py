@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 # The same bodies with a classification head (`score`) over the last token instead of an LM
 # head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
@@ -57,6 +58,9 @@ ENCODER_FAMILIES = ("bert", "roberta", "modernbert")
 _BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # Multi-head latent attention (MLA) and DeepSeek's routing: conveyor/models/mla.py, moe.py.
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# DeepSeek's mixture (grouped routers, ungated shared experts, dense first layers, an MTP layer
+# after the last) under grouped-query attention with partial RoPE: GLM-4.5 / 4.6.
+DEEPSEEK_STYLE_MOE = (*DEEPSEEK_FAMILIES, "glm4_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -136,6 +140,7 @@ class ArchConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
     first_k_dense_replace: int = 0
+    rotary_dim: int = 0  # the leading dims of each head that RoPE turns (0: all; GLM-4.5: half)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -162,6 +167,11 @@ class ArchConfig:
         if self.is_mla and (self.qk_rope_head_dim % 2 or self.qk_nope_head_dim < 1 or self.v_head_dim < 1):
             raise UnsupportedModelError("multi-head latent attention needs an even qk_rope_head_dim and "
                                         "qk_nope_head_dim, v_head_dim >= 1")
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head RoPE turns (what the rotary tables span)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def is_mla(self) -> bool:
@@ -287,7 +297,7 @@ class ArchConfig:
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
                 f"conveyor runs {sorted(SUPPORTED_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | TOKEN_CLASSIFIER_ARCHITECTURES | ENCODER_ARCHITECTURES)}"
             )
-        if family in DEEPSEEK_FAMILIES:
+        if family in DEEPSEEK_STYLE_MOE:
             return _deepseek_from_hf(cfg, family)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -347,12 +357,15 @@ def _eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
     """DeepSeek-V2 (and -Lite) and DeepSeek-V3 / R1: latent attention, and a mixture of
-    `n_routed_experts` after `first_k_dense_replace` dense layers with `n_shared_experts`."""
+    `n_routed_experts` after `first_k_dense_replace` dense layers with `n_shared_experts`.
+    GLM-4.5 / 4.6: the same mixture (V3's router) under grouped-query attention with q/k/v
+    biases, optional q/k norms and RoPE over the first `partial_rotary_factor` of each head."""
     rope_theta, rope_scaling = _rope(cfg)
     heads = cfg["num_attention_heads"]
     experts = int(cfg.get("n_routed_experts") or 0)
     moe_width = int(cfg.get("moe_intermediate_size") or 0)
-    v3 = family == "deepseek_v3"
+    glm = family == "glm4_moe"
+    v3 = family == "deepseek_v3" or glm
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if int(cfg.get("moe_layer_freq") or 1) != 1:  # (every released checkpoint routes every layer)
         raise UnsupportedModelError(f"moe_layer_freq={cfg['moe_layer_freq']} is not supported (1 is)")
@@ -363,13 +376,15 @@ def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
         intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads) if glm else heads,
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads) if glm else int(cfg.get("qk_rope_head_dim", 64)),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=glm and bool(cfg.get("use_qk_norm", False)),
+        rotary_dim=_rotary_dim(cfg) if glm else 0,
         rope_scaling=rope_scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg),
@@ -379,12 +394,12 @@ def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=moe_width * int(cfg.get("n_shared_experts") or 0) if experts else 0,
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
-        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
-        v_head_dim=int(cfg.get("v_head_dim", 128)),
+        kv_lora_rank=0 if glm else int(cfg.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=0 if glm else int(cfg.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=0 if glm else int(cfg.get("qk_rope_head_dim", 64)),
+        v_head_dim=0 if glm else int(cfg.get("v_head_dim", 128)),
         # V2's rotary multiplies (even, odd) pairs as complex numbers; V3's says so in its config.
-        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        rope_interleave=False if glm else bool(cfg.get("rope_interleave", True)) if v3 else True,
         scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
         topk_method=method,
         n_group=int(cfg.get("n_group") or 1) if method != "greedy" else 1,
@@ -393,6 +408,17 @@ def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
         shared_expert_gated=False,
         first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
     )
+
+
+def _rotary_dim(cfg: dict[str, Any]) -> int:
+    params = cfg.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    factor = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    dim = int(head_dim * factor)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise UnsupportedModelError(f"partial_rotary_factor={factor} of head_dim={head_dim} gives no even rotary width")
+    return 0 if dim == head_dim else dim
 
 
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")

@@ -82,7 +82,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
     """Inverse frequencies, computed in float32 as the reference implementation does."""
-    dim = arch.head_dim
+    dim = arch.rope_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = arch.rope_scaling
     if not scaling:
@@ -250,6 +250,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
         self.backend = backend
+        self.rotary_dim = arch.rotary_dim  # 0: RoPE turns every dim of a head
 
     native_rope: Callable[..., None] | None = None  # set by prepare_for_inference (CPU float32)
     # RoPE, the K/V write and the attention from the fused projection's output, one launch for
@@ -274,12 +275,15 @@ class Attention(nn.Module):
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = qkv.view(T, h + 2 * kvh, self.head_dim)
         rope_attend = self.rope_attend
-        if rope_attend is not None and self.q_norm is None:
+        if rope_attend is not None and self.q_norm is None and not self.rotary_dim:
             return rope_attend(qkv, rope[0], rope[1], h, kv_cache, meta, self.scale).reshape(T, self.q_size)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        if self.native_rope is not None:
+        r = self.rotary_dim
+        if r:  # partial RoPE (GLM-4.5): the leading dims turn, the rest pass
+            qk = torch.cat((apply_rope(qk[..., :r], rope), qk[..., r:]), dim=-1)
+        elif self.native_rope is not None:
             self.native_rope(qk, rope[0], rope[1], h + kvh)  # in place, one pass
         else:
             qk = apply_rope(qk, rope)  # q and k heads in one pass

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conveyor.models.arch import DEEPSEEK_FAMILIES, ArchConfig, UnsupportedModelError
+from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
 from conveyor.models.llama import DecoderLayer, LlamaForCausalLM, Rotary
 
@@ -635,9 +635,9 @@ def load_weights(
             continue  # a tied checkpoint may still store the head
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the same block
         parts = name.split(".")
-        if arch.family in DEEPSEEK_FAMILIES:
+        if arch.family in DEEPSEEK_STYLE_MOE:
             if parts[0] == "layers" and int(parts[1]) >= arch.num_layers:
-                continue  # DeepSeek-V3's multi-token-prediction layer (a draft this engine does not run)
+                continue  # the multi-token-prediction layer (DeepSeek-V3, GLM-4.5): a drafter's (models/mtp.py)
             name = name.replace(".shared_experts.", ".shared_expert.")
             parts = name.split(".")
             if arch.rope_interleave:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.arch import DEEPSEEK_FAMILIES, ArchConfig
+from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig
 
 
 class Experts(nn.Module):
@@ -122,7 +122,7 @@ class SparseMoE(nn.Module):
         # Qwen's routers hand back their weights in the model's dtype; Mixtral's and DeepSeek's
         # stay float32 and the product with the expert outputs is rounded once (the same in float32).
         self.weights_in_model_dtype = arch.family in ("qwen2_moe", "qwen3_moe")
-        self.gate: nn.Module = GroupedRouter(arch) if arch.family in DEEPSEEK_FAMILIES else nn.Linear(arch.hidden_size, arch.num_experts,
+        self.gate: nn.Module = GroupedRouter(arch) if arch.family in DEEPSEEK_STYLE_MOE else nn.Linear(arch.hidden_size, arch.num_experts,
                                                                                   bias=False)
         self.experts = Experts(arch)
         self.shared_expert = shared_expert

@@ -248,9 +248,9 @@ def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
     DeepSeek-V3's MTP layer as one (`mtp`): one of the model's sparse layers with its own
     embeddings and head (its `eh_proj`, 2 hidden x hidden, left out: 0.1 B of V3's 11.7 B)."""
     if config.scheduler.speculative_method == "mtp":
-        if not model.is_mla or not model.num_experts:
-            raise ConfigError(f"speculative_method='mtp' drafts with DeepSeek-V3's multi-token-prediction layer; "
-                              f"{model.name} is not a DeepSeek mixture")
+        if not model.num_experts or model.shared_expert_gated:
+            raise ConfigError(f"speculative_method='mtp' drafts with the multi-token-prediction layer of DeepSeek-V3 "
+                              f"or GLM-4.5; {model.name} is not a DeepSeek-style mixture")
         return dataclasses.replace(model, name=f"{model.name}-mtp", num_layers=1, num_sparse_layers=1)
     if config.scheduler.speculative_method != "draft_model":
         return None

@@ -224,6 +224,15 @@ class ModelShape:
             raise ValueError(f"{name}: config.json has no 'intermediate_size'")
         if cfg.get("kv_lora_rank"):
             return cls._deepseek(cfg, name, eos_ids)
+        if cfg.get("n_routed_experts"):  # GLM-4.5: DeepSeek's mixture under grouped-query attention
+            return cls(
+                name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=int(cfg["intermediate_size"]),
+                vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), eos_token_ids=eos_ids,
+                **_deepseek_moe(cfg),
+            )
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         moe: dict[str, Any] = {}
         if experts:
@@ -246,17 +255,24 @@ class ModelShape:
         )
 
 
-def _deepseek_keys(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The fields a DeepSeek-V2/V3 config.json adds to a Llama's (MLA and DeepSeek's mixture)."""
+def _deepseek_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's mixture (also GLM-4.5's): `n_routed_experts` after `first_k_dense_replace`
+    dense layers, `n_shared_experts` ungated."""
     layers = int(cfg["num_hidden_layers"])
     experts = int(cfg.get("n_routed_experts") or 0)
     width = int(cfg.get("moe_intermediate_size") or 0)
-    moe = dict(num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-               expert_intermediate_size=width, shared_expert_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
-               num_sparse_layers=layers - int(cfg.get("first_k_dense_replace") or 0)) if experts else {}
+    if not experts:
+        return {}
+    return dict(num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+                expert_intermediate_size=width, shared_expert_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
+                num_sparse_layers=layers - int(cfg.get("first_k_dense_replace") or 0), shared_expert_gated=False)
+
+
+def _deepseek_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields a DeepSeek-V2/V3 config.json adds to a Llama's (MLA and DeepSeek's mixture)."""
     return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
                 qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)), qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
-                v_head_dim=int(cfg.get("v_head_dim", 128)), shared_expert_gated=False, **moe)
+                v_head_dim=int(cfg.get("v_head_dim", 128)), **_deepseek_moe(cfg))
 
 
 def _llama(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, max_pos: int,
@@ -309,6 +325,14 @@ MODEL_CONFIGS["deepseek-v2-lite"] = ("deepseek-ai/DeepSeek-V2-Lite",
 MODEL_CONFIGS["deepseek-v3"] = ("deepseek-ai/DeepSeek-V3",
                                 {**_deepseek(7168, 61, 128, 18432, 129280, 1536, 256, 8, 2048, 1, 3),
                                  "model_type": "deepseek_v3"})
+
+
+# DeepSeek's mixture under grouped-query attention: 106 B weights, 12 B active (13.4 with the
+# embeddings and head).
+MODEL_CONFIGS["glm-4.5-air"] = ("zai-org/GLM-4.5-Air", {
+    **_llama(4096, 46, 96, 8, 10944, 151552, 131072, head_dim=128), "model_type": "glm4_moe",
+    "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "first_k_dense_replace": 1})
 
 
 def model_names() -> list[str]:

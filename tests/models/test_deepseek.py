@@ -1,5 +1,5 @@
 """DeepSeek-V2 and DeepSeek-V3: multi-head latent attention over the paged cache, and their
-routers. Greedy tokens equal HF transformers' on the same random weights in float64 under every
+routers; GLM-4.5, their mixture under grouped-query attention with partial RoPE. Greedy tokens equal HF transformers' on the same random weights in float64 under every
 scheduling (prompts expanded, decodes absorbed), with prefix hits, swaps and a float16 cache;
 the float32 CPU path agrees with HF's float32; the routers equal HF's over random inputs
 (hypothesis); the cache holds one latent and one rotary key a token."""
@@ -28,7 +28,13 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_
            first_k_dense_replace=1)
 _rng = random.Random(11)
 SHORT = [[_rng.randrange(3, 384) for _ in range(_rng.randint(1, 14))] for _ in range(6)]  # fit the preempt cache
-FAMILIES = ["deepseek_v2", "deepseek_v3"]
+FAMILIES = ["deepseek_v2", "deepseek_v3", "glm4_moe"]
+# GLM-4.5's shape: grouped-query attention with q/k/v biases and q/k norms, RoPE over half of
+# each head, under V3's mixture.
+GLM = dict(num_key_value_heads=2, head_dim=32, attention_bias=True, use_qk_norm=True, n_routed_experts=8,
+           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+           n_group=4, topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +53,7 @@ def deepseek_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, objec
         "deepseek_v3": build_tiny_model(root / "v3", "deepseek_v3", seed=9, q_lora_rank=24, n_group=4, topk_group=2,
                                         routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=yarn,
                                         **MLA),
+        "glm4_moe": build_tiny_model(root / "glm", "glm4_moe", seed=10, **GLM),
     }
 
 
@@ -124,8 +131,11 @@ def test_the_cache_holds_latents(deepseek_models):
     # The weights the engine counts are the checkpoint's (the memory plan rests on them).
     from safetensors.torch import load_file
 
-    tensors = load_file(str(deepseek_models["deepseek_v3"] / "model.safetensors"))
-    assert arch.num_params == sum(t.numel() for t in tensors.values())
+    from conveyor.models.loader import read_hf_arch
+
+    for family in FAMILIES:
+        tensors = load_file(str(deepseek_models[family] / "model.safetensors"))
+        assert read_hf_arch(deepseek_models[family]).num_params == sum(t.numel() for t in tensors.values()), family
 
 
 @settings(max_examples=40, deadline=None)
@@ -168,7 +178,8 @@ def test_router_matches_transformers(seed, method, tokens, norm):
 def test_two_ranks_split_the_heads_and_keep_the_latent(deepseek_models, family):
     """Tensor parallelism: each rank takes half the heads (`q_proj` / `q_b_proj` and `kv_b_proj`
     by rows, `o_proj` by columns) and half of each expert, computes and caches the whole
-    latent; the tokens and logprobs of one rank, and HF's greedy tokens."""
+    latent (GLM: half the KV heads, the q/k/v biases split with them); the tokens and logprobs
+    of one rank, and HF's greedy tokens."""
     import gc
 
     path = deepseek_models[family]
@@ -177,7 +188,8 @@ def test_two_ranks_split_the_heads_and_keep_the_latent(deepseek_models, family):
     try:
         llm = LLM(str(path), dtype="float64", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64, block_size=8)
         got = llm.generate(SHORT, params, use_tqdm=False)
-        assert llm.engine.runner.kv_caches[0].shape[2:] == (1, 20)  # the whole latent on rank 0
+        # the whole latent on rank 0; GLM's rank its one of the two KV heads
+        assert llm.engine.runner.kv_caches[0].shape[2:] == ((1, 32) if family == "glm4_moe" else (1, 20))
         del llm
         gc.collect()
     finally:

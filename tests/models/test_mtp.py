@@ -25,11 +25,16 @@ def v3_with_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny DeepSeek-V3 whose checkpoint also holds a random MTP layer, `model.layers.3.*`
     (HF's classes do not model it: its own norms and projection, a sparse decoder layer
     perturbed from layer 1's weights, its own head)."""
-    from safetensors.torch import load_file, save_file
-
     folder = build_tiny_model(tmp_path_factory.mktemp("mtp") / "v3", "deepseek_v3", seed=12, q_lora_rank=24,
                               n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                               num_hidden_layers=LAYERS, **MLA)
+    return with_mtp_layer(folder)
+
+
+def with_mtp_layer(folder: Path) -> Path:
+    """`folder`'s checkpoint with a random MTP layer after its last."""
+    from safetensors.torch import load_file, save_file
+
     path = folder / "model.safetensors"
     tensors = load_file(str(path))
     g = torch.Generator().manual_seed(3)
@@ -73,6 +78,17 @@ def test_greedy_tokens_are_the_models_own(v3_with_mtp, options):
         assert llm.engine.scheduler.num_preemptions > 0
     if "preemption_mode" not in options:  # every row the layer read was the target's (a swap loses some)
         assert llm.engine.drafter.store.num_missing == 0
+
+
+def test_glm45_drafts_with_its_mtp_layer(tmp_path):
+    """GLM-4.5's MTP layer (the same form over its grouped-query layer): the model's tokens."""
+    from tests.models.test_deepseek import GLM
+
+    folder = with_mtp_layer(build_tiny_model(tmp_path / "glm", "glm4_moe", seed=13, num_hidden_layers=LAYERS, **GLM))
+    llm = mtp_llm(folder, num_speculative_tokens=2)
+    outs = llm.generate(SHORT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, SHORT, 12)
+    assert llm.engine.drafter.store.num_missing == 0 and llm.engine.scheduler.num_draft_tokens > 0
 
 
 def test_prefix_hits_keep_the_tokens(v3_with_mtp):
@@ -197,14 +213,14 @@ def test_each_rounds_first_guess_is_the_reference(v3_with_mtp):
 def test_what_mtp_needs_is_checked(v3_with_mtp, deepseek_models):
     with pytest.raises(UnsupportedModelError, match="multi-token-prediction layer"):
         mtp_llm(deepseek_models["deepseek_v3"])  # a checkpoint without one
-    with pytest.raises(ConfigError, match="DeepSeek-V3"):
+    with pytest.raises(ConfigError, match=r"DeepSeek-V3 or GLM-4\.5"):
         mtp_llm(deepseek_models["deepseek_v2"])
     from conveyor.config import EngineConfig
     from conveyor.sim.engine import build_sim_engine
     from conveyor.sim.hardware import get_hardware
     from conveyor.sim.models import get_model
 
-    with pytest.raises(ConfigError, match="not a DeepSeek mixture"):  # the simulator's check
+    with pytest.raises(ConfigError, match="not a DeepSeek-style mixture"):  # the simulator's check
         build_sim_engine(EngineConfig.from_kwargs(speculative_method="mtp"), get_hardware("h100-sxm"),
                          get_model("llama-3.1-8b"), acceptance_rate=0.8)
 

@@ -20,7 +20,10 @@ TOY_MLA = dataclasses.replace(TOY, name="toy-mla", num_kv_heads=4, head_dim=8, k
 
 def test_catalog_sizes_match_the_model_cards():
     """DeepSeek-V3: 671B weights (its card's 685B has the 14B multi-token-prediction layer),
-    37B active; DeepSeek-V2-Lite: 15.7B."""
+    37B active; DeepSeek-V2-Lite: 15.7B; GLM-4.5-Air: 106B, 12B active."""
+    air = get_model("glm-4.5-air")  # DeepSeek's mixture under GQA: 106 B, 12 B active without the embeddings
+    assert air.num_params / 1e9 == pytest.approx(106, abs=1)
+    assert (air.active_params - air.head_params - air.vocab_size * air.hidden_size) / 1e9 == pytest.approx(12, abs=0.5)
     v3, lite = get_model("deepseek-v3"), get_model("deepseek-v2-lite")
     assert v3.num_params / 1e9 == pytest.approx(671, abs=0.5)
     assert v3.active_params / 1e9 == pytest.approx(37, abs=1)
@@ -34,11 +37,11 @@ def test_catalog_sizes_match_the_model_cards():
 def test_shape_of_a_loaded_model_matches_its_config(tmp_path):
     from conveyor.models.loader import read_hf_arch
     from tests.conftest import build_tiny_model
-    from tests.models.test_deepseek import MLA
+    from tests.models.test_deepseek import GLM, MLA
 
-    for family in ("deepseek_v2", "deepseek_v3"):
-        folder = build_tiny_model(tmp_path / family, family, q_lora_rank=24 if family == "deepseek_v3" else None,
-                                  **MLA)
+    for family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+        shape = GLM if family == "glm4_moe" else {"q_lora_rank": 24 if family == "deepseek_v3" else None, **MLA}
+        folder = build_tiny_model(tmp_path / family, family, **shape)
         arch = read_hf_arch(folder)
         from_arch = ModelShape.from_arch(arch, family)
         from_config = ModelShape.from_hf_config(json.loads((folder / "config.json").read_text()), family)
