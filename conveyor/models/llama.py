@@ -124,7 +124,7 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         keep = 1 - ramp  # 1 where a dimension keeps its frequency (extrapolates)
         wavelengths = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep  # (HF's roundings)
+        return 1.0 / (factor * wavelengths) * (1 - keep) + inv * keep  # (HF's roundings)
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn are)")
 
 

@@ -143,31 +143,35 @@ class LatentAttention(nn.Module):
         expanded = self.rank * (self.nope + self.v_dim) + rows * (self.nope + self.rope_dim + self.v_dim)
         return rows * (2 * self.rank + self.rope_dim) < expanded
 
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+        """Rows `[R, heads, .]` by absorption: queries over the latents as one shared head, in
+        `B = len(context)` batches of `R / B` rows, batch b over `context[b]` `[L, rank + rope]`
+        under `mask[b]` (`[rows x heads, L]`, or `[1, L]` for all); `[R, heads, v]`.
+
+        Two batched products by hand: SDPA takes keys and values of unequal widths only on its
+        math path, which copies the context for every head (through it, benchmarks/mla.py ran
+        0.65-0.88x this throughput at batches 1-32)."""
+        rows, n = q_nope.shape[:2]
+        w_uk, w_uv = self._up()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [R, heads, rank]
+        q = torch.cat((q_latent, q_pe), dim=-1).reshape(len(context), rows // len(context) * n, -1)
+        scores = torch.baddbmm(mask, q, context.transpose(1, 2), alpha=self.scale)
+        o = torch.bmm(torch.softmax(scores, dim=-1), context[:, :, : self.rank]).view(rows, n, self.rank)
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
     def _absorbed_span(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor,
                        bias: torch.Tensor) -> torch.Tensor:
         """A span's rows `[S, heads, .]` absorbed, as decodes are, over its context's latents
         `[L, rank + rope]` with its mask `[S, L]`; `[S, heads, v]`."""
         S, n = q_nope.shape[:2]
-        w_uk, w_uv = self._up()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, heads, rank]
-        q = torch.cat((q_latent, q_pe), dim=-1).reshape(1, S * n, -1)
         mask = bias[:, None, :].expand(S, n, bias.shape[-1]).reshape(1, S * n, -1)
-        scores = torch.baddbmm(mask, q, context.t()[None], alpha=self.scale)
-        o = torch.bmm(torch.softmax(scores, dim=-1), context[None, :, : self.rank]).view(S, n, self.rank)
-        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self._absorbed(q_nope, q_pe, context[None], mask)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Decode rows `[D, heads, .]` by absorption: queries over the latents, one shared head."""
+        """Decode rows `[D, heads, .]` by absorption, each over its own context's latents."""
         assert meta.decode_blocks is not None
-        bias = meta.decode_mask()
-        w_uk, w_uv = self._up()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, heads, rank]
-        q = torch.cat((q_latent, q_pe), dim=-1)
-        context = self._read(kv_cache, meta.decode_blocks, meta.block_size, bias.shape[-1]).to(q.dtype)
-        # One shared head: two batched products by hand. SDPA takes keys and values of unequal
-        # widths only on its math path, which copies the context for every head: through it,
-        # benchmarks/mla.py ran 0.65-0.88x this throughput at batches 1-32.
-        scores = torch.baddbmm(bias[:, 0], q, context.transpose(1, 2), alpha=self.scale)  # [D, heads, L]
-        o = torch.bmm(torch.softmax(scores, dim=-1), context[:, :, : self.rank])  # [D, heads, rank]
-        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [D, heads, v]
+        bias = meta.decode_mask()  # [D, 1, 1, L]
+        context = self._read(kv_cache, meta.decode_blocks, meta.block_size, bias.shape[-1]).to(q_nope.dtype)
+        return self._absorbed(q_nope, q_pe, context, bias[:, 0])
