@@ -50,6 +50,8 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}
@@ -69,6 +71,8 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
                 p.normal_(0, 0.5)
             elif ".experts." in name:
                 p.normal_(0, params["initializer_range"])
+            elif "norm" in name and family.startswith("gemma"):  # (1 + w) norms start at w = 0
+                p.normal_(0, 0.3)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: zero in HF
                 b.normal_(0, 0.2)

@@ -6,6 +6,7 @@ are such a body with multi-head latent attention (`is_mla`) and grouped routers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # The same bodies with a classification head (`score`) over the last token instead of an LM
 # head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
@@ -61,6 +64,22 @@ DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # DeepSeek's mixture (grouped routers, ungated shared experts, dense first layers, an MTP layer
 # after the last) under grouped-query attention with partial RoPE: GLM-4.5 / 4.6.
 DEEPSEEK_STYLE_MOE = (*DEEPSEEK_FAMILIES, "glm4_moe")
+# Gemma 2 and 3: sliding-window and global layers in a pattern (each kind its own RoPE base in
+# Gemma 3), norms before and after each sublayer that scale by (1 + w), a scaled embedding,
+# GELU-gated MLPs, and (Gemma 2) tanh soft-capped attention scores and logits.
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+# Image-text checkpoints whose text model conveyor serves alone (the vision tower is not
+# loaded; requests are text). Gemma 3's 4B, 12B and 27B ship only in this form.
+MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
+# What transformers' Gemma3TextConfig assumes where a checkpoint's `text_config` is silent
+# (the Hub's multimodal Gemma 3 configs list only what differs from these).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -69,7 +88,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ArchConfig:
-    family: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe | bert | roberta
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe | bert | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -141,6 +160,15 @@ class ArchConfig:
     shared_expert_gated: bool = True
     first_k_dense_replace: int = 0
     rotary_dim: int = 0  # the leading dims of each head that RoPE turns (0: all; GLM-4.5: half)
+    # Gemma: each layer's window (0: it attends globally), its sliding layers' RoPE base
+    # (`local_rope_theta`, unscaled; 0: the global one), the softmax scale's
+    # `query_pre_attn_scalar` ** -0.5 (0: head_dim's), and tanh soft caps (0: none) on the
+    # attention scores and the final logits, `cap * tanh(x / cap)`.
+    layer_windows: tuple[int, ...] = ()
+    query_pre_attn_scalar: float = 0.0
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    multimodal: bool = False  # the text model of an image-text checkpoint (MULTIMODAL_TEXT_ARCHITECTURES)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -167,6 +195,26 @@ class ArchConfig:
         if self.is_mla and (self.qk_rope_head_dim % 2 or self.qk_nope_head_dim < 1 or self.v_head_dim < 1):
             raise UnsupportedModelError("multi-head latent attention needs an even qk_rope_head_dim and "
                                         "qk_nope_head_dim, v_head_dim >= 1")
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.family in GEMMA_FAMILIES
+
+    def window_of(self, index: int) -> int:
+        """Layer `index`'s attention window in tokens, its own included (0: the whole context)."""
+        if self.layer_windows:
+            return self.layer_windows[index]
+        return self.sliding_window or 0
+
+    @property
+    def local_rope(self) -> ArchConfig:
+        """The shape whose RoPE the sliding layers take where they have a base of their own
+        (`local_rope_theta`): that base, unscaled."""
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rope_dim(self) -> int:
@@ -241,6 +289,7 @@ class ArchConfig:
             kv = self.num_kv_heads * self.head_dim
             attention = h * (q + 2 * kv) + q * h + 2 * h  # projections and the two norms
             attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+            attention += 2 * h if self.is_gemma else 0  # the norms before and after the MLP
         sparse = self.num_sparse_layers
         moe = self.num_experts * (self.expert_params + h) + 3 * h * self.shared_expert_intermediate_size
         gated = self.shared_expert_intermediate_size and self.shared_expert_gated
@@ -278,6 +327,13 @@ class ArchConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or []
         for a in archs:
+            if a in MULTIMODAL_TEXT_ARCHITECTURES:
+                text = {**GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+                for key in ("bos_token_id", "eos_token_id"):  # (the top level's, where the text's has none)
+                    if text.get(key) is None and cfg.get(key) is not None:
+                        text[key] = cfg[key]
+                arch = _gemma_from_hf(text, MULTIMODAL_TEXT_ARCHITECTURES[a], False, False)
+                return dataclasses.replace(arch, multimodal=True)
             if a in ENCODER_ARCHITECTURES:
                 return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
                                         a.endswith("ForTokenClassification"))
@@ -299,6 +355,8 @@ class ArchConfig:
             )
         if family in DEEPSEEK_STYLE_MOE:
             return _deepseek_from_hf(cfg, family)
+        if family in GEMMA_FAMILIES:
+            return _gemma_from_hf(cfg, family, classifier, tokens)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = _rope(cfg)
@@ -407,6 +465,64 @@ def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         shared_expert_gated=False,
         first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+    )
+
+
+def _gemma_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens: bool) -> ArchConfig:
+    """Gemma 2 (every other layer sliding, from the first) and Gemma 3 (five sliding layers to
+    one global: `sliding_window_pattern`), or the `layer_types` a config lists; Gemma 3's
+    sliding layers turn at `rope_local_base_freq` (transformers 5: `rope_parameters` by layer
+    type), its global ones at `rope_theta` with the config's scaling."""
+    gemma3 = family == "gemma3"
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma with bidirectional attention (EmbeddingGemma) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):  # (the same tanh approximation)
+        raise UnsupportedModelError(f"hidden_activation={act!r}: conveyor's Gemma runs gelu_pytorch_tanh")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types:
+        pattern = int(cfg.get("sliding_window_pattern") or 6) if gemma3 else 2
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types}: one sliding_attention or full_attention a layer")
+    window = int(cfg.get("sliding_window") or 4096)
+    rope = cfg.get("rope_parameters") or {}
+    by_type = isinstance(rope.get("full_attention"), dict)
+    full = rope["full_attention"] if by_type else rope
+    theta = float(full.get("rope_theta") or cfg.get("rope_theta") or (1_000_000.0 if gemma3 else 10_000.0))
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    local = (rope.get("sliding_attention") or {}) if by_type else {}
+    local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0) if gemma3 else 0.0
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError("scaled RoPE on Gemma's sliding layers is not supported")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    return ArchConfig(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=gemma3,
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg),
+        labels=_labels(cfg) if classifier else (),
+        token_classifier=tokens,
+        hidden_act="gelu_pytorch_tanh",
+        local_rope_theta=local_theta if local_theta != theta or scaling else 0.0,
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0),
+        attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
+        final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
     )
 
 

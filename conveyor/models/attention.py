@@ -43,6 +43,34 @@ class AttentionMetadata:
     prefill_blocks: torch.Tensor | None = None  # [num_prefills, max_blocks] block tables, padded with 0
     sliding_window: int | None = None
     mask_dtype: torch.dtype = torch.float32  # the compute dtype, for additive masks
+    windows: dict[int, AttentionMetadata] = field(default_factory=dict)  # `windowed`'s, by window
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """This step's metadata for a layer that attends within its last `window` positions
+        (Gemma's sliding layers, where the step's own is global): the same rows, slots and
+        tables, the masks of that window. Built on the first such layer's call, then shared."""
+        if window == (self.sliding_window or 0):
+            return self
+        hit = self.windows.get(window)
+        if hit is not None:
+            return hit
+        device = self.positions.device
+        neg_inf = torch.tensor(float("-inf"), dtype=self.mask_dtype)
+        zero = torch.tensor(0.0, dtype=self.mask_dtype)
+        prefills = []
+        for span in self.prefills:
+            start, ctx_len = span.start_pos, span.start_pos + span.token_end - span.token_start
+            bias = None
+            if start > 0 or (window and ctx_len > window):
+                bias = to_device(torch.where(_keep(start, ctx_len, window or None), zero, neg_inf), device)
+            prefills.append(PrefillSpan(span.token_start, span.token_end, start, span.context_blocks, bias))
+        hit = self.windows[window] = AttentionMetadata(
+            block_size=self.block_size, positions=self.positions, slot_mapping=self.slot_mapping,
+            num_decodes=self.num_decodes, decode_blocks=self.decode_blocks,
+            decode_context_lens=self.decode_context_lens, prefills=prefills, prefill_blocks=self.prefill_blocks,
+            sliding_window=window or None, mask_dtype=self.mask_dtype,
+        )
+        return hit
 
     def decode_mask(self) -> torch.Tensor:
         """`[num_decodes, 1, 1, max_blocks * block_size]` additive mask (0 / -inf) over the
@@ -206,15 +234,20 @@ def _mixed_metadata(
         if start > 0:
             context_blocks = to_device(tables[i, : (ctx_len + block_size - 1) // block_size], device)
         if start > 0 or (sliding_window is not None and ctx_len > sliding_window):
-            q_pos = torch.arange(start, ctx_len)[:, None]
-            k_pos = torch.arange(ctx_len)[None, :]
-            keep = k_pos <= q_pos
-            if sliding_window is not None:
-                keep &= k_pos > q_pos - sliding_window
-            bias = to_device(torch.where(keep, zero, neg_inf), device)
+            bias = to_device(torch.where(_keep(start, ctx_len, sliding_window), zero, neg_inf), device)
         meta.prefills.append(PrefillSpan(row, row + n, start, context_blocks, bias))
         row += n
     return meta
+
+
+def _keep(start: int, ctx_len: int, window: int | None) -> torch.Tensor:
+    """`[ctx_len - start, ctx_len]`: which positions each of a span's new rows sees."""
+    q_pos = torch.arange(start, ctx_len)[:, None]
+    k_pos = torch.arange(ctx_len)[None, :]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    return keep
 
 
 def _decode_metadata(
@@ -301,15 +334,8 @@ class TorchPagedAttention(AttentionBackend):
                 vs = _gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
             # 4-D, a batch of one: PyTorch's fused (flash) CPU kernel takes only 4-D inputs and
             # 3-D falls back to the unfused math path, 2-3.5x slower here (BENCHMARKS.md).
-            o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1)[None],
-                ks.transpose(0, 1)[None],
-                vs.transpose(0, 1)[None],
-                attn_mask=span.bias,
-                is_causal=span.bias is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            o = self.sdpa(q[a:b].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                          span.bias, scale, gqa)
             out[a:b] = o[0].transpose(0, 1)
         return out
 
@@ -329,15 +355,38 @@ class TorchPagedAttention(AttentionBackend):
         length = bias.shape[-1]
         kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length).to(q.dtype)  # [D, L, kvh, d]
         vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length).to(q.dtype)
-        od = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [D, h, 1, d]
-            kd.transpose(1, 2),
-            vd.transpose(1, 2),
-            attn_mask=bias,
-            scale=scale,
-            enable_gqa=q.shape[1] != k_cache.shape[1],
-        )
+        od = self.sdpa(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), bias, scale,  # q [D, h, 1, d]
+                       q.shape[1] != k_cache.shape[1])
         return od.squeeze(2)
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
+             gqa: bool) -> torch.Tensor:
+        """Attention of `q` `[B, heads, n, d]` over `k`, `v` `[B, kv_heads, L, d]` under the
+        additive mask `bias` (None: causal, n == L)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale,
+                                              enable_gqa=gqa)
+
+
+class SoftcappedAttention(TorchPagedAttention):
+    """The torch reference with each score soft-capped, `cap * tanh(score / cap)`, before the
+    mask and the softmax (Gemma 2): explicit products and a float32 softmax, as HF's eager
+    attention computes them (SDPA has no cap, nor have the native or Triton kernels)."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
+             gqa: bool) -> torch.Tensor:
+        if gqa:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / self.cap) * self.cap
+        if bias is None:
+            n = q.shape[2]
+            bias = torch.full((n, n), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
+        probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
 
 NATIVE_KV_DTYPES = (torch.float32, torch.float16)  # the cache dtypes the native CPU kernels read

