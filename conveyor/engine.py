@@ -429,9 +429,10 @@ class Engine:
             # A mixture of experts sizes each expert's rows on the host (one sync a layer), which
             # a CUDA graph cannot capture: its steps run eagerly; so does latent attention (its
             # torch path has not been captured on a GPU yet).
-            # (Gemma 2's capped scores take the torch backend, whose masks a graph would not refresh)
+            # (Gemma 2's capped scores and gpt-oss's sinks take the torch backend, whose masks a
+            # graph would not refresh)
             eager = (mc.enforce_eager or arch.num_experts > 0 or arch.is_encoder or arch.is_mla
-                     or arch.attn_logit_softcapping > 0)
+                     or arch.attn_logit_softcapping > 0 or arch.attention_sinks)
             return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
 
         runner = ModelRunner(

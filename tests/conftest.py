@@ -52,6 +52,7 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}
@@ -73,6 +74,8 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
                 p.normal_(0, params["initializer_range"])
             elif "norm" in name and family.startswith("gemma"):  # (1 + w) norms start at w = 0
                 p.normal_(0, 0.3)
+            elif family == "gpt_oss" and name.endswith(("self_attn.sinks", "_proj.bias", "router.bias")):
+                p.normal_(0, 1.0 if name.endswith("sinks") else 0.2)  # sinks and biases that matter
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: zero in HF
                 b.normal_(0, 0.2)

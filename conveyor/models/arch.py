@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # The same bodies with a classification head (`score`) over the last token instead of an LM
 # head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
@@ -169,6 +170,15 @@ class ArchConfig:
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
     multimodal: bool = False  # the text model of an image-text checkpoint (MULTIMODAL_TEXT_ARCHITECTURES)
+    # gpt-oss: a learned logit a head that joins each softmax's denominator ("attention sinks"),
+    # a bias on o_proj too, routers with a bias whose top k logits are softmaxed, experts with
+    # biases and a clamped SwiGLU: `(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`, g the
+    # gate clamped above at `limit`.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0  # > 0: the clamped SwiGLU of gpt-oss
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -269,8 +279,9 @@ class ArchConfig:
 
     @property
     def expert_params(self) -> int:
-        """One routed expert's weights (gate, up and down)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """One routed expert's weights (gate, up and down; gpt-oss's biases too)."""
+        bias = 2 * self.moe_intermediate_size + self.hidden_size if self.expert_bias else 0
+        return 3 * self.hidden_size * self.moe_intermediate_size + bias
 
     @property
     def num_params(self) -> int:
@@ -290,11 +301,12 @@ class ArchConfig:
             attention = h * (q + 2 * kv) + q * h + 2 * h  # projections and the two norms
             attention += (q + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
             attention += 2 * h if self.is_gemma else 0  # the norms before and after the MLP
+            attention += (h if self.o_proj_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         sparse = self.num_sparse_layers
         moe = self.num_experts * (self.expert_params + h) + 3 * h * self.shared_expert_intermediate_size
         gated = self.shared_expert_intermediate_size and self.shared_expert_gated
         moe += h if gated else 0  # the shared expert's gate
-        moe += self.num_experts if self.topk_method == "noaux_tc" else 0  # the router's bias
+        moe += self.num_experts if self.topk_method == "noaux_tc" or self.expert_bias else 0  # the router's bias
         mlp = (L - sparse) * 3 * h * i + sparse * moe
         embed = self.vocab_size * h
         head = (self.num_labels * (h + self.token_classifier) if self.labels
@@ -357,6 +369,8 @@ class ArchConfig:
             return _deepseek_from_hf(cfg, family)
         if family in GEMMA_FAMILIES:
             return _gemma_from_hf(cfg, family, classifier, tokens)
+        if family == "gpt_oss":
+            return _gpt_oss_from_hf(cfg)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = _rope(cfg)
@@ -468,6 +482,53 @@ def _deepseek_from_hf(cfg: dict[str, Any], family: str) -> ArchConfig:
     )
 
 
+def _layer_windows(types: list[str], layers: int, window: int) -> tuple[int, ...]:
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types}: one sliding_attention or full_attention a layer")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _gpt_oss_from_hf(cfg: dict[str, Any]) -> ArchConfig:
+    """gpt-oss (20B, 120B): grouped-query attention with biases and sinks, sliding (128 tokens)
+    and global layers by turns, YaRN RoPE, and a mixture of experts in every layer."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    rope_theta, rope_scaling = _rope(cfg)
+    if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None:  # (the config's default)
+        rope_scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096}
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    experts = int(cfg.get("num_local_experts") or 0)
+    width = int(cfg["intermediate_size"])
+    return ArchConfig(
+        family="gpt_oss",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=width,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta if cfg.get("rope_theta") or cfg.get("rope_parameters") else 150000.0,
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", True)),
+        rope_scaling=rope_scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg),
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 4),
+        moe_intermediate_size=width,
+        layer_windows=_layer_windows(types, layers, int(cfg.get("sliding_window") or 128)),
+        attention_sinks=True,
+        o_proj_bias=bool(cfg.get("attention_bias", True)),
+        expert_bias=True,
+        swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
+        swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+    )
+
+
 def _gemma_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens: bool) -> ArchConfig:
     """Gemma 2 (every other layer sliding, from the first) and Gemma 3 (five sliding layers to
     one global: `sliding_window_pattern`), or the `layer_types` a config lists; Gemma 3's
@@ -484,8 +545,6 @@ def _gemma_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens: b
     if not types:
         pattern = int(cfg.get("sliding_window_pattern") or 6) if gemma3 else 2
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise UnsupportedModelError(f"layer_types {types}: one sliding_attention or full_attention a layer")
     window = int(cfg.get("sliding_window") or 4096)
     rope = cfg.get("rope_parameters") or {}
     by_type = isinstance(rope.get("full_attention"), dict)
@@ -519,7 +578,7 @@ def _gemma_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens: b
         token_classifier=tokens,
         hidden_act="gelu_pytorch_tanh",
         local_rope_theta=local_theta if local_theta != theta or scaling else 0.0,
-        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        layer_windows=_layer_windows(types, layers, window),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0),
         attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
         final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),

@@ -367,13 +367,16 @@ class TorchPagedAttention(AttentionBackend):
                                               enable_gqa=gqa)
 
 
-class SoftcappedAttention(TorchPagedAttention):
-    """The torch reference with each score soft-capped, `cap * tanh(score / cap)`, before the
-    mask and the softmax (Gemma 2): explicit products and a float32 softmax, as HF's eager
-    attention computes them (SDPA has no cap, nor have the native or Triton kernels)."""
+class EagerAttention(TorchPagedAttention):
+    """The torch reference with explicit products and softmax, for what SDPA, the native and
+    the Triton kernels do not compute, as HF's eager attention computes it: each score
+    soft-capped, `cap * tanh(score / cap)`, before the mask (Gemma 2), with a float32 softmax;
+    or a learned logit a head joining each softmax's denominator (gpt-oss's sinks, `sinks`
+    `[heads]`, set by the layer before each call), the softmax in the scores' dtype."""
 
-    def __init__(self, cap: float) -> None:
+    def __init__(self, cap: float = 0.0) -> None:
         self.cap = cap
+        self.sinks: torch.Tensor | None = None
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
              gqa: bool) -> torch.Tensor:
@@ -381,11 +384,19 @@ class SoftcappedAttention(TorchPagedAttention):
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / self.cap) * self.cap
+        if self.cap:
+            scores = torch.tanh(scores / self.cap) * self.cap
         if bias is None:
             n = q.shape[2]
             bias = torch.full((n, n), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
-        probs = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(q.dtype)
+        scores = scores + bias
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            both = torch.cat((scores, sinks), dim=-1)
+            both = both - both.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(q.dtype)
         return torch.matmul(probs, v)
 
 

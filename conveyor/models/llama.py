@@ -41,7 +41,7 @@ from conveyor.models.attention import (
     AttentionBackend,
     AttentionMetadata,
     CpuPagedAttention,
-    SoftcappedAttention,
+    EagerAttention,
     build_metadata,
 )
 from conveyor.models.mla import LatentAttention
@@ -264,12 +264,15 @@ class Attention(nn.Module):
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.q_norm = make_norm(arch, arch.head_dim) if arch.qk_norm else None
         self.k_norm = make_norm(arch, arch.head_dim) if arch.qk_norm else None
         self.scale = arch.attention_scale
         self.softcap = arch.attn_logit_softcapping
-        self.backend = SoftcappedAttention(self.softcap) if self.softcap else backend
+        self.sinks = nn.Parameter(torch.empty(arch.num_heads)) if arch.attention_sinks else None  # gpt-oss
+        # Capped scores and sinks take explicit products (no kernel computes them).
+        self.eager = bool(self.softcap) or self.sinks is not None
+        self.backend = EagerAttention(self.softcap) if self.eager else backend
         self.rotary_dim = arch.rotary_dim  # 0: RoPE turns every dim of a head
         # A window of its own (Gemma; None: the step's): masks of that window, and a backend
         # built with it (`prepare_for_inference`).
@@ -313,7 +316,11 @@ class Attention(nn.Module):
         else:
             qk = apply_rope(qk, rope)  # q and k heads in one pass
         q, k = qk[:, :h], qk[:, h:]
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        backend = self.backend
+        if self.sinks is not None:
+            assert isinstance(backend, EagerAttention)
+            backend.sinks = self.sinks
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return o.reshape(T, self.q_size)
 
 
@@ -706,7 +713,7 @@ class LlamaForCausalLM(nn.Module):
                     module.native = norm
                 elif isinstance(module, Attention):
                     module.native_rope = rotate
-                    if attention is not None and not module.softcap:
+                    if attention is not None and not module.eager:
                         window = self.arch.sliding_window if module.window is None else module.window
                         module.backend = CpuPagedAttention(attention, window, writer)
                 elif isinstance(module, (MLP, Experts)) and not getattr(module, "gelu", False):
@@ -743,7 +750,7 @@ class LlamaForCausalLM(nn.Module):
             return
         backends: dict[int, TritonPagedAttention] = {}  # one a window: its per-step plan is shared
         for module in self.modules():
-            if isinstance(module, Attention) and not module.softcap:  # (no soft cap in the kernels)
+            if isinstance(module, Attention) and not module.eager:  # (no soft cap, no sinks in the kernels)
                 window = (self.arch.sliding_window if module.window is None else module.window) or 0
                 if window not in backends:
                     backends[window] = TritonPagedAttention(window or None)

@@ -82,7 +82,11 @@ def open_model(path: Path) -> tuple[ArchConfig, Iterator[tuple[str, torch.Tensor
         reader = open_gguf(path)
         arch = read_gguf_arch(reader)
         return arch, iter_gguf_tensors(reader, arch), reader
-    return read_hf_arch(path), dequantized(iter_hf_tensors(path), _quantization_config(path)), None
+    arch = read_hf_arch(path)
+    tensors = dequantized(iter_hf_tensors(path), _quantization_config(path))
+    if arch.family == "gpt_oss":
+        tensors = (_gpt_oss_tensor(name, tensor) for name, tensor in tensors)
+    return arch, tensors, None
 
 
 # -- HF folders ---------------------------------------------------------------------------
@@ -121,10 +125,12 @@ def _quantization_config(folder: Path) -> dict[str, Any] | None:
     if quant is None:
         return None
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return {"mxfp4": True}
     if method not in FP8_METHODS:
         raise ModelLoadError(
             f"{folder}: quantization_config quant_method={method!r} is not read here; conveyor loads "
-            f"{', '.join(FP8_METHODS)} checkpoints (dequantized at load), GGUF files, and float ones"
+            f"{', '.join(FP8_METHODS)} and mxfp4 checkpoints (dequantized at load), GGUF files, and float ones"
         )
     if quant.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{folder}: FP8 format {quant.get('fmt')!r}: conveyor reads e4m3")
@@ -251,6 +257,9 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, An
     if quant.get("packed"):
         yield from _dequantized_packed(tensors, quant)
         return
+    if quant.get("mxfp4"):
+        yield from _dequantized_mxfp4(tensors)
+        return
     block, suffix = quant["block"], quant["scale_suffix"]
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -274,6 +283,46 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], quant: dict[str, An
         lone = sorted(weights) or sorted(scales)
         raise ModelLoadError(f"the FP8 checkpoint has {'weights without scales' if weights else 'scales without weights'}, "
                              f"e.g. {lone[0]!r}")
+
+
+# The 16 values of an FP4 (e2m1) code, by code: sign bit high.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OCP microscaling FP4 (gpt-oss's experts): `blocks` `[..., rows, G, 16]` bytes holding two
+    FP4 codes each (the low nibble first), `scales` `[..., rows, G]` a power-of-two exponent a
+    block of 32 values (E8M0, biased by 127). Returns float32 `[..., rows, G * 32]`; exact,
+    since every value is a code's times a power of two."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ModelLoadError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low, high
+    values = lut[codes].flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2)
+
+
+def _dequantized_mxfp4(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An MXFP4 checkpoint's tensors (gpt-oss's: the experts' `*_blocks` and `*_scales` stored
+    `[E, out, in]`) as float32 in the unquantized checkpoint's layout, `[E, in, out]`; the rest
+    as they are. A half waits for the other, which may come later."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        for suffix in ("_blocks", "_scales"):
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                pair = halves.setdefault(base, {})
+                pair[suffix] = tensor
+                if len(pair) == 2:
+                    del halves[base]
+                    yield base, dequantize_mxfp4(pair["_blocks"], pair["_scales"]).transpose(-1, -2)
+                break
+        else:
+            yield name, tensor
+    if halves:
+        raise ModelLoadError(f"the MXFP4 checkpoint has blocks without scales or scales without blocks, "
+                             f"e.g. {sorted(halves)[0]!r}")
 
 
 def _dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, block: list[int] | None) -> torch.Tensor:
@@ -589,6 +638,19 @@ def _deinterleave_rope(name: str, tensor: torch.Tensor, arch: ArchConfig) -> tor
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
+def _gpt_oss_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """gpt-oss's names and layouts as the engine's (before a tensor-parallel split, which reads
+    them so): the router is `gate`; the stacked experts are stored `[E, in, out]` with each
+    expert's gate and up columns interleaved (gate at even columns): transposed to `[E, out,
+    in]`, gates then ups, as transformers 5 stacks other mixtures."""
+    name = name.replace(".mlp.router.", ".mlp.gate.")
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        tensor = tensor.transpose(1, 2)
+    if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+        tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+    return name, tensor
+
+
 def load_weights(
     model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> None:
@@ -645,6 +707,9 @@ def load_weights(
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # a tied checkpoint may still store the head
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the same block
+        if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):  # gpt-oss
+            put(name, tensor)
+            continue
         parts = name.split(".")
         if arch.family in DEEPSEEK_STYLE_MOE:
             if parts[0] == "layers" and int(parts[1]) >= arch.num_layers:

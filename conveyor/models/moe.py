@@ -25,7 +25,8 @@ from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig
 
 class Experts(nn.Module):
     """The routed experts' weights, stacked as transformers >= 5 keeps them: `gate_up_proj`
-    `[E, 2I, hidden]` (each expert's gate rows, then its up rows) and `down_proj` `[E, hidden, I]`."""
+    `[E, 2I, hidden]` (each expert's gate rows, then its up rows) and `down_proj` `[E, hidden, I]`;
+    gpt-oss's biases `[E, 2I]` and `[E, hidden]` and its clamped SwiGLU."""
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -33,6 +34,9 @@ class Experts(nn.Module):
         self.intermediate = i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if arch.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h)) if arch.expert_bias else None
+        self.limit, self.alpha = arch.swiglu_limit, arch.swiglu_alpha
 
     # Set by prepare_for_inference (CPU float32): the native kernels the dense MLP uses, the
     # skinny GEMV for an expert's few rows of a decode step, SiLU × up in one pass; and
@@ -44,9 +48,13 @@ class Experts(nn.Module):
     loop_max_rows = 8
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.native_silu_mul is not None:
+        if self.native_silu_mul is not None and not self.limit:
             return self.native_silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)
+        if self.limit:  # gpt-oss
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         return F.silu(gate) * up
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -61,15 +69,22 @@ class Experts(nn.Module):
         if grouped is not None and rows.shape[0] > self.loop_max_rows:
             # One call a projection: the weights' transposed views, the groups' ends as offsets.
             ends = counts.cumsum(0).to(torch.int32)
-            act = self._act(grouped(rows, self.gate_up_proj.transpose(1, 2), offs=ends))
-            return grouped(act, self.down_proj.transpose(1, 2), offs=ends)
+            gate_up = grouped(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
+            if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
+                n = rows.shape[0]
+                gate_up = gate_up + self.gate_up_proj_bias.repeat_interleave(counts, dim=0, output_size=n)
+                out = grouped(self._act(gate_up), self.down_proj.transpose(1, 2), offs=ends)
+                return out + self.down_proj_bias.repeat_interleave(counts, dim=0, output_size=n)
+            return grouped(self._act(gate_up), self.down_proj.transpose(1, 2), offs=ends)
         outs = []
         start = 0
+        b1, b2 = self.gate_up_proj_bias, self.down_proj_bias
         for e, n in enumerate(counts.tolist()):  # the step's one host sync a layer
             if not n:
                 continue
-            act = self._act(self._linear(rows[start : start + n], self.gate_up_proj[e]))
-            outs.append(self._linear(act, self.down_proj[e]))
+            gate_up = self._linear(rows[start : start + n], self.gate_up_proj[e])
+            out = self._linear(self._act(gate_up if b1 is None else gate_up + b1[e]), self.down_proj[e])
+            outs.append(out if b2 is None else out + b2[e])
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -122,8 +137,11 @@ class SparseMoE(nn.Module):
         # Qwen's routers hand back their weights in the model's dtype; Mixtral's and DeepSeek's
         # stay float32 and the product with the expert outputs is rounded once (the same in float32).
         self.weights_in_model_dtype = arch.family in ("qwen2_moe", "qwen3_moe")
-        self.gate: nn.Module = GroupedRouter(arch) if arch.family in DEEPSEEK_STYLE_MOE else nn.Linear(arch.hidden_size, arch.num_experts,
-                                                                                  bias=False)
+        self.gate: nn.Module = (GroupedRouter(arch) if arch.family in DEEPSEEK_STYLE_MOE
+                                else nn.Linear(arch.hidden_size, arch.num_experts, bias=arch.expert_bias))
+        # gpt-oss: the softmax of each token's top k logits (in the model's dtype), not the top k
+        # of a softmax over all.
+        self.softmax_of_top_k = arch.family == "gpt_oss"
         self.experts = Experts(arch)
         self.shared_expert = shared_expert
         gated = shared_expert is not None and arch.shared_expert_gated
@@ -133,6 +151,9 @@ class SparseMoE(nn.Module):
         """Each token's chosen experts `[T, k]` and their weights `[T, k]`."""
         if isinstance(self.gate, GroupedRouter):
             return self.gate(x)
+        if self.softmax_of_top_k:
+            top, experts = self.gate(x).topk(self.top_k, dim=-1)
+            return experts, torch.softmax(top, dim=-1, dtype=top.dtype)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -68,6 +68,14 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch
         return tensor
     parts = name.split(".")
     proj = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]  # "experts.gate_up_proj": stacked
+    if proj == "sinks":  # gpt-oss: one a query head
+        return tensor.chunk(size, dim=0)[rank].contiguous()
+    if proj == "gate_up_proj_bias":  # gpt-oss's experts `[E, 2I]`, gates then ups (as the loader puts them)
+        gate, up = tensor.chunk(2, dim=-1)
+        return torch.cat((gate.chunk(size, dim=-1)[rank], up.chunk(size, dim=-1)[rank]), dim=-1).contiguous()
+    if proj == "down_proj_bias" or (proj in COLUMN_SPLIT and parts[-1] == "bias"):
+        # A bias after the split joins the partial sums once: on rank 0.
+        return tensor if rank == 0 else torch.zeros_like(tensor)
     if proj == "gate_up_proj":
         gate, up = tensor.chunk(2, dim=-2)
         return torch.cat((gate.chunk(size, dim=-2)[rank], up.chunk(size, dim=-2)[rank]), dim=-2).contiguous()
@@ -75,8 +83,6 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch
         dim = 0 if tensor.dim() == 1 else -2
         return tensor.chunk(size, dim=dim)[rank].contiguous()
     if proj in COLUMN_SPLIT:
-        if tensor.dim() == 1:
-            raise ConfigError(f"{name}: a bias on a projection out of the split is not supported")
         return tensor.chunk(size, dim=-1)[rank].contiguous()
     return tensor
 
