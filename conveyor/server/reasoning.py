@@ -10,6 +10,14 @@ of the same names return them.
   by `enable_thinking=false`, then the template closes the block in the prompt); otherwise it
   is all answer. `glm45` (GLM-4.5 / 4.6) reads the same way.
 - `mistral` (Magistral): as `qwen3`, between `[THINK]` and `[/THINK]`.
+- `openai_gptoss` (gpt-oss's harmony format): the output is messages, each a header (its
+  `<|channel|>`, maybe a recipient `to=...`) then `<|message|>`, its text, and `<|end|>` (or the
+  stop tokens `<|return|>`, `<|call|>`); the `analysis` channel is reasoning, `final` (and
+  `commentary` to no one) is content, and a message to a function (`to=functions.NAME`) is a
+  tool call, passed on to the content in one canonical form that the `openai` tool parser
+  reads. Its markers are special tokens, so requests keep special tokens in their text
+  (`keeps_special_tokens`) and the parser leaves none of them in what it returns. An output
+  with no header at all is content.
 
 Tool calls and everything else about the answer are read from the content alone.
 """
@@ -18,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.server.tool_parsers import partial_suffix
+from conveyor.server.tool_parsers import harmony_call, partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 # Each parser's (opening tag, closing tag, whether an output that does not open the block is
@@ -29,17 +37,27 @@ TAGS = {
     "mistral": ("[THINK]", "[/THINK]", False),
     "qwen3": (OPEN, CLOSE, False),
 }
-PARSERS = tuple(sorted(TAGS))
+HARMONY = "openai_gptoss"
+PARSERS = tuple(sorted((*TAGS, HARMONY)))
+
+
+def keeps_special_tokens(parser: str | None) -> bool:
+    """Whether this parser reads markers that are special tokens (the text must keep them)."""
+    return parser == HARMONY
 
 
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; None where there is none."""
-    reasoning, content = ReasoningStream(parser).feed(text, final=True)
+    reasoning, content = reasoning_stream(parser).feed(text, final=True)
     return reasoning or None, content or None
 
 
+def reasoning_stream(parser: str) -> ReasoningStream:
+    return HarmonyStream() if parser == HARMONY else TagStream(parser)
+
+
 @dataclass
-class ReasoningStream:
+class TagStream:
     """One streamed choice's text, split as it grows into reasoning and content deltas. A tail
     that could be the start of a tag is held back until the next piece tells."""
 
@@ -85,3 +103,86 @@ class ReasoningStream:
                 content += rest
                 self.sent += len(rest)
                 return reasoning, content
+
+
+# The harmony format's markers (each one special token of gpt-oss's vocabulary).
+START, CHANNEL, MESSAGE, END, RETURN, CALL, CONSTRAIN = (
+    "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+_ENDS = (END, RETURN, CALL, START)  # what ends a message's text (a new <|start|> too, leniently)
+
+
+@dataclass
+class HarmonyStream:
+    """One streamed choice's harmony messages, split as they grow into reasoning and content.
+    A message's text goes out as it comes, less a tail that may be the start of a marker; a
+    tool call waits for its end, then goes to the content whole (`harmony_call`)."""
+
+    text: str = ""
+    at: int = 0  # where the message being read starts (its header), or its text once `body`
+    body: bool = False
+    sink: str = "content"  # the message's: reasoning, content or call
+    recipient: str = ""
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str]:
+        self.text += piece
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            rest = self.text[self.at :]
+            if not self.body:
+                if not rest:
+                    break
+                head = rest.lstrip()
+                if not head and final:
+                    break
+                if not head.startswith((START, CHANNEL)):
+                    if not final and any(m.startswith(head) for m in (START, CHANNEL)):
+                        break  # `<|sta`: wait
+                    self.sink, self.recipient, self.body = "content", "", True  # no header: plain text
+                    continue
+                end = rest.find(MESSAGE)
+                if end < 0:
+                    if final:  # a header cut off: nothing to say
+                        self.at = len(self.text)
+                    break
+                self._header(rest[:end])
+                self.at += end + len(MESSAGE)
+                self.body = True
+                continue
+            stops = [i for i in (rest.find(m) for m in _ENDS) if i >= 0]
+            stop = min(stops) if stops else -1
+            if stop < 0 and not final:
+                if self.sink != "call":
+                    keep = max(partial_suffix(rest, m) for m in _ENDS)
+                    (reasoning if self.sink == "reasoning" else content).append(rest[: len(rest) - keep])
+                    self.at += len(rest) - keep
+                break
+            part = rest if stop < 0 else rest[:stop]
+            if self.sink == "call":  # (its text was held back whole: `at` is still where it starts)
+                content.append(harmony_call(self.recipient, part.strip()))
+            else:
+                (reasoning if self.sink == "reasoning" else content).append(part)
+            self.at += len(part)
+            if stop >= 0 and not rest.startswith(START, stop):
+                self.at += next(len(m) for m in _ENDS if rest.startswith(m, stop))
+            self.body = False
+            if stop < 0:
+                break
+        return "".join(reasoning), "".join(content)
+
+    def _header(self, header: str) -> None:
+        channel = ""
+        if CHANNEL in header:
+            channel = header.split(CHANNEL, 1)[1].split(CONSTRAIN, 1)[0].strip().split(" ", 1)[0]
+        recipient = ""
+        for word in header.replace(CHANNEL, " ").replace(CONSTRAIN, " ").split():
+            if word.startswith("to="):
+                recipient = word[3:]
+        self.recipient = recipient
+        if recipient.startswith("functions."):
+            self.sink = "call"
+        else:
+            self.sink = "reasoning" if channel == "analysis" else "content"
+
+
+ReasoningStream = TagStream | HarmonyStream

@@ -45,7 +45,12 @@ from conveyor.server.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
-from conveyor.server.reasoning import ReasoningStream, split_reasoning
+from conveyor.server.reasoning import (
+    ReasoningStream,
+    keeps_special_tokens,
+    reasoning_stream,
+    split_reasoning,
+)
 from conveyor.server.tool_parsers import ToolParser, make_tool_parser
 from conveyor.server.tools import Tools, ToolStream, history_for_template
 
@@ -148,6 +153,8 @@ class _Handler:
             )
         self.logit_bias  # noqa: B018 (parsed now: a bad key is the request's error, before any choice)
 
+    keeps_special_tokens = False
+
     # -- building the engine requests --------------------------------------------------------
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         b = self.body
@@ -155,7 +162,8 @@ class _Handler:
             "max_tokens": max_tokens,
             "ignore_eos": b.ignore_eos,
             "min_tokens": b.min_tokens,
-            "skip_special_tokens": b.skip_special_tokens,
+            # (a reasoning parser that reads special tokens gets them: it returns none of them)
+            "skip_special_tokens": b.skip_special_tokens and not self.keeps_special_tokens,
             "include_stop_str_in_output": b.include_stop_str_in_output,
             "priority": b.priority,
             "logprobs": self.logprobs(),
@@ -741,7 +749,7 @@ class ChatCompletionHandler(_Handler):
         parser = self.reasoning_parser
         for c in self.choices:
             c.tool_stream = ToolStream(self.tools) if self.tools is not None else None
-            c.reasoning_stream = ReasoningStream(parser) if parser is not None else None
+            c.reasoning_stream = reasoning_stream(parser) if parser is not None else None
         return [
             self.chunk([{
                 "index": c.index,
@@ -804,6 +812,10 @@ class ChatCompletionHandler(_Handler):
             "stop_reason": c.stop_reason,
             "prompt_logprobs": self.prompt_logprobs_field(choice.final),
         }
+
+    @property
+    def keeps_special_tokens(self) -> bool:  # type: ignore[override]
+        return keeps_special_tokens(self.reasoning_parser)
 
     @property
     def reasoning_parser(self) -> str | None:

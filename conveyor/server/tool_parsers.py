@@ -30,6 +30,9 @@ Formats:
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each ending `<｜tool▁call▁end｜>`.
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
+- `openai` (gpt-oss's harmony format): a message to a function, `<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the form the `openai_gptoss`
+  reasoning parser passes each of the model's calls on in (use the two together, as vLLM's).
 
 The XML formats' values are text, typed by the request's tool schemas where they say
 (`tool_schemas`, set around a parse by `Tools`): a `string` parameter keeps its text (`42`
@@ -651,3 +654,38 @@ class KimiK2Parser(_SectionParser):
                        f"{json.dumps(_object_args(c) or {}, ensure_ascii=False)}{self.CALL[1]}"
                        for i, c in enumerate(calls))
         return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
+
+
+def harmony_call(recipient: str, arguments: str) -> str:
+    """A harmony tool call as the `openai_gptoss` reasoning parser passes it on in the content."""
+    return f"<|channel|>commentary to={recipient} <|constrain|>json<|message|>{arguments}<|call|>"
+
+
+@_PARSERS.register("openai")
+class HarmonyParser(ToolParser):
+    OPEN, CLOSE = "<|channel|>commentary to=", "<|call|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
+
+    @staticmethod
+    def _read(inner: str) -> list[Call] | None:
+        header, sep, body = inner.partition("<|message|>")
+        recipient = header.split(maxsplit=1)[0] if header.strip() else ""
+        name = recipient.removeprefix("functions.")
+        args = _json_object(body) if sep else None
+        if not recipient.startswith("functions.") or args is None or _NAME.fullmatch(name) is None:
+            return None
+        return [tool_call(name, json.dumps(args, ensure_ascii=False))]
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these tools:\n{_tools_listing(tools)}\n\nTo call a tool, send a message on the "
+            f"commentary channel to it: {self.OPEN}functions.NAME <|constrain|>json<|message|>"
+            '{"argument": "value"}'
+            f"{self.CLOSE}\nOtherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        return "".join(harmony_call(f"functions.{c['function']['name']}",
+                                    json.dumps(_object_args(c) or {}, ensure_ascii=False)) for c in calls)

@@ -1,6 +1,7 @@
 """Reasoning outputs (`--reasoning-parser`): the split of a `<think>` block from the answer,
-whole and streamed in random pieces, for both parsers; and over HTTP, a SmolLM2 server with
-the parser against the session's server without it."""
+whole and streamed in random pieces, for every parser; gpt-oss's harmony messages split into
+reasoning, content and calls the same two ways; and over HTTP, a SmolLM2 server with the
+parser against the session's server without it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.server.reasoning import ReasoningStream, split_reasoning
+from conveyor.server.reasoning import keeps_special_tokens, reasoning_stream, split_reasoning
 from tests.server.conftest import ServerProcess
 
 
@@ -44,7 +45,7 @@ def test_a_stream_cut_anywhere_splits_as_the_whole(parser, pieces, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    stream = ReasoningStream(parser)
+    stream = reasoning_stream(parser)
     reasoning = content = ""
     for i, chunk in enumerate(chunks):
         r, c = stream.feed(chunk, final=i == len(chunks) - 1)
@@ -86,5 +87,59 @@ def test_an_unknown_parser_is_refused():
     from conveyor.config import ConfigError
     from conveyor.server.config import ServerConfig
 
-    with pytest.raises(ConfigError, match="use one of deepseek_r1, glm45, mistral, qwen3"):
+    with pytest.raises(ConfigError, match="use one of deepseek_r1, glm45, mistral, openai_gptoss, qwen3"):
         ServerConfig(reasoning_parser="o1")
+
+
+# -- gpt-oss's harmony format -----------------------------------------------------------------
+ANALYSIS = "<|channel|>analysis<|message|>The user asks for the weather.<|end|>"
+CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"
+CANONICAL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is sunny.", ("The user asks for the weather.", "It is sunny.")),
+    (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>",
+     ("The user asks for the weather.", "It is sunny.")),
+    (ANALYSIS + CALL, ("The user asks for the weather.", CANONICAL)),  # the stop token <|call|> not in the text
+    (ANALYSIS + CALL + "<|call|>", ("The user asks for the weather.", CANONICAL)),
+    ("<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}",
+     (None, CANONICAL)),  # the recipient before the channel
+    ("<|channel|>commentary<|message|>Looking it up.<|end|>", (None, "Looking it up.")),  # a preamble: content
+    ("<|channel|>analysis<|message|>cut off while think", ("cut off while think", None)),
+    ("Just text, no harmony.", (None, "Just text, no harmony.")),
+    ("<|channel|>analysis<|mess", (None, None)),  # a header cut off says nothing
+])
+def test_harmony_split(text, want):
+    assert split_reasoning(text, "openai_gptoss") == want
+    assert keeps_special_tokens("openai_gptoss") and not keeps_special_tokens("qwen3")
+
+
+def test_harmony_calls_reach_the_openai_tool_parser():
+    from conveyor.server.tool_parsers import make_tool_parser
+
+    reasoning, content = split_reasoning(ANALYSIS + CALL, "openai_gptoss")
+    text, calls = make_tool_parser("openai").parse(content)
+    assert text is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+
+
+HARMONY_PIECES = st.lists(st.sampled_from([
+    "<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.f", " to=user",
+    " <|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|", "ch", "a", " ", "\n", "{}",
+    '{"x": 1}', "<|mess", "age|>"]), max_size=14)
+
+
+@settings(max_examples=400, deadline=None)
+@given(HARMONY_PIECES, st.data())
+def test_a_harmony_stream_cut_anywhere_splits_as_the_whole(pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = reasoning_stream("openai_gptoss")
+    reasoning = content = ""
+    for i, chunk in enumerate(chunks):
+        r, c = stream.feed(chunk, final=i == len(chunks) - 1)
+        reasoning, content = reasoning + r, content + c
+    want_reasoning, want_content = split_reasoning(text, "openai_gptoss")
+    assert (reasoning, content) == (want_reasoning or "", want_content or "")

@@ -22,7 +22,7 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+PARSERS = ["deepseek_v3", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder"]
 
 
 def test_the_parsers_are_vllms():
