@@ -110,7 +110,8 @@ def build_tiny_classifier(out_dir: Path, family: str, labels: list[str], seed: i
     import transformers as tf
 
     kind = "TokenClassification" if tokens else "SequenceClassification"
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2",
+             "gemma3": "Gemma3Text"}
     config_cls, model_cls = getattr(tf, f"{names[family]}Config"), getattr(tf, f"{names[family]}For{kind}")
     id2label = dict(enumerate(labels))
     config = config_cls(**{**TINY, **overrides}, id2label=id2label, label2id={v: k for k, v in id2label.items()},

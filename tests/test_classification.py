@@ -29,13 +29,17 @@ LABELS = {
     "qwen2": ["no", "yes"],
     "qwen3": ["relevant"],  # a cross-encoder (reranker): one class
     "mistral": ["LABEL_0"],
+    "gemma2": ["rejected", "chosen"],  # a reward model's shape (Skywork-Reward-Gemma-2)
+    "gemma3": ["LABEL_0", "LABEL_1", "LABEL_2"],
 }
 
 
 @pytest.fixture(scope="module")
 def classifiers(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("classifiers")
-    extra = {"qwen2": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32}, "mistral": {"sliding_window": None}}
+    extra = {"qwen2": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32}, "mistral": {"sliding_window": None},
+             "gemma2": {"head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 0.2},
+             "gemma3": {"head_dim": 16, "sliding_window": 6, "sliding_window_pattern": 2}}
     return {family: str(build_tiny_classifier(root / family, family, labels, seed=i, **extra.get(family, {})))
             for i, (family, labels) in enumerate(LABELS.items())}
 
@@ -43,7 +47,9 @@ def classifiers(tmp_path_factory) -> dict[str, str]:
 def hf_logits(model_dir: str, prompts: list[list[int]], pooling: str = "last") -> list[torch.Tensor]:
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float64).eval()
+    # (eager: the attention that soft-caps Gemma 2's scores)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float64,
+                                                               attn_implementation="eager").eval()
     out = []
     with torch.no_grad():
         for ids in prompts:

@@ -30,6 +30,8 @@ def taggers(tmp_path_factory) -> dict[str, str]:
         "qwen2": str(build_tiny_classifier(root / "qwen2", "qwen2", tags, seed=22, tokens=True)),
         "bert": str(build_tiny_encoder(root / "bert", "bert", tags, seed=23, tokens=True)),
         "xlmr": str(build_tiny_encoder(root / "xlmr", "xlmr", tags, seed=24, tokens=True)),
+        "gemma2": str(build_tiny_classifier(root / "gemma2", "gemma2", tags, seed=26, tokens=True, head_dim=16,
+                                            sliding_window=6, attn_logit_softcapping=0.2)),
     }
 
 
@@ -49,7 +51,8 @@ def hf_rows(path: str, batch: list[list[int]]) -> list[torch.Tensor]:
     arch = AutoConfig.from_pretrained(path).architectures[0]
     with torch.no_grad():
         if arch.endswith("ForTokenClassification"):
-            model = AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float64).eval()
+            model = AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float64,
+                                                                    attn_implementation="eager").eval()
             return [model(torch.tensor([ids])).logits[0] for ids in batch]
         if arch.endswith("ForCausalLM"):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
@@ -83,12 +86,12 @@ def test_every_tokens_hidden_state(tiny_models, options) -> None:
     assert one == pytest.approx(llm.embed(batch[:1], use_tqdm=False)[0].outputs.embedding, abs=1e-12)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "bert", "xlmr"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "bert", "xlmr", "gemma2"])
 def test_token_classifiers_match_hf(taggers, name: str) -> None:
     path = taggers[name]
     batch = [[2, *p, 3] for p in prompts(5, seed=2)] if name in ("bert", "xlmr") else prompts(5, seed=2)
     want = hf_rows(path, batch)
-    llm = LLM(path, dtype="float64", max_num_batched_tokens=16 if name in ("llama", "qwen2") else 512)
+    llm = LLM(path, dtype="float64", max_num_batched_tokens=16 if name in ("llama", "qwen2", "gemma2") else 512)
     got = llm.encode(batch, use_tqdm=False)  # a token classifier's default: each token's probabilities
     for o, w in zip(got, want, strict=True):
         assert o.outputs.data == [pytest.approx(r, rel=TOL, abs=TOL) for r in w.softmax(-1).tolist()]

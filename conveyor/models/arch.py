@@ -33,6 +33,8 @@ CLASSIFIER_ARCHITECTURES = {
     "MistralForSequenceClassification": "mistral",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
+    "Gemma2ForSequenceClassification": "gemma2",  # (reward models: Skywork-Reward-Gemma-2)
+    "Gemma3TextForSequenceClassification": "gemma3",
 }
 # ... with the head over every token instead (a token classifier: NER, tagging).
 TOKEN_CLASSIFIER_ARCHITECTURES = {
@@ -40,6 +42,7 @@ TOKEN_CLASSIFIER_ARCHITECTURES = {
     "MistralForTokenClassification": "mistral",
     "Qwen2ForTokenClassification": "qwen2",
     "Qwen3ForTokenClassification": "qwen3",
+    "Gemma2ForTokenClassification": "gemma2",
 }
 # Bidirectional encoders (conveyor/models/bert.py): they embed, classify and score pairs, and
 # generate nothing. RoBERTa's positions start after its padding id; XLM-RoBERTa is RoBERTa's.
