@@ -71,23 +71,45 @@ class StepShape:
     decode_context: int = 0  # context tokens whose K/V decode attention reads
     swap_blocks: int = 0  # blocks copied out plus in
     idle_before_s: float = 0.0  # how long the device sat idle before the step (set by the simulator)
+    # The same three for a layer that attends within a window (`of`'s `window`; 0: as above).
+    window_prefill_pairs: int = 0
+    window_prefill_context: int = 0
+    window_decode_context: int = 0
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> StepShape:
+    def of(cls, out: SchedulerOutput, window: int = 0) -> StepShape:
+        """The step's shape; with `window`, also what a sliding layer's attention reads: each
+        query the last `window` positions up to its own, the context those span."""
         s = cls(swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in))
         for item in out.scheduled:
             n = len(item.token_ids)
-            ctx = item.start_pos + n
+            start = item.start_pos
+            ctx = start + n
             s.num_seqs += 1
             s.num_tokens += n
             s.num_sampled += item.sample + item.num_draft  # (a draft's position samples too)
             if n == 1:
                 s.decode_seqs += 1
                 s.decode_context += ctx
+                s.window_decode_context += min(ctx, window) if window else ctx
             else:
-                s.prefill_pairs += n * item.start_pos + n * (n + 1) // 2
+                pairs = n * start + n * (n + 1) // 2
+                s.prefill_pairs += pairs
                 s.prefill_context += ctx
+                s.window_prefill_pairs += window_pairs(start, n, window) if window else pairs
+                s.window_prefill_context += min(ctx, window + n - 1) if window else ctx
         return s
+
+
+def window_pairs(start: int, n: int, window: int) -> int:
+    """(query, key) pairs of `n` queries at positions start.. each seeing its last `window`
+    positions (its own included): the sum of min(q + 1, window)."""
+    first, last = start + 1, start + n  # each query's count before the cap: q + 1
+    if last <= window:
+        return (first + last) * n // 2
+    if first >= window:
+        return window * n
+    return (first + window) * (window - first + 1) // 2 + window * (last - window)
 
 
 class CostModel(Protocol):
@@ -302,7 +324,8 @@ class RooflineCostModel:
 
         return StepShape(share(s.num_seqs), share(s.num_tokens), share(s.num_sampled), share(s.prefill_pairs),
                          share(s.prefill_context), share(s.decode_seqs), share(s.decode_context),
-                         share(s.swap_blocks), s.idle_before_s)
+                         share(s.swap_blocks), s.idle_before_s, share(s.window_prefill_pairs),
+                         share(s.window_prefill_context), share(s.window_decode_context))
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per part of the step (with pipeline stages, of a batch's way through them
@@ -315,8 +338,9 @@ class RooflineCostModel:
             "experts": self._experts(whole.num_tokens) if busy and self.model.num_experts else 0.0,
             "all_to_all": self._a2a_fixed_s + self._a2a_token_s * s.num_tokens if busy else 0.0,
             "lm_head": self._head(s.num_sampled) if s.num_sampled else 0.0,
-            "attn_prefill": max(self._attn_prefill_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context),
-            "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * s.decode_context,
+            "attn_prefill": self._attn_prefill(s),
+            "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * self._by_window(s.decode_context,
+                                                                                   s.window_decode_context),
             "swap": self._swap_s * s.swap_blocks,
             "allreduce": self._ar_fixed_s + self._ar_token_s * s.num_tokens
             + (p.allreduce_latency_s + self._gather_row_s * s.num_sampled if s.num_sampled else 0.0)
@@ -331,6 +355,18 @@ class RooflineCostModel:
         sends = self.pipeline_parallel - 1
         parts["pipeline_send"] = sends * (self._send_fixed_s + self._send_token_s * s.num_tokens) if busy else 0.0
         return parts
+
+    def _by_window(self, full: float, windowed: float) -> float:
+        """A per-layer quantity over all layers, the sliding ones' within their window."""
+        slide = self.model.sliding_share
+        return full if not slide else (1 - slide) * full + slide * windowed
+
+    def _attn_prefill(self, s: StepShape) -> float:
+        full = max(self._attn_prefill_flop_s * s.prefill_pairs, self._kv_mem_s * s.prefill_context)
+        if not self.model.sliding_share:
+            return full
+        windowed = max(self._attn_prefill_flop_s * s.window_prefill_pairs, self._kv_mem_s * s.window_prefill_context)
+        return self._by_window(full, windowed)
 
     def stage_times(self, s: StepShape) -> tuple[list[float], float]:
         """Each pipeline stage's seconds of compute for this batch, and the seconds of one send

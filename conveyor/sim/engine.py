@@ -64,12 +64,18 @@ class SimRunner:
     def kv_mismatch(self, data: object) -> str | None:
         return None
 
+    @property
+    def window(self) -> int:
+        """The model's sliding window (0: none), for the steps' shapes."""
+        model = getattr(self.cost_model, "model", None)
+        return model.sliding_window if model is not None else 0
+
     def kv_bytes(self, num_tokens: int) -> int:
         model, dtype_bytes = getattr(self.cost_model, "model", None), getattr(self.cost_model, "dtype_bytes", 2)
         return 0 if model is None else model.kv_bytes_per_token(dtype_bytes) * num_tokens
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        shape = StepShape.of(scheduler_output)
+        shape = StepShape.of(scheduler_output, self.window)
         if shape.num_tokens:
             shape.idle_before_s, self.idle_s = self.idle_s, 0.0
         duration = self.cost_model.step_time(shape)
@@ -176,7 +182,7 @@ class PipelineSimEngine(SimEngine):
 
     def _launch(self, sched_out: SchedulerOutput, start: float) -> None:
         runner = self.runner
-        times, send = runner.cost_model.stage_times(StepShape.of(sched_out))  # type: ignore[attr-defined]
+        times, send = runner.cost_model.stage_times(StepShape.of(sched_out, runner.window))  # type: ignore[attr-defined]
         free = self._stage_free
         ready = start
         for k, seconds in enumerate(times):

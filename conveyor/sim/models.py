@@ -47,6 +47,11 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Sliding-window attention: `num_sliding_layers` of the layers attend within their last
+    # `sliding_window` positions (Gemma 2/3, gpt-oss; every layer of Mistral-7B-v0.1), the rest
+    # over the whole context. Their K/V are kept whole, as the engine keeps them.
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -60,6 +65,13 @@ class ModelShape:
                                      and 0 < self.num_sparse_layers <= self.num_layers):
             raise ValueError(f"{self.name}: a mixture of experts needs 1 <= experts_per_token <= num_experts, "
                              "an expert_intermediate_size and 1 <= num_sparse_layers <= num_layers")
+        if not 0 <= self.num_sliding_layers <= self.num_layers or (self.num_sliding_layers > 0) != (self.sliding_window > 0):
+            raise ValueError(f"{self.name}: sliding layers need a window, and at most num_layers of them")
+
+    @property
+    def sliding_share(self) -> float:
+        """The share of the layers that attend within a window."""
+        return self.num_sliding_layers / self.num_layers
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -181,6 +193,7 @@ class ModelShape:
             num_sparse_layers=arch.num_sparse_layers, shared_expert_gated=arch.shared_expert_gated,
             kv_lora_rank=arch.kv_lora_rank, q_lora_rank=arch.q_lora_rank, qk_nope_head_dim=arch.qk_nope_head_dim,
             qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+            **_windows_of(arch.layer_windows or (arch.sliding_window or 0,) * arch.num_layers),
         )
 
     @classmethod
@@ -197,8 +210,13 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelShape:
-        """Llama-family keys (Llama, Mistral, Qwen2/3, SmolLM, and the mixtures Mixtral and
-        Qwen2/3-MoE...) or OPT's."""
+        """Llama-family keys (Llama, Mistral, Qwen2/3, SmolLM, Gemma 2/3, and the mixtures
+        Mixtral, Qwen2/3-MoE, gpt-oss...) or OPT's; an image-text checkpoint's text model."""
+        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):  # Gemma 3's 4B-27B
+            from conveyor.models.arch import GEMMA3_TEXT_DEFAULTS
+
+            cfg = {**GEMMA3_TEXT_DEFAULTS, "model_type": "gemma3_text", "eos_token_id": cfg.get("eos_token_id"),
+                   **cfg["text_config"]}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -243,16 +261,46 @@ class ModelShape:
                 shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                 num_sparse_layers=sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0),
             )
+        gemma = str(cfg.get("model_type", "")).startswith("gemma")
         return cls(
             name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate_size=int(cfg["intermediate_size"]), vocab_size=vocab,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
             **moe,
+            **_windows_of(_layer_windows(cfg, layers)),
         )
+
+
+def _layer_windows(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """Each layer's window (0: global), as the engine reads them (conveyor/models/arch.py):
+    `layer_types`, else Gemma 2's and gpt-oss's every other layer, Gemma 3's
+    `sliding_window_pattern`, or every layer where Mistral's (or Qwen's `use_sliding_window`) say."""
+    kind = str(cfg.get("model_type", ""))
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if not types:
+        if kind in ("gemma2", "gpt_oss"):
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        elif kind.startswith("gemma3"):
+            pattern = int(cfg.get("sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        elif window and cfg.get("use_sliding_window", kind == "mistral"):
+            types = ["sliding_attention"] * layers
+        else:
+            return (0,) * layers
+    window = window or (4096 if kind.startswith("gemma") else 128)
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _windows_of(windows: tuple[int, ...]) -> dict[str, Any]:
+    sliding = [w for w in windows if w]
+    if len(set(sliding)) > 1:
+        raise ValueError(f"sliding windows of several widths {sorted(set(sliding))} are not modelled")
+    return dict(sliding_window=sliding[0] if sliding else 0, num_sliding_layers=len(sliding))
 
 
 def _deepseek_moe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -333,6 +381,17 @@ MODEL_CONFIGS["glm-4.5-air"] = ("zai-org/GLM-4.5-Air", {
     **_llama(4096, 46, 96, 8, 10944, 151552, 131072, head_dim=128), "model_type": "glm4_moe",
     "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1,
     "first_k_dense_replace": 1})
+
+
+# Sliding and global layers: Gemma 3's five to one over 1,024 tokens (27.0 B text weights), and
+# gpt-oss's by turns over 128 (20.9 B weights, 3.6 B active; 116.8 B, 5.1 B; the card's counts).
+MODEL_CONFIGS["gemma-3-27b"] = ("google/gemma-3-27b-it (its text_config)", {
+    **_llama(5376, 62, 32, 16, 21504, 262208, 131072, tied=True, head_dim=128), "model_type": "gemma3_text",
+    "sliding_window": 1024, "sliding_window_pattern": 6, "query_pre_attn_scalar": 168})
+for _name, _layers, _experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+    MODEL_CONFIGS[_name] = (f"openai/{_name}", {
+        **_llama(2880, _layers, 64, 8, 2880, 201088, 131072, head_dim=64), "model_type": "gpt_oss",
+        "num_local_experts": _experts, "num_experts_per_tok": 4, "sliding_window": 128})
 
 
 def model_names() -> list[str]:

@@ -118,7 +118,7 @@ def test_harmony_split(text, want):
 def test_harmony_calls_reach_the_openai_tool_parser():
     from conveyor.server.tool_parsers import make_tool_parser
 
-    reasoning, content = split_reasoning(ANALYSIS + CALL, "openai_gptoss")
+    _, content = split_reasoning(ANALYSIS + CALL, "openai_gptoss")
     text, calls = make_tool_parser("openai").parse(content)
     assert text is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("get_weather", '{"city": "Paris"}')]
