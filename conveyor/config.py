@@ -97,7 +97,10 @@ class ModelConfig:
             "int8 (CPU, float32 only): int8 weights per output row and int8 activations per "
             "token, smoothed on a calibration text, int8 GEMMs through fbgemm. fp8: the layers' "
             "weights in FP8, priced by the simulator (the engine loads FP8 checkpoints "
-            "dequantized to its dtype). Default: none (the model's dtype)."
+            "dequantized to its dtype). mxfp4: a mixture's routed experts in MXFP4 (4-bit values, "
+            "a scale a block of 32: 4.25 bits a weight), the rest 16-bit, as gpt-oss ships; priced "
+            "by the simulator (the engine decodes MXFP4 checkpoints as they load). Default: none "
+            "(the model's dtype)."
         ),
     )
     enforce_eager: bool = field(
@@ -160,8 +163,9 @@ class ModelConfig:
         if self.score_template is not None and ("{query}" not in self.score_template
                                                 or "{document}" not in self.score_template):
             raise ConfigError("score_template must hold {query} and {document}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ConfigError(f"quantization={self.quantization!r}: use 'int8', 'fp8' (simulated) or leave it unset")
+        if self.quantization not in (None, "int8", "fp8", "mxfp4"):
+            raise ConfigError(f"quantization={self.quantization!r}: use 'int8', 'fp8' or 'mxfp4' (simulated) "
+                              "or leave it unset")
         if self.speculative_quantization not in (None, "int8"):
             raise ConfigError(f"speculative_quantization={self.speculative_quantization!r}: use 'int8' or leave it unset")
         if self.speculative_quantization is not None and self.speculative_model is None:

@@ -1225,9 +1225,11 @@ def _classifier_from_tokens(model: Any, tokenizer: Tokenizer | None, tokens: tup
 
 
 def _refuse_pipeline(config: EngineConfig) -> None:
-    if config.model.quantization == "fp8":
-        raise ConfigError("quantization='fp8' is priced by the simulator (conveyor simulate); the engine has no FP8 "
-                          "kernels: it loads FP8 checkpoints dequantized to its dtype, with no quantization set")
+    if config.model.quantization in ("fp8", "mxfp4"):
+        q = config.model.quantization
+        raise ConfigError(f"quantization={q!r} is priced by the simulator (conveyor simulate); the engine has no "
+                          f"{q.upper()} kernels: it loads {q.upper()} checkpoints decoded to its dtype, with no "
+                          "quantization set")
     if config.model.enable_dp_attention:
         raise ConfigError("enable_dp_attention: the engine does not build data-parallel attention and "
                           "expert parallelism (the simulator prices them: conveyor simulate)")

@@ -198,7 +198,7 @@ class RooflineCostModel:
     def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
                  dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, pipeline_link_bandwidth: float | None = None,
-                 dp_attention: bool = False, fp8: bool = False) -> None:
+                 dp_attention: bool = False, fp8: bool = False, expert_bytes: float | None = None) -> None:
         """`tensor_parallel`: the devices one step runs on (Megatron-LM's split, as vLLM's -tp):
         each computes 1/n of the layers' weights, of the LM head (split by vocabulary) and of
         the attention heads, holds its share of the K/V (`ModelShape.kv_share`), and the step
@@ -215,7 +215,9 @@ class RooflineCostModel:
         every device's tokens, and each sparse layer sends a device's rows to their experts
         and back (two all-to-alls). `fp8`: the layers' weights (not the embeddings, LM head or
         K/V) in FP8, one byte each, multiplied at the hardware's FP8 rate where it has one
-        (`Hardware.fp8_flops`; else at its 16-bit rate: a weight-only kernel)."""
+        (`Hardware.fp8_flops`; else at its 16-bit rate: a weight-only kernel). `expert_bytes`:
+        a routed expert weight's bytes (MXFP4: 4.25 bits), multiplied at the 16-bit rate (the
+        value decoded in the kernel: no FP4 tensor cores before Blackwell)."""
         if not 1 <= pipeline_parallel <= model.num_layers:
             raise ValueError(f"{model.name}: pipeline_parallel_size={pipeline_parallel} must be in "
                              f"[1, its {model.num_layers} layers]")
@@ -253,7 +255,12 @@ class RooflineCostModel:
         gemv_flops = layer_peak * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
         self._lin_gemv_flop_s = 2 * dense / gemv_flops  # per token, skinny kernel
         e = m.expert_params / n  # one expert's: the same four constants
-        self._expert = (2 * e / flops, e * w / bw, 2 * e / gemv_flops, e * w / gemv_bw)
+        if expert_bytes is None:
+            self._expert = (2 * e / flops, e * w / bw, 2 * e / gemv_flops, e * w / gemv_bw)
+        else:  # weights decoded to 16-bit in the kernel
+            flops16 = hardware.peak_flops * p.mfu
+            gemv16 = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)
+            self._expert = (2 * e / flops16, e * expert_bytes / bw, 2 * e / gemv16, e * expert_bytes / gemv_bw)
         head = m.head_params / n  # (16-bit: FP8 leaves the LM head as it is)
         head_flops = hardware.peak_flops * p.mfu
         head_gemv_flops = hardware.peak_flops * (p.gemv_mfu if p.gemv_mfu is not None else p.mfu)

@@ -226,14 +226,30 @@ def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: in
     """The weights one device holds: 1/n of the model's (and its draft's) under tensor
     parallelism, and its stage's share of them under pipeline parallelism (the fullest's)."""
     layer_bytes = 1 if config.model.quantization == "fp8" else None
-    draft_layer_bytes = layer_bytes if config.scheduler.speculative_method == "mtp" else None
-    weights = model.weight_bytes(dtype_bytes, layer_bytes) + (draft.weight_bytes(dtype_bytes, draft_layer_bytes)
-                                                              if draft else 0)
+    expert_bytes = expert_weight_bytes(config, model)
+    mtp = config.scheduler.speculative_method == "mtp"
+    draft_layer_bytes = layer_bytes if mtp else None
+    weights = model.weight_bytes(dtype_bytes, layer_bytes, expert_bytes) + (
+        draft.weight_bytes(dtype_bytes, draft_layer_bytes, expert_bytes if mtp else None) if draft else 0)
     n = config.model.tensor_parallel_size
     if config.model.enable_dp_attention:  # everything whole but the routed experts, 1/n of them each
-        experts = model.num_sparse_layers * model.num_experts * model.expert_params * (layer_bytes or dtype_bytes)
+        each = expert_bytes if expert_bytes is not None else layer_bytes or dtype_bytes
+        experts = model.num_sparse_layers * model.num_experts * model.expert_params * each
         return math.ceil(weights - experts + experts / n)
     return math.ceil(weights * stage_share(config, model) / n)
+
+
+MXFP4_BYTES = 4.25 / 8  # a 4-bit value, and an 8-bit scale a block of 32
+
+
+def expert_weight_bytes(config: EngineConfig, model: ModelShape) -> float | None:
+    """A routed expert weight's bytes under `quantization="mxfp4"` (None otherwise)."""
+    if config.model.quantization != "mxfp4":
+        return None
+    if not model.num_experts:
+        raise ConfigError(f"quantization='mxfp4' quantizes a mixture's routed experts (gpt-oss); "
+                          f"{model.name} has none")
+    return MXFP4_BYTES
 
 
 def device_kv_bytes_per_token(config: EngineConfig, model: ModelShape, dtype_bytes: int,
@@ -347,7 +363,8 @@ def build_sim_engine(
     scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
     fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
-                                           pipeline_link_bandwidth, dp_attention=dp, fp8=fp8)
+                                           pipeline_link_bandwidth, dp_attention=dp, fp8=fp8,
+                                           expert_bytes=expert_weight_bytes(config, model))
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     kind = PipelineSimEngine if pp > 1 else SimEngine
     engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,

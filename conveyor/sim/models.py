@@ -11,6 +11,7 @@ reads (attention, dense MLPs, routers, shared experts: `dense_params`) and the r
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,13 +150,14 @@ class ModelShape:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def weight_bytes(self, dtype_bytes: int, layer_bytes: int | None = None) -> int:
+    def weight_bytes(self, dtype_bytes: int, layer_bytes: int | None = None, expert_bytes: float | None = None) -> int:
         """All weights at `dtype_bytes` each; with `layer_bytes` (FP8: 1), the layers' matrices
         (attention, MLPs, experts) at that and the embeddings and LM head at `dtype_bytes`, as
-        vLLM quantizes them."""
-        if layer_bytes is None:
-            return self.num_params * dtype_bytes
-        return self.layer_params * layer_bytes + (self.num_params - self.layer_params) * dtype_bytes
+        vLLM quantizes them; with `expert_bytes` (MXFP4: 4.25 bits), the routed experts at that."""
+        routed = self.num_sparse_layers * self.num_experts * self.expert_params
+        layers: float = (self.layer_params - routed) * (layer_bytes or dtype_bytes)
+        layers += routed * (expert_bytes if expert_bytes is not None else layer_bytes or dtype_bytes)
+        return math.ceil(layers + (self.num_params - self.layer_params) * dtype_bytes)
 
     def check_tensor_parallel(self, size: int) -> None:
         """Whether `size` devices can split this model as vLLM does: the query heads and the
