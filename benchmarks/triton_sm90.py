@@ -213,6 +213,20 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     merged.pdl = True
     yield "decode + RoPE + K/V write, merged, PDL", triton_attention, lambda: rope_decodes(merged), \
         "_decode_split_kernel"
+    # Gemma 2's soft-capped scores and gpt-oss's sinks (with the reduce, and merged in the launch).
+    capped = triton_attention.TritonPagedAttention(None, decode_split_len=64, softcap=50.0)
+    sunk = triton_attention.TritonPagedAttention(None, decode_split_len=64, merge_splits=True)
+    sunk.sinks = torch.zeros(32, dtype=dt)
+    yield "decode, split, soft cap", triton_attention, lambda: attend_with(capped, [1, 1], [100, 50]), \
+        "_decode_split_kernel"
+    yield "prefill, soft cap", triton_attention, lambda: attend_with(capped, [40], [0]), "_prefill_kernel"
+    yield "decode, splits merged, sinks", triton_attention, lambda: attend_with(sunk, [1, 1], [100, 50]), \
+        "_decode_split_kernel"
+    sunk_reduce = triton_attention.TritonPagedAttention(None, decode_split_len=64)
+    sunk_reduce.sinks = sunk.sinks
+    yield "decode, reduce, sinks", triton_attention, lambda: attend_with(sunk_reduce, [1, 1], [100, 50]), \
+        "_decode_reduce_kernel"
+    yield "prefill, sinks", triton_attention, lambda: attend_with(sunk, [40], [0]), "_prefill_kernel"
 
 
 def main() -> int:

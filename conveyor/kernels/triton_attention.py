@@ -132,9 +132,30 @@ def _rope_heads(ptr, cos_row, sin_row, heads_off, head_mask, d, HEAD_DIM: tl.con
 
 
 @_jit
+def _softcap_log2(s, scale_log2, softcap):
+    """Scores `q.k` as `cap * tanh(q.k * scale / cap)` in the log2 domain (Gemma 2), tanh from
+    one exp2 of a non-positive argument: no overflow."""
+    log2e = 1.4426950408889634  # (LOG2_E: a kernel reads no Python globals)
+    x = s * (scale_log2 / log2e) / softcap
+    t = tl.exp2(-2.0 * log2e * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -th, th) * (softcap * log2e)
+
+
+@_jit
+def _with_sinks(m, lsum, acc, sinks, heads, head_mask):
+    """The normalized output of running (max, sum, output) with each row's head's sink logit
+    in the softmax's denominator (gpt-oss), in the log2 domain of the scores."""
+    sink = tl.load(sinks + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    top = tl.maximum(m, sink)
+    alpha = tl.exp2(tl.where(m == float("-inf"), float("-inf"), m - top))
+    return acc * (alpha / (lsum * alpha + tl.exp2(sink - top)))[:, None]
+
+
+@_jit
 def _attend_tile(
     q, k_cache, v_cache, table, pos, p_mask, keep, kv_head, d, d_mask,
-    m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE: tl.constexpr,
+    m, lsum, acc, scale_log2, softcap, stride_slot, stride_head, PAGE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of query rows `q` over the KV positions `pos` (read in place
     through the block table; `p_mask` marks real positions, `keep` the (row, position) pairs
@@ -142,7 +163,10 @@ def _attend_tile(
     block = tl.load(table + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
     kv_off = (block * PAGE + pos % PAGE) * stride_slot + kv_head * stride_head
     k = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=p_mask[None, :] & d_mask[:, None], other=0.0)
-    s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [rows, positions]
+    if SOFTCAP:
+        s = _softcap_log2(tl.dot(q, k, input_precision="ieee"), scale_log2, softcap)
+    else:
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [rows, positions]
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     # A row may see nothing in this tile yet (window, causal): keep exp2 away from -inf - -inf.
@@ -179,19 +203,26 @@ def _write_kv_kernel(
 
 @_jit
 def _merge_head(
-    part_out, part_lse, out_ptr, seq, head, stride_ot, stride_oh, num_splits,
+    part_out, part_lse, out_ptr, seq, head, stride_ot, stride_oh, num_splits, sinks,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """One head's output from its splits' partial outputs, weighted by their log-sum-exps.
-    The partials are read past the L1 (`.cg`): in the one-launch merge other programs wrote
-    them during this launch."""
+    """One head's output from its splits' partial outputs, weighted by their log-sum-exps (and
+    the head's sink logit in the denominator, with `SINKS`). The partials are read past the
+    L1 (`.cg`): in the one-launch merge other programs wrote them during this launch."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
     row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + s
     lse = tl.load(part_lse + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    weight = tl.exp2(lse - tl.max(lse, 0))  # at least one split holds the query's own token
-    weight = weight / tl.sum(weight, 0)
+    if SINKS:
+        sink = tl.load(sinks + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(tl.max(lse, 0), sink)
+        weight = tl.exp2(lse - top)
+        weight = weight / (tl.sum(weight, 0) + tl.exp2(sink - top))
+    else:
+        weight = tl.exp2(lse - tl.max(lse, 0))  # at least one split holds the query's own token
+        weight = weight / tl.sum(weight, 0)
     parts = tl.load(part_out + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
                     other=0.0, cache_modifier=".cg")
     out = tl.sum(parts * weight[:, None], 0)
@@ -202,13 +233,13 @@ def _merge_head(
 @_jit
 def _decode_split_kernel(
     q_ptr, k_cache, v_cache, tables, context_lens, out_ptr, part_out, part_lse, counters,
-    cos_ptr, sin_ptr, slot_ptr,
-    scale_log2, window, split_len, num_splits,
+    cos_ptr, sin_ptr, slot_ptr, sinks,
+    scale_log2, window, split_len, num_splits, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head, stride_cos,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, ROPE: tl.constexpr, IS_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     if TRIGGER:  # the next kernel (a GEMV launched with PDL) may start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
@@ -258,12 +289,14 @@ def _decode_split_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < hi
         m, lsum, acc = _attend_tile(q, k_cache, v_cache, table, pos, p_mask, p_mask[None, :], kv_head, d, d_mask,
-                                    m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE)
+                                    m, lsum, acc, scale_log2, softcap, stride_slot, stride_head, PAGE, SOFTCAP)
 
     nonempty = lsum > 0  # a split past the context or before the window is empty
     out = acc / tl.where(nonempty, lsum, 1.0)[:, None]
     out_mask = head_mask[:, None] & d_mask[None, :]
     if DIRECT:  # a single split: its output is final
+        if SINKS:
+            out = _with_sinks(m, lsum, acc, sinks, heads, head_mask)
         dst = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -280,29 +313,30 @@ def _decode_split_kernel(
             if arrived == num_splits - 1:
                 for h in range(GROUP):
                     _merge_head(part_out, part_lse, out_ptr, seq, kv_head * GROUP + h, stride_ot, stride_oh,
-                                num_splits, NUM_HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
+                                num_splits, sinks, NUM_HEADS, HEAD_DIM, BLOCK_S, BLOCK_D, SINKS)
                 tl.store(counter, 0)  # zero again for the next launch
 
 
 @_jit
 def _decode_reduce_kernel(
-    part_out, part_lse, out_ptr, stride_ot, stride_oh, num_splits,
+    part_out, part_lse, out_ptr, stride_ot, stride_oh, num_splits, sinks,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, SINKS: tl.constexpr,
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     _merge_head(part_out, part_lse, out_ptr, tl.program_id(0), tl.program_id(1), stride_ot, stride_oh, num_splits,
-                NUM_HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
+                sinks, NUM_HEADS, HEAD_DIM, BLOCK_S, BLOCK_D, SINKS)
 
 
 @_jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, tables, spans,
-    scale_log2, window,
+    q_ptr, k_cache, v_cache, out_ptr, tables, spans, sinks,
+    scale_log2, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_slot, stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -341,9 +375,12 @@ def _prefill_kernel(
         p_mask = pos < last
         keep = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) & p_mask[None, :]
         m, lsum, acc = _attend_tile(q, k_cache, v_cache, table, pos, p_mask, keep, kv_head, d, d_mask,
-                                    m, lsum, acc, scale_log2, stride_slot, stride_head, PAGE)
+                                    m, lsum, acc, scale_log2, softcap, stride_slot, stride_head, PAGE, SOFTCAP)
 
-    out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    if SINKS:
+        out = _with_sinks(m, lsum, acc, sinks, heads, r_mask)
+    else:
+        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -406,17 +443,23 @@ class TritonPagedAttention(AttentionBackend):
     """
 
     def __init__(
-        self, sliding_window: int | None = None, decode_split_len: int | None = None, merge_splits: bool = False
+        self, sliding_window: int | None = None, decode_split_len: int | None = None, merge_splits: bool = False,
+        softcap: float = 0.0,
     ) -> None:
         """`decode_split_len` fixes the KV positions per decode split (rounded up to a whole
         number of DECODE_BLOCK_N tiles); by default the number of splits fills the GPU when
         there are few (sequence, kv head) pairs, and is 1 off CUDA. `merge_splits`: the last
-        split to finish merges them, in the decode launch itself (no reduce launch)."""
+        split to finish merges them, in the decode launch itself (no reduce launch).
+        `softcap`: each score `cap * tanh(score / cap)` (Gemma 2; 0: none). A layer with sinks
+        (gpt-oss) sets `sinks` `[heads]` before its call: each softmax's denominator takes
+        exp(sink) too."""
         if not triton_available():
             raise RuntimeError("TritonPagedAttention needs triton and a CUDA device (or TRITON_INTERPRET=1)")
         if decode_split_len is not None and decode_split_len < 1:
             raise ValueError(f"decode_split_len must be positive, got {decode_split_len}")
         self.window = sliding_window or NO_WINDOW
+        self.softcap = softcap
+        self.sinks: torch.Tensor | None = None
         self.decode_split_len = decode_split_len
         self.merge_splits = merge_splits
         self._plan_meta: AttentionMetadata | None = None
@@ -507,22 +550,25 @@ class TritonPagedAttention(AttentionBackend):
             part_out = part_lse = out  # unused: the kernel writes `out` directly
         counters = self.counters.get(num_decodes * kv_heads, q.device) if merge else out
         cos, sin, slots = rope if rope is not None else (out, out, out)  # unused without rope
+        sinks = self.sinks if self.sinks is not None else out  # (unused without sinks)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _decode_split_kernel[(num_decodes, kv_heads, splits)](
             q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, out, part_out, part_lse, counters,
-            cos, sin, slots,
-            scale * LOG2_E, self.window, split_len, splits,
+            cos, sin, slots, sinks,
+            scale * LOG2_E, self.window, split_len, splits, self.softcap or 1.0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.decode_blocks.stride(0),
             k_cache.stride(0), k_cache.stride(1), cos.stride(0),
             NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size, DIRECT=splits == 1,
             MERGE=merge, ROPE=rope is not None, IS_BF16=q.dtype == torch.bfloat16,
             BLOCK_H=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, BLOCK_S=_pow2(splits),
-            TRIGGER=self.pdl and (splits == 1 or merge), num_warps=4,
+            TRIGGER=self.pdl and (splits == 1 or merge), SOFTCAP=bool(self.softcap), SINKS=self.sinks is not None,
+            num_warps=4,
         )
         if splits > 1 and not merge:
             _decode_reduce_kernel[(num_decodes, heads)](
-                part_out, part_lse, out, out.stride(0), out.stride(1), splits,
+                part_out, part_lse, out, out.stride(0), out.stride(1), splits, sinks,
                 NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=_pow2(splits), BLOCK_D=block_d, TRIGGER=self.pdl,
+                SINKS=self.sinks is not None,
             )
 
     def _prefill(
@@ -542,13 +588,13 @@ class TritonPagedAttention(AttentionBackend):
         # Tiles on the grid's first axis, the only one not capped at 65535 on CUDA.
         grid = (triton.cdiv(plan.max_tokens, tokens_per_tile), len(meta.prefills), kv_heads)
         _prefill_kernel[grid](
-            q, k_cache, v_cache, out, plan.tables, plan.spans,
-            scale * LOG2_E, self.window,
+            q, k_cache, v_cache, out, plan.tables, plan.spans, self.sinks if self.sinks is not None else out,
+            scale * LOG2_E, self.window, self.softcap or 1.0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.tables.stride(0),
             k_cache.stride(0), k_cache.stride(1),
             GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
             BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=block_d, TRIGGER=self.pdl,
-            num_warps=4 if block_d <= 64 else 8,
+            SOFTCAP=bool(self.softcap), SINKS=self.sinks is not None, num_warps=4 if block_d <= 64 else 8,
         )
 
     def _split_len(self, programs: int, max_len: int, device: torch.device) -> int:

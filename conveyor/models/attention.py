@@ -279,11 +279,17 @@ def _decode_metadata(
 class AttentionBackend(ABC):
     """Computes attention for a step's flat token batch over the paged KV cache.
 
+    `sinks` `[heads]`: a learned logit a head in each softmax's denominator (gpt-oss), set by
+    the layer before each call; only the backends that compute them (`EagerAttention`, the
+    Triton backend) are given a layer that has them.
+
     Contract: `forward` first writes this step's `k`/`v` into `kv_cache` at
     `meta.slot_mapping`, then returns attention over each sequence's whole context. Prefix
     caching relies on it: a sequence may read, as a cached prefix, blocks that another
     sequence's prefill writes in the same step (`Scheduler._emit`).
     """
+
+    sinks: torch.Tensor | None = None
 
     @abstractmethod
     def forward(

@@ -300,6 +300,8 @@ class Attention(nn.Module):
         T = qkv.shape[0]
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = qkv.view(T, h + 2 * kvh, self.head_dim)
+        if self.sinks is not None:  # (the backend, eager or Triton, may serve several layers)
+            self.backend.sinks = self.sinks
         rope_attend = self.rope_attend
         if rope_attend is not None and self.q_norm is None and not self.rotary_dim:
             return rope_attend(qkv, rope[0], rope[1], h, kv_cache, meta, self.scale).reshape(T, self.q_size)
@@ -316,11 +318,7 @@ class Attention(nn.Module):
         else:
             qk = apply_rope(qk, rope)  # q and k heads in one pass
         q, k = qk[:, :h], qk[:, h:]
-        backend = self.backend
-        if self.sinks is not None:
-            assert isinstance(backend, EagerAttention)
-            backend.sinks = self.sinks
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return o.reshape(T, self.q_size)
 
 
@@ -748,13 +746,16 @@ class LlamaForCausalLM(nn.Module):
             return
         if os.environ.get("CONVEYOR_TRITON", "1") == "0" or not triton_available():
             return
-        backends: dict[int, TritonPagedAttention] = {}  # one a window: its per-step plan is shared
+        # One a window (and cap): its per-step plan is shared; a layer with sinks sets its own
+        # before each call.
+        backends: dict[tuple[int, float], TritonPagedAttention] = {}
         for module in self.modules():
-            if isinstance(module, Attention) and not module.eager:  # (no soft cap, no sinks in the kernels)
+            if isinstance(module, Attention):
                 window = (self.arch.sliding_window if module.window is None else module.window) or 0
-                if window not in backends:
-                    backends[window] = TritonPagedAttention(window or None)
-                module.backend = backends[window]
+                key = (window, module.softcap)
+                if key not in backends:
+                    backends[key] = TritonPagedAttention(window or None, softcap=module.softcap)
+                module.backend = backends[key]
 
     def _use_triton_fused(self, dtype: torch.dtype) -> None:
         """On CUDA in half precision, with `CONVEYOR_TRITON_FUSED=1` (`triton_fused.enabled`), the

@@ -19,7 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.kernels.triton_attention import TritonPagedAttention, triton_available
-from conveyor.models.attention import AttentionMetadata, TorchPagedAttention, build_metadata
+from conveyor.models.attention import (
+    AttentionMetadata,
+    EagerAttention,
+    TorchPagedAttention,
+    build_metadata,
+)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -72,14 +77,19 @@ def random_step(
                 randn(tokens, kv_heads, head_dim), cache, meta, head_dim**-0.5, window)
 
 
-def check(step: Step, split_len: int | None = None, tol: float = 2e-5) -> None:
-    """The Triton backend's output and written cache match the float32 reference's."""
+def check(step: Step, split_len: int | None = None, tol: float = 2e-5, softcap: float = 0.0,
+          sinks: torch.Tensor | None = None, merge: bool = False) -> None:
+    """The Triton backend's output and written cache match the float32 reference's (with soft
+    caps or sinks: the torch backend's explicit products, `EagerAttention`)."""
     ref_cache = step.cache.float()
-    ref = TorchPagedAttention().forward(
-        step.q.float(), step.k.float(), step.v.float(), ref_cache, step.meta, step.scale
-    )
+    reference = TorchPagedAttention() if not softcap and sinks is None else EagerAttention(softcap)
+    if sinks is not None:
+        reference.sinks = sinks.float()
+    ref = reference.forward(step.q.float(), step.k.float(), step.v.float(), ref_cache, step.meta, step.scale)
     cache = step.cache.clone()
-    out = TritonPagedAttention(step.window, split_len).forward(step.q, step.k, step.v, cache, step.meta, step.scale)
+    backend = TritonPagedAttention(step.window, split_len, merge_splits=merge, softcap=softcap)
+    backend.sinks = sinks
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta, step.scale)
     assert out.dtype == step.q.dtype and out.shape == step.q.shape
     assert torch.equal(cache.float(), ref_cache)  # the write kernel put every K/V where the reference did
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
@@ -338,3 +348,37 @@ def test_one_launch_decodes_replayed_in_a_cuda_graph():
         assert torch.equal(graph_cache, want_cache)
         torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-3)
         assert merged.counters.current is not None and not merged.counters.current.any()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    schedule=schedules(),
+    shape=st.sampled_from([(4, 2, 16), (3, 1, 32)]),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 30)),
+    split=st.sampled_from([(None, False), (64, False), (64, True)]),
+    kind=st.sampled_from(["softcap", "sinks", "both"]),
+    seed=st.integers(0, 2**16),
+)
+def test_soft_caps_and_sinks_match_the_explicit_reference(schedule, shape, block_size, window, split, kind, seed):
+    """Gemma 2's capped scores and gpt-oss's sinks in the kernels: decodes in one split, in
+    several merged by the reduce launch or by the last split, prompts and chunks, windows; a
+    cap of 0.5 (scores up to about 4 here: it bites) and sinks around the scores' size."""
+    heads, kv_heads, head_dim = shape
+    step = random_step(seed, schedule, heads, kv_heads, head_dim, block_size, window)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 2
+    split_len, merge = split
+    check(step, split_len, softcap=0.5 if kind != "sinks" else 0.0, sinks=None if kind == "softcap" else sinks,
+          merge=merge)
+
+
+def test_a_cap_and_sinks_change_the_output():
+    """What the test above would miss if the kernels ignored them."""
+    step = random_step(11, MIXED)
+    plain = TritonPagedAttention().forward(step.q, step.k, step.v, step.cache.clone(), step.meta, step.scale)
+    capped = TritonPagedAttention(softcap=0.5).forward(step.q, step.k, step.v, step.cache.clone(), step.meta,
+                                                        step.scale)
+    sunk = TritonPagedAttention()
+    sunk.sinks = torch.full((4,), 1.0, device=DEVICE)
+    with_sinks = sunk.forward(step.q, step.k, step.v, step.cache.clone(), step.meta, step.scale)
+    assert (plain - capped).abs().max() > 0.05 and (plain - with_sinks).abs().max() > 0.05

@@ -140,12 +140,14 @@ def test_float32_on_cpu_matches_transformers_float32(gemma_models, family):
     assert windows == (set() if family == "gemma2" else {"CpuPagedAttention/6", "CpuPagedAttention/0"})
 
 
-def test_triton_backend_takes_each_layers_window(gemma_models):
-    """On the Triton attention backend (here through its interpreter), one backend a window:
-    HF's float32 tokens over sequences that outgrow the window."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_triton_backend_takes_each_layers_window(gemma_models, family):
+    """On the Triton attention backend (here through its interpreter), one backend a window,
+    Gemma 2's with the soft cap in the kernels: HF's float32 tokens over sequences that outgrow
+    the window."""
     from conveyor.kernels.triton_attention import TritonPagedAttention
 
-    model_dir = gemma_models["gemma3"]
+    model_dir = gemma_models[family]
     prompts = LONG[:3]
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, block_size=4, enforce_eager=True)
     model = llm.engine.runner.model
@@ -153,6 +155,7 @@ def test_triton_backend_takes_each_layers_window(gemma_models):
     backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
     assert all(isinstance(b, TritonPagedAttention) for b in backends)
     assert sorted(b.window for b in backends) == [6, 1 << 30]
+    assert {b.softcap for b in backends} == ({0.2} if family == "gemma2" else {0.0})
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == hf_greedy(model_dir, prompts, 10, torch.float32)
 

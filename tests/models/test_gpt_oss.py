@@ -107,6 +107,22 @@ def test_float32_on_cpu_matches_transformers_float32(gpt_oss):
     assert tokens(llm.generate(LONG, params, use_tqdm=False)) == expected
 
 
+def test_triton_backend_computes_the_sinks(gpt_oss):
+    """On the Triton attention backend (here through its interpreter): one backend a window,
+    each layer's sinks given to it before its call; HF's float32 tokens."""
+    from conveyor.kernels.triton_attention import TritonPagedAttention
+
+    prompts = LONG[:3]
+    llm = LLM(str(gpt_oss), dtype="float32", num_kv_blocks=64, block_size=4, enforce_eager=True)
+    model = llm.engine.runner.model
+    model._use_triton_attention(torch.float32)  # on CUDA prepare_for_inference does it
+    backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
+    assert all(isinstance(b, TritonPagedAttention) for b in backends) and len(backends) == 2
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == hf_greedy(hf_model(gpt_oss, torch.float32),
+                                                                              prompts, 10)
+
+
 def test_two_tensor_parallel_ranks_equal_one(gpt_oss):
     """Heads (and their sinks) and each expert's width split over two ranks, the biases after
     the split (o_proj's, the experts' down projection's) added on rank 0 alone: one rank's
