@@ -19,6 +19,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+def triton_interpreted() -> bool:
+    """Whether Triton is installed and its kernels run here through its interpreter."""
+    return importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 TINY = dict(
     vocab_size=384,
     hidden_size=64,

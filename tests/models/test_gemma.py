@@ -16,7 +16,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
-from tests.conftest import build_tiny_model
+from tests.conftest import build_tiny_model, triton_interpreted
 from tests.models.test_hf_parity import PROMPTS
 from tests.schedulings import SCHEDULINGS
 
@@ -140,6 +140,8 @@ def test_float32_on_cpu_matches_transformers_float32(gemma_models, family):
     assert windows == (set() if family == "gemma2" else {"CpuPagedAttention/6", "CpuPagedAttention/0"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or not triton_interpreted(),
+                    reason="the model on CPU tensors through Triton's interpreter (tests/kernels run the kernels on a GPU)")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_backend_takes_each_layers_window(gemma_models, family):
     """On the Triton attention backend (here through its interpreter), one backend a window,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from conveyor import LLM, SamplingParams
 from conveyor.models.arch import ArchConfig
 from conveyor.models.loader import dequantize_mxfp4
-from tests.conftest import build_tiny_model
+from tests.conftest import build_tiny_model, triton_interpreted
 from tests.schedulings import SCHEDULINGS
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -107,6 +107,8 @@ def test_float32_on_cpu_matches_transformers_float32(gpt_oss):
     assert tokens(llm.generate(LONG, params, use_tqdm=False)) == expected
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or not triton_interpreted(),
+                    reason="the model on CPU tensors through Triton's interpreter (tests/kernels run the kernels on a GPU)")
 def test_triton_backend_computes_the_sinks(gpt_oss):
     """On the Triton attention backend (here through its interpreter): one backend a window,
     each layer's sinks given to it before its call; HF's float32 tokens."""
