@@ -61,6 +61,35 @@ def hf_throughput(model: torch.nn.Module, prompts: list[list[int]], new_tokens: 
     return len(prompts) * new_tokens / (time.perf_counter() - start)
 
 
+def race(llm: LLM, hf: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Each `--batch` of random prompts (`--prompt-len` of `--vocab`, `--max-tokens` out)
+    through conveyor and HF's `generate` in turns after a warm-up, `--rounds` times; prints the
+    medians and a table of them."""
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch in args.batch:
+        prompts = torch.randint(3, args.vocab, (batch, args.prompt_len), generator=gen).tolist()
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        hf_throughput(hf, prompts[:1], 2)
+        ours: list[float] = []
+        theirs: list[float] = []
+        for r in range(args.rounds):
+            first, second = (ours, theirs) if r % 2 == 0 else (theirs, ours)
+            for sink in (first, second):
+                if sink is ours:
+                    sink.append(conveyor_throughput(llm, prompts, params))
+                else:
+                    sink.append(hf_throughput(hf, prompts, args.max_tokens))
+        a, b = statistics.median(ours), statistics.median(theirs)
+        rows.append((batch, a, b))
+        print(f"batch {batch:3d}: conveyor {a:.0f} tok/s, HF generate {b:.0f} tok/s ({a / b:.2f}x)", flush=True)
+    print("\n| batch | conveyor out tok/s | HF generate out tok/s | ratio |")
+    print("|---|---|---|---|")
+    for batch, a, b in rows:
+        print(f"| {batch} | {a:.0f} | {b:.0f} | {a / b:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -87,28 +116,7 @@ def main() -> None:
               f"({arch.num_active_params / 1e6:.1f}M active); K/V a token {arch.kv_bytes_per_token(4)} bytes "
               f"(latent {arch.kv_lora_rank} + rotary {arch.qk_rope_head_dim} a layer) against {mha} for 8 heads "
               f"of K and V ({mha / arch.kv_bytes_per_token(4):.1f}x)", flush=True)
-        gen = torch.Generator().manual_seed(1)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        rows = []
-        for batch in args.batch:
-            prompts = torch.randint(3, args.vocab, (batch, args.prompt_len), generator=gen).tolist()
-            llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-            hf_throughput(hf, prompts[:1], 2)
-            ours, theirs = [], []
-            for r in range(args.rounds):
-                first, second = (ours, theirs) if r % 2 == 0 else (theirs, ours)
-                for sink in (first, second):
-                    if sink is ours:
-                        sink.append(conveyor_throughput(llm, prompts, params))
-                    else:
-                        sink.append(hf_throughput(hf, prompts, args.max_tokens))
-            a, b = statistics.median(ours), statistics.median(theirs)
-            rows.append((batch, a, b))
-            print(f"batch {batch:3d}: conveyor {a:.0f} tok/s, HF generate {b:.0f} tok/s ({a / b:.2f}x)", flush=True)
-        print("\n| batch | conveyor out tok/s | HF generate out tok/s | ratio |")
-        print("|---|---|---|---|")
-        for batch, a, b in rows:
-            print(f"| {batch} | {a:.0f} | {b:.0f} | {a / b:.2f}x |")
+        race(llm, hf, args)
 
 
 if __name__ == "__main__":

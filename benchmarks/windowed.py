@@ -17,17 +17,16 @@ tokens per second over the batch, each the median of `--rounds`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mla import conveyor_throughput, hf_throughput  # benchmarks/mla.py, beside this script
+from mla import race  # benchmarks/mla.py, beside this script
 
 
 def build(folder: Path, args: argparse.Namespace) -> Path:
@@ -80,28 +79,7 @@ def main() -> None:
         print(f"{args.family}: hidden {args.hidden}, {args.layers} layers ({arch.layer_windows.count(0)} global), "
               f"windows of {args.window}, {arch.num_params / 1e6:.1f}M weights ({arch.num_active_params / 1e6:.1f}M "
               f"active); prompts of {args.prompt_len}, {args.max_tokens} out", flush=True)
-        gen = torch.Generator().manual_seed(1)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        rows = []
-        for batch in args.batch:
-            prompts = torch.randint(3, args.vocab, (batch, args.prompt_len), generator=gen).tolist()
-            llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-            hf_throughput(hf, prompts[:1], 2)
-            ours, theirs = [], []
-            for r in range(args.rounds):
-                first, second = (ours, theirs) if r % 2 == 0 else (theirs, ours)
-                for sink in (first, second):
-                    if sink is ours:
-                        sink.append(conveyor_throughput(llm, prompts, params))
-                    else:
-                        sink.append(hf_throughput(hf, prompts, args.max_tokens))
-            a, b = statistics.median(ours), statistics.median(theirs)
-            rows.append((batch, a, b))
-            print(f"batch {batch:3d}: conveyor {a:.0f} tok/s, HF generate {b:.0f} tok/s ({a / b:.2f}x)", flush=True)
-        print("\n| batch | conveyor out tok/s | HF generate out tok/s | ratio |")
-        print("|---|---|---|---|")
-        for batch, a, b in rows:
-            print(f"| {batch} | {a:.0f} | {b:.0f} | {a / b:.2f}x |")
+        race(llm, hf, args)
 
 
 if __name__ == "__main__":

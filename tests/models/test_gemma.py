@@ -17,6 +17,7 @@ import torch
 from conveyor import LLM, SamplingParams
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from tests.conftest import build_tiny_model, triton_interpreted
+from tests.models import test_moe as moe
 from tests.models.test_hf_parity import PROMPTS
 from tests.schedulings import SCHEDULINGS
 
@@ -46,16 +47,7 @@ def gemma_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def hf_greedy(model_dir, prompts, max_new_tokens=16, dtype=torch.float64, **config):
     """HF's greedy tokens (eager attention: the one that soft-caps), with `config` overriding
     the saved config's fields."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **config).eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return moe.hf_greedy(model_dir, prompts, max_new_tokens, dtype, attn_implementation="eager", **config)
 
 
 def tokens(outs):

@@ -21,6 +21,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.models.arch import ArchConfig
 from conveyor.models.loader import dequantize_mxfp4
 from tests.conftest import build_tiny_model, triton_interpreted
+from tests.models.test_moe import greedy_of
 from tests.schedulings import SCHEDULINGS
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -45,16 +46,6 @@ def hf_model(path, dtype=torch.float64, **config):
                                                 experts_implementation="eager", **config).eval()
 
 
-def hf_greedy(model, prompts, max_new_tokens=16):
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
@@ -62,7 +53,7 @@ def tokens(outs):
 @SCHEDULINGS
 def test_greedy_matches_transformers(gpt_oss, options):
     llm = LLM(str(gpt_oss), dtype="float64", **{"num_kv_blocks": 64, "block_size": 8, **options})
-    assert tokens(llm.generate(LONG, PARAMS, use_tqdm=False)) == hf_greedy(hf_model(gpt_oss), LONG)
+    assert tokens(llm.generate(LONG, PARAMS, use_tqdm=False)) == greedy_of(hf_model(gpt_oss), LONG, 16)
     if options.get("num_kv_blocks") == 10:
         assert llm.engine.scheduler.num_preemptions > 0
 
@@ -71,14 +62,14 @@ def test_sinks_window_and_clamp_change_the_tokens(gpt_oss):
     """What the greedy test would miss if it were not built: HF's tokens without the sinks
     (each at -inf: no share of the softmax), with a window wider than every sequence, or with
     a clamp too wide to bite, are other tokens."""
-    expected = hf_greedy(hf_model(gpt_oss), LONG)
+    expected = greedy_of(hf_model(gpt_oss), LONG, 16)
     no_sinks = hf_model(gpt_oss)
     with torch.no_grad():
         for layer in no_sinks.model.layers:
             layer.self_attn.sinks.fill_(float("-inf"))
-    assert hf_greedy(no_sinks, LONG) != expected
-    assert hf_greedy(hf_model(gpt_oss, sliding_window=4096), LONG) != expected
-    assert hf_greedy(hf_model(gpt_oss, swiglu_limit=1000.0), LONG) != expected
+    assert greedy_of(no_sinks, LONG, 16) != expected
+    assert greedy_of(hf_model(gpt_oss, sliding_window=4096), LONG, 16) != expected
+    assert greedy_of(hf_model(gpt_oss, swiglu_limit=1000.0), LONG, 16) != expected
 
 
 @pytest.mark.parametrize("options", [
@@ -90,7 +81,7 @@ def test_cache_paths_keep_the_tokens(gpt_oss, options):
     prompts = [shared + p for p in LONG[3:]] + LONG
     llm = LLM(str(gpt_oss), dtype="float64", **options)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert tokens(outs) == hf_greedy(hf_model(gpt_oss), prompts, 12)
+    assert tokens(outs) == greedy_of(hf_model(gpt_oss), prompts, 12)
     if "preemption_mode" in options:
         assert llm.engine.scheduler.num_preemptions > 0
     if "enable_prefix_caching" in options:
@@ -100,7 +91,7 @@ def test_cache_paths_keep_the_tokens(gpt_oss, options):
 def test_float32_on_cpu_matches_transformers_float32(gpt_oss):
     """The CPU's float32 path (skinny GEMVs in every projection and expert, the experts'
     grouped GEMM past a few rows): HF's float32 tokens at batch 1 and in a batch of six."""
-    expected = hf_greedy(hf_model(gpt_oss, torch.float32), LONG, 12)
+    expected = greedy_of(hf_model(gpt_oss, torch.float32), LONG, 12)
     llm = LLM(str(gpt_oss), dtype="float32", num_kv_blocks=64)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in LONG[:2]] == expected[:2]
@@ -121,7 +112,7 @@ def test_triton_backend_computes_the_sinks(gpt_oss):
     backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
     assert all(isinstance(b, TritonPagedAttention) for b in backends) and len(backends) == 2
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == hf_greedy(hf_model(gpt_oss, torch.float32),
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == greedy_of(hf_model(gpt_oss, torch.float32),
                                                                               prompts, 10)
 
 
@@ -140,7 +131,7 @@ def test_two_tensor_parallel_ranks_equal_one(gpt_oss):
     finally:
         torch.set_num_threads(threads)
     one = LLM(str(gpt_oss), dtype="float64", num_kv_blocks=64, block_size=8).generate(LONG, params, use_tqdm=False)
-    assert tokens(got) == tokens(one) == hf_greedy(hf_model(gpt_oss), LONG, 12)
+    assert tokens(got) == tokens(one) == greedy_of(hf_model(gpt_oss), LONG, 12)
     for a, b in zip(got, one, strict=True):
         assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
             [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
@@ -199,8 +190,8 @@ def test_an_mxfp4_checkpoint_gives_hfs_dequantized_tokens(gpt_oss, tmp_path):
                                                                                         "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg))
     hf = hf_model(out, quantization_config=Mxfp4Config(dequantize=True))
-    want = hf_greedy(hf, LONG)
-    assert want != hf_greedy(hf_model(gpt_oss), LONG), "the rounding changes nothing: nothing is tested"
+    want = greedy_of(hf, LONG, 16)
+    assert want != greedy_of(hf_model(gpt_oss), LONG, 16), "the rounding changes nothing: nothing is tested"
     assert tokens(LLM(str(out), dtype="float64", num_kv_blocks=64).generate(LONG, PARAMS, use_tqdm=False)) == want
 
 

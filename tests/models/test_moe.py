@@ -25,10 +25,16 @@ SHORT = [[_rng.randrange(3, 384) for _ in range(_rng.randint(1, 14))] for _ in r
 EAGER = {"experts_implementation": "eager"}  # HF's loop over experts (its grouped GEMM takes no float64)
 
 
-def hf_greedy(model_dir, prompts, max_new_tokens, dtype=torch.float64):
+def hf_greedy(model_dir, prompts, max_new_tokens, dtype=torch.float64, **load):
+    """HF's greedy tokens of the folder's model (`load`: from_pretrained's other options)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **EAGER).eval()
+    return greedy_of(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **{**EAGER, **load}).eval(),
+                     prompts, max_new_tokens)
+
+
+def greedy_of(model, prompts, max_new_tokens):
+    """An HF model's greedy tokens for each prompt, alone, to `max_new_tokens` (no early end)."""
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
