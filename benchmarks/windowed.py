@@ -6,9 +6,9 @@ One random-weight model of the family's structure, scaled down to `--hidden` wid
 q/k norms, the four norms a layer, GELU MLPs; or gpt-oss's sliding and global layers by turns
 with sinks, biases, YaRN and 16 experts of `--hidden` (4 a token). The same requests
 (`--prompt-len` random tokens, longer than the window, `--max-tokens` out, no early end) run
-through conveyor and through HF transformers' `generate` (static batching; its eager attention,
-the one that computes sinks, and eager experts), in turns after a warm-up; the figure is output
-tokens per second over the batch, each the median of `--rounds`.
+through conveyor and through HF transformers' `generate` (static batching; SDPA for Gemma 3,
+for gpt-oss the eager attention that computes sinks and eager experts), in turns after a
+warm-up; the figure is output tokens per second over the batch, each the median of `--rounds`.
 
     python benchmarks/windowed.py --family gemma3 --batch 1 8 32 --rounds 3
     python benchmarks/windowed.py --family gpt_oss --batch 1 8 32 --rounds 3
@@ -72,9 +72,11 @@ def main() -> None:
         biggest = max(args.batch)
         llm = LLM(str(folder), dtype="float32", max_num_seqs=biggest,
                   num_kv_blocks=biggest * -(-(args.prompt_len + args.max_tokens) // 16) + 16)
-        extra = {"experts_implementation": "eager"} if args.family == "gpt_oss" else {}
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                                  **extra).eval()
+        # gpt-oss: HF's eager attention (it computes sinks; HF has no SDPA path for them) and
+        # experts; Gemma 3: its default, SDPA.
+        extra = ({"experts_implementation": "eager", "attn_implementation": "eager"} if args.family == "gpt_oss"
+                 else {})
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
         arch = llm.engine.arch  # type: ignore[attr-defined]
         print(f"{args.family}: hidden {args.hidden}, {args.layers} layers ({arch.layer_windows.count(0)} global), "
               f"windows of {args.window}, {arch.num_params / 1e6:.1f}M weights ({arch.num_active_params / 1e6:.1f}M "
