@@ -475,6 +475,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# Gemma's four norms a layer: `ffn_norm` is the one before the MLP, as in a Llama, but the norm
+# of the attention's output (`post_attention_norm`) takes HF's name for that one.
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 # Tensor types conveyor promises to read (others the gguf package knows may work too).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -509,7 +517,7 @@ def gguf_has_tokenizer(reader: Any) -> bool:
 def read_gguf_arch(reader: Any) -> ArchConfig:
     arch = gguf_field(reader, "general.architecture")
     families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3"}
     if arch not in families:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; conveyor runs {sorted(families)}"
@@ -543,6 +551,7 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
     norm = get("expert_weights_norm", family != "qwen2_moe")
     num_layers = get("block_count")
     dense = tuple(i for i in range(num_layers) if experts and f"blk.{i}.ffn_gate_inp.weight" not in names)
+    gemma = _gemma_gguf(get, family, num_layers, hidden, heads) if family in ("gemma2", "gemma3") else {}
     return ArchConfig(
         family=family,
         vocab_size=get("vocab_size") or len(tokens),
@@ -568,6 +577,31 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
         norm_topk_prob=bool(norm),
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
         mlp_only_layers=dense,
+        **gemma,
+    )
+
+
+def _gemma_gguf(get: Any, family: str, layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    """What llama.cpp reads or assumes of a Gemma 2 / 3 file beside a Llama's keys: the sliding
+    layers (Gemma 2: every other from the first; Gemma 3: five of six, or the file's
+    `attention.sliding_window_pattern`), Gemma 3's local RoPE base (10,000 unless the file says),
+    Gemma 2's soft caps, and the softmax scale llama.cpp picks by size: hidden / heads for the
+    27B models (46 layers for Gemma 2, 62 for Gemma 3), the head's width otherwise."""
+    window = int(get("attention.sliding_window") or 0)
+    pattern = get("attention.sliding_window_pattern", 2 if family == "gemma2" else 6)
+    if isinstance(pattern, list):  # one flag a layer (newer converters)
+        windows = tuple(window if sliding else 0 for sliding in pattern)
+    else:
+        windows = tuple(window if window and i % int(pattern) < int(pattern) - 1 else 0 for i in range(layers))
+    head_dim = get("attention.key_length") or hidden // heads
+    big = layers == (46 if family == "gemma2" else 62)
+    return dict(
+        layer_windows=windows,
+        hidden_act="gelu_pytorch_tanh",
+        local_rope_theta=float(get("rope.freq_base_swa", 10000.0)) if family == "gemma3" else 0.0,
+        query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+        attn_logit_softcapping=float(get("attn_logit_softcapping", 0.0) or 0.0),
+        final_logit_softcapping=float(get("final_logit_softcapping", 0.0) or 0.0),
     )
 
 
@@ -588,13 +622,14 @@ def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torc
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
+        layer_names = _GGUF_GEMMA_LAYER_NAMES if arch.is_gemma else _GGUF_LAYER_NAMES
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)
-            if parts[0] != "blk" or len(parts) != 3 or parts[2] not in _GGUF_LAYER_NAMES:
+            if parts[0] != "blk" or len(parts) != 3 or parts[2] not in layer_names:
                 raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         try:
             array = quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -605,6 +640,8 @@ def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torc
         tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
         if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
             tensor = tensor.unsqueeze(0)  # llama.cpp keeps the shared expert's one-row gate as a vector
+        if arch.is_gemma and name.endswith("norm.weight"):
+            tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w) scales whole
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute_rope_rows(tensor, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -321,3 +321,66 @@ def rename_as_transformers_4(path, out):
         assert any(n.startswith("vision_tower.") for n in renamed)
         save_file(renamed, str(f), metadata={"format": "pt"})
     return out
+
+
+def write_gemma_gguf(model_dir, out) -> None:
+    """The HF folder as llama.cpp's convert_hf_to_gguf.py writes a Gemma 2 / 3 (F32): the gguf
+    package's own tensor names, the (1 + w) norm scales stored whole, its metadata keys."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[cfg["model_type"]]
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), cfg["model_type"].removesuffix("_text"))
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])  # (a real file has its vocabulary instead)
+    w.add_sliding_window(cfg["sliding_window"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base((rope.get("full_attention") or rope).get("rope_theta", 10000.0))
+    if cfg.get("attn_logit_softcapping"):
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no `output`
+        data = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            data = data + 1
+        w.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_gguf_file_as_llama_cpp_writes_it(gemma_models, tmp_path, family):
+    """A GGUF Gemma (llama.cpp's names, norms stored as 1 + w, the window and caps in its
+    metadata, the pattern and Gemma 3's local RoPE base of 10,000 assumed as llama.cpp assumes
+    them): the same windows and the tokens of the HF folder it came from."""
+    shape = {**SHAPE, "query_pre_attn_scalar": SHAPE["head_dim"]}  # (llama.cpp's scale below 27B)
+    if family == "gemma3":
+        shape.update(num_hidden_layers=6, rope_parameters={  # its default pattern: five sliding, one global
+            "full_attention": GEMMA3_ROPE["full_attention"] | {"rope_type": "default"},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    folder = build_tiny_model(tmp_path / "hf", family, seed=8, **shape,
+                              **({"attn_logit_softcapping": 0.2, "final_logit_softcapping": 1.0}
+                                 if family == "gemma2" else {}))
+    write_gemma_gguf(folder, tmp_path / "m.gguf")
+    from_gguf = LLM(str(tmp_path / "m.gguf"), dtype="float64", num_kv_blocks=64)
+    from_hf = LLM(str(folder), dtype="float64", num_kv_blocks=64)
+    a, b = from_gguf.engine.arch, from_hf.engine.arch
+    assert (a.layer_windows, a.qk_norm, a.tie_word_embeddings) == (b.layer_windows, b.qk_norm, b.tie_word_embeddings)
+    floats = ("attention_scale", "local_rope_theta", "attn_logit_softcapping", "final_logit_softcapping")
+    assert [getattr(a, f) for f in floats] == pytest.approx([getattr(b, f) for f in floats], rel=1e-6)  # (float32 keys)
+    assert tokens(from_gguf.generate(LONG, PARAMS, use_tqdm=False)) == hf_greedy(folder, LONG)
