@@ -118,7 +118,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rms_norm_rows.restype = None
     lib.rms_norm_rows.argtypes = [p, p, p, i64, i64, ctypes.c_float]
     lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
+    lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
+                                           ctypes.c_float, p]
     f32 = ctypes.c_float
     lib.skinny_linear_q8.restype = None
     lib.skinny_linear_q8.argtypes = [p, p, p, p, p, i64, i64, i64]
@@ -250,17 +251,22 @@ def argmax() -> Callable[..., torch.Tensor] | None:
 
 
 def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
-    """`f(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window) -> out`: q float32
-    `[D, H, d]`, caches `[slots, KVH, d]` (contiguous) in float32 or float16, tables
-    `[D, max_blocks]` and ctx_lens `[D]` int64; window 0 means none. Or None."""
+    """`f(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window, softcap=0, sinks=None)
+    -> out`: q float32 `[D, H, d]`, caches `[slots, KVH, d]` (contiguous) in float32 or float16,
+    tables `[D, max_blocks]` and ctx_lens `[D]` int64; window 0 means none; softcap > 0 caps each
+    score, `cap * tanh(score / cap)`; sinks float32 `[H]`, a logit a head in its softmax's
+    denominator. Or None."""
     lib = _library()
     if lib is None:
         return None
     import torch
 
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-            ctx_lens: torch.Tensor, block_size: int, scale: float, window: int) -> torch.Tensor:
+            ctx_lens: torch.Tensor, block_size: int, scale: float, window: int, softcap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         _sync_threads(lib)
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         q = q.contiguous()
         tables = tables.contiguous()
         ctx_lens = ctx_lens.contiguous()
@@ -269,7 +275,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
         lib.paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx_lens.data_ptr(), d_, h, k_cache.shape[1], hd, block_size, scale, window, out.data_ptr(),
-            int(k_cache.dtype == torch.float16),
+            int(k_cache.dtype == torch.float16), softcap, None if sinks is None else sinks.data_ptr(),
         )
         return out
 

@@ -134,7 +134,9 @@ extern "C" void skinny_set_threads(int n) { omp_set_num_threads(n); }
 // ---- Paged decode attention: one query token per sequence, K/V read in place ----------------
 // q, out: [D, H, d]; k_cache, v_cache: [slots, KVH, d] (slot = block * block_size + offset);
 // tables: [D, max_blocks] block ids; ctx: [D] context lengths (the new token included).
-// window > 0 keeps only the last `window` positions (sliding-window attention).
+// window > 0 keeps only the last `window` positions (sliding-window attention); softcap > 0 puts
+// each score through cap * tanh(score / cap) (Gemma 2); sinks (or null): one logit a query head
+// in its softmax's denominator (gpt-oss).
 // K/V cache rows are float32 or float16 (kv_cache_dtype="float16": IEEE half, converted with
 // F16C, round to nearest even, as torch's .to(float16)).
 using half_t = uint16_t;
@@ -320,7 +322,8 @@ static inline void prefetch_rows(const char* const* rows, int64_t offset, int64_
 template <typename T>
 static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, const int64_t* table,
                          int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t KVH, int64_t d,
-                         int64_t block_size, float scale, int64_t window, float* oi) {
+                         int64_t block_size, float scale, int64_t window, float* oi, float softcap = 0.f,
+                         const float* sinks = nullptr) {
   const int64_t start = (window > 0 && len > window) ? len - window : 0;
   const int64_t n = len - start, row = KVH * d, h0 = g0 * G, nh = (g1 - g0) * G;
   const int64_t n8 = n & ~int64_t(7), d8 = d & ~int64_t(7), d64 = d & ~int64_t(63);
@@ -363,10 +366,12 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
   for (int64_t t = n8; t < n; ++t)
     for (int64_t j = 0; j < nh; ++j)
       s[j * n + t] = dot(qi + (h0 + j) * d, k_cache + offsets[t] + ((h0 + j) / G) * d, d) * scale;
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < nh * n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
   // Softmax per head.
   for (int64_t j = 0; j < nh; ++j) {
     float* sh = s.data() + j * n;
-    float mx = -INFINITY;
+    float mx = sinks != nullptr ? sinks[h0 + j] : -INFINITY;
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
     const __m256 m8 = _mm256_set1_ps(mx);
     __m256 s8 = _mm256_setzero_ps();
@@ -378,6 +383,7 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
     }
     float sum = hsum(s8);
     for (; t < n; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
+    if (sinks != nullptr) sum += std::exp(sinks[h0 + j] - mx);
     inv_sum[j] = 1.0f / sum;
   }
   // The weighted sum of V: per head, 64 output dims in registers over up to eight tokens.
@@ -441,26 +447,27 @@ template <typename T>
 static inline void attend_task(int64_t task, int64_t parts, const float* q, const T* k_cache,
                                const T* v_cache, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                int64_t H, int64_t KVH, int64_t d, int64_t block_size, float scale, int64_t window,
-                               int64_t q_stride, float* out) {
+                               int64_t q_stride, float* out, float softcap = 0.f, const float* sinks = nullptr) {
   const int64_t i = task / parts, part = task % parts;
   const int64_t g0 = KVH * part / parts, g1 = KVH * (part + 1) / parts;
   attend_heads(q + i * q_stride, k_cache, v_cache, tables + i * max_blocks, ctx[i], g0, g1, H / KVH, KVH, d,
-               block_size, scale, window, out + i * H * d);
+               block_size, scale, window, out + i * H * d, softcap, sinks);
 }
 
 extern "C" void paged_decode_attention(const float* q, const void* k_cache, const void* v_cache,
                                        const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                        int64_t D, int64_t H, int64_t KVH, int64_t d, int64_t block_size,
-                                       float scale, int64_t window, float* out, int64_t kv_half) {
+                                       float scale, int64_t window, float* out, int64_t kv_half,
+                                       float softcap, const float* sinks) {
   const int64_t parts = head_parts(D, KVH, omp_get_max_threads());
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < D * parts; ++task) {
     if (kv_half)
       attend_task(task, parts, q, static_cast<const half_t*>(k_cache), static_cast<const half_t*>(v_cache), tables,
-                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out);
+                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out, softcap, sinks);
     else
       attend_task(task, parts, q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), tables,
-                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out);
+                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out, softcap, sinks);
   }
 }
 

@@ -434,7 +434,19 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().decode(q, k_cache, v_cache, meta, scale)
         assert meta.decode_blocks is not None
         return self.kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
-                           meta.block_size, scale, self.window)
+                           meta.block_size, scale, self.window, self.cap, self.sinks)
+
+    cap = 0.0  # (CpuEagerAttention's soft cap)
+
+
+class CpuEagerAttention(CpuPagedAttention, EagerAttention):
+    """`EagerAttention` (capped scores, sinks) with its decodes through the native kernel, which
+    computes both; prompts take the explicit products."""
+
+    def __init__(self, kernel: Callable[..., torch.Tensor], sliding_window: int | None,
+                 writer: Callable[..., None] | None, cap: float) -> None:
+        CpuPagedAttention.__init__(self, kernel, sliding_window, writer)
+        EagerAttention.__init__(self, cap)
 
 
 def _gather_blocks(

@@ -40,6 +40,7 @@ from conveyor.models.attention import (
     NATIVE_KV_DTYPES,
     AttentionBackend,
     AttentionMetadata,
+    CpuEagerAttention,
     CpuPagedAttention,
     EagerAttention,
     build_metadata,
@@ -711,9 +712,10 @@ class LlamaForCausalLM(nn.Module):
                     module.native = norm
                 elif isinstance(module, Attention):
                     module.native_rope = rotate
-                    if attention is not None and not module.eager:
+                    if attention is not None:  # (the native decode caps scores and takes sinks too)
                         window = self.arch.sliding_window if module.window is None else module.window
-                        module.backend = CpuPagedAttention(attention, window, writer)
+                        module.backend = (CpuEagerAttention(attention, window, writer, module.softcap) if module.eager
+                                          else CpuPagedAttention(attention, window, writer))
                 elif isinstance(module, (MLP, Experts)) and not getattr(module, "gelu", False):
                     module.native_silu_mul = act
                 if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice

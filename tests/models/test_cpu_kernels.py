@@ -105,6 +105,37 @@ def test_paged_decode_attention_matches_the_torch_backend(heads, kv_heads, windo
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["softcap", "sinks", "both"])
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, 5)])
+@pytest.mark.parametrize("d", [16, 80])
+def test_capped_scores_and_sinks_match_the_explicit_backend(kind, heads, kv_heads, window, d):
+    """Gemma 2's soft cap and gpt-oss's sinks in the native decode (`CpuEagerAttention`; its
+    prompts take the explicit products) against `EagerAttention`; a cap of 0.3 bites here."""
+    from conveyor.models.attention import CpuEagerAttention, EagerAttention, build_metadata
+
+    g = torch.Generator().manual_seed(heads + d)
+    bs, num_blocks = 4, 64
+    cache = torch.randn(2, num_blocks * bs, kv_heads, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[0:1], perm[1:3], perm[3:7], perm[7:18], perm[18:21]]
+    starts, news = [0, 6, 12, 42, 6], [1, 1, 1, 1, 5]
+    meta = build_metadata(tables, starts, news, bs, torch.device("cpu"), window)
+    t = sum(news)
+    qkv = torch.randn(t, heads + 2 * kv_heads, d, generator=g)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cap = 0.3 if kind != "sinks" else 0.0
+    sinks = torch.randn(heads, generator=g) * 2 if kind != "softcap" else None
+    reference, native = EagerAttention(cap), CpuEagerAttention(kernels.paged_decode_attention(), window,
+                                                               kernels.write_kv(), cap)
+    reference.sinks = native.sinks = sinks
+    ref = reference.forward(q, k, v, cache.clone(), meta, d**-0.5)
+    out = native.forward(q, k, v, cache.clone(), meta, d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain = CpuEagerAttention(kernels.paged_decode_attention(), window, kernels.write_kv(), 0.0)
+    assert (plain.forward(q, k, v, cache.clone(), meta, d**-0.5)[:4] - out[:4]).abs().max() > 1e-2  # it bites
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows,h", [(5, 576), (300, 768), (7, 100)])  # 300 rows: split over threads
 def test_rms_norm_matches_torch(rows, h):
     x = torch.randn(rows, h)

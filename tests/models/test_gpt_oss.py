@@ -90,12 +90,18 @@ def test_cache_paths_keep_the_tokens(gpt_oss, options):
 
 def test_float32_on_cpu_matches_transformers_float32(gpt_oss):
     """The CPU's float32 path (skinny GEMVs in every projection and expert, the experts'
-    grouped GEMM past a few rows): HF's float32 tokens at batch 1 and in a batch of six."""
+    grouped GEMM past a few rows, the sinks in the native decode): HF's float32 tokens at batch
+    1 and in a batch of six."""
     expected = greedy_of(hf_model(gpt_oss, torch.float32), LONG, 12)
     llm = LLM(str(gpt_oss), dtype="float32", num_kv_blocks=64)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in LONG[:2]] == expected[:2]
     assert tokens(llm.generate(LONG, params, use_tqdm=False)) == expected
+    from conveyor.kernels import paged_decode_attention
+
+    if paged_decode_attention() is not None:  # the sinks in the native decode
+        kinds = {type(m.backend).__name__ for m in llm.engine.runner.model.modules() if hasattr(m, "backend")}
+        assert kinds == {"CpuEagerAttention"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or not triton_interpreted(),
