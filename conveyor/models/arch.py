@@ -59,8 +59,10 @@ ENCODER_ARCHITECTURES = {
     "ModernBertModel": "modernbert",
     "ModernBertForSequenceClassification": "modernbert",
     "ModernBertForTokenClassification": "modernbert",
+    # Gemma 3 with bidirectional attention (EmbeddingGemma): a Gemma 3 body as an encoder.
+    "Gemma3TextModel": "gemma3_encoder",
 }
-ENCODER_FAMILIES = ("bert", "roberta", "modernbert")
+ENCODER_FAMILIES = ("bert", "roberta", "modernbert", "gemma3_encoder")
 # The attention each family shares with a dense one (q/k/v bias, q/k norms, sliding window).
 _BASE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # Multi-head latent attention (MLA) and DeepSeek's routing: conveyor/models/mla.py, moe.py.
@@ -71,7 +73,7 @@ DEEPSEEK_STYLE_MOE = (*DEEPSEEK_FAMILIES, "glm4_moe")
 # Gemma 2 and 3: sliding-window and global layers in a pattern (each kind its own RoPE base in
 # Gemma 3), norms before and after each sublayer that scale by (1 + w), a scaled embedding,
 # GELU-gated MLPs, and (Gemma 2) tanh soft-capped attention scores and logits.
-GEMMA_FAMILIES = ("gemma2", "gemma3")
+GEMMA_FAMILIES = ("gemma2", "gemma3", "gemma3_encoder")
 # Image-text checkpoints whose text model conveyor serves alone (the vision tower is not
 # loaded; requests are text). Gemma 3's 4B, 12B and 27B ship only in this form.
 MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
@@ -607,6 +609,15 @@ def _encoder_from_hf(cfg: dict[str, Any], family: str, classifier: bool, tokens:
     use); RoBERTa numbers positions from its padding id + 1, so it has two positions fewer."""
     if family == "modernbert":
         return _modernbert_from_hf(cfg, classifier, tokens)
+    if family == "gemma3_encoder":
+        if not cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("Gemma3TextModel without use_bidirectional_attention is a decoder's body; "
+                                        "conveyor runs it as Gemma3ForCausalLM")
+        arch = _gemma_from_hf({**cfg, "use_bidirectional_attention": False}, "gemma3", False, False)
+        # HF's bidirectional sliding layers see |i - j| < window // 2 + 1: window // 2 either side.
+        sides = tuple(w // 2 for w in arch.layer_windows)
+        return dataclasses.replace(arch, family="gemma3_encoder", layer_windows=sides, pooling="mean",
+                                   tie_word_embeddings=False)
     kind = cfg.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise UnsupportedModelError(f"position_embedding_type={kind!r}: conveyor's encoders have absolute positions")

@@ -210,7 +210,14 @@ def load_encoder_weights(model: Encoder, tensors: Iterator[tuple[str, torch.Tens
 
 def build_encoder(
     arch: ArchConfig, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
-) -> Encoder | ModernBert:
+) -> Encoder | ModernBert | GemmaEncoder:
+    if arch.family == "gemma3_encoder":
+        gemma = GemmaEncoder(arch, arch.max_position_embeddings).to(device=device, dtype=dtype)
+        gemma.rotaries(arch.max_position_embeddings, device)
+        load_gemma_encoder_weights(gemma, ((n, t.to(dtype)) for n, t in tensors))
+        gemma.eval()
+        gemma.requires_grad_(False)
+        return gemma
     if arch.family == "modernbert":
         modern = ModernBert(arch, arch.max_position_embeddings).to(device=device, dtype=dtype)
         modern.rotaries(arch.max_position_embeddings, device)
@@ -364,5 +371,131 @@ def load_modernbert_weights(model: ModernBert, tensors: Iterator[tuple[str, torc
             p.copy_(tensor)
         loaded.add(key)
     missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# -- Gemma 3 as an encoder (EmbeddingGemma) ---------------------------------------------------
+class _GemmaEncoderLayer(nn.Module):
+    """Gemma 3's layer (conveyor/models/llama.py's arithmetic: (1 + w) norms around each
+    sublayer, q/k norms, GELU-gated MLP) with bidirectional attention over the whole prompt
+    (a global layer) or `window` tokens either side (a sliding one)."""
+
+    def __init__(self, arch: ArchConfig, index: int) -> None:
+        from conveyor.models.llama import MLP, GemmaRMSNorm
+
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.scale = arch.attention_scale
+        self.window = arch.layer_windows[index] or None
+        self.local = bool(self.window) and arch.local_rope_theta > 0
+        self.input_layernorm = GemmaRMSNorm(h, arch.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, arch.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, arch.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, arch.rms_norm_eps)
+        self.q_proj = nn.Linear(h, arch.num_heads * d, bias=arch.attention_bias)
+        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.attention_bias)
+        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.attention_bias)
+        self.q_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
+        self.mlp = MLP(h, arch.intermediate_size, arch.hidden_act)
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], singles: int,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        from conveyor.models.llama import apply_rope
+
+        normed = self.input_layernorm(x)
+        t = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(normed).view(t, self.num_heads, self.head_dim)), rope)
+        k = apply_rope(self.k_norm(self.k_proj(normed).view(t, self.num_kv_heads, self.head_dim)), rope)
+        v = self.v_proj(normed).view(t, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        out[:singles] = v[:singles].repeat_interleave(group, dim=1)  # a one-token prompt attends to itself
+        for a, b in spans:
+            mask = None
+            if self.window is not None and b - a > self.window + 1:
+                pos = torch.arange(b - a, device=x.device)
+                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=mask,
+                scale=self.scale, enable_gqa=group > 1,
+            ).transpose(0, 1)
+        x = x + self.post_attention_layernorm(self.o_proj(out.reshape(t, -1)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaEncoder(_EncoderModel):
+    """EmbeddingGemma: Gemma 3's body with bidirectional attention (`Gemma3TextModel` with
+    `use_bidirectional_attention`): the embedding scaled by sqrt(hidden), sliding layers within
+    their window either side at the local RoPE base, global ones over the whole prompt, the
+    final norm; pooled and projected by its sentence-transformers modules (mean, two Dense)."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+        from conveyor.models.llama import GemmaRMSNorm
+
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList([_GemmaEncoderLayer(arch, i) for i in range(arch.num_layers)])
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.score = None
+        self.sep_token_id = None
+        self.rotaries(max_positions)
+
+    def rotaries(self, max_positions: int, device: torch.device | None = None) -> None:
+        """Rotary tables in float32 (made again after the model moves to its dtype)."""
+        from conveyor.models.llama import Rotary
+
+        self.rotary = Rotary(self.arch, max_positions).to(device)
+        self.local_rotary = Rotary(self.arch.local_rope, max_positions).to(device) if self.arch.local_rope_theta \
+            else self.rotary
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        from conveyor.models.llama import _rounded
+
+        spans, singles = self.prompts(meta, positions)
+        x = self.embed_tokens(input_ids)
+        x = x * _rounded(self.arch.hidden_size**0.5, x.dtype)
+        ropes = {False: self.rotary(positions, x.dtype), True: self.local_rotary(positions, x.dtype)}
+        for layer in self.layers:
+            assert isinstance(layer, _GemmaEncoderLayer)
+            x = layer(x, spans, singles, ropes[layer.local])
+        return self.norm(x)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        raise UnsupportedModelError("this model has no classification head")
+
+
+def load_gemma_encoder_weights(model: GemmaEncoder, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """HF's names, with or without the `model.` prefix (the attention's held by the layer, the
+    MLP's gate and up fused, gate first); every parameter once."""
+    from conveyor.models.loader import ModelLoadError
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        name = name.removeprefix("model.").replace(".self_attn.", ".")  # (the layer holds its attention's)
+        if name.startswith("lm_head.") or "rotary_emb" in name:
+            continue
+        rows = slice(None)
+        for half, proj in enumerate(("mlp.gate_proj.", "mlp.up_proj.")):
+            if proj in name:
+                name = name.replace(proj, "mlp.gate_up_proj.")
+                rows = slice(half * tensor.shape[0], (half + 1) * tensor.shape[0])
+        p = params.get(name)
+        if p is None:
+            raise ModelLoadError(f"unexpected Gemma tensor {name!r}")
+        if p[rows].shape != tensor.shape:
+            raise ModelLoadError(f"{name}: tensor of shape {tuple(tensor.shape)} does not fit {tuple(p.shape)}")
+        with torch.no_grad():
+            p[rows].copy_(tensor)
+        loaded.add(f"{name}@{rows.start}")
+    missing = sorted({f"{n}@{None if 'gate_up' not in n else r}" for n, p in params.items()
+                      for r in ((0, p.shape[0] // 2) if "gate_up" in n else (None,))} - loaded)
     if missing:
         raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -385,3 +385,87 @@ def test_a_gguf_file_as_llama_cpp_writes_it(gemma_models, tmp_path, family):
     floats = ("attention_scale", "local_rope_theta", "attn_logit_softcapping", "final_logit_softcapping")
     assert [getattr(a, f) for f in floats] == pytest.approx([getattr(b, f) for f in floats], rel=1e-6)  # (float32 keys)
     assert tokens(from_gguf.generate(LONG, PARAMS, use_tqdm=False)) == hf_greedy(folder, LONG)
+
+
+# -- EmbeddingGemma: Gemma 3 with bidirectional attention, as an encoder ----------------------
+def build_embedding_gemma(out_dir, window: int = 8, seed: int = 9):
+    """A random-weight `Gemma3TextModel` with `use_bidirectional_attention` (EmbeddingGemma's
+    shape, tiny: sliding layers by turns, a window of `window`), with EmbeddingGemma's
+    sentence-transformers modules: mean pooling, Dense to 4x the width and back (no activation,
+    no bias), Normalize."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from tests.conftest import TINY
+
+    cfg = tf.Gemma3TextConfig(**{**TINY, "head_dim": 16, "num_hidden_layers": 4, "sliding_window": window,
+                                 "sliding_window_pattern": 2, "use_bidirectional_attention": True,
+                                 "query_pre_attn_scalar": 16})
+    torch.manual_seed(seed)
+    model = tf.Gemma3TextModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out_dir)
+    h = cfg.hidden_size
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (out_dir / "modules.json").write_text(json.dumps(modules))
+    (out_dir / "1_Pooling").mkdir()
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": h, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
+    denses = []
+    for folder, (fan_in, fan_out) in (("2_Dense", (h, 4 * h)), ("3_Dense", (4 * h, h))):
+        (out_dir / folder).mkdir()
+        (out_dir / folder / "config.json").write_text(json.dumps({
+            "in_features": fan_in, "out_features": fan_out, "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity"}))
+        weight = torch.randn(fan_out, fan_in) / fan_in**0.5
+        save_file({"linear.weight": weight.contiguous()}, str(out_dir / folder / "model.safetensors"))
+        denses.append(weight.double())
+    return out_dir, denses
+
+
+def test_embedding_gemma_matches_transformers(tmp_path):
+    """Every token's hidden state equal to HF's `Gemma3TextModel` with bidirectional attention
+    (float64; prompts of 1 to 30 tokens, the sliding layers seeing 4 tokens either side, which
+    HF's own states with a wider window show to matter), and the embedding as its
+    sentence-transformers modules make it: the mean, two Dense layers, normalized."""
+    from transformers import AutoModel
+
+    from conveyor import PoolingParams
+
+    path, denses = build_embedding_gemma(tmp_path / "eg")
+    hf = AutoModel.from_pretrained(path, dtype=torch.float64).eval()
+    wide = AutoModel.from_pretrained(path, dtype=torch.float64, sliding_window=64).eval()
+    prompts = [LONG[0][:1], LONG[1][:7], (LONG[2] + LONG[3])[:30]]
+    llm = LLM(str(path), dtype="float64")
+    assert llm.engine.arch.layer_windows == (4, 0, 4, 0) and llm.engine.arch.default_pooling == "mean"
+    states = llm.encode(prompts, PoolingParams("all", normalize=False), use_tqdm=False)
+    embeddings = llm.embed(prompts, use_tqdm=False)
+    for p, s, e in zip(prompts, states, embeddings, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).last_hidden_state[0]
+            other = wide(torch.tensor([p])).last_hidden_state[0]
+        got = torch.tensor(s.outputs.data, dtype=torch.float64)
+        assert torch.allclose(got, ref, atol=1e-6, rtol=0)
+        if len(p) > 5:
+            assert (other - ref).abs().max() > 1e-3  # the window is live
+        want = torch.nn.functional.normalize(ref.mean(dim=0) @ denses[0].T @ denses[1].T, dim=0)
+        assert e.outputs.embedding == pytest.approx(want.tolist(), abs=1e-6)
+
+
+def test_embedding_gemma_is_an_encoder():
+    """It generates nothing; a Gemma3TextModel without bidirectional attention is a decoder's
+    body, refused as an encoder."""
+    base = {"architectures": ["Gemma3TextModel"], "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    arch = ArchConfig.from_hf({**base, "use_bidirectional_attention": True, "sliding_window": 512})
+    assert arch.is_encoder and arch.layer_windows == (256, 256) and arch.pooling == "mean"
+    with pytest.raises(UnsupportedModelError, match="decoder's body"):
+        ArchConfig.from_hf(base)
