@@ -372,7 +372,7 @@ class Engine:
         if config.model.tensor_parallel_size > 1 or model.tensor_parallel:
             raise ConfigError("tensor_parallel_size > 1 builds its ranks from the model's path: use from_config")
         weight = model.embed_tokens.weight
-        positions = model.arch.max_position_embeddings if model.arch.is_encoder else int(model.rotary.cos.shape[0])
+        positions = model.arch.max_position_embeddings if model.arch.is_encoder else model.rotary.max_positions
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
         kv_dtype = _resolve_kv_dtype(config, weight.dtype, weight.device)
         drafting = config.scheduler.speculative_method == "draft_model"
@@ -382,7 +382,7 @@ class Engine:
         if draft_model is not None:
             draft_arch = draft_model.arch
             _check_draft(model.arch, draft_arch)
-            positions = min(positions, int(draft_model.rotary.cos.shape[0]))
+            positions = min(positions, draft_model.rotary.max_positions)
         num_blocks, num_swap_blocks, max_len = _plan_cache(
             config, model.arch, kv_dtype, weight.device, 0, max_positions=positions, draft_arch=draft_arch
         )

@@ -58,6 +58,7 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}

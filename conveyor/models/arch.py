@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
+    "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
 }
 # The same bodies with a classification head (`score`) over the last token instead of an LM
 # head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
@@ -381,7 +382,9 @@ class ArchConfig:
         rope_theta, rope_scaling = _rope(cfg)
         eos_ids = _eos_ids(cfg)
         base = _BASE_FAMILY.get(family, family)
-        use_sw = cfg.get("use_sliding_window", base == "mistral")
+        use_sw = cfg.get("use_sliding_window", base in ("mistral", "phi3"))
+        if family == "phi3":
+            rope_scaling = _longrope(cfg, rope_scaling)
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if family in _BASE_FAMILY else 0
         return cls(
             family=family,
@@ -412,7 +415,20 @@ class ArchConfig:
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             labels=_labels(cfg) if classifier else (),
             token_classifier=tokens,
+            rotary_dim=_rotary_dim(cfg) if family == "phi3" else 0,
         )
+
+
+def _longrope(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE scaling with what its tables need beside the factors: the pretraining
+    length (`original_max_position_embeddings`, where Phi-3's configs keep it at the top) and
+    the ratio of the lengths where the config gives no `factor`."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return scaling
+    original = int(scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096))
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original, "factor": factor}
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

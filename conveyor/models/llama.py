@@ -127,6 +127,8 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "longrope":  # Phi-3's LongRoPE: a factor a dimension (the short ones; `Rotary` adds the long)
+        return longrope_inv_freq(arch, "short_factor")
     if kind == "yarn":  # YaRN (Peng et al., 2023): long wavelengths interpolated, short ones kept
         factor = float(scaling["factor"])
         old_len = float(scaling["original_max_position_embeddings"])
@@ -145,7 +147,14 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
         keep = 1 - ramp  # 1 where a dimension keeps its frequency (extrapolates)
         wavelengths = arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         return 1.0 / (factor * wavelengths) * (1 - keep) + inv * keep  # (HF's roundings)
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn are)")
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn, longrope are)")
+
+
+def longrope_inv_freq(arch: ArchConfig, which: str) -> torch.Tensor:
+    """LongRoPE's inverse frequencies with its `short_factor` or `long_factor` (HF's roundings)."""
+    dim = arch.rope_dim
+    factors = torch.tensor((arch.rope_scaling or {})[which], dtype=torch.float32)
+    return 1.0 / (factors * arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -153,9 +162,15 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_factor(arch: ArchConfig) -> float:
-    """What YaRN multiplies the cos/sin tables by (1 for every other kind of RoPE)."""
+    """What YaRN and LongRoPE multiply the cos/sin tables by (1 for every other kind of RoPE)."""
     scaling = arch.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -187,6 +202,14 @@ class Rotary(nn.Module):
         inv = rope_inv_freq(arch)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]  # [positions, head_dim / 2]
+        scaling = arch.rope_scaling or {}
+        # LongRoPE: a second table, with the long factors, at rows max_positions.. (`long_from`:
+        # the rows of a step whose sequence reaches past the pretraining length read it).
+        self.long_from = 0
+        if scaling.get("rope_type") == "longrope":
+            freqs = torch.cat((freqs, pos[:, None] * longrope_inv_freq(arch, "long_factor")[None, :]))
+            self.long_from = int(scaling["original_max_position_embeddings"])
+        self.max_positions = max_positions
         factor = rope_attention_factor(arch)
         self.register_buffer("cos", freqs.cos() * factor if factor != 1 else freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin() * factor if factor != 1 else freqs.sin(), persistent=False)
@@ -583,7 +606,7 @@ class LlamaForCausalLM(nn.Module):
         if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
         x = self.embed(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
         add_norm = self.add_norm
         if add_norm is not None:
             delta: torch.Tensor | None = None
@@ -595,6 +618,19 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, local if layer.local_rope else rope, cache, meta)
         return self.norm(x)
+
+    def rope_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The rotary table's rows for this step: the positions, and under LongRoPE the long
+        factors' rows for every row of a sequence that reaches past the pretraining length in
+        this step (HF's rule for one sequence's forward pass: a prompt longer than it turns all
+        of its positions with the long factors; K/V already cached keep theirs)."""
+        k = self.rotary.long_from
+        if not k:
+            return positions
+        long = positions >= k  # a decode at position p: the sequence is p + 1 long
+        for span in meta.prefills:
+            long[span.token_start : span.token_end] = span.start_pos + span.token_end - span.token_start > k
+        return positions + long.long() * self.rotary.max_positions
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -617,7 +653,7 @@ class LlamaForCausalLM(nn.Module):
         gemv = self.gemv
         assert gemv is not None
         x = self.embed(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             x = layer.forward_gemv(x, rope, cache, meta, gemv)
@@ -732,7 +768,8 @@ class LlamaForCausalLM(nn.Module):
                     setattr(module, name, replacement)
         # The native call has no router, no latent attention, no Gemma layer, and no
         # all-reduce between a tensor-parallel rank's layers.
-        plain = not moe and not self.arch.is_mla and not self.arch.is_gemma and not self.tensor_parallel
+        plain = (not moe and not self.arch.is_mla and not self.arch.is_gemma and not self.tensor_parallel
+                 and not self.arch.rotary_dim and not self.rotary.long_from)  # (whole-head RoPE, one table)
         fused = decode_layers() if kernel is not None and plain else None
         self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
         if fused is not None and os.environ.get("CONVEYOR_FUSED_DECODE", "1") != "0":

@@ -780,6 +780,10 @@ def load_weights(
             target, row = fused_rows[parts[-2]]
             name = ".".join([*parts[:-2], target, parts[-1]])
             put(name, tensor, row)
+        elif len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj") and not arch.is_mla:
+            put(name, tensor)  # fused already (Phi-3): every part of it
+            offsets = (q, q + kv) if parts[-2] == "qkv_proj" else (tensor.shape[0] // 2,)
+            loaded.update(f"{name}@{o}" for o in offsets)
         else:
             put(name, tensor)
     expected = set()

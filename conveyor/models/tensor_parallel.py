@@ -35,6 +35,8 @@ def shard_arch(arch: ArchConfig, size: int) -> ArchConfig:
     vLLM's tensor-parallel MLA does)."""
     if size == 1:
         return arch
+    if arch.family == "phi3":
+        raise ConfigError("tensor parallelism over Phi-3's fused qkv_proj and gate_up_proj is not built")
     widths = {
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_kv_heads,

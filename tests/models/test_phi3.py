@@ -1,0 +1,117 @@
+"""Phi-3 / Phi-3.5 / Phi-4 / Phi-4-mini (`Phi3ForCausalLM`): fused q/k/v and gate/up projections
+as the checkpoint stores them, RoPE over part of each head, LongRoPE's short and long factors.
+Greedy tokens equal HF transformers' on the same random weights in float64 under every
+scheduling, for prompts within the pretraining length, past it, and for sequences that cross
+it while decoding; float32 on the CPU kernels; the long factors shown to matter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.config import ConfigError
+from conveyor.models.arch import ArchConfig
+from tests.conftest import build_tiny_model
+from tests.models.test_moe import hf_greedy
+from tests.schedulings import SCHEDULINGS
+
+_rng = random.Random(3)
+SHORT_FACTORS = [_rng.uniform(1, 2) for _ in range(4)]
+LONG_FACTORS = [_rng.uniform(2, 8) for _ in range(4)]
+# Half of each 16-dim head turns (4 frequencies); pretrained on 64 positions, stretched to 512.
+LONGROPE = {"rope_type": "longrope", "short_factor": SHORT_FACTORS, "long_factor": LONG_FACTORS,
+            "rope_theta": 10000.0}
+SHAPE = dict(head_dim=16, partial_rotary_factor=0.5, max_position_embeddings=512,
+             original_max_position_embeddings=64, rope_parameters=LONGROPE, pad_token_id=0)
+SHORT = [[_rng.randrange(3, 384) for _ in range(_rng.randint(1, 14))] for _ in range(5)]  # fit the preempt cache
+PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_model(tmp_path_factory.mktemp("phi3") / "m", "phi3", seed=2, **SHAPE)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@SCHEDULINGS
+def test_greedy_matches_transformers(phi3, options):
+    llm = LLM(str(phi3), dtype="float64", **{"num_kv_blocks": 64, "block_size": 8, **options})
+    assert tokens(llm.generate(SHORT, PARAMS, use_tqdm=False)) == hf_greedy(phi3, SHORT, 16)
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def hf_stepwise(model_dir, prompt, max_new_tokens, **config):
+    """HF's model run as a server runs it: the prompt in one forward pass, then a token a pass
+    over its cache. (HF's `generate` for Phi-3 instead drops the cache when a sequence crosses
+    the pretraining length and encodes it all again with the long factors; vLLM, like conveyor,
+    keeps the cached K/V.)"""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **config).eval()
+    cache, ids, out = DynamicCache(config=model.config), list(prompt), []
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+        for _ in range(max_new_tokens):
+            out.append(int(logits[0, -1].argmax()))
+            ids.append(out[-1])
+            logits = model(torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[len(ids) - 1]])).logits
+    return out
+
+
+def test_past_the_pretraining_length(phi3):
+    """HF's rule for one forward pass, which the engine applies a sequence a step: a prompt
+    longer than 64 turns all of its positions with the long factors (HF's `generate` gives the
+    same tokens); a sequence that crosses 64 while decoding turns its new tokens so from then
+    on, its cached K/V keeping theirs. With the long factors replaced by the short ones, HF's
+    tokens are other tokens."""
+    rng = random.Random(4)
+    long_prompt = [rng.randrange(3, 384) for _ in range(80)]
+    crossing = [rng.randrange(3, 384) for _ in range(50)]
+    llm = LLM(str(phi3), dtype="float64", num_kv_blocks=64, block_size=8)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = [hf_greedy(phi3, [long_prompt], 30)[0], hf_stepwise(phi3, crossing, 30)]
+    assert want[0] == hf_stepwise(phi3, long_prompt, 30)
+    assert tokens(llm.generate([long_prompt, crossing], params, use_tqdm=False)) == want
+    shorts = {**LONGROPE, "long_factor": SHORT_FACTORS}
+    assert [hf_stepwise(phi3, p, 30, rope_parameters=shorts) for p in (long_prompt, crossing)] != want
+
+
+def test_float32_on_cpu_matches_transformers_float32(phi3):
+    """The CPU's float32 path (skinny GEMVs over the fused projections; no fused native decode:
+    its RoPE turns whole heads from one table)."""
+    llm = LLM(str(phi3), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.runner.model.fused_decode is None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert tokens(llm.generate(SHORT, params, use_tqdm=False)) == hf_greedy(phi3, SHORT, 12, torch.float32)
+
+
+def test_config_readings(phi3):
+    """Phi-4-mini-instruct's config as the Hub has it (3.84 B weights, a quarter of each head
+    unturned, LongRoPE from 4,096 positions to 131,072); a saved tiny model's count equal to
+    HF's; tensor parallelism refused by name."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    factors = [1.0] * 48
+    mini = ArchConfig.from_hf({
+        "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064, "partial_rotary_factor": 0.75,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "longrope", "short_factor": factors, "long_factor": factors},
+        "tie_word_embeddings": True, "sliding_window": 262144, "rms_norm_eps": 1e-5})
+    assert mini.num_params / 1e9 == pytest.approx(3.84, abs=0.01)
+    assert (mini.rotary_dim, mini.sliding_window) == (96, 262144)
+    assert mini.rope_scaling["factor"] == 32 and mini.rope_scaling["original_max_position_embeddings"] == 4096
+    arch = ArchConfig.from_hf(json.loads((phi3 / "config.json").read_text()))
+    assert arch.num_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(phi3).parameters())
+    with pytest.raises(ConfigError, match="Phi-3"):
+        LLM(str(phi3), dtype="float64", tensor_parallel_size=2)
