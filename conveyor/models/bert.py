@@ -211,24 +211,23 @@ def load_encoder_weights(model: Encoder, tensors: Iterator[tuple[str, torch.Tens
 def build_encoder(
     arch: ArchConfig, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
 ) -> Encoder | ModernBert | GemmaEncoder:
-    if arch.family == "gemma3_encoder":
-        gemma = GemmaEncoder(arch, arch.max_position_embeddings).to(device=device, dtype=dtype)
-        gemma.rotaries(arch.max_position_embeddings, device)
-        load_gemma_encoder_weights(gemma, ((n, t.to(dtype)) for n, t in tensors))
-        gemma.eval()
-        gemma.requires_grad_(False)
-        return gemma
-    if arch.family == "modernbert":
-        modern = ModernBert(arch, arch.max_position_embeddings).to(device=device, dtype=dtype)
-        modern.rotaries(arch.max_position_embeddings, device)
-        load_modernbert_weights(modern, ((n, t.to(dtype)) for n, t in tensors))
-        modern.eval()
-        modern.requires_grad_(False)
-        return modern
-    with torch.device("meta"):
-        model = Encoder(arch)
-    model = model.to_empty(device=device).to(dtype)
-    load_encoder_weights(model, ((n, t.to(dtype)) for n, t in tensors))
+    weights = ((n, t.to(dtype)) for n, t in tensors)
+    model: Encoder | ModernBert | GemmaEncoder
+    if arch.family in ("modernbert", "gemma3_encoder"):  # rotary tables made again in float32 on the device
+        rotary = ModernBert(arch, arch.max_position_embeddings) if arch.family == "modernbert" \
+            else GemmaEncoder(arch, arch.max_position_embeddings)
+        rotary = rotary.to(device=device, dtype=dtype)
+        rotary.rotaries(arch.max_position_embeddings, device)
+        if isinstance(rotary, ModernBert):
+            load_modernbert_weights(rotary, weights)
+        else:
+            load_gemma_encoder_weights(rotary, weights)
+        model = rotary
+    else:
+        with torch.device("meta"):
+            plain = Encoder(arch)
+        model = plain.to_empty(device=device).to(dtype)
+        load_encoder_weights(model, weights)
     model.eval()
     model.requires_grad_(False)
     return model
