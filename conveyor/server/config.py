@@ -59,7 +59,8 @@ class ServerConfig:
             "Return a thinking model's <think> block apart from its answer, as "
             "reasoning_content on the chat API: deepseek_r1 (the output starts inside the "
             "block), qwen3 or glm45 (it thinks only if it opens one), mistral (Magistral's "
-            "[THINK] block, likewise). Default: off."
+            "[THINK] block, likewise), openai_gptoss (gpt-oss's harmony messages: the analysis "
+            "channel is reasoning, calls go to --tool-call-parser openai). Default: off."
         ),
     )
     tool_call_parser: str = field(
@@ -67,7 +68,8 @@ class ServerConfig:
         metadata=_help(
             "How the model writes tool calls under tool_choice auto (vLLM's parsers of the same "
             "names): hermes (<tool_call> blocks), llama3_json ({\"name\", \"parameters\"} "
-            "objects), mistral ([TOOL_CALLS] and a JSON list) or pythonic ([f(a=1), g()]). A chat "
+            "objects), mistral ([TOOL_CALLS] and a JSON list), pythonic ([f(a=1), g()]), "
+            "qwen3_coder, glm45, deepseek_v3, kimi_k2 or openai (gpt-oss's harmony calls). A chat "
             "template without tools is asked for that format."
         ),
     )
