@@ -59,6 +59,7 @@ def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
     }
     config_cls, model_cls = kinds[family]
     params = {**TINY, **overrides}

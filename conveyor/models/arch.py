@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
+    "GraniteForCausalLM": "granite",  # IBM Granite 3.x: a Llama with four multipliers
 }
 # The same bodies with a classification head (`score`) over the last token instead of an LM
 # head: sequence classifiers, and cross-encoders (rerankers) where there is one label.
@@ -176,6 +177,13 @@ class ArchConfig:
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
     multimodal: bool = False  # the text model of an image-text checkpoint (MULTIMODAL_TEXT_ARCHITECTURES)
+    # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times
+    # `residual_multiplier` before its residual add, the softmax scale `attention_multiplier`
+    # (0: the head's), the logits divided by `logits_scaling`.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0
     # gpt-oss: a learned logit a head that joins each softmax's denominator ("attention sinks"),
     # a bias on o_proj too, routers with a bias whose top k logits are softmaxed, experts with
     # biases and a clamped SwiGLU: `(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`, g the
@@ -230,7 +238,13 @@ class ArchConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def llama_arithmetic(self) -> bool:
+        """A Llama's layer and ends exactly (what the fused native decode and the fused CUDA
+        kernels compute): no Gemma norms, no Granite multipliers."""
+        return not self.is_gemma and self.family != "granite"
 
     @property
     def rope_dim(self) -> int:
@@ -416,6 +430,10 @@ class ArchConfig:
             labels=_labels(cfg) if classifier else (),
             token_classifier=tokens,
             rotary_dim=_rotary_dim(cfg) if family == "phi3" else 0,
+            embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
+            residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
+            attention_multiplier=float(cfg.get("attention_multiplier") or 0.0) if family == "granite" else 0.0,
+            logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         )
 
 

@@ -379,6 +379,7 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = make_norm(arch, arch.hidden_size) if arch.is_gemma else None
         # Gemma 3's sliding layers turn at a RoPE base of their own (the model's `local_rotary`).
         self.local_rope = arch.local_rope_theta > 0 and arch.window_of(index) > 0
+        self.residual_multiplier = arch.residual_multiplier
         self.mlp: MLP | SparseMoE
         if arch.is_sparse_layer(index):
             shared = arch.shared_expert_intermediate_size
@@ -398,6 +399,12 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         reduce = self.reduce
+        if self.residual_multiplier != 1.0:  # Granite: each sublayer's output scaled before its add
+            m = self.residual_multiplier
+            attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+            h = x + (attn if reduce is None else reduce(attn)) * m
+            out = self.mlp(self.post_attention_layernorm(h))
+            return h + (out if reduce is None else reduce(out)) * m
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
             h = x + self.post_attention_layernorm(attn if reduce is None else reduce(attn))
@@ -570,8 +577,10 @@ class LlamaForCausalLM(nn.Module):
         self.score = nn.Linear(arch.hidden_size, arch.num_labels, bias=arch.token_classifier) if arch.labels else None
         self.rotary = Rotary(arch, max_positions)
         self.local_rotary = Rotary(arch.local_rope, max_positions) if arch.local_rope_theta else None
-        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype.
+        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype; Granite by
+        # its `embedding_multiplier`.
         self.embed_scale = arch.hidden_size**0.5 if arch.is_gemma else None
+        self.embed_multiplier = arch.embedding_multiplier
         self.fused_decode: FusedDecode | None = None  # set by prepare_for_inference (CPU float32)
         self.add_norm: AddNorm | None = None  # set by prepare_for_inference (CUDA, half precision)
         self.gemv: Gemv | None = None  # set by prepare_for_inference (CUDA, half precision, opt-in)
@@ -634,6 +643,8 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_multiplier != 1.0:
+            return x * self.embed_multiplier
         if self.embed_scale is None:
             return x
         return x * _rounded(self.embed_scale, x.dtype)
@@ -768,7 +779,7 @@ class LlamaForCausalLM(nn.Module):
                     setattr(module, name, replacement)
         # The native call has no router, no latent attention, no Gemma layer, and no
         # all-reduce between a tensor-parallel rank's layers.
-        plain = (not moe and not self.arch.is_mla and not self.arch.is_gemma and not self.tensor_parallel
+        plain = (not moe and not self.arch.is_mla and self.arch.llama_arithmetic and not self.tensor_parallel
                  and not self.arch.rotary_dim and not self.rotary.long_from)  # (whole-head RoPE, one table)
         fused = decode_layers() if kernel is not None and plain else None
         self._head_q8 = skinny_linear_q8() if kernel is not None and quantization is not None else None
@@ -807,8 +818,8 @@ class LlamaForCausalLM(nn.Module):
         from conveyor.kernels import triton_fused
         from conveyor.kernels.triton_attention import TritonPagedAttention
 
-        if dtype not in (torch.float16, torch.bfloat16) or not triton_fused.enabled() or self.arch.is_gemma:
-            return  # (Gemma's norms and GELU have no fused kernels)
+        if dtype not in (torch.float16, torch.bfloat16) or not triton_fused.enabled() or not self.arch.llama_arithmetic:
+            return  # (Gemma's norms and GELU, Granite's multipliers: no fused kernels)
 
         def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             return triton_fused.add_rms_norm(None, x, weight, eps)[0]
@@ -838,7 +849,7 @@ class LlamaForCausalLM(nn.Module):
 
         if dtype not in (torch.float16, torch.bfloat16) or not triton_gemv.enabled():
             return
-        if self.arch.num_experts or self.arch.is_mla or self.arch.is_gemma:
+        if self.arch.num_experts or self.arch.is_mla or not self.arch.llama_arithmetic:
             return
         if any(isinstance(m, (nn.Linear, TransposedLinear)) and m.bias is not None for m in self.modules()):
             return
@@ -887,7 +898,10 @@ class LlamaForCausalLM(nn.Module):
         return self.cap_logits(self._head(hidden, out))
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's `cap * tanh(logits / cap)`, in place (the logits as they are elsewhere)."""
+        """Gemma 2's `cap * tanh(logits / cap)` and Granite's `logits / logits_scaling`, in place
+        (the logits as they are elsewhere)."""
+        if self.arch.logits_scaling != 1.0:
+            logits.div_(self.arch.logits_scaling)
         cap = self.arch.final_logit_softcapping
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 
