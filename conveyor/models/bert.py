@@ -208,6 +208,15 @@ def load_encoder_weights(model: Encoder, tensors: Iterator[tuple[str, torch.Tens
         raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _rotary_pair(arch: ArchConfig, max_positions: int, device: torch.device | None) -> tuple[nn.Module, nn.Module]:
+    """The global layers' rotary table and the local ones' (their own base, unscaled, where
+    the model has one), float32, on `device`."""
+    from conveyor.models.llama import Rotary
+
+    local = arch.local_rope if arch.local_rope_theta else arch
+    return Rotary(arch, max_positions).to(device), Rotary(local, max_positions).to(device)
+
+
 def build_encoder(
     arch: ArchConfig, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
 ) -> Encoder | ModernBert | GemmaEncoder:
@@ -300,14 +309,7 @@ class ModernBert(_EncoderModel):
     def rotaries(self, max_positions: int, device: torch.device | None = None) -> None:
         """The global and the local layers' rotary tables, in float32 (as the reference computes
         them: made again after the model moves to a half-precision dtype)."""
-        import dataclasses
-
-        from conveyor.models.llama import Rotary
-
-        arch = self.arch
-        local = dataclasses.replace(arch, rope_theta=arch.local_rope_theta or arch.rope_theta)
-        self.rotary = Rotary(arch, max_positions).to(device)
-        self.local_rotary = Rotary(local, max_positions).to(device)
+        self.rotary, self.local_rotary = _rotary_pair(self.arch, max_positions, device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -446,11 +448,7 @@ class GemmaEncoder(_EncoderModel):
 
     def rotaries(self, max_positions: int, device: torch.device | None = None) -> None:
         """Rotary tables in float32 (made again after the model moves to its dtype)."""
-        from conveyor.models.llama import Rotary
-
-        self.rotary = Rotary(self.arch, max_positions).to(device)
-        self.local_rotary = Rotary(self.arch.local_rope, max_positions).to(device) if self.arch.local_rope_theta \
-            else self.rotary
+        self.rotary, self.local_rotary = _rotary_pair(self.arch, max_positions, device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata

@@ -7,7 +7,6 @@ a window of 6 and caps of 0.2 and 1 are small enough that the tests would fail w
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 
@@ -159,21 +158,8 @@ def test_triton_backend_takes_each_layers_window(gemma_models, family):
 def test_two_tensor_parallel_ranks_equal_one(gemma_models, family):
     """Heads and MLP rows split over two ranks, the four norms whole on each, the caps applied
     after the logits' all-reduce: one rank's tokens and logprobs, and HF's."""
-    path = gemma_models[family]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    threads = torch.get_num_threads()
-    try:
-        llm = LLM(str(path), dtype="float64", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64, block_size=8)
-        got = llm.generate(LONG, params, use_tqdm=False)
-        del llm
-        gc.collect()
-    finally:
-        torch.set_num_threads(threads)
-    one = LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=8).generate(LONG, params, use_tqdm=False)
-    assert tokens(got) == tokens(one) == hf_greedy(path, LONG, 12)
-    for a, b in zip(got, one, strict=True):
-        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
-            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
+    two, one = moe.two_ranks_and_one(gemma_models[family], LONG)
+    assert two == one == hf_greedy(gemma_models[family], LONG, 12)
 
 
 def test_config_readings(gemma_models):

@@ -8,7 +8,6 @@ window and the clamp are set so that each changes HF's tokens (checked here)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 
@@ -21,7 +20,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.models.arch import ArchConfig
 from conveyor.models.loader import dequantize_mxfp4
 from tests.conftest import build_tiny_model, triton_interpreted
-from tests.models.test_moe import greedy_of
+from tests.models.test_moe import greedy_of, two_ranks_and_one
 from tests.schedulings import SCHEDULINGS
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -126,21 +125,8 @@ def test_two_tensor_parallel_ranks_equal_one(gpt_oss):
     """Heads (and their sinks) and each expert's width split over two ranks, the biases after
     the split (o_proj's, the experts' down projection's) added on rank 0 alone: one rank's
     tokens and logprobs, and HF's."""
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    threads = torch.get_num_threads()
-    try:
-        llm = LLM(str(gpt_oss), dtype="float64", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64,
-                  block_size=8)
-        got = llm.generate(LONG, params, use_tqdm=False)
-        del llm
-        gc.collect()
-    finally:
-        torch.set_num_threads(threads)
-    one = LLM(str(gpt_oss), dtype="float64", num_kv_blocks=64, block_size=8).generate(LONG, params, use_tqdm=False)
-    assert tokens(got) == tokens(one) == greedy_of(hf_model(gpt_oss), LONG, 12)
-    for a, b in zip(got, one, strict=True):
-        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
-            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
+    two, one = two_ranks_and_one(gpt_oss, LONG)
+    assert two == one == greedy_of(hf_model(gpt_oss), LONG, 12)
 
 
 @settings(max_examples=30, deadline=None)

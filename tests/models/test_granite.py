@@ -7,7 +7,6 @@ see any of them missing."""
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 
@@ -17,7 +16,7 @@ import torch
 from conveyor import LLM, SamplingParams
 from conveyor.models.arch import ArchConfig
 from tests.conftest import build_tiny_model
-from tests.models.test_moe import hf_greedy
+from tests.models.test_moe import hf_greedy, two_ranks_and_one
 from tests.schedulings import SCHEDULINGS
 
 MULTIPLIERS = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.5, logits_scaling=4.0)
@@ -76,20 +75,9 @@ def test_float32_on_cpu_matches_transformers_float32(granite):
 
 def test_two_tensor_parallel_ranks_equal_one(granite):
     """Each rank's partial sums all-reduced before the residual multiplier, the logits' divisor
-    after the gather: one rank's tokens and logprobs."""
-    threads = torch.get_num_threads()
-    try:
-        llm = LLM(str(granite), dtype="float64", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64, block_size=8)
-        got = llm.generate(SHORT, PARAMS, use_tqdm=False)
-        del llm
-        gc.collect()
-    finally:
-        torch.set_num_threads(threads)
-    one = LLM(str(granite), dtype="float64", num_kv_blocks=64, block_size=8).generate(SHORT, PARAMS, use_tqdm=False)
-    assert tokens(got) == tokens(one)
-    for a, b in zip(got, one, strict=True):
-        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
-            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
+    after the gather: one rank's tokens and logprobs, and HF's."""
+    two, one = two_ranks_and_one(granite, SHORT, 16)
+    assert two == one == hf_greedy(granite, SHORT, 16)
 
 
 def test_config_reading(granite):

@@ -33,6 +33,29 @@ def hf_greedy(model_dir, prompts, max_new_tokens, dtype=torch.float64, **load):
                      prompts, max_new_tokens)
 
 
+def two_ranks_and_one(path, prompts, max_tokens=12):
+    """The greedy tokens of two tensor-parallel ranks and of one (float64), whose logprobs must
+    agree to 1e-9: (two ranks' tokens, one rank's tokens)."""
+    import gc
+
+    from conveyor import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(str(path), dtype="float64", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64, block_size=8)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    one = LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=8).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, one, strict=True):
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
+    return [o.outputs[0].token_ids for o in got], [o.outputs[0].token_ids for o in one]
+
+
 def greedy_of(model, prompts, max_new_tokens):
     """An HF model's greedy tokens for each prompt, alone, to `max_new_tokens` (no early end)."""
     outs = []
