@@ -242,6 +242,27 @@ def build_encoder(
     return model
 
 
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
+                            singles: int, window: int | None, scale: float | None = None) -> torch.Tensor:
+    """Each prompt's rows (`spans`) attending to every row of it, or to `window` rows either side
+    where set; the `singles` one-token prompts leading the batch, each to itself. q `[T, heads,
+    d]`, k and v `[T, kv_heads, d]` (grouped-query heads share theirs); `scale`: SDPA's default
+    when None."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    out[:singles] = v[:singles].repeat_interleave(group, dim=1) if group > 1 else v[:singles]
+    for a, b in spans:
+        mask = None
+        if window is not None and b - a > window + 1:
+            pos = torch.arange(b - a, device=q.device)
+            mask = (pos[:, None] - pos[None, :]).abs() <= window
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=mask, scale=scale,
+            enable_gqa=group > 1,
+        ).transpose(0, 1)
+    return out
+
+
 # -- ModernBERT ------------------------------------------------------------------------------
 class _ModernLayer(nn.Module):
     """Pre-norm (none before the first layer's attention), rotary positions, a GeGLU MLP; its
@@ -269,17 +290,7 @@ class _ModernLayer(nn.Module):
         q, k, v = self.qkv_proj(normed).split(x.shape[-1], dim=-1)
         shape = (x.shape[0], self.num_heads, self.head_dim)
         q, k = apply_rope(q.view(shape), rope), apply_rope(k.view(shape), rope)
-        v = v.view(shape)
-        out = torch.empty_like(v)
-        out[:singles] = v[:singles]
-        for a, b in spans:
-            mask = None
-            if self.window is not None and b - a > self.window + 1:
-                pos = torch.arange(b - a, device=x.device)
-                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=mask,
-            ).transpose(0, 1)
+        out = bidirectional_attention(q, k, v.view(shape), spans, singles, self.window)
         x = x + self.o_proj(out.reshape(x.shape[0], -1))
         gate_in, gate = self.up_proj(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate_in) * gate)
@@ -412,18 +423,7 @@ class _GemmaEncoderLayer(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(normed).view(t, self.num_heads, self.head_dim)), rope)
         k = apply_rope(self.k_norm(self.k_proj(normed).view(t, self.num_kv_heads, self.head_dim)), rope)
         v = self.v_proj(normed).view(t, self.num_kv_heads, self.head_dim)
-        out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
-        out[:singles] = v[:singles].repeat_interleave(group, dim=1)  # a one-token prompt attends to itself
-        for a, b in spans:
-            mask = None
-            if self.window is not None and b - a > self.window + 1:
-                pos = torch.arange(b - a, device=x.device)
-                mask = (pos[:, None] - pos[None, :]).abs() <= self.window
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=mask,
-                scale=self.scale, enable_gqa=group > 1,
-            ).transpose(0, 1)
+        out = bidirectional_attention(q, k, v, spans, singles, self.window, self.scale)
         x = x + self.post_attention_layernorm(self.o_proj(out.reshape(t, -1)))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
