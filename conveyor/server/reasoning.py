@@ -26,7 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.server.tool_parsers import harmony_call, partial_suffix
+from conveyor.server.tool_parsers import (
+    CALL,
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    MESSAGE,
+    RETURN,
+    START,
+    harmony_call,
+    partial_suffix,
+)
 
 OPEN, CLOSE = "<think>", "</think>"
 # Each parser's (opening tag, closing tag, whether an output that does not open the block is
@@ -105,9 +115,6 @@ class TagStream:
                 return reasoning, content
 
 
-# The harmony format's markers (each one special token of gpt-oss's vocabulary).
-START, CHANNEL, MESSAGE, END, RETURN, CALL, CONSTRAIN = (
-    "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 _ENDS = (END, RETURN, CALL, START)  # what ends a message's text (a new <|start|> too, leniently)
 
 

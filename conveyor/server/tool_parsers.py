@@ -656,21 +656,27 @@ class KimiK2Parser(_SectionParser):
         return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
 
 
+# The harmony format's markers (each one special token of gpt-oss's vocabulary; the
+# `openai_gptoss` reasoning parser reads them too).
+START, CHANNEL, MESSAGE, END, RETURN, CALL, CONSTRAIN = (
+    "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+
+
 def harmony_call(recipient: str, arguments: str) -> str:
     """A harmony tool call as the `openai_gptoss` reasoning parser passes it on in the content."""
-    return f"<|channel|>commentary to={recipient} <|constrain|>json<|message|>{arguments}<|call|>"
+    return f"{CHANNEL}commentary to={recipient} {CONSTRAIN}json{MESSAGE}{arguments}{CALL}"
 
 
 @_PARSERS.register("openai")
 class HarmonyParser(ToolParser):
-    OPEN, CLOSE = "<|channel|>commentary to=", "<|call|>"
+    OPEN, CLOSE = f"{CHANNEL}commentary to=", CALL
 
     def scan(self, text: str, final: bool) -> Scan:
         return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
 
     @staticmethod
     def _read(inner: str) -> list[Call] | None:
-        header, sep, body = inner.partition("<|message|>")
+        header, sep, body = inner.partition(MESSAGE)
         recipient = header.split(maxsplit=1)[0] if header.strip() else ""
         name = recipient.removeprefix("functions.")
         args = _json_object(body) if sep else None
@@ -681,7 +687,7 @@ class HarmonyParser(ToolParser):
     def prompt(self, tools: list[dict[str, Any]]) -> str:
         return (
             f"You can call these tools:\n{_tools_listing(tools)}\n\nTo call a tool, send a message on the "
-            f"commentary channel to it: {self.OPEN}functions.NAME <|constrain|>json<|message|>"
+            f"commentary channel to it: {self.OPEN}functions.NAME {CONSTRAIN}json{MESSAGE}"
             '{"argument": "value"}'
             f"{self.CLOSE}\nOtherwise answer in plain text."
         )
