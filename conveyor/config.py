@@ -218,6 +218,15 @@ class CacheConfig:
             "used first, only when a block is needed."
         ),
     )
+    hybrid_kv_cache: bool = field(
+        default=False,
+        metadata=_help(
+            "For a model whose layers attend either globally or within a sliding window (Gemma 2/3, "
+            "gpt-oss): a block table a group of layers, a sliding layer's blocks freed once they fall "
+            "out of its window (vLLM's hybrid KV cache manager), so a long sequence holds about the "
+            "global layers' share of a whole cache."
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_help(
@@ -400,6 +409,15 @@ class SchedulerConfig:
             "adds compute). None: always draft."
         ),
     )
+
+    @property
+    def kv_chunk(self) -> int:
+        """The most tokens of one sequence whose K/V one allocation covers beyond what it has
+        computed: a chunk's budget under chunked prefill; unbounded for whole prompts and for a
+        whole reservation (a hybrid KV cache's sliding tables hold a chunk's and a window's)."""
+        if self.prefill_mode == "chunked" and self.kv_reservation != "reserve":
+            return self.max_num_batched_tokens
+        return 1 << 62
 
     def __post_init__(self) -> None:
         self._check_choice("batching", BATCHING_MODES)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
-from conveyor.core.block_manager import BlockManager
+from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
@@ -300,6 +300,7 @@ class Engine:
                 str(path), name, str(kv_dtype).removeprefix("torch."), max_len, num_blocks,
                 config.cache.block_size, num_swap_blocks, threads or 1, mc.quantization, calibration,
                 lora=(mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras) if mc.enable_lora else None,
+                layout=hybrid_layout(config, arch),
             ), arch=full_arch)
         model: Any
         try:
@@ -417,9 +418,11 @@ class Engine:
             if model.sep_token_id is None and tokenizer is not None:
                 model.sep_token_id = getattr(tokenizer.hf, "sep_token_id", None)
         # The scheduler first: an unknown policy name fails before the KV cache is allocated.
+        layout = hybrid_layout(config, arch)
         scheduler = Scheduler(
             config.scheduler,
-            BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching),
+            BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching,
+                         layout),
             max_len,
             eos_ids,
         )
@@ -431,14 +434,15 @@ class Engine:
             # torch path has not been captured on a GPU yet).
             # (Gemma 2's capped scores and gpt-oss's sinks take the torch backend, whose masks a
             # graph would not refresh)
+            # A hybrid cache's sliding layers read tables of their own, which the graphs do not take.
             eager = (mc.enforce_eager or arch.num_experts > 0 or arch.is_encoder or arch.is_mla
-                     or arch.attn_logit_softcapping > 0 or arch.attention_sinks)
+                     or arch.attn_logit_softcapping > 0 or arch.attention_sinks or layout is not None)
             return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
 
         runner = ModelRunner(
             model, num_blocks, config.cache.block_size, dtype, device,
             seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
-            cuda_graph_max_batch=graphs(arch),
+            cuda_graph_max_batch=graphs(arch), layout=layout,
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
         runner.peers = peers  # tensor parallelism's other ranks (runner/tensor_parallel.py)
@@ -622,6 +626,9 @@ class Engine:
             )
         if params.pooling is not None and (export_kv or kv_handoff is not None):
             raise InvalidRequestError("an embedding request has no K/V to hand over", param="kv_transfer")
+        if (export_kv or kv_handoff is not None) and self.scheduler.block_manager.num_window_groups:
+            raise InvalidRequestError("this engine's hybrid KV cache frees a sliding layer's K/V as they leave its "
+                                      "window: it hands none over and takes none", param="kv_transfer")
         if params.n > 1:
             self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
             return
@@ -1143,10 +1150,13 @@ def plan_cache(
     model_max_len: int,
     default_budget: Callable[[], int],
     max_positions: int | None = None,
+    layout: HybridLayout | None = None,
 ) -> tuple[int, int, int]:
     """(device KV blocks, CPU swap blocks, max_model_len) for `config`; no torch, so the
     simulator sizes its cache by this same rule. `default_budget()` gives the KV bytes when
-    the config names neither num_kv_blocks nor kv_cache_memory."""
+    the config names neither num_kv_blocks nor kv_cache_memory. With a hybrid `layout`,
+    `kv_bytes_per_token` is a page's (its `page_layers` layers'), and a sequence's capacity
+    counts its sliding groups' blocks too (`HybridLayout.capacity`)."""
     mc, cc = config.model, config.cache
     block_bytes = kv_bytes_per_token * cc.block_size
     if cc.num_kv_blocks is not None:
@@ -1163,6 +1173,8 @@ def plan_cache(
             f"({block_bytes} bytes each); raise kv_cache_memory or num_kv_blocks"
         )
     capacity = num_blocks * cc.block_size
+    if layout is not None:
+        capacity = layout.capacity(num_blocks, cc.block_size, config.scheduler.kv_chunk)
     max_len = mc.max_model_len or model_max_len
     if max_positions is not None and max_len > max_positions:
         if mc.max_model_len is not None:
@@ -1175,7 +1187,8 @@ def plan_cache(
         if mc.max_model_len is not None:
             raise ConfigError(
                 f"max_model_len={max_len} exceeds the KV cache capacity of {capacity} tokens "
-                f"({num_blocks} blocks x {cc.block_size}); raise the cache or lower max_model_len"
+                f"({num_blocks} blocks x {cc.block_size}{', hybrid' if layout else ''}); raise the cache or "
+                "lower max_model_len"
             )
         logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
         max_len = capacity
@@ -1294,6 +1307,9 @@ def _plan_cache(
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     kv_per_token = arch.kv_bytes_per_token(itemsize)
+    layout = hybrid_layout(config, arch)
+    if layout is not None:  # a page: its layers' share (every layer's K/V are alike in size)
+        kv_per_token = kv_per_token * layout.page_layers // arch.num_layers
     max_model_len = arch.max_position_embeddings
     if arch.is_encoder:  # learned positions: none past the table (a decoder's rotary ones extend)
         max_positions = arch.max_position_embeddings if max_positions is None else min(max_positions, max_model_len)
@@ -1306,7 +1322,28 @@ def _plan_cache(
             return _cuda_kv_budget(device, weight_bytes, config.cache.gpu_memory_utilization)
         return CPU_DEFAULT_KV_BYTES
 
-    return plan_cache(config, kv_per_token, max_model_len, default_budget, max_positions)
+    return plan_cache(config, kv_per_token, max_model_len, default_budget, max_positions, layout)
+
+
+def hybrid_layout(config: EngineConfig, arch: Any) -> HybridLayout | None:
+    """The hybrid KV cache's layout (`hybrid_kv_cache`), or None; a ConfigError for a model or
+    an engine it is not built for."""
+    if not config.cache.hybrid_kv_cache:
+        return None
+    sc, cc = config.scheduler, config.cache
+    refused = [name for name, on in (
+        (f"speculative_method={sc.speculative_method!r} (a draft's own cache over the same blocks)",
+         sc.speculative_method in ("draft_model", "mtp")),
+        ("kv_receive_space (K/V handed over a whole layer at a time)", cc.kv_receive_space > 0),
+    ) if on]
+    if refused:
+        raise ConfigError(f"hybrid_kv_cache runs without {', '.join(refused)}: not built for it yet")
+    if arch.is_encoder:
+        raise ConfigError("hybrid_kv_cache: an encoder keeps no K/V")
+    try:
+        return HybridLayout.of([arch.window_of(i) for i in range(arch.num_layers)])
+    except ValueError as e:
+        raise ConfigError(f"hybrid_kv_cache: {e}") from None
 
 
 def _resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -93,6 +93,8 @@ class Sequence:
         "status",
         "stop_reason",
         "token_ids",
+        "window_start",
+        "window_tables",
     )
 
     def __init__(
@@ -113,6 +115,11 @@ class Sequence:
         self.num_pending = 0  # trailing PLACEHOLDERs in token_ids: tokens the runner still owes
         # Grows in place by appends only; any other change assigns a new list (HostBlockTables).
         self.block_table: list[int] = []
+        # A hybrid KV cache's (`HybridLayout`): the sliding layer groups' tables, each as long
+        # as `block_table`, whose first `window_start` entries are the null block (their tokens
+        # out of every query's window). Replaced, never changed in place, but by appends.
+        self.window_tables: list[list[int]] = []
+        self.window_start = 0
         # Chained hashes of the leading full blocks of token_ids, as far as the block manager
         # has needed them (prefix caching); tokens never change once known, so they stay valid.
         self.block_hashes: list[bytes] = []

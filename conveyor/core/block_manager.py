@@ -27,6 +27,8 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
 
 from conveyor.sequence import Sequence
 
@@ -52,6 +54,64 @@ def _salt(seq: Sequence) -> bytes:
     return b"" if seq.lora_request is None else seq.lora_request.hash_salt
 
 
+@dataclass(frozen=True)
+class HybridLayout:
+    """A hybrid KV cache (vLLM's hybrid KV cache manager; SGLang's SWA memory pool): a model
+    whose layers attend either globally or within their last `window` positions (Gemma 2/3,
+    gpt-oss) keeps a sliding layer's K/V only while some query can still read them.
+
+    The layers are cut into groups of `page_layers` layers, one group of the global layers and
+    `num_window_groups` of the sliding ones (the last padded): a block (a page) holds
+    `block_size` tokens of K/V for `page_layers` layers, any group's, out of one pool. A
+    sequence holds a table a group: its `block_table` (the global layers'), and
+    `window_tables`, whose leading entries turn to `null_block` as their tokens fall out of
+    the window (the block returns to the pool). With `page_layers` = the global layers' count,
+    a long sequence holds about 1 / (1 + num_window_groups) of a uniform cache's memory.
+    """
+
+    window: int
+    page_layers: int
+    num_window_groups: int
+
+    @classmethod
+    def of(cls, windows: Sequence_[int]) -> HybridLayout:
+        """The layout for layers attending within `windows` (0: the whole context), or a
+        ValueError saying why there is none."""
+        sizes = {w for w in windows if w}
+        num_global = sum(1 for w in windows if not w)
+        if len(sizes) != 1 or not num_global:
+            raise ValueError(
+                "a hybrid KV cache needs a model whose layers attend either globally or within one "
+                f"sliding window, both kinds present (this one's windows: {sorted(set(windows))})"
+            )
+        num_window = len(windows) - num_global
+        return cls(sizes.pop(), num_global, -(-num_window // num_global))
+
+    def groups_of(self, windows: Sequence_[int]) -> list[tuple[int, int]]:
+        """Each layer's (group, slot): group 0 the global layers', 1.. the sliding ones' in
+        order; slot, which of a page's `page_layers` layer slices it reads and writes."""
+        out, seen = [], [0, 0]
+        for w in windows:
+            i = seen[bool(w)]
+            seen[bool(w)] += 1
+            out.append((1 + i // self.page_layers, i % self.page_layers) if w else (0, i))
+        return out
+
+    def pages_for(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most pages one sequence of `num_tokens` holds, computing at most `chunk`
+        tokens a step: every block of its global layers, and of each sliding group the
+        blocks of a step's queries' windows."""
+        n = -(-num_tokens // block_size)
+        return n + self.num_window_groups * min(n, -(-(chunk + self.window - 1) // block_size) + 1)
+
+    def capacity(self, num_pages: int, block_size: int, chunk: int) -> int:
+        """The longest sequence (tokens, whole blocks) `num_pages` pages hold alone."""
+        g = self.num_window_groups
+        cw = -(-(chunk + self.window - 1) // block_size) + 1
+        n = num_pages - g * cw if num_pages >= (1 + g) * cw else num_pages // (1 + g)
+        return max(n, 0) * block_size
+
+
 class BlockManager:
     def __init__(
         self,
@@ -59,11 +119,19 @@ class BlockManager:
         block_size: int,
         num_swap_blocks: int = 0,
         enable_prefix_caching: bool = False,
+        layout: HybridLayout | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # A hybrid cache's sliding groups (0: one table a sequence, every layer's K/V a block).
+        self.layout = layout
+        self.window = layout.window if layout is not None else 0
+        self.num_window_groups = layout.num_window_groups if layout is not None else 0
+        # What a sliding table holds for a block out of the window: an id no sequence is given
+        # (the runner's scratch block, zeroed), read, as padding is, under a mask.
+        self.null_block = num_blocks
         # Ordered: handed out from the front, returned to the back (the least recently freed
         # cached block is evicted first); a prefix hit takes a block from anywhere in it.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -93,9 +161,34 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def pages_per_block(self) -> int:
+        """Pool blocks a sequence takes for each `block_size` tokens it grows by (its tables)."""
+        return 1 + self.num_window_groups
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        """Pool blocks a sequence computing `num_tokens` from scratch in one step takes."""
+        return self.pages_per_block * -(-num_tokens // self.block_size)
+
     def num_new_blocks_needed(self, seq: Sequence, num_total_tokens: int) -> int:
-        """Blocks to add so that `seq`'s table covers `num_total_tokens` token slots."""
-        return max(0, self.blocks_for_tokens(num_total_tokens) - len(seq.block_table))
+        """Blocks to add so that `seq`'s tables cover `num_total_tokens` token slots (before
+        what leaves the window is released)."""
+        return self.pages_per_block * max(0, self.blocks_for_tokens(num_total_tokens) - len(seq.block_table))
+
+    def num_held(self, seq: Sequence) -> int:
+        """Blocks `seq`'s tables hold (device or swap, as they name)."""
+        start = seq.window_start
+        return len(seq.block_table) + sum(len(t) - start for t in seq.window_tables)
+
+    def tables_of(self, seq: Sequence) -> Iterable[list[int]]:
+        """`seq`'s tables, the null entries of its sliding ones left out (integrity checks)."""
+        yield seq.block_table
+        for t in seq.window_tables:
+            yield t[seq.window_start:]
+
+    def _dead(self, start: int) -> int:
+        """Leading blocks of a sliding table that no query at position `start` or later reads."""
+        return max(0, start - self.window + 1) // self.block_size
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
@@ -104,7 +197,12 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_total_tokens: int) -> bool:
         """Grow `seq`'s table to cover `num_total_tokens` slots. All or nothing. The one change
         made to a table in place, by appends: free and swap assign a new list (the runner
-        keeps a row per list object, `HostBlockTables`)."""
+        keeps a row per list object, `HostBlockTables`).
+
+        A hybrid cache first releases the sliding blocks that the step's first query
+        (`seq.num_computed_tokens`) and every later one cannot see, then grows every table."""
+        if self.num_window_groups:
+            return self._allocate_hybrid(seq, num_total_tokens)
         need = -(-num_total_tokens // self.block_size) - len(seq.block_table)  # num_new_blocks_needed, inline
         if need <= 0:
             return True  # the common case: a decode within its last block
@@ -115,11 +213,46 @@ class BlockManager:
             table.append(take())
         return True
 
+    def _allocate_hybrid(self, seq: Sequence, num_total_tokens: int) -> bool:
+        dead = self._dead(seq.num_computed_tokens)
+        if dead > seq.window_start and seq.window_tables:
+            self._release_window(seq, dead)
+        need = -(-num_total_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need * (1 + self.num_window_groups) > len(self._free):
+            return False
+        take = self._take_free
+        if not seq.window_tables:
+            seq.window_tables = [[] for _ in range(self.num_window_groups)]
+        for table in (seq.block_table, *seq.window_tables):
+            for _ in range(need):
+                table.append(take())
+        return True
+
+    def _release_window(self, seq: Sequence, dead: int) -> None:
+        """Turn the sliding tables' entries before block `dead` into the null block, their
+        blocks released (new lists: the runner's rows of the old ones stay as they were)."""
+        start, null = seq.window_start, self.null_block
+        dead = min(dead, len(seq.block_table))
+        tables = []
+        for table in seq.window_tables:
+            for block in table[start:dead]:
+                self._release(block)
+            tables.append([null] * dead + table[dead:])
+        seq.window_tables = tables
+        seq.window_start = dead
+
     def free(self, seq: Sequence) -> None:
         """Release every block `seq` holds; a block returns to the pool at ref count zero."""
+        for table in seq.window_tables:
+            for block in reversed(table[seq.window_start:]):
+                self._release(block)
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
+        if seq.window_tables:
+            seq.window_tables, seq.window_start = [], 0
 
     # -- prefix cache ----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -140,7 +273,44 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.num_window_groups:
+            # The sliding groups must hold the blocks of the first computed query's window
+            # (vLLM's sliding-window hit, searched from the right): a hit of h blocks needs
+            # theirs from `_dead(h * block_size)` to h; one missing at i allows at most i.
+            h = len(hits)
+            while h and (missing := self._missing_window(hashes, h)) >= 0:
+                h = missing
+            del hits[h:]
         return hits
+
+    def _window_key(self, block_hash: bytes, group: int) -> bytes:
+        return block_hash + group.to_bytes(2, "little")
+
+    def _missing_window(self, hashes: list[bytes], h: int) -> int:
+        """The last block index below `h` whose sliding blocks a hit of `h` blocks needs and
+        the cache lacks in some group; -1 if none is missing."""
+        cached, key = self._cached, self._window_key
+        for i in range(h - 1, self._dead(h * self.block_size) - 1, -1):
+            if any(key(hashes[i], g) not in cached for g in range(1, 1 + self.num_window_groups)):
+                return i
+        return -1
+
+    def _window_hits(self, seq: Sequence, h: int) -> list[list[int]]:
+        """The sliding groups' tables for a hit of `h` blocks (`match_prefix`'s)."""
+        dead = self._dead(h * self.block_size)
+        hashes, cached, key = seq.block_hashes, self._cached, self._window_key
+        return [[self.null_block] * dead + [cached[key(hashes[i], g)] for i in range(dead, h)]
+                for g in range(1, 1 + self.num_window_groups)]
+
+    def admission_need(self, seq: Sequence, hits: list[int], num_total_tokens: int) -> int:
+        """Free blocks admitting `seq` with the cached `hits` (`match_prefix`) takes to cover
+        `num_total_tokens`: new ones, and the cached ones taken out of the free pool."""
+        new = self.pages_per_block * (self.blocks_for_tokens(num_total_tokens) - len(hits))
+        if self.num_window_groups and hits:
+            dead = self._dead(len(hits) * self.block_size)
+            return new + self.num_evictable(hits) + sum(
+                self.num_evictable(t[dead:]) for t in self._window_hits(seq, len(hits)))
+        return new + self.num_evictable(hits)
 
     def num_evictable(self, blocks: Iterable[int]) -> int:
         """How many of `blocks` sit in the free pool: taking them leaves that many fewer free."""
@@ -151,13 +321,17 @@ class BlockManager:
         """Start `seq`'s (empty) table with the cached `blocks` from `match_prefix`, and count
         the lookup (tokens queried, tokens hit) for the hit rate."""
         assert not seq.block_table, f"{seq} already holds blocks"
+        window = self._window_hits(seq, len(blocks)) if self.num_window_groups and blocks else []
+        dead = self._dead(len(blocks) * self.block_size)
         counts, free = self._ref_counts, self._free
-        for block in blocks:
+        for block in (*blocks, *(b for table in window for b in table[dead:])):
             assert self._block_hash[block] is not None, f"block {block} is not cached"
             if counts[block] == 0:
                 del free[block]
             counts[block] += 1
         seq.block_table = list(blocks)
+        if window:
+            seq.window_tables, seq.window_start = window, dead
         self.num_queried_tokens += len(seq.token_ids) - seq.num_pending
         self.num_hit_tokens += len(blocks) * self.block_size
 
@@ -173,6 +347,15 @@ class BlockManager:
             if hashed[block] is None and h not in cached:
                 cached[h] = block
                 hashed[block] = h
+        if self.num_window_groups and table is seq.block_table:
+            # The sliding groups' blocks of the same tokens, each under the hash and its group.
+            key = self._window_key
+            for g, window in enumerate(seq.window_tables, 1):
+                for i in range(max(first, seq.window_start), min(end, len(window))):
+                    block, h = window[i], key(hashes[i], g)
+                    if hashed[block] is None and h not in cached:
+                        cached[h] = block
+                        hashed[block] = h
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (blocks in use stay in use). Returns how many were held."""
@@ -201,40 +384,54 @@ class BlockManager:
         return len(self._swap_free)
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= len(self._swap_free)
+        return self.num_held(seq) <= len(self._swap_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq`'s blocks to CPU swap space; its table then names swap blocks.
+        """Move `seq`'s blocks to CPU swap space; its tables then name swap blocks (a sliding
+        table's null entries stay null).
 
         Returns the (device block, swap block) copies the runner must make before the device
         blocks are reused (the runner does every swap-out of a step before anything else).
         """
         if not self.can_swap_out(seq):
-            raise RuntimeError(f"not enough swap space for {len(seq.block_table)} blocks")
-        mapping = []
-        for block in seq.block_table:
+            raise RuntimeError(f"not enough swap space for {self.num_held(seq)} blocks")
+        mapping: list[tuple[int, int]] = []
+
+        def out(block: int) -> int:
             cpu = self._swap_free.popleft()
             mapping.append((block, cpu))
             self._release(block)
-        seq.block_table = [cpu for _, cpu in mapping]
+            return cpu
+
+        seq.block_table = [out(b) for b in seq.block_table]
+        if seq.window_tables:  # (the null entries, by position: a swap block's id may be the null's)
+            ws = seq.window_start
+            seq.window_tables = [[*t[:ws], *(out(b) for b in t[ws:])] for t in seq.window_tables]
         return mapping
 
     def can_swap_in(self, seq: Sequence, extra_blocks: int = 0) -> bool:
-        return len(seq.block_table) + extra_blocks <= len(self._free)
+        return self.num_held(seq) + extra_blocks <= len(self._free)
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring a swapped sequence's blocks back; returns (swap block, device block) copies."""
         if not self.can_swap_in(seq):
             raise RuntimeError("not enough free device blocks to swap in")
-        mapping = []
-        for cpu in seq.block_table:
+        mapping: list[tuple[int, int]] = []
+
+        def back(cpu: int) -> int:
             block = self._take_free()
             mapping.append((cpu, block))
             self._swap_free.append(cpu)
-        seq.block_table = [block for _, block in mapping]
+            return block
+
+        seq.block_table = [back(b) for b in seq.block_table]
+        if seq.window_tables:
+            ws = seq.window_start
+            seq.window_tables = [[*t[:ws], *(back(b) for b in t[ws:])] for t in seq.window_tables]
         return mapping
 
     def can_receive(self, num_tokens: int) -> bool:
+        assert not self.num_window_groups, "a hybrid cache takes no K/V handed over"
         return self.blocks_for_tokens(num_tokens) <= len(self._swap_free)
 
     def receive(self, seq: Sequence, num_tokens: int) -> None:
@@ -250,6 +447,9 @@ class BlockManager:
         """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""
         self._swap_free.extend(seq.block_table)
         seq.block_table = []
+        if seq.window_tables:
+            self._swap_free.extend(b for t in seq.window_tables for b in t[seq.window_start:])
+            seq.window_tables, seq.window_start = [], 0
 
     def share(self, block: int) -> None:
         """Add a reference to a used block (a second table holds it, e.g. a shared prefix)."""

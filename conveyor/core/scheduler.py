@@ -54,6 +54,8 @@ class ScheduledSequence:
     prompt_len: int
     num_draft: int = 0
     lora_request: LoRARequest | None = None
+    # A hybrid KV cache's sliding layer groups' tables (`HybridLayout`); empty otherwise.
+    window_tables: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -333,7 +335,7 @@ class Scheduler:
         for cand in eligible:
             if not self._adapter_fits(cand, adapters):
                 continue  # admission would pass it by: preempting for it would make room for nobody
-            need = bm.blocks_for_tokens(min(cand.num_tokens, self.config.max_num_batched_tokens))
+            need = bm.pages_for_tokens(min(cand.num_tokens, self.config.max_num_batched_tokens))
             # Aging reorders admission only: aged requests neither displace nor are displaced
             # (were they to displace, their victims would age in turn and displace them back).
             if self.policy.is_aged(cand, now):
@@ -345,7 +347,7 @@ class Scheduler:
                     return  # the queue is ordered: no later candidate beats this victim either
                 victims.remove(victim)
                 self.running.remove(victim)
-                free += len(victim.block_table)
+                free += bm.num_held(victim)
                 self._preempt(victim, out, allow_swap=False)
                 seats += 1
             if seats < 1 or need > free:
@@ -416,7 +418,7 @@ class Scheduler:
             return []
         bm = self.block_manager
         room = len(seq.block_table) * bm.block_size - n  # slots held beyond the last token
-        spare = max(bm.num_free_blocks - self.watermark_blocks, 0) * bm.block_size
+        spare = max(bm.num_free_blocks - self.watermark_blocks, 0) // bm.pages_per_block * bm.block_size
         drafts = drafts[: max(room + spare, 0)]  # drafts never preempt anyone
         if drafts and not bm.allocate(seq, n + len(drafts)):
             return []
@@ -447,7 +449,7 @@ class Scheduler:
         out.scheduled.append(
             ScheduledSequence(
                 seq.seq_id, [tokens[start], *drafts], start, seq.block_table, True,
-                seq.sampling_params, tokens, seq.prompt_len, len(drafts), seq.lora_request,
+                seq.sampling_params, tokens, seq.prompt_len, len(drafts), seq.lora_request, seq.window_tables,
             )
         )
         seq.num_computed_tokens = start + 1
@@ -529,7 +531,7 @@ class Scheduler:
                 remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
                 target = max(target, min(seq.num_tokens + remaining, self.max_model_len))
             # Cached blocks in the free pool leave it when taken: they count as new.
-            need = bm.blocks_for_tokens(target) - len(hits) + bm.num_evictable(hits)
+            need = bm.admission_need(seq, hits, target)
             # Keep a watermark of blocks for running decodes, unless the cache is otherwise idle.
             if num_new <= 0 or need > bm.num_free_blocks or (
                 not reserve and need + self.watermark_blocks > bm.num_free_blocks and self.running
@@ -591,6 +593,7 @@ class Scheduler:
                 seq.prompt_len,
                 0,
                 seq.lora_request,
+                seq.window_tables,
             )
         )
         seq.num_computed_tokens = end
@@ -780,18 +783,28 @@ class Scheduler:
 
     # -- checks ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(
-            (s.block_table for s in (*self.waiting, *self.running)),
-            (s.block_table for s in self.swapped),
+        bm = self.block_manager
+        bm.check_integrity(
+            (t for s in (*self.waiting, *self.running) for t in bm.tables_of(s)),
+            (t for s in self.swapped for t in bm.tables_of(s)),
         )
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING, seq
-            assert not seq.block_table, f"waiting {seq} holds blocks"
+            assert not seq.block_table and not seq.window_tables, f"waiting {seq} holds blocks"
         for seq in self.swapped:
             assert seq.status is SequenceStatus.SWAPPED, seq
+        for seq in (*self.running, *self.swapped):
+            # A hybrid cache's sliding tables: as long as the global one, null before the
+            # window of the next query (none of the blocks a query still reads released).
+            if bm.num_window_groups and seq.block_table:
+                assert len(seq.window_tables) == bm.num_window_groups, seq
+                assert all(len(t) == len(seq.block_table) for t in seq.window_tables), seq
+                assert seq.window_start <= bm._dead(seq.num_computed_tokens), seq
+            else:
+                assert not seq.window_tables and not seq.window_start, seq
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING, seq
-            covered = len(seq.block_table) * self.block_manager.block_size
+            covered = len(seq.block_table) * bm.block_size
             assert covered >= seq.num_computed_tokens, seq
         assert len(self.running) + len(self.swapped) <= self.config.max_num_seqs
         assert len(self._adapters()) <= self.config.max_loras, self._adapters()

@@ -44,6 +44,9 @@ class AttentionMetadata:
     sliding_window: int | None = None
     mask_dtype: torch.dtype = torch.float32  # the compute dtype, for additive masks
     windows: dict[int, AttentionMetadata] = field(default_factory=dict)  # `windowed`'s, by window
+    # A hybrid KV cache (conveyor/core/block_manager.py: HybridLayout): each layer's metadata,
+    # this one for a global layer's, its group's (tables and slots of its own) for a sliding one.
+    layer_metas: list[AttentionMetadata] | None = None
 
     def windowed(self, window: int) -> AttentionMetadata:
         """This step's metadata for a layer that attends within its last `window` positions

@@ -301,6 +301,7 @@ class Attention(nn.Module):
         # A window of its own (Gemma; None: the step's): masks of that window, and a backend
         # built with it (`prepare_for_inference`).
         self.window: int | None = arch.layer_windows[index] if arch.layer_windows else None
+        self.layer_index = index  # (a hybrid KV cache's metadata: `AttentionMetadata.layer_metas`)
 
     native_rope: Callable[..., None] | None = None  # set by prepare_for_inference (CPU float32)
     # RoPE, the K/V write and the attention from the fused projection's output, one launch for
@@ -326,6 +327,8 @@ class Attention(nn.Module):
         qkv = qkv.view(T, h + 2 * kvh, self.head_dim)
         if self.sinks is not None:  # (the backend, eager or Triton, may serve several layers)
             self.backend.sinks = self.sinks
+        if meta.layer_metas is not None:  # a hybrid KV cache: this layer's group's tables and slots
+            meta = meta.layer_metas[self.layer_index]
         rope_attend = self.rope_attend
         if rope_attend is not None and self.q_norm is None and not self.rotary_dim:
             return rope_attend(qkv, rope[0], rope[1], h, kv_cache, meta, self.scale).reshape(T, self.q_size)
@@ -610,7 +613,8 @@ class LlamaForCausalLM(nn.Module):
         # fused paths read the base weights directly.
         plain = self.lora is None or self.lora.current() is None
         fused = self.fused_decode
-        if plain and fused is not None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
+        # (the native whole-model decode reads one table for every layer: not a hybrid cache's)
+        if plain and fused is not None and meta.layer_metas is None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
             return fused(input_ids, positions, kv_caches, meta)
         if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))

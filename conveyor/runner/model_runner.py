@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from conveyor.core.block_manager import HybridLayout
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.models.attention import HostBlockTables, build_metadata, host_longs, to_device
 from conveyor.models.llama import LlamaForCausalLM
@@ -75,6 +76,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 0,
+        layout: HybridLayout | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -91,19 +93,33 @@ class ModelRunner:
         # Zeroed, not just allocated: attention reads whole blocks and hides the unused slots
         # with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
         layers = 0 if arch.is_encoder else arch.num_layers  # (an encoder keeps no K/V)
-        self.kv_caches = [
+        # A hybrid cache (`HybridLayout`): `page_layers` tensors, each layer reading and writing
+        # one of them (its slot) through its group's tables; the scratch block is the null one.
+        self.layout = layout
+        self.layer_groups: list[int] = []
+        if layout is not None:
+            placed = layout.groups_of([arch.window_of(i) for i in range(layers)])
+            self.layer_groups = [g for g, _ in placed]
+            layers = layout.page_layers
+        self.kv_pages = [
             torch.zeros((2, slots, *arch.kv_cache_shape), dtype=self.kv_dtype, device=device)
             for _ in range(layers)
         ]
         # CPU swap space, same layout (pinned on CUDA so copies can be asynchronous).
         pin = device.type == "cuda"
-        self.swap_caches = [
+        self.swap_pages = [
             torch.zeros(
                 (2, num_swap_blocks * block_size, *arch.kv_cache_shape),
                 dtype=self.kv_dtype, pin_memory=pin,
             )
             for _ in range(layers if num_swap_blocks else 0)
         ]
+        # Each layer's cache (a page slot's, shared by a slot's layers, in a hybrid cache).
+        self.kv_caches = self.kv_pages if layout is None else [self.kv_pages[i] for _, i in placed]
+        self.swap_caches = self.swap_pages if layout is None else [
+            self.swap_pages[i] for _, i in placed] if num_swap_blocks else []
+        # The sliding groups' tables as int64 arrays (`host_tables`'s, a group each).
+        self.window_host_tables = [HostBlockTables() for _ in range(layout.num_window_groups if layout else 0)]
         self.sampler = Sampler(seed, device)
         self.hidden_size = arch.hidden_size  # an embedding's length (SamplingParams.pooling)
         # A sentence-transformers model's Dense modules, applied to a pooled embedding in order
@@ -140,7 +156,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+        return sum(c.numel() * c.element_size() for c in self.kv_pages)
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
         seed = item.sampling_params.seed
@@ -159,6 +175,14 @@ class ModelRunner:
                 torch.empty(self.model.arch.vocab_size, device=self.device).exponential_(generator=g)
             self._generators[item.seq_id] = g
         return g
+
+    def hybrid_metadata(self, meta: Any, window_tables: list[Any], starts: list[int], num_new: list[int]) -> None:
+        """A hybrid cache's step: each sliding group's metadata from its tables (slots, and the
+        window's masks), and every layer's (`AttentionMetadata.layer_metas`)."""
+        assert self.layout is not None
+        groups = [meta] + [build_metadata(tables, starts, num_new, self.block_size, self.device, self.layout.window,
+                                          self.dtype) for tables in window_tables]
+        meta.layer_metas = [groups[g] for g in self.layer_groups]
 
     def _copy_blocks(
         self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]
@@ -201,10 +225,14 @@ class ModelRunner:
     def _whole_kv(self) -> None:
         if self.peers is not None:
             raise RuntimeError("a tensor-parallel engine's K/V lie across its ranks: it hands none over")
+        if self.layout is not None:
+            raise RuntimeError("a hybrid KV cache frees sliding layers' K/V: it hands none over")
 
     def kv_mismatch(self, data: torch.Tensor) -> str | None:
         if self.peers is not None:
             return "this engine is tensor-parallel: its K/V lie across its ranks, and it takes none handed over"
+        if self.layout is not None:
+            return "this engine's hybrid KV cache frees sliding layers' K/V: it takes none handed over"
         arch = self.model.arch
         want = (arch.num_layers, 2, *arch.kv_cache_shape)
         got = (*data.shape[:2], *data.shape[3:]) if isinstance(data, torch.Tensor) and data.dim() == 5 else None
@@ -232,14 +260,16 @@ class ModelRunner:
             self._guides.pop(seq_id, None)
             self._pool_sums.pop(seq_id, None)
             self.host_tables.drop(seq_id)
+            for group in self.window_host_tables:
+                group.drop(seq_id)
         peers = self.peers
         if peers is not None and (scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in):
             peers.send(Step(swap_out=scheduler_output.blocks_to_swap_out, swap_in=scheduler_output.blocks_to_swap_in))
         # All swap-outs first: their device blocks may be handed to others in this very step.
         if scheduler_output.blocks_to_swap_out:
-            self._copy_blocks(self.kv_caches, self.swap_caches, scheduler_output.blocks_to_swap_out)
+            self._copy_blocks(self.kv_pages, self.swap_pages, scheduler_output.blocks_to_swap_out)
         if scheduler_output.blocks_to_swap_in:
-            self._copy_blocks(self.swap_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
+            self._copy_blocks(self.swap_pages, self.kv_pages, scheduler_output.blocks_to_swap_in)
         cuda = self.device.type == "cuda"
         items = scheduler_output.scheduled
         if not items:
@@ -286,9 +316,15 @@ class ModelRunner:
                 self.sliding_window,
                 self.dtype,
             )
+            window_tables = None
+            if self.layout is not None:
+                ids = [it.seq_id for it in items]
+                window_tables = [host.rows(ids, [it.window_tables[g] for it in items])
+                                 for g, host in enumerate(self.window_host_tables)]
+                self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
             if peers is not None:
                 peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
-                                num_new=num_new,
+                                num_new=num_new, window_tables=window_tables,
                                 lora=None if adapters is None else [it.lora_request for it in items]))
             if adapters is None:
                 hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)

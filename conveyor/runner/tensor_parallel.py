@@ -62,6 +62,7 @@ class Recipe:
     calibration_ids: list[int] | None = None
     shm_path: str | None = None  # the shared all-reduce mapping (None: gloo); set by the group
     lora: tuple[int, int] | None = None  # enable_lora: (max_lora_rank, adapters kept loaded)
+    layout: Any = None  # hybrid_kv_cache: the HybridLayout (conveyor/core/block_manager.py)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     tables: list[Any] = field(default_factory=list)  # each sequence's block table
+    window_tables: list[list[Any]] | None = None  # a hybrid cache's: each sliding group's tables
     starts: list[int] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     # The LM head over the last forward pass's rows `head_rows` (None: all), split by vocabulary
@@ -326,13 +328,15 @@ class Worker:
             split_logits(runner.model, rows, self.rank, self.size, self.all_reduce)
             return
         if step.swap_out:
-            runner._copy_blocks(runner.kv_caches, runner.swap_caches, step.swap_out)
+            runner._copy_blocks(runner.kv_pages, runner.swap_pages, step.swap_out)
         if step.swap_in:
-            runner._copy_blocks(runner.swap_caches, runner.kv_caches, step.swap_in)
+            runner._copy_blocks(runner.swap_pages, runner.kv_pages, step.swap_in)
         if not step.token_ids:
             return
         meta = build_metadata(step.tables, step.starts, step.num_new, runner.block_size, runner.device,
                               runner.sliding_window, runner.dtype)
+        if step.window_tables is not None:
+            runner.hybrid_metadata(meta, step.window_tables, step.starts, step.num_new)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
         if step.lora is None:
             self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
@@ -357,7 +361,7 @@ def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelR
     )
     runner = ModelRunner(model, recipe.num_blocks, recipe.block_size, dtype, device,
                          num_swap_blocks=recipe.num_swap_blocks, kv_dtype=getattr(torch, recipe.kv_dtype),
-                         max_model_len=recipe.max_len)
+                         max_model_len=recipe.max_len, layout=recipe.layout)
     if recipe.lora is not None:
         from conveyor.models.lora import LoRAManager
 

@@ -198,7 +198,8 @@ class RooflineCostModel:
     def __init__(self, hardware: Hardware, model: ModelShape, params: CostParams | None = None,
                  dtype_bytes: int | None = None, block_size: int = 16, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, pipeline_link_bandwidth: float | None = None,
-                 dp_attention: bool = False, fp8: bool = False, expert_bytes: float | None = None) -> None:
+                 dp_attention: bool = False, fp8: bool = False, expert_bytes: float | None = None,
+                 block_share: float = 1.0) -> None:
         """`tensor_parallel`: the devices one step runs on (Megatron-LM's split, as vLLM's -tp):
         each computes 1/n of the layers' weights, of the LM head (split by vocabulary) and of
         the attention heads, holds its share of the K/V (`ModelShape.kv_share`), and the step
@@ -217,7 +218,9 @@ class RooflineCostModel:
         K/V) in FP8, one byte each, multiplied at the hardware's FP8 rate where it has one
         (`Hardware.fp8_flops`; else at its 16-bit rate: a weight-only kernel). `expert_bytes`:
         a routed expert weight's bytes (MXFP4: 4.25 bits), multiplied at the 16-bit rate (the
-        value decoded in the kernel: no FP4 tensor cores before Blackwell)."""
+        value decoded in the kernel: no FP4 tensor cores before Blackwell). `block_share`: the
+        share of the layers whose K/V a block holds (a hybrid cache's page: its `page_layers`
+        of them), what a swapped block moves."""
         if not 1 <= pipeline_parallel <= model.num_layers:
             raise ValueError(f"{model.name}: pipeline_parallel_size={pipeline_parallel} must be in "
                              f"[1, its {model.num_layers} layers]")
@@ -275,7 +278,7 @@ class RooflineCostModel:
         self._attn_prefill_flop_s = per_pair * prefill_dim
         kv = m.kv_bytes_per_token(b) * m.kv_share(n)  # one device's
         self._kv_mem_s = kv / (hardware.mem_bandwidth * p.kv_mbu)  # per context token
-        self._swap_s = kv * block_size / hardware.host_bandwidth  # per block (the devices swap at once)
+        self._swap_s = kv * block_share * block_size / hardware.host_bandwidth  # per block (the devices swap at once)
         link = hardware.peer_bandwidth * p.link_efficiency
         # Per step: 2 all-reduces a layer, a fixed latency each and 2 (n-1)/n of the rows' bytes
         # over the link; the logits' gather (float32 rows of the vocabulary), the same way.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
-from conveyor.core.block_manager import BlockManager
+from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.engine import CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_RESERVE, Engine, plan_cache
 from conveyor.runner.base import RunnerOutput
@@ -348,10 +348,13 @@ def build_sim_engine(
             f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"
             f"{'' if tp * pp > 1 else ' (tensor_parallel_size or pipeline_parallel_size splits them across devices)'}"
         )
+    layout = sim_hybrid_layout(config, model, draft)
+    per_token = device_kv_bytes_per_token(config, model, b, draft)
+    block_share = 1.0 if layout is None else layout.page_layers / model.num_layers
     num_blocks, num_swap, max_len = plan_cache(
-        config, device_kv_bytes_per_token(config, model, b, draft),
+        config, math.ceil(per_token * block_share),
         min(model.max_position_embeddings, draft.max_position_embeddings if draft else model.max_position_embeddings),
-        lambda: kv_budget(config, hardware, model, b, draft),
+        lambda: kv_budget(config, hardware, model, b, draft), layout=layout,
     )
     eos = frozenset(model.eos_token_ids)
     scheduler_config = config.scheduler
@@ -360,11 +363,12 @@ def build_sim_engine(
         num_blocks, num_swap = num_blocks * tp, num_swap * tp
         scheduler_config = dataclasses.replace(scheduler_config, max_num_seqs=scheduler_config.max_num_seqs * tp,
                                                max_num_batched_tokens=scheduler_config.max_num_batched_tokens * tp)
-    scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap, config.cache.enable_prefix_caching), max_len, eos)
+    scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap,
+                                                         config.cache.enable_prefix_caching, layout), max_len, eos)
     fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
                                            pipeline_link_bandwidth, dp_attention=dp, fp8=fp8,
-                                           expert_bytes=expert_weight_bytes(config, model))
+                                           expert_bytes=expert_weight_bytes(config, model), block_share=block_share)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     kind = PipelineSimEngine if pp > 1 else SimEngine
     engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
@@ -383,6 +387,21 @@ def build_sim_engine(
     return engine
 
 
+def sim_hybrid_layout(config: EngineConfig, model: ModelShape, draft: ModelShape | None) -> HybridLayout | None:
+    """The hybrid KV cache's layout for `model` (`hybrid_kv_cache`), as the engine's
+    (`conveyor.engine.hybrid_layout`; the simulator also prices it under tensor parallelism,
+    where each device holds its heads' share of every page)."""
+    if not config.cache.hybrid_kv_cache:
+        return None
+    if config.model.pipeline_parallel_size > 1 or config.model.enable_dp_attention or draft is not None:
+        raise ConfigError("hybrid_kv_cache is not modelled with pipeline parallelism, DP attention or a draft model")
+    try:
+        return HybridLayout.of([model.sliding_window] * model.num_sliding_layers
+                               + [0] * (model.num_layers - model.num_sliding_layers))
+    except ValueError as e:
+        raise ConfigError(f"hybrid_kv_cache: {model.name}: {e}") from None
+
+
 def describe_capacity(engine: Any) -> dict[str, Any]:
     """KV capacity facts of a simulated engine, for reports."""
     cfg = engine.config
@@ -394,6 +413,10 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
     per_token = device_kv_bytes_per_token(cfg, model, b, draft)
     if cfg.model.enable_dp_attention:  # one engine holds the group's blocks: a device's share
         blocks //= cfg.model.tensor_parallel_size
+    layout = engine.scheduler.block_manager.layout
+    # A hybrid cache's block holds its `page_layers` layers' K/V: its tokens are pages x block
+    # size, each sequence's spread over its tables.
+    share = 1.0 if layout is None else layout.page_layers / model.num_layers
     return {
         "hardware": hw.name,
         "model": model.name,
@@ -405,6 +428,9 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
         "kv_bytes_per_token": per_token,
         "kv_blocks": blocks,
         "kv_tokens": blocks * cfg.cache.block_size,
-        "kv_gib": blocks * cfg.cache.block_size * per_token / 2**30,
+        "kv_gib": blocks * cfg.cache.block_size * per_token * share / 2**30,
+        "hybrid_kv_cache": None if layout is None else {
+            "window": layout.window, "page_layers": layout.page_layers,
+            "num_window_groups": layout.num_window_groups},
         "max_model_len": engine.max_model_len,
     }

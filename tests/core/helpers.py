@@ -27,7 +27,7 @@ VOCAB = 16
 EOS = 0
 STOP_TOKEN = 7
 
-Tag = tuple[int, int]  # (key of the tokens at positions 0..pos, pos)
+Tag = tuple[int, ...]  # (key of the tokens at positions 0..pos, pos[, sliding group])
 
 
 # -- the model: a deterministic next-token function of the whole context ------------------
@@ -83,9 +83,16 @@ class FakeRunner:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False
+        self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False,
+        window: int = 0,
     ) -> None:
         self.block_size = block_size
+        # A hybrid cache (`HybridLayout`): each sliding group's table is read over the window
+        # before the step's first query only, its slots tagged with the group too; an entry
+        # out of the window is the null block (`num_blocks`), which nothing reads or writes.
+        self.window = window
+        self.null_block = num_blocks
+        self.window_host_tables: dict[int, HostBlockTables] = {}
         self.shared_prefixes = shared_prefixes
         self.slots: list[Tag | None] = [None] * (num_blocks * block_size)
         self.swap_slots: list[Tag | None] = [None] * (num_swap_blocks * block_size)
@@ -146,6 +153,13 @@ class FakeRunner:
         for item, row in zip(out.scheduled, rows, strict=True):
             assert row.tolist() == item.block_table, f"seq {item.seq_id}: host row {row} for {item.block_table}"
             table = row.tolist()
+            windows = []
+            for g, wt in enumerate(item.window_tables, 1):
+                host = self.window_host_tables.setdefault(g, HostBlockTables())
+                wrow = host.rows([item.seq_id], [wt])[0].tolist()
+                assert wrow == wt, f"seq {item.seq_id}: group {g}'s host row {wrow} for {wt}"
+                assert len(wt) == len(table), (item, g)
+                windows.append((g, wt))
             if item.num_draft:  # the drafts are not the sequence's tokens (yet)
                 assert item.all_token_ids[item.start_pos + 1 :] == [PLACEHOLDER], item
                 context = item.all_token_ids[: item.start_pos] + item.token_ids
@@ -155,6 +169,7 @@ class FakeRunner:
             # Real K/V depend on the adapter too: a block shared across adapters reads wrong.
             salt = 0 if item.lora_request is None else hash(item.lora_request.lora_name)
             key = salt if self.shared_prefixes else hash((item.seq_id, self.epoch.get(item.seq_id, 0)))
+            first_read = item.start_pos - self.window + 1  # the first query's window
             for pos, token in enumerate(context):
                 key = hash((key, token))
                 slot = self._slot(table, pos)
@@ -163,6 +178,16 @@ class FakeRunner:
                 else:
                     self.slots[slot] = (key, pos)
                     written.add(slot)
+                if pos < first_read:
+                    continue
+                for g, wt in windows:
+                    assert wt[pos // self.block_size] != self.null_block, f"seq {item.seq_id} pos {pos}: released"
+                    slot = self._slot(wt, pos)
+                    if pos < item.start_pos:
+                        reads.append((item.seq_id, pos, slot, (key, pos, g)))
+                    else:
+                        self.slots[slot] = (key, pos, g)
+                        written.add(slot)
             self.tables[item.seq_id] = list(item.block_table)
             if item.num_draft:
                 n = item.start_pos + 1
@@ -185,6 +210,8 @@ class FakeRunner:
         for seq_id in out.finished_seq_ids:
             self.tables.pop(seq_id, None)
             self.host_tables.drop(seq_id)
+            for host in self.window_host_tables.values():
+                host.drop(seq_id)
         return sampled
 
 

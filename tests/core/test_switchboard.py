@@ -37,7 +37,7 @@ from conveyor.config import (
     SchedulerConfig,
 )
 from conveyor.core.batching import QueueState, make_batching
-from conveyor.core.block_manager import BlockManager
+from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.policies import OnlineMeanPredictor, ShortestPredictedFirstPolicy
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
@@ -295,9 +295,12 @@ class Board:
     num_swap_blocks: int
     requests: tuple[Req, ...]
     prefix_caching: bool = False
+    layout: HybridLayout | None = None
 
     @property
     def max_model_len(self) -> int:
+        if self.layout is not None:  # what one sequence's tables hold alone (as `plan_cache`)
+            return self.layout.capacity(self.num_blocks, self.block_size, self.config.kv_chunk)
         return self.num_blocks * self.block_size
 
     @property
@@ -438,7 +441,8 @@ class Before:
             swapped=list(sched.swapped),
             computed={s.seq_id: s.num_computed_tokens for s in everyone},
             uncomputed={s.seq_id: s.num_uncomputed_tokens for s in everyone},
-            tables={s.seq_id: list(s.block_table) for s in everyone},
+            # Every block a sequence holds (a hybrid cache's sliding tables' too).
+            tables={s.seq_id: [b for t in sched.block_manager.tables_of(s) for b in t] for s in everyone},
             first_scheduled={s.seq_id for s in everyone if s.metrics.first_scheduled_time is not None},
             free_swap_blocks=sched.block_manager.num_free_swap_blocks,
             members=set(getattr(batching, "members", set())),
@@ -516,6 +520,18 @@ class Checker:
             if before.computed[item.seq_id] == 0 and item.start_pos > 0:  # a prefix-cache hit
                 assert self.board.prefix_caching and item.start_pos % bs == 0, item
                 assert item.start_pos < seq.num_tokens - seq.num_pending, "a hit left nothing to compute"
+            layout = self.board.layout
+            if layout is not None:
+                # A hybrid cache's sliding tables: as long as the global one, every block before
+                # the first query's window released at once, every one after it held.
+                assert item.window_tables is seq.window_tables
+                assert len(seq.window_tables) == layout.num_window_groups
+                dead = max(0, item.start_pos - layout.window + 1) // bs
+                assert seq.window_start == dead, (seq, dead)
+                for t in seq.window_tables:
+                    assert len(t) == len(item.block_table)
+                    assert all(b == board_null(self.board) for b in t[:dead])
+                    assert board_null(self.board) not in t[dead:]
         for seq in sched.running:
             if cfg.kv_reservation == "reserve":
                 reserved = min(seq.prompt_len + seq.sampling_params.max_tokens, self.board.max_model_len)
@@ -548,11 +564,13 @@ class Checker:
             )
             fits = 0 < len(table) <= pool
             if seq_id in swapped_now:
-                assert wants_swap and fits, f"seq {seq_id} swapped under {cfg.preemption_mode}"
-                # A swapped sequence keeps its computed tokens, on as many swap blocks.
+                # A swapped sequence keeps its computed tokens, on as many swap blocks (fewer
+                # in a hybrid cache, when its allocation this step released sliding ones).
+                held = sched.block_manager.num_held(seq)
+                assert wants_swap and 0 < held <= pool, f"seq {seq_id} swapped under {cfg.preemption_mode}"
                 assert seq.num_computed_tokens == computed
-                assert len(seq.block_table) == len(table)
-                pool -= len(table)
+                assert held == len(table) or (self.board.layout is not None and held < len(table))
+                pool -= held
                 swaps += 1
             else:
                 assert seq in sched.waiting
@@ -561,7 +579,7 @@ class Checker:
                     # Without displacement every preemption is for memory: swap when it can.
                     raise AssertionError(f"seq {seq_id} recomputed though it could be swapped")
         assert len(out.blocks_to_swap_out) == sum(
-            len(before.tables[i]) for i in out.preempted_seq_ids if i in swapped_now
+            sched.block_manager.num_held(s) for s in sched.swapped if s.seq_id in out.preempted_seq_ids
         )
         assert sched.num_swaps_out - self.num_swapped_out == swaps
         self.num_swapped_out = sched.num_swaps_out
@@ -680,10 +698,15 @@ def admissible(board: Board, req: Req) -> bool:
     return board.config.prefill_mode == "chunked" or req.prompt_len <= board.config.max_num_batched_tokens
 
 
+def board_null(board: Board) -> int:
+    return board.num_blocks  # (the block manager's null block)
+
+
 def run_board(board: Board) -> BoardRun:
-    bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching)
+    bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
-    runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching)
+    runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching,
+                        board.layout.window if board.layout else 0)
     checker = Checker(board, sched)
     specs = {i: r for i, r in enumerate(board.requests) if admissible(board, r)}
     pending = sorted(specs, key=lambda i: (specs[i].arrival, i))
@@ -789,6 +812,44 @@ def test_every_switchboard_keeps_the_invariants(memory: str, prefill_mode: str, 
     event(f"batching={cfg.batching}")
     event(f"policy={cfg.policy}")
     event(f"admission={cfg.admission}")
+    event("swapped" if run.sched.num_swaps_out else "no swap")
+    event("preempted" if run.sched.num_preemptions else "no preemption")
+    if board.prefix_caching:
+        event("prefix hits" if run.sched.block_manager.num_hit_tokens else "prefix caching, no hit")
+
+
+@st.composite
+def hybrid_boards(draw: st.DrawFn, memory: str, prefill_mode: str) -> Board:
+    """A board over a hybrid cache: sliding groups (1 to 3) with windows from one token to
+    more than the longest sequence, the pool grown by as many blocks a token as a sequence
+    takes at first (so that about as many tokens fit as on the plain board)."""
+    board = draw(boards(memory, prefill_mode))
+    layout = HybridLayout(window=draw(st.one_of(st.integers(1, 6), st.integers(7, 80))), page_layers=1,
+                          num_window_groups=draw(st.integers(1, 3)))
+    return dataclasses.replace(board, num_blocks=board.num_blocks * (1 + layout.num_window_groups), layout=layout)
+
+
+@pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
+@pytest.mark.parametrize("memory", MEMORY)
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_every_switchboard_keeps_the_invariants_over_a_hybrid_cache(
+    memory: str, prefill_mode: str, data: st.DataObject
+) -> None:
+    """The same invariants with sliding tables that release their blocks as the window moves
+    on: the fake runner reads each group's window through its own table, so a block released
+    while a query still reads it (and handed to another sequence), a swap that forgets a
+    sliding block, or a prefix hit without its window's blocks gives a wrong token."""
+    board = data.draw(hybrid_boards(memory, prefill_mode))
+    run = run_board(board)
+    check_board_outputs(run, board)
+    assert board.layout is not None
+    event("window outgrown" if any(s.num_tokens > board.layout.window + board.block_size
+                                   for s in run.seqs.values()) else "window never outgrown")
     event("swapped" if run.sched.num_swaps_out else "no swap")
     event("preempted" if run.sched.num_preemptions else "no preemption")
     if board.prefix_caching:
