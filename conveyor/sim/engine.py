@@ -348,11 +348,10 @@ def build_sim_engine(
             f"{config.cache.gpu_memory_utilization:.0%} of {hardware.name}'s {hardware.memory_bytes / 2**30:.0f} GiB"
             f"{'' if tp * pp > 1 else ' (tensor_parallel_size or pipeline_parallel_size splits them across devices)'}"
         )
-    layout = sim_hybrid_layout(config, model, draft)
-    per_token = device_kv_bytes_per_token(config, model, b, draft)
+    layout = sim_hybrid_layout(config, model)
     block_share = 1.0 if layout is None else layout.page_layers / model.num_layers
     num_blocks, num_swap, max_len = plan_cache(
-        config, math.ceil(per_token * block_share),
+        config, block_kv_bytes_per_token(config, model, b, draft, layout),
         min(model.max_position_embeddings, draft.max_position_embeddings if draft else model.max_position_embeddings),
         lambda: kv_budget(config, hardware, model, b, draft), layout=layout,
     )
@@ -387,14 +386,27 @@ def build_sim_engine(
     return engine
 
 
-def sim_hybrid_layout(config: EngineConfig, model: ModelShape, draft: ModelShape | None) -> HybridLayout | None:
+def block_kv_bytes_per_token(config: EngineConfig, model: ModelShape, dtype_bytes: int, draft: ModelShape | None,
+                             layout: HybridLayout | None) -> int:
+    """What a block holds a token of, on one device: `device_kv_bytes_per_token`, or a hybrid
+    cache's page's: its layers' share of the model's, and the draft's whole (its cache spans
+    every block id, as the engine's drafter's does)."""
+    per_token = device_kv_bytes_per_token(config, model, dtype_bytes, draft)
+    if layout is None:
+        return per_token
+    own = device_kv_bytes_per_token(config, model, dtype_bytes)
+    return math.ceil(own * layout.page_layers / model.num_layers) + per_token - own
+
+
+def sim_hybrid_layout(config: EngineConfig, model: ModelShape) -> HybridLayout | None:
     """The hybrid KV cache's layout for `model` (`hybrid_kv_cache`), as the engine's
-    (`conveyor.engine.hybrid_layout`; the simulator also prices it under tensor parallelism,
-    where each device holds its heads' share of every page)."""
+    (`conveyor.engine.hybrid_layout`; under tensor parallelism each device holds its heads'
+    share of every page)."""
     if not config.cache.hybrid_kv_cache:
         return None
-    if config.model.pipeline_parallel_size > 1 or config.model.enable_dp_attention or draft is not None:
-        raise ConfigError("hybrid_kv_cache is not modelled with pipeline parallelism, DP attention or a draft model")
+    if config.model.pipeline_parallel_size > 1 or config.model.enable_dp_attention:
+        raise ConfigError("hybrid_kv_cache is not modelled with pipeline parallelism or DP attention (a stage's "
+                          "or a device's own layers and sequences)")
     try:
         return HybridLayout.of([model.sliding_window] * model.num_sliding_layers
                                + [0] * (model.num_layers - model.num_sliding_layers))
@@ -416,7 +428,7 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
     layout = engine.scheduler.block_manager.layout
     # A hybrid cache's block holds its `page_layers` layers' K/V: its tokens are pages x block
     # size, each sequence's spread over its tables.
-    share = 1.0 if layout is None else layout.page_layers / model.num_layers
+    page = block_kv_bytes_per_token(cfg, model, b, draft, layout)
     return {
         "hardware": hw.name,
         "model": model.name,
@@ -428,7 +440,7 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
         "kv_bytes_per_token": per_token,
         "kv_blocks": blocks,
         "kv_tokens": blocks * cfg.cache.block_size,
-        "kv_gib": blocks * cfg.cache.block_size * per_token * share / 2**30,
+        "kv_gib": blocks * cfg.cache.block_size * page / 2**30,
         "hybrid_kv_cache": None if layout is None else {
             "window": layout.window, "page_layers": layout.page_layers,
             "num_window_groups": layout.num_window_groups},

@@ -105,3 +105,59 @@ def test_simulate_gemma_end_to_end(tmp_path, capsys):
     assert "16/16 done" in capsys.readouterr().out
     result = json.loads((out / "result.json").read_text())
     assert result["simulation"]["model"]["num_sliding_layers"] == 52
+
+
+def test_a_hybrid_cache_plans_pages_of_the_global_layers_count():
+    """`--hybrid-kv-cache`: Gemma 3 27B's 10 global layers make a page, its 52 sliding ones six
+    groups; the same bytes hold 62 / 10 the blocks, and the block manager is the engine's."""
+    from conveyor.config import EngineConfig
+    from conveyor.core.block_manager import HybridLayout
+    from conveyor.sim.engine import build_sim_engine, describe_capacity
+    from conveyor.sim.hardware import get_hardware
+
+    hw, model = get_hardware("h100-sxm"), get_model("gemma-3-27b")
+    whole = build_sim_engine(EngineConfig.from_kwargs(), hw, model)
+    hybrid = build_sim_engine(EngineConfig.from_kwargs(hybrid_kv_cache=True), hw, model)
+    assert hybrid.scheduler.block_manager.layout == HybridLayout(1024, 10, 6)
+    assert hybrid.num_kv_blocks == pytest.approx(whole.num_kv_blocks * 62 / 10, rel=1e-3)
+    a, b = describe_capacity(whole), describe_capacity(hybrid)
+    assert b["kv_gib"] == pytest.approx(a["kv_gib"], rel=1e-3)
+    assert a["hybrid_kv_cache"] is None and b["hybrid_kv_cache"]["num_window_groups"] == 6
+    # The whole cache caps the context at what it holds; the hybrid one holds a 128K sequence
+    # (8,192 global blocks, six windows and chunks of 193 blocks: 9,350 of 16,952).
+    assert whole.max_model_len == whole.num_kv_blocks * 16 < 50_000
+    assert hybrid.max_model_len == model.max_position_embeddings == 131_072
+
+
+def test_a_hybrid_cache_serves_more_long_requests_at_once():
+    """24 requests of 8K prompts on one H100: the whole cache runs six such sequences at once,
+    the hybrid one more than twice as many, so it finishes sooner."""
+    from conveyor import SamplingParams
+    from conveyor.config import EngineConfig
+    from conveyor.sim.engine import build_sim_engine
+    from conveyor.sim.hardware import get_hardware
+
+    hw, model = get_hardware("h100-sxm"), get_model("gemma-3-27b")
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    peaks, times = {}, {}
+    for hybrid in (False, True):
+        engine = build_sim_engine(EngineConfig.from_kwargs(hybrid_kv_cache=hybrid), hw, model, trace=False)
+        for i in range(24):
+            engine.add_request(str(i), [5 + i] * 8192, params)
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            peak = max(peak, len(engine.scheduler.running))
+        peaks[hybrid], times[hybrid] = peak, engine.clock()
+    assert peaks[False] <= 6 and peaks[True] >= 2.5 * peaks[False], peaks
+    assert times[True] < times[False]
+
+
+def test_a_hybrid_cache_is_not_modelled_over_pipeline_stages():
+    from conveyor.config import ConfigError, EngineConfig
+    from conveyor.sim.engine import build_sim_engine
+    from conveyor.sim.hardware import get_hardware
+
+    with pytest.raises(ConfigError, match="pipeline"):
+        build_sim_engine(EngineConfig.from_kwargs(hybrid_kv_cache=True, pipeline_parallel_size=2),
+                         get_hardware("h100-sxm"), get_model("gemma-3-27b"))
