@@ -626,9 +626,6 @@ class Engine:
             )
         if params.pooling is not None and (export_kv or kv_handoff is not None):
             raise InvalidRequestError("an embedding request has no K/V to hand over", param="kv_transfer")
-        if (export_kv or kv_handoff is not None) and self.scheduler.block_manager.num_window_groups:
-            raise InvalidRequestError("this engine's hybrid KV cache frees a sliding layer's K/V as they leave its "
-                                      "window: it hands none over and takes none", param="kv_transfer")
         if params.n > 1:
             self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
             return
@@ -671,7 +668,7 @@ class Engine:
         bm = self.scheduler.block_manager
         if kv_handoff is None:
             self.scheduler.add(seq)
-        elif bm.blocks_for_tokens(kv_handoff.num_tokens) > bm.num_swap_blocks:
+        elif bm.pages_to_receive(kv_handoff.num_tokens) > bm.num_swap_blocks:
             logger.warning("request %s: its %d handed-over tokens exceed the swap space (kv_receive_space); "
                            "computing them again", request_id, kv_handoff.num_tokens)
             self.num_kv_recomputed += 1
@@ -725,7 +722,11 @@ class Engine:
                 return
             self._incoming.popleft()
             self.scheduler.receive(req.seq, handoff.num_tokens)
-            self.runner.receive_kv(req.seq.block_table, handoff.data)
+            seq = req.seq
+            if seq.window_tables:  # a hybrid cache's sliding groups (`BlockManager.receive`)
+                self.runner.receive_kv(seq.block_table, handoff.data, seq.window_tables, seq.window_start)
+            else:
+                self.runner.receive_kv(seq.block_table, handoff.data)
             self.num_kv_received += 1
 
     def check_lora(self, lora_request: LoRARequest) -> None:
@@ -909,7 +910,7 @@ class Engine:
         accepted_before = self.scheduler.num_accepted_tokens
         for item in sched_out.scheduled:  # the K/V a disaggregated prefill hands over, before its blocks go
             if item.sample and (req := self._by_seq.get(item.seq_id)) is not None and req.export_kv:
-                self._export(req, item.block_table, item.context_len)
+                self._export(req, item.block_table, item.context_len, item.window_tables)
         updates = self.scheduler.update(sched_out, run_out.sampled, now, run_out.logprobs, run_out.accepted)
         self._record(sched_out, start, now - start, self.scheduler.num_accepted_tokens - accepted_before)
 
@@ -938,10 +939,13 @@ class Engine:
                 outputs.append(self._output(req))
         return outputs
 
-    def _export(self, req: _Request, block_table: list[int], num_tokens: int) -> None:
+    def _export(self, req: _Request, block_table: list[int], num_tokens: int,
+                window_tables: list[list[int]] | None = None) -> None:
         lora = req.seq.lora_request
+        data = (self.runner.read_kv(block_table, num_tokens, window_tables) if window_tables
+                else self.runner.read_kv(block_table, num_tokens))
         req.handoff = KVHandoff(
-            req.seq.token_ids[:num_tokens], self.runner.read_kv(block_table, num_tokens),
+            req.seq.token_ids[:num_tokens], data,
             self.runner.kv_bytes(num_tokens), None if lora is None else lora.key,
         )
 
@@ -1330,10 +1334,6 @@ def hybrid_layout(config: EngineConfig, arch: Any) -> HybridLayout | None:
     an engine it is not built for."""
     if not config.cache.hybrid_kv_cache:
         return None
-    cc = config.cache
-    if cc.kv_receive_space > 0:
-        raise ConfigError("hybrid_kv_cache runs without kv_receive_space (K/V handed over a whole layer at a "
-                          "time): not built for it yet")
     if arch.is_encoder:
         raise ConfigError("hybrid_kv_cache: an encoder keeps no K/V")
     try:

@@ -430,18 +430,30 @@ class BlockManager:
             seq.window_tables = [[*t[:ws], *(back(b) for b in t[ws:])] for t in seq.window_tables]
         return mapping
 
+    def pages_to_receive(self, num_tokens: int) -> int:
+        """Swap blocks the K/V of a sequence's first `num_tokens` tokens take when handed over:
+        every block of the global table; of each sliding one, those its next query reads."""
+        n = self.blocks_for_tokens(num_tokens)
+        return n + self.num_window_groups * (n - min(n, self._dead(num_tokens)))
+
     def can_receive(self, num_tokens: int) -> bool:
-        assert not self.num_window_groups, "a hybrid cache takes no K/V handed over"
-        return self.blocks_for_tokens(num_tokens) <= len(self._swap_free)
+        return self.pages_to_receive(num_tokens) <= len(self._swap_free)
 
     def receive(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` (holding no blocks) swap blocks for the K/V of its first `num_tokens`
         tokens, which another engine computed (conveyor/kv_transfer.py): it is then as if
-        swapped out, and `swap_in` brings it onto the device."""
+        swapped out, and `swap_in` brings it onto the device. A hybrid cache's sliding tables
+        start at the window of the next query (position `num_tokens`)."""
         assert not seq.block_table, f"{seq} already holds blocks"
         if not self.can_receive(num_tokens):
             raise RuntimeError(f"not enough swap space for {num_tokens} tokens")
-        seq.block_table = [self._swap_free.popleft() for _ in range(self.blocks_for_tokens(num_tokens))]
+        n, take = self.blocks_for_tokens(num_tokens), self._swap_free.popleft
+        seq.block_table = [take() for _ in range(n)]
+        if self.num_window_groups:
+            dead = min(n, self._dead(num_tokens))
+            seq.window_tables = [[self.null_block] * dead + [take() for _ in range(n - dead)]
+                                 for _ in range(self.num_window_groups)]
+            seq.window_start = dead
 
     def free_swapped(self, seq: Sequence) -> None:
         """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""

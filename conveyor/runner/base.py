@@ -6,6 +6,7 @@ Neither sees queues or policies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,9 +39,12 @@ class Runner(Protocol):
 
     # Prefill/decode disaggregation (conveyor/kv_transfer.py): the K/V of a sequence's first
     # `num_tokens` tokens out of its device blocks, and handed-over K/V into swap blocks.
-    def read_kv(self, block_table: list[int], num_tokens: int) -> Any: ...
+    # A hybrid KV cache's sliding groups read and write through tables of their own: theirs
+    # follow, and in swap space they start at block `window_start` (`BlockManager.receive`).
+    def read_kv(self, block_table: list[int], num_tokens: int, window_tables: Sequence[list[int]] = ()) -> Any: ...
 
-    def receive_kv(self, swap_table: list[int], data: Any) -> None: ...
+    def receive_kv(self, swap_table: list[int], data: Any, window_tables: Sequence[list[int]] = (),
+                   window_start: int = 0) -> None: ...
 
     def kv_bytes(self, num_tokens: int) -> int: ...
 

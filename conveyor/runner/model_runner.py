@@ -8,7 +8,7 @@ each sampling sequence's last row.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -201,23 +201,31 @@ class ModelRunner:
         return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
 
     @torch.inference_mode()
-    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+    def read_kv(self, block_table: list[int], num_tokens: int, window_tables: Sequence[list[int]] = ()) -> torch.Tensor:
         """The K/V of a sequence's first `num_tokens` tokens, `[layers, 2, tokens, kv_heads,
-        head_dim]` on the CPU (prefill/decode disaggregation: conveyor/kv_transfer.py)."""
+        head_dim]` on the CPU (prefill/decode disaggregation: conveyor/kv_transfer.py). A
+        hybrid cache's sliding layers read their group's table: zeros where it released the
+        blocks, which no query of theirs reads again."""
         self._whole_kv()
-        slots = self._slots(block_table, num_tokens).to(self.device)
-        return torch.stack([cache[:, slots] for cache in self.kv_caches]).cpu()
+        slots = [self._slots(t, num_tokens).to(self.device) for t in (block_table, *window_tables)]
+        groups = self.layer_groups or [0] * len(self.kv_caches)
+        return torch.stack([cache[:, slots[g]] for cache, g in zip(self.kv_caches, groups, strict=True)]).cpu()
 
     @torch.inference_mode()
-    def receive_kv(self, swap_table: list[int], data: torch.Tensor) -> None:
+    def receive_kv(self, swap_table: list[int], data: torch.Tensor, window_tables: Sequence[list[int]] = (),
+                   window_start: int = 0) -> None:
         """Write handed-over K/V (`read_kv`'s layout, any float dtype) into swap blocks, from
-        where the scheduler's swap-in brings them onto the device."""
+        where the scheduler's swap-in brings them onto the device. A hybrid cache's sliding
+        layers keep the blocks from `window_start` on (`BlockManager.receive`)."""
         self._whole_kv()
-        slots = self._slots(swap_table, data.shape[2])
+        n = data.shape[2]
+        first = [0] + [window_start * self.block_size] * len(window_tables)
+        slots = [self._slots(t, n)[f:] for t, f in zip((swap_table, *window_tables), first, strict=True)]
         if self.device.type == "cuda":  # a swap-in still copying out of these pinned blocks
             torch.cuda.current_stream(self.device).synchronize()
-        for cache, layer in zip(self.swap_caches, data, strict=True):
-            cache[:, slots] = layer.to(cache.dtype)
+        groups = self.layer_groups or [0] * len(self.swap_caches)
+        for cache, layer, g in zip(self.swap_caches, data, groups, strict=True):
+            cache[:, slots[g]] = layer[:, first[g]:].to(cache.dtype)
 
     def kv_bytes(self, num_tokens: int) -> int:
         return self.model.arch.kv_bytes_per_token(self.kv_caches[0].element_size()) * num_tokens
@@ -225,14 +233,10 @@ class ModelRunner:
     def _whole_kv(self) -> None:
         if self.peers is not None:
             raise RuntimeError("a tensor-parallel engine's K/V lie across its ranks: it hands none over")
-        if self.layout is not None:
-            raise RuntimeError("a hybrid KV cache frees sliding layers' K/V: it hands none over")
 
     def kv_mismatch(self, data: torch.Tensor) -> str | None:
         if self.peers is not None:
             return "this engine is tensor-parallel: its K/V lie across its ranks, and it takes none handed over"
-        if self.layout is not None:
-            return "this engine's hybrid KV cache frees sliding layers' K/V: it takes none handed over"
         arch = self.model.arch
         want = (arch.num_layers, 2, *arch.kv_cache_shape)
         got = (*data.shape[:2], *data.shape[3:]) if isinstance(data, torch.Tensor) and data.dim() == 5 else None

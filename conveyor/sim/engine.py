@@ -26,6 +26,7 @@ import dataclasses
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +56,11 @@ class SimRunner:
         self.idle_s = 0.0  # idle time since the last step that computed (the engine adds to it)
 
     # Prefill/decode disaggregation: simulated K/V have a size, not contents.
-    def read_kv(self, block_table: list[int], num_tokens: int) -> None:
+    def read_kv(self, block_table: list[int], num_tokens: int, window_tables: Sequence[list[int]] = ()) -> None:
         return None
 
-    def receive_kv(self, swap_table: list[int], data: None) -> None:
+    def receive_kv(self, swap_table: list[int], data: None, window_tables: Sequence[list[int]] = (),
+                   window_start: int = 0) -> None:
         return None
 
     def kv_mismatch(self, data: object) -> str | None:

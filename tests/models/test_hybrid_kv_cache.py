@@ -14,7 +14,6 @@ import torch
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError
 from conveyor.core.block_manager import HybridLayout
-from conveyor.sampling_params import InvalidRequestError
 from tests.conftest import build_tiny_model, triton_interpreted
 from tests.models import test_gemma as gemma
 from tests.models import test_gpt_oss as oss
@@ -181,9 +180,34 @@ def test_a_draft_model_drafts_over_the_global_tables(models):
     assert sched.num_accepted_tokens > 0  # (its own draft: every draft is accepted)
 
 
-def test_kv_handed_over_is_refused(models):
-    with pytest.raises(ConfigError, match="kv_receive_space"):
-        LLM(str(models["gemma3"]), dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True, kv_receive_space=1 << 20)
+@pytest.mark.parametrize("receiver", ["hybrid", "whole"])
+@pytest.mark.parametrize("sender", ["hybrid", "whole"])
+def test_kv_handed_over_between_engines(models, sender, receiver):
+    """Prefill/decode disaggregation: a hybrid prefill engine hands over every layer's K/V,
+    zeros where its sliding tables released blocks (no query reads them again); a hybrid
+    decode engine keeps, of each sliding layer, the blocks from its next query's window on.
+    Either way round, the tokens of one engine doing both; every block comes back."""
+    from conveyor.config import EngineConfig
+    from conveyor.engine import Engine
+    from tests.test_disaggregation import disaggregated, run
+
+    base = LLM(str(models["gemma3-two-groups"]), dtype="float64", num_kv_blocks=16).engine
+    prompts = [p + gemma.LONG[-1] for p in gemma.LONG]  # 7-39 tokens: most outgrow the window
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * len(prompts)
+
+    def engine(kind: str, **options) -> Engine:
+        config = EngineConfig.from_kwargs(num_kv_blocks=64, block_size=4, hybrid_kv_cache=kind == "hybrid", **options)
+        return Engine.from_model(config, base.runner.model, None)
+
+    one = engine("whole")
+    for i, p in enumerate(prompts):
+        one.add_request(f"r{i}", p, params[i])
+    want = {rid: out.outputs[0].token_ids for rid, out in run(one).items()}
+    decode = engine(receiver, kv_receive_space=1 << 20)
+    assert disaggregated(engine(sender), decode, prompts, params) == want
+    assert decode.num_kv_received == len(prompts) and decode.num_kv_recomputed == 0
+    bm = decode.scheduler.block_manager
+    assert bm.num_free_swap_blocks == bm.num_swap_blocks and bm.num_free_blocks == bm.num_blocks
 
 
 def test_a_model_without_both_kinds_of_layer_is_refused(tmp_path):
@@ -191,9 +215,3 @@ def test_a_model_without_both_kinds_of_layer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="both kinds present"):
         LLM(str(llama), dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True)
 
-
-def test_kv_is_neither_handed_over_nor_taken(models):
-    engine = LLM(str(models["gemma3"]), dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True).engine
-    with pytest.raises(InvalidRequestError, match="hybrid KV cache"):
-        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1), export_kv=True)
-    assert not engine.has_unfinished_requests()
