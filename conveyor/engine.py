@@ -723,7 +723,7 @@ class Engine:
             self._incoming.popleft()
             self.scheduler.receive(req.seq, handoff.num_tokens)
             seq = req.seq
-            if seq.window_tables:  # a hybrid cache's sliding groups (`BlockManager.receive`)
+            if self.scheduler.block_manager.hybrid:  # its sliding tables (`BlockManager.receive`)
                 self.runner.receive_kv(seq.block_table, handoff.data, seq.window_tables, seq.window_start)
             else:
                 self.runner.receive_kv(seq.block_table, handoff.data)
@@ -1337,9 +1337,13 @@ def hybrid_layout(config: EngineConfig, arch: Any) -> HybridLayout | None:
     if arch.is_encoder:
         raise ConfigError("hybrid_kv_cache: an encoder keeps no K/V")
     try:
-        return HybridLayout.of([arch.window_of(i) for i in range(arch.num_layers)])
+        layout = HybridLayout.of([arch.window_of(i) for i in range(arch.num_layers)])
     except ValueError as e:
         raise ConfigError(f"hybrid_kv_cache: {e}") from None
+    if layout.all_sliding and config.scheduler.speculative_method == "draft_model":
+        raise ConfigError("hybrid_kv_cache: every layer of this model slides, so its one table releases blocks "
+                          "a draft model's global layers would read; not built with a draft model")
+    return layout
 
 
 def _resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -67,11 +67,16 @@ class HybridLayout:
     `window_tables`, whose leading entries turn to `null_block` as their tokens fall out of
     the window (the block returns to the pool). With `page_layers` = the global layers' count,
     a long sequence holds about 1 / (1 + num_window_groups) of a uniform cache's memory.
+
+    A model whose every layer slides (Mistral-7B-v0.1, Phi-3-mini's 2,047; `all_sliding`) has
+    one group of all its layers, and its `block_table` is the sliding table (vLLM's
+    sliding-window manager): a sequence holds a window's blocks whatever its length.
     """
 
     window: int
     page_layers: int
     num_window_groups: int
+    all_sliding: bool = False
 
     @classmethod
     def of(cls, windows: Sequence_[int]) -> HybridLayout:
@@ -79,17 +84,26 @@ class HybridLayout:
         ValueError saying why there is none."""
         sizes = {w for w in windows if w}
         num_global = sum(1 for w in windows if not w)
-        if len(sizes) != 1 or not num_global:
+        if len(sizes) != 1:
             raise ValueError(
-                "a hybrid KV cache needs a model whose layers attend either globally or within one "
-                f"sliding window, both kinds present (this one's windows: {sorted(set(windows))})"
+                "a hybrid KV cache needs a model whose layers attend within one sliding window, the "
+                f"others globally (this one's windows: {sorted(set(windows))})"
             )
+        if not num_global:
+            return cls(sizes.pop(), len(windows), 0, True)
         num_window = len(windows) - num_global
         return cls(sizes.pop(), num_global, -(-num_window // num_global))
+
+    @property
+    def num_sliding_tables(self) -> int:
+        """The tables a sequence holds that release blocks as the window moves on."""
+        return self.num_window_groups + self.all_sliding
 
     def groups_of(self, windows: Sequence_[int]) -> list[tuple[int, int]]:
         """Each layer's (group, slot): group 0 the global layers', 1.. the sliding ones' in
         order; slot, which of a page's `page_layers` layer slices it reads and writes."""
+        if self.all_sliding:
+            return [(0, i) for i in range(len(windows))]
         out, seen = [], [0, 0]
         for w in windows:
             i = seen[bool(w)]
@@ -102,12 +116,16 @@ class HybridLayout:
         tokens a step: every block of its global layers, and of each sliding group the
         blocks of a step's queries' windows."""
         n = -(-num_tokens // block_size)
-        return n + self.num_window_groups * min(n, -(-(chunk + self.window - 1) // block_size) + 1)
+        whole = 0 if self.all_sliding else n
+        return whole + self.num_sliding_tables * min(n, -(-(chunk + self.window - 1) // block_size) + 1)
 
     def capacity(self, num_pages: int, block_size: int, chunk: int) -> int:
-        """The longest sequence (tokens, whole blocks) `num_pages` pages hold alone."""
-        g = self.num_window_groups
+        """The longest sequence (tokens, whole blocks) `num_pages` pages hold alone (every
+        length, `1 << 62`, where every table slides and a window's blocks fit)."""
         cw = -(-(chunk + self.window - 1) // block_size) + 1
+        if self.all_sliding:
+            return 1 << 62 if num_pages >= cw else num_pages * block_size
+        g = self.num_window_groups
         n = num_pages - g * cw if num_pages >= (1 + g) * cw else num_pages // (1 + g)
         return max(n, 0) * block_size
 
@@ -129,6 +147,9 @@ class BlockManager:
         self.layout = layout
         self.window = layout.window if layout is not None else 0
         self.num_window_groups = layout.num_window_groups if layout is not None else 0
+        # Every layer slides: `block_table` is itself a sliding table (`HybridLayout.all_sliding`).
+        self.sliding_global = layout is not None and layout.all_sliding
+        self.hybrid = layout is not None
         # What a sliding table holds for a block out of the window: an id no sequence is given
         # (the runner's scratch block, zeroed), read, as padding is, under a mask.
         self.null_block = num_blocks
@@ -175,14 +196,18 @@ class BlockManager:
         what leaves the window is released)."""
         return self.pages_per_block * max(0, self.blocks_for_tokens(num_total_tokens) - len(seq.block_table))
 
+    def _global_start(self, seq: Sequence) -> int:
+        """Where `seq`'s `block_table` starts holding blocks (after its null entries, if it slides)."""
+        return seq.window_start if self.sliding_global else 0
+
     def num_held(self, seq: Sequence) -> int:
         """Blocks `seq`'s tables hold (device or swap, as they name)."""
         start = seq.window_start
-        return len(seq.block_table) + sum(len(t) - start for t in seq.window_tables)
+        return len(seq.block_table) - self._global_start(seq) + sum(len(t) - start for t in seq.window_tables)
 
     def tables_of(self, seq: Sequence) -> Iterable[list[int]]:
         """`seq`'s tables, the null entries of its sliding ones left out (integrity checks)."""
-        yield seq.block_table
+        yield seq.block_table[self._global_start(seq):]
         for t in seq.window_tables:
             yield t[seq.window_start:]
 
@@ -201,7 +226,7 @@ class BlockManager:
 
         A hybrid cache first releases the sliding blocks that the step's first query
         (`seq.num_computed_tokens`) and every later one cannot see, then grows every table."""
-        if self.num_window_groups:
+        if self.hybrid:
             return self._allocate_hybrid(seq, num_total_tokens)
         need = -(-num_total_tokens // self.block_size) - len(seq.block_table)  # num_new_blocks_needed, inline
         if need <= 0:
@@ -215,7 +240,7 @@ class BlockManager:
 
     def _allocate_hybrid(self, seq: Sequence, num_total_tokens: int) -> bool:
         dead = self._dead(seq.num_computed_tokens)
-        if dead > seq.window_start and seq.window_tables:
+        if dead > seq.window_start and seq.block_table:
             self._release_window(seq, dead)
         need = -(-num_total_tokens // self.block_size) - len(seq.block_table)
         if need <= 0:
@@ -241,6 +266,11 @@ class BlockManager:
                 self._release(block)
             tables.append([null] * dead + table[dead:])
         seq.window_tables = tables
+        if self.sliding_global:
+            table = seq.block_table
+            for block in table[start:dead]:
+                self._release(block)
+            seq.block_table = [null] * dead + table[dead:]
         seq.window_start = dead
 
     def free(self, seq: Sequence) -> None:
@@ -248,11 +278,10 @@ class BlockManager:
         for table in seq.window_tables:
             for block in reversed(table[seq.window_start:]):
                 self._release(block)
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_table[self._global_start(seq):]):
             self._release(block)
         seq.block_table = []
-        if seq.window_tables:
-            seq.window_tables, seq.window_start = [], 0
+        seq.window_tables, seq.window_start = [], 0
 
     # -- prefix cache ----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -268,6 +297,12 @@ class BlockManager:
         hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_blocks, _salt(seq))
         hits: list[int] = []
         cached = self._cached
+        if self.sliding_global:  # no block before the window is read: the chain may have gaps
+            h = num_blocks
+            while h and (missing := self._missing_window(hashes, h)) >= 0:
+                h = missing
+            dead = self._dead(h * self.block_size)
+            return [self.null_block] * dead + [cached[hashes[i]] for i in range(dead, h)]
         for i in range(num_blocks):
             block = cached.get(hashes[i])
             if block is None:
@@ -284,14 +319,17 @@ class BlockManager:
         return hits
 
     def _window_key(self, block_hash: bytes, group: int) -> bytes:
-        return block_hash + group.to_bytes(2, "little")
+        """A block's key in the prefix cache: its hash, and a sliding group's number (the
+        global group's, 0, none: the key of a whole cache's block)."""
+        return block_hash + group.to_bytes(2, "little") if group else block_hash
 
     def _missing_window(self, hashes: list[bytes], h: int) -> int:
         """The last block index below `h` whose sliding blocks a hit of `h` blocks needs and
         the cache lacks in some group; -1 if none is missing."""
         cached, key = self._cached, self._window_key
+        groups = range(0 if self.sliding_global else 1, 1 + self.num_window_groups)
         for i in range(h - 1, self._dead(h * self.block_size) - 1, -1):
-            if any(key(hashes[i], g) not in cached for g in range(1, 1 + self.num_window_groups)):
+            if any(key(hashes[i], g) not in cached for g in groups):
                 return i
         return -1
 
@@ -306,11 +344,14 @@ class BlockManager:
         """Free blocks admitting `seq` with the cached `hits` (`match_prefix`) takes to cover
         `num_total_tokens`: new ones, and the cached ones taken out of the free pool."""
         new = self.pages_per_block * (self.blocks_for_tokens(num_total_tokens) - len(hits))
-        if self.num_window_groups and hits:
+        if self.hybrid and hits:
             dead = self._dead(len(hits) * self.block_size)
-            return new + self.num_evictable(hits) + sum(
+            return new + self.num_evictable(hits[self._global_start_of_hit(dead):]) + sum(
                 self.num_evictable(t[dead:]) for t in self._window_hits(seq, len(hits)))
         return new + self.num_evictable(hits)
+
+    def _global_start_of_hit(self, dead: int) -> int:
+        return dead if self.sliding_global else 0
 
     def num_evictable(self, blocks: Iterable[int]) -> int:
         """How many of `blocks` sit in the free pool: taking them leaves that many fewer free."""
@@ -324,13 +365,14 @@ class BlockManager:
         window = self._window_hits(seq, len(blocks)) if self.num_window_groups and blocks else []
         dead = self._dead(len(blocks) * self.block_size)
         counts, free = self._ref_counts, self._free
-        for block in (*blocks, *(b for table in window for b in table[dead:])):
+        own = blocks[self._global_start_of_hit(dead):]
+        for block in (*own, *(b for table in window for b in table[dead:])):
             assert self._block_hash[block] is not None, f"block {block} is not cached"
             if counts[block] == 0:
                 del free[block]
             counts[block] += 1
         seq.block_table = list(blocks)
-        if window:
+        if self.hybrid and blocks:
             seq.window_tables, seq.window_start = window, dead
         self.num_queried_tokens += len(seq.token_ids) - seq.num_pending
         self.num_hit_tokens += len(blocks) * self.block_size
@@ -342,7 +384,7 @@ class BlockManager:
             return
         hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq))
         cached, hashed = self._cached, self._block_hash
-        for i in range(first, end):
+        for i in range(max(first, self._global_start(seq)), end):  # (a sliding one's: its blocks)
             block, h = table[i], hashes[i]
             if hashed[block] is None and h not in cached:
                 cached[h] = block
@@ -403,9 +445,10 @@ class BlockManager:
             self._release(block)
             return cpu
 
-        seq.block_table = [out(b) for b in seq.block_table]
-        if seq.window_tables:  # (the null entries, by position: a swap block's id may be the null's)
-            ws = seq.window_start
+        # (the null entries, by position: a swap block's id may be the null's)
+        gs, ws = self._global_start(seq), seq.window_start
+        seq.block_table = [*seq.block_table[:gs], *(out(b) for b in seq.block_table[gs:])]
+        if seq.window_tables:
             seq.window_tables = [[*t[:ws], *(out(b) for b in t[ws:])] for t in seq.window_tables]
         return mapping
 
@@ -424,9 +467,9 @@ class BlockManager:
             self._swap_free.append(cpu)
             return block
 
-        seq.block_table = [back(b) for b in seq.block_table]
+        gs, ws = self._global_start(seq), seq.window_start
+        seq.block_table = [*seq.block_table[:gs], *(back(b) for b in seq.block_table[gs:])]
         if seq.window_tables:
-            ws = seq.window_start
             seq.window_tables = [[*t[:ws], *(back(b) for b in t[ws:])] for t in seq.window_tables]
         return mapping
 
@@ -434,7 +477,8 @@ class BlockManager:
         """Swap blocks the K/V of a sequence's first `num_tokens` tokens take when handed over:
         every block of the global table; of each sliding one, those its next query reads."""
         n = self.blocks_for_tokens(num_tokens)
-        return n + self.num_window_groups * (n - min(n, self._dead(num_tokens)))
+        live = n - min(n, self._dead(num_tokens)) if self.hybrid else n
+        return (live if self.sliding_global else n) + self.num_window_groups * live
 
     def can_receive(self, num_tokens: int) -> bool:
         return self.pages_to_receive(num_tokens) <= len(self._swap_free)
@@ -448,20 +492,20 @@ class BlockManager:
         if not self.can_receive(num_tokens):
             raise RuntimeError(f"not enough swap space for {num_tokens} tokens")
         n, take = self.blocks_for_tokens(num_tokens), self._swap_free.popleft
-        seq.block_table = [take() for _ in range(n)]
-        if self.num_window_groups:
-            dead = min(n, self._dead(num_tokens))
+        dead = min(n, self._dead(num_tokens)) if self.hybrid else 0
+        gs = dead if self.sliding_global else 0
+        seq.block_table = [self.null_block] * gs + [take() for _ in range(n - gs)]
+        if self.hybrid:
             seq.window_tables = [[self.null_block] * dead + [take() for _ in range(n - dead)]
                                  for _ in range(self.num_window_groups)]
             seq.window_start = dead
 
     def free_swapped(self, seq: Sequence) -> None:
         """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""
-        self._swap_free.extend(seq.block_table)
+        self._swap_free.extend(seq.block_table[self._global_start(seq):])
         seq.block_table = []
-        if seq.window_tables:
-            self._swap_free.extend(b for t in seq.window_tables for b in t[seq.window_start:])
-            seq.window_tables, seq.window_start = [], 0
+        self._swap_free.extend(b for t in seq.window_tables for b in t[seq.window_start:])
+        seq.window_tables, seq.window_start = [], 0
 
     def share(self, block: int) -> None:
         """Add a reference to a used block (a second table holds it, e.g. a shared prefix)."""

@@ -796,7 +796,7 @@ class Scheduler:
         for seq in (*self.running, *self.swapped):
             # A hybrid cache's sliding tables: as long as the global one, null before the
             # window of the next query (none of the blocks a query still reads released).
-            if bm.num_window_groups and seq.block_table:
+            if bm.hybrid and seq.block_table:
                 assert len(seq.window_tables) == bm.num_window_groups, seq
                 assert all(len(t) == len(seq.block_table) for t in seq.window_tables), seq
                 assert seq.window_start <= bm._dead(seq.num_computed_tokens), seq

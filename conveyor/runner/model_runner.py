@@ -219,7 +219,8 @@ class ModelRunner:
         layers keep the blocks from `window_start` on (`BlockManager.receive`)."""
         self._whole_kv()
         n = data.shape[2]
-        first = [0] + [window_start * self.block_size] * len(window_tables)
+        first = [window_start * self.block_size if self.layout is not None and self.layout.all_sliding else 0]
+        first += [window_start * self.block_size] * len(window_tables)
         slots = [self._slots(t, n)[f:] for t, f in zip((swap_table, *window_tables), first, strict=True)]
         if self.device.type == "cuda":  # a swap-in still copying out of these pinned blocks
             torch.cuda.current_stream(self.device).synchronize()
@@ -321,7 +322,7 @@ class ModelRunner:
                 self.dtype,
             )
             window_tables = None
-            if self.layout is not None:
+            if self.window_host_tables:
                 ids = [it.seq_id for it in items]
                 window_tables = [host.rows(ids, [it.window_tables[g] for it in items])
                                  for g, host in enumerate(self.window_host_tables)]

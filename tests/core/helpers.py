@@ -84,13 +84,14 @@ class FakeRunner:
 
     def __init__(
         self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False,
-        window: int = 0,
+        window: int = 0, sliding_global: bool = False,
     ) -> None:
         self.block_size = block_size
         # A hybrid cache (`HybridLayout`): each sliding group's table is read over the window
         # before the step's first query only, its slots tagged with the group too; an entry
         # out of the window is the null block (`num_blocks`), which nothing reads or writes.
         self.window = window
+        self.sliding_global = sliding_global  # every layer slides: so does the block table
         self.null_block = num_blocks
         self.window_host_tables: dict[int, HostBlockTables] = {}
         self.shared_prefixes = shared_prefixes
@@ -172,6 +173,8 @@ class FakeRunner:
             first_read = item.start_pos - self.window + 1  # the first query's window
             for pos, token in enumerate(context):
                 key = hash((key, token))
+                if pos < first_read and self.sliding_global:
+                    continue  # out of every query's window: the table may hold the null block
                 slot = self._slot(table, pos)
                 if pos < item.start_pos:
                     reads.append((item.seq_id, pos, slot, (key, pos)))

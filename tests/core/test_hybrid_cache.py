@@ -45,10 +45,20 @@ def test_layout_groups_the_layers_by_kind() -> None:
     assert HybridLayout.of(gpt_oss) == HybridLayout(128, 12, 1)
 
 
-@pytest.mark.parametrize("windows", [[0, 0, 0], [512] * 4, [512, 1024, 0]], ids=["global", "sliding", "two-windows"])
-def test_layout_needs_global_layers_and_one_window(windows: list[int]) -> None:
-    with pytest.raises(ValueError, match="both kinds present"):
+@pytest.mark.parametrize("windows", [[0, 0, 0], [512, 1024, 0]], ids=["global", "two-windows"])
+def test_layout_needs_one_window(windows: list[int]) -> None:
+    with pytest.raises(ValueError, match="within one sliding window"):
         HybridLayout.of(windows)
+
+
+def test_a_model_whose_every_layer_slides_has_one_sliding_table() -> None:
+    layout = HybridLayout.of([4096] * 32)  # Mistral-7B-v0.1
+    assert layout == HybridLayout(4096, 32, 0, all_sliding=True) and layout.num_sliding_tables == 1
+    assert layout.groups_of([4096] * 32) == [(0, i) for i in range(32)]
+    assert layout.pages_for(32768, 16, 2048) == -(-(2048 + 4095) // 16) + 1  # a window and a chunk, whatever the length
+    assert layout.capacity(400, 16, 2048) == 1 << 62
+    assert layout.capacity(100, 16, 2048) == 1600  # less than a window and a chunk: what it holds
+    assert layout.capacity(1000, 16, 1 << 62) == 16000  # whole prompts: every block at once
 
 
 def test_capacity_is_the_longest_sequence_its_pages_hold() -> None:
@@ -191,3 +201,34 @@ def test_a_window_longer_than_the_hit_needs_every_block() -> None:
     bm._block_hash[lost] = None
     assert bm.match_prefix(seq_of(1, list(range(17)))) == []
     check(bm)
+
+
+def test_when_every_layer_slides_the_block_table_itself_releases() -> None:
+    """Mistral-7B-v0.1's kind: one table, which holds a window's blocks however long the
+    sequence grows; a swap and a prefix hit skip its null entries, and a hit needs only the
+    window's blocks (the chain of hashes may have gaps before it)."""
+    layout = HybridLayout(window=6, page_layers=3, num_window_groups=0, all_sliding=True)
+    bm = BlockManager(16, 4, num_swap_blocks=16, enable_prefix_caching=True, layout=layout)
+    prompt = list(range(300, 340))  # 10 blocks
+    seq = seq_of(0, prompt)
+    for _ in range(10):  # chunks of 4
+        assert step(bm, seq, 4)
+        bm.cache_blocks(seq, seq.block_table, seq.num_computed_tokens // 4 - 1, seq.num_computed_tokens // 4)
+        assert bm.num_held(seq) <= 3
+        check(bm, seq)
+    # (released when the last chunk, from position 36, was allocated: its window starts at 31)
+    assert seq.block_table[:7] == [bm.null_block] * 7 and seq.window_start == 7
+    out = bm.swap_out(seq)
+    assert len(out) == bm.num_held(seq) == 3
+    check(bm, swapped=(seq,))
+    bm.swap_in(seq)
+    check(bm, seq)
+    bm.free(seq)
+    other = seq_of(1, [*prompt, 7])
+    hits = bm.match_prefix(other)  # 10 blocks: blocks 8 and 9 hold the window of position 40
+    assert len(hits) == 10 and hits[:8] == [bm.null_block] * 8
+    assert bm.admission_need(other, hits, 41) == 1 + 2  # a new block, and the two cached ones
+    bm.acquire(other, hits)
+    other.num_computed_tokens = 40
+    assert other.window_start == 8 and step(bm, other, 1)
+    check(bm, other)

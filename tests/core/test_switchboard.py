@@ -528,10 +528,13 @@ class Checker:
                 assert len(seq.window_tables) == layout.num_window_groups
                 dead = max(0, item.start_pos - layout.window + 1) // bs
                 assert seq.window_start == dead, (seq, dead)
-                for t in seq.window_tables:
+                sliding = [*seq.window_tables, *([item.block_table] if layout.all_sliding else [])]
+                for t in sliding:
                     assert len(t) == len(item.block_table)
                     assert all(b == board_null(self.board) for b in t[:dead])
                     assert board_null(self.board) not in t[dead:]
+                if not layout.all_sliding:
+                    assert board_null(self.board) not in item.block_table
         for seq in sched.running:
             if cfg.kv_reservation == "reserve":
                 reserved = min(seq.prompt_len + seq.sampling_params.max_tokens, self.board.max_model_len)
@@ -706,7 +709,7 @@ def run_board(board: Board) -> BoardRun:
     bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
     runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching,
-                        board.layout.window if board.layout else 0)
+                        board.layout.window if board.layout else 0, board.layout is not None and board.layout.all_sliding)
     checker = Checker(board, sched)
     specs = {i: r for i, r in enumerate(board.requests) if admissible(board, r)}
     pending = sorted(specs, key=lambda i: (specs[i].arrival, i))
@@ -820,13 +823,14 @@ def test_every_switchboard_keeps_the_invariants(memory: str, prefill_mode: str, 
 
 @st.composite
 def hybrid_boards(draw: st.DrawFn, memory: str, prefill_mode: str) -> Board:
-    """A board over a hybrid cache: sliding groups (1 to 3) with windows from one token to
-    more than the longest sequence, the pool grown by as many blocks a token as a sequence
-    takes at first (so that about as many tokens fit as on the plain board)."""
+    """A board over a hybrid cache: sliding groups (1 to 3) beside the global one, or one table
+    that slides itself (every layer sliding), with windows from one token to more than the
+    longest sequence; the pool grown about as many times as a sequence has tables."""
     board = draw(boards(memory, prefill_mode))
-    layout = HybridLayout(window=draw(st.one_of(st.integers(1, 6), st.integers(7, 80))), page_layers=1,
-                          num_window_groups=draw(st.integers(1, 3)))
-    return dataclasses.replace(board, num_blocks=board.num_blocks * (1 + layout.num_window_groups), layout=layout)
+    window = draw(st.one_of(st.integers(1, 6), st.integers(7, 80)))
+    groups = draw(st.integers(0, 3))  # 0: every layer slides, and so does the block table
+    layout = HybridLayout(window=window, page_layers=1, num_window_groups=groups, all_sliding=not groups)
+    return dataclasses.replace(board, num_blocks=board.num_blocks * max(1, groups), layout=layout)
 
 
 @pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
@@ -848,6 +852,7 @@ def test_every_switchboard_keeps_the_invariants_over_a_hybrid_cache(
     run = run_board(board)
     check_board_outputs(run, board)
     assert board.layout is not None
+    event("every layer slides" if board.layout.all_sliding else "global and sliding groups")
     event("window outgrown" if any(s.num_tokens > board.layout.window + board.block_size
                                    for s in run.seqs.values()) else "window never outgrown")
     event("swapped" if run.sched.num_swaps_out else "no swap")

@@ -30,7 +30,7 @@ OPTIONS = [
     {"enable_prefix_caching": True, "max_num_batched_tokens": 32, "block_size": 4},
 ]
 IDS = ["default", "chunked-16", "preempt", "async", "speculative", "swap", "prefix-hits"]
-FAMILIES = ["gemma2", "gemma3", "gemma3-two-groups", "gpt_oss"]
+FAMILIES = ["gemma2", "gemma3", "gemma3-two-groups", "gpt_oss", "mistral-window"]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                                               rope_parameters=gemma.GEMMA3_ROPE,
                                               **{**gemma.SHAPE, "num_hidden_layers": 6}),
         "gpt_oss": build_tiny_model(root / "oss", "gpt_oss", seed=3, **oss.SHAPE),
+        # Every layer slides (Mistral-7B-v0.1's kind): the block table itself releases blocks.
+        "mistral-window": build_tiny_model(root / "mistral", "mistral", seed=4, sliding_window=6),
     }
 
 
@@ -64,7 +66,8 @@ def test_the_layouts(models):
     layouts = {f: LLM(str(models[f]), dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True)
                .engine.scheduler.block_manager.layout for f in FAMILIES}
     assert layouts == {"gemma2": HybridLayout(6, 2, 1), "gemma3": HybridLayout(6, 2, 1),
-                       "gemma3-two-groups": HybridLayout(6, 2, 2), "gpt_oss": HybridLayout(6, 2, 1)}
+                       "gemma3-two-groups": HybridLayout(6, 2, 2), "gpt_oss": HybridLayout(6, 2, 1),
+                       "mistral-window": HybridLayout(6, 3, 0, all_sliding=True)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,13 +79,16 @@ def test_greedy_matches_transformers(models, family, options):
     if "enable_prefix_caching" in options:  # three sharing a prefix of 3 blocks and more
         shared = gemma.LONG[0] + gemma.LONG[1] + gemma.LONG[2]
         prompts = [shared + p for p in gemma.LONG[3:]] + gemma.LONG
+    if family == "mistral-window" and options.get("num_kv_blocks") == 30:
+        # One sliding table: a sequence holds a window's and a chunk's pages, whatever its length.
+        options = {**options, "num_kv_blocks": 12, "max_num_batched_tokens": 8}
     llm = LLM(str(models[family]), dtype="float64", hybrid_kv_cache=True,
               **{"num_kv_blocks": 64, "block_size": 8, **options})
     outs = llm.generate(prompts, gemma.PARAMS, use_tqdm=False)
     assert tokens(outs) == reference(models, family, prompts, 16)
     sched = llm.engine.scheduler
     bm = sched.block_manager
-    assert bm.num_window_groups and bm.num_free_blocks == bm.num_blocks
+    assert bm.hybrid and bm.num_free_blocks == bm.num_blocks
     if options.get("num_kv_blocks") == 30:
         assert sched.num_preemptions > 0
     if "preemption_mode" in options:
@@ -91,7 +97,7 @@ def test_greedy_matches_transformers(models, family, options):
         assert sum(o.num_cached_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("family", ["gemma3-two-groups", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3-two-groups", "gpt_oss", "mistral-window"])
 def test_float32_on_cpu_matches_transformers_float32(models, family):
     """The CPU's float32 path: the native decode kernel of each sliding layer reading its
     group's table, at batch 1 and in a batch of six."""
@@ -145,7 +151,7 @@ def test_the_same_memory_runs_more_long_sequences_at_once(models):
     assert peaks[False] <= 4 and peaks[True] >= 2 * peaks[False], peaks
 
 
-@pytest.mark.parametrize("family", ["gemma3-two-groups", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3-two-groups", "gpt_oss", "mistral-window"])
 def test_two_tensor_parallel_ranks_equal_one(models, family):
     """Each rank holds its heads' share of every page and reads each group's tables, which
     rank 0 sends with the step: one rank's tokens and logprobs (to 1e-9), and HF's."""
@@ -180,9 +186,19 @@ def test_a_draft_model_drafts_over_the_global_tables(models):
     assert sched.num_accepted_tokens > 0  # (its own draft: every draft is accepted)
 
 
+def test_a_draft_model_over_a_table_that_slides_is_refused(models):
+    """Where every layer slides the one table releases blocks: a draft model's global layers
+    would read the null block there."""
+    path = str(models["mistral-window"])
+    with pytest.raises(ConfigError, match="draft model"):
+        LLM(path, dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True, speculative_method="draft_model",
+            speculative_model=path)
+
+
 @pytest.mark.parametrize("receiver", ["hybrid", "whole"])
 @pytest.mark.parametrize("sender", ["hybrid", "whole"])
-def test_kv_handed_over_between_engines(models, sender, receiver):
+@pytest.mark.parametrize("family", ["gemma3-two-groups", "mistral-window"])
+def test_kv_handed_over_between_engines(models, family, sender, receiver):
     """Prefill/decode disaggregation: a hybrid prefill engine hands over every layer's K/V,
     zeros where its sliding tables released blocks (no query reads them again); a hybrid
     decode engine keeps, of each sliding layer, the blocks from its next query's window on.
@@ -191,7 +207,7 @@ def test_kv_handed_over_between_engines(models, sender, receiver):
     from conveyor.engine import Engine
     from tests.test_disaggregation import disaggregated, run
 
-    base = LLM(str(models["gemma3-two-groups"]), dtype="float64", num_kv_blocks=16).engine
+    base = LLM(str(models[family]), dtype="float64", num_kv_blocks=16).engine
     prompts = [p + gemma.LONG[-1] for p in gemma.LONG]  # 7-39 tokens: most outgrow the window
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * len(prompts)
 
@@ -210,8 +226,8 @@ def test_kv_handed_over_between_engines(models, sender, receiver):
     assert bm.num_free_swap_blocks == bm.num_swap_blocks and bm.num_free_blocks == bm.num_blocks
 
 
-def test_a_model_without_both_kinds_of_layer_is_refused(tmp_path):
+def test_a_model_without_a_sliding_window_is_refused(tmp_path):
     llama = build_tiny_model(tmp_path / "llama", "llama", seed=1)
-    with pytest.raises(ConfigError, match="both kinds present"):
+    with pytest.raises(ConfigError, match="within one sliding window"):
         LLM(str(llama), dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True)
 
