@@ -134,6 +134,8 @@ class FakeRunner:
         self.swapped_out, self.recomputed = [], []
         for seq_id in out.preempted_seq_ids:
             table = self.tables.pop(seq_id, [])
+            if self.sliding_global:  # (blocks of its last table may have left the window since)
+                table = [b for b in table if b != self.null_block][-1:]
             if table and all(b in out_sources for b in table):
                 self.swapped_out.append(seq_id)
             else:
