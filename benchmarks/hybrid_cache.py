@@ -31,17 +31,12 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[flo
     """(output tokens/s, most sequences running at once, preemptions, tokens)."""
     engine = llm.engine
     before = engine.scheduler.num_preemptions
+    engine.step_trace.clear()
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    peak, done = 0, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        peak = max(peak, len(engine.scheduler.running))
+    outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    tokens = [done[str(i)] for i in range(len(prompts))]
+    tokens = [o.outputs[0].token_ids for o in outs]
+    peak = max(s.num_running for s in engine.step_trace)
     return sum(map(len, tokens)) / wall, peak, engine.scheduler.num_preemptions - before, tokens
 
 

@@ -166,6 +166,14 @@ def test_a_prefix_hit_takes_the_windows_blocks_of_every_group() -> None:
     assert bm.num_used_blocks == need
 
 
+def evict(bm: BlockManager, block: int) -> None:
+    """Drop a free block's hash from the prefix cache, as `_take_free` does when it hands it out."""
+    h = bm._block_hash[block]
+    assert h is not None and bm.ref_count(block) == 0
+    del bm._cached[h]
+    bm._block_hash[block] = None
+
+
 def test_a_hit_stops_before_a_window_block_the_cache_lost() -> None:
     """The search from the right: a sliding block missing at block i allows a hit of at most i
     blocks, whose own window must then be whole."""
@@ -178,10 +186,7 @@ def test_a_hit_stops_before_a_window_block_the_cache_lost() -> None:
     lost = first.window_tables[0][6]  # block 6 of the sliding group
     bm.free(first)
     assert len(bm.match_prefix(seq_of(1, [*prompt, 2]))) == 8
-    h = bm._block_hash[lost]  # evict it (as `_take_free` would)
-    assert h is not None
-    del bm._cached[h]
-    bm._block_hash[lost] = None
+    evict(bm, lost)
     hits = bm.match_prefix(seq_of(2, [*prompt, 2]))
     assert len(hits) == 6  # a hit of 7 or 8 blocks reads block 6; of 6, blocks 4-5
     check(bm)
@@ -195,10 +200,7 @@ def test_a_window_longer_than_the_hit_needs_every_block() -> None:
     bm.cache_blocks(first, first.block_table, 0, 4)
     lost = first.window_tables[0][0]
     bm.free(first)
-    h = bm._block_hash[lost]
-    assert h is not None
-    del bm._cached[h]
-    bm._block_hash[lost] = None
+    evict(bm, lost)
     assert bm.match_prefix(seq_of(1, list(range(17)))) == []
     check(bm)
 

@@ -135,17 +135,9 @@ def test_the_same_memory_runs_more_long_sequences_at_once(models):
     for hybrid in (False, True):  # 60 blocks of a whole cache: three of these sequences at once
         llm = LLM(str(model_dir), dtype="float64", block_size=4, kv_cache_memory=60 * 4 * per_token,
                   max_num_batched_tokens=64, hybrid_kv_cache=hybrid)
-        engine = llm.engine
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        peak, done = 0, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            peak = max(peak, len(engine.scheduler.running))
-        peaks[hybrid], outs[hybrid] = peak, [done[str(i)] for i in range(8)]
-        sizes[hybrid] = engine.runner.kv_cache_bytes
+        outs[hybrid] = tokens(llm.generate(prompts, params, use_tqdm=False))
+        peaks[hybrid] = max(s.num_running for s in llm.engine.step_trace)
+        sizes[hybrid] = llm.engine.runner.kv_cache_bytes
     assert abs(sizes[True] - sizes[False]) <= sizes[False] // 50  # (both round down to whole blocks)
     assert outs[True] == outs[False] == gemma.hf_greedy(model_dir, prompts, 8)
     assert peaks[False] <= 4 and peaks[True] >= 2 * peaks[False], peaks
