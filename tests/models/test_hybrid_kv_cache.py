@@ -178,6 +178,28 @@ def test_a_draft_model_drafts_over_the_global_tables(models):
     assert sched.num_accepted_tokens > 0  # (its own draft: every draft is accepted)
 
 
+def test_lora_adapters_keep_their_own_prefixes(models, tmp_path):
+    """Adapters on every projection of both kinds of layer, over a shared prefix: each
+    request gets HF's tokens with its adapter merged, and a prefix hit (every group's blocks)
+    never crosses adapters (the hashes are salted with the adapter)."""
+    from conveyor import LoRARequest
+    from tests.test_lora import SPECS, merged_reference, write_adapter
+
+    model_dir = models["gemma3-two-groups"]
+    path = write_adapter(tmp_path / "everything", model_dir, *SPECS["everything"], seed=0, std=0.2)
+    lora = LoRARequest("everything", 1, str(path))
+    prompts = [gemma.LONG[0] * 3 + p for p in gemma.LONG[:3]]
+    want = (merged_reference(model_dir, None, prompts, 12, attn_implementation="eager")
+            + merged_reference(model_dir, path, prompts, 12, attn_implementation="eager"))
+    assert want[:3] != want[3:]
+    llm = LLM(str(model_dir), dtype="float64", enable_lora=True, num_kv_blocks=128, block_size=4,
+              hybrid_kv_cache=True, max_num_batched_tokens=16)
+    outs = llm.generate(prompts * 2, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False,
+                        lora_request=[None] * 3 + [lora] * 3)
+    assert tokens(outs) == want
+    assert sum(o.num_cached_tokens for o in outs) > 0
+
+
 def test_a_draft_model_over_a_table_that_slides_is_refused(models):
     """Where every layer slides the one table releases blocks: a draft model's global layers
     would read the null block there."""
