@@ -348,7 +348,8 @@ MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "opt-13b": ("facebook/opt-13b", {"model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40,
                                      "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272,
                                      "max_position_embeddings": 2048, "word_embed_proj_dim": 5120}),
-    "mistral-7b": ("mistralai/Mistral-7B-v0.1", _llama(4096, 32, 32, 8, 14336, 32000, 32768)),
+    "mistral-7b": ("mistralai/Mistral-7B-v0.1", {**_llama(4096, 32, 32, 8, 14336, 32000, 32768),
+                                                 "model_type": "mistral", "sliding_window": 4096}),
     "qwen3-0.6b": ("Qwen/Qwen3-0.6B", _llama(1024, 28, 16, 8, 3072, 151936, 40960, tied=True, head_dim=128)),
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", _llama(576, 30, 9, 3, 1536, 49152, 8192, tied=True)),
     # Mixtures of experts: 46.7B weights, 12.9B active a token; 30.5B, 3.3B.
