@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.config import SchedulerConfig
-from conveyor.core.block_manager import BlockManager
+from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.lora import LoRARequest
 from conveyor.models.attention import HostBlockTables
@@ -233,13 +233,19 @@ class Driver:
         max_model_len: int | None = None,
         dt: float = 1.0,
         prefix_caching: bool = False,
+        layout: HybridLayout | None = None,
         **config: Any,
     ) -> None:
         self.config = SchedulerConfig(**config)
-        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=prefix_caching)
-        self.max_model_len = max_model_len or num_blocks * block_size
+        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=prefix_caching,
+                               layout=layout)
+        capacity = num_blocks * block_size if layout is None else min(
+            layout.capacity(num_blocks, block_size, self.config.kv_chunk), 1 << 20)
+        self.max_model_len = max_model_len or capacity
         self.sched = Scheduler(self.config, self.bm, self.max_model_len, frozenset({EOS}))
-        self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks, shared_prefixes=prefix_caching)
+        self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks, shared_prefixes=prefix_caching,
+                                 window=layout.window if layout else 0,
+                                 sliding_global=layout is not None and layout.all_sliding)
         self.now = 0.0
         self.dt = dt
         self.seqs: dict[int, Sequence] = {}

@@ -12,20 +12,27 @@ compute the tokens they brought.
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from conveyor.core.block_manager import HybridLayout
 from conveyor.sequence import Sequence
 from tests.core.helpers import Driver, make_prompt, next_token
 
 
 def write_tags(driver: Driver, seq: Sequence, num_tokens: int) -> None:
     """What `ModelRunner.receive_kv` does, in the fake runner's terms: the tags of the first
-    `num_tokens` tokens (a prefix's, as any engine computes them) into the swap slots."""
-    runner, key = driver.runner, 0
+    `num_tokens` tokens (a prefix's, as any engine computes them) into the swap slots; a
+    hybrid cache's sliding tables from their first block held on (`window_start`)."""
+    runner, key, bm = driver.runner, 0, driver.bm
+    first = seq.window_start * bm.block_size
     for pos, token in enumerate(seq.token_ids[:num_tokens]):
         key = hash((key, token))
-        runner.swap_slots[runner._slot(seq.block_table, pos)] = (key, pos)
+        if pos >= first or not bm.sliding_global:
+            runner.swap_slots[runner._slot(seq.block_table, pos)] = (key, pos)
+        if pos >= first:
+            for g, table in enumerate(seq.window_tables, 1):
+                runner.swap_slots[runner._slot(table, pos)] = (key, pos, g)
 
 
 @settings(max_examples=150, deadline=None)
@@ -38,14 +45,22 @@ def write_tags(driver: Driver, seq: Sequence, num_tokens: int) -> None:
     budget=st.integers(8, 64),
     preemption_mode=st.sampled_from(["recompute", "swap"]),
     prefill_mode=st.sampled_from(["chunked", "mixed", "prefill_first"]),
+    layout=st.one_of(st.none(), st.builds(lambda w, g: HybridLayout(w, 1, g, all_sliding=not g),
+                                          st.integers(1, 24), st.integers(0, 2))),
 )
 def test_handed_over_requests_generate_what_they_would_alone(
-    data, num_blocks, block_size, num_swap_blocks, max_num_seqs, budget, preemption_mode, prefill_mode
+    data, num_blocks, block_size, num_swap_blocks, max_num_seqs, budget, preemption_mode, prefill_mode, layout
 ):
+    """With a hybrid cache too (one or two sliding groups, or a sliding block table): the
+    blocks a handed-over request brings start, in each sliding table, at its next query's
+    window."""
     capacity = num_blocks * block_size
+    if layout is not None:  # as many tables' blocks
+        num_blocks *= 1 + layout.num_window_groups
+        num_swap_blocks *= 1 + layout.num_window_groups
     driver = Driver(num_blocks, block_size, num_swap_blocks=num_swap_blocks, prefix_caching=True,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budget, capacity),
-                    preemption_mode=preemption_mode, prefill_mode=prefill_mode)
+                    preemption_mode=preemption_mode, prefill_mode=prefill_mode, layout=layout)
     incoming: list[tuple[Sequence, int]] = []
     computed: dict[int, int] = {}  # handed-over seq -> tokens it brought
     n = data.draw(st.integers(1, 10))
@@ -57,8 +72,7 @@ def test_handed_over_requests_generate_what_they_would_alone(
             driver.sched.waiting.remove(seq)
             seq.token_ids.append(next_token(seq.token_ids))
             brought = data.draw(st.integers(1, prompt_len))  # the K/V of a prefix
-            needed = -(-brought // block_size)
-            if needed > num_swap_blocks:  # could never fit: the engine computes it again
+            if driver.bm.pages_to_receive(brought) > num_swap_blocks:  # could never fit: the engine computes it again
                 seq.token_ids.pop()
                 driver.sched.add(seq)
                 continue
@@ -69,6 +83,8 @@ def test_handed_over_requests_generate_what_they_would_alone(
             seq, brought = incoming.pop(0)
             driver.sched.receive(seq, brought)
             write_tags(driver, seq, brought)
+            if seq.window_start:
+                event("a hand-over past the window: its sliding tables start later")
         if not driver.sched.has_unfinished() and not incoming:
             break
         out = driver.step()
