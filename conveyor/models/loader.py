@@ -483,6 +483,13 @@ _GGUF_GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3's fused projections, stored as HF stores them: q, k, v rows in one, gate and up in one.
+_GGUF_PHI3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Tensor types conveyor promises to read (others the gguf package knows may work too).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -517,7 +524,8 @@ def gguf_has_tokenizer(reader: Any) -> bool:
 def read_gguf_arch(reader: Any) -> ArchConfig:
     arch = gguf_field(reader, "general.architecture")
     families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3"}
+                "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3",
+                "phi3": "phi3"}
     if arch not in families:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; conveyor runs {sorted(families)}"
@@ -551,7 +559,9 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
     norm = get("expert_weights_norm", family != "qwen2_moe")
     num_layers = get("block_count")
     dense = tuple(i for i in range(num_layers) if experts and f"blk.{i}.ffn_gate_inp.weight" not in names)
-    gemma = _gemma_gguf(get, family, num_layers, hidden, heads) if family in ("gemma2", "gemma3") else {}
+    extra = _gemma_gguf(get, family, num_layers, hidden, heads) if family in ("gemma2", "gemma3") else {}
+    if family == "phi3":
+        rope_scaling, extra = _phi3_gguf(get, reader, hidden // heads)
     return ArchConfig(
         family=family,
         vocab_size=get("vocab_size") or len(tokens),
@@ -568,7 +578,7 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=rope_scaling,
-        sliding_window=None,
+        sliding_window=extra.pop("sliding_window", None),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         num_experts=experts,
@@ -577,8 +587,29 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
         norm_topk_prob=bool(norm),
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
         mlp_only_layers=dense,
-        **gemma,
+        **extra,
     )
+
+
+def _phi3_gguf(get: Any, reader: Any, head_dim: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """What llama.cpp's converter writes of a Phi-3 / Phi-4 beside a Llama's keys: the rotary
+    width (Phi-4-mini turns 3/4 of each head), the sliding window (0 for Phi-4: none), and
+    LongRoPE as two tensors of factors with the pretraining length and attention factor."""
+    tensors = {t.name: t for t in reader.tensors}
+    scaling = None
+    if "rope_factors_long.weight" in tensors:
+        original = int(get("rope.scaling.original_context_length") or get("context_length"))
+        scaling = {
+            "rope_type": "longrope",
+            "short_factor": np.asarray(tensors["rope_factors_short.weight"].data, dtype=np.float32).tolist(),
+            "long_factor": np.asarray(tensors["rope_factors_long.weight"].data, dtype=np.float32).tolist(),
+            "original_max_position_embeddings": original,
+            "factor": get("context_length") / original,
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }
+    rotary = int(get("rope.dimension_count") or head_dim)
+    return scaling, dict(rotary_dim=0 if rotary == head_dim else rotary,
+                         sliding_window=int(get("attention.sliding_window") or 0) or None)
 
 
 def _gemma_gguf(get: Any, family: str, layers: int, hidden: int, heads: int) -> dict[str, Any]:
@@ -620,9 +651,10 @@ def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torc
 
     permuted = arch.family in ("llama", "mistral", "mixtral")
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _GGUF_ROPE_TENSORS:  # (read into the arch)
             continue
-        layer_names = _GGUF_GEMMA_LAYER_NAMES if arch.is_gemma else _GGUF_LAYER_NAMES
+        layer_names = (_GGUF_GEMMA_LAYER_NAMES if arch.is_gemma else _GGUF_PHI3_LAYER_NAMES if arch.family == "phi3"
+                       else _GGUF_LAYER_NAMES)
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         else:

@@ -6,6 +6,7 @@ it while decoding; float32 on the CPU kernels; the long factors shown to matter.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -115,3 +116,65 @@ def test_config_readings(phi3):
     assert arch.num_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(phi3).parameters())
     with pytest.raises(ConfigError, match="Phi-3"):
         LLM(str(phi3), dtype="float64", tensor_parallel_size=2)
+
+
+def write_phi3_gguf(model_dir, out) -> None:
+    """The HF folder as llama.cpp's convert_hf_to_gguf.py writes a Phi-3 (F32): the fused
+    projections under the gguf package's names, the rotary width, the window, and LongRoPE's
+    factors as two tensors beside the pretraining length and attention factor."""
+    import math
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "phi3")
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1)))
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    w.add_vocab_size(cfg["vocab_size"])  # (a real file has its vocabulary instead)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
+        w.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", np.ascontiguousarray(tensor.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["phi-4-no-window", "window-6"])
+def test_a_gguf_file_as_llama_cpp_writes_it(phi3, tmp_path, window):
+    """A GGUF Phi-3 (fused q/k/v and gate/up under llama.cpp's names, half of each head turned,
+    the window or none, LongRoPE's factors as tensors): the arch and the tokens of the HF folder
+    it came from, a prompt past the pretraining length included (the long factors)."""
+    if window is not None:
+        phi3 = build_tiny_model(tmp_path / "windowed", "phi3", seed=2, sliding_window=window, **SHAPE)
+    write_phi3_gguf(phi3, tmp_path / "m.gguf")
+    from_gguf = LLM(str(tmp_path / "m.gguf"), dtype="float64", num_kv_blocks=64)
+    from_hf = LLM(str(phi3), dtype="float64", num_kv_blocks=64)
+    a, b = from_gguf.engine.arch, from_hf.engine.arch
+    assert (a.rotary_dim, a.sliding_window, a.tie_word_embeddings) == (b.rotary_dim, b.sliding_window,
+                                                                       b.tie_word_embeddings)
+    assert a.rope_scaling["long_factor"] == pytest.approx(b.rope_scaling["long_factor"])
+    assert from_gguf.engine.runner.model.rotary.long_from == 64
+    prompts = [*SHORT, list(range(5, 90))]  # the last past the 64 pretraining positions
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert tokens(from_gguf.generate(prompts, params, use_tqdm=False)) == tokens(from_hf.generate(prompts, params,
+                                                                                                    use_tqdm=False))
