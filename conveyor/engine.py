@@ -241,7 +241,7 @@ class Engine:
         if tp > 1:  # this process is rank 0: its shard, and a KV cache over its heads
             from conveyor.models.tensor_parallel import shard_arch, shard_tensors
 
-            arch, tensors = shard_arch(arch, tp), shard_tensors(tensors, 0, tp)
+            arch, tensors = shard_arch(arch, tp), shard_tensors(tensors, 0, tp, arch)
         tok_path = Path(mc.tokenizer) if mc.tokenizer else path
         tokenizer: Tokenizer | None = None
         has_tokenizer = gguf_has_tokenizer(reader) if gguf else _has_tokenizer_files(path)

@@ -250,6 +250,14 @@ def test_shards_put_back_together_are_the_tensor():
     gate = torch.cat([p[:, :2] for p in parts], dim=1)
     up = torch.cat([p[:, 2:] for p in parts], dim=1)
     assert torch.equal(gate, stacked[:, :4]) and torch.equal(up, stacked[:, 4:])
+    fused = torch.randn(8 + 4 + 4, 6, generator=g)  # Phi-3's qkv_proj: q (8 rows), k and v (4 each)
+    parts = [shard_tensor("layers.0.self_attn.qkv_proj.weight", fused, r, 2, qkv=(8, 4)) for r in range(2)]
+    for section, (lo, hi) in enumerate(((0, 8), (8, 12), (12, 16))):  # each rank: q, then k, then v
+        width = (hi - lo) // 2
+        offset = sum((8, 4, 4)[i] // 2 for i in range(section))
+        assert torch.equal(torch.cat([p[offset:offset + width] for p in parts]), fused[lo:hi])
+    with pytest.raises(ValueError, match="qkv"):
+        shard_tensor("layers.0.self_attn.qkv_proj.weight", fused, 0, 2)
 
 
 def test_shard_arch_divides_heads_and_widths():

@@ -35,8 +35,6 @@ def shard_arch(arch: ArchConfig, size: int) -> ArchConfig:
     vLLM's tensor-parallel MLA does)."""
     if size == 1:
         return arch
-    if arch.family == "phi3":
-        raise ConfigError("tensor parallelism over Phi-3's fused qkv_proj and gate_up_proj is not built")
     widths = {
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_kv_heads,
@@ -62,10 +60,12 @@ def shard_arch(arch: ArchConfig, size: int) -> ArchConfig:
     )
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int,
+                 qkv: tuple[int, int] | None = None) -> torch.Tensor:
     """Rank `rank`'s slice of the HF-named `tensor` (itself if every rank holds it whole).
     Rows are the last-but-one dimension (a bias's only one), columns the last; a stacked
-    `experts.gate_up_proj` splits its gate and its up halves apart."""
+    `experts.gate_up_proj` splits its gate and its up halves apart, and a checkpoint's fused
+    `qkv_proj` (Phi-3) its q, k and v rows, `qkv` = (q rows, k rows) long."""
     if size == 1:
         return tensor
     parts = name.split(".")
@@ -78,6 +78,12 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch
     if proj == "down_proj_bias" or (proj in COLUMN_SPLIT and parts[-1] == "bias"):
         # A bias after the split joins the partial sums once: on rank 0.
         return tensor if rank == 0 else torch.zeros_like(tensor)
+    if proj == "qkv_proj":
+        if qkv is None:
+            raise ValueError(f"{name}: a fused qkv_proj splits by the q and k widths (qkv=)")
+        dim = 0 if tensor.dim() == 1 else -2
+        q, kv = qkv
+        return torch.cat([p.chunk(size, dim=dim)[rank] for p in tensor.split([q, kv, kv], dim=dim)], dim=dim).contiguous()
     if proj == "gate_up_proj":
         gate, up = tensor.chunk(2, dim=-2)
         return torch.cat((gate.chunk(size, dim=-2)[rank], up.chunk(size, dim=-2)[rank]), dim=-2).contiguous()
@@ -90,10 +96,12 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch
 
 
 def shard_tensors(
-    tensors: Iterator[tuple[str, torch.Tensor]], rank: int, size: int
+    tensors: Iterator[tuple[str, torch.Tensor]], rank: int, size: int, arch: ArchConfig | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor's slice for rank `rank`; `arch` (the whole model's) gives a fused qkv_proj's widths."""
+    qkv = None if arch is None else (arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim)
     for name, tensor in tensors:
-        yield name, shard_tensor(name, tensor, rank, size)
+        yield name, shard_tensor(name, tensor, rank, size, qkv)
 
 
 def shard_lora(weights: LoRAWeights, arch: ArchConfig, rank: int, size: int) -> LoRAWeights:

@@ -356,7 +356,7 @@ def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelR
     dtype = getattr(torch, recipe.dtype)
     arch, tensors, _ = open_model(Path(recipe.model_path))
     model = build_model(
-        shard_arch(arch, size), shard_tensors(tensors, rank, size), TorchPagedAttention(), recipe.max_len, dtype,
+        shard_arch(arch, size), shard_tensors(tensors, rank, size, arch), TorchPagedAttention(), recipe.max_len, dtype,
         device, recipe.quantization, recipe.calibration_ids, all_reduce=all_reduce,
     )
     runner = ModelRunner(model, recipe.num_blocks, recipe.block_size, dtype, device,

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.config import ConfigError
 from conveyor.models.arch import ArchConfig
 from tests.conftest import build_tiny_model
 from tests.models.test_moe import hf_greedy
@@ -114,8 +113,17 @@ def test_config_readings(phi3):
     assert mini.rope_scaling["factor"] == 32 and mini.rope_scaling["original_max_position_embeddings"] == 4096
     arch = ArchConfig.from_hf(json.loads((phi3 / "config.json").read_text()))
     assert arch.num_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(phi3).parameters())
-    with pytest.raises(ConfigError, match="Phi-3"):
-        LLM(str(phi3), dtype="float64", tensor_parallel_size=2)
+
+
+def test_two_tensor_parallel_ranks_equal_one(phi3):
+    """The fused q/k/v rows split by their q, k and v widths, the fused gate/up by halves, each
+    rank's share of the heads: one rank's tokens and logprobs (to 1e-9), and HF's, a prompt
+    past the pretraining length included."""
+    from tests.models.test_moe import two_ranks_and_one
+
+    prompts = [*SHORT, list(range(5, 90))]
+    two, one = two_ranks_and_one(phi3, prompts)
+    assert two == one == hf_greedy(phi3, prompts, 12)
 
 
 def write_phi3_gguf(model_dir, out) -> None:
