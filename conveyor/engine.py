@@ -1179,6 +1179,12 @@ def plan_cache(
     capacity = num_blocks * cc.block_size
     if layout is not None:
         capacity = layout.capacity(num_blocks, cc.block_size, config.scheduler.kv_chunk)
+        if capacity < 1:
+            need = layout.pages_for(1, cc.block_size, config.scheduler.kv_chunk)
+            raise ConfigError(
+                f"the hybrid KV cache's {num_blocks} blocks hold no sequence: one takes a block of each of "
+                f"its {need} tables; raise kv_cache_memory or num_kv_blocks"
+            )
     max_len = mc.max_model_len or model_max_len
     if max_positions is not None and max_len > max_positions:
         if mc.max_model_len is not None:

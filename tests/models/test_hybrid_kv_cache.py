@@ -240,6 +240,11 @@ def test_kv_handed_over_between_engines(models, family, sender, receiver):
     assert bm.num_free_swap_blocks == bm.num_swap_blocks and bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_cache_too_small_for_one_sequence_is_refused(models):
+    with pytest.raises(ConfigError, match="hold no sequence: one takes a block of each of its 3 tables"):
+        LLM(str(models["gemma3-two-groups"]), dtype="float64", num_kv_blocks=2, hybrid_kv_cache=True)
+
+
 def test_a_model_without_a_sliding_window_is_refused(tmp_path):
     llama = build_tiny_model(tmp_path / "llama", "llama", seed=1)
     with pytest.raises(ConfigError, match="within one sliding window"):
