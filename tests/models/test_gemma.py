@@ -317,23 +317,16 @@ def write_gemma_gguf(model_dir, out) -> None:
     import numpy as np
     from safetensors.torch import load_file
 
+    from tests.models.test_gguf import close_gguf, gguf_writer
+
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}[cfg["model_type"]]
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
-    w = gguf.GGUFWriter(str(out), cfg["model_type"].removesuffix("_text"))
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])  # (a real file has its vocabulary instead)
-    w.add_sliding_window(cfg["sliding_window"])
     rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base((rope.get("full_attention") or rope).get("rope_theta", 10000.0))
+    # (a real file has its vocabulary beside the vocab size)
+    w = gguf_writer(cfg, out, cfg["model_type"].removesuffix("_text"),
+                    (rope.get("full_attention") or rope).get("rope_theta", 10000.0))
+    w.add_sliding_window(cfg["sliding_window"])
     if cfg.get("attn_logit_softcapping"):
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
@@ -344,10 +337,7 @@ def write_gemma_gguf(model_dir, out) -> None:
         if name.endswith("norm.weight"):
             data = data + 1
         w.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", np.ascontiguousarray(data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

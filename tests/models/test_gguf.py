@@ -154,9 +154,10 @@ def random_kquant_bytes(rows: int, cols: int, qtype: QT, rng: np.random.Generato
     return raw.reshape(rows, cols // block * size)
 
 
-def gguf_writer(cfg: dict[str, Any], out: Path, arch: str) -> Any:
+def gguf_writer(cfg: dict[str, Any], out: Path, arch: str, rope_theta: float | None = None) -> Any:
     """A `GGUFWriter` for `arch` with the metadata convert_hf_to_gguf.py writes for a Llama-family
-    config (the caller adds its tensors, and a mixture's expert keys)."""
+    config (the caller adds its tensors, and a mixture's expert keys; `rope_theta` where the
+    config keeps it elsewhere, as Gemma 3's per-kind parameters)."""
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -167,7 +168,7 @@ def gguf_writer(cfg: dict[str, Any], out: Path, arch: str) -> Any:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(cfg.get("num_key_value_heads") or heads)
-    w.add_rope_freq_base(_rope(cfg)[0])
+    w.add_rope_freq_base(rope_theta if rope_theta is not None else _rope(cfg)[0])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     if head_dim != hidden // heads:
@@ -215,11 +216,16 @@ def write_gguf(
             written[name] = (gguf.quants.quantize(data, qtype), qtype)
     for name, (data, t) in written.items():
         w.add_tensor(name, data, raw_dtype=None if t == QT.F32 else t)
+    close_gguf(w)
+    return written
+
+
+def close_gguf(w: Any) -> None:
+    """Write the writer's header, metadata and tensors to its file."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return written
 
 
 # -- fixtures -----------------------------------------------------------------------------

@@ -136,24 +136,17 @@ def write_phi3_gguf(model_dir, out) -> None:
     import numpy as np
     from safetensors.torch import load_file
 
+    from tests.models.test_gguf import close_gguf, gguf_writer
+
     cfg = json.loads((model_dir / "config.json").read_text())
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg["num_hidden_layers"])
-    w = gguf.GGUFWriter(str(out), "phi3")
+    w = gguf_writer(cfg, out, "phi3")  # (a real file has its vocabulary beside the vocab size)
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-    w.add_context_length(cfg["max_position_embeddings"])
     w.add_rope_scaling_orig_ctx_len(original)
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1)))
-    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_sliding_window(cfg.get("sliding_window") or 0)
-    w.add_vocab_size(cfg["vocab_size"])  # (a real file has its vocabulary instead)
     if rope.get("rope_type") == "longrope":
         scale = cfg["max_position_embeddings"] / original
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
@@ -161,10 +154,7 @@ def write_phi3_gguf(model_dir, out) -> None:
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
         w.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", np.ascontiguousarray(tensor.float().numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("window", [None, 6], ids=["phi-4-no-window", "window-6"])
