@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
@@ -196,20 +196,29 @@ class BlockManager:
         what leaves the window is released)."""
         return self.pages_per_block * max(0, self.blocks_for_tokens(num_total_tokens) - len(seq.block_table))
 
-    def _global_start(self, seq: Sequence) -> int:
-        """Where `seq`'s `block_table` starts holding blocks (after its null entries, if it slides)."""
-        return seq.window_start if self.sliding_global else 0
+    def _global_start(self, window_start: int) -> int:
+        """Where a `block_table` starts holding blocks, its sliding tables' at `window_start`
+        (after its own null entries, where it slides too)."""
+        return window_start if self.sliding_global else 0
 
     def num_held(self, seq: Sequence) -> int:
-        """Blocks `seq`'s tables hold (device or swap, as they name)."""
-        start = seq.window_start
-        return len(seq.block_table) - self._global_start(seq) + sum(len(t) - start for t in seq.window_tables)
+        """Blocks `seq`'s tables hold (device or swap, as they name): `tables_of`'s lengths."""
+        ws = seq.window_start
+        return len(seq.block_table) - self._global_start(ws) + sum(len(t) - ws for t in seq.window_tables)
 
     def tables_of(self, seq: Sequence) -> Iterable[list[int]]:
-        """`seq`'s tables, the null entries of its sliding ones left out (integrity checks)."""
-        yield seq.block_table[self._global_start(seq):]
+        """`seq`'s tables, the null entries of its sliding ones left out: the blocks it holds."""
+        yield seq.block_table[self._global_start(seq.window_start):]
         for t in seq.window_tables:
             yield t[seq.window_start:]
+
+    def _remap(self, seq: Sequence, move: Callable[[int], int]) -> None:
+        """Give each of `seq`'s tables new lists, every block it holds replaced by `move(block)`
+        and the null entries kept (by position: a swap block's id may be the null's)."""
+        gs, ws = self._global_start(seq.window_start), seq.window_start
+        seq.block_table = [*seq.block_table[:gs], *(move(b) for b in seq.block_table[gs:])]
+        if seq.window_tables:
+            seq.window_tables = [[*t[:ws], *(move(b) for b in t[ws:])] for t in seq.window_tables]
 
     def _dead(self, start: int) -> int:
         """Leading blocks of a sliding table that no query at position `start` or later reads."""
@@ -245,7 +254,7 @@ class BlockManager:
         need = -(-num_total_tokens // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        if need * (1 + self.num_window_groups) > len(self._free):
+        if need * self.pages_per_block > len(self._free):
             return False
         take = self._take_free
         if not seq.window_tables:
@@ -258,28 +267,25 @@ class BlockManager:
     def _release_window(self, seq: Sequence, dead: int) -> None:
         """Turn the sliding tables' entries before block `dead` into the null block, their
         blocks released (new lists: the runner's rows of the old ones stay as they were)."""
-        start, null = seq.window_start, self.null_block
+        start = seq.window_start
         dead = min(dead, len(seq.block_table))
-        tables = []
-        for table in seq.window_tables:
+
+        def released(table: list[int]) -> list[int]:
             for block in table[start:dead]:
                 self._release(block)
-            tables.append([null] * dead + table[dead:])
-        seq.window_tables = tables
+            return [self.null_block] * dead + table[dead:]
+
+        seq.window_tables = [released(t) for t in seq.window_tables]
         if self.sliding_global:
-            table = seq.block_table
-            for block in table[start:dead]:
-                self._release(block)
-            seq.block_table = [null] * dead + table[dead:]
+            seq.block_table = released(seq.block_table)
         seq.window_start = dead
 
     def free(self, seq: Sequence) -> None:
         """Release every block `seq` holds; a block returns to the pool at ref count zero."""
-        for table in seq.window_tables:
-            for block in reversed(table[seq.window_start:]):
+        held, *sliding = self.tables_of(seq)
+        for table in (*sliding, held):  # the sliding tables' blocks, then the global one's, each last first
+            for block in reversed(table):
                 self._release(block)
-        for block in reversed(seq.block_table[self._global_start(seq):]):
-            self._release(block)
         seq.block_table = []
         seq.window_tables, seq.window_start = [], 0
 
@@ -299,23 +305,23 @@ class BlockManager:
         cached = self._cached
         if self.sliding_global:  # no block before the window is read: the chain may have gaps
             h = num_blocks
-            while h and (missing := self._missing_window(hashes, h)) >= 0:
-                h = missing
-            dead = self._dead(h * self.block_size)
-            return [self.null_block] * dead + [cached[hashes[i]] for i in range(dead, h)]
-        for i in range(num_blocks):
-            block = cached.get(hashes[i])
-            if block is None:
-                break
-            hits.append(block)
-        if self.num_window_groups:
-            # The sliding groups must hold the blocks of the first computed query's window
+        else:
+            for i in range(num_blocks):
+                block = cached.get(hashes[i])
+                if block is None:
+                    break
+                hits.append(block)
+            h = len(hits)
+        if self.hybrid:
+            # The sliding tables must hold the blocks of the first computed query's window
             # (vLLM's sliding-window hit, searched from the right): a hit of h blocks needs
             # theirs from `_dead(h * block_size)` to h; one missing at i allows at most i.
-            h = len(hits)
             while h and (missing := self._missing_window(hashes, h)) >= 0:
                 h = missing
-            del hits[h:]
+        if self.sliding_global:
+            dead = self._dead(h * self.block_size)
+            return [self.null_block] * dead + [cached[hashes[i]] for i in range(dead, h)]
+        del hits[h:]
         return hits
 
     def _window_key(self, block_hash: bytes, group: int) -> bytes:
@@ -346,12 +352,9 @@ class BlockManager:
         new = self.pages_per_block * (self.blocks_for_tokens(num_total_tokens) - len(hits))
         if self.hybrid and hits:
             dead = self._dead(len(hits) * self.block_size)
-            return new + self.num_evictable(hits[self._global_start_of_hit(dead):]) + sum(
+            return new + self.num_evictable(hits[self._global_start(dead):]) + sum(
                 self.num_evictable(t[dead:]) for t in self._window_hits(seq, len(hits)))
         return new + self.num_evictable(hits)
-
-    def _global_start_of_hit(self, dead: int) -> int:
-        return dead if self.sliding_global else 0
 
     def num_evictable(self, blocks: Iterable[int]) -> int:
         """How many of `blocks` sit in the free pool: taking them leaves that many fewer free."""
@@ -365,7 +368,7 @@ class BlockManager:
         window = self._window_hits(seq, len(blocks)) if self.num_window_groups and blocks else []
         dead = self._dead(len(blocks) * self.block_size)
         counts, free = self._ref_counts, self._free
-        own = blocks[self._global_start_of_hit(dead):]
+        own = blocks[self._global_start(dead):]
         for block in (*own, *(b for table in window for b in table[dead:])):
             assert self._block_hash[block] is not None, f"block {block} is not cached"
             if counts[block] == 0:
@@ -384,7 +387,7 @@ class BlockManager:
             return
         hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq))
         cached, hashed = self._cached, self._block_hash
-        for i in range(max(first, self._global_start(seq)), end):  # (a sliding one's: its blocks)
+        for i in range(max(first, self._global_start(seq.window_start)), end):  # (a sliding one's: its blocks)
             block, h = table[i], hashes[i]
             if hashed[block] is None and h not in cached:
                 cached[h] = block
@@ -445,11 +448,7 @@ class BlockManager:
             self._release(block)
             return cpu
 
-        # (the null entries, by position: a swap block's id may be the null's)
-        gs, ws = self._global_start(seq), seq.window_start
-        seq.block_table = [*seq.block_table[:gs], *(out(b) for b in seq.block_table[gs:])]
-        if seq.window_tables:
-            seq.window_tables = [[*t[:ws], *(out(b) for b in t[ws:])] for t in seq.window_tables]
+        self._remap(seq, out)
         return mapping
 
     def can_swap_in(self, seq: Sequence, extra_blocks: int = 0) -> bool:
@@ -467,10 +466,7 @@ class BlockManager:
             self._swap_free.append(cpu)
             return block
 
-        gs, ws = self._global_start(seq), seq.window_start
-        seq.block_table = [*seq.block_table[:gs], *(back(b) for b in seq.block_table[gs:])]
-        if seq.window_tables:
-            seq.window_tables = [[*t[:ws], *(back(b) for b in t[ws:])] for t in seq.window_tables]
+        self._remap(seq, back)
         return mapping
 
     def pages_to_receive(self, num_tokens: int) -> int:
@@ -493,7 +489,7 @@ class BlockManager:
             raise RuntimeError(f"not enough swap space for {num_tokens} tokens")
         n, take = self.blocks_for_tokens(num_tokens), self._swap_free.popleft
         dead = min(n, self._dead(num_tokens)) if self.hybrid else 0
-        gs = dead if self.sliding_global else 0
+        gs = self._global_start(dead)
         seq.block_table = [self.null_block] * gs + [take() for _ in range(n - gs)]
         if self.hybrid:
             seq.window_tables = [[self.null_block] * dead + [take() for _ in range(n - dead)]
@@ -502,9 +498,9 @@ class BlockManager:
 
     def free_swapped(self, seq: Sequence) -> None:
         """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""
-        self._swap_free.extend(seq.block_table[self._global_start(seq):])
+        for table in self.tables_of(seq):
+            self._swap_free.extend(table)
         seq.block_table = []
-        self._swap_free.extend(b for t in seq.window_tables for b in t[seq.window_start:])
         seq.window_tables, seq.window_start = [], 0
 
     def share(self, block: int) -> None:
