@@ -722,11 +722,8 @@ class Engine:
                 return
             self._incoming.popleft()
             self.scheduler.receive(req.seq, handoff.num_tokens)
-            seq = req.seq
-            if self.scheduler.block_manager.hybrid:  # its sliding tables (`BlockManager.receive`)
-                self.runner.receive_kv(seq.block_table, handoff.data, seq.window_tables, seq.window_start)
-            else:
-                self.runner.receive_kv(seq.block_table, handoff.data)
+            seq = req.seq  # (a hybrid cache's sliding tables too: `BlockManager.receive`)
+            self.runner.receive_kv(seq.block_table, handoff.data, seq.window_tables, seq.window_start)
             self.num_kv_received += 1
 
     def check_lora(self, lora_request: LoRARequest) -> None:
@@ -939,13 +936,10 @@ class Engine:
                 outputs.append(self._output(req))
         return outputs
 
-    def _export(self, req: _Request, block_table: list[int], num_tokens: int,
-                window_tables: list[list[int]] | None = None) -> None:
+    def _export(self, req: _Request, block_table: list[int], num_tokens: int, window_tables: list[list[int]]) -> None:
         lora = req.seq.lora_request
-        data = (self.runner.read_kv(block_table, num_tokens, window_tables) if window_tables
-                else self.runner.read_kv(block_table, num_tokens))
         req.handoff = KVHandoff(
-            req.seq.token_ids[:num_tokens], data,
+            req.seq.token_ids[:num_tokens], self.runner.read_kv(block_table, num_tokens, window_tables),
             self.runner.kv_bytes(num_tokens), None if lora is None else lora.key,
         )
 
@@ -1342,10 +1336,16 @@ def hybrid_layout(config: EngineConfig, arch: Any) -> HybridLayout | None:
         return None
     if arch.is_encoder:
         raise ConfigError("hybrid_kv_cache: an encoder keeps no K/V")
+    return hybrid_layout_of(config, [arch.window_of(i) for i in range(arch.num_layers)])
+
+
+def hybrid_layout_of(config: EngineConfig, windows: list[int], name: str = "") -> HybridLayout:
+    """The layout for layers attending within `windows` under `config`, or a ConfigError: the
+    engine's rules, which the simulator keeps too (`name`: the model's, for its message)."""
     try:
-        layout = HybridLayout.of([arch.window_of(i) for i in range(arch.num_layers)])
+        layout = HybridLayout.of(windows)
     except ValueError as e:
-        raise ConfigError(f"hybrid_kv_cache: {e}") from None
+        raise ConfigError(f"hybrid_kv_cache: {name}{e}") from None
     if layout.all_sliding and config.scheduler.speculative_method == "draft_model":
         raise ConfigError("hybrid_kv_cache: every layer of this model slides, so its one table releases blocks "
                           "a draft model's global layers would read; not built with a draft model")

@@ -96,7 +96,7 @@ class ModelRunner:
         # A hybrid cache (`HybridLayout`): `page_layers` tensors, each layer reading and writing
         # one of them (its slot) through its group's tables; the scratch block is the null one.
         self.layout = layout
-        self.layer_groups: list[int] = []
+        self.layer_groups = [0] * layers  # each layer's table: the block table's, or its sliding group's
         if layout is not None:
             placed = layout.groups_of([arch.window_of(i) for i in range(layers)])
             self.layer_groups = [g for g, _ in placed]
@@ -208,8 +208,7 @@ class ModelRunner:
         blocks, which no query of theirs reads again."""
         self._whole_kv()
         slots = [self._slots(t, num_tokens).to(self.device) for t in (block_table, *window_tables)]
-        groups = self.layer_groups or [0] * len(self.kv_caches)
-        return torch.stack([cache[:, slots[g]] for cache, g in zip(self.kv_caches, groups, strict=True)]).cpu()
+        return torch.stack([cache[:, slots[g]] for cache, g in zip(self.kv_caches, self.layer_groups, strict=True)]).cpu()
 
     @torch.inference_mode()
     def receive_kv(self, swap_table: list[int], data: torch.Tensor, window_tables: Sequence[list[int]] = (),
@@ -224,8 +223,7 @@ class ModelRunner:
         slots = [self._slots(t, n)[f:] for t, f in zip((swap_table, *window_tables), first, strict=True)]
         if self.device.type == "cuda":  # a swap-in still copying out of these pinned blocks
             torch.cuda.current_stream(self.device).synchronize()
-        groups = self.layer_groups or [0] * len(self.swap_caches)
-        for cache, layer, g in zip(self.swap_caches, data, groups, strict=True):
+        for cache, layer, g in zip(self.swap_caches, data, self.layer_groups, strict=True):
             cache[:, slots[g]] = layer[:, first[g]:].to(cache.dtype)
 
     def kv_bytes(self, num_tokens: int) -> int:

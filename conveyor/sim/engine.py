@@ -33,7 +33,13 @@ from typing import Any
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
-from conveyor.engine import CPU_DEFAULT_KV_BYTES, CUDA_RUNTIME_RESERVE, Engine, plan_cache
+from conveyor.engine import (
+    CPU_DEFAULT_KV_BYTES,
+    CUDA_RUNTIME_RESERVE,
+    Engine,
+    hybrid_layout_of,
+    plan_cache,
+)
 from conveyor.runner.base import RunnerOutput
 from conveyor.sim.cost import CostModel, CostParams, RooflineCostModel, StepShape
 from conveyor.sim.hardware import Hardware
@@ -409,11 +415,8 @@ def sim_hybrid_layout(config: EngineConfig, model: ModelShape) -> HybridLayout |
     if config.model.pipeline_parallel_size > 1 or config.model.enable_dp_attention:
         raise ConfigError("hybrid_kv_cache is not modelled with pipeline parallelism or DP attention (a stage's "
                           "or a device's own layers and sequences)")
-    try:
-        return HybridLayout.of([model.sliding_window] * model.num_sliding_layers
-                               + [0] * (model.num_layers - model.num_sliding_layers))
-    except ValueError as e:
-        raise ConfigError(f"hybrid_kv_cache: {model.name}: {e}") from None
+    return hybrid_layout_of(config, [model.sliding_window] * model.num_sliding_layers
+                            + [0] * (model.num_layers - model.num_sliding_layers), f"{model.name}: ")
 
 
 def describe_capacity(engine: Any) -> dict[str, Any]:
