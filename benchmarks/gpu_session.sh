@@ -8,6 +8,10 @@
 #   bash benchmarks/gpu_session.sh 1   # the CUDA tests; the GEMV sweep; batch-1 decode and the host share
 #   bash benchmarks/gpu_session.sh 2   # throughput against HF continuous and static batching; parity
 #   bash benchmarks/gpu_session.sh 3   # the profile of a batch-1 step, the host's phases at 256 sequences
+#   HF_NUM_REQUESTS=32 STAGE_BUDGET_S=470 bash benchmarks/gpu_session.sh quick
+#                                      # a 15-minute loan's one call: parity, batch-1 (the opt-in kernels
+#                                      # and the default), the host share at 256, throughput against HF
+#   bash benchmarks/gpu_session.sh tests   # the CUDA tests, none stopping the others
 #
 # Stage 1 writes $OUT/gemv/gemv_configs.json. Stages after it read the configs from
 # .gpu/gemv_configs.json if it is there: copy the file there (`echo /.gpu/ >> .git/info/exclude`
@@ -30,6 +34,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
 budget=${STAGE_BUDGET_S:-560}
 hf_requests=${HF_NUM_REQUESTS:-64}
+models=${MODELS_DIR:-/tmp/gpu-session-models}
 configs=.gpu/gemv_configs.json
 smoke=() collect=() host_seqs=256
 if [[ -n ${GPU_SESSION_SMOKE:-} ]]; then  # a rehearsal on a CPU: the scripts' own check
@@ -89,6 +94,26 @@ case $stage in
 3)
     step profile 200 env "$(gemv_configs)" python3 benchmarks/gpu_profile.py --fused --gemv "${smoke[@]}" --out "$out/profile"
     step host_time 120 python3 benchmarks/host_time.py --seqs "${host_seqs}" --out "$out/host_time.json"
+    ;;
+quick)
+    # A loan of 15 device minutes, machine start included: one call for what the issue must
+    # show and earlier loans left unmeasured, the paths never run on a GPU first. The models
+    # are built once, in $models, for every step.
+    common=(--models "$models" "${smoke[@]}")
+    step parity 80 python3 benchmarks/gpu_speed.py --parts parity "${common[@]}" \
+        --variants "${QUICK_PARITY:-float32,bfloat16,bfloat16+fused,bfloat16+fused+gemv+pdl}" --out "$out/parity"
+    step batch1 170 env "$(gemv_configs)" python3 benchmarks/gpu_speed.py --parts batch1 "${common[@]}" \
+        --variants "${QUICK_BATCH1:-graphs+async+fused+gemv+pdl,graphs+async+fused+gemv,graphs+async+fused,graphs+async,graphs+async+fused+gemv+3launch}" \
+        --out "$out/batch1"
+    step overhead 90 python3 benchmarks/gpu_speed.py --parts overhead "${common[@]}" --out "$out/overhead"
+    step throughput 150 python3 benchmarks/gpu_speed.py --parts throughput --hf-num-requests "$hf_requests" \
+        "${common[@]}" --out "$out/throughput"
+    ;;
+tests)
+    # The CUDA tests, each at most 60 s, every failure reported (no -x).
+    per_test=()
+    python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)  # the image has it
+    step tests 240 python3 -m pytest -q -rfE -p no:cacheprovider "${per_test[@]}" "${collect[@]}" tests/kernels tests/runner
     ;;
 *)
     echo "unknown stage $stage" >&2

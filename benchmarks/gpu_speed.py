@@ -55,6 +55,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,13 +78,25 @@ SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
 PARTS = ("parity", "gemv", "batch1", "throughput", "overhead")
 
 
-def build_llama(folder: Path, shape: dict[str, Any], seed: int = 0) -> str:
+def build_llama(folder: Path, shape: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+    """A random-weight Llama of `shape` saved in `folder` (in `dtype`), or the one a step
+    before this one left there (`--models`: the steps of a session share them)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if (folder / "config.json").is_file():
+        return str(folder)
     torch.manual_seed(seed)
     cfg = LlamaConfig(max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, **shape)
-    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    partial = folder.with_name(folder.name + ".partial")  # a step killed while saving leaves no model
+    shutil.rmtree(partial, ignore_errors=True)
+    LlamaForCausalLM(cfg).to(dtype).save_pretrained(partial, safe_serialization=True)
+    partial.rename(folder)
     return str(folder)
+
+
+def chosen(args: argparse.Namespace, variants: list[Any], name: Callable[[Any], str] = str) -> list[Any]:
+    """The variants `--variants` names (all of them when it names none)."""
+    return [v for v in variants if not args.variants or name(v) in args.variants]
 
 
 def sync(device: str) -> None:
@@ -158,7 +171,8 @@ def hbm_bandwidth(device: str, gib: int = 4) -> float:
 
 # -- parity -----------------------------------------------------------------------------------
 def parity(args: argparse.Namespace, folder: Path) -> dict:
-    path = build_llama(folder / "parity", SMOKE_SHAPE if args.smoke else PARITY_SHAPE, seed=1)
+    path = build_llama(folder / ("parity-smoke" if args.smoke else "parity"), SMOKE_SHAPE if args.smoke else PARITY_SHAPE,
+                       seed=1)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 64))] for _ in range(16)]
     new = 8 if args.smoke else 32
@@ -168,7 +182,7 @@ def parity(args: argparse.Namespace, folder: Path) -> dict:
     out: dict = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    for variant in dtypes:
+    for variant in chosen(args, dtypes):
         out[variant] = guarded(variant, args.device, lambda v=variant: parity_variant(args, path, v, prompts, new))
     return out
 
@@ -387,7 +401,7 @@ def batch1(args: argparse.Namespace, path: str) -> dict:
         ("graphs+async", asynchronous), ("graphs", {}), ("eager", dict(enforce_eager=True))]
     if args.smoke:  # the script's paths, not the kernels (the interpreter would time Python)
         variants = variants[4:]
-    for name, options in variants:
+    for name, options in chosen(args, variants, lambda v: v[0]):
         out[name] = guarded(name, args.device, lambda n=name, o=options: batch1_variant(args, path, n, o, steps, bandwidth))
     return out
 
@@ -593,10 +607,17 @@ def main() -> int:
                          "give each its own call to stay inside a 10-minute one)")
     ap.add_argument("--gemv-budget-s", type=float, default=300.0,
                     help="gemv: seconds of config timing after which each shape keeps the best so far")
+    ap.add_argument("--variants", default="",
+                    help="parity and batch1: only these variants (comma-separated names, as the output prints "
+                         "them); default: all")
+    ap.add_argument("--models", type=Path, default=None,
+                    help="where the random-weight models are built, or found if a run before this one built them "
+                         "there; default: a temporary folder")
     ap.add_argument("--out", type=Path, default=Path("results/gpu-speed"))
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     args.baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
     if set(args.baselines) - {"hf_static", "hf_continuous"}:
         ap.error("--baselines takes hf_static and/or hf_continuous")
     unknown = set(parts) - set(PARTS)
@@ -626,15 +647,17 @@ def main() -> int:
         result["throughput"] = partial
         save()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        folder = args.models or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         big = None
         for part in parts:
             t = time.perf_counter()
             if part == "parity":
                 result["parity"] = parity(args, folder)
             else:
-                big = big or build_llama(folder / "llama-1b", SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE)
+                # In the dtype every part runs it in: half the bytes to write and to read.
+                big = big or build_llama(folder / ("llama-smoke" if args.smoke else "llama-1b"),
+                                         SMOKE_SHAPE if args.smoke else LLAMA_1B_SHAPE, dtype=getattr(torch, args.dtype))
                 if part == "throughput":
                     result[part] = throughput(args, big, save_throughput)
                 else:
