@@ -109,6 +109,12 @@ quick)
     step throughput 150 python3 benchmarks/gpu_speed.py --parts throughput --hf-num-requests "$hf_requests" \
         "${common[@]}" --out "$out/throughput"
     ;;
+rest)
+    step overhead 60 python3 benchmarks/gpu_speed.py --parts overhead --models "$models" "${smoke[@]}" --out "$out/overhead"
+    step throughput 110 python3 benchmarks/gpu_speed.py --parts throughput --hf-num-requests "$hf_requests" \
+        --baselines hf_static --models "$models" "${smoke[@]}" --out "$out/throughput"
+    step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider "${collect[@]}" tests/kernels tests/runner
+    ;;
 tests)
     # The CUDA tests, each at most 60 s, every failure reported (no -x).
     per_test=()

@@ -533,7 +533,7 @@ def overhead(args: argparse.Namespace, path: str) -> dict:
     out: dict = {"sequences": n}
     for name, async_scheduling in (("sync", False), ("async", True)):
         llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=n, max_num_batched_tokens=8192,
-                  num_kv_blocks=n * 16 + 64, max_model_len=2048, async_scheduling=async_scheduling)
+                  num_kv_blocks=n * ((128 + steps * 4) // 16 + 2) + 64, max_model_len=2048, async_scheduling=async_scheduling)
         engine = llm.engine
         sp = SamplingParams(max_tokens=steps * 4, temperature=0.0, ignore_eos=True)
         for i in range(n):

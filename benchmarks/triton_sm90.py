@@ -12,7 +12,8 @@ become options) and, through the JIT's own specialisation function, which ints a
 (== 1) and which ints and pointers are multiples of 16, as a launch on a GPU would specialise
 them. Triton's bundled ptxas then reports registers and spill bytes, and the PTX the width of
 each global load. Exits non-zero when a kernel does not compile, when a GEMV reads its weights
-in loads narrower than 16 bytes, when a GEMV compiled for programmatic dependent launch has no
+in loads narrower than 16 bytes, when a float16 kernel computes in float16 (torch rounds each
+op's float32 result; a compiled half FMA rounds once, one ulp off it, as an H100 showed), when a GEMV compiled for programmatic dependent launch has no
 grid-dependency wait, or, with `--no-spills`, when a kernel spills. Run without TRITON_INTERPRET
 (the script refuses it): the kernels must be real `triton.jit` functions.
 """
@@ -135,6 +136,49 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0
 
 
+def rounding_cases(dt: torch.dtype, suffix: str) -> Iterator[tuple[str, Any, Callable[[], None], str]]:
+    """The fused element-wise kernels, a GEMV with every fold and the decode that rotates, in `dt`."""
+    from conveyor.kernels import triton_attention, triton_fused, triton_gemv
+    from conveyor.models.attention import build_metadata
+
+    hidden = torch.zeros(4, 2048, dtype=dt)
+    yield f"add_rms_norm{suffix}", triton_fused, lambda: triton_fused.add_rms_norm(hidden, hidden, hidden[0], 1e-5), \
+        "_add_rms_norm_kernel"
+    yield f"rope_{suffix}", triton_fused, lambda: triton_fused.rope_(torch.zeros(4, 40, 64, dtype=dt),
+                                                                    torch.zeros(4, 1, 32, dtype=dt),
+                                                                    torch.zeros(4, 1, 32, dtype=dt), 40), "_rope_kernel"
+    yield f"rope + K/V write{suffix}", triton_fused, lambda: triton_fused.rope_write_kv_(
+        torch.zeros(4, 48, 64, dtype=dt), torch.zeros(4, 1, 32, dtype=dt), torch.zeros(4, 1, 32, dtype=dt), 32,
+        torch.zeros(2, 512, 8, 64, dtype=dt), torch.arange(4)), "_rope_write_kv_kernel"
+    yield f"silu_mul{suffix}", triton_fused, lambda: triton_fused.silu_mul(torch.zeros(4, 16384, dtype=dt)), \
+        "_silu_mul_kernel"
+    if dt == torch.bfloat16:
+        return  # the GEMVs and attention in bfloat16: cases()
+    yield f"gemv down_proj (silu_mul, residual), 1 row{suffix}", triton_gemv, lambda: triton_gemv.linear(
+        torch.zeros(1, 16384, dtype=dt), torch.zeros(2048, 8192, dtype=dt), norm=None, eps=1e-5, silu_mul=True,
+        residual=torch.zeros(1, 2048, dtype=dt)), "_gemv_kernel"
+    yield f"gemv qkv_proj (norm), 2 rows{suffix}", triton_gemv, lambda: triton_gemv.linear(
+        torch.zeros(2, 2048, dtype=dt), torch.zeros(3072, 2048, dtype=dt), norm=torch.ones(2048, dtype=dt), eps=1e-5,
+        silu_mul=False, residual=None), "_gemv_kernel"
+    triton_attention.triton_available = lambda: True  # compiled here, never launched
+    merged = triton_attention.TritonPagedAttention(None, decode_split_len=64, merge_splits=True)
+    cache = torch.zeros(2, 32 * 16, 8, 64, dtype=dt)
+
+    def rope_decodes() -> None:
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(2)]
+        meta = build_metadata(tables, [100, 50], [1, 1], 16, torch.device("cpu"), None, dt)
+        merged.attend_decodes_rope(torch.zeros(2, 48, 64, dtype=dt), torch.zeros(2, 1, 32, dtype=dt),
+                                   torch.zeros(2, 1, 32, dtype=dt), cache, meta, 0.125)
+
+    yield f"decode + RoPE + K/V write, merged{suffix}", triton_attention, rope_decodes, "_decode_split_kernel"
+
+
+# Arithmetic in float16 itself: where the kernels round a float32 result to float16 as torch
+# does, the compiler must not narrow a product and the sum after it to half precision (which it
+# then contracts into one half FMA, rounding once where torch rounds twice).
+HALF_ARITHMETIC = re.compile(r"^\s*(?:add|sub|mul|fma|neg|min|max)(?:\.\w+)*\.f16(?:x2)?\b", re.MULTILINE)
+
+
 def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
     """(label, module, call, kernel name): each wrapper call whose launches are compiled."""
     from conveyor.kernels import triton_fused, triton_gemv
@@ -152,16 +196,11 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
                                    eps=1e-5, silu_mul=bool(fold.get("silu_mul")),
                                    residual=torch.zeros(rows, n, dtype=dt) if fold.get("residual") else None, pdl=pdl)
             yield f"gemv {label}, {rows} row(s){', PDL' if pdl else ''}", triton_gemv, call, "_gemv_kernel"
-    hidden = torch.zeros(4, 2048, dtype=dt)
-    yield "add_rms_norm", triton_fused, lambda: triton_fused.add_rms_norm(hidden, hidden, hidden[0], 1e-5), \
-        "_add_rms_norm_kernel"
-    yield "rope_", triton_fused, lambda: triton_fused.rope_(torch.zeros(4, 40, 64, dtype=dt),
-                                                           torch.zeros(4, 1, 32, dtype=dt),
-                                                           torch.zeros(4, 1, 32, dtype=dt), 40), "_rope_kernel"
-    yield "rope + K/V write", triton_fused, lambda: triton_fused.rope_write_kv_(
-        torch.zeros(4, 48, 64, dtype=dt), torch.zeros(4, 1, 32, dtype=dt), torch.zeros(4, 1, 32, dtype=dt), 32,
-        torch.zeros(2, 512, 8, 64, dtype=dt), torch.arange(4)), "_rope_write_kv_kernel"
-    yield "silu_mul", triton_fused, lambda: triton_fused.silu_mul(torch.zeros(4, 16384, dtype=dt)), "_silu_mul_kernel"
+    # The kernels that round as torch rounds, in bfloat16 and float16 (each half precision its
+    # own rounding: `HALF_ARITHMETIC` below).
+    for dt, suffix in ((torch.bfloat16, ""), (torch.float16, ", float16")):
+        yield from rounding_cases(dt, suffix)
+    dt = torch.bfloat16
     logits = torch.zeros(4, 128256, dtype=torch.float32)
     yield "argmax (chunks, the last merges)", triton_fused, lambda: triton_fused.argmax(logits), "_argmax_kernel"
     # Paged attention at Llama-3.2-1B's heads (32 query, 8 kv, 64 dims), 16-token blocks: two
@@ -282,12 +321,15 @@ def main() -> int:
                     problems.append("a merge without an acquire-release atomic add at GPU scope")
                 if "bar.sync" not in ptx and "barrier.sync" not in ptx:
                     problems.append("a merge without a barrier before the count")
+            if "float16" in label and HALF_ARITHMETIC.search(ptx):
+                problems.append(f"float16 arithmetic ({HALF_ARITHMETIC.search(ptx).group(0).strip()}): "
+                                "torch's roundings lost")
             narrow += bool(problems)
             shown_loads = ", ".join(f"{bits}x{count}" for bits, count in sorted(loads.items(), key=lambda kv: -int(kv[0])))
             note = f" ({'; '.join(problems)})" if problems else ""
             print(f"| {label} | {shown} | {regs} | {spills} | {shown_loads}{note} |", flush=True)
-    print(f"{len(seen)} compiles for sm_{args.arch}: {failed} failed, {spilled} spill, {narrow} with narrow weight loads "
-          "or a missing grid-dependency instruction")
+    print(f"{len(seen)} compiles for sm_{args.arch}: {failed} failed, {spilled} spill, {narrow} with narrow weight loads, "
+          "a missing grid-dependency instruction or float16 arithmetic")
     return 1 if failed or narrow or (args.no_spills and spilled) else 0
 
 if __name__ == "__main__":

@@ -92,13 +92,35 @@ def _jit(fn: Callable[..., None]) -> Any:
 def _rnd(x, dt, IS_BF16: tl.constexpr):
     """float32 `x` rounded to the nearest `dt` (ties to even), kept in float32. bfloat16 is
     rounded on the bits: Triton's interpreter truncates a float32 -> bfloat16 cast, and the
-    tests that run there check the rounding."""
+    tests that run there check the rounding. float16 too (`_rnd_f16`): through casts, the
+    compiler narrows a product of half-precision values and the sum after it to half-precision
+    arithmetic and contracts the two into one half FMA (one rounding where torch makes two; seen
+    in the PTX and, on an H100, as RoPE one ulp off torch's)."""
     if IS_BF16:
         b = x.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, b.to(tl.float32, bitcast=True))  # a NaN's carry must not make it infinite
+    elif dt == tl.float16:
+        return _rnd_f16(x)
     else:
         return x.to(dt).to(tl.float32)
+
+
+@_jit
+def _rnd_f16(x):
+    """float32 `x` rounded to the nearest float16 (ties to even) on the bits, kept in float32:
+    the mantissa at bit 13 in float16's normal range; below it (2^-14) float16's subnormals are
+    the multiples of 2^-24, which adding and taking away 0.75 (whose ulp is 2^-24) rounds to;
+    past 65504, infinity. No cast for the compiler to narrow (`_rnd`)."""
+    b = x.to(tl.uint32, bitcast=True)
+    sign = b & 0x80000000
+    mag = b & 0x7FFFFFFF
+    a = mag.to(tl.float32, bitcast=True)
+    normal = ((mag + 0xFFF + ((mag >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    r = tl.where(a < 6.103515625e-05, (a + 0.75) - 0.75, normal)
+    r = tl.where(r > 65504.0, float("inf"), r)
+    r = tl.where(a != a, a, r)  # NaN stays NaN
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @_jit
@@ -423,6 +445,8 @@ class ArrivalCounters:
         self.retired: list[torch.Tensor] = []
 
     def get(self, n: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda" and device.index is None:  # "cuda" is the tensors' cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         counters = self.current
         if counters is None or counters.numel() < n or counters.device != device:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -62,11 +62,32 @@ from conveyor.kernels.triton_attention import (
 )
 from conveyor.kernels.triton_fused import ARGMAX_MERGE_BLOCK, _merge_argmax
 
-__all__ = ["MAX_ROWS", "Config", "config_for", "enabled", "linear", "linear_argmax", "load_configs", "pdl_enabled",
-           "set_configs", "triton_available"]
+__all__ = ["MAX_ROWS", "MODEL_MAX_ROWS", "Config", "config_for", "enabled", "linear", "linear_argmax", "load_configs",
+           "model_max_rows", "pdl_enabled", "set_configs", "triton_available"]
 
 MAX_ROWS = 8  # steps of more rows keep cuBLAS: the prologues are recomputed by every program
+# The model's GEMVs stop at this many rows unless CONVEYOR_GEMV_MAX_ROWS says otherwise
+# (`model_max_rows`). On an H100 (2026-11-26, Llama-3.2-1B's shape, bfloat16, graphed steps, the
+# heuristic's configs) the GEMV path took a batch-1 step from 1.37 ms to 1.30 ms (1.24 ms with
+# programmatic dependent launch), but steps of 2, 4 and 8 rows from 1.34-1.37 ms to 2.97, 5.53
+# and 9.03 ms: the few-row path (a [rows, N, K] product reduced over K each tile) loses to cuBLAS.
+MODEL_MAX_ROWS = 1
 TILE = 8192  # elements of the product tile a program holds at once (64 float32 a thread at 4 warps)
+
+
+def model_max_rows() -> int:
+    """The most rows a model step runs through the GEMVs: `CONVEYOR_GEMV_MAX_ROWS` (1 to
+    MAX_ROWS), else MODEL_MAX_ROWS; steps of more rows keep the cuBLAS path."""
+    value = os.environ.get("CONVEYOR_GEMV_MAX_ROWS", "")
+    if not value:
+        return MODEL_MAX_ROWS
+    try:
+        rows = int(value)
+    except ValueError:
+        raise ValueError(f"CONVEYOR_GEMV_MAX_ROWS={value!r}: an integer from 1 to {MAX_ROWS}") from None
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"CONVEYOR_GEMV_MAX_ROWS={rows}: from 1 to {MAX_ROWS}")
+    return rows
 
 
 def enabled() -> bool:

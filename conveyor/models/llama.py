@@ -844,7 +844,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _use_triton_gemv(self, dtype: torch.dtype) -> None:
         """On CUDA in half precision, with `CONVEYOR_TRITON_GEMV=1` (`triton_gemv.enabled`), steps
-        of up to `triton_gemv.MAX_ROWS` rows run each decoder layer as four Triton GEMVs with
+        of up to `triton_gemv.model_max_rows()` rows (1 unless `CONVEYOR_GEMV_MAX_ROWS` says up
+        to 8: more lost to cuBLAS on an H100) run each decoder layer as four Triton GEMVs with
         the norms, SiLU × up and residual adds folded in (`DecoderLayer.forward_gemv`), and
         their LM head as a GEMV, launched with programmatic dependent launch where
         `CONVEYOR_TRITON_PDL=1` on Hopper or later (`triton_gemv.pdl_enabled`). Models with
@@ -866,7 +867,7 @@ class LlamaForCausalLM(nn.Module):
                     setattr(module, name, linear)
         self.gemv = functools.partial(triton_gemv.linear, pdl=triton_gemv.pdl_enabled())
         self.gemv_head = functools.partial(triton_gemv.linear_argmax, pdl=triton_gemv.pdl_enabled())
-        self.gemv_max_rows = triton_gemv.MAX_ROWS
+        self.gemv_max_rows = triton_gemv.model_max_rows()
 
     @torch.inference_mode()
     def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:

@@ -15,6 +15,7 @@ pytest.importorskip("triton")  # under the interpreter without CUDA (tests/conft
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.kernels.triton_attention import _jit, _rnd, tl, triton
 from conveyor.kernels.triton_fused import add_rms_norm, rope_, silu_mul, triton_available
 from conveyor.models.llama import RMSNorm, apply_rope
 from tests.kernels.precision import close
@@ -44,6 +45,49 @@ def test_add_rms_norm_matches_add_then_norm(dtype, hidden):
     assert same is res
     with torch.no_grad():
         close(got, norm(res), max_ulps=1, exact_share=0.97)
+
+
+@_jit
+def _round_kernel(x_ptr, like_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    dt = tl.load(like_ptr).dtype
+    tl.store(out_ptr + offs, _rnd(v, dt, IS_BF16), mask=offs < n)
+
+
+def _round_through_the_kernels(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `x` rounded to `dtype` by the kernels' `_rnd` (in a kernel of its own), as float32."""
+    out = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, torch.zeros(1, dtype=dtype, device=x.device), out, x.numel(),
+                                            IS_BF16=dtype == torch.bfloat16, BLOCK=256)
+    return out
+
+
+# float32 values at the edges of each half precision: float16's subnormals (below 2^-14, steps
+# of 2^-24) and its ties there, halfway between two float16 normals (ties to even), its largest
+# value and where it turns infinite, and bfloat16's ties and a NaN whose rounding carries.
+EDGES = [0.0, -0.0, 2.0**-25, 2.0**-25 * 1.0001, 3 * 2.0**-25, 2.0**-24 * 1.5, 2.0**-14 - 2.0**-26,
+         2.0**-14, 1 + 2.0**-11, 1 + 3 * 2.0**-11, -(1 + 2.0**-11), 65504.0, 65519.99, 65520.0, 1e6,
+         1 + 2.0**-8, 1 + 3 * 2.0**-8, 3.0e38, float("inf"), float("-inf"), 1e-40, -1e-45]
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), dtype=st.sampled_from([torch.float16,
+                                                                                               torch.bfloat16]))
+def test_rounding_to_half_precision_matches_torch_bit_for_bit(bits, dtype):
+    """`_rnd`, with which every kernel rounds as torch rounds: any float32 (bit patterns drawn
+    whole, so every exponent, subnormals, infinities and NaNs) to float16 and bfloat16 as torch
+    casts it, ties to even. float16 is rounded on the bits (the compiler narrowed casts to half
+    arithmetic and contracted it into half FMAs: RoPE one ulp off torch on an H100; that the
+    compiled kernels keep no half arithmetic is tests/kernels/test_triton_sm90.py's check)."""
+    bits = [*bits, 0x7F800001, 0xFF800001, 0x7F807FFF, 0x7FC00000]  # NaNs whose rounding would carry
+    signed = [b - 2**32 if b >= 2**31 else b for b in bits]
+    x = torch.cat([torch.tensor(signed, dtype=torch.int32).view(torch.float32), torch.tensor(EDGES)]).to(DEVICE)
+    got = _round_through_the_kernels(x, dtype)
+    want = x.to(dtype).float()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # -0.0 too
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,7 +193,9 @@ def test_model_forward_with_rope_kv_write_and_attention_in_one_kernel(tiny_model
     launch a layer for a step of decodes (`Attention.rope_attend`, its splits merged in the
     launch), and rotate and write in one launch before the attention for a step with prompts:
     the same greedy tokens as the unfused RoPE, write and attention, over prompts long enough
-    for several decode splits, with CUDA graphs where there is CUDA."""
+    for several decode splits. Eager on CUDA too: the calls are counted in Python (an H100
+    replayed the graphs captured before the counting, so neither count moved; CUDA graphs of
+    the fused path are tests/runner/test_cuda_graphs.py's)."""
     from conveyor import LLM, SamplingParams
     from conveyor.kernels import triton_fused
 
@@ -168,7 +214,7 @@ def test_model_forward_with_rope_kv_write_and_attention_in_one_kernel(tiny_model
     for fused_attention in (False, True):
         monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1")
         llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
-                  block_size=4, enforce_eager=DEVICE.type == "cpu")
+                  block_size=4, enforce_eager=True)  # a CUDA graph's replay would call neither counted path
         model = llm.engine.runner.model
         if DEVICE.type == "cpu":  # on CUDA prepare_for_inference has done both
             model._use_triton_attention(dtype)

@@ -134,6 +134,7 @@ def test_model_forward_through_the_gemvs(tiny_models, dtype, monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = []
     rows: list[int] = []  # of each GEMV the model calls
+    monkeypatch.setenv("CONVEYOR_GEMV_MAX_ROWS", str(MAX_ROWS))  # the few-row path too (opt-in)
     for on in (False, True):
         monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1" if on else "0")
         llm = LLM(path, device=str(DEVICE), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128,
@@ -162,6 +163,29 @@ def test_a_model_with_projection_biases_keeps_the_other_path(tiny_models, monkey
     model = llm.engine.runner.model
     model._use_triton_gemv(torch.bfloat16)
     assert model.gemv is None
+
+
+def test_the_model_takes_the_gemvs_at_one_row_unless_told_more(tiny_models, monkeypatch):
+    """By default only batch-1 steps run through the GEMVs (at 2-8 rows they lost to cuBLAS on
+    an H100); CONVEYOR_GEMV_MAX_ROWS opts the few-row path in, and a value out of 1-8 is refused
+    with the variable's name."""
+    from conveyor import LLM
+    from conveyor.kernels.triton_gemv import model_max_rows
+
+    monkeypatch.delenv("CONVEYOR_GEMV_MAX_ROWS", raising=False)
+    assert model_max_rows() == 1
+    monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=16, enforce_eager=True)
+    model = llm.engine.runner.model
+    if DEVICE.type == "cpu":
+        model._use_triton_gemv(torch.bfloat16)
+    assert model.gemv is not None and model.gemv_max_rows == 1
+    monkeypatch.setenv("CONVEYOR_GEMV_MAX_ROWS", "4")
+    assert model_max_rows() == 4
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("CONVEYOR_GEMV_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="CONVEYOR_GEMV_MAX_ROWS"):
+            model_max_rows()
 
 
 def test_gemvs_are_opt_in(monkeypatch):
@@ -333,6 +357,7 @@ def gemv_engine(tiny_models, monkeypatch):  # type: ignore[no-untyped-def]
     from conveyor import LLM
 
     monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1")
+    monkeypatch.setenv("CONVEYOR_GEMV_MAX_ROWS", str(MAX_ROWS))  # the few-row path too (opt-in)
     llm = LLM(str(tiny_models["llama"]), device=str(DEVICE), dtype="bfloat16", num_kv_blocks=128, block_size=4,
               enforce_eager=True)
     model = llm.engine.runner.model

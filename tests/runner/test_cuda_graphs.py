@@ -124,6 +124,7 @@ def test_a_captured_graph_replays_the_forward_it_captured_on_gpu(tiny_models, ke
 
     monkeypatch.setenv("CONVEYOR_TRITON_FUSED", "1" if "fused" in kernels else "0")
     monkeypatch.setenv("CONVEYOR_TRITON_GEMV", "1" if "gemv" in kernels else "0")
+    monkeypatch.setenv("CONVEYOR_GEMV_MAX_ROWS", "8")  # graphs of 2-8 rows through the GEMVs too (opt-in)
     prompts, base = mixed_requests(40, seed=10)
     params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, seed=i,
                              temperature=0.0 if i % 3 else 0.8) for i, p in enumerate(base)]
