@@ -40,8 +40,11 @@ steady decode phase; T_runner the wall time of the same step run by the runner a
 back (no scheduler, no outputs), pipelined as the engine pipelines it (with async scheduling a
 step is launched before the previous one's tokens are awaited); the host share is
 1 - T_runner / T_engine, with and without async scheduling (which hides the scheduler behind
-the device). Then the host's own time in a step, by phase: schedule, submit (the inputs and the
-launch) and complete, medians.
+the device). That runner-alone figure came out above the async engine's own step on an H100
+(3.48 against 3.14 ms, 2026-11-26), so it is no valid baseline there; the device's own step is
+also timed as the CUDA graph of that batch size replayed back to back, and 1 - T_graph / T_engine
+is the share of an engine step spent outside it. Then the host's own time in a step, by phase:
+schedule, submit (the inputs and the launch) and complete, medians.
 """
 
 from __future__ import annotations
@@ -496,6 +499,21 @@ def throughput(args: argparse.Namespace, path: str, save: Callable[[dict], None]
     save(out)
     del llm, outs
     release(args.device)
+    # The same requests with the opt-in fused element-wise kernels (measured at batch 1-8 on an
+    # H100; this is their figure at up to 256 sequences and on the prompts' steps).
+    with opt_in_kernels("conveyor+fused"):
+        llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+                  max_model_len=4096, async_scheduling=True)
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    sync(args.device)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    fused_s = time.perf_counter() - t
+    out["conveyor+fused"] = {"elapsed_s": fused_s, "output_tok_per_s": total / fused_s}
+    print(f"conveyor+fused: {total / fused_s:.0f} output tok/s ({fused_s:.1f} s)", flush=True)
+    save(out)
+    del llm
+    release(args.device)
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     point = LoadPoint("rate", float("inf"))
@@ -531,9 +549,12 @@ def overhead(args: argparse.Namespace, path: str) -> dict:
     n = 8 if args.smoke else 256
     steps = 16 if args.smoke else 64
     out: dict = {"sequences": n}
-    for name, async_scheduling in (("sync", False), ("async", True)):
-        llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=n, max_num_batched_tokens=8192,
-                  num_kv_blocks=n * ((128 + steps * 4) // 16 + 2) + 64, max_model_len=2048, async_scheduling=async_scheduling)
+    # "+fused": with the opt-in fused element-wise kernels (`opt_in_kernels`).
+    for name, async_scheduling in (("sync", False), ("async", True), ("async+fused", True)):
+        with opt_in_kernels(name):
+            llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=n, max_num_batched_tokens=8192,
+                      num_kv_blocks=n * ((128 + steps * 4) // 16 + 2) + 64, max_model_len=2048,
+                      async_scheduling=async_scheduling)
         engine = llm.engine
         sp = SamplingParams(max_tokens=steps * 4, temperature=0.0, ignore_eos=True)
         for i in range(n):
@@ -583,14 +604,43 @@ def overhead(args: argparse.Namespace, path: str) -> dict:
         sync(args.device)
         t_runner = (time.perf_counter() - t) / steps
         share = 1 - t_runner / t_engine
+        # The device's own step: the captured graph of this batch size (the model, the LM head
+        # and the argmax) replayed back to back, no host work between replays. 1 - T_graph /
+        # T_engine is the share of an engine step in which the device is not running that
+        # graph: the host's time and whatever the step adds outside the graph (the copies).
+        t_graph = graph_step(runner, n, steps) if args.device == "cuda" else None
         out[name] = {"engine_ms_per_step": t_engine * 1e3, "runner_ms_per_step": t_runner * 1e3, "host_share": share,
+                     "graph_ms_per_step": None if t_graph is None else t_graph * 1e3,
+                     "share_outside_the_graph": None if t_graph is None else 1 - t_graph / t_engine,
                      "host_phases": host}
+        graph_note = "" if t_graph is None else (f"; the graph alone {t_graph * 1e3:.2f} ms -> outside it "
+                                                 f"{1 - t_graph / t_engine:.1%} of a step")
         print(f"{n} sequences, {name}: engine {t_engine * 1e3:.2f} ms/step, runner alone {t_runner * 1e3:.2f} ms "
-              f"-> the host adds {share:.1%} of a step; host phases (median ms): "
+              f"-> the host adds {share:.1%} of a step{graph_note}; host phases (median ms): "
               + ", ".join(f"{k} {v:.3f}" for k, v in host.items()), flush=True)
         del llm, engine, runner
         release(args.device)
     return out
+
+
+def graph_step(runner: Any, n: int, steps: int) -> float | None:
+    """Seconds a replay of the CUDA graph for `n` decodes takes, replays back to back (CUDA
+    events around them), on the inputs the last step left; None where there is no such graph."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None or not graphs.captured or n > graphs.max_batch:
+        return None
+    graph = graphs.graphs.get(graphs.padded_size(n))
+    if graph is None:
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
 
 
 def main() -> int:
