@@ -196,6 +196,13 @@ def cases() -> Iterator[tuple[str, Any, Callable[[], None], str]]:
                                    eps=1e-5, silu_mul=bool(fold.get("silu_mul")),
                                    residual=torch.zeros(rows, n, dtype=dt) if fold.get("residual") else None, pdl=pdl)
             yield f"gemv {label}, {rows} row(s){', PDL' if pdl else ''}", triton_gemv, call, "_gemv_kernel"
+    # The few-row path as matrix products on the tensor cores (`Config.dot`), a config the sweep times.
+    for rows in (2, 8):
+        def dot_call(rows: int = rows) -> None:
+            triton_gemv.linear(torch.zeros(rows, 2048, dtype=dt), torch.zeros(3072, 2048, dtype=dt),
+                               norm=torch.ones(2048, dtype=dt), eps=1e-5,
+                               config=triton_gemv.Config(32, 256, dot=True))
+        yield f"gemv qkv_proj (norm), {rows} rows, matrix products", triton_gemv, dot_call, "_gemv_kernel"
     # The kernels that round as torch rounds, in bfloat16 and float16 (each half precision its
     # own rounding: `HALF_ARITHMETIC` below).
     for dt, suffix in ((torch.bfloat16, ""), (torch.float16, ", float16")):

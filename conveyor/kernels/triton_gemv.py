@@ -100,14 +100,19 @@ def enabled() -> bool:
 @dataclass(frozen=True)
 class Config:
     """How one GEMV shape is launched: columns and K elements per program, warps per program,
-    Triton's software-pipelining depth (None: Triton's default), and whether each next
-    weight tile's load is issued before the tile in hand is multiplied (`prefetch`) or after."""
+    Triton's software-pipelining depth (None: Triton's default), whether each next
+    weight tile's load is issued before the tile in hand is multiplied (`prefetch`) or after,
+    and whether the tile is multiplied as a matrix product on the tensor cores (`dot`: the rows
+    padded to 16, `block_n` at least 16) instead of reduced over K in registers. The few-row
+    path without it lost to cuBLAS on an H100 (`MODEL_MAX_ROWS`); `dot` is the candidate the
+    config sweep times against it."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int | None = None
     prefetch: bool = False
+    dot: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -118,6 +123,8 @@ class Config:
             raise ValueError(f"block_k={self.block_k}: at least 16")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps}: one of 1, 2, 4, 8, 16")
+        if self.dot and self.block_n < 16:
+            raise ValueError(f"block_n={self.block_n} with dot: at least 16 (a matrix product's tile)")
 
 
 # (BLOCK_M, N, K) -> Config; BLOCK_M is the row count rounded up to a power of two.
@@ -203,6 +210,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, IS_BF16: tl.constexpr,
     ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -241,6 +249,24 @@ def _gemv_kernel(
                 w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
             w = w_next
         acc = tl.sum(acc2, 1)[None, :]
+    elif DOT:
+        # The rows (padded to 16) times the tile as a matrix product, accumulated in float32.
+        # The input was rounded to the model dtype as the reference rounds it, so the cast is
+        # exact. DOT_F32: float32 products (a float32 model, or the interpreter, which has no
+        # bfloat16 product), exact (`ieee`) rather than TF32.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
+            if PREFETCH:
+                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
+            if DOT_F32:
+                acc += tl.dot(xv, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xv.to(w.dtype), tl.trans(w))
+            if not PREFETCH:
+                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
+            w = w_next
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -391,7 +417,10 @@ def _launch(
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
         NORM=norm is not None, SILU=silu_mul, RESIDUAL=residual is not None, IS_BF16=x.dtype == torch.bfloat16,
-        ONE_ROW=rows == 1, BLOCK_M=_pow2(rows), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
-        PDL=pdl, ARGMAX=argmax, BLOCK_P=_pow2(min(programs, ARGMAX_MERGE_BLOCK), 16) if argmax else 16, **options,
+        ONE_ROW=rows == 1 and not cfg.dot, BLOCK_M=max(16, _pow2(rows)) if cfg.dot else _pow2(rows),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
+        PDL=pdl, ARGMAX=argmax, BLOCK_P=_pow2(min(programs, ARGMAX_MERGE_BLOCK), 16) if argmax else 16,
+        DOT=cfg.dot, DOT_F32=cfg.dot and (x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"),
+        **options,
     )
     return out

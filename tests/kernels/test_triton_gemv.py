@@ -63,6 +63,27 @@ def test_gemv_matches_the_torch_stages(rows, n, k, stage, dtype, seed):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 300),
+       stage=st.sampled_from(["plain", "norm", "silu_mul+residual"]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 10_000))
+def test_the_matrix_product_path_matches_the_torch_stages(rows, n, k, stage, dtype, seed):
+    """`Config(dot=True)`: each K tile as a matrix product of the (padded) rows and the weight
+    tile, in every dtype, against the torch stages as `test_gemv_matches_the_torch_stages`."""
+    from conveyor.kernels.triton_gemv import Config
+
+    g = torch.Generator().manual_seed(seed)
+    silu = stage.startswith("silu_mul")
+    x = torch.randn(rows, 2 * k if silu else k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    norm = torch.rand(k, generator=g).to(dtype).to(DEVICE) + 0.5 if stage == "norm" else None
+    residual = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE) if silu else None
+    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual, config=Config(16, 64, dot=True))
+    want = reference(x, w, norm, 1e-5, silu, residual)
+    tol = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("stage", ["norm", "silu_mul", "residual", "silu_mul+residual"])
 def test_stages_round_as_torch_does(dtype, stage):
@@ -203,19 +224,22 @@ def test_gemvs_are_opt_in(monkeypatch):
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 400),
        block_n=st.sampled_from([1, 2, 4, 8, 16, 32]), block_k=st.sampled_from([16, 32, 64, 128, 256]),
        warps=st.sampled_from([1, 2, 4, 8]), prefetch=st.booleans(), stage=st.sampled_from(["norm", "silu_mul+residual"]),
-       seed=st.integers(0, 10_000))
-def test_any_config_gives_the_same_result(rows, n, k, block_n, block_k, warps, prefetch, stage, seed):
+       seed=st.integers(0, 10_000), dot=st.booleans())
+def test_any_config_gives_the_same_result(rows, n, k, block_n, block_k, warps, prefetch, stage, seed, dot):
     """The sweep on a GPU (`gpu_speed.py --parts gemv`) may pick any config: each must compute
-    the same projection, K tiles that end short of K and column blocks past N included."""
+    the same projection, K tiles that end short of K and column blocks past N included, the
+    tiles reduced in registers or multiplied as matrix products (`dot`, rows padded to 16)."""
     from conveyor.kernels.triton_gemv import Config
 
+    if dot:
+        block_n = max(block_n, 16)
     g = torch.Generator().manual_seed(seed)
     silu = stage.startswith("silu_mul")
     x = torch.randn(rows, 2 * k if silu else k, generator=g).to(torch.bfloat16).to(DEVICE)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).to(DEVICE)
     norm = torch.rand(k, generator=g).to(torch.bfloat16).to(DEVICE) + 0.5 if stage == "norm" else None
     residual = torch.randn(rows, n, generator=g).to(torch.bfloat16).to(DEVICE) if silu else None
-    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual, config=Config(block_n, block_k, warps, prefetch=prefetch))
+    got = linear(x, w, norm=norm, eps=1e-5, silu_mul=silu, residual=residual, config=Config(block_n, block_k, warps, prefetch=prefetch, dot=dot))
     want = reference(x, w, norm, 1e-5, silu, residual)
     tol = 2 * torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -250,7 +274,7 @@ def test_a_config_is_validated():
     from conveyor.kernels.triton_gemv import Config
 
     for bad in [dict(block_n=3, block_k=64), dict(block_n=4, block_k=8), dict(block_n=4, block_k=100),
-                dict(block_n=4, block_k=64, num_warps=3)]:
+                dict(block_n=4, block_k=64, num_warps=3), dict(block_n=8, block_k=64, dot=True)]:
         with pytest.raises(ValueError):
             Config(**bad)
 
@@ -305,7 +329,7 @@ def test_pdl_chain_matches_the_plain_chain(graphed):
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 1200), k=st.integers(1, 200),
-       block_n=st.sampled_from([None, 4, 32]), norm=st.booleans(), ties=st.booleans(),
+       block_n=st.sampled_from([None, 4, 32, "dot"]), norm=st.booleans(), ties=st.booleans(),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
 def test_the_lm_head_gemv_takes_the_argmax_in_the_same_launch(rows, n, k, block_n, norm, ties, dtype, seed):
     """`linear_argmax`: the logits are `linear`'s bit for bit, and the tokens are torch's argmax
@@ -322,7 +346,7 @@ def test_the_lm_head_gemv_takes_the_argmax_in_the_same_launch(rows, n, k, block_
     else:
         w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
     gain = torch.rand(k, generator=g).to(dtype).to(DEVICE) + 0.5 if norm else None
-    config = Config(block_n, 64) if block_n else None
+    config = Config(16, 64, dot=True) if block_n == "dot" else Config(block_n, 64) if block_n else None
     out = torch.full((rows, n), 7.0, dtype=dtype, device=DEVICE)
     tokens = torch.full((rows,), -1, dtype=torch.long, device=DEVICE)
     logits, got = linear_argmax(x, w, norm=gain, eps=1e-5, config=config, out=out, tokens=tokens)
