@@ -489,9 +489,25 @@ _GGUF_PHI3_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+# gpt-oss as llama.cpp's converter writes it: the norm before the MLP is `post_attention_norm`,
+# the sinks a tensor of their own, biases on the output projection, the router and the experts;
+# each expert's gate and up apart (`ffn_gate_exps`, `ffn_up_exps`: HF's interleaved columns
+# split, as rows) or fused (`ffn_gate_up_exps`: gates, then ups), down as rows too.
+_GGUF_GPT_OSS_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_gate_up_exps.bias": "mlp.experts.gate_up_proj_bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",  # (joined with the up bias: iter_gguf_tensors)
+    "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
 _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Tensor types conveyor promises to read (others the gguf package knows may work too).
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 
 def open_gguf(path: Path) -> Any:
@@ -525,7 +541,7 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
     arch = gguf_field(reader, "general.architecture")
     families = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3",
-                "phi3": "phi3"}
+                "phi3": "phi3", "gpt-oss": "gpt_oss"}
     if arch not in families:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; conveyor runs {sorted(families)}"
@@ -540,6 +556,8 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
     hidden = get("embedding_length")
     if heads is None or hidden is None:
         raise ModelLoadError("GGUF metadata lacks attention.head_count or embedding_length")
+    if arch == "gpt-oss":
+        return _gpt_oss_gguf(reader, get, names, tokens)
     rope_scaling: dict[str, Any] | None = None
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
@@ -589,6 +607,42 @@ def read_gguf_arch(reader: Any) -> ArchConfig:
         mlp_only_layers=dense,
         **extra,
     )
+
+
+def _gpt_oss_gguf(reader: Any, get: Any, names: set[str], tokens: list[Any]) -> ArchConfig:
+    """A gpt-oss file's keys as the HF config they were written from (`ArchConfig`'s reading of
+    gpt-oss): sliding and global layers by turns from the first, YaRN from its factor and
+    pretraining length (llama.cpp keeps YaRN's betas at gpt-oss's 32 and 1), and what llama.cpp
+    assumes of every gpt-oss: the clamped SwiGLU (limit 7, alpha 1.702)."""
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    rope_scaling = None
+    if get("rope.scaling.type") == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")), "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": int(get("rope.scaling.original_context_length") or 4096)}
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    cfg = {
+        "num_hidden_layers": get("block_count"),
+        "hidden_size": hidden,
+        "intermediate_size": get("expert_feed_forward_length") or get("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length") or hidden // heads,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 150000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": get("context_length", 131072),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "vocab_size": get("vocab_size") or len(tokens),
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": [i for i in dict.fromkeys((eos, eot)) if i is not None],
+        "num_local_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "sliding_window": get("attention.sliding_window") or 128,
+    }
+    return ArchConfig.from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **cfg})
 
 
 def _phi3_gguf(get: Any, reader: Any, head_dim: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -650,11 +704,12 @@ def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torc
     from gguf import quants
 
     permuted = arch.family in ("llama", "mistral", "mixtral")
+    gate_biases: dict[str, torch.Tensor] = {}  # gpt-oss: a layer's expert gate bias, until its up bias
     for t in reader.tensors:
         if t.name in _GGUF_ROPE_TENSORS:  # (read into the arch)
             continue
         layer_names = (_GGUF_GEMMA_LAYER_NAMES if arch.is_gemma else _GGUF_PHI3_LAYER_NAMES if arch.family == "phi3"
-                       else _GGUF_LAYER_NAMES)
+                       else _GGUF_GPT_OSS_LAYER_NAMES if arch.family == "gpt_oss" else _GGUF_LAYER_NAMES)
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         else:
@@ -678,7 +733,18 @@ def iter_gguf_tensors(reader: Any, arch: ArchConfig) -> Iterator[tuple[str, torc
             tensor = _unpermute_rope_rows(tensor, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rope_rows(tensor, arch.num_kv_heads)
+        if name.endswith(("experts.gate_proj_bias", "experts.up_proj_bias")):
+            # The engine keeps an expert's gate and up biases in one row, gates first.
+            prefix = name.rsplit(".", 1)[0]
+            gate_biases[name] = tensor
+            gate, up = gate_biases.get(f"{prefix}.gate_proj_bias"), gate_biases.get(f"{prefix}.up_proj_bias")
+            if gate is None or up is None:
+                continue
+            del gate_biases[f"{prefix}.gate_proj_bias"], gate_biases[f"{prefix}.up_proj_bias"]
+            name, tensor = f"{prefix}.gate_up_proj_bias", torch.cat((gate, up), dim=1)
         yield name, tensor
+    if gate_biases:
+        raise ModelLoadError(f"GGUF expert biases without their other half: {sorted(gate_biases)}")
 
 
 # -- building the module ------------------------------------------------------------------

@@ -235,3 +235,113 @@ def test_lora_on_the_attention(gpt_oss, tmp_path):
     with pytest.raises(InvalidRequestError, match=r"sparse|expert"):
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False,
                      lora_request=LoRARequest("mlp", 2, str(mlp)))
+
+
+def write_gpt_oss_gguf(model_dir, out, experts: str = "F32", fused: bool = False) -> None:
+    """The HF folder as llama.cpp's convert_hf_to_gguf.py writes a gpt-oss: the gguf package's
+    names (the norm before the MLP `post_attention_norm`, the sinks `attn_sinks`), biases kept,
+    each expert's interleaved gate and up columns split into rows of their own
+    (`ffn_gate_exps`, `ffn_up_exps`; `fused`: one `ffn_gate_up_exps`, gates then ups) and down
+    as rows; YaRN's factor and pretraining length, the window. `experts="MXFP4"` stores the
+    expert weights as llama.cpp's MXFP4 blocks, `"MXFP4-dequantized"` the same values as F32."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tests.models.test_gguf import _rope, close_gguf, gguf_writer
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = gguf_writer(cfg, out, "gpt-oss")
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_sliding_window(cfg["sliding_window"])
+    scaling = _rope(cfg)[1]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(scaling["factor"])
+    w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+             **{f"self_attn.{p}_proj.{k}": f"attn_{p}.{k}" for p in "qkv" for k in ("weight", "bias")},
+             **{f"self_attn.o_proj.{k}": f"attn_output.{k}" for k in ("weight", "bias")}}
+
+    def add(name: str, t: torch.Tensor, expert: bool = False) -> None:
+        data = np.ascontiguousarray(t.float().numpy())
+        if expert and experts.startswith("MXFP4"):
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4)
+            if experts == "MXFP4":
+                w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                return
+            data = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4).reshape(data.shape)
+        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+
+    for name, t in load_file(str(next(model_dir.glob("*.safetensors")))).items():
+        if name in top:
+            add(top[name], t)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        blk = f"blk.{i}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up columns by turns
+            rows = t.transpose(1, 2)
+            if fused:
+                add(blk + "ffn_gate_up_exps.weight", torch.cat((rows[:, 0::2], rows[:, 1::2]), dim=1), True)
+            else:
+                add(blk + "ffn_gate_exps.weight", rows[:, 0::2], True)
+                add(blk + "ffn_up_exps.weight", rows[:, 1::2], True)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            if fused:
+                add(blk + "ffn_gate_up_exps.bias", torch.cat((t[:, 0::2], t[:, 1::2]), dim=1))
+            else:
+                add(blk + "ffn_gate_exps.bias", t[:, 0::2])
+                add(blk + "ffn_up_exps.bias", t[:, 1::2])
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            add(blk + "ffn_down_exps.weight", t.transpose(1, 2), True)
+        else:
+            add(blk + layer[rest], t)
+    close_gguf(w)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_7(tmp_path_factory: pytest.TempPathFactory):
+    """The test shape with gpt-oss's own clamp (7.0), which a GGUF file assumes rather than says."""
+    return build_tiny_model(tmp_path_factory.mktemp("gpt_oss_7") / "m", "gpt_oss", seed=4,
+                            **{**SHAPE, "swiglu_limit": 7.0})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate-and-up-apart", "gate-up-fused"])
+def test_a_gguf_file_as_llama_cpp_writes_it(gpt_oss_7, tmp_path, fused):
+    """A GGUF gpt-oss (llama.cpp's names, biases, sinks, experts as rows, gate and up apart or
+    fused): the arch and the greedy tokens of the HF folder it came from, float64, prompts past
+    the window and the 64 pretraining positions."""
+    write_gpt_oss_gguf(gpt_oss_7, tmp_path / "m.gguf", fused=fused)
+    from_gguf = LLM(str(tmp_path / "m.gguf"), dtype="float64", num_kv_blocks=64)
+    from_hf = LLM(str(gpt_oss_7), dtype="float64", num_kv_blocks=64)
+    a, b = from_gguf.engine.arch, from_hf.engine.arch
+    scaling = lambda arch: {k: v for k, v in arch.rope_scaling.items() if k != "rope_theta"}  # noqa: E731
+    assert scaling(a) == scaling(b)  # (transformers 5 keeps the base in its copy too)
+    for field in ("family", "layer_windows", "rope_theta", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "attention_sinks", "o_proj_bias", "expert_bias", "swiglu_limit",
+                  "swiglu_alpha", "attention_bias", "tie_word_embeddings", "head_dim", "num_kv_heads"):
+        assert getattr(a, field) == getattr(b, field), field
+    prompts = [*LONG, list(range(5, 90))]
+    assert tokens(from_gguf.generate(prompts, PARAMS, use_tqdm=False)) == tokens(
+        from_hf.generate(prompts, PARAMS, use_tqdm=False))
+
+
+def test_a_gguf_file_with_mxfp4_experts(gpt_oss_7, tmp_path):
+    """Expert weights in llama.cpp's MXFP4 blocks: the tokens of the same values stored as F32
+    (what the blocks decode to), and not those of the unquantized weights' file, which differ
+    (the quantization changes the tokens: the test can tell a file read as F32 from one decoded)."""
+    for kind in ("MXFP4", "MXFP4-dequantized", "F32"):
+        write_gpt_oss_gguf(gpt_oss_7, tmp_path / f"{kind}.gguf", experts=kind)
+    from conveyor.models.loader import open_gguf
+
+    kinds = {t.name: t.tensor_type.name for t in open_gguf(tmp_path / "MXFP4.gguf").tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == "MXFP4" and kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    runs = {kind: tokens(LLM(str(tmp_path / f"{kind}.gguf"), dtype="float64", num_kv_blocks=64).generate(
+        LONG, PARAMS, use_tqdm=False)) for kind in ("MXFP4", "MXFP4-dequantized", "F32")}
+    assert runs["MXFP4"] == runs["MXFP4-dequantized"]
+    assert runs["MXFP4"] != runs["F32"], "MXFP4 changes no token: the test cannot tell"
