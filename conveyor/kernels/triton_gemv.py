@@ -204,6 +204,20 @@ def _load_w(w_rows, ks, K, col_mask):
 
 
 @_jit
+def _tile_product(xv, w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """`xv @ w.T` of the input rows `[M, K]` (float32, rounded as the reference rounds them) and
+    a weight tile `[N, K]`, in float32: reduced over K in registers, or (DOT) a matrix product
+    on the tensor cores, the input cast to the weight's dtype (exact: it holds values of that
+    dtype). DOT_F32: float32 products (a float32 model, or the interpreter, which has no
+    bfloat16 product), exact (`ieee`) rather than TF32."""
+    if DOT:
+        if DOT_F32:
+            return tl.dot(xv, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        return tl.dot(xv.to(w.dtype), tl.trans(w))
+    return tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+
+
+@_jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, g_ptr, part_val, part_idx, counter, tokens_ptr,
     M, N, K, stride_x, stride_w, stride_out, stride_res, eps,
@@ -243,40 +257,22 @@ def _gemv_kernel(
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
             if PREFETCH:
                 w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
-                acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
-            else:
-                acc2 += w.to(tl.float32) * xv
-                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
-            w = w_next
-        acc = tl.sum(acc2, 1)[None, :]
-    elif DOT:
-        # The rows (padded to 16) times the tile as a matrix product, accumulated in float32.
-        # The input was rounded to the model dtype as the reference rounds it, so the cast is
-        # exact. DOT_F32: float32 products (a float32 model, or the interpreter, which has no
-        # bfloat16 product), exact (`ieee`) rather than TF32.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
-            if PREFETCH:
-                w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
-            if DOT_F32:
-                acc += tl.dot(xv, tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xv.to(w.dtype), tl.trans(w))
+            acc2 += w.to(tl.float32) * xv  # xv is [1, BLOCK_K]
             if not PREFETCH:
                 w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
             w = w_next
+        acc = tl.sum(acc2, 1)[None, :]
     else:
+        # Several rows: each tile's product reduced over K in registers, or (DOT) taken as a
+        # matrix product of the rows, padded to 16, and the tile (`_tile_product`).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = _load_x(x_ptr, rows, ks, stride_x, K, row_mask, inv, g_ptr, NORM, SILU, IS_BF16)
             if PREFETCH:
                 w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
-                acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-            else:
-                acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            acc += _tile_product(xv, w, DOT, DOT_F32)
+            if not PREFETCH:
                 w_next = _load_w(w_rows, ks + BLOCK_K, K, col_mask)
             w = w_next
     omask = row_mask[:, None] & col_mask[None, :]
