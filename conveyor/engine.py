@@ -432,11 +432,12 @@ class Engine:
             # A mixture of experts sizes each expert's rows on the host (one sync a layer), which
             # a CUDA graph cannot capture: its steps run eagerly; so does latent attention (its
             # torch path has not been captured on a GPU yet).
-            # (Gemma 2's capped scores and gpt-oss's sinks take the torch backend, whose masks a
-            # graph would not refresh)
+            # Capped scores (Gemma 2) and sinks take graphs where the Triton kernels attend (they
+            # cap and sink in the launch); the torch backend builds masks a graph would not refresh.
             # A hybrid cache's sliding layers read tables of their own, which the graphs do not take.
+            torch_attention = (arch.attn_logit_softcapping > 0 or arch.attention_sinks) and not _triton_attends(dtype)
             eager = (mc.enforce_eager or arch.num_experts > 0 or arch.is_encoder or arch.is_mla
-                     or arch.attn_logit_softcapping > 0 or arch.attention_sinks or layout is not None)
+                     or torch_attention or layout is not None)
             return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
 
         runner = ModelRunner(
@@ -1327,6 +1328,17 @@ def _plan_cache(
         return CPU_DEFAULT_KV_BYTES
 
     return plan_cache(config, kv_per_token, max_model_len, default_budget, max_positions, layout)
+
+
+def _triton_attends(dtype: torch.dtype) -> bool:
+    """Whether a CUDA model's attention runs in the Triton kernels (`_use_triton_attention`):
+    triton there, not switched off with `CONVEYOR_TRITON=0`, and a dtype the kernels take."""
+    import torch
+
+    from conveyor.kernels.triton_attention import triton_available
+
+    return (dtype in (torch.float32, torch.float16, torch.bfloat16) and triton_available()
+            and os.environ.get("CONVEYOR_TRITON", "1") != "0")
 
 
 def hybrid_layout(config: EngineConfig, arch: Any) -> HybridLayout | None:

@@ -174,3 +174,62 @@ def test_launching_a_step_never_waits_for_the_device(tiny_models, eager):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert kinds == {"prompt", "decode"}
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+
+
+@pytest.fixture(scope="module")
+def windowed_models(tmp_path_factory: pytest.TempPathFactory):
+    """Gemma 2 (capped scores and logits, every other layer sliding) and Gemma 3 (per-layer
+    windows, a local RoPE base), tiny, with windows of 6 tokens."""
+    from tests.conftest import build_tiny_model
+    from tests.models.test_gemma import GEMMA3_ROPE, SHAPE
+
+    root = tmp_path_factory.mktemp("windowed")
+    return {"gemma2": build_tiny_model(root / "g2", "gemma2", seed=3, attn_logit_softcapping=0.2,
+                                       final_logit_softcapping=1.0, **SHAPE),
+            "gemma3": build_tiny_model(root / "g3", "gemma3", seed=4, sliding_window_pattern=2,
+                                       rope_parameters=GEMMA3_ROPE, **SHAPE)}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_capped_and_windowed_models_decode_the_same_on_fixed_buffers(windowed_models, family):
+    """The graphs' padded fixed-buffer forward of Gemma 2 (capped scores, capped logits, windows)
+    and Gemma 3 (windows by layer, two RoPE bases): the plain forward's tokens, contexts past the
+    window."""
+    prompts, params = mixed_requests(16, seed=11)
+    path = str(windowed_models[family])
+    want = tokens(LLM(path, dtype="float64", num_kv_blocks=256, block_size=4).generate(prompts, params,
+                                                                                        use_tqdm=False))
+    llm = LLM(path, dtype="float64", num_kv_blocks=256, block_size=4)
+    sizes = graphed(llm, max_batch=8, capture=False)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert sizes and max(p.max_tokens + len(q) for p, q in zip(params, prompts, strict=True)) > 6
+
+
+def test_capped_scores_take_graphs_where_triton_attends(monkeypatch):
+    """The engine's rule: capped scores or sinks run eagerly on the torch backend (its masks are
+    built on the host) and take graphs where the Triton kernels attend: triton there, not
+    switched off, a dtype they take (the GPU test below captures Gemma 2)."""
+    from conveyor import engine
+
+    monkeypatch.setattr("conveyor.kernels.triton_attention.triton_available", lambda: True)
+    monkeypatch.delenv("CONVEYOR_TRITON", raising=False)
+    assert engine._triton_attends(torch.bfloat16) and not engine._triton_attends(torch.float64)
+    monkeypatch.setenv("CONVEYOR_TRITON", "0")
+    assert not engine._triton_attends(torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_gemma2_captures_its_decode_on_gpu(windowed_models):
+    """Gemma 2 on a GPU in bfloat16 (the Triton kernels cap its scores): its decode steps are
+    captured, and give the tokens of the same fixed-buffer forward run eagerly."""
+    prompts, base = mixed_requests(24, seed=12)
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True) for p in base]
+    outs = []
+    for capture in (True, False):
+        llm = LLM(str(windowed_models["gemma2"]), device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                  cuda_graph_max_batch=16)
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.captured
+        if not capture:
+            graphed(llm, max_batch=16, capture=False)
+        outs.append(tokens(llm.generate(prompts, params, use_tqdm=False)))
+    assert outs[0] == outs[1]
