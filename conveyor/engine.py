@@ -434,10 +434,10 @@ class Engine:
             # torch path has not been captured on a GPU yet).
             # Capped scores (Gemma 2) and sinks take graphs where the Triton kernels attend (they
             # cap and sink in the launch); the torch backend builds masks a graph would not refresh.
-            # A hybrid cache's sliding layers read tables of their own, which the graphs do not take.
+            # (A hybrid cache's sliding groups read tables of their own: the graphs take them too.)
             torch_attention = (arch.attn_logit_softcapping > 0 or arch.attention_sinks) and not _triton_attends(dtype)
             eager = (mc.enforce_eager or arch.num_experts > 0 or arch.is_encoder or arch.is_mla
-                     or torch_attention or layout is not None)
+                     or torch_attention)
             return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
 
         runner = ModelRunner(

@@ -19,6 +19,10 @@ What makes the forward capturable: the attention kernels take the block tables' 
 here: the blocks of `max_model_len`) as their bound, never a length read back from the device;
 nothing in the decode forward syncs with the host. Prefills and mixed steps stay eager.
 
+A hybrid cache (`HybridLayout`) gives each sliding group of layers block tables of its own:
+the graph reads those from fixed buffers too, one table buffer and one slot vector a group
+beside the block table's, and each layer attends through its group's (`layer_metas`).
+
 `GraphedDecode(..., capture=False)` runs the same padded, fixed-buffer forward eagerly: on a
 CPU that is how the tests check the padding and the buffers against the plain forward (a CPU
 has no graphs), and on CUDA it is the fallback when capture fails.
@@ -68,7 +72,11 @@ class GraphedDecode:
         max_batch: int,
         capture: bool = True,
         greedy: Callable[..., torch.Tensor] | None = None,
+        layer_groups: Sequence[int] = (),
+        window: int | None = None,
     ) -> None:
+        """`layer_groups`: a hybrid cache's table of each layer (0: the block table; g: the
+        g-th sliding group's, whose layers attend within `window`); empty for a whole cache."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -80,15 +88,20 @@ class GraphedDecode:
         self.device = weight.device
         self.dtype = weight.dtype
         self.sliding_window = model.arch.sliding_window
+        self.layer_groups = list(layer_groups)
+        self.num_groups = max(self.layer_groups, default=0)  # sliding groups with tables of their own
+        self.window = window
         n, dev = self.max_batch, self.device
         # The fixed buffers every graph reads; a step copies its inputs into their first rows.
         # Input ids only ever hold token ids: a padded row reads whichever an earlier step left.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         # Positions, K/V slots and context lengths, packed as a graph of size b reads them:
-        # `[positions | slots | context lengths]` of b each at the start, so a step's three
-        # vectors are one copy from the host (`_vectors`).
-        self.packed = torch.zeros(3 * n, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
+        # `[positions | slots | context lengths | each sliding group's slots]` of b each at the
+        # start, so a step's vectors are one copy from the host (`_vectors`).
+        self.packed = torch.zeros((3 + self.num_groups) * n, dtype=torch.long, device=dev)
+        # The block tables, then each sliding group's: one copy too.
+        self.all_tables = torch.full((1 + self.num_groups, n, max_blocks), scratch_block, dtype=torch.long, device=dev)
+        self.tables = self.all_tables[0]
         # What every graph writes: one buffer for all sizes (a graph's own outputs would be
         # a copy per size: some 1 GB of logits at 35 sizes of up to 256 rows of Llama-3's vocabulary).
         self.logits = torch.empty(n, model.arch.vocab_size, dtype=self.dtype, device=dev)
@@ -112,16 +125,25 @@ class GraphedDecode:
 
     def _meta(self, b: int) -> AttentionMetadata:
         positions, slots, context_lens = self._vectors(b)
-        return AttentionMetadata(
-            block_size=self.block_size,
-            positions=positions,
-            slot_mapping=slots,
-            num_decodes=b,
-            decode_blocks=self.tables[:b],
-            decode_context_lens=context_lens,
-            sliding_window=self.sliding_window,
-            mask_dtype=self.dtype,
-        )
+
+        def meta(slot_mapping: torch.Tensor, blocks: torch.Tensor, window: int | None) -> AttentionMetadata:
+            return AttentionMetadata(
+                block_size=self.block_size,
+                positions=positions,
+                slot_mapping=slot_mapping,
+                num_decodes=b,
+                decode_blocks=blocks,
+                decode_context_lens=context_lens,
+                sliding_window=window,
+                mask_dtype=self.dtype,
+            )
+
+        main = meta(slots, self.tables[:b], self.sliding_window)
+        if self.num_groups:
+            groups = [main] + [meta(self.packed[(3 + g) * b : (4 + g) * b], self.all_tables[1 + g, :b], self.window)
+                               for g in range(self.num_groups)]
+            main.layer_metas = [groups[g] for g in self.layer_groups]
+        return main
 
     def _forward(self, b: int) -> None:
         meta = self._meta(b)
@@ -134,6 +156,7 @@ class GraphedDecode:
         positions, slots, context_lens = self._vectors(b)
         positions.zero_()
         slots.fill_(self.scratch_block * self.block_size)
+        self.packed[3 * b : (3 + self.num_groups) * b].fill_(self.scratch_block * self.block_size)  # groups' slots
         context_lens.fill_(1)
 
     @torch.inference_mode()
@@ -167,27 +190,33 @@ class GraphedDecode:
         positions: Sequence[int],
         slots: Sequence[int],
         tables: Sequence[Sequence[int]],
+        window_slots: Sequence[Sequence[int]] = (),
+        window_tables: Sequence[Sequence[Sequence[int]]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits `[n, vocab]` and greedy tokens `[n]` of a step of n decodes: token
         `input_ids[i]` (already on the device: it may be a pending token) at `positions[i]`,
         written to `slots[i]`, over the blocks `tables[i]`. Both are views of the fixed
         buffers, which the next step overwrites: whatever reads them is queued on the stream
-        before that step's launch (the next step's input ids, the copy of the tokens to the host)."""
+        before that step's launch (the next step's input ids, the copy of the tokens to the host).
+        A hybrid cache's step gives each sliding group's slots and tables too."""
         n = len(positions)
         b = self.padded_size(n)
         pad = b - n
         # Only the columns this step's tables use: attention reads no block past a row's
         # context length, so whatever an earlier step left further right is never read.
-        width = max(map(len, tables))
+        assert len(window_tables) == len(window_slots) == self.num_groups
+        width = max(map(len, [*tables, *(t for group in window_tables for t in group)]))
         scratch = self.scratch_block
         # Padded rows: position 0, the scratch block's first slot, over the scratch block alone.
-        vectors = host_longs([*positions, *[0] * pad, *slots, *[scratch * self.block_size] * pad,
-                              *[p + 1 for p in positions], *[1] * pad])
-        table = host_table([*tables, *[()] * pad], width, scratch)
+        idle_slots = [scratch * self.block_size] * pad
+        vectors = host_longs([*positions, *[0] * pad, *slots, *idle_slots, *[p + 1 for p in positions], *[1] * pad,
+                              *(s for group in window_slots for s in (*group, *idle_slots))])
+        groups = (tables, *window_tables)
+        table = host_table([t for group in groups for t in (*group, *[()] * pad)], width, scratch)
         if self.device.type == "cuda":
             vectors, table = vectors.pin_memory(), table.pin_memory()
-        self.packed[: 3 * b].copy_(vectors, non_blocking=True)
-        self.tables[:b, :width].copy_(table, non_blocking=True)
+        self.packed[: (3 + self.num_groups) * b].copy_(vectors, non_blocking=True)
+        self.all_tables[:, :b, :width].copy_(table.view(len(groups), b, width), non_blocking=True)
         self.input_ids[:n].copy_(input_ids)
         graph = self.graphs.get(b)
         if graph is None:

@@ -152,7 +152,14 @@ class ModelRunner:
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
             self.graphs = GraphedDecode(model, self.kv_caches, block_size, max_blocks, self.scratch_block,
-                                        cuda_graph_max_batch, greedy=self.sampler.greedy)
+                                        cuda_graph_max_batch, greedy=self.sampler.greedy,
+                                        **self.graph_layout())
+
+    def graph_layout(self) -> dict[str, Any]:
+        """What `GraphedDecode` needs of a hybrid cache: each layer's table, the sliding window."""
+        if self.layout is None:
+            return {}
+        return {"layer_groups": self.layer_groups, "window": self.layout.window}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -308,7 +315,12 @@ class ModelRunner:
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
-            logits, greedy = graphs(input_ids, positions, slots, tables)
+            ids = [it.seq_id for it in items]
+            window_tables = [host.rows(ids, [it.window_tables[g] for it in items])
+                             for g, host in enumerate(self.window_host_tables)]
+            window_slots = [[t[p // bs] * bs + p % bs for t, p in zip(group, positions, strict=True)]
+                            for group in window_tables]
+            logits, greedy = graphs(input_ids, positions, slots, tables, window_slots, window_tables)
         else:
             meta = build_metadata(
                 tables,

@@ -250,3 +250,45 @@ def test_a_model_without_a_sliding_window_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="within one sliding window"):
         LLM(str(llama), dtype="float64", num_kv_blocks=16, hybrid_kv_cache=True)
 
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma3-two-groups", "mistral-window"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_the_graphs_fixed_buffers_take_the_sliding_tables(models, family, preemption_mode):
+    """The CUDA graphs' padded fixed-buffer decode over a hybrid cache (each sliding group's
+    slots and tables in buffers of their own, released blocks the scratch block): HF's tokens,
+    as the eager steps give them, with blocks released while decoding and sequences preempted
+    (the cache holds a third of them at once)."""
+    from tests.runner.test_cuda_graphs import graphed
+
+    prompts = gemma.LONG
+    options = {"num_kv_blocks": 30, "block_size": 4}  # about a third of what the six want (OPTIONS' "preempt")
+    if family == "mistral-window":  # one sliding table: a sequence holds a window's and a chunk's pages
+        options = {"num_kv_blocks": 12, "block_size": 4, "max_num_batched_tokens": 8}
+    if preemption_mode == "swap":
+        options["num_swap_blocks"] = 200
+    llm = LLM(str(models[family]), dtype="float64", hybrid_kv_cache=True, preemption_mode=preemption_mode,
+              **options)
+    sizes = graphed(llm, max_batch=4, capture=False)
+    assert tokens(llm.generate(prompts, gemma.PARAMS, use_tqdm=False)) == reference(models, family, prompts, 16)
+    assert sizes and max(sizes) > 1  # graphed steps of several sequences (3 pads to 4)
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_hybrid_cache_captures_its_decode_on_gpu(models):
+    """Gemma 3 with two sliding groups on a GPU in bfloat16: its decode steps are captured with
+    the groups' tables in the graphs' buffers, and give the tokens of the same fixed-buffer
+    forward run eagerly."""
+    from tests.runner.test_cuda_graphs import graphed
+
+    outs = []
+    for capture in (True, False):
+        llm = LLM(str(models["gemma3-two-groups"]), device="cuda", dtype="bfloat16", hybrid_kv_cache=True,
+                  num_kv_blocks=64, block_size=4, cuda_graph_max_batch=8)
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.captured
+        if not capture:
+            graphed(llm, max_batch=8, capture=False)
+        outs.append(tokens(llm.generate(gemma.LONG, gemma.PARAMS, use_tqdm=False)))
+    assert outs[0] == outs[1]

@@ -28,7 +28,7 @@ def graphed(llm: LLM, max_batch: int, capture: bool) -> list[int]:
     runner = llm.engine.runner
     max_blocks = -(-llm.engine.max_model_len // runner.block_size)
     graphs = GraphedDecode(runner.model, runner.kv_caches, runner.block_size, max_blocks, runner.scratch_block,
-                           max_batch, capture=capture, greedy=runner.sampler.greedy)
+                           max_batch, capture=capture, greedy=runner.sampler.greedy, **runner.graph_layout())
     sizes: list[int] = []
     call = graphs.__call__
 
@@ -36,9 +36,9 @@ def graphed(llm: LLM, max_batch: int, capture: bool) -> list[int]:
         def applies(self, n: int, all_decodes: bool) -> bool:
             return graphs.applies(n, all_decodes)
 
-        def __call__(self, input_ids, positions, slots, tables):
+        def __call__(self, input_ids, positions, slots, tables, *window):  # (a hybrid cache's groups)
             sizes.append(len(positions))
-            return call(input_ids, positions, slots, tables)
+            return call(input_ids, positions, slots, tables, *window)
 
     runner.graphs = Counting()
     return sizes
