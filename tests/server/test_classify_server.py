@@ -153,7 +153,11 @@ def test_pooling_gives_what_each_task_asks(servers: dict[str, ServerProcess], mo
                                                 "pooling_type": "step", "step_tag_id": 9}, timeout=60).json()["data"]
     every = httpx.post(url + "/pooling", json={"input": [[5, 9, 6, 9]], "task": "token_classify"},
                        timeout=60).json()["data"]
-    assert steps[0]["data"] == [every[0]["data"][1], every[0]["data"][3]]  # the rows at the tags
+    # The rows at the tags (the head over 2 rows or 4 may round apart in the last bit: MKL's
+    # kernels for a shape differ by CPU, as on an AMD EPYC).
+    want = [every[0]["data"][1], every[0]["data"][3]]
+    assert len(steps[0]["data"]) == 2
+    assert all(got == pytest.approx(row, rel=1e-12, abs=1e-15) for got, row in zip(steps[0]["data"], want, strict=True))
     missing = httpx.post(url + "/pooling", json={"input": texts, "pooling_type": "step"}, timeout=60)
     assert_openai_error(missing, 400, "step_tag_id")
 
