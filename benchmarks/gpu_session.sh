@@ -11,6 +11,7 @@
 #   STAGE_BUDGET_S=450 bash benchmarks/gpu_session.sh quick
 #                                      # a 15-minute loan's first call: parity, batch-1 (the opt-in kernels
 #                                      # and the default), the host share at 256, throughput against HF
+#                                      # (each HF baseline stopped HF_TIME_LIMIT_S seconds in)
 #   STAGE_BUDGET_S=240 bash benchmarks/gpu_session.sh tests
 #                                      # its second, on the machine still warm: the CUDA tests, each
 #                                      # at most 60 s, none stopping the others (they took 150 s for
@@ -19,8 +20,8 @@
 # Stage 1 writes $OUT/gemv/gemv_configs.json. Stages after it read the configs from
 # .gpu/gemv_configs.json if it is there: copy the file there (`echo /.gpu/ >> .git/info/exclude`
 # once) and name `.gpu` in the call's `carry`. Without it, the GEMVs take the heuristic's configs.
-# STAGE_BUDGET_S (default 560) is the stage's time; HF_NUM_REQUESTS (default 64) the requests
-# HF's baselines and conveyor run in the throughput steps.
+# STAGE_BUDGET_S (default 560) is the stage's time; HF_NUM_REQUESTS (default 64; the quick
+# stage's, 0: all) the requests HF's baselines and conveyor run in the throughput steps.
 #
 # GPU_SESSION_SMOKE=1 rehearses a stage on a CPU: the same steps, each script with --smoke
 # (tiny shapes), the tests collected rather than run, the host's phases at 8 sequences.
@@ -109,18 +110,23 @@ quick)
         --variants "${QUICK_BATCH1:-graphs+async+fused+gemv+pdl,graphs+async+fused+gemv,graphs+async+fused,graphs+async,graphs+async+fused+gemv+3launch}" \
         --out "$out/batch1"
     step overhead 90 python3 benchmarks/gpu_speed.py --parts overhead "${common[@]}" --out "$out/overhead"
-    # HF's baselines on the mix's first 16 requests unless HF_NUM_REQUESTS says otherwise: on
-    # an H100 neither finished the first 32 inside such a step (2026-11-26); static batching first.
-    step throughput 150 python3 benchmarks/gpu_speed.py --parts throughput --hf-num-requests "${HF_NUM_REQUESTS:-16}" \
-        --baselines hf_static,hf_continuous "${common[@]}" --out "$out/throughput"
+    # HF's baselines on the whole mix, each stopped HF_TIME_LIMIT_S (35) seconds in, its rate
+    # the tokens made by then: on an H100 neither finished the mix's first 32 requests inside
+    # such a step (2026-11-26). Static batching first.
+    step throughput 170 python3 benchmarks/gpu_speed.py --parts throughput --hf-num-requests "${HF_NUM_REQUESTS:-0}" \
+        --hf-time-limit-s "${HF_TIME_LIMIT_S:-35}" --baselines hf_static,hf_continuous "${common[@]}" \
+        --out "$out/throughput"
     ;;
 tests)
-    # The CUDA tests, each at most 60 s, every failure reported (no -x).
+    # The CUDA tests, each at most 60 s, every failure reported (no -x), the slowest named. Each
+    # property test takes at most CONVEYOR_GPU_EXAMPLES (4) examples: a new shape compiles its
+    # kernels, and the interpreter on the CPU runs them all in CI.
+    export CONVEYOR_GPU_EXAMPLES=${CONVEYOR_GPU_EXAMPLES:-4}
     per_test=()
     python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)  # the image has it
     # The graphs first (quick), then the captures that no loan has run, then the kernels (slow:
     # 150 s for the first 21 of tests/kernels on an H100).
-    step tests 240 python3 -m pytest -q -rfE -p no:cacheprovider "${per_test[@]}" "${collect[@]}" tests/runner \
+    step tests 240 python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider "${per_test[@]}" "${collect[@]}" tests/runner \
         tests/models/test_hybrid_kv_cache.py::test_a_hybrid_cache_captures_its_decode_on_gpu tests/kernels
     ;;
 *)

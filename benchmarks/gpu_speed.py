@@ -33,7 +33,10 @@ tokens.
 
 throughput: a ShareGPT-like mix (published means, conveyor.bench.workload) all queued at once,
 on conveyor, HF `generate` in padded static batches and HF continuous batching
-(`generate_batch`), the same requests for all three.
+(`generate_batch`), the same requests for all three. HF takes minutes where conveyor takes
+seconds: `--hf-time-limit-s W` stops each baseline W seconds in and takes its rate so far,
+which leaves out the tail of its run where few requests are left, so the ratio to conveyor's
+whole run is if anything low.
 
 overhead: 256 sequences decoding together. T_engine is the wall time per engine step in the
 steady decode phase; T_runner the wall time of the same step run by the runner alone, back to
@@ -464,8 +467,11 @@ def throughput(args: argparse.Namespace, path: str, save: Callable[[dict], None]
     """conveyor, then each HF baseline, on the same requests. With `--hf-num-requests N` the
     baselines take the mix's first N requests and conveyor runs those N too, so each ratio is
     over the same work (HF continuous batching did not finish 256 requests in a 10-minute call
-    on an H100). `save` gets the figures so far after each system: a call that runs out of
-    time keeps what it measured."""
+    on an H100). With `--hf-time-limit-s W` each baseline stops W seconds in, and its rate is
+    the tokens it had made by then over those seconds: a rate over HF's start, the tail where
+    few requests are left not reached, so if anything higher than its whole run's, and the
+    ratio to conveyor's whole run if anything lower than the full runs' would be. `save` gets the figures so
+    far after each system: a call that runs out of time keeps what it measured."""
     from transformers import AutoModelForCausalLM
 
     from conveyor import LLM, SamplingParams
@@ -526,8 +532,11 @@ def throughput(args: argparse.Namespace, path: str, save: Callable[[dict], None]
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     point = LoadPoint("rate", float("inf"))
-    systems = {"hf_continuous": lambda: HFContinuousSystem(SystemSpec("hf_continuous", "hf_continuous"), hf, None, 8192),
-               "hf_static": lambda: HFStaticSystem(SystemSpec("hf_static", "hf_static"), hf, None, args.hf_batch_size)}
+    limit = args.hf_time_limit_s
+    systems = {"hf_continuous": lambda: HFContinuousSystem(SystemSpec("hf_continuous", "hf_continuous"), hf, None, 8192,
+                                                           time_limit_s=limit),
+               "hf_static": lambda: HFStaticSystem(SystemSpec("hf_static", "hf_static"), hf, None, args.hf_batch_size,
+                                                   time_limit_s=limit)}
     for name in args.baselines:
         system = systems[name]()
         try:
@@ -535,10 +544,20 @@ def throughput(args: argparse.Namespace, path: str, save: Callable[[dict], None]
             t = time.perf_counter()
             run = system.run(reqs, point)
             elapsed = time.perf_counter() - t
+            if limit is not None:  # the run's own time: warm-up and the manager's stop left out
+                elapsed = run.duration_s
             produced = sum(r.output_len for r in run.timings)
             out[name] = {"requests": len(reqs), "elapsed_s": elapsed, "output_tokens": produced,
                          "output_tok_per_s": produced / elapsed, "conveyor_ratio": mine / (produced / elapsed)}
-            print(f"{name}: {produced / elapsed:.0f} output tok/s ({elapsed:.1f} s, {len(reqs)} requests); "
+            note = ""
+            if limit is not None:
+                stats = run.engine_stats or {}
+                finished = sum(r.end is not None for r in run.timings)
+                out[name] |= {"time_limit_s": limit, "finished": finished, "cut": stats.get("cut", 0),
+                              "not_started": stats.get("not_started", 0)}
+                note = (f", stopped at its {limit:g} s limit: {finished} finished, {stats.get('cut', 0)} cut, "
+                        f"{stats.get('not_started', 0)} not started")
+            print(f"{name}: {produced / elapsed:.0f} output tok/s ({elapsed:.1f} s, {len(reqs)} requests{note}); "
                   f"conveyor / {name} = {mine / (produced / elapsed):.1f}x", flush=True)
         except Exception as e:  # a baseline that fails is recorded, the others still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -661,6 +680,9 @@ def main() -> int:
     ap.add_argument("--hf-num-requests", type=int, default=0,
                     help="throughput: the HF baselines take the mix's first N requests (conveyor runs them too); "
                          "0: all of them")
+    ap.add_argument("--hf-time-limit-s", type=float, default=None,
+                    help="throughput: stop each HF baseline this many seconds in and take its rate so far "
+                         "(if anything higher than its whole run's rate); default: run every request to its end")
     ap.add_argument("--baselines", default="hf_continuous,hf_static",
                     help="throughput: the HF baselines to run, in order (hf_static took 319 s on an H100: "
                          "give each its own call to stay inside a 10-minute one)")

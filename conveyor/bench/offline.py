@@ -17,6 +17,14 @@ Systems, each run once per load point on a fresh instance:
 A system that fails (HF's continuous batching on an unsupported device, say) records the error
 in the results instead of ending the benchmark.
 
+Both HF systems take a `time_limit_s`: the run stops that long after it starts (static batching
+at the end of a `generate` step, continuous batching where its scheduler stands then), and
+each request counts the tokens it had. A cut request has no `end`; one never started is left
+out; `engine_stats` says how many of each. It is for a GPU loan too short for HF to finish a
+mix conveyor runs in seconds: the rate over HF's first seconds, with the long tail where few
+requests are left (or a static batch's padded rows) not reached, is if anything higher than its
+rate over the whole run would be.
+
 EOS is ignored everywhere, so every system produces exactly the workload's output lengths.
 """
 
@@ -342,14 +350,18 @@ class _StepClock:
 class HFStaticSystem:
     """HF `generate` over padded batches of arrived requests; a batch runs to its longest output."""
 
-    def __init__(self, spec: SystemSpec, model: Any, tokenizer: Any, batch_size: int) -> None:
+    def __init__(self, spec: SystemSpec, model: Any, tokenizer: Any, batch_size: int,
+                 time_limit_s: float | None = None) -> None:
         self.spec = spec
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.time_limit_s = time_limit_s
         self.pad = _pad_id(model)
 
-    def _generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    def _generate(self, prompts: list[list[int]], new_tokens: int, max_time: float | None = None) -> list[float]:
+        """The time each step's tokens existed; with `max_time`, `generate` stops at the first
+        step end past that many seconds (fewer times than `new_tokens`)."""
         import torch
 
         width = max(len(p) for p in prompts)
@@ -357,10 +369,11 @@ class HFStaticSystem:
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         streamer = _StepClock()
+        limit = {} if max_time is None else {"max_time": max(max_time, 0.0)}
         with torch.inference_mode():
             self.model.generate(
                 ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=self.pad, streamer=streamer,
+                do_sample=False, pad_token_id=self.pad, streamer=streamer, **limit,
             )
         return streamer.times[1:]
 
@@ -373,9 +386,13 @@ class HFStaticSystem:
         bars: list[list[int]] = []
         step_times: list[float] = []
         t0 = clock()
+        deadline = None if self.time_limit_s is None else t0 + self.time_limit_s
+        cut = False
         i = 0
-        while i < len(order):
+        while i < len(order) and not cut:
             wait = t0 + order[i].arrival_s - clock()
+            if deadline is not None and clock() + max(wait, 0.0) >= deadline:
+                break
             if wait > 0:
                 time.sleep(wait)
             now = clock() - t0
@@ -385,21 +402,32 @@ class HFStaticSystem:
             i += len(batch)
             longest = max(r.output_len for r in batch)
             first_step = len(step_times)
-            times = self._generate([prompts[r.index] for r in batch], longest)
+            times = self._generate([prompts[r.index] for r in batch], longest,
+                                   None if deadline is None else deadline - clock())
             end = clock()
             step_times.extend(times)
+            cut = len(times) < longest  # the time limit stopped this batch
             for r in batch:
                 start = t0 + r.arrival_s
-                timings.append(RequestTiming(r.index, start, r.output_len, times[: r.output_len], end, len(prompts[r.index])))
-                bars.append([r.index, first_step, first_step + r.output_len - 1, 0])
-                if r.output_len < longest:  # the seat stays taken, generating waste
-                    bars.append([r.index, first_step + r.output_len, first_step + longest - 1, 1])
+                made = min(len(times), r.output_len)
+                timings.append(RequestTiming(r.index, start, made, times[:made], end if made == r.output_len else None,
+                                             len(prompts[r.index])))
+                if made:
+                    bars.append([r.index, first_step, first_step + made - 1, 0])
+                if made < len(times):  # the seat stays taken, generating waste
+                    bars.append([r.index, first_step + made, first_step + len(times) - 1, 1])
             if progress is not None:
                 progress(len(batch))
         timings.sort(key=lambda t: t.index)
-        duration = max(t.end for t in timings if t.end is not None) - t0
+        stats: dict[str, Any] = {"steps": len(step_times), "batch_size": self.batch_size}
+        if deadline is None:
+            duration = max(t.end for t in timings if t.end is not None) - t0
+        else:
+            duration = clock() - t0
+            stats |= {"time_limit_s": self.time_limit_s, "cut": sum(t.end is None for t in timings),
+                      "not_started": len(order) - len(timings)}
         occupancy = {"num_steps": len(step_times), "bars": bars, "step_start_s": [round(t - t0, 6) for t in step_times]}
-        return SystemRun(timings, duration, {"steps": len(step_times), "batch_size": self.batch_size}, occupancy)
+        return SystemRun(timings, duration, stats, occupancy)
 
     def close(self) -> None:
         pass
@@ -408,11 +436,13 @@ class HFStaticSystem:
 class HFContinuousSystem:
     """HF transformers continuous batching (`generate_batch` and the manager behind it)."""
 
-    def __init__(self, spec: SystemSpec, model: Any, tokenizer: Any, max_batch_tokens: int | None = None) -> None:
+    def __init__(self, spec: SystemSpec, model: Any, tokenizer: Any, max_batch_tokens: int | None = None,
+                 time_limit_s: float | None = None) -> None:
         self.spec = spec
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
+        self.time_limit_s = time_limit_s
 
     def _configs(self, prompts: Sequence[list[int]], outputs: Sequence[int]) -> tuple[Any, Any]:
         from transformers import GenerationConfig
@@ -428,7 +458,7 @@ class HFContinuousSystem:
         prompts = {r.index: _token_ids(r, self.tokenizer) for r in requests}
         self._warmup()
         same_length = len({r.output_len for r in requests}) == 1
-        if point.concurrency is None and same_length and all(r.arrival_s == 0 for r in requests):
+        if point.concurrency is None and same_length and all(r.arrival_s == 0 for r in requests) and self.time_limit_s is None:
             return self._generate_batch(requests, prompts, progress)
         return self._manager(requests, prompts, point.concurrency, progress)
 
@@ -473,6 +503,8 @@ class HFContinuousSystem:
             t0 = clock()
             i = 0
             while len(timings) < len(order):
+                if self.time_limit_s is not None and clock() >= t0 + self.time_limit_s:
+                    return self._cut(manager, order, sent, timings, t0, progress)
                 in_flight = i - len(timings)
                 room = concurrency is None or in_flight < concurrency
                 if i < len(order) and room and (concurrency is not None or clock() >= t0 + order[i].arrival_s):
@@ -493,6 +525,36 @@ class HFContinuousSystem:
                     if progress is not None:
                         progress(1)
         return self._finish([timings[k] for k in sorted(timings)], t0)
+
+    def _cut(self, manager: Any, order: Sequence[BenchRequest], sent: dict[int, float],
+             timings: dict[int, RequestTiming], t0: float, progress: Progress | None) -> SystemRun:
+        """The run stopped at its time limit: each request sent and unfinished counts the tokens its
+        state in HF's scheduler holds now (a read of the manager's internals, the same in
+        transformers 5.17 and 5.24), then the finished results still queued replace theirs,
+        and the manager stops without finishing the rest."""
+        now = clock()
+        processor = getattr(manager, "batch_processor", None)
+        active = getattr(getattr(processor, "scheduler", None), "active_requests", None)
+        if active is None:
+            raise RuntimeError("this transformers' continuous batching does not show its running requests: "
+                               "no time limit for HF continuous batching")
+        for r in order:
+            if r.index in sent and r.index not in timings:
+                state = active.get(f"bench-{r.index}")
+                made = state.generated_len() if state is not None else 0
+                stamps = list(getattr(state, "timestamps", None) or [])[:made]
+                timings[r.index] = RequestTiming(r.index, sent[r.index], made, stamps, None, r.prompt_len)
+        by_id = {f"bench-{r.index}": r for r in order}
+        while (result := manager.get_result(timeout=0)) is not None:
+            if result.is_finished() and result.request_id in by_id:
+                r = by_id[result.request_id]
+                timings[r.index] = self._timing(r, result, sent[r.index])
+                if progress is not None:
+                    progress(1)
+        manager.stop(block=True, timeout=30, hard_stop=True)
+        stats = {"time_limit_s": self.time_limit_s, "cut": sum(t.end is None for t in timings.values()),
+                 "not_started": len(order) - len(timings)}
+        return SystemRun([timings[k] for k in sorted(timings)], now - t0, stats)
 
     def _timing(self, r: BenchRequest, out: Any, start: float) -> RequestTiming:
         """HF's timestamps and `start` are both on time.perf_counter."""

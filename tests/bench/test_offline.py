@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.bench.offline import BUILTIN_CONFIGS, SystemSpec, parse_config
-from conveyor.bench.workload import LengthDist, synthetic_requests
+from conveyor.bench.workload import BenchRequest, LengthDist, LoadPoint, synthetic_requests
 from conveyor.cli import main
 
 SMALL = ["--num-kv-blocks", "64", "--input-len", "uniform:4,24", "--output-len", "uniform:2,9", "--no-progress"]
@@ -158,3 +158,40 @@ def test_offline_replays_a_trace_at_its_own_times(model_dir: str, tmp_path: Path
     assert [r["output_len"] for r in point["requests"]] == [3, 2, 4]
     assert [r["prompt_len"] for r in point["requests"]] == [8, 3, 5]
     assert point["summary"]["duration_s"] >= 0.6  # the last request arrives at 0.6 s
+
+
+@pytest.mark.parametrize("kind", ["hf_static", "hf_continuous"])
+def test_hf_baselines_stop_at_their_time_limit_and_count_what_they_made(model_dir: str, kind: str) -> None:
+    """A time limit far below what the work needs: the run stops there, every request counts
+    at most its own output, the cut ones have no end, and the finished ones all their tokens."""
+    from conveyor.bench.offline import HFContinuousSystem, HFStaticSystem, load_hf_model
+
+    model = load_hf_model(model_dir)
+    reqs = [BenchRequest(i, tuple(range(10, 10 + p)), p, o) for i, (p, o) in enumerate([(6, 400), (9, 3), (4, 450), (12, 420), (5, 2), (7, 380)])]
+    spec = SystemSpec(kind, kind)
+    if kind == "hf_static":
+        system: HFStaticSystem | HFContinuousSystem = HFStaticSystem(spec, model, None, batch_size=4, time_limit_s=0.4)
+    else:
+        system = HFContinuousSystem(spec, model, None, 512, time_limit_s=0.4)
+    try:
+        run = system.run(reqs, LoadPoint("rate", float("inf")))
+    except Exception as e:  # HF's continuous batching where it cannot run here
+        if kind == "hf_continuous":
+            pytest.skip(f"HF continuous batching failed here: {e}")
+        raise
+    by_index = {r.index: r for r in reqs}
+    assert run.engine_stats is not None and run.engine_stats["time_limit_s"] == 0.4
+    assert run.engine_stats["cut"] >= 1  # 400-odd tokens each do not fit in 0.4 s
+    assert run.engine_stats["cut"] + run.engine_stats["not_started"] + sum(t.end is not None for t in run.timings) == len(reqs)
+    assert 0.4 <= run.duration_s < 10
+    made = 0
+    for t in run.timings:
+        want = by_index[t.index].output_len
+        assert 0 <= t.output_len <= want
+        assert (t.end is not None) == (t.output_len == want)
+        made += t.output_len
+    assert 0 < made < sum(r.output_len for r in reqs)
+    if kind == "hf_static":  # batches in order: the first 4 started, the cut batch was the first
+        assert sorted(t.index for t in run.timings) == [0, 1, 2, 3]
+        assert {t.output_len for t in run.timings if t.index in (0, 2, 3)} == {run.engine_stats["steps"]}
+        assert by_index[1].output_len == 3 and run.timings[1].end is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -27,3 +29,14 @@ def close(got: torch.Tensor, want: torch.Tensor, max_ulps: int, exact_share: flo
     d = ulps_apart(got, want)
     assert int(d.max()) <= max_ulps, f"{int(d.max())} ulps apart"
     assert float((d == 0).float().mean()) >= exact_share, f"{float((d == 0).float().mean()):.3f} exact"
+
+
+def examples(n: int) -> int:
+    """A property test's example count: `n`, or at most `CONVEYOR_GPU_EXAMPLES` where a CUDA
+    device runs the kernels. A GPU loan's test call sets it (benchmarks/gpu_session.sh tests):
+    there each new shape compiles its kernels, so every test gets its turn inside the call,
+    while the interpreter on the CPU keeps running all `n`."""
+    cap = os.environ.get("CONVEYOR_GPU_EXAMPLES")
+    if cap and torch.cuda.is_available():
+        return max(1, min(n, int(cap)))
+    return n

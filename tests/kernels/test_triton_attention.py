@@ -25,6 +25,7 @@ from conveyor.models.attention import (
     TorchPagedAttention,
     build_metadata,
 )
+from tests.kernels.precision import examples
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -187,7 +188,7 @@ def schedules(draw: st.DrawFn) -> list[tuple[int, int]]:
     return [(s, 1) for s in decodes] + prefills
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(
     schedule=schedules(),
     shape=st.sampled_from([(4, 2, 16), (2, 2, 16), (3, 1, 32)]),
@@ -207,7 +208,7 @@ def decodes_step(seed: int, contexts: list[int], heads: int, kv_heads: int, head
     return random_step(seed, [(c - 1, 1) for c in contexts], heads, kv_heads, head_dim, block_size, window, dtype)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     contexts=st.lists(st.integers(1, 300), min_size=1, max_size=4),
     shape=st.sampled_from([(4, 2, 16), (2, 2, 16), (3, 1, 32), (8, 2, 24)]),
@@ -250,7 +251,7 @@ def rope_tables(seed: int, tokens: int, head_dim: int, dtype: torch.dtype) -> tu
     return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     contexts=st.lists(st.integers(1, 200), min_size=1, max_size=4),
     shape=st.sampled_from([(4, 2, 16), (2, 2, 16), (3, 1, 32), (8, 2, 24)]),
@@ -350,7 +351,7 @@ def test_one_launch_decodes_replayed_in_a_cuda_graph():
         assert merged.counters.current is not None and not merged.counters.current.any()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(
     schedule=schedules(),
     shape=st.sampled_from([(4, 2, 16), (3, 1, 32)]),

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conveyor.kernels.triton_attention import _jit, _rnd, tl, triton
 from conveyor.kernels.triton_fused import add_rms_norm, rope_, silu_mul, triton_available
 from conveyor.models.llama import RMSNorm, apply_rope
-from tests.kernels.precision import close
+from tests.kernels.precision import close, examples
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,7 +71,7 @@ EDGES = [0.0, -0.0, 2.0**-25, 2.0**-25 * 1.0001, 3 * 2.0**-25, 2.0**-24 * 1.5, 2
          1 + 2.0**-8, 1 + 3 * 2.0**-8, 3.0e38, float("inf"), float("-inf"), 1e-40, -1e-45]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), dtype=st.sampled_from([torch.float16,
                                                                                                torch.bfloat16]))
 def test_rounding_to_half_precision_matches_torch_bit_for_bit(bits, dtype):
@@ -108,7 +108,7 @@ def test_rope_in_place_matches_apply_rope_on_a_fused_projection(dtype):
     assert torch.equal(qkv[:, heads + kv_heads :], v_before)  # V untouched
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(tokens=st.integers(1, 6), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
        head_dim=st.sampled_from([8, 16, 24, 64]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
 def test_rope_and_kv_write_in_one_launch_match_the_two(tokens, kv_heads, group, head_dim, dtype, seed):
@@ -151,7 +151,7 @@ def test_silu_mul_matches_torch(dtype, intermediate):
     close(silu_mul(gate_up), want, max_ulps=1, exact_share=0.97)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(rows=st.integers(0, 9), hidden=st.sampled_from([16, 48, 80]), seed=st.integers(0, 1000))
 def test_any_row_count(rows, hidden, seed):
     g = torch.Generator().manual_seed(seed)
@@ -232,7 +232,7 @@ def test_model_forward_with_rope_kv_write_and_attention_in_one_kernel(tiny_model
     assert runs[0] == runs[1]
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(rows=st.integers(1, 4), vocab=st.integers(1, 5000), ties=st.booleans(), seed=st.integers(0, 1000),
        dtype=st.sampled_from(DTYPES))
 def test_argmax_matches_torch_first_index_of_a_tie(rows, vocab, ties, seed, dtype):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from conveyor.kernels.triton_gemv import MAX_ROWS, blocks, linear, triton_available
 from conveyor.models.llama import RMSNorm
-from tests.kernels.precision import close
+from tests.kernels.precision import close, examples
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -43,7 +43,7 @@ def reference(x, w, norm, eps, silu_mul, residual):
     return y if residual is None else residual + y
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 300), k=st.integers(1, 700),
        stage=st.sampled_from(["plain", "norm", "silu_mul", "residual", "silu_mul+residual"]),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
@@ -63,7 +63,7 @@ def test_gemv_matches_the_torch_stages(rows, n, k, stage, dtype, seed):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 300),
        stage=st.sampled_from(["plain", "norm", "silu_mul+residual"]), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 10_000))
@@ -220,7 +220,7 @@ def test_gemvs_are_opt_in(monkeypatch):
     assert not enabled()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 400),
        block_n=st.sampled_from([1, 2, 4, 8, 16, 32]), block_k=st.sampled_from([16, 32, 64, 128, 256]),
        warps=st.sampled_from([1, 2, 4, 8]), prefetch=st.booleans(), stage=st.sampled_from(["norm", "silu_mul+residual"]),
@@ -327,7 +327,7 @@ def test_pdl_chain_matches_the_plain_chain(graphed):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(rows=st.integers(1, MAX_ROWS), n=st.integers(1, 1200), k=st.integers(1, 200),
        block_n=st.sampled_from([None, 4, 32, "dot"]), norm=st.booleans(), ties=st.booleans(),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000))
