@@ -4,7 +4,11 @@ Without CUDA, the Triton kernels run on CPU tensors under Triton's interpreter. 
 the variable when it defines a kernel, its own `triton.language` helpers included, so it is set
 here, before any test module is collected: a module that imports triton while the suite is
 collected would otherwise leave the kernel tests without it. (`test_triton_sm90.py` compiles in
-a subprocess without it.)"""
+a subprocess without it.)
+
+Under pytest-xdist (the README's `-n 2`) each worker takes its share of the cores, and so do
+the servers and ranks it starts (they inherit `OMP_NUM_THREADS`): two workers of two torch
+threads each on two cores would oversubscribe them, which slows torch by up to 10×."""
 
 from __future__ import annotations
 
@@ -13,8 +17,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _WORKERS > 1:  # before torch is imported: its thread pool reads the variable
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
