@@ -470,8 +470,8 @@ def throughput(args: argparse.Namespace, path: str, save: Callable[[dict], None]
     on an H100). With `--hf-time-limit-s W` each baseline stops W seconds in, and its rate is
     the tokens it had made by then over those seconds: a rate over HF's start, the tail where
     few requests are left not reached, so if anything higher than its whole run's, and the
-    ratio to conveyor's whole run if anything lower than the full runs' would be. `save` gets the figures so
-    far after each system: a call that runs out of time keeps what it measured."""
+    ratio to conveyor's whole run if anything lower than the full runs' would be. `save` gets
+    the figures so far after each system: a call that runs out of time keeps what it measured."""
     from transformers import AutoModelForCausalLM
 
     from conveyor import LLM, SamplingParams
