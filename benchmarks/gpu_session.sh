@@ -13,7 +13,8 @@
 #                                      # and the default), the host share at 256, throughput against HF
 #                                      # (each HF baseline stopped HF_TIME_LIMIT_S seconds in)
 #   STAGE_BUDGET_S=240 bash benchmarks/gpu_session.sh tests
-#                                      # its second, on the machine still warm: the CUDA tests, each
+#                                      # its second, on the machine still warm: a batch-1 step's device
+#                                      # timeline (at most 80 s), then the CUDA tests, each
 #                                      # at most 60 s, none stopping the others (they took 150 s for
 #                                      # the first 21 of tests/kernels on an H100: fewer fit)
 #
@@ -124,8 +125,13 @@ tests)
     export CONVEYOR_GPU_EXAMPLES=${CONVEYOR_GPU_EXAMPLES:-4}
     per_test=()
     python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)  # the image has it
+    # First the device timeline of a batch-1 step on the best path (fused kernels, GEMVs, PDL):
+    # the time between its kernels against the time in them, which says where the 85% goal's
+    # missing 0.4 ms goes. The model is the quick stage's, if this machine still holds it.
+    step profile 80 python3 benchmarks/gpu_profile.py --fused --gemv --pdl --modes graphs --iters 50 \
+        --models "$models" "${smoke[@]}" --out "$out/profile"
     # The graphs first (quick), then the captures that no loan has run, then the kernels (slow:
-    # 150 s for the first 21 of tests/kernels on an H100).
+    # 150 s for the first 21 of tests/kernels on an H100, before the examples were capped).
     step tests 240 python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider "${per_test[@]}" "${collect[@]}" tests/runner \
         tests/models/test_hybrid_kv_cache.py::test_a_hybrid_cache_captures_its_decode_on_gpu tests/kernels
     ;;
