@@ -504,7 +504,7 @@ class HFContinuousSystem:
             i = 0
             while len(timings) < len(order):
                 if self.time_limit_s is not None and clock() >= t0 + self.time_limit_s:
-                    return self._cut(manager, order, sent, timings, t0, progress)
+                    return self._cut(manager, order, by_id, sent, timings, t0, progress)
                 in_flight = i - len(timings)
                 room = concurrency is None or in_flight < concurrency
                 if i < len(order) and room and (concurrency is not None or clock() >= t0 + order[i].arrival_s):
@@ -519,15 +519,22 @@ class HFContinuousSystem:
                 if i < len(order) and concurrency is None:
                     wait = max(0.0, min(wait, t0 + order[i].arrival_s - clock()))
                 result = manager.get_result(timeout=wait) if wait > 0 else manager.get_result(timeout=0.001)
-                if result is not None and result.is_finished() and result.request_id in by_id:
-                    r = by_id[result.request_id]
-                    timings[r.index] = self._timing(r, result, sent[r.index])
-                    if progress is not None:
-                        progress(1)
+                if result is not None:
+                    self._take(result, by_id, sent, timings, progress)
         return self._finish([timings[k] for k in sorted(timings)], t0)
 
-    def _cut(self, manager: Any, order: Sequence[BenchRequest], sent: dict[int, float],
-             timings: dict[int, RequestTiming], t0: float, progress: Progress | None) -> SystemRun:
+    def _take(self, result: Any, by_id: dict[str, BenchRequest], sent: dict[int, float],
+              timings: dict[int, RequestTiming], progress: Progress | None) -> None:
+        """A result from the manager's queue: a finished request of this run gets its timing."""
+        if result.is_finished() and result.request_id in by_id:
+            r = by_id[result.request_id]
+            timings[r.index] = self._timing(r, result, sent[r.index])
+            if progress is not None:
+                progress(1)
+
+    def _cut(self, manager: Any, order: Sequence[BenchRequest], by_id: dict[str, BenchRequest],
+             sent: dict[int, float], timings: dict[int, RequestTiming], t0: float,
+             progress: Progress | None) -> SystemRun:
         """The run stopped at its time limit: each request sent and unfinished counts the tokens its
         state in HF's scheduler holds now (a read of the manager's internals, the same in
         transformers 5.17 and 5.24), then the finished results still queued replace theirs,
@@ -544,13 +551,8 @@ class HFContinuousSystem:
                 made = state.generated_len() if state is not None else 0
                 stamps = list(getattr(state, "timestamps", None) or [])[:made]
                 timings[r.index] = RequestTiming(r.index, sent[r.index], made, stamps, None, r.prompt_len)
-        by_id = {f"bench-{r.index}": r for r in order}
         while (result := manager.get_result(timeout=0)) is not None:
-            if result.is_finished() and result.request_id in by_id:
-                r = by_id[result.request_id]
-                timings[r.index] = self._timing(r, result, sent[r.index])
-                if progress is not None:
-                    progress(1)
+            self._take(result, by_id, sent, timings, progress)
         manager.stop(block=True, timeout=30, hard_stop=True)
         stats = {"time_limit_s": self.time_limit_s, "cut": sum(t.end is None for t in timings.values()),
                  "not_started": len(order) - len(timings)}
