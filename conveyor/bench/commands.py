@@ -153,6 +153,10 @@ def _add_plot_args(p: argparse.ArgumentParser) -> None:
 def _add_offline(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16,
                    help="batch size of static/dynamic batching, conveyor's and HF's (max_batch_size)")
+    p.add_argument("--hf-time-limit-s", type=float, default=None, metavar="S",
+                   help="stop each HF baseline S seconds into each load point; a request it has not finished is "
+                   "reported as cut, and its tokens count in the generated output throughput (for HF runs far "
+                   "slower than conveyor's, as on a GPU)")
     _add_common(p)
 
 
@@ -233,8 +237,12 @@ def _line(name: str, point: LoadPoint, summary: dict[str, Any]) -> str:
         return "-" if d.get(k) is None else f"{d[k] * 1e3:.0f}"
 
     s = summary
-    text = (f"{name} @ {point.label}: {s['completed']}/{s['num_requests']} done, "
-            f"{s['output_throughput']:.1f} out tok/s, TTFT p50 {ms(s['ttft_s'], 'p50')} p99 {ms(s['ttft_s'], 'p99')} ms, "
+    done = f"{s['completed']}/{s['num_requests']} done"
+    if s.get("cut"):  # stopped at its time limit: the rate of every token it made
+        done += f" ({s['cut']} cut at the time limit), {report.output_rate(s):.1f} out tok/s generated"
+    else:
+        done += f", {s['output_throughput']:.1f} out tok/s"
+    text = (f"{name} @ {point.label}: {done}, TTFT p50 {ms(s['ttft_s'], 'p50')} p99 {ms(s['ttft_s'], 'p99')} ms, "
             f"TPOT p50 {ms(s['tpot_s'], 'p50')} p99 {ms(s['tpot_s'], 'p99')} ms")
     if s.get("goodput") is not None:
         text += f", goodput {s['goodput']:.2f} req/s ({s['slo_attainment']:.0%} met the SLO)"
@@ -247,9 +255,10 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], out: Path) -> int:
     print()
     print(report.markdown(result))
     print("wrote " + ", ".join(str(f) for f in files))
-    completed = sum(p["summary"]["completed"] for s in result["systems"] for p in s["points"])
-    if completed == 0:
-        print("error: no request completed (see the errors above)", file=sys.stderr)
+    made = sum(p["summary"].get("generated_output_tokens", p["summary"]["total_output_tokens"])
+               for s in result["systems"] for p in s["points"])
+    if made == 0:
+        print("error: no request made a token (see the errors above)", file=sys.stderr)
         return 1
     return 0
 
@@ -292,7 +301,7 @@ def _run_offline(args: argparse.Namespace, mode: str, specs: Sequence[Any], opti
     slo = _slo(args)
     out = _out_dir(args, mode)
     # Systems vary only the scheduling options; the model and cache come from the flags.
-    systems = OfflineSystems.load(options, args.batch_size)
+    systems = OfflineSystems.load(options, args.batch_size, args.hf_time_limit_s)
     requests, points, desc = build_workload(args, systems.vocab_size)
     result = report.new_result(mode, desc, points, slo, args.slo_attainment, getattr(args, "argv", None))
     result["engine_options"] = options

@@ -10,6 +10,11 @@ Definitions (the ones vLLM's `bench serve` prints, so numbers compare across too
   makes it the time between tokens; a chunk carrying k tokens gives one gap, not k.
 - Throughput: completed requests, their prompt tokens and their output tokens, each divided by
   the run's duration (from the first send to the last completion).
+- A run stopped at a time limit (an HF baseline with `--hf-time-limit-s`) leaves requests cut:
+  stopped mid-answer or before they started, with neither an end nor an error. They are not
+  completed and not failed; the tokens they had made count in the generated output throughput
+  (every output token made, finished or not, over the run's duration), which is how such a run
+  compares with a whole one.
 - Goodput (DistServe, OSDI '24, as `vllm bench serve --goodput` computes it): completed requests
   that met every given SLO (TTFT, TPOT, E2E), per second of the run. SLO attainment: the share
   of all requests (failed ones count as missing) that met them. A sweep's DistServe goodput is
@@ -35,7 +40,9 @@ class RequestTiming:
 
     Invariants for a completed request: start <= chunk_times[0] <= ... <= chunk_times[-1] <= end,
     and output_len >= len(chunk_times) >= 1 (a chunk carries one or more tokens). A failed
-    request has `error` set; its timestamps are whatever was seen before the failure.
+    request has `error` set; its timestamps are whatever was seen before the failure. A request
+    a time limit cut has neither `end` nor `error`: `output_len` tokens made, timed by
+    `chunk_times` where the system timed them.
     """
 
     index: int
@@ -51,6 +58,10 @@ class RequestTiming:
     @property
     def ok(self) -> bool:
         return self.error is None and self.end is not None and bool(self.chunk_times) and self.output_len > 0
+
+    @property
+    def cut(self) -> bool:
+        return self.error is None and self.end is None
 
     @property
     def ttft(self) -> float | None:
@@ -160,23 +171,29 @@ def summarize(
     the same for each tenant's requests under `per_tenant` (fairness is how these differ).
 
     `duration_s` is the run's wall time, from the first send to the last completion.
-    Throughputs count completed requests only.
+    Throughputs count completed requests only, but for the generated output throughput, which
+    counts every output token made (cut requests' too).
     """
     if duration_s <= 0:
         raise ValueError(f"duration_s={duration_s} must be > 0")
     done = [t for t in timings if t.ok]
+    cut = sum(1 for t in timings if t.cut)
     in_tokens = sum(t.prompt_len or 0 for t in done)
     out_tokens = sum(t.output_len for t in done)
+    made = out_tokens + sum(t.output_len for t in timings if t.cut)
     out: dict[str, Any] = {
         "num_requests": len(timings),
         "completed": len(done),
-        "failed": len(timings) - len(done),
+        "failed": len(timings) - len(done) - cut,
+        "cut": cut,
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "generated_output_tokens": made,
         "request_throughput": len(done) / duration_s,
         "input_throughput": in_tokens / duration_s,
         "output_throughput": out_tokens / duration_s,
+        "generated_output_throughput": made / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
         "ttft_s": distribution(t.ttft for t in done if t.ttft is not None),
         "tpot_s": distribution(t.tpot for t in done if t.tpot is not None),
@@ -225,6 +242,7 @@ def per_request_rows(timings: Sequence[RequestTiming]) -> list[dict[str, Any]]:
             **({"cached_tokens": t.cached_tokens} if t.cached_tokens is not None else {}),
             **({"tenant": t.tenant} if t.tenant is not None else {}),
             **({"error": t.error} if t.error else {}),
+            **({"cut": True} if t.cut else {}),
         }
         for t in timings
     ]

@@ -19,8 +19,8 @@ in the results instead of ending the benchmark.
 
 Both HF systems take a `time_limit_s`: the run stops that long after it starts (static batching
 at the end of a `generate` step, continuous batching where its scheduler stands then), and
-each request counts the tokens it had. A cut request has no `end`; one never started is left
-out; `engine_stats` says how many of each. It is for a GPU loan too short for HF to finish a
+each request counts the tokens it had. A cut request has no `end`, and one never started is
+reported as cut with no tokens; `engine_stats` says how many of each. It is for a GPU loan too short for HF to finish a
 mix conveyor runs in seconds: the rate over HF's first seconds, with the long tail where few
 requests are left (or a static batch's padded rows) not reached, is if anything higher than its
 rate over the whole run would be.
@@ -347,6 +347,17 @@ class _StepClock:
         pass
 
 
+def _limit_stats(limit: float | None, timings: list[RequestTiming], order: Sequence[BenchRequest],
+                 t0: float) -> dict[str, Any]:
+    """A run stopped at its time limit: how many requests it cut mid-answer and how many it never
+    started; those join `timings` as cut too (no tokens, no end), so every request is reported."""
+    seen = {t.index for t in timings}
+    stats = {"time_limit_s": limit, "cut": sum(t.end is None for t in timings), "not_started": len(order) - len(seen)}
+    timings.extend(RequestTiming(r.index, t0 + r.arrival_s, 0, [], None, r.prompt_len)
+                   for r in order if r.index not in seen)
+    return stats
+
+
 class HFStaticSystem:
     """HF `generate` over padded batches of arrived requests; a batch runs to its longest output."""
 
@@ -418,14 +429,13 @@ class HFStaticSystem:
                     bars.append([r.index, first_step + made, first_step + len(times) - 1, 1])
             if progress is not None:
                 progress(len(batch))
-        timings.sort(key=lambda t: t.index)
         stats: dict[str, Any] = {"steps": len(step_times), "batch_size": self.batch_size}
         if deadline is None:
             duration = max(t.end for t in timings if t.end is not None) - t0
         else:
             duration = clock() - t0
-            stats |= {"time_limit_s": self.time_limit_s, "cut": sum(t.end is None for t in timings),
-                      "not_started": len(order) - len(timings)}
+            stats |= _limit_stats(self.time_limit_s, timings, order, t0)
+        timings.sort(key=lambda t: t.index)
         occupancy = {"num_steps": len(step_times), "bars": bars, "step_start_s": [round(t - t0, 6) for t in step_times]}
         return SystemRun(timings, duration, stats, occupancy)
 
@@ -554,9 +564,9 @@ class HFContinuousSystem:
         while (result := manager.get_result(timeout=0)) is not None:
             self._take(result, by_id, sent, timings, progress)
         manager.stop(block=True, timeout=30, hard_stop=True)
-        stats = {"time_limit_s": self.time_limit_s, "cut": sum(t.end is None for t in timings.values()),
-                 "not_started": len(order) - len(timings)}
-        return SystemRun([timings[k] for k in sorted(timings)], now - t0, stats)
+        cut = list(timings.values())
+        stats = _limit_stats(self.time_limit_s, cut, order, t0)
+        return SystemRun(sorted(cut, key=lambda t: t.index), now - t0, stats)
 
     def _timing(self, r: BenchRequest, out: Any, start: float) -> RequestTiming:
         """HF's timestamps and `start` are both on time.perf_counter."""
@@ -582,15 +592,19 @@ class OfflineSystems:
     base: Engine
     base_options: dict[str, Any]
     batch_size: int = 16  # static/dynamic batches, conveyor's and HF's alike
+    hf_time_limit_s: float | None = None  # the HF baselines stop this long into a point's run
     _hf_model: Any = None
 
     @classmethod
-    def load(cls, base_options: dict[str, Any], batch_size: int = 16) -> OfflineSystems:
+    def load(cls, base_options: dict[str, Any], batch_size: int = 16,
+             hf_time_limit_s: float | None = None) -> OfflineSystems:
         from conveyor.config import EngineConfig
         from conveyor.engine import Engine
 
+        if hf_time_limit_s is not None and not hf_time_limit_s > 0:
+            raise ValueError(f"the HF baselines' time limit must be > 0 seconds, not {hf_time_limit_s}")
         base = Engine.from_config(EngineConfig.from_kwargs(**base_options))
-        return cls(base, base_options, batch_size)
+        return cls(base, base_options, batch_size, hf_time_limit_s)
 
     @property
     def vocab_size(self) -> int:
@@ -611,17 +625,19 @@ class OfflineSystems:
     def build(self, spec: SystemSpec) -> ConveyorSystem | HFStaticSystem | HFContinuousSystem:
         if spec.kind == "conveyor":
             return ConveyorSystem(spec, self.base, self.base_options, self.batch_size)
+        limit = self.hf_time_limit_s
         if spec.kind == "hf_static":
-            return HFStaticSystem(spec, self.hf_model(), self.tokenizer, self.batch_size)
+            return HFStaticSystem(spec, self.hf_model(), self.tokenizer, self.batch_size, time_limit_s=limit)
         if spec.kind == "hf_continuous":
             budget = self.base_options.get("max_num_batched_tokens")
-            return HFContinuousSystem(spec, self.hf_model(), self.tokenizer, budget)
+            return HFContinuousSystem(spec, self.hf_model(), self.tokenizer, budget, time_limit_s=limit)
         raise ValueError(f"unknown system kind {spec.kind!r}")
 
     def options_of(self, spec: SystemSpec) -> dict[str, Any]:
         """The options a system really runs with, for the report."""
         if spec.kind == "conveyor":
             return dataclasses.asdict(ConveyorSystem(spec, self.base, self.base_options, self.batch_size).config.scheduler)
+        limit = {} if self.hf_time_limit_s is None else {"time_limit_s": self.hf_time_limit_s}
         if spec.kind == "hf_static":
-            return {"batch_size": self.batch_size}
-        return {"max_batch_tokens": self.base_options.get("max_num_batched_tokens")}
+            return {"batch_size": self.batch_size, **limit}
+        return {"max_batch_tokens": self.base_options.get("max_num_batched_tokens"), **limit}

@@ -13,6 +13,10 @@ The JSON result is the single source: `write_report` draws everything from it, s
 `summary` is `metrics.summarize`; `requests` has each request's TTFT / TPOT / E2E (the CDFs);
 `occupancy` (in-process runs) has one bar per run of steps a request was computed in.
 
+A point stopped at a time limit (`--hf-time-limit-s`) has cut requests; its output rate, in the
+table, the plots and the ratios to the baselines, is its generated output throughput (every
+token made by the limit over the time run), marked with `*`.
+
 Plots are PNGs drawn with matplotlib's Agg backend at 100 dpi, each well under 200 KB:
 throughput against load, TTFT / TPOT against load, latency CDFs at one load point, and the batch
 occupancy timeline (requests as bars across steps, systems side by side).
@@ -34,6 +38,14 @@ from conveyor.bench.workload import LoadPoint
 
 DPI = 100
 MAX_PNG_BYTES = 200_000
+
+
+def output_rate(summary: dict[str, Any]) -> float:
+    """A point's output tokens per second: its completed requests' over the run, or, for a run
+    a time limit cut short, every token it made (`generated_output_throughput`)."""
+    if summary.get("cut"):
+        return float(summary["generated_output_throughput"])
+    return float(summary["output_throughput"])
 
 
 # -- building the result -------------------------------------------------------------------
@@ -200,14 +212,24 @@ def markdown(result: dict[str, Any]) -> str:
             met = "–" if s.get("slo_attainment") is None else f"{s['slo_attainment']:.0%}"
             pre, kv = _pressure(p)
             hits = "–" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.0%}"
+            cut = f" ({s['cut']} cut)" if s.get("cut") else ""
+            rate = f"{output_rate(s):.1f}" + ("*" if s.get("cut") else "")
             lines.append(
-                f"| {system['name']} | {p['load']['label']} | {s['completed']}/{s['num_requests']} "
-                f"| {s['request_throughput']:.2f} | {s['input_throughput']:.1f} | {s['output_throughput']:.1f} "
+                f"| {system['name']} | {p['load']['label']} | {s['completed']}/{s['num_requests']}{cut} "
+                f"| {s['request_throughput']:.2f} | {s['input_throughput']:.1f} | {rate} "
                 f"| {_ms(s['ttft_s'], 'p50')} / {_ms(s['ttft_s'], 'p99')} "
                 f"| {_ms(s['tpot_s'], 'p50')} / {_ms(s['tpot_s'], 'p99')} "
                 f"| {_ms(s['itl_s'], 'p50')} / {_ms(s['itl_s'], 'p99')} "
                 f"| {_s(s['e2e_s'], 'p50')} / {_s(s['e2e_s'], 'p99')} | {goodput} | {met} | {pre} | {kv} | {hits} |"
             )
+    limits: list[float] = sorted({float(x) for sy in result["systems"] for p in sy["points"]
+                                  if p["summary"].get("cut") and (x := (sy.get("options") or {}).get("time_limit_s"))})
+    if limits:
+        at = " or ".join(f"{x:g} s" for x in limits)
+        lines += ["", f"\\* stopped at its time limit ({at} into the point): the requests it had not finished are cut, "
+                  "and out tok/s counts every token it made by then over that time. The tail of its run, where few "
+                  "requests are left, is not reached, so the rate is if anything higher than its whole run's."]
+    lines += _ratios(result)
     tenant_rows = [
         (system["name"], p["load"]["label"], name, t)
         for system in result["systems"] for p in system["points"]
@@ -240,6 +262,23 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Errors:", ""]
         lines += [f"- {name} @ {label}: {err}" for name, label, err in errors]
     return "\n".join(lines) + "\n"
+
+
+def _ratios(result: dict[str, Any]) -> list[str]:
+    """Each conveyor system's output rate against each baseline's (HF transformers), at each
+    load both ran without an error: the comparison the seeds' articles draw."""
+    def rates(kind_is_baseline: bool) -> list[tuple[str, dict[str, float]]]:
+        return [(sy["name"], {p["load"]["label"]: output_rate(p["summary"]) for p in sy["points"] if not p.get("error")})
+                for sy in result["systems"] if str(sy["kind"]).startswith("hf_") == kind_is_baseline]
+
+    lines: list[str] = []
+    mine = rates(False)
+    for base, base_rates in rates(True):
+        for label, r in base_rates.items():
+            ours = [f"{name} {got[label] / r:.2f}x" for name, got in mine if label in got]
+            if r > 0 and ours:
+                lines.append(f"- @ {label}, against {base} ({r:.1f} out tok/s): " + ", ".join(ours))
+    return ["", "Output throughput against the baselines:", "", *lines] if lines else []
 
 
 def _machine_line(m: dict[str, Any]) -> str:
@@ -316,7 +355,7 @@ def plot_throughput(result: dict[str, Any], path: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     has_slo = bool(result.get("slo"))
     for system in result["systems"]:
-        ax1.plot(x, _series(system, labels, lambda s: s["output_throughput"]), marker="o", label=system["name"])
+        ax1.plot(x, _series(system, labels, output_rate), marker="o", label=system["name"])
         key = "goodput" if has_slo else "request_throughput"
         ax2.plot(x, _series(system, labels, lambda s, k=key: s.get(k)), marker="o")
     ax1.set_ylabel("output tokens / s")

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from conveyor.bench.metrics import SLO, RequestTiming, max_load_meeting, percentile, summarize
+from conveyor.bench.metrics import (
+    SLO,
+    RequestTiming,
+    max_load_meeting,
+    per_request_rows,
+    percentile,
+    summarize,
+)
 
 
 def timing(i: int, start: float, ttft: float, gaps: list[float], prompt_len: int = 10, tail: float = 0.0) -> RequestTiming:
@@ -114,6 +123,43 @@ def test_e2e_slo_and_no_slo() -> None:
 def test_summarize_of_no_completed_requests_has_empty_distributions() -> None:
     s = summarize([RequestTiming(0, 0.0, error="x")], 1.0, SLO(ttft_s=1))
     assert s["completed"] == 0 and s["ttft_s"]["p50"] is None and s["goodput"] == 0.0
+
+
+def test_cut_requests_are_neither_completed_nor_failed_and_count_in_the_generated_rate() -> None:
+    """A time limit's cut requests (no end, no error): their tokens count in the generated
+    output throughput only, they never meet an SLO, and a failure stays a failure."""
+    done = timing(0, 0.0, 0.5, [0.25, 0.25])  # 3 tokens
+    cut = RequestTiming(1, 0.0, 5, [0.2, 0.4, 0.6, 0.8, 1.0], None, 8)
+    unstarted = RequestTiming(2, 0.0, 0, [], None, 9)
+    failed = RequestTiming(3, 0.0, 2, [0.1, 0.2], error="boom")
+    assert cut.cut and unstarted.cut and not done.cut and not failed.cut
+    assert not SLO(e2e_s=100).met_by(cut)
+    s = summarize([done, cut, unstarted, failed], 2.0, SLO(e2e_s=100))
+    assert (s["completed"], s["cut"], s["failed"]) == (1, 2, 1)
+    assert s["total_output_tokens"] == 3 and s["output_throughput"] == 1.5
+    assert s["generated_output_tokens"] == 8 and s["generated_output_throughput"] == 4.0
+    assert s["slo_attainment"] == 0.25
+    assert [r.get("cut", False) for r in per_request_rows([done, cut, unstarted, failed])] == [False, True, True, False]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["ok", "cut", "failed"]), st.integers(0, 50)), max_size=30),
+       st.floats(0.1, 100))
+def test_summary_counts_every_request_once_and_the_generated_tokens_bound_the_completed(
+    kinds: list[tuple[str, int]], duration: float
+) -> None:
+    timings = []
+    for i, (kind, n) in enumerate(kinds):
+        times = [0.01 * (k + 1) for k in range(n)]
+        if kind == "ok" and n:
+            timings.append(RequestTiming(i, 0.0, n, times, times[-1] + 0.01, 4))
+        elif kind == "cut":
+            timings.append(RequestTiming(i, 0.0, n, times, None, 4))
+        else:
+            timings.append(RequestTiming(i, 0.0, n, times, None, 4, error="x"))
+    s = summarize(timings, duration)
+    assert s["completed"] + s["cut"] + s["failed"] == s["num_requests"] == len(kinds)
+    assert s["generated_output_tokens"] == sum(t.output_len for t in timings if t.ok or t.cut) >= s["total_output_tokens"]
+    assert s["generated_output_throughput"] == pytest.approx(s["generated_output_tokens"] / duration)
 
 
 @pytest.mark.parametrize(

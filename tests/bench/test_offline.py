@@ -163,7 +163,8 @@ def test_offline_replays_a_trace_at_its_own_times(model_dir: str, tmp_path: Path
 @pytest.mark.parametrize("kind", ["hf_static", "hf_continuous"])
 def test_hf_baselines_stop_at_their_time_limit_and_count_what_they_made(model_dir: str, kind: str) -> None:
     """A time limit far below what the work needs: the run stops there, every request counts
-    at most its own output, the cut ones have no end, and the finished ones all their tokens."""
+    at most its own output, the cut ones have no end, and the finished ones all their tokens;
+    every request is reported, the ones never started as cut with no tokens."""
     from conveyor.bench.offline import HFContinuousSystem, HFStaticSystem, load_hf_model
 
     model = load_hf_model(model_dir)
@@ -184,6 +185,8 @@ def test_hf_baselines_stop_at_their_time_limit_and_count_what_they_made(model_di
     assert run.engine_stats["cut"] >= 1  # 400-odd tokens each do not fit in 0.4 s
     assert run.engine_stats["cut"] + run.engine_stats["not_started"] + sum(t.end is not None for t in run.timings) == len(reqs)
     assert 0.4 <= run.duration_s < 10
+    assert sorted(t.index for t in run.timings) == list(range(len(reqs)))
+    assert sum(t.cut for t in run.timings) == run.engine_stats["cut"] + run.engine_stats["not_started"]
     made = 0
     for t in run.timings:
         want = by_index[t.index].output_len
@@ -192,6 +195,42 @@ def test_hf_baselines_stop_at_their_time_limit_and_count_what_they_made(model_di
         made += t.output_len
     assert 0 < made < sum(r.output_len for r in reqs)
     if kind == "hf_static":  # batches in order: the first 4 started, the cut batch was the first
-        assert sorted(t.index for t in run.timings) == [0, 1, 2, 3]
+        assert run.engine_stats["not_started"] == 2
+        assert all(t.output_len == 0 and not t.chunk_times and t.cut for t in run.timings[4:])
         assert {t.output_len for t in run.timings if t.index in (0, 2, 3)} == {run.engine_stats["steps"]}
         assert by_index[1].output_len == 3 and run.timings[1].end is not None
+
+
+def test_compare_with_an_hf_time_limit_reports_cut_requests_and_the_generated_rate(
+    model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--hf-time-limit-s`: the HF baseline stops there and reports every request (cut ones too),
+    its rate is every token it made over the time it ran, and the report marks it and compares
+    conveyor's rate with it; conveyor itself runs everything."""
+    out = tmp_path / "limit"
+    rc = main(["bench", "compare", "continuous", "hf_static", "--model", model_dir, "--num-kv-blocks", "160",
+               "--input-len", "uniform:4,12", "--output-len", "fixed:300", "--no-progress", "--num-requests", "6",
+               "--batch-size", "4", "--request-rate", "inf", "--hf-time-limit-s", "0.3", "--no-plots",
+               "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "result.json").read_text())
+    systems = {s["name"]: s for s in result["systems"]}
+    assert systems["hf_static"]["options"]["time_limit_s"] == 0.3
+    mine = systems["continuous"]["points"][0]["summary"]
+    assert mine["completed"] == 6 and mine["cut"] == 0 and mine["generated_output_tokens"] == 1800
+    hf = systems["hf_static"]["points"][0]
+    s = hf["summary"]
+    assert s["num_requests"] == 6 and s["completed"] + s["cut"] == 6 and s["failed"] == 0
+    assert s["cut"] >= 2  # 300 tokens each do not fit in 0.3 s; the second batch never starts
+    assert 0 < s["generated_output_tokens"] < 1800 and s["total_output_tokens"] <= s["generated_output_tokens"]
+    assert s["duration_s"] >= 0.3
+    assert s["generated_output_throughput"] == pytest.approx(s["generated_output_tokens"] / s["duration_s"])
+    assert sum(r.get("cut", False) for r in hf["requests"]) == s["cut"]
+    assert hf["engine"]["cut"] + hf["engine"]["not_started"] == s["cut"]
+    md = (out / "summary.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| hf_static | inf |"))
+    assert f"({s['cut']} cut)" in row and f"{s['generated_output_throughput']:.1f}*" in row
+    assert "stopped at its time limit (0.3 s into the point)" in md
+    ratio = mine["output_throughput"] / s["generated_output_throughput"]
+    assert f"against hf_static ({s['generated_output_throughput']:.1f} out tok/s): continuous {ratio:.2f}x" in md
+    assert "cut at the time limit" in capsys.readouterr().out
