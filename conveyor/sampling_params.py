@@ -27,6 +27,16 @@ class StructuredOutputParams:
     (`regex`, matched whole, as `re.fullmatch`), one of several strings (`choice`) or a
     context-free grammar in GBNF (`grammar`, starting at its `root` rule).
 
+    `reasoning=(opening tag, closing tag)`: a thinking model's output may think first, and the
+    grammar holds only its answer, as vLLM holds it under a reasoning parser. Any text up to
+    the first closing tag is the thinking, when the output opens with the opening tag (after
+    whitespace) or, with an empty opening tag, always (the template opened the block in the
+    prompt); the newlines after the closing tag are dropped, and the rest must match. An output
+    that does not open the block is all answer. The end of the output is allowed only where the
+    answer matches, so an output cannot stop inside its thinking. `conveyor serve
+    --reasoning-parser` sets it from the parser's tags (`("", "</think>")` for deepseek_r1,
+    `("<think>", "</think>")` for qwen3), so that the parser returns the answer as `content`.
+
     Checked here (the pattern parsed, the schema converted), so a bad one fails before the
     request is queued; the engine compiles it against its vocabulary (`conveyor/structured`).
     """
@@ -36,12 +46,17 @@ class StructuredOutputParams:
     choice: tuple[str, ...] | None = None
     json_object: bool = False
     grammar: str | None = None
+    reasoning: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         from conveyor.structured import GrammarError, check
 
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.reasoning is not None:
+            if not isinstance(self.reasoning, tuple | list) or len(self.reasoning) != 2:
+                raise InvalidRequestError("reasoning must be (opening tag, closing tag)", param="structured_outputs.reasoning")
+            object.__setattr__(self, "reasoning", tuple(self.reasoning))
         if isinstance(self.json, dict):  # kept as text: frozen and hashable, the compile cache's key
             object.__setattr__(self, "json", _json.dumps(self.json))
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -55,20 +70,22 @@ class StructuredOutputParams:
         try:
             check(self)
         except GrammarError as e:
-            raise InvalidRequestError(f"structured outputs: {e}", param=f"structured_outputs.{given[0]}") from None
+            where = "reasoning" if "reasoning" in str(e) else given[0]
+            raise InvalidRequestError(f"structured outputs: {e}", param=f"structured_outputs.{where}") from None
 
     @property
-    def key(self) -> tuple[str, object]:
+    def key(self) -> tuple[object, ...]:
         """What the compiled grammar is cached under."""
+        after = () if self.reasoning is None else (("reasoning", *self.reasoning),)
         if self.json is not None:
-            return ("json", self.json)
+            return ("json", self.json, *after)
         if self.regex is not None:
-            return ("regex", self.regex)
+            return ("regex", self.regex, *after)
         if self.choice is not None:
-            return ("choice", self.choice)
+            return ("choice", self.choice, *after)
         if self.grammar is not None:
-            return ("grammar", self.grammar)
-        return ("json_object", True)
+            return ("grammar", self.grammar, *after)
+        return ("json_object", True, *after)
 
 
 POOLING_TYPES = ("last", "mean", "cls", "all", "step")

@@ -149,6 +149,101 @@ def test_greedy_tokens_equal_hf_with_a_reference_processor(model_dir, cases, opt
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def answer_allowed(text: str, pattern: str, opening: str, closing: str, whole: bool) -> bool:
+    """The reference for a grammar after a thinking block, written from the reasoning parsers'
+    documented reading: whether `text` is (`whole`) or can still become an output whose answer
+    matches `pattern`."""
+    rest = text
+    if opening:
+        stripped = text.lstrip(" \t\n\r")
+        if stripped.startswith(opening):
+            rest = stripped[len(opening):]
+        elif not whole and opening.startswith(stripped):
+            return True  # it may still open the block
+        else:
+            return regex.fullmatch(pattern, text, partial=not whole) is not None  # all answer
+    end = rest.find(closing)
+    if end < 0:
+        return not whole  # thinking: anything may follow, but it may not end here
+    return regex.fullmatch(pattern, rest[end + len(closing):].lstrip("\n"), partial=not whole) is not None
+
+
+def hf_thinking(model_dir: str, prompt_ids: list[int], pattern: str | None, tags: tuple[str, str],
+                max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens under `answer_allowed` (with no pattern: only the end is masked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    vocab = model.config.vocab_size
+    pieces = [tok.decode([i]) if i < len(tok) and i not in tok.all_special_ids else None for i in range(vocab)]
+    n = len(prompt_ids)
+
+    class Reference(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            text = tok.decode(input_ids[0, n:].tolist())
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            for i, piece in enumerate(pieces):
+                if piece and (pattern is None or answer_allowed(text + piece, pattern, *tags, whole=False)):
+                    allowed[i] = True
+            allowed[tok.eos_token_id] = pattern is not None and answer_allowed(text, pattern, *tags, whole=True)
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=0, logits_processor=[Reference()],
+    )
+    return out[0, n:].tolist()
+
+
+@pytest.fixture(scope="module")
+def thinking_cases(model_dir):
+    """A random model never writes `</think>`, so each case takes its tags from the model's own
+    free greedy text: the closing tag is the text of two of its tokens (the free part then ends
+    where the model writes them), the opening tag, where a case has one, its first token's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(3)
+    out = []
+    for k, prompt in enumerate(PROMPTS + [p + " " + q for p, q in zip(PROMPTS, reversed(PROMPTS), strict=True)]):
+        if len(out) == 6:
+            break
+        ids = tok.encode(prompt)
+        free = hf_thinking(model_dir, ids, None, ("", ""), 14)
+        texts = [tok.decode([t]) for t in free]
+        spans = [i for i in range(1, len(free) - 1)
+                 if all(t.isascii() and t.strip() and t.isprintable() for t in texts[i: i + 2])]
+        if not spans or not texts[0].isascii() or not texts[0].strip() or texts[0] != texts[0].lstrip():
+            continue
+        i = rng.choice(spans)
+        closing = texts[i] + texts[i + 1]
+        opening = texts[0] if k % 2 and texts[0] not in closing else ""
+        pattern = PATTERNS[k % len(PATTERNS)]
+        out.append((ids, pattern, (opening, closing), 26, hf_thinking(model_dir, ids, pattern, (opening, closing), 26)))
+    assert len(out) >= 4 and any(c[2][0] for c in out)
+    return out
+
+
+@SCHEDULINGS
+def test_greedy_tokens_after_a_thinking_block_equal_hf_with_a_reference_processor(model_dir, thinking_cases, options):
+    """`reasoning=(opening, closing)`: free text (but no end) until the closing tag, the pattern
+    after it; the same greedy tokens as HF under a reference processor."""
+    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = [SamplingParams(max_tokens=m, temperature=0.0,
+                             structured_outputs=StructuredOutputParams(regex=p, reasoning=tags))
+              for _, p, tags, m, _ in thinking_cases]
+    outs = llm.generate([ids for ids, *_ in thinking_cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in thinking_cases]
+    answered = 0
+    for o, (_, pattern, (opening, closing), _, _) in zip(outs, thinking_cases, strict=True):
+        c = o.outputs[0]
+        assert answer_allowed(c.text, pattern, opening, closing, whole=c.finish_reason == "stop"), c.text
+        answered += c.finish_reason == "stop"
+    assert answered >= 2, "few outputs reached the end of their answer: the part after the block was barely tested"
+
+
 def test_sampled_outputs_match_their_grammar_whatever_the_batch(model_dir):
     """Sampling at temperature 1.5 with mixed constrained and free requests in one batch:
     every constrained output that ends is in its language, and every one that runs out of

@@ -46,6 +46,7 @@ from conveyor.server.protocol import (
     SamplingRequest,
 )
 from conveyor.server.reasoning import (
+    TAGS,
     ReasoningStream,
     keeps_special_tokens,
     reasoning_stream,
@@ -696,10 +697,17 @@ class ChatCompletionHandler(_Handler):
 
     @functools.cached_property
     def structured_outputs(self) -> StructuredOutputParams | None:
-        """The tools' schema where tool_choice holds the output to it, else what was asked."""
+        """The tools' schema where tool_choice holds the output to it, else what was asked;
+        under a reasoning parser of tags, it holds the answer after the thinking block as the
+        parser reads it (`StructuredOutputParams.reasoning`)."""
         tools = self.tools
         constraint = tools.constraint() if tools is not None else None
-        return constraint if constraint is not None else self.requested_outputs
+        spec = constraint if constraint is not None else self.requested_outputs
+        parser = self.state.config.reasoning_parser
+        if spec is not None and parser in TAGS:
+            opening, closing, inside = TAGS[parser]
+            spec = dataclasses.replace(spec, reasoning=("" if inside else opening, closing))
+        return spec
 
     def prompts(self) -> list[_Prompt]:
         if self.tokenizer is None:
@@ -819,9 +827,11 @@ class ChatCompletionHandler(_Handler):
 
     @property
     def reasoning_parser(self) -> str | None:
-        """The server's reasoning parser, unless a grammar holds this output: it then holds
-        the whole output, which has no thinking block to split off."""
-        return self.state.config.reasoning_parser if self.structured_outputs is None else None
+        """The server's reasoning parser. A grammar holds the answer after a parser of tags'
+        thinking block, which the parser splits off as ever; gpt-oss's harmony messages have
+        no such block, so a grammar holds the whole output there, and it is not split."""
+        parser = self.state.config.reasoning_parser
+        return parser if self.structured_outputs is None or parser in TAGS else None
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """"tool_calls" where the model chose to call ("auto", "required") and ended; a named

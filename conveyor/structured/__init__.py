@@ -12,24 +12,64 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from conveyor.structured.cfg import Expr, Pushdown, compile_rules, parse_grammar
+from conveyor.structured.cfg import ROOT, Expr, Pushdown, Ref, compile_rules, parse_grammar
 from conveyor.structured.json_schema import lit, schema_to_rules
-from conveyor.structured.regex import Alternate, ByteDFA, GrammarError, Node, escape, parse
+from conveyor.structured.regex import (
+    Alternate,
+    ByteDFA,
+    CharSet,
+    Concat,
+    GrammarError,
+    Node,
+    Repeat,
+    Until,
+    escape,
+    parse,
+)
 
 __all__ = ["GrammarError", "Node", "check", "compile_automaton", "escape", "to_rules"]
+
+
+THINKING = "(thinking)"  # the start rule of a grammar after a thinking block (no GBNF name has parentheses)
+SPACE = CharSet(((9, 10), (13, 13), (32, 32)))  # what is stripped before an opening tag: tab, newline, CR, space
 
 
 def check(params: Any) -> None:
     """Raise GrammarError if a `StructuredOutputParams` cannot be what it says (parsed, not
     compiled: a grammar's rules are checked for what they refer to, not yet for left
     recursion)."""
-    to_rules(params)
+    thinking(to_rules(params), getattr(params, "reasoning", None))
 
 
 def compile_automaton(params: Any) -> ByteDFA | Pushdown:
     """The automaton of a `StructuredOutputParams`: a DFA, or for a recursive grammar a
     pushdown automaton; raises GrammarError."""
-    return compile_rules(to_rules(params))
+    rules = to_rules(params)
+    reasoning = getattr(params, "reasoning", None)
+    if reasoning is None:
+        return compile_rules(rules)
+    return compile_rules(thinking(rules, reasoning), THINKING)
+
+
+def thinking(rules: dict[str, Expr], reasoning: tuple[str, str] | None) -> dict[str, Expr]:
+    """`rules` with a start rule that lets a thinking block come first, read as the server's
+    reasoning parsers read it (conveyor/server/reasoning.py): with an opening tag, an output
+    that opens with it (after spaces, tabs and newlines) thinks up to the first closing tag;
+    without one, every output starts inside the block (the template opened it). The newlines
+    after the closing tag are dropped, and the rest is the answer, which the grammar holds. An
+    output that does not open the block is all answer. Raises GrammarError for a bad tag."""
+    if reasoning is None:
+        return rules
+    opening, closing = reasoning
+    if not isinstance(opening, str) or not isinstance(closing, str) or not closing:
+        raise GrammarError("reasoning must be (opening tag, closing tag): two strings, the closing one not empty")
+    block: Node = Concat((Until(closing.encode("utf-8")), Repeat(CharSet(((10, 10),)), 0, None)))
+    if opening:
+        block = Concat((Repeat(SPACE, 0, None), lit(opening), block))
+        start: Expr = Concat((Alternate((block, Concat(()))), Ref(ROOT)))  # type: ignore[arg-type]
+    else:
+        start = Concat((block, Ref(ROOT)))  # type: ignore[arg-type]
+    return {**rules, THINKING: start}
 
 
 def to_rules(params: Any) -> dict[str, Expr]:

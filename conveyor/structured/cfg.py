@@ -401,11 +401,11 @@ def compile_grammar(text: str) -> ByteDFA | Pushdown:
     return compile_rules(parse_grammar(text))
 
 
-def compile_rules(rules: dict[str, Expr]) -> ByteDFA | Pushdown:
+def compile_rules(rules: dict[str, Expr], root: str = ROOT) -> ByteDFA | Pushdown:
     """The automaton of rules starting at `root` (each reference defined)."""
-    reachable = _reachable(rules)
+    reachable = _reachable(rules, root)
     recursive = _recursive(rules, reachable)
-    frames = [ROOT, *sorted(recursive - {ROOT})]
+    frames = [root, *sorted(recursive - {root})]
     index = {name: k for k, name in enumerate(frames)}
     inlined: dict[str, Node] = {}
 
@@ -425,7 +425,7 @@ def compile_rules(rules: dict[str, Expr]) -> ByteDFA | Pushdown:
         return node
 
     if not recursive:
-        return compile_dfa(expand(rules[ROOT]))
+        return compile_dfa(expand(rules[root]))
     width = 256 + len(frames)
     dfas: list[ByteDFA] = []
     for name in frames:
@@ -444,9 +444,9 @@ def compile_rules(rules: dict[str, Expr]) -> ByteDFA | Pushdown:
     )
 
 
-def _reachable(rules: dict[str, Expr]) -> set[str]:
-    seen = {ROOT}
-    stack = [ROOT]
+def _reachable(rules: dict[str, Expr], root: str = ROOT) -> set[str]:
+    seen = {root}
+    stack = [root]
     while stack:
         for ref in _refs(rules[stack.pop()]):
             if ref not in seen:

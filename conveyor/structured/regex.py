@@ -65,7 +65,16 @@ class Symbol:
     value: int
 
 
-Node = CharSet | Concat | Alternate | Repeat | Symbol
+@dataclass(frozen=True, slots=True)
+class Until:
+    """Any bytes up to and including the first occurrence of `marker`: a thinking block's
+    text and its closing tag (`</think>`), after which a grammar holds the rest. Its automaton
+    is the marker's Knuth-Morris-Pratt matcher, so it never looks past the first occurrence."""
+
+    marker: bytes
+
+
+Node = CharSet | Concat | Alternate | Repeat | Symbol | Until
 
 EMPTY = Concat(())
 
@@ -337,6 +346,8 @@ class _NFA:
             start, end = self.state(), self.state()
             self.edges[start].append((node.value, node.value, end))
             return start, end
+        if isinstance(node, Until):
+            return self.until(node.marker)
         if isinstance(node, Concat):
             start = end = self.state()
             for part in node.parts:
@@ -372,6 +383,29 @@ class _NFA:
             end = e
         self.eps[end].append(exit_)
         return start, exit_
+
+    def until(self, marker: bytes) -> tuple[int, int]:
+        """A fragment for `Until(marker)`: state i of the matcher has read the marker's first i
+        bytes (and no whole marker); each byte moves it as Knuth-Morris-Pratt does, and the
+        last byte of the marker leaves the fragment."""
+        if not marker:
+            raise GrammarError("a thinking block's closing tag must not be empty")
+        k = len(marker)
+        states = [self.state() for _ in range(k)]
+        end = self.state()
+        fail = 0  # the matcher's state after the marker's bytes 1..i (its longest proper border)
+        rows: list[list[int]] = []
+        for i in range(k):
+            row = [0] * 256 if i == 0 else list(rows[fail])
+            row[marker[i]] = i + 1
+            rows.append(row)
+            if i > 0:
+                fail = rows[fail][marker[i]]
+        for i, row in enumerate(rows):
+            for target, group in itertools.groupby(range(256), key=row.__getitem__):
+                run = list(group)  # the bytes of one run that go to the same state
+                self.edges[states[i]].append((run[0], run[-1], end if target == k else states[target]))
+        return states[0], end
 
     def closure(self, states: set[int]) -> frozenset[int]:
         stack = list(states)

@@ -1,0 +1,99 @@
+"""A grammar after a thinking block (`StructuredOutputParams.reasoning`): the closing tag's
+matcher against the first occurrence found by `str.find`, the whole automaton against the
+server's own reasoning parsers (the grammar must accept exactly the outputs whose answer, as
+the parser splits it off, matches), and its token masks against walking each token's bytes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.sampling_params import InvalidRequestError, StructuredOutputParams
+from conveyor.server.reasoning import TAGS, split_reasoning
+from conveyor.structured import compile_automaton
+from conveyor.structured.cfg import Pushdown
+from conveyor.structured.grammar import Grammar, TokenVocab
+from conveyor.structured.regex import ByteDFA, Until, compile_dfa
+
+MARKERS = ["</think>", "[/THINK]", "aab", "abab", "aaa", "a", "◁/think▷"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(MARKERS), st.text(alphabet="ab</think>[/THINK]◁▷", max_size=24))
+def test_until_stops_at_the_first_occurrence_of_its_marker(marker, text):
+    """`Until(m)` accepts exactly the texts whose first occurrence of m ends them (markers with
+    borders, `aab` and `abab`, test the matcher's fallbacks; `◁/think▷` is multi-byte)."""
+    dfa = compile_dfa(Until(marker.encode()))
+    for t in (text, text + marker):
+        assert dfa.matches(t) == (marker in t and t.find(marker) == len(t) - len(marker)), t
+
+
+PATTERN = r"(cat|dog) [0-9]{1,2}"
+PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "cat 1", "dog 22", "cat",
+                                   " 7", "[THINK]", "[/THINK]", "nk>", "2"]), max_size=8)
+
+
+def tags(parser: str) -> tuple[str, str]:
+    opening, closing, inside = TAGS[parser]
+    return ("" if inside else opening, closing)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(sorted(TAGS)), PIECES)
+def test_the_grammar_accepts_what_the_parser_reads_as_a_matching_answer(parser, pieces):
+    text = "".join(pieces)
+    automaton = compile_automaton(StructuredOutputParams(regex=PATTERN, reasoning=tags(parser)))
+    _, content = split_reasoning(text, parser)
+    assert automaton.matches(text) == (content is not None and re.fullmatch(PATTERN, content) is not None), text
+
+
+@pytest.mark.parametrize("parser", sorted(TAGS))
+def test_a_recursive_grammar_after_the_thinking(parser):
+    spec = StructuredOutputParams(grammar='root ::= "(" root ")" | "x"', reasoning=tags(parser))
+    automaton = compile_automaton(spec)
+    assert isinstance(automaton, Pushdown)
+    opening, closing = tags(parser)
+    assert automaton.matches(f"  {opening}why (x)?{closing}\n\n((x))")
+    assert not automaton.matches(f"{opening}why{closing}((x)")
+    assert not automaton.matches(f"{opening}still thinking")
+    assert automaton.matches("((x))") == bool(opening)  # no block opened: all answer
+
+
+def test_bad_tags_are_refused_and_the_key_tells_grammars_apart():
+    with pytest.raises(InvalidRequestError, match="closing tag"):
+        StructuredOutputParams(regex="a", reasoning=("<think>", ""))
+    with pytest.raises(InvalidRequestError, match="opening tag, closing tag"):
+        StructuredOutputParams(regex="a", reasoning=("</think>",))  # type: ignore[arg-type]
+    plain = StructuredOutputParams(regex="a")
+    after = StructuredOutputParams(regex="a", reasoning=["", "</think>"])  # type: ignore[arg-type]
+    assert after.reasoning == ("", "</think>") and after.key != plain.key
+    assert after.key != StructuredOutputParams(regex="a", reasoning=("<think>", "</think>")).key
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=6).filter(lambda b: b != b"\x00"), min_size=1, max_size=80),
+       st.randoms(use_true_random=False))
+def test_masks_allow_exactly_the_tokens_whose_bytes_stay_alive(tokens, rng):
+    """In the thinking (everything but the end and tokens that close the block into a wrong
+    answer) and after it, over random vocabularies that also spell the tags in pieces."""
+    eos = 0
+    vocab_bytes = [None, *tokens, *(bytes([b]) for b in b"</think>\ncatdog 0123"), b"</think>", b"k>\ncat", b"k>x"]
+    vocab = TokenVocab(vocab_bytes, [eos], len(vocab_bytes))
+    automaton = compile_automaton(StructuredOutputParams(regex=PATTERN, reasoning=("", "</think>")))
+    assert isinstance(automaton, ByteDFA)
+    grammar = Grammar(automaton, vocab, torch.device("cpu"))
+    state = 1
+    for _ in range(30):
+        allowed = grammar.allowed(state)
+        for t, data in enumerate(vocab_bytes):
+            want = bool(automaton.accepting[state]) if t == eos else bool(data) and automaton.walk(state, data) != 0
+            assert bool(allowed[t]) == want, (state, t, data)
+        ids = allowed.nonzero().flatten().tolist()
+        if ids == [eos]:
+            break
+        state = grammar.advance(state, rng.choice([i for i in ids if i != eos] or ids))
+        assert state != 0
