@@ -25,7 +25,10 @@ class StructuredOutputParams:
     """What the output must match (vLLM's structured outputs): exactly one of a JSON Schema
     (`json`, a dict or its text), any JSON object (`json_object`), a regular expression
     (`regex`, matched whole, as `re.fullmatch`), one of several strings (`choice`) or a
-    context-free grammar in GBNF (`grammar`, starting at its `root` rule).
+    context-free grammar in GBNF (`grammar`, starting at its `root` rule), or a structural tag
+    (`structural_tag`, xgrammar's as vLLM takes it: `{"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}`; free text, but where a trigger is written the output goes on
+    as one of the structures it begins, a JSON value of its schema between `begin` and `end`).
 
     `reasoning=(opening tag, closing tag)`: a thinking model's output may think first, and the
     grammar holds only its answer, as vLLM holds it under a reasoning parser. Any text up to
@@ -46,6 +49,7 @@ class StructuredOutputParams:
     choice: tuple[str, ...] | None = None
     json_object: bool = False
     grammar: str | None = None
+    structural_tag: str | dict[str, object] | None = None
     reasoning: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
@@ -57,13 +61,14 @@ class StructuredOutputParams:
             if not isinstance(self.reasoning, tuple | list) or len(self.reasoning) != 2:
                 raise InvalidRequestError("reasoning must be (opening tag, closing tag)", param="structured_outputs.reasoning")
             object.__setattr__(self, "reasoning", tuple(self.reasoning))
-        if isinstance(self.json, dict):  # kept as text: frozen and hashable, the compile cache's key
-            object.__setattr__(self, "json", _json.dumps(self.json))
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        for name in ("json", "structural_tag"):  # kept as text: frozen and hashable, the compile cache's key
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, _json.dumps(getattr(self, name)))
+        given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise InvalidRequestError(
-                "structured outputs need exactly one of json, json_object, regex, choice, grammar"
+                "structured outputs need exactly one of json, json_object, regex, choice, grammar, structural_tag"
                 + (f" (got {', '.join(given)})" if given else ""),
                 param="structured_outputs",
             )
@@ -85,6 +90,8 @@ class StructuredOutputParams:
             return ("choice", self.choice, *after)
         if self.grammar is not None:
             return ("grammar", self.grammar, *after)
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag, *after)
         return ("json_object", True, *after)
 
 

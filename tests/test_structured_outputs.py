@@ -244,6 +244,73 @@ def test_greedy_tokens_after_a_thinking_block_equal_hf_with_a_reference_processo
     assert answered >= 2, "few outputs reached the end of their answer: the part after the block was barely tested"
 
 
+def hf_tagged(model_dir: str, prompt_ids: list[int], spec: dict, max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens under a structural tag, allowed by `tag_ok`, a scanner written from
+    the definition (tests/structured/test_structural_tag.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    from tests.structured.test_structural_tag import tag_ok
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    vocab = model.config.vocab_size
+    pieces = [tok.decode([i]) if i < len(tok) and i not in tok.all_special_ids else None for i in range(vocab)]
+    n = len(prompt_ids)
+
+    class Reference(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            text = tok.decode(input_ids[0, n:].tolist())
+            allowed = torch.tensor([bool(p) and tag_ok(text + p, spec, whole=False) for p in pieces])
+            allowed[tok.eos_token_id] = tag_ok(text, spec)
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=0, logits_processor=[Reference()],
+    )
+    return out[0, n:].tolist()
+
+
+@pytest.fixture(scope="module")
+def tagged_cases(model_dir):
+    """The trigger of each case is the text of two tokens the model writes unconstrained (a
+    random model writes no tag of its own), its structure a choice or an integer; free text
+    resumes after the structure's end, so a repetitive model triggers it again."""
+    from transformers import AutoTokenizer
+
+    from tests.structured.test_structural_tag import ENUM, INTEGER
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(4)
+    out = []
+    for k, prompt in enumerate(PROMPTS):
+        ids = tok.encode(prompt)
+        free = hf_thinking(model_dir, ids, None, ("", ""), 10)
+        texts = [tok.decode([t]) for t in free]
+        spans = [i for i in range(len(free) - 1) if all(t.isascii() and t.strip() and t.isprintable() for t in texts[i: i + 2])]
+        if not spans:
+            continue
+        i = rng.choice(spans)
+        trigger = texts[i] + texts[i + 1]
+        schema = (ENUM, INTEGER)[k % 2][0]
+        spec = {"structures": [{"begin": trigger + "=", "schema": schema, "end": ";"}], "triggers": [trigger]}
+        out.append((ids, spec, 30, hf_tagged(model_dir, ids, spec, 30)))
+    assert len(out) >= 4
+    return out
+
+
+@SCHEDULINGS
+def test_greedy_tokens_under_a_structural_tag_equal_hf_with_a_reference_processor(model_dir, tagged_cases, options):
+    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(structural_tag=spec))
+              for _, spec, m, _ in tagged_cases]
+    outs = llm.generate([ids for ids, *_ in tagged_cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in tagged_cases]
+    tagged = sum(o.outputs[0].text.count(spec["structures"][0]["end"]) for o, (_, spec, _, _) in zip(outs, tagged_cases, strict=True))
+    assert tagged >= 3, "few structures were written: the part after a trigger was barely tested"
+
+
 def test_sampled_outputs_match_their_grammar_whatever_the_batch(model_dir):
     """Sampling at temperature 1.5 with mixed constrained and free requests in one batch:
     every constrained output that ends is in its language, and every one that runs out of

@@ -250,17 +250,19 @@ class _Handler:
                         "response_format json_schema needs json_schema.schema, an object", param="response_format"
                     )
                 given.append(("response_format", {"json": schema}))
+            elif kind == "structural_tag":  # vLLM's: {"type", "structures", "triggers"}
+                given.append(("response_format", {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}))
             elif kind != "text":
                 raise InvalidRequestError(
-                    f"response_format type {kind!r}: must be text, json_object or json_schema",
+                    f"response_format type {kind!r}: must be text, json_object, json_schema or structural_tag",
                     param="response_format",
                 )
         if b.structured_outputs:
-            unknown = set(b.structured_outputs) - {"json", "regex", "choice", "json_object", "grammar"}
+            unknown = set(b.structured_outputs) - {"json", "regex", "choice", "json_object", "grammar", "structural_tag"}
             if unknown:
                 raise InvalidRequestError(
                     f"structured_outputs: {', '.join(sorted(unknown))} not supported "
-                    "(json, regex, choice, json_object or grammar)", param="structured_outputs",
+                    "(json, regex, choice, json_object, grammar or structural_tag)", param="structured_outputs",
                 )
             given.append(("structured_outputs", dict(b.structured_outputs)))
         for name, key in (

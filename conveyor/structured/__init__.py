@@ -63,7 +63,7 @@ def thinking(rules: dict[str, Expr], reasoning: tuple[str, str] | None) -> dict[
     opening, closing = reasoning
     if not isinstance(opening, str) or not isinstance(closing, str) or not closing:
         raise GrammarError("reasoning must be (opening tag, closing tag): two strings, the closing one not empty")
-    block: Node = Concat((Until(closing.encode("utf-8")), Repeat(CharSet(((10, 10),)), 0, None)))
+    block: Node = Concat((Until((closing.encode("utf-8"),)), Repeat(CharSet(((10, 10),)), 0, None)))
     if opening:
         block = Concat((Repeat(SPACE, 0, None), lit(opening), block))
         start: Expr = Concat((Alternate((block, Concat(()))), Ref(ROOT)))  # type: ignore[arg-type]
@@ -85,6 +85,8 @@ def to_rules(params: Any) -> dict[str, Expr]:
         if not params.choice or not all(isinstance(c, str) and c for c in params.choice):
             raise GrammarError("choice must list at least one non-empty string")
         return {"root": Alternate(tuple(lit(c) for c in params.choice))}
+    if getattr(params, "structural_tag", None) is not None:
+        return structural_tag_rules(params.structural_tag)
     if params.json_object:
         return schema_to_rules({"type": "object"})
     try:
@@ -92,3 +94,70 @@ def to_rules(params: Any) -> dict[str, Expr]:
     except (TypeError, ValueError) as e:
         raise GrammarError(f"json is not a JSON Schema: {e}") from None
     return schema_to_rules(schema)
+
+
+def structural_tag_rules(text: str) -> dict[str, Expr]:
+    """The grammar of a structural tag (xgrammar's, as vLLM's `structural_tag` response format
+    takes it): `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`. The
+    output is free text until a trigger is written; the first trigger to appear must go on as
+    one of the structures whose `begin` it starts, through a JSON value of its `schema` and its
+    `end`; then free text again, as often as the output likes. Raises GrammarError."""
+    try:
+        spec = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise GrammarError(f"structural_tag is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise GrammarError("structural_tag must be an object with structures and triggers")
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError("structural_tag.triggers must list at least one non-empty string")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError("structural_tag.structures must list at least one {begin, schema, end}")
+    rules: dict[str, Expr] = {}
+    bodies: list[list[Node]] = [[] for _ in triggers]
+    for j, st in enumerate(structures):
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end"), str) \
+                or "schema" not in st:
+            raise GrammarError(f"structural_tag.structures[{j}] must be {{begin: string, schema, end: string}}")
+        begin = st["begin"]
+        trigger = _first_trigger(begin, triggers)
+        if trigger is None:
+            raise GrammarError(f"structural_tag.structures[{j}]: its begin {begin!r} does not start with a trigger "
+                               "(the first trigger written in it must be its start)")
+        try:
+            sub = schema_to_rules(st["schema"])
+        except GrammarError as e:
+            raise GrammarError(f"structural_tag.structures[{j}].schema: {e}") from None
+        rules.update({f"tag{j}.{name}": _renamed(body, f"tag{j}.") for name, body in sub.items()})
+        tail = begin[len(triggers[trigger]):]
+        bodies[trigger].append(Concat((lit(tail), Ref(f"tag{j}.{ROOT}"), lit(st["end"]))))  # type: ignore[arg-type]
+    unused = [t for t, b in zip(triggers, bodies, strict=True) if not b]
+    if unused:
+        raise GrammarError(f"structural_tag: trigger {unused[0]!r} starts no structure's begin")
+    markers = tuple(t.encode("utf-8") for t in triggers)
+    tagged = Alternate(tuple(Concat((Until(markers, i), Alternate(tuple(b)))) for i, b in enumerate(bodies)))
+    rules[ROOT] = Concat((Repeat(tagged, 0, None), Until(markers, None)))
+    return rules
+
+
+def _first_trigger(begin: str, triggers: list[str]) -> int | None:
+    """The trigger a scan of free text stops at when `begin` is written: the first to end in
+    it, if it is also where `begin` starts (else None)."""
+    for end in range(1, len(begin) + 1):
+        found = [k for k, t in enumerate(triggers) if begin[:end].endswith(t)]
+        if found:
+            return next((k for k in found if len(triggers[k]) == end), None)
+    return None
+
+
+def _renamed(node: Expr, prefix: str) -> Expr:
+    """`node` with every rule it refers to renamed `prefix + name`."""
+    if isinstance(node, Ref):
+        return Ref(prefix + node.name)
+    if isinstance(node, Concat):
+        return Concat(tuple(_renamed(p, prefix) for p in node.parts))  # type: ignore[misc]
+    if isinstance(node, Alternate):
+        return Alternate(tuple(_renamed(p, prefix) for p in node.options))  # type: ignore[misc]
+    if isinstance(node, Repeat):
+        return Repeat(_renamed(node.node, prefix), node.low, node.high)  # type: ignore[arg-type]
+    return node

@@ -67,11 +67,15 @@ class Symbol:
 
 @dataclass(frozen=True, slots=True)
 class Until:
-    """Any bytes up to and including the first occurrence of `marker`: a thinking block's
-    text and its closing tag (`</think>`), after which a grammar holds the rest. Its automaton
-    is the marker's Knuth-Morris-Pratt matcher, so it never looks past the first occurrence."""
+    """Any bytes up to and including the first occurrence of one of `markers`, that occurrence
+    being `markers[which]`: a thinking block's text and its closing tag (`</think>`), or free
+    text up to a structural tag's trigger. With `which=None`, any bytes with no occurrence of
+    any marker (the free text after the last tag). Its automaton is the markers'
+    Aho-Corasick matcher (Knuth-Morris-Pratt's for one), so it never looks past the first
+    occurrence."""
 
-    marker: bytes
+    markers: tuple[bytes, ...]
+    which: int | None = 0
 
 
 Node = CharSet | Concat | Alternate | Repeat | Symbol | Until
@@ -347,7 +351,7 @@ class _NFA:
             self.edges[start].append((node.value, node.value, end))
             return start, end
         if isinstance(node, Until):
-            return self.until(node.marker)
+            return self.until(node.markers, node.which)
         if isinstance(node, Concat):
             start = end = self.state()
             for part in node.parts:
@@ -384,28 +388,29 @@ class _NFA:
         self.eps[end].append(exit_)
         return start, exit_
 
-    def until(self, marker: bytes) -> tuple[int, int]:
-        """A fragment for `Until(marker)`: state i of the matcher has read the marker's first i
-        bytes (and no whole marker); each byte moves it as Knuth-Morris-Pratt does, and the
-        last byte of the marker leaves the fragment."""
-        if not marker:
-            raise GrammarError("a thinking block's closing tag must not be empty")
-        k = len(marker)
-        states = [self.state() for _ in range(k)]
+    def until(self, markers: tuple[bytes, ...], which: int | None) -> tuple[int, int]:
+        """A fragment for `Until(markers, which)`: a state for each node of the markers' trie
+        that ends no marker (what has been read since the last hopeless byte, as Aho-Corasick
+        tracks it); each byte moves it along the matcher's transitions, a marker's last byte
+        leaves the fragment if that marker is `markers[which]` and is dead otherwise, and with
+        `which=None` every state may leave without reading."""
+        if not markers or not all(markers):
+            raise GrammarError("a tag to stop at must not be empty")
+        if which is not None and not 0 <= which < len(markers):
+            raise GrammarError(f"no marker {which}")
+        rows, ends = _aho_corasick(markers)
+        nfa = {n: self.state() for n in range(len(rows)) if not ends[n]}
         end = self.state()
-        fail = 0  # the matcher's state after the marker's bytes 1..i (its longest proper border)
-        rows: list[list[int]] = []
-        for i in range(k):
-            row = [0] * 256 if i == 0 else list(rows[fail])
-            row[marker[i]] = i + 1
-            rows.append(row)
-            if i > 0:
-                fail = rows[fail][marker[i]]
-        for i, row in enumerate(rows):
-            for target, group in itertools.groupby(range(256), key=row.__getitem__):
-                run = list(group)  # the bytes of one run that go to the same state
-                self.edges[states[i]].append((run[0], run[-1], end if target == k else states[target]))
-        return states[0], end
+        for n, state in nfa.items():
+            for target, group in itertools.groupby(range(256), key=rows[n].__getitem__):
+                run = list(group)  # the bytes of one run that go to the same node
+                if not ends[target]:
+                    self.edges[state].append((run[0], run[-1], nfa[target]))
+                elif which in ends[target]:
+                    self.edges[state].append((run[0], run[-1], end))
+            if which is None:
+                self.eps[state].append(end)
+        return nfa[0], end
 
     def closure(self, states: set[int]) -> frozenset[int]:
         stack = list(states)
@@ -440,6 +445,36 @@ class ByteDFA:
 
     def matches(self, text: str) -> bool:
         return bool(self.accepting[self.walk(1, text.encode("utf-8"))])
+
+
+def _aho_corasick(markers: tuple[bytes, ...]) -> tuple[list[list[int]], list[frozenset[int]]]:
+    """The markers' matcher over bytes: each trie node's next node for every byte (`rows`),
+    and the markers that end at each node, suffixes included (`ends`)."""
+    children: list[dict[int, int]] = [{}]
+    ends: list[set[int]] = [set()]
+    for k, marker in enumerate(markers):
+        node = 0
+        for b in marker:
+            if b not in children[node]:
+                children[node][b] = len(children)
+                children.append({})
+                ends.append(set())
+            node = children[node][b]
+        ends[node].add(k)
+    rows = [[0] * 256 for _ in children]
+    fail = [0] * len(children)
+    order = []
+    for b, child in children[0].items():
+        rows[0][b] = child
+        order.append(child)
+    for node in order:  # breadth first: a node's failure link is done before its children's
+        ends[node] |= ends[fail[node]]
+        rows[node] = list(rows[fail[node]])
+        for b, child in children[node].items():
+            rows[node][b] = child
+            fail[child] = rows[fail[node]][b] if node else 0
+            order.append(child)
+    return rows, [frozenset(e) for e in ends]
 
 
 def compile_dfa(node: Node, width: int = 256) -> ByteDFA:

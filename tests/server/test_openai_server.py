@@ -7,6 +7,7 @@ loopback HTTP, exactly as a user's client would.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -282,6 +283,25 @@ def test_structured_outputs_over_the_api(client: openai.OpenAI) -> None:
         )
         text = r3.choices[0].text
         assert regex.fullmatch(pattern, text, partial=r3.choices[0].finish_reason != "stop"), text
+
+
+def test_a_structural_tag_over_the_api(client: openai.OpenAI) -> None:
+    """vLLM's structural_tag response format, and the same in structured_outputs: SmolLM2
+    answers in its own words, but where it writes the trigger the answer goes on as the
+    structure (a JSON string of the enum between `begin` and `end`), then freely again."""
+    tag = {"structures": [{"begin": " is ", "schema": {"enum": ["Paris", "Lyon"]}, "end": "."}], "triggers": [" is"]}
+    ask = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,
+           "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    plain = client.chat.completions.create(**ask).choices[0].message.content or ""
+    assert " is" in plain and '"Paris"' not in plain
+    for extra in ({"response_format": {"type": "structural_tag", **tag}},
+                  {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+        text = client.chat.completions.create(**ask, **extra).choices[0].message.content or ""
+        head, _, tail = text.partition(" is")
+        assert head == plain.partition(" is")[0], text  # free text until the trigger: the same tokens
+        assert regex.match(r' ("Paris"|"Lyon")\.', tail), text
+    with pytest.raises(openai.BadRequestError, match="does not start with a trigger"):
+        client.chat.completions.create(**ask, response_format={"type": "structural_tag", **tag, "triggers": ["<x>"]})
 
 
 def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:

@@ -17,7 +17,7 @@ from conveyor.server.reasoning import TAGS, split_reasoning
 from conveyor.structured import compile_automaton
 from conveyor.structured.cfg import Pushdown
 from conveyor.structured.grammar import Grammar, TokenVocab
-from conveyor.structured.regex import ByteDFA, Until, compile_dfa
+from conveyor.structured.regex import ByteDFA, GrammarError, Until, compile_dfa
 
 MARKERS = ["</think>", "[/THINK]", "aab", "abab", "aaa", "a", "◁/think▷"]
 
@@ -27,9 +27,39 @@ MARKERS = ["</think>", "[/THINK]", "aab", "abab", "aaa", "a", "◁/think▷"]
 def test_until_stops_at_the_first_occurrence_of_its_marker(marker, text):
     """`Until(m)` accepts exactly the texts whose first occurrence of m ends them (markers with
     borders, `aab` and `abab`, test the matcher's fallbacks; `◁/think▷` is multi-byte)."""
-    dfa = compile_dfa(Until(marker.encode()))
+    dfa = compile_dfa(Until((marker.encode(),)))
     for t in (text, text + marker):
         assert dfa.matches(t) == (marker in t and t.find(marker) == len(t) - len(marker)), t
+
+
+def first_end(text: str, markers: list[str]) -> tuple[int, set[int]]:
+    """Where the first occurrence of any marker ends in `text` (-1: none), and which end there."""
+    for end in range(1, len(text) + 1):
+        found = {k for k, m in enumerate(markers) if text[:end].endswith(m)}
+        if found:
+            return end, found
+    return -1, set()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([*MARKERS, "b", "ab", "<t", "think"]), min_size=1, max_size=3, unique=True),
+       st.text(alphabet="ab</think>◁▷", max_size=20), st.data())
+def test_until_one_of_several_markers_stops_at_the_first_to_end(markers, text, data):
+    """Several markers (a structural tag's triggers), one the suffix or prefix of another at
+    times: `Until(markers, k)` accepts the texts whose first marker to end ends them and is
+    marker k; `Until(markers, None)` the texts where none occurs."""
+    k = data.draw(st.integers(0, len(markers) - 1))
+    avoid = compile_dfa(Until(tuple(m.encode() for m in markers), None))
+    end, found = first_end(markers[k], markers)
+    if end < len(markers[k]):  # another marker ends inside marker k: k is never the first
+        with pytest.raises(GrammarError, match="no text"):
+            compile_dfa(Until(tuple(m.encode() for m in markers), k))
+        return
+    dfa = compile_dfa(Until(tuple(m.encode() for m in markers), k))
+    for t in (text, text + markers[k]):
+        end, found = first_end(t, markers)
+        assert dfa.matches(t) == (end == len(t) and k in found), (t, markers, k)
+        assert avoid.matches(t) == (end < 0), (t, markers)
 
 
 PATTERN = r"(cat|dog) [0-9]{1,2}"
