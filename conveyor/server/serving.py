@@ -690,10 +690,11 @@ class ChatCompletionHandler(_Handler):
     def tools(self) -> Tools | None:
         b = self.body
         tools = Tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls, self.state.tool_parser)
-        if tools is not None and tools.choice in ("required", "named") and self.requested_outputs is not None:
+        if tools is not None and self.requested_outputs is not None and tools.constraint() is not None:
             raise InvalidRequestError(
-                f"tool_choice {b.tool_choice!r} holds the output to the tools' schemas: "
-                "it cannot be combined with another output constraint", param="tool_choice",
+                f"tool_choice {b.tool_choice or 'auto'!r} holds the output to the tools' schemas"
+                + (" (a strict function)" if tools.choice == "auto" else "")
+                + ": it cannot be combined with another output constraint", param="tool_choice",
             )
         return tools
 

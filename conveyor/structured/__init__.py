@@ -101,7 +101,8 @@ def structural_tag_rules(text: str) -> dict[str, Expr]:
     takes it): `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`. The
     output is free text until a trigger is written; the first trigger to appear must go on as
     one of the structures whose `begin` it starts, through a JSON value of its `schema` and its
-    `end`; then free text again, as often as the output likes. Raises GrammarError."""
+    `end`; then free text again, as often as the output likes, or with `"stop_after_first":
+    true` (xgrammar's flag) the output ends with the first structure. Raises GrammarError."""
     try:
         spec = json.loads(text)
     except (TypeError, ValueError) as e:
@@ -134,9 +135,13 @@ def structural_tag_rules(text: str) -> dict[str, Expr]:
     unused = [t for t, b in zip(triggers, bodies, strict=True) if not b]
     if unused:
         raise GrammarError(f"structural_tag: trigger {unused[0]!r} starts no structure's begin")
+    once = spec.get("stop_after_first", False)
+    if not isinstance(once, bool):
+        raise GrammarError("structural_tag.stop_after_first must be true or false")
     markers = tuple(t.encode("utf-8") for t in triggers)
     tagged = Alternate(tuple(Concat((Until(markers, i), Alternate(tuple(b)))) for i, b in enumerate(bodies)))
-    rules[ROOT] = Concat((Repeat(tagged, 0, None), Until(markers, None)))
+    free = Until(markers, None)
+    rules[ROOT] = Alternate((tagged, free)) if once else Concat((Repeat(tagged, 0, None), free))
     return rules
 
 

@@ -186,6 +186,56 @@ def test_required_calls_one_or_more_tools_and_a_conversation_goes_on(client: ope
     assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
 
 
+def strict(tool: dict[str, Any], value: bool = True) -> dict[str, Any]:
+    """The tool marked strict (OpenAI's), its parameters closed to other properties, as a strict
+    schema is (conveyor's grammar takes no property a schema does not list)."""
+    fn = tool["function"]
+    return {**tool, "function": {**fn, "strict": value, "parameters": {**fn["parameters"], "additionalProperties": False}}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(CALL, st.text(alphabet="ab <>/_tolc\n", max_size=12), st.just("<tool_c")), max_size=4),
+       st.booleans())
+def test_auto_with_a_strict_function_holds_hermes_calls_to_their_schemas(pieces, newlines):
+    """`tool_choice="auto"` with a strict function (vLLM's rule): free text, and every
+    `<tool_call>` one call of a listed function whose arguments match its parameters, on lines
+    of its own or not; the calls are the ones the Hermes parser then reads."""
+    from conveyor.structured import compile_automaton
+
+    tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", None)
+    assert tools is not None
+    automaton = compile_automaton(tools.constraint())
+    if newlines:
+        pieces = [p.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>", "\n</tool_call>") for p in pieces]
+    text = "".join(pieces)
+    _, calls = parse_hermes(text)
+    blocks = text.count("<tool_call>")
+    weather = strict(WEATHER)["function"]["parameters"]
+    valid = len(calls) == blocks and all(
+        c["function"]["name"] == "search" or jsonschema.Draft202012Validator(weather).is_valid(
+            json.loads(c["function"]["arguments"])) for c in calls)
+    canonical = all(json.dumps({"name": n, "arguments": a}) in text for n, a in
+                    ((c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls))
+    if automaton.matches(text):
+        assert valid, text
+    elif valid and canonical and "<tool_c" not in text.replace("<tool_call>", ""):
+        raise AssertionError(f"a text of valid calls refused: {text!r}")
+
+
+def test_strict_auto_tags_only_where_asked():
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    from conveyor.structured import compile_automaton
+
+    assert Tools.parse(TOOLS, "auto", None).constraint() is None  # no strict function
+    one = Tools.parse([strict(WEATHER)], "auto", False).constraint()
+    assert one is not None and compile_automaton(one).matches(call) and not compile_automaton(one).matches(call + call)
+    many = compile_automaton(Tools.parse([strict(WEATHER)], "auto", True).constraint())
+    assert many.matches(f"First {call}, then {call}.") and not many.matches(call.replace("Paris", "x" * 31))
+    from conveyor.server.tool_parsers import make_tool_parser
+
+    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("llama3_json")).constraint() is None
+
+
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
@@ -198,3 +248,18 @@ def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
         content, calls, _ = collect(client.chat.completions.create(
             model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=24, temperature=0, stream=True))
         assert (content.strip(), len(calls)) == ((msg.content or "").strip(), len(msg.tool_calls or []))
+
+
+def test_strict_tools_under_auto_over_http(client: openai.OpenAI) -> None:
+    """A strict function under "auto": SmolLM2 answers as it likes, and any call it makes holds
+    to the function's schema; another output constraint beside it is refused."""
+    tools = [strict(WEATHER), SEARCH]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="auto",
+                                       max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content or msg.tool_calls
+    for call in msg.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    with pytest.raises(openai.BadRequestError, match="strict function"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=8,
+                                       response_format={"type": "json_object"})
