@@ -8,6 +8,10 @@
      same, written by hand). Outputs differ in length, so the figure is time per output
      token; the ratio is constrained over free. The first round of each is a warm-up (the
      constrained ones compute their masks then), not counted.
+     Two more since the thirty-sixth session: a structural tag (free text; where " is" is
+     written, a JSON string of a city between `begin` and `end`) and the schema after an
+     optional thinking block (`reasoning=("<think>", "</think>")`, which SmolLM2 never opens:
+     the start rule's cost alone).
   4. Depth: the host's time per token (state step and mask) of a pushdown automaton walking a
      JSON text 40 levels deep token by token, cold (each level meets new stacks, so new masks)
      and again warm.
@@ -54,8 +58,11 @@ string ::= "\"" ( [^"\\\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )*
 number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
 ws     ::= " "?
 """
+TAG = {"structures": [{"begin": " is ", "schema": {"type": "string", "maxLength": 30}, "end": "."}], "triggers": [" is"]}
 GRAMMARS = {
     "json schema (5 properties)": StructuredOutputParams(json=SCHEMA),
+    "json schema after <think>": StructuredOutputParams(json=SCHEMA, reasoning=("<think>", "</think>")),
+    "structural tag (' is' + string)": StructuredOutputParams(structural_tag=TAG),
     "json object (any, unbounded)": StructuredOutputParams(json_object=True),
     "GBNF: JSON": StructuredOutputParams(grammar=JSON_GBNF),
     "GBNF: arithmetic": StructuredOutputParams(
@@ -110,6 +117,8 @@ def main() -> None:
         "schema (DFA)": StructuredOutputParams(json=SCHEMA),
         "json_object (pushdown)": StructuredOutputParams(json_object=True),
         "GBNF JSON (pushdown)": StructuredOutputParams(grammar=JSON_GBNF),
+        "schema after <think>": StructuredOutputParams(json=SCHEMA, reasoning=("<think>", "</think>")),
+        "structural tag": StructuredOutputParams(structural_tag=TAG),
     }
     print("\n| batch | constraint | ms/token | ratio to free | ended | valid JSON | valid for the schema | deepest |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
