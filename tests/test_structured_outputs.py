@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 import regex
@@ -37,7 +38,10 @@ def model_dir(tiny_models, tmp_path_factory):
     return str(with_tokenizer(tiny_models["llama"], tmp_path_factory.mktemp("structured") / "llama"))
 
 
-def hf_constrained(model_dir: str, prompt_ids: list[int], pattern: str, max_new_tokens: int) -> list[int]:
+def hf_reference(model_dir: str, prompt_ids: list[int], allows: Any, ends: Any, max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens (float64) under a reference logits processor: a token is allowed when
+    `allows(text, piece)` says so of the output's decoded text and the token's, the end when
+    `ends(text)` does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -49,12 +53,8 @@ def hf_constrained(model_dir: str, prompt_ids: list[int], pattern: str, max_new_
     class Reference(LogitsProcessor):
         def __call__(self, input_ids, scores):
             text = tok.decode(input_ids[0, n:].tolist())
-            allowed = torch.zeros(vocab, dtype=torch.bool)
-            for i, piece in enumerate(pieces):
-                if piece and regex.fullmatch(pattern, text + piece, partial=True):
-                    allowed[i] = True
-            if regex.fullmatch(pattern, text):
-                allowed[tok.eos_token_id] = True
+            allowed = torch.tensor([bool(piece) and allows(text, piece) for piece in pieces])
+            allowed[tok.eos_token_id] = ends(text)
             return scores.masked_fill(~allowed, float("-inf"))
 
     ids = torch.tensor([prompt_ids])
@@ -63,6 +63,24 @@ def hf_constrained(model_dir: str, prompt_ids: list[int], pattern: str, max_new_
         eos_token_id=tok.eos_token_id, pad_token_id=0, logits_processor=[Reference()],
     )
     return out[0, n:].tolist()
+
+
+def hf_constrained(model_dir: str, prompt_ids: list[int], pattern: str, max_new_tokens: int) -> list[int]:
+    return hf_reference(model_dir, prompt_ids, lambda text, piece: regex.fullmatch(pattern, text + piece, partial=True) is not None,
+                        lambda text: regex.fullmatch(pattern, text) is not None, max_new_tokens)
+
+
+def greedy_as_hf(model_dir: str, options: dict, prompts: list[list[int]], specs: list[StructuredOutputParams],
+                 max_tokens: list[int], wants: list[list[int]]) -> list[Any]:
+    """conveyor's greedy outputs of `prompts` under `specs`, each equal to HF's tokens `wants`."""
+    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=spec)
+              for spec, m in zip(specs, max_tokens, strict=True)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == wants
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+    return outs
 
 
 # Context-free grammars (GBNF) and the same languages as `regex` recursive patterns, the
@@ -102,19 +120,15 @@ def grammar_cases(model_dir):
 
 @SCHEDULINGS
 def test_greedy_tokens_under_a_grammar_equal_hf_with_a_reference_processor(model_dir, grammar_cases, options):
-    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
-    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(grammar=g))
-              for _, g, _, m, _ in grammar_cases]
-    outs = llm.generate([ids for ids, *_ in grammar_cases], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in grammar_cases]
+    outs = greedy_as_hf(model_dir, options, [ids for ids, *_ in grammar_cases],
+                        [StructuredOutputParams(grammar=g) for _, g, *_ in grammar_cases],
+                        [m for *_, m, _ in grammar_cases], [want for *_, want in grammar_cases])
     nested = 0
     for o, (_, _, pattern, _, _) in zip(outs, grammar_cases, strict=True):
         text = o.outputs[0].text
         assert regex.fullmatch(pattern, text, partial=o.outputs[0].finish_reason != "stop"), text
         nested += max(text.count("["), text.count("{"), text.count("(")) >= 2 + (text[0] == "(")
     assert nested >= 3, "few outputs nested: the stack was barely tested"
-    if options.get("num_kv_blocks") == 10:
-        assert llm.engine.scheduler.num_preemptions > 0
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +149,13 @@ def cases(model_dir):
 
 @SCHEDULINGS
 def test_greedy_tokens_equal_hf_with_a_reference_processor(model_dir, cases, options):
-    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
-    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(regex=p))
-              for _, p, m, _ in cases]
-    outs = llm.generate([ids for ids, *_ in cases], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    outs = greedy_as_hf(model_dir, options, [ids for ids, *_ in cases], [StructuredOutputParams(regex=p) for _, p, *_ in cases],
+                        [m for *_, m, _ in cases], [want for *_, want in cases])
     finished = [o for o in outs if o.outputs[0].finish_reason == "stop"]
     assert finished, "no output reached the end of its pattern: nothing was tested"
     for o, (_, pattern, _, _) in zip(outs, cases, strict=True):
         if o.outputs[0].finish_reason == "stop":
             assert regex.fullmatch(pattern, o.outputs[0].text)
-    if options.get("num_kv_blocks") == 10:
-        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def answer_allowed(text: str, pattern: str, opening: str, closing: str, whole: bool) -> bool:
@@ -171,30 +180,10 @@ def answer_allowed(text: str, pattern: str, opening: str, closing: str, whole: b
 def hf_thinking(model_dir: str, prompt_ids: list[int], pattern: str | None, tags: tuple[str, str],
                 max_new_tokens: int) -> list[int]:
     """HF's greedy tokens under `answer_allowed` (with no pattern: only the end is masked)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    vocab = model.config.vocab_size
-    pieces = [tok.decode([i]) if i < len(tok) and i not in tok.all_special_ids else None for i in range(vocab)]
-    n = len(prompt_ids)
-
-    class Reference(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            text = tok.decode(input_ids[0, n:].tolist())
-            allowed = torch.zeros(vocab, dtype=torch.bool)
-            for i, piece in enumerate(pieces):
-                if piece and (pattern is None or answer_allowed(text + piece, pattern, *tags, whole=False)):
-                    allowed[i] = True
-            allowed[tok.eos_token_id] = pattern is not None and answer_allowed(text, pattern, *tags, whole=True)
-            return scores.masked_fill(~allowed, float("-inf"))
-
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=0, logits_processor=[Reference()],
-    )
-    return out[0, n:].tolist()
+    return hf_reference(
+        model_dir, prompt_ids,
+        lambda text, piece: pattern is None or answer_allowed(text + piece, pattern, *tags, whole=False),
+        lambda text: pattern is not None and answer_allowed(text, pattern, *tags, whole=True), max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -230,12 +219,9 @@ def thinking_cases(model_dir):
 def test_greedy_tokens_after_a_thinking_block_equal_hf_with_a_reference_processor(model_dir, thinking_cases, options):
     """`reasoning=(opening, closing)`: free text (but no end) until the closing tag, the pattern
     after it; the same greedy tokens as HF under a reference processor."""
-    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
-    params = [SamplingParams(max_tokens=m, temperature=0.0,
-                             structured_outputs=StructuredOutputParams(regex=p, reasoning=tags))
-              for _, p, tags, m, _ in thinking_cases]
-    outs = llm.generate([ids for ids, *_ in thinking_cases], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in thinking_cases]
+    outs = greedy_as_hf(model_dir, options, [ids for ids, *_ in thinking_cases],
+                        [StructuredOutputParams(regex=p, reasoning=tags) for _, p, tags, *_ in thinking_cases],
+                        [m for *_, m, _ in thinking_cases], [want for *_, want in thinking_cases])
     answered = 0
     for o, (_, pattern, (opening, closing), _, _) in zip(outs, thinking_cases, strict=True):
         c = o.outputs[0]
@@ -247,29 +233,10 @@ def test_greedy_tokens_after_a_thinking_block_equal_hf_with_a_reference_processo
 def hf_tagged(model_dir: str, prompt_ids: list[int], spec: dict, max_new_tokens: int) -> list[int]:
     """HF's greedy tokens under a structural tag, allowed by `tag_ok`, a scanner written from
     the definition (tests/structured/test_structural_tag.py)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
-
     from tests.structured.test_structural_tag import tag_ok
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    vocab = model.config.vocab_size
-    pieces = [tok.decode([i]) if i < len(tok) and i not in tok.all_special_ids else None for i in range(vocab)]
-    n = len(prompt_ids)
-
-    class Reference(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            text = tok.decode(input_ids[0, n:].tolist())
-            allowed = torch.tensor([bool(p) and tag_ok(text + p, spec, whole=False) for p in pieces])
-            allowed[tok.eos_token_id] = tag_ok(text, spec)
-            return scores.masked_fill(~allowed, float("-inf"))
-
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=0, logits_processor=[Reference()],
-    )
-    return out[0, n:].tolist()
+    return hf_reference(model_dir, prompt_ids, lambda text, piece: tag_ok(text + piece, spec, whole=False),
+                        lambda text: tag_ok(text, spec), max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -302,11 +269,9 @@ def tagged_cases(model_dir):
 
 @SCHEDULINGS
 def test_greedy_tokens_under_a_structural_tag_equal_hf_with_a_reference_processor(model_dir, tagged_cases, options):
-    llm = LLM(model_dir, dtype="float64", **{"num_kv_blocks": 128, **options})
-    params = [SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=StructuredOutputParams(structural_tag=spec))
-              for _, spec, m, _ in tagged_cases]
-    outs = llm.generate([ids for ids, *_ in tagged_cases], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in tagged_cases]
+    outs = greedy_as_hf(model_dir, options, [ids for ids, *_ in tagged_cases],
+                        [StructuredOutputParams(structural_tag=spec) for _, spec, *_ in tagged_cases],
+                        [m for *_, m, _ in tagged_cases], [want for *_, want in tagged_cases])
     tagged = sum(o.outputs[0].text.count(spec["structures"][0]["end"]) for o, (_, spec, _, _) in zip(outs, tagged_cases, strict=True))
     assert tagged >= 3, "few structures were written: the part after a trigger was barely tested"
 

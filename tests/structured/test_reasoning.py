@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +15,8 @@ from conveyor.sampling_params import InvalidRequestError, StructuredOutputParams
 from conveyor.server.reasoning import TAGS, split_reasoning
 from conveyor.structured import compile_automaton
 from conveyor.structured.cfg import Pushdown
-from conveyor.structured.grammar import Grammar, TokenVocab
-from conveyor.structured.regex import ByteDFA, GrammarError, Until, compile_dfa
+from conveyor.structured.regex import GrammarError, Until, compile_dfa
+from tests.structured.masks import walk_checking_masks
 
 MARKERS = ["</think>", "[/THINK]", "aab", "abab", "aaa", "a", "◁/think▷"]
 
@@ -110,20 +109,6 @@ def test_bad_tags_are_refused_and_the_key_tells_grammars_apart():
 def test_masks_allow_exactly_the_tokens_whose_bytes_stay_alive(tokens, rng):
     """In the thinking (everything but the end and tokens that close the block into a wrong
     answer) and after it, over random vocabularies that also spell the tags in pieces."""
-    eos = 0
     vocab_bytes = [None, *tokens, *(bytes([b]) for b in b"</think>\ncatdog 0123"), b"</think>", b"k>\ncat", b"k>x"]
-    vocab = TokenVocab(vocab_bytes, [eos], len(vocab_bytes))
     automaton = compile_automaton(StructuredOutputParams(regex=PATTERN, reasoning=("", "</think>")))
-    assert isinstance(automaton, ByteDFA)
-    grammar = Grammar(automaton, vocab, torch.device("cpu"))
-    state = 1
-    for _ in range(30):
-        allowed = grammar.allowed(state)
-        for t, data in enumerate(vocab_bytes):
-            want = bool(automaton.accepting[state]) if t == eos else bool(data) and automaton.walk(state, data) != 0
-            assert bool(allowed[t]) == want, (state, t, data)
-        ids = allowed.nonzero().flatten().tolist()
-        if ids == [eos]:
-            break
-        state = grammar.advance(state, rng.choice([i for i in ids if i != eos] or ids))
-        assert state != 0
+    walk_checking_masks(automaton, vocab_bytes, rng)

@@ -9,14 +9,12 @@ import json
 
 import pytest
 import regex
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.sampling_params import InvalidRequestError, StructuredOutputParams
 from conveyor.structured import compile_automaton
-from conveyor.structured.grammar import Grammar, TokenVocab
-from conveyor.structured.regex import ByteDFA
+from tests.structured.masks import walk_checking_masks
 
 # Each schema with a pattern for exactly the JSON texts it accepts (conveyor's JSON has no
 # whitespace around a value, and no -0).
@@ -122,18 +120,6 @@ def test_bad_structural_tags_are_refused(spec, match):
 @given(st.lists(st.binary(min_size=1, max_size=5).filter(lambda b: b != b"\x00"), min_size=1, max_size=60),
        st.randoms(use_true_random=False))
 def test_masks_allow_exactly_the_tokens_whose_bytes_stay_alive(tokens, rng):
-    eos = 0
     vocab_bytes = [None, *tokens, *(bytes([b]) for b in b'<f=getsa>"b/01 x'), b"<f=get>", b'"a"</f>', b"</f> x<f="]
-    vocab = TokenVocab(vocab_bytes, [eos], len(vocab_bytes))
     automaton = compile_automaton(StructuredOutputParams(structural_tag=SPECS[0]))
-    assert isinstance(automaton, ByteDFA)
-    grammar = Grammar(automaton, vocab, torch.device("cpu"))
-    state = 1
-    for _ in range(30):
-        allowed = grammar.allowed(state)
-        for t, data in enumerate(vocab_bytes):
-            want = bool(automaton.accepting[state]) if t == eos else bool(data) and automaton.walk(state, data) != 0
-            assert bool(allowed[t]) == want, (state, t, data)
-        ids = [i for i in allowed.nonzero().flatten().tolist() if i != eos]
-        state = grammar.advance(state, rng.choice(ids))
-        assert state != 0
+    walk_checking_masks(automaton, vocab_bytes, rng)
