@@ -58,9 +58,12 @@ class StructuredOutputParams:
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.reasoning is not None:
-            if not isinstance(self.reasoning, tuple | list) or len(self.reasoning) != 2:
-                raise InvalidRequestError("reasoning must be (opening tag, closing tag)", param="structured_outputs.reasoning")
-            object.__setattr__(self, "reasoning", tuple(self.reasoning))
+            tags = self.reasoning
+            if not isinstance(tags, tuple | list) or len(tags) != 2 or not all(isinstance(t, str) for t in tags) \
+                    or not tags[1]:
+                raise InvalidRequestError("reasoning must be (opening tag, closing tag): two strings, the closing "
+                                          "one not empty", param="structured_outputs.reasoning")
+            object.__setattr__(self, "reasoning", tuple(tags))
         for name in ("json", "structural_tag"):  # kept as text: frozen and hashable, the compile cache's key
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, _json.dumps(getattr(self, name)))
@@ -75,8 +78,7 @@ class StructuredOutputParams:
         try:
             check(self)
         except GrammarError as e:
-            where = "reasoning" if "reasoning" in str(e) else given[0]
-            raise InvalidRequestError(f"structured outputs: {e}", param=f"structured_outputs.{where}") from None
+            raise InvalidRequestError(f"structured outputs: {e}", param=f"structured_outputs.{given[0]}") from None
 
     @property
     def key(self) -> tuple[object, ...]:

@@ -472,7 +472,7 @@ def _aho_corasick(markers: tuple[bytes, ...]) -> tuple[list[list[int]], list[fro
         rows[node] = list(rows[fail[node]])
         for b, child in children[node].items():
             rows[node][b] = child
-            fail[child] = rows[fail[node]][b] if node else 0
+            fail[child] = rows[fail[node]][b]
             order.append(child)
     return rows, [frozenset(e) for e in ends]
 
