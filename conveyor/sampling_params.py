@@ -28,7 +28,8 @@ class StructuredOutputParams:
     context-free grammar in GBNF (`grammar`, starting at its `root` rule), or a structural tag
     (`structural_tag`, xgrammar's as vLLM takes it: `{"structures": [{"begin", "schema",
     "end"}], "triggers": [...]}`; free text, but where a trigger is written the output goes on
-    as one of the structures it begins, a JSON value of its schema between `begin` and `end`).
+    as one of the structures it begins, a JSON value of its schema between `begin` and `end`;
+    or xgrammar's format tree, `{"format": {...}}`: conveyor/structured/structural_tag.py).
 
     `reasoning=(opening tag, closing tag)`: a thinking model's output may think first, and the
     grammar holds only its answer, as vLLM holds it under a reasoning parser. Any text up to

@@ -276,6 +276,20 @@ def test_greedy_tokens_under_a_structural_tag_equal_hf_with_a_reference_processo
     assert tagged >= 3, "few structures were written: the part after a trigger was barely tested"
 
 
+def test_the_format_tree_shape_runs_as_the_first_shape_does(model_dir, tagged_cases):
+    """The same structural tags written as xgrammar's format tree (`triggered_tags` of `tag`s
+    holding a `json_schema`): the engine's greedy tokens are HF's under the first shape's
+    reference processor."""
+    def tree(spec: dict) -> dict:
+        tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+                 "end": s["end"]} for s in spec["structures"]]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}}
+
+    greedy_as_hf(model_dir, {}, [ids for ids, *_ in tagged_cases],
+                 [StructuredOutputParams(structural_tag=tree(spec)) for _, spec, *_ in tagged_cases],
+                 [m for *_, m, _ in tagged_cases], [want for *_, want in tagged_cases])
+
+
 def test_sampled_outputs_match_their_grammar_whatever_the_batch(model_dir):
     """Sampling at temperature 1.5 with mixed constrained and free requests in one batch:
     every constrained output that ends is in its language, and every one that runs out of

@@ -250,7 +250,7 @@ class _Handler:
                         "response_format json_schema needs json_schema.schema, an object", param="response_format"
                     )
                 given.append(("response_format", {"json": schema}))
-            elif kind == "structural_tag":  # vLLM's: {"type", "structures", "triggers"}
+            elif kind == "structural_tag":  # vLLM's: {"type", "structures", "triggers"} or {"type", "format"}
                 given.append(("response_format", {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}))
             elif kind != "text":
                 raise InvalidRequestError(

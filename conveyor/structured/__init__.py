@@ -26,6 +26,7 @@ from conveyor.structured.regex import (
     escape,
     parse,
 )
+from conveyor.structured.structural_tag import structural_tag_rules
 
 __all__ = ["GrammarError", "Node", "check", "compile_automaton", "escape", "to_rules"]
 
@@ -94,75 +95,3 @@ def to_rules(params: Any) -> dict[str, Expr]:
     except (TypeError, ValueError) as e:
         raise GrammarError(f"json is not a JSON Schema: {e}") from None
     return schema_to_rules(schema)
-
-
-def structural_tag_rules(text: str) -> dict[str, Expr]:
-    """The grammar of a structural tag (xgrammar's, as vLLM's `structural_tag` response format
-    takes it): `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`. The
-    output is free text until a trigger is written; the first trigger to appear must go on as
-    one of the structures whose `begin` it starts, through a JSON value of its `schema` and its
-    `end`; then free text again, as often as the output likes, or with `"stop_after_first":
-    true` (xgrammar's flag) the output ends with the first structure. Raises GrammarError."""
-    try:
-        spec = json.loads(text)
-    except (TypeError, ValueError) as e:
-        raise GrammarError(f"structural_tag is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise GrammarError("structural_tag must be an object with structures and triggers")
-    structures, triggers = spec.get("structures"), spec.get("triggers")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise GrammarError("structural_tag.triggers must list at least one non-empty string")
-    if not isinstance(structures, list) or not structures:
-        raise GrammarError("structural_tag.structures must list at least one {begin, schema, end}")
-    rules: dict[str, Expr] = {}
-    bodies: list[list[Node]] = [[] for _ in triggers]
-    for j, st in enumerate(structures):
-        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end"), str) \
-                or "schema" not in st:
-            raise GrammarError(f"structural_tag.structures[{j}] must be {{begin: string, schema, end: string}}")
-        begin = st["begin"]
-        trigger = _first_trigger(begin, triggers)
-        if trigger is None:
-            raise GrammarError(f"structural_tag.structures[{j}]: its begin {begin!r} does not start with a trigger "
-                               "(the first trigger written in it must be its start)")
-        try:
-            sub = schema_to_rules(st["schema"])
-        except GrammarError as e:
-            raise GrammarError(f"structural_tag.structures[{j}].schema: {e}") from None
-        rules.update({f"tag{j}.{name}": _renamed(body, f"tag{j}.") for name, body in sub.items()})
-        tail = begin[len(triggers[trigger]):]
-        bodies[trigger].append(Concat((lit(tail), Ref(f"tag{j}.{ROOT}"), lit(st["end"]))))  # type: ignore[arg-type]
-    unused = [t for t, b in zip(triggers, bodies, strict=True) if not b]
-    if unused:
-        raise GrammarError(f"structural_tag: trigger {unused[0]!r} starts no structure's begin")
-    once = spec.get("stop_after_first", False)
-    if not isinstance(once, bool):
-        raise GrammarError("structural_tag.stop_after_first must be true or false")
-    markers = tuple(t.encode("utf-8") for t in triggers)
-    tagged = Alternate(tuple(Concat((Until(markers, i), Alternate(tuple(b)))) for i, b in enumerate(bodies)))
-    free = Until(markers, None)
-    rules[ROOT] = Alternate((tagged, free)) if once else Concat((Repeat(tagged, 0, None), free))
-    return rules
-
-
-def _first_trigger(begin: str, triggers: list[str]) -> int | None:
-    """The trigger a scan of free text stops at when `begin` is written: the first to end in
-    it, if it is also where `begin` starts (else None)."""
-    for end in range(1, len(begin) + 1):
-        found = [k for k, t in enumerate(triggers) if begin[:end].endswith(t)]
-        if found:
-            return next((k for k in found if len(triggers[k]) == end), None)
-    return None
-
-
-def _renamed(node: Expr, prefix: str) -> Expr:
-    """`node` with every rule it refers to renamed `prefix + name`."""
-    if isinstance(node, Ref):
-        return Ref(prefix + node.name)
-    if isinstance(node, Concat):
-        return Concat(tuple(_renamed(p, prefix) for p in node.parts))  # type: ignore[misc]
-    if isinstance(node, Alternate):
-        return Alternate(tuple(_renamed(p, prefix) for p in node.options))  # type: ignore[misc]
-    if isinstance(node, Repeat):
-        return Repeat(_renamed(node.node, prefix), node.low, node.high)  # type: ignore[arg-type]
-    return node

@@ -294,14 +294,25 @@ def test_a_structural_tag_over_the_api(client: openai.OpenAI) -> None:
            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     plain = client.chat.completions.create(**ask).choices[0].message.content or ""
     assert " is" in plain and '"Paris"' not in plain
+    tree = {"type": "triggered_tags", "triggers": [" is"], "tags": [  # the same, as xgrammar's format tree
+        {"type": "tag", "begin": " is ", "content": {"type": "json_schema", "json_schema": {"enum": ["Paris", "Lyon"]}},
+         "end": "."}]}
     for extra in ({"response_format": {"type": "structural_tag", **tag}},
-                  {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+                  {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}},
+                  {"response_format": {"type": "structural_tag", "format": tree}}):
         text = client.chat.completions.create(**ask, **extra).choices[0].message.content or ""
         head, _, tail = text.partition(" is")
         assert head == plain.partition(" is")[0], text  # free text until the trigger: the same tokens
         assert regex.match(r' ("Paris"|"Lyon")\.', tail), text
     with pytest.raises(openai.BadRequestError, match="does not start with a trigger"):
         client.chat.completions.create(**ask, response_format={"type": "structural_tag", **tag, "triggers": ["<x>"]})
+    answer = {"type": "sequence", "elements": [{"type": "const_string", "value": "Answer: "},
+                                               {"type": "json_schema", "json_schema": {"enum": ["Paris", "Lyon"]}}]}
+    text = client.chat.completions.create(**ask, response_format={"type": "structural_tag", "format": answer})
+    assert text.choices[0].message.content in ('Answer: "Paris"', 'Answer: "Lyon"')
+    with pytest.raises(openai.BadRequestError, match=r"structural_tag.format.elements\[1\]: 'token' is a token-level"):
+        bad = {"type": "sequence", "elements": [answer, {"type": "token", "token": "<|im_end|>"}]}
+        client.chat.completions.create(**ask, response_format={"type": "structural_tag", "format": bad})
 
 
 def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:

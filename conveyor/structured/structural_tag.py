@@ -1,0 +1,387 @@
+"""Structural tags (xgrammar's, as vLLM's `structural_tag` response format takes them) as a
+grammar's rules.
+
+Two shapes are read. The first, `{"structures": [{"begin", "schema", "end"}], "triggers":
+[...]}`, is free text in which each trigger starts a JSON value of a structure's schema between
+its `begin` and `end` (xgrammar's first format; vLLM's documented one). The second,
+`{"format": {...}}`, is a tree of formats (xgrammar's newer one), each a piece of text:
+
+- `const_string` (`value`), `json_schema` (`json_schema`), `grammar` (GBNF, `grammar`), `regex`
+  (`pattern`), `any_text` (any text, with no occurrence of its `excludes`);
+- `sequence` and `or` of `elements`; `optional`, `plus`, `star` and `repeat` (`min`, `max`, -1
+  unbounded) of a `content`;
+- `tag`: `begin`, a `content`, and an `end` (a string, or a list: any one of them);
+- `triggered_tags`: free text in which each of the `triggers` starts one of the `tags` (the tag
+  whose `begin` it starts), then free text again; `at_least_one` (a tag first, with no text
+  before it), `stop_after_first` (nothing after the first tag), `excludes` (strings the free
+  text may not hold);
+- `tags_with_separator`: `tags` one after another with a `separator` between, nothing else;
+  `at_least_one`, `stop_after_first`;
+- `dispatch` (xgrammar 0.2's): free text in which each rule's pattern is followed by that
+  rule's format; `loop` (true: free text again after), `excludes`.
+
+A format with no `type` is read by its fields, as xgrammar reads it (`begin`: a tag).
+
+**Where a free-text format stops.** `any_text`, `triggered_tags` and `dispatch` run until the
+end of the enclosing `tag`, when they are its content's last piece: the first occurrence of one
+of that tag's (non-empty) ends closes them, as xgrammar's end detection does, so `{"type":
+"tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"}` is a thinking
+block that the first `</think>` closes. Elsewhere they run to the end of the output, or (with
+`excludes`, or before another element of a sequence) until what follows them.
+
+Token-level formats (`token`, `exclude_token`, `any_tokens`, `token_triggered_tags`,
+`token_dispatch`), `json_schema`'s other `style`s (`qwen_xml`, ...) and `any_order`,
+`any_text`'s `max_tokens` and `max_chars`, and `regex`'s `excludes` are refused with their name:
+conveyor's grammars are over the output's bytes, and special tokens have none.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from conveyor.structured.cfg import ROOT, Expr, Ref, parse_grammar
+from conveyor.structured.json_schema import lit, schema_to_rules
+from conveyor.structured.regex import Alternate, CharSet, Concat, GrammarError, Repeat, Until, parse
+
+__all__ = ["structural_tag_rules"]
+
+ANY_CHAR = CharSet(((0, 0x10FFFF),))
+MAX_DEPTH = 64
+TOKEN_LEVEL = ("token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch")
+FORMATS = ("const_string", "json_schema", "grammar", "regex", "any_text", "sequence", "or", "optional", "plus",
+           "star", "repeat", "tag", "triggered_tags", "tags_with_separator", "dispatch")
+
+Stop = tuple[str, ...] | None  # the enclosing tag's ends, for the content's last piece
+
+
+def structural_tag_rules(text: str) -> dict[str, Expr]:
+    """The grammar of a structural tag given as JSON text, either shape; raises GrammarError
+    with the path of what is wrong (`structural_tag.format.elements[1].end: ...`)."""
+    try:
+        spec = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise GrammarError(f"structural_tag is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise GrammarError("structural_tag must be an object: {format} or {structures, triggers}")
+    if "format" in spec:
+        if spec.get("type", "structural_tag") != "structural_tag":
+            raise GrammarError('structural_tag.type must be "structural_tag"')
+        compiler = _Compiler()
+        compiler.rules[ROOT] = compiler.format(spec["format"], "structural_tag.format", None)
+        return compiler.rules
+    compiler = _Compiler()
+    compiler.rules[ROOT] = compiler.format(_legacy(spec), "structural_tag", None)
+    return compiler.rules
+
+
+def _legacy(spec: dict[str, Any]) -> dict[str, Any]:
+    """`{"structures", "triggers"}` as the `triggered_tags` format it means, checked."""
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError("structural_tag.triggers must list at least one non-empty string")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError("structural_tag.structures must list at least one {begin, schema, end}")
+    tags = []
+    for j, st in enumerate(structures):
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end"), str) \
+                or "schema" not in st:
+            raise GrammarError(f"structural_tag.structures[{j}] must be {{begin: string, schema, end: string}}")
+        tags.append({"type": "tag", "begin": st["begin"], "end": st["end"],
+                     "content": {"type": "json_schema", "json_schema": st["schema"], "(path)": f"structures[{j}].schema"}})
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": spec.get("stop_after_first", False),
+            "(path)": "structures"}
+
+
+class _Compiler:
+    def __init__(self) -> None:
+        self.rules: dict[str, Expr] = {}
+        self.depth = 0
+        self.adopted = 0
+
+    def format(self, fmt: Any, where: str, stop: Stop) -> Expr:
+        """`fmt`'s text, followed by one of `stop` (the enclosing tag's ends) where given."""
+        if not isinstance(fmt, dict):
+            raise GrammarError(f"{where} must be a format object")
+        kind = fmt.get("type", _inferred(fmt))
+        if kind in TOKEN_LEVEL:
+            raise GrammarError(f"{where}: {kind!r} is a token-level format, not built (conveyor's grammars are over the "
+                               "output's bytes; special tokens have none)")
+        if kind not in FORMATS:
+            raise GrammarError(f"{where}.type {kind!r}: not a format ({', '.join(FORMATS)})")
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise GrammarError(f"{where}: formats nested over {MAX_DEPTH} deep")
+        try:
+            return getattr(self, "_" + kind)(fmt, where, stop)
+        finally:
+            self.depth -= 1
+
+    # -- primitive formats: a text of their own, then the stop -----------------------------
+    def _const_string(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        return _then(lit(_string(fmt, "value", where, empty=False)), stop)
+
+    def _json_schema(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        if fmt.get("style", "json") != "json":
+            raise GrammarError(f"{where}.style {fmt['style']!r}: only \"json\" is built")
+        if fmt.get("any_order", False) is not False:
+            raise GrammarError(f"{where}.any_order: not built (properties come in the schema's order)")
+        if "json_schema" not in fmt:
+            raise GrammarError(f"{where} needs json_schema")
+        schema = fmt["json_schema"]
+        try:
+            rules = schema_to_rules(schema)
+        except GrammarError as e:
+            raise GrammarError(f"{_path(fmt, where + '.json_schema')}: {e}") from None
+        return _then(self._adopt(rules), stop)
+
+    def _grammar(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        try:
+            rules = parse_grammar(_string(fmt, "grammar", where, empty=False))
+        except GrammarError as e:
+            raise GrammarError(f"{where}.grammar: {e}") from None
+        return _then(self._adopt(rules), stop)
+
+    def _regex(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        if fmt.get("excludes"):
+            raise GrammarError(f"{where}.excludes: not built for a regex")
+        try:
+            node = parse(_string(fmt, "pattern", where, empty=False))
+        except GrammarError as e:
+            raise GrammarError(f"{where}.pattern: {e}") from None
+        return _then(node, stop)
+
+    def _any_text(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        for limit in ("max_tokens", "max_chars"):
+            if fmt.get(limit) is not None:
+                raise GrammarError(f"{where}.{limit}: not built")
+        return _free_until(_strings(fmt, "excludes", where), (), stop)
+
+    # -- composition -----------------------------------------------------------------------
+    def _sequence(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        elements = _formats(fmt, "elements", where)
+        last = len(elements) - 1
+        return _cat(*(self.format(e, f"{where}.elements[{i}]", stop if i == last else None) for i, e in enumerate(elements)))
+
+    def _or(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        elements = _formats(fmt, "elements", where)
+        return _alt(*(self.format(e, f"{where}.elements[{i}]", stop) for i, e in enumerate(elements)))
+
+    def _optional(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        return self._repeated(fmt, where, stop, 0, 1)
+
+    def _plus(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        return self._repeated(fmt, where, stop, 1, None)
+
+    def _star(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        return self._repeated(fmt, where, stop, 0, None)
+
+    def _repeat(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        low, high = fmt.get("min"), fmt.get("max")
+        if not isinstance(low, int) or not _count(low) or not (high == -1 or (isinstance(high, int) and _count(high) and high >= low)):
+            raise GrammarError(f"{where}: min must be a count and max a count no smaller, or -1 (no bound)")
+        return self._repeated(fmt, where, stop, low, None if high == -1 else high)
+
+    def _repeated(self, fmt: dict[str, Any], where: str, stop: Stop, low: int, high: int | None) -> Expr:
+        if "content" not in fmt:
+            raise GrammarError(f"{where} needs a content format")
+        return _then(_rep(self.format(fmt["content"], where + ".content", None), low, high), stop)
+
+    # -- tags and dispatch -----------------------------------------------------------------
+    def _tag(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        begin, ends, content = self._tag_parts(fmt, where)
+        return _then(_cat(lit(begin), self.format(content, where + ".content", ends)), stop)
+
+    def _tag_parts(self, fmt: Any, where: str) -> tuple[str, tuple[str, ...], Any]:
+        if not isinstance(fmt, dict) or fmt.get("type", "tag") != "tag":
+            raise GrammarError(f"{where} must be a tag: {{begin, content, end}}")
+        if isinstance(fmt.get("begin"), dict):
+            raise GrammarError(f"{where}.begin: a token is a token-level format, not built")
+        begin = _string(fmt, "begin", where)
+        end = fmt.get("end")
+        ends = (end,) if isinstance(end, str) else tuple(end) if isinstance(end, list) and end else None
+        if ends is None or not all(isinstance(e, str) for e in ends):
+            raise GrammarError(f"{where}.end must be a string or a non-empty list of strings")
+        if "content" not in fmt:
+            raise GrammarError(f"{where} needs a content format")
+        return begin, ends, fmt["content"]
+
+    def _whole_tag(self, fmt: Any, where: str) -> Expr:
+        begin, ends, content = self._tag_parts(fmt, where)
+        return _cat(lit(begin), self.format(content, where + ".content", ends))
+
+    def _triggered_tags(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        triggers = _strings(fmt, "triggers", where, at_least_one=True)
+        tags = fmt.get("tags")
+        if not isinstance(tags, list) or not tags:
+            raise GrammarError(f"{_path(fmt, where)}.tags must list at least one tag")
+        once, first = _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)
+        groups: list[list[Expr]] = [[] for _ in triggers]
+        whole: list[Expr] = []
+        for j, tag in enumerate(tags):
+            here = f"{_path(fmt, where)}[{j}]" if "(path)" in fmt else f"{where}.tags[{j}]"
+            begin, ends, content = self._tag_parts(tag, here)
+            k = _first_trigger(begin, triggers)
+            if k is None:
+                raise GrammarError(f"{here}: its begin {begin!r} does not start with a trigger "
+                                   "(the first trigger written in it must be its start)")
+            body = self.format(content, here + ".content", ends)
+            groups[k].append(_cat(lit(begin[len(triggers[k]):]), body))
+            whole.append(_cat(lit(begin), body))
+        unused = [t for t, g in zip(triggers, groups, strict=True) if not g]
+        if unused:
+            raise GrammarError(f"{where}: trigger {unused[0]!r} starts no tag's begin")
+        if first and once:
+            return _then(_alt(*whole), stop)
+        rest = _dispatch([_alt(*g) for g in groups], triggers, _strings(fmt, "excludes", where), stop,
+                         loop=not once)
+        return _cat(_alt(*whole), rest) if first else rest
+
+    def _dispatch(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        rules = fmt.get("rules")
+        if not isinstance(rules, list) or not rules or not all(
+                isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and r[0] for r in rules):
+            raise GrammarError(f"{where}.rules must list at least one [pattern, format], each pattern a non-empty string")
+        patterns = [r[0] for r in rules]
+        if len(set(patterns)) != len(patterns):
+            raise GrammarError(f"{where}.rules: two rules share a pattern")
+        bodies = [self.format(r[1], f"{where}.rules[{i}][1]", None) for i, r in enumerate(rules)]
+        return _dispatch(bodies, patterns, _strings(fmt, "excludes", where), stop, loop=_flag(fmt, "loop", where, True))
+
+    def _tags_with_separator(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        tags = fmt.get("tags")
+        if not isinstance(tags, list) or not tags:
+            raise GrammarError(f"{where}.tags must list at least one tag")
+        one = _alt(*(self._whole_tag(t, f"{where}.tags[{j}]") for j, t in enumerate(tags)))
+        separator = _string(fmt, "separator", where)
+        once, first = _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)
+        calls = one if once else _cat(one, _rep(_cat(lit(separator), one), 0, None))
+        return _then(calls if first else _rep(calls, 0, 1), stop)
+
+    def _adopt(self, rules: dict[str, Expr]) -> Expr:
+        """A sub-grammar's rules under a fresh prefix; its root's reference."""
+        prefix = f"s{self.adopted}."
+        self.adopted += 1
+        self.rules.update({prefix + name: _renamed(body, prefix) for name, body in rules.items()})
+        return Ref(prefix + ROOT)
+
+
+def _dispatch(bodies: list[Expr], markers: list[str], excludes: list[str], stop: Stop, loop: bool) -> Expr:
+    """Free text until one of `markers` is written, then that marker's body; again and again
+    (`loop`) or once; the free text holds none of `excludes` and, inside a tag, ends at the first
+    of its ends (which ends the whole)."""
+    ends = tuple(e for e in stop or () if e)
+    if set(markers) & set(ends):
+        raise GrammarError(f"a trigger is also the enclosing tag's end: {sorted(set(markers) & set(ends))[0]!r}")
+    dispatched = _alt(*(_cat(Until(_markers(markers, ends, excludes), i), b) for i, b in enumerate(bodies)))
+    free = _free_until(excludes, tuple(markers), stop)
+    if loop:
+        return _cat(_rep(dispatched, 0, None), free)
+    return _alt(_then(dispatched, stop), free)
+
+
+def _free_until(excludes: list[str], markers: tuple[str, ...], stop: Stop) -> Expr:
+    """Text holding none of `markers` and `excludes`, then (inside a tag) the first of its
+    non-empty ends; with no such end, to wherever the next thing starts."""
+    ends = tuple(e for e in stop or () if e)
+    every = _markers(list(markers), ends, excludes)
+    if ends:
+        base = len(markers)
+        return _alt(*(Until(every, base + i) for i in range(len(ends))))
+    tail = Until(every, None) if every else Repeat(ANY_CHAR, 0, None)
+    return _then(tail, stop)  # an end list of empty strings
+
+
+def _markers(markers: list[str], ends: tuple[str, ...], excludes: list[str]) -> tuple[bytes, ...]:
+    """What a scan of free text watches for, in order: the markers, the ends, then the excluded
+    strings that are neither."""
+    seen = [*markers, *ends]
+    seen += [x for x in dict.fromkeys(excludes) if x not in seen]
+    return tuple(s.encode("utf-8") for s in seen)
+
+
+def _then(node: Expr, stop: Stop) -> Expr:
+    if not stop:
+        return node
+    return _cat(node, _alt(*(lit(e) for e in dict.fromkeys(stop))))
+
+
+def _cat(*parts: Expr) -> Expr:
+    return Concat(parts)  # type: ignore[arg-type]
+
+
+def _alt(*options: Expr) -> Expr:
+    return Alternate(options)  # type: ignore[arg-type]
+
+
+def _rep(node: Expr, low: int, high: int | None) -> Expr:
+    return Repeat(node, low, high)  # type: ignore[arg-type]
+
+
+def _inferred(fmt: dict[str, Any]) -> str:
+    for key, kind in (("begin", "tag"), ("value", "const_string"), ("json_schema", "json_schema"),
+                      ("elements", "sequence"), ("triggers", "triggered_tags"), ("separator", "tags_with_separator"),
+                      ("grammar", "grammar"), ("pattern", "regex"), ("rules", "dispatch")):
+        if key in fmt:
+            return kind
+    return "any_text" if set(fmt) <= {"excludes"} else "(none)"
+
+
+def _path(fmt: dict[str, Any], where: str) -> str:
+    """The legacy shape's own path for what it was turned into (`structural_tag.structures[0].schema`)."""
+    return f"structural_tag.{fmt['(path)']}" if "(path)" in fmt else where
+
+
+def _string(fmt: dict[str, Any], key: str, where: str, empty: bool = True) -> str:
+    value = fmt.get(key)
+    if not isinstance(value, str) or (not empty and not value):
+        raise GrammarError(f"{where}.{key} must be a {'' if empty else 'non-empty '}string")
+    return value
+
+
+def _strings(fmt: dict[str, Any], key: str, where: str, at_least_one: bool = False) -> list[str]:
+    value = fmt.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value) or (at_least_one and not value):
+        raise GrammarError(f"{where}.{key} must list {'at least one non-empty string' if at_least_one else 'non-empty strings'}")
+    return value
+
+
+def _formats(fmt: dict[str, Any], key: str, where: str) -> list[Any]:
+    value = fmt.get(key)
+    if not isinstance(value, list) or not value:
+        raise GrammarError(f"{where}.{key} must list at least one format")
+    return value
+
+
+def _flag(fmt: dict[str, Any], key: str, where: str, default: bool = False) -> bool:
+    value = fmt.get(key, default)
+    if not isinstance(value, bool):
+        raise GrammarError(f"{where}.{key} must be true or false")
+    return value
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _first_trigger(begin: str, triggers: list[str]) -> int | None:
+    """The trigger a scan of free text stops at when `begin` is written: the first to end in
+    it, if it is also where `begin` starts (else None)."""
+    for end in range(1, len(begin) + 1):
+        found = [k for k, t in enumerate(triggers) if begin[:end].endswith(t)]
+        if found:
+            return next((k for k in found if len(triggers[k]) == end), None)
+    return None
+
+
+def _renamed(node: Expr, prefix: str) -> Expr:
+    """`node` with every rule it refers to renamed `prefix + name`."""
+    if isinstance(node, Ref):
+        return Ref(prefix + node.name)
+    if isinstance(node, Concat):
+        return _cat(*(_renamed(p, prefix) for p in node.parts))
+    if isinstance(node, Alternate):
+        return _alt(*(_renamed(p, prefix) for p in node.options))
+    if isinstance(node, Repeat):
+        return _rep(_renamed(node.node, prefix), node.low, node.high)
+    return node
