@@ -121,6 +121,12 @@ class ToolParser(ABC):
     @abstractmethod
     def write(self, calls: list[Call]) -> str: ...
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """The structural tag that holds this format's calls to their functions' parameters
+        under `tool_choice="auto"` with a strict function (`held_parameters`), one call at most
+        where `parallel` is false; None where the format has none (its calls are then free)."""
+        return None
+
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
         """A finished output as (content, calls); content is None when only calls remain."""
         content, calls, _ = self.scan(text, final=True)
@@ -130,6 +136,12 @@ class ToolParser(ABC):
 
 
 _PARSERS: Registry[ToolParser] = Registry("tool call parser")
+
+
+def held_parameters(function: dict[str, Any]) -> Any:
+    """What a strict tag holds a function's arguments to: its parameters, or any JSON object for
+    a function marked `"strict": false`."""
+    return function["parameters"] if function.get("strict") is not False else {"type": "object"}
 
 
 def tool_parser_names() -> list[str]:
@@ -271,6 +283,17 @@ class HermesParser(ToolParser):
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, and from each `<tool_call>` one call, `{"name": ..., "arguments": ...}`,
+        on lines of its own or not (vLLM's rule for `hermes`)."""
+        structures = [
+            {"begin": f'{open_}{{"name": {json.dumps(f["name"])}, "arguments": ', "schema": held_parameters(f),
+             "end": "}" + close}
+            for f in functions
+            for open_, close in ((self.OPEN + "\n", "\n" + self.CLOSE), (self.OPEN, self.CLOSE))
+        ]
+        return {"structures": structures, "triggers": [self.OPEN], "stop_after_first": not parallel}
+
     def write(self, calls: list[Call]) -> str:
         return "\n".join(
             f'{self.OPEN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
@@ -332,6 +355,19 @@ class Llama3JsonParser(ToolParser):
             "for several calls, separate the objects with ';'. Use values, not variables. "
             "Otherwise answer in plain text."
         )
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text whose first character past any whitespace is not `{` (content, as `scan` reads
+        it), or only calls: `{"name": ..., "parameters": ...}` objects separated by `; ` (one
+        where `parallel` is false), whitespace around them."""
+        calls = {"type": "tags_with_separator", "separator": "; ", "at_least_one": True, "stop_after_first": not parallel,
+                 "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "parameters": ', "end": "}",
+                           "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}
+        space = {"type": "regex", "pattern": r"\s*"}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "regex", "pattern": r"\s*([^{\s][\s\S]*)?"},
+            {"type": "sequence", "elements": [space, calls, space]},
+        ]}}
 
     def write(self, calls: list[Call]) -> str:
         return "; ".join(json.dumps({"name": c["function"]["name"],

@@ -112,11 +112,13 @@ class Tools:
     # -- the output ----------------------------------------------------------------------------
     def constraint(self) -> StructuredOutputParams | None:
         """What the output is held to: a call list ("required"), one function's arguments
-        (named), with "auto" and a strict function under the Hermes format, free text whose
-        calls hold to their functions' schemas (a structural tag, as vLLM's for `hermes`), or
-        nothing."""
-        if self.choice == "auto" and self.parser.name == "hermes" and any(f.get("strict") is True for f in self.functions):
-            return StructuredOutputParams(structural_tag=self.hermes_tag())
+        (named), with "auto" and a strict function, the parser's structural tag (its format's
+        free text, and calls held to their functions' schemas: `hermes`, as vLLM's, and
+        `llama3_json`), or nothing."""
+        if self.choice == "auto" and any(f.get("strict") is True for f in self.functions):
+            tag = self.parser.strict_tag(list(self.functions), self.parallel)
+            if tag is not None:
+                return StructuredOutputParams(structural_tag=tag)
         if self.choice == "named":
             fn = next(f for f in self.functions if f["name"] == self.named)
             return StructuredOutputParams(json=fn["parameters"])
@@ -129,19 +131,6 @@ class Tools:
             schema = {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
             return StructuredOutputParams(json=schema)
         return None
-
-    def hermes_tag(self) -> dict[str, Any]:
-        """A structural tag for Hermes calls: free text, and from each `<tool_call>` one call,
-        `{"name": ..., "arguments": ...}` with the arguments held to that function's
-        parameters (a function with `"strict": false` takes any JSON object), on lines of its
-        own or not; one call only where `parallel_tool_calls` is false."""
-        structures = [
-            {"begin": f'{open_}{{"name": {json.dumps(f["name"])}, "arguments": ',
-             "schema": f["parameters"] if f.get("strict") is not False else {"type": "object"}, "end": "}" + close}
-            for f in self.functions
-            for open_, close in (("<tool_call>\n", "\n</tool_call>"), ("<tool_call>", "</tool_call>"))
-        ]
-        return {"structures": structures, "triggers": ["<tool_call>"], "stop_after_first": not self.parallel}
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A finished output as (content, tool calls)."""

@@ -4,6 +4,7 @@ and without tool support, and over HTTP on SmolLM2 each `tool_choice`, streamed 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -193,6 +194,17 @@ def strict(tool: dict[str, Any], value: bool = True) -> dict[str, Any]:
     return {**tool, "function": {**fn, "strict": value, "parameters": {**fn["parameters"], "additionalProperties": False}}}
 
 
+@functools.cache
+def strict_automaton(parser: str, parallel: bool) -> Any:
+    """The automaton of "auto" with a strict get_weather and a non-strict search under `parser`."""
+    from conveyor.server.tool_parsers import make_tool_parser
+    from conveyor.structured import compile_automaton
+
+    tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, make_tool_parser(parser))
+    assert tools is not None
+    return compile_automaton(tools.constraint())
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(CALL, st.text(alphabet="ab <>/_tolc\n", max_size=12), st.just("<tool_c")), max_size=4),
        st.booleans())
@@ -200,11 +212,7 @@ def test_auto_with_a_strict_function_holds_hermes_calls_to_their_schemas(pieces,
     """`tool_choice="auto"` with a strict function (vLLM's rule): free text, and every
     `<tool_call>` one call of a listed function whose arguments match its parameters, on lines
     of its own or not; the calls are the ones the Hermes parser then reads."""
-    from conveyor.structured import compile_automaton
-
-    tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", None)
-    assert tools is not None
-    automaton = compile_automaton(tools.constraint())
+    automaton = strict_automaton("hermes", True)
     if newlines:
         pieces = [p.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>", "\n</tool_call>") for p in pieces]
     text = "".join(pieces)
@@ -233,7 +241,43 @@ def test_strict_auto_tags_only_where_asked():
     assert many.matches(f"First {call}, then {call}.") and not many.matches(call.replace("Paris", "x" * 31))
     from conveyor.server.tool_parsers import make_tool_parser
 
-    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("llama3_json")).constraint() is None
+    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("mistral")).constraint() is None
+
+
+LLAMA_CALL = st.builds(
+    lambda name, args: json.dumps({"name": name, "parameters": args}),
+    st.sampled_from(["get_weather", "search", "other"]),
+    st.dictionaries(st.sampled_from(["city", "query", "unit"]), st.sampled_from(["Paris", "", "celsius", "x" * 31]),
+                    max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(LLAMA_CALL, st.sampled_from(["; ", ";", " ", "\n", "ok", "{", "}", "Sure: "])), max_size=5),
+       st.booleans())
+def test_auto_with_a_strict_function_holds_llama3_json_calls_to_their_schemas(pieces, parallel):
+    """Under `llama3_json`: what the automaton allows is text the parser reads as content, or
+    calls it reads in full, each of a listed function with arguments its parameters allow (one
+    where `parallel_tool_calls` is false); and calls written as the prompt asks are allowed."""
+    from conveyor.server.tool_parsers import make_tool_parser
+
+    parser = make_tool_parser("llama3_json")
+    automaton = strict_automaton("llama3_json", parallel)
+    text = "".join(pieces)
+    content, calls = parser.parse(text)
+    weather = strict(WEATHER)["function"]["parameters"]
+    if automaton.matches(text):
+        if text.strip().startswith("{"):
+            assert calls and not (content or "").strip() and (parallel or len(calls) == 1), text
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert c["function"]["name"] == "search" or jsonschema.Draft202012Validator(weather).is_valid(args), text
+    written = [p for p in pieces if p.startswith('{"name": ')][: None if parallel else 1]
+    if written and all(jsonschema.Draft202012Validator(SCHEMAS["get_weather"] if '"get_weather"' in p else
+                                                       {"type": "object"}).is_valid(json.loads(p)["parameters"])
+                       and '"other"' not in p and ('"get_weather"' not in p or '"query"' not in p) for p in written):
+        assert automaton.matches("; ".join(written)), written
+    assert automaton.matches("The weather is fine.") and automaton.matches("")
 
 
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
