@@ -543,6 +543,15 @@ class Qwen3CoderParser(ToolParser):
             "</function>\n</tool_call>\n\nOtherwise answer in plain text."
         )
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, and from each `<tool_call>` one call, `<function=NAME>` and its parameters
+        as XML, each value held to its schema (the `qwen_xml` style of a structural tag)."""
+        tags = [{"type": "tag", "begin": f"{self.OPEN}\n<function={f['name']}>\n", "end": f"</function>\n{self.CLOSE}",
+                 "content": {"type": "json_schema", "json_schema": held_parameters(f), "style": "qwen_xml"}}
+                for f in functions]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN], "tags": tags,
+                                                      "stop_after_first": not parallel}}
+
     def write(self, calls: list[Call]) -> str:
         def one(c: Call) -> str:
             params = "".join(f"<parameter={k}>\n{_text_of(v)}\n</parameter>\n"

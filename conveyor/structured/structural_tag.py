@@ -30,7 +30,8 @@ block that the first `</think>` closes. Elsewhere they run to the end of the out
 `excludes`, or before another element of a sequence) until what follows them.
 
 Token-level formats (`token`, `exclude_token`, `any_tokens`, `token_triggered_tags`,
-`token_dispatch`), `json_schema`'s other `style`s (`qwen_xml`, ...) and `any_order`,
+`token_dispatch`), `json_schema`'s `style`s other than `json` and `qwen_xml` (`qwen_xml_rules`:
+Qwen3-Coder's XML parameters as conveyor's parser reads them) and `any_order`,
 `any_text`'s `max_tokens` and `max_chars`, and `regex`'s `excludes` are refused with their name:
 conveyor's grammars are over the output's bytes, and special tokens have none.
 """
@@ -122,15 +123,16 @@ class _Compiler:
         return _then(lit(_string(fmt, "value", where, empty=False)), stop)
 
     def _json_schema(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
-        if fmt.get("style", "json") != "json":
-            raise GrammarError(f"{where}.style {fmt['style']!r}: only \"json\" is built")
+        style = fmt.get("style", "json")
+        if style not in ("json", "qwen_xml"):
+            raise GrammarError(f"{where}.style {style!r}: only \"json\" and \"qwen_xml\" are built")
         if fmt.get("any_order", False) is not False:
             raise GrammarError(f"{where}.any_order: not built (properties come in the schema's order)")
         if "json_schema" not in fmt:
             raise GrammarError(f"{where} needs json_schema")
         schema = fmt["json_schema"]
         try:
-            rules = schema_to_rules(schema)
+            rules = schema_to_rules(schema) if style == "json" else qwen_xml_rules(schema)
         except GrammarError as e:
             raise GrammarError(f"{_path(fmt, where + '.json_schema')}: {e}") from None
         return _then(self._adopt(rules), stop)
@@ -264,6 +266,62 @@ class _Compiler:
         self.adopted += 1
         self.rules.update({prefix + name: _renamed(body, prefix) for name, body in rules.items()})
         return Ref(prefix + ROOT)
+
+
+XML_SPACE = Repeat(CharSet(((9, 10), (13, 13), (32, 32))), 0, None)
+CLOSE = "</parameter>"
+# A raw value runs to the first closing tag; it may not hold the call's or the block's closing
+# tag either, which a parser looking for those would stop at first.
+RAW = Until(tuple(t.encode() for t in (CLOSE, "</function>", "</tool_call>")), 0)
+
+
+def qwen_xml_rules(schema: Any) -> dict[str, Expr]:
+    """An object's properties as Qwen3-Coder's XML parameters, as conveyor's `qwen3_coder` tool
+    parser reads them: `<parameter=NAME>VALUE</parameter>` for each property in the schema's
+    order (the required ones always, the others or not), whitespace around. A value is raw text
+    for a string (one newline on each side is dropped by the parser), the literal itself for an
+    enum or const of strings, and the JSON text of its schema for a property of other types
+    (numbers, booleans, null, objects, arrays); a property of no type, or of a string among
+    other types, takes any text. Raw text holds no `</function>` or `</tool_call>` (where a
+    parser would think the call ends). A string's length, pattern and format are not held. An
+    object with no properties takes any parameters."""
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise GrammarError("the qwen_xml style needs an object schema (the parameters)")
+    props = schema.get("properties")
+    rules: dict[str, Expr] = {}
+    if not isinstance(props, dict) or not props:
+        name = Repeat(CharSet(((0, 9), (11, 61), (63, 0x10FFFF))), 1, None)  # no '>' or newline
+        one = Concat((XML_SPACE, lit("<parameter="), name, lit(">"), RAW))
+        rules[ROOT] = Concat((Repeat(one, 0, None), XML_SPACE))
+        return rules
+    required = set(schema.get("required", []))
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    parts: list[Expr] = []
+    for k, (key, sub) in enumerate(props.items()):
+        value = _xml_value({**sub, **defs} if isinstance(sub, dict) else sub, rules, f"p{k}.")
+        param = _cat(XML_SPACE, lit(f"<parameter={key}>"), value)
+        parts.append(param if key in required else _rep(param, 0, 1))
+    rules[ROOT] = _cat(*parts, XML_SPACE)
+    return rules
+
+
+def _xml_value(sub: Any, rules: dict[str, Expr], prefix: str) -> Expr:
+    """One parameter's value and its closing tag."""
+    free = RAW
+    if not isinstance(sub, dict):
+        return free
+    literals = sub["enum"] if isinstance(sub.get("enum"), list) else [sub["const"]] if "const" in sub else None
+    if literals is not None:
+        newline = Repeat(CharSet(((10, 10),)), 0, 1)
+        options = [lit(v) if isinstance(v, str) else lit(json.dumps(v)) for v in literals]
+        return _cat(newline, _alt(*options), newline, lit(CLOSE))
+    kind = sub.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if not kinds or "string" in kinds:
+        return free
+    value = {prefix + name: _renamed(body, prefix) for name, body in schema_to_rules(sub).items()}
+    rules.update(value)
+    return _cat(XML_SPACE, Ref(prefix + ROOT), XML_SPACE, lit(CLOSE))
 
 
 def _dispatch(bodies: list[Expr], markers: list[str], excludes: list[str], stop: Stop, loop: bool) -> Expr:

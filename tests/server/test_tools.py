@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor import InvalidRequestError
+from conveyor.server.tool_parsers import make_tool_parser, tool_schemas
 from conveyor.server.tools import Tools, ToolStream, history_for_template, parse_hermes
 
 WEATHER = {"type": "function", "function": {
@@ -197,7 +198,6 @@ def strict(tool: dict[str, Any], value: bool = True) -> dict[str, Any]:
 @functools.cache
 def strict_automaton(parser: str, parallel: bool) -> Any:
     """The automaton of "auto" with a strict get_weather and a non-strict search under `parser`."""
-    from conveyor.server.tool_parsers import make_tool_parser
     from conveyor.structured import compile_automaton
 
     tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, make_tool_parser(parser))
@@ -239,8 +239,6 @@ def test_strict_auto_tags_only_where_asked():
     assert one is not None and compile_automaton(one).matches(call) and not compile_automaton(one).matches(call + call)
     many = compile_automaton(Tools.parse([strict(WEATHER)], "auto", True).constraint())
     assert many.matches(f"First {call}, then {call}.") and not many.matches(call.replace("Paris", "x" * 31))
-    from conveyor.server.tool_parsers import make_tool_parser
-
     assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("mistral")).constraint() is None
 
 
@@ -259,8 +257,6 @@ def test_auto_with_a_strict_function_holds_llama3_json_calls_to_their_schemas(pi
     """Under `llama3_json`: what the automaton allows is text the parser reads as content, or
     calls it reads in full, each of a listed function with arguments its parameters allow (one
     where `parallel_tool_calls` is false); and calls written as the prompt asks are allowed."""
-    from conveyor.server.tool_parsers import make_tool_parser
-
     parser = make_tool_parser("llama3_json")
     automaton = strict_automaton("llama3_json", parallel)
     text = "".join(pieces)
@@ -278,6 +274,41 @@ def test_auto_with_a_strict_function_holds_llama3_json_calls_to_their_schemas(pi
                        and '"other"' not in p and ('"get_weather"' not in p or '"query"' not in p) for p in written):
         assert automaton.matches("; ".join(written)), written
     assert automaton.matches("The weather is fine.") and automaton.matches("")
+
+
+XML_ARGS = st.fixed_dictionaries({}, optional={"city": st.sampled_from(["Paris", "", "New\nYork", "a</function>"]),
+                                              "unit": st.sampled_from(["celsius", "kelvin"]),
+                                              "query": st.sampled_from(["x", "1"])})
+XML_CALL = st.builds(lambda name, args: make_tool_parser("qwen3_coder").write(
+    [{"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]),
+    st.sampled_from(["get_weather", "search", "other"]), XML_ARGS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(XML_CALL, st.sampled_from(["ok ", "\n", "<tool_call>", "<function=get_weather>", "</tool_call>"])),
+                max_size=4), st.booleans())
+def test_auto_with_a_strict_function_holds_qwen3_coder_calls_to_their_schemas(pieces, parallel):
+    """Under `qwen3_coder`: what the automaton allows, the parser reads as text and calls, every
+    `<tool_call>` block one call of a listed function, its arguments (typed by the parser from
+    their text) in its parameters (one call where `parallel_tool_calls` is false); and calls
+    written as the parser writes them, with text between, are allowed."""
+    parser = make_tool_parser("qwen3_coder")
+    automaton = strict_automaton("qwen3_coder", parallel)
+    text = "".join(pieces)
+    weather = strict(WEATHER)["function"]["parameters"]
+    if automaton.matches(text):
+        with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
+            _, calls = parser.parse(text)
+        assert len(calls) == text.count("<tool_call>") and (parallel or len(calls) <= 1), text
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert c["function"]["name"] == "search" or jsonschema.Draft202012Validator(weather).is_valid(args), text
+    written = [p for p in pieces if p.startswith("<tool_call>\n<function=")][: None if parallel else 1]
+    valid = all("=other>" not in p and ("=get_weather>" not in p or (
+        "<parameter=city>" in p and "kelvin" not in p and "=query>" not in p and "a</function>" not in p))
+        and ("=search>" not in p or "a</function>" not in p) for p in written)
+    if valid:
+        assert automaton.matches(" and ".join(["Let me look.", *written])), written
 
 
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:

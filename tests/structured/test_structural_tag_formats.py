@@ -291,6 +291,23 @@ def test_xgrammars_documented_examples():
     assert automaton_of({"type": "repeat", "min": 1, "max": 2, "content": {"type": "const_string", "value": "ab"}}).matches("abab")
 
 
+def test_the_qwen_xml_style_writes_parameters_as_qwen3_coder_reads_them():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                                               "days": {"type": "integer"}, "tags": {"type": "array", "items": ENUM["json_schema"]}},
+              "required": ["city", "days"]}
+    a = automaton_of({"type": "json_schema", "json_schema": schema, "style": "qwen_xml"})
+    assert a.matches("<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n")
+    assert a.matches('<parameter=city>Oslo</parameter><parameter=unit>f</parameter><parameter=days>-2</parameter>'
+                     '<parameter=tags>["a","b"]</parameter>')
+    assert not a.matches("<parameter=days>3</parameter>")  # city is required
+    assert not a.matches("<parameter=city>x</parameter><parameter=days>3.5</parameter>")  # not an integer
+    assert not a.matches("<parameter=city>x</parameter><parameter=unit>k</parameter><parameter=days>3</parameter>")
+    assert not a.matches("<parameter=city>a</function></parameter><parameter=days>3</parameter>")  # ends the call
+    assert not a.matches("<parameter=days>3</parameter><parameter=city>x</parameter>")  # the schema's order
+    anything = automaton_of({"type": "json_schema", "json_schema": {"type": "object"}, "style": "qwen_xml"})
+    assert anything.matches("<parameter=a>1</parameter>\n<parameter=b>two</parameter>") and anything.matches("")
+
+
 def test_the_first_shape_is_a_triggered_tags_format():
     legacy = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"}],
               "triggers": ["<function="]}
@@ -303,7 +320,8 @@ def test_the_first_shape_is_a_triggered_tags_format():
 @pytest.mark.parametrize(("fmt", "match"), [
     ({"type": "token", "token": "<|tool|>"}, "'token' is a token-level format, not built"),
     ({"type": "tag", "begin": {"type": "token", "token": 5}, "content": {}, "end": "x"}, r"format.begin: a token"),
-    ({"type": "json_schema", "json_schema": WEATHER, "style": "qwen_xml"}, "only \"json\" is built"),
+    ({"type": "json_schema", "json_schema": WEATHER, "style": "minimax_xml"}, "only \"json\" and \"qwen_xml\" are built"),
+    ({"type": "json_schema", "json_schema": {"type": "array"}, "style": "qwen_xml"}, "needs an object schema"),
     ({"type": "json_schema", "json_schema": WEATHER, "any_order": True}, "any_order: not built"),
     ({"type": "any_text", "max_chars": 10}, "max_chars: not built"),
     ({"type": "regex", "pattern": "a+", "excludes": ["aa"]}, "excludes: not built"),
