@@ -21,8 +21,11 @@ state after the call. At run time (`grammar.PushdownGrammar`) a stack of (rule, 
 frames says where the output stands: a call pushes the caller's return state, a rule in an
 accepting state may return. A call whose return state accepts and can go nowhere else
 pushes nothing (a tail call), so right recursion (`list ::= item list?`) runs in constant
-stack. Left recursion (`expr ::= expr "+" term`) would call forever without reading a byte
-and is refused, as llama.cpp refuses it; write it as a repetition (`term ("+" term)*`).
+stack. Left recursion (`expr ::= expr "+" term | term`, directly or through other rules) is
+rewritten first as the repetition it means (`term ("+" term)*`: `without_left_recursion`), as
+xgrammar's Earley parser accepts it and llama.cpp does not. Left recursion behind something
+that can match nothing (`x ::= "a"? x "b" | ...`) would call forever without reading a byte
+and is refused.
 """
 
 from __future__ import annotations
@@ -403,6 +406,7 @@ def compile_grammar(text: str) -> ByteDFA | Pushdown:
 
 def compile_rules(rules: dict[str, Expr], root: str = ROOT) -> ByteDFA | Pushdown:
     """The automaton of rules starting at `root` (each reference defined)."""
+    rules = without_left_recursion(rules)
     reachable = _reachable(rules, root)
     recursive = _recursive(rules, reachable)
     frames = [root, *sorted(recursive - {root})]
@@ -442,6 +446,54 @@ def compile_rules(rules: dict[str, Expr], root: str = ROOT) -> ByteDFA | Pushdow
         accepting=[d.accepting.copy() for d in dfas],
         calls=calls,
     )
+
+
+def without_left_recursion(rules: dict[str, Expr]) -> dict[str, Expr]:
+    """`rules` with their left recursion rewritten as repetition, the same language: Paull's
+    algorithm over the rules on a cycle of leftmost references, in name order. Each rule's
+    alternatives that start with an earlier such rule get that rule's alternatives in its
+    place; then `A ::= A a1 | A a2 | b1 | b2` becomes `A ::= (b1 | b2) (a1 | a2)*`. Left
+    recursion behind something that can match nothing (`A ::= "x"? A "y" | ...`) is left as it
+    is, for `_check_left_recursion` to refuse."""
+    graph = {name: {seq[0].name for seq in _alternatives(body) if seq and isinstance(seq[0], Ref)} & set(rules)
+             for name, body in rules.items()}
+    left = sorted(_on_cycles(graph))
+    if not left:
+        return rules
+    out = dict(rules)
+    done: list[str] = []
+    for name in left:
+        alts = _alternatives(out[name])
+        for earlier in done:
+            alts = [head + seq[1:] for seq in alts
+                    for head in (_alternatives(out[earlier]) if seq and seq[0] == Ref(earlier) else [seq[:1]])]
+        again = [seq[1:] for seq in alts if seq and seq[0] == Ref(name)]
+        base = [seq for seq in alts if not (seq and seq[0] == Ref(name))]
+        again = [seq for seq in again if seq]  # `A ::= A` adds nothing
+        if base and len(alts) > len(base):
+            out[name] = Concat((_choice(base), Repeat(_choice(again), 0, None)))  # type: ignore[arg-type]
+        elif base:
+            out[name] = _choice(base)
+        done.append(name)
+    return out
+
+
+def _alternatives(node: Expr) -> list[list[Expr]]:
+    """`node` as alternatives, each a sequence whose first item is neither a choice nor a
+    sequence (a leading group is distributed: `(a | b) c` is `a c | b c`)."""
+    if isinstance(node, Alternate):
+        return [seq for option in node.options for seq in _alternatives(option)]
+    if isinstance(node, Concat):
+        if not node.parts:
+            return [[]]
+        rest: list[Expr] = list(node.parts[1:])
+        return [head + rest for head in _alternatives(node.parts[0])]
+    return [[node]]
+
+
+def _choice(alternatives: list[list[Expr]]) -> Expr:
+    options = [seq[0] if len(seq) == 1 else Concat(tuple(seq)) for seq in alternatives]  # type: ignore[arg-type]
+    return options[0] if len(options) == 1 else Alternate(tuple(options))  # type: ignore[arg-type]
 
 
 def _reachable(rules: dict[str, Expr], root: str = ROOT) -> set[str]:
@@ -540,6 +592,6 @@ def _check_left_recursion(names: list[str], dfas: list[ByteDFA], calls: list[lis
     left = _on_cycles(first)
     if left:
         raise GrammarError(
-            f"rule {names[min(left)]!r} is left-recursive (it can reach itself before reading any text); "
-            "write the recursion as a repetition, e.g. term (\"+\" term)*"
+            f"rule {names[min(left)]!r} is left-recursive behind something that can match nothing (it can reach "
+            "itself before reading any text); write the recursion as a repetition, e.g. term (\"+\" term)*"
         )

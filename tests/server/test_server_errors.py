@@ -75,7 +75,7 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     (COMP, {"prompt": "x", "guided_choice": ["a"], "ignore_eos": True}, 400, "ignore_eos"),
     # refused by the engine (in its own process) when it compiles the grammar: still a 400
     (COMP, {"prompt": "x", "guided_regex": "[a-z]{1,3000}x{1,3000}"}, 400, "structured_outputs"),
-    (COMP, {"prompt": "x", "guided_grammar": 'root ::= root "a" | "b"'}, 400, "structured_outputs"),
+    (COMP, {"prompt": "x", "guided_grammar": 'root ::= "a"? root "b" | "c"'}, 400, "structured_outputs"),
     (COMP, {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
     (CHAT, {"messages": USER, "model": "gpt-4o"}, 404, "model"),
 ]

@@ -42,7 +42,7 @@ def test_the_worker_gives_a_context_free_grammar_as_compiled_here(compiler):
         assert all(np.array_equal(a, b) for a, b in zip(got.tables, want.tables, strict=True))
         assert got.matches('{"a": [1, {"b": []}]}' if spec.json_object else "[1,[2,[]]]")
     with pytest.raises(GrammarError, match="left-recursive"):
-        compiler.compile(StructuredOutputParams(grammar='root ::= root "a" | "b"'))
+        compiler.compile(StructuredOutputParams(grammar='root ::= "a"? root "b" | "c"'))
 
 
 def test_a_grammar_error_comes_back_as_one(compiler):
