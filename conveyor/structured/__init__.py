@@ -14,6 +14,7 @@ from typing import Any
 
 from conveyor.structured.cfg import ROOT, Expr, Pushdown, Ref, compile_rules, parse_grammar
 from conveyor.structured.json_schema import lit, schema_to_rules
+from conveyor.structured.lark import looks_like_lark, parse_lark
 from conveyor.structured.regex import (
     Alternate,
     ByteDFA,
@@ -77,7 +78,7 @@ def to_rules(params: Any) -> dict[str, Expr]:
     """The grammar of a `StructuredOutputParams`: its `root` rule and those it refers to (a
     GBNF grammar's, or a JSON Schema's recursive ones); raises GrammarError."""
     if params.grammar is not None:
-        return parse_grammar(params.grammar)
+        return parse_lark(params.grammar) if looks_like_lark(params.grammar) else parse_grammar(params.grammar)
     if params.regex is not None:
         if not isinstance(params.regex, str):
             raise GrammarError("regex must be a string")

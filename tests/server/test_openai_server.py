@@ -276,7 +276,8 @@ def test_structured_outputs_over_the_api(client: openai.OpenAI) -> None:
     # A context-free grammar (GBNF), as vLLM's structured_outputs.grammar and SGLang's ebnf
     nested = 'root ::= "[" list "]"\nlist ::= item ("," item)*\nitem ::= [0-9]{1,3} | "[" list "]"'
     pattern = r"\[(?&l)\](?(DEFINE)(?P<l>(?&i)(?:,(?&i))*)(?P<i>[0-9]{1,3}|\[(?&l)\]))"
-    for extra in ({"structured_outputs": {"grammar": nested}}, {"ebnf": nested}):
+    lark = 'start: "[" list "]"\nlist: item ("," item)*\nitem: /[0-9]{1,3}/ | "[" list "]"'  # the same, in Lark's syntax
+    for extra in ({"structured_outputs": {"grammar": nested}}, {"ebnf": nested}, {"guided_grammar": lark}):
         r3 = client.completions.create(
             model="SmolLM2-135M-Instruct", prompt="Nested lists of numbers: [[1,2],[3,[4]]] and", max_tokens=24,
             temperature=0, extra_body=extra,
