@@ -486,6 +486,15 @@ class PythonicParser(ToolParser):
             "Otherwise answer in plain text."
         )
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text that does not open with `[` (content, as `scan` reads it), or only a list of
+        calls with keyword arguments, each value a Python literal of its parameter's schema
+        (conveyor/structured/python_calls.py)."""
+        from conveyor.structured.python_calls import python_calls_grammar
+
+        grammar = python_calls_grammar([(f["name"], held_parameters(f)) for f in functions], parallel)
+        return {"type": "structural_tag", "format": {"type": "grammar", "grammar": grammar}}
+
     def write(self, calls: list[Call]) -> str:
         def one(c: Call) -> str:
             args = arguments_object(c["function"].get("arguments"))

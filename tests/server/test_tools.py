@@ -311,6 +311,39 @@ def test_auto_with_a_strict_function_holds_qwen3_coder_calls_to_their_schemas(pi
         assert automaton.matches(" and ".join(["Let me look.", *written])), written
 
 
+PY_ARGS = st.fixed_dictionaries({}, optional={"city": st.sampled_from(["Paris", "", "it's \"x\"\n", 3]),
+                                             "unit": st.sampled_from(["celsius", "kelvin", None]),
+                                             "query": st.sampled_from(["x", 1.5, True])})
+PY_CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "search", "other"]), PY_ARGS), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(PY_CALLS, st.sampled_from(["", "  ", "Sure: ", "[", "]"]), st.booleans())
+def test_auto_with_a_strict_function_holds_pythonic_calls_to_their_schemas(calls, around, parallel):
+    """Under `pythonic`: what the automaton allows is text the parser reads as content, or a
+    call list it reads whole, each a listed function with arguments its parameters allow (one
+    call where `parallel_tool_calls` is false); and a valid list, written as the parser writes
+    it (arguments in the schema's order), is allowed."""
+    parser = make_tool_parser("pythonic")
+    automaton = strict_automaton("pythonic", parallel)
+    order = ["city", "unit", "query"]
+    written = parser.write([{"type": "function", "function": {
+        "name": n, "arguments": json.dumps({k: a[k] for k in sorted(a, key=order.index)})}} for n, a in calls])
+    weather = strict(WEATHER)["function"]["parameters"]
+    for text in (written, around + written, written + around):
+        content, got = parser.parse(text)
+        if automaton.matches(text):
+            if text.strip().startswith("["):
+                assert got and not content and (parallel or len(got) == 1), text
+            for c in got:
+                args = json.loads(c["function"]["arguments"])
+                assert c["function"]["name"] == "search" or jsonschema.Draft202012Validator(weather).is_valid(args), text
+    valid = all(n == "search" or (n == "get_weather" and jsonschema.Draft202012Validator(weather).is_valid(a))
+                for n, a in calls)
+    if valid and (parallel or len(calls) == 1):
+        assert automaton.matches(written), written
+
+
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
