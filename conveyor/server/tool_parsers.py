@@ -324,6 +324,149 @@ def _json_calls(text: str, at: int, final: bool, separators: str, args_key: str)
         pos = end
 
 
+class _TaggedJsonParser(ToolParser):
+    """Calls as JSON (`{"name", "arguments"}` objects, or a list of them; several separated by
+    whitespace) in `OPEN ... CLOSE` blocks, with text around them."""
+
+    OPEN: ClassVar[str]
+    CLOSE: ClassVar[str]
+    ARGS: ClassVar[str] = "arguments"
+    WHAT: ClassVar[str] = "a JSON list of"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
+
+    def _read(self, inner: str) -> list[Call] | None:
+        calls, end, _ = _json_calls(inner, 0, True, "", self.ARGS)
+        return calls if calls and not inner[end:].strip() else None
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            f"To call them, reply with {self.OPEN}{self.example()}{self.CLOSE}, "
+            "one item per call. Otherwise answer in plain text."
+        )
+
+    def example(self) -> str:
+        return f'[{{"name": <function name>, "{self.ARGS}": <an object of arguments>}}]'
+
+    def write(self, calls: list[Call]) -> str:
+        items = [{"name": c["function"]["name"], self.ARGS: arguments_object(c["function"].get("arguments"))} for c in calls]
+        return f"{self.OPEN}{json.dumps(items, ensure_ascii=False)}{self.CLOSE}"
+
+
+@_PARSERS.register("jamba")
+class JambaParser(_TaggedJsonParser):
+    """AI21's Jamba: `<tool_calls>[{"name": ..., "arguments": ...}]</tool_calls>`."""
+
+    OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
+
+
+@_PARSERS.register("minimax")
+class MiniMaxParser(_TaggedJsonParser):
+    """MiniMax-M1: `<tool_calls>` and one `{"name": ..., "arguments": ...}` object a line,
+    `</tool_calls>`."""
+
+    OPEN, CLOSE = "<tool_calls>\n", "\n</tool_calls>"
+
+    def example(self) -> str:
+        return '{"name": <function name>, "arguments": <an object of arguments>}\n... (one object a line)'
+
+    def write(self, calls: list[Call]) -> str:
+        lines = [json.dumps({"name": c["function"]["name"], "arguments": arguments_object(c["function"].get("arguments"))},
+                            ensure_ascii=False) for c in calls]
+        return self.OPEN + "\n".join(lines) + self.CLOSE
+
+
+@_PARSERS.register("internlm")
+class InternLMParser(_TaggedJsonParser):
+    """InternLM2 / 2.5: `<|action_start|><|plugin|>` and `{"name": ..., "parameters": ...}`,
+    `<|action_end|>`, a block a call."""
+
+    OPEN, CLOSE, ARGS = "<|action_start|><|plugin|>\n", "<|action_end|>", "parameters"
+
+    def example(self) -> str:
+        return '{"name": <function name>, "parameters": <an object of arguments>}'
+
+    def write(self, calls: list[Call]) -> str:
+        return "".join(
+            f"{self.OPEN}{json.dumps({'name': c['function']['name'], 'parameters': arguments_object(c['function'].get('arguments'))}, ensure_ascii=False)}{self.CLOSE}"
+            for c in calls)
+
+
+@_PARSERS.register("granite")
+class GraniteParser(ToolParser):
+    """IBM Granite 3.x: the output opens with `<|tool_call|>` (3.0) or `<tool_call>` (3.1 on)
+    and a JSON list of `{"name", "arguments"}` calls (what follows the list is text); an output
+    that does not open so is text."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")
+
+    def scan(self, text: str, final: bool) -> Scan:
+        body = text.lstrip()
+        tag = next((t for t in self.TAGS if body.startswith(t)), None)
+        if tag is None:
+            if not final and any(t.startswith(body) for t in self.TAGS):  # nothing yet, or a tag's beginning
+                return "", [], 0
+            return text, [], len(text)
+        at = len(text) - len(body) + len(tag)
+        rest = text[at:].lstrip()
+        if not rest:
+            return ("", [], 0) if not final else (text, [], len(text))
+        if not rest.startswith("["):
+            return text, [], len(text)
+        calls, end, settled = _json_calls(text, at, final, "", "arguments")
+        if not settled:
+            return "", calls, end
+        return (text[end:] if calls else text), calls, len(text)
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            f"To call them, reply with only {self.TAGS[0]} followed by a JSON list of "
+            '{"name": <function name>, "arguments": <an object of arguments>}, one item per call. '
+            "Otherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        return self.TAGS[0] + json.dumps([{"name": c["function"]["name"],
+                                           "arguments": arguments_object(c["function"].get("arguments"))}
+                                          for c in calls], ensure_ascii=False)
+
+
+@_PARSERS.register("phi4_mini_json")
+class Phi4MiniJsonParser(ToolParser):
+    """Phi-4-mini: `functools[{"name": ..., "arguments": ...}, ...]`, text around it."""
+
+    TAG = "functools"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = text.find(self.TAG + "[")
+        if start < 0:
+            keep = 0 if final else partial_suffix(text, self.TAG + "[")
+            return text[: len(text) - keep], [], len(text) - keep
+        try:
+            value, end = _JSON.raw_decode(text, start + len(self.TAG))
+        except ValueError:  # a list still being written, or not JSON
+            return (text, [], len(text)) if final else (text[:start], [], start)
+        calls = _calls_of(value, "arguments") if isinstance(value, list) else None
+        if calls is None:
+            return text, [], len(text)
+        return text[:start] + text[end:], calls, len(text)
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            f"To call them, reply with {self.TAG}" + '[{"name": <function name>, "arguments": <an object of arguments>}], '
+            "one item per call. Otherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        return self.TAG + json.dumps([{"name": c["function"]["name"],
+                                       "arguments": arguments_object(c["function"].get("arguments"))}
+                                      for c in calls], ensure_ascii=False)
+
+
 @_PARSERS.register("llama3_json")
 class Llama3JsonParser(ToolParser):
     TAG = "<|python_tag|>"

@@ -22,13 +22,14 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder"]
+PARSERS = ["deepseek_v3", "glm45", "granite", "hermes", "internlm", "jamba", "kimi_k2", "llama3_json", "minimax", "mistral",
+           "openai", "phi4_mini_json", "pythonic", "qwen3_coder"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use deepseek_v3, glm45, hermes, kimi_k2"):
-        ServerConfig(tool_call_parser="granite")
+    with pytest.raises(ConfigError, match="use deepseek_v3, glm45, granite, hermes, internlm"):
+        ServerConfig(tool_call_parser="granite-20b-fc")
 
 
 def test_mistral_v11_calls_after_each_tag():
@@ -143,6 +144,33 @@ def test_llama3_json_calls_and_content():
     assert p.parse('{"name": "a", "parame') == ('{"name": "a", "parame', [])  # cut short: text
     content, calls = p.parse('{"name": "a", "parameters": {}} and then some words')
     assert content == "and then some words" and named(calls) == [("a", {})]
+
+
+def test_granite_jamba_minimax_internlm_and_phi4_mini_calls():
+    """Each family's own form, the text around it, and what is not a call."""
+    granite = make_tool_parser("granite")
+    for tag in ("<|tool_call|>", "<tool_call>"):
+        content, calls = granite.parse(f' {tag}[{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}]')
+        assert content is None and named(calls) == [("get_weather", {"city": "Paris"})]
+    assert granite.parse("Sure <|tool_call|>[]") == ("Sure <|tool_call|>[]", [])  # not at the start: text
+    assert granite.parse('<|tool_call|>{"x": 1}') == ('<|tool_call|>{"x": 1}', [])
+    jamba = make_tool_parser("jamba")
+    content, calls = jamba.parse('Let me see.<tool_calls>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": '
+                                 '{"x": 1}}]</tool_calls>')
+    assert content == "Let me see." and named(calls) == [("a", {}), ("b", {"x": 1})]
+    assert jamba.parse("<tool_calls>[oops]</tool_calls>") == ("<tool_calls>[oops]</tool_calls>", [])
+    minimax = make_tool_parser("minimax")
+    content, calls = minimax.parse('Hm.\n<tool_calls>\n{"name": "a", "arguments": {"q": "x"}}\n'
+                                   '{"name": "b", "arguments": {}}\n</tool_calls>')
+    assert content == "Hm." and named(calls) == [("a", {"q": "x"}), ("b", {})]
+    internlm = make_tool_parser("internlm")
+    content, calls = internlm.parse('I will search.<|action_start|><|plugin|>\n{"name": "search", "parameters": '
+                                    '{"query": "x"}}<|action_end|>')
+    assert content == "I will search." and named(calls) == [("search", {"query": "x"})]
+    phi = make_tool_parser("phi4_mini_json")
+    content, calls = phi.parse('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert content is None and named(calls) == [("get_weather", {"city": "Oslo"})]
+    assert phi.parse("functools[1, 2]") == ("functools[1, 2]", []) and phi.parse("no call") == ("no call", [])
 
 
 def test_mistral_calls_and_content():
