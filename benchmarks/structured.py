@@ -17,8 +17,11 @@
      and again warm.
   3. Value: the share of outputs that end (the end token, not max_tokens), parse as JSON and
      validate against the schema, and how deep the deepest one nests.
+  Compile rows since the thirty-seventh session: a left-recursive GBNF grammar, a Lark grammar,
+  a structural tag as a format tree, and the strict-tool constraints of four parsers.
 
     python benchmarks/structured.py --batch 1 8 --rounds 3
+    python benchmarks/structured.py --compile-only
 """
 
 from __future__ import annotations
@@ -59,6 +62,44 @@ number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
 ws     ::= " "?
 """
 TAG = {"structures": [{"begin": " is ", "schema": {"type": "string", "maxLength": 30}, "end": "."}], "triggers": [" is"]}
+LARK_JSON = r"""
+?start: value
+?value: dict | list | ESCAPED_STRING | SIGNED_NUMBER | "true" | "false" | "null"
+list : "[" [value ("," value)*] "]"
+dict : "{" [pair ("," pair)*] "}"
+pair : ESCAPED_STRING ":" value
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""
+FUNCTIONS = [
+    {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                                         "days": {"type": "integer"}},
+        "required": ["city"], "additionalProperties": False}},
+    {"name": "search", "strict": True, "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}, "top_k": {"type": "integer"}},
+        "required": ["query"], "additionalProperties": False}},
+]
+THINK_THEN_CALLS = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"},
+    {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"type": "tag", "begin": f"<function={f['name']}>", "end": "</function>",
+         "content": {"type": "json_schema", "json_schema": f["parameters"]}} for f in FUNCTIONS]},
+]}}
+
+
+def strict_tools(parser: str) -> StructuredOutputParams:
+    """What `tool_choice="auto"` with these strict functions holds the output to under `parser`."""
+    from conveyor.server.tool_parsers import make_tool_parser
+    from conveyor.server.tools import Tools
+
+    tools = Tools.parse([{"type": "function", "function": f} for f in FUNCTIONS], "auto", True, make_tool_parser(parser))
+    assert tools is not None
+    spec = tools.constraint()
+    assert spec is not None
+    return spec
 GRAMMARS = {
     "json schema (5 properties)": StructuredOutputParams(json=SCHEMA),
     "json schema after <think>": StructuredOutputParams(json=SCHEMA, reasoning=("<think>", "</think>")),
@@ -68,6 +109,13 @@ GRAMMARS = {
     "GBNF: arithmetic": StructuredOutputParams(
         grammar='root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= factor (("*" | "/") factor)*\n'
                 'factor ::= [0-9]+ | "(" expr ")"'),
+    "GBNF: arithmetic, left-recursive": StructuredOutputParams(
+        grammar='root ::= expr\nexpr ::= expr ("+" | "-") term | term\nterm ::= term ("*" | "/") factor | factor\n'
+                'factor ::= [0-9]+ | "(" expr ")"'),
+    "Lark: JSON, %ignore WS": StructuredOutputParams(grammar=LARK_JSON),
+    "format tree: <think>, then text and 2 calls": StructuredOutputParams(structural_tag=THINK_THEN_CALLS),
+    **{f"strict tools: {parser} (2 functions)": strict_tools(parser) for parser in ("hermes", "llama3_json", "qwen3_coder",
+                                                                                     "pythonic")},
     "regex (date)": StructuredOutputParams(regex=r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"),
     "choice (3)": StructuredOutputParams(choice=("positive", "negative", "neutral")),
 }
@@ -89,6 +137,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--compile-only", action="store_true", help="the compile table alone")
     args = ap.parse_args()
 
     llm = LLM(args.model)
@@ -111,6 +160,8 @@ def main() -> None:
         else:
             shape = f"DFA: {grammar.dfa.num_states} states"
         print(f"| {name} | {shape} | {compiled * 1e3:.0f} | {(time.perf_counter() - start) * 1e3:.1f} |")
+    if args.compile_only:
+        return
 
     variants = {
         "free": None,

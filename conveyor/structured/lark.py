@@ -81,7 +81,7 @@ def parse_lark(text: str) -> dict[str, Expr]:
     if undefined:
         raise GrammarError(f"{undefined[0]!r} is used but not defined (or imported: %import common.{undefined[0]})")
     if parser.ignored:
-        rules = {name: body if _terminal(name) else _spaced(body) for name, body in rules.items()}
+        rules = {name: body if _terminal(name) else _spaced(body, parser.tokens) for name, body in rules.items()}
         rules[IGNORED] = Repeat(Alternate(tuple(parser.ignored)), 0, None)  # type: ignore[arg-type]
         rules[ROOT] = Concat((Ref(IGNORED), Ref(START), Ref(IGNORED)))  # type: ignore[arg-type]
     else:
@@ -94,19 +94,22 @@ def _terminal(name: str) -> bool:
     return name.lstrip("_")[:1].isupper()
 
 
-def _spaced(node: Expr) -> Expr:
-    """A rule's body with the ignored terminals allowed between any two of its items."""
+def _spaced(node: Expr, tokens: set[int]) -> Expr:
+    """A rule's body with the ignored terminals allowed between any two of its items (`tokens`:
+    the ids of its strings' and regular expressions' nodes, which are whole)."""
+    if id(node) in tokens:
+        return node
     if isinstance(node, Concat):
         parts: list[Expr] = []
         for p in node.parts:
             if parts:
                 parts.append(Ref(IGNORED))
-            parts.append(_spaced(p))
+            parts.append(_spaced(p, tokens))
         return Concat(tuple(parts))  # type: ignore[arg-type]
     if isinstance(node, Alternate):
-        return Alternate(tuple(_spaced(p) for p in node.options))  # type: ignore[misc]
+        return Alternate(tuple(_spaced(p, tokens) for p in node.options))  # type: ignore[misc]
     if isinstance(node, Repeat):
-        inner = _spaced(node.node)
+        inner = _spaced(node.node, tokens)
         if node.high == 1:
             return Repeat(inner, node.low, 1)  # type: ignore[arg-type]
         # x+ is x (ignored x)*: the ignored text comes between the repeats too
@@ -124,6 +127,8 @@ class _Lark:
         self.i = 0
         self.ignored: list[Expr] = []
         self.rules: dict[str, Expr] = {}
+        self.tokens: set[int] = set()  # the ids of the nodes of strings and regular expressions
+        self.keep: list[Expr] = []  # (and the nodes themselves, so that no id is reused)
 
     def fail(self, why: str) -> GrammarError:
         line = self.s.count("\n", 0, self.i) + 1
@@ -278,6 +283,12 @@ class _Lark:
             items.append(self.quantified(self.item()))
         return items[0] if len(items) == 1 else Concat(tuple(items))  # type: ignore[arg-type]
 
+    def token(self, node: Expr) -> Expr:
+        """`node`, a string's or a regular expression's: one token, which %ignore does not enter."""
+        self.tokens.add(id(node))
+        self.keep.append(node)
+        return node
+
     def item(self) -> Expr:
         if self.i >= len(self.s):
             raise self.fail("expected an item")
@@ -286,8 +297,8 @@ class _Lark:
             first = self.string()
             if re.match(r"i(?!\w)", self.s[self.i:]):  # "..."i: any case
                 self.i += 1
-                return Concat(tuple(CharSet(tuple(sorted({(ord(x), ord(x)) for x in (ch, ch.lower(), ch.upper()) if len(x) == 1})))
-                                    for ch in first))
+                return self.token(Concat(tuple(CharSet(tuple(sorted({(ord(x), ord(x)) for x in (ch, ch.lower(), ch.upper())
+                                                                    if len(x) == 1}))) for ch in first)))
             at = self.i
             self.inline_space()
             if self.s.startswith("..", self.i):  # "a".."z"
@@ -298,9 +309,9 @@ class _Lark:
                     raise self.fail("a range is two one-character strings, the first not after the second")
                 return CharSet(((ord(first), ord(last)),))
             self.i = at
-            return Concat(tuple(CharSet(((ord(ch), ord(ch)),)) for ch in first))
+            return self.token(Concat(tuple(CharSet(((ord(ch), ord(ch)),)) for ch in first)))
         if c == "/":
-            return self.regex()
+            return self.token(self.regex())
         if c in "([":
             self.i += 1
             inner = self.alternatives(nested=1)

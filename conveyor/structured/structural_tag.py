@@ -109,7 +109,8 @@ class _Compiler:
             raise GrammarError(f"{where}: {kind!r} is a token-level format, not built (conveyor's grammars are over the "
                                "output's bytes; special tokens have none)")
         if kind not in FORMATS:
-            raise GrammarError(f"{where}.type {kind!r}: not a format ({', '.join(FORMATS)})")
+            said = "no type, and its fields name no format" if "type" not in fmt else f"type {kind!r} is not a format"
+            raise GrammarError(f"{where}: {said} ({', '.join(FORMATS)})")
         self.depth += 1
         if self.depth > MAX_DEPTH:
             raise GrammarError(f"{where}: formats nested over {MAX_DEPTH} deep")

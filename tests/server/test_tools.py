@@ -242,8 +242,9 @@ def test_strict_auto_tags_only_where_asked():
     assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("mistral")).constraint() is None
 
 
-LLAMA_CALL = st.builds(
-    lambda name, args: json.dumps({"name": name, "parameters": args}),
+LLAMA_CALL = st.builds(  # the arguments in the schemas' order (the grammar's JSON keeps it)
+    lambda name, args: json.dumps({"name": name, "parameters": {k: args[k] for k in sorted(args, key=["city", "unit",
+                                                                                                     "query"].index)}}),
     st.sampled_from(["get_weather", "search", "other"]),
     st.dictionaries(st.sampled_from(["city", "query", "unit"]), st.sampled_from(["Paris", "", "celsius", "x" * 31]),
                     max_size=2),
@@ -279,8 +280,9 @@ def test_auto_with_a_strict_function_holds_llama3_json_calls_to_their_schemas(pi
 XML_ARGS = st.fixed_dictionaries({}, optional={"city": st.sampled_from(["Paris", "", "New\nYork", "a</function>"]),
                                               "unit": st.sampled_from(["celsius", "kelvin"]),
                                               "query": st.sampled_from(["x", "1"])})
-XML_CALL = st.builds(lambda name, args: make_tool_parser("qwen3_coder").write(
-    [{"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]),
+XML_CALL = st.builds(lambda name, args: make_tool_parser("qwen3_coder").write(  # arguments in the schemas' order
+    [{"type": "function", "function": {"name": name, "arguments": json.dumps(
+        {k: args[k] for k in sorted(args, key=["city", "unit", "query"].index)})}}]),
     st.sampled_from(["get_weather", "search", "other"]), XML_ARGS)
 
 

@@ -124,6 +124,7 @@ def test_the_automaton_accepts_what_lark_parses(data):
 def test_examples():
     assert automaton("json").matches('{"a": [1, 2.5, {"b": null}], "c" : true}')
     assert automaton("json").matches(" [ ] ") and not automaton("json").matches("[1,]")
+    assert not automaton("json").matches("[n ull]")  # a string is one token: nothing is ignored inside it
     assert automaton("sql (vLLM's example)").matches("SELECT col_1 from table_2 where col_2=1")
     assert automaton("arithmetic, left-recursive").matches("1 + x*(2 - ab)")
     assert automaton("terminals").matches("ab,c;bcaEnD") and not automaton("terminals").matches("abcd")
