@@ -68,15 +68,19 @@ class Ref:
 Expr = Node | Ref
 
 
+def position(text: str, i: int) -> str:
+    """Where offset `i` of `text` is, as an error says it: `line 3, column 7`."""
+    line = text.count("\n", 0, i) + 1
+    return f"line {line}, column {i - (text.rfind(chr(10), 0, i) + 1) + 1}"
+
+
 class _Parser:
     def __init__(self, text: str) -> None:
         self.s = text
         self.i = 0
 
     def fail(self, why: str) -> GrammarError:
-        line = self.s.count("\n", 0, self.i) + 1
-        col = self.i - (self.s.rfind("\n", 0, self.i) + 1) + 1
-        return GrammarError(f"grammar at line {line}, column {col}: {why}")
+        return GrammarError(f"grammar at {position(self.s, self.i)}: {why}")
 
     def space(self) -> None:
         s = self.s

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-from conveyor.structured.cfg import ROOT, Expr, Ref, _refs
+from conveyor.structured.cfg import ROOT, Expr, Ref, _refs, position
 from conveyor.structured.regex import (
     Alternate,
     CharSet,
@@ -131,9 +131,7 @@ class _Lark:
         self.keep: list[Expr] = []  # (and the nodes themselves, so that no id is reused)
 
     def fail(self, why: str) -> GrammarError:
-        line = self.s.count("\n", 0, self.i) + 1
-        col = self.i - (self.s.rfind("\n", 0, self.i) + 1) + 1
-        return GrammarError(f"Lark grammar at line {line}, column {col}: {why}")
+        return GrammarError(f"Lark grammar at {position(self.s, self.i)}: {why}")
 
     # -- layout: spaces and comments; a newline ends a definition unless `|` continues it --
     def inline_space(self) -> None:
