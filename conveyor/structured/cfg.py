@@ -68,6 +68,27 @@ class Ref:
 Expr = Node | Ref
 
 
+def read_char(text: str, i: int, lenient: bool = False) -> tuple[int, int]:
+    """The character at `text[i]`, an escape (`\\n`, `\\x41`, `\\u00e9`, ...) read whole, and where
+    the next one starts; an unknown escape is refused, or with `lenient` read as the character
+    escaped. Raises ValueError saying what is wrong."""
+    c = text[i]
+    i += 1
+    if c != "\\":
+        return ord(c), i
+    if i >= len(text):
+        raise ValueError("a lone '\\' at the end")
+    e = text[i]
+    i += 1
+    if e in "xuU":
+        return hex_escape(text, i, e)
+    if e in SIMPLE_ESCAPES:
+        return ord(SIMPLE_ESCAPES[e]), i
+    if e in "\\\"[]-^'" or lenient:
+        return ord(e), i
+    raise ValueError(f"unknown escape \\{e}")
+
+
 def position(text: str, i: int) -> str:
     """Where offset `i` of `text` is, as an error says it: `line 3, column 7`."""
     line = text.count("\n", 0, i) + 1
@@ -195,25 +216,11 @@ class _Parser:
 
     def char(self) -> int:
         """One character of a string or class, an escape read whole."""
-        c = self.s[self.i]
-        self.i += 1
-        if c != "\\":
-            return ord(c)
-        if self.i >= len(self.s):
-            raise self.fail("a lone '\\' at the end")
-        e = self.s[self.i]
-        self.i += 1
-        if e in "xuU":
-            try:
-                v, self.i = hex_escape(self.s, self.i, e)
-            except ValueError as err:
-                raise self.fail(str(err)) from None
-            return v
-        if e in SIMPLE_ESCAPES:
-            return ord(SIMPLE_ESCAPES[e])
-        if e in "\\\"[]-^'":
-            return ord(e)
-        raise self.fail(f"unknown escape \\{e}")
+        try:
+            cp, self.i = read_char(self.s, self.i)
+        except ValueError as e:
+            raise self.fail(str(e)) from None
+        return cp
 
     def char_class(self) -> list[tuple[int, int]]:
         negated = self.i < len(self.s) and self.s[self.i] == "^"

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import re
 
-from conveyor.structured.cfg import ROOT, Expr, Ref, _refs, position
+from conveyor.structured.cfg import ROOT, Expr, Ref, _refs, position, read_char
 from conveyor.structured.regex import (
     Alternate,
     CharSet,
     Concat,
     GrammarError,
     Repeat,
-    hex_escape,
     parse,
 )
 
@@ -330,25 +329,14 @@ class _Lark:
         while True:
             if self.i >= len(self.s) or self.s[self.i] == "\n":
                 raise self.fail("unterminated string")
-            c = self.s[self.i]
-            self.i += 1
-            if c == '"':
+            if self.s[self.i] == '"':
+                self.i += 1
                 return "".join(out)
-            if c != "\\":
-                out.append(c)
-                continue
-            if self.i >= len(self.s):
-                raise self.fail("a lone '\\' at the end")
-            e = self.s[self.i]
-            self.i += 1
-            if e in "xuU":
-                try:
-                    v, self.i = hex_escape(self.s, self.i, e)
-                except ValueError as err:
-                    raise self.fail(str(err)) from None
-                out.append(chr(v))
-            else:
-                out.append({"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}.get(e, e))
+            try:
+                cp, self.i = read_char(self.s, self.i, lenient=True)
+            except ValueError as e:
+                raise self.fail(str(e)) from None
+            out.append(chr(cp))
 
     def regex(self) -> Expr:
         start = self.i
