@@ -362,6 +362,59 @@ class JambaParser(_TaggedJsonParser):
     OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
 
 
+@_PARSERS.register("hunyuan_a13b")
+class HunyuanA13BParser(JambaParser):
+    """Tencent Hunyuan-A13B: `<tool_calls>[{"name": ..., "arguments": ...}]</tool_calls>`, as Jamba."""
+
+
+@_PARSERS.register("xlam")
+class XLamParser(ToolParser):
+    """Salesforce xLAM: a JSON list of `{"name", "arguments"}` calls, the whole output, or in a
+    ```` ```json ```` fence with text around it; read when the output ends, or the fence closes."""
+
+    FENCE, CLOSE = "```json", "```"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = text.find(self.FENCE)
+        if start >= 0:
+            end = text.find(self.CLOSE, start + len(self.FENCE))
+            if end < 0:
+                return (text, [], len(text)) if final else (text[:start], [], start)
+            calls = self._list(text[start + len(self.FENCE) : end])
+            if calls is None:
+                return text, [], len(text)
+            return text[:start] + text[end + len(self.CLOSE) :], calls, len(text)
+        body = text.strip()
+        if body.startswith("["):
+            if not final:
+                return "", [], 0  # a list is read whole
+            calls = self._list(body)
+            return ("", calls, len(text)) if calls else (text, [], len(text))
+        if not final and not body:
+            return "", [], 0
+        keep = 0 if final else partial_suffix(text, self.FENCE)
+        return text[: len(text) - keep], [], len(text) - keep
+
+    @staticmethod
+    def _list(text: str) -> list[Call] | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        return _calls_of(value, "arguments") if isinstance(value, list) else None
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            'To call them, reply with only a JSON list of {"name": <function name>, "arguments": <an object of '
+            "arguments>}, one item per call. Otherwise answer in plain text."
+        )
+
+    def write(self, calls: list[Call]) -> str:
+        return json.dumps([{"name": c["function"]["name"], "arguments": arguments_object(c["function"].get("arguments"))}
+                           for c in calls], ensure_ascii=False)
+
+
 @_PARSERS.register("minimax")
 class MiniMaxParser(_TaggedJsonParser):
     """MiniMax-M1: `<tool_calls>` and one `{"name": ..., "arguments": ...}` object a line,
@@ -690,9 +743,9 @@ class Qwen3CoderParser(ToolParser):
         return (
             "# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
             f"{_tools_listing(tools)}\n</tools>\n\n"
-            "If you choose to call a function, reply in the following format:\n\n<tool_call>\n"
+            f"If you choose to call a function, reply in the following format:\n\n{self.OPEN}\n"
             "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
-            "</function>\n</tool_call>\n\nOtherwise answer in plain text."
+            f"</function>\n{self.CLOSE}\n\nOtherwise answer in plain text."
         )
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
@@ -711,6 +764,16 @@ class Qwen3CoderParser(ToolParser):
             return f"{self.OPEN}\n<function={c['function']['name']}>\n{params}</function>\n{self.CLOSE}"
 
         return "\n".join(one(c) for c in calls)
+
+
+@_PARSERS.register("seed_oss")
+class SeedOssParser(Qwen3CoderParser):
+    """ByteDance Seed-OSS: Qwen3-Coder's XML calls in `<seed:tool_call>` blocks."""
+
+    OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        return None  # (its markers may be special tokens of Seed-OSS's tokenizer: not built)
 
 
 @_PARSERS.register("glm45")

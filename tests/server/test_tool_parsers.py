@@ -22,13 +22,13 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "glm45", "granite", "hermes", "internlm", "jamba", "kimi_k2", "llama3_json", "minimax", "mistral",
-           "openai", "phi4_mini_json", "pythonic", "qwen3_coder"]
+PARSERS = ["deepseek_v3", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2", "llama3_json",
+           "minimax", "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder", "seed_oss", "xlam"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use deepseek_v3, glm45, granite, hermes, internlm"):
+    with pytest.raises(ConfigError, match="use deepseek_v3, glm45, granite, hermes, hunyuan_a13b, internlm"):
         ServerConfig(tool_call_parser="granite-20b-fc")
 
 
@@ -146,7 +146,7 @@ def test_llama3_json_calls_and_content():
     assert content == "and then some words" and named(calls) == [("a", {})]
 
 
-def test_granite_jamba_minimax_internlm_and_phi4_mini_calls():
+def test_granite_jamba_hunyuan_minimax_internlm_seed_oss_xlam_and_phi4_mini_calls():
     """Each family's own form, the text around it, and what is not a call."""
     granite = make_tool_parser("granite")
     for tag in ("<|tool_call|>", "<tool_call>"):
@@ -167,6 +167,17 @@ def test_granite_jamba_minimax_internlm_and_phi4_mini_calls():
     content, calls = internlm.parse('I will search.<|action_start|><|plugin|>\n{"name": "search", "parameters": '
                                     '{"query": "x"}}<|action_end|>')
     assert content == "I will search." and named(calls) == [("search", {"query": "x"})]
+    hunyuan = make_tool_parser("hunyuan_a13b")
+    assert named(hunyuan.parse('<tool_calls>[{"name": "a", "arguments": {"x": 1}}]</tool_calls>')[1]) == [("a", {"x": 1})]
+    seed = make_tool_parser("seed_oss")
+    content, calls = seed.parse("Checking.<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                                "</parameter>\n</function>\n</seed:tool_call>")
+    assert content == "Checking." and named(calls) == [("get_weather", {"city": "Paris"})]
+    xlam = make_tool_parser("xlam")
+    assert named(xlam.parse('[{"name": "a", "arguments": {"q": "x"}}]')[1]) == [("a", {"q": "x"})]
+    content, calls = xlam.parse('Here:\n```json\n[{"name": "b", "arguments": {}}]\n``` done')
+    assert content == "Here:\n done" and named(calls) == [("b", {})]
+    assert xlam.parse("[1, 2]") == ("[1, 2]", []) and xlam.parse("plain") == ("plain", [])
     phi = make_tool_parser("phi4_mini_json")
     content, calls = phi.parse('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert content is None and named(calls) == [("get_weather", {"city": "Oslo"})]
