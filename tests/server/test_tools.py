@@ -346,6 +346,36 @@ def test_auto_with_a_strict_function_holds_pythonic_calls_to_their_schemas(calls
         assert automaton.matches(written), written
 
 
+PHI_LIST = st.lists(LLAMA_CALL.map(lambda c: c.replace('"parameters"', '"arguments"')), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["", "Let me check. ", "functools"]), st.lists(PHI_LIST, min_size=1, max_size=2),
+       st.sampled_from(["", " ok", "]"]), st.booleans())
+def test_auto_with_a_strict_function_holds_phi4_mini_calls_to_their_schemas(before, lists, after, parallel):
+    """Under `phi4_mini_json`: what the automaton allows, the parser reads as text and one call
+    list, each call of a listed function with arguments its parameters allow (one where
+    `parallel_tool_calls` is false), and nothing after the list; a valid list after text is
+    allowed."""
+    parser = make_tool_parser("phi4_mini_json")
+    automaton = strict_automaton("phi4_mini_json", parallel)
+    written = ["functools[" + ", ".join(items) + "]" for items in lists]
+    text = before + " and ".join(written) + after
+    _, calls = parser.parse(text)
+    weather = strict(WEATHER)["function"]["parameters"]
+
+    def valid(item: str) -> bool:
+        call = json.loads(item)
+        return call["name"] == "search" or (call["name"] == "get_weather"
+                                            and jsonschema.Draft202012Validator(weather).is_valid(call["arguments"]))
+
+    if automaton.matches(text):
+        assert len(lists) == 1 and not after and len(calls) == len(lists[0]) and (parallel or len(calls) == 1), text
+        assert all(valid(item) for item in lists[0]), text
+    elif len(lists) == 1 and not after and all(valid(item) for item in lists[0]) and (parallel or len(lists[0]) == 1):
+        raise AssertionError(f"a valid list refused: {text!r}")
+
+
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
