@@ -115,7 +115,7 @@ GRAMMARS = {
     "Lark: JSON, %ignore WS": StructuredOutputParams(grammar=LARK_JSON),
     "format tree: <think>, then text and 2 calls": StructuredOutputParams(structural_tag=THINK_THEN_CALLS),
     **{f"strict tools: {parser} (2 functions)": strict_tools(parser) for parser in ("hermes", "llama3_json", "qwen3_coder",
-                                                                                     "pythonic")},
+                                                                                     "pythonic", "phi4_mini_json")},
     "regex (date)": StructuredOutputParams(regex=r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"),
     "choice (3)": StructuredOutputParams(choice=("positive", "negative", "neutral")),
 }
