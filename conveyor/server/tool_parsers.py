@@ -643,17 +643,6 @@ class MistralParser(ToolParser):
             "Otherwise answer in plain text."
         )
 
-    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
-        """Text, and at most one `functools[...]` (the one `scan` reads), its calls
-        `{"name": ..., "arguments": ...}` with the arguments in their schema, separated by `, `
-        (one where `parallel` is false); the output ends with the list."""
-        calls = {"type": "tags_with_separator", "separator": ", ", "at_least_one": True, "stop_after_first": not parallel,
-                 "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "arguments": ', "end": "}",
-                           "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}
-        start = self.TAG + "["
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [start], "stop_after_first": True,
-                                                      "tags": [{"type": "tag", "begin": start, "content": calls, "end": "]"}]}}
-
     def write(self, calls: list[Call]) -> str:
         return self.TAG + json.dumps([{"name": c["function"]["name"],
                                        "arguments": arguments_object(c["function"].get("arguments"))}

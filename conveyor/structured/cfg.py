@@ -416,10 +416,24 @@ def compile_grammar(text: str) -> ByteDFA | Pushdown:
 
 
 def compile_rules(rules: dict[str, Expr], root: str = ROOT) -> ByteDFA | Pushdown:
-    """The automaton of rules starting at `root` (each reference defined)."""
+    """The automaton of rules starting at `root` (each reference defined).
+
+    A rule no cycle leads back to is inlined, unless the whole would then be too large: then
+    every rule stays a frame of a pushdown automaton, its own DFA called where it is used, so
+    that many alternatives add up instead of multiplying in one DFA's subset construction (a
+    structural tag holding the schemas of 30 strict tools)."""
     rules = without_left_recursion(rules)
+    try:
+        return _compile_rules(rules, root, set())
+    except GrammarError as e:
+        if "too large" not in str(e) or len(rules) == 1:
+            raise
+        return _compile_rules(rules, root, set(rules))
+
+
+def _compile_rules(rules: dict[str, Expr], root: str, kept: set[str]) -> ByteDFA | Pushdown:
     reachable = _reachable(rules, root)
-    recursive = _recursive(rules, reachable)
+    recursive = _recursive(rules, reachable) | (kept & reachable)
     frames = [root, *sorted(recursive - {root})]
     index = {name: k for k, name in enumerate(frames)}
     inlined: dict[str, Node] = {}

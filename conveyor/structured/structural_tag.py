@@ -99,6 +99,7 @@ class _Compiler:
         self.rules: dict[str, Expr] = {}
         self.depth = 0
         self.adopted = 0
+        self.seen: dict[tuple[str, ...], Expr] = {}  # each schema's rules, adopted once however often used
 
     def format(self, fmt: Any, where: str, stop: Stop) -> Expr:
         """`fmt`'s text, followed by one of `stop` (the enclosing tag's ends) where given."""
@@ -132,11 +133,14 @@ class _Compiler:
         if "json_schema" not in fmt:
             raise GrammarError(f"{where} needs json_schema")
         schema = fmt["json_schema"]
-        try:
-            rules = schema_to_rules(schema) if style == "json" else qwen_xml_rules(schema)
-        except GrammarError as e:
-            raise GrammarError(f"{_path(fmt, where + '.json_schema')}: {e}") from None
-        return _then(self._adopt(rules), stop)
+        key = ("json_schema", style, json.dumps(schema, sort_keys=True))
+        if key not in self.seen:
+            try:
+                rules = schema_to_rules(schema) if style == "json" else qwen_xml_rules(schema)
+            except GrammarError as e:
+                raise GrammarError(f"{_path(fmt, where + '.json_schema')}: {e}") from None
+            self.seen[key] = self._adopt(rules)
+        return _then(self.seen[key], stop)
 
     def _grammar(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         try:

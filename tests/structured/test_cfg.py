@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 from conveyor import InvalidRequestError, StructuredOutputParams
 from conveyor.structured import GrammarError, compile_automaton
-from conveyor.structured.cfg import Config, Pushdown, compile_grammar, parse_grammar
+from conveyor.structured.cfg import (
+    Config,
+    Pushdown,
+    _compile_rules,
+    _reachable,
+    compile_grammar,
+    parse_grammar,
+    without_left_recursion,
+)
 from conveyor.structured.grammar import PushdownGrammar, TokenVocab
 from conveyor.structured.regex import ByteDFA
 
@@ -199,6 +207,40 @@ def _depth(stack) -> int:
     while stack is not None:
         n, stack = n + 1, stack[2]
     return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_every_rule_a_frame_accepts_the_same_language(data):
+    """What `compile_rules` falls back to when inlining makes a DFA too large: every rule its own
+    frame. The same texts and prefixes as the reference."""
+    name = data.draw(st.sampled_from(sorted(LANGUAGES)))
+    gbnf, pattern, alphabet = LANGUAGES[name]
+    rules = without_left_recursion(parse_grammar(gbnf))
+    pda = _compile_rules(rules, "root", set(rules))
+    assert isinstance(pda, Pushdown) and len(pda.names) == len(_reachable(rules))
+    grammar = PushdownGrammar(pda, byte_vocab([]), torch.device("cpu"))
+    text = data.draw(st.text(alphabet=alphabet, max_size=14))
+    state = read(grammar, text)
+    prefix, whole = reference(pattern, text)
+    assert bool(state) == prefix and (bool(state) and state.accepting) == whole, (name, text)
+
+
+def test_a_grammar_too_large_to_inline_compiles_with_its_rules_as_frames():
+    """Thirty strict tools, each a schema with a bounded string: one DFA would pass the state
+    limit, so each schema stays a frame; the calls still hold to their schemas."""
+    from conveyor.server.tool_parsers import make_tool_parser
+    from conveyor.server.tools import Tools
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "strict": True, "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}},
+        "required": [f"p{i}"], "additionalProperties": False}}} for i in range(30)]
+    spec = Tools.parse(tools, "auto", True, make_tool_parser("hermes")).constraint()
+    pda = compile_automaton(spec)
+    assert isinstance(pda, Pushdown) and len(pda.names) > 30
+    assert pda.matches('Sure. <tool_call>\n{"name": "f7", "arguments": {"p7": "x", "n": 2}}\n</tool_call> ok')
+    assert not pda.matches('<tool_call>{"name": "f7", "arguments": {"p8": "x"}}</tool_call>')
+    assert not pda.matches('<tool_call>{"name": "f7", "arguments": {"p7": "' + "x" * 41 + '"}}</tool_call>')
 
 
 def test_left_recursion_is_rewritten_as_repetition():
