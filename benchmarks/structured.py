@@ -22,6 +22,7 @@
 
     python benchmarks/structured.py --batch 1 8 --rounds 3
     python benchmarks/structured.py --compile-only
+    python benchmarks/structured.py --strict-tools 10 30
 """
 
 from __future__ import annotations
@@ -138,7 +139,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--compile-only", action="store_true", help="the compile table alone")
+    ap.add_argument("--strict-tools", type=int, nargs="+", default=None, metavar="N",
+                    help="only compile the strict-tool constraints of N distinct functions per parser")
     args = ap.parse_args()
+    if args.strict_tools:
+        many_strict_tools(args.strict_tools)
+        return
 
     llm = LLM(args.model)
     engine = llm.engine
@@ -205,6 +211,36 @@ def main() -> None:
 
 
     deep_walk(llm)
+
+
+def many_strict_tools(counts: list[int]) -> None:
+    """Compile time of `tool_choice="auto"` over N strict functions, each of 4 parameters (its own
+    string property, bounded to 40 characters or not, an enum, a bounded integer, a list)."""
+    from conveyor.server.tool_parsers import make_tool_parser
+    from conveyor.server.tools import Tools
+    from conveyor.structured import compile_automaton
+
+    def function(i: int, bounded: bool) -> dict:
+        text = {"type": "string", **({"maxLength": 40} if bounded else {})}
+        return {"type": "function", "function": {"name": f"tool_{i}", "strict": True, "parameters": {
+            "type": "object", "properties": {f"city_{i}": text, "unit": {"enum": ["celsius", "fahrenheit"]},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                             "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": [f"city_{i}"], "additionalProperties": False}}}
+
+    print("| functions | strings | parser | compile (ms) | automaton |")
+    print("|---:|---|---|---:|---|")
+    for n in counts:
+        for bounded in (False, True):
+            for parser in ("hermes", "llama3_json", "qwen3_coder", "pythonic", "phi4_mini_json"):
+                tools = Tools.parse([function(i, bounded) for i in range(n)], "auto", True, make_tool_parser(parser))
+                assert tools is not None
+                start = time.perf_counter()
+                automaton = compile_automaton(tools.constraint())
+                took = (time.perf_counter() - start) * 1e3
+                shape = (f"pushdown: {len(automaton.names)} rules" if isinstance(automaton, Pushdown)
+                         else f"DFA: {automaton.num_states} states")
+                print(f"| {n} | {'maxLength 40' if bounded else 'free'} | {parser} | {took:.0f} | {shape} |", flush=True)
 
 
 def deep_walk(llm: LLM) -> None:
