@@ -9,6 +9,7 @@ could still turn into a stop string.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -69,6 +70,18 @@ class Tokenizer:
             return stream.step(backend, token_id)
 
         return step
+
+    def writes_as_text(self, text: str) -> bool:
+        """Whether `text` encodes to ordinary tokens only (no special token, which a grammar over
+        the output's bytes cannot write: conveyor/structured/grammar.py's `token_bytes`)."""
+        special = self._special_ids
+        return not any(t in special for t in self.hf.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        hf = self.hf
+        added = getattr(hf, "added_tokens_decoder", {}) or {}
+        return frozenset(hf.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

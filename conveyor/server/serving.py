@@ -18,7 +18,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -686,11 +686,17 @@ class ChatCompletionHandler(_Handler):
             raise InvalidRequestError(f"top_logprobs={b.top_logprobs}: must be in [0, 20]", param="top_logprobs")
         self.tools  # noqa: B018 (parsed now: bad tools are the request's error)
 
+    @property
+    def writable(self) -> Callable[[str], bool] | None:
+        """Whether a text is ordinary tokens of the served tokenizer (a strict tool tag's markers
+        must be, to be written under a grammar)."""
+        return None if self.tokenizer is None else self.tokenizer.writes_as_text
+
     @functools.cached_property
     def tools(self) -> Tools | None:
         b = self.body
         tools = Tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls, self.state.tool_parser)
-        if tools is not None and self.requested_outputs is not None and tools.constraint() is not None:
+        if tools is not None and self.requested_outputs is not None and tools.constraint(self.writable) is not None:
             raise InvalidRequestError(
                 f"tool_choice {b.tool_choice or 'auto'!r} holds the output to the tools' schemas"
                 + (" (a strict function)" if tools.choice == "auto" else "")
@@ -704,7 +710,7 @@ class ChatCompletionHandler(_Handler):
         under a reasoning parser of tags, it holds the answer after the thinking block as the
         parser reads it (`StructuredOutputParams.reasoning`)."""
         tools = self.tools
-        constraint = tools.constraint() if tools is not None else None
+        constraint = tools.constraint(self.writable) if tools is not None else None
         spec = constraint if constraint is not None else self.requested_outputs
         parser = self.state.config.reasoning_parser
         if spec is not None and parser in TAGS:

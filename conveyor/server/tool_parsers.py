@@ -121,6 +121,10 @@ class ToolParser(ABC):
     @abstractmethod
     def write(self, calls: list[Call]) -> str: ...
 
+    # The texts a strict tag writes that a tokenizer may hold as special tokens: where one is, a
+    # grammar over bytes would keep the model from writing it, so no tag holds the calls.
+    MARKERS: ClassVar[tuple[str, ...]] = ()
+
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """The structural tag that holds this format's calls to their functions' parameters
         under `tool_choice="auto"` with a strict function (`held_parameters`), one call at most
@@ -136,6 +140,17 @@ class ToolParser(ABC):
 
 
 _PARSERS: Registry[ToolParser] = Registry("tool call parser")
+
+
+def json_calls_tag(functions: list[dict[str, Any]], parallel: bool, separator: str, args_key: str = "arguments",
+                   begin: str = "", end: str = "") -> dict[str, Any]:
+    """A `tags_with_separator` format of `{"name": ..., args_key: ...}` calls, one per function
+    whose arguments hold to `held_parameters`, the first opened by `begin` and the last closed
+    by `end`; one call where `parallel` is false."""
+    return {"type": "tag", "begin": begin, "end": end, "content": {
+        "type": "tags_with_separator", "separator": separator, "at_least_one": True, "stop_after_first": not parallel,
+        "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "{args_key}": ', "end": "}",
+                  "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}}
 
 
 def held_parameters(function: dict[str, Any]) -> Any:
@@ -261,6 +276,7 @@ def _object_args(call: Call) -> dict[str, Any] | None:
 @_PARSERS.register("hermes")
 class HermesParser(ToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    MARKERS = (OPEN, CLOSE)
 
     def scan(self, text: str, final: bool) -> Scan:
         return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
@@ -340,6 +356,17 @@ class _TaggedJsonParser(ToolParser):
         calls, end, _ = _json_calls(inner, 0, True, "", self.ARGS)
         return calls if calls and not inner[end:].strip() else None
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text, and blocks of calls held to their schemas (one block of one call where
+        `parallel` is false), as `write` writes them."""
+        block = json_calls_tag(functions, parallel, *self.list_form())
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN], "tags": [block],
+                                                      "stop_after_first": not parallel}}
+
+    def list_form(self) -> tuple[str, str, str, str]:
+        """(separator, the arguments' key, a block's start, its end) of `strict_tag`."""
+        return ", ", self.ARGS, self.OPEN + "[", "]" + self.CLOSE
+
     def prompt(self, tools: list[dict[str, Any]]) -> str:
         return (
             f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
@@ -360,6 +387,7 @@ class JambaParser(_TaggedJsonParser):
     """AI21's Jamba: `<tool_calls>[{"name": ..., "arguments": ...}]</tool_calls>`."""
 
     OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
+    MARKERS = (OPEN, CLOSE)
 
 
 @_PARSERS.register("hunyuan_a13b")
@@ -421,6 +449,10 @@ class MiniMaxParser(_TaggedJsonParser):
     `</tool_calls>`."""
 
     OPEN, CLOSE = "<tool_calls>\n", "\n</tool_calls>"
+    MARKERS = ("<tool_calls>", "</tool_calls>")
+
+    def list_form(self) -> tuple[str, str, str, str]:
+        return "\n", self.ARGS, self.OPEN, self.CLOSE
 
     def example(self) -> str:
         return '{"name": <function name>, "arguments": <an object of arguments>}\n... (one object a line)'
@@ -437,6 +469,14 @@ class InternLMParser(_TaggedJsonParser):
     `<|action_end|>`, a block a call."""
 
     OPEN, CLOSE, ARGS = "<|action_start|><|plugin|>\n", "<|action_end|>", "parameters"
+    MARKERS = ("<|action_start|>", "<|plugin|>", "<|action_end|>")
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text, and blocks of one call each held to its schema (one block where `parallel` is
+        false)."""
+        call = json_calls_tag(functions, False, "", self.ARGS, self.OPEN, self.CLOSE)
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN], "tags": [call],
+                                                      "stop_after_first": not parallel}}
 
     def example(self) -> str:
         return '{"name": <function name>, "parameters": <an object of arguments>}'
@@ -492,6 +532,7 @@ class Phi4MiniJsonParser(ToolParser):
     """Phi-4-mini: `functools[{"name": ..., "arguments": ...}, ...]`, text around it."""
 
     TAG = "functools"
+    MARKERS = (TAG,)
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.TAG + "[")
@@ -585,6 +626,14 @@ class Llama3JsonParser(ToolParser):
 @_PARSERS.register("mistral")
 class MistralParser(ToolParser):
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    MARKERS = (TAG,)
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text, then at most one `[TOOL_CALLS]` and its JSON list of calls held to their
+        schemas (the v3 form, as `write` writes it), and nothing after it."""
+        calls = json_calls_tag(functions, parallel, ", ", "arguments", self.TAG + "[", "]")
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.TAG], "tags": [calls],
+                                                      "stop_after_first": True}}
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.TAG)
@@ -728,6 +777,7 @@ def _only_space_between(text: str, spans: list[tuple[int, int]]) -> bool:
 @_PARSERS.register("qwen3_coder")
 class Qwen3CoderParser(ToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    MARKERS = (OPEN, CLOSE, "<function=", "</function>", "<parameter=", "</parameter>")
     _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 

@@ -23,6 +23,7 @@ import contextlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,14 +111,15 @@ class Tools:
         return self.parser.prompt(self.template_tools())
 
     # -- the output ----------------------------------------------------------------------------
-    def constraint(self) -> StructuredOutputParams | None:
+    def constraint(self, writable: Callable[[str], bool] | None = None) -> StructuredOutputParams | None:
         """What the output is held to: a call list ("required"), one function's arguments
         (named), with "auto" and a strict function, the parser's structural tag (its format's
-        free text, and calls held to their functions' schemas: `hermes`, as vLLM's, and
-        `llama3_json`), or nothing."""
+        free text, and calls held to their functions' schemas; `hermes` as vLLM's), or nothing:
+        also where `writable` (the served tokenizer's) says one of the tag's markers is a special
+        token, which a grammar over bytes would keep the model from writing."""
         if self.choice == "auto" and any(f.get("strict") is True for f in self.functions):
             tag = self.parser.strict_tag(list(self.functions), self.parallel)
-            if tag is not None:
+            if tag is not None and (writable is None or all(writable(m) for m in self.parser.MARKERS)):
                 return StructuredOutputParams(structural_tag=tag)
         if self.choice == "named":
             fn = next(f for f in self.functions if f["name"] == self.named)

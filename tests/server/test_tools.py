@@ -376,6 +376,65 @@ def test_auto_with_a_strict_function_holds_phi4_mini_calls_to_their_schemas(befo
         raise AssertionError(f"a valid list refused: {text!r}")
 
 
+BLOCK_PARSERS = ["mistral", "jamba", "hunyuan_a13b", "minimax", "internlm"]
+JSON_ARGS = st.fixed_dictionaries({}, optional={"city": st.sampled_from(["Paris", "", "x" * 31, 3]),
+                                               "unit": st.sampled_from(["celsius", "kelvin"]),
+                                               "query": st.sampled_from(["x", 1])})
+JSON_CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "search", "other"]), JSON_ARGS), min_size=1, max_size=3)
+
+
+@pytest.mark.parametrize("parser_name", BLOCK_PARSERS)
+@settings(max_examples=120, deadline=None)
+@given(blocks=st.lists(JSON_CALLS, min_size=1, max_size=2), before=st.sampled_from(["", "Let me look. "]),
+       after=st.sampled_from(["", " Done."]), parallel=st.booleans())
+def test_auto_with_a_strict_function_holds_json_block_calls_to_their_schemas(parser_name, blocks, before, after,
+                                                                           parallel):
+    """Under the parsers whose calls are JSON in marked blocks: what the automaton allows, the
+    parser reads as calls of listed functions with arguments their parameters allow (one call
+    where `parallel_tool_calls` is false); and text then a valid block as the parser writes it
+    is allowed."""
+    parser = make_tool_parser(parser_name)
+    automaton = strict_automaton(parser_name, parallel)
+    order = ["city", "unit", "query"]
+    written = [parser.write([{"type": "function", "function": {
+        "name": n, "arguments": json.dumps({k: a[k] for k in sorted(a, key=order.index)})}} for n, a in calls])
+        for calls in blocks]
+    text = before + " ".join(written) + after
+    weather = strict(WEATHER)["function"]["parameters"]
+
+    def valid(name: str, args: dict) -> bool:
+        return name == "search" or (name == "get_weather" and jsonschema.Draft202012Validator(weather).is_valid(args))
+
+    if automaton.matches(text):
+        _, got = parser.parse(text)
+        assert got and (parallel or len(got) == 1), text
+        assert all(valid(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got), text
+    first = blocks[0]
+    if all(valid(n, a) for n, a in first) and (parallel or len(first) == 1):
+        assert automaton.matches(before + written[0]), written[0]
+
+
+def test_no_strict_tag_where_the_tokenizer_holds_a_marker_as_a_special_token(tmp_path):
+    """A grammar over bytes cannot write a special token: where the served tokenizer holds one
+    of the tag's markers as one, the calls stay free (as without a strict function)."""
+    from transformers import AutoTokenizer
+
+    from conveyor.tokenizer import Tokenizer
+    from tests.conftest import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    hf.add_tokens(["<tool_call>", "</tool_call>"])  # added, but ordinary text
+    tok = Tokenizer(hf)
+    assert not tok.writes_as_text("[TOOL_CALLS]") and not tok.writes_as_text("w4 [TOOL_CALLS] w5")
+    assert tok.writes_as_text("<tool_call>") and tok.writes_as_text("w4 w5")  # (its words are w4, w5, ...)
+    for name, held in (("mistral", False), ("hermes", True), ("llama3_json", True)):
+        tools = Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser(name))
+        assert tools is not None and tools.constraint() is not None  # no tokenizer said: the tag
+        assert (tools.constraint(tok.writes_as_text) is not None) == held, name
+
+
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
