@@ -239,7 +239,7 @@ def test_strict_auto_tags_only_where_asked():
     assert one is not None and compile_automaton(one).matches(call) and not compile_automaton(one).matches(call + call)
     many = compile_automaton(Tools.parse([strict(WEATHER)], "auto", True).constraint())
     assert many.matches(f"First {call}, then {call}.") and not many.matches(call.replace("Paris", "x" * 31))
-    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("mistral")).constraint() is None
+    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("kimi_k2")).constraint() is None
 
 
 LLAMA_CALL = st.builds(  # the arguments in the schemas' order (the grammar's JSON keeps it)
