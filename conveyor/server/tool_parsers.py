@@ -142,6 +142,11 @@ class ToolParser(ABC):
 _PARSERS: Registry[ToolParser] = Registry("tool call parser")
 
 
+def call_items(calls: list[Call], args_key: str = "arguments") -> list[dict[str, Any]]:
+    """Calls as the `{"name": ..., args_key: {...}}` objects the JSON formats write."""
+    return [{"name": c["function"]["name"], args_key: arguments_object(c["function"].get("arguments"))} for c in calls]
+
+
 def json_calls_tag(functions: list[dict[str, Any]], parallel: bool, separator: str, args_key: str = "arguments",
                    begin: str = "", end: str = "") -> dict[str, Any]:
     """A `tags_with_separator` format of `{"name": ..., args_key: ...}` calls, one per function
@@ -378,8 +383,7 @@ class _TaggedJsonParser(ToolParser):
         return f'[{{"name": <function name>, "{self.ARGS}": <an object of arguments>}}]'
 
     def write(self, calls: list[Call]) -> str:
-        items = [{"name": c["function"]["name"], self.ARGS: arguments_object(c["function"].get("arguments"))} for c in calls]
-        return f"{self.OPEN}{json.dumps(items, ensure_ascii=False)}{self.CLOSE}"
+        return f"{self.OPEN}{json.dumps(call_items(calls, self.ARGS), ensure_ascii=False)}{self.CLOSE}"
 
 
 @_PARSERS.register("jamba")
@@ -439,8 +443,7 @@ class XLamParser(ToolParser):
         )
 
     def write(self, calls: list[Call]) -> str:
-        return json.dumps([{"name": c["function"]["name"], "arguments": arguments_object(c["function"].get("arguments"))}
-                           for c in calls], ensure_ascii=False)
+        return json.dumps(call_items(calls), ensure_ascii=False)
 
 
 @_PARSERS.register("minimax")
@@ -522,9 +525,7 @@ class GraniteParser(ToolParser):
         )
 
     def write(self, calls: list[Call]) -> str:
-        return self.TAGS[0] + json.dumps([{"name": c["function"]["name"],
-                                           "arguments": arguments_object(c["function"].get("arguments"))}
-                                          for c in calls], ensure_ascii=False)
+        return self.TAGS[0] + json.dumps(call_items(calls), ensure_ascii=False)
 
 
 @_PARSERS.register("phi4_mini_json")
@@ -559,17 +560,13 @@ class Phi4MiniJsonParser(ToolParser):
         """Text, and at most one `functools[...]` (the one `scan` reads), its calls
         `{"name": ..., "arguments": ...}` with the arguments in their schema, separated by `, `
         (one where `parallel` is false); the output ends with the list."""
-        calls = {"type": "tags_with_separator", "separator": ", ", "at_least_one": True, "stop_after_first": not parallel,
-                 "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "arguments": ', "end": "}",
-                           "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}
         start = self.TAG + "["
+        calls = json_calls_tag(functions, parallel, ", ", "arguments", start, "]")
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [start], "stop_after_first": True,
-                                                      "tags": [{"type": "tag", "begin": start, "content": calls, "end": "]"}]}}
+                                                      "tags": [calls]}}
 
     def write(self, calls: list[Call]) -> str:
-        return self.TAG + json.dumps([{"name": c["function"]["name"],
-                                       "arguments": arguments_object(c["function"].get("arguments"))}
-                                      for c in calls], ensure_ascii=False)
+        return self.TAG + json.dumps(call_items(calls), ensure_ascii=False)
 
 
 @_PARSERS.register("llama3_json")
@@ -693,9 +690,7 @@ class MistralParser(ToolParser):
         )
 
     def write(self, calls: list[Call]) -> str:
-        return self.TAG + json.dumps([{"name": c["function"]["name"],
-                                       "arguments": arguments_object(c["function"].get("arguments"))}
-                                      for c in calls], ensure_ascii=False)
+        return self.TAG + json.dumps(call_items(calls), ensure_ascii=False)
 
 
 @_PARSERS.register("pythonic")
