@@ -352,7 +352,6 @@ class _TaggedJsonParser(ToolParser):
     OPEN: ClassVar[str]
     CLOSE: ClassVar[str]
     ARGS: ClassVar[str] = "arguments"
-    WHAT: ClassVar[str] = "a JSON list of"
 
     def scan(self, text: str, final: bool) -> Scan:
         return _blocks(text, final, self.OPEN, self.CLOSE, self._read)
@@ -461,9 +460,7 @@ class MiniMaxParser(_TaggedJsonParser):
         return '{"name": <function name>, "arguments": <an object of arguments>}\n... (one object a line)'
 
     def write(self, calls: list[Call]) -> str:
-        lines = [json.dumps({"name": c["function"]["name"], "arguments": arguments_object(c["function"].get("arguments"))},
-                            ensure_ascii=False) for c in calls]
-        return self.OPEN + "\n".join(lines) + self.CLOSE
+        return self.OPEN + "\n".join(json.dumps(item, ensure_ascii=False) for item in call_items(calls)) + self.CLOSE
 
 
 @_PARSERS.register("internlm")
@@ -485,9 +482,7 @@ class InternLMParser(_TaggedJsonParser):
         return '{"name": <function name>, "parameters": <an object of arguments>}'
 
     def write(self, calls: list[Call]) -> str:
-        return "".join(
-            f"{self.OPEN}{json.dumps({'name': c['function']['name'], 'parameters': arguments_object(c['function'].get('arguments'))}, ensure_ascii=False)}{self.CLOSE}"
-            for c in calls)
+        return "".join(f"{self.OPEN}{json.dumps(item, ensure_ascii=False)}{self.CLOSE}" for item in call_items(calls, self.ARGS))
 
 
 @_PARSERS.register("granite")
@@ -605,9 +600,7 @@ class Llama3JsonParser(ToolParser):
         """Text whose first character past any whitespace is not `{` (content, as `scan` reads
         it), or only calls: `{"name": ..., "parameters": ...}` objects separated by `; ` (one
         where `parallel` is false), whitespace around them."""
-        calls = {"type": "tags_with_separator", "separator": "; ", "at_least_one": True, "stop_after_first": not parallel,
-                 "tags": [{"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "parameters": ', "end": "}",
-                           "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}
+        calls = json_calls_tag(functions, parallel, "; ", "parameters")
         space = {"type": "regex", "pattern": r"\s*"}
         return {"type": "structural_tag", "format": {"type": "or", "elements": [
             {"type": "regex", "pattern": r"\s*([^{\s][\s\S]*)?"},
@@ -615,9 +608,7 @@ class Llama3JsonParser(ToolParser):
         ]}}
 
     def write(self, calls: list[Call]) -> str:
-        return "; ".join(json.dumps({"name": c["function"]["name"],
-                                     "parameters": arguments_object(c["function"].get("arguments"))},
-                                    ensure_ascii=False) for c in calls)
+        return "; ".join(json.dumps(item, ensure_ascii=False) for item in call_items(calls, "parameters"))
 
 
 @_PARSERS.register("mistral")
