@@ -92,7 +92,8 @@ def read_char(text: str, i: int, lenient: bool = False) -> tuple[int, int]:
 def position(text: str, i: int) -> str:
     """Where offset `i` of `text` is, as an error says it: `line 3, column 7`."""
     line = text.count("\n", 0, i) + 1
-    return f"line {line}, column {i - (text.rfind(chr(10), 0, i) + 1) + 1}"
+    column = i - text.rfind("\n", 0, i)
+    return f"line {line}, column {column}"
 
 
 class _Parser:
@@ -495,7 +496,7 @@ def without_left_recursion(rules: dict[str, Expr]) -> dict[str, Expr]:
         again = [seq[1:] for seq in alts if seq and seq[0] == Ref(name)]
         base = [seq for seq in alts if not (seq and seq[0] == Ref(name))]
         again = [seq for seq in again if seq]  # `A ::= A` adds nothing
-        if base and len(alts) > len(base):
+        if base and again:
             out[name] = Concat((_choice(base), Repeat(_choice(again), 0, None)))  # type: ignore[arg-type]
         elif base:
             out[name] = _choice(base)

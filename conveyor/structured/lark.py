@@ -126,8 +126,8 @@ class _Lark:
         self.i = 0
         self.ignored: list[Expr] = []
         self.rules: dict[str, Expr] = {}
-        self.tokens: set[int] = set()  # the ids of the nodes of strings and regular expressions
-        self.keep: list[Expr] = []  # (and the nodes themselves, so that no id is reused)
+        self.tokens: set[int] = set()  # the ids of the nodes of strings and regular expressions (each
+        # stays in the rules while they are read, so no id is reused)
 
     def fail(self, why: str) -> GrammarError:
         return GrammarError(f"Lark grammar at {position(self.s, self.i)}: {why}")
@@ -283,7 +283,6 @@ class _Lark:
     def token(self, node: Expr) -> Expr:
         """`node`, a string's or a regular expression's: one token, which %ignore does not enter."""
         self.tokens.add(id(node))
-        self.keep.append(node)
         return node
 
     def item(self) -> Expr:

@@ -312,9 +312,8 @@ def qwen_xml_rules(schema: Any) -> dict[str, Expr]:
 
 def _xml_value(sub: Any, rules: dict[str, Expr], prefix: str) -> Expr:
     """One parameter's value and its closing tag."""
-    free = RAW
     if not isinstance(sub, dict):
-        return free
+        return RAW
     literals = sub["enum"] if isinstance(sub.get("enum"), list) else [sub["const"]] if "const" in sub else None
     if literals is not None:
         newline = Repeat(CharSet(((10, 10),)), 0, 1)
@@ -323,7 +322,7 @@ def _xml_value(sub: Any, rules: dict[str, Expr], prefix: str) -> Expr:
     kind = sub.get("type")
     kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
     if not kinds or "string" in kinds:
-        return free
+        return RAW
     value = {prefix + name: _renamed(body, prefix) for name, body in schema_to_rules(sub).items()}
     rules.update(value)
     return _cat(XML_SPACE, Ref(prefix + ROOT), XML_SPACE, lit(CLOSE))
