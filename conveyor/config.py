@@ -134,7 +134,8 @@ class ModelConfig:
             "speculative_method='draft_model': the draft model (HF folder or .gguf) that guesses "
             "each decoding sequence's next tokens, greedily, one batched step a token. It must "
             "have the target's vocabulary; its K/V live in a cache of its own, in the same "
-            "blocks as the target's (the KV budget holds both)."
+            "blocks as the target's (the KV budget holds both). speculative_method='eagle' or "
+            "'eagle3': the EAGLE head's folder (config.json and its tensors)."
         ),
     )
     speculative_quantization: str | None = field(
@@ -380,7 +381,9 @@ class SchedulerConfig:
             "as without it (greedy: the same tokens; sampled: the same distribution, and the "
             "same tokens for a seeded request). draft_model: a smaller model "
             "(speculative_model) guesses them. mtp: DeepSeek-V3's multi-token-prediction layer "
-            "(in its checkpoint) guesses them from the model's hidden states. None: off."
+            "(in its checkpoint) guesses them from the model's hidden states. eagle / eagle3: an "
+            "EAGLE-1 or EAGLE-3 head (speculative_model) guesses them from the model's hidden "
+            "states. None: off."
         ),
     )
     num_speculative_tokens: int = field(
@@ -584,10 +587,11 @@ class EngineConfig:
     SECTIONS = ("model", "cache", "scheduler")
 
     def __post_init__(self) -> None:
-        if self.model.speculative_model is not None and self.scheduler.speculative_method != "draft_model":
+        if self.model.speculative_model is not None and self.scheduler.speculative_method not in (
+                "draft_model", "eagle", "eagle3"):
             raise ConfigError(
-                "speculative_model is the draft of speculative_method='draft_model' "
-                f"(speculative_method is {self.scheduler.speculative_method!r})"
+                "speculative_model is the draft of speculative_method='draft_model' or the head of 'eagle' or "
+                f"'eagle3' (speculative_method is {self.scheduler.speculative_method!r})"
             )
         if not self.model.enable_lora and self.scheduler.max_loras != 1:
             raise ConfigError("max_loras applies only with enable_lora=True")

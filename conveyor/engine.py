@@ -260,6 +260,17 @@ class Engine:
 
             mtp = {}
             tensors = mtp_tensors(tensors, arch, mtp)
+        eagle: tuple[Any, dict[str, Any]] | None = None
+        method = config.scheduler.speculative_method
+        if method in ("eagle", "eagle3"):
+            if mc.speculative_model is None:
+                raise ConfigError(f"speculative_method={method!r} needs a speculative_model (the head's folder)")
+            if tp > 1 or arch.is_encoder or arch.labels or arch.num_experts or arch.is_mla:
+                raise ConfigError(f"speculative_method={method!r}: an EAGLE head drafts for a dense decoder on one "
+                                  f"rank (this is {arch.family}{f', tensor_parallel_size={tp}' if tp > 1 else ''})")
+            from conveyor.models.eagle import read_eagle
+
+            eagle = read_eagle(resolve_model_path(mc.speculative_model), method, arch)
         draft_arch = draft_tensors = None
         if config.scheduler.speculative_method == "draft_model":
             if mc.speculative_model is None:
@@ -271,8 +282,10 @@ class Engine:
         # The MTP layer counts as a draft: a sparse layer, its embeddings and head, and its
         # projection's weights; one layer's latent a token in the cache plan.
         planned = (dataclasses.replace(arch, num_layers=1, first_k_dense_replace=0) if mtp is not None
-                   else draft_arch)
+                   else eagle[0].arch if eagle is not None else draft_arch)
         extra = 2 * arch.hidden_size**2 if mtp is not None else 0
+        if eagle is not None:  # its own tensors, whatever it shares with the model
+            extra = sum(t.numel() for t in eagle[1].values()) - eagle[0].arch.num_params
         weight_bytes = (arch.num_params + (planned.num_params + extra if planned else 0)) * itemsize
         kv_dtype = _resolve_kv_dtype(config, dtype, device)
         num_blocks, num_swap_blocks, max_len = _plan_cache(
@@ -341,6 +354,17 @@ class Engine:
             layer = build_mtp(arch, mtp, max_len, dtype, device)
             engine.drafter = MTPDrafter(MTPRunner(layer, num_blocks, config.cache.block_size, dtype, device,
                                                   kv_dtype), store)
+        if eagle is not None:  # the drafter: an EAGLE head over the target's hidden states
+            from conveyor.models.eagle import build_eagle
+            from conveyor.runner.mtp import HiddenStore, MTPDrafter, MTPRunner
+
+            spec, head_tensors = eagle
+            head = build_eagle(spec, head_tensors, model, max_len, dtype, device)
+            model.aux_layers = spec.aux_layers
+            store = HiddenStore()
+            engine.runner.hidden_store = store  # type: ignore[attr-defined]
+            engine.drafter = MTPDrafter(MTPRunner(head, num_blocks, config.cache.block_size, dtype, device,
+                                                  kv_dtype), store)
         if dense:  # a sentence-transformers model's Dense modules, after its pooling
             runner = engine.runner
             runner.pool_dense = list(dense)  # type: ignore[attr-defined]
@@ -376,7 +400,11 @@ class Engine:
         positions = model.arch.max_position_embeddings if model.arch.is_encoder else model.rotary.max_positions
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
         kv_dtype = _resolve_kv_dtype(config, weight.dtype, weight.device)
-        drafting = config.scheduler.speculative_method == "draft_model"
+        method = config.scheduler.speculative_method
+        if method in ("mtp", "eagle", "eagle3"):  # (their drafters read the checkpoint's files)
+            raise ConfigError(f"speculative_method={method!r} builds its drafter from the model's and "
+                              "speculative_model's files: use from_config")
+        drafting = method == "draft_model"
         if drafting != (draft_model is not None):
             raise ConfigError("a draft_model goes with speculative_method='draft_model', and only with it")
         draft_arch = None

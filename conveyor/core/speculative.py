@@ -131,3 +131,15 @@ class DraftModelProposer(Proposer):
 class MTPProposer(DraftModelProposer):
     """DeepSeek-V3's multi-token-prediction layer's guesses (conveyor/runner/mtp.py), filled
     in as a draft model's are."""
+
+
+@register_proposer("eagle")
+class EagleProposer(DraftModelProposer):
+    """An EAGLE-1 head's guesses from the model's last hidden states (conveyor/models/eagle.py),
+    filled in as a draft model's are."""
+
+
+@register_proposer("eagle3")
+class Eagle3Proposer(DraftModelProposer):
+    """An EAGLE-3 head's guesses from three of the model's layers (conveyor/models/eagle.py)."""
+

@@ -590,6 +590,10 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_head: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # ... with the argmax
         self.gemv_max_rows = 0
         self.lora: LoRAContext | None = None  # set by attach_lora (enable_lora)
+        # The layers whose incoming residual streams a step keeps, side by side in `aux_hidden`
+        # `[T, len(aux_layers) * hidden]` (an EAGLE-3 head's input: conveyor/models/eagle.py).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -610,8 +614,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm."""
         # A step with adapters runs the modules, where `LoRALinear` adds their deltas; the
-        # fused paths read the base weights directly.
-        plain = self.lora is None or self.lora.current() is None
+        # fused paths read the base weights directly. So does a step that keeps the streams
+        # entering some layers (an EAGLE-3 head reads them: `aux_layers`).
+        aux = self.aux_layers
+        plain = (self.lora is None or self.lora.current() is None) and not aux
         fused = self.fused_decode
         # (the native whole-model decode reads one table for every layer: not a hybrid cache's)
         if plain and fused is not None and meta.layer_metas is None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
@@ -621,15 +627,24 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
         add_norm = self.add_norm
+        kept: dict[int, torch.Tensor] = {}
         if add_norm is not None:
             delta: torch.Tensor | None = None
-            for layer, cache in zip(self.layers, kv_caches, strict=True):
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 assert isinstance(layer, DecoderLayer)
+                if i in aux:
+                    kept[i] = x if delta is None else x + delta
                 delta, x = layer.forward_fused(delta, x, rope, cache, meta, add_norm)
+            if aux:
+                self.aux_hidden = torch.cat([kept[i] for i in aux], dim=-1)
             return add_norm(delta, x, self.norm.weight, self.norm.eps)[0]
         local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in aux:
+                kept[i] = x
             x = layer(x, local if layer.local_rope else rope, cache, meta)
+        if aux:
+            self.aux_hidden = torch.cat([kept[i] for i in aux], dim=-1)
         return self.norm(x)
 
     def rope_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -62,6 +62,18 @@ class MTPLayer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.shared_head.norm(hidden), self.shared_head.head.weight)
 
+    def guess(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy guesses (token ids) after the rows `hidden`."""
+        return self.compute_logits(hidden).argmax(dim=-1)
+
+    def combine(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states as the layer reads them: as they are."""
+        return features
+
+    @property
+    def feature_width(self) -> int:
+        return self.arch.hidden_size
+
 
 def mtp_tensors(tensors: Iterator[tuple[str, torch.Tensor]], arch: ArchConfig,
                 into: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

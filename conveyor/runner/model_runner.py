@@ -125,7 +125,8 @@ class ModelRunner:
         # A sentence-transformers model's Dense modules, applied to a pooled embedding in order
         # (conveyor/models/loader.py; set by the engine, with `hidden_size` their output's).
         self.pool_dense: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        # speculative_method="mtp": each sequence's hidden states, kept for the drafter.
+        # speculative_method="mtp", "eagle" or "eagle3": each sequence's hidden states (or the
+        # streams its EAGLE-3 head reads), kept for the drafter.
         self.hidden_store: HiddenStore | None = None
         self._generators: dict[int, torch.Generator] = {}
         # Embedding requests pooling every prompt position ("mean"): the sum of their rows so
@@ -347,8 +348,9 @@ class ModelRunner:
                 assert self.lora is not None
                 with self.lora.context.use(adapters):
                     hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
-            if self.hidden_store is not None:  # the MTP drafter reads them (runner/mtp.py)
-                self.hidden_store.put_step(items, num_new, hidden)
+            if self.hidden_store is not None:  # the MTP or EAGLE drafter reads them (runner/mtp.py)
+                aux = getattr(self.model, "aux_hidden", None)  # (EAGLE-3: streams inside the model)
+                self.hidden_store.put_step(items, num_new, hidden if aux is None else aux)
         prompt_lps = (
             self._prompt_logprobs(items, num_new, hidden, logits)
             if any(it.sampling_params.prompt_logprobs is not None for it in items) else None

@@ -1,5 +1,8 @@
-"""Speculative decoding with DeepSeek's MTP layer (`speculative_method="mtp"`): the target's
-hidden states kept for the drafter, the layer's own runner and cache, and the drafter's rounds.
+"""Speculative decoding with DeepSeek's MTP layer (`speculative_method="mtp"`) or an EAGLE
+head (`"eagle"`, `"eagle3"`: conveyor/models/eagle.py, whose rows read the same shifted inputs):
+the target's hidden states kept for the drafter, the layer's own runner and cache, and the
+drafter's rounds. An EAGLE-3 head's "hidden states" are the three streams it reads, kept as one
+row a position and put through its `fc` as the drafter feeds them (`combine`).
 
 The drafter differs from a draft model's (conveyor/runner/drafter.py) in what a row reads: the
 MTP row at position i takes token i + 1 and the target's hidden state at i (`HiddenStore`, kept
@@ -21,6 +24,7 @@ import torch
 
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.models.attention import build_metadata
+from conveyor.models.eagle import EagleHead
 from conveyor.models.mtp import MTPLayer
 from conveyor.runner.drafter import Drafter, _Fed
 
@@ -94,7 +98,7 @@ class MTPRunner:
     """Runs the MTP layer over a step of draft rows, with a one-layer latent cache of its own
     over the target's block ids; greedy guesses."""
 
-    def __init__(self, layer: MTPLayer, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, layer: MTPLayer | EagleHead, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         self.layer = layer
         self.block_size = block_size
@@ -115,7 +119,7 @@ class MTPRunner:
         h = self.layer(ids, hidden, meta.positions, self.kv_cache, meta)
         last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
         rows = h[last]
-        tokens = self.layer.compute_logits(rows).argmax(dim=-1).tolist()
+        tokens = self.layer.guess(rows).tolist()
         return _DraftOutput(
             sampled={it.seq_id: tok for it, tok in zip(items, tokens, strict=True)},
             hidden={it.seq_id: rows[i : i + 1] for i, it in enumerate(items)},
@@ -130,7 +134,7 @@ class MTPDrafter(Drafter):
         super().__init__(runner)  # type: ignore[arg-type]
         self.store = store
         self.mtp = runner
-        self.width = runner.layer.arch.hidden_size
+        self.width = runner.layer.feature_width  # a row of the target's states as the store holds it
         self._own: dict[int, torch.Tensor] = {}  # the layer's last output a sequence, this round
 
     def forget(self, seq_ids: list[int]) -> None:
@@ -150,7 +154,8 @@ class MTPDrafter(Drafter):
                 previous[d.seq_id] = own
             else:  # known tokens: the target's hidden states at the positions before them
                 end = d.start_pos + len(d.token_ids)
-                previous[d.seq_id] = self.store.rows(d.seq_id, d.start_pos, end, self.width)
+                rows = self.store.rows(d.seq_id, d.start_pos, end, self.width)
+                previous[d.seq_id] = self.mtp.layer.combine(rows.to(self.mtp.device, self.mtp.dtype))
                 self.store.trim(d.seq_id, d.start_pos + len(d.token_ids))
         out = self.mtp.execute(SchedulerOutput(step_id, batch), previous)
         self._own.update(out.hidden)
