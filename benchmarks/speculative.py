@@ -1,5 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup, and a draft model) against decoding one token a
-step, side by side.
+"""Speculative decoding (n-gram prompt lookup, a draft model, an EAGLE-3 head) against decoding
+one token a step, side by side.
 
 Two engines on one model (SmolLM2 by default), the same greedy requests, run in turns
 (A B B A ...), so both see the same machine. Greedy outputs are the same with and without
@@ -11,6 +11,7 @@ their times is the speedup. Workloads, chat-templated:
 
     python benchmarks/speculative.py --batch 1 8 --rounds 3 [--draft-cost 0.3]
     python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram
+    python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-tokens 2 3 --no-ngram
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def main() -> None:
                          "'draft_model'); 'self': the model itself")
     ap.add_argument("--draft-quantization", default=None, choices=["int8"],
                     help="--draft-model: its weights in int8 (speculative_quantization)")
+    ap.add_argument("--eagle", default=None,
+                    help="also an engine whose drafts come from this EAGLE-3 head's folder "
+                         "(speculative_method='eagle3'; benchmarks/train_eagle.py makes one for SmolLM2)")
+    ap.add_argument("--eagle-tokens", type=int, nargs="+", default=None,
+                    help="--eagle: one engine a count of guesses (default: --num-speculative-tokens)")
     ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
     args = ap.parse_args()
 
@@ -81,6 +87,10 @@ def main() -> None:
         engines.append((name, LLM(args.model, speculative_method="draft_model", speculative_model=draft,
                                   speculative_quantization=args.draft_quantization,
                                   num_speculative_tokens=args.num_speculative_tokens)))
+    if args.eagle is not None:
+        for k in args.eagle_tokens or [args.num_speculative_tokens]:
+            engines.append((f"EAGLE-3, {k} guesses", LLM(args.model, speculative_method="eagle3",
+                                                         speculative_model=args.eagle, num_speculative_tokens=k)))
     if args.draft_cost is not None:
         adaptive = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                        speculative_draft_cost=args.draft_cost)

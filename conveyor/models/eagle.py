@@ -42,7 +42,7 @@ from torch import nn
 
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionMetadata, TorchPagedAttention
-from conveyor.models.llama import Attention, DecoderLayer, RMSNorm, Rotary
+from conveyor.models.llama import Attention, DecoderLayer, RMSNorm, Rotary, use_cpu_kernels
 
 EAGLE_METHODS = ("eagle", "eagle3")
 
@@ -272,6 +272,10 @@ def build_eagle(spec: EagleSpec, tensors: dict[str, torch.Tensor], target: Any, 
         head.shared_embedding = weight
     if spec.method == "eagle":  # (the target's own path: its int8 or native head where it has one)
         head.target_logits = target.compute_logits
+    if device.type == "cpu" and dtype == torch.float32:  # the model's native kernels, as its own layers take them
+        from conveyor.kernels import skinny_linear
+
+        use_cpu_kernels(head, skinny_linear(), None)
     head.eval()
     head.requires_grad_(False)
     return head

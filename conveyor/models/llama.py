@@ -772,30 +772,7 @@ class LlamaForCausalLM(nn.Module):
             if quantization is None:  # the float32 head streams at every decode step
                 owner = self.embed_tokens if self.lm_head is None else self.lm_head
                 owner.weight = nn.Parameter(to_huge_pages(owner.weight.detach().contiguous()), requires_grad=False)
-            norm, attention, rotate, act, writer = rms_norm(), paged_decode_attention(), rope(), silu_mul(), write_kv()
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.native = norm
-                elif isinstance(module, Attention):
-                    module.native_rope = rotate
-                    if attention is not None:  # (the native decode caps scores and takes sinks too)
-                        window = self.arch.sliding_window if module.window is None else module.window
-                        module.backend = (CpuEagerAttention(attention, window, writer, module.softcap) if module.eager
-                                          else CpuPagedAttention(attention, window, writer))
-                elif isinstance(module, (MLP, Experts)) and not getattr(module, "gelu", False):
-                    module.native_silu_mul = act
-                if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice
-                    module.skinny, module.skinny_max_rows = kernel, SKINNY_MAX_ROWS
-                    module.grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
-                    module.gate_up_proj = nn.Parameter(to_huge_pages(module.gate_up_proj.detach()), requires_grad=False)
-                    module.down_proj = nn.Parameter(to_huge_pages(module.down_proj.detach()), requires_grad=False)
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear) and child is not self.lm_head:
-                    replacement = (
-                        SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
-                    )
-                    setattr(module, name, replacement)
+        use_cpu_kernels(self, kernel, self.arch.sliding_window, keep=self.lm_head)
         # The native call has no router, no latent attention, no Gemma layer, and no
         # all-reduce between a tensor-parallel rank's layers.
         plain = (not moe and not self.arch.is_mla and self.arch.llama_arithmetic and not self.tensor_parallel
@@ -944,6 +921,38 @@ class LlamaForCausalLM(nn.Module):
         if out is not None:
             return torch.matmul(hidden, weight.t(), out=out)  # the product F.linear computes
         return F.linear(hidden, weight)
+
+
+def use_cpu_kernels(root: nn.Module, kernel: Callable[..., torch.Tensor] | None, sliding_window: int | None,
+                    keep: nn.Module | None = None) -> None:
+    """CPU float32: the native kernels (`kernel`: the skinny GEMV; None where they are not built)
+    in `root`'s norms, RoPE, paged attention, SiLU-and-multiply and experts, and every
+    `nn.Linear` but `keep` a `SkinnyLinear` (a `TransposedLinear` without the kernels)."""
+    if kernel is not None:
+        norm, attention, rotate, act, writer = rms_norm(), paged_decode_attention(), rope(), silu_mul(), write_kv()
+        for module in root.modules():
+            if isinstance(module, RMSNorm):
+                module.native = norm
+            elif isinstance(module, Attention):
+                module.native_rope = rotate
+                if attention is not None:  # (the native decode caps scores and takes sinks too)
+                    window = sliding_window if module.window is None else module.window
+                    module.backend = (CpuEagerAttention(attention, window, writer, module.softcap) if module.eager
+                                      else CpuPagedAttention(attention, window, writer))
+            elif isinstance(module, (MLP, Experts)) and not getattr(module, "gelu", False):
+                module.native_silu_mul = act
+            if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice
+                module.skinny, module.skinny_max_rows = kernel, SKINNY_MAX_ROWS
+                module.grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
+                module.gate_up_proj = nn.Parameter(to_huge_pages(module.gate_up_proj.detach()), requires_grad=False)
+                module.down_proj = nn.Parameter(to_huge_pages(module.down_proj.detach()), requires_grad=False)
+    for module in list(root.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child is not keep:
+                replacement = (
+                    SkinnyLinear(child, kernel, SKINNY_MAX_ROWS) if kernel is not None else TransposedLinear(child)
+                )
+                setattr(module, name, replacement)
 
 
 @functools.cache

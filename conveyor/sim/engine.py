@@ -282,6 +282,19 @@ def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
             raise ConfigError(f"speculative_method='mtp' drafts with the multi-token-prediction layer of DeepSeek-V3 "
                               f"or GLM-4.5; {model.name} is not a DeepSeek-style mixture")
         return dataclasses.replace(model, name=f"{model.name}-mtp", num_layers=1, num_sparse_layers=1)
+    if config.scheduler.speculative_method in ("eagle", "eagle3"):
+        # An EAGLE head: one dense layer of the model's width with its own LM head (EAGLE-3's
+        # over a draft vocabulary: 32,000 tokens in the published Llama-3 heads), its K/V in
+        # the same blocks. Its fc (2 or 3 hidden x hidden) is left out, as MTP's eh_proj is.
+        if model.kv_lora_rank:
+            raise ConfigError(f"speculative_method={config.scheduler.speculative_method!r} drafts for a model with "
+                              f"grouped-query attention; {model.name} has latent attention")
+        vocab = min(model.vocab_size, 32000) if config.scheduler.speculative_method == "eagle3" else model.vocab_size
+        return dataclasses.replace(model, name=f"{model.name}-{config.scheduler.speculative_method}", num_layers=1,
+                                   num_experts=0, experts_per_token=0, expert_intermediate_size=0,
+                                   shared_expert_intermediate_size=0, num_sparse_layers=0, sliding_window=0,
+                                   num_sliding_layers=0, vocab_size=vocab,
+                                   intermediate_size=model.intermediate_size or model.expert_intermediate_size)
     if config.scheduler.speculative_method != "draft_model":
         return None
     from conveyor.sim.models import get_model

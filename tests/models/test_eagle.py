@@ -107,8 +107,8 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def eagle_llm(target: Path, head: Path, **options) -> LLM:
     method = HEADS_MADE[head.name]["method"]
-    return LLM(str(target), dtype="float64", speculative_method=method, speculative_model=str(head),
-               **{"num_kv_blocks": 64, "block_size": 8, **options})
+    return LLM(str(target), speculative_method=method, speculative_model=str(head),
+               **{"dtype": "float64", "num_kv_blocks": 64, "block_size": 8, **options})
 
 
 @pytest.mark.parametrize("name", list(HEADS_MADE))
@@ -195,13 +195,18 @@ def reference_guesses(target: Path, head: Path, tokens: list[int]) -> list[int]:
         return (best + raw["d2t"][best]).tolist()
 
 
-@pytest.mark.parametrize("name", list(HEADS_MADE))
-def test_each_rounds_first_guess_is_the_reference(target, heads, name):
+@pytest.mark.parametrize(("name", "dtype"), [*((n, "float64") for n in HEADS_MADE), ("eagle1", "float32"),
+                                             ("eagle3", "float32")])
+def test_each_rounds_first_guess_is_the_reference(target, heads, name, dtype):
     """The drafter's first guess every round of every sequence (its rows fed over several
-    rounds from the states kept step by step) is the reference's at that position."""
+    rounds from the states kept step by step) is the reference's at that position; in float32
+    too, where the head runs the native CPU kernels the model's layers run."""
+    from conveyor.models.llama import SkinnyLinear
     from conveyor.runner.mtp import MTPDrafter
 
-    llm = eagle_llm(target, heads[name], num_speculative_tokens=2)
+    llm = eagle_llm(target, heads[name], num_speculative_tokens=2, dtype=dtype)
+    if dtype == "float32" and skinny_available():
+        assert isinstance(llm.engine.drafter.mtp.layer.layers[0].mlp.down_proj, SkinnyLinear)
     drafter = llm.engine.drafter
     assert isinstance(drafter, MTPDrafter)
     firsts: dict[int, list[tuple[int, int]]] = {}
@@ -222,6 +227,12 @@ def test_each_rounds_first_guess_is_the_reference(target, heads, name):
         for known, guess in firsts[seq_id]:
             assert guess == ref[known - 2], (seq_id, known)
     assert drafter.store.num_missing == 0
+
+
+def skinny_available() -> bool:
+    from conveyor.kernels import skinny_linear
+
+    return skinny_linear() is not None
 
 
 @pytest.fixture(scope="module")
