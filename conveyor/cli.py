@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="A named combination of scheduler options (explicit options override it): "
         + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()),
     )
+    group.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='vLLM\'s form of the speculative options, e.g. \'{"method": "eagle3", "model": "PATH", '
+             '"num_speculative_tokens": 3}\' (keys: method, model, num_speculative_tokens, prompt_lookup_min, '
+             'prompt_lookup_max, disable_by_batch_size, quantization)',
+    )
     for section in EngineConfig.section_types().values():
         _add_field_args(group, section)
 
@@ -70,7 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {
         f.name for sec in EngineConfig.section_types().values() for f in dataclasses.fields(sec)
     }
-    names.add("preset")
+    names.update(("preset", "speculative_config"))
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

@@ -9,6 +9,7 @@ No I/O happens here: resolving a model path or sizing the KV cache is the engine
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -616,7 +617,12 @@ class EngineConfig:
 
         A `preset` supplies defaults for its fields; any field given explicitly wins, and a
         preset knob that the explicit options make inapplicable is left out.
+        `speculative_config` (vLLM's dict: `{"method": "eagle3", "model": path,
+        "num_speculative_tokens": 3}`) sets the speculative options its keys name.
         """
+        if kwargs.get("speculative_config") is not None:
+            kwargs = {**kwargs, **speculative_options(kwargs.pop("speculative_config"), kwargs)}
+        kwargs.pop("speculative_config", None)
         if preset is not None:
             if preset not in PRESETS:
                 raise ConfigError(f"preset={preset!r} is not one of {sorted(PRESETS)}")
@@ -656,3 +662,38 @@ class EngineConfig:
         for sec in self.SECTIONS:
             out.update(dataclasses.asdict(getattr(self, sec)))
         return out
+
+
+# vLLM's `speculative_config` keys -> conveyor's options.
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_method",
+    "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+    "quantization": "speculative_quantization",
+}
+
+
+def speculative_options(spec: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The options vLLM's `speculative_config` dict names (a JSON string too, as `vllm serve
+    --speculative-config` takes it); a key conveyor does not read, or one that contradicts an
+    option also given, is refused by name. vLLM's `"method": "ngram"` without a model, and
+    `"draft_model"`, `"mtp"`, `"eagle"` and `"eagle3"`, mean what they mean there."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative_config is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"speculative_config must be a dict, not {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"speculative_config: {unknown} not read here; it takes {sorted(SPECULATIVE_CONFIG_KEYS)}")
+    out = {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in spec.items() if v is not None}
+    for name, value in out.items():
+        if given.get(name) is not None and given[name] != value:
+            raise ConfigError(f"speculative_config sets {name}={value!r}, and {name}={given[name]!r} is also given")
+    return out
+

@@ -1386,9 +1386,9 @@ def hybrid_layout_of(config: EngineConfig, windows: list[int], name: str = "") -
         layout = HybridLayout.of(windows)
     except ValueError as e:
         raise ConfigError(f"hybrid_kv_cache: {name}{e}") from None
-    if layout.all_sliding and config.scheduler.speculative_method == "draft_model":
+    if layout.all_sliding and config.scheduler.speculative_method in ("draft_model", "eagle", "eagle3"):
         raise ConfigError("hybrid_kv_cache: every layer of this model slides, so its one table releases blocks "
-                          "a draft model's global layers would read; not built with a draft model")
+                          "a draft model's (or EAGLE head's) global layers would read; not built with a draft")
     return layout
 
 

@@ -243,3 +243,29 @@ def test_adaptive_drafting_follows_each_requests_acceptance() -> None:
     drafts = [out.num_draft_tokens for out in right.log[1:]]
     assert drafts[:5] == [1, 2, 4, 4, 4]  # a = 1/2: k=1; 2/3: k=2 ((2/3)^3 < 0.3); 4/5: k=4
     assert right.sched.num_accepted_tokens == right.sched.num_draft_tokens
+
+
+def test_vllms_speculative_config_dict_sets_the_options() -> None:
+    """`speculative_config` (vLLM's dict, or its JSON as `--speculative-config` takes it) sets
+    the options its keys name; a key not read here, or one contradicting an option also given,
+    is refused by name."""
+    from conveyor.cli import build_parser, engine_kwargs
+    from conveyor.config import EngineConfig
+
+    c = EngineConfig.from_kwargs(speculative_config={"method": "eagle3", "model": "head/", "num_speculative_tokens": 3,
+                                                     "disable_by_batch_size": 16})
+    assert (c.scheduler.speculative_method, c.model.speculative_model, c.scheduler.num_speculative_tokens,
+            c.scheduler.speculative_disable_by_batch_size) == ("eagle3", "head/", 3, 16)
+    c = EngineConfig.from_kwargs(speculative_config='{"method": "ngram", "prompt_lookup_max": 5}',
+                                 num_speculative_tokens=2)
+    assert (c.scheduler.speculative_method, c.scheduler.prompt_lookup_max, c.scheduler.num_speculative_tokens) == (
+        "ngram", 5, 2)
+    with pytest.raises(ConfigError, match=r"\['draft_tensor_parallel_size'\] not read here"):
+        EngineConfig.from_kwargs(speculative_config={"method": "ngram", "draft_tensor_parallel_size": 1})
+    with pytest.raises(ConfigError, match="speculative_method='mtp' is also given"):
+        EngineConfig.from_kwargs(speculative_config={"method": "ngram"}, speculative_method="mtp")
+    with pytest.raises(ConfigError, match="not JSON"):
+        EngineConfig.from_kwargs(speculative_config="{method: ngram}")
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    c = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert (c.scheduler.speculative_method, c.scheduler.num_speculative_tokens) == ("ngram", 2)

@@ -99,3 +99,27 @@ def test_simulate_command_with_a_draft_model(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["systems"][0]["points"][0]["summary"]["completed"] == 4
     assert result["engine_options"]["speculative_model"] == "llama-3.2-1b"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_is_priced_as_a_one_layer_draft(method):
+    """`speculative_method="eagle"` / `"eagle3"`: the head's steps priced on one dense layer of the
+    model's width with its own head (EAGLE-3's over 32,000 draft tokens), its weights and one
+    layer's K/V in the memory plan; every guess taken at an acceptance of 1; refused over latent
+    attention."""
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+    base = build_sim_engine(EngineConfig.from_kwargs(), hw, model)
+    engine = build_sim_engine(EngineConfig.from_kwargs(speculative_method=method, num_speculative_tokens=3),
+                              hw, model, acceptance_rate=1.0)
+    draft = engine.drafter.runner.cost_model.model
+    assert (draft.num_layers, draft.hidden_size) == (1, model.hidden_size)
+    assert draft.vocab_size == (32000 if method == "eagle3" else model.vocab_size)
+    assert describe_capacity(engine)["kv_bytes_per_token"] == model.kv_bytes_per_token(2) * 33 // 32
+    assert describe_capacity(engine)["weight_gib"] > describe_capacity(base)["weight_gib"]
+    requests = [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=16, ignore_eos=True)) for _ in range(4)]
+    replay(engine, requests)
+    scheduler = engine.scheduler
+    assert scheduler.num_draft_tokens > 0 and scheduler.num_accepted_tokens == scheduler.num_draft_tokens
+    with pytest.raises(ConfigError, match="latent attention"):
+        build_sim_engine(EngineConfig.from_kwargs(speculative_method=method), get_hardware("h200"),
+                         get_model("deepseek-v3"), acceptance_rate=0.8)
