@@ -17,6 +17,7 @@ from conveyor.config import ConfigError
 from conveyor.models.arch import UnsupportedModelError
 from tests.conftest import build_tiny_model
 from tests.models.test_moe import hf_greedy
+from tests.models.test_mtp import record_first_guesses
 
 H, HEADS, KV_HEADS, FF, VOCAB, LAYERS = 64, 4, 2, 128, 384, 4
 _rng = random.Random(5)
@@ -209,14 +210,7 @@ def test_each_rounds_first_guess_is_the_reference(target, heads, name, dtype):
         assert isinstance(llm.engine.drafter.mtp.layer.layers[0].mlp.down_proj, SkinnyLinear)
     drafter = llm.engine.drafter
     assert isinstance(drafter, MTPDrafter)
-    firsts: dict[int, list[tuple[int, int]]] = {}
-    after = drafter._after
-
-    def record(it, guesses):
-        firsts.setdefault(it.seq_id, []).append((it.start_pos + 1, guesses[0]))
-        return after(it, guesses)
-
-    drafter._after = record  # type: ignore[method-assign]
+    firsts = record_first_guesses(drafter)
     prompts = [p for p in SHORT if len(p) > 1][:3]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     seqs = sorted(firsts)

@@ -180,6 +180,19 @@ def reference_guesses(folder: Path, tokens: list[int]) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def record_first_guesses(drafter) -> dict[int, list[tuple[int, int]]]:
+    """Each round's first guess of each sequence, as `(tokens known, guess)`, recorded from now on."""
+    firsts: dict[int, list[tuple[int, int]]] = {}
+    after = drafter._after
+
+    def record(it, guesses):
+        firsts.setdefault(it.seq_id, []).append((it.start_pos + 1, guesses[0]))
+        return after(it, guesses)
+
+    drafter._after = record
+    return firsts
+
+
 def test_each_rounds_first_guess_is_the_reference(v3_with_mtp):
     """The drafter's first guess every round of every sequence (its rows fed over several
     rounds, from the target's hidden states kept step by step) is the reference's at that
@@ -190,14 +203,7 @@ def test_each_rounds_first_guess_is_the_reference(v3_with_mtp):
     llm = mtp_llm(v3_with_mtp, num_speculative_tokens=2)
     drafter = llm.engine.drafter
     assert isinstance(drafter, MTPDrafter)
-    firsts: dict[int, list[tuple[int, int]]] = {}
-    after = drafter._after
-
-    def record(it, guesses):
-        firsts.setdefault(it.seq_id, []).append((it.start_pos + 1, guesses[0]))
-        return after(it, guesses)
-
-    drafter._after = record  # type: ignore[method-assign]
+    firsts = record_first_guesses(drafter)
     prompts = SHORT[:3]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     seqs = sorted(firsts)
