@@ -34,7 +34,7 @@ def main() -> None:
         if drafter is not None:
             fill = drafter.fill
 
-            def timed(out, fill=fill):
+            def timed(out, fill=fill, spent=spent):
                 t = time.perf_counter()
                 fill(out)
                 spent[0] += time.perf_counter() - t
