@@ -157,13 +157,15 @@ def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"speculative_model: cannot read {folder / 'config.json'}: {e}") from e
     tensors = dict(_eagle_tensors(folder))
+    bare = [n.removeprefix("model.") for n in tensors]
     eagle3_names = any(n.startswith("midlayer.") or n in ("d2t", "hidden_norm.weight", "layers.0.hidden_norm.weight")
-                       for n in tensors)
+                       for n in bare)
     found = "eagle3" if eagle3_names else "eagle"
     if found != method:
+        kind = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}[found]
         raise UnsupportedModelError(
-            f"speculative_model {folder} is an {found.upper().replace('EAGLE', 'EAGLE-').rstrip('-')} head "
-            f"(its tensors), not what speculative_method={method!r} reads: use speculative_method={found!r}"
+            f"speculative_model {folder} is an {kind} head (its tensors), not what speculative_method="
+            f"{method!r} reads: use speculative_method={found!r}"
         )
     layers = int(cfg.get("num_hidden_layers", 1))
     if layers != 1:

@@ -31,10 +31,11 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def write_head(folder: Path, method: str, seed: int, *, draft_vocab: int = VOCAB, own_embedding: bool = False,
                bin_file: bool = False, prefix: str = "", aux_ids: list[int] | None = None,
-               silent: bool = False) -> Path:
+               silent: bool = False, no_map: bool = False) -> Path:
     """A random head in a published checkpoint's shape: SafeAILab's names (`midlayer.*` for
     EAGLE-3, a `d2t` map to a random subset of the vocabulary), under `prefix` (vLLM's
-    "model."), in `pytorch_model.bin` or safetensors. `silent`: every output 0, so every
+    "model."), in `pytorch_model.bin` or safetensors; `no_map`: the model's whole vocabulary
+    and no `d2t` / `t2d` (told apart from EAGLE-1 by its layer's names). `silent`: every output 0, so every
     logit is equal and the guess is token 0 (what a model whose logits are all 0 says)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -69,6 +70,8 @@ def write_head(folder: Path, method: str, seed: int, *, draft_vocab: int = VOCAB
         t["fc.bias"] = torch.zeros(H) if silent else rand(H)
         if silent:
             t[layer + "mlp.down_proj.weight"] = torch.zeros(H, FF)
+    if no_map:
+        del t["d2t"], t["t2d"]
     if own_embedding:
         t["embed_tokens.weight"] = rand(VOCAB, H, scale=0.5)
     t = {prefix + k if k not in ("d2t", "t2d", "lm_head.weight") else k: v for k, v in t.items()}
@@ -96,7 +99,7 @@ HEADS_MADE = {
     "eagle1_bin_own_embedding": dict(method="eagle", seed=2, bin_file=True, own_embedding=True),
     "eagle3": dict(method="eagle3", seed=3, draft_vocab=96),
     "eagle3_vllm_names_aux": dict(method="eagle3", seed=4, draft_vocab=VOCAB, prefix="model.", aux_ids=[0, 1, 3],
-                                  own_embedding=True),
+                                  own_embedding=True, no_map=True),
 }
 
 
@@ -151,7 +154,7 @@ def reference_guesses(target: Path, head: Path, tokens: list[int]) -> list[int]:
     raw = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in raw.items()}
     raw = {k: v if k == "d2t" else v.double() for k, v in raw.items()}
     cfg = json.loads((head / "config.json").read_text())
-    eagle3 = "d2t" in raw
+    eagle3 = "layers.0.hidden_norm.weight" in raw
     layer_state = {k.removeprefix("layers.0."): v for k, v in raw.items() if k.startswith("layers.0.")}
     embed = raw.get("embed_tokens.weight", model.model.embed_tokens.weight.detach())
     ids = torch.tensor([tokens])
@@ -193,7 +196,7 @@ def reference_guesses(target: Path, head: Path, tokens: list[int]) -> list[int]:
         mlp.load_state_dict({k.removeprefix("mlp."): v for k, v in layer_state.items() if k.startswith("mlp.")})
         out = r + mlp(norm("post_attention_layernorm.weight")(r))
         best = (norm("norm.weight")(out) @ raw["lm_head.weight"].T).argmax(dim=-1)
-        return (best + raw["d2t"][best]).tolist()
+        return (best + raw["d2t"][best] if "d2t" in raw else best).tolist()
 
 
 @pytest.mark.parametrize(("name", "dtype"), [*((n, "float64") for n in HEADS_MADE), ("eagle1", "float32"),
