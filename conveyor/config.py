@@ -620,9 +620,9 @@ class EngineConfig:
         `speculative_config` (vLLM's dict: `{"method": "eagle3", "model": path,
         "num_speculative_tokens": 3}`) sets the speculative options its keys name.
         """
-        if kwargs.get("speculative_config") is not None:
-            kwargs = {**kwargs, **speculative_options(kwargs.pop("speculative_config"), kwargs)}
-        kwargs.pop("speculative_config", None)
+        spec = kwargs.pop("speculative_config", None)
+        if spec is not None:
+            kwargs = {**kwargs, **speculative_options(spec, kwargs)}
         if preset is not None:
             if preset not in PRESETS:
                 raise ConfigError(f"preset={preset!r} is not one of {sorted(PRESETS)}")

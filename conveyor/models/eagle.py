@@ -44,8 +44,6 @@ from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionMetadata, TorchPagedAttention
 from conveyor.models.llama import Attention, DecoderLayer, RMSNorm, Rotary, use_cpu_kernels
 
-EAGLE_METHODS = ("eagle", "eagle3")
-
 
 @dataclasses.dataclass(frozen=True)
 class EagleSpec:
@@ -156,11 +154,11 @@ def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec
         cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"speculative_model: cannot read {folder / 'config.json'}: {e}") from e
-    tensors = dict(_eagle_tensors(folder))
-    bare = [n.removeprefix("model.") for n in tensors]
-    eagle3_names = any(n.startswith("midlayer.") or n in ("d2t", "hidden_norm.weight", "layers.0.hidden_norm.weight")
-                       for n in bare)
-    found = "eagle3" if eagle3_names else "eagle"
+    raw = {n.removeprefix("model."): t for n, t in _eagle_tensors(folder)}  # (vLLM's names under `model.`)
+    eagle3 = any(n.startswith("midlayer.") or n in ("d2t", "hidden_norm.weight", "layers.0.hidden_norm.weight")
+                 for n in raw)
+    found = "eagle3" if eagle3 else "eagle"
+    tensors = {n.replace("midlayer.", "layers.0."): t for n, t in raw.items()}
     if found != method:
         kind = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}[found]
         raise UnsupportedModelError(
@@ -201,7 +199,6 @@ def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec
                                     f"model {target.hidden_size} wide (it feeds the model's own LM head)")
     renamed: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
         if name == "t2d" or "rotary_emb" in name:
             continue
         if method == "eagle" and name == "layers.0.input_layernorm.weight":
@@ -213,7 +210,7 @@ def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec
                 continue  # EAGLE-1 reads the target's head
             name = "head.weight"
         renamed[name] = t
-    draft_vocab = int(cfg.get("draft_vocab_size") or arch.vocab_size)
+    draft_vocab = arch.vocab_size  # (EAGLE-1 guesses over the model's own head)
     if method == "eagle3":
         if "head.weight" not in renamed:
             raise UnsupportedModelError(f"speculative_model {folder}: an EAGLE-3 head without its lm_head")
