@@ -495,10 +495,14 @@ class Engine:
             from conveyor.runner.drafter import Drafter
 
             # The draft's own KV cache, over the same block ids as the target's.
-            engine.drafter = Drafter(ModelRunner(
+            draft_runner = ModelRunner(
                 draft_model, num_blocks, config.cache.block_size, dtype, device,
                 kv_dtype=kv_dtype, max_model_len=max_len, cuda_graph_max_batch=graphs(draft_model.arch),
-            ))
+            )
+            # A round's first draft step catches up on the tokens the last round accepted (at
+            # most every guess and the model's own token): as decodes side by side, in one call.
+            draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
+            engine.drafter = Drafter(draft_runner)
         return engine
 
     # -- requests --------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.write_kv_rows.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64]
     lib.decode_layers.restype = None
     lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, p, i64, p, i64, f32, i64,
-                                  i64, p, p, p]
+                                  i64, p, p, p, i64, p, i64, p]
     lib.shm_all_reduce.restype = ctypes.c_int
     lib.shm_all_reduce.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_double]
     return lib
@@ -356,19 +356,28 @@ def skinny_linear_q8() -> Callable[..., torch.Tensor] | None:
 
 def decode_layers() -> Callable[..., None] | None:
     """`f(x, layers, dims, cos, sin, positions, slots, tables, ctx, block_size, scale, window, kv_half,
-    ids=None, embed=None, final_norm=None)`: every decoder layer of a decode-only step, in place on
+    ids=None, embed=None, final_norm=None, chained=False, aux_layers=None, aux=None)`: every decoder
+    layer of a decode-only step, in place on
     the residual rows `x` `[M, hidden]` (float32), in one native call; the K/V caches are float16
     when `kv_half`, else float32. `layers` is an int64 tensor `[L, len(LAYER_FIELDS)]` of data
     pointers (0 where a tensor is absent); `dims` is (hidden, heads, kv_heads, head_dim,
     intermediate, eps); `cos` / `sin` are the whole rope tables, read at `positions`. With `ids`
     and `embed`, `x` is first filled with the tokens' embedding rows; with `final_norm`, it ends
-    normalised by that RMSNorm weight. Or None."""
+    normalised by that RMSNorm weight. `chained`: rows of one sequence follow each other (each
+    reads the K/V of those before it), so every row's K/V are written before any attends. With
+    `aux_layers` (int64 layer indices) `aux` `[M, len(aux_layers) * hidden]` gets the residual
+    stream entering each of those layers. Or None."""
     lib = _library()
     if lib is None:
         return None
+    import torch
 
     def run(x, layers, dims, cos, sin, positions, slots, tables, ctx, block_size: int, scale: float, window: int,
-            kv_half: bool, ids=None, embed=None, final_norm=None) -> None:
+            kv_half: bool, ids=None, embed=None, final_norm=None, chained: bool = False, aux_layers=None,
+            aux=None) -> None:
+        assert (aux_layers is None) == (aux is None)
+        assert aux is None or (aux.is_contiguous() and aux.dtype == torch.float32
+                               and aux.shape == (x.shape[0], aux_layers.numel() * x.shape[1]))
         _sync_threads(lib)
         hidden, heads, kv_heads, head_dim, intermediate, eps = dims
         lib.decode_layers(
@@ -376,7 +385,9 @@ def decode_layers() -> Callable[..., None] | None:
             intermediate, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], ctx.data_ptr(), block_size, scale, window, int(kv_half),
             None if ids is None else ids.data_ptr(), None if embed is None else embed.data_ptr(),
-            None if final_norm is None else final_norm.data_ptr(),
+            None if final_norm is None else final_norm.data_ptr(), int(chained),
+            None if aux_layers is None else aux_layers.data_ptr(), 0 if aux_layers is None else aux_layers.numel(),
+            None if aux is None else aux.data_ptr(),
         )
 
     return run

@@ -575,7 +575,8 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
                                int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
                                const int64_t* positions, const int64_t* slots, const int64_t* tables,
                                int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale,
-                               int64_t window, const int64_t* ids, const float* embed, const float* final_norm) {
+                               int64_t window, const int64_t* ids, const float* embed, const float* final_norm,
+                               bool chained, const int64_t* aux_layers, int64_t n_aux, float* aux) {
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
   const int64_t threads = omp_get_max_threads(), parts = head_parts(M, nkv, threads), G = nh / nkv;
   // Up to SMALL_ROWS rows each thread computes the norms and SiLU(gate) * up of every row itself,
@@ -608,14 +609,21 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     const LayerWeights& lw = reinterpret_cast<const LayerWeights*>(layers)[l];
     auto ptr = [](int64_t p) { return reinterpret_cast<float*>(p); };
     T *k_cache = reinterpret_cast<T*>(lw.k_cache), *v_cache = reinterpret_cast<T*>(lw.v_cache);
+    for (int64_t a = 0; a < n_aux; ++a) {  // the residual stream entering this layer, kept
+      if (aux_layers[a] != l) continue;
+      // (no barrier: x is next written by the output projection, after the QKV stage's)
+#pragma omp for schedule(static) nowait
+      for (int64_t m = 0; m < M; ++m) std::copy(x + m * H, x + (m + 1) * H, aux + (m * n_aux + a) * H);
+    }
     norm_rows(ptr(lw.in_norm));
     team_linear(my_xn, ptr(lw.wqkv), qkv.data(), M, H, qkv_n, ptr(lw.bqkv), false, tmp.data(), ptr(lw.sqkv),
                 ptr(lw.zqkv), xs.data());
     // Each attention task first prepares the heads it owns (the query heads of its KV heads, and
     // those KV heads): optional per-head RMSNorm, rope, and K/V into the cache slot. No other
-    // task reads them, so this needs no stage (and no barrier) of its own.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < M * parts; ++task) {
+    // task reads them, so this needs no stage (and no barrier) of its own; but `chained` rows
+    // (several rows of one sequence, a row reading the K/V of the rows before it) are all
+    // written before any attends, one barrier a layer.
+    auto prepare_task = [&](int64_t task) {
       const int64_t m = task / parts, part = task % parts;
       float* q = qkv.data() + m * qkv_n;
       auto prepare = [&](float* v, const float* nw) {
@@ -628,8 +636,22 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
         store_row(k_cache + slots[m] * row + g * hd, q + (nh + g) * hd, hd);
         store_row(v_cache + slots[m] * row + g * hd, q + (nh + nkv + g) * hd, hd);
       }
+    };
+    auto attend = [&](int64_t task) {
       attend_task(task, parts, qkv.data(), k_cache, v_cache, tables, max_blocks, ctx, nh, nkv, hd, block_size, scale,
                   window, qkv_n, attn.data());
+    };
+    if (chained) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < M * parts; ++task) prepare_task(task);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < M * parts; ++task) attend(task);
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < M * parts; ++task) {
+        prepare_task(task);
+        attend(task);
+      }
     }
     team_linear(attn.data(), ptr(lw.wo), x, M, nh * hd, H, nullptr, true, tmp.data(), ptr(lw.so), ptr(lw.zo),
                 xs.data());
@@ -662,17 +684,24 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
 // normalised by it: the whole decode step of the model up to the LM head, with no Python
 // between (the host work after a step's weight stream runs with cold caches, so each torch op
 // left out saves tens of microseconds there).
+// `chained`: rows may follow one another in one sequence (a speculative step's guesses, each
+// row a one-token decode of the same block table): every row's K/V are written before any row
+// attends. With `n_aux` layer indices, aux [M, n_aux, H] gets the residual stream entering each
+// of those layers (an EAGLE-3 head's input).
 extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
                               int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
                               const int64_t* positions, const int64_t* slots, const int64_t* tables,
                               int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale, int64_t window,
-                              int64_t kv_half, const int64_t* ids, const float* embed, const float* final_norm) {
+                              int64_t kv_half, const int64_t* ids, const float* embed, const float* final_norm,
+                              int64_t chained, const int64_t* aux_layers, int64_t n_aux, float* aux) {
   if (kv_half)
     decode_layers_impl<half_t>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, positions, slots, tables,
-                               max_blocks, ctx, block_size, scale, window, ids, embed, final_norm);
+                               max_blocks, ctx, block_size, scale, window, ids, embed, final_norm, chained != 0,
+                               aux_layers, n_aux, aux);
   else
     decode_layers_impl<float>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, positions, slots, tables,
-                              max_blocks, ctx, block_size, scale, window, ids, embed, final_norm);
+                              max_blocks, ctx, block_size, scale, window, ids, embed, final_norm, chained != 0,
+                              aux_layers, n_aux, aux);
 }
 
 // ---- int8 activation preparation (conveyor/models/quantize.py, Int8Linear) --------------------

@@ -44,6 +44,10 @@ class AttentionMetadata:
     sliding_window: int | None = None
     mask_dtype: torch.dtype = torch.float32  # the compute dtype, for additive masks
     windows: dict[int, AttentionMetadata] = field(default_factory=dict)  # `windowed`'s, by window
+    # The decodes include rows of one sequence side by side (a speculative step's guesses, each
+    # a one-token decode of the same table at the next position: `chain_decodes`): each reads
+    # the K/V its sequence's rows before it write in this step.
+    chained: bool = False
     # A hybrid KV cache (conveyor/core/block_manager.py: HybridLayout): each layer's metadata,
     # this one for a global layer's, its group's (tables and slots of its own) for a sliding one.
     layer_metas: list[AttentionMetadata] | None = None
@@ -277,6 +281,31 @@ def _decode_metadata(
         sliding_window=sliding_window,
         mask_dtype=dtype,
     )
+
+
+def chain_decodes(
+    block_tables: Sequence[Sequence[int]],
+    start_positions: list[int],
+    num_new_tokens: list[int],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> AttentionMetadata:
+    """`build_metadata` for the same step with each sequence's `n` new tokens as `n` one-token
+    decodes of its table, at positions `start, ..., start + n - 1` (`chained`): row `j` attends
+    to the context up to its own position, which is what a prefill's causal mask gives it. Every
+    backend writes all of a step's K/V before it attends (`AttentionBackend`'s contract), so the
+    rows before it in its sequence are there. A speculative step's guesses take the native
+    decode call this way on CPU (conveyor/models/llama.py: FusedDecode)."""
+    tables: list[Sequence[int]] = []
+    starts: list[int] = []
+    for table, start, n in zip(block_tables, start_positions, num_new_tokens, strict=True):
+        tables.extend([table] * n)
+        starts.extend(range(start, start + n))
+    meta = _decode_metadata(tables, starts, block_size, device, sliding_window, dtype)
+    meta.chained = True
+    return meta
 
 
 class AttentionBackend(ABC):

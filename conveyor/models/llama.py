@@ -536,16 +536,23 @@ class FusedDecode:
                 self._tables.popitem(last=False)
         return table
 
-    def applies(self, num_tokens: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
-        return (meta.num_decodes == num_tokens and not meta.prefills and num_tokens <= self.max_rows
-                and kv_dtype in NATIVE_KV_DTYPES)
+    def applies(self, num_tokens: int, meta: AttentionMetadata | None, kv_dtype: torch.dtype) -> bool:
+        """Whether a step of `num_tokens` rows runs here: decodes only (`meta`; None: the rows
+        will be), few enough, over a cache whose dtype the call reads."""
+        if meta is not None and (meta.num_decodes != num_tokens or meta.prefills):
+            return False
+        return num_tokens <= self.max_rows and kv_dtype in NATIVE_KV_DTYPES
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The step's hidden states after the final norm. The embedding lookup and the final norm
         run inside the native call too (`fold_ends`), so that nothing but this call sits between
         the previous step's sampling and the weight stream: the host work after a stream runs on
-        cold caches, about 100 µs a torch op at batch 1 here (BENCHMARKS.md)."""
+        cold caches, about 100 µs a torch op at batch 1 here (BENCHMARKS.md).
+
+        `meta.chained` (a speculative step's guessed rows, each a one-token decode) has the call
+        write every row's K/V before any row attends. `keep` (int64 layer indices): the residual
+        streams entering those layers, side by side, in `kept` `[T, len(keep) * hidden]`."""
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
         kv_half = kv_caches[0].dtype == torch.float16
         tables, ctx = meta.decode_blocks.contiguous(), meta.decode_context_lens.contiguous()
@@ -555,10 +562,14 @@ class FusedDecode:
             ends = (input_ids.contiguous(), self.embed.weight, self.norm.weight)
         else:
             x, ends = self.embed(input_ids).contiguous(), ()
+        aux = None if keep is None else torch.empty((x.shape[0], keep.numel() * x.shape[1]), dtype=torch.float32)
         self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions.contiguous(),
                     meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window, kv_half,
-                    *ends)
+                    *(ends or (None, None, None)), chained=meta.chained, aux_layers=keep, aux=aux)
+        self.kept = aux
         return x if self.fold_ends else self.norm(x)
+
+    kept: torch.Tensor | None = None  # the last call's `keep` streams
 
 
 class LlamaForCausalLM(nn.Module):
@@ -592,8 +603,17 @@ class LlamaForCausalLM(nn.Module):
         self.lora: LoRAContext | None = None  # set by attach_lora (enable_lora)
         # The layers whose incoming residual streams a step keeps, side by side in `aux_hidden`
         # `[T, len(aux_layers) * hidden]` (an EAGLE-3 head's input: conveyor/models/eagle.py).
-        self.aux_layers: tuple[int, ...] = ()
+        self.aux_layers = ()
         self.aux_hidden: torch.Tensor | None = None
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self._aux_layers
+
+    @aux_layers.setter
+    def aux_layers(self, layers: tuple[int, ...]) -> None:
+        self._aux_layers = tuple(layers)
+        self._aux_ids = torch.tensor(self._aux_layers, dtype=torch.int64)  # (for the native call)
 
     @property
     def tensor_parallel(self) -> bool:
@@ -617,11 +637,17 @@ class LlamaForCausalLM(nn.Module):
         # fused paths read the base weights directly. So does a step that keeps the streams
         # entering some layers (an EAGLE-3 head reads them: `aux_layers`).
         aux = self.aux_layers
-        plain = (self.lora is None or self.lora.current() is None) and not aux
+        bare = self.lora is None or self.lora.current() is None
         fused = self.fused_decode
-        # (the native whole-model decode reads one table for every layer: not a hybrid cache's)
-        if plain and fused is not None and meta.layer_metas is None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
-            return fused(input_ids, positions, kv_caches, meta)
+        # (the native whole-model decode reads one table for every layer: not a hybrid cache's;
+        # it keeps the streams an EAGLE-3 head reads itself)
+        if bare and fused is not None and meta.layer_metas is None and fused.applies(input_ids.shape[0], meta, kv_caches[0].dtype):
+            if not aux:
+                return fused(input_ids, positions, kv_caches, meta)
+            hidden = fused(input_ids, positions, kv_caches, meta, self._aux_ids)
+            self.aux_hidden = fused.kept
+            return hidden
+        plain = bare and not aux
         if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
         x = self.embed(input_ids)

@@ -15,7 +15,7 @@ import torch
 
 from conveyor.core.block_manager import HybridLayout
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
-from conveyor.models.attention import HostBlockTables, build_metadata, host_longs, to_device
+from conveyor.models.attention import HostBlockTables, build_metadata, chain_decodes, host_longs, to_device
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.lora import LoRAManager
 from conveyor.runner.base import PromptLogprob, RunnerOutput
@@ -140,6 +140,9 @@ class ModelRunner:
         # bad_words -> the token sequences that spell them (the engine's tokenizer, cached)
         self.word_token_ids: Callable[[tuple[str, ...]], tuple[tuple[int, ...], ...]] | None = None
         self.host_tables = HostBlockTables()  # running sequences' block tables as int64 arrays
+        # Spans of up to this many tokens may run as one-token decodes side by side (`_chains`;
+        # a draft model's runner: the tokens it catches up on at a round's start).
+        self.chain_max_span = 0
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
         self._last_tokens: torch.Tensor | None = None
@@ -155,6 +158,18 @@ class ModelRunner:
             self.graphs = GraphedDecode(model, self.kv_caches, block_size, max_blocks, self.scratch_block,
                                         cuda_graph_max_batch, greedy=self.sampler.greedy,
                                         **self.graph_layout())
+
+    def _chains(self, items: list[ScheduledSequence], num_new: list[int], bare: bool) -> bool:
+        """Whether this step's few-token spans run as one-token decodes side by side
+        (`chain_decodes`): where that puts the whole step in the native decode call (CPU
+        float32), which would otherwise run the layers as modules. The spans are a speculative
+        step's guesses to verify, or spans of at most `chain_max_span` tokens (a draft model's
+        first step of a round)."""
+        fused = getattr(self.model, "fused_decode", None)
+        if (fused is None or not bare or self.layout is not None or self.peers is not None
+                or not fused.applies(sum(num_new), None, self.kv_dtype)):
+            return False
+        return all(n == 1 or it.num_draft or n <= self.chain_max_span for it, n in zip(items, num_new, strict=True))
 
     def graph_layout(self) -> dict[str, Any]:
         """What `GraphedDecode` needs of a hybrid cache: each layer's table, the sliding window."""
@@ -323,15 +338,19 @@ class ModelRunner:
                             for group in window_tables]
             logits, greedy = graphs(input_ids, positions, slots, tables, window_slots, window_tables)
         else:
-            meta = build_metadata(
-                tables,
-                [it.start_pos for it in items],
-                num_new,
-                self.block_size,
-                self.device,
-                self.sliding_window,
-                self.dtype,
-            )
+            if not all_decodes and self._chains(items, num_new, adapters is None and not pooling):
+                meta = chain_decodes(tables, [it.start_pos for it in items], num_new, self.block_size, self.device,
+                                     self.sliding_window, self.dtype)
+            else:
+                meta = build_metadata(
+                    tables,
+                    [it.start_pos for it in items],
+                    num_new,
+                    self.block_size,
+                    self.device,
+                    self.sliding_window,
+                    self.dtype,
+                )
             window_tables = None
             if self.window_host_tables:
                 ids = [it.seq_id for it in items]
