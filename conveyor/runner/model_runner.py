@@ -15,7 +15,13 @@ import torch
 
 from conveyor.core.block_manager import HybridLayout
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
-from conveyor.models.attention import HostBlockTables, build_metadata, chain_decodes, host_longs, to_device
+from conveyor.models.attention import (
+    HostBlockTables,
+    build_metadata,
+    chain_decodes,
+    host_longs,
+    to_device,
+)
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.lora import LoRAManager
 from conveyor.runner.base import PromptLogprob, RunnerOutput
