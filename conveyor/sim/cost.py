@@ -75,9 +75,13 @@ class StepShape:
     window_prefill_pairs: int = 0
     window_prefill_context: int = 0
     window_decode_context: int = 0
+    # Sequences of several rows that the CPU runner runs as one-token decodes side by side (a
+    # speculative step's guesses; spans of up to `of`'s `chain_span` rows): with the decodes,
+    # they keep a step in the fused native call (conveyor/runner/model_runner.py: `_chains`).
+    chained_seqs: int = 0
 
     @classmethod
-    def of(cls, out: SchedulerOutput, window: int = 0) -> StepShape:
+    def of(cls, out: SchedulerOutput, window: int = 0, chain_span: int = 0) -> StepShape:
         """The step's shape; with `window`, also what a sliding layer's attention reads: each
         query the last `window` positions up to its own, the context those span."""
         s = cls(swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in))
@@ -93,6 +97,7 @@ class StepShape:
                 s.decode_context += ctx
                 s.window_decode_context += min(ctx, window) if window else ctx
             else:
+                s.chained_seqs += bool(item.num_draft) or n <= chain_span
                 pairs = n * start + n * (n + 1) // 2
                 s.prefill_pairs += pairs
                 s.prefill_context += ctx
@@ -335,7 +340,7 @@ class RooflineCostModel:
         return StepShape(share(s.num_seqs), share(s.num_tokens), share(s.num_sampled), share(s.prefill_pairs),
                          share(s.prefill_context), share(s.decode_seqs), share(s.decode_context),
                          share(s.swap_blocks), s.idle_before_s, share(s.window_prefill_pairs),
-                         share(s.window_prefill_context), share(s.window_decode_context))
+                         share(s.window_prefill_context), share(s.window_decode_context), share(s.chained_seqs))
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per part of the step (with pipeline stages, of a batch's way through them
@@ -400,7 +405,8 @@ class RooflineCostModel:
     def fused(self, s: StepShape) -> bool:
         """Whether the runner takes its fused decode path for this step (never for a mixture of
         experts: the native call has no router)."""
-        return s.decode_seqs == s.num_seqs and s.num_tokens <= self.params.fused_rows and not self.model.num_experts
+        return (s.decode_seqs + s.chained_seqs == s.num_seqs and s.num_tokens <= self.params.fused_rows
+                and not self.model.num_experts)
 
     def matrix_path(self, s: StepShape) -> bool:
         """Whether the step's linear layers take the matrix-matrix path (more rows than the

@@ -60,6 +60,7 @@ class SimRunner:
         self.busy_s = 0.0  # total simulated compute time
         self.num_steps = 0
         self.idle_s = 0.0  # idle time since the last step that computed (the engine adds to it)
+        self.chain_max_span = 0  # as ModelRunner's: spans of up to this many rows priced as chained decodes
 
     # Prefill/decode disaggregation: simulated K/V have a size, not contents.
     def read_kv(self, block_table: list[int], num_tokens: int, window_tables: Sequence[list[int]] = ()) -> None:
@@ -83,7 +84,7 @@ class SimRunner:
         return 0 if model is None else model.kv_bytes_per_token(dtype_bytes) * num_tokens
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        shape = StepShape.of(scheduler_output, self.window)
+        shape = StepShape.of(scheduler_output, self.window, self.chain_max_span)
         if shape.num_tokens:
             shape.idle_before_s, self.idle_s = self.idle_s, 0.0
         duration = self.cost_model.step_time(shape)
@@ -190,7 +191,7 @@ class PipelineSimEngine(SimEngine):
 
     def _launch(self, sched_out: SchedulerOutput, start: float) -> None:
         runner = self.runner
-        times, send = runner.cost_model.stage_times(StepShape.of(sched_out, runner.window))  # type: ignore[attr-defined]
+        times, send = runner.cost_model.stage_times(StepShape.of(sched_out, runner.window, runner.chain_max_span))  # type: ignore[attr-defined]
         free = self._stage_free
         ready = start
         for k, seconds in enumerate(times):
@@ -398,8 +399,11 @@ def build_sim_engine(
 
         # (the MTP layer is in the checkpoint's format, FP8 too; a draft model at its own dtype)
         mtp = config.scheduler.speculative_method == "mtp"
-        engine.drafter = Drafter(SimRunner(RooflineCostModel(hardware, draft, params, b, config.cache.block_size, tp,
-                                                             fp8=fp8 and mtp), token))
+        draft_runner = SimRunner(RooflineCostModel(hardware, draft, params, b, config.cache.block_size, tp,
+                                                   fp8=fp8 and mtp), token)
+        if config.scheduler.speculative_method == "draft_model":  # (a head is no model: no native call)
+            draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
+        engine.drafter = Drafter(draft_runner)
     engine.hardware = hardware  # type: ignore[attr-defined]
     engine.model_shape = model  # type: ignore[attr-defined]
     engine.cost_model = cost  # type: ignore[attr-defined]

@@ -120,6 +120,24 @@ def test_unfused_overhead_applies_to_steps_the_fused_decode_does_not_take():
     assert overhead([_item(0, 1, 9), _item(1, 4, 0)]) == pytest.approx(6e-3)  # a prompt in the step
 
 
+def test_a_verification_step_is_priced_in_the_fused_decode_as_the_cpu_runner_runs_it():
+    """The runner runs a speculative step's guessed rows as one-token decodes in the native call
+    (`ModelRunner._chains`), and a draft model's catch-up spans of up to `chain_max_span` rows."""
+    params = CostParams(step_overhead_s=1e-3, seq_overhead_s=0.0, fused_rows=4, unfused_overhead_s=5e-3)
+    cost = RooflineCostModel(TOY_HW, TOY, params, dtype_bytes=2)
+    guessing = _item(1, 3, 20)
+    guessing.num_draft = 2
+
+    def overhead(items, chain_span=0):
+        return cost.breakdown(StepShape.of(SchedulerOutput(0, items), chain_span=chain_span))["overhead"]
+
+    assert StepShape.of(SchedulerOutput(0, [_item(0, 1, 9), guessing])).chained_seqs == 1
+    assert overhead([_item(0, 1, 9), guessing]) == pytest.approx(1e-3)  # 4 rows: fused
+    assert overhead([_item(0, 1, 9), _item(2, 1, 9), guessing]) == pytest.approx(6e-3)  # 5 rows: too many
+    assert overhead([_item(0, 1, 9), _item(1, 3, 20)]) == pytest.approx(6e-3)  # a prompt chunk of 3
+    assert overhead([_item(0, 1, 9), _item(1, 3, 20)], chain_span=3) == pytest.approx(1e-3)  # a draft's catch-up
+
+
 def test_a_step_after_idle_costs_the_idle_factor_more():
     params = CostParams(idle_factor=0.25, idle_threshold_s=0.05)
     cost = RooflineCostModel(TOY_HW, TOY, params, dtype_bytes=2)
