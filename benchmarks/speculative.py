@@ -12,6 +12,7 @@ their times is the speedup. Workloads, chat-templated:
     python benchmarks/speculative.py --batch 1 8 --rounds 3 [--draft-cost 0.3]
     python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram
     python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-tokens 2 3 --no-ngram
+    python benchmarks/speculative.py --unchained   # beside each, its steps with guesses as modules
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def conversations(kind: str, n: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
+def unchained(model: str | None, **options) -> LLM:
+    """An engine whose runners run a step with guesses (and a draft's catch-up) as modules, as
+    before such steps ran as chained decodes in the native call (CONVEYOR_CHAINED_DECODE=0)."""
+    import os
+
+    os.environ["CONVEYOR_CHAINED_DECODE"] = "0"
+    try:
+        return LLM(model, **options)
+    finally:
+        del os.environ["CONVEYOR_CHAINED_DECODE"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -74,27 +87,33 @@ def main() -> None:
     ap.add_argument("--eagle-tokens", type=int, nargs="+", default=None,
                     help="--eagle: one engine a count of guesses (default: --num-speculative-tokens)")
     ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
+    ap.add_argument("--unchained", action="store_true",
+                    help="beside each speculative engine, the same with its verification steps as modules "
+                         "(CONVEYOR_CHAINED_DECODE=0: not as chained decodes in the native call)")
     args = ap.parse_args()
 
     base = LLM(args.model)
     engines = [("one token a step", base)]
+
+    def add(name: str, **options) -> None:
+        engines.append((name, LLM(args.model, **options)))
+        if args.unchained:
+            engines.append((f"{name}, as modules", unchained(args.model, **options)))
+
     if not args.no_ngram:
-        engines.append(("ngram drafts", LLM(args.model, speculative_method="ngram",
-                                            num_speculative_tokens=args.num_speculative_tokens)))
+        add("ngram drafts", speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
     if args.draft_model is not None:
         draft = base.engine.model_path if args.draft_model == "self" else args.draft_model  # type: ignore[attr-defined]
-        name = f"draft model{', int8' if args.draft_quantization else ''}"
-        engines.append((name, LLM(args.model, speculative_method="draft_model", speculative_model=draft,
-                                  speculative_quantization=args.draft_quantization,
-                                  num_speculative_tokens=args.num_speculative_tokens)))
+        add(f"draft model{', int8' if args.draft_quantization else ''}", speculative_method="draft_model",
+            speculative_model=draft, speculative_quantization=args.draft_quantization,
+            num_speculative_tokens=args.num_speculative_tokens)
     if args.eagle is not None:
         for k in args.eagle_tokens or [args.num_speculative_tokens]:
-            engines.append((f"EAGLE-3, {k} guesses", LLM(args.model, speculative_method="eagle3",
-                                                         speculative_model=args.eagle, num_speculative_tokens=k)))
+            add(f"EAGLE-3, {k} guesses", speculative_method="eagle3", speculative_model=args.eagle,
+                num_speculative_tokens=k)
     if args.draft_cost is not None:
-        adaptive = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
-                       speculative_draft_cost=args.draft_cost)
-        engines.append((f"ngram, draft cost {args.draft_cost}", adaptive))
+        add(f"ngram, draft cost {args.draft_cost}", speculative_method="ngram",
+            num_speculative_tokens=args.num_speculative_tokens, speculative_draft_cost=args.draft_cost)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for _, llm in engines:  # warm-up
         llm.chat(conversations("echo", 1), SamplingParams(max_tokens=8), use_tqdm=False)

@@ -7,6 +7,7 @@ each sampling sequence's last row.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -149,6 +150,7 @@ class ModelRunner:
         # Spans of up to this many tokens may run as one-token decodes side by side (`_chains`;
         # a draft model's runner: the tokens it catches up on at a round's start).
         self.chain_max_span = 0
+        self.chain_steps = os.environ.get("CONVEYOR_CHAINED_DECODE", "1") != "0"  # (off: spans as modules)
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
         self._last_tokens: torch.Tensor | None = None
@@ -172,7 +174,7 @@ class ModelRunner:
         step's guesses to verify, or spans of at most `chain_max_span` tokens (a draft model's
         first step of a round)."""
         fused = getattr(self.model, "fused_decode", None)
-        if (fused is None or not bare or self.layout is not None or self.peers is not None
+        if (fused is None or not self.chain_steps or not bare or self.layout is not None or self.peers is not None
                 or not fused.applies(sum(num_new), None, self.kv_dtype)):
             return False
         return all(n == 1 or it.num_draft or n <= self.chain_max_span for it, n in zip(items, num_new, strict=True))
