@@ -90,15 +90,18 @@ def main() -> None:
     ap.add_argument("--unchained", action="store_true",
                     help="beside each speculative engine, the same with its verification steps as modules "
                          "(CONVEYOR_CHAINED_DECODE=0: not as chained decodes in the native call)")
+    ap.add_argument("--kv-cache-mib", type=int, default=None,
+                    help="each engine's KV cache (default: the engine's, 2 GiB; many engines need less)")
     args = ap.parse_args()
+    kv = {} if args.kv_cache_mib is None else {"kv_cache_memory": args.kv_cache_mib << 20}
 
-    base = LLM(args.model)
+    base = LLM(args.model, **kv)
     engines = [("one token a step", base)]
 
     def add(name: str, **options) -> None:
-        engines.append((name, LLM(args.model, **options)))
+        engines.append((name, LLM(args.model, **kv, **options)))
         if args.unchained:
-            engines.append((f"{name}, as modules", unchained(args.model, **options)))
+            engines.append((f"{name}, as modules", unchained(args.model, **kv, **options)))
 
     if not args.no_ngram:
         add("ngram drafts", speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
