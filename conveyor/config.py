@@ -136,7 +136,8 @@ class ModelConfig:
             "each decoding sequence's next tokens, greedily, one batched step a token. It must "
             "have the target's vocabulary; its K/V live in a cache of its own, in the same "
             "blocks as the target's (the KV budget holds both). speculative_method='eagle' or "
-            "'eagle3': the EAGLE head's folder (config.json and its tensors)."
+            "'eagle3': the EAGLE head's folder (config.json and its tensors); 'medusa': the Medusa "
+            "heads' folder."
         ),
     )
     speculative_quantization: str | None = field(
@@ -384,7 +385,8 @@ class SchedulerConfig:
             "(speculative_model) guesses them. mtp: DeepSeek-V3's multi-token-prediction layer "
             "(in its checkpoint) guesses them from the model's hidden states. eagle / eagle3: an "
             "EAGLE-1 or EAGLE-3 head (speculative_model) guesses them from the model's hidden "
-            "states. None: off."
+            "states. medusa: Medusa heads (speculative_model) guess them, one head a token, from "
+            "the model's last hidden state. None: off."
         ),
     )
     num_speculative_tokens: int = field(
@@ -589,10 +591,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model.speculative_model is not None and self.scheduler.speculative_method not in (
-                "draft_model", "eagle", "eagle3"):
+                "draft_model", "eagle", "eagle3", "medusa"):
             raise ConfigError(
-                "speculative_model is the draft of speculative_method='draft_model' or the head of 'eagle' or "
-                f"'eagle3' (speculative_method is {self.scheduler.speculative_method!r})"
+                "speculative_model is the draft of speculative_method='draft_model' or the head of 'eagle', "
+                f"'eagle3' or 'medusa' (speculative_method is {self.scheduler.speculative_method!r})"
             )
         if not self.model.enable_lora and self.scheduler.max_loras != 1:
             raise ConfigError("max_loras applies only with enable_lora=True")

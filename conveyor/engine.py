@@ -271,6 +271,20 @@ class Engine:
             from conveyor.models.eagle import read_eagle
 
             eagle = read_eagle(resolve_model_path(mc.speculative_model), method, arch)
+        medusa: tuple[Any, dict[str, Any]] | None = None
+        if method == "medusa":
+            if mc.speculative_model is None:
+                raise ConfigError("speculative_method='medusa' needs a speculative_model (the heads' folder)")
+            if tp > 1 or arch.is_encoder or arch.labels:
+                raise ConfigError("speculative_method='medusa': Medusa heads draft for a decoder on one rank (this is "
+                                  f"{arch.family}{f', tensor_parallel_size={tp}' if tp > 1 else ''})")
+            from conveyor.models.medusa import read_medusa
+
+            medusa = read_medusa(resolve_model_path(mc.speculative_model), arch)
+            heads = medusa[0].num_heads
+            if config.scheduler.num_speculative_tokens > heads:
+                raise ConfigError(f"num_speculative_tokens={config.scheduler.num_speculative_tokens}: the Medusa "
+                                  f"checkpoint has {heads} heads, one a guess; ask for at most {heads}")
         draft_arch = draft_tensors = None
         if config.scheduler.speculative_method == "draft_model":
             if mc.speculative_model is None:
@@ -286,7 +300,9 @@ class Engine:
         extra = 2 * arch.hidden_size**2 if mtp is not None else 0
         if eagle is not None:  # its own tensors, whatever it shares with the model
             extra = sum(t.numel() for t in eagle[1].values()) - eagle[0].arch.num_params
-        weight_bytes = (arch.num_params + (planned.num_params + extra if planned else 0)) * itemsize
+        if medusa is not None:  # no cache: only its weights
+            extra = sum(t.numel() for n, t in medusa[1].items() if n != "token_map")
+        weight_bytes = (arch.num_params + (planned.num_params if planned else 0) + extra) * itemsize
         kv_dtype = _resolve_kv_dtype(config, dtype, device)
         num_blocks, num_swap_blocks, max_len = _plan_cache(
             config, arch, kv_dtype, device, weight_bytes, draft_arch=planned
@@ -365,6 +381,15 @@ class Engine:
             engine.runner.hidden_store = store  # type: ignore[attr-defined]
             engine.drafter = MTPDrafter(MTPRunner(head, num_blocks, config.cache.block_size, dtype, device,
                                                   kv_dtype), store)
+        if medusa is not None:  # the drafter: Medusa heads over the model's last hidden states
+            from conveyor.models.medusa import build_medusa
+            from conveyor.runner.medusa import MedusaDrafter
+            from conveyor.runner.mtp import HiddenStore
+
+            store = HiddenStore()
+            engine.runner.hidden_store = store  # type: ignore[attr-defined]
+            engine.drafter = MedusaDrafter(build_medusa(*medusa, dtype, device), store, device,  # type: ignore[assignment]
+                                           dtype)
         if dense:  # a sentence-transformers model's Dense modules, after its pooling
             runner = engine.runner
             runner.pool_dense = list(dense)  # type: ignore[attr-defined]
@@ -401,7 +426,7 @@ class Engine:
         # The weights already occupy device memory: do not count them twice in a CUDA budget.
         kv_dtype = _resolve_kv_dtype(config, weight.dtype, weight.device)
         method = config.scheduler.speculative_method
-        if method in ("mtp", "eagle", "eagle3"):  # (their drafters read the checkpoint's files)
+        if method in ("mtp", "eagle", "eagle3", "medusa"):  # (their drafters read the checkpoint's files)
             raise ConfigError(f"speculative_method={method!r} builds its drafter from the model's and "
                               "speculative_model's files: use from_config")
         drafting = method == "draft_model"

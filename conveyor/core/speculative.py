@@ -143,3 +143,9 @@ class EagleProposer(DraftModelProposer):
 class Eagle3Proposer(DraftModelProposer):
     """An EAGLE-3 head's guesses from three of the model's layers (conveyor/models/eagle.py)."""
 
+
+@register_proposer("medusa")
+class MedusaProposer(DraftModelProposer):
+    """Medusa heads' guesses from the model's last hidden state, one head a guess
+    (conveyor/models/medusa.py)."""
+

@@ -335,7 +335,9 @@ class ModelRunner:
         hidden: torch.Tensor | None = None
         adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
         pooling = any(it.sampling_params.pooling is not None for it in items)  # (they need hidden states)
-        if graphs is not None and adapters is None and not pooling and graphs.applies(len(items), all_decodes):
+        # (a drafter reading the model's hidden states needs them from every step: no graph)
+        if (graphs is not None and adapters is None and not pooling and self.hidden_store is None
+                and graphs.applies(len(items), all_decodes)):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]

@@ -296,6 +296,9 @@ def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
                                    shared_expert_intermediate_size=0, num_sparse_layers=0, sliding_window=0,
                                    num_sliding_layers=0, vocab_size=vocab,
                                    intermediate_size=model.intermediate_size or model.expert_intermediate_size)
+    if config.scheduler.speculative_method == "medusa":
+        raise ConfigError("speculative_method='medusa': the simulator does not price Medusa heads (not built); "
+                          "an EAGLE head (`eagle`) is the nearest it prices")
     if config.scheduler.speculative_method != "draft_model":
         return None
     from conveyor.sim.models import get_model

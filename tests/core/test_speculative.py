@@ -195,7 +195,7 @@ def test_speculative_config_is_checked() -> None:
     with pytest.raises(ConfigError, match="speculative_method"):
         SchedulerConfig(num_speculative_tokens=3)
     with pytest.raises(ConfigError, match="not one of"):
-        SchedulerConfig(speculative_method="medusa")
+        SchedulerConfig(speculative_method="lookahead")
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         SchedulerConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
