@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup, a draft model, an EAGLE-3 head) against decoding
+"""Speculative decoding (n-gram prompt lookup, a draft model, an EAGLE-3 head, Medusa heads) against decoding
 one token a step, side by side.
 
 Two engines on one model (SmolLM2 by default), the same greedy requests, run in turns
@@ -12,6 +12,7 @@ their times is the speedup. Workloads, chat-templated:
     python benchmarks/speculative.py --batch 1 8 --rounds 3 [--draft-cost 0.3]
     python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram
     python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-tokens 2 3 --no-ngram
+    python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tokens 1 3 --no-ngram
     python benchmarks/speculative.py --unchained   # beside each, its steps with guesses as modules
 """
 
@@ -86,6 +87,11 @@ def main() -> None:
                          "(speculative_method='eagle3'; benchmarks/train_eagle.py makes one for SmolLM2)")
     ap.add_argument("--eagle-tokens", type=int, nargs="+", default=None,
                     help="--eagle: one engine a count of guesses (default: --num-speculative-tokens)")
+    ap.add_argument("--medusa", default=None,
+                    help="also an engine whose drafts come from these Medusa heads' folder "
+                         "(speculative_method='medusa'; benchmarks/train_medusa.py makes them for SmolLM2)")
+    ap.add_argument("--medusa-tokens", type=int, nargs="+", default=None,
+                    help="--medusa: one engine a count of guesses (default: --num-speculative-tokens)")
     ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
     ap.add_argument("--unchained", action="store_true",
                     help="beside each speculative engine, the same with its verification steps as modules "
@@ -113,6 +119,10 @@ def main() -> None:
     if args.eagle is not None:
         for k in args.eagle_tokens or [args.num_speculative_tokens]:
             add(f"EAGLE-3, {k} guesses", speculative_method="eagle3", speculative_model=args.eagle,
+                num_speculative_tokens=k)
+    if args.medusa is not None:
+        for k in args.medusa_tokens or [args.num_speculative_tokens]:
+            add(f"Medusa, {k} guesses", speculative_method="medusa", speculative_model=args.medusa,
                 num_speculative_tokens=k)
     if args.draft_cost is not None:
         add(f"ngram, draft cost {args.draft_cost}", speculative_method="ngram",
