@@ -319,6 +319,10 @@ class RooflineCostModel:
             one = max(flop_s * rows, mem_s)
         return self.model.num_sparse_layers * touched * one
 
+    def head_time(self, rows: int) -> float:
+        """The LM head over `rows` rows (what a Medusa round's heads are priced as)."""
+        return self._head(rows)
+
     def _head(self, rows: int) -> float:
         if rows <= self._skinny:
             return max(self._head_gemv_flop_s * rows, self._head_gemv_s * -(-rows // self._pass))

@@ -240,12 +240,49 @@ def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: in
     draft_layer_bytes = layer_bytes if mtp else None
     weights = model.weight_bytes(dtype_bytes, layer_bytes, expert_bytes) + (
         draft.weight_bytes(dtype_bytes, draft_layer_bytes, expert_bytes if mtp else None) if draft else 0)
+    if config.scheduler.speculative_method == "medusa":
+        weights += medusa_params(config, model) * dtype_bytes
     n = config.model.tensor_parallel_size
     if config.model.enable_dp_attention:  # everything whole but the routed experts, 1/n of them each
         each = expert_bytes if expert_bytes is not None else layer_bytes or dtype_bytes
         experts = model.num_sparse_layers * model.num_experts * model.expert_params * each
         return math.ceil(weights - experts + experts / n)
     return math.ceil(weights * stage_share(config, model) / n)
+
+
+def medusa_params(config: EngineConfig, model: ModelShape) -> int:
+    """Medusa heads as the simulator assumes them: `num_speculative_tokens` heads of one residual
+    block (hidden x hidden and a bias, FasterDecoding's default) and an LM head over the model's
+    vocabulary each."""
+    h = model.hidden_size
+    return config.scheduler.num_speculative_tokens * (h * h + h + model.vocab_size * h)
+
+
+class MedusaSimDrafter:
+    """Medusa heads in the simulator: a round is one pass over every head's weights for the
+    drafting rows, priced as an LM head of `medusa_params / hidden` rows (the blocks' and the
+    heads' weights read once, their products for each row) plus one step's overhead, as each
+    step of a draft model or an EAGLE head pays it; every guess is the token the simulated
+    runner samples (its acceptance rate decides what is kept)."""
+
+    def __init__(self, cost: RooflineCostModel, token_id: int) -> None:
+        self.cost = cost
+        self.token_id = token_id
+        self.runner = self  # (`SimEngine.runner_busy_s` reads `drafter.runner.busy_s`)
+        self.busy_s = 0.0
+        self.last_duration_s = 0.0
+        self.num_fed_tokens = 0
+
+    def fill(self, scheduler_output: SchedulerOutput) -> None:
+        drafting = [it for it in scheduler_output.scheduled if it.num_draft]
+        self.last_duration_s = 0.0
+        if not drafting:
+            return
+        for it in drafting:
+            it.token_ids[1:] = [self.token_id] * it.num_draft
+        self.last_duration_s = self.cost.head_time(len(drafting)) + self.cost.params.step_overhead_s
+        self.busy_s += self.last_duration_s
+        self.num_fed_tokens += len(drafting)
 
 
 MXFP4_BYTES = 4.25 / 8  # a 4-bit value, and an 8-bit scale a block of 32
@@ -296,9 +333,6 @@ def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
                                    shared_expert_intermediate_size=0, num_sparse_layers=0, sliding_window=0,
                                    num_sliding_layers=0, vocab_size=vocab,
                                    intermediate_size=model.intermediate_size or model.expert_intermediate_size)
-    if config.scheduler.speculative_method == "medusa":
-        raise ConfigError("speculative_method='medusa': the simulator does not price Medusa heads (not built); "
-                          "an EAGLE head (`eagle`) is the nearest it prices")
     if config.scheduler.speculative_method != "draft_model":
         return None
     from conveyor.sim.models import get_model
@@ -353,7 +387,7 @@ def build_sim_engine(
             raise ConfigError("pipeline_parallel_size > 1 needs a cost model that prices stages (stage_times)")
     dp = config.model.enable_dp_attention
     if dp:
-        if tp < 2 or pp > 1 or draft is not None:
+        if tp < 2 or pp > 1 or draft is not None or config.scheduler.speculative_method == "medusa":
             raise ConfigError("enable_dp_attention needs tensor_parallel_size >= 2 (the devices of the group), "
                               "without pipeline parallelism or a draft model")
         if model.num_experts % tp:
@@ -407,6 +441,11 @@ def build_sim_engine(
         if config.scheduler.speculative_method == "draft_model":  # (a head is no model: no native call)
             draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
         engine.drafter = Drafter(draft_runner)
+    if config.scheduler.speculative_method == "medusa":
+        heads = dataclasses.replace(model, name=f"{model.name}-medusa",
+                                    vocab_size=medusa_params(config, model) // model.hidden_size)
+        engine.drafter = MedusaSimDrafter(RooflineCostModel(hardware, heads, params, b, config.cache.block_size, tp),
+                                          token)  # type: ignore[assignment]
     engine.hardware = hardware  # type: ignore[attr-defined]
     engine.model_shape = model  # type: ignore[attr-defined]
     engine.cost_model = cost  # type: ignore[attr-defined]

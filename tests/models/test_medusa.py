@@ -217,13 +217,3 @@ def test_float32_on_the_native_kernels_gives_decodings_tokens(target, heads):
     assert [o.outputs[0].token_ids for o in llm.generate(SHORT, params, use_tqdm=False)] == want
     assert llm.engine.scheduler.num_draft_tokens > 0
 
-
-def test_the_simulator_refuses_medusa_by_name():
-    from conveyor.config import EngineConfig
-    from conveyor.sim.engine import build_sim_engine
-    from conveyor.sim.hardware import get_hardware
-    from conveyor.sim.models import get_model
-
-    with pytest.raises(ConfigError, match="does not price Medusa"):
-        build_sim_engine(EngineConfig.from_kwargs(speculative_method="medusa", speculative_model="x"),
-                         get_hardware("h100-sxm"), get_model("llama-3.1-8b"), acceptance_rate=0.8)

@@ -123,3 +123,39 @@ def test_eagle_is_priced_as_a_one_layer_draft(method):
     with pytest.raises(ConfigError, match="latent attention"):
         build_sim_engine(EngineConfig.from_kwargs(speculative_method=method), get_hardware("h200"),
                          get_model("deepseek-v3"), acceptance_rate=0.8)
+
+
+def test_medusa_heads_are_priced_as_one_pass_over_their_weights():
+    """`speculative_method="medusa"`: `num_speculative_tokens` heads of one block and an LM head
+    each, their weights in the memory plan, a round priced as one pass over them (an LM head of
+    that many rows) for the drafting rows; every guess taken at an acceptance of 1; cheaper a
+    round than an EAGLE head, so faster at one request with the same acceptance."""
+    from conveyor.sim.engine import MedusaSimDrafter, medusa_params
+
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+    base = build_sim_engine(EngineConfig.from_kwargs(), hw, model)
+    engine = build_sim_engine(EngineConfig.from_kwargs(speculative_method="medusa", num_speculative_tokens=3),
+                              hw, model, acceptance_rate=1.0)
+    drafter = engine.drafter
+    assert isinstance(drafter, MedusaSimDrafter)
+    h = model.hidden_size
+    assert medusa_params(engine.config, model) == 3 * (h * h + h + model.vocab_size * h)
+    grown = describe_capacity(engine)["weight_gib"] - describe_capacity(base)["weight_gib"]
+    assert grown == pytest.approx(medusa_params(engine.config, model) * 2 / 2**30)
+    assert describe_capacity(engine)["kv_bytes_per_token"] == describe_capacity(base)["kv_bytes_per_token"]
+    requests = [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=16, ignore_eos=True)) for _ in range(4)]
+    replay(engine, requests)
+    scheduler = engine.scheduler
+    assert scheduler.num_draft_tokens > 0 and scheduler.num_accepted_tokens == scheduler.num_draft_tokens
+    assert drafter.cost.model.vocab_size * h == medusa_params(engine.config, model)
+    overhead = drafter.cost.params.step_overhead_s
+    assert drafter.busy_s > 0 and drafter.last_duration_s in (
+        0.0, *(drafter.cost.head_time(n) + overhead for n in range(1, 5)))
+
+    def one_request(method: str) -> float:
+        eng = build_sim_engine(EngineConfig.from_kwargs(speculative_method=method, num_speculative_tokens=3),
+                               hw, model, acceptance_rate=0.7, seed=3)
+        replay(eng, [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=128, ignore_eos=True))])
+        return eng.clock()
+
+    assert one_request("medusa") < one_request("eagle")
