@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,13 +148,13 @@ class EagleHead(nn.Module):
 def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec, dict[str, torch.Tensor]]:
     """The head in `folder` (config.json and its tensors), checked against `target` and the
     `method` asked for; its tensors renamed as `EagleHead`'s parameters."""
-    from conveyor.models.loader import ModelLoadError
+    from conveyor.models.loader import ModelLoadError, iter_head_tensors
 
     try:
         cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"speculative_model: cannot read {folder / 'config.json'}: {e}") from e
-    raw = {n.removeprefix("model."): t for n, t in _eagle_tensors(folder)}  # (vLLM's names under `model.`)
+    raw = {n.removeprefix("model."): t for n, t in iter_head_tensors(folder)}  # (vLLM's names under `model.`)
     eagle3 = any(n.startswith("midlayer.") or n in ("d2t", "hidden_norm.weight", "layers.0.hidden_norm.weight")
                  for n in raw)
     found = "eagle3" if eagle3 else "eagle"
@@ -228,23 +228,6 @@ def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec
     spec = EagleSpec(method, arch, target_hidden, aux, draft_vocab, "fc.bias" in renamed,
                      bool(cfg.get("norm_before_residual", False)))
     return spec, renamed
-
-
-def _eagle_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from conveyor.models.loader import ModelLoadError, iter_hf_tensors
-
-    if any(folder.glob("*.safetensors")):
-        yield from iter_hf_tensors(folder)
-        return
-    bins = sorted(folder.glob("*.bin"))
-    if not bins:
-        raise ModelLoadError(f"speculative_model: {folder} holds no *.safetensors or *.bin files")
-    for file in bins:
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # any unreadable file is the same error to a user
-            raise ModelLoadError(f"cannot read {file}: {e}") from e
-        yield from state.items()
 
 
 def build_eagle(spec: EagleSpec, tensors: dict[str, torch.Tensor], target: Any, max_positions: int,

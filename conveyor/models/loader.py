@@ -444,6 +444,23 @@ def iter_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read {file}: {e}") from e
 
 
+def iter_head_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A speculative head's tensors (an EAGLE head, Medusa heads): its `*.safetensors`, or else
+    the state dicts in its `*.pt` / `*.bin` files, read as tensors only."""
+    if any(folder.glob("*.safetensors")):
+        yield from iter_hf_tensors(folder)
+        return
+    files = sorted([*folder.glob("*.pt"), *folder.glob("*.bin")])
+    if not files:
+        raise ModelLoadError(f"speculative_model: {folder} holds no *.safetensors, *.pt or *.bin files")
+    for file in files:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # any unreadable file is the same error to a user
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+        yield from state.items()
+
+
 # -- GGUF ---------------------------------------------------------------------------------
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

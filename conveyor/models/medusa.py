@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -92,13 +91,13 @@ class MedusaHeads(nn.Module):
 def read_medusa(folder: Path, target: ArchConfig) -> tuple[MedusaSpec, dict[str, torch.Tensor]]:
     """The heads in `folder` (config.json and their tensors), checked against `target`; the
     tensors renamed as `MedusaHeads`' parameters (and `token_map`)."""
-    from conveyor.models.loader import ModelLoadError
+    from conveyor.models.loader import ModelLoadError, iter_head_tensors
 
     try:
         cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"speculative_model: cannot read {folder / 'config.json'}: {e}") from e
-    raw = {n.removeprefix("medusa_heads."): t for n, t in _medusa_tensors(folder)}
+    raw = {n.removeprefix("medusa_heads."): t for n, t in iter_head_tensors(folder)}
     blocks: dict[tuple[int, int, str], torch.Tensor] = {}
     heads: dict[int, torch.Tensor] = {}
     last_index: dict[int, int] = {}  # FasterDecoding: a head's LM head is at its last index
@@ -156,23 +155,6 @@ def read_medusa(folder: Path, target: ArchConfig) -> tuple[MedusaSpec, dict[str,
     if token_map is not None:
         renamed["token_map"] = token_map
     return spec, renamed
-
-
-def _medusa_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from conveyor.models.loader import ModelLoadError, iter_hf_tensors
-
-    if any(folder.glob("*.safetensors")):
-        yield from iter_hf_tensors(folder)
-        return
-    files = sorted([*folder.glob("*.pt"), *folder.glob("*.bin")])
-    if not files:
-        raise ModelLoadError(f"speculative_model: {folder} holds no *.safetensors, *.pt or *.bin files")
-    for file in files:
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # any unreadable file is the same error to a user
-            raise ModelLoadError(f"cannot read {file}: {e}") from e
-        yield from state.items()
 
 
 def build_medusa(spec: MedusaSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
