@@ -114,10 +114,11 @@ def read_medusa(folder: Path, target: ArchConfig) -> tuple[MedusaSpec, dict[str,
             raise UnsupportedModelError(f"speculative_model {folder}: {name!r} is no Medusa head's tensor "
                                         "(FasterDecoding's `j.b.linear.*` / `j.L.weight`, vLLM's `blocks.*` / "
                                         "`lm_heads.*`)")
-    num_heads = int(cfg.get("medusa_num_heads", cfg.get("num_heads", 0)) or 1 + max(
-        (j for j, _, _ in blocks), default=max(heads, default=-1)))
-    num_blocks = int(cfg.get("medusa_num_layers", cfg.get("num_hidden_layers", 0))
-                     or 1 + max((b for _, b, _ in blocks), default=-1))
+    def count(keys: tuple[str, str], found: int) -> int:  # FasterDecoding's key, vLLM's, or the tensors'
+        return next((int(cfg[k]) for k in keys if cfg.get(k)), found)
+
+    num_heads = count(("medusa_num_heads", "num_heads"), 1 + max([j for j, _, _ in blocks] + list(heads), default=-1))
+    num_blocks = count(("medusa_num_layers", "num_hidden_layers"), 1 + max((b for _, b, _ in blocks), default=-1))
     shared = bool(cfg.get("original_lm_head", False))
     if not heads:
         raise UnsupportedModelError(f"speculative_model {folder}: Medusa heads without an LM head")
