@@ -556,16 +556,16 @@ class FusedDecode:
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
         kv_half = kv_caches[0].dtype == torch.float16
         tables, ctx = meta.decode_blocks.contiguous(), meta.decode_context_lens.contiguous()
-        ends: tuple[torch.Tensor, ...]
+        ends: tuple[torch.Tensor | None, ...]
         if self.fold_ends:
             x = torch.empty((input_ids.shape[0], self.dims[0]), dtype=torch.float32)
             ends = (input_ids.contiguous(), self.embed.weight, self.norm.weight)
         else:
-            x, ends = self.embed(input_ids).contiguous(), ()
+            x, ends = self.embed(input_ids).contiguous(), (None, None, None)
         aux = None if keep is None else torch.empty((x.shape[0], keep.numel() * x.shape[1]), dtype=torch.float32)
         self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions.contiguous(),
                     meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window, kv_half,
-                    *(ends or (None, None, None)), chained=meta.chained, aux_layers=keep, aux=aux)
+                    *ends, chained=meta.chained, aux_layers=keep, aux=aux)
         self.kept = aux
         return x if self.fold_ends else self.norm(x)
 

@@ -114,6 +114,7 @@ def read_medusa(folder: Path, target: ArchConfig) -> tuple[MedusaSpec, dict[str,
             raise UnsupportedModelError(f"speculative_model {folder}: {name!r} is no Medusa head's tensor "
                                         "(FasterDecoding's `j.b.linear.*` / `j.L.weight`, vLLM's `blocks.*` / "
                                         "`lm_heads.*`)")
+
     def count(keys: tuple[str, str], found: int) -> int:  # FasterDecoding's key, vLLM's, or the tensors'
         return next((int(cfg[k]) for k in keys if cfg.get(k)), found)
 

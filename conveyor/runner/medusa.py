@@ -30,9 +30,8 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def fill(self, scheduler_output: SchedulerOutput) -> None:
-        """Write each drafting sequence's guesses into its `token_ids[1:]` (placeholders)."""
-        for seq_id in scheduler_output.finished_seq_ids:
-            self.store.drop(seq_id)
+        """Write each drafting sequence's guesses into its `token_ids[1:]` (placeholders). (The
+        target's runner drops a finished sequence's rows from the shared store.)"""
         self.last_duration_s = 0.0
         drafting = [it for it in scheduler_output.scheduled if it.num_draft]
         if not drafting:
