@@ -392,6 +392,17 @@ class SchedulerConfig:
     num_speculative_tokens: int = field(
         default=4, metadata=_help("Speculative decoding: most draft tokens a sequence verifies per step.")
     )
+    speculative_token_tree: str | None = field(
+        default=None,
+        metadata=_help(
+            "Speculative decoding with medusa: drafts as a tree of candidates (vLLM's "
+            "speculative_token_tree, Medusa's choices), e.g. \"[(0,), (1,), (0, 0), (1, 0)]\": each "
+            "node the path of candidate ranks from the last token ((1, 0): the top guess after the "
+            "second guess for the next token). One step verifies every node, each attending to "
+            "its own branch, and keeps the longest branch the model agrees with. "
+            "num_speculative_tokens is then the node count. None: a chain, the top guess each."
+        ),
+    )
     prompt_lookup_min: int = field(
         default=2, metadata=_help("ngram: shortest suffix of a sequence looked up in its earlier tokens.")
     )
@@ -513,12 +524,13 @@ class SchedulerConfig:
 
     def _check_speculative(self) -> None:
         knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "speculative_draft_cost", "speculative_disable_by_batch_size")
+                 "speculative_draft_cost", "speculative_disable_by_batch_size", "speculative_token_tree")
         if self.speculative_method is None:
             if any(self._differs(k) for k in knobs):
                 raise ConfigError(f"{', '.join(knobs)} apply only with a speculative_method")
             return
-        from conveyor.core.speculative import available_proposers  # no torch; imports this module
+        # (no torch there)
+        from conveyor.core.speculative import TREE_METHODS, TokenTree, available_proposers
 
         if self.speculative_method not in available_proposers():
             raise ConfigError(f"speculative_method={self.speculative_method!r} is not one of {available_proposers()}")
@@ -529,6 +541,23 @@ class SchedulerConfig:
             )
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be at least 1")
+        if self.speculative_token_tree is not None:
+            if self.speculative_method not in TREE_METHODS:
+                raise ConfigError(
+                    f"speculative_token_tree: drafts branch only with speculative_method in {list(TREE_METHODS)}, "
+                    f"whose one pass ranks candidates at every depth (not {self.speculative_method!r})"
+                )
+            try:
+                tree = TokenTree.parse(self.speculative_token_tree)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self._differs("num_speculative_tokens") and self.num_speculative_tokens != tree.num_nodes:
+                raise ConfigError(
+                    f"num_speculative_tokens={self.num_speculative_tokens}: with a speculative_token_tree it is the "
+                    f"tree's node count ({tree.num_nodes}); leave it unset or give that"
+                )
+            object.__setattr__(self, "num_speculative_tokens", tree.num_nodes)
+            object.__setattr__(self, "speculative_token_tree", str(list(tree.paths)))  # (text: hashable)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
@@ -674,6 +703,7 @@ SPECULATIVE_CONFIG_KEYS = {
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "prompt_lookup_max",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
+    "speculative_token_tree": "speculative_token_tree",
     "quantization": "speculative_quantization",
 }
 

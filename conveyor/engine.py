@@ -282,7 +282,17 @@ class Engine:
 
             medusa = read_medusa(resolve_model_path(mc.speculative_model), arch)
             heads = medusa[0].num_heads
-            if config.scheduler.num_speculative_tokens > heads:
+            if config.scheduler.speculative_token_tree is not None:
+                from conveyor.core.speculative import TokenTree
+
+                depth = TokenTree.parse(config.scheduler.speculative_token_tree).depth
+                if depth > heads:
+                    raise ConfigError(f"speculative_token_tree reaches depth {depth}: the Medusa checkpoint has "
+                                      f"{heads} heads, one a depth; give paths of at most {heads} ranks")
+                if arch.sliding_window or any(arch.layer_windows):
+                    raise ConfigError("speculative_token_tree: a token tree's rows attend under a mask of their own, "
+                                      "not built for sliding-window layers (this model has them); leave it unset")
+            elif config.scheduler.num_speculative_tokens > heads:
                 raise ConfigError(f"num_speculative_tokens={config.scheduler.num_speculative_tokens}: the Medusa "
                                   f"checkpoint has {heads} heads, one a guess; ask for at most {heads}")
         draft_arch = draft_tensors = None

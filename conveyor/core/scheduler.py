@@ -27,7 +27,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
-from conveyor.core.speculative import make_proposer
+from conveyor.core.speculative import TokenTree, make_proposer
 from conveyor.lora import LoRARequest
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
@@ -41,7 +41,9 @@ class ScheduledSequence:
     `sample` says whether the step ends the sequence's known tokens, so one token is sampled.
     `all_token_ids` and `block_table` are read-only views for the runner (penalties, attention).
     With speculative decoding, the last `num_draft` of `token_ids` are draft tokens, not yet
-    the sequence's: a token is sampled after each position (`core/speculative.py`).
+    the sequence's: a token is sampled after each position (`core/speculative.py`). With `tree`,
+    they are the first `num_draft` nodes of that token tree (row k at position start_pos +
+    tree.depths[k], its K/V in the slot of start_pos + k), not a chain.
     """
 
     seq_id: int
@@ -56,10 +58,16 @@ class ScheduledSequence:
     lora_request: LoRARequest | None = None
     # A hybrid KV cache's sliding layer groups' tables (`HybridLayout`); empty otherwise.
     window_tables: list[list[int]] = field(default_factory=list)
+    tree: TokenTree | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_depth(self) -> int:
+        """How far the drafts reach past the last token (num_draft for a chain)."""
+        return self.num_draft if self.tree is None else self.tree.depths[self.num_draft]
 
     @property
     def context_len(self) -> int:
@@ -143,6 +151,9 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.policy = policy or make_policy(config)
         self.proposer = make_proposer(config)
+        # Drafts that branch (`speculative_token_tree`); a tree of top guesses only is a chain.
+        tree = None if config.speculative_token_tree is None else TokenTree.parse(config.speculative_token_tree)
+        self.token_tree = None if tree is None or tree.is_chain else tree
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those accepted
         self.num_accepted_tokens = 0
         # Adaptive drafting (`speculative_draft_cost`): per sequence, [drafts accepted, drafts
@@ -404,12 +415,15 @@ class Scheduler:
         params = seq.sampling_params
         n = len(seq.token_ids)
         # The step's tokens (1 + drafts) must not overrun max_tokens or the model's length.
+        tree = self.token_tree
         most = min(
-            self.config.num_speculative_tokens, budget,
+            self.config.num_speculative_tokens if tree is None else tree.depth, budget,
             params.max_tokens - (n - seq.prompt_len) - 1, self.max_model_len - n - 1,
         )
         if self.config.speculative_draft_cost:
             most = self._worth_drafting(seq, most)
+        if tree is not None:  # `most` bounds the depth; the nodes within it that fit the budget
+            most = tree.cut(most, budget)
         if most < 1:
             return []
         assert self.proposer is not None
@@ -450,6 +464,7 @@ class Scheduler:
             ScheduledSequence(
                 seq.seq_id, [tokens[start], *drafts], start, seq.block_table, True,
                 seq.sampling_params, tokens, seq.prompt_len, len(drafts), seq.lora_request, seq.window_tables,
+                self.token_tree,
             )
         )
         seq.num_computed_tokens = start + 1
@@ -729,7 +744,7 @@ class Scheduler:
         if self.config.speculative_draft_cost:
             counts = self._acceptance.setdefault(seq.seq_id, [0, 0])
             counts[0] += len(more)
-            counts[1] += len(more) < item.num_draft
+            counts[1] += len(more) < item.draft_depth
         metrics = seq.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now

@@ -22,16 +22,104 @@ context, so the same rule verifies it. No torch here.
 
 from __future__ import annotations
 
+import ast
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.registry import Registry
 from conveyor.sequence import PLACEHOLDER, Sequence
 
 _PROPOSERS: Registry[Proposer] = Registry("speculative method")
+
+# The methods whose drafts may branch (`speculative_token_tree`): each guess at depth d is
+# one of the drafter's ranked candidates for that depth, read off one pass (Medusa's heads).
+TREE_METHODS = ("medusa",)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTree:
+    """The shape of a sequence's drafts when they branch (a token tree: Medusa's candidates, as
+    SpecInfer and Medusa verify them; vLLM's `speculative_token_tree`). A node is the path of
+    candidate ranks that leads to it from the sequence's last token: `(0,)` the top guess for
+    the next token, `(1,)` the second, `(0, 2)` the third guess for the token after the top one.
+
+    Rows are the step's tokens for the sequence: row 0 its last token (the root), row k >= 1 the
+    node `paths[k - 1]`. Nodes are kept breadth first (by depth, then by path), so a node's
+    parent row comes before it and any first `n` nodes form a tree of their own: the scheduler
+    cuts a tree to what fits by keeping a prefix."""
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]  # per row: its parent's row (-1 for the root)
+    depths: tuple[int, ...]  # per row: its distance from the root (0 for the root)
+    children: tuple[tuple[int, ...], ...]  # per row: its children's rows, in order
+
+    @classmethod
+    def parse(cls, spec: Any) -> TokenTree:
+        """A tree from its paths: a list of tuples of ranks, or its text (`"[(0,), (1,), (0, 0)]"`,
+        as vLLM's `--speculative-config` takes it). Every proper prefix of a path must be a
+        path too (a node's parent), and no path twice."""
+        if isinstance(spec, str):
+            try:
+                spec = ast.literal_eval(spec)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(f"speculative_token_tree {spec!r} is not a list of tuples: {e}") from None
+        if not isinstance(spec, list | tuple) or not spec:
+            raise ValueError("speculative_token_tree must be a non-empty list of paths, e.g. [(0,), (1,), (0, 0)]")
+        paths = []
+        for path in spec:
+            if (not isinstance(path, list | tuple) or not path
+                    or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+                raise ValueError(f"speculative_token_tree: {path!r} is not a path (a non-empty tuple of ranks >= 0)")
+            paths.append(tuple(path))
+        if len(set(paths)) != len(paths):
+            raise ValueError("speculative_token_tree names a path twice")
+        known = set(paths)
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in known:
+                raise ValueError(f"speculative_token_tree: {path} has no parent {path[:-1]} in the tree")
+        paths.sort(key=lambda p: (len(p), p))
+        row = {p: k + 1 for k, p in enumerate(paths)}
+        parents = (-1, *(row[p[:-1]] if len(p) > 1 else 0 for p in paths))
+        children = tuple(tuple(k for k in range(1, len(parents)) if parents[k] == r) for r in range(len(parents)))
+        return cls(tuple(paths), parents, (0, *(len(p) for p in paths)), children)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return self.depths[-1]
+
+    @property
+    def is_chain(self) -> bool:
+        """One guess a depth (the top one): drafts as a plain list of guesses are."""
+        return all(all(r == 0 for r in p) for p in self.paths) and self.num_nodes == self.depth
+
+    def width(self, depth: int) -> int:
+        """Candidates the drafter ranks at `depth` (1-based): the highest rank asked there, plus one."""
+        return 1 + max((p[-1] for p in self.paths if len(p) == depth), default=-1)
+
+    def cut(self, max_depth: int, max_nodes: int) -> int:
+        """How many of the first nodes (a tree) fit in `max_depth` and `max_nodes`."""
+        n = 0
+        while n < min(max_nodes, self.num_nodes) and self.depths[n + 1] <= max_depth:
+            n += 1
+        return n
+
+    def branch(self, row: int) -> list[int]:
+        """The rows from depth 1 down to `row` (empty for the root): the guesses `row` follows."""
+        out = []
+        while row > 0:
+            out.append(row)
+            row = self.parents[row]
+        out.reverse()
+        return out
+
 
 
 def register_proposer(name: str) -> Callable[[type[Proposer]], type[Proposer]]:

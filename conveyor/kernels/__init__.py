@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +119,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rms_norm_rows.argtypes = [p, p, p, i64, i64, ctypes.c_float]
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
-                                           ctypes.c_float, p]
+                                           ctypes.c_float, p, p, i64, p]
     f32 = ctypes.c_float
     lib.skinny_linear_q8.restype = None
     lib.skinny_linear_q8.argtypes = [p, p, p, p, p, i64, i64, i64]
@@ -135,7 +135,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.write_kv_rows.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64]
     lib.decode_layers.restype = None
     lib.decode_layers.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, p, i64, p, i64, f32, i64,
-                                  i64, p, p, p, i64, p, i64, p]
+                                  i64, p, p, p, i64, p, i64, p, p, i64, p]
     lib.shm_all_reduce.restype = ctypes.c_int
     lib.shm_all_reduce.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_double]
     return lib
@@ -255,7 +255,8 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
     -> out`: q float32 `[D, H, d]`, caches `[slots, KVH, d]` (contiguous) in float32 or float16,
     tables `[D, max_blocks]` and ctx_lens `[D]` int64; window 0 means none; softcap > 0 caps each
     score, `cap * tanh(score / cap)`; sinks float32 `[H]`, a logit a head in its softmax's
-    denominator. Or None."""
+    denominator. `paths` `[D, width]` and `path_lens` `[D]` int64: a token tree's rows, whose last
+    `path_lens[i]` context positions are `paths[i]`'s (`AttentionMetadata.decode_paths`). Or None."""
     lib = _library()
     if lib is None:
         return None
@@ -263,7 +264,8 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
 
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
             ctx_lens: torch.Tensor, block_size: int, scale: float, window: int, softcap: float = 0.0,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
+            sinks: torch.Tensor | None = None, paths: torch.Tensor | None = None,
+            path_lens: torch.Tensor | None = None) -> torch.Tensor:
         _sync_threads(lib)
         if sinks is not None:
             sinks = sinks.float().contiguous()
@@ -276,6 +278,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx_lens.data_ptr(), d_, h, k_cache.shape[1], hd, block_size, scale, window, out.data_ptr(),
             int(k_cache.dtype == torch.float16), softcap, None if sinks is None else sinks.data_ptr(),
+            *_paths(paths, path_lens, d_),
         )
         return out
 
@@ -356,7 +359,8 @@ def skinny_linear_q8() -> Callable[..., torch.Tensor] | None:
 
 def decode_layers() -> Callable[..., None] | None:
     """`f(x, layers, dims, cos, sin, positions, slots, tables, ctx, block_size, scale, window, kv_half,
-    ids=None, embed=None, final_norm=None, chained=False, aux_layers=None, aux=None)`: every decoder
+    ids=None, embed=None, final_norm=None, chained=False, aux_layers=None, aux=None, paths=None,
+    path_lens=None)`: every decoder
     layer of a decode-only step, in place on
     the residual rows `x` `[M, hidden]` (float32), in one native call; the K/V caches are float16
     when `kv_half`, else float32. `layers` is an int64 tensor `[L, len(LAYER_FIELDS)]` of data
@@ -366,7 +370,8 @@ def decode_layers() -> Callable[..., None] | None:
     normalised by that RMSNorm weight. `chained`: rows of one sequence follow each other (each
     reads the K/V of those before it), so every row's K/V are written before any attends. With
     `aux_layers` (int64 layer indices) `aux` `[M, len(aux_layers) * hidden]` gets the residual
-    stream entering each of those layers. Or None."""
+    stream entering each of those layers. `paths` / `path_lens`: chained rows of a token tree, as in
+    `paged_decode_attention`. Or None."""
     lib = _library()
     if lib is None:
         return None
@@ -374,7 +379,7 @@ def decode_layers() -> Callable[..., None] | None:
 
     def run(x, layers, dims, cos, sin, positions, slots, tables, ctx, block_size: int, scale: float, window: int,
             kv_half: bool, ids=None, embed=None, final_norm=None, chained: bool = False, aux_layers=None,
-            aux=None) -> None:
+            aux=None, paths=None, path_lens=None) -> None:
         assert (aux_layers is None) == (aux is None)
         assert aux is None or (aux.is_contiguous() and aux.dtype == torch.float32
                                and aux.shape == (x.shape[0], aux_layers.numel() * x.shape[1]))
@@ -387,10 +392,21 @@ def decode_layers() -> Callable[..., None] | None:
             None if ids is None else ids.data_ptr(), None if embed is None else embed.data_ptr(),
             None if final_norm is None else final_norm.data_ptr(), int(chained),
             None if aux_layers is None else aux_layers.data_ptr(), 0 if aux_layers is None else aux_layers.numel(),
-            None if aux is None else aux.data_ptr(),
+            None if aux is None else aux.data_ptr(), *_paths(paths, path_lens, x.shape[0]),
         )
 
     return run
+
+
+def _paths(paths: Any, path_lens: Any, rows: int) -> tuple[int | None, int, int | None]:
+    """A token tree's row paths as the kernels take them: (pointer, width, lengths' pointer)."""
+    if paths is None:
+        return None, 0, None
+    import torch
+
+    assert paths.is_contiguous() and path_lens.is_contiguous() and paths.shape[0] == path_lens.shape[0] == rows
+    assert paths.dtype == path_lens.dtype == torch.long
+    return paths.data_ptr(), paths.shape[1], path_lens.data_ptr()
 
 
 HUGE_PAGE = 1 << 21

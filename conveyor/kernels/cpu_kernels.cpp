@@ -319,11 +319,13 @@ static inline void prefetch_rows(const char* const* rows, int64_t offset, int64_
 // output takes the eight tokens' V rows in registers, 64 dims at a time. Each score and output is
 // the same sequence of operations whatever the batch or the split of heads over threads: a row's
 // result does not depend on the batch.
+// A token tree's row (`path_n` > 0) reads its last `path_n` context positions from `path` (positions
+// in its table's order: the guesses its branch follows, its own last) instead of those before it.
 template <typename T>
 static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, const int64_t* table,
                          int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t KVH, int64_t d,
                          int64_t block_size, float scale, int64_t window, float* oi, float softcap = 0.f,
-                         const float* sinks = nullptr) {
+                         const float* sinks = nullptr, const int64_t* path = nullptr, int64_t path_n = 0) {
   const int64_t start = (window > 0 && len > window) ? len - window : 0;
   const int64_t n = len - start, row = KVH * d, h0 = g0 * G, nh = (g1 - g0) * G;
   const int64_t n8 = n & ~int64_t(7), d8 = d & ~int64_t(7), d64 = d & ~int64_t(63);
@@ -334,7 +336,8 @@ static void attend_heads(const float* qi, const T* k_cache, const T* v_cache, co
   acc.assign(nh * d, 0.f);
   inv_sum.resize(nh);
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = start + t;
+    int64_t pos = start + t;
+    if (pos >= len - path_n) pos = path[pos - (len - path_n)];
     offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * row;
   }
   // Scores.
@@ -447,27 +450,33 @@ template <typename T>
 static inline void attend_task(int64_t task, int64_t parts, const float* q, const T* k_cache,
                                const T* v_cache, const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                int64_t H, int64_t KVH, int64_t d, int64_t block_size, float scale, int64_t window,
-                               int64_t q_stride, float* out, float softcap = 0.f, const float* sinks = nullptr) {
+                               int64_t q_stride, float* out, float softcap = 0.f, const float* sinks = nullptr,
+                               const int64_t* paths = nullptr, int64_t path_width = 0,
+                               const int64_t* path_lens = nullptr) {
   const int64_t i = task / parts, part = task % parts;
   const int64_t g0 = KVH * part / parts, g1 = KVH * (part + 1) / parts;
   attend_heads(q + i * q_stride, k_cache, v_cache, tables + i * max_blocks, ctx[i], g0, g1, H / KVH, KVH, d,
-               block_size, scale, window, out + i * H * d, softcap, sinks);
+               block_size, scale, window, out + i * H * d, softcap, sinks,
+               paths == nullptr ? nullptr : paths + i * path_width, path_lens == nullptr ? 0 : path_lens[i]);
 }
 
 extern "C" void paged_decode_attention(const float* q, const void* k_cache, const void* v_cache,
                                        const int64_t* tables, int64_t max_blocks, const int64_t* ctx,
                                        int64_t D, int64_t H, int64_t KVH, int64_t d, int64_t block_size,
                                        float scale, int64_t window, float* out, int64_t kv_half,
-                                       float softcap, const float* sinks) {
+                                       float softcap, const float* sinks, const int64_t* paths, int64_t path_width,
+                                       const int64_t* path_lens) {
   const int64_t parts = head_parts(D, KVH, omp_get_max_threads());
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < D * parts; ++task) {
     if (kv_half)
       attend_task(task, parts, q, static_cast<const half_t*>(k_cache), static_cast<const half_t*>(v_cache), tables,
-                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out, softcap, sinks);
+                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out, softcap, sinks, paths,
+                  path_width, path_lens);
     else
       attend_task(task, parts, q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), tables,
-                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out, softcap, sinks);
+                  max_blocks, ctx, H, KVH, d, block_size, scale, window, H * d, out, softcap, sinks, paths,
+                  path_width, path_lens);
   }
 }
 
@@ -576,7 +585,8 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
                                const int64_t* positions, const int64_t* slots, const int64_t* tables,
                                int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale,
                                int64_t window, const int64_t* ids, const float* embed, const float* final_norm,
-                               bool chained, const int64_t* aux_layers, int64_t n_aux, float* aux) {
+                               bool chained, const int64_t* aux_layers, int64_t n_aux, float* aux,
+                               const int64_t* paths, int64_t path_width, const int64_t* path_lens) {
   const int64_t qkv_n = (nh + 2 * nkv) * hd, half = hd / 2, row = nkv * hd;
   const int64_t threads = omp_get_max_threads(), parts = head_parts(M, nkv, threads), G = nh / nkv;
   // Up to SMALL_ROWS rows each thread computes the norms and SiLU(gate) * up of every row itself,
@@ -639,7 +649,7 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
     };
     auto attend = [&](int64_t task) {
       attend_task(task, parts, qkv.data(), k_cache, v_cache, tables, max_blocks, ctx, nh, nkv, hd, block_size, scale,
-                  window, qkv_n, attn.data());
+                  window, qkv_n, attn.data(), 0.f, nullptr, paths, path_width, path_lens);
     };
     if (chained) {
 #pragma omp for schedule(dynamic, 1)
@@ -687,21 +697,23 @@ static void decode_layers_impl(float* x, int64_t M, const int64_t* layers, int64
 // `chained`: rows may follow one another in one sequence (a speculative step's guesses, each
 // row a one-token decode of the same block table): every row's K/V are written before any row
 // attends. With `n_aux` layer indices, aux [M, n_aux, H] gets the residual stream entering each
-// of those layers (an EAGLE-3 head's input).
+// of those layers (an EAGLE-3 head's input). `paths` [M, path_width] and `path_lens` [M] (or
+// null): chained rows of a token tree, as attend_heads reads them.
 extern "C" void decode_layers(float* x, int64_t M, const int64_t* layers, int64_t L, int64_t H, int64_t nh,
                               int64_t nkv, int64_t hd, int64_t I, float eps, const float* cos, const float* sin,
                               const int64_t* positions, const int64_t* slots, const int64_t* tables,
                               int64_t max_blocks, const int64_t* ctx, int64_t block_size, float scale, int64_t window,
                               int64_t kv_half, const int64_t* ids, const float* embed, const float* final_norm,
-                              int64_t chained, const int64_t* aux_layers, int64_t n_aux, float* aux) {
+                              int64_t chained, const int64_t* aux_layers, int64_t n_aux, float* aux,
+                              const int64_t* paths, int64_t path_width, const int64_t* path_lens) {
   if (kv_half)
     decode_layers_impl<half_t>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, positions, slots, tables,
                                max_blocks, ctx, block_size, scale, window, ids, embed, final_norm, chained != 0,
-                               aux_layers, n_aux, aux);
+                               aux_layers, n_aux, aux, paths, path_width, path_lens);
   else
     decode_layers_impl<float>(x, M, layers, L, H, nh, nkv, hd, I, eps, cos, sin, positions, slots, tables,
                               max_blocks, ctx, block_size, scale, window, ids, embed, final_norm, chained != 0,
-                              aux_layers, n_aux, aux);
+                              aux_layers, n_aux, aux, paths, path_width, path_lens);
 }
 
 // ---- int8 activation preparation (conveyor/models/quantize.py, Int8Linear) --------------------

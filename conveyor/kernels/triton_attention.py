@@ -37,8 +37,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from conveyor.models.attention import AttentionBackend, AttentionMetadata, to_device
+from conveyor.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillSpan,
+    gather_blocks,
+    to_device,
+)
 
 try:
     import triton
@@ -558,6 +565,7 @@ class TritonPagedAttention(AttentionBackend):
         """The decode rows' attention into `out`; with `rope` (cos, sin, slots), `q` is the
         fused projection's output and the kernel rotates and writes K/V itself."""
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
+        assert meta.decode_paths is None, "a token tree's rows reach the Triton backend as a prefill span"
         num_decodes = meta.num_decodes
         heads, head_dim = out.shape[1], out.shape[2]
         kv_heads = kv_cache.shape[2]
@@ -620,6 +628,24 @@ class TritonPagedAttention(AttentionBackend):
             BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=block_d, TRIGGER=self.pdl,
             SOFTCAP=bool(self.softcap), SINKS=self.sinks is not None, num_warps=4 if block_d <= 64 else 8,
         )
+        for span in meta.prefills:
+            if span.tree:  # a token tree's rows, whose mask is not causal: the torch reference's
+                self._tree_span(q, kv_cache, meta, span, scale, out)
+
+    def _tree_span(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, span: PrefillSpan,
+                   scale: float, out: torch.Tensor) -> None:
+        """A token tree's span (a speculative step's branching guesses, a few rows) over its
+        context under its mask, as `TorchPagedAttention` computes it (the prefill kernel has
+        written a causal result there first)."""
+        assert not self.softcap and self.sinks is None, "no token trees with soft-capped scores or sinks"
+        assert span.context_blocks is not None and span.bias is not None
+        a, b = span.token_start, span.token_end
+        length = span.start_pos + (b - a)
+        ks, vs = (gather_blocks(c, span.context_blocks[None], meta.block_size, length)[0] for c in kv_cache)
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], ks.transpose(0, 1)[None].to(q.dtype), vs.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=span.bias.to(q.dtype), scale=scale, enable_gqa=q.shape[1] != kv_cache.shape[2])
+        out[a:b] = o[0].transpose(0, 1)
 
     def _split_len(self, programs: int, max_len: int, device: torch.device) -> int:
         """KV positions per decode split, a whole number of DECODE_BLOCK_N tiles: about

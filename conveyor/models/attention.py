@@ -14,9 +14,14 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from conveyor.core.speculative import TokenTree
 
 
 @dataclass(slots=True)
@@ -28,6 +33,7 @@ class PrefillSpan:
     start_pos: int  # tokens already in the cache before this step
     context_blocks: torch.Tensor | None  # blocks holding positions [0, start_pos + n); None if start_pos == 0
     bias: torch.Tensor | None  # [n, context] additive mask (0 or -inf); None means plain causal
+    tree: bool = False  # the rows are a token tree's (`bias` is not causal within the span)
 
 
 @dataclass(slots=True)
@@ -48,6 +54,11 @@ class AttentionMetadata:
     # a one-token decode of the same table at the next position: `chain_decodes`): each reads
     # the K/V its sequence's rows before it write in this step.
     chained: bool = False
+    # Chained rows of a token tree (`chain_decodes` with trees): row r's last `decode_path_lens[r]`
+    # context positions are not the ones before it but those listed in `decode_paths[r]` (the
+    # positions, in its table's order, of the guesses its branch follows, its own last).
+    decode_paths: torch.Tensor | None = None  # [num_decodes, depth] int64, padded with 0
+    decode_path_lens: torch.Tensor | None = None  # [num_decodes] int64, 0 for a row of no tree
     # A hybrid KV cache (conveyor/core/block_manager.py: HybridLayout): each layer's metadata,
     # this one for a global layer's, its group's (tables and slots of its own) for a sliding one.
     layer_metas: list[AttentionMetadata] | None = None
@@ -87,7 +98,12 @@ class AttentionMetadata:
             assert self.decode_blocks is not None and self.decode_context_lens is not None
             ctx = self.decode_context_lens
             pos = torch.arange(self.decode_blocks.shape[1] * self.block_size, device=ctx.device)
-            keep = pos[None, :] < ctx[:, None]
+            if self.decode_paths is None:
+                keep = pos[None, :] < ctx[:, None]
+            else:  # a tree's row: the context before its branch, then its branch's positions
+                assert self.decode_path_lens is not None
+                keep = pos[None, :] < (ctx - self.decode_path_lens)[:, None]
+                keep.scatter_(1, self.decode_paths, True)  # (padding: position 0, seen anyway)
             if self.sliding_window is not None:
                 keep &= pos[None, :] >= (ctx[:, None] - self.sliding_window)
             bias = torch.zeros(keep.shape, dtype=self.mask_dtype, device=ctx.device).masked_fill_(~keep, float("-inf"))
@@ -179,15 +195,32 @@ def build_metadata(
     device: torch.device,
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
+    trees: Sequence[TokenTree | None] | None = None,
 ) -> AttentionMetadata:
     """Metadata for sequences given decodes first (num_new == 1), then prefills.
 
     Built once per step on the host and shared by every layer. K/V are gathered by whole
     blocks (one index per block, not per token); masks are additive, in the compute dtype.
+
+    `trees`: per sequence, the token tree its new tokens are (a speculative step's branching
+    drafts; None: a run of consecutive tokens). Such a span's row k sits at position
+    `start + tree.depths[k]` and its K/V in the slot of `start + k`; it sees the context before
+    the span, the root, and its own branch (`tree_keep`). No sliding window with trees.
     """
     if all(n == 1 for n in num_new_tokens):
         return _decode_metadata(block_tables, start_positions, block_size, device, sliding_window, dtype)
-    return _mixed_metadata(block_tables, start_positions, num_new_tokens, block_size, device, sliding_window, dtype)
+    return _mixed_metadata(block_tables, start_positions, num_new_tokens, block_size, device, sliding_window, dtype,
+                           trees)
+
+
+@cache
+def tree_keep(tree: TokenTree, n: int) -> torch.Tensor:
+    """`[n, n]` bool: which of a tree's first `n` rows each row sees (the root, its branch)."""
+    keep = torch.zeros((n, n), dtype=torch.bool)
+    keep[:, 0] = True
+    for k in range(1, n):
+        keep[k, tree.branch(k)] = True
+    return keep
 
 
 def _mixed_metadata(
@@ -198,6 +231,7 @@ def _mixed_metadata(
     device: torch.device,
     sliding_window: int | None,
     dtype: torch.dtype,
+    trees: Sequence[TokenTree | None] | None = None,
 ) -> AttentionMetadata:
     num_decodes = 0
     while num_decodes < len(num_new_tokens) and num_new_tokens[num_decodes] == 1:
@@ -211,8 +245,15 @@ def _mixed_metadata(
     starts = torch.tensor(start_positions, dtype=torch.long)
     first_row = torch.cumsum(counts, 0) - counts
     offsets = torch.arange(int(counts.sum())) - first_row[seq_index]
+    slot_mapping = tables[seq_index, (starts[seq_index] + offsets) // block_size] * block_size + (
+        starts[seq_index] + offsets) % block_size
+    if trees is not None and any(t is not None for t in trees):
+        assert sliding_window is None, "no sliding window with token trees"
+        for i, tree in enumerate(trees):
+            if tree is not None:
+                a = int(first_row[i])
+                offsets[a : a + num_new_tokens[i]] = torch.tensor(tree.depths[: num_new_tokens[i]])
     positions = starts[seq_index] + offsets
-    slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(
         block_size=block_size,
         positions=to_device(positions, device), slot_mapping=to_device(slot_mapping, device), num_decodes=num_decodes,
@@ -240,9 +281,14 @@ def _mixed_metadata(
         bias = None
         if start > 0:
             context_blocks = to_device(tables[i, : (ctx_len + block_size - 1) // block_size], device)
-        if start > 0 or (sliding_window is not None and ctx_len > sliding_window):
+        tree = None if trees is None else trees[i]
+        if tree is not None:
+            keep = torch.ones((n, ctx_len), dtype=torch.bool)
+            keep[:, start:] = tree_keep(tree, n)
+            bias = to_device(torch.where(keep, zero, neg_inf), device)
+        elif start > 0 or (sliding_window is not None and ctx_len > sliding_window):
             bias = to_device(torch.where(_keep(start, ctx_len, sliding_window), zero, neg_inf), device)
-        meta.prefills.append(PrefillSpan(row, row + n, start, context_blocks, bias))
+        meta.prefills.append(PrefillSpan(row, row + n, start, context_blocks, bias, tree is not None))
         row += n
     return meta
 
@@ -291,21 +337,56 @@ def chain_decodes(
     device: torch.device,
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
+    trees: Sequence[TokenTree | None] | None = None,
 ) -> AttentionMetadata:
     """`build_metadata` for the same step with each sequence's `n` new tokens as `n` one-token
     decodes of its table, at positions `start, ..., start + n - 1` (`chained`): row `j` attends
     to the context up to its own position, which is what a prefill's causal mask gives it. Every
     backend writes all of a step's K/V before it attends (`AttentionBackend`'s contract), so the
     rows before it in its sequence are there. A speculative step's guesses take the native
-    decode call this way on CPU (conveyor/models/llama.py: FusedDecode)."""
-    tables: list[Sequence[int]] = []
-    starts: list[int] = []
-    for table, start, n in zip(block_tables, start_positions, num_new_tokens, strict=True):
-        tables.extend([table] * n)
-        starts.extend(range(start, start + n))
-    meta = _decode_metadata(tables, starts, block_size, device, sliding_window, dtype)
-    meta.chained = True
-    return meta
+    decode call this way on CPU (conveyor/models/llama.py: FusedDecode).
+
+    A sequence with a token tree (`trees`, as in `build_metadata`): row k decodes at position
+    `start + depth(k)`, writes the slot of `start + k`, and sees the context up to the root,
+    then its branch's slots in place of the positions after it (`decode_paths`)."""
+    if trees is None or all(t is None for t in trees):
+        tables: list[Sequence[int]] = []
+        starts: list[int] = []
+        for table, start, n in zip(block_tables, start_positions, num_new_tokens, strict=True):
+            tables.extend([table] * n)
+            starts.extend(range(start, start + n))
+        meta = _decode_metadata(tables, starts, block_size, device, sliding_window, dtype)
+        meta.chained = True
+        return meta
+    assert sliding_window is None, "no sliding window with token trees"
+    bs = block_size
+    rows: list[Sequence[int]] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    paths: list[list[int]] = []
+    ends: list[int] = []
+    for table, start, n, tree in zip(block_tables, start_positions, num_new_tokens, trees, strict=True):
+        for k in range(n):
+            depth = k if tree is None else tree.depths[k]
+            rows.append(table)
+            positions.append(start + depth)
+            slots.append(table[(start + k) // bs] * bs + (start + k) % bs)
+            paths.append([] if tree is None else [start + r for r in tree.branch(k)])
+        ends.append(start + n)
+    width = max(len(p) for p in paths)
+    nb = (max(ends) + bs - 1) // bs
+    return AttentionMetadata(
+        block_size=bs,
+        positions=to_device(host_longs(positions), device),
+        slot_mapping=to_device(host_longs(slots), device),
+        num_decodes=len(positions),
+        decode_blocks=to_device(host_table(rows, nb, 0), device),
+        decode_context_lens=to_device(host_longs([p + 1 for p in positions]), device),
+        mask_dtype=dtype,
+        chained=True,
+        decode_paths=to_device(host_table(paths, width, 0), device),
+        decode_path_lens=to_device(host_longs([len(p) for p in paths]), device),
+    )
 
 
 class AttentionBackend(ABC):
@@ -368,8 +449,8 @@ class TorchPagedAttention(AttentionBackend):
                 ks, vs = k[a:b], v[a:b]
             else:
                 ctx = span.start_pos + (b - a)
-                ks = _gather_blocks(k_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
-                vs = _gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
+                ks = gather_blocks(k_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
+                vs = gather_blocks(v_cache, span.context_blocks[None], bs, ctx)[0].to(q.dtype)
             # 4-D, a batch of one: PyTorch's fused (flash) CPU kernel takes only 4-D inputs and
             # 3-D falls back to the unfused math path, 2-3.5x slower here (BENCHMARKS.md).
             o = self.sdpa(q[a:b].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
@@ -391,8 +472,8 @@ class TorchPagedAttention(AttentionBackend):
         bias = meta.decode_mask()
         bs = meta.block_size
         length = bias.shape[-1]
-        kd = _gather_blocks(k_cache, meta.decode_blocks, bs, length).to(q.dtype)  # [D, L, kvh, d]
-        vd = _gather_blocks(v_cache, meta.decode_blocks, bs, length).to(q.dtype)
+        kd = gather_blocks(k_cache, meta.decode_blocks, bs, length).to(q.dtype)  # [D, L, kvh, d]
+        vd = gather_blocks(v_cache, meta.decode_blocks, bs, length).to(q.dtype)
         od = self.sdpa(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), bias, scale,  # q [D, h, 1, d]
                        q.shape[1] != k_cache.shape[1])
         return od.squeeze(2)
@@ -466,7 +547,8 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().decode(q, k_cache, v_cache, meta, scale)
         assert meta.decode_blocks is not None
         return self.kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
-                           meta.block_size, scale, self.window, self.cap, self.sinks)
+                           meta.block_size, scale, self.window, self.cap, self.sinks, meta.decode_paths,
+                           meta.decode_path_lens)
 
     cap = 0.0  # (CpuEagerAttention's soft cap)
 
@@ -481,7 +563,7 @@ class CpuEagerAttention(CpuPagedAttention, EagerAttention):
         EagerAttention.__init__(self, cap)
 
 
-def _gather_blocks(
+def gather_blocks(
     cache: torch.Tensor, tables: torch.Tensor, block_size: int, length: int
 ) -> torch.Tensor:
     """K or V of the first `length` positions of each row's blocks: `[rows, length, kvh, d]`."""

@@ -565,7 +565,8 @@ class FusedDecode:
         aux = None if keep is None else torch.empty((x.shape[0], keep.numel() * x.shape[1]), dtype=torch.float32)
         self.kernel(x, self.table(kv_caches), self.dims, self.rotary.cos, self.rotary.sin, positions.contiguous(),
                     meta.slot_mapping.contiguous(), tables, ctx, meta.block_size, self.scale, self.window, kv_half,
-                    *ends, chained=meta.chained, aux_layers=keep, aux=aux)
+                    *ends, chained=meta.chained, aux_layers=keep, aux=aux, paths=meta.decode_paths,
+                    path_lens=meta.decode_path_lens)
         self.kept = aux
         return x if self.fold_ends else self.norm(x)
 

@@ -77,15 +77,26 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor, count: int | None = None) -> torch.Tensor:
         """The first `count` heads' guesses (all: None) for each row of `hidden` `[N, hidden]`,
         as the model's token ids `[N, count]`."""
-        guesses = []
-        for j, block in enumerate(self.blocks[: count or self.spec.num_heads]):
-            x = hidden
-            for linear in cast(nn.ModuleList, block):
-                x = x + F.silu(linear(x))
-            head = self.lm_heads[0 if self.spec.shared_head else j]
-            guesses.append(head(x).argmax(dim=-1))
-        ids = torch.stack(guesses, dim=1)
+        ids = torch.stack([self.logits(j, hidden).argmax(dim=-1) for j in range(count or self.spec.num_heads)], dim=1)
         return ids if self.token_map is None else self.token_map[ids]
+
+    def ranked(self, hidden: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Head j's `widths[j]` likeliest tokens for each row, best first, side by side: the
+        model's token ids `[N, sum(widths)]` (a token tree's candidates at each depth)."""
+        ranked = []
+        for j, w in enumerate(widths):
+            logits = self.logits(j, hidden)
+            # (the top one as `forward` picks it: argmax, the first of equal logits)
+            ranked.append(logits.argmax(dim=-1, keepdim=True) if w == 1 else logits.topk(w, dim=-1).indices)
+        ids = torch.cat(ranked, dim=1)
+        return ids if self.token_map is None else self.token_map[ids]
+
+    def logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head j's logits over its vocabulary for each row of `hidden`."""
+        x = hidden
+        for linear in cast(nn.ModuleList, self.blocks[j]):
+            x = x + F.silu(linear(x))
+        return self.lm_heads[0 if self.spec.shared_head else j](x)
 
 
 def read_medusa(folder: Path, target: ArchConfig) -> tuple[MedusaSpec, dict[str, torch.Tensor]]:

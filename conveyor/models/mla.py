@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.models.arch import ArchConfig
-from conveyor.models.attention import AttentionMetadata, _gather_blocks
+from conveyor.models.attention import AttentionMetadata, gather_blocks
 
 
 class LatentAttention(nn.Module):
@@ -106,8 +106,8 @@ class LatentAttention(nn.Module):
 
     def _read(self, kv_cache: torch.Tensor, tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
         """The `[c, k_pe]` rows of the first `length` positions of each table: `[rows, length, rank + rope]`."""
-        first = _gather_blocks(kv_cache[0], tables, block_size, length)
-        second = _gather_blocks(kv_cache[1], tables, block_size, length)
+        first = gather_blocks(kv_cache[0], tables, block_size, length)
+        second = gather_blocks(kv_cache[1], tables, block_size, length)
         return torch.cat((first, second), dim=-1)[:, :, 0, : self.rank + self.rope_dim]
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,10 +40,20 @@ class MedusaDrafter:
         width = self.heads.spec.hidden_size
         rows = torch.cat([self.store.rows(it.seq_id, it.start_pos - 1, it.start_pos, width).to(self.device, self.dtype)
                           for it in drafting])
-        most = max(it.num_draft for it in drafting)
-        guesses = self.heads(rows, most).tolist()
-        for it, mine in zip(drafting, guesses, strict=True):
-            it.token_ids[1:] = mine[: it.num_draft]
+        tree = next((it.tree for it in drafting if it.tree is not None), None)
+        if tree is None:
+            most = max(it.num_draft for it in drafting)
+            guesses = self.heads(rows, most).tolist()
+            for it, mine in zip(drafting, guesses, strict=True):
+                it.token_ids[1:] = mine[: it.num_draft]
+        else:  # a token tree: node (r1, ..., rd) is head d's candidate of rank rd
+            widths = [tree.width(d) for d in range(1, tree.depth + 1)]
+            offset = [sum(widths[:d]) for d in range(len(widths))]
+            ranked = self.heads.ranked(rows, widths).tolist()
+            for it, mine in zip(drafting, ranked, strict=True):
+                assert it.tree is tree, "one tree for the engine"
+                it.token_ids[1:] = [mine[offset[len(p) - 1] + p[-1]] for p in tree.paths[: it.num_draft]]
+        for it in drafting:
             self.store.trim(it.seq_id, it.start_pos - 1)  # (earlier positions are never read again)
         self.num_fed_tokens += len(drafting)
         self.last_duration_s = time.perf_counter() - start

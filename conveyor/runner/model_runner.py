@@ -348,9 +348,13 @@ class ModelRunner:
                             for group in window_tables]
             logits, greedy = graphs(input_ids, positions, slots, tables, window_slots, window_tables)
         else:
+            # Token trees (a speculative step's branching guesses): each row at its depth's position.
+            trees = None if all_decodes else [it.tree if it.num_draft else None for it in items]
+            if trees is not None and all(t is None for t in trees):
+                trees = None
             if not all_decodes and self._chains(items, num_new, adapters is None and not pooling):
                 meta = chain_decodes(tables, [it.start_pos for it in items], num_new, self.block_size, self.device,
-                                     self.sliding_window, self.dtype)
+                                     self.sliding_window, self.dtype, trees)
             else:
                 meta = build_metadata(
                     tables,
@@ -360,6 +364,7 @@ class ModelRunner:
                     self.device,
                     self.sliding_window,
                     self.dtype,
+                    trees,
                 )
             window_tables = None
             if self.window_host_tables:
@@ -416,6 +421,8 @@ class ModelRunner:
         # be most of a large decode step's host time.
         if not batch.all_greedy and any(p.seed is not None for p in params):
             batch.generators = [self._generator(it) for it in samplers]
+            if drafting and any(it.tree is not None for it in samplers):
+                batch.noise_from = self._noise_rows(samplers)
         if batch.any_penalty:
             batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
         if any(p.shapes_logits for p in params):
@@ -604,21 +611,31 @@ class ModelRunner:
         token sampled at that row. A seeded sequence's generator is left where one row of
         noise per kept token leaves it, as if it had decoded them one by one."""
         output = RunnerOutput(sampled={})
+        moved: list[tuple[ScheduledSequence, list[int]]] = []  # token trees' kept branches off their slots
         row = 0
         while row < len(samplers):
             it = samplers[row]
             lps = logprobs if it.sampling_params.logprobs is not None else None  # this sequence's asked
             n = 1 + it.num_draft
-            drafts = it.token_ids[1:]
-            keep = 1
-            while keep < n and tokens[row + keep - 1] == drafts[keep - 1]:
-                keep += 1
+            guesses = it.token_ids
+            kept = [0]  # the rows kept: the root, then each guess equal to the token sampled before it
+            if it.tree is None:
+                while len(kept) < n and tokens[row + len(kept) - 1] == guesses[len(kept)]:
+                    kept.append(len(kept))
+            else:  # down the tree: the child (if any) that guessed the token its parent's row sampled
+                children = it.tree.children
+                while child := next((c for c in children[kept[-1]] if c < n and guesses[c] == tokens[row + kept[-1]]),
+                                    0):
+                    kept.append(child)
+                if kept[-1] != len(kept) - 1:
+                    moved.append((it, kept))
+            keep = len(kept)
             output.sampled[it.seq_id] = tokens[row]
             if lps is not None:
                 output.logprobs[it.seq_id] = lps[row]
             if keep > 1:
                 output.accepted[it.seq_id] = [
-                    (tokens[r], None if lps is None else lps[r]) for r in range(row + 1, row + keep)
+                    (tokens[row + r], None if lps is None else lps[row + r]) for r in kept[1:]
                 ]
             if states is not None and (state := states.get(it.seq_id)) is not None:
                 g = self._generators[it.seq_id]
@@ -626,7 +643,59 @@ class ModelRunner:
                 for _ in range(keep):
                     torch.empty(self.model.arch.vocab_size, device=self.device).exponential_(generator=g)
             row += n
+        if moved:
+            self._follow_branches(moved)
         return output
+
+    def _follow_branches(self, moved: list[tuple[ScheduledSequence, list[int]]]) -> None:
+        """The K/V (and kept hidden states) of each token tree's kept nodes, written at the slots
+        of their rows, into the positions they now hold: row `kept[i]` (position start + depth i,
+        slot of start + kept[i]) to the slot of start + i. Sources lie at or after their targets
+        and are all read before any is written."""
+        bs = self.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        for it, kept in moved:
+            table, start = it.block_table, it.start_pos
+            for i, r in enumerate(kept):
+                if r != i:
+                    src.append(table[(start + r) // bs] * bs + (start + r) % bs)
+                    dst.append(table[(start + i) // bs] * bs + (start + i) % bs)
+            if self.hidden_store is not None:
+                self.hidden_store.follow(it.seq_id, start, kept)
+        src_t, dst_t = to_device(host_longs(src), self.device), to_device(host_longs(dst), self.device)
+        for cache in self.kv_caches:
+            cache[:, dst_t] = cache[:, src_t]
+
+    def _noise_rows(self, samplers: list[ScheduledSequence]) -> list[int]:
+        """Per row, the row whose noise a seeded row takes (`SamplingBatch.noise_from`): a token
+        tree's rows at one depth share the first one's, so that the kept branch draws one row of
+        noise per position, as decoding one token at a time would."""
+        out: list[int] = []
+        row = 0
+        while row < len(samplers):
+            it = samplers[row]
+            n = 1 + it.num_draft
+            if it.tree is None:
+                out.extend(range(row, row + n))
+            else:
+                first: dict[int, int] = {}
+                out.extend(row + first.setdefault(d, k) for k, d in enumerate(it.tree.depths[:n]))
+            row += n
+        return out
+
+    @staticmethod
+    def _branch(it: ScheduledSequence, k: int) -> list[int]:
+        """The guesses row k of a step with drafts follows (its own included): the first k for a
+        chain, its branch for a token tree."""
+        if it.tree is None:
+            return it.token_ids[1 : 1 + k]
+        return [it.token_ids[r] for r in it.tree.branch(k)]
+
+    @staticmethod
+    def _depth(it: ScheduledSequence, k: int) -> int:
+        """Row k's place after the step's first position (k for a chain)."""
+        return k if it.tree is None else it.tree.depths[k]
 
     def _generator_states(self, samplers: list[ScheduledSequence], batch: SamplingBatch) -> dict[int, torch.Tensor]:
         """Where each seeded sequence with drafts has its generator before the step's draws."""
@@ -649,7 +718,7 @@ class ModelRunner:
                 continue
             base = it.all_token_ids[: it.start_pos + 1] if it.sampling_params.needs_penalties else None
             for i in range(1 + it.num_draft):
-                out.append([] if base is None else base + it.token_ids[1 : 1 + i])
+                out.append([] if base is None else base + self._branch(it, i))
             row += 1 + it.num_draft
         return out
 
@@ -699,7 +768,7 @@ class ModelRunner:
                 if grammar is not None and states is not None:
                     grammar_rows.append(r)
                     grammar_masks.append(grammar.allowed(states[i]))
-                if first + i - it.prompt_len < p.min_tokens and not (
+                if first + self._depth(it, i) - it.prompt_len < p.min_tokens and not (
                     grammar is not None and states is not None and grammar.ends_only(states[i])
                 ):
                     held = (*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids)
@@ -757,7 +826,7 @@ class ModelRunner:
         recent = self._known(it, first, start=max(it.prompt_len, first - longest + 1)) if longest > 1 else []
         bans: list[list[int]] = []
         for i in range(1 + it.num_draft):
-            before = recent + it.token_ids[1 : 1 + i]
+            before = recent + self._branch(it, i)
             bans.append([
                 s[-1] for s in spellings
                 if len(s) == 1 or (len(before) >= len(s) - 1 and tuple(before[len(before) - len(s) + 1 :]) == s[:-1])
@@ -786,9 +855,8 @@ class ModelRunner:
             guide.restart()
         state = guide.advance(self._known(it, end, start=it.prompt_len + guide.consumed))
         states = [state]
-        for token in it.token_ids[1 : 1 + it.num_draft]:
-            state = guide.grammar.advance(state, token)
-            states.append(state)
+        for k, token in enumerate(it.token_ids[1 : 1 + it.num_draft], 1):  # (a tree's row after its parent's)
+            states.append(guide.grammar.advance(states[k - 1 if it.tree is None else it.tree.parents[k]], token))
         return states
 
 

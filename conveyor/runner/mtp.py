@@ -52,6 +52,16 @@ class HiddenStore:
             self.put(it.seq_id, it.start_pos, hidden[at : at + n].detach())
             at += n
 
+    def follow(self, seq_id: int, start: int, rows: list[int]) -> None:
+        """A token tree's verification kept the nodes at `rows` (row k held position start + k):
+        their states move to the positions they now hold, start + 0, 1, ..."""
+        kept = self._rows.get(seq_id)
+        if kept is None or not kept[0] <= start or start + max(rows) >= kept[0] + kept[1].shape[0]:
+            return
+        at = start - kept[0]
+        held = kept[1]
+        held[at : at + len(rows)] = held[[at + r for r in rows]]
+
     def first(self, seq_id: int) -> int | None:
         """The first position held (None: none)."""
         kept = self._rows.get(seq_id)

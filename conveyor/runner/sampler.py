@@ -36,6 +36,9 @@ class SamplingBatch:
     allowed: torch.Tensor | None = None
     # logit_bias: [rows, vocab] float, added to the logits (None: no row has any)
     bias: torch.Tensor | None = None
+    # A seeded row i takes the noise row noise_from[i] drew (< i; a token tree's row: the first
+    # row at its depth's), not a draw of its own (None: every row draws).
+    noise_from: list[int] | None = None
 
 
 def prepare(
@@ -166,9 +169,13 @@ class Sampler:
                 noise = block.to(noise.dtype)
             else:  # rows by an index on the device: a list index would copy it there and wait
                 noise[to_device(host_longs(unseeded), dev)] = block.to(noise.dtype)
+        shared = batch.noise_from
         for i, g in enumerate(batch.generators):
             if g is not None:
-                noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
+                if shared is not None and shared[i] != i:
+                    noise[i] = noise[shared[i]]
+                else:
+                    noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, self.greedy(logits), sampled)
 

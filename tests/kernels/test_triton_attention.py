@@ -125,6 +125,24 @@ def test_decodes_only_and_prefills_only():
         check(step)
 
 
+def test_a_token_trees_span_attends_under_its_mask():
+    """A speculative step's token tree (a decode, the tree's rows as a span, a chunk after it):
+    the tree's rows take the torch reference's attention under the tree's mask, the rest the
+    kernels'. `TorchPagedAttention` itself is held to a plain decode of each branch in
+    tests/models/test_token_tree.py."""
+    from conveyor.core.speculative import TokenTree
+
+    tree = TokenTree.parse([(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 1, 0)])
+    schedule = [(9, 1), (13, 1 + tree.num_nodes), (20, 6)]
+    step = random_step(11, schedule, block_size=4)
+    tables = [[int(b) for b in t] for t in step.meta.prefill_blocks.tolist()]
+    first = step.meta.decode_blocks.tolist()[0]
+    meta = build_metadata([first, *tables], [s for s, _ in schedule], [n for _, n in schedule], 4, DEVICE,
+                          trees=[None, tree, None])
+    assert meta.prefills[0].tree and not meta.prefills[1].tree
+    check(step._replace(meta=meta))
+
+
 def test_prefill_blocks_cover_each_prefill():
     meta = random_step(3, MIXED, block_size=4).meta
     assert meta.prefill_blocks is not None

@@ -99,6 +99,11 @@ def record_rounds(drafter: MedusaDrafter) -> list[tuple[list[int], list[int]]]:
 def reference_guesses(model_dir: Path, head: Path, tokens: list[int], count: int) -> list[int]:
     """The heads' formula over HF's last hidden state (after the final norm) at the last of
     `tokens`."""
+    return [c[0] for c in reference_candidates(model_dir, head, tokens, [1] * count)]
+
+
+def reference_candidates(model_dir: Path, head: Path, tokens: list[int], widths: list[int]) -> list[list[int]]:
+    """Head j's `widths[j]` likeliest tokens by the formula, best first (`reference_guesses`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
@@ -115,14 +120,15 @@ def reference_guesses(model_dir: Path, head: Path, tokens: list[int], count: int
     with torch.no_grad():
         h = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0, -1]
     out = []
-    for j in range(count):
+    for j, width in enumerate(widths):
         x = h
         for b in range(blocks):
             name = f"{j}.{b}.linear" if f"{j}.{b}.linear.weight" in raw else f"blocks.{j}.layers.{b}"
             x = x + F.silu(x @ raw[f"{name}.weight"].T + raw.get(f"{name}.bias", torch.zeros(H, dtype=x.dtype)))
         w = raw.get(f"{j}.{blocks}.weight", raw.get(f"lm_heads.{j}.weight", raw.get("lm_heads.0.weight")))
-        top = int((w @ x).argmax())
-        out.append(int(raw["token_map"][top]) if "token_map" in raw else top)
+        logits = w @ x
+        top = [int(logits.argmax())] if width == 1 else logits.topk(width).indices.tolist()
+        out.append([int(raw["token_map"][t]) if "token_map" in raw else t for t in top])
     return out
 
 
