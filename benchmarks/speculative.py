@@ -13,6 +13,7 @@ their times is the speedup. Workloads, chat-templated:
     python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram
     python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-tokens 2 3 --no-ngram
     python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tokens 1 3 --no-ngram
+    python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tree "[(0,), (1,), (0, 0)]" --no-ngram
     python benchmarks/speculative.py --unchained   # beside each, its steps with guesses as modules
 """
 
@@ -23,6 +24,7 @@ import statistics
 import time
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.speculative import TokenTree
 
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. The dog does not move; it has seen foxes "
@@ -92,6 +94,8 @@ def main() -> None:
                          "(speculative_method='medusa'; benchmarks/train_medusa.py makes them for SmolLM2)")
     ap.add_argument("--medusa-tokens", type=int, nargs="+", default=None,
                     help="--medusa: one engine a count of guesses (default: --num-speculative-tokens)")
+    ap.add_argument("--medusa-tree", nargs="+", default=[],
+                    help="--medusa: one engine a token tree (speculative_token_tree), e.g. \"[(0,), (1,), (0, 0)]\"")
     ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
     ap.add_argument("--unchained", action="store_true",
                     help="beside each speculative engine, the same with its verification steps as modules "
@@ -124,6 +128,10 @@ def main() -> None:
         for k in args.medusa_tokens or [args.num_speculative_tokens]:
             add(f"Medusa, {k} guesses", speculative_method="medusa", speculative_model=args.medusa,
                 num_speculative_tokens=k)
+        for tree in args.medusa_tree:
+            shape = TokenTree.parse(tree)
+            add(f"Medusa, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_method="medusa",
+                speculative_model=args.medusa, speculative_token_tree=tree)
     if args.draft_cost is not None:
         add(f"ngram, draft cost {args.draft_cost}", speculative_method="ngram",
             num_speculative_tokens=args.num_speculative_tokens, speculative_draft_cost=args.draft_cost)

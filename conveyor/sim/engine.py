@@ -375,6 +375,9 @@ def build_sim_engine(
         )
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
+    if config.scheduler.speculative_token_tree is not None:
+        raise ConfigError("speculative_token_tree: the simulator accepts guesses as a chain, each with one rate; "
+                          "how often a head's lower-ranked candidates are right is not modelled (not built)")
     b = dtype_bytes_of(config, hardware)
     draft = _draft_shape(config, model)
     tp, pp = config.model.tensor_parallel_size, config.model.pipeline_parallel_size

@@ -269,3 +269,11 @@ def test_vllms_speculative_config_dict_sets_the_options() -> None:
     args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     c = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert (c.scheduler.speculative_method, c.scheduler.num_speculative_tokens) == ("ngram", 2)
+    # A token tree, as JSON's lists or vLLM's text; the node count set from it.
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "medusa", "model": "heads/", '
+                                      '"speculative_token_tree": [[0], [1], [0, 0]]}'])
+    c = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert (c.scheduler.speculative_token_tree, c.scheduler.num_speculative_tokens) == ("[(0,), (1,), (0, 0)]", 3)
+    args = build_parser().parse_args(["serve", "--speculative-method", "medusa", "--speculative-model", "heads/",
+                                      "--speculative-token-tree", "[(1,), (0,)]"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(args)).scheduler.speculative_token_tree == "[(0,), (1,)]"

@@ -159,3 +159,7 @@ def test_medusa_heads_are_priced_as_one_pass_over_their_weights():
         return eng.clock()
 
     assert one_request("medusa") < one_request("eagle")
+    # A token tree's lower-ranked candidates have no acceptance model here: refused, not mispriced.
+    with pytest.raises(ConfigError, match="lower-ranked candidates are right is not modelled"):
+        build_sim_engine(EngineConfig.from_kwargs(speculative_method="medusa", speculative_token_tree="[(0,), (1,)]"),
+                         hw, model, acceptance_rate=0.7)
