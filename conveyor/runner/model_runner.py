@@ -608,8 +608,10 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Each sequence's tokens of a step with drafts: the token sampled at its first row,
         then, while the draft at a row equals the token sampled at the row before it, the
-        token sampled at that row. A seeded sequence's generator is left where one row of
-        noise per kept token leaves it, as if it had decoded them one by one."""
+        token sampled at that row (a token tree: down from the root, while a child of the row
+        reached guessed the token sampled there; the kept rows then move into place,
+        `_follow_branches`). A seeded sequence's generator is left where one row of noise per
+        kept token leaves it, as if it had decoded them one by one."""
         output = RunnerOutput(sampled={})
         moved: list[tuple[ScheduledSequence, list[int]]] = []  # token trees' kept branches off their slots
         row = 0

@@ -61,6 +61,9 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
     g.add_argument("--spec-acceptance-rate", type=float, default=None,
                    help="with --speculative-method: the chance that the (absent) model accepts a draft, "
                         "independently per position (the simulator has no model to verify drafts)")
+    g.add_argument("--spec-rank-acceptance", type=float, nargs="+", default=None, metavar="RATE",
+                   help="with a --speculative-token-tree: the chances that the model's token is the drafter's "
+                        "second, third, ... candidate at a depth (the first's is --spec-acceptance-rate)")
     sim.add_argument("configs", nargs="*", metavar="CONFIG",
                      help="systems as in `conveyor bench compare` (default: one, with the flags given)")
     _add_offline(sim)
@@ -112,10 +115,12 @@ class SimSystem(ConveyorSystem):
     def __init__(self, spec: Any, options: dict[str, Any], hardware: Hardware, model: ModelShape,
                  params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None,
                  acceptance_rate: float | None = None, link_bandwidth: float = 50e9,
+                 rank_acceptance: tuple[float, ...] = (),
                  pipeline_link_bandwidth: float | None = None) -> None:
         """`cost_model` replaces the roofline model that `params` would build (a profiled table,
         or one that records the steps it prices); `router` holds `RouterConfig` options;
-        `acceptance_rate` is the chance a speculative draft is accepted; `link_bandwidth` (bytes/s)
+        `acceptance_rate` is the chance a speculative draft is accepted (`rank_acceptance`: a token
+        tree's, that its rank-1, 2, ... candidate is the model's token); `link_bandwidth` (bytes/s)
         carries the K/V from prefill to decode replicas."""
         from conveyor.core.routing import RouterConfig
 
@@ -127,6 +132,7 @@ class SimSystem(ConveyorSystem):
         self.check_backend(self.router_config.data_parallel_backend)
         self.hardware, self.model, self.params, self.cost_model = hardware, model, params, cost_model
         self.acceptance_rate = acceptance_rate
+        self.rank_acceptance = rank_acceptance
         self.link_bandwidth = link_bandwidth
         self.pipeline_link_bandwidth = pipeline_link_bandwidth
         self.last_engine: Any = None
@@ -143,7 +149,7 @@ class SimSystem(ConveyorSystem):
         from conveyor.sim.engine import build_sim_engine
 
         self.last_engine = build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
-                                            acceptance_rate=self.acceptance_rate,
+                                            acceptance_rate=self.acceptance_rate, rank_acceptance=self.rank_acceptance,
                                             pipeline_link_bandwidth=self.pipeline_link_bandwidth)
         self.last_engines = [self.last_engine]
         return self.last_engine
@@ -199,7 +205,7 @@ class SimSystem(ConveyorSystem):
 
         n = self.router_config.data_parallel_size
         engines = [build_sim_engine(self.config, self.hardware, self.model, self.params, self.cost_model,
-                                    acceptance_rate=self.acceptance_rate,
+                                    acceptance_rate=self.acceptance_rate, rank_acceptance=self.rank_acceptance,
                                     pipeline_link_bandwidth=self.pipeline_link_bandwidth, seed=i) for i in range(n)]
         self.last_engine, self.last_engines = engines[0], engines
 
@@ -234,7 +240,7 @@ class SimSystem(ConveyorSystem):
 
         def build(config: Any, seed: int) -> Any:
             return build_sim_engine(config, self.hardware, self.model, self.params, self.cost_model,
-                                    acceptance_rate=self.acceptance_rate,
+                                    acceptance_rate=self.acceptance_rate, rank_acceptance=self.rank_acceptance,
                                     pipeline_link_bandwidth=self.pipeline_link_bandwidth, seed=seed)
 
         prefill = [build(self.config, i) for i in range(rc.prefill_replicas)]
@@ -316,6 +322,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         args, result, specs, requests, points, slo,
         build=lambda spec: SimSystem(spec, options, hardware, model, params, args.batch_size, router=router,
                                      acceptance_rate=args.spec_acceptance_rate,
+                                     rank_acceptance=tuple(args.spec_rank_acceptance or ()),
                                      link_bandwidth=args.kv_transfer_gbps * 1e9,
                                      pipeline_link_bandwidth=None if args.pipeline_link_gbps is None
                                      else args.pipeline_link_gbps * 1e9),

@@ -7,7 +7,10 @@ carry `max_tokens=output_len, ignore_eos=True`, and the runner samples a token t
 Speculative decoding runs with the real scheduler and proposer, but the runner has no model to
 agree or disagree with the drafts: it accepts each draft with a given probability
 (`acceptance_rate`, independently per position, the model of Leviathan et al. 2023), keeping
-them up to the first rejection. (With every sampled token the same, prompt lookup drafts the
+them up to the first rejection. A token tree's (`speculative_token_tree`) walk draws, at each
+depth, where the model's token sits among the drafter's ranked candidates: the top one with
+`acceptance_rate`, the rank-r one with `rank_acceptance[r - 1]`, none with what is left; the
+child of that rank, if the tree has it, is kept. (With every sampled token the same, prompt lookup drafts the
 full `num_speculative_tokens` from a request's third token on.) With a draft model
 (`speculative_model`, a catalog name or config.json), the engine's real drafter runs the
 draft's steps on a second runner over the draft's cost model, and a step's time is its draft
@@ -33,6 +36,7 @@ from typing import Any
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.core.speculative import TokenTree
 from conveyor.engine import (
     CPU_DEFAULT_KV_BYTES,
     CUDA_RUNTIME_RESERVE,
@@ -52,10 +56,12 @@ class SimRunner:
     """The runner interface on a cost model: no tensors, a duration per step."""
 
     def __init__(self, cost_model: CostModel, token_id: int = 1, acceptance_rate: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, rank_acceptance: Sequence[float] = ()) -> None:
         self.cost_model = cost_model
         self.token_id = token_id
         self.acceptance_rate = acceptance_rate  # speculative decoding: P(a draft is accepted)
+        # A token tree's: P(the model's token is the drafter's rank-r candidate), r = 1, 2, ...
+        self.rank_acceptance = tuple(rank_acceptance)
         self._rng = random.Random(seed)
         self.busy_s = 0.0  # total simulated compute time
         self.num_steps = 0
@@ -103,11 +109,33 @@ class SimRunner:
             rate, draw = self.acceptance_rate, self._rng.random
             for item in scheduler_output.scheduled:
                 kept = 0
-                while kept < item.num_draft and draw() < rate:
-                    kept += 1
+                if item.tree is None:
+                    while kept < item.num_draft and draw() < rate:
+                        kept += 1
+                else:
+                    kept = self._walk(item.tree, item.num_draft)
                 if kept:
                     out.accepted[item.seq_id] = [(tok, None)] * kept
         return out
+
+    def _walk(self, tree: Any, num_nodes: int) -> int:
+        """How deep a token tree's first `num_nodes` nodes are kept: at each depth the model's
+        token is the rank-r candidate with the rate of that rank (or none), and the walk goes on
+        while the tree has that child."""
+        assert self.acceptance_rate is not None
+        rates = (self.acceptance_rate, *self.rank_acceptance)
+        node, depth = 0, 0
+        while True:
+            u, rank = self._rng.random(), 0
+            while rank < len(rates) and u >= rates[rank]:
+                u -= rates[rank]
+                rank += 1
+            if rank == len(rates):  # the model's token is none of the ranked candidates
+                return depth
+            child = next((c for c in tree.children[node] if c <= num_nodes and tree.paths[c - 1][-1] == rank), 0)
+            if not child:
+                return depth
+            node, depth = child, depth + 1
 
 
 class VirtualClock:
@@ -251,11 +279,13 @@ def device_weight_bytes(config: EngineConfig, model: ModelShape, dtype_bytes: in
 
 
 def medusa_params(config: EngineConfig, model: ModelShape) -> int:
-    """Medusa heads as the simulator assumes them: `num_speculative_tokens` heads of one residual
-    block (hidden x hidden and a bias, FasterDecoding's default) and an LM head over the model's
-    vocabulary each."""
+    """Medusa heads as the simulator assumes them: `num_speculative_tokens` heads (a token tree's
+    depth) of one residual block (hidden x hidden and a bias, FasterDecoding's default) and an LM
+    head over the model's vocabulary each."""
     h = model.hidden_size
-    return config.scheduler.num_speculative_tokens * (h * h + h + model.vocab_size * h)
+    tree = config.scheduler.speculative_token_tree
+    heads = config.scheduler.num_speculative_tokens if tree is None else TokenTree.parse(tree).depth
+    return heads * (h * h + h + model.vocab_size * h)
 
 
 class MedusaSimDrafter:
@@ -363,9 +393,12 @@ def build_sim_engine(
     acceptance_rate: float | None = None,
     seed: int = 0,
     pipeline_link_bandwidth: float | None = None,
+    rank_acceptance: Sequence[float] = (),
 ) -> SimEngine:
     """A simulated engine for `config` (scheduler and cache sections as for a real one);
     `acceptance_rate` is the chance that a speculative draft is accepted (`seed` draws them);
+    `rank_acceptance` a token tree's chances that the model's token is the drafter's candidate
+    of rank 1, 2, ... (`SimRunner._walk`);
     `pipeline_link_bandwidth` (bytes/s) the link between pipeline stages (default: the
     devices' own)."""
     if config.scheduler.speculative_method is not None and acceptance_rate is None:
@@ -375,9 +408,16 @@ def build_sim_engine(
         )
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
-    if config.scheduler.speculative_token_tree is not None:
-        raise ConfigError("speculative_token_tree: the simulator accepts guesses as a chain, each with one rate; "
-                          "how often a head's lower-ranked candidates are right is not modelled (not built)")
+    tree = config.scheduler.speculative_token_tree
+    if rank_acceptance and tree is None:
+        raise ConfigError("spec rank acceptance: the rates of lower-ranked candidates apply to a speculative_token_tree")
+    if tree is not None and not rank_acceptance:
+        raise ConfigError("speculative_token_tree: the simulator needs how often the drafter's lower-ranked candidates "
+                          "are right: --spec-rank-acceptance (one rate per rank after the first)")
+    if rank_acceptance and (any(not 0 <= r <= 1 for r in rank_acceptance)
+                            or (acceptance_rate or 0) + sum(rank_acceptance) > 1 + 1e-9):
+        raise ConfigError(f"spec rank acceptance {list(rank_acceptance)}: each in [0, 1], and with the acceptance "
+                          "rate at most 1 in all (the model's token is one candidate at most)")
     b = dtype_bytes_of(config, hardware)
     draft = _draft_shape(config, model)
     tp, pp = config.model.tensor_parallel_size, config.model.pipeline_parallel_size
@@ -432,7 +472,7 @@ def build_sim_engine(
                                            expert_bytes=expert_weight_bytes(config, model), block_share=block_share)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     kind = PipelineSimEngine if pp > 1 else SimEngine
-    engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed), None, max_len, model.vocab_size,
+    engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed, rank_acceptance), None, max_len, model.vocab_size,
                   clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
     if draft is not None:
         from conveyor.runner.drafter import Drafter

@@ -99,6 +99,13 @@ def test_simulate_command_with_a_draft_model(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["systems"][0]["points"][0]["summary"]["completed"] == 4
     assert result["engine_options"]["speculative_model"] == "llama-3.2-1b"
+    tree = tmp_path / "tree"
+    assert main(["simulate", "--hardware", "h100-sxm", "--model", "llama-3.1-8b", "--num-requests", "4",
+                 "--concurrency", "2", "--input-len", "128", "--output-len", "64", "--no-plots", "--no-progress",
+                 "--speculative-method", "medusa", "--speculative-token-tree", "[(0,), (1,), (0, 0)]",
+                 "--spec-acceptance-rate", "0.6", "--spec-rank-acceptance", "0.2", "--out", str(tree)]) == 0
+    result = json.loads((tree / "result.json").read_text())
+    assert result["systems"][0]["points"][0]["summary"]["completed"] == 4
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -159,7 +166,57 @@ def test_medusa_heads_are_priced_as_one_pass_over_their_weights():
         return eng.clock()
 
     assert one_request("medusa") < one_request("eagle")
-    # A token tree's lower-ranked candidates have no acceptance model here: refused, not mispriced.
-    with pytest.raises(ConfigError, match="lower-ranked candidates are right is not modelled"):
-        build_sim_engine(EngineConfig.from_kwargs(speculative_method="medusa", speculative_token_tree="[(0,), (1,)]"),
-                         hw, model, acceptance_rate=0.7)
+
+
+SECOND = "[(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)]"  # the second candidate's branch: rows 2, 4, 6
+
+
+def test_a_token_tree_is_walked_by_the_rates_of_its_ranks():
+    """At each depth the model's token is the rank-r candidate with that rank's rate (or none),
+    and the walk goes on while the tree has that child among the nodes the step holds."""
+    from conveyor.core.speculative import TokenTree
+    from conveyor.sim.engine import SimRunner
+
+    second, pair = TokenTree.parse(SECOND), TokenTree.parse("[(0,), (1,)]")
+    assert SimRunner(None, acceptance_rate=0.0, rank_acceptance=(1.0,))._walk(second, 6) == 3  # type: ignore[arg-type]
+    # the first 3 nodes hold (1,) but not (1, 1): one token
+    assert SimRunner(None, acceptance_rate=0.0, rank_acceptance=(1.0,))._walk(second, 3) == 1  # type: ignore[arg-type]
+    assert SimRunner(None, acceptance_rate=1.0, rank_acceptance=(0.0,))._walk(second, 6) == 1  # type: ignore[arg-type]
+    # (a rank past the rates given is never the model's token)
+    assert SimRunner(None, acceptance_rate=0.0, rank_acceptance=(0.0,))._walk(TokenTree.parse("[(2,)]"), 1) == 0  # type: ignore[arg-type]
+    runner = SimRunner(None, acceptance_rate=0.5, rank_acceptance=(0.3,), seed=4)  # type: ignore[arg-type]
+    kept = [runner._walk(pair, 2) for _ in range(20_000)]
+    assert abs(sum(kept) / len(kept) - 0.8) < 0.015  # the top candidate or the second, 0.5 + 0.3
+
+
+def test_medusa_token_trees_are_priced_as_their_rows_and_refused_without_ranks():
+    """A tree of Medusa candidates: its depth's heads in the weights; every round keeps the
+    branch the rates choose (the second candidate's, all of it, where only it is right); and on
+    an H100 at one request, where a row costs little, a tree whose lower ranks are right
+    sometimes beats the chain of its depth."""
+    from conveyor.sim.engine import medusa_params
+
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+    tree = EngineConfig.from_kwargs(speculative_method="medusa", speculative_token_tree=SECOND)
+    h = model.hidden_size
+    assert medusa_params(tree, model) == 3 * (h * h + h + model.vocab_size * h)
+    engine = build_sim_engine(tree, hw, model, acceptance_rate=0.0, rank_acceptance=(1.0,))
+    replay(engine, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=41, ignore_eos=True))])
+    sched = engine.scheduler
+    assert sched.num_draft_tokens == 6 * 10 and sched.num_accepted_tokens == 3 * 10  # 1 + 10 rounds of 4 tokens
+
+    def one_request(config: EngineConfig, **rates) -> float:
+        eng = build_sim_engine(config, hw, model, seed=3, **rates)
+        replay(eng, [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=256, ignore_eos=True))])
+        return eng.clock()
+
+    wide = EngineConfig.from_kwargs(speculative_method="medusa", speculative_token_tree=(
+        "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"))
+    chain = EngineConfig.from_kwargs(speculative_method="medusa", num_speculative_tokens=3)
+    assert one_request(wide, acceptance_rate=0.6, rank_acceptance=(0.15, 0.05)) < one_request(chain, acceptance_rate=0.6)
+    with pytest.raises(ConfigError, match="--spec-rank-acceptance"):
+        build_sim_engine(tree, hw, model, acceptance_rate=0.7)
+    with pytest.raises(ConfigError, match="apply to a speculative_token_tree"):
+        build_sim_engine(chain, hw, model, acceptance_rate=0.7, rank_acceptance=(0.1,))
+    with pytest.raises(ConfigError, match="at most 1 in all"):
+        build_sim_engine(tree, hw, model, acceptance_rate=0.7, rank_acceptance=(0.2, 0.2))
