@@ -289,12 +289,12 @@ class Engine:
                 if depth > heads:
                     raise ConfigError(f"speculative_token_tree reaches depth {depth}: the Medusa checkpoint has "
                                       f"{heads} heads, one a depth; give paths of at most {heads} ranks")
-                if arch.sliding_window or any(arch.layer_windows):
-                    raise ConfigError("speculative_token_tree: a token tree's rows attend under a mask of their own, "
-                                      "not built for sliding-window layers (this model has them); leave it unset")
             elif config.scheduler.num_speculative_tokens > heads:
                 raise ConfigError(f"num_speculative_tokens={config.scheduler.num_speculative_tokens}: the Medusa "
                                   f"checkpoint has {heads} heads, one a guess; ask for at most {heads}")
+        if config.scheduler.speculative_token_tree is not None and (arch.sliding_window or any(arch.layer_windows)):
+            raise ConfigError("speculative_token_tree: a token tree's rows attend under a mask of their own, "
+                              "not built for sliding-window layers (this model has them); leave it unset")
         draft_arch = draft_tensors = None
         if config.scheduler.speculative_method == "draft_model":
             if mc.speculative_model is None:

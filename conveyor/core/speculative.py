@@ -35,9 +35,10 @@ from conveyor.sequence import PLACEHOLDER, Sequence
 
 _PROPOSERS: Registry[Proposer] = Registry("speculative method")
 
-# The methods whose drafts may branch (`speculative_token_tree`): each guess at depth d is
-# one of the drafter's ranked candidates for that depth, read off one pass (Medusa's heads).
-TREE_METHODS = ("medusa",)
+# The methods whose drafts may branch (`speculative_token_tree`): each node is one of the
+# drafter's ranked candidates after its parent (Medusa's heads rank every depth in one pass; an
+# EAGLE head runs a step a depth over the nodes that have children).
+TREE_METHODS = ("medusa", "eagle", "eagle3")
 
 
 @dataclass(frozen=True, slots=True)

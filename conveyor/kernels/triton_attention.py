@@ -43,6 +43,7 @@ from conveyor.models.attention import (
     AttentionBackend,
     AttentionMetadata,
     PrefillSpan,
+    TorchPagedAttention,
     gather_blocks,
     to_device,
 )
@@ -565,7 +566,11 @@ class TritonPagedAttention(AttentionBackend):
         """The decode rows' attention into `out`; with `rope` (cos, sin, slots), `q` is the
         fused projection's output and the kernel rotates and writes K/V itself."""
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
-        assert meta.decode_paths is None, "a token tree's rows reach the Triton backend as a prefill span"
+        if meta.decode_paths is not None:  # a token tree's rows (an EAGLE head's): the torch reference's
+            assert rope is None and not self.softcap and self.sinks is None
+            nd = meta.num_decodes
+            out[:nd] = TorchPagedAttention().decode(q[:nd], kv_cache[0], kv_cache[1], meta, scale)
+            return
         num_decodes = meta.num_decodes
         heads, head_dim = out.shape[1], out.shape[2]
         kv_heads = kv_cache.shape[2]

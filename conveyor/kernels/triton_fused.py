@@ -205,7 +205,7 @@ def rope_attend(
     decodes only (every CUDA-graphed step) takes one launch (`attend_decodes_rope`); a step
     with prompts, or any step with `one_launch=False`, two: `rope_write_kv_`, then
     `attend_cached`."""
-    if one_launch and not meta.prefills:
+    if one_launch and not meta.prefills and meta.decode_paths is None:
         return backend.attend_decodes_rope(qkv, cos, sin, kv_cache, meta, scale)
     rope_write_kv_(qkv, cos, sin, heads, kv_cache, meta.slot_mapping)
     return backend.attend_cached(qkv[:, :heads], kv_cache, meta, scale)

@@ -359,33 +359,49 @@ def chain_decodes(
         meta.chained = True
         return meta
     assert sliding_window is None, "no sliding window with token trees"
-    bs = block_size
     rows: list[Sequence[int]] = []
     positions: list[int] = []
-    slots: list[int] = []
+    writes: list[int] = []
     paths: list[list[int]] = []
-    ends: list[int] = []
     for table, start, n, tree in zip(block_tables, start_positions, num_new_tokens, trees, strict=True):
         for k in range(n):
-            depth = k if tree is None else tree.depths[k]
             rows.append(table)
-            positions.append(start + depth)
-            slots.append(table[(start + k) // bs] * bs + (start + k) % bs)
+            positions.append(start + (k if tree is None else tree.depths[k]))
+            writes.append(start + k)
             paths.append([] if tree is None else [start + r for r in tree.branch(k)])
-        ends.append(start + n)
+    return path_decodes(rows, positions, writes, paths, block_size, device, dtype)
+
+
+def path_decodes(
+    block_tables: Sequence[Sequence[int]],
+    positions: list[int],
+    write_positions: list[int],
+    paths: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> AttentionMetadata:
+    """One-token decodes (`chained`: all written before any attends) whose rows need not be a
+    sequence's next positions: row r computes the token at `positions[r]` (its rotary position),
+    writes its K/V to the slot of `write_positions[r]` in its table, and attends to the
+    positions `[0, positions[r] + 1 - len(paths[r]))` through its table, then to `paths[r]` (in
+    the table's order; a token tree's branch, its own write position last). A tree's rows in the
+    target's step (`chain_decodes`) or in an EAGLE head's drafting steps."""
+    bs = block_size
+    slots = [t[w // bs] * bs + w % bs for t, w in zip(block_tables, write_positions, strict=True)]
     width = max(len(p) for p in paths)
-    nb = (max(ends) + bs - 1) // bs
+    nb = (max(max(write_positions), *(p[-1] for p in paths if p), *positions) + bs) // bs
     return AttentionMetadata(
         block_size=bs,
         positions=to_device(host_longs(positions), device),
         slot_mapping=to_device(host_longs(slots), device),
         num_decodes=len(positions),
-        decode_blocks=to_device(host_table(rows, nb, 0), device),
+        decode_blocks=to_device(host_table(block_tables, nb, 0), device),
         decode_context_lens=to_device(host_longs([p + 1 for p in positions]), device),
         mask_dtype=dtype,
         chained=True,
-        decode_paths=to_device(host_table(paths, width, 0), device),
-        decode_path_lens=to_device(host_longs([len(p) for p in paths]), device),
+        decode_paths=to_device(host_table(paths, width, 0), device) if width else None,
+        decode_path_lens=to_device(host_longs([len(p) for p in paths]), device) if width else None,
     )
 
 

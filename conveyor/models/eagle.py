@@ -144,6 +144,15 @@ class EagleHead(nn.Module):
         ids = self.compute_logits(hidden).argmax(dim=-1)
         return ids + self.d2t[ids] if self.eagle3 else ids
 
+    def ranked(self, hidden: torch.Tensor, width: int) -> torch.Tensor:
+        """Each row's `width` likeliest guesses, best first (`[rows, width]`, the target's token
+        ids): a token tree's candidates. The first is `guess`'s (argmax, the first of equals)."""
+        logits = self.compute_logits(hidden)
+        ids = logits.argmax(dim=-1, keepdim=True)
+        if width > 1:
+            ids = torch.cat((ids, logits.scatter(-1, ids, float("-inf")).topk(width - 1, dim=-1).indices), dim=-1)
+        return ids + self.d2t[ids] if self.eagle3 else ids
+
 
 def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec, dict[str, torch.Tensor]]:
     """The head in `folder` (config.json and its tensors), checked against `target` and the

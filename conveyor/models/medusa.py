@@ -86,8 +86,10 @@ class MedusaHeads(nn.Module):
         ranked = []
         for j, w in enumerate(widths):
             logits = self.logits(j, hidden)
-            # (the top one as `forward` picks it: argmax, the first of equal logits)
-            ranked.append(logits.argmax(dim=-1, keepdim=True) if w == 1 else logits.topk(w, dim=-1).indices)
+            top = logits.argmax(dim=-1, keepdim=True)  # (the top one as `forward` picks it: the first of equals)
+            if w > 1:
+                top = torch.cat((top, logits.scatter(-1, top, float("-inf")).topk(w - 1, dim=-1).indices), dim=-1)
+            ranked.append(top)
         ids = torch.cat(ranked, dim=1)
         return ids if self.token_map is None else self.token_map[ids]
 

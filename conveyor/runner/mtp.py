@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
-from conveyor.models.attention import build_metadata
+from conveyor.models.attention import build_metadata, path_decodes
 from conveyor.models.eagle import EagleHead
 from conveyor.models.mtp import MTPLayer
 from conveyor.runner.drafter import Drafter, _Fed
@@ -137,6 +137,27 @@ class MTPRunner:
         )
 
 
+    @torch.inference_mode()
+    def execute_nodes(self, nodes: list[tuple[ScheduledSequence, int]], previous: torch.Tensor) -> torch.Tensor:
+        """One drafting step over token-tree nodes: `(item, row k)` each, its input the guess at
+        row k, `previous` `[rows, hidden]` its parent's output. The root's row (the last of the
+        round's first step) sits at position start_pos - 1, so node k's row at start_pos - 1 +
+        depth(k), its K/V in the slot of start_pos - 1 + k, attending to the context up to the
+        root and to its branch (`path_decodes`). Returns the rows' outputs."""
+        tables, positions, writes, paths, ids = [], [], [], [], []
+        for it, k in nodes:
+            assert it.tree is not None
+            base = it.start_pos - 1
+            tables.append(it.block_table)
+            positions.append(base + it.tree.depths[k])
+            writes.append(base + k)
+            paths.append([base + r for r in it.tree.branch(k)])
+            ids.append(it.token_ids[k])
+        meta = path_decodes(tables, positions, writes, paths, self.block_size, self.device, self.dtype)
+        return self.layer(torch.tensor(ids, device=self.device), previous.to(self.device, self.dtype), meta.positions,
+                          self.kv_cache, meta)
+
+
 class MTPDrafter(Drafter):
     """`Drafter`'s rounds with the MTP layer's inputs: shifted tokens and hidden states."""
 
@@ -154,7 +175,54 @@ class MTPDrafter(Drafter):
 
     def fill(self, scheduler_output: SchedulerOutput) -> None:
         self._own = {}
-        super().fill(scheduler_output)
+        drafting = [it for it in scheduler_output.scheduled if it.num_draft]
+        if any(it.tree is not None for it in drafting):
+            self._fill_tree(scheduler_output, drafting)
+        else:
+            super().fill(scheduler_output)
+
+    def _fill_tree(self, scheduler_output: SchedulerOutput, drafting: list[ScheduledSequence]) -> None:
+        """A token tree's guesses (`speculative_token_tree`, an EAGLE head's: vLLM's static tree):
+        the round's first step as a chain's, whose last row's output ranks the root's children;
+        then a step a depth over the nodes with children, each reading its parent's output and
+        its own branch, whose outputs rank their children (the candidates of rank r for a child
+        of rank r)."""
+        self.forget(scheduler_output.finished_seq_ids)
+        self.forget(scheduler_output.preempted_seq_ids)
+        batch = [self._first(it) for it in drafting]
+        self.num_fed_tokens += sum(len(d.token_ids) for d in batch)
+        out = self._run(scheduler_output.step_id, batch)
+        self.last_duration_s = out.duration_s
+        start = time.perf_counter()
+        head = self.mtp.layer
+        assert isinstance(head, EagleHead), "token trees: an EAGLE head's"
+        # Per sequence, the head's output after each expanded row (row 0: the root).
+        outputs = {it.seq_id: {0: out.hidden[it.seq_id]} for it in drafting}
+        depth = 0
+        while True:
+            parents = [(it, k) for it in drafting for k in outputs[it.seq_id] if it.tree.depths[k] == depth]  # type: ignore[union-attr]
+            kids = [[c for c in it.tree.children[k] if c <= it.num_draft] for it, k in parents]  # type: ignore[union-attr]
+            width = max((1 + max(it.tree.paths[c - 1][-1] for c in cs)  # type: ignore[union-attr]
+                         for (it, _), cs in zip(parents, kids, strict=True) if cs), default=0)
+            if not width:
+                break
+            ranked = head.ranked(torch.cat([outputs[it.seq_id][k] for it, k in parents]), width).tolist()
+            for (it, _), cs, mine in zip(parents, kids, ranked, strict=True):
+                for c in cs:
+                    it.token_ids[c] = mine[it.tree.paths[c - 1][-1]]  # type: ignore[union-attr]
+            depth += 1
+            nodes = [(it, c) for (it, _), cs in zip(parents, kids, strict=True) for c in cs
+                     if any(g <= it.num_draft for g in it.tree.children[c])]  # type: ignore[union-attr]
+            if not nodes:
+                break
+            previous = torch.cat([outputs[it.seq_id][it.tree.parents[c]] for it, c in nodes])  # type: ignore[union-attr]
+            rows = self.mtp.execute_nodes(nodes, previous)
+            self.num_fed_tokens += len(nodes)
+            for i, (it, c) in enumerate(nodes):
+                outputs[it.seq_id][c] = rows[i : i + 1]
+        self.last_duration_s += time.perf_counter() - start
+        for it in drafting:
+            self._fed[it.seq_id] = self._after(it, [])
 
     def _run(self, step_id: int, batch: list[ScheduledSequence]) -> _DraftOutput:
         previous = {}

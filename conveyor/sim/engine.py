@@ -411,6 +411,9 @@ def build_sim_engine(
     tree = config.scheduler.speculative_token_tree
     if rank_acceptance and tree is None:
         raise ConfigError("spec rank acceptance: the rates of lower-ranked candidates apply to a speculative_token_tree")
+    if tree is not None and config.scheduler.speculative_method != "medusa":
+        raise ConfigError("speculative_token_tree: the simulator prices Medusa's trees (one pass over the heads); "
+                          "an EAGLE head's, a step a depth over the nodes with children, is not modelled (not built)")
     if tree is not None and not rank_acceptance:
         raise ConfigError("speculative_token_tree: the simulator needs how often the drafter's lower-ranked candidates "
                           "are right: --spec-rank-acceptance (one rate per rank after the first)")

@@ -143,6 +143,21 @@ def test_a_token_trees_span_attends_under_its_mask():
     check(step._replace(meta=meta))
 
 
+def test_decodes_along_branch_paths_take_the_reference():
+    """An EAGLE head's token-tree rows (one-token decodes reading their branch's positions,
+    `path_decodes`): the Triton backend gives the torch reference's attention for them."""
+    from conveyor.models.attention import path_decodes
+
+    step = random_step(12, [(22, 1), (22, 1), (22, 1), (9, 1)], block_size=4)
+    t = [[int(b) for b in row] for row in step.meta.decode_blocks.tolist()]
+    # Three rows of one table after a root at 19: two siblings at depth 1 written at 20 and 21,
+    # a child of the second at depth 2 written at 22 (it skips the first sibling); a plain decode.
+    meta = path_decodes([t[0], t[0], t[0], t[3]], [20, 20, 21, 9], [20, 21, 22, 9], [[20], [21], [21, 22], []], 4,
+                        DEVICE)
+    assert meta.decode_path_lens.tolist() == [1, 1, 2, 0]
+    check(step._replace(meta=meta))
+
+
 def test_prefill_blocks_cover_each_prefill():
     meta = random_step(3, MIXED, block_size=4).meta
     assert meta.prefill_blocks is not None

@@ -190,7 +190,8 @@ def tree_llm(model: Path, heads: Path, tree=TREE, **options) -> LLM:
 
 
 def record(drafter: MedusaDrafter, oracle: dict[tuple[int, ...], list[int]] | None = None):
-    """Every round's `(tokens up to the step's input, the heads' guesses)`, recorded from now on.
+    """Every round's `(tokens up to the step's input, its input included; the drafter's guesses;
+    the tree's nodes)`, recorded from now on.
     With `oracle` (each prompt's expected output), the guesses are then replaced: at every depth
     the second candidate of the branch of second candidates is the right token, every other
     node a wrong one."""
@@ -202,7 +203,7 @@ def record(drafter: MedusaDrafter, oracle: dict[tuple[int, ...], list[int]] | No
         for it in out.scheduled:
             if not it.num_draft:
                 continue
-            rounds.append((list(it.all_token_ids[: it.start_pos]), list(it.token_ids[1:]),
+            rounds.append((list(it.all_token_ids[: it.start_pos + 1]), list(it.token_ids[1:]),
                            it.tree.paths[: it.num_draft]))
             if oracle is None:
                 continue
@@ -234,7 +235,7 @@ def test_greedy_tokens_are_the_models_and_nodes_the_heads_ranked_candidates(targ
     assert bm.num_free_blocks == bm.num_blocks
     tree = TokenTree.parse(TREE)
     for tokens, guesses, paths in rounds[:: max(1, len(rounds) // 8)]:
-        ranked = reference_candidates(target, head, tokens, [tree.width(d) for d in range(1, tree.depth + 1)])
+        ranked = reference_candidates(target, head, tokens[:-1], [tree.width(d) for d in range(1, tree.depth + 1)])
         assert guesses == [ranked[len(p) - 1][p[-1]] for p in paths]
 
 
@@ -262,7 +263,7 @@ def test_branches_off_the_first_are_kept_and_moved_into_place(target, head, dtyp
     if dtype == "float64":
         tree = TokenTree.parse(SECOND)
         for tokens, guesses, paths in rounds[:: max(1, len(rounds) // 8)]:
-            ranked = reference_candidates(target, head, tokens, [tree.width(d) for d in range(1, 4)])
+            ranked = reference_candidates(target, head, tokens[:-1], [tree.width(d) for d in range(1, 4)])
             assert guesses == [ranked[len(p) - 1][p[-1]] for p in paths]
 
 
@@ -341,3 +342,91 @@ def test_each_rows_controls_follow_its_branch(target):
     assert not allowed[:, 50].any()
     # (21, 23) ends only row 4's branch: its 40 is banned there alone.
     assert allowed[:, 40].tolist() == [True, True, True, True, False, True, True]
+
+
+# -- EAGLE heads: a drafting step a depth ---------------------------------------------------
+EAGLE_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)]
+RANK_ONE = [(1,), (1, 0), (1, 0, 0)]  # the (1,) (1, 0) (1, 0, 0) branch alone
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eagle_tree")
+    return {"eagle": test_eagle.write_head(root / "eagle1", "eagle", seed=1),
+            "eagle3": test_eagle.write_head(root / "eagle3", "eagle3", seed=3, draft_vocab=96)}
+
+
+def eagle_tree_llm(target: Path, heads: dict[str, Path], method: str, tree=EAGLE_TREE, **options) -> LLM:
+    spec = {"speculative_token_tree": str(tree)} if tree is not None else {"num_speculative_tokens": 3}
+    return LLM(str(target), speculative_method=method, speculative_model=str(heads[method]),
+               **{"dtype": "float64", "num_kv_blocks": 64, "block_size": 8, **spec, **options})
+
+
+def first_rounds(llm: LLM, prompts, params) -> dict[tuple[int, ...], list[int]]:
+    """Each round's guesses by its context (the tokens up to the step's input), and the tokens."""
+    rounds: dict[tuple[int, ...], list[int]] = {}
+    drafter = llm.engine.drafter
+    fill = drafter.fill
+
+    def recorded(out):
+        fill(out)
+        for it in out.scheduled:
+            if it.num_draft:
+                rounds.setdefault(tuple(it.all_token_ids[: it.start_pos + 1]), list(it.token_ids[1:]))
+
+    drafter.fill = recorded  # type: ignore[method-assign]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return rounds, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_an_eagle_heads_tree_ranks_each_nodes_children_after_its_own_branch(target, eagle_heads, method, dtype):
+    """Every node's children are the head's ranked guesses after that node's branch alone: the
+    tree's top-guess branch is what the head drafts as a chain, and its (1,) (1, 0) (1, 0, 0)
+    branch what a tree of that branch alone drafts, round by round where the contexts meet; the
+    tokens are HF's greedy ones (in float32 the head's attention takes the native kernel's
+    branch paths)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tree_rounds, got = first_rounds(eagle_tree_llm(target, eagle_heads, method, dtype=dtype), SHORT, params)
+    chain_rounds, chain = first_rounds(eagle_tree_llm(target, eagle_heads, method, None, dtype=dtype), SHORT, params)
+    alone_rounds, alone = first_rounds(eagle_tree_llm(target, eagle_heads, method, RANK_ONE, dtype=dtype), SHORT,
+                                       params)
+    if dtype == "float64":
+        assert got == chain == alone == hf_greedy(target, SHORT, 16)
+    else:
+        assert got == chain == alone
+    rows = {p: k for k, p in enumerate(TokenTree.parse(EAGLE_TREE).paths)}
+    met = 0
+    for context, nodes in tree_rounds.items():
+        if len(nodes) < len(EAGLE_TREE):
+            continue  # (cut near max_tokens)
+        if context in chain_rounds and len(chain_rounds[context]) == 3:
+            assert [nodes[rows[p]] for p in [(0,), (0, 0), (0, 0, 0)]] == chain_rounds[context]
+            met += 1
+        if context in alone_rounds and len(alone_rounds[context]) == 3:
+            assert [nodes[rows[p]] for p in RANK_ONE] == alone_rounds[context]
+            met += 1
+    assert met >= 2 * len(SHORT)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_heads_kept_branches_off_the_first_feed_it_again(target, eagle_heads, method):
+    """The oracle's second-candidate branch kept every round: the target's moved states feed
+    the head's next round (EAGLE-3's three streams too), and the tokens are decoding's,
+    greedy and seeded."""
+    for params in (SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)):
+        plain = LLM(str(target), dtype="float64", num_kv_blocks=64, block_size=8)
+        want = [o.outputs[0].token_ids for o in plain.generate(SHORT, params, use_tqdm=False)]
+        llm = eagle_tree_llm(target, eagle_heads, method, SECOND)
+        rounds = record(llm.engine.drafter, {tuple(p): w for p, w in zip(SHORT, want, strict=True)})
+        assert [o.outputs[0].token_ids for o in llm.generate(SHORT, params, use_tqdm=False)] == want
+        assert llm.engine.scheduler.num_accepted_tokens >= 3 * (len(rounds) - 2 * len(SHORT)) > 0
+        assert llm.engine.drafter.store.num_missing == 0
+        if params.temperature == 0:
+            # The head's own guesses (before the oracle's) after moved branches are those of a
+            # run that kept no branch off the first and reached each context a token a step.
+            plain_rounds, _ = first_rounds(eagle_tree_llm(target, eagle_heads, method, SECOND), SHORT, params)
+            met = [(plain_rounds[c], g) for context, g, _ in rounds if (c := tuple(context)) in plain_rounds]
+            assert len(met) >= len(rounds) // 2 and all(a == b for a, b in met)

@@ -218,5 +218,8 @@ def test_medusa_token_trees_are_priced_as_their_rows_and_refused_without_ranks()
         build_sim_engine(tree, hw, model, acceptance_rate=0.7)
     with pytest.raises(ConfigError, match="apply to a speculative_token_tree"):
         build_sim_engine(chain, hw, model, acceptance_rate=0.7, rank_acceptance=(0.1,))
+    with pytest.raises(ConfigError, match="an EAGLE head's, a step a depth"):
+        build_sim_engine(EngineConfig.from_kwargs(speculative_method="eagle3", speculative_token_tree=SECOND), hw,
+                         model, acceptance_rate=0.7, rank_acceptance=(0.1,))
     with pytest.raises(ConfigError, match="at most 1 in all"):
         build_sim_engine(tree, hw, model, acceptance_rate=0.7, rank_acceptance=(0.2, 0.2))
