@@ -14,6 +14,7 @@ their times is the speedup. Workloads, chat-templated:
     python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-tokens 2 3 --no-ngram
     python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tokens 1 3 --no-ngram
     python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tree "[(0,), (1,), (0, 0)]" --no-ngram
+    python benchmarks/speculative.py --eagle results/eagle3-smollm2-big --eagle-tree "[(0,), (1,)]" --no-ngram
     python benchmarks/speculative.py --unchained   # beside each, its steps with guesses as modules
 """
 
@@ -94,6 +95,8 @@ def main() -> None:
                          "(speculative_method='medusa'; benchmarks/train_medusa.py makes them for SmolLM2)")
     ap.add_argument("--medusa-tokens", type=int, nargs="+", default=None,
                     help="--medusa: one engine a count of guesses (default: --num-speculative-tokens)")
+    ap.add_argument("--eagle-tree", nargs="+", default=[],
+                    help="--eagle: one engine a token tree (speculative_token_tree), e.g. \"[(0,), (1,), (0, 0)]\"")
     ap.add_argument("--medusa-tree", nargs="+", default=[],
                     help="--medusa: one engine a token tree (speculative_token_tree), e.g. \"[(0,), (1,), (0, 0)]\"")
     ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
@@ -124,6 +127,10 @@ def main() -> None:
         for k in args.eagle_tokens or [args.num_speculative_tokens]:
             add(f"EAGLE-3, {k} guesses", speculative_method="eagle3", speculative_model=args.eagle,
                 num_speculative_tokens=k)
+        for tree in args.eagle_tree:
+            shape = TokenTree.parse(tree)
+            add(f"EAGLE-3, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_method="eagle3",
+                speculative_model=args.eagle, speculative_token_tree=tree)
     if args.medusa is not None:
         for k in args.medusa_tokens or [args.num_speculative_tokens]:
             add(f"Medusa, {k} guesses", speculative_method="medusa", speculative_model=args.medusa,
