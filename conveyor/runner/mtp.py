@@ -117,8 +117,9 @@ class MTPRunner:
         self.kv_cache = torch.zeros((2, slots, *layer.arch.kv_cache_shape), dtype=kv_dtype or dtype, device=device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, previous: dict[int, torch.Tensor]) -> _DraftOutput:
-        """`previous[seq_id]`: the hidden state each of the item's rows reads, `[rows, hidden]`."""
+    def execute(self, out: SchedulerOutput, previous: dict[int, torch.Tensor], guess: bool = True) -> _DraftOutput:
+        """`previous[seq_id]`: the hidden state each of the item's rows reads, `[rows, hidden]`.
+        Without `guess`, no logits: only the last rows' outputs (a token tree ranks them)."""
         start = time.perf_counter()
         items = sorted(out.scheduled, key=lambda s: len(s.token_ids) > 1)  # decodes first
         num_new = [len(it.token_ids) for it in items]
@@ -129,7 +130,7 @@ class MTPRunner:
         h = self.layer(ids, hidden, meta.positions, self.kv_cache, meta)
         last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
         rows = h[last]
-        tokens = self.layer.guess(rows).tolist()
+        tokens = self.layer.guess(rows).tolist() if guess else [0] * len(items)
         return _DraftOutput(
             sampled={it.seq_id: tok for it, tok in zip(items, tokens, strict=True)},
             hidden={it.seq_id: rows[i : i + 1] for i, it in enumerate(items)},
@@ -191,7 +192,11 @@ class MTPDrafter(Drafter):
         self.forget(scheduler_output.preempted_seq_ids)
         batch = [self._first(it) for it in drafting]
         self.num_fed_tokens += sum(len(d.token_ids) for d in batch)
-        out = self._run(scheduler_output.step_id, batch)
+        self._ranking = True
+        try:
+            out = self._run(scheduler_output.step_id, batch)
+        finally:
+            self._ranking = False
         self.last_duration_s = out.duration_s
         start = time.perf_counter()
         head = self.mtp.layer
@@ -235,9 +240,11 @@ class MTPDrafter(Drafter):
                 rows = self.store.rows(d.seq_id, d.start_pos, end, self.width)
                 previous[d.seq_id] = self.mtp.layer.combine(rows.to(self.mtp.device, self.mtp.dtype))
                 self.store.trim(d.seq_id, d.start_pos + len(d.token_ids))
-        out = self.mtp.execute(SchedulerOutput(step_id, batch), previous)
+        out = self.mtp.execute(SchedulerOutput(step_id, batch), previous, guess=not self._ranking)
         self._own.update(out.hidden)
         return out
+
+    _ranking = False  # (a token tree's first step: its outputs are ranked, not guessed from)
 
     def _first(self, it: ScheduledSequence) -> ScheduledSequence:
         """Rows for the known positions the layer lacks, up to the one before the step's input:
