@@ -16,21 +16,10 @@ mean).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from conveyor import LLM, SamplingParams
-
-
-def _speculative():
-    path = Path(__file__).with_name("speculative.py")
-    spec = importlib.util.spec_from_file_location("speculative_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @torch.inference_mode()
@@ -65,7 +54,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", nargs="+", default=["echo", "open"])
     args = ap.parse_args()
-    bench = _speculative()
+    import speculative as bench  # (benchmarks/speculative.py: a sibling on the script's path)
     llm = LLM(None, speculative_method="medusa", speculative_model=args.medusa, num_speculative_tokens=1,
               kv_cache_memory=512 << 20)
     w = args.width

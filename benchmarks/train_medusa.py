@@ -24,7 +24,6 @@ toy scale: the model frozen, the heads trained on its own outputs):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
@@ -39,13 +38,11 @@ from conveyor import LLM
 
 
 def _train_eagle():
-    """benchmarks/train_eagle.py (its instructions and the model's answers to them)."""
-    path = Path(__file__).with_name("train_eagle.py")
-    spec = importlib.util.spec_from_file_location("train_eagle", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/train_eagle.py (its instructions and the model's answers to them), imported as a
+    sibling: benchmarks/ is on the path of a script run from it."""
+    import train_eagle
+
+    return train_eagle
 
 
 @torch.inference_mode()

@@ -387,22 +387,19 @@ def path_decodes(
     positions `[0, positions[r] + 1 - len(paths[r]))` through its table, then to `paths[r]` (in
     the table's order; a token tree's branch, its own write position last). A tree's rows in the
     target's step (`chain_decodes`) or in an EAGLE head's drafting steps."""
+    meta = _decode_metadata(block_tables, positions, block_size, device, None, dtype)
+    meta.chained = True
     bs = block_size
-    slots = [t[w // bs] * bs + w % bs for t, w in zip(block_tables, write_positions, strict=True)]
+    if write_positions != positions:  # (a branch's positions are its rows' write positions)
+        meta.slot_mapping = to_device(host_longs(
+            [t[w // bs] * bs + w % bs for t, w in zip(block_tables, write_positions, strict=True)]), device)
+        meta.decode_blocks = to_device(host_table(block_tables, (max(max(write_positions), *positions) + bs) // bs, 0),
+                                       device)
     width = max(len(p) for p in paths)
-    nb = (max(max(write_positions), *(p[-1] for p in paths if p), *positions) + bs) // bs
-    return AttentionMetadata(
-        block_size=bs,
-        positions=to_device(host_longs(positions), device),
-        slot_mapping=to_device(host_longs(slots), device),
-        num_decodes=len(positions),
-        decode_blocks=to_device(host_table(block_tables, nb, 0), device),
-        decode_context_lens=to_device(host_longs([p + 1 for p in positions]), device),
-        mask_dtype=dtype,
-        chained=True,
-        decode_paths=to_device(host_table(paths, width, 0), device) if width else None,
-        decode_path_lens=to_device(host_longs([len(p) for p in paths]), device) if width else None,
-    )
+    if width:
+        meta.decode_paths = to_device(host_table(paths, width, 0), device)
+        meta.decode_path_lens = to_device(host_longs([len(p) for p in paths]), device)
+    return meta
 
 
 class AttentionBackend(ABC):

@@ -30,7 +30,7 @@ from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.runner.base import Runner
 from conveyor.sampling_params import SamplingParams
 
-_GREEDY = SamplingParams(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ class Drafter:
                 if len(mine) < want[d.seq_id]:
                     following.append(
                         ScheduledSequence(d.seq_id, [token], d.context_len, d.block_table, True,
-                                          _GREEDY, d.all_token_ids, d.prompt_len)
+                                          GREEDY, d.all_token_ids, d.prompt_len)
                     )
             batch = following
         for it in drafting:
@@ -118,4 +118,4 @@ class Drafter:
                 valid += 1
         valid = min(valid, num_known - 1)
         return ScheduledSequence(it.seq_id, known[valid:num_known], valid, it.block_table, True,
-                                 _GREEDY, known, it.prompt_len)
+                                 GREEDY, known, it.prompt_len)

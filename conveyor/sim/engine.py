@@ -35,7 +35,7 @@ from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
-from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from conveyor.core.speculative import TokenTree
 from conveyor.engine import (
     CPU_DEFAULT_KV_BYTES,
@@ -45,6 +45,7 @@ from conveyor.engine import (
     plan_cache,
 )
 from conveyor.runner.base import RunnerOutput
+from conveyor.runner.drafter import GREEDY, Drafter
 from conveyor.sim.cost import CostModel, CostParams, RooflineCostModel, StepShape
 from conveyor.sim.hardware import Hardware
 from conveyor.sim.models import ModelShape
@@ -288,6 +289,37 @@ def medusa_params(config: EngineConfig, model: ModelShape) -> int:
     return heads * (h * h + h + model.vocab_size * h)
 
 
+class TreeSimDrafter(Drafter):
+    """An EAGLE head drafting token trees in the simulator, as `MTPDrafter` runs them: the round's
+    first step as a chain's (the rows the head lacks, the root's last), then one step a depth
+    with a row for each node that has children; every guess is the runner's token (the rank
+    rates decide what is kept)."""
+
+    def fill(self, scheduler_output: SchedulerOutput) -> None:
+        drafting = [it for it in scheduler_output.scheduled if it.num_draft]
+        if not any(it.tree is not None for it in drafting):
+            return super().fill(scheduler_output)
+        self.forget(scheduler_output.finished_seq_ids)
+        self.forget(scheduler_output.preempted_seq_ids)
+        self.last_duration_s = 0.0
+        batch = [self._first(it) for it in drafting]
+        token = getattr(self.runner, "token_id", 1)
+        depth = 0
+        while batch:
+            self.num_fed_tokens += sum(len(d.token_ids) for d in batch)
+            self.last_duration_s += self.runner.execute(SchedulerOutput(scheduler_output.step_id, batch)).duration_s
+            depth += 1
+            batch = [ScheduledSequence(it.seq_id, [token], it.start_pos + depth, it.block_table, True, GREEDY,
+                                       it.all_token_ids, it.prompt_len)
+                     for it in drafting for k in range(1, it.num_draft + 1)
+                     if it.tree is not None and it.tree.depths[k] == depth
+                     and any(c <= it.num_draft for c in it.tree.children[k])]
+        for it in drafting:
+            it.token_ids[1:] = [token] * it.num_draft
+            self._fed[it.seq_id] = self._after(it, [token])  # (what the head holds: the known tokens)
+        return None
+
+
 class MedusaSimDrafter:
     """Medusa heads in the simulator: a round is one pass over every head's weights for the
     drafting rows, priced as an LM head of `medusa_params / hidden` rows (the blocks' and the
@@ -411,9 +443,6 @@ def build_sim_engine(
     tree = config.scheduler.speculative_token_tree
     if rank_acceptance and tree is None:
         raise ConfigError("spec rank acceptance: the rates of lower-ranked candidates apply to a speculative_token_tree")
-    if tree is not None and config.scheduler.speculative_method != "medusa":
-        raise ConfigError("speculative_token_tree: the simulator prices Medusa's trees (one pass over the heads); "
-                          "an EAGLE head's, a step a depth over the nodes with children, is not modelled (not built)")
     if tree is not None and not rank_acceptance:
         raise ConfigError("speculative_token_tree: the simulator needs how often the drafter's lower-ranked candidates "
                           "are right: --spec-rank-acceptance (one rate per rank after the first)")
@@ -478,15 +507,13 @@ def build_sim_engine(
     engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed, rank_acceptance), None, max_len, model.vocab_size,
                   clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
     if draft is not None:
-        from conveyor.runner.drafter import Drafter
-
         # (the MTP layer is in the checkpoint's format, FP8 too; a draft model at its own dtype)
         mtp = config.scheduler.speculative_method == "mtp"
         draft_runner = SimRunner(RooflineCostModel(hardware, draft, params, b, config.cache.block_size, tp,
                                                    fp8=fp8 and mtp), token)
         if config.scheduler.speculative_method == "draft_model":  # (a head is no model: no native call)
             draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
-        engine.drafter = Drafter(draft_runner)
+        engine.drafter = (TreeSimDrafter if config.scheduler.speculative_token_tree is not None else Drafter)(draft_runner)
     if config.scheduler.speculative_method == "medusa":
         heads = dataclasses.replace(model, name=f"{model.name}-medusa",
                                     vocab_size=medusa_params(config, model) // model.hidden_size)

@@ -3,25 +3,16 @@ only, so its arithmetic is checked here on traces whose answers are known."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-BENCH = Path(__file__).parents[2] / "benchmarks"
+from tests.bench import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_profile():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("gpu_profile", BENCH / "gpu_profile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_profile")
 
 
 def kernel(name, ts, dur, grid=(1, 1, 1), cat="kernel"):

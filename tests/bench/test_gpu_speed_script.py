@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench import load_script
+
 
 def test_gpu_speed_smoke(tmp_path):
     script = Path(__file__).parents[2] / "benchmarks" / "gpu_speed.py"
@@ -40,11 +42,6 @@ def test_gpu_speed_smoke(tmp_path):
 
 
 def test_a_failing_variant_costs_only_its_own_row():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_speed", Path(__file__).parents[2] / "benchmarks" / "gpu_speed.py")
-    assert spec is not None and spec.loader is not None
-    gpu_speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_speed)
+    gpu_speed = load_script("gpu_speed")
     assert gpu_speed.guarded("ok", "cpu", lambda: {"ms": 1.0}) == {"ms": 1.0}
     assert gpu_speed.guarded("bad", "cpu", lambda: {"ms": 1 / 0}) == {"error": "ZeroDivisionError: division by zero"}

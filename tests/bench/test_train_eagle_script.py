@@ -5,14 +5,13 @@ every round (so training teaches the head what it will be asked when it drafts).
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from tests.bench import load_script
 from tests.conftest import build_tiny_model
 
 LAYERS = 4
@@ -20,12 +19,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def train_eagle():
-    path = Path(__file__).parents[2] / "benchmarks" / "train_eagle.py"
-    spec = importlib.util.spec_from_file_location("train_eagle", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_eagle")
 
 
 def test_the_trained_head_guesses_in_the_engine_what_it_learned(train_eagle, tmp_path):

@@ -5,25 +5,19 @@ targets are the tokens two, three, ... places after each answer position."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from tests.bench import load_script
 from tests.conftest import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def train_medusa():
-    path = Path(__file__).parents[2] / "benchmarks" / "train_medusa.py"
-    spec = importlib.util.spec_from_file_location("train_medusa", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_medusa")
 
 
 def test_targets_are_the_tokens_ahead_of_each_answer_position(train_medusa):

@@ -218,8 +218,40 @@ def test_medusa_token_trees_are_priced_as_their_rows_and_refused_without_ranks()
         build_sim_engine(tree, hw, model, acceptance_rate=0.7)
     with pytest.raises(ConfigError, match="apply to a speculative_token_tree"):
         build_sim_engine(chain, hw, model, acceptance_rate=0.7, rank_acceptance=(0.1,))
-    with pytest.raises(ConfigError, match="an EAGLE head's, a step a depth"):
-        build_sim_engine(EngineConfig.from_kwargs(speculative_method="eagle3", speculative_token_tree=SECOND), hw,
-                         model, acceptance_rate=0.7, rank_acceptance=(0.1,))
     with pytest.raises(ConfigError, match="at most 1 in all"):
         build_sim_engine(tree, hw, model, acceptance_rate=0.7, rank_acceptance=(0.2, 0.2))
+
+
+def test_an_eagle_heads_token_tree_is_priced_a_step_a_depth():
+    """An EAGLE head's tree in the simulator: the round's first step, then one head step a depth
+    with a row for each node that has children (for the second candidate's branch: 1, then 1,
+    then none, so 3 steps a round as a chain of 3 takes, with one row each); the rates walk it
+    as Medusa's; at one request a tree whose lower ranks are right sometimes beats the chain."""
+    from conveyor.sim.engine import TreeSimDrafter
+
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+    tree = EngineConfig.from_kwargs(speculative_method="eagle3", speculative_token_tree=SECOND)
+    engine = build_sim_engine(tree, hw, model, acceptance_rate=0.0, rank_acceptance=(1.0,))
+    assert isinstance(engine.drafter, TreeSimDrafter)
+    steps = []
+    execute = engine.drafter.runner.execute
+
+    def counted(out):
+        steps.append([len(it.token_ids) for it in out.scheduled])
+        return execute(out)
+
+    engine.drafter.runner.execute = counted
+    replay(engine, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=41, ignore_eos=True))])
+    sched = engine.scheduler
+    assert sched.num_draft_tokens == 6 * 10 and sched.num_accepted_tokens == 3 * 10
+    assert len(steps) == 3 * 10 and all(s == [1] for s in steps[1::3]) and all(s == [1] for s in steps[2::3])
+
+    def one_request(config: EngineConfig, **rates) -> float:
+        eng = build_sim_engine(config, hw, model, seed=3, **rates)
+        replay(eng, [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=256, ignore_eos=True))])
+        return eng.clock()
+
+    wide = EngineConfig.from_kwargs(speculative_method="eagle3", speculative_token_tree=(
+        "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"))
+    chain = EngineConfig.from_kwargs(speculative_method="eagle3", num_speculative_tokens=3)
+    assert one_request(wide, acceptance_rate=0.6, rank_acceptance=(0.15, 0.05)) < one_request(chain, acceptance_rate=0.6)
