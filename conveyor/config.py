@@ -418,6 +418,16 @@ class SchedulerConfig:
             "0: always up to num_speculative_tokens."
         ),
     )
+    speculative_draft_budget: int | None = field(
+        default=None,
+        metadata=_help(
+            "Speculative decoding: most draft tokens (guesses, or a token tree's nodes) a step "
+            "verifies, shared evenly among its running sequences: each drafts at most "
+            "budget // running (a chain its first guesses, a tree its first nodes breadth first), "
+            "so drafts narrow as the batch grows, where each row costs compute a small batch "
+            "has to spare. None: each drafts all it may."
+        ),
+    )
     speculative_disable_by_batch_size: int | None = field(
         default=None,
         metadata=_help(
@@ -524,7 +534,8 @@ class SchedulerConfig:
 
     def _check_speculative(self) -> None:
         knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "speculative_draft_cost", "speculative_disable_by_batch_size", "speculative_token_tree")
+                 "speculative_draft_cost", "speculative_disable_by_batch_size", "speculative_token_tree",
+                 "speculative_draft_budget")
         if self.speculative_method is None:
             if any(self._differs(k) for k in knobs):
                 raise ConfigError(f"{', '.join(knobs)} apply only with a speculative_method")
@@ -565,6 +576,8 @@ class SchedulerConfig:
             )
         if not 0 <= self.speculative_draft_cost < 1:
             raise ConfigError(f"speculative_draft_cost={self.speculative_draft_cost} must be in [0, 1)")
+        if self.speculative_draft_budget is not None and self.speculative_draft_budget < 1:
+            raise ConfigError(f"speculative_draft_budget={self.speculative_draft_budget} must be at least 1")
         if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
             raise ConfigError(
                 f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size} must be at least 1"

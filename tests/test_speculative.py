@@ -62,8 +62,10 @@ def plain(model_dir):
         {"num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
         {"speculative_disable_by_batch_size": 4},
         {"speculative_draft_cost": 0.3},
+        {"speculative_draft_budget": 12},
     ],
-    ids=["default", "chunked-16", "mixed", "preempt", "swap", "one-draft", "eight-drafts", "by-batch-size", "adaptive"],
+    ids=["default", "chunked-16", "mixed", "preempt", "swap", "one-draft", "eight-drafts", "by-batch-size", "adaptive",
+         "draft-budget"],
 )
 def test_greedy_tokens_equal_decoding_one_at_a_time(model_dir, plain, options):
     prompts, params, want = plain

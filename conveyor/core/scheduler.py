@@ -376,6 +376,8 @@ class Scheduler:
         drafting = self.proposer is not None and (
             (limit := self.config.speculative_disable_by_batch_size) is None or len(self.running) < limit
         )
+        # `speculative_draft_budget`: each running sequence's even share of a step's drafts.
+        share = None if (cap := self.config.speculative_draft_budget) is None else cap // max(1, len(self.running))
         while queue:
             seq = queue.popleft()
             in_prefill = len(seq.token_ids) - seq.num_computed_tokens > 1
@@ -388,7 +390,9 @@ class Scheduler:
             if num_new <= 0:
                 kept.append(seq)
                 continue
-            if drafting and not in_prefill and budget > 1 and (drafts := self._drafts(seq, budget - 1)):
+            if drafting and not in_prefill and budget > 1 and (
+                drafts := self._drafts(seq, budget - 1 if share is None else min(budget - 1, share))
+            ):
                 kept.append(seq)
                 self._emit_drafts(out, seq, drafts)
                 budget -= 1 + len(drafts)

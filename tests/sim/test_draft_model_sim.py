@@ -255,3 +255,30 @@ def test_an_eagle_heads_token_tree_is_priced_a_step_a_depth():
         "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"))
     chain = EngineConfig.from_kwargs(speculative_method="eagle3", num_speculative_tokens=3)
     assert one_request(wide, acceptance_rate=0.6, rank_acceptance=(0.15, 0.05)) < one_request(chain, acceptance_rate=0.6)
+
+
+def test_a_draft_budget_shares_a_steps_drafts_among_its_sequences():
+    """`speculative_draft_budget`: a step's drafts never exceed the budget, each sequence's its
+    even share of it (a tree's first nodes, a chain's first guesses), so drafts narrow as the
+    batch grows: a tree of 9 nodes drafts whole at 2 sequences, 2 nodes each at 16 (and more as
+    they finish)."""
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+    tree = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"
+    for method, options in (("medusa", {"speculative_token_tree": tree}), ("ngram", {"num_speculative_tokens": 4})):
+        config = EngineConfig.from_kwargs(speculative_method=method, speculative_draft_budget=32, **options)
+        rates = {"rank_acceptance": (0.1,)} if method == "medusa" else {}
+        for concurrency, widest in ((2, 9 if method == "medusa" else 4), (16, 2)):
+            engine = build_sim_engine(config, hw, model, acceptance_rate=0.5, **rates)
+            seen: list[tuple[int, list[int]]] = []
+            schedule = engine.scheduler.schedule
+
+            def recorded(*args, schedule=schedule, engine=engine, seen=seen, **kwargs):
+                out = schedule(*args, **kwargs)
+                seen.append((len(engine.scheduler.running), [it.num_draft for it in out.scheduled]))
+                return out
+
+            engine.scheduler.schedule = recorded
+            replay(engine, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=48, ignore_eos=True))
+                            for _ in range(concurrency)])
+            assert all(sum(d) <= 32 and max(d, default=0) <= 32 // max(1, running) for running, d in seen)
+            assert max(max(d, default=0) for running, d in seen if running == concurrency) == widest
