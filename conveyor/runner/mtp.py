@@ -201,26 +201,27 @@ class MTPDrafter(Drafter):
         start = time.perf_counter()
         head = self.mtp.layer
         assert isinstance(head, EagleHead), "token trees: an EAGLE head's"
+        trees = {it.seq_id: it.tree for it in drafting if it.tree is not None}  # (every one: the engine's)
         # Per sequence, the head's output after each expanded row (row 0: the root).
         outputs = {it.seq_id: {0: out.hidden[it.seq_id]} for it in drafting}
         depth = 0
         while True:
-            parents = [(it, k) for it in drafting for k in outputs[it.seq_id] if it.tree.depths[k] == depth]  # type: ignore[union-attr]
-            kids = [[c for c in it.tree.children[k] if c <= it.num_draft] for it, k in parents]  # type: ignore[union-attr]
-            width = max((1 + max(it.tree.paths[c - 1][-1] for c in cs)  # type: ignore[union-attr]
+            parents = [(it, k) for it in drafting for k in outputs[it.seq_id] if trees[it.seq_id].depths[k] == depth]
+            kids = [[c for c in trees[it.seq_id].children[k] if c <= it.num_draft] for it, k in parents]
+            width = max((1 + max(trees[it.seq_id].paths[c - 1][-1] for c in cs)
                          for (it, _), cs in zip(parents, kids, strict=True) if cs), default=0)
             if not width:
                 break
             ranked = head.ranked(torch.cat([outputs[it.seq_id][k] for it, k in parents]), width).tolist()
             for (it, _), cs, mine in zip(parents, kids, ranked, strict=True):
                 for c in cs:
-                    it.token_ids[c] = mine[it.tree.paths[c - 1][-1]]  # type: ignore[union-attr]
+                    it.token_ids[c] = mine[trees[it.seq_id].paths[c - 1][-1]]
             depth += 1
             nodes = [(it, c) for (it, _), cs in zip(parents, kids, strict=True) for c in cs
-                     if any(g <= it.num_draft for g in it.tree.children[c])]  # type: ignore[union-attr]
+                     if any(g <= it.num_draft for g in trees[it.seq_id].children[c])]
             if not nodes:
                 break
-            previous = torch.cat([outputs[it.seq_id][it.tree.parents[c]] for it, c in nodes])  # type: ignore[union-attr]
+            previous = torch.cat([outputs[it.seq_id][trees[it.seq_id].parents[c]] for it, c in nodes])
             rows = self.mtp.execute_nodes(nodes, previous)
             self.num_fed_tokens += len(nodes)
             for i, (it, c) in enumerate(nodes):
