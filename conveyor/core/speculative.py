@@ -17,7 +17,13 @@ but the verification. `draft_model` is a smaller model's greedy guesses (vLLM's
 "draft_model"): its proposals are `deferred`, placeholders the engine's drafter
 (`runner/drafter.py`) fills once the step's blocks are allocated, by running the draft model
 over every drafting sequence of the step at once. A greedy draft is a fixed guess given its
-context, so the same rule verifies it. No torch here.
+context, so the same rule verifies it.
+
+With `speculative_token_tree` the drafts branch (`TokenTree`): each node is one of the drafter's
+ranked candidates after its parent, every node is verified in the step under its branch's mask,
+and the runner keeps the branch whose every guess equals the token sampled at its parent (with
+fixed guesses, SpecInfer's multi-candidate rule: the same outputs as without drafts). No torch
+here.
 """
 
 from __future__ import annotations
