@@ -95,6 +95,8 @@ def main() -> None:
                          "(speculative_method='medusa'; benchmarks/train_medusa.py makes them for SmolLM2)")
     ap.add_argument("--medusa-tokens", type=int, nargs="+", default=None,
                     help="--medusa: one engine a count of guesses (default: --num-speculative-tokens)")
+    ap.add_argument("--ngram-tree", nargs="+", default=[],
+                    help="one n-gram engine a token tree (speculative_token_tree) over the latest matches")
     ap.add_argument("--eagle-tree", nargs="+", default=[],
                     help="--eagle: one engine a token tree (speculative_token_tree), e.g. \"[(0,), (1,), (0, 0)]\"")
     ap.add_argument("--medusa-tree", nargs="+", default=[],
@@ -118,6 +120,10 @@ def main() -> None:
 
     if not args.no_ngram:
         add("ngram drafts", speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
+    for tree in args.ngram_tree:
+        shape = TokenTree.parse(tree)
+        add(f"ngram, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_method="ngram",
+            speculative_token_tree=tree)
     if args.draft_model is not None:
         draft = base.engine.model_path if args.draft_model == "self" else args.draft_model  # type: ignore[attr-defined]
         add(f"draft model{', int8' if args.draft_quantization else ''}", speculative_method="draft_model",

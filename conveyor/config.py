@@ -395,7 +395,7 @@ class SchedulerConfig:
     speculative_token_tree: str | None = field(
         default=None,
         metadata=_help(
-            "Speculative decoding with medusa, eagle or eagle3: drafts as a tree of candidates (vLLM's "
+            "Speculative decoding with medusa, eagle, eagle3 or ngram: drafts as a tree of candidates (vLLM's "
             "speculative_token_tree, Medusa's choices), e.g. \"[(0,), (1,), (0, 0), (1, 0)]\": each "
             "node the path of candidate ranks from the last token ((1, 0): the top guess after the "
             "second guess for the next token). One step verifies every node, each attending to "

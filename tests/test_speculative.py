@@ -63,9 +63,11 @@ def plain(model_dir):
         {"speculative_disable_by_batch_size": 4},
         {"speculative_draft_cost": 0.3},
         {"speculative_draft_budget": 12},
+        {"speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)]", "prompt_lookup_min": 1},
+        {"speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0)]", "num_kv_blocks": 14, "block_size": 8},
     ],
     ids=["default", "chunked-16", "mixed", "preempt", "swap", "one-draft", "eight-drafts", "by-batch-size", "adaptive",
-         "draft-budget"],
+         "draft-budget", "tree", "tree-preempt"],
 )
 def test_greedy_tokens_equal_decoding_one_at_a_time(model_dir, plain, options):
     prompts, params, want = plain

@@ -27,7 +27,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
-from conveyor.core.speculative import TokenTree, make_proposer
+from conveyor.core.speculative import NgramProposer, TokenTree, make_proposer
 from conveyor.lora import LoRARequest
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
@@ -154,6 +154,8 @@ class Scheduler:
         # Drafts that branch (`speculative_token_tree`); a tree of top guesses only is a chain.
         tree = None if config.speculative_token_tree is None else TokenTree.parse(config.speculative_token_tree)
         self.token_tree = None if tree is None or tree.is_chain else tree
+        if isinstance(self.proposer, NgramProposer):  # (it branches its proposals itself)
+            self.proposer.tree = self.token_tree
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those accepted
         self.num_accepted_tokens = 0
         # Adaptive drafting (`speculative_draft_cost`): per sequence, [drafts accepted, drafts

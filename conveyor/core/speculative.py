@@ -44,7 +44,7 @@ _PROPOSERS: Registry[Proposer] = Registry("speculative method")
 # The methods whose drafts may branch (`speculative_token_tree`): each node is one of the
 # drafter's ranked candidates after its parent (Medusa's heads rank every depth in one pass; an
 # EAGLE head runs a step a depth over the nodes that have children).
-TREE_METHODS = ("medusa", "eagle", "eagle3")
+TREE_METHODS = ("medusa", "eagle", "eagle3", "ngram")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +173,16 @@ class NgramProposer(Proposer):
     the occurrence run out (`a b a b` proposes `a b a b ...`, not just `a b`).
 
     The search is `bytearray.rfind` over each sequence's token ids as 4-byte integers, kept
-    and grown in place from step to step: C speed, no per-step copy of a long context."""
+    and grown in place from step to step: C speed, no per-step copy of a long context.
+
+    With a token tree (`tree`, set by the scheduler), the proposal branches over the latest
+    `MAX_MATCHES` occurrences of that suffix: each continues as above, and a node's candidates
+    are the tokens the continuations that reach its parent hold at its depth, the most frequent
+    first, then the latest (a trie of the matches, as SGLang's n-gram drafts; a node the matches
+    do not reach takes the latest match's token at its depth)."""
+
+    MAX_MATCHES = 8
+    tree: TokenTree | None = None
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
@@ -195,11 +204,38 @@ class NgramProposer(Proposer):
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
             needle = hay[4 * (n_tokens - n) :]
             end = limit
+            starts: list[int] = []  # the occurrences' continuations, latest first
             while (at := hay.rfind(needle, 0, end)) >= 0:
                 if at % 4 == 0:  # aligned on a token, not straddling two
-                    return self._follow(tokens, at // 4 + n, n_tokens, max_tokens)
+                    if self.tree is None:
+                        return self._follow(tokens, at // 4 + n, n_tokens, max_tokens)
+                    starts.append(at // 4 + n)
+                    if len(starts) == self.MAX_MATCHES:
+                        break
                 end = at + len(needle) - 1
+            if starts:
+                assert self.tree is not None
+                depth = self.tree.depths[max_tokens]
+                return self._branches([self._follow(tokens, s, n_tokens, depth) for s in starts], max_tokens)
         return []
+
+    def _branches(self, matches: list[list[int]], count: int) -> list[int]:
+        """The first `count` nodes of the tree over `matches` (continuations, latest first)."""
+        assert self.tree is not None
+        tree = self.tree
+        reach: dict[int, list[list[int]]] = {0: matches}  # row -> the matches down its branch
+        out: list[int] = []
+        for k in range(1, count + 1):
+            d, rank = tree.depths[k], tree.paths[k - 1][-1]
+            here = reach.get(tree.parents[k], [])
+            seen: dict[int, int] = {}  # token -> matches holding it, in first-seen order
+            for m in here:
+                seen[m[d - 1]] = seen.get(m[d - 1], 0) + 1
+            ranked = sorted(seen, key=lambda t: -seen[t])  # (stable: ties keep the latest first)
+            token = ranked[rank] if rank < len(ranked) else matches[0][d - 1]
+            reach[k] = [m for m in here if m[d - 1] == token] if rank < len(ranked) else []
+            out.append(token)
+        return out
 
     @staticmethod
     def _follow(tokens: list[int], start: int, n_tokens: int, max_tokens: int) -> list[int]:

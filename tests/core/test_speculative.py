@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conveyor.config import ConfigError, EngineConfig, SchedulerConfig
-from conveyor.core.speculative import NgramProposer, Proposer, register_proposer
+from conveyor.core.speculative import NgramProposer, Proposer, TokenTree, register_proposer
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import Sequence
 from tests.core.helpers import VOCAB, Driver, next_token
@@ -72,6 +72,69 @@ def test_ngram_examples() -> None:
     # The longest match wins over a later shorter one.
     assert p.propose(seq_of([7, 1, 2, 9, 3, 1, 2, 8, 7, 1, 2], 3), 1) == [9]
     assert ngram(2, 2).propose(seq_of([7, 1, 2, 9, 3, 1, 2, 8, 7, 1, 2], 4), 1) == [8]
+
+
+def brute_force_tree(tokens: list[int], min_n: int, max_n: int, tree: TokenTree, count: int) -> list[int]:
+    """The tree's specification: the latest 8 occurrences of the longest suffix seen before, each
+    continued as `brute_force` continues one; node k's candidates are the tokens, at its depth,
+    of the continuations whose earlier tokens are its branch's, by how many hold each (then the
+    latest first); a rank past them takes the latest continuation's token."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n :]
+        starts = [s + n for s in range(L - n - 1, -1, -1) if tokens[s : s + n] == suffix][:8]
+        if not starts:
+            continue
+        depth = tree.depths[count]
+        conts = []
+        for start in starts:
+            ext, period = list(tokens), L - start
+            for _ in range(depth):
+                ext.append(ext[len(ext) - period])
+            conts.append(ext[L:])
+        out: list[int] = []
+        for k in range(1, count + 1):
+            branch = [out[r - 1] for r in tree.branch(k)[:-1]]  # the tokens before this node on its branch
+            path = tree.paths[k - 1]
+            # (a branch through a node the matches did not reach reaches no match)
+            valid = all(len({c[i] for c in conts if c[:i] == branch[:i]}) > p for i, p in enumerate(path[:-1]))
+            here = [c for c in conts if c[: len(branch)] == branch] if valid else []
+            firsts: list[int] = []
+            for c in here:
+                if c[len(branch)] not in firsts:
+                    firsts.append(c[len(branch)])
+            ranked = sorted(firsts, key=lambda t: -sum(c[len(branch)] == t for c in here))
+            out.append(ranked[path[-1]] if path[-1] < len(ranked) else conts[0][len(path) - 1])
+        return out
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    min_n=st.integers(1, 2),
+    paths=st.sampled_from([
+        [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)],
+        [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (1, 1, 0)],
+        [(1,), (1, 0), (1, 0, 0)],
+    ]),
+    count=st.integers(1, 8),
+)
+def test_ngram_trees_rank_the_latest_matches_continuations(tokens, min_n, paths, count) -> None:
+    tree = TokenTree.parse(paths)
+    count = min(count, tree.num_nodes)
+    proposer = ngram(min_n, min_n + 2)
+    proposer.tree = tree
+    assert proposer.propose(seq_of(tokens), count) == brute_force_tree(tokens, min_n, min_n + 2, tree, count)
+
+
+def test_ngram_tree_examples() -> None:
+    p = ngram(2, 2)
+    p.tree = TokenTree.parse([(0,), (1,), (2,), (0, 0), (1, 0)])
+    # "1 2" was followed by 7 twice and by 8 once (the latest first among equals): 7, 8, then
+    # nothing for rank 2 (the latest match's 8); after 7, what followed "1 2 7": 5, then 9.
+    tokens = [1, 2, 7, 9, 1, 2, 8, 6, 1, 2, 7, 5, 1, 2]
+    assert p.propose(seq_of(tokens), 5) == [7, 8, 7, 5, 6]
 
 
 # -- a proposer that is right as often as the test wants ------------------------------------
