@@ -102,7 +102,7 @@ def test_the_option_is_checked_and_sets_the_node_count():
     with pytest.raises(ConfigError, match="node count"):
         SchedulerConfig(speculative_method="medusa", speculative_token_tree=TREE, num_speculative_tokens=3)
     with pytest.raises(ConfigError, match="drafts branch only with"):
-        SchedulerConfig(speculative_method="ngram", speculative_token_tree=TREE)
+        SchedulerConfig(speculative_method="draft_model", speculative_token_tree=TREE)
     with pytest.raises(ConfigError, match="no parent"):
         SchedulerConfig(speculative_method="medusa", speculative_token_tree="[(0,), (0, 1, 0)]")
     with pytest.raises(ConfigError, match="apply only with a speculative_method"):
