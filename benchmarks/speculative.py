@@ -120,10 +120,12 @@ def main() -> None:
 
     if not args.no_ngram:
         add("ngram drafts", speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
-    for tree in args.ngram_tree:
-        shape = TokenTree.parse(tree)
-        add(f"ngram, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_method="ngram",
-            speculative_token_tree=tree)
+    def add_trees(label: str, trees: list[str], **options) -> None:
+        for tree in trees:
+            shape = TokenTree.parse(tree)
+            add(f"{label}, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_token_tree=tree, **options)
+
+    add_trees("ngram", args.ngram_tree, speculative_method="ngram")
     if args.draft_model is not None:
         draft = base.engine.model_path if args.draft_model == "self" else args.draft_model  # type: ignore[attr-defined]
         add(f"draft model{', int8' if args.draft_quantization else ''}", speculative_method="draft_model",
@@ -133,18 +135,12 @@ def main() -> None:
         for k in args.eagle_tokens or [args.num_speculative_tokens]:
             add(f"EAGLE-3, {k} guesses", speculative_method="eagle3", speculative_model=args.eagle,
                 num_speculative_tokens=k)
-        for tree in args.eagle_tree:
-            shape = TokenTree.parse(tree)
-            add(f"EAGLE-3, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_method="eagle3",
-                speculative_model=args.eagle, speculative_token_tree=tree)
+        add_trees("EAGLE-3", args.eagle_tree, speculative_method="eagle3", speculative_model=args.eagle)
     if args.medusa is not None:
         for k in args.medusa_tokens or [args.num_speculative_tokens]:
             add(f"Medusa, {k} guesses", speculative_method="medusa", speculative_model=args.medusa,
                 num_speculative_tokens=k)
-        for tree in args.medusa_tree:
-            shape = TokenTree.parse(tree)
-            add(f"Medusa, a tree of {shape.num_nodes} (depth {shape.depth})", speculative_method="medusa",
-                speculative_model=args.medusa, speculative_token_tree=tree)
+        add_trees("Medusa", args.medusa_tree, speculative_method="medusa", speculative_model=args.medusa)
     if args.draft_cost is not None:
         add(f"ngram, draft cost {args.draft_cost}", speculative_method="ngram",
             num_speculative_tokens=args.num_speculative_tokens, speculative_draft_cost=args.draft_cost)
