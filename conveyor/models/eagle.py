@@ -43,6 +43,7 @@ from torch import nn
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionMetadata, TorchPagedAttention
 from conveyor.models.llama import Attention, DecoderLayer, RMSNorm, Rotary, use_cpu_kernels
+from conveyor.models.medusa import ranked_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +148,7 @@ class EagleHead(nn.Module):
     def ranked(self, hidden: torch.Tensor, width: int) -> torch.Tensor:
         """Each row's `width` likeliest guesses, best first (`[rows, width]`, the target's token
         ids): a token tree's candidates. The first is `guess`'s (argmax, the first of equals)."""
-        logits = self.compute_logits(hidden)
-        ids = logits.argmax(dim=-1, keepdim=True)
-        if width > 1:
-            ids = torch.cat((ids, logits.scatter(-1, ids, float("-inf")).topk(width - 1, dim=-1).indices), dim=-1)
+        ids = ranked_tokens(self.compute_logits(hidden), width)
         return ids + self.d2t[ids] if self.eagle3 else ids
 
 

@@ -56,6 +56,15 @@ class MedusaSpec:
     shared_head: bool  # one LM head for every head (vLLM's `original_lm_head`)
 
 
+def ranked_tokens(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Each row's `width` likeliest ids, best first (`[rows, width]`): a token tree's candidates.
+    The first is the row's argmax (the first of equal logits), the guess a chain would make."""
+    top = logits.argmax(dim=-1, keepdim=True)
+    if width > 1:
+        top = torch.cat((top, logits.scatter(-1, top, float("-inf")).topk(width - 1, dim=-1).indices), dim=-1)
+    return top
+
+
 class MedusaHeads(nn.Module):
     """The K heads; `forward` gives every head's greedy guess for each row."""
 
@@ -83,14 +92,7 @@ class MedusaHeads(nn.Module):
     def ranked(self, hidden: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """Head j's `widths[j]` likeliest tokens for each row, best first, side by side: the
         model's token ids `[N, sum(widths)]` (a token tree's candidates at each depth)."""
-        ranked = []
-        for j, w in enumerate(widths):
-            logits = self.logits(j, hidden)
-            top = logits.argmax(dim=-1, keepdim=True)  # (the top one as `forward` picks it: the first of equals)
-            if w > 1:
-                top = torch.cat((top, logits.scatter(-1, top, float("-inf")).topk(w - 1, dim=-1).indices), dim=-1)
-            ranked.append(top)
-        ids = torch.cat(ranked, dim=1)
+        ids = torch.cat([ranked_tokens(self.logits(j, hidden), w) for j, w in enumerate(widths)], dim=1)
         return ids if self.token_map is None else self.token_map[ids]
 
     def logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
