@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config", default=None, metavar="JSON",
         help='vLLM\'s form of the speculative options, e.g. \'{"method": "eagle3", "model": "PATH", '
              '"num_speculative_tokens": 3}\' (keys: method, model, num_speculative_tokens, prompt_lookup_min, '
-             'prompt_lookup_max, disable_by_batch_size, quantization, speculative_token_tree)',
+             'prompt_lookup_max, disable_by_batch_size, quantization, speculative_token_tree; and SGLang\'s '
+             'speculative_eagle_topk, speculative_num_steps)',
     )
     for section in EngineConfig.section_types().values():
         _add_field_args(group, section)

@@ -418,6 +418,24 @@ class SchedulerConfig:
             "0: always up to num_speculative_tokens."
         ),
     )
+    speculative_eagle_topk: int | None = field(
+        default=None,
+        metadata=_help(
+            "Speculative decoding with eagle or eagle3: drafts as EAGLE-2's dynamic tree (SGLang's "
+            "speculative_eagle_topk), reshaped every step by the head's own confidence. Each node "
+            "the head expands ranks its topk likeliest children; at each depth the topk nodes whose "
+            "branch is likeliest (the product of the head's probabilities along it) are expanded, "
+            "speculative_num_steps deep; then the num_speculative_tokens likeliest nodes of all are "
+            "verified as a token tree. None: a chain (or speculative_token_tree's fixed shape)."
+        ),
+    )
+    speculative_num_steps: int | None = field(
+        default=None,
+        metadata=_help(
+            "speculative_eagle_topk: how deep the dynamic tree grows (SGLang's "
+            "speculative_num_steps: the head's steps a round). None: min(5, num_speculative_tokens)."
+        ),
+    )
     speculative_draft_budget: int | None = field(
         default=None,
         metadata=_help(
@@ -436,6 +454,35 @@ class SchedulerConfig:
             "adds compute). None: always draft."
         ),
     )
+
+    def _check_dynamic_tree(self) -> None:
+        """EAGLE-2's dynamic tree (`speculative_eagle_topk`, `speculative_num_steps`)."""
+        topk, steps = self.speculative_eagle_topk, self.speculative_num_steps
+        if topk is None:
+            raise ConfigError("speculative_num_steps applies only with speculative_eagle_topk (a dynamic tree)")
+        if self.speculative_method not in ("eagle", "eagle3"):
+            raise ConfigError(
+                f"speculative_eagle_topk: a dynamic tree is an EAGLE head's (speculative_method eagle or eagle3), "
+                f"whose steps rank each node's children after its own branch (not {self.speculative_method!r})"
+            )
+        if self.speculative_token_tree is not None:
+            raise ConfigError("speculative_eagle_topk grows a tree of its own each step; "
+                              "speculative_token_tree fixes one: give one of them")
+        if topk < 2:
+            raise ConfigError(f"speculative_eagle_topk={topk} must be at least 2 "
+                              "(one candidate a node is a chain: leave it unset)")
+        if steps is None:
+            steps = min(5, self.num_speculative_tokens)
+            object.__setattr__(self, "speculative_num_steps", steps)
+        if not 1 <= steps <= self.num_speculative_tokens:
+            raise ConfigError(f"speculative_num_steps={steps} must be in [1, num_speculative_tokens="
+                              f"{self.num_speculative_tokens}]: a deeper tree verifies more nodes than that")
+        most = topk + (steps - 1) * topk * topk
+        if self.num_speculative_tokens > most:
+            raise ConfigError(
+                f"num_speculative_tokens={self.num_speculative_tokens}: a dynamic tree of topk {topk} and "
+                f"{steps} steps holds at most {most} candidates (topk, then topk x topk a depth)"
+            )
 
     @property
     def kv_chunk(self) -> int:
@@ -535,7 +582,7 @@ class SchedulerConfig:
     def _check_speculative(self) -> None:
         knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                  "speculative_draft_cost", "speculative_disable_by_batch_size", "speculative_token_tree",
-                 "speculative_draft_budget")
+                 "speculative_draft_budget", "speculative_eagle_topk", "speculative_num_steps")
         if self.speculative_method is None:
             if any(self._differs(k) for k in knobs):
                 raise ConfigError(f"{', '.join(knobs)} apply only with a speculative_method")
@@ -569,6 +616,8 @@ class SchedulerConfig:
                 )
             object.__setattr__(self, "num_speculative_tokens", tree.num_nodes)
             object.__setattr__(self, "speculative_token_tree", str(list(tree.paths)))  # (text: hashable)
+        if self.speculative_eagle_topk is not None or self.speculative_num_steps is not None:
+            self._check_dynamic_tree()
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
@@ -717,6 +766,9 @@ SPECULATIVE_CONFIG_KEYS = {
     "prompt_lookup_max": "prompt_lookup_max",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
     "speculative_token_tree": "speculative_token_tree",
+    # SGLang's dynamic tree (not vLLM's keys; read the same way)
+    "speculative_eagle_topk": "speculative_eagle_topk",
+    "speculative_num_steps": "speculative_num_steps",
     "quantization": "speculative_quantization",
 }
 

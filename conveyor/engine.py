@@ -292,8 +292,10 @@ class Engine:
             elif config.scheduler.num_speculative_tokens > heads:
                 raise ConfigError(f"num_speculative_tokens={config.scheduler.num_speculative_tokens}: the Medusa "
                                   f"checkpoint has {heads} heads, one a guess; ask for at most {heads}")
-        if config.scheduler.speculative_token_tree is not None and (arch.sliding_window or any(arch.layer_windows)):
-            raise ConfigError("speculative_token_tree: a token tree's rows attend under a mask of their own, "
+        branching = config.scheduler.speculative_token_tree is not None or config.scheduler.speculative_eagle_topk
+        if branching and (arch.sliding_window or any(arch.layer_windows)):
+            name = "speculative_token_tree" if config.scheduler.speculative_token_tree else "speculative_eagle_topk"
+            raise ConfigError(f"{name}: a token tree's rows attend under a mask of their own, "
                               "not built for sliding-window layers (this model has them); leave it unset")
         draft_arch = draft_tensors = None
         if config.scheduler.speculative_method == "draft_model":
@@ -391,6 +393,11 @@ class Engine:
             engine.runner.hidden_store = store  # type: ignore[attr-defined]
             engine.drafter = MTPDrafter(MTPRunner(head, num_blocks, config.cache.block_size, dtype, device,
                                                   kv_dtype), store)
+            if (topk := config.scheduler.speculative_eagle_topk) is not None:
+                if topk > spec.draft_vocab:
+                    raise ConfigError(f"speculative_eagle_topk={topk}: the head's vocabulary has {spec.draft_vocab} "
+                                      "tokens; rank at most that many")
+                engine.drafter.topk = topk
         if medusa is not None:  # the drafter: Medusa heads over the model's last hidden states
             from conveyor.models.medusa import build_medusa
             from conveyor.runner.medusa import MedusaDrafter

@@ -27,7 +27,7 @@ from conveyor.config import SchedulerConfig
 from conveyor.core.batching import QueueState, make_batching
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
-from conveyor.core.speculative import NgramProposer, TokenTree, make_proposer
+from conveyor.core.speculative import DynamicTree, NgramProposer, TokenTree, make_proposer
 from conveyor.lora import LoRARequest
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
@@ -43,7 +43,9 @@ class ScheduledSequence:
     With speculative decoding, the last `num_draft` of `token_ids` are draft tokens, not yet
     the sequence's: a token is sampled after each position (`core/speculative.py`). With `tree`,
     they are the first `num_draft` nodes of that token tree (row k at position start_pos +
-    tree.depths[k], its K/V in the slot of start_pos + k), not a chain.
+    tree.depths[k], its K/V in the slot of start_pos + k), not a chain. With `tree_depth`
+    (EAGLE-2's dynamic tree), the drafter grows a tree of `num_draft` nodes at most that deep
+    and sets `tree` before the runner sees it.
     """
 
     seq_id: int
@@ -59,6 +61,7 @@ class ScheduledSequence:
     # A hybrid KV cache's sliding layer groups' tables (`HybridLayout`); empty otherwise.
     window_tables: list[list[int]] = field(default_factory=list)
     tree: TokenTree | None = None
+    tree_depth: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +159,10 @@ class Scheduler:
         self.token_tree = None if tree is None or tree.is_chain else tree
         if isinstance(self.proposer, NgramProposer):  # (it branches its proposals itself)
             self.proposer.tree = self.token_tree
+        # EAGLE-2's dynamic tree (`speculative_eagle_topk`): shaped by the drafter each step.
+        self.dynamic_tree = None if config.speculative_eagle_topk is None else DynamicTree(
+            config.speculative_eagle_topk, config.speculative_num_steps or 1, config.num_speculative_tokens)
+        self._depth = 0  # the last `_drafts`' depth bound
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those accepted
         self.num_accepted_tokens = 0
         # Adaptive drafting (`speculative_draft_cost`): per sequence, [drafts accepted, drafts
@@ -421,17 +428,19 @@ class Scheduler:
         params = seq.sampling_params
         n = len(seq.token_ids)
         # The step's tokens (1 + drafts) must not overrun max_tokens or the model's length.
-        tree = self.token_tree
-        most = min(
-            self.config.num_speculative_tokens if tree is None else tree.depth, budget,
-            params.max_tokens - (n - seq.prompt_len) - 1, self.max_model_len - n - 1,
-        )
+        tree, dynamic = self.token_tree, self.dynamic_tree
+        deepest = (tree.depth if tree is not None else dynamic.steps if dynamic is not None
+                   else self.config.num_speculative_tokens)
+        most = min(deepest, budget, params.max_tokens - (n - seq.prompt_len) - 1, self.max_model_len - n - 1)
         if self.config.speculative_draft_cost:
             most = self._worth_drafting(seq, most)
-        if tree is not None:  # `most` bounds the depth; the nodes within it that fit the budget
-            most = tree.cut(most, budget)
         if most < 1:
             return []
+        self._depth = most  # (a dynamic tree's bound, for `_emit_drafts`)
+        if tree is not None:  # `most` bounds the depth; the nodes within it that fit the budget
+            most = tree.cut(most, budget)
+        elif dynamic is not None:  # as many candidates as a tree that deep can hold
+            most = min(dynamic.nodes, budget, dynamic.most_nodes(most))
         assert self.proposer is not None
         drafts = self.proposer.propose(seq, most)[:most]
         if not drafts:
@@ -470,7 +479,7 @@ class Scheduler:
             ScheduledSequence(
                 seq.seq_id, [tokens[start], *drafts], start, seq.block_table, True,
                 seq.sampling_params, tokens, seq.prompt_len, len(drafts), seq.lora_request, seq.window_tables,
-                self.token_tree,
+                self.token_tree, self._depth if self.dynamic_tree is not None else 0,
             )
         )
         seq.num_computed_tokens = start + 1

@@ -22,8 +22,9 @@ context, so the same rule verifies it.
 With `speculative_token_tree` the drafts branch (`TokenTree`): each node is one of the drafter's
 ranked candidates after its parent, every node is verified in the step under its branch's mask,
 and the runner keeps the branch whose every guess equals the token sampled at its parent (with
-fixed guesses, SpecInfer's multi-candidate rule: the same outputs as without drafts). No torch
-here.
+fixed guesses, SpecInfer's multi-candidate rule: the same outputs as without drafts). With
+`speculative_eagle_topk` an EAGLE head draws the tree anew each step from its own confidence
+(`DynamicTree`, EAGLE-2's), and the same rule verifies it. No torch here.
 """
 
 from __future__ import annotations
@@ -127,6 +128,47 @@ class TokenTree:
         out.reverse()
         return out
 
+
+@dataclass(frozen=True, slots=True)
+class DynamicTree:
+    """EAGLE-2's dynamic draft tree (Li et al. 2024; SGLang's `speculative_eagle_topk`,
+    `speculative_num_steps`, `speculative_num_draft_tokens`): a token tree drawn anew each step
+    from the head's confidence instead of a fixed shape. A candidate's score is the log of the
+    head's probability of its branch (the product along it), which tracks how often a branch is
+    accepted. The root ranks `topk` children; at each depth below `steps` the `topk` candidates
+    with the highest scores are expanded, each ranking `topk` children of its own; then the
+    `nodes` highest-scoring candidates of all are verified (`rerank`). A child never outscores
+    its parent, so they form a tree."""
+
+    topk: int
+    steps: int
+    nodes: int
+
+    def most_nodes(self, depth: int) -> int:
+        """The candidates a tree `depth` deep holds: topk at depth 1, topk x topk below."""
+        return 0 if depth < 1 else self.topk + (depth - 1) * self.topk * self.topk
+
+
+def rerank(candidates: list[tuple[int, int, float]], count: int) -> tuple[TokenTree, list[int]]:
+    """EAGLE-2's reranking: the `count` best of `candidates` as a token tree, and for each of its
+    rows after the root the candidate it is. A candidate is `(parent, rank, score)`: its parent's
+    index in the list (-1: the root; parents come first), its rank among its parent's children,
+    and its branch's score (its parent's plus its own log probability, so never above the
+    parent's). The best are by score, then the shallower, then the earlier (SGLang's order
+    where scores are equal), so each one's parent is among them."""
+    depth: list[int] = []
+    for parent, _, _ in candidates:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    best = sorted(range(len(candidates)), key=lambda i: (-candidates[i][2], depth[i], i))[:count]
+    path: dict[int, tuple[int, ...]] = {}
+    for i in sorted(best):  # (parents first)
+        parent, rank, _ = candidates[i]
+        if parent >= 0 and parent not in path:
+            raise ValueError(f"rerank: candidate {i} outscores its parent {parent}")
+        path[i] = (*path.get(parent, ()), rank)
+    tree = TokenTree.parse([path[i] for i in sorted(best)])
+    of = {p: i for i, p in path.items()}
+    return tree, [of[p] for p in tree.paths]
 
 
 def register_proposer(name: str) -> Callable[[type[Proposer]], type[Proposer]]:

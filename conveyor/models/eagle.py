@@ -152,6 +152,16 @@ class EagleHead(nn.Module):
         return ids + self.d2t[ids] if self.eagle3 else ids
 
 
+    def top_logprobs(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ranked`'s guesses (`[rows, width]`, the target's ids) and the log of the head's
+        probability of each (its softmax over the draft's vocabulary, in float32): an EAGLE-2
+        tree's candidates and their scores."""
+        logits = self.compute_logits(hidden).float()
+        ids = ranked_tokens(logits, width)
+        logp = logits.log_softmax(dim=-1).gather(-1, ids)
+        return (ids + self.d2t[ids] if self.eagle3 else ids), logp
+
+
 def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec, dict[str, torch.Tensor]]:
     """The head in `folder` (config.json and its tensors), checked against `target` and the
     `method` asked for; its tensors renamed as `EagleHead`'s parameters."""

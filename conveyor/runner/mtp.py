@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
+from conveyor.core.speculative import rerank
 from conveyor.models.attention import build_metadata, path_decodes
 from conveyor.models.eagle import EagleHead
 from conveyor.models.mtp import MTPLayer
@@ -154,6 +155,14 @@ class MTPRunner:
             writes.append(base + k)
             paths.append([base + r for r in it.tree.branch(k)])
             ids.append(it.token_ids[k])
+        return self.execute_rows(tables, positions, writes, paths, ids, previous)
+
+    @torch.inference_mode()
+    def execute_rows(self, tables: list[list[int]], positions: list[int], writes: list[int], paths: list[list[int]],
+                     ids: list[int], previous: torch.Tensor) -> torch.Tensor:
+        """One drafting step over rows that need not be a sequence's next positions (`path_decodes`):
+        row r reads token `ids[r]` and state `previous[r]` at `positions[r]`, writes its K/V at
+        `writes[r]` and attends to the context before its branch and to `paths[r]`."""
         meta = path_decodes(tables, positions, writes, paths, self.block_size, self.device, self.dtype)
         return self.layer(torch.tensor(ids, device=self.device), previous.to(self.device, self.dtype), meta.positions,
                           self.kv_cache, meta)
@@ -177,17 +186,16 @@ class MTPDrafter(Drafter):
     def fill(self, scheduler_output: SchedulerOutput) -> None:
         self._own = {}
         drafting = [it for it in scheduler_output.scheduled if it.num_draft]
-        if any(it.tree is not None for it in drafting):
+        if any(it.tree_depth for it in drafting):
+            self._fill_dynamic(scheduler_output, drafting)
+        elif any(it.tree is not None for it in drafting):
             self._fill_tree(scheduler_output, drafting)
         else:
             super().fill(scheduler_output)
 
-    def _fill_tree(self, scheduler_output: SchedulerOutput, drafting: list[ScheduledSequence]) -> None:
-        """A token tree's guesses (`speculative_token_tree`, an EAGLE head's: vLLM's static tree):
-        the round's first step as a chain's, whose last row's output ranks the root's children;
-        then a step a depth over the nodes with children, each reading its parent's output and
-        its own branch, whose outputs rank their children (the candidates of rank r for a child
-        of rank r)."""
+    def _roots(self, scheduler_output: SchedulerOutput, drafting: list[ScheduledSequence]) -> _DraftOutput:
+        """A tree's first step, as a chain's: the head over the positions it lacks, up to the
+        root's; its last row's output (`hidden`) ranks the root's children."""
         self.forget(scheduler_output.finished_seq_ids)
         self.forget(scheduler_output.preempted_seq_ids)
         batch = [self._first(it) for it in drafting]
@@ -198,6 +206,15 @@ class MTPDrafter(Drafter):
         finally:
             self._ranking = False
         self.last_duration_s = out.duration_s
+        return out
+
+    def _fill_tree(self, scheduler_output: SchedulerOutput, drafting: list[ScheduledSequence]) -> None:
+        """A token tree's guesses (`speculative_token_tree`, an EAGLE head's: vLLM's static tree):
+        the round's first step as a chain's, whose last row's output ranks the root's children;
+        then a step a depth over the nodes with children, each reading its parent's output and
+        its own branch, whose outputs rank their children (the candidates of rank r for a child
+        of rank r)."""
+        out = self._roots(scheduler_output, drafting)
         start = time.perf_counter()
         head = self.mtp.layer
         assert isinstance(head, EagleHead), "token trees: an EAGLE head's"
@@ -229,6 +246,82 @@ class MTPDrafter(Drafter):
         self.last_duration_s += time.perf_counter() - start
         for it in drafting:
             self._fed[it.seq_id] = self._after(it, [])
+
+    def _fill_dynamic(self, scheduler_output: SchedulerOutput, drafting: list[ScheduledSequence]) -> None:
+        """EAGLE-2's dynamic tree (`speculative_eagle_topk`; `DynamicTree`): the root's output
+        ranks topk children, each scored by the log of the head's probability; then, a depth at a
+        time while the item's `tree_depth` allows, the topk best-scored candidates of the depth
+        are expanded in one step over every sequence (each attending to its own branch: its
+        ancestors' rows, written at the slots of start_pos - 1 + 1, 2, ... in the order they
+        were expanded, as many as the item's step holds), their outputs ranking topk children
+        each; then the item's `num_draft` best candidates of all become its tree (`rerank`)."""
+        out = self._roots(scheduler_output, drafting)
+        start = time.perf_counter()
+        head = self.mtp.layer
+        assert isinstance(head, EagleHead), "dynamic trees: an EAGLE head's"
+        topk = self.topk
+        # Per item: candidates (parent, rank, score), their tokens, and the expanded ones' slots
+        # (1, 2, ...: written at start_pos - 1 + slot) and outputs.
+        cands: list[list[tuple[int, int, float]]] = [[] for _ in drafting]
+        tokens: list[list[int]] = [[] for _ in drafting]
+        slot: list[dict[int, int]] = [{} for _ in drafting]
+        made: list[dict[int, torch.Tensor]] = [{} for _ in drafting]
+
+        def rank(rows: torch.Tensor, owners: list[tuple[int, int]]) -> list[int]:
+            """Each row's topk children into its owner's candidates `(item, parent)`; the new
+            candidates' indices, per item in order."""
+            ids, logp = head.top_logprobs(rows, topk)
+            new = []
+            for (i, parent), mine, lp in zip(owners, ids.tolist(), logp.tolist(), strict=True):
+                base = cands[i][parent][2] if parent >= 0 else 0.0
+                for r in range(topk):
+                    new.append(len(cands[i]))
+                    cands[i].append((parent, r, base + lp[r]))
+                    tokens[i].append(mine[r])
+            return new
+
+        frontier = rank(torch.cat([out.hidden[it.seq_id] for it in drafting]), [(i, -1) for i in range(len(drafting))])
+        owner = [i for i in range(len(drafting)) for _ in range(topk)]
+        for depth in range(1, max(it.tree_depth for it in drafting)):
+            chosen: list[tuple[int, int]] = []  # (item, candidate) expanded at this depth
+            for i, it in enumerate(drafting):
+                room = it.num_draft + 1 - len(slot[i])  # (slots start_pos .. start_pos + num_draft)
+                if depth >= it.tree_depth or room <= 0:
+                    continue
+                mine = [c for c, o in zip(frontier, owner, strict=True) if o == i]
+                mine.sort(key=lambda c: (-cands[i][c][2], c))
+                for c in mine[: min(topk, room)]:
+                    slot[i][c] = len(slot[i]) + 1
+                    chosen.append((i, c))
+            if not chosen:
+                break
+            tables, positions, writes, paths, ids, previous = [], [], [], [], [], []
+            for i, c in chosen:
+                it, base = drafting[i], drafting[i].start_pos - 1
+                branch = [c]
+                while (p := cands[i][branch[-1]][0]) >= 0:
+                    branch.append(p)
+                tables.append(it.block_table)
+                positions.append(base + depth)
+                writes.append(base + slot[i][c])
+                paths.append([base + slot[i][b] for b in reversed(branch)])
+                ids.append(tokens[i][c])
+                parent = cands[i][c][0]
+                previous.append(out.hidden[it.seq_id] if parent < 0 else made[i][parent])
+            rows = self.mtp.execute_rows(tables, positions, writes, paths, ids, torch.cat(previous))
+            self.num_fed_tokens += len(chosen)
+            for r, (i, c) in enumerate(chosen):
+                made[i][c] = rows[r : r + 1]
+            frontier = rank(rows, chosen)
+            owner = [i for i, _ in chosen for _ in range(topk)]
+        for i, it in enumerate(drafting):
+            tree, picked = rerank(cands[i], it.num_draft)
+            it.tree = tree
+            it.token_ids[1:] = [tokens[i][c] for c in picked]
+            self._fed[it.seq_id] = self._after(it, [])
+        self.last_duration_s += time.perf_counter() - start
+
+    topk = 2  # (the engine sets `speculative_eagle_topk`)
 
     def _run(self, step_id: int, batch: list[ScheduledSequence]) -> _DraftOutput:
         previous = {}
