@@ -30,6 +30,7 @@ fixed guesses, SpecInfer's multi-candidate rule: the same outputs as without dra
 from __future__ import annotations
 
 import ast
+import math
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
@@ -147,6 +148,28 @@ class DynamicTree:
     def most_nodes(self, depth: int) -> int:
         """The candidates a tree `depth` deep holds: topk at depth 1, topk x topk below."""
         return 0 if depth < 1 else self.topk + (depth - 1) * self.topk * self.topk
+
+    def expected(self, rates: tuple[float, ...] | list[float], depth: int, count: int) -> tuple[TokenTree, list[int]]:
+        """The tree this rule grows, `depth` deep and `count` nodes, when every node's rank-r
+        candidate has probability `rates[r]` (0 past the list): the shape a head whose
+        confidence is its acceptance reaches, the same every step (the simulator's). Also the
+        nodes expanded at each depth from 1 (the head's rows a step), as the drafter expands
+        them: at most `count + 1` in all, the slots its step holds."""
+        lp = [math.log(r) if r > 0 else -math.inf for r in rates[: self.topk]]
+        lp += [-math.inf] * (self.topk - len(lp))
+        cands = [(-1, r, lp[r]) for r in range(self.topk)]
+        frontier, expanded = list(range(self.topk)), list[int]()
+        for _ in range(1, depth):
+            best = sorted(frontier, key=lambda c: (-cands[c][2], c))[: min(self.topk, count + 1 - sum(expanded))]
+            if not best:
+                break
+            expanded.append(len(best))
+            frontier = []
+            for c in best:
+                for r in range(self.topk):
+                    frontier.append(len(cands))
+                    cands.append((c, r, cands[c][2] + lp[r]))
+        return rerank(cands, count)[0], expanded
 
 
 def rerank(candidates: list[tuple[int, int, float]], count: int) -> tuple[TokenTree, list[int]]:

@@ -36,7 +36,7 @@ from typing import Any
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from conveyor.core.speculative import TokenTree
+from conveyor.core.speculative import DynamicTree, TokenTree
 from conveyor.engine import (
     CPU_DEFAULT_KV_BYTES,
     CUDA_RUNTIME_RESERVE,
@@ -293,10 +293,27 @@ class TreeSimDrafter(Drafter):
     """An EAGLE head drafting token trees in the simulator, as `MTPDrafter` runs them: the round's
     first step as a chain's (the rows the head lacks, the root's last), then one step a depth
     with a row for each node that has children; every guess is the runner's token (the rank
-    rates decide what is kept)."""
+    rates decide what is kept).
+
+    A dynamic tree (`speculative_eagle_topk`, EAGLE-2's) is the one the rule grows when the
+    head's confidence in each rank is that rank's rate (`DynamicTree.expected`): the shape it
+    reaches on average, the same every round, with the rows a depth the drafter expands. What
+    reshaping each round to the head's confidence gains over that is not modelled."""
+
+    def __init__(self, runner: Any, dynamic: DynamicTree | None = None, rates: Sequence[float] = ()) -> None:
+        super().__init__(runner)
+        self.dynamic, self.rates = dynamic, tuple(rates)
+        self._grown: dict[tuple[int, int], tuple[TokenTree, list[int]]] = {}
 
     def fill(self, scheduler_output: SchedulerOutput) -> None:
         drafting = [it for it in scheduler_output.scheduled if it.num_draft]
+        expanded: dict[int, list[int]] = {}  # a dynamic tree's rows a depth, by item
+        for it in drafting:
+            if it.tree_depth and self.dynamic is not None:
+                key = (it.tree_depth, it.num_draft)
+                if key not in self._grown:
+                    self._grown[key] = self.dynamic.expected(self.rates, *key)
+                it.tree, expanded[it.seq_id] = self._grown[key]
         if not any(it.tree is not None for it in drafting):
             return super().fill(scheduler_output)
         self.forget(scheduler_output.finished_seq_ids)
@@ -311,13 +328,22 @@ class TreeSimDrafter(Drafter):
             depth += 1
             batch = [ScheduledSequence(it.seq_id, [token], it.start_pos + depth, it.block_table, True, GREEDY,
                                        it.all_token_ids, it.prompt_len)
-                     for it in drafting for k in range(1, it.num_draft + 1)
-                     if it.tree is not None and it.tree.depths[k] == depth
-                     and any(c <= it.num_draft for c in it.tree.children[k])]
+                     for it in drafting for _ in range(self._rows(it, depth, expanded))]
         for it in drafting:
             it.token_ids[1:] = [token] * it.num_draft
             self._fed[it.seq_id] = self._after(it, [token])  # (what the head holds: the known tokens)
         return None
+
+    @staticmethod
+    def _rows(it: ScheduledSequence, depth: int, expanded: dict[int, list[int]]) -> int:
+        """The head's rows for `it` in the step at `depth`: its nodes there with children."""
+        if it.seq_id in expanded:
+            grown = expanded[it.seq_id]
+            return grown[depth - 1] if depth <= len(grown) else 0
+        if it.tree is None:
+            return 0
+        return sum(1 for k in range(1, it.num_draft + 1) if it.tree.depths[k] == depth
+                   and any(c <= it.num_draft for c in it.tree.children[k]))
 
 
 class MedusaSimDrafter:
@@ -441,11 +467,14 @@ def build_sim_engine(
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
     tree = config.scheduler.speculative_token_tree
-    if rank_acceptance and tree is None:
-        raise ConfigError("spec rank acceptance: the rates of lower-ranked candidates apply to a speculative_token_tree")
-    if tree is not None and not rank_acceptance:
-        raise ConfigError("speculative_token_tree: the simulator needs how often the drafter's lower-ranked candidates "
-                          "are right: --spec-rank-acceptance (one rate per rank after the first)")
+    dynamic = config.scheduler.speculative_eagle_topk
+    if rank_acceptance and tree is None and dynamic is None:
+        raise ConfigError("spec rank acceptance: the rates of lower-ranked candidates apply to a speculative_token_tree "
+                          "or speculative_eagle_topk")
+    if (tree is not None or dynamic is not None) and not rank_acceptance:
+        raise ConfigError(f"{'speculative_token_tree' if tree is not None else 'speculative_eagle_topk'}: the "
+                          "simulator needs how often the drafter's lower-ranked candidates are right: "
+                          "--spec-rank-acceptance (one rate per rank after the first)")
     if rank_acceptance and (any(not 0 <= r <= 1 for r in rank_acceptance)
                             or (acceptance_rate or 0) + sum(rank_acceptance) > 1 + 1e-9):
         raise ConfigError(f"spec rank acceptance {list(rank_acceptance)}: each in [0, 1], and with the acceptance "
@@ -513,7 +542,12 @@ def build_sim_engine(
                                                    fp8=fp8 and mtp), token)
         if config.scheduler.speculative_method == "draft_model":  # (a head is no model: no native call)
             draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
-        engine.drafter = (TreeSimDrafter if config.scheduler.speculative_token_tree is not None else Drafter)(draft_runner)
+        if tree is not None or dynamic is not None:
+            grown = None if dynamic is None else DynamicTree(dynamic, config.scheduler.speculative_num_steps or 1,
+                                                             config.scheduler.num_speculative_tokens)
+            engine.drafter = TreeSimDrafter(draft_runner, grown, (acceptance_rate or 0.0, *rank_acceptance))
+        else:
+            engine.drafter = Drafter(draft_runner)
     if config.scheduler.speculative_method == "medusa":
         heads = dataclasses.replace(model, name=f"{model.name}-medusa",
                                     vocab_size=medusa_params(config, model) // model.hidden_size)

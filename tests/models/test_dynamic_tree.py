@@ -178,6 +178,22 @@ def test_the_drafter_grows_eagle2s_tree_and_each_row_reads_its_own_branch(topk, 
             assert r["path"] == [at[r["branch"][:d]] for d in range(1, len(r["branch"]) + 1)]
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 4), st.integers(1, 40),
+       st.lists(st.sampled_from([0.0, 0.05, 0.1, 0.3, 0.6]), min_size=1, max_size=5))
+def test_the_simulators_tree_is_the_one_its_rates_grow(topk, depth, count, rates):
+    """`DynamicTree.expected` (the simulator's shape): EAGLE-2's tree by brute force when the
+    rank-r candidate's probability is rates[r], and the rows it expands fit the step's slots."""
+    count = min(count, DynamicTree(topk, depth, count).most_nodes(depth))
+    tree, expanded = DynamicTree(topk, depth, count).expected(rates, depth, count)
+
+    def dist(branch):
+        return [(r, math.log(p) if p > 0 else -math.inf) for r, p in enumerate([*rates, *[0.0] * topk][:topk])]
+
+    assert set(tree.paths) == set(eagle2(dist, topk, depth, count))
+    assert sum(expanded) <= count + 1 and len(expanded) <= depth - 1 and all(e <= topk for e in expanded)
+
+
 # -- end to end, random heads ------------------------------------------------------------------
 
 

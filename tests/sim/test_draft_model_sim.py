@@ -255,6 +255,45 @@ def test_an_eagle_heads_token_tree_is_priced_a_step_a_depth():
     assert_a_tree_beats_its_chain_at_one_request("eagle3")
 
 
+def test_an_eagle2_tree_is_the_shape_its_rates_grow_and_priced_as_expanded():
+    """`speculative_eagle_topk` in the simulator: each round's tree is the one EAGLE-2's rule grows
+    when the head's confidence in a rank is that rank's rate (the second candidate always right:
+    its branch all kept, three guesses a round), priced as the drafter runs it: the round's first
+    step, then a head step a depth with the nodes expanded there as rows (topk 2: two a depth);
+    and at one request a dynamic tree whose lower ranks are right sometimes beats the chain."""
+    from conveyor.sim.engine import TreeSimDrafter
+
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+    config = EngineConfig.from_kwargs(speculative_method="eagle3", speculative_eagle_topk=2, speculative_num_steps=3,
+                                      num_speculative_tokens=6)
+    engine = build_sim_engine(config, hw, model, acceptance_rate=0.0, rank_acceptance=(1.0,))
+    assert isinstance(engine.drafter, TreeSimDrafter)
+    steps = []
+    execute = engine.drafter.runner.execute
+
+    def counted(out):
+        steps.append([len(it.token_ids) for it in out.scheduled])
+        return execute(out)
+
+    engine.drafter.runner.execute = counted
+    replay(engine, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=41, ignore_eos=True))])
+    sched = engine.scheduler
+    assert sched.num_draft_tokens == 6 * 10 and sched.num_accepted_tokens == 3 * 10
+    assert len(steps) == 3 * 10 and all(s == [1, 1] for s in steps[1::3]) and all(s == [1, 1] for s in steps[2::3])
+    with pytest.raises(ConfigError, match="speculative_eagle_topk: the simulator needs"):
+        build_sim_engine(config, hw, model, acceptance_rate=0.7)
+
+    def clock(config: EngineConfig, **rates: Any) -> float:
+        eng = build_sim_engine(config, hw, model, seed=3, **rates)
+        replay(eng, [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=256, ignore_eos=True))])
+        return eng.clock()
+
+    wide = EngineConfig.from_kwargs(speculative_method="eagle3", speculative_eagle_topk=3, speculative_num_steps=3,
+                                    num_speculative_tokens=9)
+    chain = EngineConfig.from_kwargs(speculative_method="eagle3", num_speculative_tokens=3)
+    assert clock(wide, acceptance_rate=0.6, rank_acceptance=(0.15, 0.05)) < clock(chain, acceptance_rate=0.6)
+
+
 def test_a_draft_budget_shares_a_steps_drafts_among_its_sequences():
     """`speculative_draft_budget`: a step's drafts never exceed the budget, each sequence's its
     even share of it (a tree's first nodes, a chain's first guesses), so drafts narrow as the
