@@ -15,6 +15,7 @@ their times is the speedup. Workloads, chat-templated:
     python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tokens 1 3 --no-ngram
     python benchmarks/speculative.py --medusa results/medusa-smollm2 --medusa-tree "[(0,), (1,), (0, 0)]" --no-ngram
     python benchmarks/speculative.py --eagle results/eagle3-smollm2-big --eagle-tree "[(0,), (1,)]" --no-ngram
+    python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-dynamic 2,3,6 --no-ngram
     python benchmarks/speculative.py --unchained   # beside each, its steps with guesses as modules
 """
 
@@ -99,6 +100,9 @@ def main() -> None:
                     help="one n-gram engine a token tree (speculative_token_tree) over the latest matches")
     ap.add_argument("--eagle-tree", nargs="+", default=[],
                     help="--eagle: one engine a token tree (speculative_token_tree), e.g. \"[(0,), (1,), (0, 0)]\"")
+    ap.add_argument("--eagle-dynamic", nargs="+", default=[], metavar="TOPK,STEPS,NODES",
+                    help="--eagle: one engine an EAGLE-2 dynamic tree (speculative_eagle_topk, speculative_num_steps, "
+                         "num_speculative_tokens), e.g. 2,3,6")
     ap.add_argument("--medusa-tree", nargs="+", default=[],
                     help="--medusa: one engine a token tree (speculative_token_tree), e.g. \"[(0,), (1,), (0, 0)]\"")
     ap.add_argument("--no-ngram", action="store_true", help="leave the ngram engine out")
@@ -136,6 +140,11 @@ def main() -> None:
             add(f"EAGLE-3, {k} guesses", speculative_method="eagle3", speculative_model=args.eagle,
                 num_speculative_tokens=k)
         add_trees("EAGLE-3", args.eagle_tree, speculative_method="eagle3", speculative_model=args.eagle)
+        for spec in args.eagle_dynamic:
+            topk, steps, nodes = (int(x) for x in spec.split(","))
+            add(f"EAGLE-3, dynamic tree of {nodes} (topk {topk}, {steps} steps)", speculative_method="eagle3",
+                speculative_model=args.eagle, speculative_eagle_topk=topk, speculative_num_steps=steps,
+                num_speculative_tokens=nodes)
     if args.medusa is not None:
         for k in args.medusa_tokens or [args.num_speculative_tokens]:
             add(f"Medusa, {k} guesses", speculative_method="medusa", speculative_model=args.medusa,

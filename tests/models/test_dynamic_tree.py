@@ -323,6 +323,10 @@ def test_what_a_dynamic_tree_needs_is_checked(target, heads, tmp_path):
     ]:
         with pytest.raises(ConfigError, match=match):
             SchedulerConfig(**options)
+    llm = LLM(str(target), dtype="float64", num_kv_blocks=64, block_size=8, speculative_config={
+        "method": "eagle3", "model": str(heads["eagle3"]), "speculative_eagle_topk": 2, "speculative_num_steps": 2,
+        "num_speculative_tokens": 4})  # (SGLang's names in vLLM's dict)
+    assert llm.engine.scheduler.dynamic_tree == DynamicTree(2, 2, 4)
     with pytest.raises(ConfigError, match="vocabulary has 96"):
         dynamic_llm(target, heads, "eagle3", topk=97, steps=1, nodes=4)
     windowed = build_tiny_model(tmp_path / "m", "mistral", seed=4, sliding_window=5, hidden_size=64, vocab_size=VOCAB)
