@@ -177,6 +177,9 @@ class MTPDrafter(Drafter):
         self.mtp = runner
         self.width = runner.layer.feature_width  # a row of the target's states as the store holds it
         self._own: dict[int, torch.Tensor] = {}  # the layer's last output a sequence, this round
+        # The last dynamic tree's scores by sequence, a node's log confidence each (in row order;
+        # `benchmarks/eagle_confidence.py` sets them against what the model accepts).
+        self.scores: dict[int, list[float]] = {}
 
     def forget(self, seq_ids: list[int]) -> None:
         super().forget(seq_ids)
@@ -314,10 +317,12 @@ class MTPDrafter(Drafter):
                 made[i][c] = rows[r : r + 1]
             frontier = rank(rows, chosen)
             owner = [i for i, _ in chosen for _ in range(topk)]
+        self.scores = {}
         for i, it in enumerate(drafting):
             tree, picked = rerank(cands[i], it.num_draft)
             it.tree = tree
             it.token_ids[1:] = [tokens[i][c] for c in picked]
+            self.scores[it.seq_id] = [cands[i][c][2] for c in picked]
             self._fed[it.seq_id] = self._after(it, [])
         self.last_duration_s += time.perf_counter() - start
 

@@ -225,6 +225,10 @@ def record(llm: LLM, oracle: dict[tuple[int, ...], list[int]] | None = None) -> 
             if not it.num_draft:
                 continue
             tree = it.tree
+            if it.tree_depth:  # the nodes' scores: log confidences, a child's never above its parent's
+                scores = [0.0, *drafter.scores[it.seq_id]]
+                assert len(scores) == it.num_draft + 1 and all(
+                    scores[k] <= scores[tree.parents[k]] for k in range(1, len(scores)))
             rounds.append((tuple(it.all_token_ids[: it.start_pos + 1]),
                            {p: it.token_ids[k] for k, p in enumerate(tree.paths[: it.num_draft], 1)}, it.num_draft,
                            it.tree_depth, tree.depths[it.num_draft]))
