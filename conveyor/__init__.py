@@ -17,11 +17,13 @@ from conveyor.sampling_params import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from conveyor.async_llm import AsyncLLM
     from conveyor.engine import Engine
     from conveyor.llm import LLM
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "ConfigError",
     "EmbeddingRequestOutput",
@@ -42,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from conveyor.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from conveyor.async_llm import AsyncLLM
+
+        return AsyncLLM
     if name == "Engine":
         from conveyor.engine import Engine
 

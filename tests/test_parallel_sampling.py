@@ -92,7 +92,23 @@ def test_a_bad_n_is_refused(n):
     assert e.value.param == "n"
 
 
-def test_an_engine_request_of_the_server_is_one_choice():
-    with pytest.raises(InvalidRequestError) as e:
-        EngineRequest("x", [1, 2], SamplingParams(n=2))
-    assert e.value.param == "n"
+def test_a_front_without_parallel_sampling_takes_one_choice_a_request(llm):
+    """The server's fronts over an engine in another process take one choice a request (the
+    HTTP layer makes n); a front over an engine in this thread passes n on (`AsyncLLM`)."""
+    import asyncio
+
+    from conveyor.server.async_engine import AsyncEngine
+
+    async def main() -> None:
+        front = AsyncEngine(llm.engine)
+        front.parallel_sampling = False  # (as `ProcessAsyncEngine`)
+        front.start()
+        try:
+            with pytest.raises(InvalidRequestError) as e:
+                await front.add([EngineRequest("x", [1, 2], SamplingParams(n=2))])
+            assert e.value.param == "n"
+        finally:
+            await front.stop()
+
+    asyncio.run(main())
+    assert not llm.engine.has_unfinished_requests()

@@ -87,11 +87,6 @@ class EngineRequest:
     resume: Resume | None = None
     kv_handoff: KVHandoff | None = None
 
-    def __post_init__(self) -> None:
-        if self.params.n != 1:  # a group's members are its choices (the HTTP layer makes n)
-            raise InvalidRequestError(
-                "an engine request is one choice: add n requests, one per choice (params.n must be 1)", param="n"
-            )
 
 
 class OutputStream:
@@ -178,6 +173,7 @@ class EngineFront(ABC):
     several behind a router (`ReplicaSet`). Everything is called from the event loop."""
 
     metrics: ServerMetrics | None
+    parallel_sampling = False  # whether a request may ask for n > 1 choices (the engine merges them)
 
     # -- facts (constant once started) -------------------------------------------------------
     @property
@@ -273,11 +269,17 @@ class EngineFront(ABC):
 class AsyncEngine(EngineFront):
     """Owns an `Engine` and steps it in a dedicated thread; requests arrive from asyncio.
 
+    A request with `n > 1` is one engine request whose outputs the engine merges (its choices
+    as `Engine.add_request` makes them); an engine in another process takes one choice a
+    request (`parallel_sampling`).
+
     `start()` must be called from the event loop that will consume the streams; `stop()` ends
     the thread (aborting whatever is still in flight). `add()` raises `InvalidRequestError`,
     `QueueFullError` or `EngineShuttingDownError` before any output exists, so an HTTP layer can
     answer 400 / 429 / 503 before it starts a response.
     """
+
+    parallel_sampling = True  # (n > 1 in one request)
 
     def __init__(
         self,
@@ -410,6 +412,11 @@ class AsyncEngine(EngineFront):
     # -- requests (event loop) ---------------------------------------------------------------
     async def add(self, requests: Sequence[EngineRequest]) -> OutputStream:
         """Queue a group of engine requests; all are accepted or none (then this raises)."""
+        if any(r.params.n != 1 for r in requests) and not self.parallel_sampling:
+            # (the HTTP layer makes its n choices as n requests; `AsyncLLM` passes n on)
+            raise InvalidRequestError(
+                "an engine request here is one choice: add n requests, one per choice (params.n must be 1)", param="n"
+            )
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down; no new requests")
         assert self._loop is not None and self._idle is not None
@@ -513,7 +520,8 @@ class AsyncEngine(EngineFront):
     def _apply_add(self, cmd: _Add) -> None:
         engine = self.engine
         added: list[str] = []
-        error = queue_limit_error(len(cmd.requests), len(engine.scheduler.waiting), self.max_queued_requests)
+        error = queue_limit_error(sum(r.params.n for r in cmd.requests), len(engine.scheduler.waiting),
+                                  self.max_queued_requests)
         if error is None:
             try:
                 for r in cmd.requests:

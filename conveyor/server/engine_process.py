@@ -425,6 +425,8 @@ class ProcessAsyncEngine(AsyncEngine):
     thread that talks to it. Everything else is `AsyncEngine`'s interface.
     """
 
+    parallel_sampling = False  # (a replayed request is one choice)
+
     def __init__(
         self,
         engine_kwargs: dict[str, Any],
