@@ -16,16 +16,18 @@ from typing import Any
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
-from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.server.async_engine import AsyncEngine, EngineRequest, Prompt
 from conveyor.tokenizer import Tokenizer
+
+Message = dict[str, Any]
 
 
 class AsyncLLM:
     """Load a model once; serve requests from asyncio code with continuous batching.
 
-    `generate` streams one request's outputs (`output_kind`: "cumulative" each time, "delta"
+    `generate` (and `chat`, through the model's chat template) streams one request's outputs (`output_kind`: "cumulative" each time, "delta"
     only what is new, "final_only" one output at the end); `n > 1` gives its choices in one
     output (choice i of a seeded request with seed + i, as `LLM.generate`). Leaving the loop
     early, or cancelling the task, aborts the request and frees its KV blocks. A request the
@@ -65,6 +67,41 @@ class AsyncLLM:
                 yield out
         finally:
             stream.abort()
+
+    async def chat(
+        self,
+        messages: list[Message],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One conversation's outputs, its messages put through the model's chat template (as
+        `LLM.chat`)."""
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer", param="messages")
+        prompt = self.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        async for out in self.generate(prompt, sampling_params, request_id, lora_request=lora_request):
+            yield out
+
+    async def encode(
+        self,
+        prompt: Prompt,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A prompt's pooled output (vLLM's `AsyncLLM.encode`, one output once the prompt is
+        computed): a vector, or one a prompt token with `pooling_type="all"`, as `LLM.encode`."""
+        params = SamplingParams.for_pooling(pooling_params or PoolingParams())
+        async for out in self.generate(prompt, params, request_id, lora_request=lora_request):
+            if out.finished:
+                data = out.token_embeddings if out.token_embeddings is not None else out.embedding or []
+                yield PoolingRequestOutput(out.request_id, out.prompt_token_ids, PoolingOutput(data), True)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (an unknown or finished id is ignored); its stream ends with its

@@ -115,6 +115,42 @@ def test_a_bad_request_raises_before_any_output_and_the_others_go_on(tiny_model:
     asyncio.run(main())
 
 
+def test_encode_gives_the_offline_pooled_outputs(tiny_model: Path, reference: LLM) -> None:
+    """Pooled vectors (and one a token) equal `LLM.encode`'s; a model without a tokenizer has no chat."""
+    from conveyor import PoolingParams
+
+    want = [o.outputs.data for o in reference.encode(PROMPTS[:2], use_tqdm=False)]
+    every = reference.encode([PROMPTS[2]], PoolingParams(pooling_type="all"), use_tqdm=False)[0].outputs.data
+
+    async def main() -> list:
+        async with AsyncLLM(str(tiny_model), **OPTIONS) as llm:
+            async def one(prompt, params=None):
+                outs = [o async for o in llm.encode(prompt, params)]
+                assert len(outs) == 1 and outs[0].finished
+                return outs[0].outputs.data
+            with pytest.raises(InvalidRequestError, match="no tokenizer"):  # (the tiny model has none)
+                [o async for o in llm.chat([{"role": "user", "content": "hi"}])]
+            return await asyncio.gather(one(PROMPTS[0]), one(PROMPTS[1]), one(PROMPTS[2], PoolingParams(pooling_type="all")))
+
+    got = asyncio.run(main())
+    assert got[:2] == want and got[2] == every and len(every) == len(PROMPTS[2])
+
+
+def test_chat_puts_messages_through_the_template(smollm2: str) -> None:
+    """SmolLM2's ChatML template: the same greedy tokens as `LLM.chat`."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    options = {"kv_cache_memory": 64 << 20, "max_model_len": 512}
+    want = LLM(smollm2, **options).chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main() -> list[int]:
+        async with AsyncLLM(smollm2, **options) as llm:
+            outs = [o async for o in llm.chat(messages, params)]
+            return outs[-1].outputs[0].token_ids
+
+    assert asyncio.run(main()) == want
+
+
 def test_only_an_engine_in_this_process_merges_choices() -> None:
     """The HTTP layer's fronts over another process take one choice a request."""
     assert AsyncEngine.parallel_sampling and not ProcessAsyncEngine.parallel_sampling
