@@ -492,6 +492,19 @@ class GraniteParser(ToolParser):
     that does not open so is text."""
 
     TAGS = ("<|tool_call|>", "<tool_call>")
+    MARKERS = TAGS[:1]
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text that does not open with `<` past any whitespace (so with neither tag: content, as
+        `scan` reads it), or `<|tool_call|>` and a JSON list of `{"name": ..., "arguments": ...}`
+        calls held to their schemas, separated by `, ` (one where `parallel` is false), then any
+        text (what `scan` reads after the list)."""
+        calls = json_calls_tag(functions, parallel, ", ", "arguments", self.TAGS[0] + "[", "]")
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "regex", "pattern": r"\s*([^<\s][\s\S]*)?"},
+            {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\s*"}, calls,
+                                              {"type": "regex", "pattern": r"[\s\S]*"}]},
+        ]}}
 
     def scan(self, text: str, final: bool) -> Scan:
         body = text.lstrip()
@@ -818,9 +831,9 @@ class SeedOssParser(Qwen3CoderParser):
     """ByteDance Seed-OSS: Qwen3-Coder's XML calls in `<seed:tool_call>` blocks."""
 
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
-
-    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
-        return None  # (its markers may be special tokens of Seed-OSS's tokenizer: not built)
+    # (Qwen3-Coder's strict tag with these blocks; none where Seed-OSS's tokenizer holds one as a
+    # special token)
+    MARKERS = (OPEN, CLOSE, "<function=", "</function>", "<parameter=", "</parameter>")
 
 
 @_PARSERS.register("glm45")

@@ -414,6 +414,57 @@ def test_auto_with_a_strict_function_holds_json_block_calls_to_their_schemas(par
         assert automaton.matches(before + written[0]), written[0]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["", " ", "\n", "Sure ", "<"]), st.lists(PHI_LIST, min_size=0, max_size=2),
+       st.sampled_from(["", " Done.", "]"]), st.booleans())
+def test_auto_with_a_strict_function_holds_granite_calls_to_their_schemas(before, lists, after, parallel):
+    """Under `granite`: what the automaton allows, the parser reads as text (opening with no
+    tag) or as the opening list's calls, each of a listed function with arguments its parameters
+    allow (one where `parallel_tool_calls` is false); a valid list after whitespace, with any
+    text after it, is allowed, and so is plain text."""
+    parser = make_tool_parser("granite")
+    automaton = strict_automaton("granite", parallel)
+    written = ["<|tool_call|>[" + ", ".join(items) + "]" for items in lists]
+    text = before + " then ".join(written) + after
+    _, calls = parser.parse(text)
+    weather = strict(WEATHER)["function"]["parameters"]
+
+    def valid(item: str) -> bool:
+        call = json.loads(item)
+        return call["name"] == "search" or (call["name"] == "get_weather"
+                                            and jsonschema.Draft202012Validator(weather).is_valid(call["arguments"]))
+
+    if automaton.matches(text):
+        if text.lstrip().startswith("<"):
+            assert len(calls) == len(lists[0]) and (parallel or len(calls) == 1), text
+            assert all(valid(item) for item in lists[0]), text
+        else:
+            assert not calls, text
+    elif lists and before.strip() == "" and all(valid(i) for i in lists[0]) and (parallel or len(lists[0]) == 1):
+        raise AssertionError(f"a valid list refused: {text!r}")
+    assert automaton.matches("The weather is fine.") and automaton.matches("") and not automaton.matches("<b>hi</b>")
+
+
+def test_auto_with_a_strict_function_holds_seed_oss_calls_as_qwen3_coders():
+    """Under `seed_oss`: Qwen3-Coder's held calls in `<seed:tool_call>` blocks, with text around
+    them; a value outside its schema, an unlisted function or a second call where
+    `parallel_tool_calls` is false are refused; Qwen3-Coder's own blocks are text there."""
+    parser = make_tool_parser("seed_oss")
+
+    def written(name: str, args: dict) -> str:
+        return parser.write([{"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}])
+
+    good, other = written("get_weather", {"city": "Paris", "unit": "celsius"}), written("search", {"query": "x"})
+    many, one = strict_automaton("seed_oss", True), strict_automaton("seed_oss", False)
+    assert many.matches(f"Let me check. {good}\n{other}") and one.matches(f"Let me check. {good}")
+    assert parser.parse(f"Let me check. {good}")[1][0]["function"]["name"] == "get_weather"
+    assert not one.matches(f"{good}\n{other}")
+    assert not many.matches(written("get_weather", {"city": "Paris", "unit": "kelvin"}))
+    assert not many.matches(written("other", {}))
+    assert many.matches(make_tool_parser("qwen3_coder").write(
+        [{"type": "function", "function": {"name": "other", "arguments": "{}"}}]))  # (not seed's blocks: text)
+
+
 def test_no_strict_tag_where_the_tokenizer_holds_a_marker_as_a_special_token(tmp_path):
     """A grammar over bytes cannot write a special token: where the served tokenizer holds one
     of the tag's markers as one, the calls stay free (as without a strict function)."""
