@@ -405,6 +405,22 @@ class XLamParser(ToolParser):
 
     FENCE, CLOSE = "```json", "```"
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Only a JSON list of `{"name": ..., "arguments": ...}` calls held to their schemas,
+        separated by `, ` (one where `parallel` is false), whitespace around it; or text that
+        does not open with `[` in which every ```` ```json ```` fence holds such a list (the
+        first is the one `scan` reads)."""
+        calls = json_calls_tag(functions, parallel, ", ", "arguments", "[", "]")
+        fenced = {"type": "triggered_tags", "triggers": [self.FENCE], "tags": [
+            {"type": "tag", "begin": self.FENCE + "\n", "content": calls, "end": "\n" + self.CLOSE}]}
+        space = {"type": "regex", "pattern": r"\s*"}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "sequence", "elements": [space, calls, space]},
+            {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\s*[^\[`\s]"}, fenced]},
+            {"type": "sequence", "elements": [space, {**fenced, "at_least_one": True}]},
+            space,
+        ]}}
+
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.FENCE)
         if start >= 0:

@@ -445,6 +445,41 @@ def test_auto_with_a_strict_function_holds_granite_calls_to_their_schemas(before
     assert automaton.matches("The weather is fine.") and automaton.matches("") and not automaton.matches("<b>hi</b>")
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["", " ", "Sure. ", "[", "`"]), st.lists(PHI_LIST, min_size=0, max_size=2), st.booleans(),
+       st.sampled_from(["", " Done."]), st.booleans())
+def test_auto_with_a_strict_function_holds_xlam_calls_to_their_schemas(before, lists, fenced, after, parallel):
+    """Under `xlam`: what the automaton allows, the parser reads as calls of listed functions
+    with arguments their parameters allow (one where `parallel_tool_calls` is false), from a
+    bare list or the first fenced one; a valid bare list, and text with valid fenced lists, are
+    allowed, and so is plain text."""
+    parser = make_tool_parser("xlam")
+    automaton = strict_automaton("xlam", parallel)
+    lists_text = ["[" + ", ".join(items) + "]" for items in lists]
+    written = [f"```json\n{t}\n```" for t in lists_text] if fenced else lists_text
+    text = before + " then ".join(written) + after
+    _, calls = parser.parse(text)
+    weather = strict(WEATHER)["function"]["parameters"]
+
+    def valid(item: str) -> bool:
+        call = json.loads(item)
+        return call["name"] == "search" or (call["name"] == "get_weather"
+                                            and jsonschema.Draft202012Validator(weather).is_valid(call["arguments"]))
+
+    if automaton.matches(text):
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert c["function"]["name"] == "search" or jsonschema.Draft202012Validator(weather).is_valid(args), text
+        assert parallel or len(calls) <= 1, text
+        if lists and (fenced or text.strip().startswith("[")):  # (a list inside text is text)
+            assert calls, text
+    ok = all(valid(i) for items in lists for i in items) and (parallel or all(len(items) == 1 for items in lists))
+    if lists and ok and (fenced and before in ("", " ", "Sure. ") or not fenced and before.strip() == ""
+                         and not after and len(lists) == 1):
+        assert automaton.matches(text), text
+    assert automaton.matches("The weather is fine.") and automaton.matches("") and not automaton.matches("[1]")
+
+
 def test_auto_with_a_strict_function_holds_seed_oss_calls_as_qwen3_coders():
     """Under `seed_oss`: Qwen3-Coder's held calls in `<seed:tool_call>` blocks, with text around
     them; a value outside its schema, an unlisted function or a second call where
