@@ -474,8 +474,9 @@ def test_auto_with_a_strict_function_holds_xlam_calls_to_their_schemas(before, l
         if lists and (fenced or text.strip().startswith("[")):  # (a list inside text is text)
             assert calls, text
     ok = all(valid(i) for items in lists for i in items) and (parallel or all(len(items) == 1 for items in lists))
-    if lists and ok and (fenced and before in ("", " ", "Sure. ") or not fenced and before.strip() == ""
-                         and not after and len(lists) == 1):
+    allowed_form = (fenced and before in ("", " ", "Sure. ")) or (
+        not fenced and before.strip() == "" and not after and len(lists) == 1)
+    if lists and ok and allowed_form:
         assert automaton.matches(text), text
     assert automaton.matches("The weather is fine.") and automaton.matches("") and not automaton.matches("[1]")
 
