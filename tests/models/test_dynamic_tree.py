@@ -212,7 +212,8 @@ def dynamic_llm(target: Path, heads: dict[str, Path], method: str, topk=2, steps
 
 
 def record(llm: LLM, oracle: dict[tuple[int, ...], list[int]] | None = None) -> list[tuple]:
-    """Every round's `(context up to the step's input, nodes by path, the item)`. With `oracle`
+    """Every round's `(context up to the step's input, its tokens by node path, num_draft,
+    tree_depth, the last row's depth)`, the dynamic trees' scores checked. With `oracle`
     (each prompt's expected output) the guesses are then replaced: the deepest branch of the
     round's own tree (its last row's) holds the right tokens, every other node a wrong one."""
     rounds: list[tuple] = []

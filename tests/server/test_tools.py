@@ -346,6 +346,13 @@ def test_auto_with_a_strict_function_holds_pythonic_calls_to_their_schemas(calls
         assert automaton.matches(written), written
 
 
+def valid_item(item: str) -> bool:
+    """A written `{"name", "arguments"}` call of search, or of get_weather in its strict schema."""
+    call = json.loads(item)
+    return call["name"] == "search" or (call["name"] == "get_weather" and jsonschema.Draft202012Validator(
+        strict(WEATHER)["function"]["parameters"]).is_valid(call["arguments"]))
+
+
 PHI_LIST = st.lists(LLAMA_CALL.map(lambda c: c.replace('"parameters"', '"arguments"')), min_size=1, max_size=3)
 
 
@@ -362,17 +369,11 @@ def test_auto_with_a_strict_function_holds_phi4_mini_calls_to_their_schemas(befo
     written = ["functools[" + ", ".join(items) + "]" for items in lists]
     text = before + " and ".join(written) + after
     _, calls = parser.parse(text)
-    weather = strict(WEATHER)["function"]["parameters"]
-
-    def valid(item: str) -> bool:
-        call = json.loads(item)
-        return call["name"] == "search" or (call["name"] == "get_weather"
-                                            and jsonschema.Draft202012Validator(weather).is_valid(call["arguments"]))
 
     if automaton.matches(text):
         assert len(lists) == 1 and not after and len(calls) == len(lists[0]) and (parallel or len(calls) == 1), text
-        assert all(valid(item) for item in lists[0]), text
-    elif len(lists) == 1 and not after and all(valid(item) for item in lists[0]) and (parallel or len(lists[0]) == 1):
+        assert all(valid_item(item) for item in lists[0]), text
+    elif len(lists) == 1 and not after and all(valid_item(item) for item in lists[0]) and (parallel or len(lists[0]) == 1):
         raise AssertionError(f"a valid list refused: {text!r}")
 
 
@@ -427,20 +428,14 @@ def test_auto_with_a_strict_function_holds_granite_calls_to_their_schemas(before
     written = ["<|tool_call|>[" + ", ".join(items) + "]" for items in lists]
     text = before + " then ".join(written) + after
     _, calls = parser.parse(text)
-    weather = strict(WEATHER)["function"]["parameters"]
-
-    def valid(item: str) -> bool:
-        call = json.loads(item)
-        return call["name"] == "search" or (call["name"] == "get_weather"
-                                            and jsonschema.Draft202012Validator(weather).is_valid(call["arguments"]))
 
     if automaton.matches(text):
         if text.lstrip().startswith("<"):
             assert len(calls) == len(lists[0]) and (parallel or len(calls) == 1), text
-            assert all(valid(item) for item in lists[0]), text
+            assert all(valid_item(item) for item in lists[0]), text
         else:
             assert not calls, text
-    elif lists and before.strip() == "" and all(valid(i) for i in lists[0]) and (parallel or len(lists[0]) == 1):
+    elif lists and before.strip() == "" and all(valid_item(i) for i in lists[0]) and (parallel or len(lists[0]) == 1):
         raise AssertionError(f"a valid list refused: {text!r}")
     assert automaton.matches("The weather is fine.") and automaton.matches("") and not automaton.matches("<b>hi</b>")
 
@@ -461,11 +456,6 @@ def test_auto_with_a_strict_function_holds_xlam_calls_to_their_schemas(before, l
     _, calls = parser.parse(text)
     weather = strict(WEATHER)["function"]["parameters"]
 
-    def valid(item: str) -> bool:
-        call = json.loads(item)
-        return call["name"] == "search" or (call["name"] == "get_weather"
-                                            and jsonschema.Draft202012Validator(weather).is_valid(call["arguments"]))
-
     if automaton.matches(text):
         for c in calls:
             args = json.loads(c["function"]["arguments"])
@@ -473,7 +463,7 @@ def test_auto_with_a_strict_function_holds_xlam_calls_to_their_schemas(before, l
         assert parallel or len(calls) <= 1, text
         if lists and (fenced or text.strip().startswith("[")):  # (a list inside text is text)
             assert calls, text
-    ok = all(valid(i) for items in lists for i in items) and (parallel or all(len(items) == 1 for items in lists))
+    ok = all(valid_item(i) for items in lists for i in items) and (parallel or all(len(items) == 1 for items in lists))
     allowed_form = (fenced and before in ("", " ", "Sure. ")) or (
         not fenced and before.strip() == "" and not after and len(lists) == 1)
     if lists and ok and allowed_form:

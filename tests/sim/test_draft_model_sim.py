@@ -173,15 +173,16 @@ SECOND = "[(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)]"  # the second cand
 T9 = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)]"
 
 
-def assert_a_tree_beats_its_chain_at_one_request(method: str) -> None:
-    """On an H100 at one request, where a row costs little, a tree of 9 whose lower ranks are
-    right sometimes serves faster than the chain of its depth."""
+def assert_a_tree_beats_its_chain_at_one_request(method: str, **tree: Any) -> None:
+    """On an H100 at one request, where a row costs little, a tree of 9 (`tree`: its options;
+    T9 by default) whose lower ranks are right sometimes serves faster than the chain of its
+    depth."""
     def clock(config: EngineConfig, **rates: Any) -> float:
         eng = build_sim_engine(config, get_hardware("h100-sxm"), get_model("llama-3.1-8b"), seed=3, **rates)
         replay(eng, [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=256, ignore_eos=True))])
         return eng.clock()
 
-    wide = EngineConfig.from_kwargs(speculative_method=method, speculative_token_tree=T9)
+    wide = EngineConfig.from_kwargs(speculative_method=method, **(tree or {"speculative_token_tree": T9}))
     chain = EngineConfig.from_kwargs(speculative_method=method, num_speculative_tokens=3)
     assert clock(wide, acceptance_rate=0.6, rank_acceptance=(0.15, 0.05)) < clock(chain, acceptance_rate=0.6)
 
@@ -240,6 +241,15 @@ def test_an_eagle_heads_token_tree_is_priced_a_step_a_depth():
     tree = EngineConfig.from_kwargs(speculative_method="eagle3", speculative_token_tree=SECOND)
     engine = build_sim_engine(tree, hw, model, acceptance_rate=0.0, rank_acceptance=(1.0,))
     assert isinstance(engine.drafter, TreeSimDrafter)
+    steps = head_steps(engine)
+    sched = engine.scheduler
+    assert sched.num_draft_tokens == 6 * 10 and sched.num_accepted_tokens == 3 * 10
+    assert len(steps) == 3 * 10 and all(s == [1] for s in steps[1::3]) and all(s == [1] for s in steps[2::3])
+    assert_a_tree_beats_its_chain_at_one_request("eagle3")
+
+
+def head_steps(engine: Any) -> list[list[int]]:
+    """One request of 40 tokens after its first through `engine`: each head step's rows."""
     steps = []
     execute = engine.drafter.runner.execute
 
@@ -249,10 +259,7 @@ def test_an_eagle_heads_token_tree_is_priced_a_step_a_depth():
 
     engine.drafter.runner.execute = counted
     replay(engine, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=41, ignore_eos=True))])
-    sched = engine.scheduler
-    assert sched.num_draft_tokens == 6 * 10 and sched.num_accepted_tokens == 3 * 10
-    assert len(steps) == 3 * 10 and all(s == [1] for s in steps[1::3]) and all(s == [1] for s in steps[2::3])
-    assert_a_tree_beats_its_chain_at_one_request("eagle3")
+    return steps
 
 
 def test_an_eagle2_tree_is_the_shape_its_rates_grow_and_priced_as_expanded():
@@ -268,30 +275,15 @@ def test_an_eagle2_tree_is_the_shape_its_rates_grow_and_priced_as_expanded():
                                       num_speculative_tokens=6)
     engine = build_sim_engine(config, hw, model, acceptance_rate=0.0, rank_acceptance=(1.0,))
     assert isinstance(engine.drafter, TreeSimDrafter)
-    steps = []
-    execute = engine.drafter.runner.execute
-
-    def counted(out):
-        steps.append([len(it.token_ids) for it in out.scheduled])
-        return execute(out)
-
-    engine.drafter.runner.execute = counted
-    replay(engine, [TimedRequest(0.0, [5] * 32, SamplingParams(max_tokens=41, ignore_eos=True))])
+    steps = head_steps(engine)
     sched = engine.scheduler
     assert sched.num_draft_tokens == 6 * 10 and sched.num_accepted_tokens == 3 * 10
     assert len(steps) == 3 * 10 and all(s == [1, 1] for s in steps[1::3]) and all(s == [1, 1] for s in steps[2::3])
     with pytest.raises(ConfigError, match="speculative_eagle_topk: the simulator needs"):
         build_sim_engine(config, hw, model, acceptance_rate=0.7)
 
-    def clock(config: EngineConfig, **rates: Any) -> float:
-        eng = build_sim_engine(config, hw, model, seed=3, **rates)
-        replay(eng, [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=256, ignore_eos=True))])
-        return eng.clock()
-
-    wide = EngineConfig.from_kwargs(speculative_method="eagle3", speculative_eagle_topk=3, speculative_num_steps=3,
-                                    num_speculative_tokens=9)
-    chain = EngineConfig.from_kwargs(speculative_method="eagle3", num_speculative_tokens=3)
-    assert clock(wide, acceptance_rate=0.6, rank_acceptance=(0.15, 0.05)) < clock(chain, acceptance_rate=0.6)
+    assert_a_tree_beats_its_chain_at_one_request("eagle3", speculative_eagle_topk=3, speculative_num_steps=3,
+                                                 num_speculative_tokens=9)
 
 
 def test_a_draft_budget_shares_a_steps_drafts_among_its_sequences():
