@@ -151,7 +151,6 @@ class EagleHead(nn.Module):
         ids = ranked_tokens(self.compute_logits(hidden), width)
         return ids + self.d2t[ids] if self.eagle3 else ids
 
-
     def top_logprobs(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`ranked`'s guesses (`[rows, width]`, the target's ids) and the log of the head's
         probability of each (its softmax over the draft's vocabulary, in float32): an EAGLE-2

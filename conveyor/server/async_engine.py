@@ -88,7 +88,6 @@ class EngineRequest:
     kv_handoff: KVHandoff | None = None
 
 
-
 class OutputStream:
     """The outputs of a group of engine requests (the n choices of one API request), in order.
 
