@@ -121,8 +121,11 @@ def test_ttft_itl_tpot_measured_per_chunk(fake_server: tuple[str, FakeState]) ->
     assert a.ok and b.ok
     assert (a.output_len, b.output_len) == (4, 6)
     assert 0.3 <= a.ttft < 0.3 + SLACK and 0.1 <= b.ttft < 0.1 + SLACK
-    assert len(a.itls) == 3 and all(0.09 <= g < 0.1 + SLACK for g in a.itls)
-    assert len(b.itls) == 5 and all(0.045 <= g < 0.05 + SLACK for g in b.itls)
+    # A first chunk read late shortens the gap after it as the client sees it (a CI run saw 37 ms
+    # for a 50 ms gap on a loaded machine): the first gap is allowed 20 ms below, the rest not.
+    assert len(a.itls) == 3 and 0.07 <= a.itls[0] < 0.1 + SLACK and all(0.09 <= g < 0.1 + SLACK for g in a.itls[1:])
+    assert len(b.itls) == 5 and 0.025 <= b.itls[0] < 0.05 + SLACK and all(
+        0.045 <= g < 0.05 + SLACK for g in b.itls[1:])
     assert 0.09 <= a.tpot < 0.1 + SLACK
     assert a.prompt_len == 6 and a.cached_tokens == 3  # the usage's prompt_tokens_details
     body = state.bodies[-1]
