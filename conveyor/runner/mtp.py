@@ -270,29 +270,27 @@ class MTPDrafter(Drafter):
         slot: list[dict[int, int]] = [{} for _ in drafting]
         made: list[dict[int, torch.Tensor]] = [{} for _ in drafting]
 
-        def rank(rows: torch.Tensor, owners: list[tuple[int, int]]) -> list[int]:
+        def rank(rows: torch.Tensor, owners: list[tuple[int, int]]) -> list[list[int]]:
             """Each row's topk children into its owner's candidates `(item, parent)`; the new
-            candidates' indices, per item in order."""
+            candidates' indices, by item."""
             ids, logp = head.top_logprobs(rows, topk)
-            new = []
+            new: list[list[int]] = [[] for _ in drafting]
             for (i, parent), mine, lp in zip(owners, ids.tolist(), logp.tolist(), strict=True):
                 base = cands[i][parent][2] if parent >= 0 else 0.0
                 for r in range(topk):
-                    new.append(len(cands[i]))
+                    new[i].append(len(cands[i]))
                     cands[i].append((parent, r, base + lp[r]))
                     tokens[i].append(mine[r])
             return new
 
         frontier = rank(torch.cat([out.hidden[it.seq_id] for it in drafting]), [(i, -1) for i in range(len(drafting))])
-        owner = [i for i in range(len(drafting)) for _ in range(topk)]
         for depth in range(1, max(it.tree_depth for it in drafting)):
             chosen: list[tuple[int, int]] = []  # (item, candidate) expanded at this depth
             for i, it in enumerate(drafting):
                 room = it.num_draft + 1 - len(slot[i])  # (slots start_pos .. start_pos + num_draft)
                 if depth >= it.tree_depth or room <= 0:
                     continue
-                mine = [c for c, o in zip(frontier, owner, strict=True) if o == i]
-                mine.sort(key=lambda c: (-cands[i][c][2], c))
+                mine = sorted(frontier[i], key=lambda c: (-cands[i][c][2], c))
                 for c in mine[: min(topk, room)]:
                     slot[i][c] = len(slot[i]) + 1
                     chosen.append((i, c))
@@ -316,7 +314,6 @@ class MTPDrafter(Drafter):
             for r, (i, c) in enumerate(chosen):
                 made[i][c] = rows[r : r + 1]
             frontier = rank(rows, chosen)
-            owner = [i for i, _ in chosen for _ in range(topk)]
         self.scores = {}
         for i, it in enumerate(drafting):
             tree, picked = rerank(cands[i], it.num_draft)

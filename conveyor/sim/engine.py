@@ -542,10 +542,8 @@ def build_sim_engine(
                                                    fp8=fp8 and mtp), token)
         if config.scheduler.speculative_method == "draft_model":  # (a head is no model: no native call)
             draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
-        if tree is not None or dynamic is not None:
-            grown = None if dynamic is None else DynamicTree(dynamic, config.scheduler.speculative_num_steps or 1,
-                                                             config.scheduler.num_speculative_tokens)
-            engine.drafter = TreeSimDrafter(draft_runner, grown, (acceptance_rate or 0.0, *rank_acceptance))
+        if tree is not None or dynamic is not None:  # (a dynamic tree's shape: the scheduler's)
+            engine.drafter = TreeSimDrafter(draft_runner, scheduler.dynamic_tree, (acceptance_rate or 0.0, *rank_acceptance))
         else:
             engine.drafter = Drafter(draft_runner)
     if config.scheduler.speculative_method == "medusa":
