@@ -142,23 +142,25 @@ class EagleHead(nn.Module):
 
     def guess(self, hidden: torch.Tensor) -> torch.Tensor:
         """The greedy guesses, as the target's token ids."""
-        ids = self.compute_logits(hidden).argmax(dim=-1)
-        return ids + self.d2t[ids] if self.eagle3 else ids
+        return self._target_ids(self.compute_logits(hidden).argmax(dim=-1))
 
     def ranked(self, hidden: torch.Tensor, width: int) -> torch.Tensor:
         """Each row's `width` likeliest guesses, best first (`[rows, width]`, the target's token
         ids): a token tree's candidates. The first is `guess`'s (argmax, the first of equals)."""
-        ids = ranked_tokens(self.compute_logits(hidden), width)
-        return ids + self.d2t[ids] if self.eagle3 else ids
+        return self._target_ids(ranked_tokens(self.compute_logits(hidden), width))
 
     def top_logprobs(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`ranked`'s guesses (`[rows, width]`, the target's ids) and the log of the head's
-        probability of each (its softmax over the draft's vocabulary, in float32): an EAGLE-2
-        tree's candidates and their scores."""
-        logits = self.compute_logits(hidden).float()
-        ids = ranked_tokens(logits, width)
-        logp = logits.log_softmax(dim=-1).gather(-1, ids)
-        return (ids + self.d2t[ids] if self.eagle3 else ids), logp
+        probability of each (its softmax over the draft's vocabulary, in float32 at least): an
+        EAGLE-2 tree's candidates and their scores."""
+        logits = self.compute_logits(hidden)
+        ids = ranked_tokens(logits, width)  # (ranked in the logits' own dtype, as `ranked`)
+        logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1).gather(-1, ids)
+        return self._target_ids(ids), logp
+
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids as the target's (EAGLE-3's draft vocabulary through `d2t`)."""
+        return ids + self.d2t[ids] if self.eagle3 else ids
 
 
 def read_eagle(folder: Path, method: str, target: ArchConfig) -> tuple[EagleSpec, dict[str, torch.Tensor]]:
