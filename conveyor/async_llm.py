@@ -15,13 +15,12 @@ from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
+from conveyor.llm import Message, chat_prompt, default_pooling, pooling_output
 from conveyor.lora import LoRARequest
-from conveyor.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
-from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
+from conveyor.outputs import PoolingRequestOutput, RequestOutput
+from conveyor.sampling_params import PoolingParams, SamplingParams
 from conveyor.server.async_engine import AsyncEngine, EngineRequest, Prompt
 from conveyor.tokenizer import Tokenizer
-
-Message = dict[str, Any]
 
 
 class AsyncLLM:
@@ -80,10 +79,7 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """One conversation's outputs, its messages put through the model's chat template (as
         `LLM.chat`)."""
-        if self.engine.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer", param="messages")
-        prompt = self.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        prompt = chat_prompt(self.engine, messages, add_generation_prompt, chat_template_kwargs)
         async for out in self.generate(prompt, sampling_params, request_id, lora_request=lora_request):
             yield out
 
@@ -96,12 +92,12 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """A prompt's pooled output (vLLM's `AsyncLLM.encode`, one output once the prompt is
-        computed): a vector, or one a prompt token with `pooling_type="all"`, as `LLM.encode`."""
-        params = SamplingParams.for_pooling(pooling_params or PoolingParams())
+        computed): a vector, or one a prompt token with `pooling_type="all"` (a token classifier's
+        probabilities by default), as `LLM.encode`."""
+        params = SamplingParams.for_pooling(pooling_params or default_pooling(self.engine))
         async for out in self.generate(prompt, params, request_id, lora_request=lora_request):
             if out.finished:
-                data = out.token_embeddings if out.token_embeddings is not None else out.embedding or []
-                yield PoolingRequestOutput(out.request_id, out.prompt_token_ids, PoolingOutput(data), True)
+                yield pooling_output(out)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (an unknown or finished id is ignored); its stream ends with its

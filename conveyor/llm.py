@@ -114,15 +114,10 @@ class LLM:
         `out.outputs.data` is a vector, or with `pooling_type="all"` one vector a prompt token
         (the hidden states; with `task="classify"` a token classifier's probabilities, what a
         token classifier gives by default)."""
-        if pooling_params is None and self.engine.token_classifier:
-            pooling_params = PoolingParams(task="classify")
+        if pooling_params is None:
+            pooling_params = default_pooling(self.engine)
         outs = self._pooled(prompts, pooling_params, use_tqdm, lora_request, priority)
-        return [
-            PoolingRequestOutput(o.request_id, o.prompt_token_ids,
-                                 PoolingOutput(o.token_embeddings if o.token_embeddings is not None else o.embedding or []),
-                                 o.finished)
-            for o in outs
-        ]
+        return [pooling_output(o) for o in outs]
 
     def _pooled(
         self,
@@ -241,19 +236,13 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
-        if self.engine.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer", param="messages")
         convs: list[list[Message]]
         if messages and isinstance(messages[0], dict):
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
-        prompts: list[Prompt] = [
-            self.engine.tokenizer.apply_chat_template(
-                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-            )
-            for c in convs
-        ]
+        prompts: list[Prompt] = [chat_prompt(self.engine, c, add_generation_prompt, chat_template_kwargs)
+                                 for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
@@ -292,6 +281,27 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def chat_prompt(engine: Engine, messages: list[Message], add_generation_prompt: bool = True,
+                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`)."""
+    if engine.tokenizer is None:
+        raise InvalidRequestError("this engine has no tokenizer", param="messages")
+    return engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+
+
+def default_pooling(engine: Engine) -> PoolingParams:
+    """What `encode` pools without `PoolingParams`: a token classifier's probabilities, else the
+    model's own pooling."""
+    return PoolingParams(task="classify") if engine.token_classifier else PoolingParams()
+
+
+def pooling_output(out: RequestOutput) -> PoolingRequestOutput:
+    """A finished pooled request as `encode` gives it: a vector, or one a prompt token."""
+    data = out.token_embeddings if out.token_embeddings is not None else out.embedding or []
+    return PoolingRequestOutput(out.request_id, out.prompt_token_ids, PoolingOutput(data), out.finished)
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

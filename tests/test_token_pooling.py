@@ -104,6 +104,29 @@ def test_token_classifiers_match_hf(taggers, name: str) -> None:
     assert len(llm.embed(batch[:1], use_tqdm=False)[0].outputs.embedding) == 64  # its hidden states embed
 
 
+def test_async_encode_takes_a_token_classifiers_default_as_llm_encode(taggers) -> None:
+    """`AsyncLLM.encode` without `PoolingParams` on a token classifier: each token's
+    probabilities, as `LLM.encode` gives them (not its hidden states)."""
+    import asyncio
+
+    from conveyor import AsyncLLM
+
+    batch = prompts(2, seed=5)
+    want = [o.outputs.data for o in LLM(taggers["llama"], dtype="float64").encode(batch, use_tqdm=False)]
+
+    async def main() -> list:
+        async with AsyncLLM(taggers["llama"], dtype="float64") as llm:
+            got = []
+            for p in batch:
+                outs = [o.outputs.data async for o in llm.encode(p)]
+                assert len(outs) == 1  # (one output, once the prompt is computed)
+                got.append(outs[0])
+            return got
+
+    got = asyncio.run(main())
+    assert got == want and len(got[0][0]) == 4  # (four tags a token)
+
+
 def test_a_sequence_classifiers_head_over_every_token(tmp_path) -> None:
     """`pooling_type="all"` with a sequence classifier: its score head at every position (what
     a reward model's per-token scores are), HF's `score` over its last hidden states."""
