@@ -1,6 +1,9 @@
 """`AsyncLLM`: the engine for asyncio programs (vLLM's `AsyncLLM`): requests arrive as they
 come, each one's outputs stream back as the batch makes them, and the engine steps in a thread
-of its own (`conveyor/server/async_engine.py`, what `conveyor serve` runs on).
+of its own (`conveyor/server/async_engine.py`, what `conveyor serve` runs on), or in a process
+of its own with `engine_process=True` (`conveyor/server/engine_process.py`, what `conveyor
+serve --engine-process` runs on: the event loop's Python no longer shares the engine's GIL, and
+an engine that dies is started again with the requests in flight resumed).
 
     >>> llm = AsyncLLM()  # SmolLM2-135M-Instruct, embedded
     >>> async for out in llm.generate("Hello", SamplingParams(max_tokens=8), request_id="a"):
@@ -9,42 +12,83 @@ of its own (`conveyor/server/async_engine.py`, what `conveyor serve` runs on).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
 
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
-from conveyor.llm import Message, chat_prompt, default_pooling, pooling_output
+from conveyor.llm import (
+    Message,
+    chat_prompt,
+    classification_output,
+    classify_pooling,
+    default_pooling,
+    pooling_output,
+)
 from conveyor.lora import LoRARequest
-from conveyor.outputs import PoolingRequestOutput, RequestOutput
+from conveyor.outputs import ClassificationRequestOutput, PoolingRequestOutput, RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
+from conveyor.scoring import ModelHead, cosine, cross_encoder_inputs, score_pairs
 from conveyor.server.async_engine import AsyncEngine, EngineRequest, Prompt
+from conveyor.server.engine_process import ProcessAsyncEngine
 from conveyor.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class AsyncLLM:
     """Load a model once; serve requests from asyncio code with continuous batching.
 
-    `generate` (and `chat`, through the model's chat template) streams one request's outputs (`output_kind`: "cumulative" each time, "delta"
-    only what is new, "final_only" one output at the end); `n > 1` gives its choices in one
-    output (choice i of a seeded request with seed + i, as `LLM.generate`). Leaving the loop
-    early, or cancelling the task, aborts the request and frees its KV blocks. A request the
-    engine refuses raises `InvalidRequestError` (`QueueFullError` past `max_queued_requests`)
-    before any output, and the others go on. The engine thread starts on the first request and
-    serves that event loop from then on; `shutdown()` (or `async with`) ends it.
+    `generate` (and `chat`, through the model's chat template) streams one request's outputs
+    (`output_kind`: "cumulative" each time, "delta" only what is new, "final_only" one output at
+    the end); `n > 1` gives its choices in one output (choice i of a seeded request with
+    seed + i, as `LLM.generate`). `encode` pools a prompt, `classify` and `score` are
+    `LLM.classify`'s and `LLM.score`'s, awaited. Leaving the loop early, or cancelling the task,
+    aborts the request and frees its KV blocks. A request the engine refuses raises
+    `InvalidRequestError` (`QueueFullError` past `max_queued_requests`) before any output, and
+    the others go on.
+
+    The engine runs in a thread of this process (`engine`), or with `engine_process=True` in a
+    child process (`engine` is None there; the model is loaded before this returns, and a load
+    error raises here), which is started again if it dies, the requests in flight going on from
+    their last token delivered (a request in flight through more than `max_replays` deaths ends
+    with an error). It starts serving on the first request and serves that event loop from then
+    on; `shutdown()` (or `async with`) ends it.
     """
 
-    def __init__(self, model: str | None = None, *, max_queued_requests: int | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.engine = Engine.from_config(self.config)
-        self._front = AsyncEngine(self.engine, max_queued_requests=max_queued_requests)
+    def __init__(self, model: str | None = None, *, max_queued_requests: int | None = None,
+                 engine_process: bool = False, max_replays: int = 1, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)  # (a bad option raises here)
+        self.engine: Engine | None = None
+        self._front: AsyncEngine
+        if engine_process:
+            process = ProcessAsyncEngine(dict(kwargs, model=model), max_queued_requests=max_queued_requests,
+                                         max_replays=max_replays)
+            process.launch()
+            self._front = process
+        else:
+            self.engine = Engine.from_config(self.config)
+            self._front = AsyncEngine(self.engine, max_queued_requests=max_queued_requests)
         self._ids = itertools.count()
         self._started = False
+        self._stopped = False
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
+        return self._front.tokenizer
+
+    @property
+    def head(self) -> ModelHead:
+        """What the model classifies with: its class names, whether it classifies each token."""
+        return self._front.head
+
+    @property
+    def engine_process(self) -> ProcessAsyncEngine | None:
+        """The front end of the engine's process (`engine_process=True`): its `engine_pid`,
+        its `restarts`."""
+        return self._front if isinstance(self._front, ProcessAsyncEngine) else None
 
     async def generate(
         self,
@@ -79,7 +123,7 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """One conversation's outputs, its messages put through the model's chat template (as
         `LLM.chat`)."""
-        prompt = chat_prompt(self.engine, messages, add_generation_prompt, chat_template_kwargs)
+        prompt = chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
         async for out in self.generate(prompt, sampling_params, request_id, lora_request=lora_request):
             yield out
 
@@ -94,10 +138,50 @@ class AsyncLLM:
         """A prompt's pooled output (vLLM's `AsyncLLM.encode`, one output once the prompt is
         computed): a vector, or one a prompt token with `pooling_type="all"` (a token classifier's
         probabilities by default), as `LLM.encode`."""
-        params = SamplingParams.for_pooling(pooling_params or default_pooling(self.engine))
+        out = await self._pooled(prompt, pooling_params or default_pooling(self.head), request_id, lora_request)
+        yield pooling_output(out)
+
+    async def classify(
+        self,
+        prompt: Prompt,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> ClassificationRequestOutput:
+        """A prompt's class probabilities from a sequence classifier (`LLM.classify`):
+        `out.outputs.probs`, `out.label` the likeliest class's name."""
+        pooling = classify_pooling(self.head, pooling_params)
+        return classification_output(await self._pooled(prompt, pooling, request_id, lora_request), self.head)
+
+    async def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> list[float]:
+        """`LLM.score`: one `text_1` against each `text_2`, or pairwise; a cross-encoder's
+        relevance of each pair, or an embedding model's cosine similarity. The pairs (or the
+        distinct texts) run as concurrent requests; one refused cancels the others."""
+        pairs = score_pairs(text_1, text_2)
+        if self.head.labels:
+            inputs = cross_encoder_inputs(pairs, self.head, self.tokenizer)
+            outs = await _all([self.classify(p, lora_request=lora_request) for p in inputs])
+            return [o.outputs.probs[0] for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        pooled = await _all([self._pooled(t, PoolingParams(), None, lora_request) for t in texts])
+        vectors = {t: o.embedding or [] for t, o in zip(texts, pooled, strict=True)}
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs]
+
+    async def _pooled(self, prompt: Prompt, pooling: PoolingParams, request_id: str | None,
+                      lora_request: LoRARequest | None) -> RequestOutput:
+        """One pooling request's final output (the engine fills in the model's own pooling)."""
+        params = SamplingParams.for_pooling(pooling)
         async for out in self.generate(prompt, params, request_id, lora_request=lora_request):
             if out.finished:
-                yield pooling_output(out)
+                return out
+        raise RuntimeError("a pooling request ended without its final output")  # (never: a stream ends with it)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (an unknown or finished id is ignored); its stream ends with its
@@ -109,12 +193,30 @@ class AsyncLLM:
         return self._front.num_in_flight
 
     async def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort what is in flight and end the engine thread."""
+        """Abort what is in flight and end the engine thread (and its process)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._started:
             await self._front.stop(timeout)
+        elif isinstance(self._front, ProcessAsyncEngine):
+            self._front.kill()  # launched, never served: nothing in flight
 
     async def __aenter__(self) -> AsyncLLM:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+async def _all(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Every call's result, run concurrently; if one raises, the others are cancelled (their
+    requests aborted) and its error raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -25,7 +25,7 @@ from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
-from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from conveyor.outputs import CompletionOutput, ParallelChoices, RequestOutput, TokenLogprob
 from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
 from conveyor.sampling_params import (
     InvalidRequestError,
@@ -134,20 +134,6 @@ class _Request:
     token_embeddings: list[list[float]] | None = None  # ... pooling_type "all": one a prompt token
 
 
-@dataclass(slots=True)
-class _Parent:
-    """A request with n > 1: its choices run as requests of their own (`child_ids`), whose
-    outputs are merged into the parent's."""
-
-    request_id: str
-    child_ids: list[str]
-    kind: str  # the output_kind asked for
-    stream: bool
-    latest: list[CompletionOutput | None]  # each choice's output so far (cumulative kinds)
-    finished: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # choice 0 computes them
-
-
 class Engine:
     """Holds the scheduler, the runner and the tokenizer; knows nothing of HTTP."""
 
@@ -177,8 +163,8 @@ class Engine:
         self.finished_requests: deque[RequestRecord] = deque(maxlen=max_trace_steps)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
-        self._parents: dict[str, _Parent] = {}  # requests with n > 1, by id
-        self._child_of: dict[str, tuple[_Parent, int]] = {}  # their choices' ids
+        self._parents: dict[str, ParallelChoices] = {}  # requests with n > 1, by id
+        self._child_of: dict[str, tuple[ParallelChoices, int]] = {}  # their choices' ids
         self._next_seq_id = 0
         # Async scheduling needs a runner that launches a step without waiting for it (the
         # simulator's runner prices a step at once: it keeps the plain loop).
@@ -821,26 +807,18 @@ class Engine:
             raise InvalidRequestError("a resumed request has one choice (n=1)", param="resume")
         text, token_ids = self.tokenize_prompt(prompt, params)
         self.validate(token_ids, params)
-        child_ids = [f"{request_id}#{i}" for i in range(params.n)]
-        if any(c in self._requests or c in self._parents for c in child_ids):
+        parent = ParallelChoices.of(request_id, params.n, params.output_kind, stream)
+        if any(c in self._requests or c in self._parents for c in parent.child_ids):
             raise InvalidRequestError(f"request id {request_id!r}'s choices' ids are in use", param="request_id")
-        parent = _Parent(request_id, child_ids, params.output_kind, stream, [None] * params.n)
         arrival = self.clock() if arrival_time is None else arrival_time
-        for i, child in enumerate(child_ids):
-            one = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i,
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-            )
+        for i, (child, one) in enumerate(zip(parent.child_ids, params.choices(), strict=True)):
             self.add_request(child, token_ids, one, arrival, stream, text if text is not None else prompt_text,
                              lora_request=lora_request)
             self._child_of[child] = (parent, i)
         self._parents[request_id] = parent
 
     def _merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Outputs of requests with n > 1 as their parents': a choice's moves alone
-        (output_kind "delta"), every choice's so far ("cumulative"), or all n once the last
-        ends (not streamed, or "final_only"). Metrics are those of the choice in question
-        (for the final output, the choice that ended last)."""
+        """Outputs of requests with n > 1 as their parents' (`ParallelChoices.merge`)."""
         merged: list[RequestOutput] = []
         for out in outputs:
             found = self._child_of.get(out.request_id)
@@ -848,28 +826,13 @@ class Engine:
                 merged.append(out)
                 continue
             parent, index = found
-            completion = out.outputs[0]
-            completion.index = index
-            parent.latest[index] = completion
-            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = out.prompt_logprobs
             if out.finished:
-                parent.finished += 1
                 del self._child_of[out.request_id]
-            done = parent.finished == len(parent.child_ids)
-            if done:
+            one = parent.merge(index, out)
+            if parent.done:
                 del self._parents[parent.request_id]
-            if parent.stream and parent.kind == "delta":
-                choices = [completion]
-                prompt_logprobs = out.prompt_logprobs
-            elif (parent.stream and parent.kind == "cumulative") or done:
-                choices = [c for c in parent.latest if c is not None]
-                prompt_logprobs = parent.prompt_logprobs
-            else:
-                continue
-            merged.append(dataclasses.replace(
-                out, request_id=parent.request_id, outputs=choices, finished=done, prompt_logprobs=prompt_logprobs,
-            ))
+            if one is not None:
+                merged.append(one)
         return merged
 
     def _resume(self, req: _Request, resume: Resume) -> None:

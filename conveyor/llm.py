@@ -19,7 +19,7 @@ from conveyor.outputs import (
     RequestOutput,
 )
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs, top_label
+from conveyor.scoring import ModelHead, cosine, cross_encoder_inputs, score_pairs, top_label
 from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -115,7 +115,7 @@ class LLM:
         (the hidden states; with `task="classify"` a token classifier's probabilities, what a
         token classifier gives by default)."""
         if pooling_params is None:
-            pooling_params = default_pooling(self.engine)
+            pooling_params = default_pooling(self.engine.head)
         outs = self._pooled(prompts, pooling_params, use_tqdm, lora_request, priority)
         return [pooling_output(o) for o in outs]
 
@@ -154,18 +154,9 @@ class LLM:
         `PoolingParams(activation=False)`). `out.outputs.probs`, `out.label` the most probable
         class's name. Batched with continuous batching beside any other requests. A token
         classifier classifies each token: `encode` gives its rows."""
-        if self.engine.token_classifier:
-            raise InvalidRequestError("this model classifies each token: LLM.encode gives one row of "
-                                      "probabilities a prompt token", param="model")
-        base = pooling_params or PoolingParams()
-        pooling = PoolingParams(base.pooling_type, task="classify", activation=base.activation)
-        outs = self.embed(prompts, pooling, use_tqdm, lora_request, priority)
-        labels = self.engine.labels
-        return [
-            ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(o.outputs.embedding),
-                                        top_label(o.outputs.embedding, labels), o.finished)
-            for o in outs
-        ]
+        pooling = classify_pooling(self.engine.head, pooling_params)
+        outs = self._pooled(prompts, pooling, use_tqdm, lora_request, priority)
+        return [classification_output(o, self.engine.head) for o in outs]
 
     def score(
         self,
@@ -241,7 +232,7 @@ class LLM:
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
-        prompts: list[Prompt] = [chat_prompt(self.engine, c, add_generation_prompt, chat_template_kwargs)
+        prompts: list[Prompt] = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template_kwargs)
                                  for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -283,19 +274,36 @@ class LLM:
         return [results[rid] for rid in ids]
 
 
-def chat_prompt(engine: Engine, messages: list[Message], add_generation_prompt: bool = True,
+def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_generation_prompt: bool = True,
                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`)."""
-    if engine.tokenizer is None:
+    if tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer", param="messages")
-    return engine.tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
 
 
-def default_pooling(engine: Engine) -> PoolingParams:
+def default_pooling(head: ModelHead) -> PoolingParams:
     """What `encode` pools without `PoolingParams`: a token classifier's probabilities, else the
     model's own pooling."""
-    return PoolingParams(task="classify") if engine.token_classifier else PoolingParams()
+    return PoolingParams(task="classify") if head.token_classifier else PoolingParams()
+
+
+def classify_pooling(head: ModelHead, pooling_params: PoolingParams | None) -> PoolingParams:
+    """What `classify` pools with (`LLM.classify`, `AsyncLLM.classify`): the head over the hidden
+    state `pooling_params` pick; refused for a token classifier (its output is a row a token)."""
+    if head.token_classifier:
+        raise InvalidRequestError("this model classifies each token: encode gives one row of "
+                                  "probabilities a prompt token", param="model")
+    base = pooling_params or PoolingParams()
+    return PoolingParams(base.pooling_type, task="classify", activation=base.activation)
+
+
+def classification_output(out: RequestOutput, head: ModelHead) -> ClassificationRequestOutput:
+    """A finished classification as `classify` gives it: the probabilities and the likeliest class."""
+    probs = out.embedding or []
+    return ClassificationRequestOutput(out.request_id, out.prompt_token_ids, ClassificationOutput(probs),
+                                       top_label(probs, head.labels), out.finished)
 
 
 def pooling_output(out: RequestOutput) -> PoolingRequestOutput:

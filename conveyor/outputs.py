@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from conveyor.kv_transfer import KVHandoff
@@ -107,3 +108,49 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     outputs: PoolingOutput
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ParallelChoices:
+    """A request with n > 1 (vLLM's parallel sampling) as n requests of one choice each,
+    `child_ids` (`{request_id}#{i}`, each run with `SamplingParams.choices()[i]`), whose outputs
+    merge into the request's own: the engine's (`Engine.add_request`) and an engine process's
+    front end's (`ProcessAsyncEngine`) alike."""
+
+    request_id: str
+    child_ids: list[str]
+    kind: str  # the output_kind asked for
+    stream: bool  # streamed: each move may give an output; else only the last
+    latest: list[CompletionOutput | None]  # each choice's output so far (cumulative kinds)
+    finished: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # choice 0 computes them
+
+    @classmethod
+    def of(cls, request_id: str, n: int, kind: str, stream: bool = True) -> ParallelChoices:
+        return cls(request_id, [f"{request_id}#{i}" for i in range(n)], kind, stream, [None] * n)
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.child_ids)
+
+    def merge(self, index: int, out: RequestOutput) -> RequestOutput | None:
+        """Choice `index`'s output as the request's: that choice's move alone (output_kind
+        "delta"), every choice's so far ("cumulative"), or all n once the last ends (not
+        streamed, or "final_only"); None where nothing is due. Metrics are those of the choice
+        in question (for the final output, the choice that ended last)."""
+        completion = out.outputs[0]
+        completion.index = index
+        self.latest[index] = completion
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.finished += 1
+        if self.stream and self.kind == "delta":
+            choices, prompt_logprobs = [completion], out.prompt_logprobs
+        elif (self.stream and self.kind == "cumulative") or self.done:
+            choices = [c for c in self.latest if c is not None]
+            prompt_logprobs = self.prompt_logprobs
+        else:
+            return None
+        return dataclasses.replace(out, request_id=self.request_id, outputs=choices, finished=self.done,
+                                   prompt_logprobs=prompt_logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json as _json
 from dataclasses import dataclass, field
 
@@ -322,6 +323,16 @@ class SamplingParams:
         """The parameters of an embedding request: the prompt's pooled hidden states, no text."""
         return cls(max_tokens=1, temperature=0.0, output_kind="final_only", priority=priority, tenant=tenant,
                    pooling=pooling or PoolingParams())
+
+    def choices(self) -> list[SamplingParams]:
+        """The parameters of each of n choices, run as requests of one choice (vLLM's parallel
+        sampling): choice i of a seeded request uses seed + i; the first alone computes the
+        prompt's logprobs."""
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i,
+                                prompt_logprobs=self.prompt_logprobs if i == 0 else None)
+            for i in range(self.n)
+        ]
 
     @property
     def greedy(self) -> bool:

@@ -93,15 +93,15 @@ def test_a_bad_n_is_refused(n):
 
 
 def test_a_front_without_parallel_sampling_takes_one_choice_a_request(llm):
-    """The server's fronts over an engine in another process take one choice a request (the
-    HTTP layer makes n); a front over an engine in this thread passes n on (`AsyncLLM`)."""
+    """A front that takes one choice a request (replicas behind a router: the HTTP layer makes
+    its n choices itself) refuses n > 1 by name, before anything runs."""
     import asyncio
 
     from conveyor.server.async_engine import AsyncEngine
 
     async def main() -> None:
         front = AsyncEngine(llm.engine)
-        front.parallel_sampling = False  # (as `ProcessAsyncEngine`)
+        front.parallel_sampling = False  # (as `ReplicaSet`)
         front.start()
         try:
             with pytest.raises(InvalidRequestError) as e:

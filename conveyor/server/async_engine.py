@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
-from conveyor.outputs import RequestOutput
+from conveyor.outputs import ParallelChoices, RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
 from conveyor.server.metrics import queue_counts
@@ -92,14 +92,18 @@ class OutputStream:
     """The outputs of a group of engine requests (the n choices of one API request), in order.
 
     Iterating yields `RequestOutput`s of any member as they move; it ends once every member has
-    yielded its finished output. Lives on the event loop; the engine thread only reaches it
+    yielded its finished output. Members that are choices of one request with n > 1 (`choices`:
+    their `ParallelChoices` and index, where the front end made the choices itself) yield the
+    request's merged outputs instead. Lives on the event loop; the engine thread only reaches it
     through `loop.call_soon_threadsafe`. The stream counts as open (for `wait_idle`) until the
     engine has delivered every member's final output, whether or not anyone reads them.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str],
+                 choices: dict[str, tuple[ParallelChoices, int]] | None = None) -> None:
         self._engine = engine
         self.request_ids = list(request_ids)
+        self.choices = choices or {}
         self._unread = set(self.request_ids)  # members whose final output was not yet read
         self._undelivered = set(self.request_ids)  # ... not yet delivered by the engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -121,15 +125,20 @@ class OutputStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._unread:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._unread.clear()
-            raise item
-        if item.finished:
-            self._unread.discard(item.request_id)
-        return item
+        while self._unread:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unread.clear()
+                raise item
+            if item.finished:
+                self._unread.discard(item.request_id)
+            found = self.choices.get(item.request_id)
+            if found is None:
+                return item
+            merged = found[0].merge(found[1], item)
+            if merged is not None:
+                return merged
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         """Abort every member still running (idempotent; call from the event loop)."""
@@ -420,7 +429,8 @@ class AsyncEngine(EngineFront):
             raise EngineShuttingDownError("the server is shutting down; no new requests")
         assert self._loop is not None and self._idle is not None
         await self._compile_grammars(requests)
-        stream = OutputStream(self, [r.request_id for r in requests])
+        requests, choices = self._split_choices(requests)
+        stream = OutputStream(self, [r.request_id for r in requests], choices)
         future: asyncio.Future[None] = self._loop.create_future()
         # The HTTP arrival, not the moment the engine thread gets to it: queue time includes the
         # wait for the current step to end. `clock` is a plain function of time (thread-safe).
@@ -428,14 +438,19 @@ class AsyncEngine(EngineFront):
         with self._cond:
             # Checked under the lock the engine thread drains with: a command that gets in is
             # always answered, by the thread or by `_fail_everything`.
+            refused: Exception | None = None
             if self._dead is not None:
-                raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
-            if self._stop_requested:
-                raise EngineShuttingDownError("the server is shutting down; no new requests")
-            self._open_streams.add(stream)
-            self._idle.clear()
-            self._commands.append(_Add(list(requests), stream, future, arrival))
-            self._wake()
+                refused = EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+            elif self._stop_requested:
+                refused = EngineShuttingDownError("the server is shutting down; no new requests")
+            if refused is None:
+                self._open_streams.add(stream)
+                self._idle.clear()
+                self._commands.append(_Add(list(requests), stream, future, arrival))
+                self._wake()
+        if refused is not None:
+            self._stream_closed(stream)  # (never opened: forgets its choices)
+            raise refused
         try:
             await future
         except asyncio.CancelledError:
@@ -446,6 +461,13 @@ class AsyncEngine(EngineFront):
             self._stream_closed(stream)
             raise
         return stream
+
+    def _split_choices(
+        self, requests: Sequence[EngineRequest]
+    ) -> tuple[Sequence[EngineRequest], dict[str, tuple[ParallelChoices, int]]]:
+        """The engine requests to queue for `requests`, and the choices among them that the
+        stream merges: none here (this engine merges a request's n choices itself)."""
+        return requests, {}
 
     async def _compile_grammars(self, requests: Sequence[EngineRequest]) -> None:
         """The requests' new grammars, compiled in a worker before they are queued: the

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
-from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from conveyor.outputs import CompletionOutput, ParallelChoices, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
 from conveyor.sequence import RequestMetrics
@@ -422,10 +422,14 @@ class ProcessAsyncEngine(AsyncEngine):
 
     `launch()` starts the child and waits until its engine is built (a load error raises
     there, with the child's message); `start()` launches it if that was not done and starts the
-    thread that talks to it. Everything else is `AsyncEngine`'s interface.
+    thread that talks to it. Everything else is `AsyncEngine`'s interface. A request with
+    `n > 1` runs as n requests of one choice each (`ParallelChoices`: choice i of a seeded
+    request with seed + i, as the engine makes them), each resumed on its own after a restart,
+    whose outputs the stream merges into the request's; aborting the request's id aborts every
+    choice.
     """
 
-    parallel_sampling = False  # (a replayed request is one choice)
+    parallel_sampling = True  # (made into choices here, merged by the stream)
 
     def __init__(
         self,
@@ -453,6 +457,7 @@ class ProcessAsyncEngine(AsyncEngine):
         self._tracked: dict[str, _Tracked] = {}  # supervisor thread only (in arrival order)
         self._adds: dict[int, _Add] = {}  # sent, not yet answered
         self._add_ids = itertools.count()
+        self._choice_ids: dict[str, list[str]] = {}  # a request with n > 1: its choices' ids (loop)
 
     # -- facts -------------------------------------------------------------------------------
     def _known(self) -> _Facts:
@@ -487,6 +492,41 @@ class ProcessAsyncEngine(AsyncEngine):
 
     async def _compile_grammars(self, requests: Sequence[EngineRequest]) -> None:
         """Nothing here: the engine process compiles new grammars itself, off its loop."""
+
+    def _split_choices(
+        self, requests: Sequence[EngineRequest]
+    ) -> tuple[Sequence[EngineRequest], dict[str, tuple[ParallelChoices, int]]]:
+        """A request with n > 1 as its choices' requests (each replayed on its own after a
+        death); the stream merges their outputs."""
+        if all(r.params.n == 1 for r in requests):
+            return requests, {}
+        out: list[EngineRequest] = []
+        choices: dict[str, tuple[ParallelChoices, int]] = {}
+        for r in requests:
+            if r.params.n == 1:
+                out.append(r)
+                continue
+            if r.export_kv or r.kv_handoff is not None or r.resume is not None:
+                raise InvalidRequestError("K/V are handed over and a request resumed for one choice (n=1)",
+                                          param="kv_transfer")
+            if r.request_id in self._choice_ids:
+                raise InvalidRequestError(f"request id {r.request_id!r} is already in use", param="request_id")
+            parent = ParallelChoices.of(r.request_id, r.params.n, r.params.output_kind)
+            for i, (child_id, params) in enumerate(zip(parent.child_ids, r.params.choices(), strict=True)):
+                out.append(dataclasses.replace(r, request_id=child_id, params=params))
+                choices[child_id] = (parent, i)
+        for parent, _ in choices.values():
+            self._choice_ids[parent.request_id] = parent.child_ids
+        return out, choices
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests by id (a request with n > 1: every choice); unknown ids are ignored."""
+        super().abort([c for rid in request_ids for c in self._choice_ids.get(rid, [rid])])
+
+    def _stream_closed(self, stream: OutputStream) -> None:
+        for parent, _ in stream.choices.values():
+            self._choice_ids.pop(parent.request_id, None)
+        super()._stream_closed(stream)
 
     def _clock(self) -> float:
         return time.perf_counter()  # the engine's clock; system-wide, so the child's too

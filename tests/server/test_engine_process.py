@@ -142,6 +142,55 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
     return {f: getattr(params, f) for f in params.__dataclass_fields__}
 
 
+def test_n_choices_run_as_requests_of_one_choice_and_resume_each_after_a_death(tiny_model: Path) -> None:
+    """A request with n = 3 in each output kind: its choices are requests of their own in the
+    engine process, each resumed after a kill; the merged outputs are an engine's that never
+    died (choice i seeded with seed + i, the prompt's logprobs once); aborting the request's id
+    ends every choice."""
+    base = {"max_tokens": 300, "temperature": 1.0, "top_k": 50, "seed": 11, "ignore_eos": True, "n": 3}
+    prompts = {kind: ([5, 6, 7 + i], SamplingParams(**base, output_kind=kind, prompt_logprobs=1))
+               for i, kind in enumerate(["delta", "cumulative", "final_only"])}
+
+    async def body(engine: ProcessAsyncEngine) -> tuple[dict[str, list[RequestOutput]], RequestOutput]:
+        streams = {rid: await engine.add([EngineRequest(rid, p, sp)]) for rid, (p, sp) in prompts.items()}
+        assert streams["delta"].request_ids == ["delta#0", "delta#1", "delta#2"]
+        seen: list[RequestOutput] = []
+        tasks = {rid: asyncio.create_task(collect(s, seen if rid == "delta" else None)) for rid, s in streams.items()}
+        await wait_for(lambda: len(seen) > 30)
+        assert engine.engine_pid is not None
+        os.kill(engine.engine_pid, signal.SIGKILL)
+        results = {rid: await t for rid, t in tasks.items()}
+        with pytest.raises(InvalidRequestError) as clash:  # a request id is one request's, choices and all
+            endless = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, n=2)
+            held = await engine.add([EngineRequest("held", [5], endless)])
+            await engine.add([EngineRequest("held", [6], endless)])
+        assert clash.value.param == "request_id"
+        first = await held.__anext__()
+        engine.abort(["held"])
+        last = (await collect(held))[-1] if not first.finished else first
+        return results, last
+
+    results, aborted = run(tiny_model, body)
+    ref = reference(tiny_model, {rid: (p, SamplingParams(**{**_fields(sp), "output_kind": "cumulative"}))
+                                 for rid, (p, sp) in prompts.items()})
+    for rid, outs in results.items():
+        want = ref[rid]
+        assert all(o.request_id == rid for o in outs) and outs[-1].finished
+        assert sum(o.finished for o in outs) == 1  # one final output, once every choice ended
+        if rid == "delta":  # each output one choice's move; they add up to each choice's tokens
+            got = [[t for o in outs for c in o.outputs if c.index == i for t in c.token_ids] for i in range(3)]
+            assert sum(o.prompt_logprobs is not None for o in outs) == 1
+        else:
+            assert [c.index for c in outs[-1].outputs] == [0, 1, 2]
+            got = [c.token_ids for c in outs[-1].outputs]
+            assert outs[-1].prompt_logprobs == want.prompt_logprobs
+        assert got == [c.token_ids for c in want.outputs]
+        assert len({tuple(t) for t in got}) == 3
+    assert len(results["final_only"]) == 1
+    assert aborted.finished and {c.finish_reason for c in aborted.outputs} == {"abort"}
+    assert [c.index for c in aborted.outputs] == [0, 1]
+
+
 def test_a_request_through_more_deaths_than_allowed_fails_alone_and_serving_goes_on(tiny_model: Path) -> None:
     params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True, output_kind="delta")
     short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
