@@ -5,8 +5,10 @@ all given at once: (A) `LLM.generate` over the list, (B) `AsyncLLM.chat` with ev
 task, consumed as the outputs stream. Two engines of one model, run in turns (A B B A ...) so
 both see the same machine; the tokens must be the same; the ratio of median times is the
 front's cost (its engine thread, the event loop's hand-offs, one output a step a request).
+With `--engine-process`, (B) runs its engine in a process of its own (`AsyncLLM(engine_process=True)`):
+the cost adds the pipe between the processes (a message a step) and the parent's bookkeeping.
 
-    python benchmarks/async_llm_ab.py --requests 16 --rounds 4
+    python benchmarks/async_llm_ab.py --requests 16 --rounds 4 [--engine-process]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--output-kind", default="cumulative", choices=["cumulative", "delta", "final_only"])
+    ap.add_argument("--engine-process", action="store_true", help="AsyncLLM's engine in a process of its own")
     args = ap.parse_args()
     import speculative as bench  # (benchmarks/speculative.py: a sibling on the script's path)
 
@@ -36,7 +39,7 @@ def main() -> None:
 
     async def run_async() -> dict[str, list[float]]:
         times: dict[str, list[float]] = {"LLM.generate": [], "AsyncLLM": []}
-        async with AsyncLLM(args.model, **kv) as llm:
+        async with AsyncLLM(args.model, engine_process=args.engine_process, **kv) as llm:
             async def one(conv) -> list[int]:
                 tokens: list[int] = []
                 async for out in llm.chat(conv, params):
@@ -60,7 +63,7 @@ def main() -> None:
     times = asyncio.run(run_async())
     n_tokens = args.requests * args.max_tokens
     print(f"| engine | s by round | median s | output tok/s |  ({args.requests} requests, {args.max_tokens} tokens each, "
-          f"output_kind={args.output_kind})")
+          f"output_kind={args.output_kind}, engine_process={args.engine_process})")
     print("|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
