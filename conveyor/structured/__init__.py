@@ -18,6 +18,7 @@ from conveyor.structured.lark import looks_like_lark, parse_lark
 from conveyor.structured.regex import (
     Alternate,
     ByteDFA,
+    Bytes,
     CharSet,
     Concat,
     GrammarError,
@@ -26,6 +27,7 @@ from conveyor.structured.regex import (
     Until,
     escape,
     parse,
+    special_token,
 )
 from conveyor.structured.structural_tag import structural_tag_rules
 
@@ -43,38 +45,44 @@ def check(params: Any) -> None:
     thinking(to_rules(params), getattr(params, "reasoning", None))
 
 
-def compile_automaton(params: Any) -> ByteDFA | Pushdown:
+def compile_automaton(params: Any, specials: frozenset[str] | None = None) -> ByteDFA | Pushdown:
     """The automaton of a `StructuredOutputParams`: a DFA, or for a recursive grammar a
-    pushdown automaton; raises GrammarError."""
-    rules = to_rules(params)
+    pushdown automaton; raises GrammarError. `specials`: the texts of the served tokenizer's
+    special tokens, which a structural tag's `token` formats take as such (None: not known)."""
+    rules = to_rules(params, specials)
     reasoning = getattr(params, "reasoning", None)
     if reasoning is None:
         return compile_rules(rules)
-    return compile_rules(thinking(rules, reasoning), THINKING)
+    return compile_rules(thinking(rules, reasoning, specials), THINKING)
 
 
-def thinking(rules: dict[str, Expr], reasoning: tuple[str, str] | None) -> dict[str, Expr]:
+def thinking(rules: dict[str, Expr], reasoning: tuple[str, str] | None,
+             specials: frozenset[str] | None = None) -> dict[str, Expr]:
     """`rules` with a start rule that lets a thinking block come first, read as the server's
     reasoning parsers read it (conveyor/server/reasoning.py): with an opening tag, an output
     that opens with it (after spaces, tabs and newlines) thinks up to the first closing tag;
     without one, every output starts inside the block (the template opened it). The newlines
     after the closing tag are dropped, and the rest is the answer, which the grammar holds. An
-    output that does not open the block is all answer. Raises GrammarError for a bad tag."""
+    output that does not open the block is all answer. A tag that is a special token of the
+    served tokenizer (`specials`) is read as that token. Raises GrammarError for a bad tag."""
     if reasoning is None:
         return rules
     opening, closing = reasoning
     if not isinstance(opening, str) or not isinstance(closing, str) or not closing:
         raise GrammarError("reasoning must be (opening tag, closing tag): two strings, the closing one not empty")
-    block: Node = Concat((Until((closing.encode("utf-8"),)), Repeat(CharSet(((10, 10),)), 0, None)))
+    def tag(text: str) -> bytes:
+        return special_token(text) if specials is not None and text in specials else text.encode("utf-8")
+
+    block: Node = Concat((Until((tag(closing),)), Repeat(CharSet(((10, 10),)), 0, None)))
     if opening:
-        block = Concat((Repeat(SPACE, 0, None), lit(opening), block))
+        block = Concat((Repeat(SPACE, 0, None), Bytes(tag(opening)), block))
         start: Expr = Concat((Alternate((block, Concat(()))), Ref(ROOT)))  # type: ignore[arg-type]
     else:
         start = Concat((block, Ref(ROOT)))  # type: ignore[arg-type]
     return {**rules, THINKING: start}
 
 
-def to_rules(params: Any) -> dict[str, Expr]:
+def to_rules(params: Any, specials: frozenset[str] | None = None) -> dict[str, Expr]:
     """The grammar of a `StructuredOutputParams`: its `root` rule and those it refers to (a
     GBNF grammar's, or a JSON Schema's recursive ones); raises GrammarError."""
     if params.grammar is not None:
@@ -88,7 +96,7 @@ def to_rules(params: Any) -> dict[str, Expr]:
             raise GrammarError("choice must list at least one non-empty string")
         return {"root": Alternate(tuple(lit(c) for c in params.choice))}
     if getattr(params, "structural_tag", None) is not None:
-        return structural_tag_rules(params.structural_tag)
+        return structural_tag_rules(params.structural_tag, specials)
     if params.json_object:
         return schema_to_rules({"type": "object"})
     try:

@@ -33,19 +33,19 @@ class DFACompiler:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
-    def compile(self, spec: Any) -> ByteDFA | Pushdown:
+    def compile(self, spec: Any, specials: frozenset[str] | None = None) -> ByteDFA | Pushdown:
         """The automaton of a `StructuredOutputParams`; raises GrammarError as
         `compile_automaton` does."""
         with self._lock:
             try:
                 proc = self._worker()
                 assert proc.stdin is not None and proc.stdout is not None
-                pickle.dump(spec, proc.stdin)
+                pickle.dump((spec, specials), proc.stdin)
                 proc.stdin.flush()
                 kind, value = pickle.load(proc.stdout)
             except (EOFError, OSError, pickle.UnpicklingError):
                 self.close()
-                return compile_automaton(spec)
+                return compile_automaton(spec, specials)
         if kind == "error":
             raise GrammarError(value)
         return value
@@ -71,14 +71,15 @@ class DFACompiler:
 
 
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
-    """The worker's loop: a spec in, ("ok", dfa) or ("error", message) out, until EOF."""
+    """The worker's loop: (a spec, the special tokens' texts) in, ("ok", dfa) or ("error",
+    message) out, until EOF."""
     while True:
         try:
-            spec = pickle.load(requests)
+            spec, specials = pickle.load(requests)
         except EOFError:
             return
         try:
-            answer: tuple[str, object] = ("ok", compile_automaton(spec))
+            answer: tuple[str, object] = ("ok", compile_automaton(spec, specials))
         except GrammarError as e:
             answer = ("error", str(e))
         pickle.dump(answer, answers)

@@ -28,7 +28,7 @@ import torch
 from conveyor.structured import GrammarError, compile_automaton
 from conveyor.structured.cfg import DEAD, Config, Pushdown
 from conveyor.structured.compile_worker import DFACompiler
-from conveyor.structured.regex import ByteDFA
+from conveyor.structured.regex import SPECIAL_CLOSE, SPECIAL_OPEN, ByteDFA, special_token
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -43,8 +43,22 @@ def _byte_level_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+def special_ids(hf_tokenizer: Any) -> set[int]:
+    """The ids of a tokenizer's special tokens (control, not text)."""
+    added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+    return set(hf_tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def special_texts(hf_tokenizer: Any) -> frozenset[str]:
+    """The texts of a tokenizer's special tokens."""
+    ids = sorted(special_ids(hf_tokenizer))
+    return frozenset(t for t in hf_tokenizer.convert_ids_to_tokens(ids) if t)
+
+
 def token_bytes(hf_tokenizer: Any) -> list[bytes | None]:
-    """Each token id's bytes in decoded text; None for special tokens (control, not text).
+    """Each token id's bytes in decoded text; for a special token (control, not text) the
+    bytes no text spells that a grammar naming it reads (`regex.special_token`); None for a
+    token no grammar can take (one of raw bytes that are never UTF-8's, such as those).
 
     Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM2) spell bytes with stand-in
     characters; SentencePiece ones use '▁' for a space and '<0xHH>' for raw bytes."""
@@ -52,17 +66,18 @@ def token_bytes(hf_tokenizer: Any) -> list[bytes | None]:
 
     size = len(hf_tokenizer)
     pieces = hf_tokenizer.convert_ids_to_tokens(list(range(size)))
-    special = set(hf_tokenizer.all_special_ids)
+    special = special_ids(hf_tokenizer)
     added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
-    special |= {i for i, t in added.items() if getattr(t, "special", False)}
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
     byte_level = _is_byte_level(decoder)
     table = _byte_level_decoder()
     out: list[bytes | None] = []
     for i, piece in enumerate(pieces):
-        if piece is None or i in special:
+        if piece is None:
             out.append(None)
+        elif i in special:
+            out.append(special_token(piece))
         elif i in added:
             out.append(piece.encode("utf-8"))
         elif byte_level:
@@ -74,7 +89,8 @@ def token_bytes(hf_tokenizer: Any) -> list[bytes | None]:
             out.append(bytes([int(piece[3:5], 16)]))
         else:
             out.append(piece.replace("▁", " ").encode("utf-8"))
-    return out
+    return [None if i not in special and b and (SPECIAL_OPEN in b or SPECIAL_CLOSE in b) else b
+            for i, b in enumerate(out)]
 
 
 def _is_byte_level(decoder: Any) -> bool:
@@ -91,8 +107,9 @@ class TokenVocab:
 
     def __init__(self, tokens: Sequence[bytes | None], eos_token_ids: Iterable[int], size: int) -> None:
         self.size = size
-        self.tokens = list(tokens)[:size]
         self.eos_token_ids = sorted(t for t in eos_token_ids if 0 <= t < size)
+        ends = set(self.eos_token_ids)  # (allowed where the grammar may end, not as bytes)
+        self.tokens = [None if i in ends else b for i, b in enumerate(list(tokens)[:size])]
         ids = [i for i, b in enumerate(self.tokens) if b]
         ids.sort(key=lambda i: -len(self.tokens[i] or b""))
         self.ids = np.array(ids, dtype=np.int64)
@@ -307,6 +324,7 @@ class GrammarCache:
         self._vocab_size = vocab_size
         self.device = device
         self._vocab: TokenVocab | None = None
+        self._specials: frozenset[str] | None = None
         self._grammars: dict[tuple[str, object], Grammar | PushdownGrammar] = {}
         self._lock = threading.Lock()
         # Where DFAs are compiled: here (None), or a worker process (`compile_worker`).
@@ -317,6 +335,13 @@ class GrammarCache:
         if self._vocab is None:
             self._vocab = TokenVocab(token_bytes(self._tokenizer), self._eos, self._vocab_size)
         return self._vocab
+
+    @property
+    def specials(self) -> frozenset[str]:
+        """The texts of the tokenizer's special tokens (a structural tag's `token` formats)."""
+        if self._specials is None:
+            self._specials = special_texts(self._tokenizer)
+        return self._specials
 
     def compile_in_worker(self) -> None:
         """From now on, compile DFAs in a worker process (`compile_worker`), started on the
@@ -340,7 +365,9 @@ class GrammarCache:
                 return known
         if not self.vocab.eos_token_ids:
             raise GrammarError("the model has no end-of-sequence token to end a structured output with")
-        automaton = self.compiler.compile(params) if self.compiler is not None else compile_automaton(params)
+        specials = self.specials
+        automaton = (self.compiler.compile(params, specials) if self.compiler is not None
+                     else compile_automaton(params, specials))
         grammar: Grammar | PushdownGrammar
         if isinstance(automaton, Pushdown):
             grammar = PushdownGrammar(automaton, self.vocab, self.device)

@@ -29,6 +29,21 @@ MAX_DFA_STATES = 20_000
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code point ranges
 
+# A special token (control, not text: `<|im_start|>`, Kimi's `<|tool_call_begin|>`) is read by
+# a grammar as its text's bytes, each spelled as two continuation bytes (its high and low
+# nibble), between these two bytes (`grammar.token_bytes`). Neither is ever part of UTF-8, so
+# no text, and no token of ordinary text, spells one: a grammar admits a special token only
+# where it names it (a structural tag's `token` format: `Bytes(special_token(text))`). And no
+# text is inside the spelling, so a scan of free text for `<|tool_call_begin|>` written as
+# text does not find it inside the token's.
+SPECIAL_OPEN, SPECIAL_CLOSE = 0xF8, 0xF9
+
+
+def special_token(text: str) -> bytes:
+    """The bytes a grammar reads for the special token written `text`."""
+    inner = bytes(b for c in text.encode("utf-8") for b in (0x80 | c >> 4, 0x80 | c & 0xF))
+    return bytes([SPECIAL_OPEN]) + inner + bytes([SPECIAL_CLOSE])
+
 
 class GrammarError(ValueError):
     """A pattern, schema or choice that cannot be compiled; the message says what and where."""
@@ -66,19 +81,27 @@ class Symbol:
 
 
 @dataclass(frozen=True, slots=True)
+class Bytes:
+    """These bytes, as they are (not a text's UTF-8): a special token's (`special_token`)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Until:
     """Any bytes up to and including the first occurrence of one of `markers`, that occurrence
     being `markers[which]`: a thinking block's text and its closing tag (`</think>`), or free
     text up to a structural tag's trigger. With `which=None`, any bytes with no occurrence of
     any marker (the free text after the last tag). Its automaton is the markers'
     Aho-Corasick matcher (Knuth-Morris-Pratt's for one), so it never looks past the first
-    occurrence."""
+    occurrence. A special token's bytes are read only as part of a marker (the free text holds
+    no special token)."""
 
     markers: tuple[bytes, ...]
     which: int | None = 0
 
 
-Node = CharSet | Concat | Alternate | Repeat | Symbol | Until
+Node = CharSet | Concat | Alternate | Repeat | Symbol | Until | Bytes
 
 EMPTY = Concat(())
 
@@ -352,6 +375,13 @@ class _NFA:
             return start, end
         if isinstance(node, Until):
             return self.until(node.markers, node.which)
+        if isinstance(node, Bytes):
+            start = end = self.state()
+            for b in node.data:
+                nxt = self.state()
+                self.edges[end].append((b, b, nxt))
+                end = nxt
+            return start, end
         if isinstance(node, Concat):
             start = end = self.state()
             for part in node.parts:
@@ -404,6 +434,14 @@ class _NFA:
         for n, state in nfa.items():
             for target, group in itertools.groupby(range(256), key=rows[n].__getitem__):
                 run = list(group)  # the bytes of one run that go to the same node
+                if target == 0:  # (a special token's bytes only on the way into a marker)
+                    run = [b for b in run if b not in (SPECIAL_OPEN, SPECIAL_CLOSE)]
+                    if not run:
+                        continue
+                    if run[-1] - run[0] + 1 != len(run):  # split around the bytes taken out
+                        for lo, hi in _runs(run):
+                            self.edges[state].append((lo, hi, nfa[0]))
+                        continue
                 if not ends[target]:
                     self.edges[state].append((run[0], run[-1], nfa[target]))
                 elif which in ends[target]:
@@ -445,6 +483,13 @@ class ByteDFA:
 
     def matches(self, text: str) -> bool:
         return bool(self.accepting[self.walk(1, text.encode("utf-8"))])
+
+
+def _runs(values: list[int]) -> Iterator[tuple[int, int]]:
+    """Sorted integers as (first, last) runs of consecutive ones."""
+    for _, group in itertools.groupby(enumerate(values), key=lambda iv: iv[1] - iv[0]):
+        run = [v for _, v in group]
+        yield run[0], run[-1]
 
 
 def _aho_corasick(markers: tuple[bytes, ...]) -> tuple[list[list[int]], list[frozenset[int]]]:

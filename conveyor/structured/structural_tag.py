@@ -29,36 +29,72 @@ of that tag's (non-empty) ends closes them, as xgrammar's end detection does, so
 block that the first `</think>` closes. Elsewhere they run to the end of the output, or (with
 `excludes`, or before another element of a sequence) until what follows them.
 
-Token-level formats (`token`, `exclude_token`, `any_tokens`, `token_triggered_tags`,
-`token_dispatch`), `json_schema`'s `style`s other than `json` and `qwen_xml` (`qwen_xml_rules`:
-Qwen3-Coder's XML parameters as conveyor's parser reads them) and `any_order`,
-`any_text`'s `max_tokens` and `max_chars`, and `regex`'s `excludes` are refused with their name:
-conveyor's grammars are over the output's bytes, and special tokens have none.
+**Tokens** (xgrammar's token-level formats): a special token (`<|tool_calls_section_begin|>`,
+control, not text) has no bytes of text, so a grammar over the output's bytes reads it as bytes
+that no text spells (`regex.special_token`), and admits it only where a format names it:
+- `{"type": "token", "token": TEXT}`: one token, by its text (a tag's `begin` or `end` may be
+  one too): the special token of that text where the served tokenizer has one (`specials`, the
+  engine's compile passes them), else the text itself (an added token that is not special, or
+  text of ordinary tokens); where no tokenizer is known (a check before any engine), either;
+- `token_triggered_tags`: `triggered_tags` whose `trigger_tokens` are tokens, each tag's
+  `begin` one of them; `exclude_tokens` the free text may not hold;
+- `any_tokens`: any text up to the enclosing tag's end, holding none of `exclude_tokens`;
+- `token_dispatch`: `dispatch` whose `rules` start at a token, `exclude_tokens` as `excludes`.
+Free text (`any_text`, `any_tokens`, a dispatch's) holds no special token: xgrammar's
+`any_tokens` would take any token but the excluded. A token given by its id, and
+`exclude_token` (any one token but some), are refused: a grammar over bytes has no token ids.
+
+`json_schema`'s `style`s other than `json` and `qwen_xml` (`qwen_xml_rules`: Qwen3-Coder's XML
+parameters as conveyor's parser reads them) and `any_order`, `any_text`'s `max_tokens` and
+`max_chars`, and `regex`'s `excludes` are refused with their name.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.structured.cfg import ROOT, Expr, Ref, parse_grammar
 from conveyor.structured.json_schema import lit, schema_to_rules
-from conveyor.structured.regex import Alternate, CharSet, Concat, GrammarError, Repeat, Until, parse
+from conveyor.structured.regex import (
+    Alternate,
+    Bytes,
+    CharSet,
+    Concat,
+    GrammarError,
+    Repeat,
+    Until,
+    parse,
+    special_token,
+)
 
 __all__ = ["structural_tag_rules"]
 
 ANY_CHAR = CharSet(((0, 0x10FFFF),))
 MAX_DEPTH = 64
-TOKEN_LEVEL = ("token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch")
 FORMATS = ("const_string", "json_schema", "grammar", "regex", "any_text", "sequence", "or", "optional", "plus",
-           "star", "repeat", "tag", "triggered_tags", "tags_with_separator", "dispatch")
+           "star", "repeat", "tag", "triggered_tags", "tags_with_separator", "dispatch", "token", "any_tokens",
+           "token_triggered_tags", "token_dispatch")
 
-Stop = tuple[str, ...] | None  # the enclosing tag's ends, for the content's last piece
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One token written by its text: the special token of that text (`special`), or the text
+    itself (not `special`), or either where the tokenizer is not known (None)."""
+
+    text: str
+    special: bool | None = None
 
 
-def structural_tag_rules(text: str) -> dict[str, Expr]:
+Piece = str | Token  # a tag's begin or end, a trigger, an excluded string: text, or a token
+Stop = tuple[Piece, ...] | None  # the enclosing tag's ends, for the content's last piece
+
+
+def structural_tag_rules(text: str, specials: frozenset[str] | None = None) -> dict[str, Expr]:
     """The grammar of a structural tag given as JSON text, either shape; raises GrammarError
-    with the path of what is wrong (`structural_tag.format.elements[1].end: ...`)."""
+    with the path of what is wrong (`structural_tag.format.elements[1].end: ...`). `specials`:
+    the texts of the served tokenizer's special tokens (None: not known)."""
     try:
         spec = json.loads(text)
     except (TypeError, ValueError) as e:
@@ -68,10 +104,10 @@ def structural_tag_rules(text: str) -> dict[str, Expr]:
     if "format" in spec:
         if spec.get("type", "structural_tag") != "structural_tag":
             raise GrammarError('structural_tag.type must be "structural_tag"')
-        compiler = _Compiler()
+        compiler = _Compiler(specials)
         compiler.rules[ROOT] = compiler.format(spec["format"], "structural_tag.format", None)
         return compiler.rules
-    compiler = _Compiler()
+    compiler = _Compiler(specials)
     compiler.rules[ROOT] = compiler.format(_legacy(spec), "structural_tag", None)
     return compiler.rules
 
@@ -95,7 +131,8 @@ def _legacy(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Compiler:
-    def __init__(self) -> None:
+    def __init__(self, specials: frozenset[str] | None = None) -> None:
+        self.specials = specials
         self.rules: dict[str, Expr] = {}
         self.depth = 0
         self.adopted = 0
@@ -106,9 +143,9 @@ class _Compiler:
         if not isinstance(fmt, dict):
             raise GrammarError(f"{where} must be a format object")
         kind = fmt.get("type", _inferred(fmt))
-        if kind in TOKEN_LEVEL:
-            raise GrammarError(f"{where}: {kind!r} is a token-level format, not built (conveyor's grammars are over the "
-                               "output's bytes; special tokens have none)")
+        if kind == "exclude_token":
+            raise GrammarError(f"{where}: 'exclude_token' (any one token but some) is not built: a grammar over "
+                               "the output's bytes has no token boundaries to count one token by")
         if kind not in FORMATS:
             said = "no type, and its fields name no format" if "type" not in fmt else f"type {kind!r} is not a format"
             raise GrammarError(f"{where}: {said} ({', '.join(FORMATS)})")
@@ -162,7 +199,43 @@ class _Compiler:
         for limit in ("max_tokens", "max_chars"):
             if fmt.get(limit) is not None:
                 raise GrammarError(f"{where}.{limit}: not built")
-        return _free_until(_strings(fmt, "excludes", where), (), stop)
+        return _free_until(list(_strings(fmt, "excludes", where)), (), stop)
+
+    # -- tokens --------------------------------------------------------------------------------
+    def _token(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        return _then(_piece(self.token(fmt, where)), stop)
+
+    def _any_tokens(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        return _free_until(self.tokens(fmt, "exclude_tokens", where), (), stop)
+
+    def _token_triggered_tags(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        triggers = self.tokens(fmt, "trigger_tokens", where, at_least_one=True)
+        tags = fmt.get("tags")
+        if not isinstance(tags, list) or not tags:
+            raise GrammarError(f"{where}.tags must list at least one tag")
+        _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)  # (checked first)
+        groups: list[list[Expr]] = [[] for _ in triggers]
+        whole: list[Expr] = []
+        for j, tag in enumerate(tags):
+            here = f"{where}.tags[{j}]"
+            begin, ends, content = self._tag_parts(tag, here)
+            if begin not in triggers:
+                raise GrammarError(f"{here}.begin must be one of the trigger tokens (a token format)")
+            body = self.format(content, here + ".content", ends)
+            groups[triggers.index(begin)].append(body)  # (the trigger is the whole begin)
+            whole.append(_cat(_piece(begin), body))
+        return self._triggered(fmt, where, stop, triggers, groups, whole, self.tokens(fmt, "exclude_tokens", where))
+
+    def _token_dispatch(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
+        rules = fmt.get("rules")
+        if not isinstance(rules, list) or not rules or not all(isinstance(r, list) and len(r) == 2 for r in rules):
+            raise GrammarError(f"{where}.rules must list at least one [token, format]")
+        patterns = [self.token({"token": r[0]}, f"{where}.rules[{i}][0]") for i, r in enumerate(rules)]
+        if len(set(patterns)) != len(patterns):
+            raise GrammarError(f"{where}.rules: two rules share a token")
+        bodies = [self.format(r[1], f"{where}.rules[{i}][1]", None) for i, r in enumerate(rules)]
+        return _dispatch(bodies, list(patterns), self.tokens(fmt, "exclude_tokens", where), stop,
+                         loop=_flag(fmt, "loop", where, True))
 
     # -- composition -----------------------------------------------------------------------
     def _sequence(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
@@ -197,37 +270,42 @@ class _Compiler:
     # -- tags and dispatch -----------------------------------------------------------------
     def _tag(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         begin, ends, content = self._tag_parts(fmt, where)
-        return _then(_cat(lit(begin), self.format(content, where + ".content", ends)), stop)
+        return _then(_cat(_piece(begin), self.format(content, where + ".content", ends)), stop)
 
-    def _tag_parts(self, fmt: Any, where: str) -> tuple[str, tuple[str, ...], Any]:
+    def _tag_parts(self, fmt: Any, where: str) -> tuple[Piece, tuple[Piece, ...], Any]:
         if not isinstance(fmt, dict) or fmt.get("type", "tag") != "tag":
             raise GrammarError(f"{where} must be a tag: {{begin, content, end}}")
-        if isinstance(fmt.get("begin"), dict):
-            raise GrammarError(f"{where}.begin: a token is a token-level format, not built")
-        begin = _string(fmt, "begin", where)
+        begin: Piece = (self.token(fmt["begin"], where + ".begin") if isinstance(fmt.get("begin"), dict)
+                        else _string(fmt, "begin", where))
         end = fmt.get("end")
-        ends = (end,) if isinstance(end, str) else tuple(end) if isinstance(end, list) and end else None
-        if ends is None or not all(isinstance(e, str) for e in ends):
-            raise GrammarError(f"{where}.end must be a string or a non-empty list of strings")
+        ends: tuple[Piece, ...] | None
+        if isinstance(end, dict):
+            ends = (self.token(end, where + ".end"),)
+        else:
+            ends = (end,) if isinstance(end, str) else tuple(end) if isinstance(end, list) and end else None
+            if ends is None or not all(isinstance(e, str) for e in ends):
+                raise GrammarError(f"{where}.end must be a string, a non-empty list of strings, or a token")
         if "content" not in fmt:
             raise GrammarError(f"{where} needs a content format")
         return begin, ends, fmt["content"]
 
     def _whole_tag(self, fmt: Any, where: str) -> Expr:
         begin, ends, content = self._tag_parts(fmt, where)
-        return _cat(lit(begin), self.format(content, where + ".content", ends))
+        return _cat(_piece(begin), self.format(content, where + ".content", ends))
 
     def _triggered_tags(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         triggers = _strings(fmt, "triggers", where, at_least_one=True)
         tags = fmt.get("tags")
         if not isinstance(tags, list) or not tags:
             raise GrammarError(f"{_path(fmt, where)}.tags must list at least one tag")
-        once, first = _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)
+        _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)  # (checked first)
         groups: list[list[Expr]] = [[] for _ in triggers]
         whole: list[Expr] = []
         for j, tag in enumerate(tags):
             here = f"{_path(fmt, where)}[{j}]" if "(path)" in fmt else f"{where}.tags[{j}]"
             begin, ends, content = self._tag_parts(tag, here)
+            if isinstance(begin, Token):
+                raise GrammarError(f"{here}.begin: a tag that a token begins is token_triggered_tags'")
             k = _first_trigger(begin, triggers)
             if k is None:
                 raise GrammarError(f"{here}: its begin {begin!r} does not start with a trigger "
@@ -235,13 +313,20 @@ class _Compiler:
             body = self.format(content, here + ".content", ends)
             groups[k].append(_cat(lit(begin[len(triggers[k]):]), body))
             whole.append(_cat(lit(begin), body))
+        return self._triggered(fmt, where, stop, list(triggers), groups, whole,
+                               list(_strings(fmt, "excludes", where)))
+
+    def _triggered(self, fmt: dict[str, Any], where: str, stop: Stop, triggers: list[Piece], groups: list[list[Expr]],
+                   whole: list[Expr], excludes: list[Piece]) -> Expr:
+        """Free text in which each trigger starts the rest of one of its tags (`groups`), as
+        `at_least_one` and `stop_after_first` say; `whole`: each tag from its begin."""
+        once, first = _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)
         unused = [t for t, g in zip(triggers, groups, strict=True) if not g]
         if unused:
-            raise GrammarError(f"{where}: trigger {unused[0]!r} starts no tag's begin")
+            raise GrammarError(f"{where}: trigger {_shown(unused[0])} starts no tag's begin")
         if first and once:
             return _then(_alt(*whole), stop)
-        rest = _dispatch([_alt(*g) for g in groups], triggers, _strings(fmt, "excludes", where), stop,
-                         loop=not once)
+        rest = _dispatch([_alt(*g) for g in groups], triggers, excludes, stop, loop=not once)
         return _cat(_alt(*whole), rest) if first else rest
 
     def _dispatch(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
@@ -253,7 +338,8 @@ class _Compiler:
         if len(set(patterns)) != len(patterns):
             raise GrammarError(f"{where}.rules: two rules share a pattern")
         bodies = [self.format(r[1], f"{where}.rules[{i}][1]", None) for i, r in enumerate(rules)]
-        return _dispatch(bodies, patterns, _strings(fmt, "excludes", where), stop, loop=_flag(fmt, "loop", where, True))
+        return _dispatch(bodies, list(patterns), list(_strings(fmt, "excludes", where)), stop,
+                         loop=_flag(fmt, "loop", where, True))
 
     def _tags_with_separator(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         tags = fmt.get("tags")
@@ -264,6 +350,26 @@ class _Compiler:
         once, first = _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)
         calls = one if once else _cat(one, _rep(_cat(lit(separator), one), 0, None))
         return _then(calls if first else _rep(calls, 0, 1), stop)
+
+    def token(self, fmt: Any, where: str) -> Token:
+        """A `{"type": "token", "token": TEXT}` format's token, special where the tokenizer says."""
+        if not isinstance(fmt, dict) or fmt.get("type", "token") != "token" or "token" not in fmt:
+            raise GrammarError(f"{where} must be a token: {{\"type\": \"token\", \"token\": TEXT}}")
+        return self._resolved(fmt["token"], where + ".token")
+
+    def tokens(self, fmt: dict[str, Any], key: str, where: str, at_least_one: bool = False) -> list[Piece]:
+        value = fmt.get(key, [])
+        if not isinstance(value, list) or (at_least_one and not value):
+            raise GrammarError(f"{where}.{key} must list {'at least one token' if at_least_one else 'tokens'}, by their text")
+        return [self._resolved(v, f"{where}.{key}[{i}]") for i, v in enumerate(value)]
+
+    def _resolved(self, value: Any, where: str) -> Token:
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise GrammarError(f"{where}: a token by its id ({value}) is not built; give its text "
+                               "(a grammar's text is compiled apart from the tokenizer's ids)")
+        if not isinstance(value, str) or not value:
+            raise GrammarError(f"{where} must be a token's text (a non-empty string)")
+        return Token(value, None if self.specials is None else value in self.specials)
 
     def _adopt(self, rules: dict[str, Expr]) -> Expr:
         """A sub-grammar's rules under a fresh prefix; its root's reference."""
@@ -328,44 +434,84 @@ def _xml_value(sub: Any, rules: dict[str, Expr], prefix: str) -> Expr:
     return _cat(XML_SPACE, Ref(prefix + ROOT), XML_SPACE, lit(CLOSE))
 
 
-def _dispatch(bodies: list[Expr], markers: list[str], excludes: list[str], stop: Stop, loop: bool) -> Expr:
+def _dispatch(bodies: list[Expr], markers: list[Piece], excludes: list[Piece], stop: Stop, loop: bool) -> Expr:
     """Free text until one of `markers` is written, then that marker's body; again and again
     (`loop`) or once; the free text holds none of `excludes` and, inside a tag, ends at the first
     of its ends (which ends the whole)."""
     ends = tuple(e for e in stop or () if e)
     if set(markers) & set(ends):
-        raise GrammarError(f"a trigger is also the enclosing tag's end: {sorted(set(markers) & set(ends))[0]!r}")
-    dispatched = _alt(*(_cat(Until(_markers(markers, ends, excludes), i), b) for i, b in enumerate(bodies)))
+        raise GrammarError(f"a trigger is also the enclosing tag's end: {_shown(sorted(set(markers) & set(ends), key=str)[0])}")
+    every, index = _markers(markers, ends, excludes)
+    dispatched = _alt(*(_cat(_until(every, index[i]), b) for i, b in enumerate(bodies)))
     free = _free_until(excludes, tuple(markers), stop)
     if loop:
         return _cat(_rep(dispatched, 0, None), free)
     return _alt(_then(dispatched, stop), free)
 
 
-def _free_until(excludes: list[str], markers: tuple[str, ...], stop: Stop) -> Expr:
+def _free_until(excludes: list[Piece], markers: tuple[Piece, ...], stop: Stop) -> Expr:
     """Text holding none of `markers` and `excludes`, then (inside a tag) the first of its
     non-empty ends; with no such end, to wherever the next thing starts."""
     ends = tuple(e for e in stop or () if e)
-    every = _markers(list(markers), ends, excludes)
+    every, index = _markers(list(markers), ends, excludes)
     if ends:
         base = len(markers)
-        return _alt(*(Until(every, base + i) for i in range(len(ends))))
+        return _alt(*(_until(every, index[base + i]) for i in range(len(ends))))
     tail = Until(every, None) if every else Repeat(ANY_CHAR, 0, None)
     return _then(tail, stop)  # an end list of empty strings
 
 
-def _markers(markers: list[str], ends: tuple[str, ...], excludes: list[str]) -> tuple[bytes, ...]:
+def _markers(markers: list[Piece], ends: tuple[Piece, ...], excludes: list[Piece]) -> tuple[tuple[bytes, ...], list[list[int]]]:
     """What a scan of free text watches for, in order: the markers, the ends, then the excluded
-    strings that are neither."""
+    pieces that are neither; each piece's forms as bytes (a token's two: its special token's
+    and its text), and for each piece the indices of its forms."""
     seen = [*markers, *ends]
     seen += [x for x in dict.fromkeys(excludes) if x not in seen]
-    return tuple(s.encode("utf-8") for s in seen)
+    forms: list[bytes] = []
+    index: list[list[int]] = []
+    for piece in seen:
+        index.append([])
+        for form in _forms(piece):
+            if form not in forms:
+                forms.append(form)
+            index[-1].append(forms.index(form))
+    return tuple(forms), index
+
+
+def _until(every: tuple[bytes, ...], which: list[int]) -> Expr:
+    """Free text up to the first of `every`, that being one of `which`."""
+    return _alt(*(Until(every, k) for k in which))
+
+
+def _piece(piece: Piece) -> Expr:
+    """A piece's text: a token's special token, or its text (what the tokenizer holds it as)."""
+    if not isinstance(piece, Token):
+        return lit(piece)
+    options: list[Expr] = []
+    if piece.special is not False:
+        options.append(Bytes(special_token(piece.text)))
+    if not piece.special:
+        options.append(lit(piece.text))
+    return _alt(*options)
+
+
+def _forms(piece: Piece) -> list[bytes]:
+    """The bytes a piece is read as: a special token's spelling, and (where the tokenizer may
+    hold it as ordinary text) its text."""
+    if isinstance(piece, Token):
+        special = [special_token(piece.text)] if piece.special is not False else []
+        return special + ([piece.text.encode("utf-8")] if not piece.special else [])
+    return [piece.encode("utf-8")]
+
+
+def _shown(piece: Piece) -> str:
+    return f"token {piece.text!r}" if isinstance(piece, Token) else repr(piece)
 
 
 def _then(node: Expr, stop: Stop) -> Expr:
     if not stop:
         return node
-    return _cat(node, _alt(*(lit(e) for e in dict.fromkeys(stop))))
+    return _cat(node, _alt(*(_piece(e) for e in dict.fromkeys(stop))))
 
 
 def _cat(*parts: Expr) -> Expr:
@@ -383,7 +529,8 @@ def _rep(node: Expr, low: int, high: int | None) -> Expr:
 def _inferred(fmt: dict[str, Any]) -> str:
     for key, kind in (("begin", "tag"), ("value", "const_string"), ("json_schema", "json_schema"),
                       ("elements", "sequence"), ("triggers", "triggered_tags"), ("separator", "tags_with_separator"),
-                      ("grammar", "grammar"), ("pattern", "regex"), ("rules", "dispatch")):
+                      ("grammar", "grammar"), ("pattern", "regex"), ("rules", "dispatch"), ("token", "token"),
+                      ("trigger_tokens", "token_triggered_tags")):
         if key in fmt:
             return kind
     return "any_text" if set(fmt) <= {"excludes"} else "(none)"
