@@ -72,10 +72,19 @@ class Tokenizer:
         return step
 
     def writes_as_text(self, text: str) -> bool:
-        """Whether `text` encodes to ordinary tokens only (no special token, which a grammar over
-        the output's bytes cannot write: conveyor/structured/grammar.py's `token_bytes`)."""
+        """Whether `text` encodes to ordinary tokens only (no special token, which a grammar
+        admits only where a structural tag's `token` format names it: conveyor/structured/)."""
         special = self._special_ids
         return not any(t in special for t in self.hf.encode(text, add_special_tokens=False))
+
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one special token of this tokenizer (control, not text)."""
+        return text in self._special_texts
+
+    @functools.cached_property
+    def _special_texts(self) -> frozenset[str]:
+        ids = sorted(self._special_ids)
+        return frozenset(t for t in self.hf.convert_ids_to_tokens(ids) if t)
 
     @functools.cached_property
     def _special_ids(self) -> frozenset[int]:

@@ -832,7 +832,11 @@ class ChatCompletionHandler(_Handler):
 
     @property
     def keeps_special_tokens(self) -> bool:  # type: ignore[override]
-        return keeps_special_tokens(self.reasoning_parser)
+        """Whether the text keeps special tokens: for a reasoning parser that reads them, or a
+        tool parser whose markers the served tokenizer holds as special tokens."""
+        tools = self.tools
+        return keeps_special_tokens(self.reasoning_parser) or (
+            tools is not None and self.tokenizer is not None and tools.keeps_special_tokens(self.tokenizer.is_special))
 
     @property
     def reasoning_parser(self) -> str | None:

@@ -121,9 +121,13 @@ class ToolParser(ABC):
     @abstractmethod
     def write(self, calls: list[Call]) -> str: ...
 
-    # The texts a strict tag writes that a tokenizer may hold as special tokens: where one is, a
-    # grammar over bytes would keep the model from writing it, so no tag holds the calls.
+    # The marker texts this format is written with that a tokenizer may hold as special tokens.
+    # Where the served tokenizer holds one as such, the output's text keeps special tokens (the
+    # parser reads them; `Tools.keeps_special_tokens`, vLLM's `adjust_request`), and a strict tag
+    # that writes them as text (not `TOKEN_TAG`) holds no calls: a grammar admits a special token
+    # only where a `token` format names it.
     MARKERS: ClassVar[tuple[str, ...]] = ()
+    TOKEN_TAG: ClassVar[bool] = False  # the strict tag writes every marker as a `token` format
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """The structural tag that holds this format's calls to their functions' parameters
@@ -162,6 +166,32 @@ def held_parameters(function: dict[str, Any]) -> Any:
     """What a strict tag holds a function's arguments to: its parameters, or any JSON object for
     a function marked `"strict": false`."""
     return function["parameters"] if function.get("strict") is not False else {"type": "object"}
+
+
+def token(text: str) -> dict[str, Any]:
+    """A structural tag's `token` format: the special token of that text, or the text itself
+    where the served tokenizer holds it as text."""
+    return {"type": "token", "token": text}
+
+
+def const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+def triggered_section(begin: str, end: str, calls: dict[str, Any]) -> dict[str, Any]:
+    """Free text, then at most one section that the token `begin` opens and `end` closes, the
+    `calls` inside, and nothing after it."""
+    section = {"type": "tag", "begin": token(begin), "content": calls, "end": token(end)}
+    return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [begin],
+                                                  "tags": [section], "stop_after_first": True}}
+
+
+def one_or_more(call: dict[str, Any], parallel: bool, between: str = "") -> dict[str, Any]:
+    """`call`, and where `parallel` more of it, each after `between` (a regular expression)."""
+    if not parallel:
+        return call
+    more = {"type": "sequence", "elements": [{"type": "regex", "pattern": between}, call]} if between else call
+    return {"type": "sequence", "elements": [call, {"type": "star", "content": more}]}
 
 
 def tool_parser_names() -> list[str]:
@@ -644,13 +674,16 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
     MARKERS = (TAG,)
+    TOKEN_TAG = True
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
-        """Text, then at most one `[TOOL_CALLS]` and its JSON list of calls held to their
-        schemas (the v3 form, as `write` writes it), and nothing after it."""
-        calls = json_calls_tag(functions, parallel, ", ", "arguments", self.TAG + "[", "]")
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.TAG], "tags": [calls],
-                                                      "stop_after_first": True}}
+        """Text, then at most one `[TOOL_CALLS]` (a `token` format: Mistral's tokenizers hold it
+        as a special token) and its JSON list of calls held to their schemas (the v3 form, as
+        `write` writes it), and nothing after it."""
+        calls = json_calls_tag(functions, parallel, ", ", "arguments", "[", "]")
+        tag = {"type": "tag", "begin": token(self.TAG), "content": calls, "end": ""}
+        return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [self.TAG],
+                                                      "tags": [tag], "stop_after_first": True}}
 
     def scan(self, text: str, final: bool) -> Scan:
         start = text.find(self.TAG)
@@ -855,6 +888,9 @@ class SeedOssParser(Qwen3CoderParser):
 @_PARSERS.register("glm45")
 class Glm45Parser(ToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    KEY, VALUE = ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>")
+    MARKERS = (OPEN, CLOSE, *KEY, *VALUE)
+    TOKEN_TAG = True
     _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -881,6 +917,39 @@ class Glm45Parser(ToolParser):
             "...\n</tool_call>"
         )
 
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, and from each `<tool_call>` one call: the function's name on a line,
+        then its arguments as `<arg_key>` / `<arg_value>` pairs held to its parameters (in the
+        schema's order, the required ones always: `glm_arguments`), one block where `parallel`
+        is false. Every marker is a `token` format: GLM-4.5's tokenizer holds them as tokens."""
+        tags = [{"type": "tag", "begin": token(self.OPEN), "end": token(self.CLOSE), "content": {
+                    "type": "sequence", "elements": [const(f"{f['name']}\n"), *self.arguments(held_parameters(f))]}}
+                for f in functions]
+        return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [self.OPEN],
+                                                      "tags": tags, "stop_after_first": not parallel}}
+
+    def arguments(self, schema: Any) -> list[dict[str, Any]]:
+        """Formats of an object's properties as `<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n`
+        pairs, as the parser reads them: each property in the schema's order, the required ones
+        always; a value is raw text for a string (or a property of no type), one of the literals
+        for an enum or const of strings, else the JSON of its schema. An object with no
+        properties takes any pairs. A string's length, pattern and format are not held."""
+        def pair(key: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+            return {"type": "sequence", "elements": [
+                {"type": "tag", "begin": token(self.KEY[0]), "content": key, "end": token(self.KEY[1])}, const("\n"),
+                {"type": "tag", "begin": token(self.VALUE[0]), "content": value, "end": token(self.VALUE[1])}, const("\n")]}
+
+        text = {"type": "any_text", "excludes": [self.VALUE[1], self.CLOSE]}
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(props, dict) or not props:
+            return [{"type": "star", "content": pair({"type": "any_text", "excludes": [self.KEY[1]]}, text)}]
+        required = set(schema.get("required", []))
+        out = []
+        for key, sub in props.items():
+            one = pair(const(key), _glm_value(sub, text))
+            out.append(one if key in required else {"type": "optional", "content": one})
+        return out
+
     def write(self, calls: list[Call]) -> str:
         def one(c: Call) -> str:
             pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_text_of(v)}</arg_value>\n"
@@ -888,6 +957,21 @@ class Glm45Parser(ToolParser):
             return f"{self.OPEN}{c['function']['name']}\n{pairs}{self.CLOSE}"
 
         return "\n".join(one(c) for c in calls)
+
+
+def _glm_value(sub: Any, text: dict[str, Any]) -> dict[str, Any]:
+    """The format of one `<arg_value>`: `text` for a string, the literals of an enum or const of
+    strings, the JSON of any other schema."""
+    if not isinstance(sub, dict):
+        return text
+    literals = sub["enum"] if isinstance(sub.get("enum"), list) else [sub["const"]] if "const" in sub else None
+    if literals is not None and all(isinstance(v, str) for v in literals):
+        return {"type": "or", "elements": [const(v) for v in literals]} if literals else text
+    kind = sub.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if literals is None and (not kinds or "string" in kinds):
+        return text
+    return {"type": "json_schema", "json_schema": sub}
 
 
 class _SectionParser(ToolParser):
@@ -933,7 +1017,25 @@ class DeepSeekV3Parser(_SectionParser):
     SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
     CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
     SEP = "<｜tool▁sep｜>"
+    MARKERS = (*SECTION, *CALL, SEP)
+    TOKEN_TAG = True
     _FENCED = re.compile(r"\s*([^\n]+?)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*", re.S)
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then one section of calls held to their schemas (one where `parallel` is
+        false, else any, a newline or none between), each in either form the parser reads: V3's
+        and R1's `function<sep>NAME` and a fenced JSON block, or V3.1's `NAME<sep>` and the JSON;
+        markers as `token` formats."""
+        def forms(f: dict[str, Any]) -> dict[str, Any]:
+            args = {"type": "json_schema", "json_schema": held_parameters(f)}
+            return {"type": "or", "elements": [
+                {"type": "sequence", "elements": [const("function"), token(self.SEP),
+                                                  const(f"{f['name']}\n```json\n"), args, const("\n```")]},
+                {"type": "sequence", "elements": [const(f["name"]), token(self.SEP), args]}]}
+
+        call = {"type": "or", "elements": [{"type": "tag", "begin": token(self.CALL[0]), "content": forms(f),
+                                            "end": token(self.CALL[1])} for f in functions]}
+        return triggered_section(*self.SECTION, one_or_more(call, parallel, "\n?"))
 
     def _call(self, body: str) -> Call | None:
         kind, sep, rest = body.partition(self.SEP)
@@ -968,6 +1070,20 @@ class KimiK2Parser(_SectionParser):
     SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
     CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
     ARGS = "<|tool_call_argument_begin|>"
+    MARKERS = (*SECTION, *CALL, ARGS)
+    TOKEN_TAG = True
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then one section of calls held to their schemas (one where `parallel` is
+        false), each `functions.NAME:INDEX`, the argument token and the JSON; markers as
+        `token` formats (Kimi-K2's tokenizer holds them as special tokens)."""
+        call = {"type": "or", "elements": [{"type": "tag", "begin": token(self.CALL[0]), "end": token(self.CALL[1]),
+                                            "content": {"type": "sequence", "elements": [
+                                                const(f"functions.{f['name']}:"), {"type": "regex", "pattern": "[0-9]+"},
+                                                token(self.ARGS),
+                                                {"type": "json_schema", "json_schema": held_parameters(f)}]}}
+                                           for f in functions]}
+        return triggered_section(*self.SECTION, one_or_more(call, parallel))
 
     def _call(self, body: str) -> Call | None:
         ident, sep, rest = body.partition(self.ARGS)

@@ -116,10 +116,12 @@ class Tools:
         (named), with "auto" and a strict function, the parser's structural tag (its format's
         free text, and calls held to their functions' schemas; `hermes` as vLLM's), or nothing:
         also where `writable` (the served tokenizer's) says one of the tag's markers is a special
-        token, which a grammar over bytes would keep the model from writing."""
+        token that the tag writes as text (a grammar admits a special token only as a `token`
+        format, as the tags of `TOKEN_TAG` parsers write every marker)."""
         if self.choice == "auto" and any(f.get("strict") is True for f in self.functions):
             tag = self.parser.strict_tag(list(self.functions), self.parallel)
-            if tag is not None and (writable is None or all(writable(m) for m in self.parser.MARKERS)):
+            if tag is not None and (writable is None or self.parser.TOKEN_TAG
+                                    or all(writable(m) for m in self.parser.MARKERS)):
                 return StructuredOutputParams(structural_tag=tag)
         if self.choice == "named":
             fn = next(f for f in self.functions if f["name"] == self.named)
@@ -133,6 +135,12 @@ class Tools:
             schema = {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
             return StructuredOutputParams(json=schema)
         return None
+
+    def keeps_special_tokens(self, is_special: Callable[[str], bool] | None) -> bool:
+        """Whether the output's text must keep special tokens for the parser to read its calls:
+        where calls may come ("auto") and the served tokenizer holds one of the format's markers
+        as a special token (`is_special`; vLLM's tool parsers' `adjust_request`)."""
+        return self.choice == "auto" and is_special is not None and any(is_special(m) for m in self.parser.MARKERS)
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A finished output as (content, tool calls)."""

@@ -462,11 +462,15 @@ def _free_until(excludes: list[Piece], markers: tuple[Piece, ...], stop: Stop) -
 
 
 def _markers(markers: list[Piece], ends: tuple[Piece, ...], excludes: list[Piece]) -> tuple[tuple[bytes, ...], list[list[int]]]:
-    """What a scan of free text watches for, in order: the markers, the ends, then the excluded
-    pieces that are neither; each piece's forms as bytes (a token's two: its special token's
-    and its text), and for each piece the indices of its forms."""
+    """What a scan of free text watches for, in order: the markers, the ends, the excluded
+    pieces that are neither, then the texts of those that are special tokens; each piece's forms
+    as bytes (a token's special token's, or its text, or either where the tokenizer is not
+    known), and for each piece the indices of its forms."""
     seen = [*markers, *ends]
     seen += [x for x in dict.fromkeys(excludes) if x not in seen]
+    # A special token's text, written in ordinary tokens, is what a parser of the text would
+    # read as the token: free text holds none of a marker's or an exclusion's.
+    seen += [t.text for t in seen if isinstance(t, Token) and t.special and t.text not in seen]
     forms: list[bytes] = []
     index: list[list[int]] = []
     for piece in seen:

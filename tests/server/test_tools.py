@@ -239,7 +239,7 @@ def test_strict_auto_tags_only_where_asked():
     assert one is not None and compile_automaton(one).matches(call) and not compile_automaton(one).matches(call + call)
     many = compile_automaton(Tools.parse([strict(WEATHER)], "auto", True).constraint())
     assert many.matches(f"First {call}, then {call}.") and not many.matches(call.replace("Paris", "x" * 31))
-    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("kimi_k2")).constraint() is None
+    assert Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser("pythonic")).constraint() is not None
 
 
 LLAMA_CALL = st.builds(  # the arguments in the schemas' order (the grammar's JSON keeps it)
@@ -492,8 +492,10 @@ def test_auto_with_a_strict_function_holds_seed_oss_calls_as_qwen3_coders():
 
 
 def test_no_strict_tag_where_the_tokenizer_holds_a_marker_as_a_special_token(tmp_path):
-    """A grammar over bytes cannot write a special token: where the served tokenizer holds one
-    of the tag's markers as one, the calls stay free (as without a strict function)."""
+    """A grammar admits a special token only as a `token` format: where the served tokenizer
+    holds one of a tag's markers as one and the tag writes it as text, the calls stay free (as
+    without a strict function); a tag of `token` formats holds them either way. Where a marker
+    is a special token, the output's text keeps special tokens for the parser to read."""
     from transformers import AutoTokenizer
 
     from conveyor.tokenizer import Tokenizer
@@ -506,10 +508,102 @@ def test_no_strict_tag_where_the_tokenizer_holds_a_marker_as_a_special_token(tmp
     tok = Tokenizer(hf)
     assert not tok.writes_as_text("[TOOL_CALLS]") and not tok.writes_as_text("w4 [TOOL_CALLS] w5")
     assert tok.writes_as_text("<tool_call>") and tok.writes_as_text("w4 w5")  # (its words are w4, w5, ...)
-    for name, held in (("mistral", False), ("hermes", True), ("llama3_json", True)):
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<|action_start|>"]})
+    tok = Tokenizer(hf)
+    for name, held, keeps in (("mistral", True, True), ("internlm", False, True), ("hermes", True, False),
+                              ("llama3_json", True, False)):
         tools = Tools.parse([strict(WEATHER)], "auto", None, make_tool_parser(name))
         assert tools is not None and tools.constraint() is not None  # no tokenizer said: the tag
         assert (tools.constraint(tok.writes_as_text) is not None) == held, name
+        assert tools.keeps_special_tokens(tok.is_special) == keeps, name
+        named = Tools.parse([strict(WEATHER)], {"type": "function", "function": {"name": "get_weather"}}, None,
+                            make_tool_parser(name))
+        assert named is not None and not named.keeps_special_tokens(tok.is_special)  # (no markers there)
+
+
+def written(parser: Any, *calls: tuple[str, dict]) -> str:
+    return parser.write([{"type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for n, a in calls])
+
+
+def reads(automaton: Any, data: bytes) -> bool:
+    if hasattr(automaton, "walk"):
+        return bool(automaton.accepting[automaton.walk(1, data)])
+    config = automaton.start()
+    for b in data:
+        config = automaton.step(config, b)
+    return config.accepting
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
+@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "glm45", "mistral"])
+def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special):
+    """Under a parser whose strict tag writes its markers as `token` formats: the calls its
+    `write` writes are allowed (markers as the served tokenizer's special tokens, or as text
+    where it holds them so), text before them too, and the parser reads them back; a value
+    outside its schema, an unlisted function and a second call where `parallel_tool_calls` is
+    false are refused; where the markers are special, their text in free text is only text."""
+    import re
+
+    from conveyor.structured import compile_automaton
+    from conveyor.structured.regex import special_token
+
+    parser = make_tool_parser(name)
+    assert parser.TOKEN_TAG and parser.MARKERS
+    specials = frozenset(parser.MARKERS) if special else frozenset()
+    pattern = re.compile("|".join(re.escape(m) for m in sorted(parser.MARKERS, key=len, reverse=True)))
+
+    def spelled(text: str) -> bytes:
+        if not special:
+            return text.encode()
+        out, at = b"", 0
+        for m in pattern.finditer(text):
+            out += text[at:m.start()].encode() + special_token(m.group())
+            at = m.end()
+        return out + text[at:].encode()
+
+    def automaton(parallel: bool) -> Any:
+        tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
+        assert tools is not None
+        return compile_automaton(tools.constraint(), specials)
+
+    many, one = automaton(True), automaton(False)
+    good = written(parser, ("get_weather", {"city": "Paris", "unit": "celsius"}))
+    two = written(parser, ("get_weather", {"city": "Oslo"}), ("search", {"query": "rain"}))
+    with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
+        content, calls = parser.parse(f"Let me check. {good}")
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    assert reads(many, spelled(f"Let me check. {good}")) and reads(one, spelled(good)) and reads(many, b"plain")
+    assert reads(many, spelled(two)) and not reads(one, spelled(two))
+    assert not reads(many, spelled(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"}))))
+    assert not reads(many, spelled(written(parser, ("get_weather", {"unit": "celsius"}))))  # city is required
+    assert not reads(many, spelled(written(parser, ("other", {}))))
+    # The trigger's text in free text: the parser would read it as the marker, so a call follows
+    # it where it is the marker's text, and it is not written in ordinary tokens where the
+    # marker is a special token (the free text holds no special token's text).
+    trigger = parser.MARKERS[0]
+    assert not reads(many, f"Markers look like {trigger}.".encode())
+    as_text = spelled(f"Look: {good}").replace(special_token(trigger), trigger.encode())
+    assert reads(many, spelled(f"Look: {good}")) and reads(many, as_text) == (not special)
+
+
+def test_deepseek_v3_calls_are_held_in_either_form():
+    """V3's and R1's `function<sep>NAME` and a fenced JSON block, V3.1's `NAME<sep>` and the
+    JSON: both held to the schema, a newline or none between calls."""
+    from conveyor.structured import compile_automaton
+
+    parser = make_tool_parser("deepseek_v3")
+    (begin, end), (call, close), sep = parser.SECTION, parser.CALL, parser.SEP
+    tools = Tools.parse([strict(WEATHER), strict(SEARCH)], "auto", True, parser)
+    assert tools is not None
+    automaton = compile_automaton(tools.constraint(), frozenset())
+    v3 = f'{call}function{sep}get_weather\n```json\n{{"city": "Paris"}}\n```{close}'
+    v31 = f'{call}search{sep}{{"query": "x"}}{close}'
+    for text in (f"{begin}{v3}{end}", f"{begin}{v3}\n{v31}{end}", f"{begin}{v31}{v3}{end}"):
+        assert reads(automaton, text.encode()), text
+        assert len(parser.parse(text)[1]) == text.count(call)
+    assert not reads(automaton, f'{begin}{v3.replace("Paris", "x" * 31)}{end}'.encode())
+    assert not reads(automaton, f"{begin}{end}".encode())  # a section holds a call
 
 
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
@@ -539,3 +633,40 @@ def test_strict_tools_under_auto_over_http(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="strict function"):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=8,
                                        response_format={"type": "json_object"})
+
+
+def test_the_text_keeps_special_tokens_where_the_parser_reads_them_as_markers(tmp_path):
+    """A chat request with tools, served under a parser whose marker the served tokenizer holds
+    as a special token (vLLM's tool parsers' `adjust_request`): its text keeps special tokens,
+    and its strict function's calls are held by a tag of `token` formats; under another parser,
+    or without tools, special tokens are skipped as asked."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from conveyor.server.config import ServerConfig
+    from conveyor.server.metrics import ServerMetrics
+    from conveyor.server.protocol import ChatCompletionRequest
+    from conveyor.server.serving import ChatCompletionHandler, ServerState
+    from conveyor.tokenizer import Tokenizer
+    from tests.conftest import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    hf.add_tokens(["<tool_call>", "</tool_call>"])  # added, but ordinary text
+    engine = SimpleNamespace(tokenizer=Tokenizer(hf))
+
+    def params(parser: str, **body: Any):
+        state = ServerState(engine, ServerConfig(tool_call_parser=parser), ("m",), ServerMetrics("m"))  # type: ignore[arg-type]
+        request = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, **body})
+        return ChatCompletionHandler(state, request).sampling_params(16, 0)
+
+    tools = {"tools": [strict(WEATHER)], "tool_choice": "auto"}
+    kept = params("mistral", **tools)
+    assert not kept.skip_special_tokens and kept.structured_outputs is not None
+    assert "token_triggered_tags" in json.dumps(kept.structured_outputs.structural_tag)
+    held = params("hermes", **tools)
+    assert held.skip_special_tokens and held.structured_outputs is not None
+    assert params("mistral").skip_special_tokens
+    assert params("mistral", **tools, skip_special_tokens=False).skip_special_tokens is False

@@ -60,14 +60,16 @@ def test_a_token_is_its_special_token_where_the_tokenizer_has_one_else_its_text(
 
 
 def test_a_tag_of_tokens_around_any_tokens():
-    """`any_tokens` inside a tag closed by a token: any text, no special token (bar the end), and
-    none of its excluded tokens; it stops at the first end."""
+    """`any_tokens` inside a tag closed by a token: any text, no special token (bar the end),
+    none of its excluded tokens, nor a special token's text in ordinary tokens (which a parser
+    of the text would read as the token); it stops at the first end."""
     fmt = {"type": "tag", "begin": token("<|sec|>"), "end": token("<|end|>"),
            "content": {"type": "any_tokens", "exclude_tokens": ["<|x|>"]}}
     specials = frozenset(NAMES) - {"<|x|>"}  # the excluded one is text here
     a = automaton(fmt, specials)
     s, e, o = PUA["<|sec|>"], PUA["<|end|>"], PUA["<|other|>"]
-    assert reads(a, spelled(f"{s}any text <|end|> as text{e}"))
+    assert reads(a, spelled(f"{s}any text <|sec|> as text{e}"))  # (the begin is no marker here)
+    assert not reads(a, spelled(f"{s}any text <|end|> as text{e}"))
     assert reads(a, spelled(f"{s}{e}"))
     assert not reads(a, spelled(f"{s}a{o}b{e}"))  # a special token in the free text
     assert not reads(a, spelled(f"{s}a <|x|> b{e}"))  # the excluded token, as the text it is here
@@ -88,9 +90,11 @@ def oracle(specials: frozenset[str], parallel: bool, first: bool, once: bool) ->
     def t(name: str) -> str:
         return PUA[name] if name in specials else re.escape(name)
 
-    text_markers = [re.escape(n) for n in ("<|sec|>", "<|x|>") if n not in specials]
+    # The trigger's and the excluded token's text: markers where the tokenizer holds them as
+    # text, never written in ordinary tokens where it holds them as special tokens.
+    text_markers = [re.escape(n) for n in ("<|sec|>", "<|x|>")]
     ordinary = "[^\ue000-\ue0ff]"  # free text holds no special token
-    free = f"(?:(?!{'|'.join(text_markers)}){ordinary})*" if text_markers else f"{ordinary}*"
+    free = f"(?:(?!{'|'.join(text_markers)}){ordinary})*"
     one = f'{t("<|call|>")}"[ab]"{t("<|end|>")}'
     tag = f'{t("<|sec|>")}(?:{one}){"+" if parallel else ""}{t("<|/sec|>")}'
     if first and once:
@@ -127,9 +131,9 @@ def damaged(text: str, rnd: random.Random) -> str:
        st.sampled_from([frozenset(NAMES), frozenset(NAMES) - {"<|sec|>", "<|x|>"}, frozenset({"<|sec|>"})]),
        st.randoms(use_true_random=False))
 def test_token_triggered_tags_read_as_the_definition(parallel, first, once, specials, rnd):
-    """Free text (no special token, none of the excluded; a trigger written as text where the
-    tokenizer holds it as text), the section a trigger token opens, again or once; the automaton
-    and the matcher agree on sampled texts, damaged or not."""
+    """Free text (no special token, none of the excluded, nor the text of a special trigger; a
+    trigger written as text where the tokenizer holds it as text), the section a trigger token
+    opens, again or once; the automaton and the matcher agree on sampled texts, damaged or not."""
     fmt = {"type": "token_triggered_tags", "trigger_tokens": ["<|sec|>"], "tags": [section(parallel)],
            "exclude_tokens": ["<|x|>"], "at_least_one": first, "stop_after_first": once}
     a, want = automaton(fmt, specials), oracle(specials, parallel, first, once)
