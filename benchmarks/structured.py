@@ -22,7 +22,7 @@
 
     python benchmarks/structured.py --batch 1 8 --rounds 3
     python benchmarks/structured.py --compile-only
-    python benchmarks/structured.py --strict-tools 10 30
+    python benchmarks/structured.py --strict-tools 10 30 [--parsers kimi_k2 deepseek_v3 glm45 mistral]
 """
 
 from __future__ import annotations
@@ -141,9 +141,11 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true", help="the compile table alone")
     ap.add_argument("--strict-tools", type=int, nargs="+", default=None, metavar="N",
                     help="only compile the strict-tool constraints of N distinct functions per parser")
+    ap.add_argument("--parsers", nargs="+", default=["hermes", "llama3_json", "qwen3_coder", "pythonic", "phi4_mini_json"],
+                    help="the tool parsers --strict-tools compiles for")
     args = ap.parse_args()
     if args.strict_tools:
-        many_strict_tools(args.strict_tools)
+        many_strict_tools(args.strict_tools, args.parsers)
         return
 
     llm = LLM(args.model)
@@ -213,9 +215,11 @@ def main() -> None:
     deep_walk(llm)
 
 
-def many_strict_tools(counts: list[int]) -> None:
+def many_strict_tools(counts: list[int], parsers: list[str]) -> None:
     """Compile time of `tool_choice="auto"` over N strict functions, each of 4 parameters (its own
-    string property, bounded to 40 characters or not, an enum, a bounded integer, a list)."""
+    string property, bounded to 40 characters or not, an enum, a bounded integer, a list). A
+    parser whose tag writes its markers as tokens compiles as for a tokenizer holding them as
+    special tokens."""
     from conveyor.server.tool_parsers import make_tool_parser
     from conveyor.server.tools import Tools
     from conveyor.structured import compile_automaton
@@ -232,11 +236,13 @@ def many_strict_tools(counts: list[int]) -> None:
     print("|---:|---|---|---:|---|")
     for n in counts:
         for bounded in (False, True):
-            for parser in ("hermes", "llama3_json", "qwen3_coder", "pythonic", "phi4_mini_json"):
-                tools = Tools.parse([function(i, bounded) for i in range(n)], "auto", True, make_tool_parser(parser))
+            for parser in parsers:
+                made = make_tool_parser(parser)
+                tools = Tools.parse([function(i, bounded) for i in range(n)], "auto", True, made)
                 assert tools is not None
+                specials = frozenset(made.MARKERS) if made.TOKEN_TAG else None
                 start = time.perf_counter()
-                automaton = compile_automaton(tools.constraint())
+                automaton = compile_automaton(tools.constraint(), specials)
                 took = (time.perf_counter() - start) * 1e3
                 shape = (f"pushdown: {len(automaton.names)} rules" if isinstance(automaton, Pushdown)
                          else f"DFA: {automaton.num_states} states")
