@@ -842,9 +842,15 @@ class ChatCompletionHandler(_Handler):
     def reasoning_parser(self) -> str | None:
         """The server's reasoning parser. A grammar holds the answer after a parser of tags'
         thinking block, which the parser splits off as ever; gpt-oss's harmony messages have
-        no such block, so a grammar holds the whole output there, and it is not split."""
+        no such block, so a grammar holds the whole output there, and it is not split, unless
+        the grammar is the harmony tool parser's strict tag, which holds the output as harmony
+        messages (`ToolParser.HOLDS_MESSAGES`)."""
         parser = self.state.config.reasoning_parser
-        return parser if self.structured_outputs is None or parser in TAGS else None
+        if self.structured_outputs is None or parser in TAGS:
+            return parser
+        tools = self.tools
+        held = tools is not None and tools.parser.HOLDS_MESSAGES and tools.constraint(self.writable) is not None
+        return parser if held else None
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """"tool_calls" where the model chose to call ("auto", "required") and ended; a named

@@ -128,6 +128,9 @@ class ToolParser(ABC):
     # only where a `token` format names it.
     MARKERS: ClassVar[tuple[str, ...]] = ()
     TOKEN_TAG: ClassVar[bool] = False  # the strict tag writes every marker as a `token` format
+    # The strict tag holds the whole output as the format's messages (harmony's), which the
+    # reasoning parser still splits; other tags hold text that the parser reads as it comes.
+    HOLDS_MESSAGES: ClassVar[bool] = False
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """The structural tag that holds this format's calls to their functions' parameters
@@ -1122,6 +1125,43 @@ def harmony_call(recipient: str, arguments: str) -> str:
 @_PARSERS.register("openai")
 class HarmonyParser(ToolParser):
     OPEN, CLOSE = f"{CHANNEL}commentary to=", CALL
+    MARKERS = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
+    TOKEN_TAG = True
+    HOLDS_MESSAGES = True
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """The whole output as harmony messages: any number of `analysis` and `commentary`
+        messages (each `<|channel|>NAME<|message|>`, its text, `<|end|>`, then
+        `<|start|>assistant` before the next), and last a `final` message (its text to the end)
+        or a call: `<|channel|>commentary to=functions.NAME [<|constrain|>json]<|message|>` (or,
+        after `<|start|>assistant`, ` to=functions.NAME<|channel|>commentary ...`) and the
+        arguments held to the function's schema, where the output ends (its `<|call|>`). One
+        call a turn, as gpt-oss makes them; every marker a `token` format."""
+        def text_message(channel: str) -> dict[str, Any]:
+            return {"type": "sequence", "elements": [token(CHANNEL), const(channel), {
+                "type": "tag", "begin": token(MESSAGE), "content": {"type": "any_text"}, "end": token(END)}]}
+
+        json_header = {"type": "optional", "content": {"type": "sequence", "elements": [
+            const(" "), token(CONSTRAIN), const("json")]}}
+
+        def arguments(f: dict[str, Any]) -> list[dict[str, Any]]:
+            return [json_header, token(MESSAGE), {"type": "json_schema", "json_schema": held_parameters(f)}]
+
+        call = {"type": "or", "elements": [{"type": "sequence", "elements": [
+            token(CHANNEL), const(f"commentary to=functions.{f['name']}"), *arguments(f)]} for f in functions]}
+        addressed = {"type": "or", "elements": [{"type": "sequence", "elements": [
+            const(f" to=functions.{f['name']}"), token(CHANNEL), const("commentary"), *arguments(f)]}
+            for f in functions]}
+        final = {"type": "sequence", "elements": [token(CHANNEL), const("final"), token(MESSAGE), {"type": "any_text"}]}
+        message = {"type": "or", "elements": [text_message("analysis"), text_message("commentary")]}
+        start = {"type": "sequence", "elements": [token(START), const("assistant")]}
+        last = {"type": "optional", "content": {"type": "sequence", "elements": [
+            start, {"type": "or", "elements": [final, call, addressed]}]}}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            final, call,
+            {"type": "sequence", "elements": [
+                message, {"type": "star", "content": {"type": "sequence", "elements": [start, message]}}, last]},
+        ]}}
 
     def scan(self, text: str, final: bool) -> Scan:
         return _blocks(text, final, self.OPEN, self.CLOSE, self._read)

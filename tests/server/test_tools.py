@@ -670,3 +670,75 @@ def test_the_text_keeps_special_tokens_where_the_parser_reads_them_as_markers(tm
     assert held.skip_special_tokens and held.structured_outputs is not None
     assert params("mistral").skip_special_tokens
     assert params("mistral", **tools, skip_special_tokens=False).skip_special_tokens is False
+
+
+def test_harmony_strict_tag_holds_the_messages_and_the_call():
+    """Under `openai` (gpt-oss's harmony): analysis and commentary messages, then a final
+    message or one call whose arguments hold to the schema, where the output ends (its
+    `<|call|>` is an end token, not text); the reasoning parser splits what the grammar allows,
+    and the tool parser reads the call it passes on."""
+    from conveyor.server.reasoning import split_reasoning
+    from conveyor.server.tool_parsers import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START
+    from conveyor.structured import compile_automaton
+    from conveyor.structured.regex import special_token
+
+    parser = make_tool_parser("openai")
+    tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", True, parser)
+    assert tools is not None
+    markers = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
+    automaton = compile_automaton(tools.constraint(), frozenset(markers))
+
+    def spelled(text: str) -> bytes:
+        out = text.encode()
+        for m in markers:
+            out = out.replace(m.encode(), special_token(m))
+        return out
+
+    think = f"{CHANNEL}analysis{MESSAGE}The user wants the weather.{END}{START}assistant"
+    call = f'{CHANNEL}commentary to=functions.get_weather {CONSTRAIN}json{MESSAGE}{{"city": "Paris"}}'
+    addressed = f'{START}assistant to=functions.search{CHANNEL}commentary{MESSAGE}{{"anything": 1}}'
+    final = f"{CHANNEL}final{MESSAGE}It is sunny."
+    for text in (think + call, call, think + final, final, think[: -len(f"{START}assistant")] + addressed,
+                 f"{CHANNEL}commentary{MESSAGE}Checking.{END}{START}assistant" + call):
+        assert reads(automaton, spelled(text)), text
+    for text in (think + call.replace("Paris", "x" * 31), think + call.replace("get_weather", "other"),
+                 call + " more", f"{CHANNEL}analysis{MESSAGE}a {CONSTRAIN} b{END}",  # no special token in text
+                 think.replace(f"{START}assistant", "") + call, "plain text", addressed):
+        assert not reads(automaton, spelled(text)), text
+    # What the server then does with `think + call` and the end token <|call|>:
+    reasoning, content = split_reasoning(think + call + CALL, "openai_gptoss")
+    assert reasoning == "The user wants the weather."
+    assert content is not None
+    assert [c["function"]["name"] for c in parser.parse(content)[1]] == ["get_weather"]
+
+
+def test_a_harmony_strict_tag_keeps_the_reasoning_parser(tmp_path):
+    """Under `--reasoning-parser openai_gptoss` a grammar holds the whole output and the
+    output is not split, but the harmony strict tag holds harmony messages: split as ever."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from conveyor.server.config import ServerConfig
+    from conveyor.server.metrics import ServerMetrics
+    from conveyor.server.protocol import ChatCompletionRequest
+    from conveyor.server.serving import ChatCompletionHandler, ServerState
+    from conveyor.server.tool_parsers import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START
+    from conveyor.tokenizer import Tokenizer
+    from tests.conftest import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf.add_special_tokens({"additional_special_tokens": [START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL]})
+    engine = SimpleNamespace(tokenizer=Tokenizer(hf))
+    config = ServerConfig(tool_call_parser="openai", reasoning_parser="openai_gptoss")
+
+    def handler(**body: Any) -> ChatCompletionHandler:
+        state = ServerState(engine, config, ("m",), ServerMetrics("m"))  # type: ignore[arg-type]
+        return ChatCompletionHandler(state, ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, **body}))
+
+    held = handler(tools=[strict(WEATHER)], tool_choice="auto")
+    assert held.structured_outputs is not None and held.reasoning_parser == "openai_gptoss"
+    assert not held.sampling_params(16, 0).skip_special_tokens
+    other = handler(response_format={"type": "json_object"})
+    assert other.structured_outputs is not None and other.reasoning_parser is None
