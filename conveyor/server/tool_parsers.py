@@ -676,15 +676,22 @@ class Llama3JsonParser(ToolParser):
 @_PARSERS.register("mistral")
 class MistralParser(ToolParser):
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
-    MARKERS = (TAG,)
+    MARKERS = (TAG, ARGS)
     TOKEN_TAG = True
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
-        """Text, then at most one `[TOOL_CALLS]` (a `token` format: Mistral's tokenizers hold it
-        as a special token) and its JSON list of calls held to their schemas (the v3 form, as
-        `write` writes it), and nothing after it."""
-        calls = json_calls_tag(functions, parallel, ", ", "arguments", "[", "]")
-        tag = {"type": "tag", "begin": token(self.TAG), "content": calls, "end": ""}
+        """Text, then `[TOOL_CALLS]` (a `token` format: Mistral's tokenizers hold it as a
+        special token) and calls held to their schemas, in either form the parser reads: the
+        v3 form's JSON list of calls (as `write` writes it), or the v11 form's
+        `NAME[ARGS]{...}`, each further call after `[TOOL_CALLS]` again (`[ARGS]` a token too);
+        one call where `parallel` is false, and nothing after the calls."""
+        v3 = json_calls_tag(functions, parallel, ", ", "arguments", "[", "]")
+        named = {"type": "or", "elements": [{"type": "sequence", "elements": [
+            const(f["name"]), token(self.ARGS), {"type": "json_schema", "json_schema": held_parameters(f)}]}
+            for f in functions]}
+        v11 = {"type": "sequence", "elements": [named, {"type": "star", "content": {
+            "type": "sequence", "elements": [token(self.TAG), named]}}]} if parallel else named
+        tag = {"type": "tag", "begin": token(self.TAG), "content": {"type": "or", "elements": [v3, v11]}, "end": ""}
         return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [self.TAG],
                                                       "tags": [tag], "stop_after_first": True}}
 

@@ -742,3 +742,33 @@ def test_a_harmony_strict_tag_keeps_the_reasoning_parser(tmp_path):
     assert not held.sampling_params(16, 0).skip_special_tokens
     other = handler(response_format={"type": "json_object"})
     assert other.structured_outputs is not None and other.reasoning_parser is None
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
+def test_mistral_v11_calls_are_held_too(special):
+    """Mistral's v11 form, `[TOOL_CALLS]NAME[ARGS]{...}` and `[TOOL_CALLS]` before each further
+    call: held to the schemas beside the v3 list, one call where `parallel_tool_calls` is false."""
+    from conveyor.structured import compile_automaton
+    from conveyor.structured.regex import special_token
+
+    parser = make_tool_parser("mistral")
+    tag, args = parser.TAG, parser.ARGS
+
+    def automaton(parallel: bool) -> Any:
+        tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
+        assert tools is not None
+        return compile_automaton(tools.constraint(), frozenset(parser.MARKERS) if special else frozenset())
+
+    def spelled(text: str) -> bytes:
+        out = text.encode()
+        return out.replace(tag.encode(), special_token(tag)).replace(args.encode(), special_token(args)) if special else out
+
+    many, one = automaton(True), automaton(False)
+    first, second = f'{tag}get_weather{args}{{"city": "Paris"}}', f'{tag}search{args}{{"q": 1}}'
+    for text in (f"Sure. {first}", first + second):
+        assert reads(many, spelled(text)), text
+        with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
+            assert len(parser.parse(text)[1]) == text.count(tag)
+    assert reads(one, spelled(first)) and not reads(one, spelled(first + second))
+    assert not reads(many, spelled(first.replace("Paris", "x" * 31))) and not reads(many, spelled(f"{tag}other{args}{{}}"))
+    assert not reads(many, spelled(first + " and text"))  # nothing after the calls
