@@ -333,8 +333,8 @@ class HermesParser(ToolParser):
             "the user query. Don't make assumptions about what values to plug into functions. The "
             f"functions available to you are listed within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n"
             "To call a function, reply with a JSON object with its name and arguments within "
-            "<tool_call></tool_call> XML tags, for each call:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+            f"{self.OPEN}{self.CLOSE} XML tags, for each call:\n{self.OPEN}\n"
+            f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{self.CLOSE}'
         )
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
@@ -354,6 +354,21 @@ class HermesParser(ToolParser):
             f'{arguments_text(c["function"].get("arguments"))}}}\n{self.CLOSE}'
             for c in calls
         )
+
+
+@_PARSERS.register("ernie45")
+class Ernie45Parser(HermesParser):
+    """Baidu ERNIE 4.5: Hermes's `<tool_call>` blocks of `{"name": ..., "arguments": ...}`.
+    (vLLM's reader keeps only the text before the first call as content, and drops the thinking
+    model's `<response>` wrapper; here the text around the calls is content, the wrapper in it.)"""
+
+
+@_PARSERS.register("longcat")
+class LongcatParser(HermesParser):
+    """Meituan LongCat-Flash: Hermes's calls in `<longcat_tool_call>` blocks."""
+
+    OPEN, CLOSE = "<longcat_tool_call>", "</longcat_tool_call>"
+    MARKERS = (OPEN, CLOSE)
 
 
 def _json_calls(text: str, at: int, final: bool, separators: str, args_key: str) -> tuple[list[Call], int, bool]:
@@ -777,18 +792,8 @@ class PythonicParser(ToolParser):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
-        calls = []
-        for node in tree.elts:
-            if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
-                return None
-            try:
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-            except ValueError:
-                return None
-            if len(args) != len(node.keywords):  # a **kwargs
-                return None
-            calls.append(tool_call(ast.unparse(node.func), json.dumps(args, ensure_ascii=False)))
-        return calls
+        calls = [_python_call(node) for node in tree.elts]
+        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
     def prompt(self, tools: list[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps(t) for t in tools)
@@ -816,6 +821,103 @@ class PythonicParser(ToolParser):
             return f"{c['function']['name']}({kwargs})"
 
         return "[" + ", ".join(one(c) for c in calls) + "]"
+
+
+class _JsonNames(ast.NodeTransformer):
+    """`null`, `true` and `false` as the constants they are in JSON (OLMo 3 writes them so)."""
+
+    VALUES: ClassVar[dict[str, Any]] = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
+
+
+def _python_call(node: ast.AST, json_names: bool = False) -> Call | None:
+    """A Python call with keyword arguments, each a literal (with `json_names`, also `null`,
+    `true`, `false`), as a tool call; None for anything else."""
+    if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+        return None
+    try:
+        args = {kw.arg: ast.literal_eval(_JsonNames().visit(kw.value) if json_names else kw.value)
+                for kw in node.keywords if kw.arg is not None}
+    except ValueError:
+        return None
+    if len(args) != len(node.keywords):  # a **kwargs
+        return None
+    return tool_call(ast.unparse(node.func), json.dumps(args, ensure_ascii=False))
+
+
+@_PARSERS.register("olmo3")
+class Olmo3Parser(ToolParser):
+    """Ai2's OLMo 3: a `<function_calls>` block that opens the output, holding one Python call
+    with keyword arguments a line (values Python or JSON literals: `True` or `true`); the text
+    after the block is content. An output that does not open with the block is text, as vLLM's
+    streaming reader has it."""
+
+    OPEN, CLOSE = "<function_calls>", "</function_calls>"
+    MARKERS = (OPEN, CLOSE)
+    TOKEN_TAG = True
+
+    def scan(self, text: str, final: bool) -> Scan:
+        body = text.lstrip()
+        if not body.startswith(self.OPEN):
+            if not final and self.OPEN.startswith(body):  # nothing yet, or the block's beginning
+                return "", [], 0
+            return text, [], len(text)
+        at = len(text) - len(body) + len(self.OPEN)
+        end = text.find(self.CLOSE, at)
+        if end < 0 and not final:
+            return "", [], 0  # the block is read whole
+        calls = self._calls(text[at : end if end >= 0 else len(text)])
+        if calls is None:
+            return text, [], len(text)
+        return text[end + len(self.CLOSE) :] if end >= 0 else "", calls, len(text)
+
+    @staticmethod
+    def _calls(inner: str) -> list[Call] | None:
+        lines = [line.strip() for line in inner.splitlines() if line.strip()]
+        calls = []
+        for line in lines:
+            try:
+                node = ast.parse(line, mode="eval").body
+            except SyntaxError:
+                return None
+            call = _python_call(node, json_names=True)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            f"To call them, reply with only {self.OPEN}, then one Python call with keyword arguments a line, "
+            f'e.g. get_weather(city="Paris"), then {self.CLOSE}. Otherwise answer in plain text.'
+        )
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text whose first character past any whitespace is not `<` (content, as `scan` reads
+        it), or the `<function_calls>` block (`token` formats) of calls held to their schemas, one
+        a line (one call where `parallel` is false), each value a Python literal of its schema
+        (conveyor/structured/python_calls.py), then any text."""
+        from conveyor.structured.python_calls import python_call_lines_grammar
+
+        lines = python_call_lines_grammar([(f["name"], held_parameters(f)) for f in functions], parallel)
+        block = {"type": "tag", "begin": token(self.OPEN), "content": {"type": "grammar", "grammar": lines},
+                 "end": token(self.CLOSE)}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "regex", "pattern": r"\s*([^<\s][\s\S]*)?"},
+            {"type": "sequence", "elements": [{"type": "regex", "pattern": r"\s*"}, block,
+                                              {"type": "regex", "pattern": r"[\s\S]*"}]},
+        ]}}
+
+    def write(self, calls: list[Call]) -> str:
+        def one(c: Call) -> str:
+            args = arguments_object(c["function"].get("arguments"))
+            kwargs = ", ".join(f"{k}={v!r}" for k, v in args.items()) if isinstance(args, dict) else ""
+            return f"{c['function']['name']}({kwargs})"
+
+        return self.OPEN + "\n".join(one(c) for c in calls) + self.CLOSE
 
 
 def _tools_listing(tools: list[dict[str, Any]]) -> str:
@@ -1115,6 +1217,88 @@ class KimiK2Parser(_SectionParser):
         body = "".join(f"{self.CALL[0]}functions.{c['function']['name']}:{i}{self.ARGS}"
                        f"{json.dumps(_object_args(c) or {}, ensure_ascii=False)}{self.CALL[1]}"
                        for i, c in enumerate(calls))
+        return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
+
+
+@_PARSERS.register("step3")
+class Step3Parser(_SectionParser):
+    """StepFun Step-3: a section of calls, each `function<｜tool_sep｜>` and a
+    `<steptml:invoke name="NAME">` holding `<steptml:parameter name="KEY">VALUE</steptml:parameter>`
+    elements; a value is typed by the request's schema (stripped of surrounding whitespace)."""
+
+    SECTION = ("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>")
+    CALL = ("<｜tool_call_begin｜>", "<｜tool_call_end｜>")
+    SEP = "<｜tool_sep｜>"
+    MARKERS = (*SECTION, *CALL, SEP)
+    TOKEN_TAG = True
+    _INVOKE = re.compile(r'\s*<steptml:invoke name="([^"]+)">(.*?)</steptml:invoke>\s*', re.S)
+    _PARAMETER = re.compile(r'<steptml:parameter name="([^"]+)">(.*?)</steptml:parameter>', re.S)
+
+    def _call(self, body: str) -> Call | None:
+        kind, sep, rest = body.partition(self.SEP)
+        m = self._INVOKE.fullmatch(rest) if sep and kind.strip() == "function" else None
+        if m is None or _NAME.fullmatch(m.group(1)) is None:
+            return None
+        params = list(self._PARAMETER.finditer(m.group(2)))
+        if not _only_space_between(m.group(2), [p.span() for p in params]):
+            return None
+        name = m.group(1)
+        args = {p.group(1): _typed_value(name, p.group(1), p.group(2).strip()) for p in params}
+        return tool_call(name, json.dumps(args, ensure_ascii=False))
+
+    @staticmethod
+    def _invoke(name: str, args: dict[str, Any]) -> str:
+        def text(v: Any) -> str:  # (a value is read stripped: a string with spaces around it as JSON)
+            written = _text_of(v)
+            return json.dumps(v, ensure_ascii=False) if isinstance(v, str) and written.strip() != written else written
+
+        params = "".join(f'<steptml:parameter name="{k}">{text(v)}</steptml:parameter>' for k, v in args.items())
+        return f'<steptml:invoke name="{name}">{params}</steptml:invoke>'
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        example = self._invoke("NAME", {"KEY": "VALUE"})
+        return (
+            f"You can call these tools:\n{_tools_listing(tools)}\n\nTo call tools, reply with:\n"
+            f"{self.SECTION[0]}{self.CALL[0]}function{self.SEP}{example}{self.CALL[1]}...{self.SECTION[1]}\n"
+            "one parameter element for each argument. Otherwise answer in plain text."
+        )
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then one section of calls (one where `parallel` is false), each held to its
+        function's schema: its parameters in the schema's order, the required ones always; a
+        string's value text without `<`, an enum's its literal, other types their JSON (a
+        string's length, pattern and format not held); markers as `token` formats."""
+        def parameter(key: str, value: dict[str, Any]) -> dict[str, Any]:
+            return {"type": "sequence", "elements": [const(f'<steptml:parameter name="{key}">'), value,
+                                                     const("</steptml:parameter>")]}
+
+        def body(f: dict[str, Any]) -> list[dict[str, Any]]:
+            schema = held_parameters(f)
+            props = schema.get("properties") if isinstance(schema, dict) else None
+            text = {"type": "regex", "pattern": "[^<]*"}
+            if not isinstance(props, dict) or not props:
+                free = {"type": "sequence", "elements": [
+                    const('<steptml:parameter name="'), {"type": "regex", "pattern": '[^"<]+'}, const('">'), text,
+                    const("</steptml:parameter>")]}
+                return [{"type": "star", "content": free}]
+            required = set(schema.get("required", []))
+            out = []
+            for key, sub in props.items():
+                value = _glm_value(sub, text)
+                one = parameter(key, value)
+                out.append(one if key in required else {"type": "optional", "content": one})
+            return out
+
+        call = {"type": "or", "elements": [{"type": "tag", "begin": token(self.CALL[0]), "end": token(self.CALL[1]),
+                                            "content": {"type": "sequence", "elements": [
+                                                const("function"), token(self.SEP),
+                                                const(f'<steptml:invoke name="{f["name"]}">'), *body(f),
+                                                const("</steptml:invoke>")]}} for f in functions]}
+        return triggered_section(*self.SECTION, one_or_more(call, parallel, "\n?"))
+
+    def write(self, calls: list[Call]) -> str:
+        body = "".join(f"{self.CALL[0]}function{self.SEP}{self._invoke(c['function']['name'], _object_args(c) or {})}"
+                       f"{self.CALL[1]}" for c in calls)
         return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
 
 

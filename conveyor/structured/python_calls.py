@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["python_calls_grammar"]
+__all__ = ["python_call_lines_grammar", "python_calls_grammar"]
 
 COMMON = r"""
 ws ::= [ \t\n\r]*
@@ -41,6 +41,16 @@ def python_calls_grammar(functions: list[tuple[str, Any]], parallel: bool) -> st
         r"text ::= ws ([^\[ \t\n\r] .*)?",
         f"call ::= {calls}",
     ]
+    return "\n".join(head + g.rules) + COMMON
+
+
+def python_call_lines_grammar(functions: list[tuple[str, Any]], parallel: bool) -> str:
+    """The grammar of calls of `functions` one a line (OLMo 3's block; one call where `parallel`
+    is false), a newline before and after them or not."""
+    g = _Grammar()
+    calls = " | ".join(g.call(name, schema) for name, schema in functions)
+    more = "" if not parallel else ' ("\\n" call)*'
+    head = ['root ::= "\\n"? call' + more + ' "\\n"?', f"call ::= {calls}"]
     return "\n".join(head + g.rules) + COMMON
 
 

@@ -22,13 +22,14 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2", "llama3_json",
-           "minimax", "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder", "seed_oss", "xlam"]
+PARSERS = ["deepseek_v3", "ernie45", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
+           "llama3_json", "longcat", "minimax", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic", "qwen3_coder",
+           "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use deepseek_v3, glm45, granite, hermes, hunyuan_a13b, internlm"):
+    with pytest.raises(ConfigError, match="use deepseek_v3, ernie45, glm45, granite, hermes, hunyuan_a13b, internlm"):
         ServerConfig(tool_call_parser="granite-20b-fc")
 
 
@@ -182,6 +183,48 @@ def test_granite_jamba_hunyuan_minimax_internlm_seed_oss_xlam_and_phi4_mini_call
     content, calls = phi.parse('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert content is None and named(calls) == [("get_weather", {"city": "Oslo"})]
     assert phi.parse("functools[1, 2]") == ("functools[1, 2]", []) and phi.parse("no call") == ("no call", [])
+
+
+def test_olmo3_calls_in_a_block_that_opens_the_output():
+    """OLMo 3: one Python call a line in `<function_calls>`, JSON's literals too; the text after
+    the block is content; a block not at the start, or not of calls, is text."""
+    p = make_tool_parser("olmo3")
+    content, calls = p.parse('<function_calls>\nget_weather(city="Paris", days=2, metric=true)\n'
+                             "search(query='x', tags=[\"a\", null])\n</function_calls> Done.")
+    assert content == "Done."
+    assert named(calls) == [("get_weather", {"city": "Paris", "days": 2, "metric": True}),
+                            ("search", {"query": "x", "tags": ["a", None]})]
+    for text in ("Sure. <function_calls>f(x=1)</function_calls>", "<function_calls>f(1)</function_calls>",
+                 "<function_calls>not a call</function_calls>", "<function_calls></function_calls>", "plain"):
+        assert p.parse(text) == (text, []), text
+
+
+def test_step3_calls_in_a_section():
+    """Step-3: `function<｜tool_sep｜>` and a `steptml:invoke` of parameters, typed by the
+    request's schema (stripped); the text around the section is content."""
+    from conveyor.server.tool_parsers import tool_schemas
+
+    p = make_tool_parser("step3")
+    (begin, end), (call, close), sep = p.SECTION, p.CALL, p.SEP
+    text = (f'Checking. {begin}{call}function{sep}<steptml:invoke name="get_weather">'
+            f'<steptml:parameter name="city"> Paris </steptml:parameter><steptml:parameter name="days">3'
+            f'</steptml:parameter></steptml:invoke>{close}{end} Done.')
+    schema = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}
+    with tool_schemas([schema]):
+        content, calls = p.parse(text)
+    assert content == "Checking.  Done." and named(calls) == [("get_weather", {"city": "Paris", "days": 3})]
+    bad = f'{begin}{call}python{sep}<steptml:invoke name="f"></steptml:invoke>{close}{end}'
+    assert p.parse(bad) == (bad, [])
+
+
+def test_ernie45_and_longcat_are_hermes_blocks():
+    call = '{"name": "search", "arguments": {"query": "x"}}'
+    for name, (open_, close) in (("ernie45", ("<tool_call>", "</tool_call>")),
+                                 ("longcat", ("<longcat_tool_call>", "</longcat_tool_call>"))):
+        content, calls = make_tool_parser(name).parse(f"Looking.\n{open_}\n{call}\n{close}")
+        assert content == "Looking." and named(calls) == [("search", {"query": "x"})], name
+    assert make_tool_parser("longcat").parse(f"<tool_call>{call}</tool_call>")[1] == []
 
 
 def test_mistral_calls_and_content():

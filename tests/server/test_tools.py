@@ -535,7 +535,7 @@ def reads(automaton: Any, data: bytes) -> bool:
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
-@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "glm45", "mistral"])
+@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "glm45", "mistral", "step3"])
 def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special):
     """Under a parser whose strict tag writes its markers as `token` formats: the calls its
     `write` writes are allowed (markers as the served tokenizer's special tokens, or as text
@@ -772,3 +772,53 @@ def test_mistral_v11_calls_are_held_too(special):
     assert reads(one, spelled(first)) and not reads(one, spelled(first + second))
     assert not reads(many, spelled(first.replace("Paris", "x" * 31))) and not reads(many, spelled(f"{tag}other{args}{{}}"))
     assert not reads(many, spelled(first + " and text"))  # nothing after the calls
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
+def test_olmo3_strict_tag_holds_the_block_that_opens_the_output(special):
+    """Under `olmo3`: text that does not open with `<`, or the `<function_calls>` block of held
+    calls one a line (one where `parallel_tool_calls` is false), then any text."""
+    from conveyor.structured import compile_automaton
+    from conveyor.structured.regex import special_token
+
+    parser = make_tool_parser("olmo3")
+
+    def automaton(parallel: bool) -> Any:
+        tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
+        assert tools is not None
+        return compile_automaton(tools.constraint(), frozenset(parser.MARKERS) if special else frozenset())
+
+    def spelled(text: str) -> bytes:
+        out = text.encode()
+        for m in parser.MARKERS if special else ():
+            out = out.replace(m.encode(), special_token(m))
+        return out
+
+    many, one = automaton(True), automaton(False)
+    good = written(parser, ("get_weather", {"city": "Paris", "unit": "celsius"}))
+    two = written(parser, ("get_weather", {"city": "Oslo"}), ("search", {"query": "rain", "n": 3}))
+    for text in (good, f"  {good} Done.", two):
+        assert reads(many, spelled(text)), text
+    mention = "Plain text <function_calls> mentioned."  # (text: the parser reads a block at the start only)
+    assert reads(many, mention.encode()) and reads(many, spelled(mention)) == (not special)
+    with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
+        assert [c["function"]["name"] for c in parser.parse(two)[1]] == ["get_weather", "search"]
+    assert reads(one, spelled(good)) and not reads(one, spelled(two))
+    assert not reads(many, spelled(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"}))))
+    assert not reads(many, spelled(written(parser, ("other", {}))))
+    assert not reads(many, b"<b>html</b>")  # (a `<` first: the block, or nothing)
+
+
+def test_longcat_and_ernie45_hold_hermes_calls_in_their_blocks():
+    from conveyor.structured import compile_automaton
+
+    for name in ("longcat", "ernie45"):
+        parser = make_tool_parser(name)
+        tools = Tools.parse([strict(WEATHER)], "auto", True, parser)
+        assert tools is not None
+        automaton = compile_automaton(tools.constraint())
+        good = written(parser, ("get_weather", {"city": "Paris"}))
+        assert automaton.matches(f"Looking. {good}") and parser.parse(good)[1], name
+        assert not automaton.matches(written(parser, ("get_weather", {"city": "x" * 31}))), name
+    assert compile_automaton(Tools.parse([strict(WEATHER)], "auto", True, make_tool_parser("longcat")).constraint()
+                             ).matches('<tool_call>{"name": "other"}</tool_call>')  # (hermes's block: text there)
