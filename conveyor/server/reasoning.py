@@ -10,6 +10,11 @@ of the same names return them.
   by `enable_thinking=false`, then the template closes the block in the prompt); otherwise it
   is all answer. `glm45` (GLM-4.5 / 4.6) reads the same way.
 - `mistral` (Magistral): as `qwen3`, between `[THINK]` and `[/THINK]`.
+- `seed_oss` (ByteDance Seed-OSS): as `deepseek_r1`, between `<seed:think>` and `</seed:think>`;
+  `step3` (StepFun Step-3): as `deepseek_r1` (everything before `</think>` is reasoning).
+- `ernie45` (ERNIE 4.5 thinking models): as `deepseek_r1`, and an answer wrapped in
+  `<response>` ... `</response>` comes back without the wrapper (the newlines before it and
+  after it too); an answer without one is itself.
 - `openai_gptoss` (gpt-oss's harmony format): the output is messages, each a header (its
   `<|channel|>`, maybe a recipient `to=...`) then `<|message|>`, its text, and `<|end|>` (or the
   stop tokens `<|return|>`, `<|call|>`); the `analysis` channel is reasoning, `final` (and
@@ -43,10 +48,15 @@ OPEN, CLOSE = "<think>", "</think>"
 # inside it already: the template opened it in the prompt).
 TAGS = {
     "deepseek_r1": (OPEN, CLOSE, True),
+    "ernie45": (OPEN, CLOSE, True),
     "glm45": (OPEN, CLOSE, False),
     "mistral": ("[THINK]", "[/THINK]", False),
     "qwen3": (OPEN, CLOSE, False),
+    "seed_oss": ("<seed:think>", "</seed:think>", True),
+    "step3": (OPEN, CLOSE, True),
 }
+# A parser's wrapper around the answer, dropped from the content (ERNIE's).
+WRAPPERS = {"ernie45": ("<response>", "</response>")}
 HARMONY = "openai_gptoss"
 PARSERS = tuple(sorted((*TAGS, HARMONY)))
 
@@ -75,6 +85,7 @@ class TagStream:
     text: str = ""
     sent: int = 0  # characters of `text` passed on
     state: str = "start"  # start (before the first non-space), reasoning, content
+    opened: bool = False  # (a wrapper's opening tag, if any, is behind)
 
     def feed(self, piece: str, final: bool) -> tuple[str, str]:
         """(new reasoning, new content)."""
@@ -109,10 +120,35 @@ class TagStream:
                 if not stripped and not final:
                     return reasoning, content
                 self.state = "content"
+            elif self.parser in WRAPPERS:
+                return reasoning, content + self._unwrapped(rest, final)
             else:
                 content += rest
                 self.sent += len(rest)
                 return reasoning, content
+
+    def _unwrapped(self, rest: str, final: bool) -> str:
+        """The answer's new text less its wrapper: an opening tag first (after newlines) is
+        dropped, and so is a last closing tag that only newlines follow, with them, once the
+        output ends; a tail that may be either waits."""
+        opening, closing = WRAPPERS[self.parser]
+        if not self.opened:
+            head = rest.lstrip("\n")
+            if not final and opening.startswith(head) and head != opening:
+                return ""  # nothing yet, or `<resp`: wait
+            self.opened = True
+            if head.startswith(opening):
+                skip = len(rest) - len(head) + len(opening)
+                self.sent += skip
+                rest = rest[skip:]
+        at = rest.rfind(closing)
+        ends = at >= 0 and not rest[at + len(closing) :].strip("\n")  # the closing tag, then newlines
+        if final:
+            self.sent += len(rest)
+            return rest[:at] if ends else rest
+        keep = len(rest) - at if ends else partial_suffix(rest, closing)
+        self.sent += len(rest) - keep
+        return rest[: len(rest) - keep]
 
 
 _ENDS = (END, RETURN, CALL, START)  # what ends a message's text (a new <|start|> too, leniently)

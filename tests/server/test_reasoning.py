@@ -30,17 +30,26 @@ from tests.server.conftest import ServerProcess
     ("mistral", "[THINK]Add them.[/THINK]\n\n4", ("Add them.", "4")),
     ("mistral", "4", (None, "4")),
     ("mistral", "<think>not Magistral's tag</think>", (None, "<think>not Magistral's tag</think>")),
+    ("seed_oss", "<seed:think>Add.</seed:think>4", ("Add.", "4")),
+    ("seed_oss", "Add.</seed:think>\n4", ("Add.", "4")),
+    ("step3", "Add them.</think>\n4", ("Add them.", "4")),
+    ("step3", "cut off", ("cut off", None)),
+    ("ernie45", "abc\n</think>\n\n<response>\ndef\n</response>\n", ("abc\n", "\ndef\n")),
+    ("ernie45", "abc\n</think>\ndef", ("abc\n", "def")),
+    ("ernie45", "a</think><response>x</response> and after", ("a", "x</response> and after")),
+    ("ernie45", "a</think>x <response> y", ("a", "x <response> y")),
 ])
 def test_split(parser, text, want):
     assert split_reasoning(text, parser) == want
 
 
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "b<", "nk>", "x",
-                                   "[THINK]", "[/THINK]", "[TH", "[/T"]), max_size=10)
+                                   "[THINK]", "[/THINK]", "[TH", "[/T", "<seed:think>", "</seed:think>",
+                                   "<response>", "</response>", "<resp", "</res", "ponse>"]), max_size=12)
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3"]), PIECES, st.data())
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3", "seed_oss", "step3", "ernie45"]), PIECES, st.data())
 def test_a_stream_cut_anywhere_splits_as_the_whole(parser, pieces, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
@@ -88,7 +97,7 @@ def test_an_unknown_parser_is_refused():
     from conveyor.config import ConfigError
     from conveyor.server.config import ServerConfig
 
-    with pytest.raises(ConfigError, match="use one of deepseek_r1, glm45, mistral, openai_gptoss, qwen3"):
+    with pytest.raises(ConfigError, match="use one of deepseek_r1, ernie45, glm45, mistral, openai_gptoss, qwen3, seed_oss, step3"):
         ServerConfig(reasoning_parser="o1")
 
 
