@@ -359,8 +359,9 @@ class HermesParser(ToolParser):
 @_PARSERS.register("ernie45")
 class Ernie45Parser(HermesParser):
     """Baidu ERNIE 4.5: Hermes's `<tool_call>` blocks of `{"name": ..., "arguments": ...}`.
-    (vLLM's reader keeps only the text before the first call as content, and drops the thinking
-    model's `<response>` wrapper; here the text around the calls is content, the wrapper in it.)"""
+    (vLLM's reader keeps only the text before the first call as content; here the text around
+    the calls is content. The thinking model's `<response>` wrapper is the `ernie45` reasoning
+    parser's to drop.)"""
 
 
 @_PARSERS.register("longcat")
