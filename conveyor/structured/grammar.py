@@ -17,6 +17,7 @@ object) are walked exactly against the stacks, byte by byte.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,7 @@ from conveyor.structured import GrammarError, compile_automaton
 from conveyor.structured.cfg import DEAD, Config, Pushdown
 from conveyor.structured.compile_worker import DFACompiler
 from conveyor.structured.regex import SPECIAL_CLOSE, SPECIAL_OPEN, ByteDFA, special_token
+from conveyor.structured.structural_tag import token_ids_as_text
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -336,6 +338,12 @@ class GrammarCache:
             self._vocab = TokenVocab(token_bytes(self._tokenizer), self._eos, self._vocab_size)
         return self._vocab
 
+    def token_text(self, token_id: int) -> str | None:
+        """A token's text (a special token's too), or None for an id outside the vocabulary."""
+        if not 0 <= token_id < len(self._tokenizer):
+            return None
+        return str(self._tokenizer.decode([token_id], skip_special_tokens=False)) or None
+
     @property
     def specials(self) -> frozenset[str]:
         """The texts of the tokenizer's special tokens (a structural tag's `token` formats)."""
@@ -366,6 +374,10 @@ class GrammarCache:
         if not self.vocab.eos_token_ids:
             raise GrammarError("the model has no end-of-sequence token to end a structured output with")
         specials = self.specials
+        if getattr(params, "structural_tag", None) is not None:  # tokens given by id: by their text
+            text = token_ids_as_text(params.structural_tag, self.token_text)
+            if text != params.structural_tag:
+                params = dataclasses.replace(params, structural_tag=text)
         automaton = (self.compiler.compile(params, specials) if self.compiler is not None
                      else compile_automaton(params, specials))
         grammar: Grammar | PushdownGrammar

@@ -41,8 +41,9 @@ that no text spells (`regex.special_token`), and admits it only where a format n
 - `any_tokens`: any text up to the enclosing tag's end, holding none of `exclude_tokens`;
 - `token_dispatch`: `dispatch` whose `rules` start at a token, `exclude_tokens` as `excludes`.
 Free text (`any_text`, `any_tokens`, a dispatch's) holds no special token: xgrammar's
-`any_tokens` would take any token but the excluded. A token given by its id, and
-`exclude_token` (any one token but some), are refused: a grammar over bytes has no token ids.
+`any_tokens` would take any token but the excluded. A token may be given by its id: the engine
+reads it as its token's text before it compiles (`token_ids_as_text`). `exclude_token` (any one
+token but some) is refused: a grammar over bytes has no token boundaries to count by.
 
 `json_schema`'s `style`s other than `json` and `qwen_xml` (`qwen_xml_rules`: Qwen3-Coder's XML
 parameters as conveyor's parser reads them) and `any_order`, `any_text`'s `max_tokens` and
@@ -365,10 +366,13 @@ class _Compiler:
 
     def _resolved(self, value: Any, where: str) -> Token:
         if isinstance(value, int) and not isinstance(value, bool):
-            raise GrammarError(f"{where}: a token by its id ({value}) is not built; give its text "
-                               "(a grammar's text is compiled apart from the tokenizer's ids)")
+            # An id is read as its token's text once the tokenizer is known (`token_ids_as_text`,
+            # before an engine compiles); a check before that takes it as it is.
+            if self.specials is not None or value < 0:
+                raise GrammarError(f"{where}: token id {value} is not in the tokenizer's vocabulary")
+            return Token(f"#{value}", None)
         if not isinstance(value, str) or not value:
-            raise GrammarError(f"{where} must be a token's text (a non-empty string)")
+            raise GrammarError(f"{where} must be a token: its text (a non-empty string) or its id")
         return Token(value, None if self.specials is None else value in self.specials)
 
     def _adopt(self, rules: dict[str, Expr]) -> Expr:
@@ -598,3 +602,51 @@ def _renamed(node: Expr, prefix: str) -> Expr:
     if isinstance(node, Repeat):
         return _rep(_renamed(node.node, prefix), node.low, node.high)
     return node
+
+
+TOKEN_LISTS = ("trigger_tokens", "exclude_tokens")
+
+
+def token_ids_as_text(text: str, token_text: Any) -> str:
+    """A structural tag (JSON text) with every token given by its id given by its text instead
+    (`token_text(id)`: the token's text, or None for an id outside the vocabulary, which is left
+    as it is for the compile to refuse): the `token` formats', `trigger_tokens`,
+    `exclude_tokens` and `token_dispatch`'s rules'."""
+    try:
+        spec = json.loads(text)
+    except (TypeError, ValueError):
+        return text
+    changed = False
+
+    def named(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, int) and not isinstance(value, bool):
+            found = token_text(value)
+            if found:
+                changed = True
+                return found
+        return value
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type", _inferred(node))
+        if kind == "token" and "token" in node:
+            node["token"] = named(node["token"])
+        for key in TOKEN_LISTS:
+            if isinstance(node.get(key), list):
+                node[key] = [named(v) for v in node[key]]
+        if kind == "token_dispatch" and isinstance(node.get("rules"), list):
+            for rule in node["rules"]:
+                if isinstance(rule, list) and rule:
+                    rule[0] = named(rule[0])
+        for key, value in node.items():
+            if key not in TOKEN_LISTS:
+                walk(value)
+
+    walk(spec)
+    return json.dumps(spec) if changed else text

@@ -319,9 +319,9 @@ def test_the_first_shape_is_a_triggered_tags_format():
 
 @pytest.mark.parametrize(("fmt", "match"), [
     ({"type": "exclude_token", "exclude_tokens": ["<|tool|>"]}, "'exclude_token' .* is not built"),
-    ({"type": "tag", "begin": {"type": "token", "token": 5}, "content": {}, "end": "x"},
-     r"format.begin.token: a token by its id \(5\) is not built"),
-    ({"type": "token", "token": ""}, r"format.token must be a token's text"),
+    ({"type": "tag", "begin": {"type": "token", "token": -5}, "content": {}, "end": "x"},
+     r"format.begin.token: token id -5 is not in the tokenizer's vocabulary"),
+    ({"type": "token", "token": ""}, r"format.token must be a token: its text"),
     ({"type": "token_triggered_tags", "trigger_tokens": ["<t>"], "tags": [call("x")]},
      r"tags\[0\].begin must be one of the trigger tokens"),
     ({"type": "triggered_tags", "triggers": ["<t>"], "tags": [{"begin": {"type": "token", "token": "<t>"},

@@ -151,11 +151,13 @@ def test_token_dispatch_starts_each_rule_at_its_token():
     assert not reads(a, spelled(f'{c}"z"')) and not reads(a, spelled(f"{s}?")) and not reads(a, spelled(f"a{x}b"))
 
 
-def test_tokens_by_id_and_exclude_token_are_refused_by_name():
-    for fmt, match in (({"type": "token", "token": 7}, "a token by its id"),
-                       ({"type": "exclude_token", "exclude_tokens": ["<|x|>"]}, "'exclude_token'")):
-        with pytest.raises(InvalidRequestError, match=match):
-            StructuredOutputParams(structural_tag={"type": "structural_tag", "format": fmt})
+def test_exclude_token_and_ids_outside_the_vocabulary_are_refused_by_name():
+    with pytest.raises(InvalidRequestError, match="'exclude_token'"):
+        StructuredOutputParams(structural_tag={"type": "structural_tag", "format": {
+            "type": "exclude_token", "exclude_tokens": ["<|x|>"]}})
+    by_id = StructuredOutputParams(structural_tag={"type": "structural_tag", "format": {"type": "token", "token": 7}})
+    with pytest.raises(Exception, match="token id 7 is not in the tokenizer's vocabulary"):
+        compile_automaton(by_id, frozenset())  # (an engine gives an id its text first)
 
 
 def smollm2_tokenizer():
@@ -175,17 +177,21 @@ FILE_TAG = {"type": "structural_tag", "format": {"type": "token_triggered_tags",
                       "end": token("<gh_stars>")}], "at_least_one": True, "stop_after_first": True}}
 
 
-def test_smollm2s_masks_take_a_special_token_only_where_it_is_named():
+@pytest.mark.parametrize("by_id", [False, True], ids=["by text", "by id"])
+def test_smollm2s_masks_take_a_special_token_only_where_it_is_named(by_id):
     """SmolLM2's special tokens (`<filename>` is id 6, `<gh_stars>` 7) under a tag they open and
-    close: the opening token first and nothing else, then the JSON's tokens and no special one,
-    the closing token where the JSON is complete, then the end."""
+    close, named by their text or their id: the opening token first and nothing else, then the
+    JSON's tokens and no special one, the closing token where the JSON is complete, then the end."""
     from conveyor.structured.grammar import GrammarCache
 
     tok = smollm2_tokenizer()
     size = len(tok.hf)
     cache = GrammarCache(tok.hf, tok.eos_token_ids, size, torch.device("cpu"))
     assert {"<filename>", "<gh_stars>", "<|im_start|>"} <= cache.specials
-    grammar = cache.get(StructuredOutputParams(structural_tag=FILE_TAG))
+    tag = json.loads(json.dumps(FILE_TAG).replace('"<filename>"', "6").replace('"<gh_stars>"', "7")) if by_id else FILE_TAG
+    grammar = cache.get(StructuredOutputParams(structural_tag=tag))
+    with pytest.raises(Exception, match="token id 99999 is not in the tokenizer's vocabulary"):
+        cache.get(StructuredOutputParams(structural_tag={"type": "structural_tag", "format": token(99999)}))
     first = grammar.allowed(grammar.START)
     assert first.nonzero().flatten().tolist() == [6]
     state = grammar.advance(grammar.START, 6)
@@ -222,3 +228,22 @@ def test_smollm2_writes_the_special_tokens_a_tag_names(smollm2: str):
     assert kept.text.startswith("<filename>") and kept.text.endswith("<gh_stars>")
     jsonschema.validate(json.loads(skipped.text), CITY)
     assert kept.text == f"<filename>{skipped.text}<gh_stars>"
+
+
+def test_ids_are_given_their_tokens_text_everywhere_a_token_may_be():
+    from conveyor.structured.structural_tag import token_ids_as_text
+
+    names = {1: "<|sec|>", 2: "<|call|>", 3: "<|end|>", 4: "<|x|>"}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token_triggered_tags", "trigger_tokens": [1], "exclude_tokens": [4, 99],
+         "tags": [{"type": "tag", "begin": token(1), "content": {"type": "any_tokens", "exclude_tokens": [4]},
+                   "end": {"type": "token", "token": 3}}]},
+        {"type": "token_dispatch", "rules": [[2, {"type": "const_string", "value": "x"}]]},
+        {"type": "const_string", "value": "5"}]}}
+    out = json.loads(token_ids_as_text(json.dumps(tag), names.get))
+    first, dispatch, const = out["format"]["elements"]
+    assert first["trigger_tokens"] == ["<|sec|>"] and first["exclude_tokens"] == ["<|x|>", 99]  # (99: refused later)
+    assert first["tags"][0]["begin"]["token"] == "<|sec|>" and first["tags"][0]["end"]["token"] == "<|end|>"
+    assert first["tags"][0]["content"]["exclude_tokens"] == ["<|x|>"]
+    assert dispatch["rules"][0][0] == "<|call|>" and const["value"] == "5"
+    assert token_ids_as_text('{"format": {"type": "any_text"}}', names.get) == '{"format": {"type": "any_text"}}'
