@@ -95,10 +95,11 @@ class Until:
     any marker (the free text after the last tag). Its automaton is the markers'
     Aho-Corasick matcher (Knuth-Morris-Pratt's for one), so it never looks past the first
     occurrence. A special token's bytes are read only as part of a marker (the free text holds
-    no special token)."""
+    no special token), unless `specials` (then any special token a marker is not)."""
 
     markers: tuple[bytes, ...]
     which: int | None = 0
+    specials: bool = False
 
 
 Node = CharSet | Concat | Alternate | Repeat | Symbol | Until | Bytes
@@ -374,7 +375,7 @@ class _NFA:
             self.edges[start].append((node.value, node.value, end))
             return start, end
         if isinstance(node, Until):
-            return self.until(node.markers, node.which)
+            return self.until(node.markers, node.which, node.specials)
         if isinstance(node, Bytes):
             start = end = self.state()
             for b in node.data:
@@ -418,13 +419,13 @@ class _NFA:
         self.eps[end].append(exit_)
         return start, exit_
 
-    def until(self, markers: tuple[bytes, ...], which: int | None) -> tuple[int, int]:
+    def until(self, markers: tuple[bytes, ...], which: int | None, specials: bool = False) -> tuple[int, int]:
         """A fragment for `Until(markers, which)`: a state for each node of the markers' trie
         that ends no marker (what has been read since the last hopeless byte, as Aho-Corasick
         tracks it); each byte moves it along the matcher's transitions, a marker's last byte
         leaves the fragment if that marker is `markers[which]` and is dead otherwise, and with
         `which=None` every state may leave without reading."""
-        if not markers or not all(markers):
+        if (not markers and which is not None) or not all(markers):
             raise GrammarError("a tag to stop at must not be empty")
         if which is not None and not 0 <= which < len(markers):
             raise GrammarError(f"no marker {which}")
@@ -434,7 +435,7 @@ class _NFA:
         for n, state in nfa.items():
             for target, group in itertools.groupby(range(256), key=rows[n].__getitem__):
                 run = list(group)  # the bytes of one run that go to the same node
-                if target == 0:  # (a special token's bytes only on the way into a marker)
+                if target == 0 and not specials:  # (a special token's bytes only on the way into a marker)
                     run = [b for b in run if b not in (SPECIAL_OPEN, SPECIAL_CLOSE)]
                     if not run:
                         continue

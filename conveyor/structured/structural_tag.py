@@ -38,10 +38,12 @@ that no text spells (`regex.special_token`), and admits it only where a format n
   text of ordinary tokens); where no tokenizer is known (a check before any engine), either;
 - `token_triggered_tags`: `triggered_tags` whose `trigger_tokens` are tokens, each tag's
   `begin` one of them; `exclude_tokens` the free text may not hold;
-- `any_tokens`: any text up to the enclosing tag's end, holding none of `exclude_tokens`;
+- `any_tokens`: any text and special tokens up to the enclosing tag's end, holding none of
+  `exclude_tokens`;
 - `token_dispatch`: `dispatch` whose `rules` start at a token, `exclude_tokens` as `excludes`.
-Free text (`any_text`, `any_tokens`, a dispatch's) holds no special token: xgrammar's
-`any_tokens` would take any token but the excluded. A token may be given by its id: the engine
+Free text (`any_text`, a dispatch's, the text around triggers) holds no special token;
+`any_tokens` (xgrammar's any token but the excluded) holds any special token but the excluded
+ones and the enclosing tag's end. A token may be given by its id: the engine
 reads it as its token's text before it compiles (`token_ids_as_text`). `exclude_token` (any one
 token but some) is refused: a grammar over bytes has no token boundaries to count by.
 
@@ -207,7 +209,7 @@ class _Compiler:
         return _then(_piece(self.token(fmt, where)), stop)
 
     def _any_tokens(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
-        return _free_until(self.tokens(fmt, "exclude_tokens", where), (), stop)
+        return _free_until(self.tokens(fmt, "exclude_tokens", where), (), stop, specials=True)
 
     def _token_triggered_tags(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         triggers = self.tokens(fmt, "trigger_tokens", where, at_least_one=True)
@@ -453,15 +455,16 @@ def _dispatch(bodies: list[Expr], markers: list[Piece], excludes: list[Piece], s
     return _alt(_then(dispatched, stop), free)
 
 
-def _free_until(excludes: list[Piece], markers: tuple[Piece, ...], stop: Stop) -> Expr:
-    """Text holding none of `markers` and `excludes`, then (inside a tag) the first of its
-    non-empty ends; with no such end, to wherever the next thing starts."""
+def _free_until(excludes: list[Piece], markers: tuple[Piece, ...], stop: Stop, specials: bool = False) -> Expr:
+    """Text holding none of `markers` and `excludes` (with `specials`, and special tokens but
+    those), then (inside a tag) the first of its non-empty ends; with no such end, to wherever
+    the next thing starts."""
     ends = tuple(e for e in stop or () if e)
     every, index = _markers(list(markers), ends, excludes)
     if ends:
         base = len(markers)
-        return _alt(*(_until(every, index[base + i]) for i in range(len(ends))))
-    tail = Until(every, None) if every else Repeat(ANY_CHAR, 0, None)
+        return _alt(*(_until(every, index[base + i], specials) for i in range(len(ends))))
+    tail = Until(every, None, specials) if every or specials else Repeat(ANY_CHAR, 0, None)
     return _then(tail, stop)  # an end list of empty strings
 
 
@@ -486,9 +489,9 @@ def _markers(markers: list[Piece], ends: tuple[Piece, ...], excludes: list[Piece
     return tuple(forms), index
 
 
-def _until(every: tuple[bytes, ...], which: list[int]) -> Expr:
+def _until(every: tuple[bytes, ...], which: list[int], specials: bool = False) -> Expr:
     """Free text up to the first of `every`, that being one of `which`."""
-    return _alt(*(Until(every, k) for k in which))
+    return _alt(*(Until(every, k, specials) for k in which))
 
 
 def _piece(piece: Piece) -> Expr:

@@ -59,21 +59,27 @@ def test_a_token_is_its_special_token_where_the_tokenizer_has_one_else_its_text(
     assert not reads(automaton(fmt, frozenset(NAMES)), spelled(PUA["<|call|>"] + "x"))  # another token
 
 
-def test_a_tag_of_tokens_around_any_tokens():
-    """`any_tokens` inside a tag closed by a token: any text, no special token (bar the end),
-    none of its excluded tokens, nor a special token's text in ordinary tokens (which a parser
-    of the text would read as the token); it stops at the first end."""
+@pytest.mark.parametrize("content", ["any_tokens", "any_text"])
+def test_a_tag_of_tokens_around_free_text(content):
+    """Free content inside a tag closed by a token: any text, no special token (`any_tokens`:
+    any special token but its excluded ones), none of its excluded tokens as text, nor the
+    end's text in ordinary tokens (which a parser of the text would read as the token); it
+    stops at the first end."""
     fmt = {"type": "tag", "begin": token("<|sec|>"), "end": token("<|end|>"),
-           "content": {"type": "any_tokens", "exclude_tokens": ["<|x|>"]}}
-    specials = frozenset(NAMES) - {"<|x|>"}  # the excluded one is text here
+           "content": {"type": content, "exclude_tokens": ["<|x|>", "<|call|>"]} if content == "any_tokens"
+           else {"type": content, "excludes": ["<|x|>"]}}
+    specials = frozenset(NAMES) - {"<|x|>"}  # <|x|> is text here, <|call|> a special token
     a = automaton(fmt, specials)
-    s, e, o = PUA["<|sec|>"], PUA["<|end|>"], PUA["<|other|>"]
+    s, e, o, c = PUA["<|sec|>"], PUA["<|end|>"], PUA["<|other|>"], PUA["<|call|>"]
     assert reads(a, spelled(f"{s}any text <|sec|> as text{e}"))  # (the begin is no marker here)
     assert not reads(a, spelled(f"{s}any text <|end|> as text{e}"))
     assert reads(a, spelled(f"{s}{e}"))
-    assert not reads(a, spelled(f"{s}a{o}b{e}"))  # a special token in the free text
+    assert reads(a, spelled(f"{s}a{o}b{o}{e}")) == (content == "any_tokens")  # other special tokens
+    assert not reads(a, spelled(f"{s}a{c}b{e}"))  # an excluded special token (or any, in any_text)
     assert not reads(a, spelled(f"{s}a <|x|> b{e}"))  # the excluded token, as the text it is here
     assert not reads(a, spelled(f"{s}a{e}b{e}"))  # the first end ends it
+    alone = automaton({"type": "any_tokens"}, specials)  # (no end, no exclusion: anything)
+    assert reads(alone, spelled(f"a{o}{c}b")) and reads(alone, b"")
 
 
 def section(parallel: bool) -> dict:
