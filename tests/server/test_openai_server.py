@@ -311,9 +311,16 @@ def test_a_structural_tag_over_the_api(client: openai.OpenAI) -> None:
                                                {"type": "json_schema", "json_schema": {"enum": ["Paris", "Lyon"]}}]}
     text = client.chat.completions.create(**ask, response_format={"type": "structural_tag", "format": answer})
     assert text.choices[0].message.content in ('Answer: "Paris"', 'Answer: "Lyon"')
-    with pytest.raises(openai.BadRequestError, match=r"structural_tag.format.elements\[1\]: 'token' is a token-level"):
-        bad = {"type": "sequence", "elements": [answer, {"type": "token", "token": "<|im_end|>"}]}
+    with pytest.raises(openai.BadRequestError, match=r"structural_tag.format.elements\[1\]: 'exclude_token'"):
+        bad = {"type": "sequence", "elements": [answer, {"type": "exclude_token", "exclude_tokens": ["<|im_end|>"]}]}
         client.chat.completions.create(**ask, response_format={"type": "structural_tag", "format": bad})
+    # SmolLM2's special tokens around the answer (`<filename>` by its text, `<gh_stars>` by its id, 7)
+    tokens = {"type": "tag", "begin": {"type": "token", "token": "<filename>"}, "end": {"type": "token", "token": 7},
+              "content": {"type": "json_schema", "json_schema": {"enum": ["Paris", "Lyon"]}}}
+    for skip, form in ((True, '{}'), (False, '<filename>{}<gh_stars>')):
+        text = client.chat.completions.create(**ask, response_format={"type": "structural_tag", "format": tokens},
+                                              extra_body={"skip_special_tokens": skip}).choices[0].message.content
+        assert text in (form.format('"Paris"'), form.format('"Lyon"')), text
 
 
 def test_models_version_health(smol_server: ServerProcess, client: openai.OpenAI) -> None:
