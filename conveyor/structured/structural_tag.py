@@ -213,10 +213,7 @@ class _Compiler:
 
     def _token_triggered_tags(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         triggers = self.tokens(fmt, "trigger_tokens", where, at_least_one=True)
-        tags = fmt.get("tags")
-        if not isinstance(tags, list) or not tags:
-            raise GrammarError(f"{where}.tags must list at least one tag")
-        _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)  # (checked first)
+        tags = _triggered_tag_list(fmt, where, where)
         groups: list[list[Expr]] = [[] for _ in triggers]
         whole: list[Expr] = []
         for j, tag in enumerate(tags):
@@ -298,10 +295,7 @@ class _Compiler:
 
     def _triggered_tags(self, fmt: dict[str, Any], where: str, stop: Stop) -> Expr:
         triggers = _strings(fmt, "triggers", where, at_least_one=True)
-        tags = fmt.get("tags")
-        if not isinstance(tags, list) or not tags:
-            raise GrammarError(f"{_path(fmt, where)}.tags must list at least one tag")
-        _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)  # (checked first)
+        tags = _triggered_tag_list(fmt, where, _path(fmt, where))
         groups: list[list[Expr]] = [[] for _ in triggers]
         whole: list[Expr] = []
         for j, tag in enumerate(tags):
@@ -545,6 +539,15 @@ def _inferred(fmt: dict[str, Any]) -> str:
         if key in fmt:
             return kind
     return "any_text" if set(fmt) <= {"excludes"} else "(none)"
+
+
+def _triggered_tag_list(fmt: dict[str, Any], where: str, path: str) -> list[Any]:
+    """A triggered format's tags (at least one), its flags checked first."""
+    tags = fmt.get("tags")
+    if not isinstance(tags, list) or not tags:
+        raise GrammarError(f"{path}.tags must list at least one tag")
+    _flag(fmt, "stop_after_first", where), _flag(fmt, "at_least_one", where)
+    return tags
 
 
 def _path(fmt: dict[str, Any], where: str) -> str:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from conveyor import InvalidRequestError
 from conveyor.server.tool_parsers import make_tool_parser, tool_schemas
 from conveyor.server.tools import Tools, ToolStream, history_for_template, parse_hermes
+from tests.structured.test_token_formats import reads
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -525,32 +526,25 @@ def written(parser: Any, *calls: tuple[str, dict]) -> str:
     return parser.write([{"type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for n, a in calls])
 
 
-def reads(automaton: Any, data: bytes) -> bool:
-    if hasattr(automaton, "walk"):
-        return bool(automaton.accepting[automaton.walk(1, data)])
-    config = automaton.start()
-    for b in data:
-        config = automaton.step(config, b)
-    return config.accepting
-
-
-@pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
-@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "glm45", "mistral", "step3"])
-def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special):
-    """Under a parser whose strict tag writes its markers as `token` formats: the calls its
-    `write` writes are allowed (markers as the served tokenizer's special tokens, or as text
-    where it holds them so), text before them too, and the parser reads them back; a value
-    outside its schema, an unlisted function and a second call where `parallel_tool_calls` is
-    false are refused; where the markers are special, their text in free text is only text."""
-    import re
-
+@functools.cache
+def held(name: str, parallel: bool, special: bool) -> Any:
+    """The automaton of "auto" with a strict get_weather and a non-strict search under `name`,
+    compiled for a tokenizer that holds the parser's markers as special tokens, or as text."""
     from conveyor.structured import compile_automaton
-    from conveyor.structured.regex import special_token
 
     parser = make_tool_parser(name)
-    assert parser.TOKEN_TAG and parser.MARKERS
-    specials = frozenset(parser.MARKERS) if special else frozenset()
-    pattern = re.compile("|".join(re.escape(m) for m in sorted(parser.MARKERS, key=len, reverse=True)))
+    tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
+    assert tools is not None
+    return compile_automaton(tools.constraint(), frozenset(parser.MARKERS) if special else frozenset())
+
+
+def spelling(markers: tuple[str, ...], special: bool) -> Any:
+    """What a grammar reads for a text: its markers as special tokens' spellings, or as text."""
+    import re
+
+    from conveyor.structured.regex import special_token
+
+    pattern = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
 
     def spelled(text: str) -> bytes:
         if not special:
@@ -561,12 +555,23 @@ def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special)
             at = m.end()
         return out + text[at:].encode()
 
-    def automaton(parallel: bool) -> Any:
-        tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
-        assert tools is not None
-        return compile_automaton(tools.constraint(), specials)
+    return spelled
 
-    many, one = automaton(True), automaton(False)
+
+@pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
+@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "glm45", "mistral", "step3"])
+def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special):
+    """Under a parser whose strict tag writes its markers as `token` formats: the calls its
+    `write` writes are allowed (markers as the served tokenizer's special tokens, or as text
+    where it holds them so), text before them too, and the parser reads them back; a value
+    outside its schema, an unlisted function and a second call where `parallel_tool_calls` is
+    false are refused; where the markers are special, their text in free text is only text."""
+    from conveyor.structured.regex import special_token
+
+    parser = make_tool_parser(name)
+    assert parser.TOKEN_TAG and parser.MARKERS
+    spelled = spelling(parser.MARKERS, special)
+    many, one = held(name, True, special), held(name, False, special)
     good = written(parser, ("get_weather", {"city": "Paris", "unit": "celsius"}))
     two = written(parser, ("get_weather", {"city": "Oslo"}), ("search", {"query": "rain"}))
     with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
@@ -679,21 +684,10 @@ def test_harmony_strict_tag_holds_the_messages_and_the_call():
     and the tool parser reads the call it passes on."""
     from conveyor.server.reasoning import split_reasoning
     from conveyor.server.tool_parsers import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START
-    from conveyor.structured import compile_automaton
-    from conveyor.structured.regex import special_token
 
     parser = make_tool_parser("openai")
-    tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", True, parser)
-    assert tools is not None
-    markers = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
-    automaton = compile_automaton(tools.constraint(), frozenset(markers))
-
-    def spelled(text: str) -> bytes:
-        out = text.encode()
-        for m in markers:
-            out = out.replace(m.encode(), special_token(m))
-        return out
-
+    assert parser.MARKERS == (START, CHANNEL, MESSAGE, END, CONSTRAIN)
+    automaton, spelled = held("openai", True, True), spelling(parser.MARKERS, True)
     think = f"{CHANNEL}analysis{MESSAGE}The user wants the weather.{END}{START}assistant"
     call = f'{CHANNEL}commentary to=functions.get_weather {CONSTRAIN}json{MESSAGE}{{"city": "Paris"}}'
     addressed = f'{START}assistant to=functions.search{CHANNEL}commentary{MESSAGE}{{"anything": 1}}'
@@ -748,22 +742,10 @@ def test_a_harmony_strict_tag_keeps_the_reasoning_parser(tmp_path):
 def test_mistral_v11_calls_are_held_too(special):
     """Mistral's v11 form, `[TOOL_CALLS]NAME[ARGS]{...}` and `[TOOL_CALLS]` before each further
     call: held to the schemas beside the v3 list, one call where `parallel_tool_calls` is false."""
-    from conveyor.structured import compile_automaton
-    from conveyor.structured.regex import special_token
-
     parser = make_tool_parser("mistral")
     tag, args = parser.TAG, parser.ARGS
-
-    def automaton(parallel: bool) -> Any:
-        tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
-        assert tools is not None
-        return compile_automaton(tools.constraint(), frozenset(parser.MARKERS) if special else frozenset())
-
-    def spelled(text: str) -> bytes:
-        out = text.encode()
-        return out.replace(tag.encode(), special_token(tag)).replace(args.encode(), special_token(args)) if special else out
-
-    many, one = automaton(True), automaton(False)
+    spelled = spelling(parser.MARKERS, special)
+    many, one = held("mistral", True, special), held("mistral", False, special)
     first, second = f'{tag}get_weather{args}{{"city": "Paris"}}', f'{tag}search{args}{{"q": 1}}'
     for text in (f"Sure. {first}", first + second):
         assert reads(many, spelled(text)), text
@@ -778,23 +760,9 @@ def test_mistral_v11_calls_are_held_too(special):
 def test_olmo3_strict_tag_holds_the_block_that_opens_the_output(special):
     """Under `olmo3`: text that does not open with `<`, or the `<function_calls>` block of held
     calls one a line (one where `parallel_tool_calls` is false), then any text."""
-    from conveyor.structured import compile_automaton
-    from conveyor.structured.regex import special_token
-
     parser = make_tool_parser("olmo3")
-
-    def automaton(parallel: bool) -> Any:
-        tools = Tools.parse([strict(WEATHER), strict(SEARCH, False)], "auto", parallel, parser)
-        assert tools is not None
-        return compile_automaton(tools.constraint(), frozenset(parser.MARKERS) if special else frozenset())
-
-    def spelled(text: str) -> bytes:
-        out = text.encode()
-        for m in parser.MARKERS if special else ():
-            out = out.replace(m.encode(), special_token(m))
-        return out
-
-    many, one = automaton(True), automaton(False)
+    spelled = spelling(parser.MARKERS, special)
+    many, one = held("olmo3", True, special), held("olmo3", False, special)
     good = written(parser, ("get_weather", {"city": "Paris", "unit": "celsius"}))
     two = written(parser, ("get_weather", {"city": "Oslo"}), ("search", {"query": "rain", "n": 3}))
     for text in (good, f"  {good} Done.", two):
