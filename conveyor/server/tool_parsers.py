@@ -1221,6 +1221,66 @@ class KimiK2Parser(_SectionParser):
         return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
 
 
+class _Invokes:
+    """Calls as XML invocations: `<{ns}invoke name="NAME">` holding
+    `<{ns}parameter name="KEY">VALUE</{ns}parameter>` elements, `</{ns}invoke>` (Step-3's with
+    `ns="steptml:"`, MiniMax-M2's with none). A value is typed by the request's schema, stripped of
+    the whitespace around it; `value_text` is what a strict tag holds a string's value to."""
+
+    def __init__(self, ns: str, value_text: dict[str, Any]) -> None:
+        self.ns, self.value_text = ns, value_text
+        self._invoke = re.compile(rf'\s*<{ns}invoke name=["\']?([^"\'>]+)["\']?>(.*?)</{ns}invoke>\s*', re.S)
+        self._parameter = re.compile(rf'<{ns}parameter name=["\']?([^"\'>]+)["\']?>(.*?)</{ns}parameter>', re.S)
+
+    def read(self, text: str) -> list[Call] | None:
+        """One or more invocations with only whitespace around them, as calls (None: not so)."""
+        calls: list[Call] = []
+        spans = []
+        for m in self._invoke.finditer(text):
+            name, body = m.group(1).strip(), m.group(2)
+            params = list(self._parameter.finditer(body))
+            if _NAME.fullmatch(name) is None or not _only_space_between(body, [p.span() for p in params]):
+                return None
+            args = {p.group(1).strip(): _typed_value(name, p.group(1).strip(), p.group(2).strip()) for p in params}
+            calls.append(tool_call(name, json.dumps(args, ensure_ascii=False)))
+            spans.append(m.span())
+        return calls if calls and _only_space_between(text, spans) else None
+
+    def write(self, name: str, args: dict[str, Any]) -> str:
+        def text(v: Any) -> str:  # (a value is read stripped: a string with spaces around it as JSON)
+            written = _text_of(v)
+            return json.dumps(v, ensure_ascii=False) if isinstance(v, str) and written.strip() != written else written
+
+        ns = self.ns
+        params = "".join(f'<{ns}parameter name="{k}">{text(v)}</{ns}parameter>' for k, v in args.items())
+        return f'<{ns}invoke name="{name}">{params}</{ns}invoke>'
+
+    def held(self, f: dict[str, Any], space: str = "") -> dict[str, Any]:
+        """The format of one call of `f` held to its schema: its parameters in the schema's
+        order, the required ones always, `space` (a regular expression) around each element; a
+        string's value `value_text`, an enum's its literal, other types their JSON (a string's
+        length, pattern and format not held)."""
+        ns = self.ns
+        gap = [{"type": "regex", "pattern": space}] if space else []
+
+        def parameter(key: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+            return {"type": "sequence", "elements": [*gap, const(f'<{ns}parameter name="'), key, const('">'), value,
+                                                     const(f"</{ns}parameter>")]}
+
+        schema = held_parameters(f)
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(props, dict) or not props:
+            params = [{"type": "star", "content": parameter({"type": "regex", "pattern": '[^"<>]+'}, self.value_text)}]
+        else:
+            required = set(schema.get("required", []))
+            params = []
+            for key, sub in props.items():
+                one = parameter(const(key), _glm_value(sub, self.value_text))
+                params.append(one if key in required else {"type": "optional", "content": one})
+        return {"type": "sequence", "elements": [const(f'<{ns}invoke name="{f["name"]}">'), *params, *gap,
+                                                 const(f"</{ns}invoke>")]}
+
+
 @_PARSERS.register("step3")
 class Step3Parser(_SectionParser):
     """StepFun Step-3: a section of calls, each `function<｜tool_sep｜>` and a
@@ -1232,32 +1292,15 @@ class Step3Parser(_SectionParser):
     SEP = "<｜tool_sep｜>"
     MARKERS = (*SECTION, *CALL, SEP)
     TOKEN_TAG = True
-    _INVOKE = re.compile(r'\s*<steptml:invoke name="([^"]+)">(.*?)</steptml:invoke>\s*', re.S)
-    _PARAMETER = re.compile(r'<steptml:parameter name="([^"]+)">(.*?)</steptml:parameter>', re.S)
+    INVOKES = _Invokes("steptml:", {"type": "regex", "pattern": "[^<]*"})  # (vLLM's reading: no `<`)
 
     def _call(self, body: str) -> Call | None:
         kind, sep, rest = body.partition(self.SEP)
-        m = self._INVOKE.fullmatch(rest) if sep and kind.strip() == "function" else None
-        if m is None or _NAME.fullmatch(m.group(1)) is None:
-            return None
-        params = list(self._PARAMETER.finditer(m.group(2)))
-        if not _only_space_between(m.group(2), [p.span() for p in params]):
-            return None
-        name = m.group(1)
-        args = {p.group(1): _typed_value(name, p.group(1), p.group(2).strip()) for p in params}
-        return tool_call(name, json.dumps(args, ensure_ascii=False))
-
-    @staticmethod
-    def _invoke(name: str, args: dict[str, Any]) -> str:
-        def text(v: Any) -> str:  # (a value is read stripped: a string with spaces around it as JSON)
-            written = _text_of(v)
-            return json.dumps(v, ensure_ascii=False) if isinstance(v, str) and written.strip() != written else written
-
-        params = "".join(f'<steptml:parameter name="{k}">{text(v)}</steptml:parameter>' for k, v in args.items())
-        return f'<steptml:invoke name="{name}">{params}</steptml:invoke>'
+        calls = self.INVOKES.read(rest) if sep and kind.strip() == "function" else None
+        return calls[0] if calls is not None and len(calls) == 1 else None
 
     def prompt(self, tools: list[dict[str, Any]]) -> str:
-        example = self._invoke("NAME", {"KEY": "VALUE"})
+        example = self.INVOKES.write("NAME", {"KEY": "VALUE"})
         return (
             f"You can call these tools:\n{_tools_listing(tools)}\n\nTo call tools, reply with:\n"
             f"{self.SECTION[0]}{self.CALL[0]}function{self.SEP}{example}{self.CALL[1]}...{self.SECTION[1]}\n"
@@ -1266,41 +1309,55 @@ class Step3Parser(_SectionParser):
 
     def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
         """Free text, then one section of calls (one where `parallel` is false), each held to its
-        function's schema: its parameters in the schema's order, the required ones always; a
-        string's value text without `<`, an enum's its literal, other types their JSON (a
-        string's length, pattern and format not held); markers as `token` formats."""
-        def parameter(key: str, value: dict[str, Any]) -> dict[str, Any]:
-            return {"type": "sequence", "elements": [const(f'<steptml:parameter name="{key}">'), value,
-                                                     const("</steptml:parameter>")]}
-
-        def body(f: dict[str, Any]) -> list[dict[str, Any]]:
-            schema = held_parameters(f)
-            props = schema.get("properties") if isinstance(schema, dict) else None
-            text = {"type": "regex", "pattern": "[^<]*"}
-            if not isinstance(props, dict) or not props:
-                free = {"type": "sequence", "elements": [
-                    const('<steptml:parameter name="'), {"type": "regex", "pattern": '[^"<]+'}, const('">'), text,
-                    const("</steptml:parameter>")]}
-                return [{"type": "star", "content": free}]
-            required = set(schema.get("required", []))
-            out = []
-            for key, sub in props.items():
-                value = _glm_value(sub, text)
-                one = parameter(key, value)
-                out.append(one if key in required else {"type": "optional", "content": one})
-            return out
-
+        function's schema (`_Invokes.held`: a string's value text without `<`); markers as
+        `token` formats."""
         call = {"type": "or", "elements": [{"type": "tag", "begin": token(self.CALL[0]), "end": token(self.CALL[1]),
                                             "content": {"type": "sequence", "elements": [
-                                                const("function"), token(self.SEP),
-                                                const(f'<steptml:invoke name="{f["name"]}">'), *body(f),
-                                                const("</steptml:invoke>")]}} for f in functions]}
+                                                const("function"), token(self.SEP), self.INVOKES.held(f)]}}
+                                           for f in functions]}
         return triggered_section(*self.SECTION, one_or_more(call, parallel, "\n?"))
 
     def write(self, calls: list[Call]) -> str:
-        body = "".join(f"{self.CALL[0]}function{self.SEP}{self._invoke(c['function']['name'], _object_args(c) or {})}"
-                       f"{self.CALL[1]}" for c in calls)
+        body = "".join(f"{self.CALL[0]}function{self.SEP}"
+                       f"{self.INVOKES.write(c['function']['name'], _object_args(c) or {})}{self.CALL[1]}" for c in calls)
         return f"{self.SECTION[0]}{body}{self.SECTION[1]}"
+
+
+@_PARSERS.register("minimax_m2")
+class MinimaxM2Parser(ToolParser):
+    """MiniMax-M2: `<minimax:tool_call>` blocks of `<invoke name="NAME">` calls, each holding
+    `<parameter name="KEY">VALUE</parameter>` elements, text around the blocks; a value is typed
+    by the request's schema (stripped of surrounding whitespace)."""
+
+    OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+    MARKERS = (OPEN, CLOSE)
+    TOKEN_TAG = True
+    INVOKES = _Invokes("", {"type": "any_text", "excludes": ["</parameter>"]})
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _blocks(text, final, self.OPEN, self.CLOSE, self.INVOKES.read)
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        example = self.INVOKES.write("NAME", {"KEY": "VALUE"})
+        return (
+            f"You can call these tools:\n{_tools_listing(tools)}\n\nTo call tools, reply with:\n"
+            f"{self.OPEN}\n{example}\n...\n{self.CLOSE}\n"
+            "one invoke element a call, one parameter element for each argument. Otherwise answer in plain text."
+        )
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then one `<minimax:tool_call>` block (its markers `token` formats) of calls
+        held to their schemas (`_Invokes.held`), whitespace between the elements, one call where
+        `parallel` is false; nothing after the block."""
+        call = {"type": "or", "elements": [self.INVOKES.held(f, r"\s*") for f in functions]}
+        calls = one_or_more(call, parallel, r"\s*")
+        space = {"type": "regex", "pattern": r"\s*"}
+        body = {"type": "sequence", "elements": [space, calls, space]}
+        return triggered_section(self.OPEN, self.CLOSE, body)
+
+    def write(self, calls: list[Call]) -> str:
+        body = "\n".join(self.INVOKES.write(c["function"]["name"], _object_args(c) or {}) for c in calls)
+        return f"{self.OPEN}\n{body}\n{self.CLOSE}"
 
 
 # The harmony format's markers (each one special token of gpt-oss's vocabulary; the

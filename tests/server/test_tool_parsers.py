@@ -23,8 +23,8 @@ def named(calls):
 
 
 PARSERS = ["deepseek_v3", "ernie45", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
-           "llama3_json", "longcat", "minimax", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic", "qwen3_coder",
-           "seed_oss", "step3", "xlam"]
+           "llama3_json", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
+           "qwen3_coder", "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
@@ -215,6 +215,25 @@ def test_step3_calls_in_a_section():
         content, calls = p.parse(text)
     assert content == "Checking.  Done." and named(calls) == [("get_weather", {"city": "Paris", "days": 3})]
     bad = f'{begin}{call}python{sep}<steptml:invoke name="f"></steptml:invoke>{close}{end}'
+    assert p.parse(bad) == (bad, [])
+
+
+def test_minimax_m2_invokes_in_blocks():
+    """MiniMax-M2: `<invoke name=...>` calls in `<minimax:tool_call>` blocks, names quoted or
+    not, values typed by the schema and stripped; text around the blocks."""
+    from conveyor.server.tool_parsers import tool_schemas
+
+    p = make_tool_parser("minimax_m2")
+    text = ('Let me look.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+            '</parameter>\n<parameter name="days">\n3\n</parameter>\n</invoke>\n<invoke name=search>'
+            '<parameter name="query">a < b</parameter></invoke>\n</minimax:tool_call>')
+    schema = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}
+    with tool_schemas([schema]):
+        content, calls = p.parse(text)
+    assert content == "Let me look." and named(calls) == [("get_weather", {"city": "Paris", "days": 3}),
+                                                         ("search", {"query": "a < b"})]
+    bad = "<minimax:tool_call>stray <invoke name=\"f\"></invoke></minimax:tool_call>"
     assert p.parse(bad) == (bad, [])
 
 
