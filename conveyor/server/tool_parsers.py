@@ -824,6 +824,42 @@ class PythonicParser(ToolParser):
         return "[" + ", ".join(one(c) for c in calls) + "]"
 
 
+@_PARSERS.register("llama4_pythonic")
+class Llama4PythonicParser(PythonicParser):
+    """Llama 4: `pythonic`'s list of calls, which Llama 4 may open with `<|python_start|>` (and
+    close with `<|python_end|>`, dropped wherever it is), as vLLM's reader takes them."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+    MARKERS = (START, END)
+    TOKEN_TAG = True
+
+    def scan(self, text: str, final: bool) -> Scan:
+        body = text.lstrip()
+        if body.startswith(self.START):
+            if not final:
+                return "", [], 0  # the list is read whole
+            inner = body[len(self.START) :].replace(self.END, "")
+            calls = self._calls(inner.strip())
+            return ("", calls, len(text)) if calls else (inner, [], len(text))
+        if not final and body and self.START.startswith(body):  # `<|pyth`: wait
+            return "", [], 0
+        return super().scan(text, final)
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text that does not open with `[` or `<` past any whitespace (content, as `scan` reads
+        it), or only a list of held calls (`pythonic`'s), after `<|python_start|>` or not and
+        before `<|python_end|>` or not (`token` formats)."""
+        from conveyor.structured.python_calls import python_calls_grammar
+
+        grammar = python_calls_grammar([(f["name"], held_parameters(f)) for f in functions], parallel, text=False)
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            {"type": "regex", "pattern": r"\s*([^\[<\s][\s\S]*)?"},
+            {"type": "sequence", "elements": [
+                {"type": "regex", "pattern": r"\s*"}, {"type": "optional", "content": token(self.START)},
+                {"type": "grammar", "grammar": grammar}, {"type": "optional", "content": token(self.END)}]},
+        ]}}
+
+
 class _JsonNames(ast.NodeTransformer):
     """`null`, `true` and `false` as the constants they are in JSON (OLMo 3 writes them so)."""
 

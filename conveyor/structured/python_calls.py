@@ -29,15 +29,15 @@ any ::= str | num | "True" | "False" | "None" | "[" (any ("," sp any)*)? "]" | "
 """
 
 
-def python_calls_grammar(functions: list[tuple[str, Any]], parallel: bool) -> str:
+def python_calls_grammar(functions: list[tuple[str, Any]], parallel: bool, text: bool = True) -> str:
     """The grammar of an output that is text whose first character past any whitespace is not
-    `[` (the parser's content), or a list of calls of `functions` (name, parameters schema),
-    one call where `parallel` is false."""
+    `[` (the parser's content; not with `text=False`), or a list of calls of `functions` (name,
+    parameters schema), one call where `parallel` is false."""
     g = _Grammar()
     calls = " | ".join(g.call(name, schema) for name, schema in functions)
     more = "" if not parallel else ' ("," sp call)*'
     head = [
-        "root ::= text | ws \"[\" call" + more + " \"]\" ws",
+        "root ::= " + ("text | " if text else "") + "ws \"[\" call" + more + " \"]\" ws",
         r"text ::= ws ([^\[ \t\n\r] .*)?",
         f"call ::= {calls}",
     ]

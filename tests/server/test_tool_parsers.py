@@ -23,7 +23,7 @@ def named(calls):
 
 
 PARSERS = ["deepseek_v3", "ernie45", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
-           "llama3_json", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
+           "llama3_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
            "qwen3_coder", "seed_oss", "step3", "xlam"]
 
 
@@ -216,6 +216,17 @@ def test_step3_calls_in_a_section():
     assert content == "Checking.  Done." and named(calls) == [("get_weather", {"city": "Paris", "days": 3})]
     bad = f'{begin}{call}python{sep}<steptml:invoke name="f"></steptml:invoke>{close}{end}'
     assert p.parse(bad) == (bad, [])
+
+
+def test_llama4_pythonic_lists_after_python_start_or_not():
+    p = make_tool_parser("llama4_pythonic")
+    want = [("get_weather", {"city": "Paris"})]
+    for text in ('[get_weather(city="Paris")]', '<|python_start|>[get_weather(city="Paris")]<|python_end|>',
+                 '<|python_start|>[get_weather(city="Paris")]'):
+        content, calls = p.parse(text)
+        assert content is None and named(calls) == want, text
+    assert p.parse("<|python_start|>not calls") == ("not calls", [])
+    assert p.parse("Hello [world]") == ("Hello [world]", [])
 
 
 def test_minimax_m2_invokes_in_blocks():

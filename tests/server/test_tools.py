@@ -790,3 +790,18 @@ def test_longcat_and_ernie45_hold_hermes_calls_in_their_blocks():
         assert not automaton.matches(written(parser, ("get_weather", {"city": "x" * 31}))), name
     assert compile_automaton(Tools.parse([strict(WEATHER)], "auto", True, make_tool_parser("longcat")).constraint()
                              ).matches('<tool_call>{"name": "other"}</tool_call>')  # (hermes's block: text there)
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
+def test_llama4_pythonic_strict_tag_takes_python_start(special):
+    parser = make_tool_parser("llama4_pythonic")
+    spelled = spelling(parser.MARKERS, special)
+    many, one = held("llama4_pythonic", True, special), held("llama4_pythonic", False, special)
+    good = "[get_weather(city='Paris', unit='celsius')]"
+    for text in (good, f"{parser.START}{good}", f"{parser.START}{good}{parser.END}", "Plain text."):
+        assert reads(many, spelled(text)) and reads(one, spelled(text)), text
+    two = "[get_weather(city='Oslo'), search(query='x')]"
+    assert reads(many, spelled(f"{parser.START}{two}")) and not reads(one, spelled(f"{parser.START}{two}"))
+    assert not reads(many, spelled(f"{parser.START}[get_weather(city='Paris', unit='kelvin')]"))
+    assert not reads(many, spelled(f"{parser.START}[other()]"))
+    assert not reads(many, b"<b>an answer opening with a tag</b>")  # (a `<` first: the list's start, or nothing)
