@@ -1024,6 +1024,11 @@ class Qwen3CoderParser(ToolParser):
         return "\n".join(one(c) for c in calls)
 
 
+@_PARSERS.register("qwen3_xml")
+class Qwen3XmlParser(Qwen3CoderParser):
+    """vLLM's other name for Qwen3-Coder's format (its streaming XML reader): the same calls."""
+
+
 @_PARSERS.register("seed_oss")
 class SeedOssParser(Qwen3CoderParser):
     """ByteDance Seed-OSS: Qwen3-Coder's XML calls in `<seed:tool_call>` blocks."""

@@ -24,7 +24,7 @@ def named(calls):
 
 PARSERS = ["deepseek_v3", "ernie45", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
            "llama3_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
-           "qwen3_coder", "seed_oss", "step3", "xlam"]
+           "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
