@@ -15,6 +15,8 @@ of the same names return them.
 - `ernie45` (ERNIE 4.5 thinking models): as `deepseek_r1`, and an answer wrapped in
   `<response>` ... `</response>` comes back without the wrapper (the newlines before it and
   after it too); an answer without one is itself.
+- `hunyuan_a13b` (Tencent Hunyuan-A13B): as `qwen3`, between `<think>\n` and `\n</think>`, and
+  the answer without its `<answer>\n` ... `\n</answer>` wrapper.
 - `openai_gptoss` (gpt-oss's harmony format): the output is messages, each a header (its
   `<|channel|>`, maybe a recipient `to=...`) then `<|message|>`, its text, and `<|end|>` (or the
   stop tokens `<|return|>`, `<|call|>`); the `analysis` channel is reasoning, `final` (and
@@ -50,13 +52,14 @@ TAGS = {
     "deepseek_r1": (OPEN, CLOSE, True),
     "ernie45": (OPEN, CLOSE, True),
     "glm45": (OPEN, CLOSE, False),
+    "hunyuan_a13b": ("<think>\n", "\n</think>", False),
     "mistral": ("[THINK]", "[/THINK]", False),
     "qwen3": (OPEN, CLOSE, False),
     "seed_oss": ("<seed:think>", "</seed:think>", True),
     "step3": (OPEN, CLOSE, True),
 }
 # A parser's wrapper around the answer, dropped from the content (ERNIE's).
-WRAPPERS = {"ernie45": ("<response>", "</response>")}
+WRAPPERS = {"ernie45": ("<response>", "</response>"), "hunyuan_a13b": ("<answer>\n", "\n</answer>")}
 HARMONY = "openai_gptoss"
 PARSERS = tuple(sorted((*TAGS, HARMONY)))
 

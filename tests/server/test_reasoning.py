@@ -38,6 +38,9 @@ from tests.server.conftest import ServerProcess
     ("ernie45", "abc\n</think>\ndef", ("abc\n", "def")),
     ("ernie45", "a</think><response>x</response> and after", ("a", "x</response> and after")),
     ("ernie45", "a</think>x <response> y", ("a", "x <response> y")),
+    ("hunyuan_a13b", "<think>\nAdd.\n</think>\n<answer>\n4\n</answer>", ("Add.", "4")),
+    ("hunyuan_a13b", "<think>\n\n</think>\n<answer>\n4\n</answer>", (None, "4")),
+    ("hunyuan_a13b", "no tags", (None, "no tags")),
 ])
 def test_split(parser, text, want):
     assert split_reasoning(text, parser) == want
@@ -45,11 +48,13 @@ def test_split(parser, text, want):
 
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "b<", "nk>", "x",
                                    "[THINK]", "[/THINK]", "[TH", "[/T", "<seed:think>", "</seed:think>",
-                                   "<response>", "</response>", "<resp", "</res", "ponse>"]), max_size=12)
+                                   "<response>", "</response>", "<resp", "</res", "ponse>", "<answer>\n",
+                                   "\n</answer>", "<ans"]), max_size=12)
 
 
 @settings(max_examples=600, deadline=None)
-@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3", "seed_oss", "step3", "ernie45"]), PIECES, st.data())
+@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3", "seed_oss", "step3", "ernie45", "hunyuan_a13b"]),
+       PIECES, st.data())
 def test_a_stream_cut_anywhere_splits_as_the_whole(parser, pieces, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
@@ -97,7 +102,7 @@ def test_an_unknown_parser_is_refused():
     from conveyor.config import ConfigError
     from conveyor.server.config import ServerConfig
 
-    with pytest.raises(ConfigError, match="use one of deepseek_r1, ernie45, glm45, mistral, openai_gptoss, qwen3, seed_oss, step3"):
+    with pytest.raises(ConfigError, match="use one of deepseek_r1, ernie45, glm45, hunyuan_a13b, mistral, openai_gptoss, qwen3, seed_oss, step3"):
         ServerConfig(reasoning_parser="o1")
 
 
