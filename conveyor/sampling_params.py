@@ -99,7 +99,7 @@ class StructuredOutputParams:
         return ("json_object", True, *after)
 
 
-POOLING_TYPES = ("last", "mean", "cls", "all", "step")
+POOLING_TYPES = ("last", "mean", "max", "cls", "all", "step")
 POOLING_TASKS = ("embed", "classify")
 
 
@@ -109,7 +109,8 @@ class PoolingParams:
     (after the model's last norm) pooled into one vector.
 
     `pooling_type`: "last", the last prompt token's state (what a causal model's prompt ends
-    in); "mean", the mean over every prompt token; "cls", the first token's; "all", every
+    in); "mean", the mean over every prompt token; "max", each value's maximum over every
+    prompt token (sentence-transformers' max pooling); "cls", the first token's; "all", every
     prompt token's, one vector each (a token classifier's default); "step", the vectors of the
     prompt tokens equal to `step_tag_id` only, in order (vLLM's step pooling: a process reward
     model's scores at the end of each reasoning step); None (the

@@ -154,7 +154,7 @@ def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None
     """A random-weight HF BERT or XLM-RoBERTa (`kind`), a classifier with `labels` (of each
     token with `tokens`) or an embedding model, with a word-level tokenizer writing BERT's
     `[CLS] A [SEP] B [SEP]` (ids 2 and 3, B in segment 1 for BERT) and, with `pooling` ("cls",
-    "mean", "lasttoken"), a sentence-transformers Pooling module declaring it (and with `dense`,
+    "mean", "max", "lasttoken"), a sentence-transformers Pooling module declaring it (and with `dense`,
     a Dense module to that many values with tanh, then Normalize, as LaBSE's folder has)."""
     import json
 
@@ -210,7 +210,7 @@ def build_tiny_encoder(out_dir: Path, kind: str, labels: list[str] | None = None
         (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
             "word_embedding_dimension": config.hidden_size,
             "pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
-            "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken",
+            "pooling_mode_max_tokens": pooling == "max", "pooling_mode_lasttoken": pooling == "lasttoken",
         }))
     return out_dir
 

@@ -33,7 +33,8 @@ def hf_hidden(model_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def reference(hidden: torch.Tensor, pooling: PoolingParams) -> list[float]:
-    v = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling.pooling_type or "last"]
+    v = {"last": hidden[-1], "mean": hidden.mean(dim=0), "max": hidden.amax(dim=0),
+         "cls": hidden[0]}[pooling.pooling_type or "last"]
     if pooling.dimensions is not None:
         v = v[: pooling.dimensions]
     if pooling.normalize:
@@ -48,6 +49,8 @@ POOLINGS = [
     PoolingParams("last", normalize=False),
     PoolingParams("mean", normalize=False, dimensions=5),
     PoolingParams("last", dimensions=7),
+    PoolingParams("max"),
+    PoolingParams("max", normalize=False, dimensions=4),
 ]
 
 
@@ -121,7 +124,8 @@ def test_embeddings_equal_hf_beside_generation(tiny_models, cases, options):
         hits = {rid: got[rid].num_cached_tokens for rid in want}
         shared = [f"emb-{i}" for i in range(8, 12)]
         assert any(hits[r] for r in shared if POOLINGS[int(r[4:]) % len(POOLINGS)].pooling_type in (None, "last"))
-        assert all(not hits[r] for r in want if POOLINGS[int(r[4:]) % len(POOLINGS)].whole_prompt)
+        assert all(not hits[r] for r in want  # (None: the model's own, "last" for a decoder)
+                   if POOLINGS[int(r[4:]) % len(POOLINGS)].pooling_type not in (None, "last"))
 
 
 def test_llm_embed(tiny_models, cases):
@@ -157,7 +161,7 @@ def test_bad_pooling_is_refused_before_anything_runs(tiny_models):
     assert e.value.param == "dimensions"
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(InvalidRequestError, match="pooling_type"):
-        PoolingParams("max")
+        PoolingParams("min")
     with pytest.raises(InvalidRequestError, match="dimensions"):
         PoolingParams(dimensions=0)
     with pytest.raises(InvalidRequestError, match="generates nothing"):

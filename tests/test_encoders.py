@@ -35,6 +35,7 @@ def encoders(tmp_path_factory) -> dict[str, str]:
     return {
         "bert": str(build_tiny_encoder(root / "bert", "bert", seed=1)),
         "bert-mean": str(build_tiny_encoder(root / "bert-mean", "bert", seed=1, pooling="mean")),
+        "bert-max": str(build_tiny_encoder(root / "bert-max", "bert", seed=1, pooling="max")),
         "bert-reranker": str(build_tiny_encoder(root / "bert-reranker", "bert", ["relevant"], seed=2)),
         "xlmr": str(build_tiny_encoder(root / "xlmr", "xlmr", seed=3)),
         "xlmr-classifier": str(build_tiny_encoder(root / "xlmr-classifier", "xlmr", ["a", "b", "c"], seed=4)),
@@ -67,12 +68,12 @@ def random_prompts(n: int, seed: int, longest: int = 40) -> list[list[int]]:
 
 
 def pooled(hidden: torch.Tensor, kind: str) -> list[float]:
-    v = {"cls": hidden[0], "mean": hidden.mean(dim=0), "last": hidden[-1]}[kind]
+    v = {"cls": hidden[0], "mean": hidden.mean(dim=0), "max": hidden.amax(dim=0), "last": hidden[-1]}[kind]
     return (v / v.norm()).tolist()
 
 
 @pytest.mark.parametrize("name", ["bert", "xlmr"])
-@pytest.mark.parametrize("kind", ["cls", "mean", "last"])
+@pytest.mark.parametrize("kind", ["cls", "mean", "max", "last"])
 def test_embeddings_match_hf(encoders, name: str, kind: str) -> None:
     prompts = [*random_prompts(6, seed=1), [2], [2, 3]]  # one-token and two-token prompts too
     want = [pooled(h, kind) for h in hf_outputs(encoders[name], prompts)]
@@ -83,10 +84,10 @@ def test_embeddings_match_hf(encoders, name: str, kind: str) -> None:
 
 def test_default_pooling_is_the_models(encoders) -> None:
     """CLS for an encoder (vLLM's default), unless a sentence-transformers folder declares
-    another (mean here)."""
+    another (mean and max here)."""
     prompts = random_prompts(3, seed=2)
     hidden = hf_outputs(encoders["bert"], prompts)
-    for name, kind in (("bert", "cls"), ("bert-mean", "mean")):
+    for name, kind in (("bert", "cls"), ("bert-mean", "mean"), ("bert-max", "max")):
         llm = LLM(encoders[name], dtype="float64")
         assert llm.engine.default_pooling == kind
         got = llm.embed(prompts, use_tqdm=False)

@@ -344,12 +344,13 @@ def _dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, block:
     return w * full
 
 
-_ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+_ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+               "pooling_mode_lasttoken": "last"}
 
 
 def sentence_transformers_pooling(folder: Path) -> str | None:
     """The pooling a sentence-transformers folder declares (its Pooling module's config:
-    CLS, mean or last token), or None where it has none or one conveyor does not pool by."""
+    CLS, mean, max or last token), or None where it has none or one conveyor does not pool by."""
     try:
         modules = json.loads((folder / "modules.json").read_text())
         path = next(m["path"] for m in modules if str(m.get("type", "")).endswith("models.Pooling"))

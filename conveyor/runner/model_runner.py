@@ -137,7 +137,8 @@ class ModelRunner:
         self.hidden_store: HiddenStore | None = None
         self._generators: dict[int, torch.Generator] = {}
         # Embedding requests pooling every prompt position ("mean"): the sum of their rows so
-        # far, over the chunks of their prompt (restarted when a prompt is computed again).
+        # far ("max": their maximum), over the chunks of their prompt (restarted when a prompt
+        # is computed again).
         self._pool_sums: dict[int, torch.Tensor] = {}
         # Structured outputs: the engine's grammars (None: it has no tokenizer), and where
         # each constrained sequence stands in its grammar.
@@ -524,7 +525,8 @@ class ModelRunner:
         self, items: list[ScheduledSequence], num_new: list[int], hidden: torch.Tensor | None
     ) -> dict[int, torch.Tensor]:
         """The pooled hidden states (on the device, float32 at least) of the embedding requests whose
-        prompt this step completes; a "mean" request's earlier chunks are summed as they pass."""
+        prompt this step completes; a "mean" request's earlier chunks are summed as they pass
+        (a "max" request's reduced to their maximum)."""
         assert hidden is not None  # (a step with an embedding request is never graphed)
         if hidden.dtype not in (torch.float32, torch.float64):
             hidden = hidden.float()  # half precision pools in float32
@@ -543,6 +545,15 @@ class ModelRunner:
                 if it.sample:
                     self._pool_sums.pop(it.seq_id, None)
                     out[it.seq_id] = part / it.prompt_len
+                else:
+                    self._pool_sums[it.seq_id] = part
+            elif kind == "max":
+                part = hidden[first:end].amax(dim=0)
+                if it.start_pos:
+                    part = torch.maximum(part, self._pool_sums[it.seq_id])
+                if it.sample:
+                    self._pool_sums.pop(it.seq_id, None)
+                    out[it.seq_id] = part
                 else:
                     self._pool_sums[it.seq_id] = part
             elif kind == "cls":

@@ -161,7 +161,7 @@ class PoolingInputs(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = None  # keep the last k tokens (-1: the context length)
     add_special_tokens: bool = True
     priority: int = 0
-    # conveyor's: how the hidden states are pooled ("last", the default; "mean"; "cls")
+    # conveyor's: how the hidden states are pooled ("last", the default; "mean"; "max"; "cls")
     pooling_type: str | None = None
 
 
