@@ -705,12 +705,17 @@ class ChatCompletionHandler(_Handler):
         return tools
 
     @functools.cached_property
+    def tool_constraint(self) -> StructuredOutputParams | None:
+        """What the tools hold the output to (`Tools.constraint`), if anything."""
+        tools = self.tools
+        return tools.constraint(self.writable) if tools is not None else None
+
+    @functools.cached_property
     def structured_outputs(self) -> StructuredOutputParams | None:
         """The tools' schema where tool_choice holds the output to it, else what was asked;
         under a reasoning parser of tags, it holds the answer after the thinking block as the
         parser reads it (`StructuredOutputParams.reasoning`)."""
-        tools = self.tools
-        constraint = tools.constraint(self.writable) if tools is not None else None
+        constraint = self.tool_constraint
         spec = constraint if constraint is not None else self.requested_outputs
         parser = self.state.config.reasoning_parser
         if spec is not None and parser in TAGS:
@@ -849,7 +854,8 @@ class ChatCompletionHandler(_Handler):
         if self.structured_outputs is None or parser in TAGS:
             return parser
         tools = self.tools
-        held = tools is not None and tools.parser.HOLDS_MESSAGES and tools.constraint(self.writable) is not None
+        held = (tools is not None and tools.choice == "auto" and tools.parser.HOLDS_MESSAGES
+                and self.tool_constraint is not None)  # (under "auto", the parser's strict tag)
         return parser if held else None
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:

@@ -736,6 +736,8 @@ def test_a_harmony_strict_tag_keeps_the_reasoning_parser(tmp_path):
     assert not held.sampling_params(16, 0).skip_special_tokens
     other = handler(response_format={"type": "json_object"})
     assert other.structured_outputs is not None and other.reasoning_parser is None
+    required = handler(tools=[strict(WEATHER)], tool_choice="required")  # (a JSON list of calls, whole)
+    assert required.structured_outputs is not None and required.reasoning_parser is None
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
