@@ -120,7 +120,9 @@ def test_ttft_itl_tpot_measured_per_chunk(fake_server: tuple[str, FakeState]) ->
     a, b = run.timings
     assert a.ok and b.ok
     assert (a.output_len, b.output_len) == (4, 6)
-    assert 0.3 <= a.ttft < 0.3 + SLACK and 0.1 <= b.ttft < 0.1 + SLACK
+    # TTFT may run later still (a CI run saw 450 ms for 300 on a loaded machine): 200 ms over, which
+    # keeps each bound below the request's whole time (600 and 350 ms), what a wrong clock would give.
+    assert 0.3 <= a.ttft < 0.5 and 0.1 <= b.ttft < 0.3
     # A first chunk read late shortens the gap after it as the client sees it (a CI run saw 37 ms
     # for a 50 ms gap on a loaded machine): the first gap is allowed 20 ms below, the rest not.
     assert len(a.itls) == 3 and 0.07 <= a.itls[0] < 0.1 + SLACK and all(0.09 <= g < 0.1 + SLACK for g in a.itls[1:])

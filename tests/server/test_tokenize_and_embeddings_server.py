@@ -96,7 +96,7 @@ def test_bad_embedding_requests_get_a_400(smol_server: ServerProcess) -> None:
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 2048
     assert_openai_error(httpx.post(url, json={"input": TEXTS[0], "dimensions": 577}, timeout=60), 400, "dimensions")
     assert_openai_error(httpx.post(url, json={"input": []}, timeout=60), 400, "input")
-    assert_openai_error(httpx.post(url, json={"input": TEXTS[0], "pooling_type": "max"}, timeout=60), 400,
+    assert_openai_error(httpx.post(url, json={"input": TEXTS[0], "pooling_type": "min"}, timeout=60), 400,
                         "pooling_type")
     assert_openai_error(httpx.post(url, json={"input": TEXTS[0], "truncate_prompt_tokens": 0}, timeout=60), 400,
                         "truncate_prompt_tokens")
