@@ -83,14 +83,11 @@ class Tokenizer:
 
     @functools.cached_property
     def _special_texts(self) -> frozenset[str]:
-        ids = sorted(self._special_ids)
-        return frozenset(t for t in self.hf.convert_ids_to_tokens(ids) if t)
+        return special_texts(self.hf)
 
     @functools.cached_property
     def _special_ids(self) -> frozenset[int]:
-        hf = self.hf
-        added = getattr(hf, "added_tokens_decoder", {}) or {}
-        return frozenset(hf.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+        return special_ids(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -248,3 +245,14 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
+
+
+def special_ids(hf_tokenizer: Any) -> frozenset[int]:
+    """The ids of an HF tokenizer's special tokens (control, not text)."""
+    added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(hf_tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def special_texts(hf_tokenizer: Any) -> frozenset[str]:
+    """The texts of an HF tokenizer's special tokens."""
+    return frozenset(t for t in hf_tokenizer.convert_ids_to_tokens(sorted(special_ids(hf_tokenizer))) if t)

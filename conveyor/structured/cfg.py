@@ -366,8 +366,12 @@ class Pushdown:
         return self._closure(moved) if moved else DEAD
 
     def matches(self, text: str) -> bool:
+        return self.reads(text.encode("utf-8"))
+
+    def reads(self, data: bytes) -> bool:
+        """Whether these bytes (a special token's spelling among them) match."""
         config = self.start()
-        for b in text.encode("utf-8"):
+        for b in data:
             config = self.step(config, b)
         return config.accepting
 

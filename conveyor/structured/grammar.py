@@ -31,6 +31,7 @@ from conveyor.structured.cfg import DEAD, Config, Pushdown
 from conveyor.structured.compile_worker import DFACompiler
 from conveyor.structured.regex import SPECIAL_CLOSE, SPECIAL_OPEN, ByteDFA, special_token
 from conveyor.structured.structural_tag import token_ids_as_text
+from conveyor.tokenizer import special_ids, special_texts
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -43,18 +44,6 @@ def _byte_level_decoder() -> dict[str, int]:
             chars[b] = chr(256 + extra)
             extra += 1
     return {c: b for b, c in chars.items()}
-
-
-def special_ids(hf_tokenizer: Any) -> set[int]:
-    """The ids of a tokenizer's special tokens (control, not text)."""
-    added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
-    return set(hf_tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
-
-
-def special_texts(hf_tokenizer: Any) -> frozenset[str]:
-    """The texts of a tokenizer's special tokens."""
-    ids = sorted(special_ids(hf_tokenizer))
-    return frozenset(t for t in hf_tokenizer.convert_ids_to_tokens(ids) if t)
 
 
 def token_bytes(hf_tokenizer: Any) -> list[bytes | None]:

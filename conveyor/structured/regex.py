@@ -483,7 +483,11 @@ class ByteDFA:
         return state
 
     def matches(self, text: str) -> bool:
-        return bool(self.accepting[self.walk(1, text.encode("utf-8"))])
+        return self.reads(text.encode("utf-8"))
+
+    def reads(self, data: bytes) -> bool:
+        """Whether these bytes (a special token's spelling among them, `special_token`) match."""
+        return bool(self.accepting[self.walk(1, data)])
 
 
 def _runs(values: list[int]) -> Iterator[tuple[int, int]]:

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from conveyor import InvalidRequestError
 from conveyor.server.tool_parsers import make_tool_parser, tool_schemas
 from conveyor.server.tools import Tools, ToolStream, history_for_template, parse_hermes
-from tests.structured.test_token_formats import reads
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -578,18 +577,18 @@ def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special)
         content, calls = parser.parse(f"Let me check. {good}")
     assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
-    assert reads(many, spelled(f"Let me check. {good}")) and reads(one, spelled(good)) and reads(many, b"plain")
-    assert reads(many, spelled(two)) and not reads(one, spelled(two))
-    assert not reads(many, spelled(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"}))))
-    assert not reads(many, spelled(written(parser, ("get_weather", {"unit": "celsius"}))))  # city is required
-    assert not reads(many, spelled(written(parser, ("other", {}))))
+    assert many.reads(spelled(f"Let me check. {good}")) and one.reads(spelled(good)) and many.reads(b"plain")
+    assert many.reads(spelled(two)) and not one.reads(spelled(two))
+    assert not many.reads(spelled(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"}))))
+    assert not many.reads(spelled(written(parser, ("get_weather", {"unit": "celsius"}))))  # city is required
+    assert not many.reads(spelled(written(parser, ("other", {}))))
     # The trigger's text in free text: the parser would read it as the marker, so a call follows
     # it where it is the marker's text, and it is not written in ordinary tokens where the
     # marker is a special token (the free text holds no special token's text).
     trigger = parser.MARKERS[0]
-    assert not reads(many, f"Markers look like {trigger}.".encode())
+    assert not many.reads(f"Markers look like {trigger}.".encode())
     as_text = spelled(f"Look: {good}").replace(special_token(trigger), trigger.encode())
-    assert reads(many, spelled(f"Look: {good}")) and reads(many, as_text) == (not special)
+    assert many.reads(spelled(f"Look: {good}")) and many.reads(as_text) == (not special)
 
 
 def test_deepseek_v3_calls_are_held_in_either_form():
@@ -605,10 +604,10 @@ def test_deepseek_v3_calls_are_held_in_either_form():
     v3 = f'{call}function{sep}get_weather\n```json\n{{"city": "Paris"}}\n```{close}'
     v31 = f'{call}search{sep}{{"query": "x"}}{close}'
     for text in (f"{begin}{v3}{end}", f"{begin}{v3}\n{v31}{end}", f"{begin}{v31}{v3}{end}"):
-        assert reads(automaton, text.encode()), text
+        assert automaton.reads(text.encode()), text
         assert len(parser.parse(text)[1]) == text.count(call)
-    assert not reads(automaton, f'{begin}{v3.replace("Paris", "x" * 31)}{end}'.encode())
-    assert not reads(automaton, f"{begin}{end}".encode())  # a section holds a call
+    assert not automaton.reads(f'{begin}{v3.replace("Paris", "x" * 31)}{end}'.encode())
+    assert not automaton.reads(f"{begin}{end}".encode())  # a section holds a call
 
 
 def test_auto_and_none_answer_in_text_or_calls(client: openai.OpenAI) -> None:
@@ -694,11 +693,11 @@ def test_harmony_strict_tag_holds_the_messages_and_the_call():
     final = f"{CHANNEL}final{MESSAGE}It is sunny."
     for text in (think + call, call, think + final, final, think[: -len(f"{START}assistant")] + addressed,
                  f"{CHANNEL}commentary{MESSAGE}Checking.{END}{START}assistant" + call):
-        assert reads(automaton, spelled(text)), text
+        assert automaton.reads(spelled(text)), text
     for text in (think + call.replace("Paris", "x" * 31), think + call.replace("get_weather", "other"),
                  call + " more", f"{CHANNEL}analysis{MESSAGE}a {CONSTRAIN} b{END}",  # no special token in text
                  think.replace(f"{START}assistant", "") + call, "plain text", addressed):
-        assert not reads(automaton, spelled(text)), text
+        assert not automaton.reads(spelled(text)), text
     # What the server then does with `think + call` and the end token <|call|>:
     reasoning, content = split_reasoning(think + call + CALL, "openai_gptoss")
     assert reasoning == "The user wants the weather."
@@ -750,12 +749,12 @@ def test_mistral_v11_calls_are_held_too(special):
     many, one = held("mistral", True, special), held("mistral", False, special)
     first, second = f'{tag}get_weather{args}{{"city": "Paris"}}', f'{tag}search{args}{{"q": 1}}'
     for text in (f"Sure. {first}", first + second):
-        assert reads(many, spelled(text)), text
+        assert many.reads(spelled(text)), text
         with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
             assert len(parser.parse(text)[1]) == text.count(tag)
-    assert reads(one, spelled(first)) and not reads(one, spelled(first + second))
-    assert not reads(many, spelled(first.replace("Paris", "x" * 31))) and not reads(many, spelled(f"{tag}other{args}{{}}"))
-    assert not reads(many, spelled(first + " and text"))  # nothing after the calls
+    assert one.reads(spelled(first)) and not one.reads(spelled(first + second))
+    assert not many.reads(spelled(first.replace("Paris", "x" * 31))) and not many.reads(spelled(f"{tag}other{args}{{}}"))
+    assert not many.reads(spelled(first + " and text"))  # nothing after the calls
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
@@ -768,15 +767,15 @@ def test_olmo3_strict_tag_holds_the_block_that_opens_the_output(special):
     good = written(parser, ("get_weather", {"city": "Paris", "unit": "celsius"}))
     two = written(parser, ("get_weather", {"city": "Oslo"}), ("search", {"query": "rain", "n": 3}))
     for text in (good, f"  {good} Done.", two):
-        assert reads(many, spelled(text)), text
+        assert many.reads(spelled(text)), text
     mention = "Plain text <function_calls> mentioned."  # (text: the parser reads a block at the start only)
-    assert reads(many, mention.encode()) and reads(many, spelled(mention)) == (not special)
+    assert many.reads(mention.encode()) and many.reads(spelled(mention)) == (not special)
     with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
         assert [c["function"]["name"] for c in parser.parse(two)[1]] == ["get_weather", "search"]
-    assert reads(one, spelled(good)) and not reads(one, spelled(two))
-    assert not reads(many, spelled(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"}))))
-    assert not reads(many, spelled(written(parser, ("other", {}))))
-    assert not reads(many, b"<b>html</b>")  # (a `<` first: the block, or nothing)
+    assert one.reads(spelled(good)) and not one.reads(spelled(two))
+    assert not many.reads(spelled(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"}))))
+    assert not many.reads(spelled(written(parser, ("other", {}))))
+    assert not many.reads(b"<b>html</b>")  # (a `<` first: the block, or nothing)
 
 
 def test_longcat_and_ernie45_hold_hermes_calls_in_their_blocks():
@@ -801,9 +800,9 @@ def test_llama4_pythonic_strict_tag_takes_python_start(special):
     many, one = held("llama4_pythonic", True, special), held("llama4_pythonic", False, special)
     good = "[get_weather(city='Paris', unit='celsius')]"
     for text in (good, f"{parser.START}{good}", f"{parser.START}{good}{parser.END}", "Plain text."):
-        assert reads(many, spelled(text)) and reads(one, spelled(text)), text
+        assert many.reads(spelled(text)) and one.reads(spelled(text)), text
     two = "[get_weather(city='Oslo'), search(query='x')]"
-    assert reads(many, spelled(f"{parser.START}{two}")) and not reads(one, spelled(f"{parser.START}{two}"))
-    assert not reads(many, spelled(f"{parser.START}[get_weather(city='Paris', unit='kelvin')]"))
-    assert not reads(many, spelled(f"{parser.START}[other()]"))
-    assert not reads(many, b"<b>an answer opening with a tag</b>")  # (a `<` first: the list's start, or nothing)
+    assert many.reads(spelled(f"{parser.START}{two}")) and not one.reads(spelled(f"{parser.START}{two}"))
+    assert not many.reads(spelled(f"{parser.START}[get_weather(city='Paris', unit='kelvin')]"))
+    assert not many.reads(spelled(f"{parser.START}[other()]"))
+    assert not many.reads(b"<b>an answer opening with a tag</b>")  # (a `<` first: the list's start, or nothing)

@@ -38,15 +38,6 @@ def spelled(text: str) -> bytes:
     return b"".join(special_token(back[c]) if c in back else c.encode("utf-8") for c in text)
 
 
-def reads(automaton, data: bytes) -> bool:
-    if hasattr(automaton, "walk"):
-        return bool(automaton.accepting[automaton.walk(1, data)])
-    config = automaton.start()
-    for b in data:
-        config = automaton.step(config, b)
-    return config.accepting
-
-
 def automaton(fmt: dict, specials: frozenset[str] | None):
     return compile_automaton(StructuredOutputParams(structural_tag={"type": "structural_tag", "format": fmt}), specials)
 
@@ -54,9 +45,9 @@ def automaton(fmt: dict, specials: frozenset[str] | None):
 def test_a_token_is_its_special_token_where_the_tokenizer_has_one_else_its_text():
     fmt = {"type": "sequence", "elements": [token("<|sec|>"), {"type": "const_string", "value": "x"}]}
     special, text = spelled(PUA["<|sec|>"] + "x"), b"<|sec|>x"
-    assert [reads(automaton(fmt, s), d) for s in (frozenset({"<|sec|>"}), frozenset(), None)
+    assert [automaton(fmt, s).reads(d) for s in (frozenset({"<|sec|>"}), frozenset(), None)
             for d in (special, text)] == [True, False, False, True, True, True]
-    assert not reads(automaton(fmt, frozenset(NAMES)), spelled(PUA["<|call|>"] + "x"))  # another token
+    assert not automaton(fmt, frozenset(NAMES)).reads(spelled(PUA["<|call|>"] + "x"))  # another token
 
 
 @pytest.mark.parametrize("content", ["any_tokens", "any_text"])
@@ -71,15 +62,15 @@ def test_a_tag_of_tokens_around_free_text(content):
     specials = frozenset(NAMES) - {"<|x|>"}  # <|x|> is text here, <|call|> a special token
     a = automaton(fmt, specials)
     s, e, o, c = PUA["<|sec|>"], PUA["<|end|>"], PUA["<|other|>"], PUA["<|call|>"]
-    assert reads(a, spelled(f"{s}any text <|sec|> as text{e}"))  # (the begin is no marker here)
-    assert not reads(a, spelled(f"{s}any text <|end|> as text{e}"))
-    assert reads(a, spelled(f"{s}{e}"))
-    assert reads(a, spelled(f"{s}a{o}b{o}{e}")) == (content == "any_tokens")  # other special tokens
-    assert not reads(a, spelled(f"{s}a{c}b{e}"))  # an excluded special token (or any, in any_text)
-    assert not reads(a, spelled(f"{s}a <|x|> b{e}"))  # the excluded token, as the text it is here
-    assert not reads(a, spelled(f"{s}a{e}b{e}"))  # the first end ends it
+    assert a.reads(spelled(f"{s}any text <|sec|> as text{e}"))  # (the begin is no marker here)
+    assert not a.reads(spelled(f"{s}any text <|end|> as text{e}"))
+    assert a.reads(spelled(f"{s}{e}"))
+    assert a.reads(spelled(f"{s}a{o}b{o}{e}")) == (content == "any_tokens")  # other special tokens
+    assert not a.reads(spelled(f"{s}a{c}b{e}"))  # an excluded special token (or any, in any_text)
+    assert not a.reads(spelled(f"{s}a <|x|> b{e}"))  # the excluded token, as the text it is here
+    assert not a.reads(spelled(f"{s}a{e}b{e}"))  # the first end ends it
     alone = automaton({"type": "any_tokens"}, specials)  # (no end, no exclusion: anything)
-    assert reads(alone, spelled(f"a{o}{c}b")) and reads(alone, b"")
+    assert alone.reads(spelled(f"a{o}{c}b")) and alone.reads(b"")
 
 
 def section(parallel: bool) -> dict:
@@ -145,7 +136,7 @@ def test_token_triggered_tags_read_as_the_definition(parallel, first, once, spec
     a, want = automaton(fmt, specials), oracle(specials, parallel, first, once)
     for _ in range(8):
         text = damaged(sample(rnd, parallel, specials), rnd)
-        assert reads(a, spelled(text)) == bool(want.fullmatch(text)), (text, specials)
+        assert a.reads(spelled(text)) == bool(want.fullmatch(text)), (text, specials)
 
 
 def test_token_dispatch_starts_each_rule_at_its_token():
@@ -153,8 +144,8 @@ def test_token_dispatch_starts_each_rule_at_its_token():
            "exclude_tokens": ["<|x|>"]}
     a = automaton(fmt, frozenset(NAMES))
     c, s, x = PUA["<|call|>"], PUA["<|sec|>"], PUA["<|x|>"]
-    assert reads(a, spelled(f'text {c}"a" more {s}! end')) and reads(a, spelled("plain"))
-    assert not reads(a, spelled(f'{c}"z"')) and not reads(a, spelled(f"{s}?")) and not reads(a, spelled(f"a{x}b"))
+    assert a.reads(spelled(f'text {c}"a" more {s}! end')) and a.reads(spelled("plain"))
+    assert not a.reads(spelled(f'{c}"z"')) and not a.reads(spelled(f"{s}?")) and not a.reads(spelled(f"a{x}b"))
 
 
 def test_exclude_token_and_ids_outside_the_vocabulary_are_refused_by_name():
