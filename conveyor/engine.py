@@ -40,6 +40,7 @@ from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 if TYPE_CHECKING:  # torch is imported where a model is built, not by the engine's import
     import torch
 
+    from conveyor.models.lora import LoRAManager
     from conveyor.runner.drafter import Drafter
 
 logger = logging.getLogger("conveyor")
@@ -789,13 +790,48 @@ class Engine:
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Load (and so check) an adapter; InvalidRequestError if it cannot serve."""
-        lora = getattr(self.runner, "lora", None)
+        self._lora_manager(lora_request.lora_name).get(lora_request)
+
+    def _lora_manager(self, name: object) -> LoRAManager:
+        lora: LoRAManager | None = getattr(self.runner, "lora", None)
         if lora is None:
             raise InvalidRequestError(
-                f"LoRA adapter {lora_request.lora_name!r}: this engine serves none (start it with enable_lora=True)",
+                f"LoRA adapter {name!r}: this engine serves none (start it with enable_lora=True)",
                 param="lora_request",
             )
-        lora.get(lora_request)
+        return lora
+
+    # -- adapters (vLLM's LLMEngine.add_lora, remove_lora, list_loras, pin_lora) --------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now, before a request names it (InvalidRequestError if it cannot
+        serve); True. It is kept as any loaded adapter is: dropped when `max_cpu_loras` more
+        recently used ones are loaded, unless pinned."""
+        self.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop the loaded adapter of that id (and its pin); whether one was loaded. Requests
+        still running with it load it again at their next step."""
+        lora = self._lora_manager(lora_int_id)
+        return any([lora.remove(key) for key in lora.loaded_keys if key[1] == lora_int_id])
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded now."""
+        return {key[1] for key in self._lora_manager("?").loaded_keys}
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep the loaded adapter of that id loaded however many others are used, until
+        `remove_lora`; True. InvalidRequestError if none is loaded (`add_lora` it first) or
+        `max_cpu_loras` adapters are pinned already. A pinned adapter is kept beside the
+        `max_cpu_loras` unpinned ones (vLLM counts it in their places; here pins cannot leave
+        a step's `max_loras` adapters too few)."""
+        lora = self._lora_manager(lora_int_id)
+        key = next((k for k in lora.loaded_keys if k[1] == lora_int_id), None)
+        if key is None:
+            raise InvalidRequestError(f"no LoRA adapter of id {lora_int_id} is loaded; add_lora it first",
+                                      param="lora_int_id")
+        lora.pin(LoRARequest(key[0], key[1], lora.path_of(key)))
+        return True
 
     def _add_parent(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,

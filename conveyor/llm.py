@@ -46,6 +46,23 @@ class LLM:
         """Forget every cached prefix: the next prompts are computed whole."""
         return self.engine.reset_prefix_cache()
 
+    # vLLM's LLM.llm_engine calls, here on the LLM itself (`Engine`'s, documented there).
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter before any request names it (a bad one raises here)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop the adapter of that id from memory (and its pin)."""
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters in memory."""
+        return self.engine.list_loras()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter in memory whatever else runs, until `remove_lora`."""
+        return self.engine.pin_lora(lora_int_id)
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

@@ -218,7 +218,7 @@ def test_bad_adapters_are_refused_before_anything_runs(tiny_models, adapters, tm
     tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(2, 64)
     save_file(tensors, str(head / "adapter_model.safetensors"))
     cases["adapts no projection of a decoder layer"] = LoRARequest("head", 12, str(head))
-    cases["loaded from"] = LoRARequest("attn-qv", ok.lora_int_id, str(wrong))  # its name and id, another path
+    cases["was loaded from"] = LoRARequest("attn-qv", ok.lora_int_id, str(wrong))  # its name and id, another path
     llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=ok)  # loads attn-qv
     for match, lora in cases.items():
         with pytest.raises(InvalidRequestError, match=match) as info:
@@ -228,3 +228,50 @@ def test_bad_adapters_are_refused_before_anything_runs(tiny_models, adapters, tm
     plain = LLM(str(tiny_models["llama"]), dtype="float64", num_kv_blocks=64)
     with pytest.raises(InvalidRequestError, match="enable_lora=True"):
         plain.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=ok)
+
+
+def test_a_pinned_adapter_stays_loaded_while_others_take_turns(tiny_models, cases, adapters):
+    """vLLM's add_lora, pin_lora, list_loras and remove_lora: a pinned adapter is loaded once
+    however many others take turns in the `max_cpu_loras` places beside it; the tokens stay HF's
+    merged."""
+    pinned, others = adapters["everything"], [adapters["attn-qv"], adapters["mlp-some"]]
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_loras=1, max_cpu_loras=1,
+              num_kv_blocks=128)
+    lora = llm.engine.runner.lora
+    assert llm.add_lora(pinned) and llm.list_loras() == {pinned.lora_int_id} and lora.num_loads == 1
+    assert llm.pin_lora(pinned.lora_int_id)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    for _ in range(2):
+        for used in [*others, pinned]:
+            picked = [(p, w) for p, lo, w in cases if lo is used]
+            outs = llm.generate([p for p, _ in picked], params, use_tqdm=False, lora_request=used)
+            assert [o.outputs[0].token_ids for o in outs] == [w for _, w in picked], used.lora_name
+            assert pinned.lora_int_id in llm.list_loras() and len(llm.list_loras()) == 2
+    assert lora.num_loads == 1 + 2 * len(others)  # the others take turns in one place; the pinned never goes
+    assert llm.list_loras() == {pinned.lora_int_id, others[1].lora_int_id}  # the last one run
+    with pytest.raises(InvalidRequestError, match="max_cpu_loras=1 adapters are pinned already"):
+        llm.pin_lora(others[1].lora_int_id)
+    assert llm.add_lora(others[0]) and llm.list_loras() == {pinned.lora_int_id, others[0].lora_int_id}
+    assert llm.remove_lora(pinned.lora_int_id) and not llm.remove_lora(pinned.lora_int_id)
+    assert llm.list_loras() == {others[0].lora_int_id}
+    assert llm.pin_lora(others[0].lora_int_id)  # a place for a pin again
+    with pytest.raises(InvalidRequestError, match="was loaded from"):  # removed, its name and id stay its own
+        llm.add_lora(LoRARequest(pinned.lora_name, pinned.lora_int_id, others[0].lora_path))
+    with pytest.raises(InvalidRequestError, match="add_lora it first"):
+        llm.pin_lora(pinned.lora_int_id)
+
+
+def test_pins_and_a_step_of_several_adapters_load_nothing_twice(tiny_models, cases, adapters):
+    """A pin takes no place of `max_cpu_loras`: beside a pinned adapter, a batch of two others
+    (`max_loras=2`, `max_cpu_loras=2`) keeps both, each loaded once, not at each step."""
+    names = ["attn-qv", "mlp-some"]
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", enable_lora=True, max_loras=2, max_cpu_loras=2,
+              num_kv_blocks=128)
+    llm.add_lora(adapters["everything"])
+    llm.pin_lora(adapters["everything"].lora_int_id)
+    picked = [(p, lo, w) for p, lo, w in cases if lo is not None and lo.lora_name in names]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([p for p, _, _ in picked], params, use_tqdm=False, lora_request=[lo for _, lo, _ in picked])
+    assert [o.outputs[0].token_ids for o in outs] == [w for *_, w in picked]
+    assert llm.engine.runner.lora.num_loads == 3
+    assert adapters["everything"].lora_int_id in llm.list_loras()

@@ -341,6 +341,8 @@ def test_adapters_split_with_the_model(tiny_models, tmp_path):
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(17, 24))] for _ in range(3)]
     cases = [(p, lora) for lora in [None, *adapters] for p in prompts]
     llm = tp_llm(model_dir, num_kv_blocks=64, block_size=8, enable_lora=True, max_loras=2, max_num_batched_tokens=40)
+    llm.add_lora(adapters[1])
+    llm.pin_lora(adapters[1].lora_int_id)  # (rank 0's pins go to the workers with each step's adapters)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     outs = llm.generate([p for p, _ in cases], params, lora_request=[lora for _, lora in cases], use_tqdm=False)
     for lora in [None, *adapters]:

@@ -249,7 +249,12 @@ def attach_lora(model: Any) -> LoRAContext:
 
 class LoRAManager:
     """The runner's adapters: loaded on first use, the `capacity` most recently used kept
-    (`max_cpu_loras`), and each step's groups of rows (`step`)."""
+    (`max_cpu_loras`) beside the pinned ones, and each step's groups of rows (`step`).
+
+    A pinned adapter (vLLM's `pin_lora`) is never dropped to make room, and is kept beside
+    the `capacity` others, not in their places: pinning cannot leave a step's adapters (at
+    most `max_loras` <= `capacity`) too few places, loading each anew at each step. At most
+    `capacity` adapters are pinned."""
 
     def __init__(self, model: Any, max_rank: int, capacity: int, arch: ArchConfig | None = None,
                  shard: tuple[int, int] = (0, 1)) -> None:
@@ -263,20 +268,36 @@ class LoRAManager:
         self.max_rank = max_rank
         self.capacity = capacity
         self._loaded: OrderedDict[tuple[str, int], LoRAWeights] = OrderedDict()  # by LoRARequest.key
+        self.pinned: set[tuple[str, int]] = set()
+        self._paths: dict[tuple[str, int], str] = {}  # every adapter ever loaded, removed ones too
         self.num_loads = 0
 
     @property
     def loaded(self) -> list[str]:
         return [name for name, _ in self._loaded]
 
+    @property
+    def loaded_keys(self) -> list[tuple[str, int]]:
+        """The loaded adapters' keys, least recently used first."""
+        return list(self._loaded)
+
+    def path_of(self, key: tuple[str, int]) -> str:
+        return self._loaded[key].path
+
     def get(self, request: LoRARequest) -> LoRAWeights:
         """The adapter, loaded (and checked) if it is not; raises InvalidRequestError if it
-        cannot be, or if its name is loaded from another path."""
+        cannot be, or if its name and id were loaded from another path."""
+        weights = self._fetch(request)
+        self._trim({request.key})
+        return weights
+
+    def _fetch(self, request: LoRARequest) -> LoRAWeights:
+        path = self._paths.get(request.key)
+        if path is not None and path != request.lora_path:  # (its prompts' cached K/V are another's)
+            raise _refuse(request, f"an adapter of that name and id was loaded from {path}; "
+                                   "a name and id must stay with one adapter")
         weights = self._loaded.get(request.key)
         if weights is not None:
-            if weights.path != request.lora_path:
-                raise _refuse(request, f"an adapter of that name and id is loaded from {weights.path}; "
-                                       "a name and id must stay with one adapter")
             self._loaded.move_to_end(request.key)
             return weights
         weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank)
@@ -286,9 +307,36 @@ class LoRAManager:
             weights = shard_lora(weights, self.arch, *self.shard)
         self.num_loads += 1
         self._loaded[request.key] = weights
-        while len(self._loaded) > self.capacity:
-            self._loaded.popitem(last=False)  # a step that uses it holds its own reference
+        self._paths[request.key] = request.lora_path
         return weights
+
+    def _trim(self, keep: set[tuple[str, int]]) -> None:
+        """Drop the least recently used of the unpinned adapters past `capacity`, but `keep`
+        (a step that used a dropped one holds its own reference)."""
+        unpinned = [k for k in self._loaded if k not in self.pinned]
+        for key in [k for k in unpinned if k not in keep][:max(len(unpinned) - self.capacity, 0)]:
+            del self._loaded[key]
+
+    def pin(self, request: LoRARequest) -> None:
+        """Keep `request`'s adapter loaded until `remove` (loading it now if it is not), beside
+        `capacity` unpinned ones; InvalidRequestError if it cannot be loaded or `capacity`
+        adapters are pinned already."""
+        if request.key not in self.pinned and len(self.pinned) >= self.capacity:
+            raise _refuse(request, f"max_cpu_loras={self.capacity} adapters are pinned already; "
+                                   "remove one or raise max_cpu_loras")
+        self._fetch(request)
+        self.pinned.add(request.key)
+        self._trim({request.key})
+
+    def set_pinned(self, keys: set[tuple[str, int]]) -> None:
+        """A tensor-parallel worker's copy of rank 0's pinned set (each loaded at its next use)."""
+        self.pinned = set(keys)
+
+    def remove(self, key: tuple[str, int]) -> bool:
+        """Drop an adapter and its pin; whether it was loaded. A request still running with it
+        loads it again at its next step."""
+        self.pinned.discard(key)
+        return self._loaded.pop(key, None) is not None
 
     def step(self, requests: Sequence[LoRARequest | None], num_new: Sequence[int]) -> LoRAStep | None:
         """The groups of rows for a step whose items (in row order, `num_new` rows each) run
@@ -305,11 +353,12 @@ class LoRAManager:
             start += n
         groups: list[tuple[LoRAWeights, torch.Tensor | None]] = []
         for name, picked in rows.items():
-            weights = self.get(adapters[name])
+            weights = self._fetch(adapters[name])
             if len(picked) == start:
                 groups.append((weights, None))
             else:
                 groups.append((weights, to_device(host_longs(picked), self.device)))
+        self._trim(set(rows))
         return LoRAStep(groups)
 
 

@@ -376,7 +376,8 @@ class ModelRunner:
             if peers is not None:
                 peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
                                 num_new=num_new, window_tables=window_tables,
-                                lora=None if adapters is None else [it.lora_request for it in items]))
+                                lora=None if adapters is None else [it.lora_request for it in items],
+                                lora_pinned=frozenset() if self.lora is None else frozenset(self.lora.pinned)))
             if adapters is None:
                 hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
             else:

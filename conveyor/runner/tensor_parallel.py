@@ -81,6 +81,7 @@ class Step:
     head: bool = False
     head_rows: list[int] | None = None
     lora: list[Any] | None = None  # each sequence's LoRARequest (None: a step without adapters)
+    lora_pinned: frozenset[tuple[str, int]] = frozenset()  # rank 0's pinned adapters (with `lora`)
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -342,6 +343,7 @@ class Worker:
             self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
             return
         assert runner.lora is not None, "rank 0 sends adapters only to an engine with enable_lora"
+        runner.lora.set_pinned(set(step.lora_pinned))
         with runner.lora.context.use(runner.lora.step(step.lora, step.num_new)):
             self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
 
