@@ -46,7 +46,12 @@ from conveyor.server.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from conveyor.server.responses import ResponsesHandler, ResponseStore
-from conveyor.server.serving import ChatCompletionHandler, CompletionHandler, ServerState
+from conveyor.server.serving import (
+    ChatCompletionHandler,
+    CompletionHandler,
+    ServerState,
+    verify_adapter,
+)
 
 
 def served_model_names(config: ServerConfig, engine: EngineFront) -> tuple[str, ...]:
@@ -90,9 +95,12 @@ def build_app(
         if state.shutting_down:
             raise EngineShuttingDownError("the server is shutting down; no new requests")
 
-    def check_model(model: str | None) -> None:
-        # The adapters are looked up at each request: the server may load and unload them.
-        if model is not None and model not in base_names and model not in state.loras:
+    async def check_model(model: str | None) -> None:
+        # The adapters are looked up at each request: the server may load and unload them,
+        # and its resolvers find new ones.
+        if model is None or model in base_names or model in state.loras:
+            return
+        if await state.resolve_lora(model) is None:
             raise APIError(
                 404,
                 f"The model `{model}` does not exist. This server serves `{state.model_name}`"
@@ -151,19 +159,19 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await CompletionHandler(state, body).run(raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await ChatCompletionHandler(state, body).run(raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await EmbeddingHandler(state, body).run(raw)
 
     stored = ResponseStore()
@@ -171,7 +179,7 @@ def build_app(
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await ResponsesHandler(state, body, stored).run(raw)
 
     @app.get("/v1/responses/{response_id}")
@@ -185,21 +193,21 @@ def build_app(
     @app.post("/pooling")
     async def pooling(body: PoolingRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await PoolingHandler(state, body).run(raw)
 
     @app.post("/classify")
     @app.post("/v1/classify")
     async def classify(body: ClassifyRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await ClassifyHandler(state, body).run(raw)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(body: ScoreRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await ScoreHandler(state, body).run(raw)
 
     @app.post("/rerank")
@@ -207,17 +215,17 @@ def build_app(
     @app.post("/v2/rerank")
     async def rerank(body: RerankRequest, raw: Request) -> Response:
         check_accepting()
-        check_model(body.model)
+        await check_model(body.model)
         return await RerankHandler(state, body).run(raw)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
+        await check_model(body.model)
         return tokenize(state, body)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
+        await check_model(body.model)
         return detokenize(state, body)
 
     return app
@@ -239,7 +247,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> 
             raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
         try:
             request = LoRARequest(name, state.next_lora_id, body.lora_path)
-            await asyncio.to_thread(check_adapter, request, state.engine.model_path, state.max_lora_rank)
+            await asyncio.to_thread(verify_adapter, request, state.engine.model_path, state.max_lora_rank)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="lora_path") from None
         if name in state.loras:  # loaded by another call while this one checked
@@ -258,8 +266,3 @@ def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> 
         del state.loras[name]
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-
-def check_adapter(request: LoRARequest, model_path: str | None, max_rank: int | None) -> None:
-    from conveyor.models.lora import check_adapter as check  # torch: only when an adapter is loaded
-
-    check(request, model_path, max_rank)

@@ -90,6 +90,22 @@ class ServerConfig:
             "added and removed while the server runs. Needs --enable-lora."
         ),
     )
+    lora_resolver_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "Serve an adapter no one loaded when a request names it: the model name NAME is the "
+            "PEFT folder DIR/NAME (vLLM's filesystem resolver and its VLLM_LORA_RESOLVER_CACHE_DIR), "
+            "checked and loaded at its first request, served from then on. Needs --enable-lora."
+        ),
+    )
+    lora_resolver: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "LoRA resolvers asked, after --lora-resolver-dir's, for an adapter a request names: "
+            "each registered with conveyor.lora.register_lora_resolver or a package's entry point "
+            "in the group conveyor.lora_resolvers. Needs --enable-lora."
+        ),
+    )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
 
@@ -119,6 +135,8 @@ class ServerConfig:
         names = list(self.lora_requests)
         if len(names) != len(self.lora_modules):
             raise ConfigError("lora_modules: each adapter needs a name of its own")
+        if not isinstance(self.lora_resolver, tuple):
+            object.__setattr__(self, "lora_resolver", tuple(self.lora_resolver))
         if self.log_level not in ("trace", "debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"log_level={self.log_level!r}: use trace, debug, info, warning or error")
 

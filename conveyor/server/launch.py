@@ -24,6 +24,7 @@ import uvicorn
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.routing import RouterConfig
+from conveyor.lora import lora_resolver
 from conveyor.server.api import build_app
 from conveyor.server.async_engine import AsyncEngine, EngineFront
 from conveyor.server.config import ServerConfig
@@ -133,6 +134,15 @@ def check_lora_modules(server_config: ServerConfig, config: EngineConfig) -> Non
         raise ConfigError("--lora-modules needs --enable-lora")
     if server_config.allow_runtime_lora_updating and not config.model.enable_lora:
         raise ConfigError("--allow-runtime-lora-updating needs --enable-lora")
+    if (server_config.lora_resolver_dir or server_config.lora_resolver) and not config.model.enable_lora:
+        raise ConfigError("--lora-resolver-dir and --lora-resolver need --enable-lora")
+    if server_config.lora_resolver_dir and not Path(server_config.lora_resolver_dir).is_dir():
+        raise ConfigError(f"--lora-resolver-dir: {server_config.lora_resolver_dir} is not a folder")
+    for name in server_config.lora_resolver:
+        try:
+            lora_resolver(name)
+        except KeyError as e:
+            raise ConfigError(f"--lora-resolver: {e.args[0]}") from None
     for lora in loras.values():
         if not (Path(lora.lora_path) / "adapter_config.json").is_file():
             raise ConfigError(f"lora_modules: {lora.lora_name}: no adapter_config.json in {lora.lora_path}")

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
-from conveyor.lora import LoRARequest
+from conveyor.lora import FilesystemResolver, LoRARequest, LoRAResolver, lora_resolver
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.sequence import RequestMetrics
@@ -72,11 +72,60 @@ class ServerState:
     loras: dict[str, LoRARequest] = field(init=False)  # the adapters, by the model name requests send
     tool_parser: ToolParser = field(init=False)  # --tool-call-parser
     next_lora_id: int = field(init=False)  # an adapter loaded at run time takes the next id
+    resolvers: list[tuple[str, LoRAResolver]] = field(init=False)  # --lora-resolver-dir, --lora-resolver
+    _resolving: dict[str, asyncio.Lock] = field(init=False)
 
     def __post_init__(self) -> None:
         self.loras = self.config.lora_requests
         self.next_lora_id = len(self.loras) + 1
         self.tool_parser = make_tool_parser(self.config.tool_call_parser)
+        self.resolvers = [] if self.config.lora_resolver_dir is None else [
+            ("--lora-resolver-dir", FilesystemResolver(self.config.lora_resolver_dir))]
+        self.resolvers += [(name, lora_resolver(name)) for name in self.config.lora_resolver]
+        self._resolving = {}
+
+    async def resolve_lora(self, name: str) -> LoRARequest | None:
+        """An adapter no one loaded, found by the resolvers for the model name `name` (vLLM's
+        LoRA resolvers): checked against the model and served under that name from now on,
+        with an id of its own. None if no resolver knows the name; APIError 400 if what they
+        found cannot serve (each one's reason), 503 if none found it and one failed (an
+        adapter store down). One lookup a name at a time."""
+        if not self.resolvers:
+            return None
+        lock = self._resolving.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name in self.loras:  # resolved by a request that held the lock before this one
+                return self.loras[name]
+            base = self.engine.model_arg or self.engine.model_path or self.model_name
+            reasons: list[str] = []
+            failures: list[str] = []
+            for label, resolver in self.resolvers:
+                try:
+                    found = await resolver.resolve_lora(base, name)
+                except Exception as e:  # a plugin's failure: the next one may know the name
+                    failures.append(f"the resolver {label} failed: {type(e).__name__}: {e}")
+                    continue
+                if found is None:
+                    continue
+                request = LoRARequest(name, self.next_lora_id, found.lora_path)
+                try:
+                    await asyncio.to_thread(verify_adapter, request, self.engine.model_path, self.max_lora_rank)
+                except InvalidRequestError as e:
+                    reasons.append(f"{label}: {e}")
+                    continue
+                if name in self.loras:  # loaded by the load route meanwhile
+                    return self.loras[name]
+                self.next_lora_id += 1
+                self.loras[name] = request
+                return request
+            self._resolving.pop(name, None)
+            if reasons:
+                raise APIError(400, f"The LoRA adapter {name!r} was found but cannot serve: "
+                               + "; ".join(reasons + failures), param="model")
+            if failures:
+                raise APIError(503, f"The LoRA adapter {name!r} could not be looked up: " + "; ".join(failures),
+                               "service_unavailable_error", param="model", code="lora_resolver_failed")
+            return None
 
     @property
     def model_name(self) -> str:
@@ -85,6 +134,14 @@ class ServerState:
     def begin_shutdown(self) -> None:
         self.shutting_down = True
         self.engine.stop_accepting()
+
+
+def verify_adapter(request: LoRARequest, model_path: str | None, max_rank: int | None) -> None:
+    """Read an adapter's config and weights as an engine would, against the model's shapes;
+    InvalidRequestError with the reason if it cannot serve."""
+    from conveyor.models.lora import check_adapter  # torch: only when an adapter is loaded
+
+    check_adapter(request, model_path, max_rank)
 
 
 @dataclass
