@@ -60,7 +60,10 @@ class ServerConfig:
             "reasoning_content on the chat API: deepseek_r1 (the output starts inside the "
             "block), qwen3 or glm45 (it thinks only if it opens one), mistral (Magistral's "
             "[THINK] block, likewise), openai_gptoss (gpt-oss's harmony messages: the analysis "
-            "channel is reasoning, calls go to --tool-call-parser openai). Default: off."
+            "channel is reasoning, calls go to --tool-call-parser openai); also seed_oss, step3, "
+            "ernie45, hunyuan_a13b, minimax_m2, minimax_m2_append_think (the whole output as "
+            "content, <think> in front) and granite (\"Here is my thought process:\" ... \"Here "
+            "is my response:\"). Default: off."
         ),
     )
     tool_call_parser: str = field(

@@ -17,6 +17,12 @@ of the same names return them.
   after it too); an answer without one is itself.
 - `hunyuan_a13b` (Tencent Hunyuan-A13B): as `qwen3`, between `<think>\n` and `\n</think>`, and
   the answer without its `<answer>\n` ... `\n</answer>` wrapper.
+- `minimax_m2` (MiniMax-M2): as `deepseek_r1`; `minimax_m2_append_think` gives the whole output
+  as content with the `<think>` the template opened put back in front of it (the client keeps
+  the thinking inline, as MiniMax asks of multi-turn use).
+- `granite` (IBM Granite 3.2 with `thinking=True`): the output thinks only if it opens with
+  "Here is my thought process:" (or "Here's ..."), and the answer follows "Here is my
+  response:" (or "Here's ..."); an output cut off before it is all reasoning.
 - `openai_gptoss` (gpt-oss's harmony format): the output is messages, each a header (its
   `<|channel|>`, maybe a recipient `to=...`) then `<|message|>`, its text, and `<|end|>` (or the
   stop tokens `<|return|>`, `<|call|>`); the `analysis` channel is reasoning, `final` (and
@@ -52,12 +58,21 @@ TAGS = {
     "deepseek_r1": (OPEN, CLOSE, True),
     "ernie45": (OPEN, CLOSE, True),
     "glm45": (OPEN, CLOSE, False),
+    "granite": ("Here is my thought process:", "Here is my response:", False),
     "hunyuan_a13b": ("<think>\n", "\n</think>", False),
+    "minimax_m2": (OPEN, CLOSE, True),
+    "minimax_m2_append_think": (OPEN, CLOSE, True),
     "mistral": ("[THINK]", "[/THINK]", False),
     "qwen3": (OPEN, CLOSE, False),
     "seed_oss": ("<seed:think>", "</seed:think>", True),
     "step3": (OPEN, CLOSE, True),
 }
+# Other spellings of a parser's tags that it reads too (a structured output's grammar holds the
+# model to the first).
+SPELLINGS = {"granite": (("Here is my thought process:", "Here's my thought process:"),
+                         ("Here is my response:", "Here's my response:"))}
+# Parsers that give the whole output as content, the opening tag the template wrote in front.
+INLINE = {"minimax_m2_append_think"}
 # A parser's wrapper around the answer, dropped from the content (ERNIE's).
 WRAPPERS = {"ernie45": ("<response>", "</response>"), "hunyuan_a13b": ("<answer>\n", "\n</answer>")}
 HARMONY = "openai_gptoss"
@@ -93,27 +108,33 @@ class TagStream:
     def feed(self, piece: str, final: bool) -> tuple[str, str]:
         """(new reasoning, new content)."""
         self.text += piece
+        if self.parser in INLINE:
+            opened, self.sent = self.sent == 0, 1
+            return "", (TAGS[self.parser][0] if opened else "") + piece
         opening, closing, inside = TAGS[self.parser]
+        openings, closings = SPELLINGS.get(self.parser, ((opening,), (closing,)))
         reasoning, content = "", ""
         while True:
             rest = self.text[self.sent :]
             if self.state == "start":
                 stripped = rest.lstrip()
-                if not final and (not stripped or (opening.startswith(stripped) and stripped != opening)):
+                if not final and (not stripped or any(o.startswith(stripped) and stripped != o for o in openings)):
                     return reasoning, content  # nothing yet, or `<thi`: wait
-                if stripped.startswith(opening):
-                    self.sent += len(rest) - len(stripped) + len(opening)
+                tag = next((o for o in openings if stripped.startswith(o)), None)
+                if tag is not None:
+                    self.sent += len(rest) - len(stripped) + len(tag)
                     self.state = "reasoning"
                 else:
                     self.state = "reasoning" if inside else "content"
             elif self.state == "reasoning":
-                end = rest.find(closing)
-                if end >= 0:
+                found = [(i, c) for c in closings if (i := rest.find(c)) >= 0]
+                if found:
+                    end, tag = min(found)
                     reasoning += rest[:end]
-                    self.sent += end + len(closing)
+                    self.sent += end + len(tag)
                     self.state = "after"
                     continue
-                keep = 0 if final else partial_suffix(rest, closing)
+                keep = 0 if final else max(partial_suffix(rest, c) for c in closings)
                 reasoning += rest[: len(rest) - keep]
                 self.sent += len(rest) - keep
                 return reasoning, content

@@ -41,6 +41,14 @@ from tests.server.conftest import ServerProcess
     ("hunyuan_a13b", "<think>\nAdd.\n</think>\n<answer>\n4\n</answer>", ("Add.", "4")),
     ("hunyuan_a13b", "<think>\n\n</think>\n<answer>\n4\n</answer>", (None, "4")),
     ("hunyuan_a13b", "no tags", (None, "no tags")),
+    ("minimax_m2", "Add them.</think>\n\n4", ("Add them.", "4")),
+    ("minimax_m2_append_think", "Add them.</think>\n\n4", (None, "<think>Add them.</think>\n\n4")),
+    ("minimax_m2_append_think", "", (None, "<think>")),
+    ("granite", "Here is my thought process:\nAdd.\nHere is my response:\n4", ("\nAdd.\n", "4")),
+    ("granite", "Here's my thought process: Add. Here's my response: 4", (" Add. ", " 4")),
+    ("granite", "Here is my thought process: Add. Here's my response: 4", (" Add. ", " 4")),
+    ("granite", "Here is my thought process: cut off", (" cut off", None)),
+    ("granite", "4. Here is my response: 4", (None, "4. Here is my response: 4")),
 ])
 def test_split(parser, text, want):
     assert split_reasoning(text, parser) == want
@@ -49,11 +57,14 @@ def test_split(parser, text, want):
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<thi", "</th", "\n", " ", "a", "b<", "nk>", "x",
                                    "[THINK]", "[/THINK]", "[TH", "[/T", "<seed:think>", "</seed:think>",
                                    "<response>", "</response>", "<resp", "</res", "ponse>", "<answer>\n",
-                                   "\n</answer>", "<ans"]), max_size=12)
+                                   "\n</answer>", "<ans", "Here is my thought process:", "Here's my response:",
+                                   "Here is my response:", "Here", " is my ", "'s my", "thought process:",
+                                   "response:"]), max_size=12)
 
 
 @settings(max_examples=600, deadline=None)
-@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3", "seed_oss", "step3", "ernie45", "hunyuan_a13b"]),
+@given(st.sampled_from(["deepseek_r1", "glm45", "mistral", "qwen3", "seed_oss", "step3", "ernie45", "hunyuan_a13b",
+                        "minimax_m2", "minimax_m2_append_think", "granite"]),
        PIECES, st.data())
 def test_a_stream_cut_anywhere_splits_as_the_whole(parser, pieces, data):
     text = "".join(pieces)
@@ -102,7 +113,8 @@ def test_an_unknown_parser_is_refused():
     from conveyor.config import ConfigError
     from conveyor.server.config import ServerConfig
 
-    with pytest.raises(ConfigError, match="use one of deepseek_r1, ernie45, glm45, hunyuan_a13b, mistral, openai_gptoss, qwen3, seed_oss, step3"):
+    with pytest.raises(ConfigError, match="use one of deepseek_r1, ernie45, glm45, granite, hunyuan_a13b, minimax_m2, minimax_m2_append_think, "
+                       "mistral, openai_gptoss, qwen3, seed_oss, step3"):
         ServerConfig(reasoning_parser="o1")
 
 
