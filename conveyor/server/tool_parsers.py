@@ -30,6 +30,9 @@ Formats:
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each ending `<｜tool▁call▁end｜>`.
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
+- `granite-20b-fc`: content, then `<function_call> {"name", "arguments"}` a call.
+- `gigachat3`: content, then `<|message_sep|>` and `function call<|role_sep|>` with one
+  `{"name", "arguments"}` object (3.1: `<|function_call|>` and the object).
 - `openai` (gpt-oss's harmony format): a message to a function, `<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, the form the `openai_gptoss`
   reasoning parser passes each of the model's calls on in (use the two together, as vLLM's).
@@ -599,6 +602,150 @@ class GraniteParser(ToolParser):
 
     def write(self, calls: list[Call]) -> str:
         return self.TAGS[0] + json.dumps(call_items(calls), ensure_ascii=False)
+
+
+class _OpenedCallsParser(ToolParser):
+    """Content, then calls each written as an opener and one `{"name": ..., "arguments": {...}}`
+    object, whitespace between them; text after the last call is content. An opener is a
+    sequence of parts with any whitespace between and after them (`OPENERS`, the first one the
+    form `write` writes). A marker of `ENDS` that no call follows ends the message: the rest is
+    not content. A tail that may still open or complete a call is held back."""
+
+    OPENERS: ClassVar[tuple[tuple[str, ...], ...]]
+    ENDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self._opener = re.compile("|".join(r"\s*".join(map(re.escape, parts)) + r"\s*" for parts in self.OPENERS))
+        self._starts = tuple(dict.fromkeys([parts[0] for parts in self.OPENERS] + list(self.ENDS)))
+
+    def scan(self, text: str, final: bool) -> Scan:
+        found = [i for i in (text.find(s) for s in self._starts) if i >= 0]
+        if not found:
+            keep = 0 if final else max(partial_suffix(text, s) for s in self._starts)
+            return text[: len(text) - keep], [], len(text) - keep
+        content, calls, pos = text[: min(found)], [], min(found)
+        while True:
+            rest = text[pos:]
+            opened = self._opener.match(text, pos)
+            if opened is None:
+                if not final and self._may_open(rest):
+                    return content, calls, pos
+                if rest.startswith(self.ENDS):  # the message ends here
+                    return content, calls, len(text)
+                return content + rest, calls, len(text)
+            try:
+                value, end = _JSON.raw_decode(text, opened.end())
+            except ValueError:  # a call still being written, or not JSON
+                return (content, calls, pos) if not final else (content + rest, calls, len(text))
+            if not (isinstance(value, dict) and isinstance(value.get("name"), str)
+                    and isinstance(value.get("arguments"), dict)):
+                return content + rest, calls, len(text)
+            calls.append(tool_call(value["name"], arguments_text(value["arguments"])))
+            pos = end
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
+            if pos == len(text):
+                return content, calls, len(text) if final else end
+
+    def _may_open(self, rest: str) -> bool:
+        """Whether more text may make `rest` an opener."""
+        for parts in self.OPENERS:
+            tail = rest
+            for k, part in enumerate(parts):
+                tail = tail.lstrip() if k else tail
+                if tail.startswith(part):
+                    tail = tail[len(part):]
+                    continue
+                if part.startswith(tail):
+                    return True
+                break
+            else:
+                return True
+        return False
+
+    def opener(self) -> str:
+        """The opener as `write` writes it."""
+        raise NotImplementedError
+
+    def write(self, calls: list[Call]) -> str:
+        return "\n".join(f"{self.opener()}{json.dumps(item, ensure_ascii=False)}" for item in call_items(calls))
+
+    def _call_forms(self, functions: list[dict[str, Any]]) -> dict[str, Any]:
+        """A call's object held to its function's schema, one form a function."""
+        return {"type": "or", "elements": [
+            {"type": "tag", "begin": f'{{"name": {json.dumps(f["name"])}, "arguments": ', "end": "}",
+             "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}
+
+
+@_PARSERS.register("granite-20b-fc")
+class Granite20bFCParser(_OpenedCallsParser):
+    """IBM granite-20b-functioncalling: content, then `<function_call> {"name": ..., "arguments":
+    {...}}` for each call, a line each."""
+
+    OPENERS = (("<function_call>",),)
+    MARKERS = ("<function_call>",)
+    TOKEN_TAG = True
+
+    def opener(self) -> str:
+        return "<function_call> "
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then calls held to their schemas, each `<function_call>` (a `token`
+        format) and its object, a newline between them (one call where `parallel` is false);
+        nothing after the last."""
+        call = {"type": "sequence", "elements": [const(" "), self._call_forms(functions)]}
+        more = {"type": "sequence", "elements": [const("\n"), token(self.MARKERS[0]), call]}
+        content = {"type": "sequence", "elements": [call, {"type": "star", "content": more}]} if parallel else call
+        section = {"type": "tag", "begin": token(self.MARKERS[0]), "content": content, "end": ""}
+        return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [self.MARKERS[0]],
+                                                      "tags": [section], "stop_after_first": True}}
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            'To call one, write <function_call> {"name": <function name>, "arguments": <an object of arguments>}, '
+            "a line a call. Otherwise answer in plain text."
+        )
+
+
+@_PARSERS.register("gigachat3")
+class GigaChat3Parser(_OpenedCallsParser):
+    """GigaChat 3: content, then `<|message_sep|>` and, in a message of its own, `function
+    call<|role_sep|>` and one `{"name": ..., "arguments": {...}}` object (GigaChat 3.1:
+    `<|function_call|>` and the object; a bare `function call<|role_sep|>` is read too). A
+    `<|message_sep|>` that opens no call ends the answer. Several calls are several such
+    messages."""
+
+    SEP, ROLE, CALL = "<|message_sep|>", "<|role_sep|>", "<|function_call|>"
+    OPENERS = ((SEP, "function call" + ROLE), ("function call" + ROLE,), (CALL,))
+    ENDS = (SEP,)
+    MARKERS = (SEP, ROLE, CALL)
+    TOKEN_TAG = True
+
+    def opener(self) -> str:
+        return f"{self.SEP}\n\nfunction call{self.ROLE}\n"
+
+    def write(self, calls: list[Call]) -> str:
+        return "".join(f"{self.opener()}{json.dumps(item, ensure_ascii=False)}" for item in call_items(calls))
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then calls held to their schemas, each `<|message_sep|>`, `\\n\\nfunction
+        call`, `<|role_sep|>`, a newline and the object (the markers `token` formats); one call
+        where `parallel` is false, nothing after the last."""
+        call = {"type": "sequence", "elements": [const("\n\nfunction call"), token(self.ROLE), const("\n"),
+                                                 self._call_forms(functions)]}
+        more = {"type": "sequence", "elements": [token(self.SEP), call]}
+        content = {"type": "sequence", "elements": [call, {"type": "star", "content": more}]} if parallel else call
+        section = {"type": "tag", "begin": token(self.SEP), "content": content, "end": ""}
+        return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [self.SEP],
+                                                      "tags": [section], "stop_after_first": True}}
+
+    def prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            f"You can call these functions to answer the user:\n{_tools_listing(tools)}\n"
+            f"To call one, end your text with {self.opener()}"
+            '{"name": <function name>, "arguments": <an object of arguments>}. Otherwise answer in plain text.'
+        )
 
 
 @_PARSERS.register("phi4_mini_json")

@@ -22,15 +22,15 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "ernie45", "glm45", "granite", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
+PARSERS = ["deepseek_v3", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
            "llama3_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
            "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use deepseek_v3, ernie45, glm45, granite, hermes, hunyuan_a13b, internlm"):
-        ServerConfig(tool_call_parser="granite-20b-fc")
+    with pytest.raises(ConfigError, match="use deepseek_v3, ernie45, gigachat3, glm45, granite, granite-20b-fc, hermes"):
+        ServerConfig(tool_call_parser="tng")
 
 
 def test_mistral_v11_calls_after_each_tag():
@@ -183,6 +183,37 @@ def test_granite_jamba_hunyuan_minimax_internlm_seed_oss_xlam_and_phi4_mini_call
     content, calls = phi.parse('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert content is None and named(calls) == [("get_weather", {"city": "Oslo"})]
     assert phi.parse("functools[1, 2]") == ("functools[1, 2]", []) and phi.parse("no call") == ("no call", [])
+
+
+def test_granite_20b_fc_calls_each_after_its_tag():
+    """granite-20b-functioncalling: content, then `<function_call>` and an object a call; what
+    follows the last call is content; a tag that opens no call object is text."""
+    p = make_tool_parser("granite-20b-fc")
+    content, calls = p.parse('I will look.\n<function_call> {"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                             '<function_call>{"name": "search", "arguments": {}}')
+    assert content == "I will look." and named(calls) == [("get_weather", {"city": "Oslo"}), ("search", {})]
+    content, calls = p.parse('<function_call> {"name": "a", "arguments": {}} and that is all')
+    assert content == "and that is all" and named(calls) == [("a", {})]
+    for text in ("<function_call> not JSON", '<function_call> {"name": "a"}', '<function_call> [1]',
+                 '<function_call> {"name": "a", "arguments": "x"}', "no call"):
+        assert p.parse(text) == (text, []), text
+    content, calls = p.parse('x <function_call> {"name": "a", "arguments": {}} <function_call> oops')
+    assert content == "x <function_call> oops" and named(calls) == [("a", {})]  # (a broken call stays text)
+
+
+def test_gigachat3_calls_in_a_message_of_their_own():
+    """GigaChat 3: `<|message_sep|>`, then `function call<|role_sep|>` and the object; 3.1's
+    `<|function_call|>` and the object; a message separator that opens no call ends the answer."""
+    p = make_tool_parser("gigachat3")
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for text in (f"Checking.<|message_sep|>\n\nfunction call<|role_sep|>\n{call}",
+                 f"Checking. function call<|role_sep|>\n{call}", f"Checking.<|function_call|>{call}"):
+        content, calls = p.parse(text)
+        assert content == "Checking." and named(calls) == [("get_weather", {"city": "Paris"})], text
+    assert p.parse("Hello!<|message_sep|>\n\nuser<|role_sep|>\nmore") == ("Hello!", [])
+    assert p.parse("Hello!<|message_sep|>") == ("Hello!", [])
+    assert p.parse("function call<|role_sep|>\nnot JSON") == ("function call<|role_sep|>\nnot JSON", [])
+    assert p.parse("a plain answer about a function call") == ("a plain answer about a function call", [])
 
 
 def test_olmo3_calls_in_a_block_that_opens_the_output():
