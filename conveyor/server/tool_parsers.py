@@ -623,7 +623,8 @@ class _OpenedCallsParser(ToolParser):
         if not found:
             keep = 0 if final else max(partial_suffix(text, s) for s in self._starts)
             return text[: len(text) - keep], [], len(text) - keep
-        content, calls, pos = text[: min(found)], [], min(found)
+        content, pos = text[: min(found)], min(found)
+        calls: list[Call] = []
         while True:
             rest = text[pos:]
             opened = self._opener.match(text, pos)
