@@ -30,7 +30,13 @@ from conveyor.llm import (
 from conveyor.lora import LoRARequest
 from conveyor.outputs import ClassificationRequestOutput, PoolingRequestOutput, RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
-from conveyor.scoring import ModelHead, cosine, cross_encoder_inputs, score_pairs
+from conveyor.scoring import (
+    ModelHead,
+    cosine,
+    cross_encoder_inputs,
+    cross_encoder_score,
+    score_pairs,
+)
 from conveyor.server.async_engine import AsyncEngine, EngineRequest, Prompt
 from conveyor.server.engine_process import ProcessAsyncEngine
 from conveyor.tokenizer import Tokenizer
@@ -167,8 +173,9 @@ class AsyncLLM:
         pairs = score_pairs(text_1, text_2)
         if self.head.labels:
             inputs = cross_encoder_inputs(pairs, self.head, self.tokenizer)
-            outs = await _all([self.classify(p, lora_request=lora_request) for p in inputs])
-            return [o.outputs.probs[0] for o in outs]
+            logits = PoolingParams(task="classify", activation=False)
+            outs = await _all([self.classify(p, logits, lora_request=lora_request) for p in inputs])
+            return [cross_encoder_score(o.outputs.probs[0], self.head) for o in outs]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         pooled = await _all([self._pooled(t, PoolingParams(), None, lora_request) for t in texts])
         vectors = {t: o.embedding or [] for t, o in zip(texts, pooled, strict=True)}

@@ -517,7 +517,7 @@ class Engine:
             runner.word_token_ids = functools.lru_cache(maxsize=256)(tokenizer.word_token_ids)
         engine = cls(config, scheduler, runner, tokenizer, max_len, arch.vocab_size)
         engine.arch = arch  # type: ignore[attr-defined]
-        engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template)
+        engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template, arch.score_activation)
         engine.is_encoder = arch.is_encoder
         engine.default_pooling = arch.default_pooling
         if draft_model is not None:

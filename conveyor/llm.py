@@ -19,7 +19,14 @@ from conveyor.outputs import (
     RequestOutput,
 )
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import ModelHead, cosine, cross_encoder_inputs, score_pairs, top_label
+from conveyor.scoring import (
+    ModelHead,
+    cosine,
+    cross_encoder_inputs,
+    cross_encoder_score,
+    score_pairs,
+    top_label,
+)
 from conveyor.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -197,9 +204,10 @@ class LLM:
 
     def _cross_encode(self, pairs: list[tuple[str, str]], use_tqdm: bool,
                       lora_request: LoRARequest | None) -> list[float]:
-        inputs = cross_encoder_inputs(pairs, self.engine.head, self.engine.tokenizer)
-        outs = self.classify(inputs, use_tqdm=use_tqdm, lora_request=lora_request)
-        return [o.outputs.probs[0] for o in outs]
+        head = self.engine.head
+        inputs = cross_encoder_inputs(pairs, head, self.engine.tokenizer)
+        outs = self.classify(inputs, PoolingParams(task="classify", activation=False), use_tqdm, lora_request)
+        return [cross_encoder_score(o.outputs.probs[0], head) for o in outs]
 
     def beam_search(
         self,

@@ -2,11 +2,13 @@
 
 A bi-encoder (an embedding model) scores a pair by the cosine similarity of the two texts'
 embeddings; a cross-encoder (a sequence classifier with one class: a reranker) reads the pair
-as one input, joined by the tokenizer's pair template, and scores it by its class's sigmoid."""
+as one input, joined by the tokenizer's pair template, and scores it by its class's logit put
+through the activation its sentence-transformers config names (a sigmoid where it names none)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +28,31 @@ class ModelHead:
     labels: tuple[str, ...] = ()
     token_classifier: bool = False
     score_template: str | None = None
+    score_activation: str | None = None  # a cross-encoder's (`SCORE_ACTIVATIONS`); None: a sigmoid
+
+
+def _sigmoid(x: float) -> float:
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
+
+
+# The activations a sentence-transformers CrossEncoder's config may name (vLLM reads the same
+# `activation_fn`, restricted to torch.nn.modules), on one logit.
+SCORE_ACTIVATIONS: dict[str, Callable[[float], float]] = {
+    "torch.nn.modules.activation.Sigmoid": _sigmoid,
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.Tanh": math.tanh,
+    "torch.nn.modules.activation.ReLU": lambda x: max(x, 0.0),
+    "torch.nn.modules.activation.GELU": lambda x: 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0))),
+    "torch.nn.modules.activation.Softsign": lambda x: x / (1.0 + abs(x)),
+}
+
+
+def cross_encoder_score(logit: float, head: ModelHead) -> float:
+    """A cross-encoder's score of one pair from its class's logit."""
+    return SCORE_ACTIVATIONS[head.score_activation or "torch.nn.modules.activation.Sigmoid"](logit)
 
 
 def top_label(probs: Sequence[float], labels: Sequence[str]) -> str:

@@ -136,6 +136,54 @@ def test_cross_encoder_and_classifier_match_hf(encoders) -> None:
         llm.score("w5", "w6")
 
 
+def test_a_cross_encoders_activation_is_its_configs(encoders, tmp_path) -> None:
+    """sentence-transformers' CrossEncoder `activation_fn` (or the older
+    `sbert_ce_default_activation_function`): the score is the logit through it (Identity: the
+    raw logit, as ms-marco rerankers are scored), from `LLM.score` and `AsyncLLM.score` alike;
+    `classify` still gives the sigmoid; one conveyor does not compute is refused at load."""
+    import asyncio
+    import json
+    import math
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from conveyor import AsyncLLM
+    from conveyor.models.arch import UnsupportedModelError
+
+    source = encoders["bert-reranker"]
+    tok = AutoTokenizer.from_pretrained(source)
+    query, docs = "w10 w11 w12", ["w20 w21", "w10 w11", "w7"]
+    encoded = [tok(query, d) for d in docs]
+    logits = [x.item() for x in hf_outputs(source, [e["input_ids"] for e in encoded],
+                                           [e["token_type_ids"] for e in encoded])]
+
+    def variant(name: str, **keys: object) -> str:
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **keys}))
+        return str(folder)
+
+    identity = variant("identity", sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity",
+                                                          "version": "5.0.0"})
+    tanh = variant("tanh", sbert_ce_default_activation_function="torch.nn.modules.activation.Tanh")
+    llm = LLM(identity, dtype="float64")
+    assert llm.score(query, docs, use_tqdm=False) == pytest.approx(logits, abs=TOL)
+    assert llm.classify([encoded[0]["input_ids"]], use_tqdm=False)[0].outputs.probs == pytest.approx(
+        [1 / (1 + math.exp(-logits[0]))], abs=TOL)
+    assert LLM(tanh, dtype="float64").score(query, docs, use_tqdm=False) == pytest.approx(
+        [math.tanh(x) for x in logits], abs=TOL)
+
+    async def served() -> list[float]:
+        async with AsyncLLM(identity, dtype="float64") as a:
+            return await a.score(query, docs)
+
+    assert asyncio.run(served()) == pytest.approx(logits, abs=TOL)
+    with pytest.raises(UnsupportedModelError, match="activation_fn 'torch.nn.modules.activation.Softmax' is not supported"):
+        LLM(variant("softmax", sbert_ce_default_activation_function="torch.nn.modules.activation.Softmax"))
+
+
 def test_a_prompt_may_fill_the_positions(encoders) -> None:
     """BERT's 130 positions; XLM-RoBERTa's start after its padding id, so it has 129."""
     for name, room in (("bert", 130), ("xlmr", 129)):

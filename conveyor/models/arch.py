@@ -133,6 +133,9 @@ class ArchConfig:
     # sentence-transformers' 1_Pooling/config.json where the folder has one, else "cls" for an
     # encoder and "last" for a decoder (vLLM's defaults).
     pooling: str | None = None
+    # A one-class classifier's score activation by sentence-transformers' config (a CrossEncoder's
+    # `activation_fn`, a torch module's qualified name); None: a sigmoid.
+    score_activation: str | None = None
     # Encoders (BERT, RoBERTa): `rms_norm_eps` is their LayerNorm's eps. Segment embeddings
     # (`type_vocab_size`; a pair's second text, after the first `sep_token_id`, is segment 1),
     # the MLP's activation, and where positions start (RoBERTa: after its padding id).

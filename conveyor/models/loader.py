@@ -100,6 +100,9 @@ def read_hf_arch(folder: Path) -> ArchConfig:
     pooling = sentence_transformers_pooling(folder)
     if pooling is not None:
         arch = _replace(arch, pooling=pooling)
+    activation = cross_encoder_activation(cfg)
+    if activation is not None and len(arch.labels) == 1:
+        arch = _replace(arch, score_activation=activation)
     if gen.is_file():
         try:
             eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -346,6 +349,23 @@ def _dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor, block:
 
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
                "pooling_mode_lasttoken": "last"}
+
+
+def cross_encoder_activation(cfg: dict[str, Any]) -> str | None:
+    """What a sentence-transformers CrossEncoder applies to its score, as its config says
+    (`sentence_transformers.activation_fn`, or the older `sbert_ce_default_activation_function`);
+    None if it says nothing. One conveyor does not compute is refused by name."""
+    from conveyor.scoring import SCORE_ACTIVATIONS
+
+    st = cfg.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or cfg.get("sbert_ce_default_activation_function")
+    if name is None:
+        return None
+    if name not in SCORE_ACTIVATIONS:
+        raise UnsupportedModelError(f"the cross-encoder's activation_fn {name!r} is not supported "
+                                    f"({', '.join(n.rsplit('.', 1)[1] for n in SCORE_ACTIVATIONS)} are)")
+    return str(name)
 
 
 def sentence_transformers_pooling(folder: Path) -> str | None:

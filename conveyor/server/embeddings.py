@@ -23,7 +23,13 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
-from conveyor.scoring import cosine, cross_encoder_inputs, score_pairs, top_label
+from conveyor.scoring import (
+    cosine,
+    cross_encoder_inputs,
+    cross_encoder_score,
+    score_pairs,
+    top_label,
+)
 from conveyor.server.async_engine import EngineRequest
 from conveyor.server.protocol import (
     ChatCompletionRequest,
@@ -58,8 +64,8 @@ class _PoolingHandler:
         self.num_prompt_tokens = 0
 
     def pooling(self) -> PoolingParams:
-        if self.state.engine.head.labels:  # a cross-encoder's score: its one class's sigmoid
-            return PoolingParams(task="classify")
+        if self.state.engine.head.labels:  # a cross-encoder's score: its one class's logit, activated below
+            return PoolingParams(task="classify", activation=False)
         return PoolingParams()
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -216,7 +222,7 @@ class PoolingHandler(_InputsHandler):
 
 class _SimilarityHandler(_PoolingHandler):
     """Scores: a cross-encoder's where the model is a one-class classifier (each pair read as
-    one input, its class's sigmoid), else a bi-encoder's, the cosine similarity of two texts'
+    one input, its class's logit through the model's activation: `cross_encoder_score`), else a bi-encoder's, the cosine similarity of two texts'
     embeddings (the last token's hidden state, normalized), each distinct text embedded once."""
 
     async def similarities(self, raw: Request, pairs: list[tuple[str, str]]) -> list[float]:
@@ -224,7 +230,8 @@ class _SimilarityHandler(_PoolingHandler):
         if labels:
             inputs = [self.truncate(ids)
                       for ids in cross_encoder_inputs(pairs, self.state.engine.head, self.state.engine.tokenizer)]
-            return [p[0] for p in await self.embed(raw, inputs)]
+            head = self.state.engine.head
+            return [cross_encoder_score(p[0], head) for p in await self.embed(raw, inputs)]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         if len(texts) > MAX_INPUTS:
             raise InvalidRequestError(f"{len(texts)} distinct texts; at most {MAX_INPUTS}", param=self.input_param)
