@@ -105,9 +105,7 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """One request's outputs as the engine makes them (text or token ids as the prompt)."""
-        if not self._started:  # (bound to this event loop from now on)
-            self._front.start()
-            self._started = True
+        self._start()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = await self._front.add([EngineRequest(rid, prompt, sampling_params or SamplingParams(),
                                                       lora_request=lora_request)])
@@ -189,6 +187,34 @@ class AsyncLLM:
             if out.finished:
                 return out
         raise RuntimeError("a pooling request ended without its final output")  # (never: a stream ends with it)
+
+    def _start(self) -> None:
+        if not self._started:  # (bound to this event loop from now on)
+            self._front.start()
+            self._started = True
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        self._start()
+        return await self._front.call_engine(name, *args)
+
+    # -- adapters (vLLM's AsyncLLM.add_lora, remove_lora, list_loras, pin_lora) ---------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter before any request names it (a bad one raises here); `Engine.add_lora`."""
+        return bool(await self._call("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop the adapter of that id from the engine's memory, and its pin."""
+        return bool(await self._call("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the adapters in the engine's memory."""
+        return set(await self._call("list_loras"))
+
+    async def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter in memory whatever else runs, until `remove_lora`. With
+        `engine_process=True`, an engine started again after a death adds and pins the
+        adapters added and pinned here before any request resumes."""
+        return bool(await self._call("pin_lora", lora_int_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (an unknown or finished id is ignored); its stream ends with its

@@ -180,7 +180,7 @@ def test_a_cross_encoders_activation_is_its_configs(encoders, tmp_path) -> None:
             return await a.score(query, docs)
 
     assert asyncio.run(served()) == pytest.approx(logits, abs=TOL)
-    with pytest.raises(UnsupportedModelError, match="activation_fn 'torch.nn.modules.activation.Softmax' is not supported"):
+    with pytest.raises(UnsupportedModelError, match=r"activation_fn 'torch\.nn\.modules\.activation\.Softmax' is not supported"):
         LLM(variant("softmax", sbert_ce_default_activation_function="torch.nn.modules.activation.Softmax"))
 
 

@@ -24,7 +24,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
@@ -173,7 +173,18 @@ class _AbortAll:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll
+# The engine's own calls a front runs for its caller, between two steps (`call_engine`).
+ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora"})
+
+
+@dataclass(slots=True)
+class _Call:
+    name: str  # one of ENGINE_CALLS
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any]
+
+
+_Command = _Add | _Abort | _AbortAll | _Call
 
 
 class EngineFront(ABC):
@@ -417,6 +428,24 @@ class AsyncEngine(EngineFront):
             if thread.is_alive():
                 logger.warning("the engine thread did not stop within %.1f s", timeout)
 
+    # -- the engine's own calls (event loop) -------------------------------------------------
+    async def call_engine(self, name: str, *args: Any) -> Any:
+        """Run one of the engine's calls (`ENGINE_CALLS`: its adapters' `add_lora`,
+        `remove_lora`, `list_loras`, `pin_lora`) where the engine runs, between two steps; its
+        result, or what it raises."""
+        if name not in ENGINE_CALLS:
+            raise ValueError(f"{name!r} is not an engine call a front runs ({', '.join(sorted(ENGINE_CALLS))})")
+        assert self._loop is not None, "start() first"
+        future: asyncio.Future[Any] = self._loop.create_future()
+        with self._cond:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+            if self._stop_requested:
+                raise EngineShuttingDownError("the engine is shutting down")
+            self._commands.append(_Call(name, args, future))
+            self._wake()
+        return await future
+
     # -- requests (event loop) ---------------------------------------------------------------
     async def add(self, requests: Sequence[EngineRequest]) -> OutputStream:
         """Queue a group of engine requests; all are accepted or none (then this raises)."""
@@ -534,6 +563,13 @@ class AsyncEngine(EngineFront):
             elif isinstance(cmd, _Abort):
                 for rid in cmd.request_ids:
                     out += self._abort_one(rid)
+            elif isinstance(cmd, _Call):
+                try:
+                    result = getattr(self.engine, cmd.name)(*cmd.args)
+                except Exception as e:  # InvalidRequestError mostly: the caller's to see
+                    self._resolve(cmd.future, e)
+                else:
+                    self._resolve(cmd.future, None, result)
             else:
                 out += self._abort_everything()
         return out
@@ -605,12 +641,12 @@ class AsyncEngine(EngineFront):
         if routed and self._loop is not None:
             self._call_in_loop(_deliver_in_loop, routed)
 
-    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+    def _resolve(self, future: asyncio.Future[Any], error: BaseException | None, result: Any = None) -> None:
         def settle() -> None:
             if future.done():
                 return
             if error is None:
-                future.set_result(None)
+                future.set_result(result)
             else:
                 future.set_exception(error)
 
@@ -633,6 +669,7 @@ class AsyncEngine(EngineFront):
         for cmd in pending:
             if isinstance(cmd, _Add):
                 streams.add(cmd.stream)
+            if isinstance(cmd, _Add | _Call):
                 self._resolve(cmd.future, dead)
 
         def fail() -> None:

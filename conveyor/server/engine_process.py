@@ -61,6 +61,7 @@ from conveyor.server.async_engine import (
     QueueFullError,
     _AbortAll,
     _Add,
+    _Call,
     _Command,
     queue_limit_error,
 )
@@ -264,6 +265,14 @@ class _EngineCore:
                 for cmd in commands:
                     if cmd[0] == "add":
                         self._add_or_defer(cmd)
+                    elif cmd[0] == "call":  # one of ENGINE_CALLS
+                        _, call_id, name, args = cmd
+                        answer: tuple[Any, ...]
+                        try:
+                            answer = ("called", call_id, getattr(engine, name)(*args), None)
+                        except Exception as e:
+                            answer = ("called", call_id, None, _wire_error(e))
+                        self.conn.send(answer)
                     else:  # abort
                         for rid in cmd[1]:
                             out = engine.abort_request(rid)
@@ -456,6 +465,12 @@ class ProcessAsyncEngine(AsyncEngine):
         os.set_blocking(self._wake_w, False)
         self._tracked: dict[str, _Tracked] = {}  # supervisor thread only (in arrival order)
         self._adds: dict[int, _Add] = {}  # sent, not yet answered
+        self._calls: dict[int, _Call] = {}  # engine calls sent, not yet answered
+        self._call_ids = itertools.count(1)
+        # The adapters added and pinned through `call_engine`: added and pinned again in an
+        # engine started after a death, before any request resumes.
+        self._added_loras: dict[int, Any] = {}
+        self._pinned_loras: set[int] = set()
         self._add_ids = itertools.count()
         self._choice_ids: dict[str, list[str]] = {}  # a request with n > 1: its choices' ids (loop)
 
@@ -622,6 +637,11 @@ class ProcessAsyncEngine(AsyncEngine):
             self._conn.send(msg)
 
     def _forward(self, cmd: _Command) -> None:
+        if isinstance(cmd, _Call):
+            call_id = next(self._call_ids)
+            self._calls[call_id] = cmd
+            self._send(("call", call_id, cmd.name, cmd.args))
+            return
         if isinstance(cmd, _Add):
             add_id = next(self._add_ids)
             self._adds[add_id] = cmd
@@ -661,8 +681,27 @@ class ProcessAsyncEngine(AsyncEngine):
         elif kind == "added":
             _, add_id, error = msg
             self._on_added(add_id, error)
+        elif kind == "called":
+            _, call_id, result, error = msg
+            self._on_called(call_id, result, error)
         elif kind == "failed":
             raise EOFError  # the child exits next: handled as its death
+
+    def _on_called(self, call_id: int, result: Any, error: tuple[str, str, str | None] | None) -> None:
+        cmd = self._calls.pop(call_id, None)
+        if cmd is None:  # (a replay's, after a death: nobody waits for it)
+            return
+        if error is not None:
+            self._resolve(cmd.future, _error_from_wire(*error))
+            return
+        if cmd.name == "add_lora":
+            self._added_loras[cmd.args[0].lora_int_id] = cmd.args[0]
+        elif cmd.name == "pin_lora":
+            self._pinned_loras.add(cmd.args[0])
+        elif cmd.name == "remove_lora":
+            self._added_loras.pop(cmd.args[0], None)
+            self._pinned_loras.discard(cmd.args[0])
+        self._resolve(cmd.future, None, result)
 
     def _on_added(self, add_id: int, error: tuple[str, str, str | None] | None) -> None:
         cmd = self._adds.pop(add_id, None)
@@ -777,6 +816,12 @@ class ProcessAsyncEngine(AsyncEngine):
             self._conn.close()
         self._conn = None
         self._spawn()  # raises if the engine cannot be built again: everything fails
+        for lora in self._added_loras.values():  # the adapters as they were, before any request
+            self._send(("call", 0, "add_lora", (lora,)))
+        for lora_id in sorted(self._pinned_loras):
+            self._send(("call", 0, "pin_lora", (lora_id,)))
+        for call_id, call in self._calls.items():  # never answered: sent again
+            self._send(("call", call_id, call.name, call.args))
         resumed = 0
         for tr in list(self._tracked.values()):  # in arrival order: the oldest first
             if tr.add_id in self._adds:
@@ -843,6 +888,9 @@ class ProcessAsyncEngine(AsyncEngine):
             self._call_in_loop(self._stream_closed, cmd.stream)
             self._resolve(cmd.future, EngineShuttingDownError("the server is shutting down; no new requests"))
         self._adds.clear()
+        for call in self._calls.values():
+            self._resolve(call.future, EngineShuttingDownError("the engine is shutting down"))
+        self._calls.clear()
         self._deliver(routed)
         proc = self._proc
         if proc is not None:
@@ -860,11 +908,13 @@ class ProcessAsyncEngine(AsyncEngine):
         with self._cond:
             self._dead = error
             pending, self._commands = self._commands, []
-        for cmd in [*pending, *self._adds.values()]:
+        for cmd in [*pending, *self._adds.values(), *self._calls.values()]:
             if isinstance(cmd, _Add):
                 streams.add(cmd.stream)
+            if isinstance(cmd, _Add | _Call):
                 self._resolve(cmd.future, dead)
         self._adds.clear()
+        self._calls.clear()
         self._fail_streams(streams, dead)
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()

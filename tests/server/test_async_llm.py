@@ -13,7 +13,7 @@ import pytest
 
 from conveyor import AsyncLLM, InvalidRequestError, SamplingParams
 from conveyor.llm import LLM
-from conveyor.server.async_engine import AsyncEngine, EngineRequest
+from conveyor.server.async_engine import AsyncEngine, EngineRequest, EngineShuttingDownError
 from conveyor.server.engine_process import ProcessAsyncEngine
 
 OPTIONS = {"num_kv_blocks": 256, "block_size": 8, "max_num_seqs": 4}
@@ -287,3 +287,52 @@ def numbers(tree: object) -> list[float]:
     if isinstance(tree, list | tuple):
         return [x for item in tree for x in numbers(item)]
     return []
+
+
+@MODES
+def test_adapters_added_pinned_and_removed(tiny_models: dict[str, Path], tmp_path: Path, process: bool) -> None:
+    """vLLM's `AsyncLLM.add_lora`, `pin_lora`, `list_loras`, `remove_lora`, run where the engine
+    runs: an added adapter serves HF's merged tokens, a refusal raises; in a process of its own,
+    an engine started again after a SIGKILL has the adapters added and pinned before."""
+    import os
+    import signal
+
+    from conveyor import LoRARequest
+    from tests.test_lora import SPECS, merged_reference, write_adapter
+
+    model = tiny_models["llama"]
+    a = LoRARequest("a", 1, str(write_adapter(tmp_path / "a", model, *SPECS["attn-qv"], seed=0)))
+    b = LoRARequest("b", 2, str(write_adapter(tmp_path / "b", model, *SPECS["mlp-some"], seed=1)))
+    prompt = [5, 17, 99, 120, 7, 64]
+    want = merged_reference(model, Path(a.lora_path), [prompt], 8)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def run(llm: AsyncLLM, lora: LoRARequest | None = a) -> list[int]:
+        async for out in llm.generate(prompt, params, lora_request=lora):
+            if out.finished:
+                return out.outputs[0].token_ids
+        raise AssertionError("no final output")
+
+    async def main() -> None:
+        async with make(model, process, dtype="float64", enable_lora=True, max_cpu_loras=1) as llm:
+            assert await llm.add_lora(a) and await llm.pin_lora(1) and await llm.list_loras() == {1}
+            with pytest.raises(InvalidRequestError, match="add_lora it first"):
+                await llm.pin_lora(2)
+            with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
+                await llm.add_lora(LoRARequest("c", 3, str(tmp_path / "nowhere")))
+            assert await run(llm) == want
+            front = llm.engine_process
+            if front is not None:
+                first = front.engine_pid
+                assert first is not None
+                os.kill(first, signal.SIGKILL)
+                assert await run(llm, None) != want  # (the base model's, in the new engine)
+                assert front.engine_pid != first
+                assert await llm.list_loras() == {1}  # added again (no request named it), and pinned:
+            assert await llm.add_lora(b) and await llm.list_loras() == {1, 2}  # beside max_cpu_loras' one place
+            assert await llm.remove_lora(1) and not await llm.remove_lora(1)
+            assert await llm.list_loras() == {2}
+        with pytest.raises(EngineShuttingDownError, match="shutting down"):
+            await llm.list_loras()
+
+    asyncio.run(main())
