@@ -198,6 +198,7 @@ class Engine:
 
         from conveyor.models.attention import TorchPagedAttention
         from conveyor.models.loader import (
+            bge_m3_heads,
             build_model,
             gguf_has_tokenizer,
             is_gguf,
@@ -222,6 +223,7 @@ class Engine:
         gguf = is_gguf(path)
         arch, tensors, reader = open_model(path)
         dense = [] if gguf else sentence_transformers_dense(path)  # (before the weights load: a bad one fails fast)
+        token_heads = bge_m3_heads(path, arch.hidden_size) if arch.is_encoder and path.is_dir() else None
         full_arch = arch
         if arch.is_encoder:
             _check_encoder_config(config)
@@ -394,6 +396,9 @@ class Engine:
             engine.runner.hidden_store = store  # type: ignore[attr-defined]
             engine.drafter = MedusaDrafter(build_medusa(*medusa, dtype, device), store, device,  # type: ignore[assignment]
                                            dtype)
+        if token_heads is not None:  # BGE-M3's lexical weights and ColBERT vectors, a token each
+            engine.runner.token_heads = token_heads  # type: ignore[attr-defined]
+            engine.head = dataclasses.replace(engine.head, lexical=token_heads.sparse is not None)
         if dense:  # a sentence-transformers model's Dense modules, after its pooling
             runner = engine.runner
             runner.pool_dense = list(dense)  # type: ignore[attr-defined]
@@ -677,7 +682,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
         if params.pooling is not None and params.pooling.pooling_type is None:  # the model's own pooling
-            tokens = self.token_classifier and params.pooling.task == "classify"
+            tokens = (self.token_classifier or self.head.lexical) and params.pooling.task == "classify"
             params = dataclasses.replace(params, pooling=dataclasses.replace(
                 params.pooling, pooling_type="all" if tokens else self.default_pooling))
         if (export_kv or kv_handoff is not None) and params.n > 1:
@@ -743,7 +748,13 @@ class Engine:
         size = getattr(self.runner, "hidden_size", None)
         if size is None:
             raise InvalidRequestError("this engine's runner computes no hidden states to embed", param="pooling")
-        if pooling.task == "classify" and not self.labels:
+        if pooling.task == "classify" and self.head.lexical and not self.labels:
+            if pooling.pooling_type not in (None, "all"):
+                raise InvalidRequestError(
+                    f"this model's lexical weights are a token each: pooling_type 'all', not {pooling.pooling_type!r}",
+                    param="pooling_type",
+                )
+        elif pooling.task == "classify" and not self.labels:
             raise InvalidRequestError(
                 "this model has no classification head: classify with a *ForSequenceClassification model, "
                 "or embed with this one", param="task",
@@ -1041,7 +1052,7 @@ class Engine:
                 continue
             v = vector.cpu()  # a vector, or (pooling_type "all") a row a prompt token
             if pooling.task == "classify":
-                if pooling.activation:
+                if pooling.activation and not (self.head.lexical and not self.labels):  # (ReLU'd by its head)
                     v = torch.sigmoid(v) if v.shape[-1] == 1 else torch.softmax(v, dim=-1)
             else:
                 if pooling.dimensions is not None:

@@ -320,6 +320,9 @@ def classify_pooling(head: ModelHead, pooling_params: PoolingParams | None) -> P
     if head.token_classifier:
         raise InvalidRequestError("this model classifies each token: encode gives one row of "
                                   "probabilities a prompt token", param="model")
+    if head.lexical and not head.labels:
+        raise InvalidRequestError("this model's sparse head weighs each token: encode with "
+                                  "PoolingParams(task='classify') gives its lexical weights", param="model")
     base = pooling_params or PoolingParams()
     return PoolingParams(base.pooling_type, task="classify", activation=base.activation)
 

@@ -29,6 +29,7 @@ class ModelHead:
     token_classifier: bool = False
     score_template: str | None = None
     score_activation: str | None = None  # a cross-encoder's (`SCORE_ACTIVATIONS`); None: a sigmoid
+    lexical: bool = False  # BGE-M3's sparse head: `classify` over "all" gives each token's weight
 
 
 def _sigmoid(x: float) -> float:
@@ -97,3 +98,34 @@ def cross_encoder_inputs(pairs: Sequence[tuple[str, str]], head: ModelHead,
     if template is not None:
         return [tokenizer.encode(template.replace("{query}", a).replace("{document}", b)) for a, b in pairs]
     return [tokenizer.encode_pair(a, b) for a, b in pairs]
+
+
+def lexical_weights(token_ids: Sequence[int], weights: Sequence[float] | Sequence[Sequence[float]],
+                    skip: Sequence[int] = ()) -> dict[int, float]:
+    """BGE-M3's lexical weights of a text (FlagEmbedding's `lexical_weights`): each distinct
+    token's largest weight, the tokens of `skip` (special tokens) and weights of zero left out.
+    `weights` is one a token of `token_ids` (a row of one value each, as `encode` gives them,
+    or the values)."""
+    out: dict[int, float] = {}
+    if len(token_ids) != len(weights):
+        raise ValueError(f"{len(token_ids)} tokens and {len(weights)} weights: give one weight a token")
+    left_out = set(skip)
+    for token, w in zip(token_ids, weights, strict=True):
+        value = float(w) if isinstance(w, int | float) else float(w[0])  # type: ignore[index]
+        if token not in left_out and value > 0 and value > out.get(token, 0.0):
+            out[token] = value
+    return out
+
+
+def lexical_matching_score(a: dict[int, float], b: dict[int, float]) -> float:
+    """Two texts' lexical match (BGE-M3's sparse score): the sum over their shared tokens of the
+    products of their weights."""
+    return sum(w * b[t] for t, w in a.items() if t in b)
+
+
+def colbert_score(query: Sequence[Sequence[float]], document: Sequence[Sequence[float]]) -> float:
+    """Late interaction (ColBERT's MaxSim, BGE-M3's multi-vector score): the mean over the
+    query's token vectors of each one's largest dot product with a document's."""
+    if not query or not document:
+        raise ValueError("a ColBERT score needs a vector a token on both sides")
+    return sum(max(sum(x * y for x, y in zip(q, d, strict=True)) for d in document) for q in query) / len(query)

@@ -406,6 +406,57 @@ class DenseLayer:
         return self.activation(y if self.bias is None else y + self.bias.to(x.device, x.dtype))
 
 
+@dataclass(frozen=True)
+class TokenHeads:
+    """BGE-M3's heads over each token's final hidden state, beside its XLM-RoBERTa encoder
+    (FlagEmbedding's layout): `sparse`, a Linear to one value whose ReLU is the token's lexical
+    weight; `colbert`, a Linear to the token's ColBERT vector. Either may be absent."""
+
+    sparse: DenseLayer | None
+    colbert: DenseLayer | None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+
+def bge_m3_heads(folder: Path, hidden: int) -> TokenHeads | None:
+    """The BGE-M3 heads in a model folder (`sparse_linear.pt`, `colbert_linear.pt`: a Linear's
+    weight and bias as torch saves them), or None where it holds neither; a file that is not
+    such a Linear from `hidden` values is refused with its name. The BOS and EOS ids the token
+    outputs leave out are the config's."""
+    heads: list[DenseLayer | None] = []
+    for name, activation in (("sparse_linear.pt", torch.relu), ("colbert_linear.pt", None)):
+        path = folder / name
+        if not path.is_file():
+            heads.append(None)
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # (pickle's and torch's own errors alike)
+            raise ModelLoadError(f"cannot read {path}: {e}") from e
+        weight = state.get("weight") if isinstance(state, dict) else None
+        bias = state.get("bias") if isinstance(state, dict) else None
+        rows = 1 if activation is not None else None
+        if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden
+                or (rows is not None and weight.shape[0] != rows)
+                or (bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)))):
+            raise ModelLoadError(f"{path} is not a Linear from the model's {hidden} values"
+                                 + (" to one" if rows is not None else ""))
+        heads.append(DenseLayer(weight.float(), None if bias is None else bias.float(),
+                                activation if activation is not None else _identity))
+    if heads == [None, None]:
+        return None
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        cfg = {}
+    eos = cfg.get("eos_token_id")
+    return TokenHeads(heads[0], heads[1], cfg.get("bos_token_id"), eos[0] if isinstance(eos, list) and eos else eos)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def sentence_transformers_dense(folder: Path) -> list[DenseLayer]:
     """The Dense modules a sentence-transformers folder applies after its pooling (LaBSE's, and
     sentence-t5's), in order; a module of another kind that would change the embedding is

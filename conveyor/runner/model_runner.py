@@ -132,6 +132,7 @@ class ModelRunner:
         # A sentence-transformers model's Dense modules, applied to a pooled embedding in order
         # (conveyor/models/loader.py; set by the engine, with `hidden_size` their output's).
         self.pool_dense: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        self.token_heads: Any = None  # BGE-M3's (conveyor/models/loader.py `TokenHeads`), if the model has them
         # speculative_method="mtp", "eagle" or "eagle3": each sequence's hidden states (or the
         # streams its EAGLE-3 head reads), kept for the drafter.
         self.hidden_store: HiddenStore | None = None
@@ -564,6 +565,8 @@ class ModelRunner:
                     out[it.seq_id] = self._pool_sums.pop(it.seq_id)
             elif kind in ("all", "step"):  # every prompt row (a step's last), the earlier chunks' kept
                 rows = hidden[first:end]
+                if kind == "all" and self.token_heads is not None:
+                    rows = self._token_head(it, rows, pooling.task)
                 if kind == "step":
                     tags = [i for i, t in enumerate(it.token_ids) if t == pooling.step_tag_id]
                     rows = rows[to_device(host_longs(tags), rows.device)] if tags else rows[:0]
@@ -589,10 +592,25 @@ class ModelRunner:
         if vectors:  # a classifier's head, once over the step's pooled rows
             logits = self.model.classify(torch.stack([out[seq_id] for seq_id in vectors]))
             out.update(zip(vectors, logits, strict=True))
+        lexical = self.token_heads is not None and self.token_heads.sparse is not None
         for seq_id in classify:
-            if out[seq_id].dim() == 2:  # "all": the head over every token
+            if out[seq_id].dim() == 2 and not lexical:  # "all": the head over every token
                 out[seq_id] = self.model.classify(out[seq_id])
         return out
+
+    def _token_head(self, it: ScheduledSequence, rows: torch.Tensor, task: str) -> torch.Tensor:
+        """One chunk's rows through BGE-M3's head for `task` (its lexical weights for
+        "classify", its ColBERT vectors for "embed"), less the first token where it is the BOS
+        and, for the weights, the last where it is the EOS (as FlagEmbedding leaves them out)."""
+        heads = self.token_heads
+        head = heads.sparse if task == "classify" else heads.colbert
+        if head is None:
+            return rows
+        bos, eos = heads.bos_token_id, heads.eos_token_id
+        ids = it.token_ids
+        lo = 1 if it.start_pos == 0 and ids and ids[0] == bos else 0
+        hi = len(rows) - (1 if task == "classify" and it.sample and ids and ids[-1] == eos else 0)
+        return head(rows[lo:max(hi, lo)])
 
     def _input_ids(self, token_ids: list[int], pending_rows: list[int], pending_from: list[int]) -> torch.Tensor:
         """The step's input ids on the device: `token_ids`, where rows `pending_rows` take the
