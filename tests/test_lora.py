@@ -34,8 +34,9 @@ SPECS = {  # name -> (rank, alpha, modules, layers, rslora)
 
 
 def write_adapter(folder: Path, model_dir: Path, rank: int, alpha: float, modules: tuple[str, ...],
-                  layers: tuple[int, ...], rslora: bool, seed: int, std: float = 0.08) -> Path:
-    """A random adapter in PEFT's layout for the HF model in `model_dir`."""
+                  layers: tuple[int, ...], rslora: bool, seed: int, std: float = 0.08, dora: bool = False) -> Path:
+    """A random adapter in PEFT's layout for the HF model in `model_dir` (with `dora`, a DoRA
+    one: each adapted row's magnitude 0.7-1.3 times its merged weight's norm)."""
     from safetensors.torch import save_file
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -46,17 +47,26 @@ def write_adapter(folder: Path, model_dir: Path, rank: int, alpha: float, module
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
     g = torch.Generator().manual_seed(seed)
     tensors = {}
+    base = merged_model(model_dir, None) if dora else None
+    scale = alpha / rank**0.5 if rslora else alpha / rank
     for layer in layers:
         for name in modules:
             fan_in, fan_out = dims[name]
             key = f"base_model.model.model.layers.{layer}.{PREFIX[name]}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std * 4
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+            if base is not None:
+                w = base.get_submodule(key.removeprefix("base_model.model.")).weight.double()
+                merged = w + scale * tensors[f"{key}.lora_B.weight"].double() @ tensors[f"{key}.lora_A.weight"].double()
+                tensors[f"{key}.lora_magnitude_vector"] = (
+                    torch.linalg.vector_norm(merged, dim=1) * (0.7 + 0.6 * torch.rand(fan_out, generator=g, dtype=torch.float64))
+                ).float()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "bias": "none",
         "target_modules": list(modules), "use_rslora": rslora, "base_model_name_or_path": str(model_dir),
+        "use_dora": dora,
     }))
     return folder
 
@@ -76,7 +86,8 @@ def merged_reference(model_dir: Path, adapter: Path | None, prompts: list[list[i
 
 
 def merged_model(model_dir: Path, adapter: Path | None, dtype: torch.dtype = torch.float64, **load: Any) -> Any:
-    """The HF model with the adapter merged into its weights."""
+    """The HF model with the adapter merged into its weights (a DoRA one's rows rescaled to their
+    magnitudes: `m * (W + s B A) / |W + s B A|`, PEFT's merge)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -91,7 +102,11 @@ def merged_model(model_dir: Path, adapter: Path | None, dtype: torch.dtype = tor
                 if key.endswith("lora_A.weight"):
                     b = tensors[key.replace("lora_A", "lora_B")]
                     module = model.get_submodule(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
-                    module.weight += (scale * (b.double() @ a.double())).to(dtype)
+                    merged = module.weight.double() + scale * (b.double() @ a.double())
+                    magnitude = tensors.get(key.replace("lora_A.weight", "lora_magnitude_vector"))
+                    if magnitude is not None:
+                        merged = merged * (magnitude.double() / torch.linalg.vector_norm(merged, dim=1))[:, None]
+                    module.weight.copy_(merged.to(dtype))
     return model
 
 
@@ -210,7 +225,7 @@ def test_bad_adapters_are_refused_before_anything_runs(tiny_models, adapters, tm
     dora = write_adapter(tmp_path / "dora", tiny_models["llama"], 2, 4, ("q_proj",), (0,), False, seed=1)
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    cases["DoRA is not supported"] = LoRARequest("dora", 11, str(dora))
+    cases["DoRA: layer 0 q_proj has no magnitude vector"] = LoRARequest("dora", 11, str(dora))
     head = write_adapter(tmp_path / "head", tiny_models["llama"], 2, 4, ("q_proj",), (0,), False, seed=1)
     from safetensors.torch import load_file, save_file
 
@@ -275,3 +290,46 @@ def test_pins_and_a_step_of_several_adapters_load_nothing_twice(tiny_models, cas
     assert [o.outputs[0].token_ids for o in outs] == [w for *_, w in picked]
     assert llm.engine.runner.lora.num_loads == 3
     assert adapters["everything"].lora_int_id in llm.list_loras()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dora_adapters_give_hfs_tokens_with_the_merged_weights(tiny_models, tmp_path, family):
+    """DoRA (PEFT's `use_dora`): each adapted row rescaled to its trained magnitude, on every
+    projection (the qwen2 model's q/k/v biases kept out of the gain), beside a plain LoRA adapter
+    and the base model in one batch; HF with the DoRA merge is the reference, in float64 and in
+    float32 on the native CPU kernels."""
+    model = tiny_models[family]
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 20))] for _ in range(3)]
+    dora = LoRARequest("dora", 1, str(write_adapter(tmp_path / "dora", model, *SPECS["everything"], seed=3, dora=True)))
+    qv = LoRARequest("qv", 2, str(write_adapter(tmp_path / "qv", model, 4, 8, ("q_proj", "v_proj"), (0, 2), False,
+                                                seed=4, dora=True)))
+    plain = LoRARequest("plain", 3, str(write_adapter(tmp_path / "plain", model, *SPECS["attn-qv"], seed=5)))
+    loras = [None, dora, qv, plain]
+    for dtype in (torch.float64, torch.float32):
+        want = []
+        for lora in loras:
+            want += merged_reference(model, None if lora is None else Path(lora.lora_path), prompts, 10, dtype)
+        assert want[3:6] != want[:3] and want[6:9] != want[:3], "the DoRA adapters change nothing"
+        llm = LLM(str(model), dtype=str(dtype).removeprefix("torch."), enable_lora=True, max_loras=3, num_kv_blocks=128)
+        outs = llm.generate(prompts * 4, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False,
+                            lora_request=[lo for lo in loras for _ in prompts])
+        assert [o.outputs[0].token_ids for o in outs] == want, dtype
+
+
+def test_dora_magnitudes_are_checked(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_models["llama"]
+    llm = LLM(str(model), dtype="float64", enable_lora=True, num_kv_blocks=64)
+    folder = write_adapter(tmp_path / "short", model, 2, 4, ("q_proj",), (0,), False, seed=1, dora=True)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_magnitude_vector"))
+    save_file({**tensors, key: tensors[key][:5]}, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError, match=r"magnitude vector \(5,\) does not fit"):
+        llm.add_lora(LoRARequest("short", 1, str(folder)))
+    plain = write_adapter(tmp_path / "plain", model, 2, 4, ("q_proj",), (0,), False, seed=1)
+    tensors = load_file(str(plain / "adapter_model.safetensors"))
+    save_file({**tensors, key: torch.ones(64)}, str(plain / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError, match="use_dora is not set"):
+        llm.add_lora(LoRARequest("plain", 2, str(plain)))

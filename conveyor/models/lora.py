@@ -11,6 +11,12 @@ The fused projections take their slices' factors stacked: `qkv_proj`'s `A` is q'
 `A` one above the other `[r_q + r_k + r_v, in]`, and its `B` is block-diagonal, so the three
 deltas are two matrix products. The scale is folded into `B` when an adapter is loaded.
 
+DoRA (Liu et al. 2024, PEFT's `use_dora`) makes the adapted weight `m * (W + s B A) / |W + s B A|`,
+each output row's norm `|.|` over its inputs and `m` the trained magnitude a row. With the
+base's bias `b`, the output is `g * (y - b + s B A x) + b`, `y` the base projection's and `g =
+m / |W + s B A|` a gain an output row, computed once when the adapter loads from the base
+weights (int8 ones dequantized); a slice the adapter does not adapt keeps a gain of 1.
+
 Adapters load from PEFT's layout (`adapter_config.json`, `adapter_model.safetensors` or
 `.bin`); what the base model's modules cannot take is refused with the reason.
 """
@@ -22,9 +28,9 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,9 @@ TARGETS: dict[str, tuple[str, int]] = {
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$"
 )
+_MAGNITUDE = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_magnitude_vector(?:\.default)?(?:\.weight)?$"
+)
 
 
 def _slices(arch: ArchConfig) -> dict[str, tuple[int, list[int]]]:
@@ -63,6 +72,8 @@ class LoRAWeights:
     path: str
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    # DoRA: per layer, each adapted fused module's gain an output row `[out]` (empty: plain LoRA)
+    gains: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def _refuse(request: LoRARequest, why: str) -> InvalidRequestError:
@@ -80,7 +91,7 @@ def _read_config(request: LoRARequest) -> dict[str, Any]:
     if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
         raise _refuse(request, "adapter_config.json has no positive integer rank 'r'")
     unsupported = [
-        ("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (fully trained modules)"),
+        ("modules_to_save", "modules_to_save (fully trained modules)"),
         ("rank_pattern", "rank_pattern (ranks per module)"), ("alpha_pattern", "alpha_pattern (alphas per module)"),
     ]
     for key, what in unsupported:
@@ -108,10 +119,15 @@ def _read_tensors(request: LoRARequest) -> dict[str, torch.Tensor]:
 
 
 def load_adapter(
-    request: LoRARequest, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_rank: int
+    request: LoRARequest, arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_rank: int,
+    base_weight: Callable[[int, str], torch.Tensor] | None = None,
 ) -> LoRAWeights:
-    """Read and check an adapter and lay it out for `LoRALinear` (see the module docstring)."""
+    """Read and check an adapter and lay it out for `LoRALinear` (see the module docstring).
+    A DoRA adapter's gains need the base weights, `base_weight(layer, module)` `[out, in]`;
+    without it (a check before serving) only their shapes are checked."""
     config = _read_config(request)
+    dora = bool(config.get("use_dora"))
+    magnitudes: dict[tuple[int, str], torch.Tensor] = {}
     rank = int(config["r"])
     if rank > max_rank:
         raise _refuse(request, f"its rank {rank} exceeds max_lora_rank={max_rank}")
@@ -119,6 +135,12 @@ def load_adapter(
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(request).items():
+        mag = _MAGNITUDE.search(key)
+        if mag is not None and mag.group(2) in TARGETS:
+            if not dora:
+                raise _refuse(request, f"tensor {key!r} is a DoRA magnitude, but use_dora is not set")
+            magnitudes[(int(mag.group(1)), mag.group(2))] = tensor
+            continue
         m = _KEY.search(key)
         if m is None or m.group(2) not in TARGETS:
             raise _refuse(request, f"tensor {key!r} adapts no projection of a decoder layer "
@@ -134,6 +156,11 @@ def load_adapter(
         raise _refuse(request, "it holds no LoRA weights")
     shapes = _slices(arch)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(arch.num_layers)]
+    gains: list[dict[str, torch.Tensor]] = [{} for _ in range(arch.num_layers)] if dora else []
+    if dora and set(magnitudes) != set(factors):
+        missing = sorted(set(factors) ^ set(magnitudes))[0]
+        raise _refuse(request, f"DoRA: layer {missing[0]} {missing[1]} has "
+                               + ("no magnitude vector" if missing in factors else "a magnitude vector but no lora_A/B"))
     for layer in range(arch.num_layers):
         for module, (fan_in, widths) in shapes.items():
             present = [(slot, name) for name, (mod, slot) in TARGETS.items() if mod == module and (layer, name) in factors]
@@ -161,7 +188,34 @@ def load_adapter(
             layers[layer][module] = (
                 a_t.to(device=device, dtype=dtype).contiguous(), b_t.to(device=device, dtype=dtype).contiguous()
             )
-    return LoRAWeights(request.lora_name, request.lora_path, rank, layers)
+            if dora:
+                gain = _dora_gain(request, layer, module, present, widths, offsets, a_t, b_t, magnitudes,
+                                  base_weight, dtype)
+                if gain is not None:
+                    gains[layer][module] = gain.to(device=device, dtype=dtype).contiguous()
+    return LoRAWeights(request.lora_name, request.lora_path, rank, layers, gains)
+
+
+def _dora_gain(request: LoRARequest, layer: int, module: str, present: list[tuple[int, str]], widths: list[int],
+               offsets: list[int], a_t: torch.Tensor, b_t: torch.Tensor, magnitudes: dict[tuple[int, str], torch.Tensor],
+               base_weight: Callable[[int, str], torch.Tensor] | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A fused module's DoRA gain an output row, `m / |W + s B A|` in the adapted slices and 1
+    elsewhere (None without the base weights: the magnitudes' shapes only are checked)."""
+    for slot, name in present:
+        mag = magnitudes[(layer, name)]
+        if tuple(mag.shape) not in ((widths[slot],), (widths[slot], 1), (1, widths[slot])):
+            raise _refuse(request, f"layer {layer} {name}: its magnitude vector {tuple(mag.shape)} does not fit "
+                                   f"this model ({widths[slot]} values expected)")
+    if base_weight is None:
+        return None
+    w = base_weight(layer, module).double()
+    merged = w + (a_t.double() @ b_t.double()).t()  # W + s B A over the whole fused width
+    norms = torch.linalg.vector_norm(merged, dim=1)
+    gain = torch.ones(sum(widths), dtype=torch.float64)
+    for slot, name in present:
+        rows = slice(offsets[slot], offsets[slot] + widths[slot])
+        gain[rows] = magnitudes[(layer, name)].double().reshape(-1) / norms[rows].clamp_min(1e-12)
+    return gain
 
 
 @dataclass(slots=True)
@@ -170,14 +224,26 @@ class LoRAStep:
 
     groups: list[tuple[LoRAWeights, torch.Tensor | None]]
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y` (the base projection of `x`) with each group's delta added to its rows."""
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`y` (the base projection of `x`, `bias` included) with each group's delta added to
+        its rows; a DoRA adapter's rows scaled by its gains, the bias kept out of them."""
         for weights, rows in self.groups:
             factors = weights.layers[layer].get(module)
             if factors is None:
                 continue
             a_t, b_t = factors
-            if rows is None:
+            gain = weights.gains[layer].get(module) if weights.gains else None
+            if gain is not None:
+                part = y if rows is None else y.index_select(0, rows)
+                xs = x if rows is None else x.index_select(0, rows)
+                if bias is not None:
+                    part = part - bias.to(part.dtype)
+                part = torch.addmm(part, xs @ a_t, b_t).mul_(gain.to(part.dtype))
+                if bias is not None:
+                    part = part + bias.to(part.dtype)
+                y = part if rows is None else y.index_copy(0, rows, part)
+            elif rows is None:
                 y = torch.addmm(y, x @ a_t, b_t)
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
@@ -226,7 +292,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.context.current()
-        return y if step is None else step.apply(self.layer, self.module, x, y)
+        return y if step is None else step.apply(self.layer, self.module, x, y, self.bias)
 
 
 def attach_lora(model: Any) -> LoRAContext:
@@ -261,6 +327,7 @@ class LoRAManager:
         """`arch` and `shard`: a tensor-parallel rank's (the whole model's shape, which adapters
         are checked against, and (rank, size)); each adapter is then cut to the rank's shard."""
         self.context = attach_lora(model)
+        self.model = model
         self.arch: ArchConfig = arch or model.arch
         self.shard = shard
         weight = model.embed_tokens.weight
@@ -300,7 +367,9 @@ class LoRAManager:
         if weights is not None:
             self._loaded.move_to_end(request.key)
             return weights
-        weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank)
+        weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank, self._base_weight)
+        if weights.gains and self.shard[1] > 1:
+            raise _refuse(request, "DoRA under tensor parallelism is not built (a rank holds part of a row's inputs)")
         if self.shard[1] > 1:
             from conveyor.models.tensor_parallel import shard_lora
 
@@ -309,6 +378,24 @@ class LoRAManager:
         self._loaded[request.key] = weights
         self._paths[request.key] = request.lora_path
         return weights
+
+    def _base_weight(self, layer: int, module: str) -> torch.Tensor:
+        """A projection's base weight `[out, in]` as it computes (int8 dequantized), for DoRA."""
+        block = self.model.layers[layer]
+        proj = getattr(block.self_attn if module in ("qkv_proj", "o_proj") else block.mlp, module)
+        base = getattr(proj, "base", proj)
+        qweight, scale = getattr(base, "qweight", None), getattr(base, "wscale", None)
+        if qweight is not None and scale is not None:  # Int8Linear: W * smooth quantized by row
+            w = qweight.float() * scale.float()[:, None]
+            inv = getattr(base, "inv_smooth", None)
+            return w if inv is None else w * inv.float()[None, :]
+        weight = getattr(base, "weight", None)
+        if weight is None and isinstance(getattr(base, "weight_t", None), torch.Tensor):  # TransposedLinear
+            weight = base.weight_t.t()
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise InvalidRequestError(f"DoRA: layer {layer}'s {module} holds no weight matrix to read here",
+                                      param="lora_request")
+        return weight
 
     def _trim(self, keep: set[tuple[str, int]]) -> None:
         """Drop the least recently used of the unpinned adapters past `capacity`, but `keep`
