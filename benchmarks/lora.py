@@ -6,6 +6,7 @@ layout. The same requests (greedy, `--max-tokens` each, no early end) run on:
   base         an engine without enable_lora (the baseline)
   lora-off     an engine with enable_lora, the requests without adapters
   1 adapter    every request with the same adapter
+  1 DoRA       every request with the same DoRA adapter (a gain an output row besides)
   4 adapters   the requests spread over 4 adapters, max_loras=4 (one step holds them all)
   4 serial     the same, max_loras=1 (one adapter at a time)
 
@@ -36,7 +37,7 @@ from conveyor.models.arch import ArchConfig
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapter(folder: Path, arch: ArchConfig, rank: int, seed: int) -> Path:
+def write_adapter(folder: Path, arch: ArchConfig, rank: int, seed: int, dora: bool = False) -> Path:
     from safetensors.torch import save_file
 
     h, i = arch.hidden_size, arch.intermediate_size
@@ -52,10 +53,13 @@ def write_adapter(folder: Path, arch: ArchConfig, rank: int, seed: int) -> Path:
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 1e-3
+            if dora:  # (any positive magnitudes: what is timed is the gain's multiply)
+                tensors[f"{key}.lora_magnitude_vector"] = 0.5 + torch.rand(fan_out, generator=g)
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS), "bias": "none"}))
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS), "bias": "none",
+         "use_dora": dora}))
     return folder
 
 
@@ -85,7 +89,7 @@ def main() -> None:
 
     common = dict(kv_cache_memory=512 << 20, max_model_len=1024)
     base = LLM(args.model, **common).engine
-    lora_llm = LLM(args.model, enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
+    lora_llm = LLM(args.model, enable_lora=True, max_loras=4, max_cpu_loras=5, max_lora_rank=args.rank, **common)
     parallel = lora_llm.engine
     serial = Engine.from_model(
         EngineConfig.from_kwargs(enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=args.rank, **common),
@@ -94,6 +98,7 @@ def main() -> None:
     arch = parallel.arch  # type: ignore[attr-defined]
     root = Path(tempfile.mkdtemp(prefix="conveyor-lora-"))
     adapters = [LoRARequest(f"a{k}", k + 1, str(write_adapter(root / f"a{k}", arch, args.rank, k))) for k in range(4)]
+    dora = LoRARequest("dora", 9, str(write_adapter(root / "dora", arch, args.rank, 0, dora=True)))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, arch.vocab_size - 100, (args.prompt_len,), generator=g).tolist()
                for _ in range(max(args.batch, 1))]
@@ -104,6 +109,7 @@ def main() -> None:
         "base": (base, none),
         "lora-off": (parallel, none),
         "1 adapter": (parallel, [adapters[0]] * args.batch),
+        "1 DoRA": (parallel, [dora] * args.batch),
         "4 adapters": (parallel, spread),
         "4 serial": (serial, spread),
     }
@@ -112,7 +118,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     if args.batch:
         batched(variants, prompts, params, args.rounds)
-    single(base, parallel, adapters[0], prompts[0], args)
+    single(base, parallel, adapters[0], dora, prompts[0], args)
 
 
 def batched(variants: dict[str, tuple[Engine, list[LoRARequest | None]]], prompts: list[list[int]],
@@ -141,7 +147,8 @@ def batched(variants: dict[str, tuple[Engine, list[LoRARequest | None]]], prompt
 
 
 
-def single(base: Engine, engine: Engine, adapter: LoRARequest, prompt: list[int], args: argparse.Namespace) -> None:
+def single(base: Engine, engine: Engine, adapter: LoRARequest, dora: LoRARequest, prompt: list[int],
+           args: argparse.Namespace) -> None:
     """One request alone: the base (fused decode), the same through the modules (the path a
     step with an adapter takes, without the adapter), and with the adapter."""
     model = engine.runner.model  # type: ignore[attr-defined]
@@ -159,6 +166,7 @@ def single(base: Engine, engine: Engine, adapter: LoRARequest, prompt: list[int]
         "base": lambda: run(base, [prompt], [None], one),
         "base through the modules": through_modules,
         "1 adapter": lambda: run(engine, [prompt], [adapter], one),
+        "1 DoRA": lambda: run(engine, [prompt], [dora], one),
     }
     tpot: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.rounds + 1):
