@@ -30,7 +30,8 @@ of the same names return them.
   tool call, passed on to the content in one canonical form that the `openai` tool parser
   reads. Its markers are special tokens, so requests keep special tokens in their text
   (`keeps_special_tokens`) and the parser leaves none of them in what it returns. An output
-  with no header at all is content.
+  with no header at all is content. A grammar (structured outputs) holds the final message's
+  text, the messages before `HARMONY_FINAL` free (conveyor/structured `thinking`).
 
 Tool calls and everything else about the answer are read from the content alone.
 """
@@ -76,6 +77,7 @@ INLINE = {"minimax_m2_append_think"}
 # A parser's wrapper around the answer, dropped from the content (ERNIE's).
 WRAPPERS = {"ernie45": ("<response>", "</response>"), "hunyuan_a13b": ("<answer>\n", "\n</answer>")}
 HARMONY = "openai_gptoss"
+HARMONY_FINAL = f"{CHANNEL}final{MESSAGE}"  # what opens gpt-oss's answer: a grammar holds what follows
 PARSERS = tuple(sorted((*TAGS, HARMONY)))
 
 

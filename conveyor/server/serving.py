@@ -46,6 +46,8 @@ from conveyor.server.protocol import (
     SamplingRequest,
 )
 from conveyor.server.reasoning import (
+    HARMONY,
+    HARMONY_FINAL,
     TAGS,
     ReasoningStream,
     keeps_special_tokens,
@@ -778,7 +780,19 @@ class ChatCompletionHandler(_Handler):
         if spec is not None and parser in TAGS:
             opening, closing, inside = TAGS[parser]
             spec = dataclasses.replace(spec, reasoning=("" if inside else opening, closing))
+        elif spec is not None and parser == HARMONY and not self._holds_messages:
+            # gpt-oss's analysis (and any other messages) first, free; the grammar holds the
+            # final message's text, which the parser gives as the content.
+            spec = dataclasses.replace(spec, reasoning=("", HARMONY_FINAL))
         return spec
+
+    @property
+    def _holds_messages(self) -> bool:
+        """Whether the grammar is the harmony tool parser's strict tag, which holds the whole
+        output as harmony messages itself (`ToolParser.HOLDS_MESSAGES`, under "auto")."""
+        tools = self.tools
+        return (tools is not None and tools.choice == "auto" and tools.parser.HOLDS_MESSAGES
+                and self.tool_constraint is not None)
 
     def prompts(self) -> list[_Prompt]:
         if self.tokenizer is None:
@@ -902,18 +916,10 @@ class ChatCompletionHandler(_Handler):
 
     @property
     def reasoning_parser(self) -> str | None:
-        """The server's reasoning parser. A grammar holds the answer after a parser of tags'
-        thinking block, which the parser splits off as ever; gpt-oss's harmony messages have
-        no such block, so a grammar holds the whole output there, and it is not split, unless
-        the grammar is the harmony tool parser's strict tag, which holds the output as harmony
-        messages (`ToolParser.HOLDS_MESSAGES`)."""
-        parser = self.state.config.reasoning_parser
-        if self.structured_outputs is None or parser in TAGS:
-            return parser
-        tools = self.tools
-        held = (tools is not None and tools.choice == "auto" and tools.parser.HOLDS_MESSAGES
-                and self.tool_constraint is not None)  # (under "auto", the parser's strict tag)
-        return parser if held else None
+        """The server's reasoning parser, which splits the output as ever: a grammar holds the
+        answer after a parser of tags' thinking block, and under gpt-oss's harmony the final
+        message's text (or, the harmony tool parser's strict tag, the messages themselves)."""
+        return self.state.config.reasoning_parser
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """"tool_calls" where the model chose to call ("auto", "required") and ended; a named

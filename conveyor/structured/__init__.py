@@ -10,6 +10,7 @@ made, before any engine sees it.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from conveyor.structured.cfg import ROOT, Expr, Pushdown, Ref, compile_rules, parse_grammar
@@ -63,17 +64,27 @@ def thinking(rules: dict[str, Expr], reasoning: tuple[str, str] | None,
     that opens with it (after spaces, tabs and newlines) thinks up to the first closing tag;
     without one, every output starts inside the block (the template opened it). The newlines
     after the closing tag are dropped, and the rest is the answer, which the grammar holds. An
-    output that does not open the block is all answer. A tag that is a special token of the
-    served tokenizer (`specials`) is read as that token. Raises GrammarError for a bad tag."""
+    output that does not open the block is all answer. A tag's special tokens of the served
+    tokenizer (`specials`) are read as those tokens (a tag may hold text between them: harmony's
+    `<|channel|>final<|message|>`), and a block closed by one holds any special tokens (harmony's
+    analysis messages). Raises GrammarError for a bad tag."""
     if reasoning is None:
         return rules
     opening, closing = reasoning
     if not isinstance(opening, str) or not isinstance(closing, str) or not closing:
         raise GrammarError("reasoning must be (opening tag, closing tag): two strings, the closing one not empty")
     def tag(text: str) -> bytes:
-        return special_token(text) if specials is not None and text in specials else text.encode("utf-8")
+        present = sorted((s for s in specials or () if s and s in text), key=len, reverse=True)
+        if not present:
+            return text.encode("utf-8")
+        out, at = b"", 0
+        for m in re.finditer("|".join(map(re.escape, present)), text):
+            out += text[at:m.start()].encode("utf-8") + special_token(m.group())
+            at = m.end()
+        return out + text[at:].encode("utf-8")
 
-    block: Node = Concat((Until((tag(closing),)), Repeat(CharSet(((10, 10),)), 0, None)))
+    end = tag(closing)
+    block: Node = Concat((Until((end,), specials=end != closing.encode("utf-8")), Repeat(CharSet(((10, 10),)), 0, None)))
     if opening:
         block = Concat((Repeat(SPACE, 0, None), Bytes(tag(opening)), block))
         start: Expr = Concat((Alternate((block, Concat(()))), Ref(ROOT)))  # type: ignore[arg-type]

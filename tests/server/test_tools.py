@@ -707,8 +707,9 @@ def test_harmony_strict_tag_holds_the_messages_and_the_call():
 
 
 def test_a_harmony_strict_tag_keeps_the_reasoning_parser(tmp_path):
-    """Under `--reasoning-parser openai_gptoss` a grammar holds the whole output and the
-    output is not split, but the harmony strict tag holds harmony messages: split as ever."""
+    """Under `--reasoning-parser openai_gptoss` the output is split as ever: the harmony strict
+    tag holds the harmony messages itself; any other grammar holds the final message's text,
+    after messages as free as a thinking block (analysis, with its special tokens)."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -733,11 +734,31 @@ def test_a_harmony_strict_tag_keeps_the_reasoning_parser(tmp_path):
 
     held = handler(tools=[strict(WEATHER)], tool_choice="auto")
     assert held.structured_outputs is not None and held.reasoning_parser == "openai_gptoss"
+    assert held.structured_outputs.reasoning is None
     assert not held.sampling_params(16, 0).skip_special_tokens
-    other = handler(response_format={"type": "json_object"})
-    assert other.structured_outputs is not None and other.reasoning_parser is None
-    required = handler(tools=[strict(WEATHER)], tool_choice="required")  # (a JSON list of calls, whole)
-    assert required.structured_outputs is not None and required.reasoning_parser is None
+    final = f"{CHANNEL}final{MESSAGE}"
+    for body in ({"response_format": {"type": "json_object"}}, {"tools": [strict(WEATHER)], "tool_choice": "required"}):
+        other = handler(**body)
+        assert other.structured_outputs is not None and other.reasoning_parser == "openai_gptoss"
+        assert other.structured_outputs.reasoning == ("", final)
+    from conveyor.sampling_params import StructuredOutputParams
+    from conveyor.server.reasoning import split_reasoning
+    from conveyor.structured import compile_automaton
+    from conveyor.structured.regex import special_token
+
+    markers = (START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL)
+    automaton = compile_automaton(StructuredOutputParams(json={"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}, reasoning=("", final)), frozenset(markers))
+    spelled = spelling(markers, True)
+    analysis = f"{CHANNEL}analysis{MESSAGE}The user wants JSON.{END}{START}assistant"
+    answer = '{"city": "Paris"}'
+    assert automaton.reads(spelled(f"{analysis}{final}{answer}"))
+    assert split_reasoning(f"{analysis}{final}{answer}", "openai_gptoss") == ("The user wants JSON.", answer)
+    assert automaton.reads(spelled(f"{final}{answer}"))  # (no analysis at all)
+    for wrong in (f"{analysis}{final}{{\"town\": 1}}", f"{analysis}{answer}", f"{analysis}{final}plain"):
+        assert not automaton.reads(spelled(wrong)), wrong
+    assert not automaton.reads(f"{analysis}{final}{answer}".encode())  # the markers as text are not them
+    assert special_token(CHANNEL) in spelled(final)
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
