@@ -1414,12 +1414,16 @@ class _Invokes:
     """Calls as XML invocations: `<{ns}invoke name="NAME">` holding
     `<{ns}parameter name="KEY">VALUE</{ns}parameter>` elements, `</{ns}invoke>` (Step-3's with
     `ns="steptml:"`, MiniMax-M2's with none). A value is typed by the request's schema, stripped of
-    the whitespace around it; `value_text` is what a strict tag holds a string's value to."""
+    the whitespace around it; `value_text` is what a strict tag holds a string's value to. With
+    `typed` (DeepSeek-V3.2's DSML), each parameter says `string="true"` (its text is the string,
+    whole) or `string="false"` (its text is JSON)."""
 
-    def __init__(self, ns: str, value_text: dict[str, Any]) -> None:
-        self.ns, self.value_text = ns, value_text
+    def __init__(self, ns: str, value_text: dict[str, Any], typed: bool = False) -> None:
+        self.ns, self.value_text, self.typed = ns, value_text, typed
         self._invoke = re.compile(rf'\s*<{ns}invoke name=["\']?([^"\'>]+)["\']?>(.*?)</{ns}invoke>\s*', re.S)
-        self._parameter = re.compile(rf'<{ns}parameter name=["\']?([^"\'>]+)["\']?>(.*?)</{ns}parameter>', re.S)
+        self._parameter = re.compile(
+            rf'<{ns}parameter name=["\']?([^"\'>]+?)["\']?(?:\s+string=["\']?(true|false)["\']?)?>(.*?)</{ns}parameter>',
+            re.S)
 
     def read(self, text: str) -> list[Call] | None:
         """One or more invocations with only whitespace around them, as calls (None: not so)."""
@@ -1430,18 +1434,35 @@ class _Invokes:
             params = list(self._parameter.finditer(body))
             if _NAME.fullmatch(name) is None or not _only_space_between(body, [p.span() for p in params]):
                 return None
-            args = {p.group(1).strip(): _typed_value(name, p.group(1).strip(), p.group(2).strip()) for p in params}
+            args = {p.group(1).strip(): self._value(name, p.group(1).strip(), p.group(2), p.group(3)) for p in params}
             calls.append(tool_call(name, json.dumps(args, ensure_ascii=False)))
             spans.append(m.span())
         return calls if calls and _only_space_between(text, spans) else None
+
+    def _value(self, function: str, key: str, kind: str | None, text: str) -> Any:
+        if kind == "true":  # (DSML: the string, whole)
+            return text
+        if kind == "false":
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+        return _typed_value(function, key, text.strip())
 
     def write(self, name: str, args: dict[str, Any]) -> str:
         def text(v: Any) -> str:  # (a value is read stripped: a string with spaces around it as JSON)
             written = _text_of(v)
             return json.dumps(v, ensure_ascii=False) if isinstance(v, str) and written.strip() != written else written
 
+        def param(k: str, v: Any) -> str:
+            if not self.typed:
+                return f'<{ns}parameter name="{k}">{text(v)}</{ns}parameter>'
+            if isinstance(v, str):
+                return f'<{ns}parameter name="{k}" string="true">{v}</{ns}parameter>'
+            return f'<{ns}parameter name="{k}" string="false">{json.dumps(v, ensure_ascii=False)}</{ns}parameter>'
+
         ns = self.ns
-        params = "".join(f'<{ns}parameter name="{k}">{text(v)}</{ns}parameter>' for k, v in args.items())
+        params = "".join(param(k, v) for k, v in args.items())
         return f'<{ns}invoke name="{name}">{params}</{ns}invoke>'
 
     def held(self, f: dict[str, Any], space: str = "") -> dict[str, Any]:
@@ -1452,14 +1473,20 @@ class _Invokes:
         ns = self.ns
         gap = [{"type": "regex", "pattern": space}] if space else []
 
-        def parameter(key: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
-            return {"type": "sequence", "elements": [*gap, const(f'<{ns}parameter name="'), key, const('">'), value,
+        def parameter(key: dict[str, Any], value: dict[str, Any], any_kind: bool = False) -> dict[str, Any]:
+            close = const('">')
+            if self.typed and any_kind:  # (a free object's parameter: text either way)
+                close = {"type": "regex", "pattern": '" string="(true|false)">'}
+            elif self.typed:  # (a string's text, an enum's literal: string="true"; JSON: "false")
+                close = const('" string="false">' if value.get("type") == "json_schema" else '" string="true">')
+            return {"type": "sequence", "elements": [*gap, const(f'<{ns}parameter name="'), key, close, value,
                                                      const(f"</{ns}parameter>")]}
 
         schema = held_parameters(f)
         props = schema.get("properties") if isinstance(schema, dict) else None
         if not isinstance(props, dict) or not props:
-            params = [{"type": "star", "content": parameter({"type": "regex", "pattern": '[^"<>]+'}, self.value_text)}]
+            params = [{"type": "star", "content": parameter({"type": "regex", "pattern": '[^"<>]+'}, self.value_text,
+                                                            any_kind=True)}]
         else:
             required = set(schema.get("required", []))
             params = []
@@ -1519,7 +1546,7 @@ class MinimaxM2Parser(ToolParser):
     by the request's schema (stripped of surrounding whitespace)."""
 
     OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
-    MARKERS = (OPEN, CLOSE)
+    MARKERS: ClassVar[tuple[str, ...]] = (OPEN, CLOSE)
     TOKEN_TAG = True
     INVOKES = _Invokes("", {"type": "any_text", "excludes": ["</parameter>"]})
 
@@ -1547,6 +1574,30 @@ class MinimaxM2Parser(ToolParser):
     def write(self, calls: list[Call]) -> str:
         body = "\n".join(self.INVOKES.write(c["function"]["name"], _object_args(c) or {}) for c in calls)
         return f"{self.OPEN}\n{body}\n{self.CLOSE}"
+
+
+@_PARSERS.register("deepseek_v32")
+class DeepSeekV32Parser(MinimaxM2Parser):
+    """DeepSeek-V3.2's DSML: a `<｜DSML｜function_calls>` block of `<｜DSML｜invoke name="NAME">`
+    calls, each holding `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`
+    elements (a string's text whole, or JSON), text before the block."""
+
+    OPEN, CLOSE = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
+    MARKERS = ("｜DSML｜",)
+    TOKEN_TAG = False
+    INVOKES = _Invokes("｜DSML｜", {"type": "any_text", "excludes": ["</｜DSML｜parameter>"]}, typed=True)
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Free text, then one block of calls held to their schemas (`_Invokes.held`; a
+        string's value any text up to its closing tag), whitespace between the elements, one
+        call where `parallel` is false; nothing after the block. Its markers are text: where the
+        tokenizer holds `｜DSML｜` as a special token, the calls stay free."""
+        call = {"type": "or", "elements": [self.INVOKES.held(f, r"\s*") for f in functions]}
+        space = {"type": "regex", "pattern": r"\s*"}
+        body = {"type": "sequence", "elements": [space, one_or_more(call, parallel, r"\s*"), space]}
+        block = {"type": "tag", "begin": self.OPEN, "content": body, "end": self.CLOSE}
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN],
+                                                      "tags": [block], "stop_after_first": True}}
 
 
 # The harmony format's markers (each one special token of gpt-oss's vocabulary; the

@@ -22,14 +22,14 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
+PARSERS = ["deepseek_v3", "deepseek_v32", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
            "llama3_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
            "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use deepseek_v3, ernie45, gigachat3, glm45, granite, granite-20b-fc, hermes"):
+    with pytest.raises(ConfigError, match="use deepseek_v3, deepseek_v32, ernie45, gigachat3, glm45, granite, granite-20b-fc"):
         ServerConfig(tool_call_parser="tng")
 
 
@@ -199,6 +199,23 @@ def test_granite_20b_fc_calls_each_after_its_tag():
         assert p.parse(text) == (text, []), text
     content, calls = p.parse('x <function_call> {"name": "a", "arguments": {}} <function_call> oops')
     assert content == "x <function_call> oops" and named(calls) == [("a", {})]  # (a broken call stays text)
+
+
+def test_deepseek_v32_dsml_calls():
+    """DeepSeek-V3.2's DSML: invokes in a `<｜DSML｜function_calls>` block; `string="true"` keeps
+    the text whole, `string="false"` reads JSON; a block that is not calls stays text."""
+    p = make_tool_parser("deepseek_v32")
+    text = ('I will look.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+            '<｜DSML｜parameter name="city" string="true"> Paris </｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="tags" string="false">["a", null]</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>\n<｜DSML｜invoke name="search">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    content, calls = p.parse(text)
+    assert content == "I will look."
+    assert named(calls) == [("get_weather", {"city": " Paris ", "days": 3, "tags": ["a", None]}), ("search", {})]
+    for bad in ("<｜DSML｜function_calls>oops</｜DSML｜function_calls>", "plain",
+                '<｜DSML｜function_calls><｜DSML｜invoke name="a b"></｜DSML｜invoke></｜DSML｜function_calls>'):
+        assert p.parse(bad) == (bad, []), bad
 
 
 def test_gigachat3_calls_in_a_message_of_their_own():

@@ -592,6 +592,27 @@ def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special)
     assert many.reads(spelled(f"Look: {good}")) and many.reads(as_text) == (not special)
 
 
+def test_deepseek_v32_strict_tag_holds_dsml_calls():
+    """DSML's markers are text: its tag holds what `write` writes, a string's value any text up
+    to its closing tag (`string="true"`), other values their JSON (`string="false"`), one call
+    where `parallel_tool_calls` is false; a value outside its schema or an unlisted function is
+    refused, and the parser reads the held calls back."""
+    parser = make_tool_parser("deepseek_v32")
+    many, one = held("deepseek_v32", True, False), held("deepseek_v32", False, False)
+    good = written(parser, ("get_weather", {"city": "São Paulo <3", "unit": "celsius"}))
+    two = written(parser, ("get_weather", {"city": "Oslo"}), ("search", {"query": "rain", "n": [1, 2]}))
+    assert 'string="true">São Paulo <3<' in good
+    with tool_schemas([strict(WEATHER)["function"], strict(SEARCH, False)["function"]]):
+        content, calls = parser.parse(f"Let me check. {good}")
+    assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"])["city"] == "São Paulo <3"
+    assert many.reads(f"Let me check. {good}".encode()) and one.reads(good.encode()) and many.reads(b"plain")
+    assert many.reads(two.encode()) and not one.reads(two.encode())
+    assert not many.reads(written(parser, ("get_weather", {"city": "Paris", "unit": "kelvin"})).encode())
+    assert not many.reads(written(parser, ("get_weather", {"unit": "celsius"})).encode())
+    assert not many.reads(written(parser, ("other", {})).encode())
+    assert not many.reads(f"{good} and more".encode())  # (nothing after the block)
+
+
 def test_deepseek_v3_calls_are_held_in_either_form():
     """V3's and R1's `function<sep>NAME` and a fenced JSON block, V3.1's `NAME<sep>` and the
     JSON: both held to the schema, a newline or none between calls."""
