@@ -30,6 +30,8 @@ Formats:
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each ending `<｜tool▁call▁end｜>`.
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
+- `deepseek_v32` (DeepSeek-V3.2's DSML): a `<｜DSML｜function_calls>` block of
+  `<｜DSML｜invoke name="NAME">` calls, each parameter `string="true"` (text) or `"false"` (JSON).
 - `granite-20b-fc`: content, then `<function_call> {"name", "arguments"}` a call.
 - `gigachat3`: content, then `<|message_sep|>` and `function call<|role_sep|>` with one
   `{"name", "arguments"}` object (3.1: `<|function_call|>` and the object).
