@@ -17,6 +17,11 @@ Then HF transformers' `generate` on the mixture at each batch (static batching, 
 experts kernel) against conveyor's output tokens per second over the same batch.
 
     python benchmarks/moe.py --batch 1 4 16 64 --rounds 2
+    python benchmarks/moe.py --batch 1 4 16 --rounds 3 --int8 --no-hf   # and the mixture in int8
+
+With `--int8` the mixture runs a fourth time in the turns, with `quantization="int8"` (every
+projection and each expert in int8, the routers float32), and a second table gives its step
+time against the float32 mixture's.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--int8", action="store_true", help="the mixture in int8 too")
     args = ap.parse_args()
     k, e = args.top_k, args.experts
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,6 +116,9 @@ def main() -> None:
         biggest = max(args.batch)
         llms = {name: LLM(str(f), dtype="float32", max_num_seqs=biggest, num_kv_blocks=biggest * 8 + 64)
                 for name, f in folders.items()}
+        if args.int8:
+            llms["moe-int8"] = LLM(str(folders["moe"]), quantization="int8", max_num_seqs=biggest,
+                                   num_kv_blocks=biggest * 8 + 64)
         arch = llms["moe"].engine.arch  # type: ignore[attr-defined]
         print(f"models: hidden {args.hidden}, {args.layers} layers; moe {e} experts x {args.expert_size} top-{k} "
               f"({arch.num_params / 1e6:.1f}M weights, {arch.num_active_params / 1e6:.1f}M active); "
@@ -143,6 +152,12 @@ def main() -> None:
             hf_cols = "– | –" if hf is None else f"{hf:.0f} | {tput['moe'] / hf:.2f}x"
             print(f"| {batch} | {m * 1e3:.2f} | {a * 1e3:.2f} | {t * 1e3:.2f} | {m / a:.2f}x | {m / t:.2f}x "
                   f"| {touched:.1f} / {e} | {tput['moe']:.0f} | {hf_cols} |")
+        if args.int8:
+            print("\n| batch | moe float32 ms/step | moe int8 ms/step | int8 / float32 |")
+            print("|---|---|---|---|")
+            for batch, step, _, _, _ in rows:
+                print(f"| {batch} | {step['moe'] * 1e3:.2f} | {step['moe-int8'] * 1e3:.2f} | "
+                      f"{step['moe-int8'] / step['moe']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -766,8 +766,9 @@ class LlamaForCausalLM(nn.Module):
         about twice as fast as `x @ W.T`. With `quantization="int8"` every projection and the
         LM head become `Int8Linear`s (conveyor/models/quantize.py), smoothed with activations
         recorded on `calibration_ids`; the embedding table stays float32 for lookups.
-        A mixture of experts, or latent attention, runs its layers as modules (no fused decode, no int8): each expert
-        streams its stacked slice through the same skinny kernel.
+        A mixture of experts, or latent attention, runs its layers as modules (no fused decode):
+        each expert streams its stacked slice through the same skinny kernel, or with int8 its
+        own int8 weights (`Experts.quantize_int8`; the routers stay float32).
         """
         weight = self.head_weight
         moe = self.arch.num_experts > 0
@@ -781,9 +782,8 @@ class LlamaForCausalLM(nn.Module):
                 raise UnsupportedModelError(
                     "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
                 )
-            if moe or self.arch.is_mla:
-                what = "a mixture of experts" if moe else "latent attention"
-                raise UnsupportedModelError(f"quantization='int8' covers dense models; this one has {what}")
+            if self.arch.is_mla:
+                raise UnsupportedModelError("quantization='int8' does not cover latent attention (MLA) yet")
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)
@@ -892,8 +892,15 @@ class LlamaForCausalLM(nn.Module):
     def _quantize_int8(self, head_weight: torch.Tensor, calibration_ids: list[int]) -> None:
         """Run the float32 model once over `calibration_ids` recording every linear layer's
         inputs, then replace the layers (and the LM head) by smoothed `Int8Linear`s."""
+        from conveyor.kernels import Q8_MAX_ROWS, skinny_linear_q8
+        from conveyor.models.moe import SparseMoE
+
+        # A mixture's routers stay float32 (an expert's choice is not rounded), its experts int8.
+        routers = [r for m in self.modules() if isinstance(m, SparseMoE)
+                   for r in (m.gate, m.shared_expert_gate) if isinstance(r, nn.Linear)]
+        skip = [m for m in (self.lm_head, self.score, *routers) if m is not None]
         linears: dict[str, nn.Module] = {
-            n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and m is not self.lm_head
+            n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and not any(m is s for s in skip)
         }
         recorder = ActivationRecorder(linears)
         try:
@@ -902,7 +909,11 @@ class LlamaForCausalLM(nn.Module):
             recorder.remove()
         n = len(calibration_ids)
         inputs = {name: (recorder.absmax[name], recorder.rows[name]) for name in recorder.absmax}
-        quantize_linears(self, inputs, skip=[m for m in (self.lm_head, self.score) if m is not None])
+        quantize_linears(self, inputs, skip=skip)
+        q8 = skinny_linear_q8()
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.experts.quantize_int8(q8, Q8_MAX_ROWS)
         head_rows = hidden[:: max(1, n // 256)]
         self._head_int8 = Int8Linear(
             head_weight, None, choose_smoothing(head_rows, head_weight, hidden.abs().amax(dim=0))
@@ -971,8 +982,9 @@ def use_cpu_kernels(root: nn.Module, kernel: Callable[..., torch.Tensor] | None,
             if isinstance(module, Experts):  # stacked weights: the GEMV takes one expert's slice
                 module.skinny, module.skinny_max_rows = kernel, SKINNY_MAX_ROWS
                 module.grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
-                module.gate_up_proj = nn.Parameter(to_huge_pages(module.gate_up_proj.detach()), requires_grad=False)
-                module.down_proj = nn.Parameter(to_huge_pages(module.down_proj.detach()), requires_grad=False)
+                if module.int8 is None:  # (int8 experts hold their own weights)
+                    module.gate_up_proj = nn.Parameter(to_huge_pages(module.gate_up_proj.detach()), requires_grad=False)
+                    module.down_proj = nn.Parameter(to_huge_pages(module.down_proj.detach()), requires_grad=False)
     for module in list(root.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child is not keep:

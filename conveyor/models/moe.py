@@ -15,6 +15,7 @@ outputs added in ascending expert order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,34 @@ class Experts(nn.Module):
     native_silu_mul: Callable[..., torch.Tensor] | None = None
     grouped_mm: Callable[..., torch.Tensor] | None = None
     loop_max_rows = 8
+    # quantization="int8" (`quantize_int8`): each expert's two projections as `Int8Linear`s, and
+    # the native weight-only int8 product for a decode step's few rows.
+    int8: list[tuple[Any, Any]] | None = None
+    q8: Callable[..., torch.Tensor] | None = None
+    q8_max_rows = 0
+
+    def quantize_int8(self, q8: Callable[..., torch.Tensor] | None, q8_max_rows: int) -> None:
+        """Each expert's weights in int8 (per output row, as the dense projections' are, without
+        their smoothing: an expert sees only its tokens), the float copies dropped. Its few rows
+        of a decode step take the native weight-only product `q8`; more rows fbgemm's int8 GEMM
+        over rows quantized on their own scales (the same whatever else is in the batch)."""
+        from conveyor.models.quantize import Int8Linear
+
+        b1, b2 = self.gate_up_proj_bias, self.down_proj_bias
+        self.int8 = [(Int8Linear(self.gate_up_proj[e], None if b1 is None else b1[e]),
+                      Int8Linear(self.down_proj[e], None if b2 is None else b2[e]))
+                     for e in range(self.gate_up_proj.shape[0])]
+        empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
+        self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+        self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        self.q8, self.q8_max_rows = q8, q8_max_rows
+
+    def _int8_linear(self, x: torch.Tensor, linear: Any) -> torch.Tensor:
+        if self.q8 is not None and x.shape[0] <= self.q8_max_rows:
+            y = self.q8(x, linear.qweight, linear.wscale, linear.inv_smooth)
+            return y if linear.bias is None else y.add_(linear.bias)
+        return linear(x)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.native_silu_mul is not None and not self.limit:
@@ -65,6 +94,8 @@ class Experts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` `[n, hidden]` grouped by expert, `counts[e]` of them for expert e; returns each
         row through its expert, in the same order."""
+        if self.int8 is not None:
+            return self._forward_int8(rows, counts)
         grouped = self.grouped_mm
         if grouped is not None and rows.shape[0] > self.loop_max_rows:
             # One call a projection: the weights' transposed views, the groups' ends as offsets.
@@ -85,6 +116,19 @@ class Experts(nn.Module):
             gate_up = self._linear(rows[start : start + n], self.gate_up_proj[e])
             out = self._linear(self._act(gate_up if b1 is None else gate_up + b1[e]), self.down_proj[e])
             outs.append(out if b2 is None else out + b2[e])
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _forward_int8(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        assert self.int8 is not None
+        outs = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if not n:
+                continue
+            gate_up, down = self.int8[e]
+            x = rows[start : start + n]
+            outs.append(self._int8_linear(self._act(self._int8_linear(x, gate_up)), down))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

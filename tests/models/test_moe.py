@@ -174,9 +174,67 @@ def test_a_missing_expert_is_a_load_error(tiny_moe_models):
         load_weights(LlamaForCausalLM(arch, TorchPagedAttention(), 64), iter(odd))
 
 
-def test_int8_and_bad_configs_are_refused(tiny_moe_models, tmp_path):
-    with pytest.raises(UnsupportedModelError, match="mixture of experts"):
-        LLM(str(tiny_moe_models["mixtral"]), quantization="int8", num_kv_blocks=64)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_experts_close_to_float32(tiny_moe_models, family):
+    """quantization="int8" on a mixture: every projection and each expert's two in int8, the
+    routers float32; the logits as close to float32's as a dense model's (the int8 tests'
+    bounds), and the engine serves."""
+    from conveyor.models.quantize import int8_supported
+    from tests.models.test_int8 import rel_err, teacher_forced_logits
+
+    if not int8_supported():
+        pytest.skip("torch has no fbgemm int8 kernels here")
+    path = str(tiny_moe_models[family])
+    reference = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
+    quantized = LLM(path, quantization="int8", num_kv_blocks=64, block_size=8)
+    moe = next(m for m in quantized.engine.runner.model.modules() if isinstance(m, SparseMoE))
+    assert moe.experts.int8 is not None and moe.experts.gate_up_proj.numel() == 0  # (the float copy dropped)
+    assert isinstance(moe.gate, torch.nn.Module) and not hasattr(moe.gate, "qweight")  # the router stays float32
+    ids = [(7 * i + 3) % 380 + 2 for i in range(60)]
+    ref, q8 = teacher_forced_logits(reference, ids), teacher_forced_logits(quantized, ids)
+    assert rel_err(q8, ref) < 0.05
+    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    outs = quantized.generate([ids[:10], ids[20:45]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+
+
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=4, max_size=4), seed=st.integers(0, 9))
+def test_int8_experts_rows_few_and_many(counts, seed):
+    """An expert's rows through its int8 weights, a decode step's few (the native weight-only
+    product) and a prompt's many (fbgemm's GEMM): each row within 5% of the float32 expert's,
+    and the same whatever rows run beside it."""
+    import copy
+
+    from conveyor.kernels import Q8_MAX_ROWS, skinny_linear_q8
+    from conveyor.models.moe import Experts
+    from conveyor.models.quantize import int8_supported
+
+    if not int8_supported() or sum(counts) == 0:
+        return
+    arch = ArchConfig.from_hf({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64,
+                               "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "num_local_experts": 4,
+                               "num_experts_per_tok": 2})
+    g = torch.Generator().manual_seed(seed)
+    experts = Experts(arch)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) / 8)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) / 10)
+    q = copy.deepcopy(experts)
+    q.quantize_int8(skinny_linear_q8(), Q8_MAX_ROWS)
+    experts.requires_grad_(False)
+    rows = torch.randn(sum(counts), 64, generator=g)
+    counts_t = torch.tensor(counts)
+    want, got = experts(rows, counts_t), q(rows, counts_t)
+    assert float((got - want).norm() / want.norm()) < 0.05
+    first = next(i for i, c in enumerate(counts) if c)
+    alone = q(rows[: counts[first]], torch.tensor([counts[first] if i == first else 0 for i in range(4)]))
+    assert torch.equal(alone, got[: counts[first]])
+
+
+def test_bad_configs_are_refused(tiny_moe_models, tmp_path):
     cfg = json.loads((tiny_moe_models["qwen3_moe"] / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9"):
         ArchConfig.from_hf({**cfg, "num_experts_per_tok": 9})
