@@ -782,8 +782,6 @@ class LlamaForCausalLM(nn.Module):
                 raise UnsupportedModelError(
                     "quantization='int8' needs float32 on an x86 CPU with torch's fbgemm int8 kernels"
                 )
-            if self.arch.is_mla:
-                raise UnsupportedModelError("quantization='int8' does not cover latent attention (MLA) yet")
             self._quantize_int8(weight, calibration_ids or [0])
         if weight.device.type == "cuda":
             self._use_triton_attention(weight.dtype)
@@ -898,7 +896,10 @@ class LlamaForCausalLM(nn.Module):
         # A mixture's routers stay float32 (an expert's choice is not rounded), its experts int8.
         routers = [r for m in self.modules() if isinstance(m, SparseMoE)
                    for r in (m.gate, m.shared_expert_gate) if isinstance(r, nn.Linear)]
-        skip = [m for m in (self.lm_head, self.score, *routers) if m is not None]
+        # Latent attention's up-projection stays float32: its weight is read as the per-head
+        # W_UK and W_UV that the absorbed decode multiplies with (conveyor/models/mla.py).
+        up = [m.kv_b_proj for m in self.modules() if isinstance(m, LatentAttention)]
+        skip = [m for m in (self.lm_head, self.score, *routers, *up) if m is not None]
         linears: dict[str, nn.Module] = {
             n: m for n, m in self.named_modules() if isinstance(m, nn.Linear) and not any(m is s for s in skip)
         }

@@ -202,12 +202,35 @@ def test_two_ranks_split_the_heads_and_keep_the_latent(deepseek_models, family):
             [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-9)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_close_to_float32(deepseek_models, family):
+    """quantization="int8" with latent attention and DeepSeek's routers: the projections and the
+    experts int8, `kv_b_proj` (read as W_UK and W_UV) and the routers float32; logits within the
+    dense int8 tests' bounds of float32's, and the engine serves (its absorbed decode included)."""
+    from conveyor.models.mla import LatentAttention
+    from conveyor.models.quantize import Int8Linear, int8_supported
+    from tests.models.test_int8 import rel_err, teacher_forced_logits
+
+    if not int8_supported():
+        pytest.skip("torch has no fbgemm int8 kernels here")
+    path = str(deepseek_models[family])
+    reference = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
+    quantized = LLM(path, quantization="int8", num_kv_blocks=64, block_size=8)
+    attention = [m for m in quantized.engine.runner.model.modules() if isinstance(m, LatentAttention)]
+    assert all(not isinstance(m.kv_b_proj, Int8Linear) and isinstance(m.o_proj, Int8Linear) for m in attention)
+    ids = [(7 * i + 3) % 380 + 2 for i in range(60)]
+    ref, q8 = teacher_forced_logits(reference, ids), teacher_forced_logits(quantized, ids)
+    assert rel_err(q8, ref) < 0.05
+    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    outs = quantized.generate([ids[:10], ids[20:45]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+
+
 def test_what_is_not_built_is_refused(deepseek_models, tmp_path):
     model = str(deepseek_models["deepseek_v2"])
     with pytest.raises(UnsupportedModelError, match="adapters"):
         LLM(model, dtype="float32", enable_lora=True)
-    with pytest.raises(UnsupportedModelError, match="int8"):
-        LLM(model, dtype="float32", quantization="int8")
     cfg = json.loads((deepseek_models["deepseek_v2"] / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="moe_layer_freq"):
         ArchConfig.from_hf({**cfg, "moe_layer_freq": 2})
