@@ -243,18 +243,22 @@ def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> 
         name = body.lora_name
         if name in base_names:
             raise APIError(400, f"{name!r} is the base model's name; name the adapter otherwise", param="lora_name")
-        if name in state.loras:
-            raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
+        if name in state.loras and not body.load_inplace:
+            raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first "
+                                "(or load it with load_inplace)", param="lora_name")
         try:
             request = LoRARequest(name, state.next_lora_id, body.lora_path)
+            state.next_lora_id += 1  # (taken now: a concurrent load never takes the same id)
             await asyncio.to_thread(verify_adapter, request, state.engine.model_path, state.max_lora_rank)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="lora_path") from None
-        if name in state.loras:  # loaded by another call while this one checked
+        if name in state.loras and not body.load_inplace:  # loaded by another call while this one checked
             raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
-        state.next_lora_id += 1
+        # In place: a new id, so the name's new requests never meet the old adapter's weights or
+        # cached K/V; those running end with the old one.
+        replaced = name in state.loras
         state.loras[name] = request
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'replaced' if replaced else 'added'} successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:

@@ -133,10 +133,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    """POST /v1/load_lora_adapter (vLLM's): serve a PEFT folder under a model name."""
+    """POST /v1/load_lora_adapter (vLLM's): serve a PEFT folder under a model name;
+    `load_inplace` replaces the adapter a name already serves (vLLM's flag)."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

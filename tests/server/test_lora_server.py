@@ -157,6 +157,10 @@ def test_adapters_loaded_and_unloaded_while_the_server_runs(tiny_model: Path, ad
             want = merged_reference(tiny_model, other, PROMPTS, 10)
             assert want != merged_reference(tiny_model, adapters["attn-qv"], PROMPTS, 10)  # told apart
             assert tokens(http) == want
+            # vLLM's load_inplace: the name now serves the other folder, under a new id
+            r = http.post(load, json={"lora_name": "x", "lora_path": str(adapters["attn-qv"]), "load_inplace": True})
+            assert r.status_code == 200 and "replaced" in r.text, r.text
+            assert tokens(http) == merged_reference(tiny_model, adapters["attn-qv"], PROMPTS, 10)
         assert httpx.post(server.url + "/v1/load_lora_adapter",
                           json={"lora_name": "z", "lora_path": str(other)}).status_code == 404
     finally:
