@@ -73,7 +73,7 @@ class ServerConfig:
             "names): hermes (<tool_call> blocks), llama3_json ({\"name\", \"parameters\"} "
             "objects), mistral ([TOOL_CALLS] and a JSON list), pythonic ([f(a=1), g()]), "
             "qwen3_coder, glm45, deepseek_v3, kimi_k2, granite, jamba, hunyuan_a13b, minimax, internlm, "
-            "seed_oss, xlam, phi4_mini_json, granite-20b-fc, gigachat3, deepseek_v32 or openai (gpt-oss's harmony "
+            "seed_oss, xlam, phi4_mini_json, granite-20b-fc, gigachat3, deepseek_v32, apertus or openai (gpt-oss's harmony "
             "calls). A chat "
             "template without tools is asked for that format."
         ),

@@ -32,6 +32,7 @@ Formats:
   <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
 - `deepseek_v32` (DeepSeek-V3.2's DSML): a `<｜DSML｜function_calls>` block of
   `<｜DSML｜invoke name="NAME">` calls, each parameter `string="true"` (text) or `"false"` (JSON).
+- `apertus`: `<|tools_prefix|>[{"NAME": {...}}, ...]<|tools_suffix|>`, text around it.
 - `granite-20b-fc`: content, then `<function_call> {"name", "arguments"}` a call.
 - `gigachat3`: content, then `<|message_sep|>` and `function call<|role_sep|>` with one
   `{"name", "arguments"}` object (3.1: `<|function_call|>` and the object).
@@ -513,6 +514,50 @@ class XLamParser(ToolParser):
 
     def write(self, calls: list[Call]) -> str:
         return json.dumps(call_items(calls), ensure_ascii=False)
+
+
+@_PARSERS.register("apertus")
+class ApertusParser(_TaggedJsonParser):
+    """Swiss AI's Apertus: `<|tools_prefix|>[{"NAME": {...arguments}}, ...]<|tools_suffix|>`, a
+    one-key object a call (the function's name, its arguments), text around the block."""
+
+    OPEN, CLOSE = "<|tools_prefix|>", "<|tools_suffix|>"
+    MARKERS = (OPEN, CLOSE)
+    TOKEN_TAG = True
+
+    def _read(self, inner: str) -> list[Call] | None:
+        try:
+            value = json.loads(inner)
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or len(item) != 1:
+                return None
+            (name, args), = item.items()
+            if _NAME.fullmatch(name) is None or not isinstance(args, dict):
+                return None
+            calls.append(tool_call(name, json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
+        """Text, and blocks (their markers `token` formats) of a JSON list of one-key calls held
+        to their schemas, separated by `, ` (one block of one call where `parallel` is false)."""
+        calls = {"type": "tags_with_separator", "separator": ", ", "at_least_one": True, "stop_after_first": not parallel,
+                 "tags": [{"type": "tag", "begin": f"{{{json.dumps(f['name'])}: ", "end": "}",
+                           "content": {"type": "json_schema", "json_schema": held_parameters(f)}} for f in functions]}
+        block = {"type": "tag", "begin": token(self.OPEN), "end": token(self.CLOSE),
+                 "content": {"type": "sequence", "elements": [const("["), calls, const("]")]}}
+        return {"type": "structural_tag", "format": {"type": "token_triggered_tags", "trigger_tokens": [self.OPEN],
+                                                      "tags": [block], "stop_after_first": not parallel}}
+
+    def example(self) -> str:
+        return '[{<function name>: <an object of arguments>}]'
+
+    def write(self, calls: list[Call]) -> str:
+        items = [{c["function"]["name"]: _object_args(c) or {}} for c in calls]
+        return f"{self.OPEN}{json.dumps(items, ensure_ascii=False)}{self.CLOSE}"
 
 
 @_PARSERS.register("minimax")

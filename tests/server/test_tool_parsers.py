@@ -22,14 +22,14 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["deepseek_v3", "deepseek_v32", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
+PARSERS = ["apertus", "deepseek_v3", "deepseek_v32", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
            "llama3_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
            "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use deepseek_v3, deepseek_v32, ernie45, gigachat3, glm45, granite, granite-20b-fc"):
+    with pytest.raises(ConfigError, match="use apertus, deepseek_v3, deepseek_v32, ernie45, gigachat3, glm45, granite, granite-20b-fc"):
         ServerConfig(tool_call_parser="tng")
 
 
@@ -199,6 +199,17 @@ def test_granite_20b_fc_calls_each_after_its_tag():
         assert p.parse(text) == (text, []), text
     content, calls = p.parse('x <function_call> {"name": "a", "arguments": {}} <function_call> oops')
     assert content == "x <function_call> oops" and named(calls) == [("a", {})]  # (a broken call stays text)
+
+
+def test_apertus_one_key_calls_in_a_block():
+    p = make_tool_parser("apertus")
+    content, calls = p.parse('Checking.<|tools_prefix|>[{"get_weather": {"city": "Oslo"}}, {"search": {}}]'
+                             '<|tools_suffix|> Done.')
+    assert content == "Checking. Done." and named(calls) == [("get_weather", {"city": "Oslo"}), ("search", {})]
+    assert named(p.parse('<|tools_prefix|>{"a": {"x": 1}}<|tools_suffix|>')[1]) == [("a", {"x": 1})]
+    for bad in ('<|tools_prefix|>[{"a": {}, "b": {}}]<|tools_suffix|>', '<|tools_prefix|>[{"a": 1}]<|tools_suffix|>',
+                "<|tools_prefix|>oops<|tools_suffix|>"):
+        assert p.parse(bad) == (bad, []), bad
 
 
 def test_deepseek_v32_dsml_calls():

@@ -559,7 +559,7 @@ def spelling(markers: tuple[str, ...], special: bool) -> Any:
 
 @pytest.mark.parametrize("special", [True, False], ids=["special markers", "markers as text"])
 @pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "glm45", "mistral", "step3", "minimax_m2", "granite-20b-fc",
-                                  "gigachat3"])
+                                  "gigachat3", "apertus"])
 def test_strict_tags_of_token_markers_hold_calls_to_their_schemas(name, special):
     """Under a parser whose strict tag writes its markers as `token` formats: the calls its
     `write` writes are allowed (markers as the served tokenizer's special tokens, or as text
