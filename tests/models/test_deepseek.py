@@ -209,22 +209,13 @@ def test_int8_close_to_float32(deepseek_models, family):
     dense int8 tests' bounds of float32's, and the engine serves (its absorbed decode included)."""
     from conveyor.models.mla import LatentAttention
     from conveyor.models.quantize import Int8Linear, int8_supported
-    from tests.models.test_int8 import rel_err, teacher_forced_logits
+    from tests.models.test_int8 import assert_int8_close_to_float32
 
     if not int8_supported():
         pytest.skip("torch has no fbgemm int8 kernels here")
-    path = str(deepseek_models[family])
-    reference = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
-    quantized = LLM(path, quantization="int8", num_kv_blocks=64, block_size=8)
+    quantized = assert_int8_close_to_float32(str(deepseek_models[family]))
     attention = [m for m in quantized.engine.runner.model.modules() if isinstance(m, LatentAttention)]
     assert all(not isinstance(m.kv_b_proj, Int8Linear) and isinstance(m.o_proj, Int8Linear) for m in attention)
-    ids = [(7 * i + 3) % 380 + 2 for i in range(60)]
-    ref, q8 = teacher_forced_logits(reference, ids), teacher_forced_logits(quantized, ids)
-    assert rel_err(q8, ref) < 0.05
-    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-    outs = quantized.generate([ids[:10], ids[20:45]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                              use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
 
 
 def test_what_is_not_built_is_refused(deepseek_models, tmp_path):

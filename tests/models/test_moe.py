@@ -180,23 +180,14 @@ def test_int8_experts_close_to_float32(tiny_moe_models, family):
     routers float32; the logits as close to float32's as a dense model's (the int8 tests'
     bounds), and the engine serves."""
     from conveyor.models.quantize import int8_supported
-    from tests.models.test_int8 import rel_err, teacher_forced_logits
+    from tests.models.test_int8 import assert_int8_close_to_float32
 
     if not int8_supported():
         pytest.skip("torch has no fbgemm int8 kernels here")
-    path = str(tiny_moe_models[family])
-    reference = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
-    quantized = LLM(path, quantization="int8", num_kv_blocks=64, block_size=8)
+    quantized = assert_int8_close_to_float32(str(tiny_moe_models[family]))
     moe = next(m for m in quantized.engine.runner.model.modules() if isinstance(m, SparseMoE))
     assert moe.experts.int8 is not None and moe.experts.gate_up_proj.numel() == 0  # (the float copy dropped)
     assert isinstance(moe.gate, torch.nn.Module) and not hasattr(moe.gate, "qweight")  # the router stays float32
-    ids = [(7 * i + 3) % 380 + 2 for i in range(60)]
-    ref, q8 = teacher_forced_logits(reference, ids), teacher_forced_logits(quantized, ids)
-    assert rel_err(q8, ref) < 0.05
-    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-    outs = quantized.generate([ids[:10], ids[20:45]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                              use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
 
 
 @settings(max_examples=20, deadline=None)
