@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import abc
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.sampling_params import InvalidRequestError
-
-logger = logging.getLogger("conveyor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +92,7 @@ _RESOLVERS: dict[str, LoRAResolver] = {}
 
 
 def register_lora_resolver(name: str, resolver: LoRAResolver) -> None:
-    """Make `resolver` the one `--lora-resolver name` (or `lora_resolvers=[name]`) uses."""
+    """Make `resolver` the one `--lora-resolver name` (`ServerConfig(lora_resolver=(name,))`) uses."""
     if not isinstance(resolver, LoRAResolver):
         raise TypeError(f"lora resolver {name!r}: {resolver!r} is not a LoRAResolver")
     _RESOLVERS[name] = resolver

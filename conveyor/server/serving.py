@@ -110,6 +110,7 @@ class ServerState:
                 if found is None:
                     continue
                 request = LoRARequest(name, self.next_lora_id, found.lora_path)
+                self.next_lora_id += 1  # (taken now: a lookup of another name meanwhile takes the next)
                 try:
                     await asyncio.to_thread(verify_adapter, request, self.engine.model_path, self.max_lora_rank)
                 except InvalidRequestError as e:
@@ -117,7 +118,6 @@ class ServerState:
                     continue
                 if name in self.loras:  # loaded by the load route meanwhile
                     return self.loras[name]
-                self.next_lora_id += 1
                 self.loras[name] = request
                 return request
             self._resolving.pop(name, None)

@@ -135,7 +135,8 @@ def test_resolvers_are_asked_in_turn_once_a_name(tiny_model: Path, tmp_path: Pat
     *found, missing = asyncio.run(main())
     assert isinstance(missing, APIError) and missing.status == 503 and missing.code == "lora_resolver_failed"
     assert "the resolver failing failed: RuntimeError: the adapter store is down" in missing.message
-    assert len({id(f) for f in found}) == 1 and found[0] == LoRARequest("a", 2, str(good))  # the server's id
+    # The server's own id: 1 is --lora-modules' adapter, 2 went to big's adapter, refused.
+    assert len({id(f) for f in found}) == 1 and found[0] == LoRARequest("a", 3, str(good))
     assert state.loras["a"] is found[0]
     # Once for "a": the others waited on the name, then found it served.
     assert sorted(fine.calls) == sorted(failing.calls) == [("my/model", "a"), ("my/model", "b")]
