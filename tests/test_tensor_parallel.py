@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor import LLM, ConfigError, PoolingParams, SamplingParams
+from conveyor import LLM, ConfigError, InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.models.arch import ArchConfig
 from conveyor.models.tensor_parallel import shard_arch, shard_tensor
 from tests.models.test_hf_parity import PROMPTS, hf_greedy
@@ -349,3 +349,6 @@ def test_adapters_split_with_the_model(tiny_models, tmp_path):
         want = merged_reference(model_dir, None if lora is None else Path(lora.lora_path), prompts, 12)
         got = [o.outputs[0].token_ids for (_, used), o in zip(cases, outs, strict=True) if used is lora]
         assert got == want, lora
+    dora = LoRARequest("dora", 9, str(write_adapter(tmp_path / "dora", model_dir, *SPECS["attn-qv"], seed=7, dora=True)))
+    with pytest.raises(InvalidRequestError, match="DoRA under tensor parallelism is not built"):
+        llm.add_lora(dora)

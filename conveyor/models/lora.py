@@ -190,7 +190,7 @@ def load_adapter(
             )
             if dora:
                 gain = _dora_gain(request, layer, module, present, widths, offsets, a_t, b_t, magnitudes,
-                                  base_weight, dtype)
+                                  base_weight)
                 if gain is not None:
                     gains[layer][module] = gain.to(device=device, dtype=dtype).contiguous()
     return LoRAWeights(request.lora_name, request.lora_path, rank, layers, gains)
@@ -198,7 +198,7 @@ def load_adapter(
 
 def _dora_gain(request: LoRARequest, layer: int, module: str, present: list[tuple[int, str]], widths: list[int],
                offsets: list[int], a_t: torch.Tensor, b_t: torch.Tensor, magnitudes: dict[tuple[int, str], torch.Tensor],
-               base_weight: Callable[[int, str], torch.Tensor] | None, dtype: torch.dtype) -> torch.Tensor | None:
+               base_weight: Callable[[int, str], torch.Tensor] | None) -> torch.Tensor | None:
     """A fused module's DoRA gain an output row, `m / |W + s B A|` in the adapted slices and 1
     elsewhere (None without the base weights: the magnitudes' shapes only are checked)."""
     for slot, name in present:
@@ -367,7 +367,9 @@ class LoRAManager:
         if weights is not None:
             self._loaded.move_to_end(request.key)
             return weights
-        weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank, self._base_weight)
+        # (a tensor-parallel rank holds a shard of the base weights: no gains there, DoRA refused)
+        weights = load_adapter(request, self.arch, self.dtype, self.device, self.max_rank,
+                               self._base_weight if self.shard[1] == 1 else None)
         if weights.gains and self.shard[1] > 1:
             raise _refuse(request, "DoRA under tensor parallelism is not built (a rank holds part of a row's inputs)")
         if self.shard[1] > 1:
