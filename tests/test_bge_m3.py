@@ -93,3 +93,31 @@ def test_refusals(m3, tmp_path: Path) -> None:
     torch.save({"weight": heads["sw"][:, :10], "bias": heads["sb"]}, plain / "sparse_linear.pt")
     with pytest.raises(ModelLoadError, match="is not a Linear from the model's 64 values to one"):
         LLM(str(plain), dtype="float64")
+
+
+def test_served_over_http(m3, tmp_path: Path) -> None:
+    """`/pooling`'s `token_classify` gives the lexical weights and `token_embed` the ColBERT
+    vectors, `/v1/embeddings` the dense vector, each as `LLM.encode` / `embed` gives them;
+    `/classify` is refused (no classes)."""
+    import httpx
+
+    from tests.server.conftest import ServerProcess, assert_openai_error
+
+    path, _ = m3
+    offline = LLM(path, dtype="float64")
+    text = "w10 w11 w12 w10"
+    server = ServerProcess(["--model", path, "--dtype", "float64", "--num-kv-blocks", "64"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        with httpx.Client(timeout=60.0) as http:
+            for task, params in (("token_classify", PoolingParams(task="classify")), ("token_embed", PoolingParams("all"))):
+                r = http.post(server.url + "/pooling", json={"input": text, "task": task})
+                assert r.status_code == 200, r.text
+                want = offline.encode(text, params, use_tqdm=False)[0].outputs.data
+                assert r.json()["data"][0]["data"] == [pytest.approx(row, abs=TOL) for row in want], task
+            r = http.post(server.url + "/v1/embeddings", json={"input": text})
+            assert r.json()["data"][0]["embedding"] == pytest.approx(
+                offline.embed(text, use_tqdm=False)[0].outputs.embedding, abs=TOL)
+            assert_openai_error(http.post(server.url + "/classify", json={"input": text}), 400, param="model")
+    finally:
+        server.stop()
