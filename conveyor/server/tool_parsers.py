@@ -1615,7 +1615,10 @@ class MinimaxM2Parser(ToolParser):
         call = {"type": "or", "elements": [self.INVOKES.held(f, r"\s*") for f in functions]}
         calls = one_or_more(call, parallel, r"\s*")
         space = {"type": "regex", "pattern": r"\s*"}
-        body = {"type": "sequence", "elements": [space, calls, space]}
+        return self._section({"type": "sequence", "elements": [space, calls, space]})
+
+    def _section(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The one block of calls after free text, its markers `token` formats."""
         return triggered_section(self.OPEN, self.CLOSE, body)
 
     def write(self, calls: list[Call]) -> str:
@@ -1634,14 +1637,10 @@ class DeepSeekV32Parser(MinimaxM2Parser):
     TOKEN_TAG = False
     INVOKES = _Invokes("｜DSML｜", {"type": "any_text", "excludes": ["</｜DSML｜parameter>"]}, typed=True)
 
-    def strict_tag(self, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any] | None:
-        """Free text, then one block of calls held to their schemas (`_Invokes.held`; a
-        string's value any text up to its closing tag), whitespace between the elements, one
-        call where `parallel` is false; nothing after the block. Its markers are text: where the
-        tokenizer holds `｜DSML｜` as a special token, the calls stay free."""
-        call = {"type": "or", "elements": [self.INVOKES.held(f, r"\s*") for f in functions]}
-        space = {"type": "regex", "pattern": r"\s*"}
-        body = {"type": "sequence", "elements": [space, one_or_more(call, parallel, r"\s*"), space]}
+    def _section(self, body: dict[str, Any]) -> dict[str, Any]:
+        """MiniMax-M2's strict tag with the block's markers as text (a string's value any text
+        up to its closing tag): where the tokenizer holds `｜DSML｜` as a special token, the calls
+        stay free."""
         block = {"type": "tag", "begin": self.OPEN, "content": body, "end": self.CLOSE}
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.OPEN],
                                                       "tags": [block], "stop_after_first": True}}
