@@ -14,7 +14,7 @@ characters.
 Read: rules (`name: ...`, with `?` or `!` in front, a `.priority` after) and terminals
 (`NAME: ...`), alternatives with `|` (also at the start of a continuation line), strings
 (`"..."`, `"..."i` for any case), regular expressions (`/.../`, as conveyor's `regex` reads
-them; no flags), ranges (`"a".."z"`), groups, `[optional]`, `?`, `*`, `+`, `~ n` and `~ n..m`,
+them, with the flags `i`, `s`, `m` after: `/.../i` ignores case), ranges (`"a".."z"`), groups, `[optional]`, `?`, `*`, `+`, `~ n` and `~ n..m`,
 `{n}` and `{n,m}` (llguidance's), aliases (`-> name`, dropped), comments (`//` and `#`),
 `%import common.NAME` (and `common (A, B)`, and `-> alias`) for the terminals of Lark's
 `common.lark`, and `%ignore` (the ignored terminals may come between any two items of a rule,
@@ -22,7 +22,8 @@ and around the whole). The grammar starts at `start`.
 
 There is no lexer: a terminal is not matched longest-first, so a grammar whose tokens a lexer
 would keep apart (two names with nothing between them) allows more texts here. Templates,
-`%declare`, `%override`, `%extend`, imports from other files and regex flags are refused by name.
+`%declare`, `%override`, `%extend`, imports from other files and the regex flags `x`, `u`, `l` are
+refused by name.
 """
 
 from __future__ import annotations
@@ -352,10 +353,10 @@ class _Lark:
         pattern = self.s[start + 1 : self.i].replace("\\/", "/")
         self.i += 1
         flags = re.match(r"[imslux]+", self.s[self.i:])
-        if flags:
-            raise self.fail(f"regex flags ({flags.group(0)}) are not built")
+        letters = flags.group(0) if flags else ""
+        self.i += len(letters)
         try:
-            return parse(pattern)
+            return parse(pattern, letters)
         except GrammarError as e:
             raise self.fail(f"/{pattern}/: {e}") from None
 

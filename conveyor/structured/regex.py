@@ -17,6 +17,7 @@ the match is whole anyway. Anything else (backreferences, lookaround, `\\b`, fla
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -136,10 +137,30 @@ CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
 SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "a": "\a"}
 
 
+# The flags a pattern may set, inline (`(?is)` at its start, `(?i:...)` over a group) or as
+# Lark's `/.../is`: i ignores case (of ASCII letters, as Python's re.ASCII | re.IGNORECASE),
+# s lets `.` match a newline, m and a change nothing here (a pattern matches a whole text, and
+# its classes are ASCII already).
+FLAGS = "isma"
+
+
+def case_folded(ranges: Ranges) -> Ranges:
+    """`ranges` with the other case of every ASCII letter they hold."""
+    out = list(ranges)
+    for lo, hi in ranges:
+        for first, last, shift in ((0x41, 0x5A, 32), (0x61, 0x7A, -32)):
+            a, b = max(lo, first), min(hi, last)
+            if a <= b:
+                out.append((a + shift, b + shift))
+    return normalize(out)
+
+
 class _Parser:
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, flags: str = "") -> None:
         self.p = pattern
         self.i = 0
+        self.ignorecase = "i" in flags
+        self.dotall = "s" in flags
 
     def fail(self, why: str) -> GrammarError:
         return GrammarError(f"regex {self.p!r} at position {self.i}: {why}")
@@ -155,6 +176,10 @@ class _Parser:
         return c
 
     def parse(self) -> Node:
+        m = re.match(r"\(\?([a-zA-Z]+)\)", self.p)
+        if m is not None:  # (?is): the whole pattern's flags
+            self.set_flags(m.group(1), True)
+            self.i = m.end()
         if self.peek() == "^":
             self.i += 1
         node = self.alternation()
@@ -225,8 +250,22 @@ class _Parser:
                     if end < 0:
                         raise self.fail("unterminated group name")
                     self.i = end + 1
+                elif kind.isalpha() or kind == "-":  # (?i:...), (?-i:...): flags over the group
+                    m = re.match(r"([a-zA-Z]*)(?:-([a-zA-Z]+))?:", self.p[self.i - 1 :])
+                    if m is None:
+                        raise self.fail("flags are set for the whole pattern at its start, (?i), or over a group, (?i:...)")
+                    saved = self.ignorecase, self.dotall
+                    self.set_flags(m.group(1), True)
+                    self.set_flags(m.group(2) or "", False)
+                    self.i += m.end() - 1
+                    node = self.alternation()
+                    self.ignorecase, self.dotall = saved
+                    if self.peek() != ")":
+                        raise self.fail("missing ')'")
+                    self.i += 1
+                    return node
                 elif kind != ":":
-                    raise self.fail(f"'(?{kind}' (lookaround, flags, references) is not supported")
+                    raise self.fail(f"'(?{kind}' (lookaround, references) is not supported")
             node = self.alternation()
             if self.peek() != ")":
                 raise self.fail("missing ')'")
@@ -235,14 +274,26 @@ class _Parser:
         if c == "[":
             return CharSet(tuple(self.char_class()))
         if c == ".":
-            return CharSet(tuple(negate([(0x0A, 0x0A)])))
+            return CharSet(tuple(negate([] if self.dotall else [(0x0A, 0x0A)])))
         if c == "\\":
-            return CharSet(tuple(self.escape(in_class=False)))
+            return CharSet(tuple(self.folded(self.escape(in_class=False))))
         if c in "*+?":
             raise self.fail(f"nothing to repeat before {c!r}")
         if c in "^$":
             raise self.fail(f"{c!r} is only supported at the pattern's start or end")
-        return CharSet(((ord(c), ord(c)),))
+        return CharSet(tuple(self.folded([(ord(c), ord(c))])))
+
+    def folded(self, ranges: Ranges) -> Ranges:
+        return case_folded(ranges) if self.ignorecase else ranges
+
+    def set_flags(self, letters: str, on: bool) -> None:
+        for flag in letters:
+            if flag not in FLAGS:
+                raise self.fail(f"flag {flag!r} is not supported (only {', '.join(FLAGS)})")
+            if flag == "i":
+                self.ignorecase = on
+            elif flag == "s":
+                self.dotall = on
 
     def escape(self, in_class: bool) -> Ranges:
         c = self.take()
@@ -289,6 +340,7 @@ class _Parser:
                     raise self.fail("bad range in a character class")
                 item = [(item[0][0], end[0][0])]
             ranges.extend(item)
+        ranges = self.folded(ranges)  # (before a negation: [^a] ignoring case holds neither a nor A)
         return negate(ranges) if negated else normalize(ranges)
 
 
@@ -305,9 +357,12 @@ def hex_escape(text: str, i: int, kind: str) -> tuple[int, int]:
     return v, i + width
 
 
-def parse(pattern: str) -> Node:
-    """The syntax tree of `pattern`; raises GrammarError on what is not supported."""
-    return _Parser(pattern).parse()
+def parse(pattern: str, flags: str = "") -> Node:
+    """The syntax tree of `pattern` under `flags` (`FLAGS`, as Lark writes them after a
+    regular expression); raises GrammarError on what is not supported."""
+    parser = _Parser(pattern)
+    parser.set_flags(flags, True)
+    return parser.parse()
 
 
 # -- code points to UTF-8 byte ranges -----------------------------------------------------

@@ -73,6 +73,14 @@ GRAMMARS = {
         """,
         ["a", "b", "c", "d", ",", ";", "end", "END", "eNd", " "],
     ),
+    "regex flags": (
+        """
+        start: KEY "=" VALUE (";" KEY "=" VALUE)*
+        KEY: /[a-z]+_?[0-9]*/i
+        VALUE: /<.+>/s | /(?i:yes|no)/
+        """,
+        ["a", "B", "_", "1", "=", ";", "<", ">", "\n", "x", "yes", "YeS", "NO", "maybe"],
+    ),
 }
 
 
@@ -99,6 +107,7 @@ EXAMPLES = {
     "sql (vLLM's example)": ["SELECT col_1 from table_2 where col_2=1", "SELECT col_2 from table_1 where col_1=2"],
     "arithmetic, left-recursive": ["1 + x*(2 - ab)", "(1)", "a*b*c-1"],
     "terminals": ["ab,c;bcaEnD", "a", "cc;a"],
+    "regex flags": ["Ab_1=<x\ny>;b=YES", "key=no", "K=<>"],
 }
 
 
@@ -139,7 +148,7 @@ def test_lark_is_told_from_gbnf():
     ('start: x', "'x' is used but not defined"),
     ('value: "a"', "no 'start' rule"),
     ('start: "a"\n%declare X', "%declare is not built"),
-    ('start: /a/i', "regex flags (i) are not built"),
+    ('start: /a b/x', "flag 'x' is not supported"),
     ('start: "a"\n%import common.NOPE', "common.NOPE is not one of the common terminals"),
     ('start: "a"\n%import other.X', "only Lark's common terminals"),
     ('_sep{x, s}: x (s x)*\nstart: "a"', "templates are not built"),

@@ -19,9 +19,10 @@ from conveyor.structured.regex import (
     parse,
 )
 
-ALPHABET = "ab1 é中.\n-x\U0001F600"
+ALPHABET = "abAB1 é中.\n-x\U0001F600"
 LEAVES = ["a", "b", "é", "中", r"\.", "[ab]", "[^a]", "[a-é]", r"\d", r"\w", r"\s", r"\S", ".", "[0-9x]",
-          "x", r"\u4e2d", r"[\U0001F600-\U0001F64F]", "-", "[-a]", r"[^\n-]"]
+          "x", r"\u4e2d", r"[\U0001F600-\U0001F64F]", "-", "[-a]", r"[^\n-]", "B", "[^A]", "[A-a]", r"\x41", r"\W"]
+FLAGS = ["", "(?i)", "(?s)", "(?is)", "(?m)", "(?a)"]
 QUANTIFIERS = ["*", "+", "?", "{2}", "{0,2}", "{1,}", "*?", "{,2}"]
 
 
@@ -34,17 +35,28 @@ def patterns() -> st.SearchStrategy[str]:
             st.tuples(inner, st.sampled_from(QUANTIFIERS), st.booleans()).map(
                 lambda t: f"({'?:' if t[2] else ''}{t[0]}){t[1]}"
             ),
+            st.tuples(st.sampled_from(["i", "s", "-i", "is", "-s"]), inner).map(lambda t: f"(?{t[0]}:{t[1]})"),
         ),
         max_leaves=8,
     )
 
 
-@settings(max_examples=300, deadline=None)
-@given(patterns(), st.lists(st.text(alphabet=ALPHABET, max_size=6), min_size=20, max_size=20))
-def test_the_dfa_accepts_what_re_fullmatch_accepts(pattern, texts):
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(FLAGS), patterns(), st.lists(st.text(alphabet=ALPHABET, max_size=6), min_size=20, max_size=20))
+def test_the_dfa_accepts_what_re_fullmatch_accepts(flags, pattern, texts):
+    """Flags too, for the whole pattern and over groups: i (ASCII letters, as re.ASCII's), s."""
+    pattern = flags + pattern
     dfa = compile_dfa(parse(pattern))
     for text in texts:
         assert dfa.matches(text) == bool(re.fullmatch(pattern, text, re.ASCII)), (pattern, text)
+
+
+def test_flags_given_apart_as_lark_writes_them():
+    assert compile_dfa(parse("ab.", "is")).matches("AB\n") and not compile_dfa(parse("ab.")).matches("AB\n")
+    with pytest.raises(GrammarError, match="flag 'x' is not supported"):
+        parse("a b", "x")
+    with pytest.raises(GrammarError, match="flags are set for the whole pattern at its start"):
+        parse("a(?i)b")
 
 
 @settings(max_examples=200, deadline=None)
