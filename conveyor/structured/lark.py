@@ -14,7 +14,7 @@ characters.
 Read: rules (`name: ...`, with `?` or `!` in front, a `.priority` after) and terminals
 (`NAME: ...`), alternatives with `|` (also at the start of a continuation line), strings
 (`"..."`, `"..."i` for any case), regular expressions (`/.../`, as conveyor's `regex` reads
-them, with the flags `i`, `s`, `m` after: `/.../i` ignores case), ranges (`"a".."z"`), groups, `[optional]`, `?`, `*`, `+`, `~ n` and `~ n..m`,
+them, with the flags `i`, `s`, `x`, `m` after: `/.../i` ignores case), ranges (`"a".."z"`), groups, `[optional]`, `?`, `*`, `+`, `~ n` and `~ n..m`,
 `{n}` and `{n,m}` (llguidance's), aliases (`-> name`, dropped), comments (`//` and `#`),
 `%import common.NAME` (and `common (A, B)`, and `-> alias`) for the terminals of Lark's
 `common.lark`, and `%ignore` (the ignored terminals may come between any two items of a rule,
@@ -22,7 +22,7 @@ and around the whole). The grammar starts at `start`.
 
 There is no lexer: a terminal is not matched longest-first, so a grammar whose tokens a lexer
 would keep apart (two names with nothing between them) allows more texts here. Templates,
-`%declare`, `%override`, `%extend`, imports from other files and the regex flags `x`, `u`, `l` are
+`%declare`, `%override`, `%extend`, imports from other files and the regex flags `u`, `l` are
 refused by name.
 """
 

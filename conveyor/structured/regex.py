@@ -139,9 +139,40 @@ SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\
 
 # The flags a pattern may set, inline (`(?is)` at its start, `(?i:...)` over a group) or as
 # Lark's `/.../is`: i ignores case (of ASCII letters, as Python's re.ASCII | re.IGNORECASE),
-# s lets `.` match a newline, m and a change nothing here (a pattern matches a whole text, and
-# its classes are ASCII already).
-FLAGS = "isma"
+# s lets `.` match a newline, x (the whole pattern's only) drops whitespace and `#` comments
+# outside classes, m and a change nothing here (a pattern matches a whole text, and its classes
+# are ASCII already).
+FLAGS = "ismax"
+
+
+def without_verbose_space(pattern: str) -> str:
+    """`pattern` as re.VERBOSE reads it: whitespace, and `#` to the end of a line, dropped
+    outside character classes and where not escaped."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            if c == "]" and not (out and out[-1] in ("[", "[^")):
+                in_class = False
+            out.append(c)
+        elif c == "[":
+            in_class = True
+            out.append("[^" if pattern.startswith("[^", i) else "[")
+            i += 2 if pattern.startswith("[^", i) else 1
+            continue
+        elif c == "#":
+            end = pattern.find("\n", i)
+            i = len(pattern) if end < 0 else end
+            continue
+        elif not c.isspace():
+            out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def case_folded(ranges: Ranges) -> Ranges:
@@ -161,6 +192,7 @@ class _Parser:
         self.i = 0
         self.ignorecase = "i" in flags
         self.dotall = "s" in flags
+        self.verbose = False
 
     def fail(self, why: str) -> GrammarError:
         return GrammarError(f"regex {self.p!r} at position {self.i}: {why}")
@@ -180,6 +212,8 @@ class _Parser:
         if m is not None:  # (?is): the whole pattern's flags
             self.set_flags(m.group(1), True)
             self.i = m.end()
+        if self.verbose:
+            self.p = self.p[: self.i] + without_verbose_space(self.p[self.i :])
         if self.peek() == "^":
             self.i += 1
         node = self.alternation()
@@ -254,6 +288,8 @@ class _Parser:
                     m = re.match(r"([a-zA-Z]*)(?:-([a-zA-Z]+))?:", self.p[self.i - 1 :])
                     if m is None:
                         raise self.fail("flags are set for the whole pattern at its start, (?i), or over a group, (?i:...)")
+                    if "x" in m.group(0):
+                        raise self.fail("the x flag is set for the whole pattern only, (?x) at its start")
                     saved = self.ignorecase, self.dotall
                     self.set_flags(m.group(1), True)
                     self.set_flags(m.group(2) or "", False)
@@ -294,6 +330,8 @@ class _Parser:
                 self.ignorecase = on
             elif flag == "s":
                 self.dotall = on
+            elif flag == "x":
+                self.verbose = on
 
     def escape(self, in_class: bool) -> Ranges:
         c = self.take()

@@ -148,7 +148,7 @@ def test_lark_is_told_from_gbnf():
     ('start: x', "'x' is used but not defined"),
     ('value: "a"', "no 'start' rule"),
     ('start: "a"\n%declare X', "%declare is not built"),
-    ('start: /a b/x', "flag 'x' is not supported"),
+    ('start: /a/u', "flag 'u' is not supported"),
     ('start: "a"\n%import common.NOPE', "common.NOPE is not one of the common terminals"),
     ('start: "a"\n%import other.X', "only Lark's common terminals"),
     ('_sep{x, s}: x (s x)*\nstart: "a"', "templates are not built"),

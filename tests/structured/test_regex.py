@@ -21,8 +21,9 @@ from conveyor.structured.regex import (
 
 ALPHABET = "abAB1 é中.\n-x\U0001F600"
 LEAVES = ["a", "b", "é", "中", r"\.", "[ab]", "[^a]", "[a-é]", r"\d", r"\w", r"\s", r"\S", ".", "[0-9x]",
-          "x", r"\u4e2d", r"[\U0001F600-\U0001F64F]", "-", "[-a]", r"[^\n-]", "B", "[^A]", "[A-a]", r"\x41", r"\W"]
-FLAGS = ["", "(?i)", "(?s)", "(?is)", "(?m)", "(?a)"]
+          "x", r"\u4e2d", r"[\U0001F600-\U0001F64F]", "-", "[-a]", r"[^\n-]", "B", "[^A]", "[A-a]", r"\x41", r"\W",
+          " a", "[ b]", "a#c\n", r"\ "]
+FLAGS = ["", "(?i)", "(?s)", "(?is)", "(?m)", "(?a)", "(?x)", "(?ix)"]
 QUANTIFIERS = ["*", "+", "?", "{2}", "{0,2}", "{1,}", "*?", "{,2}"]
 
 
@@ -44,7 +45,8 @@ def patterns() -> st.SearchStrategy[str]:
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(FLAGS), patterns(), st.lists(st.text(alphabet=ALPHABET, max_size=6), min_size=20, max_size=20))
 def test_the_dfa_accepts_what_re_fullmatch_accepts(flags, pattern, texts):
-    """Flags too, for the whole pattern and over groups: i (ASCII letters, as re.ASCII's), s."""
+    """Flags too, for the whole pattern and over groups: i (ASCII letters, as re.ASCII's), s,
+    and x (verbose: spaces and comments dropped) for the whole."""
     pattern = flags + pattern
     dfa = compile_dfa(parse(pattern))
     for text in texts:
@@ -53,8 +55,11 @@ def test_the_dfa_accepts_what_re_fullmatch_accepts(flags, pattern, texts):
 
 def test_flags_given_apart_as_lark_writes_them():
     assert compile_dfa(parse("ab.", "is")).matches("AB\n") and not compile_dfa(parse("ab.")).matches("AB\n")
-    with pytest.raises(GrammarError, match="flag 'x' is not supported"):
-        parse("a b", "x")
+    assert compile_dfa(parse("a b # c", "x")).matches("ab")
+    with pytest.raises(GrammarError, match="flag 'u' is not supported"):
+        parse("a", "u")
+    with pytest.raises(GrammarError, match="the x flag is set for the whole pattern only"):
+        parse("(?x:a b)")
     with pytest.raises(GrammarError, match="flags are set for the whole pattern at its start"):
         parse("a(?i)b")
 
