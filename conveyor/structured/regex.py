@@ -10,8 +10,9 @@ Supported: literals and escapes (`\\n \\t \\xHH \\uHHHH \\d \\w \\s` and their n
 `.`, classes with ranges and negation, groups (`(...)`, `(?:...)`, `(?P<name>...)`),
 alternation and the quantifiers `* + ? {n} {n,} {n,m}` (lazy forms accepted: a full match
 does not depend on laziness). Anchors `^` at the start and `$` at the end are accepted, as
-the match is whole anyway. Anything else (backreferences, lookaround, `\\b`, flags) raises
-`GrammarError`: refused, never silently approximated.
+the match is whole anyway. Flags (`FLAGS`): `(?isx)` at the start, `(?i:...)` over a group, or
+given apart as Lark writes them. Anything else (backreferences, lookaround, `\\b`, other flags)
+raises `GrammarError`: refused, never silently approximated.
 """
 
 from __future__ import annotations
@@ -187,12 +188,10 @@ def case_folded(ranges: Ranges) -> Ranges:
 
 
 class _Parser:
-    def __init__(self, pattern: str, flags: str = "") -> None:
+    def __init__(self, pattern: str) -> None:
         self.p = pattern
         self.i = 0
-        self.ignorecase = "i" in flags
-        self.dotall = "s" in flags
-        self.verbose = False
+        self.ignorecase = self.dotall = self.verbose = False  # (`set_flags`)
 
     def fail(self, why: str) -> GrammarError:
         return GrammarError(f"regex {self.p!r} at position {self.i}: {why}")
@@ -294,19 +293,13 @@ class _Parser:
                     self.set_flags(m.group(1), True)
                     self.set_flags(m.group(2) or "", False)
                     self.i += m.end() - 1
-                    node = self.alternation()
-                    self.ignorecase, self.dotall = saved
-                    if self.peek() != ")":
-                        raise self.fail("missing ')'")
-                    self.i += 1
-                    return node
+                    try:
+                        return self.group()
+                    finally:
+                        self.ignorecase, self.dotall = saved
                 elif kind != ":":
                     raise self.fail(f"'(?{kind}' (lookaround, references) is not supported")
-            node = self.alternation()
-            if self.peek() != ")":
-                raise self.fail("missing ')'")
-            self.i += 1
-            return node
+            return self.group()
         if c == "[":
             return CharSet(tuple(self.char_class()))
         if c == ".":
@@ -318,6 +311,14 @@ class _Parser:
         if c in "^$":
             raise self.fail(f"{c!r} is only supported at the pattern's start or end")
         return CharSet(tuple(self.folded([(ord(c), ord(c))])))
+
+    def group(self) -> Node:
+        """A group's alternatives and its closing parenthesis."""
+        node = self.alternation()
+        if self.peek() != ")":
+            raise self.fail("missing ')'")
+        self.i += 1
+        return node
 
     def folded(self, ranges: Ranges) -> Ranges:
         return case_folded(ranges) if self.ignorecase else ranges
