@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import ImagePrompt
 from conveyor.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from conveyor.sampling_params import (
     InvalidRequestError,
@@ -29,6 +30,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "Engine",
     "EngineConfig",
+    "ImagePrompt",
     "InvalidRequestError",
     "LoRARequest",
     "PoolingParams",

@@ -127,7 +127,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """One conversation's outputs, its messages put through the model's chat template (as
         `LLM.chat`)."""
-        prompt = chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+        prompt = chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs,
+                             self._front.image_token)
         async for out in self.generate(prompt, sampling_params, request_id, lora_request=lora_request):
             yield out
 

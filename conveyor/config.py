@@ -116,6 +116,13 @@ class ModelConfig:
         ),
     )
 
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata=_help(
+            "A folder whose image files prompts may name (a path or file:// URL) for an image-text "
+            "model; without it, images come as bytes, data URLs or http(s) URLs only."
+        ),
+    )
     enable_lora: bool = field(
         default=False,
         metadata=_help(

@@ -25,6 +25,15 @@ from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import (
+    ImageProcessor,
+    ImagePrompt,
+    ImageSpan,
+    Pixels,
+    as_image_prompt,
+    expand_image_tokens,
+    load_image,
+)
 from conveyor.outputs import CompletionOutput, ParallelChoices, RequestOutput, TokenLogprob
 from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
 from conveyor.sampling_params import (
@@ -181,6 +190,8 @@ class Engine:
         # token, and how a cross-encoder's pair reads (conveyor/scoring.py); empty for a causal LM.
         self.head = ModelHead()
         self.is_encoder = False  # a bidirectional encoder (BERT): it pools, and generates nothing
+        self.image_processor: ImageProcessor | None = None  # an image-text model's (conveyor/multimodal.py)
+        self.image_token: str | None = None  # ... and the text of its image token ("<image>")
         self.default_pooling = "last"  # what an embedding pools when its request does not say
 
     @property
@@ -525,6 +536,12 @@ class Engine:
         engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template, arch.score_activation)
         engine.is_encoder = arch.is_encoder
         engine.default_pooling = arch.default_pooling
+        if getattr(model, "vision", None) is not None:
+            folder = Path(mc.model) if mc.model is not None else None
+            engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
+                                                                arch.vision)
+            if tokenizer is not None:
+                engine.image_token = tokenizer.hf.convert_ids_to_tokens(arch.vision.image_token_id)
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 
@@ -560,6 +577,31 @@ class Engine:
             if len(ids) > k:
                 text, ids = None, ids[-k:]
         return text, ids
+
+    def prepare_prompt(self, prompt: Any, params: SamplingParams | None = None
+                       ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+        """`tokenize_prompt`, and for a prompt with images (`ImagePrompt`, or vLLM's dict form)
+        the images read and made pixels, each image token of the prompt repeated as many times
+        as the image has embeddings, and where each image's tokens are."""
+        prompt = as_image_prompt(prompt)
+        if not isinstance(prompt, ImagePrompt):
+            text, ids = self.tokenize_prompt(prompt, params)
+            return text, ids, ()
+        processor = self.image_processor
+        vision = getattr(getattr(self, "arch", None), "vision", None)
+        if processor is None or vision is None:
+            raise InvalidRequestError("this model reads no images", param="image")
+        if params is not None and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images", param="truncate_prompt_tokens")
+        if getattr(self.runner, "peers", None) is not None:
+            raise InvalidRequestError("images under tensor parallelism are not built", param="image")
+        if self.drafter is not None:
+            raise InvalidRequestError("images with a draft model's speculation are not built", param="image")
+        local = self.config.model.allowed_local_media_path
+        pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local)) for p in prompt.images]
+        text, ids = self.tokenize_prompt(prompt.prompt)
+        ids, spans = expand_image_tokens(ids, vision.image_token_id, pixels, vision.tokens_per_image)
+        return text, ids, spans
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never be served."""
@@ -656,7 +698,7 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | ImagePrompt | dict[str, Any],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         stream: bool = False,
@@ -665,8 +707,13 @@ class Engine:
         lora_request: LoRARequest | None = None,
         export_kv: bool = False,
         kv_handoff: KVHandoff | None = None,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) if it can never run.
+
+        `prompt` is text, token ids, or either with images (`ImagePrompt`, or vLLM's dict
+        `{"prompt": ..., "multi_modal_data": {"image": ...}}`: conveyor/multimodal.py); `images`
+        places the images of token ids whose image tokens are expanded already.
 
         `prompt_text` names the text of already-tokenized `prompt` ids, for the output.
         `resume` continues a request another engine had started (an engine process replaced
@@ -694,9 +741,16 @@ class Engine:
         if params.pooling is not None and (export_kv or kv_handoff is not None):
             raise InvalidRequestError("an embedding request has no K/V to hand over", param="kv_transfer")
         if params.n > 1:
-            self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request)
+            self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request,
+                             images)
             return
-        text, token_ids = self.tokenize_prompt(prompt, params)
+        if images:
+            assert isinstance(prompt, list), "images are placed in token ids"
+            text, token_ids = None, prompt
+        else:
+            text, token_ids, images = self.prepare_prompt(prompt, params)
+        if images and (export_kv or kv_handoff is not None):
+            raise InvalidRequestError("K/V of a prompt with images are not handed over", param="kv_transfer")
         self.validate(token_ids, params)
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -707,6 +761,7 @@ class Engine:
             params,
             self.clock() if arrival_time is None else arrival_time,
             lora_request,
+            images,
         )
         self._next_seq_id += 1
         detok = None
@@ -845,14 +900,18 @@ class Engine:
         return True
 
     def _add_parent(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None,
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None,
         stream: bool, prompt_text: str | None, resume: Resume | None, lora_request: LoRARequest | None,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         """n choices as n requests over the same prompt: the first computes the prompt's
         logprobs if asked, choice i of a seeded request uses seed + i (vLLM's parallel sampling)."""
         if resume is not None:
             raise InvalidRequestError("a resumed request has one choice (n=1)", param="resume")
-        text, token_ids = self.tokenize_prompt(prompt, params)
+        if images:
+            text, token_ids = None, prompt
+        else:
+            text, token_ids, images = self.prepare_prompt(prompt, params)
         self.validate(token_ids, params)
         parent = ParallelChoices.of(request_id, params.n, params.output_kind, stream)
         if any(c in self._requests or c in self._parents for c in parent.child_ids):
@@ -860,7 +919,7 @@ class Engine:
         arrival = self.clock() if arrival_time is None else arrival_time
         for i, (child, one) in enumerate(zip(parent.child_ids, params.choices(), strict=True)):
             self.add_request(child, token_ids, one, arrival, stream, text if text is not None else prompt_text,
-                             lora_request=lora_request)
+                             lora_request=lora_request, images=images)
             self._child_of[child] = (parent, i)
         self._parents[request_id] = parent
 

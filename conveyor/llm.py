@@ -9,6 +9,7 @@ from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams,
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import ImagePrompt, ImageSpan, as_image_prompt, chat_images
 from conveyor.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -29,7 +30,7 @@ from conveyor.scoring import (
 )
 from conveyor.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+Prompt = str | list[int] | ImagePrompt | dict[str, Any]  # (the dict: vLLM's, with "multi_modal_data")
 Message = dict[str, Any]
 
 
@@ -91,11 +92,11 @@ class LLM:
         return self._run(checked, params, use_tqdm, loras)
 
     def _checked(self, i: int, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
-                 room: int = 0) -> tuple[str | None, list[int]]:
-        """Prompt `i`'s text and token ids, validated (with `room` more tokens after it, if
-        asked); its error names it."""
-        text, ids = self.engine.tokenize_prompt(prompt, params)
+                 room: int = 0) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+        """Prompt `i`'s text, token ids and images, validated (with `room` more tokens after
+        it, if asked); its error names it."""
         try:
+            text, ids, images = self.engine.prepare_prompt(prompt, params)
             self.engine.validate(ids, params)
             if room and len(ids) + room > self.engine.max_model_len:
                 raise InvalidRequestError(
@@ -106,7 +107,7 @@ class LLM:
                 self.engine.check_lora(lora)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {i}: {e}", e.param) from None
-        return text, ids
+        return text, ids, images
 
     def embed(
         self,
@@ -222,12 +223,13 @@ class LLM:
         batch = _as_prompt_list(prompts)
         whole = SamplingParams(max_tokens=params.max_tokens)
         eos = self.engine.scheduler.eos_token_ids
-        searches = [BeamSearch(self._checked(i, prompt, whole, lora_request, params.max_tokens)[1], params, eos)
-                    for i, prompt in enumerate(batch)]
+        checked = [self._checked(i, prompt, whole, lora_request, params.max_tokens) for i, prompt in enumerate(batch)]
+        searches = [BeamSearch(ids, params, eos) for _, ids, _ in checked]
+        images = {id(s): spans for s, (_, _, spans) in zip(searches, checked, strict=True)}
         one = params.round_params()
         while live := [s for s in searches if not s.done]:
             beams = [(s, b) for s in live for b in s.beams]
-            outs = self._run([(None, b.tokens) for _, b in beams], [one] * len(beams), False,
+            outs = self._run([(None, b.tokens, images[id(s)]) for s, b in beams], [one] * len(beams), False,
                              [lora_request] * len(beams))
             at = 0
             for s in live:
@@ -257,23 +259,24 @@ class LLM:
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
-        prompts: list[Prompt] = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template_kwargs)
+        prompts: list[Prompt] = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template_kwargs,
+                                             self.engine.image_token)
                                  for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
         self,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: list[tuple[str | None, list[int], tuple[ImageSpan, ...]]],
         params: list[SamplingParams],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
-        for (text, token_ids), p, lora in zip(prompts, params, loras, strict=True):
+        for (text, token_ids, images), p, lora in zip(prompts, params, loras, strict=True):
             rid = f"gen-{self._counter}"
             self._counter += 1
-            engine.add_request(rid, token_ids, p, prompt_text=text, lora_request=lora)
+            engine.add_request(rid, token_ids, p, prompt_text=text, lora_request=lora, images=images)
             ids.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -300,12 +303,16 @@ class LLM:
 
 
 def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`)."""
+                chat_template_kwargs: dict[str, Any] | None = None, image_token: str | None = None
+                ) -> list[int] | ImagePrompt:
+    """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`);
+    with images among its content parts, the prompt and its images (`chat_images`)."""
     if tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer", param="messages")
-    return tokenizer.apply_chat_template(
+    messages, images = chat_images(messages, tokenizer.chat_template or "", image_token)
+    ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+    return ImagePrompt(ids, tuple(images)) if images else ids
 
 
 def default_pooling(head: ModelHead) -> PoolingParams:
@@ -341,19 +348,22 @@ def pooling_output(out: RequestOutput) -> PoolingRequestOutput:
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | ImagePrompt | dict):
         return [prompts]
     items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [[int(t) for t in items]]
     out: list[Prompt] = []
     for p in items:
-        if isinstance(p, str):
+        if isinstance(p, dict):
+            p = as_image_prompt(p)
+        if isinstance(p, str | ImagePrompt):
             out.append(p)
         elif isinstance(p, list | tuple):
             out.append([int(t) for t in p])
         else:
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, not {type(p).__name__}", "prompt")
+            raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict with images, "
+                                      f"not {type(p).__name__}", "prompt")
     return out
 
 

@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import ImageSpan
 from conveyor.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token not back from the runner yet (see the module docstring)
@@ -81,6 +82,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "finish_reason",
+        "images",
         "lora_request",
         "metrics",
         "num_computed_tokens",
@@ -105,6 +107,7 @@ class Sequence:
         sampling_params: SamplingParams,
         arrival_time: float,
         lora_request: LoRARequest | None = None,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -129,6 +132,7 @@ class Sequence:
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.images = images  # where its prompt's image tokens are (conveyor/multimodal.py)
 
     @property
     def num_tokens(self) -> int:

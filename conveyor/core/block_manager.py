@@ -30,11 +30,13 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
+from conveyor.multimodal import ImageSpan, span_keys
 from conveyor.sequence import Sequence
 
 
 def chain_hashes(
-    token_ids: list[int], block_size: int, hashes: list[bytes], num_blocks: int, salt: bytes = b""
+    token_ids: list[int], block_size: int, hashes: list[bytes], num_blocks: int, salt: bytes = b"",
+    images: tuple[ImageSpan, ...] = (),
 ) -> list[bytes]:
     """Extend `hashes` (those of the first blocks of `token_ids`) to `num_blocks` full blocks.
 
@@ -45,7 +47,10 @@ def chain_hashes(
     """
     parent = hashes[-1] if hashes else salt
     for i in range(len(hashes), num_blocks):
-        parent = hashlib.sha256(parent + array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()).digest()
+        block = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        if images:  # the images whose tokens the block holds: equal image tokens, other pictures
+            block += span_keys(images, block_size, i)
+        parent = hashlib.sha256(parent + block).digest()
         hashes.append(parent)
     return hashes
 
@@ -300,7 +305,7 @@ class BlockManager:
         num_blocks = min(known, len(seq.token_ids) - 1) // self.block_size
         if not num_blocks:
             return []
-        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_blocks, _salt(seq))
+        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_blocks, _salt(seq), seq.images)
         hits: list[int] = []
         cached = self._cached
         if self.sliding_global:  # no block before the window is read: the chain may have gaps
@@ -385,7 +390,7 @@ class BlockManager:
         A block already registered, or whose prefix another block already holds, is skipped."""
         if not self.enable_prefix_caching:
             return
-        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq))
+        hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq), seq.images)
         cached, hashed = self._cached, self._block_hash
         for i in range(max(first, self._global_start(seq.window_start)), end):  # (a sliding one's: its blocks)
             block, h = table[i], hashes[i]

@@ -29,6 +29,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import QueuePolicy, SortKey, make_policy
 from conveyor.core.speculative import DynamicTree, NgramProposer, TokenTree, make_proposer
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import ImageSpan
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
@@ -62,6 +63,7 @@ class ScheduledSequence:
     window_tables: list[list[int]] = field(default_factory=list)
     tree: TokenTree | None = None
     tree_depth: int = 0
+    images: tuple[ImageSpan, ...] = ()  # where the prompt's image tokens are (conveyor/multimodal.py)
 
     @property
     def num_tokens(self) -> int:
@@ -624,6 +626,7 @@ class Scheduler:
                 0,
                 seq.lora_request,
                 seq.window_tables,
+                images=seq.images,
             )
         )
         seq.num_computed_tokens = end

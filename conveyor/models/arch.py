@@ -11,6 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.models.vision import VisionArch, VisionConfigError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -79,6 +81,16 @@ GEMMA_FAMILIES = ("gemma2", "gemma3", "gemma3_encoder")
 # Image-text checkpoints whose text model conveyor serves alone (the vision tower is not
 # loaded; requests are text). Gemma 3's 4B, 12B and 27B ship only in this form.
 MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
+# Image-text checkpoints of LLaVA's form whose images conveyor reads (conveyor/models/vision.py):
+# a ViT, a projector, and any text model conveyor runs, as `text_config` names it.
+LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+# What transformers' LlamaConfig assumes where a LLaVA checkpoint's `text_config` is silent
+# (LLaVA-1.5's configs list only what differs from these).
+LLAMA_TEXT_DEFAULTS: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
 # What transformers' Gemma3TextConfig assumes where a checkpoint's `text_config` is silent
 # (the Hub's multimodal Gemma 3 configs list only what differs from these).
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
@@ -180,6 +192,7 @@ class ArchConfig:
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
     multimodal: bool = False  # the text model of an image-text checkpoint (MULTIMODAL_TEXT_ARCHITECTURES)
+    vision: VisionArch | None = None  # ... and its vision side, where conveyor reads its images (LLaVA)
     # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times
     # `residual_multiplier` before its residual add, the softmax scale `attention_multiplier`
     # (0: the head's), the logits divided by `logits_scaling`.
@@ -369,6 +382,8 @@ class ArchConfig:
                         text[key] = cfg[key]
                 arch = _gemma_from_hf(text, MULTIMODAL_TEXT_ARCHITECTURES[a], False, False)
                 return dataclasses.replace(arch, multimodal=True)
+            if a in LLAVA_ARCHITECTURES:
+                return _llava_from_hf(cfg)
             if a in ENCODER_ARCHITECTURES:
                 return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
                                         a.endswith("ForTokenClassification"))
@@ -438,6 +453,26 @@ class ArchConfig:
             attention_multiplier=float(cfg.get("attention_multiplier") or 0.0) if family == "granite" else 0.0,
             logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         )
+
+
+def _llava_from_hf(cfg: dict[str, Any]) -> ArchConfig:
+    """A LLaVA checkpoint: its text model (any family conveyor runs, by `text_config`'s
+    `model_type` or `architectures`) with its vision side (`VisionArch`)."""
+    given = dict(cfg.get("text_config") or {})
+    text = {**(LLAMA_TEXT_DEFAULTS if given.get("model_type", "llama") == "llama" else {}), **given}
+    for key in ("bos_token_id", "eos_token_id"):
+        if given.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    arch = ArchConfig.from_hf(text)
+    if arch.multimodal or arch.is_encoder or arch.labels:
+        raise UnsupportedModelError(f"a LLaVA over a {arch.family} text model is not supported")
+    try:
+        vision = VisionArch.from_llava(cfg, arch.hidden_size)
+    except VisionConfigError as e:
+        raise UnsupportedModelError(str(e)) from None
+    if not 0 <= vision.image_token_id < arch.vocab_size:
+        raise UnsupportedModelError(f"image_token_index={vision.image_token_id} is outside the vocabulary")
+    return dataclasses.replace(arch, multimodal=True, vision=vision)
 
 
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:

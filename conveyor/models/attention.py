@@ -62,6 +62,9 @@ class AttentionMetadata:
     # A hybrid KV cache (conveyor/core/block_manager.py: HybridLayout): each layer's metadata,
     # this one for a global layer's, its group's (tables and slots of its own) for a sliding one.
     layer_metas: list[AttentionMetadata] | None = None
+    # Rows whose input is an embedding, not a token's (a LLaVA's image tokens): their row
+    # indices `[R]` and embeddings `[R, hidden]` (conveyor/multimodal.py).
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def windowed(self, window: int) -> AttentionMetadata:
         """This step's metadata for a layer that attends within its last `window` positions

@@ -57,6 +57,7 @@ from conveyor.models.quantize import (
 
 if TYPE_CHECKING:
     from conveyor.models.lora import LoRAContext
+    from conveyor.models.vision import ImageEncoder
 
 # Fused-decode pointer tables kept: one per KV cache of the engines sharing a model.
 MAX_CACHE_TABLES = 16
@@ -606,6 +607,9 @@ class LlamaForCausalLM(nn.Module):
         # `[T, len(aux_layers) * hidden]` (an EAGLE-3 head's input: conveyor/models/eagle.py).
         self.aux_layers = ()
         self.aux_hidden: torch.Tensor | None = None
+        # A LLaVA's vision side (conveyor/models/vision.py), set by the loader: what a step's
+        # image tokens take their embeddings from (`AttentionMetadata.embeds`).
+        self.vision: ImageEncoder | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -638,7 +642,8 @@ class LlamaForCausalLM(nn.Module):
         # fused paths read the base weights directly. So does a step that keeps the streams
         # entering some layers (an EAGLE-3 head reads them: `aux_layers`).
         aux = self.aux_layers
-        bare = self.lora is None or self.lora.current() is None
+        # (a step with image tokens takes their embeddings from `meta.embeds`: the modules too)
+        bare = (self.lora is None or self.lora.current() is None) and meta.embeds is None
         fused = self.fused_decode
         # (the native whole-model decode reads one table for every layer: not a hybrid cache's;
         # it keeps the streams an EAGLE-3 head reads itself)
@@ -652,6 +657,9 @@ class LlamaForCausalLM(nn.Module):
         if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
         x = self.embed(input_ids)
+        if meta.embeds is not None:  # image tokens: the vision side's embeddings in their rows
+            rows, values = meta.embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
         add_norm = self.add_norm
         kept: dict[int, torch.Tensor] = {}

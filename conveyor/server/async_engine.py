@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import ImagePrompt
 from conveyor.outputs import ParallelChoices, RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("conveyor.server")
 
-Prompt = str | list[int]
+Prompt = str | list[int] | ImagePrompt | dict[str, Any]  # (the dict: vLLM's, with "multi_modal_data")
 
 
 class QueueFullError(RuntimeError):
@@ -218,6 +219,11 @@ class EngineFront(ABC):
     def model_arg(self) -> str | None:
         """`--model` as typed."""
 
+    @property
+    def image_token(self) -> str | None:
+        """The text of the model's image token (`Engine.image_token`); None: it reads no images."""
+        return None
+
     # -- state -------------------------------------------------------------------------------
     @property
     @abstractmethod
@@ -347,6 +353,10 @@ class AsyncEngine(EngineFront):
     @property
     def head(self) -> ModelHead:
         return self.engine.head
+
+    @property
+    def image_token(self) -> str | None:
+        return self.engine.image_token
 
     @property
     def model_path(self) -> str | None:

@@ -122,12 +122,13 @@ class _Facts:
     model_path: str | None
     model_arg: str | None
     pid: int
+    image_token: str | None = None
 
 
 @dataclass(slots=True)
 class _AddItem:
     request_id: str
-    prompt: str | list[int]
+    prompt: Prompt
     params: SamplingParams  # with output_kind "delta": the child sends only what is new
     prompt_text: str | None
     resume: Resume | None = None
@@ -207,7 +208,7 @@ def _child_main(
         return
     conn.send(("ready", _Facts(
         engine.tokenizer, engine.max_model_len, engine.head, getattr(engine, "model_path", None),
-        engine.config.model.model, os.getpid(),
+        engine.config.model.model, os.getpid(), engine.image_token,
     )))
     _EngineCore(engine, conn, max_queued_requests, idle_poll_s).run()
 
@@ -491,6 +492,10 @@ class ProcessAsyncEngine(AsyncEngine):
     @property
     def head(self) -> ModelHead:
         return self._known().head
+
+    @property
+    def image_token(self) -> str | None:
+        return self._known().image_token
 
     @property
     def model_path(self) -> str | None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig, RoutingPolicy, make_router
+from conveyor.multimodal import ImagePrompt, as_image_prompt
 from conveyor.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -88,6 +89,10 @@ class ReplicaSet(EngineFront):
     @property
     def head(self) -> ModelHead:
         return self.replicas[0].head
+
+    @property
+    def image_token(self) -> str | None:
+        return self.replicas[0].image_token
 
     @property
     def model_path(self) -> str | None:
@@ -168,7 +173,8 @@ class ReplicaSet(EngineFront):
             raise EngineShuttingDownError("the server is shutting down; no new requests")
         self._forget_restarted()
         loads = self.loads()
-        decision = self.router.route(requests[0].prompt, loads, candidates)
+        prompt = as_image_prompt(requests[0].prompt)  # (a prompt with images routes by its text or ids)
+        decision = self.router.route(prompt.prompt if isinstance(prompt, ImagePrompt) else prompt, loads, candidates)
         if self.metrics is not None:
             self.metrics.on_routed(decision.replica, decision.reason)
         # The chosen replica first; if its queue is full, the others, least loaded first.

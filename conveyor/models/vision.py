@@ -1,0 +1,272 @@
+"""The vision side of an image-text model (LLaVA's form): a ViT encoder and a projector into
+the text model's embedding space.
+
+LLaVA (Liu et al. 2023, "Visual Instruction Tuning"; 1.5: "Improved Baselines with Visual
+Instruction Tuning") reads an image as a CLIP ViT's patch features taken from one of its
+inner layers (`vision_feature_layer`, -2 by default: the one before last), without the class
+token (`vision_feature_select_strategy="default"`; "full" keeps it), through a two-layer MLP
+(`multi_modal_projector`: linear, GELU, linear). Each image becomes as many embeddings as it
+has patches (576 for a 336-pixel image in 14-pixel patches), and they take the place of the
+embeddings of as many image tokens in the prompt (conveyor/multimodal.py). The text model
+then runs as it does on text: causal attention over the whole sequence.
+
+The tower is CLIP's (a class token, a LayerNorm before the encoder, quick GELU) or SigLIP's (no
+class token, GELU with tanh, biased patch convolution); only the layers up to the deepest
+feature layer are built, as vLLM does: a LLaVA never reads the last one. Parameter names are
+HF's (`vision_tower.vision_model.*`, `multi_modal_projector.*`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# What transformers' CLIPVisionConfig assumes where a checkpoint's `vision_config` is silent
+# (LLaVA-1.5's configs list only what differs), and SigLIP's.
+CLIP_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
+}
+SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
+    **CLIP_VISION_DEFAULTS, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+}
+VISION_TOWERS = {"clip_vision_model": CLIP_VISION_DEFAULTS, "siglip_vision_model": SIGLIP_VISION_DEFAULTS}
+
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class VisionConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class VisionArch:
+    """A LLaVA checkpoint's vision side, from its `config.json`."""
+
+    tower: str  # "clip_vision_model" or "siglip_vision_model"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    feature_layers: tuple[int, ...]  # HF's indices into the hidden states (0: the embeddings)
+    select_strategy: str  # "default" drops the class token, "full" keeps it
+    projector_act: str
+    projector_bias: bool
+    text_hidden_size: int
+    image_token_id: int
+
+    @classmethod
+    def from_llava(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
+        vision = dict(cfg.get("vision_config") or {})
+        tower = vision.get("model_type", "clip_vision_model")
+        if tower not in VISION_TOWERS:
+            raise VisionConfigError(f"vision tower {tower!r} is not supported; conveyor reads {sorted(VISION_TOWERS)}")
+        v = {**VISION_TOWERS[tower], **vision}
+        layer = cfg.get("vision_feature_layer", -2)
+        layers = tuple(layer) if isinstance(layer, list | tuple) else (int(layer),)
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise VisionConfigError(f"vision_feature_select_strategy {strategy!r}: conveyor reads 'default' and 'full'")
+        for act in (v["hidden_act"], cfg.get("projector_hidden_act", "gelu")):
+            if act not in ACTIVATIONS:
+                raise VisionConfigError(f"activation {act!r} is not supported; conveyor reads {sorted(ACTIVATIONS)}")
+        n = v["num_hidden_layers"]
+        bad = [i for i in layers if not -(n + 1) <= i <= n]
+        if bad:
+            raise VisionConfigError(f"vision_feature_layer {bad[0]} is outside the tower's {n + 1} hidden states")
+        token = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
+        return cls(
+            tower=tower, hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"], num_layers=n,
+            num_heads=v["num_attention_heads"], num_channels=v["num_channels"], image_size=v["image_size"],
+            patch_size=v["patch_size"], hidden_act=v["hidden_act"], layer_norm_eps=v["layer_norm_eps"],
+            feature_layers=tuple(i if i >= 0 else n + 1 + i for i in layers), select_strategy=strategy,
+            projector_act=cfg.get("projector_hidden_act", "gelu"),
+            projector_bias=bool(cfg.get("multimodal_projector_bias", True)), text_hidden_size=text_hidden_size,
+            image_token_id=int(token),
+        )
+
+    @property
+    def class_token(self) -> bool:
+        return self.tower == "clip_vision_model"
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        """How many embeddings (image tokens in the prompt) one image becomes."""
+        return self.num_patches + (self.class_token and self.select_strategy == "full")
+
+
+class _Attention(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        d = v.hidden_size
+        self.heads = v.num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = (p(x).view(n, t, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v)  # every patch sees every patch
+        return self.out_proj(out.transpose(1, 2).reshape(n, t, d))
+
+
+class _MLP(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.act = ACTIVATIONS[v.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
+        self.self_attn = _Attention(v)
+        self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
+        self.mlp = _MLP(v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(v.num_channels, v.hidden_size, v.patch_size, v.patch_size,
+                                         bias=not v.class_token)
+        if v.class_token:
+            self.class_embedding = nn.Parameter(torch.empty(v.hidden_size))
+        self.position_embedding = nn.Embedding(v.num_patches + v.class_token, v.hidden_size)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        if hasattr(self, "class_embedding"):
+            x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        return x + self.position_embedding.weight
+
+
+class _Encoder(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_EncoderLayer(v) for _ in range(max(v.feature_layers)))
+
+
+class _VisionModel(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.embeddings = _Embeddings(v)
+        if v.class_token:
+            self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # (HF's spelling)
+        self.encoder = _Encoder(v)
+
+
+class _Tower(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.vision_model = _VisionModel(v)
+
+
+class _Projector(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        width = v.hidden_size * len(v.feature_layers)
+        self.linear_1 = nn.Linear(width, v.text_hidden_size, bias=v.projector_bias)
+        self.linear_2 = nn.Linear(v.text_hidden_size, v.text_hidden_size, bias=v.projector_bias)
+        self.act = ACTIVATIONS[v.projector_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaVision(nn.Module):
+    """Images `[N, channels, size, size]` (as `conveyor.multimodal.ImageProcessor` makes them)
+    to embeddings `[N, tokens_per_image, text hidden]` for the text model."""
+
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.config = v
+        self.vision_tower = _Tower(v)
+        self.multi_modal_projector = _Projector(v)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        v = self.config
+        size = (v.num_channels, v.image_size, v.image_size)
+        if tuple(pixels.shape[1:]) != size:
+            raise ValueError(f"images of shape {tuple(pixels.shape[1:])}, this tower reads {size}")
+        model = self.vision_tower.vision_model
+        x = model.embeddings(pixels)
+        if hasattr(model, "pre_layrnorm"):
+            x = model.pre_layrnorm(x)
+        kept = {0: x} if 0 in v.feature_layers else {}
+        for i, layer in enumerate(model.encoder.layers, start=1):
+            x = layer(x)
+            if i in v.feature_layers:
+                kept[i] = x
+        features = [kept[i] for i in v.feature_layers]
+        if v.class_token and v.select_strategy == "default":
+            features = [f[:, 1:] for f in features]
+        return self.multi_modal_projector(torch.cat(features, dim=-1))
+
+
+class ImageEncoder:
+    """The vision side beside the text model (`LlamaForCausalLM.vision`): a plain object, not
+    a submodule, so the text model's passes (int8, the CPU kernels, the Triton kernels) leave
+    its layers as they are."""
+
+    def __init__(self, module: LlavaVision) -> None:
+        self.module = module
+        self.config = module.config
+        weight = module.vision_tower.vision_model.embeddings.patch_embedding.weight
+        self.device, self.dtype = weight.device, weight.dtype
+
+    @torch.inference_mode()
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Images `[N, channels, size, size]` to `[N, tokens_per_image, text hidden]`."""
+        return self.module(pixels.to(self.device, self.dtype))
+
+
+def load_vision(v: VisionArch, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> ImageEncoder:
+    """The vision side from HF-named tensors (`vision_tower.*`, `multi_modal_projector.*`);
+    those of layers past the deepest feature layer, the post-norm and SigLIP's pooling head
+    are not read."""
+    with torch.device("meta"):
+        module = LlavaVision(v)
+    module = module.to_empty(device=device).to(dtype)
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise VisionConfigError(f"the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = tensors[name]
+            if t.shape != p.shape:
+                raise VisionConfigError(f"{name}: tensor of shape {tuple(t.shape)} does not fit {tuple(p.shape)}")
+            p.copy_(t)
+    module.eval().requires_grad_(False)
+    return ImageEncoder(module)

@@ -1,0 +1,344 @@
+"""Images in prompts: reading them, making them pixels, and their place among the tokens.
+
+A prompt with images is an `ImagePrompt` (or vLLM's dict form, `{"prompt": ..., "multi_modal_data":
+{"image": ...}}`). Its text holds one image token (LLaVA's `<image>`) where each image goes; the
+engine expands each into as many image tokens as the image has embeddings (`ImageSpan`), as
+HF's processor and vLLM do, so the prompt's length, the KV blocks it takes and the scheduler's
+budgets count them as the tokens they are. A step that computes some of those positions takes
+their embeddings from the vision side (conveyor/models/vision.py) in place of the token's
+(the runner encodes an image once, at the first chunk that reaches it, and keeps its
+embeddings until the prefill has passed it). The prefix cache keys each block by the images
+it holds too (`ImageSpan.digest`), so two prompts of the same text and different images share
+no block past the first image.
+
+An image is a PIL image, encoded bytes (PNG, JPEG...), a `data:image/...;base64,` URL, an
+`http(s)://` URL (fetched, with a time and size limit), or a local file's path or `file://` URL
+(only under `allowed_local_media_path`). `ImageProcessor` makes it what the tower reads as HF's
+image processor does (pad to square, resize by the shortest edge, center crop, rescale,
+normalize), from the checkpoint's `preprocessor_config.json`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from conveyor.sampling_params import InvalidRequestError
+
+if TYPE_CHECKING:  # (numpy and torch load where pixels are made: the scheduler reads spans only)
+    import numpy as np
+    import torch
+
+    from conveyor.models.vision import VisionArch
+
+# CLIP's normalization (OpenAI's), what an image processor uses where its config is silent.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+FETCH_TIMEOUT_S = 10.0
+MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_PIXELS = 64 << 20  # a decompression bomb's guard
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt (text or token ids) with `images` in the order of its image tokens."""
+
+    prompt: str | list[int]
+    images: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """An image made ready for the tower (`ImageProcessor`): `[channels, size, size]` float32,
+    and a digest of its values (the prefix cache's key for it)."""
+
+    values: torch.Tensor
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's place in a sequence: `length` image tokens from `offset`."""
+
+    offset: int
+    length: int
+    pixels: Pixels = field(repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def as_image_prompt(prompt: Any) -> Any:
+    """vLLM's dict prompt (`{"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": one
+    or a list}}`) as an `ImagePrompt`; a dict without images as its text or ids; anything else
+    as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown:
+        raise InvalidRequestError(f"a prompt dict has no field {sorted(unknown)[0]!r}", param="prompt")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError("a prompt dict has one of 'prompt' and 'prompt_token_ids'", param="prompt")
+    text = prompt["prompt"] if "prompt" in prompt else [int(t) for t in prompt["prompt_token_ids"]]
+    data = prompt.get("multi_modal_data") or {}
+    other = set(data) - {"image"}
+    if other:
+        raise InvalidRequestError(f"multi_modal_data: conveyor reads images, not {sorted(other)[0]!r}",
+                                  param="multi_modal_data")
+    images = data.get("image")
+    if images is None:
+        return text
+    images = tuple(images) if isinstance(images, list | tuple) else (images,)
+    return ImagePrompt(text, images) if images else text
+
+
+def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
+    """A PIL image (RGB) from what `ImagePrompt.images` may hold; InvalidRequestError if it
+    cannot be read."""
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover (a dependency)
+        raise InvalidRequestError("images need Pillow: pip install pillow", param="image") from None
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        data = image_bytes(source, allowed_local_media_path)
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except Exception as e:  # (PIL raises many kinds for a file it cannot read)
+            raise InvalidRequestError(f"the image cannot be read: {e}", param="image") from None
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def image_bytes(source: Any, allowed_local_media_path: str | None = None) -> bytes:
+    """The encoded bytes of an image given as bytes, a data URL, an http(s) URL or a local path."""
+    if isinstance(source, bytes | bytearray):
+        return bytes(source)
+    if isinstance(source, Path):
+        source = str(source)
+    if not isinstance(source, str):
+        raise InvalidRequestError(f"an image is a PIL image, bytes, a URL or a path, not {type(source).__name__}",
+                                  param="image")
+    if source.startswith("data:"):
+        head, _, payload = source.partition(",")
+        if not head.endswith(";base64"):
+            raise InvalidRequestError("a data URL of an image must be base64 (data:image/png;base64,...)",
+                                      param="image_url")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError("the image's data URL is not valid base64", param="image_url") from None
+    if source.startswith(("http://", "https://")):
+        return _fetch(source)
+    path = Path(source.removeprefix("file://"))
+    if allowed_local_media_path is None:
+        raise InvalidRequestError(
+            "local image files are read only under allowed_local_media_path (--allowed-local-media-path)",
+            param="image_url",
+        )
+    root = Path(allowed_local_media_path).resolve()
+    full = path.resolve()
+    if not full.is_relative_to(root):
+        raise InvalidRequestError(f"{source!r} is outside the allowed local media path", param="image_url")
+    try:
+        return full.read_bytes()
+    except OSError as e:
+        raise InvalidRequestError(f"the image file cannot be read: {e.strerror}", param="image_url") from None
+
+
+def _fetch(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except Exception as e:  # (URLError, HTTPError, a timeout, a reset)
+        raise InvalidRequestError(f"the image at {url} cannot be fetched: {e}", param="image_url") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(f"the image at {url} is larger than {MAX_IMAGE_BYTES >> 20} MiB", param="image_url")
+    return data
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """HF's CLIP/LLaVA image processing: optional pad to a square of the mean color, a resize
+    (the shortest edge to `shortest_edge`, or to `height` x `width`) with PIL's filter, a
+    center crop, a rescale to [0, 1] and a normalization, in HF's arithmetic (float64 rescale,
+    float32 normalize)."""
+
+    shortest_edge: int | None
+    resize_to: tuple[int, int] | None  # (height, width)
+    crop: tuple[int, int] | None
+    resample: int = 3  # PIL's BICUBIC
+    rescale: float | None = 1 / 255
+    mean: tuple[float, ...] | None = CLIP_MEAN
+    std: tuple[float, ...] | None = CLIP_STD
+    pad_to_square: bool = False
+
+    @classmethod
+    def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
+        """From `preprocessor_config.json` (HF's keys); where there is none, CLIP's processing
+        at the tower's image size."""
+        size = vision.image_size
+        cfg: dict[str, Any] = {}
+        if folder is not None and (folder / "preprocessor_config.json").is_file():
+            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        resize = cfg.get("size", {"shortest_edge": size}) if cfg.get("do_resize", True) else None
+        if isinstance(resize, int):
+            resize = {"shortest_edge": resize}
+        crop = cfg.get("crop_size", {"height": size, "width": size}) if cfg.get("do_center_crop", True) else None
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        return cls(
+            shortest_edge=None if resize is None else resize.get("shortest_edge"),
+            resize_to=None if resize is None or "height" not in resize else (resize["height"], resize["width"]),
+            crop=None if crop is None else (crop["height"], crop["width"]),
+            resample=int(cfg.get("resample", 3)),
+            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
+            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            pad_to_square=bool(cfg.get("do_pad", False)),
+        )
+
+    def __call__(self, image: Any) -> Pixels:
+        import numpy as np
+        import torch
+        from PIL import Image
+
+        if self.pad_to_square and image.width != image.height:
+            side = max(image.width, image.height)
+            color = tuple(int(m * 255) for m in (self.mean or (0.0, 0.0, 0.0)))
+            square = Image.new("RGB", (side, side), color)
+            square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+            image = square
+        if self.resize_to is not None:
+            image = image.resize((self.resize_to[1], self.resize_to[0]), resample=self.resample)
+        elif self.shortest_edge is not None:
+            w, h = image.width, image.height
+            short, long = (w, h) if w <= h else (h, w)
+            new_long = int(self.shortest_edge * long / short)
+            size = (self.shortest_edge, new_long) if w <= h else (new_long, self.shortest_edge)
+            image = image.resize(size, resample=self.resample)
+        array = np.asarray(image).transpose(2, 0, 1)  # [channels, height, width] uint8
+        if self.crop is not None:
+            array = _center_crop(array, *self.crop)
+        values = array.astype(np.float64) * self.rescale if self.rescale is not None else array.astype(np.float64)
+        values = values.astype(np.float32)
+        if self.mean is not None and self.std is not None:
+            mean = np.array(self.mean, dtype=np.float32)[:, None, None]
+            std = np.array(self.std, dtype=np.float32)[:, None, None]
+            values = (values - mean) / std
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+        return Pixels(tensor, hashlib.sha256(tensor.numpy().tobytes()).digest())
+
+
+def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    """HF's center crop: the middle `height` x `width`, zero-padded first where the image is smaller."""
+    import numpy as np
+
+    _, h, w = array.shape
+    if h < height or w < width:
+        nh, nw = max(h, height), max(w, width)
+        padded = np.zeros((array.shape[0], nh, nw), dtype=array.dtype)
+        top, left = (nh - h + 1) // 2, (nw - w + 1) // 2
+        padded[:, top : top + h, left : left + w] = array
+        array, h, w = padded, nh, nw
+    top, left = (h - height) // 2, (w - width) // 2
+    return array[:, top : top + height, left : left + width]
+
+
+def expand_image_tokens(token_ids: list[int], image_token_id: int, images: list[Pixels], tokens_per_image: int
+                        ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """The prompt with each image token repeated `tokens_per_image` times, and each image's
+    span; InvalidRequestError where the prompt's image tokens and the images do not pair up."""
+    places = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(places) != len(images):
+        raise InvalidRequestError(
+            f"the prompt has {len(places)} image tokens for {len(images)} images: put one image token "
+            "(the model's <image>) where each image goes, or send the images as a chat's content parts",
+            param="image",
+        )
+    out: list[int] = []
+    spans = []
+    last = 0
+    for place, pixels in zip(places, images, strict=True):
+        out.extend(token_ids[last:place])
+        spans.append(ImageSpan(len(out), tokens_per_image, pixels))
+        out.extend([image_token_id] * tokens_per_image)
+        last = place + 1
+    out.extend(token_ids[last:])
+    return out, tuple(spans)
+
+
+def span_keys(spans: tuple[ImageSpan, ...], block_size: int, block: int) -> bytes:
+    """The digests of the images whose tokens fall in block `block` (the prefix cache's extra
+    key for it): empty for a block of text only."""
+    start, end = block * block_size, (block + 1) * block_size
+    return b"".join(s.pixels.digest for s in spans if s.offset < end and s.end > start)
+
+
+# Content parts that carry an image: OpenAI's chat (`image_url`), its Responses API
+# (`input_image`), and vLLM's offline forms (`image`, `image_pil`: the image itself).
+IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil")
+
+
+def chat_images(messages: list[dict[str, Any]], template: str, image_token: str | None
+                ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Messages as the chat template reads them, and their images in order.
+
+    A message's text parts are joined. Where it has images, a template that renders image
+    parts itself (it tests a part's type against "image", as LLaVA's do) gets the parts as
+    `{"type": "image"}` and `{"type": "text", "text": ...}`; any other gets the image token
+    once an image, each on its own line, before the message's text (vLLM's "string" form)."""
+    images: list[Any] = []
+    out: list[dict[str, Any]] = []
+    reads_parts = "'image'" in template or '"image"' in template
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PARTS:
+                if image_token is None:
+                    raise InvalidRequestError("this model reads no images", param="messages")
+                images.append(_part_image(part, kind))
+                parts.append({"type": "image"})
+            elif kind in ("text", "input_text", "output_text") or (isinstance(part, dict) and "text" in part):
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                raise InvalidRequestError(f"a content part of type {kind!r} is not supported (text and images are)",
+                                          param="messages")
+        text = "".join(p["text"] for p in parts if p["type"] == "text")
+        seen = sum(p["type"] == "image" for p in parts)
+        if not seen:
+            content = text
+        elif reads_parts:
+            content = parts
+        else:
+            assert image_token is not None  # (checked at the first image)
+            content = "\n".join([*([image_token] * seen), text])
+        out.append({**message, "content": content})
+    return out, images
+
+
+def _part_image(part: dict[str, Any], kind: str) -> Any:
+    value = part.get(kind)
+    if kind in ("image_url", "input_image"):
+        if kind == "input_image" and value is None:
+            value = part.get("image_url")
+        if isinstance(value, dict):
+            value = value.get("url")
+    if value is None:
+        raise InvalidRequestError(f"an {kind} content part without its image", param="messages")
+    return value
