@@ -58,6 +58,7 @@ from conveyor.server.async_engine import (
     EngineRequest,
     EngineShuttingDownError,
     OutputStream,
+    Prompt,
     QueueFullError,
     _AbortAll,
     _Add,
