@@ -29,6 +29,7 @@ from conveyor.multimodal import (
     ImageProcessor,
     ImagePrompt,
     ImageSpan,
+    ImageToken,
     Pixels,
     as_image_prompt,
     expand_image_tokens,
@@ -191,7 +192,7 @@ class Engine:
         self.head = ModelHead()
         self.is_encoder = False  # a bidirectional encoder (BERT): it pools, and generates nothing
         self.image_processor: ImageProcessor | None = None  # an image-text model's (conveyor/multimodal.py)
-        self.image_token: str | None = None  # ... and the text of its image token ("<image>")
+        self.image_token: ImageToken | None = None  # ... and its image token ("<image>")
         self.default_pooling = "last"  # what an embedding pools when its request does not say
 
     @property
@@ -541,7 +542,9 @@ class Engine:
             engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
                                                                 arch.vision)
             if tokenizer is not None:
-                engine.image_token = tokenizer.hf.convert_ids_to_tokens(arch.vision.image_token_id)
+                v = arch.vision
+                engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.image_token_id), v.image_token_id,
+                                                v.tokens_per_image)
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 

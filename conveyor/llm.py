@@ -9,7 +9,7 @@ from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams,
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
-from conveyor.multimodal import ImagePrompt, ImageSpan, as_image_prompt, chat_images
+from conveyor.multimodal import ImagePrompt, ImageSpan, ImageToken, as_image_prompt, chat_images
 from conveyor.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -303,13 +303,14 @@ class LLM:
 
 
 def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict[str, Any] | None = None, image_token: str | None = None
+                chat_template_kwargs: dict[str, Any] | None = None, image_token: ImageToken | None = None
                 ) -> list[int] | ImagePrompt:
     """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`);
     with images among its content parts, the prompt and its images (`chat_images`)."""
     if tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer", param="messages")
-    messages, images = chat_images(messages, tokenizer.chat_template or "", image_token)
+    messages, images = chat_images(messages, tokenizer.chat_template or "",
+                                   None if image_token is None else image_token.text)
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
     return ImagePrompt(ids, tuple(images)) if images else ids

@@ -55,6 +55,15 @@ class ImagePrompt:
 
 
 @dataclass(frozen=True)
+class ImageToken:
+    """A model's image token: its text (`<image>`), its id, and how many of it an image becomes."""
+
+    text: str
+    id: int
+    per_image: int
+
+
+@dataclass(frozen=True)
 class Pixels:
     """An image made ready for the tower (`ImageProcessor`): `[channels, size, size]` float32,
     and a digest of its values (the prefix cache's key for it)."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
-from conveyor.multimodal import ImagePrompt
+from conveyor.multimodal import ImagePrompt, ImageToken
 from conveyor.outputs import ParallelChoices, RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
@@ -220,8 +220,8 @@ class EngineFront(ABC):
         """`--model` as typed."""
 
     @property
-    def image_token(self) -> str | None:
-        """The text of the model's image token (`Engine.image_token`); None: it reads no images."""
+    def image_token(self) -> ImageToken | None:
+        """The model's image token (`Engine.image_token`); None: it reads no images."""
         return None
 
     # -- state -------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ class AsyncEngine(EngineFront):
         return self.engine.head
 
     @property
-    def image_token(self) -> str | None:
+    def image_token(self) -> ImageToken | None:
         return self.engine.image_token
 
     @property

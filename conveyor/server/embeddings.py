@@ -286,7 +286,10 @@ def chat_prompt(state: ServerState, body: PoolingInputs | TokenizeRequest,
         "messages": body.messages, "tools": tools, "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message, "chat_template_kwargs": body.chat_template_kwargs,
     })
-    return ChatCompletionHandler(state, chat).prompts()[0].token_ids
+    prompt = ChatCompletionHandler(state, chat).prompts()[0]
+    if prompt.images:
+        raise InvalidRequestError("images in pooling and tokenize requests are not built", param="messages")
+    return prompt.token_ids
 
 
 def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
+from conveyor.multimodal import ImageToken
 from conveyor.outputs import CompletionOutput, ParallelChoices, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
@@ -123,7 +124,7 @@ class _Facts:
     model_path: str | None
     model_arg: str | None
     pid: int
-    image_token: str | None = None
+    image_token: ImageToken | None = None
 
 
 @dataclass(slots=True)
@@ -495,7 +496,7 @@ class ProcessAsyncEngine(AsyncEngine):
         return self._known().head
 
     @property
-    def image_token(self) -> str | None:
+    def image_token(self) -> ImageToken | None:
         return self._known().image_token
 
     @property

@@ -92,9 +92,19 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str  # a data:image/...;base64 URL, an http(s) URL, or (--allowed-local-media-path) a file
+    detail: str | None = None  # (OpenAI's; conveyor reads every image at the tower's size)
+
+
+class ImagePart(OpenAIBaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
@@ -115,12 +125,15 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them (text parts joined)."""
+        """Messages as the chat template expects them (text parts joined; a message with images
+        keeps its parts, for `conveyor.multimodal.chat_images`)."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
-            content = m.content
+            content: Any = m.content
             if isinstance(content, list):
-                content = "".join(p.text for p in content)
+                images = any(isinstance(p, ImagePart) for p in content)
+                content = ([p.model_dump(exclude_none=True) for p in content] if images
+                           else "".join(p.text for p in content if isinstance(p, TextPart)))
             d: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 d["name"] = m.name

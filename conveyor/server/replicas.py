@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig, RoutingPolicy, make_router
-from conveyor.multimodal import ImagePrompt, as_image_prompt
+from conveyor.multimodal import ImagePrompt, ImageToken, as_image_prompt
 from conveyor.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -91,7 +91,7 @@ class ReplicaSet(EngineFront):
         return self.replicas[0].head
 
     @property
-    def image_token(self) -> str | None:
+    def image_token(self) -> ImageToken | None:
         return self.replicas[0].image_token
 
     @property

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.lora import FilesystemResolver, LoRARequest, LoRAResolver, lora_resolver
+from conveyor.multimodal import ImagePrompt, chat_images, image_bytes
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.sequence import RequestMetrics
@@ -150,6 +151,17 @@ def verify_adapter(request: LoRARequest, model_path: str | None, max_rank: int |
 class _Prompt:
     token_ids: list[int]
     text: str | None
+    images: tuple[Any, ...] = ()  # one a `<image>` among token_ids (conveyor/multimodal.py)
+    image_tokens: int = 0  # the tokens each image's `<image>` becomes
+
+    @property
+    def num_tokens(self) -> int:
+        """Its length once each image token is expanded: what the context holds."""
+        return len(self.token_ids) + len(self.images) * (self.image_tokens - 1)
+
+    @property
+    def engine_prompt(self) -> list[int] | ImagePrompt:
+        return ImagePrompt(self.token_ids, self.images) if self.images else self.token_ids
 
 
 @dataclass
@@ -188,12 +200,17 @@ class _Handler:
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
+        self._fetched: dict[str, bytes] = {}  # images by their http(s) URLs (`fetch_images`)
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
     # subclass hooks
     def prompts(self) -> list[_Prompt]:
         raise NotImplementedError
+
+    async def fetch_images(self) -> None:
+        """Fetch the request's images named by http(s) URLs (a chat's), off the event loop and
+        before the engine sees them, so that no engine step waits on the network."""
 
     def max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -357,6 +374,9 @@ class _Handler:
             k = self.state.engine.max_model_len - 1
         out = []
         for p in prompts:
+            if p.images:
+                raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images",
+                                          param="truncate_prompt_tokens")
             if len(p.token_ids) > k:
                 ids = p.token_ids[-k:]
                 p = _Prompt(ids, None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -366,7 +386,7 @@ class _Handler:
     def fit(self, prompt: _Prompt) -> int:
         """The max_tokens to run with; raises if the prompt and completion cannot fit."""
         limit = self.state.engine.max_model_len
-        n_prompt = len(prompt.token_ids)
+        n_prompt = prompt.num_tokens
         asked = self.max_tokens()
         if asked is None:
             room = limit - n_prompt
@@ -402,7 +422,7 @@ class _Handler:
                 params = self.sampling_params(max_tokens, i)
                 self.choices.append(_Choice(index, prompt))
                 requests.append(
-                    EngineRequest(f"{self.request_id}-{index}", prompt.token_ids, params, prompt.text, self.lora)
+                    EngineRequest(f"{self.request_id}-{index}", prompt.engine_prompt, params, prompt.text, self.lora)
                 )
         return requests
 
@@ -410,6 +430,7 @@ class _Handler:
     async def run(self, raw: Request) -> Response:
         if self.body.use_beam_search:
             return await self._run_beam_search(raw)
+        await self.fetch_images()
         requests = self.engine_requests()
         by_id = {r.request_id: c for r, c in zip(requests, self.choices, strict=True)}
         stream = await self.state.engine.add(requests)
@@ -457,6 +478,9 @@ class _Handler:
             )
         jobs = []
         for prompt in self.truncated_prompts():
+            if prompt.images:
+                raise InvalidRequestError("beam search over a prompt with images is not built over HTTP "
+                                          "(LLM.beam_search takes one)", param="use_beam_search")
             try:
                 jobs.append((prompt, BeamSearchParams(b.n, self.fit(prompt), b.ignore_eos, b.length_penalty)))
             except InvalidRequestError as e:  # name the field the client sent: n is the beam width
@@ -520,7 +544,7 @@ class _Handler:
 
     # -- rendering ---------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
-        prompts = {id(c.prompt): len(c.prompt.token_ids) for c in self.choices}
+        prompts = {id(c.prompt): c.prompt.num_tokens for c in self.choices}
         prompt_tokens = sum(prompts.values())  # a prompt counts once, however many choices
         completion_tokens = sum(c.num_tokens for c in self.choices)
         cached: dict[int, int] = {}  # per prompt, the least any of its choices was served
@@ -804,15 +828,35 @@ class ChatCompletionHandler(_Handler):
         template = self.tokenizer.chat_template or ""
         if self.tools is not None and self.tools.shown and "tools" in template:
             kwargs["tools"] = self.tools.template_tools()
+        messages, images = self._chat
         try:
             ids = self.tokenizer.apply_chat_template(
-                history_for_template(b.message_dicts(), self.tools, template),
+                history_for_template(messages, self.tools, template),
                 add_generation_prompt=b.add_generation_prompt and not b.continue_final_message,
                 **kwargs,
             )
         except Exception as e:  # the template rejects these messages: the client's to fix
             raise InvalidRequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
-        return [_Prompt(ids, None)]
+        if not images:
+            return [_Prompt(ids, None)]
+        token = self.state.engine.image_token
+        assert token is not None  # (`chat_images` refuses images for a model without one)
+        fetched = self._fetched
+        return [_Prompt(ids, None, tuple(fetched.get(i, i) if isinstance(i, str) else i for i in images),
+                        token.per_image)]
+
+    @functools.cached_property
+    def _chat(self) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The messages as the template reads them, and their images (`chat_images`)."""
+        token = self.state.engine.image_token
+        template = "" if self.tokenizer is None else self.tokenizer.chat_template or ""
+        return chat_images(self.body.message_dicts(), template, None if token is None else token.text)
+
+    async def fetch_images(self) -> None:
+        urls = list(dict.fromkeys(i for i in self._chat[1] if isinstance(i, str) and i.startswith(("http://", "https://"))))
+        if urls:
+            data = await asyncio.gather(*(asyncio.to_thread(image_bytes, url) for url in urls))
+            self._fetched = dict(zip(urls, data, strict=True))
 
     def max_tokens(self) -> int | None:
         b = self.body

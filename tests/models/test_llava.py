@@ -246,3 +246,70 @@ def test_preempted_requests_with_images(llava, mode):
     outs = tight.generate(prompts, long, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert tight.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_served_over_http(llava, tmp_path, engine_process):
+    """`/v1/chat/completions` with `image_url` parts (a data URL, and an http URL the server
+    fetches) gives `LLM.chat`'s tokens and counts the image's tokens in `usage`; a bad image is
+    a 400 and the server goes on (its engine in this process or in its own)."""
+    import http.server
+    import threading
+
+    import httpx
+
+    from tests.server.conftest import ServerProcess, assert_openai_error
+
+    image = picture(9)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            ok = self.path == "/cat.png"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            if ok:
+                self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    site = f"http://127.0.0.1:{images.server_address[1]}"
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "w41 w42"}]}]
+    want = LLM(str(llava), dtype="float64", num_kv_blocks=128).chat(messages, PARAMS, use_tqdm=False)[0]
+    args = ["--model", str(llava), "--dtype", "float64", "--num-kv-blocks", "128"]
+    server = ServerProcess(args + (["--engine-process"] if engine_process else []), tmp_path / "server.log")
+    body = {"model": str(llava), "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    try:
+        server.wait_ready()
+        with httpx.Client(timeout=60.0) as client:
+            for url in (data_url(image), f"{site}/cat.png"):
+                msgs = [{**messages[0], "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                    messages[0]["content"][1]]}]
+                r = client.post(server.url + "/v1/chat/completions", json={**body, "messages": msgs, "logprobs": True})
+                assert r.status_code == 200, r.text
+                got = r.json()
+                tokens = [int(e["token"].removeprefix("token_id:")) if e["token"].startswith("token_id:")
+                          else llava_token(e["token"]) for e in got["choices"][0]["logprobs"]["content"]]
+                assert tokens == want.outputs[0].token_ids
+                assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+            for url, param in ((f"{site}/missing.png", "image_url"), ("data:image/png;base64,AAAA", "image")):
+                msgs = [{**messages[0], "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+                assert_openai_error(client.post(server.url + "/v1/chat/completions", json={**body, "messages": msgs}),
+                                    400, param=param)
+            r = client.post(server.url + "/v1/chat/completions", json={**body, "messages": messages})
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+        images.shutdown()
+
+
+def llava_token(text: str) -> int:
+    """The id of one word of the tests' tokenizer ("w40" -> 40)."""
+    return {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<image>": IMAGE_TOKEN}.get(text) or int(text[1:])
