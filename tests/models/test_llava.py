@@ -266,7 +266,7 @@ def test_served_over_http(llava, tmp_path, engine_process):
     png = buf.getvalue()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             ok = self.path == "/cat.png"
             self.send_response(200 if ok else 404)
             self.send_header("Content-Type", "image/png")
