@@ -313,3 +313,30 @@ def test_served_over_http(llava, tmp_path, engine_process):
 def llava_token(text: str) -> int:
     """The id of one word of the tests' tokenizer ("w40" -> 40)."""
     return {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<image>": IMAGE_TOKEN}.get(text) or int(text[1:])
+
+
+def test_a_hub_config_reads_with_transformers_defaults():
+    """llava-hf/llava-1.5-7b-hf's config.json names only what differs from transformers'
+    defaults: the text model is Vicuna-7B's shape, the tower CLIP ViT-L/14 at 336 pixels, 576
+    tokens an image, the tower's 23 first layers read."""
+    from conveyor.models.arch import ArchConfig
+    from conveyor.models.vision import LlavaVision
+
+    hub = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000, "model_type": "llava",
+           "pad_token_id": 32001, "projector_hidden_act": "gelu",
+           "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                           "model_type": "llama", "rms_norm_eps": 1e-05, "vocab_size": 32064},
+           "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                             "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                             "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+           "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+    arch = ArchConfig.from_hf(hub)
+    assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.intermediate_size) == (4096, 32, 32, 11008)
+    assert arch.vocab_size == 32064 and arch.max_position_embeddings == 4096
+    v = arch.vision
+    assert v is not None and v.tokens_per_image == 576 and v.feature_layers == (23,) and v.hidden_act == "quick_gelu"
+    with torch.device("meta"):
+        assert len(LlavaVision(v).vision_tower.vision_model.encoder.layers) == 23
+    bad = {**hub, "vision_config": {**hub["vision_config"], "model_type": "pixtral"}}
+    with pytest.raises(ValueError, match="vision tower 'pixtral' is not supported"):
+        ArchConfig.from_hf(bad)
