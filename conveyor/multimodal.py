@@ -43,7 +43,6 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 FETCH_TIMEOUT_S = 10.0
 MAX_IMAGE_BYTES = 32 << 20
-MAX_IMAGE_PIXELS = 64 << 20  # a decompression bomb's guard
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,6 @@ def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
         from PIL import Image
     except ImportError:  # pragma: no cover (a dependency)
         raise InvalidRequestError("images need Pillow: pip install pillow", param="image") from None
-    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
     if isinstance(source, Image.Image):
         image = source
     else:
