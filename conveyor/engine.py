@@ -543,8 +543,9 @@ class Engine:
                                                                 arch.vision)
             if tokenizer is not None:
                 v = arch.vision
-                engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.image_token_id), v.image_token_id,
-                                                v.tokens_per_image)
+                frame = sum(map(len, engine._image_frame))
+                engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.placeholder_id), v.placeholder_id,
+                                                v.tokens_per_image + frame)
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 
@@ -603,8 +604,26 @@ class Engine:
         local = self.config.model.allowed_local_media_path
         pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local)) for p in prompt.images]
         text, ids = self.tokenize_prompt(prompt.prompt)
-        ids, spans = expand_image_tokens(ids, vision.image_token_id, pixels, vision.tokens_per_image)
+        before, after = self._image_frame
+        ids, spans = expand_image_tokens(ids, vision.placeholder_id, pixels, vision.tokens_per_image,
+                                         vision.image_token_id, before, after, vision.bidirectional)
+        sc = self.scheduler.config
+        if spans and vision.bidirectional and sc.prefill_mode == "chunked" and sc.max_num_batched_tokens < spans[0].length:
+            raise InvalidRequestError(
+                f"an image is {spans[0].length} tokens that a step computes together, more than "
+                f"max_num_batched_tokens={sc.max_num_batched_tokens}", param="image")
         return text, ids, spans
+
+    @functools.cached_property
+    def _image_frame(self) -> tuple[list[int], list[int]]:
+        """What stands before and after an image's tokens in place of its placeholder: Gemma 3's
+        "\n\n" and begin-of-image token, then its end-of-image token and "\n\n" (HF's
+        processor's `full_image_sequence`); nothing for LLaVA."""
+        vision = self.arch.vision  # type: ignore[attr-defined]
+        if vision.boi_token_id is None:
+            return [], []
+        gap = [] if self.tokenizer is None else self.tokenizer.encode("\n\n", add_special_tokens=False)
+        return [*gap, vision.boi_token_id], [vision.eoi_token_id, *gap]
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never be served."""

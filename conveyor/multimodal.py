@@ -55,7 +55,8 @@ class ImagePrompt:
 
 @dataclass(frozen=True)
 class ImageToken:
-    """A model's image token: its text (`<image>`), its id, and how many of it an image becomes."""
+    """The token a prompt places an image with: its text (LLaVA's `<image>`, Gemma 3's
+    `<start_of_image>`), its id, and how many tokens it becomes with an image."""
 
     text: str
     id: int
@@ -73,11 +74,13 @@ class Pixels:
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One image's place in a sequence: `length` image tokens from `offset`."""
+    """One image's place in a sequence: `length` image tokens from `offset`; `bidirectional`:
+    they see each other both ways (Gemma 3), so a step computes them together."""
 
     offset: int
     length: int
     pixels: Pixels = field(repr=False)
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -193,11 +196,15 @@ class ImageProcessor:
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
         """From `preprocessor_config.json` (HF's keys); where there is none, CLIP's processing
-        at the tower's image size."""
+        at the tower's image size (SigLIP's for Gemma 3: a bilinear resize to the square, mean
+        and spread 0.5)."""
         size = vision.image_size
         cfg: dict[str, Any] = {}
+        if vision.style == "gemma3":
+            cfg = {"size": {"height": size, "width": size}, "do_center_crop": False, "resample": 2,
+                   "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
         if folder is not None and (folder / "preprocessor_config.json").is_file():
-            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+            cfg |= json.loads((folder / "preprocessor_config.json").read_text())
         resize = cfg.get("size", {"shortest_edge": size}) if cfg.get("do_resize", True) else None
         if isinstance(resize, int):
             resize = {"shortest_edge": resize}
@@ -262,24 +269,32 @@ def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
     return array[:, top : top + height, left : left + width]
 
 
-def expand_image_tokens(token_ids: list[int], image_token_id: int, images: list[Pixels], tokens_per_image: int
+def expand_image_tokens(token_ids: list[int], placeholder_id: int, images: list[Pixels], tokens_per_image: int,
+                        image_token_id: int | None = None, before: list[int] | tuple[int, ...] = (),
+                        after: list[int] | tuple[int, ...] = (), bidirectional: bool = False,
                         ) -> tuple[list[int], tuple[ImageSpan, ...]]:
-    """The prompt with each image token repeated `tokens_per_image` times, and each image's
-    span; InvalidRequestError where the prompt's image tokens and the images do not pair up."""
-    places = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    """The prompt with each placeholder token replaced by `before`, `tokens_per_image` image
+    tokens and `after` (LLaVA: the image token repeated; Gemma 3: "\n\n", its begin-of-image
+    token, the image tokens, its end-of-image token, "\n\n", as HF's processor writes them),
+    and each image's span; InvalidRequestError where the placeholders and the images do not
+    pair up."""
+    image_token_id = placeholder_id if image_token_id is None else image_token_id
+    places = [i for i, t in enumerate(token_ids) if t == placeholder_id]
     if len(places) != len(images):
         raise InvalidRequestError(
             f"the prompt has {len(places)} image tokens for {len(images)} images: put one image token "
-            "(the model's <image>) where each image goes, or send the images as a chat's content parts",
-            param="image",
+            "(the model's <image> or <start_of_image>) where each image goes, or send the images as a "
+            "chat's content parts", param="image",
         )
     out: list[int] = []
     spans = []
     last = 0
     for place, pixels in zip(places, images, strict=True):
         out.extend(token_ids[last:place])
-        spans.append(ImageSpan(len(out), tokens_per_image, pixels))
+        out.extend(before)
+        spans.append(ImageSpan(len(out), tokens_per_image, pixels, bidirectional))
         out.extend([image_token_id] * tokens_per_image)
+        out.extend(after)
         last = place + 1
     out.extend(token_ids[last:])
     return out, tuple(spans)

@@ -495,14 +495,28 @@ class Scheduler:
             cap = self.config.long_prefill_token_threshold
             if cap:
                 num_new = min(num_new, cap)
-            return min(num_new, budget)
+            return self._whole_images(seq, min(num_new, budget), budget)
         if num_new <= budget:
             return num_new
         # Whole prompts only; but a sequence resumed after preemption may have outgrown the
         # whole step budget, and unless it is recomputed in chunks it would wait forever.
         if seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens:
-            return budget
+            return self._whole_images(seq, budget, budget)
         return 0
+
+    @staticmethod
+    def _whole_images(seq: Sequence, num_new: int, budget: int) -> int:
+        """A chunk of `num_new` tokens, cut so that it ends in no image whose tokens see each
+        other both ways (Gemma 3's): it ends before the image, or (starting inside or at it, the
+        tokens before it cached) takes the rest of it whole, or waits for a step with the room."""
+        start = seq.num_computed_tokens
+        end = start + num_new
+        for span in seq.images:
+            if span.bidirectional and span.offset < end < span.end:
+                if span.offset > start:
+                    return span.offset - start
+                return span.end - start if span.end - start <= budget else 0
+        return num_new
 
     def _swap_in(self, out: SchedulerOutput, budget: int, now: float, only: str | None = None) -> int:
         """Bring swapped sequences back in policy order; `only` restricts to prefills or decodes

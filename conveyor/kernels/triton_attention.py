@@ -634,15 +634,16 @@ class TritonPagedAttention(AttentionBackend):
             SOFTCAP=bool(self.softcap), SINKS=self.sinks is not None, num_warps=4 if block_d <= 64 else 8,
         )
         for span in meta.prefills:
-            if span.tree:  # a token tree's rows, whose mask is not causal: the torch reference's
+            if span.tree or span.ranges:  # a token tree's rows or an image's, not causal: the torch reference's
                 self._tree_span(q, kv_cache, meta, span, scale, out)
 
     def _tree_span(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, span: PrefillSpan,
                    scale: float, out: torch.Tensor) -> None:
-        """A token tree's span (a speculative step's branching guesses, a few rows) over its
-        context under its mask, as `TorchPagedAttention` computes it (the prefill kernel has
-        written a causal result there first)."""
-        assert not self.softcap and self.sinks is None, "no token trees with soft-capped scores or sinks"
+        """A token tree's span (a speculative step's branching guesses, a few rows) or one with
+        image rows that see each other both ways (`open_ranges`), over its context under its
+        mask, as `TorchPagedAttention` computes it (the prefill kernel has written a causal
+        result there first)."""
+        assert not self.softcap and self.sinks is None, "no masked spans with soft-capped scores or sinks"
         assert span.context_blocks is not None and span.bias is not None
         a, b = span.token_start, span.token_end
         length = span.start_pos + (b - a)

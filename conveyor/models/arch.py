@@ -381,7 +381,13 @@ class ArchConfig:
                     if text.get(key) is None and cfg.get(key) is not None:
                         text[key] = cfg[key]
                 arch = _gemma_from_hf(text, MULTIMODAL_TEXT_ARCHITECTURES[a], False, False)
-                return dataclasses.replace(arch, multimodal=True)
+                vision = None
+                if cfg.get("vision_config"):  # (its images: conveyor/models/vision.py)
+                    try:
+                        vision = VisionArch.from_gemma3(cfg, arch.hidden_size)
+                    except VisionConfigError as e:
+                        raise UnsupportedModelError(str(e)) from None
+                return dataclasses.replace(arch, multimodal=True, vision=vision)
             if a in LLAVA_ARCHITECTURES:
                 return _llava_from_hf(cfg)
             if a in ENCODER_ARCHITECTURES:

@@ -34,6 +34,9 @@ class PrefillSpan:
     context_blocks: torch.Tensor | None  # blocks holding positions [0, start_pos + n); None if start_pos == 0
     bias: torch.Tensor | None  # [n, context] additive mask (0 or -inf); None means plain causal
     tree: bool = False  # the rows are a token tree's (`bias` is not causal within the span)
+    # Position ranges whose rows see each other both ways (Gemma 3's images: `open_ranges`);
+    # `bias` is then not causal within the span.
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -82,9 +85,11 @@ class AttentionMetadata:
         for span in self.prefills:
             start, ctx_len = span.start_pos, span.start_pos + span.token_end - span.token_start
             bias = None
-            if start > 0 or (window and ctx_len > window):
-                bias = to_device(torch.where(_keep(start, ctx_len, window or None), zero, neg_inf), device)
-            prefills.append(PrefillSpan(span.token_start, span.token_end, start, span.context_blocks, bias))
+            if start > 0 or (window and ctx_len > window) or span.ranges:
+                keep = _keep(start, ctx_len, window or None, span.ranges)
+                bias = to_device(torch.where(keep, zero, neg_inf), device)
+            prefills.append(PrefillSpan(span.token_start, span.token_end, start, span.context_blocks, bias,
+                                        ranges=span.ranges))
         hit = self.windows[window] = AttentionMetadata(
             block_size=self.block_size, positions=self.positions, slot_mapping=self.slot_mapping,
             num_decodes=self.num_decodes, decode_blocks=self.decode_blocks,
@@ -296,11 +301,40 @@ def _mixed_metadata(
     return meta
 
 
-def _keep(start: int, ctx_len: int, window: int | None) -> torch.Tensor:
-    """`[ctx_len - start, ctx_len]`: which positions each of a span's new rows sees."""
+def open_ranges(meta: AttentionMetadata, ranges: Sequence[tuple[tuple[int, int], ...]]) -> None:
+    """Let the rows of each range (positions `[a, b)`) see each other both ways, not only the
+    ones before them: Gemma 3's image tokens, which attend over their whole image (HF's
+    `token_type_ids` mask; in a sliding layer, within its window too). `ranges[j]` are those of
+    `meta.prefills[j]`'s sequence; a range must lie whole in the span's context (the scheduler
+    never ends a chunk inside one: `Scheduler._prefill_chunk`). Such a span's mask is built
+    here, and its blocks named even for a fresh prompt (the Triton backend computes it with the
+    torch reference, from the cache)."""
+    device = meta.positions.device
+    neg_inf = torch.tensor(float("-inf"), dtype=meta.mask_dtype)
+    zero = torch.tensor(0.0, dtype=meta.mask_dtype)
+    assert meta.prefill_blocks is not None or not meta.prefills
+    for j, (span, own) in enumerate(zip(meta.prefills, ranges, strict=True)):
+        start, ctx_len = span.start_pos, span.start_pos + span.token_end - span.token_start
+        own = tuple((a, b) for a, b in own if a < ctx_len and b > start)
+        if not own:
+            continue
+        keep = _keep(start, ctx_len, meta.sliding_window, own)
+        span.bias = to_device(torch.where(keep, zero, neg_inf), device)
+        span.ranges = own
+        if span.context_blocks is None:
+            assert meta.prefill_blocks is not None
+            span.context_blocks = meta.prefill_blocks[j, : (ctx_len + meta.block_size - 1) // meta.block_size]
+    meta.windows.clear()
+
+
+def _keep(start: int, ctx_len: int, window: int | None, ranges: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """`[ctx_len - start, ctx_len]`: which positions each of a span's new rows sees (those
+    before it, and the whole of a range it is in: `open_ranges`), within `window`."""
     q_pos = torch.arange(start, ctx_len)[:, None]
     k_pos = torch.arange(ctx_len)[None, :]
     keep = k_pos <= q_pos
+    for a, b in ranges:
+        keep |= (q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b)
     if window is not None:
         keep &= k_pos > q_pos - window
     return keep

@@ -18,6 +18,7 @@ HF's (`vision_tower.vision_model.*`, `multi_modal_projector.*`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,11 @@ class VisionConfigError(ValueError):
 
 @dataclass(frozen=True)
 class VisionArch:
-    """A LLaVA checkpoint's vision side, from its `config.json`."""
+    """An image-text checkpoint's vision side, from its `config.json`: LLaVA's (`style`
+    "llava") or Gemma 3's ("gemma3": the SigLIP tower's last hidden states after its post-norm,
+    averaged over square pools to `pooled_tokens`, then an RMS norm and one projection; each
+    image's tokens see each other both ways in the text model, and stand between a begin- and an
+    end-of-image token)."""
 
     tower: str  # "clip_vision_model" or "siglip_vision_model"
     hidden_size: int
@@ -70,6 +75,43 @@ class VisionArch:
     projector_bias: bool
     text_hidden_size: int
     image_token_id: int
+    style: str = "llava"
+    pooled_tokens: int = 0  # Gemma 3's `mm_tokens_per_image`
+    boi_token_id: int | None = None  # Gemma 3's `<start_of_image>`: where a prompt places an image
+    eoi_token_id: int | None = None
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens see each other both ways in the text model (Gemma 3)."""
+        return self.style == "gemma3"
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token a prompt places an image with (LLaVA's `<image>`, Gemma 3's `<start_of_image>`)."""
+        return self.boi_token_id if self.boi_token_id is not None else self.image_token_id
+
+    @classmethod
+    def from_gemma3(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
+        v = {**SIGLIP_VISION_DEFAULTS, **dict(cfg.get("vision_config") or {})}
+        if v.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise VisionConfigError(f"Gemma 3's vision tower {v['model_type']!r} is not supported (SigLIP is)")
+        if v["hidden_act"] not in ACTIVATIONS:
+            raise VisionConfigError(f"activation {v['hidden_act']!r} is not supported; conveyor reads {sorted(ACTIVATIONS)}")
+        pooled = int(cfg.get("mm_tokens_per_image", 256))
+        side, per_side = v["image_size"] // v["patch_size"], math.isqrt(pooled)
+        if per_side * per_side != pooled or side % per_side:
+            raise VisionConfigError(f"mm_tokens_per_image={pooled} does not pool a {side}x{side} grid of patches")
+        n = v["num_hidden_layers"]
+        return cls(
+            tower="siglip_vision_model", hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+            num_layers=n, num_heads=v["num_attention_heads"], num_channels=v["num_channels"],
+            image_size=v["image_size"], patch_size=v["patch_size"], hidden_act=v["hidden_act"],
+            layer_norm_eps=v["layer_norm_eps"], feature_layers=(n,), select_strategy="full", projector_act="gelu",
+            projector_bias=False, text_hidden_size=text_hidden_size,
+            image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262_144))), style="gemma3",
+            pooled_tokens=pooled, boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))),
+            eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256_000))),
+        )
 
     @classmethod
     def from_llava(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
@@ -112,6 +154,8 @@ class VisionArch:
     @property
     def tokens_per_image(self) -> int:
         """How many embeddings (image tokens in the prompt) one image becomes."""
+        if self.pooled_tokens:
+            return self.pooled_tokens
         return self.num_patches + (self.class_token and self.select_strategy == "full")
 
 
@@ -183,6 +227,8 @@ class _VisionModel(nn.Module):
         if v.class_token:
             self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # (HF's spelling)
         self.encoder = _Encoder(v)
+        if v.style == "gemma3":  # (its features are the last hidden states, after this norm)
+            self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
 
 
 class _Tower(nn.Module):
@@ -203,6 +249,30 @@ class _Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class _PoolingProjector(nn.Module):
+    """Gemma 3's: the patches' grid averaged over square pools, a Gemma RMS norm (`1 + w`),
+    then one projection (a bare weight, `[vision hidden, text hidden]`)."""
+
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.side = v.image_size // v.patch_size
+        self.pool = self.side // math.isqrt(v.pooled_tokens)
+        self.eps = v.layer_norm_eps
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(v.hidden_size))
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(v.hidden_size, v.text_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, d = x.shape
+        grid = x.transpose(1, 2).reshape(n, d, self.side, self.side)
+        pooled = F.avg_pool2d(grid, self.pool, self.pool).flatten(2).transpose(1, 2)
+        weight = self.mm_soft_emb_norm.weight
+        assert isinstance(weight, torch.Tensor)
+        normed = pooled.float() * torch.rsqrt(pooled.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (normed * (1.0 + weight.float())).to(x.dtype)
+        return normed @ self.mm_input_projection_weight
+
+
 class LlavaVision(nn.Module):
     """Images `[N, channels, size, size]` (as `conveyor.multimodal.ImageProcessor` makes them)
     to embeddings `[N, tokens_per_image, text hidden]` for the text model."""
@@ -211,7 +281,7 @@ class LlavaVision(nn.Module):
         super().__init__()
         self.config = v
         self.vision_tower = _Tower(v)
-        self.multi_modal_projector = _Projector(v)
+        self.multi_modal_projector: nn.Module = _PoolingProjector(v) if v.style == "gemma3" else _Projector(v)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         v = self.config
@@ -227,6 +297,8 @@ class LlavaVision(nn.Module):
             x = layer(x)
             if i in v.feature_layers:
                 kept[i] = x
+        if hasattr(model, "post_layernorm"):  # Gemma 3: the last hidden states, normed
+            return self.multi_modal_projector(model.post_layernorm(x))
         features = [kept[i] for i in v.feature_layers]
         if v.class_token and v.select_strategy == "default":
             features = [f[:, 1:] for f in features]

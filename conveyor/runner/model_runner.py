@@ -21,6 +21,7 @@ from conveyor.models.attention import (
     build_metadata,
     chain_decodes,
     host_longs,
+    open_ranges,
     to_device,
 )
 from conveyor.models.llama import LlamaForCausalLM
@@ -378,6 +379,11 @@ class ModelRunner:
                                  for g, host in enumerate(self.window_host_tables)]
                 self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
             meta.embeds = embeds
+            if embeds is not None and any(s.bidirectional for it in items for s in it.images):
+                ranges = [tuple((s.offset, s.end) for s in it.images if s.bidirectional)
+                          for it in items[meta.num_decodes:]]
+                for m in {id(m): m for m in [meta, *(meta.layer_metas or [])]}.values():
+                    open_ranges(m, ranges)
             if peers is not None:
                 peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
                                 num_new=num_new, window_tables=window_tables,

@@ -1,0 +1,191 @@
+"""Gemma 3's images (conveyor/models/vision.py, `open_ranges` in conveyor/models/attention.py)
+against HF transformers' `Gemma3ForConditionalGeneration` on the same random weights: the
+pooled SigLIP features, each image's tokens seeing each other both ways (in the sliding layers
+within the window, as HF masks them), the begin/end-of-image frame around them, and chunks that
+never end inside an image."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conveyor import LLM, ImagePrompt, SamplingParams
+from conveyor.sampling_params import InvalidRequestError
+from tests.conftest import TINY, triton_interpreted
+from tests.models.test_gemma import GEMMA3_ROPE, SHAPE
+
+PIL = pytest.importorskip("PIL.Image")
+
+GAP, BOI, EOI, IMAGE = 380, 381, 382, 383  # "\n\n", <start_of_image>, <end_of_image>, <image_soft_token>
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ '<start_of_image>' }}"
+            "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %} {% endfor %}"
+            "{% if add_generation_prompt %}model: {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """A random-weight Gemma 3 with a SigLIP tower of 56-pixel images in 14-pixel patches (a
+    4x4 grid) kept whole (`mm_tokens_per_image=16`: 16 image tokens, more than the sliding
+    window of 6), a word-level tokenizer with its four image tokens and a chat template."""
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("gemma3v") / "m"
+    text = tf.Gemma3TextConfig(**{**TINY, **SHAPE, "sliding_window_pattern": 2, "rope_parameters": GEMMA3_ROPE})
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=56, patch_size=14)
+    config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=16,
+                             boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE)
+    torch.manual_seed(12)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.normal_(0, 0.3)
+            elif "vision_tower" in name or "projector" in name:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, GAP)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<start_of_image>", "<end_of_image>",
+                                                                  "<image_soft_token>")])
+    assert [tok.token_to_id(t) for t in ("\n\n", "<start_of_image>", "<end_of_image>", "<image_soft_token>")] == [
+        GAP, BOI, EOI, IMAGE]
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(out)
+    return out
+
+
+def picture(seed: int, size=(64, 48)):
+    g = torch.Generator().manual_seed(seed)
+    return PIL.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy(), "RGB")
+
+
+PROMPTS = [
+    ([1, 40, BOI, 41, 42], [0]),
+    ([1, BOI, 50, 51, 52, BOI, 53], [1, 2]),
+    ([1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, BOI, 71], [3]),
+    ([1, 90, 91, 92, 93, 94, 95, 96], []),
+]
+
+
+def requests():
+    return [ImagePrompt(ids, tuple(picture(s) for s in seeds)) if seeds else ids for ids, seeds in PROMPTS]
+
+
+def logprobs(out):
+    """The log-probability of each output token."""
+    return [lp.logprob for lp in out.outputs[0].logprobs]
+
+
+def hf_tokens(path, llm):
+    """HF's greedy tokens and their log-probabilities for the prompts as conveyor expands them
+    (its `token_type_ids`: the image tokens, which HF masks both ways)."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+    out = []
+    for prompt in requests():
+        _, ids, _ = llm.engine.prepare_prompt(prompt)
+        x = torch.tensor([ids])
+        extra = {}
+        if isinstance(prompt, ImagePrompt):
+            extra = {"pixel_values": torch.stack([llm.engine.image_processor(im).values for im in prompt.images]).double(),
+                     "token_type_ids": (x == IMAGE).long()}
+        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                          **extra)
+        tokens = gen.sequences[0, x.shape[1]:].tolist()
+        lps = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(gen.logits, tokens, strict=True)]
+        out.append((tokens, lps))
+    return out
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"prefill_mode": "chunked", "max_num_batched_tokens": 20, "enable_prefix_caching": True},
+    {"hybrid_kv_cache": True},
+])
+def test_greedy_tokens_match_hf(gemma3, options):
+    """Prompts of one and two images and one of text, batched together: HF's greedy tokens whole,
+    in chunks of 20 (cut before each image, which runs whole), and with the hybrid KV cache."""
+    llm = LLM(str(gemma3), dtype="float64", num_kv_blocks=128, **options)
+    want = hf_tokens(gemma3, llm)
+    runs = [llm.generate(requests(), PARAMS, use_tqdm=False)]
+    if options.get("enable_prefix_caching"):  # again, from the cache (a hit may end inside an image)
+        runs.append(llm.generate(requests(), PARAMS, use_tqdm=False))
+        assert any(o.num_cached_tokens for o in runs[-1])
+    for outs in runs:
+        for out, (tokens, lps) in zip(outs, want, strict=True):
+            assert out.outputs[0].token_ids == tokens
+            assert logprobs(out) == pytest.approx(lps, abs=1e-5)  # (float32 logprobs)
+
+
+def test_the_frame_around_an_image_and_the_both_way_mask(gemma3):
+    """Each `<start_of_image>` becomes "\\n\\n", itself, 16 image tokens, `<end_of_image>`,
+    "\\n\\n" (HF's processor's sequence), and without the both-way mask the tokens differ (the
+    test above could not pass on a causal mask)."""
+    llm = LLM(str(gemma3), dtype="float64", num_kv_blocks=128)
+    _, ids, spans = llm.engine.prepare_prompt(ImagePrompt([1, 40, BOI, 41], (picture(0),)))
+    assert ids == [1, 40, GAP, BOI, *[IMAGE] * 16, EOI, GAP, 41]
+    assert [(s.offset, s.length, s.bidirectional) for s in spans] == [(4, 16, True)]
+    assert llm.engine.image_token.per_image == 20
+    from conveyor.models import attention
+
+    causal = LLM(str(gemma3), dtype="float64", num_kv_blocks=128)
+    keep = attention.open_ranges
+    try:
+        attention.open_ranges = lambda meta, ranges: None  # type: ignore[assignment]
+        import conveyor.runner.model_runner as mr
+
+        mr.open_ranges = attention.open_ranges
+        plain = causal.generate(requests(), PARAMS, use_tqdm=False)
+    finally:
+        attention.open_ranges = keep
+        mr.open_ranges = keep
+    both = llm.generate(requests(), PARAMS, use_tqdm=False)
+    gaps = [abs(a - b) for p, o in zip(plain[:3], both[:3], strict=True)
+            for a, b in zip(logprobs(p), logprobs(o), strict=False)]
+    assert max(gaps) > 1e-3  # (the text-only prompt is the same either way)
+    assert logprobs(plain[3]) == pytest.approx(logprobs(both[3]), abs=1e-6)
+
+
+def test_chat_and_refusals(gemma3):
+    """A chat's image part renders as `<start_of_image>` by the template and gives the same
+    tokens as the prompt written out; a chunk budget smaller than an image is refused."""
+    llm = LLM(str(gemma3), dtype="float64", num_kv_blocks=128)
+    image = picture(4)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "w41 w42"}]}]
+    chat = llm.chat(messages, PARAMS, use_tqdm=False)[0]
+    written = llm.generate([ImagePrompt("user: <start_of_image>w41 w42 model: ", (image,))], PARAMS,
+                           use_tqdm=False)[0]
+    assert chat.prompt_token_ids == written.prompt_token_ids
+    assert chat.outputs[0].token_ids == written.outputs[0].token_ids
+    small = LLM(str(gemma3), dtype="float64", num_kv_blocks=128, prefill_mode="chunked", max_num_batched_tokens=8)
+    with pytest.raises(InvalidRequestError, match="16 tokens that a step computes together"):
+        small.generate([ImagePrompt([1, BOI], (image,))], PARAMS, use_tqdm=False)
+    cfg = json.loads((gemma3 / "config.json").read_text())
+    assert cfg["mm_tokens_per_image"] == 16
+
+
+@pytest.mark.skipif(not triton_interpreted() and not torch.cuda.is_available(),
+                    reason="the model on CPU tensors through Triton's interpreter")
+def test_triton_backend_masks_images_both_ways(gemma3):
+    """On the Triton attention backend (here through its interpreter), a span with image rows is
+    computed again under its mask, as a token tree's is: the torch backend's tokens and
+    log-probabilities in float32."""
+    want = LLM(str(gemma3), dtype="float32", num_kv_blocks=64, enforce_eager=True).generate(requests(), PARAMS,
+                                                                                            use_tqdm=False)
+    llm = LLM(str(gemma3), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    llm.engine.runner.model._use_triton_attention(torch.float32)
+    got = llm.generate(requests(), PARAMS, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
