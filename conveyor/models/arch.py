@@ -387,6 +387,8 @@ class ArchConfig:
                         vision = VisionArch.from_gemma3(cfg, arch.hidden_size)
                     except VisionConfigError as e:
                         raise UnsupportedModelError(str(e)) from None
+                    if max(vision.image_token_id, vision.placeholder_id, vision.eoi_token_id or 0) >= arch.vocab_size:
+                        raise UnsupportedModelError("Gemma 3's image tokens are outside the vocabulary")
                 return dataclasses.replace(arch, multimodal=True, vision=vision)
             if a in LLAVA_ARCHITECTURES:
                 return _llava_from_hf(cfg)

@@ -189,3 +189,24 @@ def test_triton_backend_masks_images_both_ways(gemma3):
     for a, b in zip(got, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
+
+
+def test_a_hub_config():
+    """gemma-3-4b-it's config: a SigLIP tower of 27 layers on 896-pixel images in 14-pixel
+    patches (64x64), pooled 4x4 to 256 tokens an image."""
+    from conveyor.models.arch import ArchConfig
+    from conveyor.models.vision import LlavaVision
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+           "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    v = ArchConfig.from_hf(hub).vision
+    assert v is not None and v.tokens_per_image == 256 and v.bidirectional and v.placeholder_id == 255999
+    with torch.device("meta"):
+        module = LlavaVision(v)
+    assert len(module.vision_tower.vision_model.encoder.layers) == 27 and module.multi_modal_projector.pool == 4
