@@ -50,6 +50,27 @@ def _text(content: Any) -> str:
     return ""
 
 
+def _content(content: Any) -> Any:
+    """A message's content: its text, or with `input_image` parts (an image URL: data or
+    http(s)) the chat API's parts, text and `image_url`, in their order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content)
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        if not isinstance(p, dict):
+            continue
+        if p.get("type") == "input_image":
+            url = p.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequestError("input: an input_image needs its image_url (a data or http(s) URL; "
+                                          "file ids are not served)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": str(p.get("text", ""))})
+    return parts
+
+
 def to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items as chat messages: messages (developer as system), function calls
     (an assistant message's tool_calls) and their outputs (tool messages)."""
@@ -63,7 +84,7 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequestError(f"input: a message's role {role!r} is not user, system, developer "
                                           "or assistant", param="input")
-            out.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"))})
+            out.append({"role": "system" if role == "developer" else role, "content": _content(item.get("content"))})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}

@@ -305,6 +305,13 @@ def test_served_over_http(llava, tmp_path, engine_process):
                                     400, param=param)
             r = client.post(server.url + "/v1/chat/completions", json={**body, "messages": messages})
             assert r.status_code == 200, r.text
+            item = {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image)},
+                                                {"type": "input_text", "text": "w41 w42"}]}
+            r = client.post(server.url + "/v1/responses", json={
+                "model": str(llava), "input": [item], "max_output_tokens": 12, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            text = r.json()["output"][0]["content"][0]["text"]
+            assert text.split() == want.outputs[0].text.split()  # (a word-level decoder spaces them its own way)
     finally:
         server.stop()
         images.shutdown()
