@@ -597,8 +597,6 @@ class Engine:
             raise InvalidRequestError("this model reads no images", param="image")
         if params is not None and params.truncate_prompt_tokens is not None:
             raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images", param="truncate_prompt_tokens")
-        if getattr(self.runner, "peers", None) is not None:
-            raise InvalidRequestError("images under tensor parallelism are not built", param="image")
         if self.drafter is not None:
             raise InvalidRequestError("images with a draft model's speculation are not built", param="image")
         local = self.config.model.allowed_local_media_path

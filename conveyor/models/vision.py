@@ -47,6 +47,10 @@ ACTIVATIONS = {
 }
 
 
+# Where a checkpoint keeps its vision side's tensors (transformers 4's and 5's names).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 class VisionConfigError(ValueError):
     pass
 

@@ -379,6 +379,7 @@ class ModelRunner:
                                  for g, host in enumerate(self.window_host_tables)]
                 self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
             meta.embeds = embeds
+            ranges = None
             if embeds is not None and any(s.bidirectional for it in items for s in it.images):
                 ranges = [tuple((s.offset, s.end) for s in it.images if s.bidirectional)
                           for it in items[meta.num_decodes:]]
@@ -388,7 +389,9 @@ class ModelRunner:
                 peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
                                 num_new=num_new, window_tables=window_tables,
                                 lora=None if adapters is None else [it.lora_request for it in items],
-                                lora_pinned=frozenset() if self.lora is None else frozenset(self.lora.pinned)))
+                                lora_pinned=frozenset() if self.lora is None else frozenset(self.lora.pinned),
+                                embeds=None if embeds is None else (embeds[0].tolist(), embeds[1].cpu()),
+                                ranges=ranges))
             if adapters is None:
                 hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
             else:

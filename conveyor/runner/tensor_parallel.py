@@ -82,6 +82,10 @@ class Step:
     head_rows: list[int] | None = None
     lora: list[Any] | None = None  # each sequence's LoRARequest (None: a step without adapters)
     lora_pinned: frozenset[tuple[str, int]] = frozenset()  # rank 0's pinned adapters (with `lora`)
+    # Image tokens' rows and embeddings, which rank 0's vision side computed (`AttentionMetadata.embeds`),
+    # and each prefill's ranges that see each other both ways (`open_ranges`).
+    embeds: tuple[list[int], torch.Tensor] | None = None
+    ranges: list[tuple[tuple[int, int], ...]] | None = None
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -319,7 +323,7 @@ class Worker:
     def run(self, step: Step) -> None:
         """A worker's share of one step: the same swaps and forward pass as rank 0's, or its
         slice of the LM head over the last pass's rows."""
-        from conveyor.models.attention import build_metadata
+        from conveyor.models.attention import build_metadata, open_ranges
 
         runner = self.runner
         if step.head:
@@ -338,6 +342,11 @@ class Worker:
                               runner.sliding_window, runner.dtype)
         if step.window_tables is not None:
             runner.hybrid_metadata(meta, step.window_tables, step.starts, step.num_new)
+        if step.embeds is not None:
+            meta.embeds = (torch.tensor(step.embeds[0], dtype=torch.long), step.embeds[1])
+        if step.ranges is not None:
+            for m in {id(m): m for m in [meta, *(meta.layer_metas or [])]}.values():
+                open_ranges(m, step.ranges)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
         if step.lora is None:
             self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)

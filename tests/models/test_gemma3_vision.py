@@ -210,3 +210,12 @@ def test_a_hub_config():
     with torch.device("meta"):
         module = LlavaVision(v)
     assert len(module.vision_tower.vision_model.encoder.layers) == 27 and module.multi_modal_projector.pool == 4
+
+
+def test_two_tensor_parallel_ranks_equal_one(gemma3):
+    """Rank 0's image embeddings and both-way ranges reach the other rank with the step."""
+    one = LLM(str(gemma3), dtype="float64", num_kv_blocks=128).generate(requests(), PARAMS, use_tqdm=False)
+    two = LLM(str(gemma3), dtype="float64", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1)
+    for a, b in zip(two.generate(requests(), PARAMS, use_tqdm=False), one, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-6)

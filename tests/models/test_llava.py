@@ -347,3 +347,12 @@ def test_a_hub_config_reads_with_transformers_defaults():
     bad = {**hub, "vision_config": {**hub["vision_config"], "model_type": "pixtral"}}
     with pytest.raises(ValueError, match="vision tower 'pixtral' is not supported"):
         ArchConfig.from_hf(bad)
+
+
+def test_two_tensor_parallel_ranks_equal_one(llava):
+    """Under tensor parallelism rank 0 encodes the images and sends their embeddings with the
+    step: two ranks give one's tokens (the tower whole on each rank, the text model split)."""
+    one = LLM(str(llava), dtype="float64", num_kv_blocks=128).generate(requests(), PARAMS, use_tqdm=False)
+    two = LLM(str(llava), dtype="float64", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1)
+    assert [o.outputs[0].token_ids for o in two.generate(requests(), PARAMS, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in one]
