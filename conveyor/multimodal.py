@@ -25,6 +25,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,8 @@ class ImagePrompt:
 @dataclass(frozen=True)
 class ImageToken:
     """The token a prompt places an image with: its text (LLaVA's `<image>`, Gemma 3's
-    `<start_of_image>`), its id, and how many tokens it becomes with an image."""
+    `<start_of_image>`), its id, and how many tokens it becomes with an image (at least: a
+    LLaVA-NeXT image's count grows with its size)."""
 
     text: str
     id: int
@@ -65,11 +67,13 @@ class ImageToken:
 
 @dataclass(frozen=True)
 class Pixels:
-    """An image made ready for the tower (`ImageProcessor`): `[channels, size, size]` float32,
-    and a digest of its values (the prefix cache's key for it)."""
+    """An image made ready for the tower (`ImageProcessor`): `[channels, size, size]` float32
+    (LLaVA-NeXT's: `[1 + tiles, channels, size, size]`), a digest of its values (the prefix
+    cache's key for it), and the picture's size (height, width) it was made from."""
 
     values: torch.Tensor
     digest: bytes
+    size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class ImageProcessor:
     mean: tuple[float, ...] | None = CLIP_MEAN
     std: tuple[float, ...] | None = CLIP_STD
     pad_to_square: bool = False
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()  # LLaVA-NeXT's tilings (`_tiles`)
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -219,12 +224,53 @@ class ImageProcessor:
             rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
             mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
             std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
-            pad_to_square=bool(cfg.get("do_pad", False)),
+            pad_to_square=bool(cfg.get("do_pad", False)) and vision.style == "llava",
+            grid_pinpoints=tuple((int(p[0]), int(p[1])) for p in cfg.get("image_grid_pinpoints", vision.grid_pinpoints))
+            if vision.style == "llava_next" else (),
         )
 
     def __call__(self, image: Any) -> Pixels:
         import numpy as np
         import torch
+
+        if self.grid_pinpoints:
+            values = np.stack([self._one(tile) for tile in self._tiles(image)])
+        else:
+            values = self._one(image)
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+        size = (image.height, image.width)
+        digest = hashlib.sha256(tensor.numpy().tobytes() + repr(size).encode()).digest()
+        return Pixels(tensor, digest, size)
+
+    def _tiles(self, image: Any) -> list[Any]:
+        """LLaVA-NeXT's anyres cut (HF's `get_image_patches`): the whole image resized to the
+        tile size, then the image scaled into its best tiling (`best_resolution`), centered on
+        black, cut into tiles row by row."""
+        import numpy as np
+        from PIL import Image
+
+        from conveyor.models.vision import best_resolution
+
+        h, w = image.height, image.width
+        th, tw = best_resolution((h, w), self.grid_pinpoints)
+        if tw / w < th / h:
+            nh, nw = min(math.ceil(h * tw / w), th), tw
+        else:
+            nh, nw = th, min(math.ceil(w * th / h), tw)
+        padded = np.zeros((th, tw, 3), dtype=np.uint8)
+        top, left = (th - nh) // 2, (tw - nw) // 2
+        padded[top : top + nh, left : left + nw] = np.asarray(image.resize((nw, nh), resample=self.resample))
+        side = self.crop[0] if self.crop is not None else self.resize_to[0] if self.resize_to else self.shortest_edge
+        assert side is not None
+        whole = self.resize_to or (self.shortest_edge, self.shortest_edge)
+        tiles = [image.resize((whole[1], whole[0]), resample=self.resample)]
+        tiles += [Image.fromarray(padded[i : i + side, j : j + side]) for i in range(0, th, side)
+                  for j in range(0, tw, side)]
+        return tiles
+
+    def _one(self, image: Any) -> Any:
+        """One picture through pad, resize, crop, rescale and normalize: `[channels, h, w]` float32."""
+        import numpy as np
         from PIL import Image
 
         if self.pad_to_square and image.width != image.height:
@@ -250,8 +296,7 @@ class ImageProcessor:
             mean = np.array(self.mean, dtype=np.float32)[:, None, None]
             std = np.array(self.std, dtype=np.float32)[:, None, None]
             values = (values - mean) / std
-        tensor = torch.from_numpy(np.ascontiguousarray(values))
-        return Pixels(tensor, hashlib.sha256(tensor.numpy().tobytes()).digest())
+        return values
 
 
 def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -269,12 +314,12 @@ def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
     return array[:, top : top + height, left : left + width]
 
 
-def expand_image_tokens(token_ids: list[int], placeholder_id: int, images: list[Pixels], tokens_per_image: int,
+def expand_image_tokens(token_ids: list[int], placeholder_id: int, images: list[Pixels], lengths: list[int],
                         image_token_id: int | None = None, before: list[int] | tuple[int, ...] = (),
                         after: list[int] | tuple[int, ...] = (), bidirectional: bool = False,
                         ) -> tuple[list[int], tuple[ImageSpan, ...]]:
-    """The prompt with each placeholder token replaced by `before`, `tokens_per_image` image
-    tokens and `after` (LLaVA: the image token repeated; Gemma 3: "\n\n", its begin-of-image
+    """The prompt with each placeholder token replaced by `before`, its image's `lengths[i]`
+    image tokens and `after` (LLaVA: the image token repeated; Gemma 3: "\n\n", its begin-of-image
     token, the image tokens, its end-of-image token, "\n\n", as HF's processor writes them),
     and each image's span; InvalidRequestError where the placeholders and the images do not
     pair up."""
@@ -289,11 +334,11 @@ def expand_image_tokens(token_ids: list[int], placeholder_id: int, images: list[
     out: list[int] = []
     spans = []
     last = 0
-    for place, pixels in zip(places, images, strict=True):
+    for place, pixels, length in zip(places, images, lengths, strict=True):
         out.extend(token_ids[last:place])
         out.extend(before)
-        spans.append(ImageSpan(len(out), tokens_per_image, pixels, bidirectional))
-        out.extend([image_token_id] * tokens_per_image)
+        spans.append(ImageSpan(len(out), length, pixels, bidirectional))
+        out.extend([image_token_id] * length)
         out.extend(after)
         last = place + 1
     out.extend(token_ids[last:])

@@ -83,13 +83,18 @@ GEMMA_FAMILIES = ("gemma2", "gemma3", "gemma3_encoder")
 MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
 # Image-text checkpoints of LLaVA's form whose images conveyor reads (conveyor/models/vision.py):
 # a ViT, a projector, and any text model conveyor runs, as `text_config` names it.
-LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 # What transformers' LlamaConfig assumes where a LLaVA checkpoint's `text_config` is silent
 # (LLaVA-1.5's configs list only what differs from these).
 LLAMA_TEXT_DEFAULTS: dict[str, Any] = {
     "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
     "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
     "bos_token_id": 1, "eos_token_id": 2,
+}
+# ... and transformers' MistralConfig (LLaVA-NeXT over Mistral-7B lists what differs from it).
+MISTRAL_TEXT_DEFAULTS: dict[str, Any] = {
+    **LLAMA_TEXT_DEFAULTS, "model_type": "mistral", "intermediate_size": 14336, "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
 }
 # What transformers' Gemma3TextConfig assumes where a checkpoint's `text_config` is silent
 # (the Hub's multimodal Gemma 3 configs list only what differs from these).
@@ -391,7 +396,7 @@ class ArchConfig:
                         raise UnsupportedModelError("Gemma 3's image tokens are outside the vocabulary")
                 return dataclasses.replace(arch, multimodal=True, vision=vision)
             if a in LLAVA_ARCHITECTURES:
-                return _llava_from_hf(cfg)
+                return _llava_from_hf(cfg, a == "LlavaNextForConditionalGeneration")
             if a in ENCODER_ARCHITECTURES:
                 return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
                                         a.endswith("ForTokenClassification"))
@@ -463,11 +468,12 @@ class ArchConfig:
         )
 
 
-def _llava_from_hf(cfg: dict[str, Any]) -> ArchConfig:
-    """A LLaVA checkpoint: its text model (any family conveyor runs, by `text_config`'s
-    `model_type` or `architectures`) with its vision side (`VisionArch`)."""
+def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False) -> ArchConfig:
+    """A LLaVA checkpoint (LLaVA-NeXT's with `tiles`): its text model (any family conveyor
+    runs, by `text_config`'s `model_type` or `architectures`) with its vision side (`VisionArch`)."""
     given = dict(cfg.get("text_config") or {})
-    text = {**(LLAMA_TEXT_DEFAULTS if given.get("model_type", "llama") == "llama" else {}), **given}
+    defaults = {"llama": LLAMA_TEXT_DEFAULTS, "mistral": MISTRAL_TEXT_DEFAULTS}.get(given.get("model_type", "llama"), {})
+    text = {**defaults, **given}
     for key in ("bos_token_id", "eos_token_id"):
         if given.get(key) is None and cfg.get(key) is not None:
             text[key] = cfg[key]
@@ -475,7 +481,7 @@ def _llava_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     if arch.multimodal or arch.is_encoder or arch.labels:
         raise UnsupportedModelError(f"a LLaVA over a {arch.family} text model is not supported")
     try:
-        vision = VisionArch.from_llava(cfg, arch.hidden_size)
+        vision = (VisionArch.from_llava_next if tiles else VisionArch.from_llava)(cfg, arch.hidden_size)
     except VisionConfigError as e:
         raise UnsupportedModelError(str(e)) from None
     if not 0 <= vision.image_token_id < arch.vocab_size:

@@ -18,6 +18,7 @@ HF's (`vision_tower.vision_model.*`, `multi_modal_projector.*`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,10 @@ ACTIVATIONS = {
 
 
 # Where a checkpoint keeps its vision side's tensors (transformers 4's and 5's names).
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline", "model.vision_tower.",
+                   "model.multi_modal_projector.", "model.image_newline")
+# LLaVA-NeXT's default tilings (height, width), where its config names none.
+NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
 
 class VisionConfigError(ValueError):
@@ -83,6 +87,25 @@ class VisionArch:
     pooled_tokens: int = 0  # Gemma 3's `mm_tokens_per_image`
     boi_token_id: int | None = None  # Gemma 3's `<start_of_image>`: where a prompt places an image
     eoi_token_id: int | None = None
+    # LLaVA-NeXT ("llava_next"): the tilings (height, width) an image may be cut to, in tiles of
+    # the tower's size, besides the whole image at that size.
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+
+    def num_tokens(self, size: tuple[int, int] | None) -> int:
+        """The tokens an image of `size` (height, width) becomes: LLaVA-NeXT's depend on it
+        (the whole image's, then its tiles' grid without the padding, a newline a row)."""
+        if self.style != "llava_next":
+            return self.tokens_per_image
+        assert size is not None
+        rows, cols = self.grid_shape(size)
+        side = self.image_size // self.patch_size
+        height, width = _unpadded(size, rows * side, cols * side)
+        return self.tokens_per_image + height * width + height
+
+    def grid_shape(self, size: tuple[int, int]) -> tuple[int, int]:
+        """The tiles (rows, columns) an image of `size` is cut into (`best_resolution`)."""
+        h, w = best_resolution(size, self.grid_pinpoints)
+        return h // self.image_size, w // self.image_size
 
     @property
     def bidirectional(self) -> bool:
@@ -116,6 +139,15 @@ class VisionArch:
             pooled_tokens=pooled, boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))),
             eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256_000))),
         )
+
+    @classmethod
+    def from_llava_next(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
+        v = cls.from_llava(cfg, text_hidden_size)
+        pins = tuple((int(p[0]), int(p[1])) for p in (cfg.get("image_grid_pinpoints") or NEXT_PINPOINTS))
+        bad = [p for p in pins if p[0] % v.image_size or p[1] % v.image_size]
+        if bad:
+            raise VisionConfigError(f"image_grid_pinpoints {list(bad[0])} is not a grid of {v.image_size}-pixel tiles")
+        return dataclasses.replace(v, style="llava_next", grid_pinpoints=pins)
 
     @classmethod
     def from_llava(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
@@ -277,6 +309,29 @@ class _PoolingProjector(nn.Module):
         return normed @ self.mm_input_projection_weight
 
 
+def best_resolution(size: tuple[int, int], pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """HF's `select_best_resolution`: the tiling (height, width) that keeps most of an image of
+    `size` (height, width) once scaled into it, the least wasted on a tie."""
+    h, w = size
+    best, most, waste = pinpoints[0], 0, float("inf")
+    for ph, pw in pinpoints:
+        scale = min(pw / w, ph / h)
+        kept = min(int(w * scale) * int(h * scale), w * h)
+        wasted = pw * ph - kept
+        if kept > most or (kept == most and wasted < waste):
+            best, most, waste = (ph, pw), kept, wasted
+    return best
+
+
+def _unpadded(size: tuple[int, int], height: int, width: int) -> tuple[int, int]:
+    """The part (height, width) of a `height` x `width` grid an image of `size` fills once
+    scaled into it and centered (HF's `unpad_image`)."""
+    h, w = size
+    if w / h > width / height:
+        return height - 2 * ((height - int(round(h * (width / w), 7))) // 2), width
+    return height, width - 2 * ((width - int(round(w * (height / h), 7))) // 2)
+
+
 class LlavaVision(nn.Module):
     """Images `[N, channels, size, size]` (as `conveyor.multimodal.ImageProcessor` makes them)
     to embeddings `[N, tokens_per_image, text hidden]` for the text model."""
@@ -286,6 +341,23 @@ class LlavaVision(nn.Module):
         self.config = v
         self.vision_tower = _Tower(v)
         self.multi_modal_projector: nn.Module = _PoolingProjector(v) if v.style == "gemma3" else _Projector(v)
+        if v.style == "llava_next":
+            self.image_newline = nn.Parameter(torch.empty(v.text_hidden_size))
+
+    def pack(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """LLaVA-NeXT: an image's tiles' features `[1 + tiles, n, D]` (the whole image first) as
+        its embeddings: the whole image's, then the tiles' grid, cut to the image's part of it,
+        row by row, each row ending with the newline embedding (HF's `pack_image_features`)."""
+        v = self.config
+        side = v.image_size // v.patch_size
+        rows, cols = v.grid_shape(size)
+        grid = features[1:].view(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        height, width = _unpadded(size, rows * side, cols * side)
+        top, left = (rows * side - height) // 2, (cols * side - width) // 2
+        grid = grid[:, top : top + height, left : left + width]
+        newline = self.image_newline[:, None, None].expand(-1, height, 1).to(grid.dtype)
+        grid = torch.cat((grid, newline), dim=-1).flatten(1, 2).transpose(0, 1)
+        return torch.cat((features[0], grid), dim=0)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         v = self.config
@@ -321,9 +393,16 @@ class ImageEncoder:
         self.device, self.dtype = weight.device, weight.dtype
 
     @torch.inference_mode()
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Images `[N, channels, size, size]` to `[N, tokens_per_image, text hidden]`."""
-        return self.module(pixels.to(self.device, self.dtype))
+    def __call__(self, images: list[Any]) -> list[torch.Tensor]:
+        """Images (`conveyor.multimodal.Pixels`) to their embeddings, `[tokens, text hidden]`
+        each: those of one shape in one batch (LLaVA-NeXT's tiles of each image together)."""
+        if self.config.style == "llava_next":
+            out = []
+            for image in images:
+                tiles = self.module(image.values.to(self.device, self.dtype))
+                out.append(self.module.pack(tiles, image.size))
+            return out
+        return list(self.module(torch.stack([image.values for image in images]).to(self.device, self.dtype)))
 
 
 def load_vision(v: VisionArch, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -493,7 +493,7 @@ class ModelRunner:
         vision = self.model.vision
         assert vision is not None, "image tokens for a model without a vision side"
         spans: list[tuple[int, int, int, int, int]] = []  # (seq, image, first row, from, to)
-        new: dict[tuple[int, int], torch.Tensor] = {}
+        new: dict[tuple[int, int], Any] = {}
         row = 0
         for it, n in zip(items, num_new, strict=True):
             start, end = it.start_pos, it.start_pos + n
@@ -502,12 +502,12 @@ class ModelRunner:
                 if lo < hi:
                     spans.append((it.seq_id, k, row + lo - start, lo - span.offset, hi - span.offset))
                     if k not in self._image_cache.get(it.seq_id, {}):
-                        new[it.seq_id, k] = span.pixels.values
+                        new[it.seq_id, k] = span.pixels
             row += n
         if not spans:
             return None
         if new:
-            encoded = vision(torch.stack(list(new.values())))
+            encoded = vision(list(new.values()))
             for (seq_id, k), values in zip(new, encoded, strict=True):
                 self._image_cache.setdefault(seq_id, {})[k] = values
         rows: list[int] = []

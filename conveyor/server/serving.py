@@ -544,7 +544,8 @@ class _Handler:
 
     # -- rendering ---------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
-        prompts = {id(c.prompt): c.prompt.num_tokens for c in self.choices}
+        prompts = {id(c.prompt): len(c.final.prompt_token_ids) if c.final is not None and c.final.prompt_token_ids
+                   else c.prompt.num_tokens for c in self.choices}
         prompt_tokens = sum(prompts.values())  # a prompt counts once, however many choices
         completion_tokens = sum(c.num_tokens for c in self.choices)
         cached: dict[int, int] = {}  # per prompt, the least any of its choices was served
