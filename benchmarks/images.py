@@ -6,8 +6,10 @@ tower at 224 pixels (196 image tokens an image, 11 of its 12 layers read) and a 
 SmolLM2-135M's shape, in float32. The same `--batch` requests (one picture and 20 words each,
 greedy, `--max-tokens` each, no early end) run as:
 
-  images     each prompt with its picture (the tower encodes every one)
+  images     each prompt with its picture (the tower encodes every one: no encoder cache)
   text       the same prompts with the image tokens as ordinary tokens (same length, no tower)
+  encoder    the image prompts on an engine whose encoder cache holds their pictures
+             (`encoder_cache_tokens`; no prefix cache): the tower skipped, the prompts computed
   cached     the image prompts again on an engine with the prefix cache that has seen them
 
 in turns (A B C, then C B A ...), after a warm-up round each; the figure is the batch's wall
@@ -62,7 +64,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build(Path(tmp) / "llava"))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        plain = LLM(path, kv_cache_memory=512 << 20, max_model_len=1024, enable_prefix_caching=False)
+        plain = LLM(path, kv_cache_memory=512 << 20, max_model_len=1024, enable_prefix_caching=False,
+                    encoder_cache_tokens=0)
+        encoder = LLM(path, kv_cache_memory=512 << 20, max_model_len=1024, enable_prefix_caching=False,
+                      encoder_cache_tokens=args.batch * 256)
         cached = LLM(path, kv_cache_memory=512 << 20, max_model_len=1024, enable_prefix_caching=True)
         per = plain.engine.arch.vision.tokens_per_image  # type: ignore[attr-defined]
         images = pictures(args.batch)
@@ -72,6 +77,7 @@ def main() -> None:
         runs = {
             "images": lambda: plain.generate(with_images, params, use_tqdm=False),
             "text": lambda: plain.generate(as_text, params, use_tqdm=False),
+            "encoder": lambda: encoder.generate(with_images, params, use_tqdm=False),
             "cached": lambda: cached.generate(with_images, params, use_tqdm=False),
         }
         for run in runs.values():  # warm-up (and the cached engine's first sight of the images)

@@ -228,6 +228,14 @@ class CacheConfig:
             "used first, only when a block is needed."
         ),
     )
+    encoder_cache_tokens: int = field(
+        default=8192,
+        metadata=_help(
+            "Image embeddings kept across requests, by the image's digest, in tokens (vLLM's encoder "
+            "cache): a picture another request (or another choice of the same one) has encoded is "
+            "not encoded again while it is kept; least recently used first out. 0: none kept."
+        ),
+    )
     hybrid_kv_cache: bool = field(
         default=False,
         metadata=_help(

@@ -520,6 +520,7 @@ class Engine:
             cuda_graph_max_batch=graphs(arch), layout=layout,
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        runner.encoder_cache_tokens = config.cache.encoder_cache_tokens
         runner.peers = peers  # tensor parallelism's other ranks (runner/tensor_parallel.py)
         if mc.enable_lora:
             from conveyor.models.lora import LoRAManager

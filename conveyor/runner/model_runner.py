@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +144,11 @@ class ModelRunner:
         # is computed again).
         self._pool_sums: dict[int, torch.Tensor] = {}
         self._image_cache: dict[int, dict[int, torch.Tensor]] = {}  # images' embeddings, by sequence and image
+        # ... and across requests, by the image's digest, up to `encoder_cache_tokens` rows
+        self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._encoded_rows = 0
+        self.encoder_cache_tokens = 0
+        self.images_encoded = 0  # images through the tower (the others came from `_encoded`)
         # Structured outputs: the engine's grammars (None: it has no tokenizer), and where
         # each constrained sequence stands in its grammar.
         self.grammars: GrammarCache | None = None
@@ -489,7 +495,9 @@ class ModelRunner:
         An image is encoded at the first step that computes any of its tokens, all of this
         step's new images in one batch, and its embeddings are kept until a step reaches past
         its last token (a prompt in chunks reads them over several steps); a sequence that
-        ends drops them. A sequence computed again after a preemption encodes them again."""
+        ends drops them. An image of the same digest that another request encoded is taken from
+        the encoder cache (`encoder_cache_tokens`, least recently used out) instead; a sequence
+        computed again after a preemption finds its images there, or encodes them again."""
         vision = self.model.vision
         assert vision is not None, "image tokens for a model without a vision side"
         spans: list[tuple[int, int, int, int, int]] = []  # (seq, image, first row, from, to)
@@ -507,9 +515,19 @@ class ModelRunner:
         if not spans:
             return None
         if new:
-            encoded = vision(list(new.values()))
-            for (seq_id, k), values in zip(new, encoded, strict=True):
-                self._image_cache.setdefault(seq_id, {})[k] = values
+            known = self._encoded
+            got = {p.digest: known[p.digest] for p in new.values() if p.digest in known}
+            for digest in got:
+                known.move_to_end(digest)
+            todo = {p.digest: p for p in new.values() if p.digest not in got}
+            if todo:
+                encoded = dict(zip(todo, vision(list(todo.values())), strict=True))
+                self.images_encoded += len(todo)
+                got |= encoded
+                for digest, values in encoded.items():
+                    self._keep_encoded(digest, values)
+            for (seq_id, k), pixels in new.items():
+                self._image_cache.setdefault(seq_id, {})[k] = got[pixels.digest]
         rows: list[int] = []
         parts = []
         for seq_id, k, first, lo, hi in spans:
@@ -519,6 +537,17 @@ class ModelRunner:
             if hi == cache[k].shape[0]:  # the prefill has passed this image
                 del cache[k]
         return to_device(host_longs(rows), self.device), torch.cat(parts)
+
+    def _keep_encoded(self, digest: bytes, values: torch.Tensor) -> None:
+        """Keep an image's embeddings for other requests, the least recently used leaving first."""
+        rows, budget = values.shape[0], self.encoder_cache_tokens
+        if rows > budget:
+            return
+        self._encoded[digest] = values
+        self._encoded_rows += rows
+        while self._encoded_rows > budget:
+            _, old = self._encoded.popitem(last=False)
+            self._encoded_rows -= old.shape[0]
 
     def _prompt_logprobs(
         self, items: list[ScheduledSequence], num_new: list[int], hidden: torch.Tensor | None,

@@ -356,3 +356,21 @@ def test_two_tensor_parallel_ranks_equal_one(llava):
     two = LLM(str(llava), dtype="float64", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1)
     assert [o.outputs[0].token_ids for o in two.generate(requests(), PARAMS, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in one]
+
+
+def test_the_encoder_cache_across_requests(llava):
+    """A picture in three requests of different text (no prefix to share), then in two choices
+    of one in a later call, is encoded once; an engine without the encoder cache gives the same
+    tokens and encodes it once a step (the step's images are deduplicated by digest)."""
+    image, other = picture(30), picture(31)
+    prompts = [ImagePrompt(f"w{40 + i} <image> w50", (image,)) for i in range(3)]
+    prompts.append(ImagePrompt("w44 <image>", (other,)))
+    two = SamplingParams(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for tokens in (8192, 0):
+        llm = LLM(str(llava), dtype="float64", num_kv_blocks=128, enable_prefix_caching=False,
+                  encoder_cache_tokens=tokens)
+        outs[tokens] = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        outs[tokens].append([c.token_ids for c in llm.generate([prompts[0]], two, use_tqdm=False)[0].outputs])
+        assert llm.engine.runner.images_encoded == (2 if tokens else 3)
+    assert outs[8192] == outs[0]
