@@ -1,21 +1,23 @@
 """Images in prompts: reading them, making them pixels, and their place among the tokens.
 
 A prompt with images is an `ImagePrompt` (or vLLM's dict form, `{"prompt": ..., "multi_modal_data":
-{"image": ...}}`). Its text holds one image token (LLaVA's `<image>`) where each image goes; the
-engine expands each into as many image tokens as the image has embeddings (`ImageSpan`), as
-HF's processor and vLLM do, so the prompt's length, the KV blocks it takes and the scheduler's
-budgets count them as the tokens they are. A step that computes some of those positions takes
-their embeddings from the vision side (conveyor/models/vision.py) in place of the token's
-(the runner encodes an image once, at the first chunk that reaches it, and keeps its
-embeddings until the prefill has passed it). The prefix cache keys each block by the images
-it holds too (`ImageSpan.digest`), so two prompts of the same text and different images share
-no block past the first image.
+{"image": ...}}`). Its text holds one placeholder token (LLaVA's `<image>`, Gemma 3's
+`<start_of_image>`) where each image goes; the engine expands each into as many image tokens as
+the image has embeddings (`ImageSpan`; LLaVA-NeXT's count grows with the image's size, Gemma 3's
+are framed by its begin/end-of-image tokens), as HF's processor and vLLM do, so the prompt's
+length, the KV blocks it takes and the scheduler's budgets count them as the tokens they are. A
+step that computes some of those positions takes their embeddings from the vision side
+(conveyor/models/vision.py) in place of the token's (the runner encodes an image once, at the
+first chunk that reaches it, or takes it from its encoder cache by digest, and keeps its
+embeddings until the prefill has passed it). The prefix cache keys each block by the images it
+holds too (`Pixels.digest`), so two prompts of the same text and different images share no
+block past the first image.
 
 An image is a PIL image, encoded bytes (PNG, JPEG...), a `data:image/...;base64,` URL, an
 `http(s)://` URL (fetched, with a time and size limit), or a local file's path or `file://` URL
 (only under `allowed_local_media_path`). `ImageProcessor` makes it what the tower reads as HF's
 image processor does (pad to square, resize by the shortest edge, center crop, rescale,
-normalize), from the checkpoint's `preprocessor_config.json`.
+normalize; LLaVA-NeXT's tiles), from the checkpoint's `preprocessor_config.json`.
 """
 
 from __future__ import annotations

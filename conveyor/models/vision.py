@@ -14,6 +14,14 @@ The tower is CLIP's (a class token, a LayerNorm before the encoder, quick GELU) 
 class token, GELU with tanh, biased patch convolution); only the layers up to the deepest
 feature layer are built, as vLLM does: a LLaVA never reads the last one. Parameter names are
 HF's (`vision_tower.vision_model.*`, `multi_modal_projector.*`).
+
+LLaVA-NeXT (Liu et al. 2024, "LLaVA-NeXT: Improved reasoning, OCR, and world knowledge") reads
+the whole image at the tower's size and the tiles of its best tiling (`best_resolution` among
+`image_grid_pinpoints`), then packs the features: the whole image's, then the tiles' grid cut to
+the picture's part of it, each row ending with a learned newline embedding (`LlavaVision.pack`).
+Gemma 3 (Gemma Team 2025) takes the SigLIP tower's last hidden states (after its post-norm),
+averages them over square pools to `mm_tokens_per_image`, RMS-norms and projects them
+(`_PoolingProjector`); its text model lets an image's tokens see each other both ways.
 """
 
 from __future__ import annotations
