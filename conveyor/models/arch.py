@@ -78,8 +78,8 @@ DEEPSEEK_STYLE_MOE = (*DEEPSEEK_FAMILIES, "glm4_moe")
 # Gemma 3), norms before and after each sublayer that scale by (1 + w), a scaled embedding,
 # GELU-gated MLPs, and (Gemma 2) tanh soft-capped attention scores and logits.
 GEMMA_FAMILIES = ("gemma2", "gemma3", "gemma3_encoder")
-# Image-text checkpoints whose text model conveyor serves alone (the vision tower is not
-# loaded; requests are text). Gemma 3's 4B, 12B and 27B ship only in this form.
+# Image-text checkpoints read through their text model's family: Gemma 3's 4B, 12B and 27B ship
+# only in this form (its images: `VisionArch.from_gemma3`, where the config has a vision_config).
 MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
 # Image-text checkpoints of LLaVA's form whose images conveyor reads (conveyor/models/vision.py):
 # a ViT, a projector, and any text model conveyor runs, as `text_config` names it.
@@ -196,8 +196,8 @@ class ArchConfig:
     query_pre_attn_scalar: float = 0.0
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
-    multimodal: bool = False  # the text model of an image-text checkpoint (MULTIMODAL_TEXT_ARCHITECTURES)
-    vision: VisionArch | None = None  # ... and its vision side, where conveyor reads its images (LLaVA)
+    multimodal: bool = False  # the text model of an image-text checkpoint (Gemma 3's, LLaVA's)
+    vision: VisionArch | None = None  # ... and its vision side, where conveyor reads its images
     # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times
     # `residual_multiplier` before its residual add, the softmax scale `attention_multiplier`
     # (0: the head's), the logits divided by `logits_scaling`.

@@ -308,7 +308,10 @@ def open_ranges(meta: AttentionMetadata, ranges: Sequence[tuple[tuple[int, int],
     `meta.prefills[j]`'s sequence; a range must lie whole in the span's context (the scheduler
     never ends a chunk inside one: `Scheduler._prefill_chunk`). Such a span's mask is built
     here, and its blocks named even for a fresh prompt (the Triton backend computes it with the
-    torch reference, from the cache)."""
+    torch reference, from the cache). A hybrid cache's layer metadata (`layer_metas`) open too."""
+    for group in {id(m): m for m in meta.layer_metas or []}.values():
+        if group is not meta:
+            open_ranges(group, ranges)
     device = meta.positions.device
     neg_inf = torch.tensor(float("-inf"), dtype=meta.mask_dtype)
     zero = torch.tensor(0.0, dtype=meta.mask_dtype)

@@ -389,8 +389,7 @@ class ModelRunner:
             if embeds is not None and any(s.bidirectional for it in items for s in it.images):
                 ranges = [tuple((s.offset, s.end) for s in it.images if s.bidirectional)
                           for it in items[meta.num_decodes:]]
-                for m in {id(m): m for m in [meta, *(meta.layer_metas or [])]}.values():
-                    open_ranges(m, ranges)
+                open_ranges(meta, ranges)
             if peers is not None:
                 peers.send(Step(token_ids=input_ids.tolist(), tables=tables, starts=[it.start_pos for it in items],
                                 num_new=num_new, window_tables=window_tables,

@@ -345,8 +345,7 @@ class Worker:
         if step.embeds is not None:
             meta.embeds = (torch.tensor(step.embeds[0], dtype=torch.long), step.embeds[1])
         if step.ranges is not None:
-            for m in {id(m): m for m in [meta, *(meta.layer_metas or [])]}.values():
-                open_ranges(m, step.ranges)
+            open_ranges(meta, step.ranges)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
         if step.lora is None:
             self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)
