@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
-from conveyor.multimodal import ImagePrompt, ImageToken
+from conveyor.multimodal import ImageProcessor, ImagePrompt, ImageToken
 from conveyor.outputs import ParallelChoices, RequestOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
@@ -224,6 +224,12 @@ class EngineFront(ABC):
         """The model's image token (`Engine.image_token`); None: it reads no images."""
         return None
 
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        """What makes the model's images pixels (`Engine.image_processor`): the server makes
+        them before a request reaches the engine."""
+        return None
+
     # -- state -------------------------------------------------------------------------------
     @property
     @abstractmethod
@@ -357,6 +363,10 @@ class AsyncEngine(EngineFront):
     @property
     def image_token(self) -> ImageToken | None:
         return self.engine.image_token
+
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        return self.engine.image_processor
 
     @property
     def model_path(self) -> str | None:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
-from conveyor.multimodal import ImageToken
+from conveyor.multimodal import ImageProcessor, ImageToken
 from conveyor.outputs import CompletionOutput, ParallelChoices, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.scoring import ModelHead
@@ -125,6 +125,7 @@ class _Facts:
     model_arg: str | None
     pid: int
     image_token: ImageToken | None = None
+    image_processor: ImageProcessor | None = None
 
 
 @dataclass(slots=True)
@@ -210,7 +211,7 @@ def _child_main(
         return
     conn.send(("ready", _Facts(
         engine.tokenizer, engine.max_model_len, engine.head, getattr(engine, "model_path", None),
-        engine.config.model.model, os.getpid(), engine.image_token,
+        engine.config.model.model, os.getpid(), engine.image_token, engine.image_processor,
     )))
     _EngineCore(engine, conn, max_queued_requests, idle_poll_s).run()
 
@@ -498,6 +499,10 @@ class ProcessAsyncEngine(AsyncEngine):
     @property
     def image_token(self) -> ImageToken | None:
         return self._known().image_token
+
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        return self._known().image_processor
 
     @property
     def model_path(self) -> str | None:

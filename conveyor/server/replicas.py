@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig, RoutingPolicy, make_router
-from conveyor.multimodal import ImagePrompt, ImageToken, as_image_prompt
+from conveyor.multimodal import ImageProcessor, ImagePrompt, ImageToken, as_image_prompt
 from conveyor.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -93,6 +93,10 @@ class ReplicaSet(EngineFront):
     @property
     def image_token(self) -> ImageToken | None:
         return self.replicas[0].image_token
+
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        return self.replicas[0].image_processor
 
     @property
     def model_path(self) -> str | None:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.lora import FilesystemResolver, LoRARequest, LoRAResolver, lora_resolver
-from conveyor.multimodal import ImagePrompt, chat_images, image_bytes
+from conveyor.multimodal import ImagePrompt, Pixels, chat_images, image_bytes, load_image
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.sequence import RequestMetrics
@@ -200,7 +200,7 @@ class _Handler:
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
-        self._fetched: dict[str, bytes] = {}  # images by their http(s) URLs (`fetch_images`)
+        self._fetched: dict[str, Pixels] = {}  # images made pixels by their URLs (`fetch_images`)
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
@@ -209,8 +209,8 @@ class _Handler:
         raise NotImplementedError
 
     async def fetch_images(self) -> None:
-        """Fetch the request's images named by http(s) URLs (a chat's), off the event loop and
-        before the engine sees them, so that no engine step waits on the network."""
+        """Fetch and process the request's images (a chat's), off the event loop and before the
+        engine sees them, so that no engine step waits on the network or on decoding pictures."""
 
     def max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -854,10 +854,19 @@ class ChatCompletionHandler(_Handler):
         return chat_images(self.body.message_dicts(), template, None if token is None else token.text)
 
     async def fetch_images(self) -> None:
-        urls = list(dict.fromkeys(i for i in self._chat[1] if isinstance(i, str) and i.startswith(("http://", "https://"))))
-        if urls:
-            data = await asyncio.gather(*(asyncio.to_thread(image_bytes, url) for url in urls))
-            self._fetched = dict(zip(urls, data, strict=True))
+        # Data and http(s) URLs become pixels here; a local file is the engine's to read (it
+        # knows the allowed path), and so is any image where the front end has no processor.
+        urls = list(dict.fromkeys(i for i in self._chat[1]
+                                  if isinstance(i, str) and i.startswith(("data:", "http://", "https://"))))
+        processor = self.state.engine.image_processor
+        if not urls or processor is None:
+            return
+
+        def pixels(url: str) -> Pixels:
+            return processor(load_image(image_bytes(url)))
+
+        self._fetched = dict(zip(urls, await asyncio.gather(*(asyncio.to_thread(pixels, url) for url in urls)),
+                                 strict=True))
 
     def max_tokens(self) -> int | None:
         b = self.body

@@ -374,3 +374,27 @@ def test_the_encoder_cache_across_requests(llava):
         outs[tokens].append([c.token_ids for c in llm.generate([prompts[0]], two, use_tqdm=False)[0].outputs])
         assert llm.engine.runner.images_encoded == (2 if tokens else 3)
     assert outs[8192] == outs[0]
+
+
+def test_the_server_makes_pixels_before_the_engine(llava):
+    """A chat request's data URLs become pixels in the HTTP layer (`fetch_images`, in a thread),
+    so the engine receives them ready; a local path stays for the engine to read."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from conveyor.multimodal import Pixels
+    from conveyor.server.protocol import ChatCompletionRequest
+    from conveyor.server.serving import ChatCompletionHandler
+
+    llm = LLM(str(llava), dtype="float64", num_kv_blocks=128)
+    state = SimpleNamespace(engine=llm.engine, loras={}, model_name="m", tool_parser=None,
+                            config=SimpleNamespace(reasoning_parser=None))
+    image = picture(40)
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "image_url", "image_url": {"url": "/some/file.png"}}, {"type": "text", "text": "w41"}]}]})
+    handler = ChatCompletionHandler(state, body)  # type: ignore[arg-type]
+    asyncio.run(handler.fetch_images())
+    made, path = handler.prompts()[0].images
+    assert isinstance(made, Pixels) and path == "/some/file.png"
+    assert made.digest == llm.engine.image_processor(image).digest
