@@ -583,11 +583,15 @@ class Engine:
                 text, ids = None, ids[-k:]
         return text, ids
 
-    def prepare_prompt(self, prompt: Any, params: SamplingParams | None = None
+    def prepare_prompt(self, prompt: Any, params: SamplingParams | None = None, images: tuple[ImageSpan, ...] = ()
                        ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
         """`tokenize_prompt`, and for a prompt with images (`ImagePrompt`, or vLLM's dict form)
         the images read and made pixels, each image token of the prompt repeated as many times
-        as the image has embeddings, and where each image's tokens are."""
+        as the image has embeddings, and where each image's tokens are. Token ids whose images
+        are placed already (`images`) are taken as they are."""
+        if images:
+            assert isinstance(prompt, list), "images are placed in token ids"
+            return None, prompt, images
         prompt = as_image_prompt(prompt)
         if not isinstance(prompt, ImagePrompt):
             text, ids = self.tokenize_prompt(prompt, params)
@@ -765,11 +769,7 @@ class Engine:
             self._add_parent(request_id, prompt, params, arrival_time, stream, prompt_text, resume, lora_request,
                              images)
             return
-        if images:
-            assert isinstance(prompt, list), "images are placed in token ids"
-            text, token_ids = None, prompt
-        else:
-            text, token_ids, images = self.prepare_prompt(prompt, params)
+        text, token_ids, images = self.prepare_prompt(prompt, params, images)
         if images and (export_kv or kv_handoff is not None):
             raise InvalidRequestError("K/V of a prompt with images are not handed over", param="kv_transfer")
         self.validate(token_ids, params)
@@ -929,10 +929,7 @@ class Engine:
         logprobs if asked, choice i of a seeded request uses seed + i (vLLM's parallel sampling)."""
         if resume is not None:
             raise InvalidRequestError("a resumed request has one choice (n=1)", param="resume")
-        if images:
-            text, token_ids = None, prompt
-        else:
-            text, token_ids, images = self.prepare_prompt(prompt, params)
+        text, token_ids, images = self.prepare_prompt(prompt, params, images)
         self.validate(token_ids, params)
         parent = ParallelChoices.of(request_id, params.n, params.output_kind, stream)
         if any(c in self._requests or c in self._parents for c in parent.child_ids):
