@@ -608,7 +608,7 @@ class Engine:
         pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local)) for p in prompt.images]
         text, ids = self.tokenize_prompt(prompt.prompt)
         before, after = self._image_frame
-        ids, spans = expand_image_tokens(ids, vision.placeholder_id, pixels, [vision.num_tokens(p.size) for p in pixels],
+        ids, spans = expand_image_tokens(ids, vision.placeholder_id, pixels, [vision.image_tokens(p) for p in pixels],
                                          vision.image_token_id, before, after, vision.bidirectional)
         sc = self.scheduler.config
         if spans and vision.bidirectional and sc.prefill_mode == "chunked" and sc.max_num_batched_tokens < spans[0].length:

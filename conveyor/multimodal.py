@@ -199,6 +199,11 @@ class ImageProcessor:
     std: tuple[float, ...] | None = CLIP_STD
     pad_to_square: bool = False
     grid_pinpoints: tuple[tuple[int, int], ...] = ()  # LLaVA-NeXT's tilings (`_tiles`)
+    # Qwen-VL's resize (`smart_resize`): each side to a multiple of `factor` (patch x merge), the
+    # area between `min_pixels` and `max_pixels`, the aspect kept as near as may be.
+    factor: int = 0
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -207,6 +212,8 @@ class ImageProcessor:
         and spread 0.5)."""
         size = vision.image_size
         cfg: dict[str, Any] = {}
+        if vision.is_qwen:
+            return cls._qwen(folder, vision)
         if vision.style == "gemma3":
             cfg = {"size": {"height": size, "width": size}, "do_center_crop": False, "resample": 2,
                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
@@ -229,6 +236,31 @@ class ImageProcessor:
             pad_to_square=bool(cfg.get("do_pad", False)) and vision.style == "llava",
             grid_pinpoints=tuple((int(p[0]), int(p[1])) for p in cfg.get("image_grid_pinpoints", vision.grid_pinpoints))
             if vision.style == "llava_next" else (),
+        )
+
+    @classmethod
+    def _qwen(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
+        """Qwen2-VL's processing (HF's `Qwen2VLImageProcessor`): the area's bounds from
+        `min_pixels` / `max_pixels` or `size`'s `shortest_edge` / `longest_edge`."""
+        from conveyor.models.vision import VisionConfigError
+
+        cfg: dict[str, Any] = {}
+        if folder is not None and (folder / "preprocessor_config.json").is_file():
+            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        size: dict[str, Any] = cfg["size"] if isinstance(cfg.get("size"), dict) else {}
+        patch, merge = int(cfg.get("patch_size", vision.patch_size)), int(cfg.get("merge_size", vision.merge_size))
+        if (patch, merge) != (vision.patch_size, vision.merge_size):
+            raise VisionConfigError(f"the processor's patches ({patch}, merged {merge}) are not the model's "
+                                    f"({vision.patch_size}, merged {vision.merge_size})")
+        return cls(
+            shortest_edge=None, resize_to=None, crop=None, resample=int(cfg.get("resample", 3)),
+            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
+            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            factor=patch * merge,
+            min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56),
+            max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+                           or 28 * 28 * 1280),
         )
 
     def __call__(self, image: Any) -> Pixels:
@@ -281,7 +313,10 @@ class ImageProcessor:
             square = Image.new("RGB", (side, side), color)
             square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
             image = square
-        if self.resize_to is not None:
+        if self.factor:
+            h, w = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+            image = image.resize((w, h), resample=self.resample)
+        elif self.resize_to is not None:
             image = image.resize((self.resize_to[1], self.resize_to[0]), resample=self.resample)
         elif self.shortest_edge is not None:
             w, h = image.width, image.height
@@ -299,6 +334,23 @@ class ImageProcessor:
             std = np.array(self.std, dtype=np.float32)[:, None, None]
             values = (values - mean) / std
         return values
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's image size (height, width) for a picture of `height` x `width`: each side
+    rounded to a multiple of `factor`, then scaled (aspect kept) into `[min_pixels, max_pixels]`
+    (HF's `smart_resize`)."""
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequestError(f"the image is {width}x{height}: its sides are more than 200 times apart",
+                                  param="image")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:

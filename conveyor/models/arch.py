@@ -84,6 +84,9 @@ MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
 # Image-text checkpoints of LLaVA's form whose images conveyor reads (conveyor/models/vision.py):
 # a ViT, a projector, and any text model conveyor runs, as `text_config` names it.
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+# Qwen's image-text checkpoints (conveyor/models/qwen_vision.py): a Qwen2 text model with M-RoPE.
+QWEN_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                         "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 # What transformers' LlamaConfig assumes where a LLaVA checkpoint's `text_config` is silent
 # (LLaVA-1.5's configs list only what differs from these).
 LLAMA_TEXT_DEFAULTS: dict[str, Any] = {
@@ -198,6 +201,10 @@ class ArchConfig:
     final_logit_softcapping: float = 0.0
     multimodal: bool = False  # the text model of an image-text checkpoint (Gemma 3's, LLaVA's)
     vision: VisionArch | None = None  # ... and its vision side, where conveyor reads its images
+    # Multimodal RoPE (Qwen2-VL): the head's frequencies in parts turned by time, row and column
+    # positions in turn (an image's tokens' 3D positions: conveyor/models/qwen_vision.py); text
+    # has the three alike, so plain RoPE.
+    mrope_section: tuple[int, ...] = ()
     # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times
     # `residual_multiplier` before its residual add, the softmax scale `attention_multiplier`
     # (0: the head's), the logits divided by `logits_scaling`.
@@ -397,6 +404,8 @@ class ArchConfig:
                 return dataclasses.replace(arch, multimodal=True, vision=vision)
             if a in LLAVA_ARCHITECTURES:
                 return _llava_from_hf(cfg, a == "LlavaNextForConditionalGeneration")
+            if a in QWEN_VL_ARCHITECTURES:
+                return _qwen_vl_from_hf(cfg, QWEN_VL_ARCHITECTURES[a])
             if a in ENCODER_ARCHITECTURES:
                 return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
                                         a.endswith("ForTokenClassification"))
@@ -487,6 +496,29 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False) -> ArchConfig:
     if not 0 <= vision.image_token_id < arch.vocab_size:
         raise UnsupportedModelError(f"image_token_index={vision.image_token_id} is outside the vocabulary")
     return dataclasses.replace(arch, multimodal=True, vision=vision)
+
+
+def _qwen_vl_from_hf(cfg: dict[str, Any], style: str) -> ArchConfig:
+    """A Qwen2-VL or Qwen2.5-VL checkpoint: its Qwen2 text model (the config's top level in
+    transformers 4's form, `text_config` in 5's) with M-RoPE, and its vision side."""
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
+    text = {**top, **(cfg.get("text_config") or {}), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    scaling, params = dict(text.get("rope_scaling") or {}), dict(text.get("rope_parameters") or {})
+    section = scaling.get("mrope_section") or params.get("mrope_section") or (16, 24, 24)
+    if scaling.get("rope_type", scaling.get("type")) in ("mrope", "default"):
+        text["rope_scaling"] = None  # (M-RoPE is this model's plain RoPE: its sections are below)
+    if params.get("rope_type", params.get("type")) == "mrope":
+        text["rope_parameters"] = {**params, "rope_type": "default"}
+    arch = ArchConfig.from_hf(text)
+    if 2 * sum(section) != arch.rope_dim:
+        raise UnsupportedModelError(f"mrope_section {list(section)} does not split a head of {arch.rope_dim} dims in half")
+    try:
+        vision = VisionArch.from_qwen_vl(cfg, arch.hidden_size, style)
+    except VisionConfigError as e:
+        raise UnsupportedModelError(str(e)) from None
+    if not 0 <= vision.image_token_id < arch.vocab_size:
+        raise UnsupportedModelError(f"image_token_id={vision.image_token_id} is outside the vocabulary")
+    return dataclasses.replace(arch, multimodal=True, vision=vision, mrope_section=tuple(int(s) for s in section))
 
 
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -68,6 +68,9 @@ class AttentionMetadata:
     # Rows whose input is an embedding, not a token's (a LLaVA's image tokens): their row
     # indices `[R]` and embeddings `[R, hidden]` (conveyor/multimodal.py).
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # M-RoPE (Qwen2-VL): each row's (time, row, column) rotary positions `[T, 3]`, where a
+    # sequence of the step holds images (conveyor/models/qwen_vision.py: `mrope_positions`).
+    mrope: torch.Tensor | None = None
 
     def windowed(self, window: int) -> AttentionMetadata:
         """This step's metadata for a layer that attends within its last `window` positions

@@ -230,6 +230,18 @@ class Rotary(nn.Module):
         rows = table[positions]
         return rows[:, :1], rows[:, 1:]
 
+    def mrope(self, positions: torch.Tensor, sections: tuple[int, ...], dtype: torch.dtype) -> RopeTables:
+        """M-RoPE's rows `[T, 1, head_dim/2]` for positions `[T, 3]` (time, row, column): the
+        frequencies in `sections`, each part at its own position in turn (HF's
+        `mrope_section`; both halves of a head alike)."""
+        cos, sin, start = [], [], 0
+        for i, n in enumerate(sections):
+            rows = positions[:, i % 3]
+            cos.append(self.cos[rows, start : start + n])
+            sin.append(self.sin[rows, start : start + n])
+            start += n
+        return torch.cat(cos, dim=-1).unsqueeze(1).to(dtype), torch.cat(sin, dim=-1).unsqueeze(1).to(dtype)
+
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 # (delta, residual, weight, eps) -> (rms_norm(residual + delta) * weight, residual + delta)
@@ -642,8 +654,9 @@ class LlamaForCausalLM(nn.Module):
         # fused paths read the base weights directly. So does a step that keeps the streams
         # entering some layers (an EAGLE-3 head reads them: `aux_layers`).
         aux = self.aux_layers
-        # (a step with image tokens takes their embeddings from `meta.embeds`: the modules too)
-        bare = (self.lora is None or self.lora.current() is None) and meta.embeds is None
+        # (a step with image tokens takes their embeddings from `meta.embeds`, and M-RoPE's
+        # positions from `meta.mrope`: the modules too)
+        bare = (self.lora is None or self.lora.current() is None) and meta.embeds is None and meta.mrope is None
         fused = self.fused_decode
         # (the native whole-model decode reads one table for every layer: not a hybrid cache's;
         # it keeps the streams an EAGLE-3 head reads itself)
@@ -660,7 +673,10 @@ class LlamaForCausalLM(nn.Module):
         if meta.embeds is not None:  # image tokens: the vision side's embeddings in their rows
             rows, values = meta.embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
+        if meta.mrope is not None:
+            rope = self.rotary.mrope(meta.mrope, self.arch.mrope_section, x.dtype)
+        else:
+            rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
         add_norm = self.add_norm
         kept: dict[int, torch.Tensor] = {}
         if add_norm is not None:

@@ -29,11 +29,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from conveyor.models.qwen_vision import QwenVision
 
 # What transformers' CLIPVisionConfig assumes where a checkpoint's `vision_config` is silent
 # (LLaVA-1.5's configs list only what differs), and SigLIP's.
@@ -58,7 +61,9 @@ ACTIVATIONS = {
 
 # Where a checkpoint keeps its vision side's tensors (transformers 4's and 5's names).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline", "model.vision_tower.",
-                   "model.multi_modal_projector.", "model.image_newline")
+                   "model.multi_modal_projector.", "model.image_newline", "visual.", "model.visual.")
+# The Qwen-VL styles (conveyor/models/qwen_vision.py).
+QWEN_STYLES = ("qwen2_vl", "qwen2_5_vl")
 # LLaVA-NeXT's default tilings (height, width), where its config names none.
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
@@ -98,6 +103,32 @@ class VisionArch:
     # LLaVA-NeXT ("llava_next"): the tilings (height, width) an image may be cut to, in tiles of
     # the tower's size, besides the whole image at that size.
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    # Qwen2-VL ("qwen2_vl") and Qwen2.5-VL ("qwen2_5_vl", conveyor/models/qwen_vision.py): an image
+    # at its own size; `merge_size` x `merge_size` patches make one token; the patch convolution
+    # spans `temporal_patch_size` frames; the tower's 2D RoPE base; Qwen2.5-VL's attention windows
+    # (pixels a side) outside the blocks of `full_attention_layers`.
+    merge_size: int = 1
+    temporal_patch_size: int = 1
+    rope_theta: float = 10000.0
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+
+    @property
+    def is_qwen(self) -> bool:
+        return self.style in QWEN_STYLES
+
+    def token_grid(self, pixels: Any) -> tuple[int, int]:
+        """Qwen-VL: the rows and columns of tokens an image (`Pixels`, made to multiples of
+        patch x merge pixels a side) becomes."""
+        side = self.patch_size * self.merge_size
+        return pixels.values.shape[-2] // side, pixels.values.shape[-1] // side
+
+    def image_tokens(self, pixels: Any) -> int:
+        """The tokens an image (`conveyor.multimodal.Pixels`) becomes."""
+        if self.is_qwen:
+            h, w = self.token_grid(pixels)
+            return h * w
+        return self.num_tokens(pixels.size)
 
     def num_tokens(self, size: tuple[int, int] | None) -> int:
         """The tokens an image of `size` (height, width) becomes: LLaVA-NeXT's depend on it
@@ -146,6 +177,41 @@ class VisionArch:
             image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262_144))), style="gemma3",
             pooled_tokens=pooled, boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))),
             eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256_000))),
+        )
+
+    @classmethod
+    def from_qwen_vl(cls, cfg: dict[str, Any], text_hidden_size: int, style: str) -> VisionArch:
+        """Qwen2-VL's (`style` "qwen2_vl": LayerNorm, a plain MLP `mlp_ratio` wide, quick GELU) or
+        Qwen2.5-VL's ("qwen2_5_vl": RMS norms, a gated MLP, windowed attention) tower, from
+        either generation's names (`in_chans` or `in_channels`; the merger's width is the
+        vision config's `hidden_size` in Qwen2-VL, `out_hidden_size` in Qwen2.5-VL)."""
+        v = dict(cfg.get("vision_config") or {})
+        qwen25 = style == "qwen2_5_vl"
+        dim = int(v.get("hidden_size", 3584) if qwen25 else v.get("embed_dim", 1280))
+        out = int(v.get("out_hidden_size", 3584) if qwen25 else v.get("hidden_size", 3584))
+        if out != text_hidden_size:
+            raise VisionConfigError(f"the vision side's output width {out} is not the text model's {text_hidden_size}")
+        act = v.get("hidden_act", "silu" if qwen25 else "quick_gelu")
+        if act not in ACTIVATIONS:
+            raise VisionConfigError(f"activation {act!r} is not supported; conveyor reads {sorted(ACTIVATIONS)}")
+        heads, depth = int(v.get("num_heads", 16)), int(v.get("depth", 32))
+        if dim % (4 * heads):
+            raise VisionConfigError(f"a vision head of {dim // heads} dims cannot turn by row and column halves")
+        patch, merge = int(v.get("patch_size", 14)), int(v.get("spatial_merge_size", 2))
+        window = int(v.get("window_size", 112)) if qwen25 else 0
+        if window and window % (patch * merge):
+            raise VisionConfigError(f"window_size={window} is not a whole number of {patch * merge}-pixel blocks")
+        rope = v.get("rope_parameters") or {}
+        return cls(
+            tower=style, hidden_size=dim,
+            intermediate_size=int(v.get("intermediate_size") or 3420) if qwen25 else int(dim * v.get("mlp_ratio", 4)),
+            num_layers=depth, num_heads=heads, num_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
+            image_size=0, patch_size=patch, hidden_act=act, layer_norm_eps=1e-6, feature_layers=(depth,),
+            select_strategy="full", projector_act="gelu", projector_bias=True, text_hidden_size=text_hidden_size,
+            image_token_id=int(cfg.get("image_token_id", 151655)), style=style, merge_size=merge,
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)), rope_theta=float(rope.get("rope_theta", 10000.0)),
+            window_size=window,
+            full_attention_layers=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else (),
         )
 
     @classmethod
@@ -200,6 +266,8 @@ class VisionArch:
         """How many embeddings (image tokens in the prompt) one image becomes."""
         if self.pooled_tokens:
             return self.pooled_tokens
+        if self.is_qwen:  # (an image's own: `image_tokens`; at least one)
+            return 1
         return self.num_patches + (self.class_token and self.select_strategy == "full")
 
 
@@ -394,18 +462,22 @@ class ImageEncoder:
     a submodule, so the text model's passes (int8, the CPU kernels, the Triton kernels) leave
     its layers as they are."""
 
-    def __init__(self, module: LlavaVision) -> None:
+    def __init__(self, module: LlavaVision | QwenVision) -> None:
         self.module = module
-        self.config = module.config
-        weight = module.vision_tower.vision_model.embeddings.patch_embedding.weight
+        self.config: VisionArch = module.config
+        weight = next(module.parameters())
         self.device, self.dtype = weight.device, weight.dtype
 
     @torch.inference_mode()
     def __call__(self, images: list[Any]) -> list[torch.Tensor]:
         """Images (`conveyor.multimodal.Pixels`) to their embeddings, `[tokens, text hidden]`
-        each: those of one shape in one batch (LLaVA-NeXT's tiles of each image together)."""
+        each: those of one shape in one batch (LLaVA-NeXT's tiles of each image together;
+        Qwen-VL's images of any sizes in one call)."""
+        if self.config.is_qwen:
+            return list(self.module([image.values.to(self.device, self.dtype) for image in images]))
         if self.config.style == "llava_next":
             out = []
+            assert isinstance(self.module, LlavaVision)
             for image in images:
                 tiles = self.module(image.values.to(self.device, self.dtype))
                 out.append(self.module.pack(tiles, image.size))
@@ -415,11 +487,17 @@ class ImageEncoder:
 
 def load_vision(v: VisionArch, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device) -> ImageEncoder:
-    """The vision side from HF-named tensors (`vision_tower.*`, `multi_modal_projector.*`);
-    those of layers past the deepest feature layer, the post-norm and SigLIP's pooling head
-    are not read."""
+    """The vision side from HF-named tensors (`vision_tower.*`, `multi_modal_projector.*`; Qwen-VL's
+    `visual.*`); those of layers past the deepest feature layer, the post-norm and SigLIP's
+    pooling head are not read."""
+    module: LlavaVision | QwenVision
     with torch.device("meta"):
-        module = LlavaVision(v)
+        if v.is_qwen:
+            from conveyor.models.qwen_vision import QwenVision
+
+            module = QwenVision(v)
+        else:
+            module = LlavaVision(v)
     module = module.to_empty(device=device).to(dtype)
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(tensors))

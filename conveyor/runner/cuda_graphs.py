@@ -192,13 +192,16 @@ class GraphedDecode:
         tables: Sequence[Sequence[int]],
         window_slots: Sequence[Sequence[int]] = (),
         window_tables: Sequence[Sequence[Sequence[int]]] = (),
+        rope_positions: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits `[n, vocab]` and greedy tokens `[n]` of a step of n decodes: token
         `input_ids[i]` (already on the device: it may be a pending token) at `positions[i]`,
         written to `slots[i]`, over the blocks `tables[i]`. Both are views of the fixed
         buffers, which the next step overwrites: whatever reads them is queued on the stream
         before that step's launch (the next step's input ids, the copy of the tokens to the host).
-        A hybrid cache's step gives each sliding group's slots and tables too."""
+        A hybrid cache's step gives each sliding group's slots and tables too; M-RoPE's decodes
+        (Qwen2-VL) turn at `rope_positions` (each row's position plus its prompt's delta), their
+        context still `positions[i] + 1` long."""
         n = len(positions)
         b = self.padded_size(n)
         pad = b - n
@@ -209,7 +212,8 @@ class GraphedDecode:
         scratch = self.scratch_block
         # Padded rows: position 0, the scratch block's first slot, over the scratch block alone.
         idle_slots = [scratch * self.block_size] * pad
-        vectors = host_longs([*positions, *[0] * pad, *slots, *idle_slots, *[p + 1 for p in positions], *[1] * pad,
+        turns = positions if rope_positions is None else rope_positions  # (the model reads them only to turn)
+        vectors = host_longs([*turns, *[0] * pad, *slots, *idle_slots, *[p + 1 for p in positions], *[1] * pad,
                               *(s for group in window_slots for s in (*group, *idle_slots))])
         groups = (tables, *window_tables)
         table = host_table([t for group in groups for t in (*group, *[()] * pad)], width, scratch)

@@ -346,10 +346,17 @@ class ModelRunner:
         hidden: torch.Tensor | None = None
         adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
         pooling = any(it.sampling_params.pooling is not None for it in items)  # (they need hidden states)
-        embeds = self._image_embeds(items, num_new) if any(it.images for it in items) else None
+        images = any(it.images for it in items)
+        embeds = self._image_embeds(items, num_new) if images else None
+        # M-RoPE (Qwen2-VL): a sequence with images turns by 3D positions. Where a step's rows
+        # all have three alike (decodes, chunks past the images: the index plus the prompt's
+        # delta) they are the rotary positions the fused and graphed paths take; otherwise
+        # the modules read them (`AttentionMetadata.mrope`).
+        mrope = self._mrope(items, num_new) if images and self.model.arch.mrope_section else None
+        flat = mrope is not None and bool((mrope == mrope[:, :1]).all())
         # (a drafter reading the model's hidden states needs them from every step: no graph)
         if (graphs is not None and adapters is None and not pooling and self.hidden_store is None
-                and embeds is None and graphs.applies(len(items), all_decodes)):
+                and embeds is None and (mrope is None or flat) and graphs.applies(len(items), all_decodes)):
             bs = self.block_size
             positions = [it.start_pos for it in items]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
@@ -358,7 +365,11 @@ class ModelRunner:
                              for g, host in enumerate(self.window_host_tables)]
             window_slots = [[t[p // bs] * bs + p % bs for t, p in zip(group, positions, strict=True)]
                             for group in window_tables]
-            logits, greedy = graphs(input_ids, positions, slots, tables, window_slots, window_tables)
+            if mrope is None:
+                logits, greedy = graphs(input_ids, positions, slots, tables, window_slots, window_tables)
+            else:
+                logits, greedy = graphs(input_ids, positions, slots, tables, window_slots, window_tables,
+                                        rope_positions=mrope[:, 0].tolist())
         else:
             # Token trees (a speculative step's branching guesses): each row at its depth's position.
             trees = None if all_decodes else [it.tree if it.num_draft else None for it in items]
@@ -385,6 +396,12 @@ class ModelRunner:
                                  for g, host in enumerate(self.window_host_tables)]
                 self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
             meta.embeds = embeds
+            rope_positions = meta.positions
+            if flat:
+                assert mrope is not None
+                rope_positions = to_device(mrope[:, 0].contiguous(), self.device)
+            elif mrope is not None:
+                meta.mrope = to_device(mrope, self.device)
             ranges = None
             if embeds is not None and any(s.bidirectional for it in items for s in it.images):
                 ranges = [tuple((s.offset, s.end) for s in it.images if s.bidirectional)
@@ -396,13 +413,13 @@ class ModelRunner:
                                 lora=None if adapters is None else [it.lora_request for it in items],
                                 lora_pinned=frozenset() if self.lora is None else frozenset(self.lora.pinned),
                                 embeds=None if embeds is None else (embeds[0].tolist(), embeds[1].cpu()),
-                                ranges=ranges))
+                                ranges=ranges, mrope=mrope))
             if adapters is None:
-                hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+                hidden = self.model(input_ids, rope_positions, self.kv_caches, meta)
             else:
                 assert self.lora is not None
                 with self.lora.context.use(adapters):
-                    hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+                    hidden = self.model(input_ids, rope_positions, self.kv_caches, meta)
             if self.hidden_store is not None:  # the MTP or EAGLE drafter reads them (runner/mtp.py)
                 aux = getattr(self.model, "aux_hidden", None)  # (EAGLE-3: streams inside the model)
                 self.hidden_store.put_step(items, num_new, hidden if aux is None else aux)
@@ -536,6 +553,24 @@ class ModelRunner:
             if hi == cache[k].shape[0]:  # the prefill has passed this image
                 del cache[k]
         return to_device(host_longs(rows), self.device), torch.cat(parts)
+
+    def _mrope(self, items: list[ScheduledSequence], num_new: list[int]) -> torch.Tensor:
+        """M-RoPE's positions `[T, 3]` on the host for this step's rows: a sequence with images
+        by `mrope_positions`, any other at its positions (a token tree's row at its depth's)."""
+        from conveyor.models.qwen_vision import mrope_positions
+
+        vision = self.model.vision
+        assert vision is not None
+        parts = []
+        for it, n in zip(items, num_new, strict=True):
+            tree = it.tree if it.num_draft else None
+            rows = torch.tensor([it.start_pos + (k if tree is None else tree.depths[k]) for k in range(n)])
+            if it.images:
+                grid = [vision.config.token_grid(span.pixels) for span in it.images]
+                parts.append(mrope_positions(rows, it.images, grid))
+            else:
+                parts.append(rows[:, None].repeat(1, 3))
+        return torch.cat(parts)
 
     def _keep_encoded(self, digest: bytes, values: torch.Tensor) -> None:
         """Keep an image's embeddings for other requests, the least recently used leaving first."""

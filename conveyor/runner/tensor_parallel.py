@@ -86,6 +86,7 @@ class Step:
     # and each prefill's ranges that see each other both ways (`open_ranges`).
     embeds: tuple[list[int], torch.Tensor] | None = None
     ranges: list[tuple[tuple[int, int], ...]] | None = None
+    mrope: torch.Tensor | None = None  # M-RoPE's positions `[T, 3]` (`AttentionMetadata.mrope`)
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -346,6 +347,8 @@ class Worker:
             meta.embeds = (torch.tensor(step.embeds[0], dtype=torch.long), step.embeds[1])
         if step.ranges is not None:
             open_ranges(meta, step.ranges)
+        if step.mrope is not None:
+            meta.mrope = step.mrope.to(meta.positions.device)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long, device=runner.device)
         if step.lora is None:
             self.hidden = runner.model(input_ids, meta.positions, runner.kv_caches, meta)

@@ -36,9 +36,9 @@ def graphed(llm: LLM, max_batch: int, capture: bool) -> list[int]:
         def applies(self, n: int, all_decodes: bool) -> bool:
             return graphs.applies(n, all_decodes)
 
-        def __call__(self, input_ids, positions, slots, tables, *window):  # (a hybrid cache's groups)
+        def __call__(self, input_ids, positions, slots, tables, *window, **rope):  # (a hybrid cache's groups)
             sizes.append(len(positions))
-            return call(input_ids, positions, slots, tables, *window)
+            return call(input_ids, positions, slots, tables, *window, **rope)
 
     runner.graphs = Counting()
     return sizes

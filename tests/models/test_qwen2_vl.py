@@ -1,0 +1,381 @@
+"""Qwen2-VL and Qwen2.5-VL (conveyor/models/qwen_vision.py) against HF transformers on the same
+random weights: the image processing (`smart_resize`, HF's patches), the vision tower's
+embeddings (Qwen2.5-VL's windows too), M-RoPE's 3D positions (`get_rope_index` and the decode
+delta), and greedy tokens over prompts with images of several sizes, whole and in chunks that
+cut through an image, beside text-only requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.multimodal import ImageProcessor, ImagePrompt, smart_resize
+from conveyor.sampling_params import InvalidRequestError
+from tests.conftest import TINY
+
+PIL = pytest.importorskip("PIL.Image")
+
+START, END, PAD = 378, 379, 380  # <|vision_start|>, <|vision_end|>, <|image_pad|>
+PATCH, MERGE = 14, 2
+MAX_PIXELS = 28 * 28 * 40  # (small: a large picture is scaled down to at most 40 tokens)
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+            "<|vision_start|><|image_pad|><|vision_end|> {% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+            "{% endif %} {% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
+    """A random-weight `Qwen2VLForConditionalGeneration` (or Qwen2.5-VL's: 56-pixel windows, the
+    second of 3 blocks attending whole), the text model of conftest's TINY with M-RoPE sections
+    (2, 3, 3), a word-level tokenizer with the vision tokens and a chat template, and a
+    `preprocessor_config.json` with a small `max_pixels`."""
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    text = {**TINY, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+    ids = dict(image_token_id=PAD, video_token_id=381, vision_start_token_id=START, vision_end_token_id=END)
+    if style == "qwen2_vl":
+        vision = dict(depth=3, embed_dim=32, hidden_size=TINY["hidden_size"], num_heads=2, patch_size=PATCH,
+                      spatial_merge_size=MERGE, temporal_patch_size=2)
+        config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+        cls = tf.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=TINY["hidden_size"], num_heads=2,
+                      patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1])
+        config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        cls = tf.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # (HF starts norms at one and biases at zero: make them matter)
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
+            if "merger.mlp.2" in name:  # (embeddings of about the tokens' size: neither drowns the other)
+                p.normal_(0, 0.01)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, START)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")])
+    assert tok.token_to_id("<|image_pad|>") == PAD
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(out_dir)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": MAX_PIXELS,
+        "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl") / "m")
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "m", "qwen2_5_vl", seed=6)
+
+
+def picture(seed: int, size):
+    """A random RGB picture of `size` (width, height)."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return PIL.fromarray(pixels.numpy(), "RGB")
+
+
+def hf_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS)
+
+
+def hf_patches(values: torch.Tensor) -> torch.Tensor:
+    """Our image `[C, H, W]` in HF's patch layout `[patches, C * 2 * 14 * 14]` (its `patchify`)."""
+    c, h, w = values.shape
+    gh, gw = h // PATCH, w // PATCH
+    x = values.reshape(c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH).permute(1, 4, 2, 5, 0, 3, 6)
+    x = x[:, :, :, :, :, None].expand(*x.shape[:5], 2, *x.shape[5:])
+    return x.reshape(gh * gw, c * 2 * PATCH * PATCH)
+
+
+SIZES = [(70, 90), (200, 140), (300, 200), (56, 56), (30, 41), (90, 400)]
+
+
+def test_image_processing_matches_hf(qwen2_vl):
+    """HF's Qwen2-VL image processor (PIL backend): `smart_resize` (rounding, scaled up to the
+    least area, down to the most), rescale and normalize; the same patches in HF's layout."""
+    from conveyor.models.arch import ArchConfig
+
+    arch = ArchConfig.from_hf(json.loads((qwen2_vl / "config.json").read_text()))
+    v = arch.vision
+    assert v is not None and v.is_qwen and arch.mrope_section == (2, 3, 3)
+    ours, theirs = ImageProcessor.from_folder(qwen2_vl, v), hf_processor()
+    for i, size in enumerate(SIZES):
+        image = picture(i, size)
+        want = theirs(image, return_tensors="pt")
+        got = ours(image)
+        h, w = smart_resize(size[1], size[0], 28, 56 * 56, MAX_PIXELS)
+        assert got.values.shape == (3, h, w) and got.size == (size[1], size[0])
+        assert want["image_grid_thw"][0].tolist() == [1, h // PATCH, w // PATCH]
+        assert v.image_tokens(got) == h * w // 28**2 <= 40
+        torch.testing.assert_close(hf_patches(got.values), want["pixel_values"], rtol=0, atol=1e-6)
+    with pytest.raises(InvalidRequestError, match="200 times"):
+        ours(picture(0, (1000, 4)))
+
+
+@pytest.mark.parametrize("style", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_tower_matches_hf(style, qwen2_vl, qwen2_5_vl):
+    """The tower's embeddings of images of several sizes in one call (Qwen2.5-VL's windows
+    cut unevenly at the edges) equal HF's `get_image_features`."""
+    import transformers as tf
+
+    path = qwen2_vl if style == "qwen2_vl" else qwen2_5_vl
+    cls = tf.Qwen2VLForConditionalGeneration if style == "qwen2_vl" else tf.Qwen2_5_VLForConditionalGeneration
+    hf = cls.from_pretrained(path, dtype=torch.float64).eval()
+    llm = LLM(str(path), dtype="float32")
+    processor = llm.engine.image_processor
+    pixels = [processor(picture(i, size)) for i, size in enumerate(SIZES[:4])]
+    got = llm.engine.runner.model.vision(pixels)
+    grid = torch.tensor([[1, p.values.shape[1] // PATCH, p.values.shape[2] // PATCH] for p in pixels])
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.cat([hf_patches(p.values) for p in pixels]).double(), grid)
+    want = want.pooler_output if hasattr(want, "pooler_output") else want
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+
+
+def expanded(ids, images, processor, vision):
+    """The prompt with each <|image_pad|> repeated as its image's tokens, and its images' pixels."""
+    pixels = [processor(im) for im in images]
+    counts = iter(vision.image_tokens(p) for p in pixels)
+    return [t for tok in ids for t in ([tok] * next(counts) if tok == PAD else [tok])], pixels
+
+
+def test_mrope_positions_match_hf(qwen2_vl):
+    """`mrope_positions` over a prompt of two images and text, and past it (decodes), equals
+    HF's `get_rope_index` and its `rope_deltas`."""
+    import transformers as tf
+
+    from conveyor.models.qwen_vision import mrope_positions
+    from conveyor.multimodal import expand_image_tokens
+
+    hf = tf.Qwen2VLForConditionalGeneration.from_pretrained(qwen2_vl).eval()
+    from conveyor.models.arch import ArchConfig
+
+    v = ArchConfig.from_hf(json.loads((qwen2_vl / "config.json").read_text())).vision
+    processor = ImageProcessor.from_folder(qwen2_vl, v)
+    pixels = [processor(picture(1, (200, 140))), processor(picture(2, (70, 90)))]
+    ids = [1, 5, START, PAD, END, 6, 7, START, PAD, END, 8]
+    full, spans = expand_image_tokens(ids, PAD, pixels, [v.image_tokens(p) for p in pixels])
+    x = torch.tensor([full])
+    grid = torch.tensor([[1, p.values.shape[1] // PATCH, p.values.shape[2] // PATCH] for p in pixels])
+    want, delta = hf.model.get_rope_index(x, (x == PAD).int(), image_grid_thw=grid)
+    n = len(full)
+    got = mrope_positions(torch.arange(n + 5), spans, [v.token_grid(p) for p in pixels])
+    assert got[:n].tolist() == want[:, 0].T.tolist()
+    extra = torch.arange(n, n + 5) + int(delta)  # (what follows the prompt: its index plus the delta)
+    assert got[n:].tolist() == extra[:, None].repeat(1, 3).tolist()
+    # a chunk from the middle of the first image on: the same rows
+    torch.testing.assert_close(mrope_positions(torch.arange(7, 30), spans, [v.token_grid(p) for p in pixels]),
+                               got[7:30])
+
+
+def hf_tokens(path, style, prompts, processor, vision):
+    import transformers as tf
+
+    cls = tf.Qwen2VLForConditionalGeneration if style == "qwen2_vl" else tf.Qwen2_5_VLForConditionalGeneration
+    hf = cls.from_pretrained(path, dtype=torch.float64).eval()
+    out = []
+    for ids, images in prompts:
+        full, pixels = expanded(ids, images, processor, vision)
+        x = torch.tensor([full])
+        extra = {}
+        if pixels:
+            extra = {"pixel_values": torch.cat([hf_patches(p.values) for p in pixels]).double(),
+                     "image_grid_thw": torch.tensor([[1, p.values.shape[1] // PATCH, p.values.shape[2] // PATCH]
+                                                     for p in pixels]),
+                     "mm_token_type_ids": (x == PAD).int()}
+        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=PARAMS.max_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
+        out.append(gen[0, x.shape[1]:].tolist())
+    return out
+
+
+PROMPTS = [
+    ([1, 40, START, PAD, END, 41, 42, 43], [(0, (200, 140))]),
+    ([1, START, PAD, END, 50, 51, START, PAD, END, 52, 53], [(1, (70, 90)), (2, (300, 200))]),  # two images
+    ([1, 90, 91, 92, 93], []),  # text only, beside the others
+    ([1, 60, 61, 62, 63, 64, 65, START, PAD, END], [(3, (90, 400))]),  # ends with its image
+]
+
+
+def requests():
+    return [ImagePrompt(ids, tuple(picture(s, size) for s, size in images)) if images else ids
+            for ids, images in PROMPTS]
+
+
+@pytest.mark.parametrize("style", ["qwen2_vl", "qwen2_5_vl"])
+def test_greedy_matches_hf(style, qwen2_vl, qwen2_5_vl):
+    """Greedy tokens equal HF's (float64) for prompts with images of several sizes, with the
+    whole prompt in one step and in chunks of 16 that cut through images, with the prefix
+    cache on (each decode turns by the prompt's M-RoPE delta)."""
+    path = qwen2_vl if style == "qwen2_vl" else qwen2_5_vl
+    llm = LLM(str(path), dtype="float32", max_num_seqs=4)
+    vision = llm.engine.arch.vision
+    want = hf_tokens(path, style, [(ids, [picture(s, size) for s, size in images]) for ids, images in PROMPTS],
+                     llm.engine.image_processor, vision)
+    got = [o.outputs[0].token_ids for o in llm.generate(requests(), PARAMS)]
+    assert got == want
+    chunked = LLM(str(path), dtype="float32", max_num_seqs=4, prefill_mode="chunked", max_num_batched_tokens=16,
+                  enable_prefix_caching=True)
+    assert [o.outputs[0].token_ids for o in chunked.generate(requests(), PARAMS)] == want
+    again = chunked.generate(requests()[:1], PARAMS)[0]  # (from the prefix cache: the same positions)
+    assert again.outputs[0].token_ids == want[0] and again.num_cached_tokens > 0
+
+
+def test_chat_places_images(qwen2_vl):
+    """`LLM.chat` with an image part: the template's <|vision_start|><|image_pad|><|vision_end|>,
+    the pad expanded to the image's tokens; the same tokens as the prompt written by hand."""
+    llm = LLM(str(qwen2_vl), dtype="float32")
+    image = picture(4, (200, 140))
+    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                  {"type": "text", "text": "w7 w8"}]}], PARAMS)[0]
+    n = llm.engine.arch.vision.image_tokens(llm.engine.image_processor(image))
+    assert n == 35 and out.prompt_token_ids.count(PAD) == n
+    i = out.prompt_token_ids.index(START)
+    assert out.prompt_token_ids[i + n + 1] == END
+    ids = out.prompt_token_ids[: i + 2] + out.prompt_token_ids[i + n + 1 :]
+    by_hand = llm.generate(ImagePrompt(ids, (image,)), PARAMS)[0]
+    assert by_hand.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_reads_transformers_4_config(tmp_path):
+    """A Hub config of transformers 4's form (text keys at the top, `rope_scaling` of type
+    "mrope", `in_chans`): Qwen2-VL-2B's and Qwen2.5-VL-3B's shapes."""
+    from conveyor.models.arch import ArchConfig, UnsupportedModelError
+
+    text = {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+            "num_attention_heads": 12, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "max_position_embeddings": 32768, "tie_word_embeddings": True, "bos_token_id": 151643,
+            "eos_token_id": 151645, "image_token_id": 151655, "vision_start_token_id": 151652,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+    cfg = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", **text,
+           "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                             "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}
+    arch = ArchConfig.from_hf(cfg)
+    v = arch.vision
+    assert arch.family == "qwen2" and arch.attention_bias and arch.tie_word_embeddings and arch.rope_scaling is None
+    assert arch.mrope_section == (16, 24, 24) and arch.rope_theta == 1e6 and arch.head_dim == 128
+    assert v is not None and v.style == "qwen2_vl" and v.intermediate_size == 5120 and v.window_size == 0
+    cfg25 = {**cfg, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "hidden_size": 2048,
+             "num_attention_heads": 16, "vision_config": {
+                 "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                 "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                 "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "temporal_patch_size": 2}}
+    v25 = ArchConfig.from_hf(cfg25).vision
+    assert v25 is not None and v25.style == "qwen2_5_vl" and v25.window_size == 112
+    assert v25.full_attention_layers == (7, 15, 23, 31) and v25.text_hidden_size == 2048
+    with pytest.raises(UnsupportedModelError, match="mrope_section"):
+        ArchConfig.from_hf({**cfg, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 16]}})
+    with pytest.raises(UnsupportedModelError, match="output width"):
+        ArchConfig.from_hf({**cfg, "vision_config": {**cfg["vision_config"], "hidden_size": 1024}})
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_with_images(qwen2_5_vl, mode):
+    """Six prompts with images in a KV cache too small for all at once: a request computed again
+    after a preemption takes the same 3D positions (and a swapped one keeps its delta), so each
+    gives the tokens it gives alone."""
+    prompts = [ImagePrompt([1, 40 + i, START, PAD, END, 50, 51], (picture(20 + i, (120 + 10 * i, 90)),))
+               for i in range(6)]
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    roomy = LLM(str(qwen2_5_vl), dtype="float64", num_kv_blocks=128)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, long, use_tqdm=False)]
+    tight = LLM(str(qwen2_5_vl), dtype="float64", num_kv_blocks=12, preemption_mode=mode, num_swap_blocks=64)
+    outs = tight.generate(prompts, long, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_two_tensor_parallel_ranks_equal_one(qwen2_vl):
+    """Under tensor parallelism rank 0 encodes the images and sends their embeddings and the
+    step's M-RoPE positions: two ranks give one's tokens."""
+    one = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128).generate(requests(), PARAMS, use_tqdm=False)
+    two = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1)
+    assert [o.outputs[0].token_ids for o in two.generate(requests(), PARAMS, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in one]
+
+
+def test_served_over_http(qwen2_vl, tmp_path):
+    """`/v1/chat/completions` with an `image_url` data URL gives `LLM.chat`'s tokens and counts
+    the image's tokens (as many as its size makes) in `usage`."""
+    import base64
+    import io
+
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    image = picture(9, (250, 120))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "w41 w42"}]}]
+    want = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128).chat(messages, PARAMS, use_tqdm=False)[0]
+    server = ServerProcess(["--model", str(qwen2_vl), "--dtype", "float64", "--num-kv-blocks", "128"],
+                           tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        with httpx.Client(timeout=60.0) as client:
+            r = client.post(server.url + "/v1/chat/completions", json={
+                "model": str(qwen2_vl), "messages": messages, "max_tokens": PARAMS.max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": True})
+            assert r.status_code == 200, r.text
+            got = r.json()
+        names = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<|vision_start|>": START, "<|vision_end|>": END,
+                 "<|image_pad|>": PAD, "<|video_pad|>": 381}
+        tokens = [int(e["token"].removeprefix("token_id:")) if e["token"].startswith("token_id:")
+                  else names.get(e["token"]) or int(e["token"][1:]) for e in got["choices"][0]["logprobs"]["content"]]
+        assert tokens == want.outputs[0].token_ids
+        assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids) > 40
+    finally:
+        server.stop()
+
+
+def test_decodes_take_the_fused_and_graphed_paths(qwen2_vl, monkeypatch):
+    """A decode of a sequence with images turns at its index plus the prompt's delta, the same
+    for time, row and column: it runs on the fused native decode (CPU, float32) and on the
+    graphed decode's fixed buffers (here eagerly: no CUDA), with HF's tokens."""
+    from tests.runner.test_cuda_graphs import graphed
+
+    want = [o.outputs[0].token_ids for o in
+            LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128).generate(requests(), PARAMS, use_tqdm=False)]
+    llm = LLM(str(qwen2_vl), dtype="float32", num_kv_blocks=128)
+    fused = llm.engine.runner.model.fused_decode
+    if fused is None:
+        pytest.skip("the native CPU kernels are not built here")
+    shifted = []  # decode rows whose rotary position is not their place in the cache
+    original = type(fused).__call__
+
+    def counting(self, input_ids, positions, kv_caches, meta, *rest):
+        shifted.extend(p != c - 1 for p, c in zip(positions.tolist(), meta.decode_context_lens.tolist(), strict=True))
+        return original(self, input_ids, positions, kv_caches, meta, *rest)
+
+    monkeypatch.setattr(type(fused), "__call__", counting)
+    assert [o.outputs[0].token_ids for o in llm.generate(requests(), PARAMS, use_tqdm=False)] == want
+    assert any(shifted) and not all(shifted)  # (the text-only request turns at its own place)
+    graph = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128)
+    sizes = graphed(graph, max_batch=4, capture=False)
+    assert [o.outputs[0].token_ids for o in graph.generate(requests(), PARAMS, use_tqdm=False)] == want
+    assert sizes  # (decodes of sequences with images went through the fixed buffers)
