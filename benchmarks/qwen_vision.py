@@ -11,6 +11,21 @@ with every block attending over the whole image (the same weights), in turns (A 
 after a warm-up; the figure is each image's median time and the ratio of the two.
 
     python benchmarks/qwen_vision.py --sizes 224 448 672 896 1344 --rounds 3
+
+`--engine` measures the text side instead: a random Qwen2-VL (`Qwen2VLForConditionalGeneration`)
+whose text model has SmolLM2-135M's shape (M-RoPE sections 8, 12, 12 of its 64-dim heads) and a
+small tower, `--batch` requests of one 224-pixel picture (64 tokens) and 20 words each, greedy,
+`--max-tokens` outputs, no early end, run as:
+
+  images    the image prompts on an engine whose encoder cache holds their pictures (the tower
+            skipped): every decode turns at its index plus its prompt's M-RoPE delta
+  text      the same prompts with the image tokens as ordinary tokens (same length)
+  modules   the text prompts on an engine with the fused native decode off (every layer a
+            torch module: the path a step with 3D positions takes)
+
+in turns after a warm-up; the figure is the batch's wall time and its ratio to the text run.
+
+    python benchmarks/qwen_vision.py --engine --batch 16 --rounds 3
 """
 
 from __future__ import annotations
@@ -18,13 +33,74 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from conveyor.models.qwen_vision import QwenVision
 from conveyor.models.vision import VisionArch
 from conveyor.multimodal import ImageProcessor
+
+
+TEXT = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 100000.0})
+TOWER = dict(depth=4, embed_dim=320, hidden_size=576, num_heads=5, patch_size=14, spatial_merge_size=2)
+IMAGE_TOKEN = 49151
+
+
+def engine_runs(args: argparse.Namespace) -> None:
+    import transformers as tf
+    from PIL import Image
+
+    from conveyor import LLM, ImagePrompt, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen2_vl"
+        torch.manual_seed(0)
+        config = tf.Qwen2VLConfig(text_config=TEXT, vision_config=TOWER, image_token_id=IMAGE_TOKEN,
+                                  vision_start_token_id=49148, vision_end_token_id=49149, video_token_id=49150)
+        tf.Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        common = dict(kv_cache_memory=512 << 20, max_model_len=1024, enable_prefix_caching=False)
+        warm = LLM(str(folder), encoder_cache_tokens=args.batch * 256, **common)
+        plain = LLM(str(folder), encoder_cache_tokens=0, **common)
+        modules = LLM(str(folder), encoder_cache_tokens=0, **common)
+        modules.engine.runner.model.fused_decode = None  # (every step through the modules)
+        g = torch.Generator().manual_seed(1)
+        pictures = [Image.fromarray(torch.randint(0, 256, (224, 224, 3), generator=g, dtype=torch.uint8).numpy())
+                    for _ in range(args.batch)]
+        words = [[100 + 20 * i + j for j in range(20)] for i in range(args.batch)]
+        with_images = [ImagePrompt([1, 49148, IMAGE_TOKEN, 49149, *w], (im,))
+                       for w, im in zip(words, pictures, strict=True)]
+        per = warm.engine.arch.vision.image_tokens(warm.engine.image_processor(pictures[0]))  # type: ignore[attr-defined]
+        as_text = [[1, 49148, *([500 + i] * per), 49149, *w] for i, w in enumerate(words)]
+        runs = {
+            "images": lambda: warm.generate(with_images, params, use_tqdm=False),
+            "text": lambda: plain.generate(as_text, params, use_tqdm=False),
+            "modules": lambda: modules.generate(as_text, params, use_tqdm=False),
+        }
+        for run in runs.values():  # warm-up (and the encoder cache's first sight of the pictures)
+            run()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        ratios: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(args.rounds):
+            turn = {}
+            for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                start = time.perf_counter()
+                outs = runs[name]()
+                turn[name] = time.perf_counter() - start
+                assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+            for name in runs:
+                times[name].append(turn[name])
+                ratios[name].append(turn[name] / turn["text"])
+        print(f"{args.batch} requests of {len(as_text[0])} prompt tokens ({per} of an image) and {args.max_tokens} "
+              f"outputs, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
+        print(f"{'run':8} {'median s':>9} {'vs text':>14}")
+        for name in runs:
+            print(f"{name:8} {statistics.median(times[name]):9.3f} {min(ratios[name]):6.2f}-{max(ratios[name]):.2f}x")
 
 
 def main() -> None:
@@ -35,7 +111,13 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--full-every", type=int, default=8, help="a whole-image block every this many (Qwen2.5-VL: 8)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engine", action="store_true", help="the text side's decodes (see above)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.engine:
+        engine_runs(args)
+        return
     cfg = {"vision_config": {"depth": args.depth, "hidden_size": args.hidden, "intermediate_size": args.hidden * 8 // 3,
                              "num_heads": args.heads, "out_hidden_size": 896, "window_size": 112,
                              "fullatt_block_indexes": list(range(args.full_every - 1, args.depth, args.full_every))}}

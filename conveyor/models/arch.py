@@ -86,7 +86,9 @@ MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 # Qwen's image-text checkpoints (conveyor/models/qwen_vision.py): a Qwen2 text model with M-RoPE.
 QWEN_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
-                         "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+                         "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                         "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                         "Qwen3VLMoeForConditionalGeneration": "qwen3_vl"}
 # What transformers' LlamaConfig assumes where a LLaVA checkpoint's `text_config` is silent
 # (LLaVA-1.5's configs list only what differs from these).
 LLAMA_TEXT_DEFAULTS: dict[str, Any] = {
@@ -205,6 +207,7 @@ class ArchConfig:
     # positions in turn (an image's tokens' 3D positions: conveyor/models/qwen_vision.py); text
     # has the three alike, so plain RoPE.
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # (Qwen3-VL) the parts interleaved, frequency by frequency
     # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times
     # `residual_multiplier` before its residual add, the softmax scale `attention_multiplier`
     # (0: the head's), the logits divided by `logits_scaling`.
@@ -499,12 +502,22 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False) -> ArchConfig:
 
 
 def _qwen_vl_from_hf(cfg: dict[str, Any], style: str) -> ArchConfig:
-    """A Qwen2-VL or Qwen2.5-VL checkpoint: its Qwen2 text model (the config's top level in
-    transformers 4's form, `text_config` in 5's) with M-RoPE, and its vision side."""
+    """A Qwen2-VL or Qwen2.5-VL checkpoint (its Qwen2 text model: the config's top level in
+    transformers 4's form, `text_config` in 5's) or a Qwen3-VL one (a Qwen3 text model, M-RoPE's
+    parts interleaved), with M-RoPE, and its vision side."""
+    qwen3 = style == "qwen3_vl"
     top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
-    text = {**top, **(cfg.get("text_config") or {}), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    text = {**top, **(cfg.get("text_config") or {})}
+    if "tie_word_embeddings" in cfg:  # (the top level's governs: Qwen3-VL-MoE's text config says True)
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    moe = qwen3 and bool(text.get("num_experts") or text.get("num_local_experts"))
+    family = "qwen3_moe" if moe else "qwen3" if qwen3 else "qwen2"
+    architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    # (Qwen3-VL's mixture always renormalizes its top-k weights)
+    text |= {"architectures": [architecture[family]], "model_type": family, **({"norm_topk_prob": True} if moe else {})}
     scaling, params = dict(text.get("rope_scaling") or {}), dict(text.get("rope_parameters") or {})
-    section = scaling.get("mrope_section") or params.get("mrope_section") or (16, 24, 24)
+    section = (scaling.get("mrope_section") or params.get("mrope_section")
+               or ((24, 20, 20) if qwen3 else (16, 24, 24)))
     if scaling.get("rope_type", scaling.get("type")) in ("mrope", "default"):
         text["rope_scaling"] = None  # (M-RoPE is this model's plain RoPE: its sections are below)
     if params.get("rope_type", params.get("type")) == "mrope":
@@ -518,7 +531,8 @@ def _qwen_vl_from_hf(cfg: dict[str, Any], style: str) -> ArchConfig:
         raise UnsupportedModelError(str(e)) from None
     if not 0 <= vision.image_token_id < arch.vocab_size:
         raise UnsupportedModelError(f"image_token_id={vision.image_token_id} is outside the vocabulary")
-    return dataclasses.replace(arch, multimodal=True, vision=vision, mrope_section=tuple(int(s) for s in section))
+    return dataclasses.replace(arch, multimodal=True, vision=vision, mrope_section=tuple(int(s) for s in section),
+                               mrope_interleaved=qwen3)
 
 
 def _longrope(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:

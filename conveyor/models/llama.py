@@ -14,7 +14,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +215,7 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos() * factor if factor != 1 else freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin() * factor if factor != 1 else freqs.sin(), persistent=False)
         self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._mrope_parts: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos/sin rows `[T, 1, head_dim/2]` for this step, computed once, shared by all layers.
@@ -230,17 +231,26 @@ class Rotary(nn.Module):
         rows = table[positions]
         return rows[:, :1], rows[:, 1:]
 
-    def mrope(self, positions: torch.Tensor, sections: tuple[int, ...], dtype: torch.dtype) -> RopeTables:
-        """M-RoPE's rows `[T, 1, head_dim/2]` for positions `[T, 3]` (time, row, column): the
-        frequencies in `sections`, each part at its own position in turn (HF's
-        `mrope_section`; both halves of a head alike)."""
-        cos, sin, start = [], [], 0
-        for i, n in enumerate(sections):
-            rows = positions[:, i % 3]
-            cos.append(self.cos[rows, start : start + n])
-            sin.append(self.sin[rows, start : start + n])
-            start += n
-        return torch.cat(cos, dim=-1).unsqueeze(1).to(dtype), torch.cat(sin, dim=-1).unsqueeze(1).to(dtype)
+    def mrope(self, positions: torch.Tensor, sections: tuple[int, ...], interleaved: bool, dtype: torch.dtype
+              ) -> RopeTables:
+        """M-RoPE's rows `[T, 1, head_dim/2]` for positions `[T, 3]` (time, row, column): each
+        frequency at the position of its part (HF's `mrope_section`: the parts in turn, or with
+        `interleaved`, Qwen3-VL's, frequency j at the row's if j % 3 == 1 and the column's if
+        j % 3 == 2, within their parts' thrice lengths; both halves of a head alike)."""
+        key = (sections, interleaved, positions.device)
+        parts = self._mrope_parts.get(key)
+        if parts is None:
+            if interleaved:
+                part = torch.zeros(sum(sections), dtype=torch.int64)
+                for k in (1, 2):
+                    part[k : 3 * sections[k] : 3] = k
+            else:
+                part = torch.repeat_interleave(torch.arange(len(sections)) % 3, torch.tensor(sections))
+            parts = self._mrope_parts[key] = (part.to(positions.device),
+                                              torch.arange(sum(sections), device=positions.device))
+        part, columns = parts
+        rows = positions[:, part]  # [T, head_dim/2]: each frequency's position
+        return self.cos[rows, columns].unsqueeze(1).to(dtype), self.sin[rows, columns].unsqueeze(1).to(dtype)
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -670,11 +680,15 @@ class LlamaForCausalLM(nn.Module):
         if plain and self.gemv is not None and input_ids.shape[0] <= self.gemv_max_rows:
             return self.norm(self._forward_gemv(input_ids, positions, kv_caches, meta))
         x = self.embed(input_ids)
+        deep: torch.Tensor | None = None  # (Qwen3-VL's DeepStack: what the first layers' outputs add)
         if meta.embeds is not None:  # image tokens: the vision side's embeddings in their rows
             rows, values = meta.embeds
-            x = x.index_copy(0, rows, values.to(x.dtype))
+            width = x.shape[1]
+            x = x.index_copy(0, rows, values[:, :width].to(x.dtype))
+            if values.shape[1] > width:
+                deep = values[:, width:].to(x.dtype).view(len(rows), -1, width)
         if meta.mrope is not None:
-            rope = self.rotary.mrope(meta.mrope, self.arch.mrope_section, x.dtype)
+            rope = self.rotary.mrope(meta.mrope, self.arch.mrope_section, self.arch.mrope_interleaved, x.dtype)
         else:
             rope = self.rotary(self.rope_positions(positions, meta), x.dtype)
         add_norm = self.add_norm
@@ -686,6 +700,9 @@ class LlamaForCausalLM(nn.Module):
                 if i in aux:
                     kept[i] = x if delta is None else x + delta
                 delta, x = layer.forward_fused(delta, x, rope, cache, meta, add_norm)
+                if deep is not None and i < deep.shape[1]:  # (into the residual: the sum is the same)
+                    assert meta.embeds is not None
+                    x = x.index_add(0, meta.embeds[0], deep[:, i])
             if aux:
                 self.aux_hidden = torch.cat([kept[i] for i in aux], dim=-1)
             return add_norm(delta, x, self.norm.weight, self.norm.eps)[0]
@@ -694,6 +711,9 @@ class LlamaForCausalLM(nn.Module):
             if i in aux:
                 kept[i] = x
             x = layer(x, local if layer.local_rope else rope, cache, meta)
+            if deep is not None and i < deep.shape[1]:
+                assert meta.embeds is not None
+                x = x.index_add(0, meta.embeds[0], deep[:, i])
         if aux:
             self.aux_hidden = torch.cat([kept[i] for i in aux], dim=-1)
         return self.norm(x)

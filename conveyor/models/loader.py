@@ -947,6 +947,12 @@ def load_weights(
             prefix = ".".join(parts[: i + 1])
             if len(parts) == i + 2 and tensor.dim() == 3:  # all experts stacked already
                 proj = parts[-1]
+                # Stored `[E, in, out]` (Qwen3-VL-MoE's checkpoints): transposed where only that
+                # fits the target, as transformers' loader does (`Transpose(check_dims=True)`).
+                target = params.get(f"{prefix}.{proj}")
+                if (target is not None and tensor.shape[1:] != target.shape[1:]
+                        and tensor.shape[1:] == target.shape[1:][::-1]):
+                    tensor = tensor.transpose(1, 2)
                 for e, one in enumerate(tensor):
                     if proj == "gate_up_proj":  # transformers >= 5
                         half = one.shape[0] // 2

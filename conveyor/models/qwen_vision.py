@@ -19,11 +19,18 @@ takes max(h, w) positions, not h * w.
 Qwen2.5-VL (Bai et al. 2025, "Qwen2.5-VL Technical Report") has RMS norms, a gated SiLU MLP,
 and attention within windows of `window_size` pixels (8x8 patches for 112) in all blocks but
 `fullatt_block_indexes`; the patches are put in window order for the blocks and back in the
-image's order after the merger. Parameter names are HF's (`visual.*`).
+image's order after the merger. Qwen3-VL (Qwen Team 2025) has 16-pixel patches (a biased
+convolution), adds a learned square grid of position embeddings resampled to the image's patches
+(bilinear, corners aligned), interleaves M-RoPE's parts frequency by frequency in the text model,
+and feeds the text model more of the image (DeepStack, Meng et al. 2024): the outputs of some
+blocks (`deepstack_visual_indexes`), each through a merger of its own, are added to the first
+text layers' outputs at the image's tokens; they ride beside the image's embeddings in one row
+(`[tokens, text hidden * (1 + deepstack)]`). Parameter names are HF's (`visual.*`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -49,7 +56,7 @@ class _RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def _norm(v: VisionArch, dim: int) -> nn.Module:
+def _norm(v: VisionArch, dim: int) -> nn.Module:  # (Qwen2.5-VL's are RMS norms)
     return _RMSNorm(dim, v.layer_norm_eps) if v.style == "qwen2_5_vl" else nn.LayerNorm(dim, eps=v.layer_norm_eps)
 
 
@@ -103,6 +110,17 @@ class _MLP(nn.Module):  # Qwen2-VL's
         return self.fc2(self.act(self.fc1(x)))
 
 
+class _FcMLP(nn.Module):  # Qwen3-VL's (Qwen2-VL's under other names)
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.linear_fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.act = ACTIVATIONS[v.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class _GatedMLP(nn.Module):  # Qwen2.5-VL's
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
@@ -121,7 +139,7 @@ class _Block(nn.Module):
         self.norm1 = _norm(v, v.hidden_size)
         self.norm2 = _norm(v, v.hidden_size)
         self.attn = _Attention(v)
-        self.mlp: nn.Module = _GatedMLP(v) if v.style == "qwen2_5_vl" else _MLP(v)
+        self.mlp: nn.Module = {"qwen2_5_vl": _GatedMLP, "qwen3_vl": _FcMLP}.get(v.style, _MLP)(v)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: list[tuple[int, int]]
                 ) -> torch.Tensor:
@@ -134,7 +152,7 @@ class _PatchEmbed(nn.Module):
         super().__init__()
         p = v.patch_size
         self.proj = nn.Conv3d(v.num_channels, v.hidden_size, (v.temporal_patch_size, p, p), (v.temporal_patch_size, p, p),
-                              bias=False)
+                              bias=v.style == "qwen3_vl")
 
 
 class _Merger(nn.Module):
@@ -149,12 +167,33 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
+class _FcMerger(nn.Module):
+    """Qwen3-VL's merger: a LayerNorm before the four patches go side by side (or after, a
+    DeepStack merger's `postshuffle`), then two linear layers with GELU between."""
+
+    def __init__(self, v: VisionArch, postshuffle: bool = False) -> None:
+        super().__init__()
+        self.width = v.hidden_size * v.merge_size**2
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else v.hidden_size, eps=v.layer_norm_eps)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, v.text_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
 class _Visual(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.patch_embed = _PatchEmbed(v)
+        if v.position_embeddings:
+            self.pos_embed = nn.Embedding(v.position_embeddings, v.hidden_size)
         self.blocks = nn.ModuleList(_Block(v) for _ in range(v.num_layers))
-        self.merger = _Merger(v)
+        self.merger: nn.Module = _FcMerger(v) if v.style == "qwen3_vl" else _Merger(v)
+        if v.deepstack_layers:
+            self.deepstack_merger_list = nn.ModuleList(_FcMerger(v, postshuffle=True) for _ in v.deepstack_layers)
 
 
 class QwenVision(nn.Module):
@@ -178,9 +217,14 @@ class QwenVision(nn.Module):
         each merge x merge block's patches together, blocks in row order (HF's layout)."""
         v = self.config
         m = v.merge_size
-        weight = self.visual.patch_embed.proj.weight.sum(dim=2)  # (the two frames are the same image)
-        x = F.conv2d(image[None].to(weight.dtype), weight, stride=v.patch_size)[0]  # [hidden, gh, gw]
+        proj = self.visual.patch_embed.proj
+        weight = proj.weight.sum(dim=2)  # (the two frames are the same image)
+        x = F.conv2d(image[None].to(weight.dtype), weight, proj.bias, stride=v.patch_size)[0]  # [hidden, gh, gw]
         d, gh, gw = x.shape
+        if v.position_embeddings:  # Qwen3-VL: the learned grid resampled to this image's patches
+            side = math.isqrt(v.position_embeddings)
+            table = self.visual.pos_embed.weight.view(side, side, d).permute(2, 0, 1)[None]
+            x = x + F.interpolate(table.float(), size=(gh, gw), mode="bilinear", align_corners=True)[0].to(x.dtype)
         x = x.view(d, gh // m, m, gw // m, m).permute(1, 3, 2, 4, 0).reshape(gh * gw, d)
         rows = torch.arange(gh).view(gh // m, m, 1, 1).expand(-1, -1, gw // m, m).permute(0, 2, 1, 3).flatten()
         cols = torch.arange(gw).view(1, 1, gw // m, m).expand(gh // m, m, -1, -1).permute(0, 2, 1, 3).flatten()
@@ -227,9 +271,14 @@ class QwenVision(nn.Module):
         freqs = torch.cat((pos[:, :1] * inv, pos[:, 1:] * inv), dim=-1)  # [N, head/2]
         freqs = torch.cat((freqs, freqs), dim=-1)[:, None]  # (each head's two halves turn alike)
         rope = (freqs.cos(), freqs.sin())
+        deep = []
         for i, block in enumerate(self.visual.blocks):
             x = block(x, rope, windows if windows and i not in v.full_attention_layers else whole)
+            if i in v.deepstack_layers:
+                deep.append(self.visual.deepstack_merger_list[v.deepstack_layers.index(i)](x))
         merged = self.visual.merger(x)
+        if deep:  # (DeepStack's rows ride beside the embeddings: `LlamaForCausalLM.forward`)
+            merged = torch.cat((merged, *deep), dim=-1)
         out = []
         for k, (a, b) in enumerate(whole):
             part = merged[a // unit : b // unit]

@@ -63,7 +63,7 @@ ACTIVATIONS = {
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline", "model.vision_tower.",
                    "model.multi_modal_projector.", "model.image_newline", "visual.", "model.visual.")
 # The Qwen-VL styles (conveyor/models/qwen_vision.py).
-QWEN_STYLES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_STYLES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # LLaVA-NeXT's default tilings (height, width), where its config names none.
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
@@ -112,6 +112,11 @@ class VisionArch:
     rope_theta: float = 10000.0
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
+    # Qwen3-VL ("qwen3_vl"): a learned square grid of position embeddings (resampled to each
+    # image's patches), and the blocks whose outputs, merged, are added to the first text layers'
+    # outputs at the image's tokens (DeepStack).
+    position_embeddings: int = 0
+    deepstack_layers: tuple[int, ...] = ()
 
     @property
     def is_qwen(self) -> bool:
@@ -181,30 +186,38 @@ class VisionArch:
 
     @classmethod
     def from_qwen_vl(cls, cfg: dict[str, Any], text_hidden_size: int, style: str) -> VisionArch:
-        """Qwen2-VL's (`style` "qwen2_vl": LayerNorm, a plain MLP `mlp_ratio` wide, quick GELU) or
-        Qwen2.5-VL's ("qwen2_5_vl": RMS norms, a gated MLP, windowed attention) tower, from
-        either generation's names (`in_chans` or `in_channels`; the merger's width is the
-        vision config's `hidden_size` in Qwen2-VL, `out_hidden_size` in Qwen2.5-VL)."""
+        """Qwen2-VL's (`style` "qwen2_vl": LayerNorm, a plain MLP `mlp_ratio` wide, quick GELU),
+        Qwen2.5-VL's ("qwen2_5_vl": RMS norms, a gated MLP, windowed attention) or Qwen3-VL's
+        ("qwen3_vl": 16-pixel patches, learned positions, DeepStack) tower, from either
+        generation's names (`in_chans` or `in_channels`; the merger's width is the vision
+        config's `hidden_size` in Qwen2-VL, `out_hidden_size` after it)."""
         v = dict(cfg.get("vision_config") or {})
-        qwen25 = style == "qwen2_5_vl"
-        dim = int(v.get("hidden_size", 3584) if qwen25 else v.get("embed_dim", 1280))
-        out = int(v.get("out_hidden_size", 3584) if qwen25 else v.get("hidden_size", 3584))
+        qwen25, qwen3 = style == "qwen2_5_vl", style == "qwen3_vl"
+        dim = int(v.get("hidden_size", 1152 if qwen3 else 3584) if qwen25 or qwen3 else v.get("embed_dim", 1280))
+        out = int(v.get("out_hidden_size", 3584) if qwen25 or qwen3 else v.get("hidden_size", 3584))
         if out != text_hidden_size:
             raise VisionConfigError(f"the vision side's output width {out} is not the text model's {text_hidden_size}")
-        act = v.get("hidden_act", "silu" if qwen25 else "quick_gelu")
+        act = v.get("hidden_act", "silu" if qwen25 else "gelu_pytorch_tanh" if qwen3 else "quick_gelu")
         if act not in ACTIVATIONS:
             raise VisionConfigError(f"activation {act!r} is not supported; conveyor reads {sorted(ACTIVATIONS)}")
-        heads, depth = int(v.get("num_heads", 16)), int(v.get("depth", 32))
+        heads, depth = int(v.get("num_heads", 16)), int(v.get("depth", 27 if qwen3 else 32))
         if dim % (4 * heads):
             raise VisionConfigError(f"a vision head of {dim // heads} dims cannot turn by row and column halves")
-        patch, merge = int(v.get("patch_size", 14)), int(v.get("spatial_merge_size", 2))
+        patch, merge = int(v.get("patch_size", 16 if qwen3 else 14)), int(v.get("spatial_merge_size", 2))
+        grid = int(v.get("num_position_embeddings", 2304)) if qwen3 else 0
+        if grid and math.isqrt(grid) ** 2 != grid:
+            raise VisionConfigError(f"num_position_embeddings={grid} is not a square grid")
+        deepstack = tuple(int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ()
+        if any(not 0 <= i < depth for i in deepstack):
+            raise VisionConfigError(f"deepstack_visual_indexes {list(deepstack)} are not blocks of the {depth}")
         window = int(v.get("window_size", 112)) if qwen25 else 0
         if window and window % (patch * merge):
             raise VisionConfigError(f"window_size={window} is not a whole number of {patch * merge}-pixel blocks")
         rope = v.get("rope_parameters") or {}
         return cls(
             tower=style, hidden_size=dim,
-            intermediate_size=int(v.get("intermediate_size") or 3420) if qwen25 else int(dim * v.get("mlp_ratio", 4)),
+            intermediate_size=(int(v.get("intermediate_size") or (4304 if qwen3 else 3420)) if qwen25 or qwen3
+                               else int(dim * v.get("mlp_ratio", 4))),
             num_layers=depth, num_heads=heads, num_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
             image_size=0, patch_size=patch, hidden_act=act, layer_norm_eps=1e-6, feature_layers=(depth,),
             select_strategy="full", projector_act="gelu", projector_bias=True, text_hidden_size=text_hidden_size,
@@ -212,6 +225,7 @@ class VisionArch:
             temporal_patch_size=int(v.get("temporal_patch_size", 2)), rope_theta=float(rope.get("rope_theta", 10000.0)),
             window_size=window,
             full_attention_layers=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else (),
+            position_embeddings=grid, deepstack_layers=deepstack,
         )
 
     @classmethod

@@ -1,8 +1,8 @@
-"""Qwen2-VL and Qwen2.5-VL (conveyor/models/qwen_vision.py) against HF transformers on the same
-random weights: the image processing (`smart_resize`, HF's patches), the vision tower's
-embeddings (Qwen2.5-VL's windows too), M-RoPE's 3D positions (`get_rope_index` and the decode
-delta), and greedy tokens over prompts with images of several sizes, whole and in chunks that
-cut through an image, beside text-only requests."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (conveyor/models/qwen_vision.py) against HF transformers on
+the same random weights: the image processing (`smart_resize`, HF's patches), the vision tower's
+embeddings (Qwen2.5-VL's windows, Qwen3-VL's learned positions and DeepStack rows), M-RoPE's 3D
+positions (`get_rope_index` and the decode delta), and greedy tokens over prompts with images of
+several sizes, whole and in chunks that cut through an image, beside text-only requests."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ PIL = pytest.importorskip("PIL.Image")
 
 START, END, PAD = 378, 379, 380  # <|vision_start|>, <|vision_end|>, <|image_pad|>
 PATCH, MERGE = 14, 2
+PATCHES = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}  # (Qwen3-VL's are 16 pixels)
+STYLES = list(PATCHES)
+QWEN3_SEED = 4  # (a seed whose greedy tokens vary, and change without M-RoPE or DeepStack)
 MAX_PIXELS = 28 * 28 * 40  # (small: a large picture is scaled down to at most 40 tokens)
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
@@ -28,10 +31,18 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is strin
             "{% endif %} {% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 
+def hf_class(style: str):
+    import transformers as tf
+
+    return {"qwen2_vl": tf.Qwen2VLForConditionalGeneration, "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
+            "qwen3_vl": tf.Qwen3VLForConditionalGeneration, "qwen3_vl_moe": tf.Qwen3VLMoeForConditionalGeneration}[style]
+
+
 def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
     """A random-weight `Qwen2VLForConditionalGeneration` (or Qwen2.5-VL's: 56-pixel windows, the
-    second of 3 blocks attending whole), the text model of conftest's TINY with M-RoPE sections
-    (2, 3, 3), a word-level tokenizer with the vision tokens and a chat template, and a
+    second of 3 blocks attending whole; or Qwen3-VL's: a Qwen3 text model, a 4x4 grid of learned
+    positions, DeepStack from the first two blocks), the text model of conftest's TINY with M-RoPE
+    sections (2, 3, 3), a word-level tokenizer with the vision tokens and a chat template, and a
     `preprocessor_config.json` with a small `max_pixels`."""
     import transformers as tf
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
@@ -43,21 +54,26 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
         vision = dict(depth=3, embed_dim=32, hidden_size=TINY["hidden_size"], num_heads=2, patch_size=PATCH,
                       spatial_merge_size=MERGE, temporal_patch_size=2)
         config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
-        cls = tf.Qwen2VLForConditionalGeneration
-    else:
+    elif style == "qwen2_5_vl":
         vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=TINY["hidden_size"], num_heads=2,
                       patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, window_size=56,
                       fullatt_block_indexes=[1])
         config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-        cls = tf.Qwen2_5_VLForConditionalGeneration
+    else:  # (the mixture: 4 experts of 16, the top 2 a token)
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=TINY["hidden_size"], num_heads=2,
+                      patch_size=16, spatial_merge_size=MERGE, temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if style == "qwen3_vl_moe" else {}
+        make = tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig
+        config = make(text_config={**text, "head_dim": 16, **moe}, vision_config=vision, **ids)
     torch.manual_seed(seed)
-    model = cls(config).eval()
+    model = hf_class(style)(config).eval()
     with torch.no_grad():  # (HF starts norms at one and biases at zero: make them matter)
         for name, p in model.named_parameters():
             if "visual" in name:
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
-            if "merger.mlp.2" in name:  # (embeddings of about the tokens' size: neither drowns the other)
-                p.normal_(0, 0.01)
+            if "merger.mlp.2" in name or "merger.linear_fc2" in name or "merger_list" in name and "fc2" in name:
+                p.normal_(0, 0.01)  # (embeddings of about the tokens' size: neither drowns the other)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, START)}}
@@ -70,8 +86,9 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
                             unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(out_dir)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": MAX_PIXELS,
-        "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": PATCHES[style], "merge_size": MERGE, "temporal_patch_size": 2,
+        **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if style.startswith("qwen3") else
+           {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}),
     }))
     return out_dir
 
@@ -86,6 +103,16 @@ def qwen2_5_vl(tmp_path_factory):
     return build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "m", "qwen2_5_vl", seed=6)
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl") / "m", "qwen3_vl", seed=QWEN3_SEED)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_moe(tmp_path_factory):
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_moe") / "m", "qwen3_vl_moe", seed=QWEN3_SEED)
+
+
 def picture(seed: int, size):
     """A random RGB picture of `size` (width, height)."""
     g = torch.Generator().manual_seed(seed)
@@ -93,65 +120,80 @@ def picture(seed: int, size):
     return PIL.fromarray(pixels.numpy(), "RGB")
 
 
-def hf_processor():
+def hf_processor(style: str = "qwen2_vl"):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS)
+    norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if style.startswith("qwen3") else {}
+    return Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS, patch_size=PATCHES[style], **norm)
 
 
-def hf_patches(values: torch.Tensor) -> torch.Tensor:
-    """Our image `[C, H, W]` in HF's patch layout `[patches, C * 2 * 14 * 14]` (its `patchify`)."""
+def hf_patches(values: torch.Tensor, patch: int = PATCH) -> torch.Tensor:
+    """Our image `[C, H, W]` in HF's patch layout `[patches, C * 2 * patch * patch]` (its `patchify`)."""
     c, h, w = values.shape
-    gh, gw = h // PATCH, w // PATCH
-    x = values.reshape(c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH).permute(1, 4, 2, 5, 0, 3, 6)
+    gh, gw = h // patch, w // patch
+    x = values.reshape(c, gh // MERGE, MERGE, patch, gw // MERGE, MERGE, patch).permute(1, 4, 2, 5, 0, 3, 6)
     x = x[:, :, :, :, :, None].expand(*x.shape[:5], 2, *x.shape[5:])
-    return x.reshape(gh * gw, c * 2 * PATCH * PATCH)
+    return x.reshape(gh * gw, c * 2 * patch * patch)
+
+
+def hf_grid(pixels, patch: int) -> torch.Tensor:
+    return torch.tensor([[1, p.values.shape[1] // patch, p.values.shape[2] // patch] for p in pixels])
 
 
 SIZES = [(70, 90), (200, 140), (300, 200), (56, 56), (30, 41), (90, 400)]
 
 
-def test_image_processing_matches_hf(qwen2_vl):
-    """HF's Qwen2-VL image processor (PIL backend): `smart_resize` (rounding, scaled up to the
-    least area, down to the most), rescale and normalize; the same patches in HF's layout."""
+@pytest.mark.parametrize("style", ["qwen2_vl", "qwen3_vl"])
+def test_image_processing_matches_hf(style, request):
+    """HF's Qwen2-VL image processor (PIL backend; Qwen3-VL's 16-pixel patches and 0.5 mean and
+    spread): `smart_resize` (rounding, scaled up to the least area, down to the most), rescale and
+    normalize; the same patches in HF's layout."""
     from conveyor.models.arch import ArchConfig
 
-    arch = ArchConfig.from_hf(json.loads((qwen2_vl / "config.json").read_text()))
-    v = arch.vision
+    path = request.getfixturevalue(style)
+    arch = ArchConfig.from_hf(json.loads((path / "config.json").read_text()))
+    v, patch = arch.vision, PATCHES[style]
     assert v is not None and v.is_qwen and arch.mrope_section == (2, 3, 3)
-    ours, theirs = ImageProcessor.from_folder(qwen2_vl, v), hf_processor()
+    assert arch.mrope_interleaved == (style == "qwen3_vl") and arch.qk_norm == (style == "qwen3_vl")
+    ours, theirs = ImageProcessor.from_folder(path, v), hf_processor(style)
+    factor = 2 * patch
     for i, size in enumerate(SIZES):
         image = picture(i, size)
         want = theirs(image, return_tensors="pt")
         got = ours(image)
-        h, w = smart_resize(size[1], size[0], 28, 56 * 56, MAX_PIXELS)
+        h, w = smart_resize(size[1], size[0], factor, 56 * 56, MAX_PIXELS)
         assert got.values.shape == (3, h, w) and got.size == (size[1], size[0])
-        assert want["image_grid_thw"][0].tolist() == [1, h // PATCH, w // PATCH]
-        assert v.image_tokens(got) == h * w // 28**2 <= 40
-        torch.testing.assert_close(hf_patches(got.values), want["pixel_values"], rtol=0, atol=1e-6)
+        assert want["image_grid_thw"][0].tolist() == [1, h // patch, w // patch]
+        assert v.image_tokens(got) == h * w // factor**2 <= 40
+        torch.testing.assert_close(hf_patches(got.values, patch), want["pixel_values"], rtol=0, atol=1e-6)
     with pytest.raises(InvalidRequestError, match="200 times"):
         ours(picture(0, (1000, 4)))
 
 
-@pytest.mark.parametrize("style", ["qwen2_vl", "qwen2_5_vl"])
-def test_vision_tower_matches_hf(style, qwen2_vl, qwen2_5_vl):
+@pytest.mark.parametrize("style", STYLES[:3])
+def test_vision_tower_matches_hf(style, request):
     """The tower's embeddings of images of several sizes in one call (Qwen2.5-VL's windows
-    cut unevenly at the edges) equal HF's `get_image_features`."""
-    import transformers as tf
-
-    path = qwen2_vl if style == "qwen2_vl" else qwen2_5_vl
-    cls = tf.Qwen2VLForConditionalGeneration if style == "qwen2_vl" else tf.Qwen2_5_VLForConditionalGeneration
-    hf = cls.from_pretrained(path, dtype=torch.float64).eval()
+    cut unevenly at the edges; Qwen3-VL's learned grid resampled to each, and its DeepStack rows
+    beside the embeddings) equal HF's `get_image_features`."""
+    path, patch = request.getfixturevalue(style), PATCHES[style]
+    hf = hf_class(style).from_pretrained(path, dtype=torch.float64).eval()
     llm = LLM(str(path), dtype="float32")
     processor = llm.engine.image_processor
     pixels = [processor(picture(i, size)) for i, size in enumerate(SIZES[:4])]
     got = llm.engine.runner.model.vision(pixels)
-    grid = torch.tensor([[1, p.values.shape[1] // PATCH, p.values.shape[2] // PATCH] for p in pixels])
     with torch.no_grad():
-        want = hf.model.get_image_features(torch.cat([hf_patches(p.values) for p in pixels]).double(), grid)
-    want = want.pooler_output if hasattr(want, "pooler_output") else want
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+        out = hf.model.get_image_features(torch.cat([hf_patches(p.values, patch) for p in pixels]).double(),
+                                          hf_grid(pixels, patch))
+    width = TINY["hidden_size"]
+    want = out.pooler_output
+    deep = [d if isinstance(d, tuple | list) else torch.split(d, [g.shape[0] for g in got])
+            for d in getattr(out, "deepstack_features", None) or []]
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == (w.shape[0], width * (1 + len(deep)))
+        torch.testing.assert_close(g[:, :width].double(), w, rtol=1e-4, atol=1e-4)
+        for j, d in enumerate(deep):  # (DeepStack's rows, in the order of their blocks)
+            torch.testing.assert_close(g[:, width * (j + 1) : width * (j + 2)].double(), d[k], rtol=1e-4, atol=1e-4)
+    assert len(deep) == (2 if style.startswith("qwen3") else 0)
 
 
 def expanded(ids, images, processor, vision):
@@ -191,19 +233,17 @@ def test_mrope_positions_match_hf(qwen2_vl):
 
 
 def hf_tokens(path, style, prompts, processor, vision):
-    import transformers as tf
-
-    cls = tf.Qwen2VLForConditionalGeneration if style == "qwen2_vl" else tf.Qwen2_5_VLForConditionalGeneration
-    hf = cls.from_pretrained(path, dtype=torch.float64).eval()
+    dtype = torch.float32 if style.endswith("moe") else torch.float64  # (HF's grouped experts take no float64)
+    hf = hf_class(style).from_pretrained(path, dtype=dtype).eval()
+    patch = PATCHES[style]
     out = []
     for ids, images in prompts:
         full, pixels = expanded(ids, images, processor, vision)
         x = torch.tensor([full])
         extra = {}
         if pixels:
-            extra = {"pixel_values": torch.cat([hf_patches(p.values) for p in pixels]).double(),
-                     "image_grid_thw": torch.tensor([[1, p.values.shape[1] // PATCH, p.values.shape[2] // PATCH]
-                                                     for p in pixels]),
+            extra = {"pixel_values": torch.cat([hf_patches(p.values, patch) for p in pixels]).to(dtype),
+                     "image_grid_thw": hf_grid(pixels, patch),
                      "mm_token_type_ids": (x == PAD).int()}
         gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=PARAMS.max_tokens,
                           do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
@@ -224,12 +264,13 @@ def requests():
             for ids, images in PROMPTS]
 
 
-@pytest.mark.parametrize("style", ["qwen2_vl", "qwen2_5_vl"])
-def test_greedy_matches_hf(style, qwen2_vl, qwen2_5_vl):
+@pytest.mark.parametrize("style", STYLES)
+def test_greedy_matches_hf(style, request):
     """Greedy tokens equal HF's (float64) for prompts with images of several sizes, with the
     whole prompt in one step and in chunks of 16 that cut through images, with the prefix
-    cache on (each decode turns by the prompt's M-RoPE delta)."""
-    path = qwen2_vl if style == "qwen2_vl" else qwen2_5_vl
+    cache on (each decode turns by the prompt's M-RoPE delta; Qwen3-VL's DeepStack rows join
+    the first layers' outputs in whichever chunk computes them)."""
+    path = request.getfixturevalue(style)
     llm = LLM(str(path), dtype="float32", max_num_seqs=4)
     vision = llm.engine.arch.vision
     want = hf_tokens(path, style, [(ids, [picture(s, size) for s, size in images]) for ids, images in PROMPTS],
@@ -260,8 +301,9 @@ def test_chat_places_images(qwen2_vl):
 
 
 def test_reads_transformers_4_config(tmp_path):
-    """A Hub config of transformers 4's form (text keys at the top, `rope_scaling` of type
-    "mrope", `in_chans`): Qwen2-VL-2B's and Qwen2.5-VL-3B's shapes."""
+    """Hub configs of transformers 4's form (text keys at the top, `rope_scaling` of type
+    "mrope", `in_chans`): Qwen2-VL-2B's and Qwen2.5-VL-3B's shapes; Qwen3-VL-2B's and a
+    Qwen3-VL-MoE's."""
     from conveyor.models.arch import ArchConfig, UnsupportedModelError
 
     text = {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
@@ -285,6 +327,30 @@ def test_reads_transformers_4_config(tmp_path):
     v25 = ArchConfig.from_hf(cfg25).vision
     assert v25 is not None and v25.style == "qwen2_5_vl" and v25.window_size == 112
     assert v25.full_attention_layers == (7, 15, 23, 31) and v25.text_hidden_size == 2048
+    # Qwen3-VL-2B-Instruct's shape (transformers 4.57's form): a nested text config whose
+    # `rope_scaling` carries the interleaved sections, a tower of 24 blocks with DeepStack.
+    cfg3 = {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+            "tie_word_embeddings": True, "text_config": {
+                "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
+                "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+                "max_position_embeddings": 262144, "vocab_size": 151936, "model_type": "qwen3_vl_text",
+                "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+            "vision_config": {"deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+                              "hidden_size": 1024, "in_channels": 3, "intermediate_size": 4096, "num_heads": 16,
+                              "num_position_embeddings": 2304, "out_hidden_size": 2048, "patch_size": 16,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2}}
+    arch3 = ArchConfig.from_hf(cfg3)
+    v3 = arch3.vision
+    assert arch3.family == "qwen3" and arch3.qk_norm and arch3.mrope_interleaved and arch3.mrope_section == (24, 20, 20)
+    assert arch3.rope_scaling is None and arch3.rope_theta == 5e6 and arch3.tie_word_embeddings
+    assert v3 is not None and v3.deepstack_layers == (5, 11, 17) and v3.position_embeddings == 2304
+    assert v3.patch_size == 16 and v3.intermediate_size == 4096
+    moe = ArchConfig.from_hf({**cfg3, "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+                              "text_config": {**cfg3["text_config"], "num_experts": 128, "num_experts_per_tok": 8,
+                                              "moe_intermediate_size": 768, "decoder_sparse_step": 1}})
+    assert moe.family == "qwen3_moe" and moe.num_experts == 128 and moe.norm_topk_prob
+    with pytest.raises(UnsupportedModelError, match="deepstack"):
+        ArchConfig.from_hf({**cfg3, "vision_config": {**cfg3["vision_config"], "deepstack_visual_indexes": [30]}})
     with pytest.raises(UnsupportedModelError, match="mrope_section"):
         ArchConfig.from_hf({**cfg, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 16]}})
     with pytest.raises(UnsupportedModelError, match="output width"):
@@ -307,11 +373,13 @@ def test_preempted_requests_with_images(qwen2_5_vl, mode):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-def test_two_tensor_parallel_ranks_equal_one(qwen2_vl):
-    """Under tensor parallelism rank 0 encodes the images and sends their embeddings and the
-    step's M-RoPE positions: two ranks give one's tokens."""
-    one = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128).generate(requests(), PARAMS, use_tqdm=False)
-    two = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1)
+@pytest.mark.parametrize("style", ["qwen2_vl", "qwen3_vl"])
+def test_two_tensor_parallel_ranks_equal_one(style, request):
+    """Under tensor parallelism rank 0 encodes the images and sends their embeddings (Qwen3-VL's
+    DeepStack rows beside them) and the step's M-RoPE positions: two ranks give one's tokens."""
+    path = request.getfixturevalue(style)
+    one = LLM(str(path), dtype="float64", num_kv_blocks=128).generate(requests(), PARAMS, use_tqdm=False)
+    two = LLM(str(path), dtype="float64", num_kv_blocks=128, tensor_parallel_size=2, num_threads=1)
     assert [o.outputs[0].token_ids for o in two.generate(requests(), PARAMS, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in one]
 
@@ -379,3 +447,23 @@ def test_decodes_take_the_fused_and_graphed_paths(qwen2_vl, monkeypatch):
     sizes = graphed(graph, max_batch=4, capture=False)
     assert [o.outputs[0].token_ids for o in graph.generate(requests(), PARAMS, use_tqdm=False)] == want
     assert sizes  # (decodes of sequences with images went through the fixed buffers)
+
+
+def test_qwen3_vl_moe_reads_either_expert_layout(qwen3_vl_moe, tmp_path):
+    """Qwen3-VL-MoE's checkpoints keep each layer's experts stacked `[E, in, out]` (transformers 5
+    saves them `[E, out, in]`): the same folder with its experts so transposed gives the same
+    tokens, HF's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    want = [o.outputs[0].token_ids for o in LLM(str(qwen3_vl_moe), dtype="float32").generate(requests(), PARAMS)]
+    other = tmp_path / "hub"
+    shutil.copytree(qwen3_vl_moe, other)
+    tensors = load_file(other / "model.safetensors")
+    stacked = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacked and tensors[stacked[0]].shape[1] != tensors[stacked[0]].shape[2]
+    save_file({k: v.transpose(1, 2).contiguous() if k in stacked else v for k, v in tensors.items()},
+              other / "model.safetensors", metadata={"format": "pt"})
+    got = [o.outputs[0].token_ids for o in LLM(str(other), dtype="float32").generate(requests(), PARAMS)]
+    assert got == want
