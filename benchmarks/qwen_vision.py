@@ -43,7 +43,6 @@ from conveyor.models.qwen_vision import QwenVision
 from conveyor.models.vision import VisionArch
 from conveyor.multimodal import ImageProcessor
 
-
 TEXT = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
             num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 100000.0})

@@ -949,9 +949,8 @@ def load_weights(
                 proj = parts[-1]
                 # Stored `[E, in, out]` (Qwen3-VL-MoE's checkpoints): transposed where only that
                 # fits the target, as transformers' loader does (`Transpose(check_dims=True)`).
-                target = params.get(f"{prefix}.{proj}")
-                if (target is not None and tensor.shape[1:] != target.shape[1:]
-                        and tensor.shape[1:] == target.shape[1:][::-1]):
+                into = params.get(f"{prefix}.{proj}")
+                if into is not None and tensor.shape[1:] != into.shape[1:] and tensor.shape[1:] == into.shape[1:][::-1]:
                     tensor = tensor.transpose(1, 2)
                 for e, one in enumerate(tensor):
                     if proj == "gate_up_proj":  # transformers >= 5

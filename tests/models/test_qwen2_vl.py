@@ -72,7 +72,7 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
         for name, p in model.named_parameters():
             if "visual" in name:
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
-            if "merger.mlp.2" in name or "merger.linear_fc2" in name or "merger_list" in name and "fc2" in name:
+            if "merger.mlp.2" in name or ("merger" in name and "linear_fc2" in name):
                 p.normal_(0, 0.01)  # (embeddings of about the tokens' size: neither drowns the other)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
