@@ -546,7 +546,7 @@ class Engine:
                 v = arch.vision
                 frame = sum(map(len, engine._image_frame))
                 engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.placeholder_id), v.placeholder_id,
-                                                v.tokens_per_image + frame)
+                                                v.tokens_per_image + frame, v.patch_size * v.merge_size if v.is_qwen else 0)
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 

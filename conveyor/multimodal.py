@@ -59,12 +59,21 @@ class ImagePrompt:
 @dataclass(frozen=True)
 class ImageToken:
     """The token a prompt places an image with: its text (LLaVA's `<image>`, Gemma 3's
-    `<start_of_image>`), its id, and how many tokens it becomes with an image (at least: a
-    LLaVA-NeXT image's count grows with its size)."""
+    `<start_of_image>`, Qwen's `<|image_pad|>`), its id, and how many tokens it becomes with an
+    image (at least: a LLaVA-NeXT image's count grows with its size; a Qwen-VL image's is one a
+    `side` x `side` block of its pixels, `count`)."""
 
     text: str
     id: int
     per_image: int
+    side: int = 0
+
+    def count(self, image: Any) -> int:
+        """The tokens `image` becomes: exact for a Qwen-VL image made pixels, else `per_image`."""
+        values = getattr(image, "values", None)
+        if self.side and values is not None:
+            return (values.shape[-2] // self.side) * (values.shape[-1] // self.side)
+        return self.per_image
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.lora import FilesystemResolver, LoRARequest, LoRAResolver, lora_resolver
-from conveyor.multimodal import ImagePrompt, Pixels, chat_images, image_bytes, load_image
+from conveyor.multimodal import (
+    ImagePrompt,
+    ImageToken,
+    Pixels,
+    chat_images,
+    image_bytes,
+    load_image,
+)
 from conveyor.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from conveyor.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputParams
 from conveyor.sequence import RequestMetrics
@@ -152,12 +159,15 @@ class _Prompt:
     token_ids: list[int]
     text: str | None
     images: tuple[Any, ...] = ()  # one a `<image>` among token_ids (conveyor/multimodal.py)
-    image_tokens: int = 0  # the tokens each image's `<image>` becomes
+    image_token: ImageToken | None = None  # ... and what each becomes
 
     @property
     def num_tokens(self) -> int:
-        """Its length once each image token is expanded: what the context holds."""
-        return len(self.token_ids) + len(self.images) * (self.image_tokens - 1)
+        """Its length once each image token is expanded: what the context holds (at least,
+        for an image the front end has not made pixels)."""
+        if self.image_token is None:
+            return len(self.token_ids)
+        return len(self.token_ids) + sum(self.image_token.count(image) - 1 for image in self.images)
 
     @property
     def engine_prompt(self) -> list[int] | ImagePrompt:
@@ -844,7 +854,7 @@ class ChatCompletionHandler(_Handler):
         assert token is not None  # (`chat_images` refuses images for a model without one)
         fetched = self._fetched
         return [_Prompt(ids, None, tuple(fetched.get(i, i) if isinstance(i, str) else i for i in images),
-                        token.per_image)]
+                        token)]
 
     @functools.cached_property
     def _chat(self) -> tuple[list[dict[str, Any]], list[Any]]:

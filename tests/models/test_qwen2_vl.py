@@ -467,3 +467,32 @@ def test_qwen3_vl_moe_reads_either_expert_layout(qwen3_vl_moe, tmp_path):
               other / "model.safetensors", metadata={"format": "pt"})
     got = [o.outputs[0].token_ids for o in LLM(str(other), dtype="float32").generate(requests(), PARAMS)]
     assert got == want
+
+
+def test_the_server_counts_an_image_by_its_size(qwen2_vl):
+    """The HTTP layer makes a data URL pixels before the engine sees it, so it counts a Qwen
+    image's tokens by its size (`ImageToken.count`): the prompt's length it checks against the
+    context is the engine's."""
+    import asyncio
+    import base64
+    import io
+    from types import SimpleNamespace
+
+    from conveyor.server.protocol import ChatCompletionRequest
+    from conveyor.server.serving import ChatCompletionHandler
+
+    llm = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128)
+    state = SimpleNamespace(engine=llm.engine, loras={}, model_name="m", tool_parser=None,
+                            config=SimpleNamespace(reasoning_parser=None))
+    image = picture(41, (250, 120))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "w41 w42"}]}]
+    handler = ChatCompletionHandler(state, ChatCompletionRequest.model_validate({"messages": messages}))  # type: ignore[arg-type]
+    asyncio.run(handler.fetch_images())
+    prompt = handler.prompts()[0]
+    out = llm.chat(messages, PARAMS, use_tqdm=False)[0]
+    assert prompt.num_tokens == len(out.prompt_token_ids) == len(prompt.token_ids) + 35
+    assert llm.engine.image_token.count("not pixels") == 1  # (a local file: at least one, until the engine reads it)
