@@ -483,6 +483,7 @@ class Engine:
         draft_model: Any = None,
         peers: Any = None,
     ) -> Engine:
+        from conveyor.models.loader import ModelLoadError
         from conveyor.runner.model_runner import ModelRunner
 
         arch = model.arch
@@ -546,7 +547,15 @@ class Engine:
                 v = arch.vision
                 frame = sum(map(len, engine._image_frame))
                 engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.placeholder_id), v.placeholder_id,
-                                                v.tokens_per_image + frame, v.patch_size * v.merge_size if v.is_qwen else 0)
+                                                v.tokens_per_image + frame, v.patch_size * v.merge_size if v.own_size else 0,
+                                                v.style == "pixtral")
+                if v.style == "pixtral":  # (the span's break and end tokens are Mistral's ids)
+                    named = tokenizer.hf.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
+                    unk = tokenizer.hf.unk_token_id
+                    if any(i is not None and i != unk and i != want
+                           for i, want in zip(named, (v.break_token_id, v.end_token_id), strict=True)):
+                        raise ModelLoadError(f"this tokenizer's [IMG_BREAK] and [IMG_END] are {named}, not Pixtral's "
+                                             f"{[v.break_token_id, v.end_token_id]}")
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 
@@ -609,7 +618,8 @@ class Engine:
         text, ids = self.tokenize_prompt(prompt.prompt)
         before, after = self._image_frame
         ids, spans = expand_image_tokens(ids, vision.placeholder_id, pixels, [vision.image_tokens(p) for p in pixels],
-                                         vision.image_token_id, before, after, vision.bidirectional)
+                                         vision.image_token_id, before, after, vision.bidirectional,
+                                         [vision.image_layout(p) for p in pixels])
         sc = self.scheduler.config
         if spans and vision.bidirectional and sc.prefill_mode == "chunked" and sc.max_num_batched_tokens < spans[0].length:
             raise InvalidRequestError(

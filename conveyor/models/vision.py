@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from conveyor.models.pixtral_vision import PixtralVision
     from conveyor.models.qwen_vision import QwenVision
 
 # What transformers' CLIPVisionConfig assumes where a checkpoint's `vision_config` is silent
@@ -47,7 +48,13 @@ CLIP_VISION_DEFAULTS: dict[str, Any] = {
 SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
     **CLIP_VISION_DEFAULTS, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
 }
-VISION_TOWERS = {"clip_vision_model": CLIP_VISION_DEFAULTS, "siglip_vision_model": SIGLIP_VISION_DEFAULTS}
+# ... and Pixtral's (Mistral's ViT: conveyor/models/pixtral_vision.py).
+PIXTRAL_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "num_channels": 3, "image_size": 1024, "patch_size": 16, "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+}
+VISION_TOWERS = {"clip_vision_model": CLIP_VISION_DEFAULTS, "siglip_vision_model": SIGLIP_VISION_DEFAULTS,
+                 "pixtral": PIXTRAL_VISION_DEFAULTS}
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -117,23 +124,46 @@ class VisionArch:
     # outputs at the image's tokens (DeepStack).
     position_embeddings: int = 0
     deepstack_layers: tuple[int, ...] = ()
+    # Pixtral ("pixtral": conveyor/models/pixtral_vision.py): the tokens that end each row of an
+    # image's tokens and the last row (`[IMG_BREAK]`, `[IMG_END]`), and Mistral 3's projector's
+    # RMS norm epsilon (its merge_size is 2; Pixtral-12B's, in LLaVA's form, 1).
+    break_token_id: int = 12
+    end_token_id: int = 13
+    projector_eps: float = 1e-5
 
     @property
     def is_qwen(self) -> bool:
         return self.style in QWEN_STYLES
 
+    @property
+    def own_size(self) -> bool:
+        """Whether images are read at (about) their own size, their token count by their pixels
+        (Qwen-VL's, Pixtral's), not at the tower's fixed size."""
+        return self.is_qwen or self.style == "pixtral"
+
     def token_grid(self, pixels: Any) -> tuple[int, int]:
-        """Qwen-VL: the rows and columns of tokens an image (`Pixels`, made to multiples of
-        patch x merge pixels a side) becomes."""
+        """Qwen-VL, Pixtral: the rows and columns of image embeddings an image (`Pixels`, made to
+        multiples of patch x merge pixels a side) becomes."""
         side = self.patch_size * self.merge_size
         return pixels.values.shape[-2] // side, pixels.values.shape[-1] // side
 
     def image_tokens(self, pixels: Any) -> int:
-        """The tokens an image (`conveyor.multimodal.Pixels`) becomes."""
-        if self.is_qwen:
+        """The tokens an image (`conveyor.multimodal.Pixels`) becomes (Pixtral's: a break or end
+        token after each row)."""
+        if self.own_size:
             h, w = self.token_grid(pixels)
-            return h * w
+            return h * (w + (self.style == "pixtral"))
         return self.num_tokens(pixels.size)
+
+    def image_layout(self, pixels: Any) -> list[int] | None:
+        """Pixtral: the token ids of an image's span (rows of `[IMG]`, each ending with
+        `[IMG_BREAK]`, the last with `[IMG_END]`); None where it is the image token repeated."""
+        if self.style != "pixtral":
+            return None
+        rows, cols = self.token_grid(pixels)
+        ids = ([self.image_token_id] * cols + [self.break_token_id]) * rows
+        ids[-1] = self.end_token_id
+        return ids
 
     def num_tokens(self, size: tuple[int, int] | None) -> int:
         """The tokens an image of `size` (height, width) becomes: LLaVA-NeXT's depend on it
@@ -183,6 +213,18 @@ class VisionArch:
             pooled_tokens=pooled, boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))),
             eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256_000))),
         )
+
+    @classmethod
+    def from_mistral3(cls, cfg: dict[str, Any], text_hidden_size: int, text_eps: float) -> VisionArch:
+        """Mistral 3's (Mistral Small 3.1 / 3.2): a Pixtral tower, its patches RMS-normed and merged
+        2x2 (`spatial_merge_size`) before LLaVA's projector, unbiased by default."""
+        v = cls.from_llava({"vision_feature_layer": -1, "image_token_index": 10, "multimodal_projector_bias": False,
+                            **cfg, "vision_feature_select_strategy": "full",
+                            "vision_config": {"model_type": "pixtral", **dict(cfg.get("vision_config") or {})}},
+                           text_hidden_size)
+        if v.tower != "pixtral":
+            raise VisionConfigError(f"Mistral 3's vision tower {v.tower!r} is not supported (Pixtral is)")
+        return dataclasses.replace(v, merge_size=int(cfg.get("spatial_merge_size", 2)), projector_eps=text_eps)
 
     @classmethod
     def from_qwen_vl(cls, cfg: dict[str, Any], text_hidden_size: int, style: str) -> VisionArch:
@@ -256,7 +298,15 @@ class VisionArch:
         bad = [i for i in layers if not -(n + 1) <= i <= n]
         if bad:
             raise VisionConfigError(f"vision_feature_layer {bad[0]} is outside the tower's {n + 1} hidden states")
-        token = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
+        token = cfg.get("image_token_index", cfg.get("image_token_id", 10 if tower == "pixtral" else 32000))
+        if tower == "pixtral":  # (no class token: every patch is read; its own RoPE base)
+            strategy = "full"
+            rope = v.get("rope_parameters") or {}
+            extra: dict[str, Any] = {"style": "pixtral", "rope_theta": float(rope.get("rope_theta", v.get("rope_theta", 1e4)))}
+            if v["hidden_size"] % (4 * v["num_attention_heads"]):
+                raise VisionConfigError("a Pixtral head cannot turn by row and column halves")
+        else:
+            extra = {}
         return cls(
             tower=tower, hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"], num_layers=n,
             num_heads=v["num_attention_heads"], num_channels=v["num_channels"], image_size=v["image_size"],
@@ -264,7 +314,7 @@ class VisionArch:
             feature_layers=tuple(i if i >= 0 else n + 1 + i for i in layers), select_strategy=strategy,
             projector_act=cfg.get("projector_hidden_act", "gelu"),
             projector_bias=bool(cfg.get("multimodal_projector_bias", True)), text_hidden_size=text_hidden_size,
-            image_token_id=int(token),
+            image_token_id=int(token), **extra,
         )
 
     @property
@@ -280,7 +330,7 @@ class VisionArch:
         """How many embeddings (image tokens in the prompt) one image becomes."""
         if self.pooled_tokens:
             return self.pooled_tokens
-        if self.is_qwen:  # (an image's own: `image_tokens`; at least one)
+        if self.own_size:  # (an image's own: `image_tokens`; at least one)
             return 1
         return self.num_patches + (self.class_token and self.select_strategy == "full")
 
@@ -476,7 +526,7 @@ class ImageEncoder:
     a submodule, so the text model's passes (int8, the CPU kernels, the Triton kernels) leave
     its layers as they are."""
 
-    def __init__(self, module: LlavaVision | QwenVision) -> None:
+    def __init__(self, module: LlavaVision | QwenVision | PixtralVision) -> None:
         self.module = module
         self.config: VisionArch = module.config
         weight = next(module.parameters())
@@ -487,7 +537,7 @@ class ImageEncoder:
         """Images (`conveyor.multimodal.Pixels`) to their embeddings, `[tokens, text hidden]`
         each: those of one shape in one batch (LLaVA-NeXT's tiles of each image together;
         Qwen-VL's images of any sizes in one call)."""
-        if self.config.is_qwen:
+        if self.config.own_size:
             return list(self.module([image.values.to(self.device, self.dtype) for image in images]))
         if self.config.style == "llava_next":
             out = []
@@ -504,12 +554,16 @@ def load_vision(v: VisionArch, tensors: dict[str, torch.Tensor], dtype: torch.dt
     """The vision side from HF-named tensors (`vision_tower.*`, `multi_modal_projector.*`; Qwen-VL's
     `visual.*`); those of layers past the deepest feature layer, the post-norm and SigLIP's
     pooling head are not read."""
-    module: LlavaVision | QwenVision
+    module: LlavaVision | QwenVision | PixtralVision
     with torch.device("meta"):
         if v.is_qwen:
             from conveyor.models.qwen_vision import QwenVision
 
             module = QwenVision(v)
+        elif v.style == "pixtral":
+            from conveyor.models.pixtral_vision import PixtralVision
+
+            module = PixtralVision(v)
         else:
             module = LlavaVision(v)
     module = module.to_empty(device=device).to(dtype)

@@ -344,8 +344,8 @@ def test_a_hub_config_reads_with_transformers_defaults():
     assert v is not None and v.tokens_per_image == 576 and v.feature_layers == (23,) and v.hidden_act == "quick_gelu"
     with torch.device("meta"):
         assert len(LlavaVision(v).vision_tower.vision_model.encoder.layers) == 23
-    bad = {**hub, "vision_config": {**hub["vision_config"], "model_type": "pixtral"}}
-    with pytest.raises(ValueError, match="vision tower 'pixtral' is not supported"):
+    bad = {**hub, "vision_config": {**hub["vision_config"], "model_type": "intern_vit_6b"}}
+    with pytest.raises(ValueError, match="vision tower 'intern_vit_6b' is not supported"):
         ArchConfig.from_hf(bad)
 
 
