@@ -548,7 +548,7 @@ class Engine:
                 frame = sum(map(len, engine._image_frame))
                 engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.placeholder_id), v.placeholder_id,
                                                 v.tokens_per_image + frame, v.patch_size * v.merge_size if v.own_size else 0,
-                                                v.style == "pixtral")
+                                                v.style == "pixtral", v.pooled_tokens if v.style == "internvl" else 0)
                 if v.style == "pixtral":  # (the span's break and end tokens are Mistral's ids)
                     named = tokenizer.hf.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
                     unk = tokenizer.hf.unk_token_id
@@ -633,6 +633,15 @@ class Engine:
         "\n\n" and begin-of-image token, then its end-of-image token and "\n\n" (HF's
         processor's `full_image_sequence`); nothing for LLaVA."""
         vision = self.arch.vision  # type: ignore[attr-defined]
+        if vision.style == "internvl":  # (its processor's `<img>` ... `</img>`)
+            if self.tokenizer is None:
+                return [], []
+            ids = self.tokenizer.hf.convert_tokens_to_ids(["<img>", "</img>"])
+            if any(i is None or i == self.tokenizer.hf.unk_token_id for i in ids):
+                from conveyor.models.loader import ModelLoadError
+
+                raise ModelLoadError("this tokenizer has no <img> and </img> to frame InternVL's images")
+            return [ids[0]], [ids[1]]
         if vision.boi_token_id is None:
             return [], []
         gap = [] if self.tokenizer is None else self.tokenizer.encode("\n\n", add_special_tokens=False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import json
@@ -44,6 +45,8 @@ if TYPE_CHECKING:  # (numpy and torch load where pixels are made: the scheduler 
 # CLIP's normalization (OpenAI's), what an image processor uses where its config is silent.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # (InternVL's)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 FETCH_TIMEOUT_S = 10.0
 MAX_IMAGE_BYTES = 32 << 20
 
@@ -68,11 +71,14 @@ class ImageToken:
     per_image: int
     side: int = 0
     breaks: bool = False  # (Pixtral's: a break or end token after each row)
+    per_tile: int = 0  # (InternVL's: each tile's tokens; `per_image` is one tile's with the frame)
 
     def count(self, image: Any) -> int:
-        """The tokens `image` becomes: exact for a Qwen-VL or Pixtral image made pixels, else
-        `per_image`."""
+        """The tokens `image` becomes: exact for a Qwen-VL, Pixtral or InternVL image made
+        pixels, else `per_image`."""
         values = getattr(image, "values", None)
+        if self.per_tile and values is not None:
+            return self.per_image + (values.shape[0] - 1) * self.per_tile
         if self.side and values is not None:
             return (values.shape[-2] // self.side) * (values.shape[-1] // self.side + self.breaks)
         return self.per_image
@@ -218,6 +224,10 @@ class ImageProcessor:
     # Pixtral's resize (`pixtral_size`): scaled down into `longest_edge`, each side up to a
     # multiple of `factor` (patch x merge).
     longest_edge: int = 0
+    # InternVL's tiles (`_internvl_tiles`): between `min_tiles` and `max_tiles` of `resize_to`,
+    # and a thumbnail where there is more than one.
+    min_tiles: int = 1
+    max_tiles: int = 0
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -230,6 +240,8 @@ class ImageProcessor:
             return cls._qwen(folder, vision)
         if vision.style == "pixtral":
             return cls._pixtral(folder, vision)
+        if vision.style == "internvl":
+            return cls._internvl(folder, vision)
         if vision.style == "gemma3":
             cfg = {"size": {"height": size, "width": size}, "do_center_crop": False, "resample": 2,
                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
@@ -295,12 +307,47 @@ class ImageProcessor:
             factor=vision.patch_size * vision.merge_size, longest_edge=int(size.get("longest_edge") or 1024),
         )
 
+    @classmethod
+    def _internvl(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
+        """InternVL's processing (HF's `GotOcr2ImageProcessor` as InternVL's processor calls it,
+        `crop_to_patches` on): tiles of `size` (448), between `min_patches` and `max_patches` (1
+        and 12); ImageNet's normalization where the config is silent."""
+        cfg: dict[str, Any] = {}
+        if folder is not None and (folder / "preprocessor_config.json").is_file():
+            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        size: dict[str, Any] = cfg["size"] if isinstance(cfg.get("size"), dict) else {}
+        tile = (int(size.get("height") or vision.image_size), int(size.get("width") or vision.image_size))
+        if tile != (vision.image_size, vision.image_size):
+            raise InvalidRequestError(f"the processor's tiles {tile} are not the tower's {vision.image_size} pixels")
+        return cls(
+            shortest_edge=None, resize_to=tile, crop=None, resample=int(cfg.get("resample", 3)),
+            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            mean=tuple(cfg.get("image_mean", IMAGENET_MEAN)) if cfg.get("do_normalize", True) else None,
+            std=tuple(cfg.get("image_std", IMAGENET_STD)) if cfg.get("do_normalize", True) else None,
+            min_tiles=int(cfg.get("min_patches", 1)), max_tiles=int(cfg.get("max_patches", 12)),
+        )
+
+    def _internvl_tiles(self, image: Any) -> list[Any]:
+        """InternVL's cut (HF's `crop_image_to_patches`): the image resized to the tile grid whose
+        aspect is nearest its own (`tile_grid`), cut into tiles row by row, then a thumbnail of
+        the whole image where there is more than one tile."""
+        assert self.resize_to is not None
+        th, tw = self.resize_to
+        cols, rows = tile_grid((image.height, image.width), (th, tw), self.min_tiles, self.max_tiles)
+        resized = image.resize((tw * cols, th * rows), resample=self.resample)
+        tiles = [resized.crop((c * tw, r * th, (c + 1) * tw, (r + 1) * th)) for r in range(rows) for c in range(cols)]
+        if len(tiles) > 1:
+            tiles.append(image.resize((tw, th), resample=self.resample))
+        return tiles
+
     def __call__(self, image: Any) -> Pixels:
         import numpy as np
         import torch
 
         if self.grid_pinpoints:
             values = np.stack([self._one(tile) for tile in self._tiles(image)])
+        elif self.max_tiles:
+            values = np.stack([self._one(tile) for tile in self._internvl_tiles(image)])
         else:
             values = self._one(image)
         tensor = torch.from_numpy(np.ascontiguousarray(values))
@@ -386,6 +433,26 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h, w
+
+
+@functools.lru_cache(maxsize=256)
+def tile_grid(size: tuple[int, int], tile: tuple[int, int], min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """InternVL's tiling (columns, rows) for a picture of `size` (height, width): the grid of
+    between `min_tiles` and `max_tiles` tiles whose aspect is nearest the picture's; on a tie, the
+    later (larger) grid while the picture's area is more than half of it (HF's
+    `get_optimal_tiled_canvas`)."""
+    grids = sorted(((w, h) for w in range(1, max_tiles + 1) for h in range(1, max_tiles + 1)
+                    if min_tiles <= w * h <= max_tiles), key=lambda g: g[0] * g[1])
+    height, width = size
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for w, h in grids:
+        diff = abs(aspect - w / h)
+        if diff < best_diff:
+            best, best_diff = (w, h), diff
+        elif diff == best_diff and area > 0.5 * tile[0] * tile[1] * w * h:
+            best = (w, h)
+    return best
 
 
 def pixtral_size(height: int, width: int, longest_edge: int, side: int) -> tuple[int, int]:

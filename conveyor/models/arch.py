@@ -411,6 +411,8 @@ class ArchConfig:
                 return _qwen_vl_from_hf(cfg, QWEN_VL_ARCHITECTURES[a])
             if a == "Mistral3ForConditionalGeneration":
                 return _llava_from_hf(cfg, mistral3=True)
+            if a == "InternVLForConditionalGeneration":
+                return _llava_from_hf(cfg, internvl=True)
             if a in ENCODER_ARCHITECTURES:
                 return _encoder_from_hf(cfg, ENCODER_ARCHITECTURES[a], a.endswith("Classification"),
                                         a.endswith("ForTokenClassification"))
@@ -482,12 +484,16 @@ class ArchConfig:
         )
 
 
-def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False) -> ArchConfig:
+def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False, internvl: bool = False
+                   ) -> ArchConfig:
     """A LLaVA checkpoint (LLaVA-NeXT's with `tiles`; Mistral 3's, a Pixtral tower whose patches
-    merge 2x2, with `mistral3`): its text model (any family conveyor runs, by `text_config`'s
-    `model_type` or `architectures`) with its vision side (`VisionArch`)."""
+    merge 2x2, with `mistral3`; InternVL's, InternViT over tiles, with `internvl`): its text
+    model (any family conveyor runs, by `text_config`'s `model_type` or `architectures`) with its
+    vision side (`VisionArch`)."""
     given = dict(cfg.get("text_config") or {})
-    kind = given.get("model_type", "mistral" if mistral3 else "llama")
+    if internvl and "tie_word_embeddings" in cfg:  # (the top level's governs, as transformers reads it)
+        given["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    kind = given.get("model_type", "mistral" if mistral3 else "qwen2" if internvl else "llama")
     defaults = {"llama": LLAMA_TEXT_DEFAULTS, "mistral": MISTRAL_TEXT_DEFAULTS}.get(kind, {})
     text = {**defaults, **given}
     for key in ("bos_token_id", "eos_token_id"):
@@ -499,6 +505,8 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = Fa
     try:
         if mistral3:
             vision = VisionArch.from_mistral3(cfg, arch.hidden_size, arch.rms_norm_eps)
+        elif internvl:
+            vision = VisionArch.from_internvl(cfg, arch.hidden_size)
         else:
             vision = (VisionArch.from_llava_next if tiles else VisionArch.from_llava)(cfg, arch.hidden_size)
     except VisionConfigError as e:

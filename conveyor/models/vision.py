@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from conveyor.models.internvl_vision import InternVLVision
     from conveyor.models.pixtral_vision import PixtralVision
     from conveyor.models.qwen_vision import QwenVision
 
@@ -52,6 +53,12 @@ SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
 PIXTRAL_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
     "num_channels": 3, "image_size": 1024, "patch_size": 16, "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+}
+# ... and InternViT's (transformers' InternVLVisionConfig).
+INTERNVL_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "num_channels": 3, "image_size": 448, "patch_size": 14, "hidden_act": "gelu", "layer_norm_eps": 1e-6,
+    "norm_type": "layer_norm", "attention_bias": False, "use_qk_norm": False, "use_mean_pooling": True,
 }
 VISION_TOWERS = {"clip_vision_model": CLIP_VISION_DEFAULTS, "siglip_vision_model": SIGLIP_VISION_DEFAULTS,
                  "pixtral": PIXTRAL_VISION_DEFAULTS}
@@ -130,6 +137,13 @@ class VisionArch:
     break_token_id: int = 12
     end_token_id: int = 13
     projector_eps: float = 1e-5
+    # InternVL ("internvl": conveyor/models/internvl_vision.py): InternViT's norms ("layer_norm" or
+    # "rms_norm"), q/k/v biases, RMS-normed queries and keys, and whether its last output goes
+    # unnormed (`use_mean_pooling`); `pooled_tokens` is then each tile's tokens (256).
+    norm_type: str = "layer_norm"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    mean_pooling: bool = True
 
     @property
     def is_qwen(self) -> bool:
@@ -149,7 +163,9 @@ class VisionArch:
 
     def image_tokens(self, pixels: Any) -> int:
         """The tokens an image (`conveyor.multimodal.Pixels`) becomes (Pixtral's: a break or end
-        token after each row)."""
+        token after each row; InternVL's: its tiles' tokens)."""
+        if self.style == "internvl":
+            return pixels.values.shape[0] * self.pooled_tokens
         if self.own_size:
             h, w = self.token_grid(pixels)
             return h * (w + (self.style == "pixtral"))
@@ -212,6 +228,41 @@ class VisionArch:
             image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262_144))), style="gemma3",
             pooled_tokens=pooled, boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))),
             eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256_000))),
+        )
+
+    @classmethod
+    def from_internvl(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
+        """InternVL's (HF's format): InternViT at `image_size` (448) in 14-pixel patches, its last
+        layer's patches pixel-shuffled by `downsample_ratio` 0.5 and projected."""
+        v = {**INTERNVL_VISION_DEFAULTS, **dict(cfg.get("vision_config") or {})}
+        size, patch = v["image_size"], v["patch_size"]
+        size = size if isinstance(size, int) else int(size[0]) if size[0] == size[1] else -1
+        patch = patch if isinstance(patch, int) else int(patch[0]) if patch[0] == patch[1] else -1
+        if size < 0 or patch < 0 or size % patch or (size // patch) % 2:
+            raise VisionConfigError("InternViT's tiles are square, of an even number of whole patches a side")
+        if float(cfg.get("downsample_ratio", 0.5)) != 0.5:
+            raise VisionConfigError(f"downsample_ratio={cfg['downsample_ratio']}: conveyor reads 0.5")
+        layer = cfg.get("vision_feature_layer", -1)
+        n = int(v["num_hidden_layers"])
+        if isinstance(layer, list | tuple) or not -(n + 1) <= int(layer) <= n or int(layer) == 0:
+            raise VisionConfigError(f"vision_feature_layer {layer!r}: conveyor reads one of the tower's layers")
+        if cfg.get("vision_feature_select_strategy", "default") != "default":
+            raise VisionConfigError("InternVL's features drop the class token (vision_feature_select_strategy 'default')")
+        if not v.get("use_absolute_position_embeddings", True) or v["norm_type"] not in ("layer_norm", "rms_norm"):
+            raise VisionConfigError("InternViT without absolute positions, or with another norm, is not supported")
+        for act in (v["hidden_act"], cfg.get("projector_hidden_act", "gelu")):
+            if act not in ACTIVATIONS:
+                raise VisionConfigError(f"activation {act!r} is not supported; conveyor reads {sorted(ACTIVATIONS)}")
+        per_tile = (size // patch // 2) ** 2
+        return cls(
+            tower="internvl_vision", hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
+            num_layers=n, num_heads=int(v["num_attention_heads"]), num_channels=int(v["num_channels"]),
+            image_size=size, patch_size=patch, hidden_act=v["hidden_act"], layer_norm_eps=float(v["layer_norm_eps"]),
+            feature_layers=(int(layer) % (n + 1),), select_strategy="default",
+            projector_act=cfg.get("projector_hidden_act", "gelu"), projector_bias=True,
+            text_hidden_size=text_hidden_size, image_token_id=int(cfg.get("image_token_id", 151667)), style="internvl",
+            pooled_tokens=per_tile, norm_type=v["norm_type"], attention_bias=bool(v["attention_bias"]),
+            qk_norm=bool(v["use_qk_norm"]), mean_pooling=bool(v["use_mean_pooling"]),
         )
 
     @classmethod
@@ -526,7 +577,7 @@ class ImageEncoder:
     a submodule, so the text model's passes (int8, the CPU kernels, the Triton kernels) leave
     its layers as they are."""
 
-    def __init__(self, module: LlavaVision | QwenVision | PixtralVision) -> None:
+    def __init__(self, module: LlavaVision | QwenVision | PixtralVision | InternVLVision) -> None:
         self.module = module
         self.config: VisionArch = module.config
         weight = next(module.parameters())
@@ -537,7 +588,7 @@ class ImageEncoder:
         """Images (`conveyor.multimodal.Pixels`) to their embeddings, `[tokens, text hidden]`
         each: those of one shape in one batch (LLaVA-NeXT's tiles of each image together;
         Qwen-VL's images of any sizes in one call)."""
-        if self.config.own_size:
+        if self.config.own_size or self.config.style == "internvl":
             return list(self.module([image.values.to(self.device, self.dtype) for image in images]))
         if self.config.style == "llava_next":
             out = []
@@ -554,9 +605,13 @@ def load_vision(v: VisionArch, tensors: dict[str, torch.Tensor], dtype: torch.dt
     """The vision side from HF-named tensors (`vision_tower.*`, `multi_modal_projector.*`; Qwen-VL's
     `visual.*`); those of layers past the deepest feature layer, the post-norm and SigLIP's
     pooling head are not read."""
-    module: LlavaVision | QwenVision | PixtralVision
+    module: LlavaVision | QwenVision | PixtralVision | InternVLVision
     with torch.device("meta"):
-        if v.is_qwen:
+        if v.style == "internvl":
+            from conveyor.models.internvl_vision import InternVLVision
+
+            module = InternVLVision(v)
+        elif v.is_qwen:
             from conveyor.models.qwen_vision import QwenVision
 
             module = QwenVision(v)
