@@ -615,6 +615,8 @@ class Engine:
             raise InvalidRequestError("images with a draft model's speculation are not built", param="image")
         local = self.config.model.allowed_local_media_path
         pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local)) for p in prompt.images]
+        if vision.style == "llava_onevision" and len(pixels) > 1:  # (HF's processor: no tiles among several)
+            pixels = [p.whole_only() for p in pixels]
         text, ids = self.tokenize_prompt(prompt.prompt)
         before, after = self._image_frame
         ids, spans = expand_image_tokens(ids, vision.placeholder_id, pixels, [vision.image_tokens(p) for p in pixels],

@@ -94,6 +94,11 @@ class Pixels:
     digest: bytes
     size: tuple[int, int] | None = None
 
+    def whole_only(self) -> Pixels:
+        """A tiled image's whole-image tile alone (LLaVA-OneVision reads each image of a prompt
+        of several so), under a digest of its own."""
+        return Pixels(self.values[:1], hashlib.sha256(self.digest + b"whole").digest(), self.size)
+
 
 @dataclass(frozen=True)
 class ImageSpan:
@@ -263,7 +268,7 @@ class ImageProcessor:
             std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
             pad_to_square=bool(cfg.get("do_pad", False)) and vision.style == "llava",
             grid_pinpoints=tuple((int(p[0]), int(p[1])) for p in cfg.get("image_grid_pinpoints", vision.grid_pinpoints))
-            if vision.style == "llava_next" else (),
+            if vision.tiled else (),
         )
 
     @classmethod

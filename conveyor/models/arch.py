@@ -83,7 +83,8 @@ GEMMA_FAMILIES = ("gemma2", "gemma3", "gemma3_encoder")
 MULTIMODAL_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
 # Image-text checkpoints of LLaVA's form whose images conveyor reads (conveyor/models/vision.py):
 # a ViT, a projector, and any text model conveyor runs, as `text_config` names it.
-LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                       "LlavaOnevisionForConditionalGeneration")
 # Qwen's image-text checkpoints (conveyor/models/qwen_vision.py): a Qwen2 text model with M-RoPE.
 QWEN_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                          "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
@@ -406,7 +407,8 @@ class ArchConfig:
                         raise UnsupportedModelError("Gemma 3's image tokens are outside the vocabulary")
                 return dataclasses.replace(arch, multimodal=True, vision=vision)
             if a in LLAVA_ARCHITECTURES:
-                return _llava_from_hf(cfg, a == "LlavaNextForConditionalGeneration")
+                return _llava_from_hf(cfg, a == "LlavaNextForConditionalGeneration",
+                                      onevision=a == "LlavaOnevisionForConditionalGeneration")
             if a in QWEN_VL_ARCHITECTURES:
                 return _qwen_vl_from_hf(cfg, QWEN_VL_ARCHITECTURES[a])
             if a == "Mistral3ForConditionalGeneration":
@@ -484,8 +486,8 @@ class ArchConfig:
         )
 
 
-def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False, internvl: bool = False
-                   ) -> ArchConfig:
+def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False, internvl: bool = False,
+                   onevision: bool = False) -> ArchConfig:
     """A LLaVA checkpoint (LLaVA-NeXT's with `tiles`; Mistral 3's, a Pixtral tower whose patches
     merge 2x2, with `mistral3`; InternVL's, InternViT over tiles, with `internvl`): its text
     model (any family conveyor runs, by `text_config`'s `model_type` or `architectures`) with its
@@ -493,7 +495,7 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = Fa
     given = dict(cfg.get("text_config") or {})
     if internvl and "tie_word_embeddings" in cfg:  # (the top level's governs, as transformers reads it)
         given["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-    kind = given.get("model_type", "mistral" if mistral3 else "qwen2" if internvl else "llama")
+    kind = given.get("model_type", "mistral" if mistral3 else "qwen2" if internvl or onevision else "llama")
     defaults = {"llama": LLAMA_TEXT_DEFAULTS, "mistral": MISTRAL_TEXT_DEFAULTS}.get(kind, {})
     text = {**defaults, **given}
     for key in ("bos_token_id", "eos_token_id"):
@@ -507,6 +509,8 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = Fa
             vision = VisionArch.from_mistral3(cfg, arch.hidden_size, arch.rms_norm_eps)
         elif internvl:
             vision = VisionArch.from_internvl(cfg, arch.hidden_size)
+        elif onevision:
+            vision = VisionArch.from_llava_onevision(cfg, arch.hidden_size)
         else:
             vision = (VisionArch.from_llava_next if tiles else VisionArch.from_llava)(cfg, arch.hidden_size)
     except VisionConfigError as e:

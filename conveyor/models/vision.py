@@ -117,6 +117,10 @@ class VisionArch:
     # LLaVA-NeXT ("llava_next"): the tilings (height, width) an image may be cut to, in tiles of
     # the tower's size, besides the whole image at that size.
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    # LLaVA-OneVision ("llava_onevision"): LLaVA-NeXT's tiles, the grid's features scaled down
+    # (bilinear) where they hold more than `max_tiles` tiles' worth by more than 1.1 in side
+    # (`vision_aspect_ratio` "anyres_max_9").
+    max_tiles: int = 0
     # Qwen2-VL ("qwen2_vl") and Qwen2.5-VL ("qwen2_5_vl", conveyor/models/qwen_vision.py): an image
     # at its own size; `merge_size` x `merge_size` patches make one token; the patch convolution
     # spans `temporal_patch_size` frames; the tower's 2D RoPE base; Qwen2.5-VL's attention windows
@@ -146,6 +150,11 @@ class VisionArch:
     mean_pooling: bool = True
 
     @property
+    def tiled(self) -> bool:
+        """LLaVA-NeXT's and LLaVA-OneVision's images: the whole image and its best tiling's tiles."""
+        return self.style in ("llava_next", "llava_onevision")
+
+    @property
     def is_qwen(self) -> bool:
         return self.style in QWEN_STYLES
 
@@ -166,6 +175,8 @@ class VisionArch:
         token after each row; InternVL's: its tiles' tokens)."""
         if self.style == "internvl":
             return pixels.values.shape[0] * self.pooled_tokens
+        if self.tiled and pixels.values.shape[0] == 1:  # (LLaVA-OneVision's image among others: no tiles)
+            return self.tokens_per_image + 1
         if self.own_size:
             h, w = self.token_grid(pixels)
             return h * (w + (self.style == "pixtral"))
@@ -184,13 +195,25 @@ class VisionArch:
     def num_tokens(self, size: tuple[int, int] | None) -> int:
         """The tokens an image of `size` (height, width) becomes: LLaVA-NeXT's depend on it
         (the whole image's, then its tiles' grid without the padding, a newline a row)."""
-        if self.style != "llava_next":
+        if not self.tiled:
             return self.tokens_per_image
         assert size is not None
         rows, cols = self.grid_shape(size)
         side = self.image_size // self.patch_size
-        height, width = _unpadded(size, rows * side, cols * side)
+        height, width = self.scaled(_unpadded(size, rows * side, cols * side))
         return self.tokens_per_image + height * width + height
+
+    def scaled(self, grid: tuple[int, int]) -> tuple[int, int]:
+        """LLaVA-OneVision: the unpadded grid's (height, width) after its scaling down, where it
+        holds more than `max_tiles` tiles' worth of features by a ratio over 1.1 (HF's rule)."""
+        height, width = grid
+        if not self.max_tiles:
+            return grid
+        side = self.image_size // self.patch_size
+        ratio = math.sqrt(height * width / (self.max_tiles * side**2))
+        if ratio > 1.1:
+            return int(height // ratio), int(width // ratio)
+        return grid
 
     def grid_shape(self, size: tuple[int, int]) -> tuple[int, int]:
         """The tiles (rows, columns) an image of `size` is cut into (`best_resolution`)."""
@@ -329,6 +352,18 @@ class VisionArch:
         if bad:
             raise VisionConfigError(f"image_grid_pinpoints {list(bad[0])} is not a grid of {v.image_size}-pixel tiles")
         return dataclasses.replace(v, style="llava_next", grid_pinpoints=pins)
+
+    @classmethod
+    def from_llava_onevision(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
+        """LLaVA-OneVision's: a SigLIP tower's last layer, every patch (`full`), LLaVA-NeXT's tiles
+        with `vision_aspect_ratio` "anyres_max_N"'s scaling down."""
+        vision = {"model_type": "siglip_vision_model", **dict(cfg.get("vision_config") or {})}
+        v = cls.from_llava_next({"vision_feature_layer": -1, "vision_feature_select_strategy": "full",
+                                 "image_token_index": 151646, **cfg, "vision_config": vision}, text_hidden_size)
+        aspect = str(cfg.get("vision_aspect_ratio", "anyres_max_9"))
+        if not aspect.startswith("anyres_max_") or not aspect.removeprefix("anyres_max_").isdigit():
+            raise VisionConfigError(f"vision_aspect_ratio {aspect!r}: conveyor reads 'anyres_max_N'")
+        return dataclasses.replace(v, style="llava_onevision", max_tiles=int(aspect.removeprefix("anyres_max_")))
 
     @classmethod
     def from_llava(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
@@ -532,7 +567,7 @@ class LlavaVision(nn.Module):
         self.config = v
         self.vision_tower = _Tower(v)
         self.multi_modal_projector: nn.Module = _PoolingProjector(v) if v.style == "gemma3" else _Projector(v)
-        if v.style == "llava_next":
+        if v.tiled:
             self.image_newline = nn.Parameter(torch.empty(v.text_hidden_size))
 
     def pack(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -540,12 +575,17 @@ class LlavaVision(nn.Module):
         its embeddings: the whole image's, then the tiles' grid, cut to the image's part of it,
         row by row, each row ending with the newline embedding (HF's `pack_image_features`)."""
         v = self.config
+        if features.shape[0] == 1:  # (LLaVA-OneVision's image among others: the whole image, a newline)
+            return torch.cat((features[0], self.image_newline[None].to(features.dtype)), dim=0)
         side = v.image_size // v.patch_size
         rows, cols = v.grid_shape(size)
         grid = features[1:].view(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
         height, width = _unpadded(size, rows * side, cols * side)
         top, left = (rows * side - height) // 2, (cols * side - width) // 2
         grid = grid[:, top : top + height, left : left + width]
+        if v.scaled((height, width)) != (height, width):  # LLaVA-OneVision: too many features
+            height, width = v.scaled((height, width))
+            grid = F.interpolate(grid[None], [height, width], mode="bilinear")[0]
         newline = self.image_newline[:, None, None].expand(-1, height, 1).to(grid.dtype)
         grid = torch.cat((grid, newline), dim=-1).flatten(1, 2).transpose(0, 1)
         return torch.cat((features[0], grid), dim=0)
@@ -590,7 +630,7 @@ class ImageEncoder:
         Qwen-VL's images of any sizes in one call)."""
         if self.config.own_size or self.config.style == "internvl":
             return list(self.module([image.values.to(self.device, self.dtype) for image in images]))
-        if self.config.style == "llava_next":
+        if self.config.tiled:
             out = []
             assert isinstance(self.module, LlavaVision)
             for image in images:
