@@ -24,7 +24,9 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,28 +82,39 @@ def main() -> None:
             "encoder": lambda: encoder.generate(with_images, params, use_tqdm=False),
             "cached": lambda: cached.generate(with_images, params, use_tqdm=False),
         }
-        for run in runs.values():  # warm-up (and the cached engine's first sight of the images)
-            run()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        ratios: dict[str, list[float]] = {name: [] for name in runs}
-        for r in range(args.rounds):
-            order = list(runs) if r % 2 == 0 else list(reversed(runs))
-            turn = {}
-            for name in order:
-                start = time.perf_counter()
-                outs = runs[name]()
-                turn[name] = time.perf_counter() - start
-                assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-            for name in runs:
-                times[name].append(turn[name])
-                ratios[name].append(turn[name] / turn["text"])
-        tokens = len(as_text[0])
-        print(f"{args.batch} requests of {tokens} prompt tokens ({per} of an image) and {args.max_tokens} outputs, "
-              f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
-        print(f"{'run':8} {'median s':>9} {'vs text':>14}")
+        # (the warm-up is also the cached engine's first sight of the images)
+        times, ratios = in_turns(runs, args.rounds, args.max_tokens, "text")
+        print(f"{args.batch} requests of {len(as_text[0])} prompt tokens ({per} of an image) and {args.max_tokens} "
+              f"outputs, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
+        report(times, ratios, "text")
+
+
+def in_turns(runs: dict[str, Callable[[], list[Any]]], rounds: int, max_tokens: int, baseline: str
+             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each run once to warm up, then `rounds` turns (in order, then reversed, ...): each run's
+    wall times, and their ratios to `baseline`'s in the same turn; every request must give
+    `max_tokens` outputs."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    ratios: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        turn = {}
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            start = time.perf_counter()
+            outs = runs[name]()
+            turn[name] = time.perf_counter() - start
+            assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
         for name in runs:
-            lo, hi = min(ratios[name]), max(ratios[name])
-            print(f"{name:8} {statistics.median(times[name]):9.3f} {lo:6.2f}-{hi:.2f}x")
+            times[name].append(turn[name])
+            ratios[name].append(turn[name] / turn[baseline])
+    return times, ratios
+
+
+def report(times: dict[str, list[float]], ratios: dict[str, list[float]], baseline: str) -> None:
+    print(f"{'run':8} {'median s':>9} {'vs ' + baseline:>14}")
+    for name in times:
+        print(f"{name:8} {statistics.median(times[name]):9.3f} {min(ratios[name]):6.2f}-{max(ratios[name]):.2f}x")
 
 
 if __name__ == "__main__":

@@ -33,11 +33,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from images import in_turns, report
 
 from conveyor.models.qwen_vision import QwenVision
 from conveyor.models.vision import VisionArch
@@ -81,25 +85,11 @@ def engine_runs(args: argparse.Namespace) -> None:
             "text": lambda: plain.generate(as_text, params, use_tqdm=False),
             "modules": lambda: modules.generate(as_text, params, use_tqdm=False),
         }
-        for run in runs.values():  # warm-up (and the encoder cache's first sight of the pictures)
-            run()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        ratios: dict[str, list[float]] = {name: [] for name in runs}
-        for r in range(args.rounds):
-            turn = {}
-            for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-                start = time.perf_counter()
-                outs = runs[name]()
-                turn[name] = time.perf_counter() - start
-                assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-            for name in runs:
-                times[name].append(turn[name])
-                ratios[name].append(turn[name] / turn["text"])
+        # (the warm-up is also the encoder cache's first sight of the pictures)
+        times, ratios = in_turns(runs, args.rounds, args.max_tokens, "text")
         print(f"{args.batch} requests of {len(as_text[0])} prompt tokens ({per} of an image) and {args.max_tokens} "
               f"outputs, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
-        print(f"{'run':8} {'median s':>9} {'vs text':>14}")
-        for name in runs:
-            print(f"{name:8} {statistics.median(times[name]):9.3f} {min(ratios[name]):6.2f}-{max(ratios[name]):.2f}x")
+        report(times, ratios, "text")
 
 
 def main() -> None:

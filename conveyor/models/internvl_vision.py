@@ -22,26 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.vision import ACTIVATIONS
+from conveyor.models.vision import ACTIVATIONS, VisionMLP, VisionRMSNorm
 
 if TYPE_CHECKING:
     from conveyor.models.vision import VisionArch
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def _norm(v: VisionArch) -> nn.Module:
     if v.norm_type == "rms_norm":
-        return _RMSNorm(v.hidden_size, v.layer_norm_eps)
+        return VisionRMSNorm(v.hidden_size, v.layer_norm_eps)
     return nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
 
 
@@ -53,8 +42,8 @@ class _Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=v.attention_bias) for _ in range(3))
         self.projection_layer = nn.Linear(d, d)
         if v.qk_norm:  # (InternViT-6B's: over the whole width, before the heads split)
-            self.q_norm = _RMSNorm(d, 1e-6)
-            self.k_norm = _RMSNorm(d, 1e-6)
+            self.q_norm = VisionRMSNorm(d, 1e-6)
+            self.k_norm = VisionRMSNorm(d, 1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, d = x.shape
@@ -66,22 +55,11 @@ class _Attention(nn.Module):
         return self.projection_layer(out.transpose(1, 2).reshape(n, t, d))
 
 
-class _MLP(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = ACTIVATIONS[v.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class _Layer(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.attention = _Attention(v)
-        self.mlp = _MLP(v)
+        self.mlp = VisionMLP(v)
         self.layernorm_before = _norm(v)
         self.layernorm_after = _norm(v)
         self.lambda_1 = nn.Parameter(torch.empty(v.hidden_size))

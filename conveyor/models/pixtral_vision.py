@@ -28,21 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.models.qwen_vision import segment_attention
-from conveyor.models.vision import ACTIVATIONS
+from conveyor.models.vision import ACTIVATIONS, VisionRMSNorm
 
 if TYPE_CHECKING:
     from conveyor.models.vision import VisionArch
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class _Attention(nn.Module):
@@ -77,9 +66,9 @@ class _FeedForward(nn.Module):
 class _Layer(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
-        self.attention_norm = _RMSNorm(v.hidden_size, 1e-5)
+        self.attention_norm = VisionRMSNorm(v.hidden_size, 1e-5)
         self.attention = _Attention(v)
-        self.ffn_norm = _RMSNorm(v.hidden_size, 1e-5)
+        self.ffn_norm = VisionRMSNorm(v.hidden_size, 1e-5)
         self.feed_forward = _FeedForward(v)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: list[tuple[int, int]]
@@ -98,7 +87,7 @@ class _VisionModel(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.patch_conv = nn.Conv2d(v.num_channels, v.hidden_size, v.patch_size, v.patch_size, bias=False)
-        self.ln_pre = _RMSNorm(v.hidden_size, 1e-5)
+        self.ln_pre = VisionRMSNorm(v.hidden_size, 1e-5)
         self.transformer = _Transformer(v)
 
 
@@ -127,7 +116,7 @@ class _Projector(nn.Module):
         super().__init__()
         width = v.hidden_size * len(v.feature_layers)
         if v.merge_size > 1:  # Mistral 3
-            self.norm = _RMSNorm(v.hidden_size, v.projector_eps)
+            self.norm = VisionRMSNorm(v.hidden_size, v.projector_eps)
             self.patch_merger = _PatchMerger(v)
         self.linear_1 = nn.Linear(width, v.text_hidden_size, bias=v.projector_bias)
         self.linear_2 = nn.Linear(v.text_hidden_size, v.text_hidden_size, bias=v.projector_bias)

@@ -38,26 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.vision import ACTIVATIONS
+from conveyor.models.vision import ACTIVATIONS, VisionMLP, VisionRMSNorm
 
 if TYPE_CHECKING:
     from conveyor.models.vision import VisionArch
     from conveyor.multimodal import ImageSpan
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def _norm(v: VisionArch, dim: int) -> nn.Module:  # (Qwen2.5-VL's are RMS norms)
-    return _RMSNorm(dim, v.layer_norm_eps) if v.style == "qwen2_5_vl" else nn.LayerNorm(dim, eps=v.layer_norm_eps)
+    return VisionRMSNorm(dim, v.layer_norm_eps) if v.style == "qwen2_5_vl" else nn.LayerNorm(dim, eps=v.layer_norm_eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,18 +88,7 @@ class _Attention(nn.Module):
         return self.proj(segment_attention(q, k, v, bounds).reshape(n, -1))
 
 
-class _MLP(nn.Module):  # Qwen2-VL's
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = ACTIVATIONS[v.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class _FcMLP(nn.Module):  # Qwen3-VL's (Qwen2-VL's under other names)
+class _FcMLP(nn.Module):  # Qwen3-VL's (`VisionMLP` under other names)
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
@@ -139,7 +117,7 @@ class _Block(nn.Module):
         self.norm1 = _norm(v, v.hidden_size)
         self.norm2 = _norm(v, v.hidden_size)
         self.attn = _Attention(v)
-        self.mlp: nn.Module = {"qwen2_5_vl": _GatedMLP, "qwen3_vl": _FcMLP}.get(v.style, _MLP)(v)
+        self.mlp: nn.Module = {"qwen2_5_vl": _GatedMLP, "qwen3_vl": _FcMLP}.get(v.style, VisionMLP)(v)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: list[tuple[int, int]]
                 ) -> torch.Tensor:

@@ -436,7 +436,23 @@ class _Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(n, t, d))
 
 
-class _MLP(nn.Module):
+class VisionRMSNorm(nn.Module):
+    """The vision towers' RMS norm (Qwen2.5-VL's, Pixtral's, InternViT's): in float32, the weight
+    applied after the cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    """`fc1`, the tower's activation, `fc2` (CLIP's, SigLIP's, Qwen2-VL's, InternViT's)."""
+
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
@@ -453,7 +469,7 @@ class _EncoderLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.self_attn = _Attention(v)
         self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.mlp = _MLP(v)
+        self.mlp = VisionMLP(v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
