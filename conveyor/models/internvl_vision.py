@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.vision import ACTIVATIONS, VisionMLP, VisionRMSNorm
+from conveyor.models.vision import ACTIVATIONS, Tower, VisionMLP, VisionRMSNorm
 
 if TYPE_CHECKING:
     from conveyor.models.vision import VisionArch
@@ -104,12 +104,6 @@ class _VisionModel(nn.Module):
             self.layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
 
 
-class _Tower(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.vision_model = _VisionModel(v)
-
-
 class _Projector(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
@@ -138,7 +132,7 @@ class InternVLVision(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.config = v
-        self.vision_tower = _Tower(v)
+        self.vision_tower = Tower(_VisionModel(v))
         self.multi_modal_projector = _Projector(v)
 
     def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.models.qwen_vision import segment_attention
-from conveyor.models.vision import ACTIVATIONS, VisionRMSNorm
+from conveyor.models.vision import ACTIVATIONS, Tower, VisionRMSNorm
 
 if TYPE_CHECKING:
     from conveyor.models.vision import VisionArch
@@ -91,12 +91,6 @@ class _VisionModel(nn.Module):
         self.transformer = _Transformer(v)
 
 
-class _Tower(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.vision_model = _VisionModel(v)
-
-
 class _PatchMerger(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
@@ -131,7 +125,7 @@ class PixtralVision(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.config = v
-        self.vision_tower = _Tower(v)
+        self.vision_tower = Tower(_VisionModel(v))
         self.multi_modal_projector = _Projector(v)
         # `[IMG_BREAK]`'s and `[IMG_END]`'s embeddings `[2, text hidden]` (`set_frame`).
         self.frame: torch.Tensor | None = None

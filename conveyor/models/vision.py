@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,9 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline", "
 QWEN_STYLES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # LLaVA-NeXT's default tilings (height, width), where its config names none.
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class VisionConfigError(ValueError):
@@ -509,10 +512,15 @@ class _VisionModel(nn.Module):
             self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
 
 
-class _Tower(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
+class Tower(nn.Module, Generic[M]):
+    """HF's nesting of a tower's modules (`vision_tower.vision_model.*`; transformers 5 writes
+    them `vision_tower.*`, which the loader reads as this)."""
+
+    vision_model: M
+
+    def __init__(self, model: M) -> None:
         super().__init__()
-        self.vision_model = _VisionModel(v)
+        self.vision_model = model
 
 
 class _Projector(nn.Module):
@@ -581,7 +589,7 @@ class LlavaVision(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.config = v
-        self.vision_tower = _Tower(v)
+        self.vision_tower = Tower(_VisionModel(v))
         self.multi_modal_projector: nn.Module = _PoolingProjector(v) if v.style == "gemma3" else _Projector(v)
         if v.tiled:
             self.image_newline = nn.Parameter(torch.empty(v.text_hidden_size))

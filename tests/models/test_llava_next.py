@@ -83,6 +83,26 @@ def test_tiles_match_hf_and_the_token_count(llava_next):
     assert len(grids) == 4
 
 
+def hf_tiled_tokens(hf, llm, prompts, **more) -> list[list[int]]:
+    """HF's greedy tokens (10) for `prompts` as conveyor expands them, each prompt's images' tiles
+    padded to the most tiles among them, with their sizes (and `more` inputs for HF's model)."""
+    want = []
+    for p in prompts:
+        _, ids, spans = llm.engine.prepare_prompt(p)
+        x = torch.tensor([ids])
+        extra = {}
+        if spans:
+            tiles = [s.pixels.values for s in spans]
+            most = max(t.shape[0] for t in tiles)
+            padded = torch.stack([torch.cat([t, t.new_zeros(most - t.shape[0], *t.shape[1:])]) for t in tiles])
+            extra = {"pixel_values": padded.double(), "image_sizes": torch.tensor([s.pixels.size for s in spans]),
+                     **({k: f(spans) for k, f in more.items()})}
+        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, **extra)
+        want.append(gen[0, x.shape[1]:].tolist())
+    return want
+
+
 def test_greedy_tokens_match_hf(llava_next):
     """Prompts of pictures of every tiling (two in one prompt) and one of text, batched and in
     chunks: HF's greedy tokens, its model accepting conveyor's token counts."""
@@ -94,19 +114,7 @@ def test_greedy_tokens_match_hf(llava_next):
                ImagePrompt([1, IMAGE_TOKEN, 50, IMAGE_TOKEN, 51], (picture(1, SIZES[1]), picture(2, SIZES[2]))),
                ImagePrompt([1, 60, 61, IMAGE_TOKEN], (picture(3, SIZES[3]),)),
                [1, 70, 71, 72]]
-    want = []
-    for p in prompts:
-        _, ids, spans = llm.engine.prepare_prompt(p)
-        x = torch.tensor([ids])
-        extra = {}
-        if spans:
-            tiles = [s.pixels.values for s in spans]
-            most = max(t.shape[0] for t in tiles)
-            padded = torch.stack([torch.cat([t, t.new_zeros(most - t.shape[0], *t.shape[1:])]) for t in tiles])
-            extra = {"pixel_values": padded.double(), "image_sizes": torch.tensor([s.pixels.size for s in spans])}
-        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, **extra)
-        want.append(gen[0, x.shape[1]:].tolist())
+    want = hf_tiled_tokens(hf, llm, prompts)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == want
     chunked = LLM(str(llava_next), dtype="float64", num_kv_blocks=256, prefill_mode="chunked",
                   max_num_batched_tokens=7)

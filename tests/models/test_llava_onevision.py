@@ -13,6 +13,7 @@ import torch
 from conveyor import LLM, ImagePrompt, SamplingParams
 from conveyor.models.vision import VisionArch
 from tests.conftest import TINY
+from tests.models.test_llava_next import hf_tiled_tokens
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -99,20 +100,8 @@ def test_greedy_tokens_match_hf(onevision):
                ImagePrompt([1, IMAGE_TOKEN, 50, IMAGE_TOKEN, 51], (picture(1, SIZES[1]), picture(2, SIZES[2]))),
                ImagePrompt([1, 60, 61, IMAGE_TOKEN], (picture(3, SIZES[3]),)),
                [1, 70, 71, 72]]
-    want = []
-    for p in prompts:
-        _, ids, spans = llm.engine.prepare_prompt(p)
-        x = torch.tensor([ids])
-        extra = {}
-        if spans:
-            tiles = [s.pixels.values for s in spans]
-            most = max(t.shape[0] for t in tiles)
-            padded = torch.stack([torch.cat([t, t.new_zeros(most - t.shape[0], *t.shape[1:])]) for t in tiles])
-            extra = {"pixel_values": padded.double(), "image_sizes": torch.tensor([s.pixels.size for s in spans]),
-                     "batch_num_images": torch.tensor([len(spans)])}  # (several: each image untiled)
-        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, **extra)
-        want.append(gen[0, x.shape[1]:].tolist())
+    # (HF's model reads several images of a prompt untiled, by `batch_num_images`)
+    want = hf_tiled_tokens(hf, llm, prompts, batch_num_images=lambda spans: torch.tensor([len(spans)]))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == want
     chunked = LLM(str(onevision), dtype="float64", num_kv_blocks=256, prefill_mode="chunked",
                   max_num_batched_tokens=7)
