@@ -119,6 +119,20 @@ def save_word_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
                             unk_token="<unk>").save_pretrained(out_dir)
 
 
+def save_image_tokenizer(out_dir: Path, specials: dict[int, str], template: str, vocab_size: int = 384) -> None:
+    """A word-level tokenizer ("w4" .. are words; 0-3 pad, <s>, </s>, unk) with an image-text
+    model's special tokens at their ids (`specials`: id -> text) and a chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{specials.get(i, f"w{i}"): i for i in range(4, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials.values()])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>", chat_template=template).save_pretrained(out_dir)
+
+
 def build_tiny_classifier(out_dir: Path, family: str, labels: list[str], seed: int = 0, tokens: bool = False,
                           **overrides: Any) -> Path:
     """A random-weight HF `*ForSequenceClassification` of `family` (`*ForTokenClassification`

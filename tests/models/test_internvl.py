@@ -11,7 +11,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.multimodal import ImagePrompt, tile_grid
-from tests.conftest import TINY
+from tests.conftest import TINY, save_image_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -30,8 +30,6 @@ def build_tiny_internvl(out_dir, seed: int = 2):
     scales, over conftest's TINY as a Qwen2; a word-level tokenizer with `<img>`, `</img>` and
     `<IMG_CONTEXT>`; a processor config of at most 6 tiles."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=[TILE, TILE], patch_size=[14, 14], attention_bias=True, use_qk_norm=True)
@@ -47,13 +45,7 @@ def build_tiny_internvl(out_dir, seed: int = 2):
                 p.normal_(0, 0.02)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    names = {START: "<img>", END: "</img>", CONTEXT: "<IMG_CONTEXT>"}
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{names.get(i, f"w{i}"): i for i in range(4, 384)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in names.values()])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(out_dir)
+    save_image_tokenizer(out_dir, {START: "<img>", END: "</img>", CONTEXT: "<IMG_CONTEXT>"}, TEMPLATE)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "GotOcr2ImageProcessor", "size": {"height": TILE, "width": TILE}, "resample": 3,
         "max_patches": MAX_TILES, "min_patches": 1, "crop_to_patches": False,

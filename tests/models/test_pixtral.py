@@ -13,7 +13,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.multimodal import ImagePrompt, pixtral_size
-from tests.conftest import TINY
+from tests.conftest import TINY, save_image_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -33,8 +33,6 @@ def build_tiny(out_dir, form: str = "mistral3", seed: int = 3):
     word-level tokenizer with `[IMG]` (10), `[IMG_BREAK]` (12) and `[IMG_END]` (13), and a
     `preprocessor_config.json` whose `longest_edge` is 112 pixels."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=2, patch_size=STYLES[form], image_size=LONGEST, hidden_act="silu")
@@ -57,13 +55,7 @@ def build_tiny(out_dir, form: str = "mistral3", seed: int = 3):
                 p.normal_(0, 0.02)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    names = {IMG: "[IMG]", BREAK: "[IMG_BREAK]", END: "[IMG_END]"}
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{names.get(i, f"w{i}"): i for i in range(4, 384)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in names.values()])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(out_dir)
+    save_image_tokenizer(out_dir, {IMG: "[IMG]", BREAK: "[IMG_BREAK]", END: "[IMG_END]"}, TEMPLATE)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": LONGEST},
         "patch_size": {"height": STYLES[form], "width": STYLES[form]}, "resample": 3,

@@ -14,7 +14,7 @@ import torch
 from conveyor import LLM, SamplingParams
 from conveyor.multimodal import ImageProcessor, ImagePrompt, smart_resize
 from conveyor.sampling_params import InvalidRequestError
-from tests.conftest import TINY
+from tests.conftest import TINY, save_image_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -45,8 +45,6 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
     sections (2, 3, 3), a word-level tokenizer with the vision tokens and a chat template, and a
     `preprocessor_config.json` with a small `max_pixels`."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     text = {**TINY, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
     ids = dict(image_token_id=PAD, video_token_id=381, vision_start_token_id=START, vision_end_token_id=END)
@@ -76,14 +74,8 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
                 p.normal_(0, 0.01)  # (embeddings of about the tokens' size: neither drowns the other)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, START)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in
-                            ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")])
-    assert tok.token_to_id("<|image_pad|>") == PAD
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(out_dir)
+    save_image_tokenizer(out_dir, {START: "<|vision_start|>", END: "<|vision_end|>", PAD: "<|image_pad|>",
+                                   381: "<|video_pad|>"}, TEMPLATE)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": MAX_PIXELS,
         "patch_size": PATCHES[style], "merge_size": MERGE, "temporal_patch_size": 2,
