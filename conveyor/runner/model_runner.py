@@ -561,16 +561,20 @@ class ModelRunner:
 
         vision = self.model.vision
         assert vision is not None
-        parts = []
+        out: list[list[int]] = []
         for it, n in zip(items, num_new, strict=True):
             tree = it.tree if it.num_draft else None
-            rows = torch.tensor([it.start_pos + (k if tree is None else tree.depths[k]) for k in range(n)])
-            if it.images:
-                grid = [vision.config.token_grid(span.pixels) for span in it.images]
-                parts.append(mrope_positions(rows, it.images, grid))
+            rows = [it.start_pos + (k if tree is None else tree.depths[k]) for k in range(n)]
+            if not it.images:
+                out.extend([p, p, p] for p in rows)
+                continue
+            grid = [vision.config.token_grid(span.pixels) for span in it.images]
+            if it.start_pos >= it.images[-1].end:  # (past its images, as decodes are: index + delta)
+                delta = sum(max(g) - span.length for g, span in zip(grid, it.images, strict=True))
+                out.extend([p + delta] * 3 for p in rows)
             else:
-                parts.append(rows[:, None].repeat(1, 3))
-        return torch.cat(parts)
+                out.extend(mrope_positions(torch.tensor(rows), it.images, grid).tolist())
+        return torch.tensor(out, dtype=torch.int64).view(-1, 3)
 
     def _keep_encoded(self, digest: bytes, values: torch.Tensor) -> None:
         """Keep an image's embeddings for other requests, the least recently used leaving first."""
