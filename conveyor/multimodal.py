@@ -250,8 +250,7 @@ class ImageProcessor:
         if vision.style == "gemma3":
             cfg = {"size": {"height": size, "width": size}, "do_center_crop": False, "resample": 2,
                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-        if folder is not None and (folder / "preprocessor_config.json").is_file():
-            cfg |= json.loads((folder / "preprocessor_config.json").read_text())
+        cfg |= _preprocessor_config(folder)
         resize = cfg.get("size", {"shortest_edge": size}) if cfg.get("do_resize", True) else None
         if isinstance(resize, int):
             resize = {"shortest_edge": resize}
@@ -263,9 +262,7 @@ class ImageProcessor:
             resize_to=None if resize is None or "height" not in resize else (resize["height"], resize["width"]),
             crop=None if crop is None else (crop["height"], crop["width"]),
             resample=int(cfg.get("resample", 3)),
-            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
-            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
-            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            **_scaling(cfg),
             pad_to_square=bool(cfg.get("do_pad", False)) and vision.style == "llava",
             grid_pinpoints=tuple((int(p[0]), int(p[1])) for p in cfg.get("image_grid_pinpoints", vision.grid_pinpoints))
             if vision.tiled else (),
@@ -277,9 +274,7 @@ class ImageProcessor:
         `min_pixels` / `max_pixels` or `size`'s `shortest_edge` / `longest_edge`."""
         from conveyor.models.vision import VisionConfigError
 
-        cfg: dict[str, Any] = {}
-        if folder is not None and (folder / "preprocessor_config.json").is_file():
-            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        cfg = _preprocessor_config(folder)
         size: dict[str, Any] = cfg["size"] if isinstance(cfg.get("size"), dict) else {}
         patch, merge = int(cfg.get("patch_size", vision.patch_size)), int(cfg.get("merge_size", vision.merge_size))
         if (patch, merge) != (vision.patch_size, vision.merge_size):
@@ -287,9 +282,7 @@ class ImageProcessor:
                                     f"({vision.patch_size}, merged {vision.merge_size})")
         return cls(
             shortest_edge=None, resize_to=None, crop=None, resample=int(cfg.get("resample", 3)),
-            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
-            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
-            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            **_scaling(cfg),
             factor=patch * merge,
             min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56),
             max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
@@ -300,15 +293,11 @@ class ImageProcessor:
     def _pixtral(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
         """Pixtral's processing (HF's `PixtralImageProcessor`): `size`'s `longest_edge` (1024 by
         default), sides to whole tokens of patch x merge pixels, CLIP's normalization."""
-        cfg: dict[str, Any] = {}
-        if folder is not None and (folder / "preprocessor_config.json").is_file():
-            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        cfg = _preprocessor_config(folder)
         size: dict[str, Any] = cfg["size"] if isinstance(cfg.get("size"), dict) else {}
         return cls(
             shortest_edge=None, resize_to=None, crop=None, resample=int(cfg.get("resample", 3)),
-            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
-            mean=tuple(cfg.get("image_mean", CLIP_MEAN)) if cfg.get("do_normalize", True) else None,
-            std=tuple(cfg.get("image_std", CLIP_STD)) if cfg.get("do_normalize", True) else None,
+            **_scaling(cfg),
             factor=vision.patch_size * vision.merge_size, longest_edge=int(size.get("longest_edge") or 1024),
         )
 
@@ -317,18 +306,14 @@ class ImageProcessor:
         """InternVL's processing (HF's `GotOcr2ImageProcessor` as InternVL's processor calls it,
         `crop_to_patches` on): tiles of `size` (448), between `min_patches` and `max_patches` (1
         and 12); ImageNet's normalization where the config is silent."""
-        cfg: dict[str, Any] = {}
-        if folder is not None and (folder / "preprocessor_config.json").is_file():
-            cfg = json.loads((folder / "preprocessor_config.json").read_text())
+        cfg = _preprocessor_config(folder)
         size: dict[str, Any] = cfg["size"] if isinstance(cfg.get("size"), dict) else {}
         tile = (int(size.get("height") or vision.image_size), int(size.get("width") or vision.image_size))
         if tile != (vision.image_size, vision.image_size):
             raise InvalidRequestError(f"the processor's tiles {tile} are not the tower's {vision.image_size} pixels")
         return cls(
             shortest_edge=None, resize_to=tile, crop=None, resample=int(cfg.get("resample", 3)),
-            rescale=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
-            mean=tuple(cfg.get("image_mean", IMAGENET_MEAN)) if cfg.get("do_normalize", True) else None,
-            std=tuple(cfg.get("image_std", IMAGENET_STD)) if cfg.get("do_normalize", True) else None,
+            **_scaling(cfg, IMAGENET_MEAN, IMAGENET_STD),
             min_tiles=int(cfg.get("min_patches", 1)), max_tiles=int(cfg.get("max_patches", 12)),
         )
 
@@ -438,6 +423,23 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h, w
+
+
+def _preprocessor_config(folder: Path | None) -> dict[str, Any]:
+    """A checkpoint's `preprocessor_config.json` (HF's keys), or nothing."""
+    if folder is not None and (folder / "preprocessor_config.json").is_file():
+        return dict(json.loads((folder / "preprocessor_config.json").read_text()))
+    return {}
+
+
+def _scaling(cfg: dict[str, Any], mean: tuple[float, ...] = CLIP_MEAN, std: tuple[float, ...] = CLIP_STD
+             ) -> dict[str, Any]:
+    """An `ImageProcessor`'s rescale, mean and spread from a preprocessor config (HF's keys;
+    `mean` and `std` where it names none)."""
+    normalize = cfg.get("do_normalize", True)
+    return {"rescale": float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            "mean": tuple(cfg.get("image_mean", mean)) if normalize else None,
+            "std": tuple(cfg.get("image_std", std)) if normalize else None}
 
 
 @functools.lru_cache(maxsize=256)
