@@ -46,6 +46,7 @@ from conveyor.sampling_params import (
 from conveyor.scoring import ModelHead
 from conveyor.sequence import FinishReason, RequestMetrics, Sequence, SequenceStatus
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.video import Video
 
 if TYPE_CHECKING:  # torch is imported where a model is built, not by the engine's import
     import torch
@@ -548,7 +549,10 @@ class Engine:
                 frame = sum(map(len, engine._image_frame))
                 engine.image_token = ImageToken(tokenizer.hf.convert_ids_to_tokens(v.placeholder_id), v.placeholder_id,
                                                 v.tokens_per_image + frame, v.patch_size * v.merge_size if v.own_size else 0,
-                                                v.style == "pixtral", v.pooled_tokens if v.style == "internvl" else 0)
+                                                v.style == "pixtral", v.pooled_tokens if v.style == "internvl" else 0,
+                                                max(1, v.temporal_patch_size),
+                                                tokenizer.hf.convert_ids_to_tokens(v.video_token_id) if v.reads_videos
+                                                else None)
                 if v.style == "pixtral":  # (the span's break and end tokens are Mistral's ids)
                     named = tokenizer.hf.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
                     unk = tokenizer.hf.unk_token_id
@@ -614,20 +618,46 @@ class Engine:
         if self.drafter is not None:
             raise InvalidRequestError("images with a draft model's speculation are not built", param="image")
         local = self.config.model.allowed_local_media_path
-        pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local)) for p in prompt.images]
+        videos = [p for p in prompt.images if isinstance(p, Video) or (isinstance(p, Pixels) and p.fps)]
+        if videos and not vision.reads_videos:
+            raise InvalidRequestError("this model reads no videos (Qwen2-VL and Qwen2.5-VL do)", param="video")
+        pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local))
+                  for p in prompt.images if not isinstance(p, Video) and not (isinstance(p, Pixels) and p.fps)]
         if vision.style == "llava_onevision" and len(pixels) > 1:  # (HF's processor: no tiles among several)
             pixels = [p.whole_only() for p in pixels]
         text, ids = self.tokenize_prompt(prompt.prompt)
+        layouts = [vision.image_layout(p) for p in pixels]
+        if videos:  # (the images and videos as their placeholders come, each video's span of video tokens)
+            ids, pixels, layouts = self._place_videos(ids, pixels, [v if isinstance(v, Pixels) else processor.video(v, local)
+                                                                    for v in videos])
         before, after = self._image_frame
         ids, spans = expand_image_tokens(ids, vision.placeholder_id, pixels, [vision.image_tokens(p) for p in pixels],
-                                         vision.image_token_id, before, after, vision.bidirectional,
-                                         [vision.image_layout(p) for p in pixels])
+                                         vision.image_token_id, before, after, vision.bidirectional, layouts)
         sc = self.scheduler.config
         if spans and vision.bidirectional and sc.prefill_mode == "chunked" and sc.max_num_batched_tokens < spans[0].length:
             raise InvalidRequestError(
                 f"an image is {spans[0].length} tokens that a step computes together, more than "
                 f"max_num_batched_tokens={sc.max_num_batched_tokens}", param="image")
         return text, ids, spans
+
+    def _place_videos(self, ids: list[int], images: list[Pixels], videos: list[Pixels]
+                      ) -> tuple[list[int], list[Pixels], list[list[int] | None]]:
+        """A prompt's images and videos in the order of their placeholders, each video token
+        made an image placeholder whose span is the video's tokens (`expand_image_tokens`'s
+        layouts); InvalidRequestError where the video tokens and the videos do not pair up."""
+        vision = self.arch.vision  # type: ignore[attr-defined]
+        marks = [t for t in ids if t == vision.video_token_id]
+        if len(marks) != len(videos):
+            raise InvalidRequestError(
+                f"the prompt has {len(marks)} video tokens for {len(videos)} videos: put one video token "
+                "(the model's <|video_pad|>) where each video goes, or send the videos as a chat's content parts",
+                param="video")
+        queue = {vision.placeholder_id: iter(images), vision.video_token_id: iter(videos)}
+        placed = [next(queue[t]) for t in ids if t in queue] if len(images) == ids.count(vision.placeholder_id) else []
+        if not placed:
+            placed = [*images, *videos]  # (`expand_image_tokens` says how the images do not pair up)
+        layouts = [[vision.video_token_id] * vision.image_tokens(p) if p.fps else None for p in placed]
+        return [vision.placeholder_id if t == vision.video_token_id else t for t in ids], placed, layouts
 
     @functools.cached_property
     def _image_frame(self) -> tuple[list[int], list[int]]:

@@ -309,8 +309,7 @@ def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_genera
     with images among its content parts, the prompt and its images (`chat_images`)."""
     if tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer", param="messages")
-    messages, images = chat_images(messages, tokenizer.chat_template or "",
-                                   None if image_token is None else image_token.text)
+    messages, images = chat_images(messages, tokenizer.chat_template or "", image_token)
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
     return ImagePrompt(ids, tuple(images)) if images else ids

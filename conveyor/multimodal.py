@@ -17,7 +17,9 @@ An image is a PIL image, encoded bytes (PNG, JPEG...), a `data:image/...;base64,
 `http(s)://` URL (fetched, with a time and size limit), or a local file's path or `file://` URL
 (only under `allowed_local_media_path`). `ImageProcessor` makes it what the tower reads as HF's
 image processor does (pad to square, resize by the shortest edge, center crop, rescale,
-normalize; LLaVA-NeXT's tiles), from the checkpoint's `preprocessor_config.json`.
+normalize; LLaVA-NeXT's tiles), from the checkpoint's `preprocessor_config.json`. A video (Qwen2-VL's
+and Qwen2.5-VL's, `conveyor.video.Video`) stands among the images where its video token is, and
+is made pixels by `ImageProcessor.video`: one span of each frame group's tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.sampling_params import InvalidRequestError
+from conveyor.video import DEFAULT_FPS, Video, VideoSampling, as_video, load_video
 
 if TYPE_CHECKING:  # (numpy and torch load where pixels are made: the scheduler reads spans only)
     import numpy as np
@@ -53,7 +56,8 @@ MAX_IMAGE_BYTES = 32 << 20
 
 @dataclass(frozen=True)
 class ImagePrompt:
-    """A prompt (text or token ids) with `images` in the order of its image tokens."""
+    """A prompt (text or token ids) with `images` in the order of its image tokens; a video
+    among them (`conveyor.video.Video`) goes where its video token is, in the order of those."""
 
     prompt: str | list[int]
     images: tuple[Any, ...]
@@ -72,6 +76,8 @@ class ImageToken:
     side: int = 0
     breaks: bool = False  # (Pixtral's: a break or end token after each row)
     per_tile: int = 0  # (InternVL's: each tile's tokens; `per_image` is one tile's with the frame)
+    temporal: int = 2  # (a Qwen-VL video's: its frames read this many at a time)
+    video: str | None = None  # the token that places a video (`<|video_pad|>`); None: no videos
 
     def count(self, image: Any) -> int:
         """The tokens `image` becomes: exact for a Qwen-VL, Pixtral or InternVL image made
@@ -80,7 +86,8 @@ class ImageToken:
         if self.per_tile and values is not None:
             return self.per_image + (values.shape[0] - 1) * self.per_tile
         if self.side and values is not None:
-            return (values.shape[-2] // self.side) * (values.shape[-1] // self.side + self.breaks)
+            groups = values.shape[0] // self.temporal if getattr(image, "fps", None) else 1
+            return groups * (values.shape[-2] // self.side) * (values.shape[-1] // self.side + self.breaks)
         return self.per_image
 
 
@@ -88,11 +95,13 @@ class ImageToken:
 class Pixels:
     """An image made ready for the tower (`ImageProcessor`): `[channels, size, size]` float32
     (LLaVA-NeXT's: `[1 + tiles, channels, size, size]`), a digest of its values (the prefix
-    cache's key for it), and the picture's size (height, width) it was made from."""
+    cache's key for it), and the picture's size (height, width) it was made from. A video's
+    (`ImageProcessor.video`): `[frames, channels, height, width]`, and `fps`, its frames' rate."""
 
     values: torch.Tensor
     digest: bytes
     size: tuple[int, int] | None = None
+    fps: float | None = None  # (a video's; None: an image)
 
     def whole_only(self) -> Pixels:
         """A tiled image's whole-image tile alone (LLaVA-OneVision reads each image of a prompt
@@ -128,15 +137,24 @@ def as_image_prompt(prompt: Any) -> Any:
         raise InvalidRequestError("a prompt dict has one of 'prompt' and 'prompt_token_ids'", param="prompt")
     text = prompt["prompt"] if "prompt" in prompt else [int(t) for t in prompt["prompt_token_ids"]]
     data = prompt.get("multi_modal_data") or {}
-    other = set(data) - {"image"}
+    other = set(data) - {"image", "video"}
     if other:
-        raise InvalidRequestError(f"multi_modal_data: conveyor reads images, not {sorted(other)[0]!r}",
+        raise InvalidRequestError(f"multi_modal_data: conveyor reads images and videos, not {sorted(other)[0]!r}",
                                   param="multi_modal_data")
     images = data.get("image")
-    if images is None:
-        return text
-    images = tuple(images) if isinstance(images, list | tuple) else (images,)
+    images = () if images is None else tuple(images) if isinstance(images, list | tuple) else (images,)
+    videos = data.get("video")
+    if videos is not None:  # (one video, or a list of them: a list of arrays, or of (frames, metadata))
+        one = not isinstance(videos, list) or not videos or not _is_video(videos[0])
+        images += tuple(as_video(v) for v in ([videos] if one else videos))
     return ImagePrompt(text, images) if images else text
+
+
+def _is_video(item: Any) -> bool:
+    """Whether a list's first item is a video (its frames, a file, a `Video`), not a video's first frame."""
+    if isinstance(item, Video) or (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict)):
+        return True
+    return getattr(item, "ndim", 0) == 4 or isinstance(item, list | str | bytes | Path)
 
 
 def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
@@ -158,50 +176,54 @@ def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def image_bytes(source: Any, allowed_local_media_path: str | None = None) -> bytes:
-    """The encoded bytes of an image given as bytes, a data URL, an http(s) URL or a local path."""
+def image_bytes(source: Any, allowed_local_media_path: str | None = None, max_bytes: int = MAX_IMAGE_BYTES,
+                kind: str = "image") -> bytes:
+    """The encoded bytes of an image (or a video: `kind`) given as bytes, a data URL, an
+    http(s) URL or a local path."""
+    param = f"{kind}_url"
     if isinstance(source, bytes | bytearray):
         return bytes(source)
     if isinstance(source, Path):
         source = str(source)
     if not isinstance(source, str):
-        raise InvalidRequestError(f"an image is a PIL image, bytes, a URL or a path, not {type(source).__name__}",
-                                  param="image")
+        held = "a PIL image" if kind == "image" else "its frames"
+        raise InvalidRequestError(f"an {kind} is {held}, bytes, a URL or a path, not {type(source).__name__}",
+                                  param=kind)
     if source.startswith("data:"):
         head, _, payload = source.partition(",")
         if not head.endswith(";base64"):
-            raise InvalidRequestError("a data URL of an image must be base64 (data:image/png;base64,...)",
-                                      param="image_url")
+            example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+            raise InvalidRequestError(f"a data URL of an {kind} must be base64 ({example})", param=param)
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise InvalidRequestError("the image's data URL is not valid base64", param="image_url") from None
+            raise InvalidRequestError(f"the {kind}'s data URL is not valid base64", param=param) from None
     if source.startswith(("http://", "https://")):
-        return _fetch(source)
+        return _fetch(source, max_bytes, kind)
     path = Path(source.removeprefix("file://"))
     if allowed_local_media_path is None:
         raise InvalidRequestError(
-            "local image files are read only under allowed_local_media_path (--allowed-local-media-path)",
-            param="image_url",
+            f"local {kind} files are read only under allowed_local_media_path (--allowed-local-media-path)",
+            param=param,
         )
     root = Path(allowed_local_media_path).resolve()
     full = path.resolve()
     if not full.is_relative_to(root):
-        raise InvalidRequestError(f"{source!r} is outside the allowed local media path", param="image_url")
+        raise InvalidRequestError(f"{source!r} is outside the allowed local media path", param=param)
     try:
         return full.read_bytes()
     except OSError as e:
-        raise InvalidRequestError(f"the image file cannot be read: {e.strerror}", param="image_url") from None
+        raise InvalidRequestError(f"the {kind} file cannot be read: {e.strerror}", param=param) from None
 
 
-def _fetch(url: str) -> bytes:
+def _fetch(url: str, max_bytes: int = MAX_IMAGE_BYTES, kind: str = "image") -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
-            data = response.read(MAX_IMAGE_BYTES + 1)
+            data = response.read(max_bytes + 1)
     except Exception as e:  # (URLError, HTTPError, a timeout, a reset)
-        raise InvalidRequestError(f"the image at {url} cannot be fetched: {e}", param="image_url") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise InvalidRequestError(f"the image at {url} is larger than {MAX_IMAGE_BYTES >> 20} MiB", param="image_url")
+        raise InvalidRequestError(f"the {kind} at {url} cannot be fetched: {e}", param=f"{kind}_url") from None
+    if len(data) > max_bytes:
+        raise InvalidRequestError(f"the {kind} at {url} is larger than {max_bytes >> 20} MiB", param=f"{kind}_url")
     return data
 
 
@@ -233,6 +255,15 @@ class ImageProcessor:
     # and a thumbnail where there is more than one.
     min_tiles: int = 1
     max_tiles: int = 0
+    # Qwen-VL's videos (`video`): each frame's area bounds, the cap on the whole video (90% of
+    # `max_video_tokens` tokens' worth of pixels), how a file's frames are chosen, and the frames
+    # the tower reads at a time.
+    video_min_pixels: int = 0  # (0: this model reads no videos)
+    video_max_pixels: int = 0
+    cap_pixels_per_frame: bool = True
+    max_video_tokens: int = 128_000
+    sampling: VideoSampling | None = None
+    temporal_patch_size: int = 2
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -280,13 +311,26 @@ class ImageProcessor:
         if (patch, merge) != (vision.patch_size, vision.merge_size):
             raise VisionConfigError(f"the processor's patches ({patch}, merged {merge}) are not the model's "
                                     f"({vision.patch_size}, merged {vision.merge_size})")
+        factor = patch * merge
+        # Videos: `video_preprocessor_config.json` (HF's `Qwen2VLVideoProcessor` keys), else its
+        # defaults: 128 to 768 tokens' worth of pixels a frame, 2 frames a second.
+        vcfg = _preprocessor_config(folder, "video_preprocessor_config.json")
+        vsize: dict[str, Any] = vcfg["size"] if isinstance(vcfg.get("size"), dict) else {}
+        temporal = int(vcfg.get("temporal_patch_size", vision.temporal_patch_size))
         return cls(
             shortest_edge=None, resize_to=None, crop=None, resample=int(cfg.get("resample", 3)),
             **_scaling(cfg),
-            factor=patch * merge,
+            factor=factor,
             min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56),
             max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
                            or 28 * 28 * 1280),
+            video_min_pixels=int(vcfg.get("min_pixels") or vsize.get("shortest_edge") or 128 * factor**2),
+            video_max_pixels=int(vcfg.get("max_pixels") or vsize.get("longest_edge") or 768 * factor**2),
+            cap_pixels_per_frame=bool(vcfg.get("cap_pixels_per_frame", True)),
+            max_video_tokens=int(vcfg.get("max_video_tokens", 128_000)),
+            sampling=VideoSampling(fps=float(vcfg.get("fps") or DEFAULT_FPS), min_frames=int(vcfg.get("min_frames", 4)),
+                                   max_frames=int(vcfg.get("max_frames", 768)), multiple=temporal),
+            temporal_patch_size=temporal,
         )
 
     @classmethod
@@ -345,6 +389,32 @@ class ImageProcessor:
         digest = hashlib.sha256(tensor.numpy().tobytes() + repr(size).encode()).digest()
         return Pixels(tensor, digest, size)
 
+    def video(self, video: Video, allowed_local_media_path: str | None = None) -> Pixels:
+        """A video made ready for a Qwen-VL tower: its frames (a file's sampled, `load_video`)
+        each resized to the size `smart_resize` gives the first within the video's bounds (the
+        most capped so that the whole video stays within 90% of `max_video_tokens`), rescaled and
+        normalized, the last repeated to a whole number of `temporal_patch_size` frames:
+        `[frames, channels, height, width]`, with the frames' rate."""
+        import numpy as np
+        import torch
+        from PIL import Image
+
+        if not self.video_min_pixels or self.sampling is None:
+            raise InvalidRequestError("this model reads no videos", param="video")
+        frames, fps = load_video(video, self.sampling, allowed_local_media_path)
+        height, width = frames[0].shape[:2]
+        most = self.video_max_pixels
+        if self.cap_pixels_per_frame:  # (qwen-vl-utils' bound on the whole video)
+            total = int(self.max_video_tokens * self.factor * self.factor * 0.9)
+            most = max(min(most, total * self.temporal_patch_size // len(frames)), int(self.video_min_pixels * 1.05))
+        h, w = smart_resize(height, width, self.factor, self.video_min_pixels, most)
+        frames += [frames[-1]] * (-len(frames) % self.temporal_patch_size)
+        values = np.stack([self._scale(np.asarray(Image.fromarray(f).resize((w, h), resample=self.resample))
+                                       .transpose(2, 0, 1)) for f in frames])
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+        digest = hashlib.sha256(tensor.numpy().tobytes() + repr((height, width, fps)).encode()).digest()
+        return Pixels(tensor, digest, (height, width), fps)
+
     def _tiles(self, image: Any) -> list[Any]:
         """LLaVA-NeXT's anyres cut (HF's `get_image_patches`): the whole image resized to the
         tile size, then the image scaled into its best tiling (`best_resolution`), centered on
@@ -399,6 +469,12 @@ class ImageProcessor:
         array = np.asarray(image).transpose(2, 0, 1)  # [channels, height, width] uint8
         if self.crop is not None:
             array = _center_crop(array, *self.crop)
+        return self._scale(array)
+
+    def _scale(self, array: np.ndarray) -> np.ndarray:
+        """A picture `[channels, h, w]` of uint8 rescaled and normalized, as float32."""
+        import numpy as np
+
         values = array.astype(np.float64) * self.rescale if self.rescale is not None else array.astype(np.float64)
         values = values.astype(np.float32)
         if self.mean is not None and self.std is not None:
@@ -425,10 +501,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
-def _preprocessor_config(folder: Path | None) -> dict[str, Any]:
-    """A checkpoint's `preprocessor_config.json` (HF's keys), or nothing."""
-    if folder is not None and (folder / "preprocessor_config.json").is_file():
-        return dict(json.loads((folder / "preprocessor_config.json").read_text()))
+def _preprocessor_config(folder: Path | None, name: str = "preprocessor_config.json") -> dict[str, Any]:
+    """A checkpoint's `preprocessor_config.json` (or `name`; HF's keys), or nothing."""
+    if folder is not None and (folder / name).is_file():
+        return dict(json.loads((folder / name).read_text()))
     return {}
 
 
@@ -532,16 +608,21 @@ def span_keys(spans: tuple[ImageSpan, ...], block_size: int, block: int) -> byte
 # Content parts that carry an image: OpenAI's chat (`image_url`), its Responses API
 # (`input_image`), and vLLM's offline forms (`image`, `image_pil`: the image itself).
 IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil")
+# ... and a video: vLLM's `video_url` (a URL of its file) and `video` (its frames or file).
+VIDEO_PARTS = ("video_url", "video")
 
 
-def chat_images(messages: list[dict[str, Any]], template: str, image_token: str | None
+def chat_images(messages: list[dict[str, Any]], template: str, token: ImageToken | None
                 ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Messages as the chat template reads them, and their images in order.
+    """Messages as the chat template reads them, and their images (and videos, as `Video`s)
+    in order.
 
     A message's text parts are joined. Where it has images, a template that renders image
-    parts itself (it tests a part's type against "image", as LLaVA's do) gets the parts as
-    `{"type": "image"}` and `{"type": "text", "text": ...}`; any other gets the image token
-    once an image, each on its own line, before the message's text (vLLM's "string" form)."""
+    parts itself (it tests a part's type against "image", as LLaVA's and Qwen-VL's do) gets the
+    parts as `{"type": "image"}` (`{"type": "video"}`) and `{"type": "text", "text": ...}`; any
+    other gets the image (video) token once an image, each on its own line, before the
+    message's text (vLLM's "string" form). `token`: the model's (None: it reads no images)."""
+    image_token, video_token = (None, None) if token is None else (token.text, token.video)
     images: list[Any] = []
     out: list[dict[str, Any]] = []
     reads_parts = "'image'" in template or '"image"' in template
@@ -558,31 +639,36 @@ def chat_images(messages: list[dict[str, Any]], template: str, image_token: str 
                     raise InvalidRequestError("this model reads no images", param="messages")
                 images.append(_part_image(part, kind))
                 parts.append({"type": "image"})
+            elif kind in VIDEO_PARTS:
+                if video_token is None:
+                    raise InvalidRequestError("this model reads no videos", param="messages")
+                images.append(Video(_part_image(part, kind)))
+                parts.append({"type": "video"})
             elif kind in ("text", "input_text", "output_text") or (isinstance(part, dict) and "text" in part):
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             else:
-                raise InvalidRequestError(f"a content part of type {kind!r} is not supported (text and images are)",
-                                          param="messages")
+                raise InvalidRequestError(f"a content part of type {kind!r} is not supported (text, images "
+                                          "and videos are)", param="messages")
         text = "".join(p["text"] for p in parts if p["type"] == "text")
-        seen = sum(p["type"] == "image" for p in parts)
-        if not seen:
+        marks = [image_token if p["type"] == "image" else video_token for p in parts if p["type"] != "text"]
+        if not marks:
             content = text
         elif reads_parts:
             content = parts
         else:
-            assert image_token is not None  # (checked at the first image)
-            content = "\n".join([*([image_token] * seen), text])
+            content = "\n".join([*(str(m) for m in marks), text])  # (each checked at its part)
         out.append({**message, "content": content})
     return out, images
 
 
 def _part_image(part: dict[str, Any], kind: str) -> Any:
     value = part.get(kind)
-    if kind in ("image_url", "input_image"):
+    if kind in ("image_url", "input_image", "video_url"):
         if kind == "input_image" and value is None:
             value = part.get("image_url")
         if isinstance(value, dict):
             value = value.get("url")
     if value is None:
-        raise InvalidRequestError(f"an {kind} content part without its image", param="messages")
+        what = "video" if kind in VIDEO_PARTS else "image"
+        raise InvalidRequestError(f"a {kind} content part without its {what}", param="messages")
     return value

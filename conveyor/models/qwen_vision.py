@@ -191,13 +191,19 @@ class QwenVision(nn.Module):
         return 1.0 / (v.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
 
     def _patches(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An image's patch embeddings `[patches, hidden]` and their (row, column) `[patches, 2]`,
-        each merge x merge block's patches together, blocks in row order (HF's layout)."""
+        """An image's (or a video's frame group's, `[frames, channels, h, w]`) patch embeddings
+        `[patches, hidden]` and their (row, column) `[patches, 2]`, each merge x merge block's
+        patches together, blocks in row order (HF's layout)."""
         v = self.config
         m = v.merge_size
         proj = self.visual.patch_embed.proj
-        weight = proj.weight.sum(dim=2)  # (the two frames are the same image)
-        x = F.conv2d(image[None].to(weight.dtype), weight, proj.bias, stride=v.patch_size)[0]  # [hidden, gh, gw]
+        if image.dim() == 4:  # (a frame group: the convolution spans its frames)
+            p = v.patch_size
+            x = F.conv3d(image.transpose(0, 1)[None].to(proj.weight.dtype), proj.weight, proj.bias,
+                         stride=(image.shape[0], p, p))[0, :, 0]  # [hidden, gh, gw]
+        else:
+            weight = proj.weight.sum(dim=2)  # (an image's frames are the image, alike)
+            x = F.conv2d(image[None].to(weight.dtype), weight, proj.bias, stride=v.patch_size)[0]  # [hidden, gh, gw]
         d, gh, gw = x.shape
         if v.position_embeddings:  # Qwen3-VL: the learned grid resampled to this image's patches
             side = math.isqrt(v.position_embeddings)
@@ -224,6 +230,21 @@ class QwenVision(nn.Module):
         return torch.cat(order), lengths
 
     def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Images `[channels, h, w]` and videos `[frames, channels, h, w]` to their embeddings: a
+        video's frame groups (`temporal_patch_size` frames each) are read as images are, each
+        its own attention (and windows), and its embeddings are theirs in turn."""
+        v = self.config
+        groups = [1 if x.dim() == 3 else x.shape[0] // v.temporal_patch_size for x in images]
+        units = [u for x in images for u in ([x] if x.dim() == 3 else x.split(v.temporal_patch_size))]
+        out = self._encode(units)
+        at = 0
+        joined = []
+        for n in groups:
+            joined.append(out[at] if n == 1 else torch.cat(out[at : at + n]))
+            at += n
+        return joined
+
+    def _encode(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         v = self.config
         unit = v.merge_size**2
         xs, positions, whole, windows, orders = [], [], [], [], []
@@ -266,20 +287,25 @@ class QwenVision(nn.Module):
         return out
 
 
-def mrope_positions(positions: torch.Tensor, spans: tuple[ImageSpan, ...], grid: list[tuple[int, int]]
-                    ) -> torch.Tensor:
+def mrope_positions(positions: torch.Tensor, spans: tuple[ImageSpan, ...],
+                    grid: list[tuple[list[int], int, int]]) -> torch.Tensor:
     """The 3D rotary positions `[rows, 3]` (time, row, column) of a sequence's rows at the
     sequence positions `positions` (HF's `get_rope_index`, then `rope_deltas` for what follows
-    the prompt): text at its index, shifted by what the images before it saved (each takes
-    max(h, w) positions for its length h * w); an image's token at its image's first
-    position, that plus its row, that plus its column. `grid`: each span's (h, w) in tokens."""
+    the prompt): text at its index, shifted by what the images before it saved; an image's
+    token at its image's first position plus its frame group's time (`times`; an image's is 0),
+    that plus its row, that plus its column. `grid`: each span's (times, h, w), h x w tokens a
+    frame group. What follows a span goes on from one past its largest position: an image of
+    h x w tokens takes max(h, w) positions, a video max(its last time + 1, h, w) (Qwen's rule,
+    vLLM's; HF's transformers 5 goes on from max(h, w) after a video too, where the two differ)."""
     out = positions[:, None].repeat(1, 3)
-    for span, (h, w) in zip(spans, grid, strict=True):
-        saved = span.length - max(h, w)
+    for span, (times, h, w) in zip(spans, grid, strict=True):
+        saved = span.length - max(times[-1] + 1, h, w)
         inside = (positions >= span.offset) & (positions < span.end)
         if inside.any():
             local = positions[inside] - span.offset
-            first = out[inside, 0] - local  # (the shift of the images before this one is in it)
-            out[inside] = torch.stack((first, first + local // w, first + local % w), dim=1)
+            first = out[inside, 0] - local  # (the shift of the spans before this one is in it)
+            time = torch.tensor(times, dtype=local.dtype)[local // (h * w)]
+            at = local % (h * w)
+            out[inside] = torch.stack((first + time, first + at // w, first + at % w), dim=1)
         out[positions >= span.end] -= saved
     return out

@@ -138,6 +138,10 @@ class VisionArch:
     # outputs at the image's tokens (DeepStack).
     position_embeddings: int = 0
     deepstack_layers: tuple[int, ...] = ()
+    # Qwen-VL's videos: the token a prompt places one with (`<|video_pad|>`), and Qwen2.5-VL's
+    # rotary time positions a second of video (`tokens_per_second`; 0: one a frame group, Qwen2-VL's).
+    video_token_id: int | None = None
+    tokens_per_second: float = 0.0
     # Pixtral ("pixtral": conveyor/models/pixtral_vision.py): the tokens that end each row of an
     # image's tokens and the last row (`[IMG_BREAK]`, `[IMG_END]`), and Mistral 3's projector's
     # RMS norm epsilon (its merge_size is 2; Pixtral-12B's, in LLaVA's form, 1).
@@ -162,6 +166,11 @@ class VisionArch:
         return self.style in QWEN_STYLES
 
     @property
+    def reads_videos(self) -> bool:
+        """Qwen2-VL's and Qwen2.5-VL's videos (`conveyor.video`)."""
+        return self.style in ("qwen2_vl", "qwen2_5_vl") and self.video_token_id is not None
+
+    @property
     def own_size(self) -> bool:
         """Whether images are read at (about) their own size, their token count by their pixels
         (Qwen-VL's, Pixtral's), not at the tower's fixed size."""
@@ -173,16 +182,35 @@ class VisionArch:
         side = self.patch_size * self.merge_size
         return pixels.values.shape[-2] // side, pixels.values.shape[-1] // side
 
+    def mrope_grid(self, pixels: Any) -> tuple[list[int], int, int]:
+        """A Qwen-VL image's or video's (time positions, rows, columns) for M-RoPE."""
+        return (self.time_positions(pixels), *self.token_grid(pixels))
+
+    def frame_groups(self, pixels: Any) -> int:
+        """A Qwen-VL video's frame groups, the frames the tower reads together (an image's: 1)."""
+        return pixels.values.shape[0] // self.temporal_patch_size if getattr(pixels, "fps", None) else 1
+
+    def time_positions(self, pixels: Any) -> list[int]:
+        """The rotary time position of each of a video's frame groups (an image's: [0]): one a
+        group (Qwen2-VL), or `tokens_per_second` a second of video (Qwen2.5-VL: a group spans
+        `temporal_patch_size / fps` seconds), floored."""
+        groups = self.frame_groups(pixels)
+        if not self.tokens_per_second or groups == 1:
+            return list(range(groups))
+        interval = self.tokens_per_second * self.temporal_patch_size / pixels.fps
+        return [int(k * interval) for k in range(groups)]  # (HF's `(arange * interval).long()`)
+
     def image_tokens(self, pixels: Any) -> int:
         """The tokens an image (`conveyor.multimodal.Pixels`) becomes (Pixtral's: a break or end
-        token after each row; InternVL's: its tiles' tokens)."""
+        token after each row; InternVL's: its tiles' tokens; a Qwen-VL video's: each frame
+        group's)."""
         if self.style == "internvl":
             return pixels.values.shape[0] * self.pooled_tokens
         if self.tiled and pixels.values.shape[0] == 1:  # (LLaVA-OneVision's image among others: no tiles)
             return self.tokens_per_image + 1
         if self.own_size:
             h, w = self.token_grid(pixels)
-            return h * (w + (self.style == "pixtral"))
+            return self.frame_groups(pixels) * h * (w + (self.style == "pixtral"))
         return self.num_tokens(pixels.size)
 
     def image_layout(self, pixels: Any) -> list[int] | None:
@@ -345,6 +373,8 @@ class VisionArch:
             window_size=window,
             full_attention_layers=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else (),
             position_embeddings=grid, deepstack_layers=deepstack,
+            video_token_id=int(cfg.get("video_token_id", 151656)),
+            tokens_per_second=float(v.get("tokens_per_second", 4)) if qwen25 else 0.0,
         )
 
     @classmethod

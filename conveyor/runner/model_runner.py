@@ -568,9 +568,10 @@ class ModelRunner:
             if not it.images:
                 out.extend([p, p, p] for p in rows)
                 continue
-            grid = [vision.config.token_grid(span.pixels) for span in it.images]
+            grid = [vision.config.mrope_grid(span.pixels) for span in it.images]
             if it.start_pos >= it.images[-1].end:  # (past its images, as decodes are: index + delta)
-                delta = sum(max(g) - span.length for g, span in zip(grid, it.images, strict=True))
+                delta = sum(max(times[-1] + 1, h, w) - span.length
+                            for (times, h, w), span in zip(grid, it.images, strict=True))
                 out.extend([p + delta] * 3 for p in rows)
             else:
                 out.extend(mrope_positions(torch.tensor(rows), it.images, grid).tolist())

@@ -576,6 +576,7 @@ class ProcessAsyncEngine(AsyncEngine):
                 raise EngineStartError(f"the engine process was not ready within {self.start_timeout:.0f} s")
             msg = parent.recv()
         except (EOFError, OSError):
+            child.join(5.0)  # its end of the pipe closes a moment before its exit status is known
             msg = ("load_failed", f"the engine process exited with status {child.exitcode}")
         except BaseException:
             child.kill()

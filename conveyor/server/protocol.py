@@ -102,9 +102,18 @@ class ImagePart(OpenAIBaseModel):
     image_url: ImageURL
 
 
+class VideoURL(OpenAIBaseModel):
+    url: str  # a data:video/...;base64 URL, an http(s) URL, or (--allowed-local-media-path) a file
+
+
+class VideoPart(OpenAIBaseModel):  # (vLLM's: Qwen2-VL's and Qwen2.5-VL's videos)
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | VideoPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
@@ -126,12 +135,12 @@ class ChatCompletionRequest(SamplingRequest):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them (text parts joined; a message with images
-        keeps its parts, for `conveyor.multimodal.chat_images`)."""
+        or videos keeps its parts, for `conveyor.multimodal.chat_images`)."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
             content: Any = m.content
             if isinstance(content, list):
-                images = any(isinstance(p, ImagePart) for p in content)
+                images = any(isinstance(p, ImagePart | VideoPart) for p in content)
                 content = ([p.model_dump(exclude_none=True) for p in content] if images
                            else "".join(p.text for p in content if isinstance(p, TextPart)))
             d: dict[str, Any] = {"role": m.role, "content": content or ""}

@@ -59,9 +59,16 @@ class EngineActor:
                     out.append(self._conn.recv())
         except (EOFError, OSError):  # the engine's end is closed: what came before, then None
             return out or None
-        if not out and not self._core.is_alive():
-            return None
-        return out
+        if out or self._core.is_alive():
+            return out
+        # The engine ended; what it sent between our wait and its end (its "load_failed") is
+        # in the pipe now, and must not be lost for an end of stream.
+        try:
+            while self._conn.poll():
+                out.append(self._conn.recv())
+        except (EOFError, OSError):
+            pass
+        return out or None
 
 
 def actor_class() -> Any:

@@ -64,6 +64,7 @@ from conveyor.server.reasoning import (
 )
 from conveyor.server.tool_parsers import ToolParser, make_tool_parser
 from conveyor.server.tools import Tools, ToolStream, history_for_template
+from conveyor.video import Video
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 
@@ -154,6 +155,14 @@ def verify_adapter(request: LoRARequest, model_path: str | None, max_rank: int |
     check_adapter(request, model_path, max_rank)
 
 
+def _media_url(item: Any) -> tuple[str, str] | None:
+    """A chat's image or video given by a data or http(s) URL: ("image" or "video", the URL)."""
+    kind, source = ("video", item.source) if isinstance(item, Video) else ("image", item)
+    if isinstance(source, str) and source.startswith(("data:", "http://", "https://")):
+        return kind, source
+    return None
+
+
 @dataclass
 class _Prompt:
     token_ids: list[int]
@@ -210,7 +219,7 @@ class _Handler:
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
-        self._fetched: dict[str, Pixels] = {}  # images made pixels by their URLs (`fetch_images`)
+        self._fetched: dict[tuple[str, str], Pixels] = {}  # images and videos made pixels by URL (`fetch_images`)
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
@@ -853,27 +862,27 @@ class ChatCompletionHandler(_Handler):
         token = self.state.engine.image_token
         assert token is not None  # (`chat_images` refuses images for a model without one)
         fetched = self._fetched
-        return [_Prompt(ids, None, tuple(fetched.get(i, i) if isinstance(i, str) else i for i in images),
-                        token)]
+        return [_Prompt(ids, None, tuple(fetched.get(_media_url(i) or ("", ""), i) for i in images), token)]
 
     @functools.cached_property
     def _chat(self) -> tuple[list[dict[str, Any]], list[Any]]:
         """The messages as the template reads them, and their images (`chat_images`)."""
         token = self.state.engine.image_token
         template = "" if self.tokenizer is None else self.tokenizer.chat_template or ""
-        return chat_images(self.body.message_dicts(), template, None if token is None else token.text)
+        return chat_images(self.body.message_dicts(), template, token)
 
     async def fetch_images(self) -> None:
-        # Data and http(s) URLs become pixels here; a local file is the engine's to read (it
-        # knows the allowed path), and so is any image where the front end has no processor.
-        urls = list(dict.fromkeys(i for i in self._chat[1]
-                                  if isinstance(i, str) and i.startswith(("data:", "http://", "https://"))))
+        # Data and http(s) URLs become pixels here, a video decoded and its frames sampled (off
+        # the engine's loop); a local file is the engine's to read (it knows the allowed path),
+        # and so is any image where the front end has no processor.
+        urls = list(dict.fromkeys(k for i in self._chat[1] if (k := _media_url(i)) is not None))
         processor = self.state.engine.image_processor
         if not urls or processor is None:
             return
 
-        def pixels(url: str) -> Pixels:
-            return processor(load_image(image_bytes(url)))
+        def pixels(url: tuple[str, str]) -> Pixels:
+            kind, source = url
+            return processor.video(Video(source)) if kind == "video" else processor(load_image(image_bytes(source)))
 
         self._fetched = dict(zip(urls, await asyncio.gather(*(asyncio.to_thread(pixels, url) for url in urls)),
                                  strict=True))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.multimodal import ImageProcessor, ImagePrompt, chat_images
+from conveyor.multimodal import ImageProcessor, ImagePrompt, ImageToken, chat_images
 from conveyor.sampling_params import InvalidRequestError
 from tests.conftest import TINY
 
@@ -185,7 +185,7 @@ def test_prompt_forms_and_chat(llava):
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
                                              {"type": "text", "text": "w41 w42"}]}]
     chat = llm.chat(messages, PARAMS, use_tqdm=False)[0]
-    rendered, images = chat_images(messages, TEMPLATE, "<image>")
+    rendered, images = chat_images(messages, TEMPLATE, ImageToken("<image>", 32000, 576))
     assert rendered[0]["content"] == [{"type": "image"}, {"type": "text", "text": "w41 w42"}] and len(images) == 1
     want = llm.generate([ImagePrompt(llm.tokenizer.apply_chat_template(rendered), (image,))], PARAMS,
                         use_tqdm=False)[0]

@@ -24,10 +24,13 @@ PATCHES = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 STYLES = list(PATCHES)
 QWEN3_SEED = 4  # (a seed whose greedy tokens vary, and change without M-RoPE or DeepStack)
 MAX_PIXELS = 28 * 28 * 40  # (small: a large picture is scaled down to at most 40 tokens)
+VIDEO_MAX = 28 * 28 * 12  # (a video's frames: at most 12 tokens each frame group)
+VIDEO = 381  # <|video_pad|>
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
-            "<|vision_start|><|image_pad|><|vision_end|> {% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+            "<|vision_start|><|image_pad|><|vision_end|> {% elif p['type'] == 'video' %}"
+            "<|vision_start|><|video_pad|><|vision_end|> {% else %}{{ p['text'] }}{% endif %}{% endfor %}"
             "{% endif %} {% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 
@@ -43,11 +46,12 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
     second of 3 blocks attending whole; or Qwen3-VL's: a Qwen3 text model, a 4x4 grid of learned
     positions, DeepStack from the first two blocks), the text model of conftest's TINY with M-RoPE
     sections (2, 3, 3), a word-level tokenizer with the vision tokens and a chat template, and a
-    `preprocessor_config.json` with a small `max_pixels`."""
+    `preprocessor_config.json` with a small `max_pixels` (and a `video_preprocessor_config.json`:
+    at most 12 tokens a frame group, 4 frames a second sampled from a file)."""
     import transformers as tf
 
     text = {**TINY, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
-    ids = dict(image_token_id=PAD, video_token_id=381, vision_start_token_id=START, vision_end_token_id=END)
+    ids = dict(image_token_id=PAD, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     if style == "qwen2_vl":
         vision = dict(depth=3, embed_dim=32, hidden_size=TINY["hidden_size"], num_heads=2, patch_size=PATCH,
                       spatial_merge_size=MERGE, temporal_patch_size=2)
@@ -75,13 +79,17 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     save_image_tokenizer(out_dir, {START: "<|vision_start|>", END: "<|vision_end|>", PAD: "<|image_pad|>",
-                                   381: "<|video_pad|>"}, TEMPLATE)
+                                   VIDEO: "<|video_pad|>"}, TEMPLATE)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": MAX_PIXELS,
         "patch_size": PATCHES[style], "merge_size": MERGE, "temporal_patch_size": 2,
         **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if style.startswith("qwen3") else
            {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}),
     }))
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 56 * 56, "longest_edge": VIDEO_MAX},
+        "patch_size": PATCHES[style], "merge_size": MERGE, "temporal_patch_size": 2, "fps": 4.0, "min_frames": 4,
+        "max_frames": 16}))
     return out_dir
 
 
@@ -215,12 +223,12 @@ def test_mrope_positions_match_hf(qwen2_vl):
     grid = torch.tensor([[1, p.values.shape[1] // PATCH, p.values.shape[2] // PATCH] for p in pixels])
     want, delta = hf.model.get_rope_index(x, (x == PAD).int(), image_grid_thw=grid)
     n = len(full)
-    got = mrope_positions(torch.arange(n + 5), spans, [v.token_grid(p) for p in pixels])
+    got = mrope_positions(torch.arange(n + 5), spans, [v.mrope_grid(p) for p in pixels])
     assert got[:n].tolist() == want[:, 0].T.tolist()
     extra = torch.arange(n, n + 5) + int(delta)  # (what follows the prompt: its index plus the delta)
     assert got[n:].tolist() == extra[:, None].repeat(1, 3).tolist()
     # a chunk from the middle of the first image on: the same rows
-    torch.testing.assert_close(mrope_positions(torch.arange(7, 30), spans, [v.token_grid(p) for p in pixels]),
+    torch.testing.assert_close(mrope_positions(torch.arange(7, 30), spans, [v.mrope_grid(p) for p in pixels]),
                                got[7:30])
 
 
@@ -404,7 +412,7 @@ def test_served_over_http(qwen2_vl, tmp_path):
             assert r.status_code == 200, r.text
             got = r.json()
         names = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<|vision_start|>": START, "<|vision_end|>": END,
-                 "<|image_pad|>": PAD, "<|video_pad|>": 381}
+                 "<|image_pad|>": PAD, "<|video_pad|>": VIDEO}
         tokens = [int(e["token"].removeprefix("token_id:")) if e["token"].startswith("token_id:")
                   else names.get(e["token"]) or int(e["token"][1:]) for e in got["choices"][0]["logprobs"]["content"]]
         assert tokens == want.outputs[0].token_ids
