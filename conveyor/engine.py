@@ -620,7 +620,7 @@ class Engine:
         local = self.config.model.allowed_local_media_path
         videos = [p for p in prompt.images if isinstance(p, Video) or (isinstance(p, Pixels) and p.fps)]
         if videos and not vision.reads_videos:
-            raise InvalidRequestError("this model reads no videos (Qwen2-VL and Qwen2.5-VL do)", param="video")
+            raise InvalidRequestError("this model reads no videos (the Qwen-VLs do)", param="video")
         pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local))
                   for p in prompt.images if not isinstance(p, Video) and not (isinstance(p, Pixels) and p.fps)]
         if vision.style == "llava_onevision" and len(pixels) > 1:  # (HF's processor: no tiles among several)
@@ -644,7 +644,9 @@ class Engine:
                       ) -> tuple[list[int], list[Pixels], list[list[int] | None]]:
         """A prompt's images and videos in the order of their placeholders, each video token
         made an image placeholder whose span is the video's tokens (`expand_image_tokens`'s
-        layouts); InvalidRequestError where the video tokens and the videos do not pair up."""
+        layouts): Qwen3-VL's, one a frame group, each after its time in text ("<1.5 seconds>")
+        between a vision start and end (in place of the template's own start, pad and end, as
+        vLLM reads them); InvalidRequestError where the video tokens and the videos do not pair up."""
         vision = self.arch.vision  # type: ignore[attr-defined]
         marks = [t for t in ids if t == vision.video_token_id]
         if len(marks) != len(videos):
@@ -652,12 +654,36 @@ class Engine:
                 f"the prompt has {len(marks)} video tokens for {len(videos)} videos: put one video token "
                 "(the model's <|video_pad|>) where each video goes, or send the videos as a chat's content parts",
                 param="video")
-        queue = {vision.placeholder_id: iter(images), vision.video_token_id: iter(videos)}
-        placed = [next(queue[t]) for t in ids if t in queue] if len(images) == ids.count(vision.placeholder_id) else []
-        if not placed:
-            placed = [*images, *videos]  # (`expand_image_tokens` says how the images do not pair up)
+        if len(images) != ids.count(vision.placeholder_id):  # (`expand_image_tokens` says how they do not pair up)
+            return ids, [*images, *videos], [None] * (len(images) + len(videos))
+        start, end = vision.vision_start_token_id, vision.vision_end_token_id
+        out: list[int] = []
+        placed: list[Pixels] = []
+        pending = {vision.placeholder_id: iter(images), vision.video_token_id: iter(videos)}
+        i = 0
+        while i < len(ids):
+            t = ids[i]
+            i += 1
+            if t not in pending:
+                out.append(t)
+                continue
+            item = next(pending[t])
+            if not (item.fps and vision.timestamps):
+                placed.append(item)
+                out.append(vision.placeholder_id)
+                continue
+            if self.tokenizer is None:
+                raise InvalidRequestError("Qwen3-VL's videos need the tokenizer: their frames' times are text",
+                                          param="video")
+            if out and out[-1] == start and i < len(ids) and ids[i] == end:
+                out.pop()
+                i += 1
+            for k, second in enumerate(item.times):
+                out += [*self.tokenizer.encode(f"<{second:.1f} seconds>", add_special_tokens=False), start,
+                        vision.placeholder_id, end]
+                placed.append(item.frame_group(k, vision.temporal_patch_size))
         layouts = [[vision.video_token_id] * vision.image_tokens(p) if p.fps else None for p in placed]
-        return [vision.placeholder_id if t == vision.video_token_id else t for t in ids], placed, layouts
+        return out, placed, layouts
 
     @functools.cached_property
     def _image_frame(self) -> tuple[list[int], list[int]]:

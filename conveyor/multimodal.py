@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.sampling_params import InvalidRequestError
-from conveyor.video import DEFAULT_FPS, Video, VideoSampling, as_video, load_video
+from conveyor.video import DEFAULT_FPS, Video, VideoSampling, as_video, load_video, video_size
 
 if TYPE_CHECKING:  # (numpy and torch load where pixels are made: the scheduler reads spans only)
     import numpy as np
@@ -102,6 +102,13 @@ class Pixels:
     digest: bytes
     size: tuple[int, int] | None = None
     fps: float | None = None  # (a video's; None: an image)
+    times: tuple[float, ...] = ()  # (a video's: each frame group's time, seconds; Qwen3-VL's timestamps)
+
+    def frame_group(self, k: int, temporal: int) -> Pixels:
+        """A video's frame group `k` as a video of its own (Qwen3-VL places each apart)."""
+        values = self.values[k * temporal : (k + 1) * temporal]
+        return Pixels(values, hashlib.sha256(self.digest + b"group%d" % k).digest(), self.size, self.fps,
+                      self.times[k : k + 1])
 
     def whole_only(self) -> Pixels:
         """A tiled image's whole-image tile alone (LLaVA-OneVision reads each image of a prompt
@@ -317,6 +324,7 @@ class ImageProcessor:
         vcfg = _preprocessor_config(folder, "video_preprocessor_config.json")
         vsize: dict[str, Any] = vcfg["size"] if isinstance(vcfg.get("size"), dict) else {}
         temporal = int(vcfg.get("temporal_patch_size", vision.temporal_patch_size))
+        qwen3 = vision.style == "qwen3_vl"  # (Qwen3-VL's bounds are the whole video's, its cap a frame's)
         return cls(
             shortest_edge=None, resize_to=None, crop=None, resample=int(cfg.get("resample", 3)),
             **_scaling(cfg),
@@ -327,9 +335,10 @@ class ImageProcessor:
             video_min_pixels=int(vcfg.get("min_pixels") or vsize.get("shortest_edge") or 128 * factor**2),
             video_max_pixels=int(vcfg.get("max_pixels") or vsize.get("longest_edge") or 768 * factor**2),
             cap_pixels_per_frame=bool(vcfg.get("cap_pixels_per_frame", True)),
-            max_video_tokens=int(vcfg.get("max_video_tokens", 128_000)),
+            max_video_tokens=int(vcfg.get("max_video_tokens", 768 if qwen3 else 128_000)),
             sampling=VideoSampling(fps=float(vcfg.get("fps") or DEFAULT_FPS), min_frames=int(vcfg.get("min_frames", 4)),
-                                   max_frames=int(vcfg.get("max_frames", 768)), multiple=temporal),
+                                   max_frames=int(vcfg.get("max_frames", 768)), multiple=temporal,
+                                   rule="qwen3" if qwen3 else "qwen2"),
             temporal_patch_size=temporal,
         )
 
@@ -401,19 +410,26 @@ class ImageProcessor:
 
         if not self.video_min_pixels or self.sampling is None:
             raise InvalidRequestError("this model reads no videos", param="video")
-        frames, fps = load_video(video, self.sampling, allowed_local_media_path)
+        frames, fps, times = load_video(video, self.sampling, allowed_local_media_path)
         height, width = frames[0].shape[:2]
-        most = self.video_max_pixels
-        if self.cap_pixels_per_frame:  # (qwen-vl-utils' bound on the whole video)
-            total = int(self.max_video_tokens * self.factor * self.factor * 0.9)
-            most = max(min(most, total * self.temporal_patch_size // len(frames)), int(self.video_min_pixels * 1.05))
-        h, w = smart_resize(height, width, self.factor, self.video_min_pixels, most)
-        frames += [frames[-1]] * (-len(frames) % self.temporal_patch_size)
+        n, t, most = len(frames), self.temporal_patch_size, self.video_max_pixels
+        if self.sampling.rule == "qwen3":  # (the bounds are the whole video's; the cap, each frame's)
+            if self.cap_pixels_per_frame:
+                most = n * max(min(self.max_video_tokens * self.factor**2, most // n), int(self.video_min_pixels * 1.05))
+            h, w = video_size(n, height, width, t, self.factor, self.video_min_pixels, most)
+        else:
+            if self.cap_pixels_per_frame:  # (qwen-vl-utils' bound on the whole video)
+                total = int(self.max_video_tokens * self.factor * self.factor * 0.9)
+                most = max(min(most, total * t // n), int(self.video_min_pixels * 1.05))
+            h, w = smart_resize(height, width, self.factor, self.video_min_pixels, most)
+        pad = -n % t
+        frames, times = frames + [frames[-1]] * pad, times + [times[-1]] * pad
         values = np.stack([self._scale(np.asarray(Image.fromarray(f).resize((w, h), resample=self.resample))
                                        .transpose(2, 0, 1)) for f in frames])
         tensor = torch.from_numpy(np.ascontiguousarray(values))
-        digest = hashlib.sha256(tensor.numpy().tobytes() + repr((height, width, fps)).encode()).digest()
-        return Pixels(tensor, digest, (height, width), fps)
+        digest = hashlib.sha256(tensor.numpy().tobytes() + repr((height, width, fps, times)).encode()).digest()
+        groups = tuple((times[i] + times[i + t - 1]) / 2 for i in range(0, len(times), t))  # (HF's timestamps)
+        return Pixels(tensor, digest, (height, width), fps, groups)
 
     def _tiles(self, image: Any) -> list[Any]:
         """LLaVA-NeXT's anyres cut (HF's `get_image_patches`): the whole image resized to the

@@ -62,21 +62,29 @@ def as_video(item: Any) -> Video:
 
 @dataclass(frozen=True)
 class VideoSampling:
-    """How a video file's frames are chosen (HF's `Qwen2VLVideoProcessor.sample_frames` with `fps`)."""
+    """How a video file's frames are chosen: HF's `Qwen2VLVideoProcessor.sample_frames` with
+    `fps` (`rule` "qwen2"), or `Qwen3VLVideoProcessor`'s ("qwen3")."""
 
     fps: float = DEFAULT_FPS
     min_frames: int = 4
     max_frames: int = 768
     multiple: int = 2  # (the tower's temporal patch: an even count)
+    rule: str = "qwen2"
 
 
 def sample_indices(total: int, native_fps: float, sampling: VideoSampling) -> list[int]:
     """The frames to keep of a file of `total` frames at `native_fps`: `sampling.fps` a second,
-    between its least and most, floored to a multiple of `sampling.multiple`, spread evenly."""
+    between its least and most, spread evenly; Qwen2-VL's floored to a multiple of
+    `sampling.multiple` and from the first frame on in equal steps, Qwen3-VL's any count from
+    the first frame to the last (rounded)."""
+    if sampling.rule == "qwen3":
+        import numpy as np
+
+        count = min(max(int(total / native_fps * sampling.fps), sampling.min_frames), sampling.max_frames, total)
+        return [int(i) for i in np.linspace(0, total - 1, count).round()]  # (HF's, numpy's rounding)
     m = sampling.multiple
     most = math.floor(min(sampling.max_frames, total) / m) * m
-    n = min(max(total / native_fps * sampling.fps, sampling.min_frames), most, total)
-    n = math.floor(n / m) * m
+    n = math.floor(min(max(total / native_fps * sampling.fps, sampling.min_frames), most, total) / m) * m
     if n <= 0:
         raise InvalidRequestError(f"the video has {total} frames: fewer than the {m} a video needs", param="video")
     step = total / n
@@ -84,9 +92,9 @@ def sample_indices(total: int, native_fps: float, sampling: VideoSampling) -> li
 
 
 def load_video(video: Video, sampling: VideoSampling, allowed_local_media_path: str | None = None
-               ) -> tuple[list[np.ndarray], float]:
-    """A video's frames (`[height, width, 3]` uint8 each, one size) and their rate a second;
-    InvalidRequestError if it cannot be read."""
+               ) -> tuple[list[np.ndarray], float, list[float]]:
+    """A video's frames (`[height, width, 3]` uint8 each, one size), their rate a second, and
+    each one's time in the video (seconds); InvalidRequestError if it cannot be read."""
     import numpy as np
 
     from conveyor.multimodal import image_bytes, load_image
@@ -107,17 +115,45 @@ def load_video(video: Video, sampling: VideoSampling, allowed_local_media_path: 
             raise InvalidRequestError("the video has no frames", param="video")
         if any(f.shape != frames[0].shape or f.ndim != 3 or f.shape[-1] != 3 for f in frames):
             raise InvalidRequestError("a video's frames are RGB pictures of one size", param="video")
-        return frames, float(video.fps or DEFAULT_FPS)
+        fps = float(video.fps or DEFAULT_FPS)
+        return frames, fps, [k / fps for k in range(len(frames))]
     data = image_bytes(source, allowed_local_media_path, MAX_VIDEO_BYTES, "video")
+
+    kept: list[int] = []
 
     def choose(total: int, native: float) -> list[int]:
         fps = float(video.fps or native)
         if not fps > 0:
             raise InvalidRequestError("the video file gives no frame rate: give the Video's fps", param="video")
-        return sample_indices(total, fps, sampling)
+        kept.extend(sample_indices(total, fps, sampling))
+        return kept
 
     frames, total, native = decode_video(data, choose)
-    return frames, len(frames) / total * float(video.fps or native)
+    fps = float(video.fps or native)
+    return frames, len(frames) / total * fps, [k / fps for k in kept[: len(frames)]]
+
+
+def video_size(num_frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
+               max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's frame size (height, width) for a video of `num_frames` of `height` x `width`:
+    a side under `factor` scaled up to it, each side rounded to a multiple of `factor`, then
+    scaled (aspect kept) so that the frames' pixels together, their count rounded to a multiple
+    of `temporal`, lie in `[min_pixels, max_pixels]` (HF's `Qwen3VLVideoProcessor` `smart_resize`)."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequestError(f"the video is {width}x{height}: its sides are more than 200 times apart",
+                                  param="video")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    t = round(num_frames / temporal) * temporal
+    if t * h * w > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 def _is_frames(source: Any) -> bool:

@@ -142,6 +142,8 @@ class VisionArch:
     # rotary time positions a second of video (`tokens_per_second`; 0: one a frame group, Qwen2-VL's).
     video_token_id: int | None = None
     tokens_per_second: float = 0.0
+    vision_start_token_id: int = 151652  # (Qwen3-VL frames each group of a video between these)
+    vision_end_token_id: int = 151653
     # Pixtral ("pixtral": conveyor/models/pixtral_vision.py): the tokens that end each row of an
     # image's tokens and the last row (`[IMG_BREAK]`, `[IMG_END]`), and Mistral 3's projector's
     # RMS norm epsilon (its merge_size is 2; Pixtral-12B's, in LLaVA's form, 1).
@@ -167,8 +169,13 @@ class VisionArch:
 
     @property
     def reads_videos(self) -> bool:
-        """Qwen2-VL's and Qwen2.5-VL's videos (`conveyor.video`)."""
-        return self.style in ("qwen2_vl", "qwen2_5_vl") and self.video_token_id is not None
+        """The Qwen-VLs' videos (`conveyor.video`)."""
+        return self.is_qwen and self.video_token_id is not None
+
+    @property
+    def timestamps(self) -> bool:
+        """Qwen3-VL: a video's frame groups stand apart in the prompt, each after its time in text."""
+        return self.style == "qwen3_vl"
 
     @property
     def own_size(self) -> bool:
@@ -374,6 +381,8 @@ class VisionArch:
             full_attention_layers=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else (),
             position_embeddings=grid, deepstack_layers=deepstack,
             video_token_id=int(cfg.get("video_token_id", 151656)),
+            vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+            vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
             tokens_per_second=float(v.get("tokens_per_second", 4)) if qwen25 else 0.0,
         )
 

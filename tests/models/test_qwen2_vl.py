@@ -47,7 +47,8 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
     positions, DeepStack from the first two blocks), the text model of conftest's TINY with M-RoPE
     sections (2, 3, 3), a word-level tokenizer with the vision tokens and a chat template, and a
     `preprocessor_config.json` with a small `max_pixels` (and a `video_preprocessor_config.json`:
-    at most 12 tokens a frame group, 4 frames a second sampled from a file)."""
+    at most 12 tokens a frame group, Qwen3-VL's 96 tokens' worth of pixels a video, 4 frames a
+    second sampled from a file)."""
     import transformers as tf
 
     text = {**TINY, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
@@ -87,7 +88,8 @@ def build_tiny_qwen_vl(out_dir, style: str = "qwen2_vl", seed: int = 1):
            {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}),
     }))
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps({
-        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 56 * 56, "longest_edge": VIDEO_MAX},
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {
+            "shortest_edge": 56 * 56, "longest_edge": VIDEO_MAX * 8 if style.startswith("qwen3") else VIDEO_MAX},
         "patch_size": PATCHES[style], "merge_size": MERGE, "temporal_patch_size": 2, "fps": 4.0, "min_frames": 4,
         "max_frames": 16}))
     return out_dir

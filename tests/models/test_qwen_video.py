@@ -54,6 +54,13 @@ def frames(seed: int, n: int, size=(100, 75)) -> np.ndarray:
     return torch.randint(0, 256, (n, size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    from tests.models.test_qwen2_vl import QWEN3_SEED, build_tiny_qwen_vl
+
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_video") / "m", "qwen3_vl", seed=QWEN3_SEED)
+
+
 def hf_video_patches(values: torch.Tensor, patch: int = PATCH, t: int = 2) -> torch.Tensor:
     """Our video `[T, C, H, W]` in HF's patch layout `[T/t * patches, C * t * patch * patch]`."""
     n, c, h, w = values.shape
@@ -62,9 +69,9 @@ def hf_video_patches(values: torch.Tensor, patch: int = PATCH, t: int = 2) -> to
     return x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(n // t * gh * gw, c * t * patch * patch)
 
 
-def grid_thw(p) -> list[int]:
+def grid_thw(p, patch: int = PATCH) -> list[int]:
     t = p.values.shape[0] // 2 if p.fps else 1
-    return [t, p.values.shape[-2] // PATCH, p.values.shape[-1] // PATCH]
+    return [t, p.values.shape[-2] // patch, p.values.shape[-1] // patch]
 
 
 def test_video_processing(qwen2_vl):
@@ -109,6 +116,11 @@ def test_sample_indices_follow_hf_rule():
     assert sample_indices(10, 30.0, s) == [0, 2, 5, 7]  # (at least 4)
     assert sample_indices(5, 30.0, s) == [0, 1, 2, 3]  # (at least 4, an even count)
     assert len(sample_indices(30_000, 30.0, VideoSampling(max_frames=16))) == 16
+    # Qwen3-VL's: int(seconds x fps) frames from the first to the last, any count (numpy's rounding)
+    q3 = VideoSampling(fps=2.0, rule="qwen3")
+    assert sample_indices(95, 30.0, q3) == [0, 19, 38, 56, 75, 94]  # int(6.33) = 6 over [0, 94]
+    assert sample_indices(200, 30.0, q3) == np.linspace(0, 199, 13).round().astype(int).tolist()
+    assert sample_indices(10, 30.0, q3) == [0, 3, 6, 9] and sample_indices(3, 30.0, q3) == [0, 1, 2]
     with pytest.raises(InvalidRequestError, match="fewer than"):
         sample_indices(1, 30.0, s)
 
@@ -324,7 +336,7 @@ def test_video_files_are_decoded_and_sampled(qwen2_vl, tmp_path):
 
     clip = smooth(30)
     data = encode_video(clip, 10.0, tmp_path / "clip.avi")
-    got, fps = load_video(Video(data), VideoSampling(fps=4.0, max_frames=16))
+    got, fps, _ = load_video(Video(data), VideoSampling(fps=4.0, max_frames=16))
     keep = sample_indices(30, 10.0, VideoSampling(fps=4.0, max_frames=16))
     assert len(got) == len(keep) == 12 and fps == pytest.approx(4.0)
     for f, k in zip(got, keep, strict=True):  # (each kept frame is nearest the frame written there)
@@ -395,3 +407,59 @@ def test_hf_video_preprocessor_config_is_read(tmp_path):
     read = ImageProcessor.from_folder(tmp_path, v)
     assert (read.video_min_pixels, read.video_max_pixels, read.cap_pixels_per_frame) == (1000, 9000, False)
     assert read.sampling == VideoSampling(fps=1.0, min_frames=4, max_frames=64)
+
+
+def test_qwen3_video_processing_and_layout(qwen3_vl):
+    """Qwen3-VL's video: its bounds are the whole video's pixels (each frame's cap its share),
+    each frame group's time is the mean of its frames' (HF's timestamps), and each group stands
+    apart in the prompt after its time in text, between a vision start and end, in place of
+    the template's start, video pad and end."""
+    from conveyor.video import video_size
+
+    llm = LLM(str(qwen3_vl), dtype="float32")
+    processor, vision = llm.engine.image_processor, llm.engine.arch.vision
+    assert processor.sampling.rule == "qwen3" and processor.max_video_tokens == 768 and vision.timestamps
+    video = processor.video(Video(frames(3, 5, (100, 75)), fps=2.0))
+    most = 5 * max(min(768 * 32 * 32, VIDEO_MAX * 8 // 5), int(56 * 56 * 1.05))
+    assert video.values.shape[-2:] == video_size(5, 75, 100, 2, 32, 56 * 56, most) == (64, 96)
+    assert video.values.shape[0] == 6 and video.times == (0.25, 1.25, 2.0)  # (frames at 0, 0.5 .. 2 s; the last twice)
+    assert video_size(4, 20, 700, 2, 32, 3136, 10**6) == (32, 1120)  # (a side under 32 scaled up first)
+    out = llm.generate(ImagePrompt([1, 40, START, VIDEO, END, 41], (Video(frames(3, 5, (100, 75)), fps=2.0),)),
+                       PARAMS, use_tqdm=False)[0]
+    stamp = [llm.tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False) for t in video.times]
+    group = [START, *[VIDEO] * 6, END]
+    assert out.prompt_token_ids == [1, 40, *stamp[0], *group, *stamp[1], *group, *stamp[2], *group, 41]
+
+
+def test_qwen3_greedy_matches_hf_with_videos(qwen3_vl):
+    """Qwen3-VL's greedy tokens equal HF's (float64) for prompts with videos (their groups apart,
+    each an image's positions; DeepStack's rows at each group's tokens) beside an image and
+    text, whole and in chunks of 16 with the prefix cache."""
+    from tests.models.test_qwen2_vl import hf_patches
+
+    llm = LLM(str(qwen3_vl), dtype="float32", max_num_seqs=4)
+    processor = llm.engine.image_processor
+    outs = llm.generate(video_prompts(), PARAMS, use_tqdm=False)
+    hf = hf_class("qwen3_vl").from_pretrained(qwen3_vl, dtype=torch.float64).eval()
+    want = []
+    for prompt, o in zip(video_prompts(), outs, strict=True):
+        x = torch.tensor([o.prompt_token_ids])
+        extra = {}
+        if isinstance(prompt, ImagePrompt):
+            images = [processor(p) for p in prompt.images if not isinstance(p, Video)]
+            videos = [processor.video(p) for p in prompt.images if isinstance(p, Video)]
+            extra = {"mm_token_type_ids": (x == PAD).int() + 2 * (x == VIDEO).int(),
+                     "pixel_values_videos": torch.cat([hf_video_patches(p.values, 16) for p in videos]).double(),
+                     "video_grid_thw": torch.tensor([grid_thw(p, 16) for p in videos])}
+            if images:
+                extra |= {"pixel_values": torch.cat([hf_patches(p.values, 16) for p in images]).double(),
+                          "image_grid_thw": torch.tensor([grid_thw(p, 16) for p in images])}
+        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=PARAMS.max_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
+        want.append(gen[0, x.shape[1]:].tolist())
+    assert [o.outputs[0].token_ids for o in outs] == want
+    other = ImagePrompt([1, 40, START, VIDEO, END, 41, 42], (Video(frames(11, 6), fps=16.0),))
+    assert llm.generate(other, PARAMS, use_tqdm=False)[0].outputs[0].token_ids != want[0]  # (the video is read)
+    chunked = LLM(str(qwen3_vl), dtype="float32", max_num_seqs=4, prefill_mode="chunked", max_num_batched_tokens=16,
+                  enable_prefix_caching=True)
+    assert [o.outputs[0].token_ids for o in chunked.generate(video_prompts(), PARAMS, use_tqdm=False)] == want
