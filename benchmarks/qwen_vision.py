@@ -26,6 +26,20 @@ small tower, `--batch` requests of one 224-pixel picture (64 tokens) and 20 word
 in turns after a warm-up; the figure is the batch's wall time and its ratio to the text run.
 
     python benchmarks/qwen_vision.py --engine --batch 16 --rounds 3
+
+`--video` measures videos on the same model: `--batch` requests of a video of `--frames`
+224-pixel frames (upscaled to 308 pixels by Qwen2-VL's video bounds: 121 tokens a two-frame
+group) and 20 words each, run as:
+
+  video     the video prompts, frames given, encoder cache off (the tower reads every group)
+  cached    the same on an engine whose encoder cache holds them (the tower skipped)
+  file      the same videos as MJPG files at 2 frames a second (decoded by OpenCV, all frames
+            kept by the 2-a-second sampling), encoder cache off
+  text      the same prompts with the video tokens as ordinary tokens (same length)
+
+in turns after a warm-up; the figure is the batch's wall time and its ratio to the text run.
+
+    python benchmarks/qwen_vision.py --video --batch 8 --frames 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -92,6 +106,59 @@ def engine_runs(args: argparse.Namespace) -> None:
         report(times, ratios, "text")
 
 
+def video_runs(args: argparse.Namespace) -> None:
+    import cv2
+    import numpy as np
+    import transformers as tf
+
+    from conveyor import LLM, ImagePrompt, SamplingParams, Video
+
+    video_token = 49150
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen2_vl"
+        torch.manual_seed(0)
+        config = tf.Qwen2VLConfig(text_config=TEXT, vision_config=TOWER, image_token_id=IMAGE_TOKEN,
+                                  vision_start_token_id=49148, vision_end_token_id=49149, video_token_id=video_token)
+        tf.Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        common = dict(kv_cache_memory=512 << 20, max_model_len=2048, enable_prefix_caching=False)
+        warm = LLM(str(folder), encoder_cache_tokens=args.batch * 4096, **common)
+        plain = LLM(str(folder), encoder_cache_tokens=0, **common)
+        g = torch.Generator().manual_seed(1)
+        clips = [torch.randint(0, 256, (args.frames, 224, 224, 3), generator=g, dtype=torch.uint8).numpy()
+                 for _ in range(args.batch)]
+        files = []
+        for i, clip in enumerate(clips):
+            path = Path(tmp) / f"clip{i}.avi"
+            writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 2.0, (224, 224))
+            for frame in clip:
+                writer.write(np.ascontiguousarray(frame[..., ::-1]))
+            writer.release()
+            files.append(path.read_bytes())
+        words = [[100 + 20 * i + j for j in range(20)] for i in range(args.batch)]
+        head = [1, 49148, video_token, 49149]
+        given = [ImagePrompt([*head, *w], (Video(c),)) for w, c in zip(words, clips, strict=True)]
+        as_files = [ImagePrompt([*head, *w], (Video(f),)) for w, f in zip(words, files, strict=True)]
+        vision = warm.engine.arch.vision  # type: ignore[attr-defined]
+        per = vision.image_tokens(warm.engine.image_processor.video(Video(clips[0])))  # type: ignore[union-attr]
+        as_text = [[1, 49148, *([500 + i] * per), 49149, *w] for i, w in enumerate(words)]
+        start = time.perf_counter()
+        for f in files:
+            plain.engine.image_processor.video(Video(f))  # type: ignore[union-attr]
+        decode_ms = (time.perf_counter() - start) / len(files) * 1e3
+        runs = {
+            "video": lambda: plain.generate(given, params, use_tqdm=False),
+            "cached": lambda: warm.generate(given, params, use_tqdm=False),
+            "file": lambda: plain.generate(as_files, params, use_tqdm=False),
+            "text": lambda: plain.generate(as_text, params, use_tqdm=False),
+        }
+        times, ratios = in_turns(runs, args.rounds, args.max_tokens, "text")
+        print(f"{args.batch} requests of {len(as_text[0])} prompt tokens (a video of {args.frames} frames: {per} "
+              f"tokens) and {args.max_tokens} outputs, {args.rounds} rounds, torch threads {torch.get_num_threads()}; "
+              f"a file decoded, sampled and resized in {decode_ms:.1f} ms")
+        report(times, ratios, "text")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[224, 448, 672, 896, 1344])
@@ -103,7 +170,12 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="the text side's decodes (see above)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--video", action="store_true", help="videos on the text side (see above)")
+    ap.add_argument("--frames", type=int, default=8)
     args = ap.parse_args()
+    if args.video:
+        video_runs(args)
+        return
     if args.engine:
         engine_runs(args)
         return

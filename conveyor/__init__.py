@@ -14,6 +14,7 @@ from conveyor.sampling_params import (
     SamplingParams,
     StructuredOutputParams,
 )
+from conveyor.video import Video
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",
+    "Video",
 ]
 
 
