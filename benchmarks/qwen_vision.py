@@ -28,7 +28,7 @@ in turns after a warm-up; the figure is the batch's wall time and its ratio to t
     python benchmarks/qwen_vision.py --engine --batch 16 --rounds 3
 
 `--video` measures videos on the same model: `--batch` requests of a video of `--frames`
-224-pixel frames (upscaled to 308 pixels by Qwen2-VL's video bounds: 121 tokens a two-frame
+224-pixel frames (upscaled to 336 pixels by Qwen2-VL's video bounds: 144 tokens a two-frame
 group) and 20 words each, run as:
 
   video     the video prompts, frames given, encoder cache off (the tower reads every group)
