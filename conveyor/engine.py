@@ -552,7 +552,7 @@ class Engine:
                                                 v.style == "pixtral", v.pooled_tokens if v.style == "internvl" else 0,
                                                 max(1, v.temporal_patch_size),
                                                 tokenizer.hf.convert_ids_to_tokens(v.video_token_id) if v.reads_videos
-                                                else None)
+                                                else None, v.pooled_side**2 if v.style == "llava_onevision" else 0)
                 if v.style == "pixtral":  # (the span's break and end tokens are Mistral's ids)
                     named = tokenizer.hf.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
                     unk = tokenizer.hf.unk_token_id
@@ -620,7 +620,7 @@ class Engine:
         local = self.config.model.allowed_local_media_path
         videos = [p for p in prompt.images if isinstance(p, Video) or (isinstance(p, Pixels) and p.fps)]
         if videos and not vision.reads_videos:
-            raise InvalidRequestError("this model reads no videos (the Qwen-VLs do)", param="video")
+            raise InvalidRequestError("this model reads no videos (the Qwen-VLs and LLaVA-OneVision do)", param="video")
         pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local))
                   for p in prompt.images if not isinstance(p, Video) and not (isinstance(p, Pixels) and p.fps)]
         if vision.style == "llava_onevision" and len(pixels) > 1:  # (HF's processor: no tiles among several)
@@ -652,7 +652,8 @@ class Engine:
         if len(marks) != len(videos):
             raise InvalidRequestError(
                 f"the prompt has {len(marks)} video tokens for {len(videos)} videos: put one video token "
-                "(the model's <|video_pad|>) where each video goes, or send the videos as a chat's content parts",
+                f"(the model's, id {vision.video_token_id}) where each video goes, or send the videos as a chat's "
+                "content parts",
                 param="video")
         if len(images) != ids.count(vision.placeholder_id):  # (`expand_image_tokens` says how they do not pair up)
             return ids, [*images, *videos], [None] * (len(images) + len(videos))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import functools
 import hashlib
 import io
@@ -78,11 +79,14 @@ class ImageToken:
     per_tile: int = 0  # (InternVL's: each tile's tokens; `per_image` is one tile's with the frame)
     temporal: int = 2  # (a Qwen-VL video's: its frames read this many at a time)
     video: str | None = None  # the token that places a video (`<|video_pad|>`); None: no videos
+    per_frame: int = 0  # (LLaVA-OneVision's video: each frame's tokens, a newline after the last)
 
     def count(self, image: Any) -> int:
         """The tokens `image` becomes: exact for a Qwen-VL, Pixtral or InternVL image made
-        pixels, else `per_image`."""
+        pixels (or a video), else `per_image`."""
         values = getattr(image, "values", None)
+        if self.per_frame and values is not None and getattr(image, "fps", None):
+            return values.shape[0] * self.per_frame + 1
         if self.per_tile and values is not None:
             return self.per_image + (values.shape[0] - 1) * self.per_tile
         if self.side and values is not None:
@@ -271,6 +275,9 @@ class ImageProcessor:
     max_video_tokens: int = 128_000
     sampling: VideoSampling | None = None
     temporal_patch_size: int = 2
+    # LLaVA-OneVision's videos: each frame processed by this (the video processor's square and
+    # normalization), the frames taken as `sampling` has them.
+    frames: ImageProcessor | None = None
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -289,6 +296,15 @@ class ImageProcessor:
             cfg = {"size": {"height": size, "width": size}, "do_center_crop": False, "resample": 2,
                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
         cfg |= _preprocessor_config(folder)
+        processor = cls._from_config(cfg, vision)
+        if vision.reads_videos:  # (LLaVA-OneVision's)
+            processor = dataclasses.replace(processor, sampling=VideoSampling(max_frames=32, rule="uniform"),
+                                            frames=cls._onevision_frames(folder, vision))
+        return processor
+
+    @classmethod
+    def _from_config(cls, cfg: dict[str, Any], vision: VisionArch) -> ImageProcessor:
+        size = vision.image_size
         resize = cfg.get("size", {"shortest_edge": size}) if cfg.get("do_resize", True) else None
         if isinstance(resize, int):
             resize = {"shortest_edge": resize}
@@ -305,6 +321,19 @@ class ImageProcessor:
             grid_pinpoints=tuple((int(p[0]), int(p[1])) for p in cfg.get("image_grid_pinpoints", vision.grid_pinpoints))
             if vision.tiled else (),
         )
+
+    @classmethod
+    def _onevision_frames(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
+        """LLaVA-OneVision's frame processing (HF's `LlavaOnevisionVideoProcessor`): a resize to
+        `size` (the tower's square), CLIP's normalization where silent; its config is
+        `video_preprocessor_config.json`, else the image processor's (HF's fallback)."""
+        size = vision.image_size
+        cfg = (_preprocessor_config(folder, "video_preprocessor_config.json") or _preprocessor_config(folder)).copy()
+        for key in ("do_pad", "image_grid_pinpoints", "do_center_crop", "crop_size"):  # (an image's, not a frame's)
+            cfg.pop(key, None)
+        if not isinstance(cfg.get("size"), dict) or "height" not in cfg["size"]:
+            cfg["size"] = {"height": size, "width": size}
+        return cls._from_config({**cfg, "do_center_crop": False}, dataclasses.replace(vision, style="llava"))
 
     @classmethod
     def _qwen(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -399,8 +428,9 @@ class ImageProcessor:
         return Pixels(tensor, digest, size)
 
     def video(self, video: Video, allowed_local_media_path: str | None = None) -> Pixels:
-        """A video made ready for a Qwen-VL tower: its frames (a file's sampled, `load_video`)
-        each resized to the size `smart_resize` gives the first within the video's bounds (the
+        """A video made ready for the tower: its frames (a file's sampled, `load_video`), for
+        LLaVA-OneVision each processed as an image at the tower's square (`frames`), for a
+        Qwen-VL each resized to the size `smart_resize` gives the first within the video's bounds (the
         most capped so that the whole video stays within 90% of `max_video_tokens`), rescaled and
         normalized, the last repeated to a whole number of `temporal_patch_size` frames:
         `[frames, channels, height, width]`, with the frames' rate."""
@@ -408,6 +438,12 @@ class ImageProcessor:
         import torch
         from PIL import Image
 
+        if self.frames is not None and self.sampling is not None:  # LLaVA-OneVision's: each frame as an image
+            frames, fps, times = load_video(video, self.sampling, allowed_local_media_path)
+            values = np.stack([self.frames._one(Image.fromarray(f)) for f in frames])
+            tensor = torch.from_numpy(np.ascontiguousarray(values))
+            digest = hashlib.sha256(tensor.numpy().tobytes() + b"video").digest()
+            return Pixels(tensor, digest, frames[0].shape[:2], fps, tuple(times))
         if not self.video_min_pixels or self.sampling is None:
             raise InvalidRequestError("this model reads no videos", param="video")
         frames, fps, times = load_video(video, self.sampling, allowed_local_media_path)

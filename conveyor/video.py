@@ -1,5 +1,5 @@
-"""Videos in prompts (Qwen2-VL's and Qwen2.5-VL's): reading them, choosing their frames, making
-them pixels.
+"""Videos in prompts (the Qwen-VLs' and LLaVA-OneVision's): reading them, choosing their frames,
+making them pixels.
 
 A video is a `Video`: its frames (an array `[frames, height, width, 3]` of uint8, as vLLM's
 `multi_modal_data={"video": ...}` takes them, or a list of images in any form an image may be),
@@ -7,14 +7,18 @@ or its file (bytes, a `data:video/...;base64,` URL, an http(s) URL or a local pa
 `allowed_local_media_path`), decoded with OpenCV (`pip install opencv-python-headless`, the
 `video` extra; vLLM's default video loader too) and sampled as Qwen's processors sample: `fps`
 frames a second (2), at least `min_frames` (4) and at most `max_frames` (768), an even count
-(`sample_indices`). Frames given as frames are taken as they are, all of them.
+(`sample_indices`); LLaVA-OneVision's at most 32 frames spread evenly from the first to the last
+(vLLM's video loader's default; HF's processor samples none). Frames given as frames are taken
+as they are, all of them.
 
 The processor (`ImageProcessor.video`) resizes every frame to one size, that of Qwen2-VL's
 `smart_resize` for the first frame within the video's own bounds on the area (its
 `video_preprocessor_config.json`, else 128 to 768 tokens' worth of pixels a frame), capped so
 that the whole video stays within 90% of 128,000 tokens' worth (qwen-vl-utils' rule), and repeats
 the last frame to an even count: the tower reads the frames two at a time (its patch convolution
-spans two frames), so a video of T frames of h x w tokens is T/2 x h x w tokens.
+spans two frames), so a video of T frames of h x w tokens is T/2 x h x w tokens. LLaVA-OneVision's
+resizes every frame to the tower's square and reads each as an image, its features pooled to half
+a side.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def as_video(item: Any) -> Video:
 @dataclass(frozen=True)
 class VideoSampling:
     """How a video file's frames are chosen: HF's `Qwen2VLVideoProcessor.sample_frames` with
-    `fps` (`rule` "qwen2"), or `Qwen3VLVideoProcessor`'s ("qwen3")."""
+    `fps` (`rule` "qwen2"), `Qwen3VLVideoProcessor`'s ("qwen3"), or at most `max_frames` spread
+    evenly whatever the rate ("uniform": vLLM's loader, LLaVA-OneVision's)."""
 
     fps: float = DEFAULT_FPS
     min_frames: int = 4
@@ -76,7 +81,14 @@ def sample_indices(total: int, native_fps: float, sampling: VideoSampling) -> li
     """The frames to keep of a file of `total` frames at `native_fps`: `sampling.fps` a second,
     between its least and most, spread evenly; Qwen2-VL's floored to a multiple of
     `sampling.multiple` and from the first frame on in equal steps, Qwen3-VL's any count from
-    the first frame to the last (rounded)."""
+    the first frame to the last (rounded); "uniform": every frame, or `max_frames` from the
+    first to the last (truncated, as vLLM's OpenCV loader takes them)."""
+    if sampling.rule == "uniform":
+        import numpy as np
+
+        if total <= sampling.max_frames:
+            return list(range(total))
+        return [int(i) for i in np.linspace(0, total - 1, sampling.max_frames, dtype=int)]
     if sampling.rule == "qwen3":
         import numpy as np
 
@@ -123,13 +135,13 @@ def load_video(video: Video, sampling: VideoSampling, allowed_local_media_path: 
 
     def choose(total: int, native: float) -> list[int]:
         fps = float(video.fps or native)
-        if not fps > 0:
+        if not fps > 0 and sampling.rule != "uniform":  # (an even spread needs no rate)
             raise InvalidRequestError("the video file gives no frame rate: give the Video's fps", param="video")
         kept.extend(sample_indices(total, fps, sampling))
         return kept
 
     frames, total, native = decode_video(data, choose)
-    fps = float(video.fps or native)
+    fps = float(video.fps or native) if float(video.fps or native) > 0 else DEFAULT_FPS
     return frames, len(frames) / total * fps, [k / fps for k in kept[: len(frames)]]
 
 

@@ -169,8 +169,14 @@ class VisionArch:
 
     @property
     def reads_videos(self) -> bool:
-        """The Qwen-VLs' videos (`conveyor.video`)."""
-        return self.is_qwen and self.video_token_id is not None
+        """The Qwen-VLs' and LLaVA-OneVision's videos (`conveyor.video`)."""
+        return (self.is_qwen or self.style == "llava_onevision") and self.video_token_id is not None
+
+    @property
+    def pooled_side(self) -> int:
+        """LLaVA-OneVision: a video frame's features a side once pooled (bilinear, half the
+        tower's patches a side, rounded up)."""
+        return math.ceil(self.image_size // self.patch_size / 2)
 
     @property
     def timestamps(self) -> bool:
@@ -213,6 +219,8 @@ class VisionArch:
         group's)."""
         if self.style == "internvl":
             return pixels.values.shape[0] * self.pooled_tokens
+        if self.style == "llava_onevision" and getattr(pixels, "fps", None):  # (a video: its frames, a newline)
+            return pixels.values.shape[0] * self.pooled_side**2 + 1
         if self.tiled and pixels.values.shape[0] == 1:  # (LLaVA-OneVision's image among others: no tiles)
             return self.tokens_per_image + 1
         if self.own_size:
@@ -405,7 +413,9 @@ class VisionArch:
         aspect = str(cfg.get("vision_aspect_ratio", "anyres_max_9"))
         if not aspect.startswith("anyres_max_") or not aspect.removeprefix("anyres_max_").isdigit():
             raise VisionConfigError(f"vision_aspect_ratio {aspect!r}: conveyor reads 'anyres_max_N'")
-        return dataclasses.replace(v, style="llava_onevision", max_tiles=int(aspect.removeprefix("anyres_max_")))
+        video = cfg.get("video_token_id", cfg.get("video_token_index", 151647))  # (`<video>`)
+        return dataclasses.replace(v, style="llava_onevision", max_tiles=int(aspect.removeprefix("anyres_max_")),
+                                   video_token_id=None if video is None else int(video))
 
     @classmethod
     def from_llava(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
@@ -653,6 +663,16 @@ class LlavaVision(nn.Module):
         grid = torch.cat((grid, newline), dim=-1).flatten(1, 2).transpose(0, 1)
         return torch.cat((features[0], grid), dim=0)
 
+    def video(self, features: torch.Tensor) -> torch.Tensor:
+        """LLaVA-OneVision: a video's frames' features `[frames, patches, D]` as its embeddings:
+        each frame's grid pooled to `pooled_side` a side (bilinear), the frames in turn, then
+        one newline embedding (HF's `apply_pooling` and `get_video_features`)."""
+        v = self.config
+        side = v.image_size // v.patch_size
+        grid = features.view(features.shape[0], side, side, -1).permute(0, 3, 1, 2)
+        pooled = F.interpolate(grid, size=[v.pooled_side, v.pooled_side], mode="bilinear")
+        return torch.cat((pooled.permute(0, 2, 3, 1).flatten(0, 2), self.image_newline[None].to(pooled.dtype)), dim=0)
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         v = self.config
         size = (v.num_channels, v.image_size, v.image_size)
@@ -698,7 +718,7 @@ class ImageEncoder:
             assert isinstance(self.module, LlavaVision)
             for image in images:
                 tiles = self.module(image.values.to(self.device, self.dtype))
-                out.append(self.module.pack(tiles, image.size))
+                out.append(self.module.video(tiles) if image.fps else self.module.pack(tiles, image.size))
             return out
         return list(self.module(torch.stack([image.values for image in images]).to(self.device, self.dtype)))
 
