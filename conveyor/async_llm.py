@@ -124,11 +124,12 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """One conversation's outputs, its messages put through the model's chat template (as
         `LLM.chat`)."""
         prompt = chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs,
-                             self._front.image_token)
+                             self._front.image_token, mm_processor_kwargs)
         async for out in self.generate(prompt, sampling_params, request_id, lora_request=lora_request):
             yield out
 

@@ -123,6 +123,15 @@ class ModelConfig:
             "model; without it, images come as bytes, data URLs or http(s) URLs only."
         ),
     )
+    mm_processor_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=_help(
+            "An image-text model's processing options for every request, vLLM's mm_processor_kwargs "
+            "(a JSON object on the command line): the Qwen-VLs' min_pixels, max_pixels, fps, "
+            "min_frames, max_frames and num_frames, LLaVA-OneVision's num_frames; a request's own "
+            "mm_processor_kwargs go over these."
+        ),
+    )
     enable_lora: bool = field(
         default=False,
         metadata=_help(

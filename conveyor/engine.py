@@ -34,6 +34,7 @@ from conveyor.multimodal import (
     as_image_prompt,
     expand_image_tokens,
     load_image,
+    processor_kwargs,
 )
 from conveyor.outputs import CompletionOutput, ParallelChoices, RequestOutput, TokenLogprob
 from conveyor.runner.base import PromptLogprob, Runner, RunnerOutput
@@ -540,10 +541,16 @@ class Engine:
         engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template, arch.score_activation)
         engine.is_encoder = arch.is_encoder
         engine.default_pooling = arch.default_pooling
+        if mc.mm_processor_kwargs and getattr(model, "vision", None) is None:
+            raise ConfigError("mm_processor_kwargs: this model reads no images")
         if getattr(model, "vision", None) is not None:
             folder = Path(mc.model) if mc.model is not None else None
             engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
                                                                 arch.vision)
+            try:
+                engine.image_processor = engine.image_processor.overridden(processor_kwargs(mc.mm_processor_kwargs))
+            except InvalidRequestError as e:
+                raise ConfigError(str(e)) from None
             if tokenizer is not None:
                 v = arch.vision
                 frame = sum(map(len, engine._image_frame))
@@ -618,6 +625,7 @@ class Engine:
         if self.drafter is not None:
             raise InvalidRequestError("images with a draft model's speculation are not built", param="image")
         local = self.config.model.allowed_local_media_path
+        processor = processor.overridden(prompt.processor_kwargs)
         videos = [p for p in prompt.images if isinstance(p, Video) or (isinstance(p, Pixels) and p.fps)]
         if videos and not vision.reads_videos:
             raise InvalidRequestError("this model reads no videos (the Qwen-VLs and LLaVA-OneVision do)", param="video")

@@ -252,15 +252,17 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations; `mm_processor_kwargs`:
+        their images' and videos' processing options (`ImageProcessor.overridden`)."""
         convs: list[list[Message]]
         if messages and isinstance(messages[0], dict):
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
         prompts: list[Prompt] = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template_kwargs,
-                                             self.engine.image_token)
+                                             self.engine.image_token, mm_processor_kwargs)
                                  for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -303,8 +305,8 @@ class LLM:
 
 
 def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict[str, Any] | None = None, image_token: ImageToken | None = None
-                ) -> list[int] | ImagePrompt:
+                chat_template_kwargs: dict[str, Any] | None = None, image_token: ImageToken | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None) -> list[int] | ImagePrompt:
     """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`);
     with images among its content parts, the prompt and its images (`chat_images`)."""
     if tokenizer is None:
@@ -312,7 +314,7 @@ def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_genera
     messages, images = chat_images(messages, tokenizer.chat_template or "", image_token)
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
-    return ImagePrompt(ids, tuple(images)) if images else ids
+    return ImagePrompt(ids, tuple(images), mm_processor_kwargs) if images else ids
 
 
 def default_pooling(head: ModelHead) -> PoolingParams:

@@ -62,6 +62,7 @@ class ImagePrompt:
 
     prompt: str | list[int]
     images: tuple[Any, ...]
+    processor_kwargs: dict[str, Any] | None = None  # vLLM's `mm_processor_kwargs` (`ImageProcessor.overridden`)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def as_image_prompt(prompt: Any) -> Any:
     as it is."""
     if not isinstance(prompt, dict):
         return prompt
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
     if unknown:
         raise InvalidRequestError(f"a prompt dict has no field {sorted(unknown)[0]!r}", param="prompt")
     if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
@@ -158,7 +159,22 @@ def as_image_prompt(prompt: Any) -> Any:
     if videos is not None:  # (one video, or a list of them: a list of arrays, or of (frames, metadata))
         one = not isinstance(videos, list) or not videos or not _is_video(videos[0])
         images += tuple(as_video(v) for v in ([videos] if one else videos))
-    return ImagePrompt(text, images) if images else text
+    return ImagePrompt(text, images, prompt.get("mm_processor_kwargs")) if images else text
+
+
+def processor_kwargs(value: Any) -> dict[str, Any] | None:
+    """`mm_processor_kwargs` as given: an object, a JSON object's text (the command line's), or
+    None; InvalidRequestError for anything else."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"mm_processor_kwargs is not JSON: {e}", param="mm_processor_kwargs") from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise InvalidRequestError("mm_processor_kwargs is an object of the processor's options", param="mm_processor_kwargs")
 
 
 def _is_video(item: Any) -> bool:
@@ -522,6 +538,68 @@ class ImageProcessor:
         if self.crop is not None:
             array = _center_crop(array, *self.crop)
         return self._scale(array)
+
+    def overridden(self, kwargs: Any) -> ImageProcessor:
+        """This processor with vLLM's `mm_processor_kwargs` (HF's processor's call options)
+        applied: the Qwen-VLs' `min_pixels` and `max_pixels` (images' and video frames' area
+        bounds), `fps`, `min_frames`, `max_frames` and `num_frames` (a video file's sampling);
+        LLaVA-OneVision's `num_frames` (at most that many, spread evenly). A flat option goes to
+        every kind it applies to, as HF's processor routes it; `images_kwargs` and `videos_kwargs`
+        hold one kind's. InvalidRequestError names an option this model's processor has not."""
+        if not kwargs:
+            return self
+        param = "mm_processor_kwargs"
+        if not isinstance(kwargs, dict):
+            raise InvalidRequestError("mm_processor_kwargs is an object of the processor's options", param=param)
+        qwen = self.sampling is not None and self.sampling.rule != "uniform"
+        image_keys = {"min_pixels", "max_pixels"} if self.factor and not self.longest_edge else set()
+        video_keys = ({"min_pixels", "max_pixels", "fps", "min_frames", "max_frames", "num_frames"} if qwen
+                      else {"num_frames"} if self.sampling is not None else set())
+        kinds: dict[str, dict[str, Any]] = {"image": {}, "video": {}}
+        for key, value in kwargs.items():
+            nested = {"images_kwargs": "image", "videos_kwargs": "video"}.get(key)
+            if nested is not None:
+                if not isinstance(value, dict):
+                    raise InvalidRequestError(f"mm_processor_kwargs.{key} is an object", param=param)
+                allowed = image_keys if nested == "image" else video_keys
+                for k, v in value.items():
+                    if k not in allowed:
+                        raise InvalidRequestError(f"mm_processor_kwargs.{key}: {k!r} is not an option of this "
+                                                  f"model's {nested} processing (it takes {sorted(allowed)})", param=param)
+                    kinds[nested][k] = v
+                continue
+            if key not in image_keys | video_keys:
+                raise InvalidRequestError(f"mm_processor_kwargs: {key!r} is not an option of this model's processor "
+                                          f"(it takes {sorted(image_keys | video_keys)})", param=param)
+            for kind, allowed in (("image", image_keys), ("video", video_keys)):
+                if key in allowed:
+                    kinds[kind][key] = value
+        for opts in kinds.values():
+            for k, v in opts.items():
+                if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0 or (k != "fps" and v != int(v)):
+                    raise InvalidRequestError(f"mm_processor_kwargs: {k} is a positive "
+                                              f"{'number' if k == 'fps' else 'whole number'}, not {v!r}", param=param)
+            if "fps" in opts and "num_frames" in opts:
+                raise InvalidRequestError("mm_processor_kwargs: fps and num_frames are two ways to choose a video's "
+                                          "frames: give one", param=param)
+        image, video = kinds["image"], kinds["video"]
+        out = dataclasses.replace(self, min_pixels=int(image.get("min_pixels", self.min_pixels)),
+                                  max_pixels=int(image.get("max_pixels", self.max_pixels)),
+                                  video_min_pixels=int(video.get("min_pixels", self.video_min_pixels)),
+                                  video_max_pixels=int(video.get("max_pixels", self.video_max_pixels)))
+        if out.min_pixels > out.max_pixels or out.video_min_pixels > out.video_max_pixels:
+            raise InvalidRequestError("mm_processor_kwargs: min_pixels is more than max_pixels", param=param)
+        if self.sampling is not None and video.keys() - {"min_pixels", "max_pixels"}:
+            s = self.sampling
+            sampling = dataclasses.replace(
+                s, fps=float(video.get("fps", s.fps)), min_frames=int(video.get("min_frames", s.min_frames)),
+                max_frames=int(video.get("max_frames", s.max_frames)),
+                # (a rate asked for: the engine's count no longer)
+                num_frames=int(video["num_frames"]) if "num_frames" in video else None if "fps" in video else s.num_frames)
+            if sampling.min_frames > sampling.max_frames:
+                raise InvalidRequestError("mm_processor_kwargs: min_frames is more than max_frames", param=param)
+            out = dataclasses.replace(out, sampling=sampling)
+        return out
 
     def _scale(self, array: np.ndarray) -> np.ndarray:
         """A picture `[channels, h, w]` of uint8 rescaled and normalized, as float32."""

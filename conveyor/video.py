@@ -75,6 +75,7 @@ class VideoSampling:
     max_frames: int = 768
     multiple: int = 2  # (the tower's temporal patch: an even count)
     rule: str = "qwen2"
+    num_frames: int | None = None  # (a count asked for, in place of `fps`'s: `mm_processor_kwargs`)
 
 
 def sample_indices(total: int, native_fps: float, sampling: VideoSampling) -> list[int]:
@@ -82,21 +83,33 @@ def sample_indices(total: int, native_fps: float, sampling: VideoSampling) -> li
     between its least and most, spread evenly; Qwen2-VL's floored to a multiple of
     `sampling.multiple` and from the first frame on in equal steps, Qwen3-VL's any count from
     the first frame to the last (rounded); "uniform": every frame, or `max_frames` from the
-    first to the last (truncated, as vLLM's OpenCV loader takes them)."""
+    first to the last (truncated, as vLLM's OpenCV loader takes them). A `num_frames` asked for
+    is that many (Qwen2-VL's rounded to a multiple), as HF's processors take it."""
+    asked = sampling.num_frames
+    if asked is not None and sampling.rule != "uniform":  # (Qwen2-VL's: a multiple of the temporal patch)
+        asked = asked if sampling.rule == "qwen3" else round(asked / sampling.multiple) * sampling.multiple
+        if asked > total:
+            raise InvalidRequestError(f"num_frames={sampling.num_frames}: the video has {total} frames",
+                                      param="mm_processor_kwargs")
     if sampling.rule == "uniform":
         import numpy as np
 
-        if total <= sampling.max_frames:
+        most = sampling.max_frames if asked is None else asked
+        if total <= most:
             return list(range(total))
-        return [int(i) for i in np.linspace(0, total - 1, sampling.max_frames, dtype=int)]
+        return [int(i) for i in np.linspace(0, total - 1, most, dtype=int)]
     if sampling.rule == "qwen3":
         import numpy as np
 
-        count = min(max(int(total / native_fps * sampling.fps), sampling.min_frames), sampling.max_frames, total)
+        count = asked if asked is not None else min(max(int(total / native_fps * sampling.fps), sampling.min_frames),
+                                                    sampling.max_frames, total)
         return [int(i) for i in np.linspace(0, total - 1, count).round()]  # (HF's, numpy's rounding)
     m = sampling.multiple
     most = math.floor(min(sampling.max_frames, total) / m) * m
-    n = math.floor(min(max(total / native_fps * sampling.fps, sampling.min_frames), most, total) / m) * m
+    if asked is not None:
+        n = asked
+    else:
+        n = math.floor(min(max(total / native_fps * sampling.fps, sampling.min_frames), most, total) / m) * m
     if n <= 0:
         raise InvalidRequestError(f"the video has {total} frames: fewer than the {m} a video needs", param="video")
     step = total / n

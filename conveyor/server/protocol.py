@@ -132,6 +132,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # (the images' and videos' processing options)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them (text parts joined; a message with images

@@ -169,6 +169,7 @@ class _Prompt:
     text: str | None
     images: tuple[Any, ...] = ()  # one a `<image>` among token_ids (conveyor/multimodal.py)
     image_token: ImageToken | None = None  # ... and what each becomes
+    processor_kwargs: dict[str, Any] | None = None  # (the request's `mm_processor_kwargs`)
 
     @property
     def num_tokens(self) -> int:
@@ -180,7 +181,7 @@ class _Prompt:
 
     @property
     def engine_prompt(self) -> list[int] | ImagePrompt:
-        return ImagePrompt(self.token_ids, self.images) if self.images else self.token_ids
+        return ImagePrompt(self.token_ids, self.images, self.processor_kwargs) if self.images else self.token_ids
 
 
 @dataclass
@@ -862,7 +863,8 @@ class ChatCompletionHandler(_Handler):
         token = self.state.engine.image_token
         assert token is not None  # (`chat_images` refuses images for a model without one)
         fetched = self._fetched
-        return [_Prompt(ids, None, tuple(fetched.get(_media_url(i) or ("", ""), i) for i in images), token)]
+        return [_Prompt(ids, None, tuple(fetched.get(_media_url(i) or ("", ""), i) for i in images), token,
+                        self.body.mm_processor_kwargs)]
 
     @functools.cached_property
     def _chat(self) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -879,6 +881,7 @@ class ChatCompletionHandler(_Handler):
         processor = self.state.engine.image_processor
         if not urls or processor is None:
             return
+        processor = processor.overridden(self.body.mm_processor_kwargs)
 
         def pixels(url: tuple[str, str]) -> Pixels:
             kind, source = url

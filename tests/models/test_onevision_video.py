@@ -138,8 +138,9 @@ def test_greedy_tokens_match_hf_with_videos(onevision):
 
 
 def test_video_files_chat_and_errors(onevision, tmp_path):
-    """A file's frames: every one up to 32, else 32 spread evenly (vLLM's loader); the chat's
-    video part; a file with no frame rate still reads; clear errors that leave the engine serving."""
+    """A file's frames: every one up to 32, else 32 spread evenly (vLLM's loader), or
+    `mm_processor_kwargs`' `num_frames`; the chat's video part; clear errors that leave the
+    engine serving."""
     from tests.models.test_qwen_video import encode_video, smooth
 
     assert sample_indices(20, 0.0, VideoSampling(max_frames=32, rule="uniform")) == list(range(20))
@@ -154,6 +155,12 @@ def test_video_files_chat_and_errors(onevision, tmp_path):
     url = "data:video/x-msvideo;base64," + base64.b64encode(data).decode()
     out = llm.generate(ImagePrompt(ids, (Video(url),)), PARAMS, use_tqdm=False)[0]
     assert out.prompt_token_ids.count(VIDEO) == 32 * 4 + 1
+    eight = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": data},
+                          "mm_processor_kwargs": {"num_frames": 8}}, PARAMS, use_tqdm=False)[0]
+    assert eight.prompt_token_ids.count(VIDEO) == 8 * 4 + 1  # (vLLM's num_frames: 8 spread evenly)
+    with pytest.raises(InvalidRequestError, match="'fps' is not an option"):  # (its processor samples by count)
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": data}, "mm_processor_kwargs": {"fps": 1}},
+                     PARAMS, use_tqdm=False)
     chat = llm.chat([{"role": "user", "content": [{"type": "video", "video": frames(5, 4)},
                                                   {"type": "text", "text": "w7 w8"}]}], PARAMS, use_tqdm=False)[0]
     assert chat.prompt_token_ids.count(VIDEO) == 4 * 4 + 1

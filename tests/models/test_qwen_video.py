@@ -357,8 +357,8 @@ def test_video_files_are_decoded_and_sampled(qwen2_vl, tmp_path):
 
 def test_video_url_served_over_http(qwen2_vl, tmp_path):
     """`/v1/chat/completions` with a `video_url` part (a data URL of a video file) gives
-    `LLM.chat`'s tokens and counts the video's tokens in `usage`; a bad video is a 400 and the
-    server serves on."""
+    `LLM.chat`'s tokens and counts the video's tokens in `usage`, with the request's
+    `mm_processor_kwargs` too; a bad video or option is a 400 and the server serves on."""
     import httpx
 
     from tests.server.conftest import ServerProcess
@@ -367,7 +367,10 @@ def test_video_url_served_over_http(qwen2_vl, tmp_path):
     url = "data:video/x-msvideo;base64," + base64.b64encode(data).decode()
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                              {"type": "text", "text": "w41 w42"}]}]
-    want = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128).chat(messages, PARAMS, use_tqdm=False)[0]
+    llm = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128)
+    want = llm.chat(messages, PARAMS, use_tqdm=False)[0]
+    four = llm.chat(messages, PARAMS, use_tqdm=False, mm_processor_kwargs={"num_frames": 4})[0]
+    del llm
     server = ServerProcess(["--model", str(qwen2_vl), "--dtype", "float64", "--num-kv-blocks", "128"],
                            tmp_path / "server.log")
     body = {"model": str(qwen2_vl), "max_tokens": PARAMS.max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -383,6 +386,14 @@ def test_video_url_served_over_http(qwen2_vl, tmp_path):
             assert r.status_code == 400 and "video" in r.json()["error"]["message"]
             again = client.post(server.url + "/v1/chat/completions", json={**body, "messages": messages})
             assert again.status_code == 200
+            r = client.post(server.url + "/v1/chat/completions",
+                            json={**body, "messages": messages, "mm_processor_kwargs": {"num_frames": 4}})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(four.prompt_token_ids) < len(want.prompt_token_ids)
+            assert r.json()["choices"][0]["message"]["content"].strip() == four.outputs[0].text.strip()
+            r = client.post(server.url + "/v1/chat/completions",
+                            json={**body, "messages": messages, "mm_processor_kwargs": {"do_resize": False}})
+            assert r.status_code == 400 and "do_resize" in r.json()["error"]["message"]
         assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids) > 5 * 12  # (2.5 s: 10 frames)
         text = want.outputs[0].text.strip()  # (the word tokenizer's leading space is the server's to keep)
         assert got["choices"][0]["message"]["content"].strip() == text
@@ -463,3 +474,64 @@ def test_qwen3_greedy_matches_hf_with_videos(qwen3_vl):
     chunked = LLM(str(qwen3_vl), dtype="float32", max_num_seqs=4, prefill_mode="chunked", max_num_batched_tokens=16,
                   enable_prefix_caching=True)
     assert [o.outputs[0].token_ids for o in chunked.generate(video_prompts(), PARAMS, use_tqdm=False)] == want
+
+
+def test_sample_indices_with_num_frames():
+    """`num_frames` asked for (vLLM's `mm_processor_kwargs`): Qwen2-VL's rounded to an even count
+    over `arange(0, total, total / n)`, Qwen3-VL's that many from first to last, LLaVA-OneVision's
+    at most that many; more than the video has is refused (HF's processors raise)."""
+    assert sample_indices(95, 30.0, VideoSampling(num_frames=7)) == [int(i * 95 / 8) for i in range(8)]  # 7 -> 8
+    assert sample_indices(95, 30.0, VideoSampling(num_frames=5, rule="qwen3")) == [0, 24, 47, 70, 94]
+    assert sample_indices(10, 0.0, VideoSampling(max_frames=32, num_frames=4, rule="uniform")) == [0, 3, 6, 9]
+    assert sample_indices(3, 0.0, VideoSampling(max_frames=32, num_frames=8, rule="uniform")) == [0, 1, 2]
+    with pytest.raises(InvalidRequestError, match="num_frames=12: the video has 10 frames"):
+        sample_indices(10, 30.0, VideoSampling(num_frames=12))
+
+
+def test_mm_processor_kwargs(qwen2_vl, tmp_path):
+    """vLLM's `mm_processor_kwargs`, per request (the dict prompt, `LLM.chat`) and for the engine
+    (a JSON object's text, as the command line gives it): `fps` and `num_frames` choose a file's
+    frames, `max_pixels` bounds images and frames alike, `images_kwargs` / `videos_kwargs` one kind;
+    a request's go over the engine's. Bad options are refused by name and the engine serves on."""
+    from conveyor.config import ConfigError
+    from tests.conftest import build_tiny_model
+
+    data = encode_video(smooth(30), 10.0, tmp_path / "clip.avi")  # 3 s: the folder's 4 a second keeps 12
+    ids = [1, 40, START, VIDEO, END, 41, START, PAD, END]
+    image = picture(3, (150, 120))
+    llm = LLM(str(qwen2_vl), dtype="float32")
+
+    def counts(kwargs, engine=llm):
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"video": data, "image": image}}
+        _, _, spans = engine.engine.prepare_prompt({**prompt, "mm_processor_kwargs": kwargs} if kwargs else prompt)
+        return [(s.pixels.values.shape[0] if s.pixels.fps else 0, s.length) for s in spans]  # (frames, tokens)
+
+    (frames12, video12), (_, image_tokens) = counts(None)
+    assert frames12 == 12 and image_tokens > 8
+    assert counts({"fps": 2})[0][0] == 6 and counts({"num_frames": 7})[0][0] == 8  # (7 rounded to even)
+    small = counts({"max_pixels": 28 * 28 * 8})
+    assert small[1][1] <= 8 and small[0][1] <= 8 * 6 < video12
+    only_images = counts({"images_kwargs": {"max_pixels": 28 * 28 * 8}})
+    assert only_images[0] == (frames12, video12) and only_images[1][1] <= 8
+    assert counts({"videos_kwargs": {"fps": 2}}) == [(6, video12 // 2), (0, image_tokens)]
+    by_prompt = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": data, "image": image},
+                              "mm_processor_kwargs": {"fps": 2}}, PARAMS, use_tqdm=False)[0]
+    engine_wide = LLM(str(qwen2_vl), dtype="float32", mm_processor_kwargs='{"fps": 2}')
+    assert counts(None, engine_wide)[0][0] == 6 and counts({"num_frames": 4}, engine_wide)[0][0] == 4
+    assert engine_wide.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": data, "image": image}},
+                                PARAMS, use_tqdm=False)[0].outputs[0].token_ids == by_prompt.outputs[0].token_ids
+    chat = llm.chat([{"role": "user", "content": [{"type": "video", "video": data}, {"type": "text", "text": "w7"}]}],
+                    PARAMS, use_tqdm=False, mm_processor_kwargs={"num_frames": 4})[0]
+    assert chat.prompt_token_ids.count(VIDEO) == video12 // 3
+    for bad, match in [({"do_resize": False}, "'do_resize' is not an option"), ({"fps": 0}, "positive"),
+                       ({"num_frames": 2.5}, "whole number"), ({"fps": 2, "num_frames": 4}, "give one"),
+                       ({"min_pixels": 10**6, "max_pixels": 10**5}, "more than max_pixels"),
+                       ({"images_kwargs": {"fps": 2}}, "'fps' is not an option of this model's image"),
+                       ({"num_frames": 40}, "the video has 30 frames")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            counts(bad)
+    with pytest.raises(ConfigError, match="not JSON"):
+        LLM(str(qwen2_vl), dtype="float32", mm_processor_kwargs="{fps: 2}")
+    with pytest.raises(ConfigError, match="reads no images"):
+        LLM(str(build_tiny_model(tmp_path / "text", "llama")), dtype="float32", mm_processor_kwargs={"fps": 2})
+    assert llm.generate([1, 5, 6], PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # (serving goes on)
