@@ -132,6 +132,14 @@ class ModelConfig:
             "mm_processor_kwargs go over these."
         ),
     )
+    limit_mm_per_prompt: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=_help(
+            "The most images and videos one prompt may hold, vLLM's limit_mm_per_prompt "
+            '({"image": 4, "video": 1}; a JSON object on the command line); 0 refuses that kind. '
+            "A prompt over it is refused before its media are fetched or decoded. Default: no limit."
+        ),
+    )
     enable_lora: bool = field(
         default=False,
         metadata=_help(

@@ -541,14 +541,16 @@ class Engine:
         engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template, arch.score_activation)
         engine.is_encoder = arch.is_encoder
         engine.default_pooling = arch.default_pooling
-        if mc.mm_processor_kwargs and getattr(model, "vision", None) is None:
-            raise ConfigError("mm_processor_kwargs: this model reads no images")
+        for option in ("mm_processor_kwargs", "limit_mm_per_prompt"):
+            if getattr(mc, option) is not None and getattr(model, "vision", None) is None:
+                raise ConfigError(f"{option}: this model reads no images")
         if getattr(model, "vision", None) is not None:
             folder = Path(mc.model) if mc.model is not None else None
             engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
                                                                 arch.vision)
             try:
-                engine.image_processor = engine.image_processor.overridden(processor_kwargs(mc.mm_processor_kwargs))
+                engine.image_processor = (engine.image_processor.overridden(processor_kwargs(mc.mm_processor_kwargs))
+                                          .limited(mc.limit_mm_per_prompt))
             except InvalidRequestError as e:
                 raise ConfigError(str(e)) from None
             if tokenizer is not None:
@@ -627,6 +629,7 @@ class Engine:
         local = self.config.model.allowed_local_media_path
         processor = processor.overridden(prompt.processor_kwargs)
         videos = [p for p in prompt.images if isinstance(p, Video) or (isinstance(p, Pixels) and p.fps)]
+        processor.check_counts(len(prompt.images) - len(videos), len(videos))
         if videos and not vision.reads_videos:
             raise InvalidRequestError("this model reads no videos (the Qwen-VLs and LLaVA-OneVision do)", param="video")
         pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local))

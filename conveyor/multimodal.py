@@ -294,6 +294,9 @@ class ImageProcessor:
     # LLaVA-OneVision's videos: each frame processed by this (the video processor's square and
     # normalization), the frames taken as `sampling` has them.
     frames: ImageProcessor | None = None
+    # The most images and videos a prompt may hold (`limit_mm_per_prompt`; None: no limit).
+    max_images: int | None = None
+    max_videos: int | None = None
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -538,6 +541,40 @@ class ImageProcessor:
         if self.crop is not None:
             array = _center_crop(array, *self.crop)
         return self._scale(array)
+
+    def check_counts(self, images: int, videos: int) -> None:
+        """InvalidRequestError where a prompt holds more images or videos than `limit_mm_per_prompt`."""
+        for kind, n, most in (("image", images, self.max_images), ("video", videos, self.max_videos)):
+            if most is not None and n > most:
+                raise InvalidRequestError(
+                    f"the prompt holds {n} {kind}s: this engine takes at most {most} a prompt (limit_mm_per_prompt)"
+                    if most else f"this engine takes no {kind}s (limit_mm_per_prompt {kind}: 0)", param=kind)
+
+    def limited(self, limits: Any) -> ImageProcessor:
+        """This processor with vLLM's `limit_mm_per_prompt` (`{"image": n, "video": n}`, a count
+        or `{"count": n}` each; a JSON object's text); InvalidRequestError for anything else."""
+        if limits is None:
+            return self
+        param = "limit_mm_per_prompt"
+        if isinstance(limits, str):
+            try:
+                limits = json.loads(limits)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"limit_mm_per_prompt is not JSON: {e}", param=param) from None
+        if not isinstance(limits, dict):
+            raise InvalidRequestError('limit_mm_per_prompt is an object: {"image": n, "video": n}', param=param)
+        counts: dict[str, int] = {}
+        for kind, value in limits.items():
+            if kind not in ("image", "video"):
+                raise InvalidRequestError(f"limit_mm_per_prompt: conveyor reads images and videos, not {kind!r}",
+                                          param=param)
+            n = value.get("count") if isinstance(value, dict) else value
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise InvalidRequestError(f"limit_mm_per_prompt: {kind} is a count of 0 or more, not {value!r}",
+                                          param=param)
+            counts[kind] = n
+        return dataclasses.replace(self, max_images=counts.get("image", self.max_images),
+                                   max_videos=counts.get("video", self.max_videos))
 
     def overridden(self, kwargs: Any) -> ImageProcessor:
         """This processor with vLLM's `mm_processor_kwargs` (HF's processor's call options)

@@ -877,10 +877,13 @@ class ChatCompletionHandler(_Handler):
         # Data and http(s) URLs become pixels here, a video decoded and its frames sampled (off
         # the engine's loop); a local file is the engine's to read (it knows the allowed path),
         # and so is any image where the front end has no processor.
-        urls = list(dict.fromkeys(k for i in self._chat[1] if (k := _media_url(i)) is not None))
+        items = self._chat[1]
+        urls = list(dict.fromkeys(k for i in items if (k := _media_url(i)) is not None))
         processor = self.state.engine.image_processor
         if not urls or processor is None:
             return
+        videos = sum(isinstance(i, Video) for i in items)
+        processor.check_counts(len(items) - videos, videos)  # (before anything is fetched)
         processor = processor.overridden(self.body.mm_processor_kwargs)
 
         def pixels(url: tuple[str, str]) -> Pixels:

@@ -358,7 +358,8 @@ def test_video_files_are_decoded_and_sampled(qwen2_vl, tmp_path):
 def test_video_url_served_over_http(qwen2_vl, tmp_path):
     """`/v1/chat/completions` with a `video_url` part (a data URL of a video file) gives
     `LLM.chat`'s tokens and counts the video's tokens in `usage`, with the request's
-    `mm_processor_kwargs` too; a bad video or option is a 400 and the server serves on."""
+    `mm_processor_kwargs` too; a bad video or option, or a video over `--limit-mm-per-prompt`, is a
+    400 and the server serves on."""
     import httpx
 
     from tests.server.conftest import ServerProcess
@@ -371,8 +372,8 @@ def test_video_url_served_over_http(qwen2_vl, tmp_path):
     want = llm.chat(messages, PARAMS, use_tqdm=False)[0]
     four = llm.chat(messages, PARAMS, use_tqdm=False, mm_processor_kwargs={"num_frames": 4})[0]
     del llm
-    server = ServerProcess(["--model", str(qwen2_vl), "--dtype", "float64", "--num-kv-blocks", "128"],
-                           tmp_path / "server.log")
+    server = ServerProcess(["--model", str(qwen2_vl), "--dtype", "float64", "--num-kv-blocks", "128",
+                            "--limit-mm-per-prompt", '{"video": 1}'], tmp_path / "server.log")
     body = {"model": str(qwen2_vl), "max_tokens": PARAMS.max_tokens, "temperature": 0.0, "ignore_eos": True}
     try:
         server.wait_ready()
@@ -380,6 +381,9 @@ def test_video_url_served_over_http(qwen2_vl, tmp_path):
             r = client.post(server.url + "/v1/chat/completions", json={**body, "messages": messages})
             assert r.status_code == 200, r.text
             got = r.json()
+            twice = [{"role": "user", "content": [messages[0]["content"][0], *messages[0]["content"]]}]
+            r = client.post(server.url + "/v1/chat/completions", json={**body, "messages": twice})
+            assert r.status_code == 400 and "at most 1 a prompt" in r.json()["error"]["message"]
             bad = [{"role": "user", "content": [{"type": "video_url", "video_url": {
                 "url": "data:video/mp4;base64," + base64.b64encode(b"nothing").decode()}}]}]
             r = client.post(server.url + "/v1/chat/completions", json={**body, "messages": bad})
@@ -535,3 +539,25 @@ def test_mm_processor_kwargs(qwen2_vl, tmp_path):
     with pytest.raises(ConfigError, match="reads no images"):
         LLM(str(build_tiny_model(tmp_path / "text", "llama")), dtype="float32", mm_processor_kwargs={"fps": 2})
     assert llm.generate([1, 5, 6], PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # (serving goes on)
+
+
+def test_limit_mm_per_prompt(qwen2_vl, tmp_path):
+    """vLLM's `limit_mm_per_prompt`: a prompt with more images or videos than the engine takes is
+    refused by name before its media are read (0 refuses the kind), from `LLM.generate`, `LLM.chat`
+    and the JSON text the command line gives; bad limits are a ConfigError; the engine serves on."""
+    from conveyor.config import ConfigError
+
+    llm = LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt='{"image": 1, "video": 0}')
+    one = ImagePrompt([1, 40, START, PAD, END, 41], (picture(1, (60, 60)),))
+    assert llm.generate(one, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    two = ImagePrompt([1, START, PAD, END, START, PAD, END], (picture(1, (60, 60)), picture(2, (60, 60))))
+    with pytest.raises(InvalidRequestError, match="holds 2 images: this engine takes at most 1"):
+        llm.generate(two, PARAMS, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="takes no videos"):
+        llm.chat([{"role": "user", "content": [{"type": "video", "video": b"never decoded"}]}], PARAMS, use_tqdm=False)
+    assert llm.generate(one, PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # (serving goes on)
+    assert LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt={"video": {"count": 2}}).engine \
+        .image_processor.max_videos == 2
+    for bad, match in [({"audio": 1}, "not 'audio'"), ({"image": -1}, "count of 0 or more"), ("[1]", "an object")]:
+        with pytest.raises(ConfigError, match=match):
+            LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt=bad)
