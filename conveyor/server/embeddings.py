@@ -16,11 +16,13 @@ import base64
 import struct
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from conveyor.multimodal import ImagePrompt
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import InvalidRequestError, PoolingParams, SamplingParams
 from conveyor.scoring import (
@@ -93,17 +95,20 @@ class _PoolingHandler:
             )
         return ids[-k:]
 
-    async def embed(self, raw: Request, prompts: list[list[int]]) -> list[list[float]]:
+    async def embed(self, raw: Request, prompts: Sequence[list[int] | ImagePrompt]) -> list[list[float]]:
         """Each prompt's vector, the prompts run side by side with whatever else the engine has."""
         return [o.embedding or [] for o in await self.run_pooled(raw, prompts)]
 
-    async def run_pooled(self, raw: Request, prompts: list[list[int]]) -> list[RequestOutput]:
+    async def run_pooled(self, raw: Request, prompts: Sequence[list[int] | ImagePrompt]) -> list[RequestOutput]:
         b = self.body
         params = SamplingParams.for_pooling(self.pooling(), b.priority, b.user)
         requests = [EngineRequest(f"{self.request_id}-{i}", ids, params, None, self.lora)
                     for i, ids in enumerate(prompts)]
-        self.num_prompt_tokens = sum(len(p) for p in prompts)
-        return await run_to_end(self.state, raw, requests, "an input")
+        outs = await run_to_end(self.state, raw, requests, "an input")
+        # (a prompt with images: as many tokens as the engine expanded it to)
+        self.num_prompt_tokens = sum(len(p) if isinstance(p, list) else len(o.prompt_token_ids)
+                                     for p, o in zip(prompts, outs, strict=True))
+        return outs
 
     def usage(self) -> dict[str, int]:
         n = self.num_prompt_tokens
@@ -115,12 +120,12 @@ class _InputsHandler(_PoolingHandler):
 
     body: PoolingInputs
 
-    def prompts(self) -> list[list[int]]:
+    async def prompts(self) -> list[list[int] | ImagePrompt]:
         b = self.body
         if (b.input is None) == (b.messages is None):
             raise InvalidRequestError("give exactly one of input and messages", param="input")
         if b.messages is not None:
-            return [self.truncate(chat_prompt(self.state, b))]
+            return [await self.chat_input()]
         assert b.input is not None
         items: list[Any] = [b.input] if isinstance(b.input, str) or (
             b.input and isinstance(b.input[0], int)) else list(b.input)
@@ -130,6 +135,24 @@ class _InputsHandler(_PoolingHandler):
             raise InvalidRequestError(f"input has {len(items)} items; at most {MAX_INPUTS}", param="input")
         return [self.truncate(self.encode_text(it, b.add_special_tokens) if isinstance(it, str) else list(it))
                 for it in items]
+
+
+    async def chat_input(self) -> list[int] | ImagePrompt:
+        """The request's `messages` as the chat completions render them; with images or videos,
+        those fetched and made pixels here (as a chat's are) and the prompt with them."""
+        chat = chat_handler(self.state, self.body)
+        await chat.fetch_images()
+        prompt = chat.prompts()[0]
+        if not prompt.images:
+            return self.truncate(prompt.token_ids)
+        if self.body.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images",
+                                      param="truncate_prompt_tokens")
+        limit = self.state.engine.max_model_len
+        if limit is not None and prompt.num_tokens > limit:
+            raise InvalidRequestError(f"the messages are {prompt.num_tokens} tokens with their images, but this "
+                                      f"model embeds at most {limit}", param="messages")
+        return prompt.engine_prompt
 
 
 class EmbeddingHandler(_InputsHandler):
@@ -142,7 +165,7 @@ class EmbeddingHandler(_InputsHandler):
 
     async def run(self, raw: Request) -> Response:
         self.pooling()  # (a bad pooling_type is the request's error before anything runs)
-        vectors = await self.embed(raw, self.prompts())
+        vectors = await self.embed(raw, await self.prompts())
         return JSONResponse({
             "id": self.request_id,
             "object": "list",
@@ -174,7 +197,7 @@ class ClassifyHandler(_InputsHandler):
         if self.state.engine.head.token_classifier:
             raise InvalidRequestError("this model classifies each token: /pooling gives its rows", param="model")
         self.pooling()
-        results = await self.embed(raw, self.prompts())
+        results = await self.embed(raw, await self.prompts())
         return JSONResponse({
             "id": self.request_id,
             "object": "list",
@@ -207,7 +230,7 @@ class PoolingHandler(_InputsHandler):
 
     async def run(self, raw: Request) -> Response:
         self.pooling()
-        outs = await self.run_pooled(raw, self.prompts())
+        outs = await self.run_pooled(raw, await self.prompts())
         return JSONResponse({
             "id": self.request_id,
             "object": "list",
@@ -279,17 +302,16 @@ class RerankHandler(_SimilarityHandler):
         })
 
 
-def chat_prompt(state: ServerState, body: PoolingInputs | TokenizeRequest,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """A request's chat `messages` as the chat completions render them (the template, tools)."""
+def chat_handler(state: ServerState, body: PoolingInputs | TokenizeRequest,
+                 tools: list[dict[str, Any]] | None = None) -> ChatCompletionHandler:
+    """A request's chat `messages` as the chat completions render them (the template, tools,
+    the images and videos and their `mm_processor_kwargs`)."""
     chat = ChatCompletionRequest.model_validate({
         "messages": body.messages, "tools": tools, "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message, "chat_template_kwargs": body.chat_template_kwargs,
+        "mm_processor_kwargs": body.mm_processor_kwargs,
     })
-    prompt = ChatCompletionHandler(state, chat).prompts()[0]
-    if prompt.images:
-        raise InvalidRequestError("images in pooling and tokenize requests are not built", param="messages")
-    return prompt.token_ids
+    return ChatCompletionHandler(state, chat)
 
 
 def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
@@ -304,7 +326,8 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
         if body.add_special_tokens:
             raise InvalidRequestError("add_special_tokens applies to a prompt; a chat template writes its own",
                                       param="add_special_tokens")
-        ids = chat_prompt(state, body, tools=body.tools)
+        # (an image or video as the one token the template writes for it, as vLLM's /tokenize has it)
+        ids = chat_handler(state, body, tools=body.tools).prompts()[0].token_ids
     return {
         "count": len(ids),
         "max_model_len": state.engine.max_model_len,

@@ -181,6 +181,7 @@ class PoolingInputs(OpenAIBaseModel):
     add_generation_prompt: bool = False  # (messages)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # (the messages' images' and videos' processing)
     user: str | None = None
     # vLLM's extensions
     truncate_prompt_tokens: int | None = None  # keep the last k tokens (-1: the context length)
@@ -254,6 +255,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 

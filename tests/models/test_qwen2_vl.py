@@ -388,7 +388,9 @@ def test_two_tensor_parallel_ranks_equal_one(style, request):
 
 def test_served_over_http(qwen2_vl, tmp_path):
     """`/v1/chat/completions` with an `image_url` data URL gives `LLM.chat`'s tokens and counts
-    the image's tokens (as many as its size makes) in `usage`."""
+    the image's tokens (as many as its size makes) in `usage`; `/v1/embeddings` of the same
+    messages gives `LLM.embed`'s vector of the rendered prompt with its image; `/tokenize` gives
+    the template's tokens, the image as its one placeholder (vLLM's)."""
     import base64
     import io
 
@@ -402,7 +404,13 @@ def test_served_over_http(qwen2_vl, tmp_path):
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": "w41 w42"}]}]
-    want = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128).chat(messages, PARAMS, use_tqdm=False)[0]
+    from conveyor.llm import chat_prompt
+
+    llm = LLM(str(qwen2_vl), dtype="float64", num_kv_blocks=128)
+    want = llm.chat(messages, PARAMS, use_tqdm=False)[0]
+    rendered = chat_prompt(llm.engine.tokenizer, messages, add_generation_prompt=False, image_token=llm.engine.image_token)
+    vector = llm.embed(rendered, use_tqdm=False)[0]
+    del llm
     server = ServerProcess(["--model", str(qwen2_vl), "--dtype", "float64", "--num-kv-blocks", "128"],
                            tmp_path / "server.log")
     try:
@@ -413,6 +421,16 @@ def test_served_over_http(qwen2_vl, tmp_path):
                 "ignore_eos": True, "logprobs": True})
             assert r.status_code == 200, r.text
             got = r.json()
+            r = client.post(server.url + "/v1/embeddings", json={"model": str(qwen2_vl), "messages": messages})
+            assert r.status_code == 200, r.text
+            embedded = r.json()
+            r = client.post(server.url + "/tokenize", json={"model": str(qwen2_vl), "messages": messages,
+                                                            "add_generation_prompt": False})
+            assert r.status_code == 200, r.text
+            tokenized = r.json()
+        assert embedded["data"][0]["embedding"] == pytest.approx(vector.outputs.embedding, abs=1e-9)
+        assert embedded["usage"]["prompt_tokens"] == len(vector.prompt_token_ids) > 40
+        assert tokenized["tokens"] == rendered.prompt and tokenized["tokens"].count(PAD) == 1
         names = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<|vision_start|>": START, "<|vision_end|>": END,
                  "<|image_pad|>": PAD, "<|video_pad|>": VIDEO}
         tokens = [int(e["token"].removeprefix("token_id:")) if e["token"].startswith("token_id:")
