@@ -292,3 +292,4 @@ class ResponsesRequest(OpenAIBaseModel):
     min_p: float | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     priority: int = 0
+    mm_processor_kwargs: dict[str, Any] | None = None  # (its input images' processing)

@@ -109,7 +109,7 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "stream": body.stream, "user": body.user, "priority": body.priority,
     }
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "parallel_tool_calls"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "parallel_tool_calls", "mm_processor_kwargs"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.tools:

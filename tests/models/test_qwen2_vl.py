@@ -428,6 +428,16 @@ def test_served_over_http(qwen2_vl, tmp_path):
                                                             "add_generation_prompt": False})
             assert r.status_code == 200, r.text
             tokenized = r.json()
+            item = {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                {"type": "input_text", "text": "w41 w42"}]}
+            inputs = []
+            for kwargs in (None, {"max_pixels": 28 * 28 * 8}):  # (the Responses API's mm_processor_kwargs)
+                r = client.post(server.url + "/v1/responses", json={
+                    "model": str(qwen2_vl), "input": [item], "max_output_tokens": 2, "store": False,
+                    **({"mm_processor_kwargs": kwargs} if kwargs else {})})
+                assert r.status_code == 200, r.text
+                inputs.append(r.json()["usage"]["input_tokens"])
+        assert inputs[0] == len(want.prompt_token_ids) and inputs[1] <= inputs[0] - 40 + 8
         assert embedded["data"][0]["embedding"] == pytest.approx(vector.outputs.embedding, abs=1e-9)
         assert embedded["usage"]["prompt_tokens"] == len(vector.prompt_token_ids) > 40
         assert tokenized["tokens"] == rendered.prompt and tokenized["tokens"].count(PAD) == 1
