@@ -123,6 +123,13 @@ class ModelConfig:
             "model; without it, images come as bytes, data URLs or http(s) URLs only."
         ),
     )
+    allowed_media_domains: tuple[str, ...] | None = field(
+        default=None,
+        metadata=_help(
+            "The hosts whose http(s) URLs images and videos may be fetched from (exact names; a "
+            "redirect elsewhere is refused); without it, any host."
+        ),
+    )
     mm_processor_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata=_help(

@@ -541,7 +541,7 @@ class Engine:
         engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template, arch.score_activation)
         engine.is_encoder = arch.is_encoder
         engine.default_pooling = arch.default_pooling
-        for option in ("mm_processor_kwargs", "limit_mm_per_prompt"):
+        for option in ("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_media_domains"):
             if getattr(mc, option) is not None and getattr(model, "vision", None) is None:
                 raise ConfigError(f"{option}: this model reads no images")
         if getattr(model, "vision", None) is not None:
@@ -551,6 +551,9 @@ class Engine:
             try:
                 engine.image_processor = (engine.image_processor.overridden(processor_kwargs(mc.mm_processor_kwargs))
                                           .limited(mc.limit_mm_per_prompt))
+                if mc.allowed_media_domains is not None:
+                    engine.image_processor = dataclasses.replace(
+                        engine.image_processor, allowed_media_domains=frozenset(d.lower() for d in mc.allowed_media_domains))
             except InvalidRequestError as e:
                 raise ConfigError(str(e)) from None
             if tokenizer is not None:
@@ -632,7 +635,7 @@ class Engine:
         processor.check_counts(len(prompt.images) - len(videos), len(videos))
         if videos and not vision.reads_videos:
             raise InvalidRequestError("this model reads no videos (the Qwen-VLs and LLaVA-OneVision do)", param="video")
-        pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local))
+        pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local, processor.allowed_media_domains))
                   for p in prompt.images if not isinstance(p, Video) and not (isinstance(p, Pixels) and p.fps)]
         if vision.style == "llava_onevision" and len(pixels) > 1:  # (HF's processor: no tiles among several)
             pixels = [p.whole_only() for p in pixels]

@@ -32,6 +32,7 @@ import hashlib
 import io
 import json
 import math
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,7 +185,8 @@ def _is_video(item: Any) -> bool:
     return getattr(item, "ndim", 0) == 4 or isinstance(item, list | str | bytes | Path)
 
 
-def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
+def load_image(source: Any, allowed_local_media_path: str | None = None, domains: frozenset[str] | None = None
+               ) -> Any:
     """A PIL image (RGB) from what `ImagePrompt.images` may hold; InvalidRequestError if it
     cannot be read."""
     try:
@@ -194,7 +196,7 @@ def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
     if isinstance(source, Image.Image):
         image = source
     else:
-        data = image_bytes(source, allowed_local_media_path)
+        data = image_bytes(source, allowed_local_media_path, domains=domains)
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
@@ -204,9 +206,9 @@ def load_image(source: Any, allowed_local_media_path: str | None = None) -> Any:
 
 
 def image_bytes(source: Any, allowed_local_media_path: str | None = None, max_bytes: int = MAX_IMAGE_BYTES,
-                kind: str = "image") -> bytes:
+                kind: str = "image", domains: frozenset[str] | None = None) -> bytes:
     """The encoded bytes of an image (or a video: `kind`) given as bytes, a data URL, an
-    http(s) URL or a local path."""
+    http(s) URL (only of a host among `domains`, where given) or a local path."""
     param = f"{kind}_url"
     if isinstance(source, bytes | bytearray):
         return bytes(source)
@@ -226,7 +228,7 @@ def image_bytes(source: Any, allowed_local_media_path: str | None = None, max_by
         except (binascii.Error, ValueError):
             raise InvalidRequestError(f"the {kind}'s data URL is not valid base64", param=param) from None
     if source.startswith(("http://", "https://")):
-        return _fetch(source, max_bytes, kind)
+        return _fetch(source, max_bytes, kind, domains)
     path = Path(source.removeprefix("file://"))
     if allowed_local_media_path is None:
         raise InvalidRequestError(
@@ -243,15 +245,31 @@ def image_bytes(source: Any, allowed_local_media_path: str | None = None, max_by
         raise InvalidRequestError(f"the {kind} file cannot be read: {e.strerror}", param=param) from None
 
 
-def _fetch(url: str, max_bytes: int = MAX_IMAGE_BYTES, kind: str = "image") -> bytes:
+def _fetch(url: str, max_bytes: int = MAX_IMAGE_BYTES, kind: str = "image", domains: frozenset[str] | None = None
+           ) -> bytes:
+    _check_domain(url, kind, domains)
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
+            _check_domain(response.geturl(), kind, domains)  # (a redirect may not leave the allowed hosts)
             data = response.read(max_bytes + 1)
+    except InvalidRequestError:
+        raise
     except Exception as e:  # (URLError, HTTPError, a timeout, a reset)
         raise InvalidRequestError(f"the {kind} at {url} cannot be fetched: {e}", param=f"{kind}_url") from None
     if len(data) > max_bytes:
         raise InvalidRequestError(f"the {kind} at {url} is larger than {max_bytes >> 20} MiB", param=f"{kind}_url")
     return data
+
+
+def _check_domain(url: str, kind: str, domains: frozenset[str] | None) -> None:
+    """InvalidRequestError where `url`'s host is not among `domains` (vLLM's
+    `allowed_media_domains`: exact host names, any case); None allows every host."""
+    if domains is None:
+        return
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in domains:
+        raise InvalidRequestError(f"the {kind} at {url}: {host!r} is not among the allowed media domains "
+                                  "(--allowed-media-domains)", param=f"{kind}_url")
 
 
 @dataclass(frozen=True)
@@ -297,6 +315,7 @@ class ImageProcessor:
     # The most images and videos a prompt may hold (`limit_mm_per_prompt`; None: no limit).
     max_images: int | None = None
     max_videos: int | None = None
+    allowed_media_domains: frozenset[str] | None = None  # (the hosts URLs may name; None: any)
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -458,14 +477,14 @@ class ImageProcessor:
         from PIL import Image
 
         if self.frames is not None and self.sampling is not None:  # LLaVA-OneVision's: each frame as an image
-            frames, fps, times = load_video(video, self.sampling, allowed_local_media_path)
+            frames, fps, times = load_video(video, self.sampling, allowed_local_media_path, self.allowed_media_domains)
             values = np.stack([self.frames._one(Image.fromarray(f)) for f in frames])
             tensor = torch.from_numpy(np.ascontiguousarray(values))
             digest = hashlib.sha256(tensor.numpy().tobytes() + b"video").digest()
             return Pixels(tensor, digest, frames[0].shape[:2], fps, tuple(times))
         if not self.video_min_pixels or self.sampling is None:
             raise InvalidRequestError("this model reads no videos", param="video")
-        frames, fps, times = load_video(video, self.sampling, allowed_local_media_path)
+        frames, fps, times = load_video(video, self.sampling, allowed_local_media_path, self.allowed_media_domains)
         height, width = frames[0].shape[:2]
         n, t, most = len(frames), self.temporal_patch_size, self.video_max_pixels
         if self.sampling.rule == "qwen3":  # (the bounds are the whole video's; the cap, each frame's)

@@ -116,8 +116,8 @@ def sample_indices(total: int, native_fps: float, sampling: VideoSampling) -> li
     return [int(i * step) for i in range(n)]  # (HF's `torch.arange(0, total, total / n).int()`)
 
 
-def load_video(video: Video, sampling: VideoSampling, allowed_local_media_path: str | None = None
-               ) -> tuple[list[np.ndarray], float, list[float]]:
+def load_video(video: Video, sampling: VideoSampling, allowed_local_media_path: str | None = None,
+               domains: frozenset[str] | None = None) -> tuple[list[np.ndarray], float, list[float]]:
     """A video's frames (`[height, width, 3]` uint8 each, one size), their rate a second, and
     each one's time in the video (seconds); InvalidRequestError if it cannot be read."""
     import numpy as np
@@ -135,14 +135,14 @@ def load_video(video: Video, sampling: VideoSampling, allowed_local_media_path: 
             frames = [np.asarray(f, dtype=np.uint8) for f in source]
         else:
             frames = [f.astype(np.uint8) if isinstance(f, np.ndarray)
-                      else np.asarray(load_image(f, allowed_local_media_path)) for f in source]
+                      else np.asarray(load_image(f, allowed_local_media_path, domains)) for f in source]
         if not frames:
             raise InvalidRequestError("the video has no frames", param="video")
         if any(f.shape != frames[0].shape or f.ndim != 3 or f.shape[-1] != 3 for f in frames):
             raise InvalidRequestError("a video's frames are RGB pictures of one size", param="video")
         fps = float(video.fps or DEFAULT_FPS)
         return frames, fps, [k / fps for k in range(len(frames))]
-    data = image_bytes(source, allowed_local_media_path, MAX_VIDEO_BYTES, "video")
+    data = image_bytes(source, allowed_local_media_path, MAX_VIDEO_BYTES, "video", domains)
 
     kept: list[int] = []
 

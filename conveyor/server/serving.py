@@ -888,7 +888,9 @@ class ChatCompletionHandler(_Handler):
 
         def pixels(url: tuple[str, str]) -> Pixels:
             kind, source = url
-            return processor.video(Video(source)) if kind == "video" else processor(load_image(image_bytes(source)))
+            if kind == "video":
+                return processor.video(Video(source))
+            return processor(load_image(image_bytes(source, domains=processor.allowed_media_domains)))
 
         self._fetched = dict(zip(urls, await asyncio.gather(*(asyncio.to_thread(pixels, url) for url in urls)),
                                  strict=True))

@@ -398,3 +398,67 @@ def test_the_server_makes_pixels_before_the_engine(llava):
     made, path = handler.prompts()[0].images
     assert isinstance(made, Pixels) and path == "/some/file.png"
     assert made.digest == llm.engine.image_processor(image).digest
+
+
+def test_allowed_media_domains(llava, tmp_path):
+    """vLLM's `allowed_media_domains`: an image URL of a host outside the list is refused by name
+    (in the engine and in the server's front end, before anything is fetched), one of a listed
+    host is read, and a redirect off the list is refused; without the option, any host."""
+    import asyncio
+    import http.server
+    import threading
+    from types import SimpleNamespace
+
+    from conveyor.config import ConfigError
+    from conveyor.server.protocol import ChatCompletionRequest
+    from conveyor.server.serving import ChatCompletionHandler
+    from tests.conftest import build_tiny_model
+
+    image = picture(41)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    png = buf.getvalue()
+    fetched: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            fetched.append(self.path)
+            if self.path == "/away":  # (to the same server under another host name)
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/cat.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{site.server_address[1]}"
+    try:
+        want = LLM(str(llava), dtype="float32").generate(ImagePrompt([1, IMAGE_TOKEN, 40], (image,)), PARAMS,
+                                                         use_tqdm=False)[0].outputs[0].token_ids
+        shut = LLM(str(llava), dtype="float32", allowed_media_domains=["example.com"])
+        with pytest.raises(InvalidRequestError, match=r"'127\.0\.0\.1' is not among the allowed media domains"):
+            shut.generate(ImagePrompt([1, IMAGE_TOKEN, 40], (f"{url}/cat.png",)), PARAMS, use_tqdm=False)
+        state = SimpleNamespace(engine=shut.engine, loras={}, model_name="m", tool_parser=None,
+                                config=SimpleNamespace(reasoning_parser=None))
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"{url}/cat.png"}}, {"type": "text", "text": "w41"}]}]})
+        with pytest.raises(InvalidRequestError, match="not among the allowed media domains"):
+            asyncio.run(ChatCompletionHandler(state, body).fetch_images())  # type: ignore[arg-type]
+        assert fetched == []  # (nothing was fetched)
+        listed = LLM(str(llava), dtype="float32", allowed_media_domains=["127.0.0.1"])
+        got = listed.generate(ImagePrompt([1, IMAGE_TOKEN, 40], (f"{url}/cat.png",)), PARAMS, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want
+        with pytest.raises(InvalidRequestError, match="'localhost' is not among"):
+            listed.generate(ImagePrompt([1, IMAGE_TOKEN, 40], (f"{url}/away",)), PARAMS, use_tqdm=False)
+        assert listed.generate([1, 5, 6], PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # (serving goes on)
+    finally:
+        site.shutdown()
+    with pytest.raises(ConfigError, match="reads no images"):
+        LLM(str(build_tiny_model(tmp_path / "text", "llama")), dtype="float32", allowed_media_domains=["example.com"])
