@@ -635,11 +635,15 @@ class Engine:
         processor.check_counts(len(prompt.images) - len(videos), len(videos))
         if videos and not vision.reads_videos:
             raise InvalidRequestError("this model reads no videos (the Qwen-VLs and LLaVA-OneVision do)", param="video")
-        pixels = [p if isinstance(p, Pixels) else processor(load_image(p, local, processor.allowed_media_domains))
+        loaded = [p if isinstance(p, Pixels) else load_image(p, local, processor.allowed_media_domains)
                   for p in prompt.images if not isinstance(p, Video) and not (isinstance(p, Pixels) and p.fps)]
+        pixels = [p if isinstance(p, Pixels) else processor(p) for p in loaded]
+        crops = [[] if isinstance(p, Pixels) else [processor(c) for c in processor.crops(p)] for p in loaded]
         if vision.style == "llava_onevision" and len(pixels) > 1:  # (HF's processor: no tiles among several)
             pixels = [p.whole_only() for p in pixels]
         text, ids = self.tokenize_prompt(prompt.prompt)
+        if any(crops):
+            ids, pixels = self._pan_and_scan(ids, pixels, crops)
         layouts = [vision.image_layout(p) for p in pixels]
         if videos:  # (the images and videos as their placeholders come, each video's span of video tokens)
             ids, pixels, layouts = self._place_videos(ids, pixels, [v if isinstance(v, Pixels) else processor.video(v, local)
@@ -653,6 +657,41 @@ class Engine:
                 f"an image is {spans[0].length} tokens that a step computes together, more than "
                 f"max_num_batched_tokens={sc.max_num_batched_tokens}", param="image")
         return text, ids, spans
+
+    def _pan_and_scan(self, ids: list[int], images: list[Pixels], crops: list[list[Pixels]]
+                      ) -> tuple[list[int], list[Pixels]]:
+        """Gemma 3's pan and scan: each image with crops read as HF's processor writes it, "Here
+        is the original image <start_of_image> and here are some crops to help you see better"
+        and a `<start_of_image>` a crop (each then framed as any image), in place of its
+        placeholder; the images and crops in the order of their placeholders."""
+        vision = self.arch.vision  # type: ignore[attr-defined]
+        boi = vision.placeholder_id
+        if len(images) != ids.count(boi):  # (`expand_image_tokens` says how they do not pair up)
+            return ids, images
+        if self.tokenizer is None:
+            raise InvalidRequestError("Gemma 3's pan and scan needs the tokenizer: its crops are introduced in text",
+                                      param="image")
+        mark = self.tokenizer.hf.convert_ids_to_tokens(boi)
+        out: list[int] = []
+        placed: list[Pixels] = []
+        pending = iter(zip(images, crops, strict=True))
+        for t in ids:
+            if t != boi:
+                out.append(t)
+                continue
+            image, its = next(pending)
+            placed += [image, *its]
+            if not its:
+                out.append(t)
+                continue
+            text = (f"Here is the original image {mark} and here are some crops to help you see better "
+                    + " ".join([mark] * len(its)))
+            written = self.tokenizer.encode(text, add_special_tokens=False)
+            if written.count(boi) != 1 + len(its):
+                raise InvalidRequestError(f"this tokenizer does not keep {mark} whole: pan and scan cannot place "
+                                          "the crops", param="image")
+            out += written
+        return out, placed
 
     def _place_videos(self, ids: list[int], images: list[Pixels], videos: list[Pixels]
                       ) -> tuple[list[int], list[Pixels], list[list[int] | None]]:

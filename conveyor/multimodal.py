@@ -163,6 +163,10 @@ def as_image_prompt(prompt: Any) -> Any:
     return ImagePrompt(text, images, prompt.get("mm_processor_kwargs")) if images else text
 
 
+PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                "pan_and_scan_min_ratio_to_activate")  # (Gemma 3's processor's options)
+
+
 def processor_kwargs(value: Any) -> dict[str, Any] | None:
     """`mm_processor_kwargs` as given: an object, a JSON object's text (the command line's), or
     None; InvalidRequestError for anything else."""
@@ -316,6 +320,12 @@ class ImageProcessor:
     max_images: int | None = None
     max_videos: int | None = None
     allowed_media_domains: frozenset[str] | None = None  # (the hosts URLs may name; None: any)
+    # Gemma 3's pan and scan (`crops`): an image whose aspect passes `pan_min_ratio` also read
+    # as 2 to `pan_max_crops` crops of at least `pan_min_crop` pixels a side, where on.
+    pan_and_scan: bool | None = None  # (None: not Gemma 3's processing)
+    pan_min_crop: int = 256
+    pan_max_crops: int = 4
+    pan_min_ratio: float = 1.2
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -335,6 +345,12 @@ class ImageProcessor:
                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
         cfg |= _preprocessor_config(folder)
         processor = cls._from_config(cfg, vision)
+        if vision.style == "gemma3":
+            processor = dataclasses.replace(
+                processor, pan_and_scan=bool(cfg.get("do_pan_and_scan") or False),
+                pan_min_crop=int(cfg.get("pan_and_scan_min_crop_size") or 256),
+                pan_max_crops=int(cfg.get("pan_and_scan_max_num_crops") or 4),
+                pan_min_ratio=float(cfg.get("pan_and_scan_min_ratio_to_activate") or 1.2))
         if vision.reads_videos:  # (LLaVA-OneVision's)
             processor = dataclasses.replace(processor, sampling=VideoSampling(max_frames=32, rule="uniform"),
                                             frames=cls._onevision_frames(folder, vision))
@@ -561,6 +577,29 @@ class ImageProcessor:
             array = _center_crop(array, *self.crop)
         return self._scale(array)
 
+    def crops(self, image: Any) -> list[Any]:
+        """Gemma 3's pan and scan (HF's `pan_and_scan`): where on and the picture is wider (or
+        taller) than `pan_min_ratio` to one, the crops across its long side, as many as its
+        aspect rounded (2 to `pan_max_crops`, none narrower than `pan_min_crop`), each
+        ceil(side / n) pixels (the last cut at the edge); none otherwise."""
+        import numpy as np
+        from PIL import Image
+
+        if not self.pan_and_scan:
+            return []
+        width, height = image.width, image.height
+        long, short = (width, height) if width >= height else (height, width)
+        if long / short < self.pan_min_ratio:
+            return []
+        n = min(self.pan_max_crops, max(2, min(math.floor(long / self.pan_min_crop), math.floor(long / short + 0.5))))
+        cols, rows = (n, 1) if width >= height else (1, n)
+        cw, ch = math.ceil(width / cols), math.ceil(height / rows)
+        if min(cw, ch) < self.pan_min_crop:
+            return []
+        array = np.asarray(image)
+        return [Image.fromarray(array[r * ch : (r + 1) * ch, c * cw : (c + 1) * cw]) for r in range(rows)
+                for c in range(cols)]
+
     def check_counts(self, images: int, videos: int) -> None:
         """InvalidRequestError where a prompt holds more images or videos than `limit_mm_per_prompt`."""
         for kind, n, most in (("image", images, self.max_images), ("video", videos, self.max_videos)):
@@ -609,6 +648,8 @@ class ImageProcessor:
             raise InvalidRequestError("mm_processor_kwargs is an object of the processor's options", param=param)
         qwen = self.sampling is not None and self.sampling.rule != "uniform"
         image_keys = {"min_pixels", "max_pixels"} if self.factor and not self.longest_edge else set()
+        if self.pan_and_scan is not None:
+            image_keys = set(PAN_AND_SCAN)
         video_keys = ({"min_pixels", "max_pixels", "fps", "min_frames", "max_frames", "num_frames"} if qwen
                       else {"num_frames"} if self.sampling is not None else set())
         kinds: dict[str, dict[str, Any]] = {"image": {}, "video": {}}
@@ -632,9 +673,15 @@ class ImageProcessor:
                     kinds[kind][key] = value
         for opts in kinds.values():
             for k, v in opts.items():
-                if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0 or (k != "fps" and v != int(v)):
+                if k == "do_pan_and_scan":
+                    if not isinstance(v, bool):
+                        raise InvalidRequestError(f"mm_processor_kwargs: do_pan_and_scan is true or false, not {v!r}",
+                                                  param=param)
+                    continue
+                whole = k not in ("fps", "pan_and_scan_min_ratio_to_activate")
+                if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0 or (whole and v != int(v)):
                     raise InvalidRequestError(f"mm_processor_kwargs: {k} is a positive "
-                                              f"{'number' if k == 'fps' else 'whole number'}, not {v!r}", param=param)
+                                              f"{'whole number' if whole else 'number'}, not {v!r}", param=param)
             if "fps" in opts and "num_frames" in opts:
                 raise InvalidRequestError("mm_processor_kwargs: fps and num_frames are two ways to choose a video's "
                                           "frames: give one", param=param)
@@ -643,6 +690,12 @@ class ImageProcessor:
                                   max_pixels=int(image.get("max_pixels", self.max_pixels)),
                                   video_min_pixels=int(video.get("min_pixels", self.video_min_pixels)),
                                   video_max_pixels=int(video.get("max_pixels", self.video_max_pixels)))
+        if self.pan_and_scan is not None and image:
+            out = dataclasses.replace(
+                out, pan_and_scan=bool(image.get("do_pan_and_scan", self.pan_and_scan)),
+                pan_min_crop=int(image.get("pan_and_scan_min_crop_size", self.pan_min_crop)),
+                pan_max_crops=int(image.get("pan_and_scan_max_num_crops", self.pan_max_crops)),
+                pan_min_ratio=float(image.get("pan_and_scan_min_ratio_to_activate", self.pan_min_ratio)))
         if out.min_pixels > out.max_pixels or out.video_min_pixels > out.video_max_pixels:
             raise InvalidRequestError("mm_processor_kwargs: min_pixels is more than max_pixels", param=param)
         if self.sampling is not None and video.keys() - {"min_pixels", "max_pixels"}:

@@ -220,7 +220,7 @@ class _Handler:
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
-        self._fetched: dict[tuple[str, str], Pixels] = {}  # images and videos made pixels by URL (`fetch_images`)
+        self._fetched: dict[tuple[str, str], Pixels | bytes] = {}  # media made pixels (or fetched) by URL
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
@@ -886,11 +886,14 @@ class ChatCompletionHandler(_Handler):
         processor.check_counts(len(items) - videos, videos)  # (before anything is fetched)
         processor = processor.overridden(self.body.mm_processor_kwargs)
 
-        def pixels(url: tuple[str, str]) -> Pixels:
+        def pixels(url: tuple[str, str]) -> Pixels | bytes:
             kind, source = url
             if kind == "video":
                 return processor.video(Video(source))
-            return processor(load_image(image_bytes(source, domains=processor.allowed_media_domains)))
+            data = image_bytes(source, domains=processor.allowed_media_domains)
+            if processor.pan_and_scan:  # (the engine crops the picture itself: the bytes, fetched)
+                return data
+            return processor(load_image(data))
 
         self._fetched = dict(zip(urls, await asyncio.gather(*(asyncio.to_thread(pixels, url) for url in urls)),
                                  strict=True))

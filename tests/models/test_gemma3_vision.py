@@ -219,3 +219,91 @@ def test_two_tensor_parallel_ranks_equal_one(gemma3):
     for a, b in zip(two.generate(requests(), PARAMS, use_tqdm=False), one, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-6)
+
+
+PAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}  # (the pictures here are small)
+
+
+def test_pan_and_scan_crops_match_hf(gemma3):
+    """`do_pan_and_scan` (an `mm_processor_kwargs` option, or the folder's): a wide or tall
+    picture is also read as crops across its long side, HF's `Gemma3ImageProcessor` crops and
+    pixels to 1e-6; a near-square one gets none; the option off, none."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    llm = LLM(str(gemma3), dtype="float64", num_kv_blocks=128)
+    theirs = Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, resample=2, image_mean=[0.5] * 3,
+                                     image_std=[0.5] * 3, pan_and_scan_max_num_crops=4,
+                                     pan_and_scan_min_ratio_to_activate=1.2, **PAN)  # (Gemma3Processor's defaults)
+    processor = llm.engine.image_processor
+    assert processor.pan_and_scan is False and processor.crops(picture(0, (200, 50))) == []
+    on = processor.overridden(PAN)
+    for seed, size, want_crops in [(0, (200, 50), 4), (1, (50, 130), 3), (2, (80, 75), 0), (3, (250, 40), 4), (4, (90, 70), 2)]:
+        image = picture(seed, size)
+        crops = on.crops(image)
+        want = theirs(image, return_tensors="np")
+        assert len(crops) == want["num_crops"][0] == want_crops
+        ours = torch.stack([on(image).values, *(on(c).values for c in crops)])
+        torch.testing.assert_close(ours, torch.from_numpy(want["pixel_values"]), rtol=0, atol=1e-6)
+    for bad, match in [({"do_pan_and_scan": 1}, "true or false"), ({"pan_and_scan_max_num_crops": 1.5}, "whole"),
+                       ({"min_pixels": 10}, "not an option")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            processor.overridden(bad)
+
+
+def test_pan_and_scan_greedy_tokens_match_hf(gemma3):
+    """A prompt whose picture has crops is written as HF's processor writes it ("Here is the
+    original image" and the image, "and here are some crops to help you see better" and each
+    crop, every one framed as an image), and HF's model given the picture and its crops gives
+    the same greedy tokens; from the request's `mm_processor_kwargs` and the engine's alike."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    hf = Gemma3ForConditionalGeneration.from_pretrained(gemma3, dtype=torch.float64, attn_implementation="eager").eval()
+    llm = LLM(str(gemma3), dtype="float64", num_kv_blocks=256)
+    image = picture(5, (180, 60))  # 3 crops
+    prompt = {"prompt_token_ids": [1, 40, BOI, 41], "multi_modal_data": {"image": image}, "mm_processor_kwargs": PAN}
+    _, ids, spans = llm.engine.prepare_prompt(prompt)
+    sequence = "\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\n"  # (HF's full_image_sequence)
+    hf_text = (f"Here is the original image {sequence} and here are some crops to help you see better "
+               + " ".join([sequence] * 3))
+    assert ids == [1, 40, *llm.tokenizer.encode(hf_text, add_special_tokens=False), 41]
+    assert len(spans) == 4 and all(s.length == 16 and s.bidirectional for s in spans)
+    x = torch.tensor([ids])
+    gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, token_type_ids=(x == IMAGE).long(),
+                      pixel_values=torch.stack([s.pixels.values for s in spans]).double())
+    want = gen[0, x.shape[1]:].tolist()
+    assert llm.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == want
+    engine_wide = LLM(str(gemma3), dtype="float64", num_kv_blocks=256, mm_processor_kwargs=PAN)
+    got = engine_wide.generate(ImagePrompt([1, 40, BOI, 41], (image,)), PARAMS, use_tqdm=False)[0]
+    assert got.prompt_token_ids == llm.generate(prompt, PARAMS, use_tqdm=False)[0].prompt_token_ids
+    assert got.outputs[0].token_ids == want
+    plain = llm.generate(ImagePrompt([1, 40, BOI, 41], (image,)), PARAMS, use_tqdm=False)[0]  # (off: no crops)
+    assert plain.prompt_token_ids.count(BOI) == 1
+
+
+def test_pan_and_scan_over_the_chat_api(gemma3):
+    """With pan and scan on, the server's front end fetches a data URL's picture but leaves it
+    whole for the engine, which crops it: the chat API's prompt is `LLM.chat`'s."""
+    import asyncio
+    import base64
+    import io
+    from types import SimpleNamespace
+
+    from conveyor.server.protocol import ChatCompletionRequest
+    from conveyor.server.serving import ChatCompletionHandler
+
+    llm = LLM(str(gemma3), dtype="float64", num_kv_blocks=256, mm_processor_kwargs=PAN)
+    image = picture(6, (160, 50))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "w41"}]}]
+    state = SimpleNamespace(engine=llm.engine, loras={}, model_name="m", tool_parser=None,
+                            config=SimpleNamespace(reasoning_parser=None))
+    handler = ChatCompletionHandler(state, ChatCompletionRequest.model_validate({"messages": messages}))
+    asyncio.run(handler.fetch_images())
+    prompt = handler.prompts()[0]
+    assert prompt.images == (buf.getvalue(),)  # (fetched, not yet pixels)
+    _, ids, spans = llm.engine.prepare_prompt(prompt.engine_prompt)
+    assert len(spans) == 4 and ids == llm.chat(messages, PARAMS, use_tqdm=False)[0].prompt_token_ids
