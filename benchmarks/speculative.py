@@ -17,11 +17,21 @@ their times is the speedup. Workloads, chat-templated:
     python benchmarks/speculative.py --eagle results/eagle3-smollm2-big --eagle-tree "[(0,), (1,)]" --no-ngram
     python benchmarks/speculative.py --eagle results/eagle3-smollm2 --eagle-dynamic 2,3,6 --no-ngram
     python benchmarks/speculative.py --unchained   # beside each, its steps with guesses as modules
+
+`--temperature T` samples instead (every request to `--max-tokens`, the engines' tokens then
+differ, so the ratio is of times for as many tokens). A draft model's guesses for unseeded
+sampled requests are drawn from its distribution and kept by speculative sampling; `--seeded`
+gives each request a seed, which keeps greedy guesses matched against the sampled tokens (the
+tokens of decoding one at a time): the two runs compare the two ways of verifying.
+
+    python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram --temperature 0.8
+    python benchmarks/speculative.py --draft-model self --draft-quantization int8 --no-ngram --temperature 0.8 --seeded
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -109,6 +119,8 @@ def main() -> None:
     ap.add_argument("--unchained", action="store_true",
                     help="beside each speculative engine, the same with its verification steps as modules "
                          "(CONVEYOR_CHAINED_DECODE=0: not as chained decodes in the native call)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (see above)")
+    ap.add_argument("--seeded", action="store_true", help="sampled requests with seeds (see above)")
     ap.add_argument("--kv-cache-mib", type=int, default=None,
                     help="each engine's KV cache (default: the engine's, 2 GiB; many engines need less)")
     args = ap.parse_args()
@@ -153,7 +165,8 @@ def main() -> None:
     if args.draft_cost is not None:
         add(f"ngram, draft cost {args.draft_cost}", speculative_method="ngram",
             num_speculative_tokens=args.num_speculative_tokens, speculative_draft_cost=args.draft_cost)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    sampled = args.temperature > 0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=sampled)
     for _, llm in engines:  # warm-up
         llm.chat(conversations("echo", 1), SamplingParams(max_tokens=8), use_tqdm=False)
 
@@ -170,7 +183,9 @@ def main() -> None:
                     sched = llm.engine.scheduler
                     d0, a0 = sched.num_draft_tokens, sched.num_accepted_tokens
                     t = time.perf_counter()
-                    outs = llm.chat(convs, params, use_tqdm=False)
+                    each = ([dataclasses.replace(params, seed=1000 * rnd + i) for i in range(len(convs))]
+                            if args.seeded else params)
+                    outs = llm.chat(convs, each, use_tqdm=False)
                     times[name].append(time.perf_counter() - t)
                     outputs[name] = [o.outputs[0].token_ids for o in outs]
                     steps = sum(len(set(o.metrics.token_times)) for o in outs)  # steps that gave tokens

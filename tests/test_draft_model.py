@@ -240,3 +240,61 @@ def test_a_draft_model_from_a_path_and_int8(smollm2):
     assert got == want
     sched = llm.engine.scheduler
     assert sched.num_accepted_tokens > sched.num_draft_tokens / 2
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """`_speculative_sampling` over fixed target rows p and draft rows q (5 tokens, 2 guesses
+    drawn from q, the bonus from the last p row): the first token given is distributed as p0
+    and the second as p1, to within sampling error over 40,000 chains, whatever q; a guess
+    with q = p is always kept."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from conveyor.runner.model_runner import ModelRunner
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(3, 5, generator=g) * 1.5, dim=-1).double()
+    q = torch.softmax(torch.randn(2, 5, generator=g) * 1.5, dim=-1).double()
+    me = SimpleNamespace(sampler=SimpleNamespace(generator=g))
+    trials = 40_000
+    guesses = torch.multinomial(q, trials, replacement=True, generator=g).T.tolist()  # [trials, 2]
+    bonus = torch.multinomial(p[2], trials, replacement=True, generator=g).tolist()
+    first, second = torch.zeros(5), torch.zeros(5)
+    kept = 0
+    for guess, b in zip(guesses, bonus, strict=True):
+        out = ModelRunner._speculative_sampling(me, guess, p, q, b)  # type: ignore[arg-type]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+        kept += len(out) - 1
+    assert (first / trials - p[0].float()).abs().max() < 0.012
+    assert (second / second.sum() - p[1].float()).abs().max() < 0.015
+    # (a guess is kept with probability sum(min(p, q)), 1 minus their total variation distance)
+    assert kept / trials == pytest.approx(float(torch.minimum(p[0], q[0]).sum()) * (1 + float(
+        torch.minimum(p[1], q[1]).sum())), abs=0.02)
+    same = ModelRunner._speculative_sampling(me, [2, 4], p, p[:2].clone(), 1)  # type: ignore[arg-type]
+    assert same == [2, 4, 1]
+
+
+def test_sampled_drafts_are_kept_by_speculative_sampling(target, drafts):
+    """Unseeded sampled requests draw their guesses from the draft's distribution: the model
+    drafting for itself has nearly every guess kept (p = q), where greedy guesses matched
+    against sampled tokens keep far fewer (the seeded requests, which still draft greedily,
+    give the tokens of decoding one at a time); the noisy draft's requests run to their end."""
+    prompts, _ = requests(16, seed=11)
+    sampled = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, ignore_eos=True) for _ in prompts]
+    seeded = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    rates = {}
+    for name, params in (("sampled", sampled), ("seeded", seeded)):
+        eng = engine(target, drafts["self"], num_speculative_tokens=4)
+        outs = run(eng, prompts, params)
+        assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+        rates[name] = eng.scheduler.num_accepted_tokens / eng.scheduler.num_draft_tokens
+        if name == "seeded":
+            assert tokens(outs) == tokens(run(engine(target), prompts, seeded))
+    assert rates["sampled"] > 0.97 and rates["seeded"] < 0.8 * rates["sampled"], rates
+    eng = engine(target, drafts["noisy"], num_speculative_tokens=4)
+    outs = run(eng, prompts, sampled)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs) and eng.scheduler.num_accepted_tokens > 0

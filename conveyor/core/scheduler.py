@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.batching import QueueState, make_batching
@@ -64,6 +65,10 @@ class ScheduledSequence:
     tree: TokenTree | None = None
     tree_depth: int = 0
     images: tuple[ImageSpan, ...] = ()  # where the prompt's image tokens are (conveyor/multimodal.py)
+    # A draft model's distributions its guesses were drawn from (`[num_draft, vocab]`, the
+    # drafter's): the target accepts each by speculative sampling. None: greedy guesses, each
+    # kept where it equals the token the target samples.
+    draft_probs: Any = None
 
     @property
     def num_tokens(self) -> int:

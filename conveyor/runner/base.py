@@ -30,6 +30,9 @@ class RunnerOutput:
     # float32 at least) of an embedding request whose prompt the step completed.
     pooled: dict[int, Any] = field(default_factory=dict)
     duration_s: float = 0.0  # measured (ModelRunner) or simulated (SimRunner) step time
+    # A draft model's runner (`keep_logits`): each sampled sequence's logits row, for the
+    # drafter to draw its guess from.
+    logits: dict[int, Any] | None = None
 
 
 class Runner(Protocol):

@@ -2,8 +2,12 @@
 
 The scheduler gives each drafting sequence `k` placeholder drafts and the blocks for them
 (`DraftModelProposer`); `Drafter.fill` then runs the draft model over all of the step's
-drafting sequences at once, `k` batched steps, and writes its greedy guesses into the
-placeholders. The target model verifies them as any drafts (`core/speculative.py`).
+drafting sequences at once, `k` batched steps, and writes its guesses into the placeholders:
+greedy ones, which the target keeps where they equal the tokens it samples (`core/speculative.py`),
+or, for a sampled request (not seeded, no logprobs), guesses drawn from the draft's own
+distribution at the request's temperature, top-k and top-p, which the target keeps by
+speculative sampling (`ModelRunner._speculative_sampling`): more of them are kept than of greedy
+guesses, and the tokens are distributed as the target's.
 
 The draft has a KV cache of its own, in the target's blocks: the same block ids, the same
 slots, another tensor (vLLM's draft worker shares the target's block tables the same way). So
@@ -44,13 +48,22 @@ class _Fed:
     guesses: list[int]
 
 
+def draws_guesses(params: SamplingParams) -> bool:
+    """Whether a request's guesses are drawn from the draft's distribution (speculative
+    sampling): sampled, unseeded (a seeded request's tokens stay those of decoding one at a
+    time), and without logprobs (its kept tokens' would be the target's draws')."""
+    return not params.greedy and params.seed is None and params.logprobs is None
+
+
 class Drafter:
-    """Fills a step's draft placeholders with a draft model's greedy guesses."""
+    """Fills a step's draft placeholders with a draft model's guesses."""
 
     def __init__(self, runner: Runner) -> None:
         # The draft model's own runner and KV cache (`ModelRunner`), or a simulator's runner
         # that prices the draft's steps (`conveyor/sim/engine.py`): no torch here.
         self.runner = runner
+        if hasattr(runner, "keep_logits"):  # (the logits rows a drawn guess comes from)
+            runner.keep_logits = True
         self._fed: dict[int, _Fed] = {}
         self.num_fed_tokens = 0  # tokens the draft has computed (its prefills and guesses)
         self.last_duration_s = 0.0  # the last `fill`'s draft steps, as their runner timed them
@@ -73,6 +86,9 @@ class Drafter:
         batch = [self._first(it) for it in drafting]
         want = {it.seq_id: it.num_draft for it in drafting}
         guesses: dict[int, list[int]] = {it.seq_id: [] for it in drafting}
+        params = {it.seq_id: it.sampling_params for it in drafting}
+        drawn: dict[int, list[Any]] = {it.seq_id: [] for it in drafting
+                                        if it.tree is None and draws_guesses(it.sampling_params)}
         step_id = scheduler_output.step_id
         while batch:
             self.num_fed_tokens += sum(len(d.token_ids) for d in batch)
@@ -82,7 +98,11 @@ class Drafter:
             following = []
             for d in batch:
                 mine = guesses[d.seq_id]
-                mine.append(token := sampled[d.seq_id])
+                token = sampled[d.seq_id]
+                logits = getattr(out, "logits", None)  # (a draft model's runner keeps them; a head's, none)
+                if d.seq_id in drawn and logits is not None:
+                    token = self._draw(logits[d.seq_id], params[d.seq_id], drawn[d.seq_id])
+                mine.append(token)
                 if len(mine) < want[d.seq_id]:
                     following.append(
                         ScheduledSequence(d.seq_id, [token], d.context_len, d.block_table, True,
@@ -93,6 +113,26 @@ class Drafter:
             mine = guesses[it.seq_id]
             it.token_ids[1:] = mine
             self._fed[it.seq_id] = self._after(it, mine)
+            rows = drawn.get(it.seq_id)
+            if rows and len(rows) == len(mine):
+                import torch
+
+                it.draft_probs = torch.stack(rows)
+
+    def _draw(self, logits: Any, params: SamplingParams, rows: list[Any]) -> int:
+        """A guess drawn from the draft's distribution for `params` (its temperature, top-k and
+        top-p over `logits`), that distribution kept in `rows`."""
+        import torch
+
+        from conveyor.runner.sampler import Sampler
+
+        scaled = logits.float()[None] / params.temperature
+        if params.top_k > 0 or params.top_p < 1.0:
+            scaled = Sampler._top_k_top_p(scaled, [params])
+        q = torch.softmax(scaled[0], dim=-1)
+        rows.append(q)
+        generator = getattr(getattr(self.runner, "sampler", None), "generator", None)
+        return int(torch.multinomial(q, 1, generator=generator))
 
     def _run(self, step_id: int, batch: list[ScheduledSequence]) -> Any:
         """One draft step over `batch` (its `sampled` and `duration_s` are read)."""

@@ -160,6 +160,7 @@ class ModelRunner:
         # Spans of up to this many tokens may run as one-token decodes side by side (`_chains`;
         # a draft model's runner: the tokens it catches up on at a round's start).
         self.chain_max_span = 0
+        self.keep_logits = False  # (a draft model's runner: each step's logits rows in its output)
         self.chain_steps = os.environ.get("CONVEYOR_CHAINED_DECODE", "1") != "0"  # (off: spans as modules)
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
@@ -478,14 +479,17 @@ class ModelRunner:
             logits, greedy = logits[rows], greedy[rows]
         # Drafting: seeded generators draw a row per position, and give back those not kept.
         states = self._generator_states(samplers, batch) if drafting else None
+        probs = None  # (the rows' distributions: a step that verifies sampled drafts)
         if (greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None
                 and batch.allowed is None and batch.bias is None):
             tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
+        elif drafting and any(it.draft_probs is not None for it in samplers):  # (speculative sampling)
+            tokens, logprobs, probs = self.sampler.sample_with_probs(logits, batch)
         else:
             tokens, logprobs = self.sampler.sample(logits, batch)
         if drafting:
             self._last_tokens, self._last_rows, self._last_handle = None, {}, None
-            output = self._verify(samplers, tokens.tolist(), logprobs, states)
+            output = self._verify(samplers, tokens.tolist(), logprobs, states, probs)
             output.sampled.update(done_pooling)
             output.prompt_logprobs = prompt_lps or {}
             output.pooled = pooled or {}
@@ -495,6 +499,8 @@ class ModelRunner:
         self._last_rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
         handle = StepHandle(RunnerOutput(sampled=done_pooling, prompt_logprobs=prompt_lps or {}, pooled=pooled or {}),
                             start, cuda, seq_ids, tokens)
+        if self.keep_logits:
+            handle.output.logits = {seq_id: logits[i] for i, seq_id in enumerate(seq_ids)}
         if logprobs is not None:
             handle.output.logprobs = {
                 it.seq_id: lp
@@ -754,13 +760,16 @@ class ModelRunner:
         tokens: list[int],
         logprobs: list[tuple[float, TopLogprobs | None]] | None,
         states: dict[int, torch.Tensor] | None,
+        probs: torch.Tensor | None = None,
     ) -> RunnerOutput:
         """Each sequence's tokens of a step with drafts: the token sampled at its first row,
         then, while the draft at a row equals the token sampled at the row before it, the
         token sampled at that row (a token tree: down from the root, while a child of the row
         reached guessed the token sampled there; the kept rows then move into place,
         `_follow_branches`). A seeded sequence's generator is left where one row of noise per
-        kept token leaves it, as if it had decoded them one by one."""
+        kept token leaves it, as if it had decoded them one by one. A chain of guesses drawn
+        from a draft model's distributions (`draft_probs`) is kept by speculative sampling
+        instead (`_speculative_sampling`)."""
         output = RunnerOutput(sampled={})
         moved: list[tuple[ScheduledSequence, list[int]]] = []  # token trees' kept branches off their slots
         row = 0
@@ -780,6 +789,14 @@ class ModelRunner:
                     kept.append(child)
                 if kept[-1] != len(kept) - 1:
                     moved.append((it, kept))
+            if probs is not None and it.draft_probs is not None and it.tree is None:
+                emitted = self._speculative_sampling(guesses[1:n], probs[row : row + n], it.draft_probs,
+                                                     tokens[row + n - 1])
+                output.sampled[it.seq_id] = emitted[0]
+                if len(emitted) > 1:
+                    output.accepted[it.seq_id] = [(t, None) for t in emitted[1:]]
+                row += n
+                continue
             keep = len(kept)
             output.sampled[it.seq_id] = tokens[row]
             if lps is not None:
@@ -797,6 +814,34 @@ class ModelRunner:
         if moved:
             self._follow_branches(moved)
         return output
+
+    def _speculative_sampling(self, guesses: list[int], target: torch.Tensor, draft: torch.Tensor, bonus: int
+                              ) -> list[int]:
+        """The tokens a chain of `guesses` drawn from `draft` (`[k, vocab]`: guess i from row i)
+        gives under the target's distributions `target` (`[k + 1, vocab]`: row i predicts the
+        token after guess i's predecessor), by speculative sampling (Leviathan et al. 2023; Chen
+        et al. 2023): guess i is kept with probability min(1, p_i / q_i) of its token while all
+        before it were; at the first refused, a token is drawn from the normalized positive part
+        of p - q there (p where q covers it), and the chain ends; all kept, `bonus` (the target's
+        own draw from its last row) follows. The tokens so made are distributed as the target's."""
+        k = len(guesses)
+        vocab = target.shape[1]
+        q = draft.to(target.device, torch.float32)
+        if q.shape[1] != vocab:  # (a draft head of another width: no mass outside the target's)
+            q = torch.nn.functional.pad(q, (0, max(0, vocab - q.shape[1])))[:, :vocab]
+        ids = torch.tensor(guesses, device=target.device)
+        rows = torch.arange(k, device=target.device)
+        p_g, q_g = target[rows, ids], q[rows, ids]
+        u = torch.rand(k, generator=self.sampler.generator, device=target.device)
+        refused = (u * q_g >= p_g).tolist()  # (keep with probability p/q: u < p/q, q > 0 for a drawn guess)
+        m = refused.index(True) if True in refused else k
+        if m == k:
+            return [*guesses, bonus]
+        residual = (target[m] - q[m]).clamp_(min=0.0)
+        if not float(residual.sum()) > 0.0:  # (p <= q everywhere: p itself, as the limit has it)
+            residual = target[m]
+        token = int(torch.multinomial(residual, 1, generator=self.sampler.generator))
+        return [*guesses[:m], token]
 
     def _follow_branches(self, moved: list[tuple[ScheduledSequence, list[int]]]) -> None:
         """The K/V (and kept hidden states) of each token tree's kept nodes, written at the slots

@@ -105,6 +105,15 @@ class Sampler:
         Without logprobs nothing here waits for the device: the caller copies the ids to the
         host when it needs them (the one sync of a step). A step that only takes an argmax
         reads the logits in the model's dtype (the same index); anything else in float32."""
+        tokens, logprobs, _ = self.sample_with_probs(logits, batch)
+        return tokens, logprobs
+
+    def sample_with_probs(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, list[tuple[float, TopLogprobs | None]] | None, torch.Tensor | None]:
+        """`sample`, and the distributions the rows were drawn from (`[rows, vocab]` float32,
+        after penalties, bias, mask, temperature and top-k / top-p / min-p; None for an
+        all-greedy batch): speculative sampling's target rows (`ModelRunner._verify`)."""
         if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None and batch.bias is None):
             logits = logits.float()
         raw = logits
@@ -114,10 +123,10 @@ class Sampler:
             logits = logits + batch.bias
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
-        tokens = self.greedy(logits) if batch.all_greedy else self._sample(logits, batch)
+        tokens, probs = (self.greedy(logits), None) if batch.all_greedy else self._sample(logits, batch)
         if batch.max_logprobs is None:
-            return tokens, None
-        return tokens, self._logprobs(raw, tokens, batch)
+            return tokens, None, probs
+        return tokens, self._logprobs(raw, tokens, batch), probs
 
     # -- steps ---------------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -143,7 +152,7 @@ class Sampler:
                 )
         return logits
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         _rows, vocab = logits.shape
         dev = logits.device
         params = batch.params
@@ -177,7 +186,7 @@ class Sampler:
                 else:
                     noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, self.greedy(logits), sampled)
+        return torch.where(greedy, self.greedy(logits), sampled), probs
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
