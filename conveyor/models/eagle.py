@@ -142,7 +142,20 @@ class EagleHead(nn.Module):
 
     def guess(self, hidden: torch.Tensor) -> torch.Tensor:
         """The greedy guesses, as the target's token ids."""
-        return self._target_ids(self.compute_logits(hidden).argmax(dim=-1))
+        return self.pick(self.compute_logits(hidden))
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy guesses of `compute_logits`'s rows, as the target's token ids."""
+        return self._target_ids(logits.argmax(dim=-1))
+
+    def spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """`compute_logits`'s rows over the target's vocabulary: EAGLE-3's draft tokens at the
+        target's ids (`d2t`), -inf at the ids it has none of (a drawn guess is one of its own)."""
+        if not self.eagle3:
+            return logits
+        ids = self._target_ids(torch.arange(logits.shape[-1], device=logits.device))
+        full = logits.new_full((*logits.shape[:-1], self.arch.vocab_size), float("-inf"))
+        return full.index_copy_(-1, ids, logits)
 
     def ranked(self, hidden: torch.Tensor, width: int) -> torch.Tensor:
         """Each row's `width` likeliest guesses, best first (`[rows, width]`, the target's token

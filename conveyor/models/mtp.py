@@ -64,7 +64,15 @@ class MTPLayer(nn.Module):
 
     def guess(self, hidden: torch.Tensor) -> torch.Tensor:
         """The greedy guesses (token ids) after the rows `hidden`."""
-        return self.compute_logits(hidden).argmax(dim=-1)
+        return self.pick(self.compute_logits(hidden))
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy guesses of `compute_logits`'s rows."""
+        return logits.argmax(dim=-1)
+
+    def spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """`compute_logits`'s rows over the model's vocabulary (the layer's is the model's)."""
+        return logits
 
     def combine(self, features: torch.Tensor) -> torch.Tensor:
         """The target's hidden states as the layer reads them: as they are."""

@@ -103,6 +103,7 @@ class _DraftOutput:
     sampled: dict[int, int]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> its last row's output
     duration_s: float = 0.0
+    logits: dict[int, torch.Tensor] | None = None  # (`keep_logits`: each row's, over the model's vocabulary)
 
 
 class MTPRunner:
@@ -112,6 +113,7 @@ class MTPRunner:
     def __init__(self, layer: MTPLayer | EagleHead, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         self.layer = layer
+        self.keep_logits = False  # (the drafter's: a step whose guesses it draws keeps their logits)
         self.block_size = block_size
         self.dtype, self.device = dtype, device
         slots = (num_blocks + 1) * block_size
@@ -131,11 +133,19 @@ class MTPRunner:
         h = self.layer(ids, hidden, meta.positions, self.kv_cache, meta)
         last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
         rows = h[last]
-        tokens = self.layer.guess(rows).tolist() if guess else [0] * len(items)
+        kept = None
+        if guess and self.keep_logits:
+            logits = self.layer.compute_logits(rows)
+            tokens = self.layer.pick(logits).tolist()
+            full = self.layer.spread(logits)
+            kept = {it.seq_id: full[i] for i, it in enumerate(items)}
+        else:
+            tokens = self.layer.guess(rows).tolist() if guess else [0] * len(items)
         return _DraftOutput(
             sampled={it.seq_id: tok for it, tok in zip(items, tokens, strict=True)},
             hidden={it.seq_id: rows[i : i + 1] for i, it in enumerate(items)},
             duration_s=time.perf_counter() - start,
+            logits=kept,
         )
 
 

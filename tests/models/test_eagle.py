@@ -292,3 +292,26 @@ def test_what_a_head_needs_is_checked(target, heads, tmp_path):
     (two / "model.safetensors").write_bytes((heads["eagle1"] / "model.safetensors").read_bytes())
     with pytest.raises(UnsupportedModelError, match="of 2 layers; one is built"):
         LLM(str(target), speculative_method="eagle", speculative_model=str(two))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_sampled_guesses_are_kept_by_speculative_sampling(silent_target, tmp_path, method):
+    """Unseeded sampled requests draw the head's guesses from its distribution and keep them by
+    speculative sampling. With every logit 0 the model's distribution is uniform over its 384
+    tokens; EAGLE's head (the model's own LM head) is too, so every guess is kept (greedy ones
+    would be kept 1 time in 384); EAGLE-3's head is uniform over its 64 tokens, so a guess is
+    kept with probability 64 / 384 (the distributions' overlap), and the chains stay whole."""
+    head = write_head(tmp_path / method, method, seed=7, draft_vocab=64, silent=True)
+    llm = LLM(str(silent_target), dtype="float64", speculative_method=method, speculative_model=str(head),
+              num_speculative_tokens=3, num_kv_blocks=128, block_size=8)
+    params = SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)
+    outs = llm.generate(SHORT * 4, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    scheduler = llm.engine.scheduler
+    rate = scheduler.num_accepted_tokens / scheduler.num_draft_tokens
+    if method == "eagle":
+        assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens > 0
+    else:  # (a round of 3 keeps 1/6 + 1/6^2 + 1/6^3 = 0.199 guesses on average: 0.066 of those verified)
+        assert 0.04 < rate < 0.10, rate
+    assert llm.engine.drafter.store.num_missing == 0
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 200  # (drawn, not the argmax's token 0)

@@ -236,3 +236,15 @@ def deepseek_models(tmp_path_factory):
     from tests.models.test_deepseek import deepseek_models as build
 
     return build.__wrapped__(tmp_path_factory)
+
+
+def test_sampled_guesses_are_kept_by_speculative_sampling(agreeing):
+    """Unseeded sampled requests draw the layer's guesses from its distribution: with every logit
+    0 the model's and the layer's are one uniform distribution, so every drawn guess is kept
+    (a greedy guess, token 0, would be kept 1 time in the vocabulary's size)."""
+    llm = mtp_llm(agreeing, num_speculative_tokens=3)
+    outs = llm.generate(SHORT, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens > 0
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
