@@ -24,18 +24,19 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SIZES = [(30, 25), (70, 90), (50, 20), (90, 90)]  # (width, height): from one tile to 3x3
 
 
-@pytest.fixture(scope="module")
-def onevision(tmp_path_factory):
+def build_tiny_onevision(out, tile: int = TILE, pins=PINS, seed: int = 23, **tokens):
+    """A random-weight `LlavaOnevisionForConditionalGeneration` (a SigLIP tower of 2 layers at
+    `tile` pixels in 14-pixel patches, conftest's TINY text model as Qwen2, `anyres_max_2`) and
+    its image processor's config, saved to `out`; `tokens`: more config (the video token)."""
     import transformers as tf
 
-    out = tmp_path_factory.mktemp("onevision") / "m"
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=TILE, patch_size=PATCH)
+                  num_attention_heads=2, image_size=tile, patch_size=PATCH)
     config = tf.LlavaOnevisionConfig(text_config={**TINY, "model_type": "qwen2"}, vision_config=vision,
-                                     image_token_index=IMAGE_TOKEN, image_grid_pinpoints=PINS,
+                                     image_token_index=IMAGE_TOKEN, image_grid_pinpoints=pins,
                                      vision_aspect_ratio="anyres_max_2", vision_feature_layer=-1,
-                                     vision_feature_select_strategy="full", tie_word_embeddings=False)
-    torch.manual_seed(23)
+                                     vision_feature_select_strategy="full", tie_word_embeddings=False, **tokens)
+    torch.manual_seed(seed)
     model = tf.LlavaOnevisionForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,11 +46,16 @@ def onevision(tmp_path_factory):
     model.save_pretrained(out, safe_serialization=True)
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "LlavaOnevisionImageProcessor", "do_resize": True,
-        "size": {"height": TILE, "width": TILE}, "do_center_crop": None, "do_rescale": True,
+        "size": {"height": tile, "width": tile}, "do_center_crop": None, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-        "resample": 3, "do_pad": True, "image_grid_pinpoints": PINS,
+        "resample": 3, "do_pad": True, "image_grid_pinpoints": pins,
     }))
     return out
+
+
+@pytest.fixture(scope="module")
+def onevision(tmp_path_factory):
+    return build_tiny_onevision(tmp_path_factory.mktemp("onevision") / "m")
 
 
 def picture(seed: int, size):

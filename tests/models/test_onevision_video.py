@@ -17,7 +17,7 @@ import torch
 from conveyor import LLM, ImagePrompt, SamplingParams, Video
 from conveyor.sampling_params import InvalidRequestError
 from conveyor.video import VideoSampling, sample_indices
-from tests.conftest import TINY, save_image_tokenizer
+from tests.conftest import save_image_tokenizer
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -33,30 +33,11 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is strin
 
 @pytest.fixture(scope="module")
 def onevision(tmp_path_factory):
-    import transformers as tf
+    from tests.models.test_llava_onevision import build_tiny_onevision
 
-    out = tmp_path_factory.mktemp("onevision_video") / "m"
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=SIDE, patch_size=PATCH)
-    config = tf.LlavaOnevisionConfig(text_config={**TINY, "model_type": "qwen2"}, vision_config=vision,
-                                     image_token_index=IMAGE, video_token_index=VIDEO, image_grid_pinpoints=PINS,
-                                     vision_aspect_ratio="anyres_max_2", vision_feature_layer=-1,
-                                     vision_feature_select_strategy="full", tie_word_embeddings=False)
-    torch.manual_seed(29)
-    model = tf.LlavaOnevisionForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "vision_tower" in name or "projector" in name or "image_newline" in name:
-                p.normal_(0, 0.2 if p.dim() > 1 else 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    out = build_tiny_onevision(tmp_path_factory.mktemp("onevision_video") / "m", SIDE, PINS, seed=29,
+                               video_token_index=VIDEO)
     save_image_tokenizer(out, {IMAGE: "<image>", VIDEO: "<video>"}, TEMPLATE)
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "LlavaOnevisionImageProcessor", "do_resize": True,
-        "size": {"height": SIDE, "width": SIDE}, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 3, "do_pad": True,
-        "image_grid_pinpoints": PINS,
-    }))
     (out / "video_preprocessor_config.json").write_text(json.dumps({
         "video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": SIDE, "width": SIDE},
         "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 3,
