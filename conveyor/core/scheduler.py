@@ -65,9 +65,9 @@ class ScheduledSequence:
     tree: TokenTree | None = None
     tree_depth: int = 0
     images: tuple[ImageSpan, ...] = ()  # where the prompt's image tokens are (conveyor/multimodal.py)
-    # A draft model's distributions its guesses were drawn from (`[num_draft, vocab]`, the
-    # drafter's): the target accepts each by speculative sampling. None: greedy guesses, each
-    # kept where it equals the token the target samples.
+    # The distributions the drafter drew the guesses from (`[num_draft, vocab]`: a draft
+    # model's, an EAGLE head's, an MTP layer's): the target keeps them by speculative sampling.
+    # None: greedy guesses, each kept where it equals the token the target samples.
     draft_probs: Any = None
 
     @property

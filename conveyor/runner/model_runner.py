@@ -768,7 +768,7 @@ class ModelRunner:
         reached guessed the token sampled there; the kept rows then move into place,
         `_follow_branches`). A seeded sequence's generator is left where one row of noise per
         kept token leaves it, as if it had decoded them one by one. A chain of guesses drawn
-        from a draft model's distributions (`draft_probs`) is kept by speculative sampling
+        from the drafter's distributions (`draft_probs`) is kept by speculative sampling
         instead (`_speculative_sampling`)."""
         output = RunnerOutput(sampled={})
         moved: list[tuple[ScheduledSequence, list[int]]] = []  # token trees' kept branches off their slots
@@ -778,6 +778,14 @@ class ModelRunner:
             lps = logprobs if it.sampling_params.logprobs is not None else None  # this sequence's asked
             n = 1 + it.num_draft
             guesses = it.token_ids
+            if probs is not None and it.draft_probs is not None and it.tree is None:  # drawn guesses
+                emitted = self._speculative_sampling(guesses[1:n], probs[row : row + n], it.draft_probs,
+                                                     tokens[row + n - 1])
+                output.sampled[it.seq_id] = emitted[0]
+                if len(emitted) > 1:
+                    output.accepted[it.seq_id] = [(t, None) for t in emitted[1:]]
+                row += n
+                continue
             kept = [0]  # the rows kept: the root, then each guess equal to the token sampled before it
             if it.tree is None:
                 while len(kept) < n and tokens[row + len(kept) - 1] == guesses[len(kept)]:
@@ -789,14 +797,6 @@ class ModelRunner:
                     kept.append(child)
                 if kept[-1] != len(kept) - 1:
                     moved.append((it, kept))
-            if probs is not None and it.draft_probs is not None and it.tree is None:
-                emitted = self._speculative_sampling(guesses[1:n], probs[row : row + n], it.draft_probs,
-                                                     tokens[row + n - 1])
-                output.sampled[it.seq_id] = emitted[0]
-                if len(emitted) > 1:
-                    output.accepted[it.seq_id] = [(t, None) for t in emitted[1:]]
-                row += n
-                continue
             keep = len(kept)
             output.sampled[it.seq_id] = tokens[row]
             if lps is not None:
