@@ -457,6 +457,16 @@ class SchedulerConfig:
             "0: always up to num_speculative_tokens."
         ),
     )
+    speculative_draw_guesses: bool = field(
+        default=True,
+        metadata=_help(
+            "Sampled requests (unseeded, no logprobs): a draft model, EAGLE head or MTP layer draws "
+            "its chain of guesses from its own distribution, and the model keeps them by "
+            "speculative sampling (min(1, p/q) each). False: greedy guesses, each kept where it "
+            "equals the token the model samples (better for a head whose distribution is far "
+            "from the model's, though its top token is often right)."
+        ),
+    )
     speculative_eagle_topk: int | None = field(
         default=None,
         metadata=_help(
@@ -621,7 +631,8 @@ class SchedulerConfig:
     def _check_speculative(self) -> None:
         knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                  "speculative_draft_cost", "speculative_disable_by_batch_size", "speculative_token_tree",
-                 "speculative_draft_budget", "speculative_eagle_topk", "speculative_num_steps")
+                 "speculative_draft_budget", "speculative_eagle_topk", "speculative_num_steps",
+                 "speculative_draw_guesses")
         if self.speculative_method is None:
             if any(self._differs(k) for k in knobs):
                 raise ConfigError(f"{', '.join(knobs)} apply only with a speculative_method")

@@ -410,6 +410,8 @@ class Engine:
             engine.runner.hidden_store = store  # type: ignore[attr-defined]
             engine.drafter = MedusaDrafter(build_medusa(*medusa, dtype, device), store, device,  # type: ignore[assignment]
                                            dtype)
+        if engine.drafter is not None and hasattr(engine.drafter, "draw"):  # (an MTP layer's, an EAGLE head's)
+            engine.drafter.draw = config.scheduler.speculative_draw_guesses
         if token_heads is not None:  # BGE-M3's lexical weights and ColBERT vectors, a token each
             engine.runner.token_heads = token_heads  # type: ignore[attr-defined]
             engine.head = dataclasses.replace(engine.head, lexical=token_heads.sparse is not None)
@@ -584,6 +586,7 @@ class Engine:
             # most every guess and the model's own token): as decodes side by side, in one call.
             draft_runner.chain_max_span = config.scheduler.num_speculative_tokens + 1
             engine.drafter = Drafter(draft_runner)
+            engine.drafter.draw = config.scheduler.speculative_draw_guesses
         return engine
 
     # -- requests --------------------------------------------------------------------------

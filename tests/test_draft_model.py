@@ -281,7 +281,8 @@ def test_sampled_drafts_are_kept_by_speculative_sampling(target, drafts):
     """Unseeded sampled requests draw their guesses from the draft's distribution: the model
     drafting for itself has nearly every guess kept (p = q), where greedy guesses matched
     against sampled tokens keep far fewer (the seeded requests, which still draft greedily,
-    give the tokens of decoding one at a time); the noisy draft's requests run to their end."""
+    give the tokens of decoding one at a time, and `speculative_draw_guesses=False` keeps greedy
+    guesses for all); the noisy draft's requests run to their end."""
     prompts, _ = requests(16, seed=11)
     sampled = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, ignore_eos=True) for _ in prompts]
     seeded = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
@@ -295,6 +296,9 @@ def test_sampled_drafts_are_kept_by_speculative_sampling(target, drafts):
         if name == "seeded":
             assert tokens(outs) == tokens(run(engine(target), prompts, seeded))
     assert rates["sampled"] > 0.97 and rates["seeded"] < 0.8 * rates["sampled"], rates
+    greedy = engine(target, drafts["self"], num_speculative_tokens=4, speculative_draw_guesses=False)
+    run(greedy, prompts, sampled)  # (speculative_draw_guesses=False: greedy guesses, matched)
+    assert greedy.scheduler.num_accepted_tokens / greedy.scheduler.num_draft_tokens < 0.8 * rates["sampled"]
     eng = engine(target, drafts["noisy"], num_speculative_tokens=4)
     outs = run(eng, prompts, sampled)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs) and eng.scheduler.num_accepted_tokens > 0

@@ -62,6 +62,7 @@ class Drafter:
         # The draft model's own runner and KV cache (`ModelRunner`), or a simulator's runner
         # that prices the draft's steps (`conveyor/sim/engine.py`): no torch here.
         self.runner = runner
+        self.draw = True  # sampled requests' guesses drawn from the draft (`speculative_draw_guesses`)
         self._fed: dict[int, _Fed] = {}
         self.num_fed_tokens = 0  # tokens the draft has computed (its prefills and guesses)
         self.last_duration_s = 0.0  # the last `fill`'s draft steps, as their runner timed them
@@ -86,7 +87,7 @@ class Drafter:
         guesses: dict[int, list[int]] = {it.seq_id: [] for it in drafting}
         params = {it.seq_id: it.sampling_params for it in drafting}
         drawn: dict[int, list[Any]] = {it.seq_id: [] for it in drafting
-                                        if it.tree is None and draws_guesses(it.sampling_params)}
+                                        if self.draw and it.tree is None and draws_guesses(it.sampling_params)}
         if hasattr(self.runner, "keep_logits"):  # (the logits rows a drawn guess comes from)
             self.runner.keep_logits = bool(drawn)
         step_id = scheduler_output.step_id
