@@ -168,18 +168,23 @@ PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_m
 
 
 def processor_kwargs(value: Any) -> dict[str, Any] | None:
-    """`mm_processor_kwargs` as given: an object, a JSON object's text (the command line's), or
-    None; InvalidRequestError for anything else."""
+    """`mm_processor_kwargs` as given (`json_object`)."""
+    return json_object(value, "mm_processor_kwargs", "of the processor's options")
+
+
+def json_object(value: Any, param: str, shape: str) -> dict[str, Any] | None:
+    """An option that is an object, as given: a dict, a JSON object's text (the command
+    line's), or None; InvalidRequestError naming `param` (an object `shape`) for anything else."""
     if value is None or isinstance(value, dict):
         return value
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"mm_processor_kwargs is not JSON: {e}", param="mm_processor_kwargs") from None
+            raise InvalidRequestError(f"{param} is not JSON: {e}", param=param) from None
         if isinstance(parsed, dict):
             return parsed
-    raise InvalidRequestError("mm_processor_kwargs is an object of the processor's options", param="mm_processor_kwargs")
+    raise InvalidRequestError(f"{param} is an object {shape}", param=param)
 
 
 def _is_video(item: Any) -> bool:
@@ -611,16 +616,10 @@ class ImageProcessor:
     def limited(self, limits: Any) -> ImageProcessor:
         """This processor with vLLM's `limit_mm_per_prompt` (`{"image": n, "video": n}`, a count
         or `{"count": n}` each; a JSON object's text); InvalidRequestError for anything else."""
+        param = "limit_mm_per_prompt"
+        limits = json_object(limits, param, '{"image": n, "video": n}')
         if limits is None:
             return self
-        param = "limit_mm_per_prompt"
-        if isinstance(limits, str):
-            try:
-                limits = json.loads(limits)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"limit_mm_per_prompt is not JSON: {e}", param=param) from None
-        if not isinstance(limits, dict):
-            raise InvalidRequestError('limit_mm_per_prompt is an object: {"image": n, "video": n}', param=param)
         counts: dict[str, int] = {}
         for kind, value in limits.items():
             if kind not in ("image", "video"):

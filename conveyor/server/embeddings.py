@@ -136,7 +136,6 @@ class _InputsHandler(_PoolingHandler):
         return [self.truncate(self.encode_text(it, b.add_special_tokens) if isinstance(it, str) else list(it))
                 for it in items]
 
-
     async def chat_input(self) -> list[int] | ImagePrompt:
         """The request's `messages` as the chat completions render them; with images or videos,
         those fetched and made pixels here (as a chat's are) and the prompt with them."""
