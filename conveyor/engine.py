@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.audio import Audio
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
@@ -566,7 +567,8 @@ class Engine:
                                                 v.style == "pixtral", v.pooled_tokens if v.style == "internvl" else 0,
                                                 max(1, v.temporal_patch_size),
                                                 tokenizer.hf.convert_ids_to_tokens(v.video_token_id) if v.reads_videos
-                                                else None, v.pooled_side**2 if v.style == "llava_onevision" else 0)
+                                                else None, v.pooled_side**2 if v.style == "llava_onevision" else 0,
+                                                engine._audio_mark(v) if v.reads_audio else None)
                 if v.style == "pixtral":  # (the span's break and end tokens are Mistral's ids)
                     named = tokenizer.hf.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
                     unk = tokenizer.hf.unk_token_id
@@ -635,7 +637,15 @@ class Engine:
         local = self.config.model.allowed_local_media_path
         processor = processor.overridden(prompt.processor_kwargs)
         videos = [p for p in prompt.images if isinstance(p, Video) or (isinstance(p, Pixels) and p.fps)]
-        processor.check_counts(len(prompt.images) - len(videos), len(videos))
+        clips = [p for p in prompt.images if isinstance(p, Audio) or (isinstance(p, Pixels) and p.frames)]
+        processor.check_counts(len(prompt.images) - len(videos) - len(clips), len(videos), len(clips))
+        if clips and not vision.reads_audio:
+            raise InvalidRequestError("this model reads no audio (Qwen2-Audio does)", param="audio")
+        if vision.reads_audio:
+            if len(clips) < len(prompt.images):
+                raise InvalidRequestError("this model reads audio, not images or videos", param="image")
+            return self._place_audio(prompt.prompt, [c if isinstance(c, Pixels) else processor.audio(c, local)
+                                                     for c in clips])
         if videos and not vision.reads_videos:
             raise InvalidRequestError("this model reads no videos (the Qwen-VLs and LLaVA-OneVision do)", param="video")
         loaded = [p if isinstance(p, Pixels) else load_image(p, local, processor.allowed_media_domains)
@@ -660,6 +670,33 @@ class Engine:
                 f"an image is {spans[0].length} tokens that a step computes together, more than "
                 f"max_num_batched_tokens={sc.max_num_batched_tokens}", param="image")
         return text, ids, spans
+
+    def _place_audio(self, prompt: str | list[int], clips: list[Pixels]
+                     ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+        """Qwen2-Audio's prompt: each audio token (`<|AUDIO|>`) repeated as many times as its
+        clip has tokens, in the clips' order."""
+        vision = self.arch.vision  # type: ignore[attr-defined]
+        text, ids = self.tokenize_prompt(prompt)
+        marks = ids.count(vision.placeholder_id)
+        if marks != len(clips):
+            token = "the audio token" if self.image_token is None else self.image_token.text
+            raise InvalidRequestError(
+                f"the prompt has {marks} audio tokens for {len(clips)} clips: put one {token} (between "
+                "<|audio_bos|> and <|audio_eos|>) where each clip goes, or send the clips as a chat's content parts",
+                param="audio")
+        ids, spans = expand_image_tokens(ids, vision.placeholder_id, clips, [vision.image_tokens(c) for c in clips])
+        return text, ids, spans
+
+    def _audio_mark(self, vision: Any) -> str:
+        """What a chat message holds where a clip goes, where its template does not place clips
+        itself: the audio token between `<|audio_bos|>` and `<|audio_eos|>` (Qwen2-Audio's
+        processor's form; the token alone where the tokenizer lacks them)."""
+        hf = self.tokenizer.hf  # type: ignore[union-attr]
+        token = hf.convert_ids_to_tokens(vision.placeholder_id)
+        ids = hf.convert_tokens_to_ids(["<|audio_bos|>", "<|audio_eos|>"])
+        if any(i is None or i == hf.unk_token_id for i in ids):
+            return token
+        return f"<|audio_bos|>{token}<|audio_eos|>"
 
     def _pan_and_scan(self, ids: list[int], images: list[Pixels], crops: list[list[Pixels]]
                       ) -> tuple[list[int], list[Pixels]]:

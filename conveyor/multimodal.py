@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.audio import Audio, AudioFeatures, as_audio, audio_tokens, load_audio
 from conveyor.sampling_params import InvalidRequestError
 from conveyor.video import DEFAULT_FPS, Video, VideoSampling, as_video, load_video, video_size
 
@@ -82,10 +83,13 @@ class ImageToken:
     temporal: int = 2  # (a Qwen-VL video's: its frames read this many at a time)
     video: str | None = None  # the token that places a video (`<|video_pad|>`); None: no videos
     per_frame: int = 0  # (LLaVA-OneVision's video: each frame's tokens, a newline after the last)
+    audio: str | None = None  # (Qwen2-Audio's: what a chat message holds where a clip goes; `text` is its token)
 
     def count(self, image: Any) -> int:
         """The tokens `image` becomes: exact for a Qwen-VL, Pixtral or InternVL image made
-        pixels (or a video), else `per_image`."""
+        pixels (or a video), or an audio clip made features, else `per_image`."""
+        if getattr(image, "frames", 0):
+            return audio_tokens(image.frames)
         values = getattr(image, "values", None)
         if self.per_frame and values is not None and getattr(image, "fps", None):
             return values.shape[0] * self.per_frame + 1
@@ -109,6 +113,7 @@ class Pixels:
     size: tuple[int, int] | None = None
     fps: float | None = None  # (a video's; None: an image)
     times: tuple[float, ...] = ()  # (a video's: each frame group's time, seconds; Qwen3-VL's timestamps)
+    frames: int = 0  # (an audio clip's, `conveyor.audio.AudioFeatures`: its own feature frames; 0: not audio)
 
     def frame_group(self, k: int, temporal: int) -> Pixels:
         """A video's frame group `k` as a video of its own (Qwen3-VL places each apart)."""
@@ -150,9 +155,9 @@ def as_image_prompt(prompt: Any) -> Any:
         raise InvalidRequestError("a prompt dict has one of 'prompt' and 'prompt_token_ids'", param="prompt")
     text = prompt["prompt"] if "prompt" in prompt else [int(t) for t in prompt["prompt_token_ids"]]
     data = prompt.get("multi_modal_data") or {}
-    other = set(data) - {"image", "video"}
+    other = set(data) - {"image", "video", "audio"}
     if other:
-        raise InvalidRequestError(f"multi_modal_data: conveyor reads images and videos, not {sorted(other)[0]!r}",
+        raise InvalidRequestError(f"multi_modal_data: conveyor reads images, videos and audio, not {sorted(other)[0]!r}",
                                   param="multi_modal_data")
     images = data.get("image")
     images = () if images is None else tuple(images) if isinstance(images, list | tuple) else (images,)
@@ -160,6 +165,10 @@ def as_image_prompt(prompt: Any) -> Any:
     if videos is not None:  # (one video, or a list of them: a list of arrays, or of (frames, metadata))
         one = not isinstance(videos, list) or not videos or not _is_video(videos[0])
         images += tuple(as_video(v) for v in ([videos] if one else videos))
+    clips = data.get("audio")
+    if clips is not None:  # (one clip, or a list of them: vLLM's (samples, rate) pairs, arrays, files)
+        one = not isinstance(clips, list) or (bool(clips) and isinstance(clips[0], int | float))
+        images += tuple(as_audio(c) for c in ([clips] if one else clips))
     return ImagePrompt(text, images, prompt.get("mm_processor_kwargs")) if images else text
 
 
@@ -324,6 +333,7 @@ class ImageProcessor:
     # The most images and videos a prompt may hold (`limit_mm_per_prompt`; None: no limit).
     max_images: int | None = None
     max_videos: int | None = None
+    max_audios: int | None = None
     allowed_media_domains: frozenset[str] | None = None  # (the hosts URLs may name; None: any)
     # Gemma 3's pan and scan (`crops`): an image whose aspect passes `pan_min_ratio` also read
     # as 2 to `pan_max_crops` crops of at least `pan_min_crop` pixels a side, where on.
@@ -331,6 +341,8 @@ class ImageProcessor:
     pan_min_crop: int = 256
     pan_max_crops: int = 4
     pan_min_ratio: float = 1.2
+    # Qwen2-Audio's clips (`audio`): Whisper's log-mel features (None: this model reads no audio).
+    audio_features: AudioFeatures | None = None
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:
@@ -339,6 +351,8 @@ class ImageProcessor:
         and spread 0.5)."""
         size = vision.image_size
         cfg: dict[str, Any] = {}
+        if vision.reads_audio:  # (Qwen2-Audio's: `WhisperFeatureExtractor`'s keys)
+            return cls(None, None, None, audio_features=AudioFeatures.from_config(_preprocessor_config(folder)))
         if vision.is_qwen:
             return cls._qwen(folder, vision)
         if vision.style == "pixtral":
@@ -486,6 +500,16 @@ class ImageProcessor:
         digest = hashlib.sha256(tensor.numpy().tobytes() + repr(size).encode()).digest()
         return Pixels(tensor, digest, size)
 
+    def audio(self, audio: Audio, allowed_local_media_path: str | None = None) -> Pixels:
+        """An audio clip made ready for the tower: read, made mono at the features' rate,
+        cut to 30 seconds, made log-mel features (`conveyor.audio`)."""
+        features = self.audio_features
+        if features is None:
+            raise InvalidRequestError("this model reads no audio (Qwen2-Audio does)", param="audio")
+        samples = load_audio(audio, features.sampling_rate, allowed_local_media_path, self.allowed_media_domains)
+        values, frames = features(samples)
+        return Pixels(values, features.digest(values, frames), frames=frames)
+
     def video(self, video: Video, allowed_local_media_path: str | None = None) -> Pixels:
         """A video made ready for the tower: its frames (a file's sampled, `load_video`), for
         LLaVA-OneVision each processed as an image at the tower's square (`frames`), for a
@@ -605,25 +629,27 @@ class ImageProcessor:
         return [Image.fromarray(array[r * ch : (r + 1) * ch, c * cw : (c + 1) * cw]) for r in range(rows)
                 for c in range(cols)]
 
-    def check_counts(self, images: int, videos: int) -> None:
-        """InvalidRequestError where a prompt holds more images or videos than `limit_mm_per_prompt`."""
-        for kind, n, most in (("image", images, self.max_images), ("video", videos, self.max_videos)):
+    def check_counts(self, images: int, videos: int, audios: int = 0) -> None:
+        """InvalidRequestError where a prompt holds more images, videos or audio clips than
+        `limit_mm_per_prompt`."""
+        for kind, n, most in (("image", images, self.max_images), ("video", videos, self.max_videos),
+                              ("audio", audios, self.max_audios)):
             if most is not None and n > most:
                 raise InvalidRequestError(
                     f"the prompt holds {n} {kind}s: this engine takes at most {most} a prompt (limit_mm_per_prompt)"
                     if most else f"this engine takes no {kind}s (limit_mm_per_prompt {kind}: 0)", param=kind)
 
     def limited(self, limits: Any) -> ImageProcessor:
-        """This processor with vLLM's `limit_mm_per_prompt` (`{"image": n, "video": n}`, a count
-        or `{"count": n}` each; a JSON object's text); InvalidRequestError for anything else."""
+        """This processor with vLLM's `limit_mm_per_prompt` (`{"image": n, "video": n, "audio": n}`,
+        a count or `{"count": n}` each; a JSON object's text); InvalidRequestError for anything else."""
         param = "limit_mm_per_prompt"
-        limits = json_object(limits, param, '{"image": n, "video": n}')
+        limits = json_object(limits, param, '{"image": n, "video": n, "audio": n}')
         if limits is None:
             return self
         counts: dict[str, int] = {}
         for kind, value in limits.items():
-            if kind not in ("image", "video"):
-                raise InvalidRequestError(f"limit_mm_per_prompt: conveyor reads images and videos, not {kind!r}",
+            if kind not in ("image", "video", "audio"):
+                raise InvalidRequestError(f"limit_mm_per_prompt: conveyor reads images, videos and audio, not {kind!r}",
                                           param=param)
             n = value.get("count") if isinstance(value, dict) else value
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -631,7 +657,8 @@ class ImageProcessor:
                                           param=param)
             counts[kind] = n
         return dataclasses.replace(self, max_images=counts.get("image", self.max_images),
-                                   max_videos=counts.get("video", self.max_videos))
+                                   max_videos=counts.get("video", self.max_videos),
+                                   max_audios=counts.get("audio", self.max_audios))
 
     def overridden(self, kwargs: Any) -> ImageProcessor:
         """This processor with vLLM's `mm_processor_kwargs` (HF's processor's call options)
@@ -848,22 +875,31 @@ def span_keys(spans: tuple[ImageSpan, ...], block_size: int, block: int) -> byte
 IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil")
 # ... and a video: vLLM's `video_url` (a URL of its file) and `video` (its frames or file).
 VIDEO_PARTS = ("video_url", "video")
+# ... and an audio clip: OpenAI's `input_audio` (`{"data": base64, "format": "wav"}`), vLLM's
+# `audio_url` and `audio` (its samples or file).
+AUDIO_PARTS = ("input_audio", "audio_url", "audio")
 
 
 def chat_images(messages: list[dict[str, Any]], template: str, token: ImageToken | None
                 ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Messages as the chat template reads them, and their images (and videos, as `Video`s)
-    in order.
+    """Messages as the chat template reads them, and their images (and videos, as `Video`s;
+    audio clips, as `Audio`s) in order.
 
     A message's text parts are joined. Where it has images, a template that renders image
-    parts itself (it tests a part's type against "image", as LLaVA's and Qwen-VL's do) gets the
-    parts as `{"type": "image"}` (`{"type": "video"}`) and `{"type": "text", "text": ...}`; any
-    other gets the image (video) token once an image, each on its own line, before the
-    message's text (vLLM's "string" form). `token`: the model's (None: it reads no images)."""
+    parts itself (it tests a part's type against "image", as LLaVA's and Qwen-VL's do, or
+    "audio", as Qwen2-Audio's) gets the parts as `{"type": "image"}` (`{"type": "video"}`,
+    `{"type": "audio"}`) and `{"type": "text", "text": ...}`; any other gets the image (video)
+    token once an image, each on its own line, before the message's text (vLLM's "string" form;
+    a clip's is "Audio k: " and its tokens, k counting the conversation's clips). `token`: the
+    model's (None: it reads no images)."""
     image_token, video_token = (None, None) if token is None else (token.text, token.video)
+    audio_token = None if token is None else token.audio
+    if audio_token is not None:
+        image_token = None  # (an audio model's token places clips)
     images: list[Any] = []
     out: list[dict[str, Any]] = []
-    reads_parts = "'image'" in template or '"image"' in template
+    reads_parts = any(f"{q}{kind}{q}" in template for kind in ("image", "audio") for q in "'\"")
+    clips = 0
     for message in messages:
         content = message.get("content")
         if not isinstance(content, list):
@@ -882,13 +918,24 @@ def chat_images(messages: list[dict[str, Any]], template: str, token: ImageToken
                     raise InvalidRequestError("this model reads no videos", param="messages")
                 images.append(Video(_part_image(part, kind)))
                 parts.append({"type": "video"})
+            elif kind in AUDIO_PARTS:
+                if audio_token is None:
+                    raise InvalidRequestError("this model reads no audio", param="messages")
+                images.append(_part_audio(part, kind))
+                parts.append({"type": "audio"})
             elif kind in ("text", "input_text", "output_text") or (isinstance(part, dict) and "text" in part):
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             else:
-                raise InvalidRequestError(f"a content part of type {kind!r} is not supported (text, images "
-                                          "and videos are)", param="messages")
+                raise InvalidRequestError(f"a content part of type {kind!r} is not supported (text, images, "
+                                          "videos and audio are)", param="messages")
         text = "".join(p["text"] for p in parts if p["type"] == "text")
-        marks = [image_token if p["type"] == "image" else video_token for p in parts if p["type"] != "text"]
+        marks: list[str | None] = []
+        for p in parts:
+            if p["type"] == "audio":
+                clips += 1
+                marks.append(f"Audio {clips}: {audio_token}")
+            elif p["type"] != "text":
+                marks.append(image_token if p["type"] == "image" else video_token)
         if not marks:
             content = text
         elif reads_parts:
@@ -897,6 +944,23 @@ def chat_images(messages: list[dict[str, Any]], template: str, token: ImageToken
             content = "\n".join([*(str(m) for m in marks), text])  # (each checked at its part)
         out.append({**message, "content": content})
     return out, images
+
+
+def _part_audio(part: dict[str, Any], kind: str) -> Audio:
+    value = part.get(kind)
+    if kind == "input_audio":  # (OpenAI's: the file's base64, and its format)
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+            raise InvalidRequestError('an input_audio content part is {"data": base64, "format": "wav" | "mp3" | ...}',
+                                      param="messages")
+        try:
+            return Audio(base64.b64decode(value["data"], validate=True))
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError("the input_audio's data is not valid base64", param="messages") from None
+    if isinstance(value, dict) and kind == "audio_url":
+        value = value.get("url")
+    if value is None:
+        raise InvalidRequestError(f"an {kind} content part without its audio", param="messages")
+    return as_audio(value)
 
 
 def _part_image(part: dict[str, Any], kind: str) -> Any:

@@ -411,6 +411,8 @@ class ArchConfig:
                                       onevision=a == "LlavaOnevisionForConditionalGeneration")
             if a in QWEN_VL_ARCHITECTURES:
                 return _qwen_vl_from_hf(cfg, QWEN_VL_ARCHITECTURES[a])
+            if a == "Qwen2AudioForConditionalGeneration":
+                return _qwen2_audio_from_hf(cfg)
             if a == "Mistral3ForConditionalGeneration":
                 return _llava_from_hf(cfg, mistral3=True)
             if a == "InternVLForConditionalGeneration":
@@ -484,6 +486,25 @@ class ArchConfig:
             attention_multiplier=float(cfg.get("attention_multiplier") or 0.0) if family == "granite" else 0.0,
             logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         )
+
+
+def _qwen2_audio_from_hf(cfg: dict[str, Any]) -> ArchConfig:
+    """A Qwen2-Audio checkpoint: its Qwen2 text model (`text_config`) with its audio side
+    (`VisionArch.from_qwen2_audio`: Whisper's encoder, conveyor/models/qwen_audio.py)."""
+    text = {"model_type": "qwen2", **dict(cfg.get("text_config") or {})}
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    arch = ArchConfig.from_hf(text)
+    if arch.multimodal or arch.is_encoder or arch.labels:
+        raise UnsupportedModelError(f"Qwen2-Audio over a {arch.family} text model is not supported")
+    try:
+        audio = VisionArch.from_qwen2_audio(cfg, arch.hidden_size)
+    except VisionConfigError as e:
+        raise UnsupportedModelError(str(e)) from None
+    if not 0 <= audio.image_token_id < arch.vocab_size:
+        raise UnsupportedModelError(f"audio_token_index={audio.image_token_id} is outside the vocabulary")
+    return dataclasses.replace(arch, multimodal=True, vision=audio)
 
 
 def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False, internvl: bool = False,

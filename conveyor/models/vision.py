@@ -35,9 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.audio import audio_tokens
+
 if TYPE_CHECKING:
     from conveyor.models.internvl_vision import InternVLVision
     from conveyor.models.pixtral_vision import PixtralVision
+    from conveyor.models.qwen_audio import QwenAudio
     from conveyor.models.qwen_vision import QwenVision
 
 # What transformers' CLIPVisionConfig assumes where a checkpoint's `vision_config` is silent
@@ -75,7 +78,8 @@ ACTIVATIONS = {
 
 # Where a checkpoint keeps its vision side's tensors (transformers 4's and 5's names).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline", "model.vision_tower.",
-                   "model.multi_modal_projector.", "model.image_newline", "visual.", "model.visual.")
+                   "model.multi_modal_projector.", "model.image_newline", "visual.", "model.visual.",
+                   "audio_tower.", "model.audio_tower.")
 # The Qwen-VL styles (conveyor/models/qwen_vision.py).
 QWEN_STYLES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # LLaVA-NeXT's default tilings (height, width), where its config names none.
@@ -159,6 +163,12 @@ class VisionArch:
     mean_pooling: bool = True
 
     @property
+    def reads_audio(self) -> bool:
+        """Qwen2-Audio's ("qwen2_audio", conveyor/models/qwen_audio.py): its items are audio clips
+        (`conveyor.audio`), placed by its audio token (`image_token_id`), not images."""
+        return self.style == "qwen2_audio"
+
+    @property
     def tiled(self) -> bool:
         """LLaVA-NeXT's and LLaVA-OneVision's images: the whole image and its best tiling's tiles."""
         return self.style in ("llava_next", "llava_onevision")
@@ -217,6 +227,8 @@ class VisionArch:
         """The tokens an image (`conveyor.multimodal.Pixels`) becomes (Pixtral's: a break or end
         token after each row; InternVL's: its tiles' tokens; a Qwen-VL video's: each frame
         group's)."""
+        if self.reads_audio:  # (a clip: its frames halved twice)
+            return audio_tokens(pixels.frames)
         if self.style == "internvl":
             return pixels.values.shape[0] * self.pooled_tokens
         if self.style == "llava_onevision" and getattr(pixels, "fps", None):  # (a video: its frames, a newline)
@@ -418,6 +430,29 @@ class VisionArch:
                                    video_token_id=None if video is None else int(video))
 
     @classmethod
+    def from_qwen2_audio(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
+        """Qwen2-Audio's audio side (Whisper's encoder: `audio_config`), in this class's fields:
+        the encoder's width, MLP, layers and heads, `num_channels` its mel bins, `image_size`
+        its positions (`max_source_positions`), the audio token (`<|AUDIO|>`) as the image token."""
+        a = {"num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+             "d_model": 1280, "activation_function": "gelu", "max_source_positions": 1500,
+             **dict(cfg.get("audio_config") or {})}
+        if a["activation_function"] not in ACTIVATIONS:
+            raise VisionConfigError(f"activation {a['activation_function']!r} is not supported")
+        if a.get("scale_embedding"):
+            raise VisionConfigError("an audio encoder with scaled embeddings is not supported")
+        if a["d_model"] % a["encoder_attention_heads"]:
+            raise VisionConfigError("the audio encoder's width is not a multiple of its heads")
+        return cls(
+            tower="qwen2_audio_encoder", hidden_size=a["d_model"], intermediate_size=a["encoder_ffn_dim"],
+            num_layers=a["encoder_layers"], num_heads=a["encoder_attention_heads"], num_channels=a["num_mel_bins"],
+            image_size=a["max_source_positions"], patch_size=1, hidden_act=a["activation_function"],
+            layer_norm_eps=1e-5, feature_layers=(), select_strategy="full", projector_act="", projector_bias=True,
+            text_hidden_size=text_hidden_size, image_token_id=int(cfg.get("audio_token_index", 151646)),
+            style="qwen2_audio",
+        )
+
+    @classmethod
     def from_llava(cls, cfg: dict[str, Any], text_hidden_size: int) -> VisionArch:
         vision = dict(cfg.get("vision_config") or {})
         tower = vision.get("model_type", "clip_vision_model")
@@ -468,7 +503,7 @@ class VisionArch:
         """How many embeddings (image tokens in the prompt) one image becomes."""
         if self.pooled_tokens:
             return self.pooled_tokens
-        if self.own_size:  # (an image's own: `image_tokens`; at least one)
+        if self.own_size or self.reads_audio:  # (an image's or a clip's own: `image_tokens`; at least one)
             return 1
         return self.num_patches + (self.class_token and self.select_strategy == "full")
 
@@ -700,7 +735,7 @@ class ImageEncoder:
     a submodule, so the text model's passes (int8, the CPU kernels, the Triton kernels) leave
     its layers as they are."""
 
-    def __init__(self, module: LlavaVision | QwenVision | PixtralVision | InternVLVision) -> None:
+    def __init__(self, module: LlavaVision | QwenVision | PixtralVision | InternVLVision | QwenAudio) -> None:
         self.module = module
         self.config: VisionArch = module.config
         weight = next(module.parameters())
@@ -711,6 +746,8 @@ class ImageEncoder:
         """Images (`conveyor.multimodal.Pixels`) to their embeddings, `[tokens, text hidden]`
         each: those of one shape in one batch (LLaVA-NeXT's tiles of each image together;
         Qwen-VL's images of any sizes in one call)."""
+        if self.config.reads_audio:  # (clips of any lengths in one batch)
+            return list(self.module(images))
         if self.config.own_size or self.config.style == "internvl":
             return list(self.module([image.values.to(self.device, self.dtype) for image in images]))
         if self.config.tiled:
@@ -728,9 +765,13 @@ def load_vision(v: VisionArch, tensors: dict[str, torch.Tensor], dtype: torch.dt
     """The vision side from HF-named tensors (`vision_tower.*`, `multi_modal_projector.*`; Qwen-VL's
     `visual.*`); those of layers past the deepest feature layer, the post-norm and SigLIP's
     pooling head are not read."""
-    module: LlavaVision | QwenVision | PixtralVision | InternVLVision
+    module: LlavaVision | QwenVision | PixtralVision | InternVLVision | QwenAudio
     with torch.device("meta"):
-        if v.style == "internvl":
+        if v.reads_audio:
+            from conveyor.models.qwen_audio import QwenAudio
+
+            module = QwenAudio(v)
+        elif v.style == "internvl":
             from conveyor.models.internvl_vision import InternVLVision
 
             module = InternVLVision(v)

@@ -111,9 +111,31 @@ class VideoPart(OpenAIBaseModel):  # (vLLM's: Qwen2-VL's and Qwen2.5-VL's videos
     video_url: VideoURL
 
 
+class InputAudio(OpenAIBaseModel):
+    data: str  # the file's bytes, base64 (not a data URL)
+    format: str = "wav"  # (OpenAI's "wav" or "mp3"; conveyor reads the file's own header)
+
+
+class InputAudioPart(OpenAIBaseModel):  # (OpenAI's: Qwen2-Audio's clips)
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURL(OpenAIBaseModel):
+    url: str  # a data:audio/...;base64 URL, an http(s) URL, or (--allowed-local-media-path) a file
+
+
+class AudioPart(OpenAIBaseModel):  # (vLLM's)
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+MEDIA_PARTS = (ImagePart, VideoPart, InputAudioPart, AudioPart)
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[TextPart | ImagePart | VideoPart] | None = None
+    content: str | list[TextPart | ImagePart | VideoPart | InputAudioPart | AudioPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
@@ -135,13 +157,13 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: dict[str, Any] | None = None  # (the images' and videos' processing options)
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them (text parts joined; a message with images
-        or videos keeps its parts, for `conveyor.multimodal.chat_images`)."""
+        """Messages as the chat template expects them (text parts joined; a message with images,
+        videos or audio keeps its parts, for `conveyor.multimodal.chat_images`)."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
             content: Any = m.content
             if isinstance(content, list):
-                images = any(isinstance(p, ImagePart | VideoPart) for p in content)
+                images = any(isinstance(p, MEDIA_PARTS) for p in content)
                 content = ([p.model_dump(exclude_none=True) for p in content] if images
                            else "".join(p.text for p in content if isinstance(p, TextPart)))
             d: dict[str, Any] = {"role": m.role, "content": content or ""}

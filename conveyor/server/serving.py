@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import time
@@ -25,6 +26,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from conveyor.audio import Audio
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.lora import FilesystemResolver, LoRARequest, LoRAResolver, lora_resolver
 from conveyor.multimodal import (
@@ -156,10 +158,15 @@ def verify_adapter(request: LoRARequest, model_path: str | None, max_rank: int |
 
 
 def _media_url(item: Any) -> tuple[str, str] | None:
-    """A chat's image or video given by a data or http(s) URL: ("image" or "video", the URL)."""
-    kind, source = ("video", item.source) if isinstance(item, Video) else ("image", item)
+    """A chat's image, video or audio clip given by a data or http(s) URL: ("image", "video" or
+    "audio", the URL); a clip given as its file's bytes (OpenAI's `input_audio`): ("audio bytes",
+    their digest)."""
+    kind, source = ("video", item.source) if isinstance(item, Video) else \
+        ("audio", item.source) if isinstance(item, Audio) else ("image", item)
     if isinstance(source, str) and source.startswith(("data:", "http://", "https://")):
         return kind, source
+    if kind == "audio" and isinstance(source, bytes):
+        return "audio bytes", hashlib.sha256(source).hexdigest()
     return None
 
 
@@ -878,18 +885,22 @@ class ChatCompletionHandler(_Handler):
         # the engine's loop); a local file is the engine's to read (it knows the allowed path),
         # and so is any image where the front end has no processor.
         items = self._chat[1]
-        urls = list(dict.fromkeys(k for i in items if (k := _media_url(i)) is not None))
+        found = {k: i for i in items if (k := _media_url(i)) is not None}
+        urls = list(found)
         processor = self.state.engine.image_processor
         if not urls or processor is None:
             return
         videos = sum(isinstance(i, Video) for i in items)
-        processor.check_counts(len(items) - videos, videos)  # (before anything is fetched)
+        clips = sum(isinstance(i, Audio) for i in items)
+        processor.check_counts(len(items) - videos - clips, videos, clips)  # (before anything is fetched)
         processor = processor.overridden(self.body.mm_processor_kwargs)
 
         def pixels(url: tuple[str, str]) -> Pixels | bytes:
             kind, source = url
             if kind == "video":
                 return processor.video(Video(source))
+            if kind.startswith("audio"):
+                return processor.audio(found[url])
             data = image_bytes(source, domains=processor.allowed_media_domains)
             if processor.pan_and_scan:  # (the engine crops the picture itself: the bytes, fetched)
                 return data
