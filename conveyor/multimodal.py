@@ -635,9 +635,10 @@ class ImageProcessor:
         for kind, n, most in (("image", images, self.max_images), ("video", videos, self.max_videos),
                               ("audio", audios, self.max_audios)):
             if most is not None and n > most:
+                many = "audio clips" if kind == "audio" else f"{kind}s"
                 raise InvalidRequestError(
-                    f"the prompt holds {n} {kind}s: this engine takes at most {most} a prompt (limit_mm_per_prompt)"
-                    if most else f"this engine takes no {kind}s (limit_mm_per_prompt {kind}: 0)", param=kind)
+                    f"the prompt holds {n} {many}: this engine takes at most {most} a prompt (limit_mm_per_prompt)"
+                    if most else f"this engine takes no {many} (limit_mm_per_prompt {kind}: 0)", param=kind)
 
     def limited(self, limits: Any) -> ImageProcessor:
         """This processor with vLLM's `limit_mm_per_prompt` (`{"image": n, "video": n, "audio": n}`,
@@ -651,6 +652,9 @@ class ImageProcessor:
             if kind not in ("image", "video", "audio"):
                 raise InvalidRequestError(f"limit_mm_per_prompt: conveyor reads images, videos and audio, not {kind!r}",
                                           param=param)
+            if (kind == "audio") != (self.audio_features is not None):
+                raise InvalidRequestError(f"limit_mm_per_prompt: this model reads no {kind}s" if kind != "audio"
+                                          else "limit_mm_per_prompt: this model reads no audio", param=param)
             n = value.get("count") if isinstance(value, dict) else value
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise InvalidRequestError(f"limit_mm_per_prompt: {kind} is a count of 0 or more, not {value!r}",

@@ -208,7 +208,8 @@ def test_bad_images_are_refused_and_the_engine_goes_on(llava, tmp_path, tiny_mod
         (ImagePrompt("w40 <image>", ("data:image/png;base64,not-base64!",)), "not valid base64"),
         (ImagePrompt("w40 <image>", (b"not an image",)), "cannot be read"),
         (ImagePrompt("w40 <image>", (str(tmp_path / "x.png"),)), "allowed_local_media_path"),
-        ({"prompt": "w40 <image>", "multi_modal_data": {"audio": b""}}, "not 'audio'"),
+        ({"prompt": "w40 <image>", "multi_modal_data": {"audio": b""}}, "reads no audio"),
+        ({"prompt": "w40 <image>", "multi_modal_data": {"speech": b""}}, "not 'speech'"),
     ]
     for prompt, message in cases:
         with pytest.raises(InvalidRequestError, match=message):

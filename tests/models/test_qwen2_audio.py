@@ -338,8 +338,12 @@ def test_bad_audio_requests_get_clear_errors_and_the_engine_serves_on(llm, qwen2
     assert len(ok.outputs[0].token_ids) == 10
     limited = LLM(model=str(qwen2_audio), dtype="float32", num_kv_blocks=64, block_size=16,
                   limit_mm_per_prompt={"audio": 0})
-    with pytest.raises(InvalidRequestError, match="no audios"):
+    with pytest.raises(InvalidRequestError, match="takes no audio clips"):
         limited.generate([{"prompt": text, "multi_modal_data": {"audio": (x, RATE)}}], PARAMS)
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="reads no images"):
+        LLM(model=str(qwen2_audio), dtype="float32", num_kv_blocks=64, limit_mm_per_prompt={"image": 1})
 
 
 def test_a_text_model_refuses_audio(tiny_models):

@@ -558,6 +558,6 @@ def test_limit_mm_per_prompt(qwen2_vl, tmp_path):
     assert llm.generate(one, PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # (serving goes on)
     assert LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt={"video": {"count": 2}}).engine \
         .image_processor.max_videos == 2
-    for bad, match in [({"audio": 1}, "not 'audio'"), ({"image": -1}, "count of 0 or more"), ("[1]", "an object")]:
+    for bad, match in [({"audio": 1}, "reads no audio"), ({"speech": 1}, "not 'speech'"), ({"image": -1}, "count of 0 or more"), ("[1]", "an object")]:
         with pytest.raises(ConfigError, match=match):
             LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt=bad)
