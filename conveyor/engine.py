@@ -196,6 +196,7 @@ class Engine:
         self.is_encoder = False  # a bidirectional encoder (BERT): it pools, and generates nothing
         self.image_processor: ImageProcessor | None = None  # an image-text model's (conveyor/multimodal.py)
         self.image_token: ImageToken | None = None  # ... and its image token ("<image>")
+        self.text_only = False  # (an image-text model whose every kind limit_mm_per_prompt sets to 0)
         self.default_pooling = "last"  # what an embedding pools when its request does not say
 
     @property
@@ -237,6 +238,9 @@ class Engine:
         path = resolve_model_path(mc.model)
         gguf = is_gguf(path)
         arch, tensors, reader = open_model(path)
+        text_only = arch.vision is not None and _limited_to_text(arch.vision, path, mc.limit_mm_per_prompt)
+        if text_only:  # (vLLM's text-only mode: the tower's weights are not read)
+            arch = dataclasses.replace(arch, vision=None)
         dense = [] if gguf else sentence_transformers_dense(path)  # (before the weights load: a bad one fails fast)
         token_heads = bge_m3_heads(path, arch.hidden_size) if arch.is_encoder and path.is_dir() else None
         full_arch = arch
@@ -358,6 +362,7 @@ class Engine:
                     arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration,
                     all_reduce=None if peers is None else peers.all_reduce,
                 )
+                model.text_only = text_only  # (its tower left out: `_limited_to_text`)
             if peers is not None:
                 peers.wait_ready()
         except BaseException:
@@ -544,8 +549,10 @@ class Engine:
         engine.head = ModelHead(arch.labels, arch.token_classifier, mc.score_template, arch.score_activation)
         engine.is_encoder = arch.is_encoder
         engine.default_pooling = arch.default_pooling
+        text_only = bool(getattr(model, "text_only", False))
+        engine.text_only = text_only
         for option in ("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_media_domains"):
-            if getattr(mc, option) is not None and getattr(model, "vision", None) is None:
+            if getattr(mc, option) is not None and getattr(model, "vision", None) is None and not text_only:
                 raise ConfigError(f"{option}: this model reads no images")
         if getattr(model, "vision", None) is not None:
             folder = Path(mc.model) if mc.model is not None else None
@@ -628,6 +635,9 @@ class Engine:
             return text, ids, ()
         processor = self.image_processor
         vision = getattr(getattr(self, "arch", None), "vision", None)
+        if self.text_only:
+            raise InvalidRequestError("this engine reads text only: limit_mm_per_prompt sets each kind the model "
+                                      "reads to 0, so its tower is not loaded", param="multi_modal_data")
         if processor is None or vision is None:
             raise InvalidRequestError("this model reads no images", param="image")
         if params is not None and params.truncate_prompt_tokens is not None:
@@ -1572,6 +1582,20 @@ def _classifier_from_tokens(model: Any, tokenizer: Tokenizer | None, tokens: tup
     score.requires_grad_(False)
     model.score = score
     model.arch = dataclasses.replace(arch, labels=(tokens[1],) if len(ids) == 2 else tokens)
+
+
+def _limited_to_text(vision: Any, path: Path, limits: Any) -> bool:
+    """Whether `limit_mm_per_prompt` sets every kind of media the model reads to 0 (then its
+    tower need not load, as in vLLM); a bad limit is a ConfigError."""
+    if limits is None:
+        return False
+    try:
+        processor = ImageProcessor.from_folder(path if path.is_dir() else None, vision).limited(limits)
+    except InvalidRequestError as e:
+        raise ConfigError(str(e)) from None
+    if vision.reads_audio:
+        return processor.max_audios == 0
+    return processor.max_images == 0 and (processor.max_videos == 0 or not vision.reads_videos)
 
 
 def _refuse_pipeline(config: EngineConfig) -> None:

@@ -629,9 +629,12 @@ class LlamaForCausalLM(nn.Module):
         # `[T, len(aux_layers) * hidden]` (an EAGLE-3 head's input: conveyor/models/eagle.py).
         self.aux_layers = ()
         self.aux_hidden: torch.Tensor | None = None
-        # A LLaVA's vision side (conveyor/models/vision.py), set by the loader: what a step's
-        # image tokens take their embeddings from (`AttentionMetadata.embeds`).
+        # A LLaVA's vision side (conveyor/models/vision.py; Qwen2-Audio's audio side,
+        # conveyor/models/qwen_audio.py), set by the loader: what a step's image (audio) tokens
+        # take their embeddings from (`AttentionMetadata.embeds`). `text_only`: an image-text
+        # model loaded without it (`limit_mm_per_prompt` 0 for every kind it reads).
         self.vision: ImageEncoder | None = None
+        self.text_only = False
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

@@ -336,10 +336,10 @@ def test_bad_audio_requests_get_clear_errors_and_the_engine_serves_on(llm, qwen2
             llm.generate([prompt], PARAMS)
     ok = llm.generate([{"prompt": text, "multi_modal_data": {"audio": (x, RATE)}}], PARAMS)[0]
     assert len(ok.outputs[0].token_ids) == 10
-    limited = LLM(model=str(qwen2_audio), dtype="float32", num_kv_blocks=64, block_size=16,
-                  limit_mm_per_prompt={"audio": 0})
-    with pytest.raises(InvalidRequestError, match="takes no audio clips"):
-        limited.generate([{"prompt": text, "multi_modal_data": {"audio": (x, RATE)}}], PARAMS)
+    one = LLM(model=str(qwen2_audio), dtype="float32", num_kv_blocks=64, block_size=16,
+              limit_mm_per_prompt={"audio": 1})
+    with pytest.raises(InvalidRequestError, match="holds 2 audio clips: this engine takes at most 1"):
+        one.generate([{"prompt": text + text, "multi_modal_data": {"audio": [(x, RATE)] * 2}}], PARAMS)
     from conveyor.config import ConfigError
 
     with pytest.raises(ConfigError, match="reads no images"):
@@ -405,3 +405,17 @@ def test_input_audio_served_over_http(qwen2_audio, tmp_path):
             assert answer["choices"][0]["message"]["content"].strip() == text
     finally:
         server.stop()
+
+
+def test_no_audio_reads_text_without_the_tower(qwen2_audio, llm):
+    """`limit_mm_per_prompt={"audio": 0}` is vLLM's text-only mode: the tower is not loaded, text
+    prompts give the whole model's tokens, and a clip is refused naming the limit."""
+    text_only = LLM(model=str(qwen2_audio), dtype="float32", num_kv_blocks=64, block_size=16,
+                    limit_mm_per_prompt={"audio": 0})
+    assert text_only.engine.runner.model.vision is None and llm.engine.runner.model.vision is not None
+    prompts = ["user: w20 w21 w22 w23", "user: w5 w9 w11"]
+    assert ([o.outputs[0].token_ids for o in text_only.generate(prompts, PARAMS)]
+            == [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)])
+    with pytest.raises(InvalidRequestError, match="reads text only: limit_mm_per_prompt"):
+        text_only.generate([{"prompt": "user: w5 <|AUDIO|>", "multi_modal_data": {"audio": (clip(1.0, 1), RATE)}}],
+                           PARAMS)

@@ -558,6 +558,15 @@ def test_limit_mm_per_prompt(qwen2_vl, tmp_path):
     assert llm.generate(one, PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # (serving goes on)
     assert LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt={"video": {"count": 2}}).engine \
         .image_processor.max_videos == 2
+    # every kind at 0: text only, the tower not loaded (vLLM's); one kind at 0: the tower still read
+    text_only = LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt={"image": 0, "video": 0})
+    assert text_only.engine.runner.model.vision is None and llm.engine.runner.model.vision is not None
+    words = [1, 40, 41, 42]
+    assert (text_only.generate([words], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+            == llm.generate([words], PARAMS, use_tqdm=False)[0].outputs[0].token_ids)
+    with pytest.raises(InvalidRequestError, match="reads text only"):
+        text_only.generate(one, PARAMS, use_tqdm=False)
+    assert LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt={"image": 0}).engine.runner.model.vision is not None
     for bad, match in [({"audio": 1}, "reads no audio"), ({"speech": 1}, "not 'speech'"), ({"image": -1}, "count of 0 or more"), ("[1]", "an object")]:
         with pytest.raises(ConfigError, match=match):
             LLM(str(qwen2_vl), dtype="float32", limit_mm_per_prompt=bad)
