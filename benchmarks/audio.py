@@ -14,17 +14,27 @@ Engine runs: the same `--batch` requests (one clip of `--seconds` and 20 words e
   text       the same prompts with the audio tokens as ordinary tokens (same length, no tower)
   encoder    the audio prompts on an engine whose encoder cache holds their clips
 
+Encoder budget runs (`--budget N ...`): `--batch` text requests (20 words, 64 outputs) decode;
+after 4 steps `--batch` requests with a clip each (and 20 words, 16 outputs) arrive at once. An
+engine with no budget encodes every clip in the step that admits them, and the text requests'
+decodes wait for it; `max_num_encoder_input_tokens=N` encodes at most N clip tokens a step. Each
+engine runs the same arrivals `--rounds` times, in turns after a warm-up; the figures are the text
+requests' longest gap between two tokens, the clip requests' mean and longest time to first token,
+and the whole run's time, each the median over the rounds.
+
 Tower runs (`--tower`): one clip of each length through conveyor's tower (the positions its tokens
 read) and through HF's `Qwen2AudioEncoder` and projector on the same weights (all 1500 positions,
 the padding masked), alternately, `--rounds` times each; the figure is conveyor's time over HF's.
 
     python benchmarks/audio.py --batch 8 --seconds 5 --rounds 3
     python benchmarks/audio.py --tower 1 5 15 30 --rounds 5
+    python benchmarks/audio.py --budget 0 125 250 --batch 8 --seconds 5 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -89,6 +99,50 @@ def engine_runs(path: str, args: argparse.Namespace) -> None:
     report(times, ratios, "text")
 
 
+def budget_runs(path: str, args: argparse.Namespace) -> None:
+    samples = clips(args.batch, args.seconds)
+    per = audio_tokens(int(np.ceil(len(samples[0]) / 160)))
+    engines = {n: LLM(path, kv_cache_memory=512 << 20, max_model_len=1024, enable_prefix_caching=False,
+                      encoder_cache_tokens=0, max_num_encoder_input_tokens=n or None).engine for n in args.budget}
+    text_params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    clip_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def once(engine: Any) -> tuple[float, float, float, float]:
+        for i in range(args.batch):
+            engine.add_request(f"t{i}", [1, *range(100 + 20 * i, 120 + 20 * i)], text_params, stream=True)
+        start = time.perf_counter()
+        seen: dict[str, list[float]] = {}
+        added: dict[str, float] = {}
+        steps = 0
+        while engine.has_unfinished_requests() or steps < 4:
+            if steps == 4:
+                for i, c in enumerate(samples):
+                    added[f"a{i}"] = time.perf_counter()
+                    engine.add_request(f"a{i}", {"prompt_token_ids": [1, AUDIO_TOKEN, *range(300 + 20 * i, 320 + 20 * i)],
+                                                 "multi_modal_data": {"audio": Audio(c, RATE)}}, clip_params, stream=True)
+            for out in engine.step():
+                got = seen.setdefault(out.request_id, [])
+                got.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(got)))
+            steps += 1
+        total = time.perf_counter() - start
+        gaps = [b - a for rid, ts in seen.items() if rid.startswith("t") for a, b in itertools.pairwise(ts)]
+        ttft = [seen[rid][0] - t for rid, t in added.items()]
+        return max(gaps), statistics.mean(ttft), max(ttft), total
+
+    for engine in engines.values():
+        once(engine)  # (warm-up)
+    got: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in args.budget}
+    for r in range(args.rounds):
+        for n in (args.budget if r % 2 == 0 else list(reversed(args.budget))):
+            got[n].append(once(engines[n]))
+    print(f"{args.batch} text requests decoding, {args.batch} clips of {args.seconds:g} s ({per} tokens each) arriving "
+          f"at step 4; {args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    print(f"{'budget':>8} {'text max gap s':>15} {'clip TTFT mean s':>17} {'clip TTFT max s':>16} {'total s':>8}")
+    for n, runs in got.items():
+        cols = [statistics.median(x) for x in zip(*runs, strict=True)]
+        print(f"{n or 'none':>8} {cols[0]:15.3f} {cols[1]:17.3f} {cols[2]:16.3f} {cols[3]:8.2f}")
+
+
 def tower_runs(path: str, args: argparse.Namespace) -> None:
     import transformers as tf
 
@@ -136,11 +190,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tower", type=float, nargs="*", help="clip lengths (s): time the tower alone against HF's")
+    ap.add_argument("--budget", type=int, nargs="*", help="encoder budgets (0: none): clips arriving among decodes")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build(Path(tmp) / "qwen2_audio"))
         if args.tower:
             tower_runs(path, args)
+        elif args.budget:
+            budget_runs(path, args)
         else:
             engine_runs(path, args)
 

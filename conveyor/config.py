@@ -343,6 +343,14 @@ class SchedulerConfig:
         default=0,
         metadata=_help("Chunked prefill: most prompt tokens one sequence gets per step (0: no cap)."),
     )
+    max_num_encoder_input_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "The encoder's budget a step (vLLM's): the image, video and audio tokens whose "
+            "embeddings one step may compute (a chunk stops before a media item past it; "
+            "one larger than it is refused). Default: no budget (every item a step reaches)."
+        ),
+    )
     admission: str = field(
         default="every_step",
         metadata=_help(
@@ -562,6 +570,8 @@ class SchedulerConfig:
         for name in ("long_prefill_token_threshold", "auto_swap_min_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ConfigError(f"max_num_encoder_input_tokens={self.max_num_encoder_input_tokens} must be at least 1")
         if self.waiting_served_ratio <= 0:
             raise ConfigError(f"waiting_served_ratio={self.waiting_served_ratio} must be > 0")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):

@@ -532,6 +532,8 @@ class Engine:
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
         runner.encoder_cache_tokens = config.cache.encoder_cache_tokens
+        if config.cache.encoder_cache_tokens and config.scheduler.max_num_encoder_input_tokens is not None:
+            scheduler.encoder_cached = runner.holds_encoded  # (an item there costs the encoder nothing)
         runner.peers = peers  # tensor parallelism's other ranks (runner/tensor_parallel.py)
         if mc.enable_lora:
             from conveyor.models.lora import LoRAManager
@@ -809,6 +811,24 @@ class Engine:
         gap = [] if self.tokenizer is None else self.tokenizer.encode("\n\n", add_special_tokens=False)
         return [*gap, vision.boi_token_id], [vision.eoi_token_id, *gap]
 
+    def _check_encoder_budget(self, images: tuple[ImageSpan, ...]) -> None:
+        """InvalidRequestError where a prompt's media could never be encoded within a step's
+        `max_num_encoder_input_tokens`: an item larger than it, or (prompts computed whole) all
+        of them together."""
+        sc = self.scheduler.config
+        cap = sc.max_num_encoder_input_tokens
+        if cap is None:
+            return
+        largest = max(span.length for span in images)
+        if largest > cap:
+            raise InvalidRequestError(f"a media item of {largest} tokens is more than max_num_encoder_input_tokens="
+                                      f"{cap}: no step could encode it", param="multi_modal_data")
+        total = sum(span.length for span in images)
+        if sc.prefill_mode != "chunked" and total > cap:
+            raise InvalidRequestError(f"the prompt's media are {total} tokens, more than max_num_encoder_input_tokens="
+                                      f"{cap}, and prefill_mode={sc.prefill_mode!r} computes a prompt whole",
+                                      param="multi_modal_data")
+
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never be served."""
         if not token_ids:
@@ -951,6 +971,8 @@ class Engine:
                              images)
             return
         text, token_ids, images = self.prepare_prompt(prompt, params, images)
+        if images:
+            self._check_encoder_budget(images)
         if images and (export_kv or kv_handoff is not None):
             raise InvalidRequestError("K/V of a prompt with images are not handed over", param="kv_transfer")
         self.validate(token_ids, params)

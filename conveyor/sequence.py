@@ -83,6 +83,7 @@ class Sequence:
         "block_table",
         "finish_reason",
         "images",
+        "images_charged",
         "lora_request",
         "metrics",
         "num_computed_tokens",
@@ -133,6 +134,9 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         self.images = images  # where its prompt's image tokens are (conveyor/multimodal.py)
+        # How many of `images` the scheduler has charged to a step's encoder budget (or seen
+        # passed without encoding, as prefix-cache hits): they are encoded in order.
+        self.images_charged = 0
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ No torch here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +196,12 @@ class Scheduler:
         # virtual engines and SGLang's micro-batches balance them the same way.
         self.pipeline_depth = 1
         self._batch_cap = 1 << 62
+        # The encoder's budget (`max_num_encoder_input_tokens`): what is left of it this step,
+        # the digests charged this step (one encoding serves every sequence with the item),
+        # and the engine's view of the runner's encoder cache (an item there costs nothing).
+        self._encoder_left: int | None = None
+        self._encoded_now: set[bytes] = set()
+        self.encoder_cached: Callable[[bytes], bool] | None = None
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -305,6 +311,8 @@ class Scheduler:
             eligible = [s for s in eligible if s.seq_id not in gone]
 
         budget = self.config.max_num_batched_tokens
+        self._encoder_left = self.config.max_num_encoder_input_tokens
+        self._encoded_now.clear()
         admitted_fresh = False
         if self.config.prefill_mode == "prefill_first":
             # A step of prefills alone if there is any prefill to run; decodes wait for it.
@@ -500,14 +508,60 @@ class Scheduler:
             cap = self.config.long_prefill_token_threshold
             if cap:
                 num_new = min(num_new, cap)
-            return self._whole_images(seq, min(num_new, budget), budget)
+            return self._encoder_cut(seq, self._whole_images(seq, min(num_new, budget), budget))
         if num_new <= budget:
-            return num_new
+            return num_new if self._encoder_cut(seq, num_new) == num_new else 0
         # Whole prompts only; but a sequence resumed after preemption may have outgrown the
         # whole step budget, and unless it is recomputed in chunks it would wait forever.
         if seq.num_output_tokens > 0 and num_new > self.config.max_num_batched_tokens:
-            return self._whole_images(seq, budget, budget)
+            return self._encoder_cut(seq, self._whole_images(seq, budget, budget))
         return 0
+
+    def _encoder_cut(self, seq: Sequence, num_new: int) -> int:
+        """A chunk of `num_new` tokens, cut to stop before the first media item it reaches
+        whose embeddings the step's encoder budget can no longer pay for (vLLM's
+        `max_num_encoder_input_tokens`): each item not yet encoded costs its tokens once,
+        nothing if the encoder cache holds it or a sequence of this step pays for it. 0: the
+        sequence waits (its chunk would start inside such an item)."""
+        left = self._encoder_left
+        if left is None or not seq.images or num_new <= 0:
+            return num_new
+        start = seq.num_computed_tokens
+        end = start + num_new
+        seen = set(self._encoded_now)
+        cached = self.encoder_cached
+        for span in seq.images[seq.images_charged :]:
+            if span.offset >= end:
+                break
+            if span.end <= start:
+                continue  # (passed without encoding: a prefix-cache hit)
+            digest = span.pixels.digest
+            if digest in seen or (cached is not None and cached(digest)):
+                continue
+            if span.length > left:
+                return max(0, span.offset - start)
+            left -= span.length
+            seen.add(digest)
+        return num_new
+
+    def _charge_encoder(self, seq: Sequence, end: int) -> None:
+        """Charge the step's encoder budget for the media items the chunk up to `end` reaches
+        (`_encoder_cut` has made it fit)."""
+        images = seq.images
+        k = seq.images_charged
+        cached = self.encoder_cached
+        while k < len(images) and images[k].offset < end:
+            span = images[k]
+            k += 1
+            digest = span.pixels.digest
+            if span.end <= seq.num_computed_tokens or digest in self._encoded_now:
+                continue
+            if cached is not None and cached(digest):
+                continue
+            self._encoded_now.add(digest)
+            if self._encoder_left is not None:
+                self._encoder_left -= span.length
+        seq.images_charged = k
 
     @staticmethod
     def _whole_images(seq: Sequence, num_new: int, budget: int) -> int:
@@ -628,6 +682,8 @@ class Scheduler:
         tokens = seq.token_ids
         end = start + num_new
         sample = end == len(tokens)
+        if seq.images and seq.images_charged < len(seq.images):
+            self._charge_encoder(seq, end)
         # Positional, in the fields' order: this runs once per sequence and step.
         out.scheduled.append(
             ScheduledSequence(
@@ -694,6 +750,7 @@ class Scheduler:
             return True
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.images_charged = 0  # (computed again: its media encoded again, or found in the encoder cache)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         return False

@@ -583,6 +583,10 @@ class ModelRunner:
                 out.extend(mrope_positions(torch.tensor(rows), it.images, grid).tolist())
         return torch.tensor(out, dtype=torch.int64).view(-1, 3)
 
+    def holds_encoded(self, digest: bytes) -> bool:
+        """Whether the encoder cache holds the embeddings of the media item of `digest`."""
+        return digest in self._encoded
+
     def _keep_encoded(self, digest: bytes, values: torch.Tensor) -> None:
         """Keep an image's embeddings for other requests, the least recently used leaving first."""
         rows, budget = values.shape[0], self.encoder_cache_tokens

@@ -419,3 +419,30 @@ def test_no_audio_reads_text_without_the_tower(qwen2_audio, llm):
     with pytest.raises(InvalidRequestError, match="reads text only: limit_mm_per_prompt"):
         text_only.generate([{"prompt": "user: w5 <|AUDIO|>", "multi_modal_data": {"audio": (clip(1.0, 1), RATE)}}],
                            PARAMS)
+
+
+def test_encoder_budget_spreads_clips_over_steps(qwen2_audio, llm):
+    """`max_num_encoder_input_tokens` of one clip's tokens: each step encodes at most one clip,
+    the tokens are the engine's without a budget, and a clip larger than the budget is refused."""
+    clips = [clip(1.0, seed=30 + k) for k in range(4)]  # (25 tokens each)
+    text = "user: w5 w6 <|audio_bos|> <|AUDIO|> <|audio_eos|> w8"
+    prompts = [{"prompt": text, "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    budgeted = LLM(model=str(qwen2_audio), dtype="float32", num_kv_blocks=256, block_size=16, seed=0,
+                   max_num_encoder_input_tokens=30)
+    engine = budgeted.engine
+    for k, p in enumerate(prompts):
+        engine.add_request(f"r{k}", p, PARAMS)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        before = engine.runner.images_encoded
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        assert engine.runner.images_encoded - before <= 1
+        steps += 1
+    assert [done[f"r{k}"] for k in range(4)] == want
+    assert engine.runner.images_encoded == 4
+    with pytest.raises(InvalidRequestError, match="no step could encode it"):
+        budgeted.generate([{"prompt": text, "multi_modal_data": {"audio": (clip(2.0, 1), RATE)}}], PARAMS)
