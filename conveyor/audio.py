@@ -265,10 +265,11 @@ class AudioFeatures:
 
         return torch.from_numpy(mel_filters(1 + self.n_fft // 2, self.feature_size, self.sampling_rate)).float()
 
-    def __call__(self, samples: np.ndarray) -> tuple[Any, int]:
+    def __call__(self, samples: np.ndarray, whole: bool = False) -> tuple[Any, int]:
         """A clip's features `[feature_size, kept frames]` (float32) and how many frames are its
         own (`ceil(samples / hop)`, at most 30 seconds' worth): the frames up to those the
-        tower's outputs at the clip's tokens read (`kept_frames`), of the clip padded to 30 s."""
+        tower's outputs at the clip's tokens read (`kept_frames`), of the clip padded to 30 s;
+        all of them with `whole` (Whisper's encoder reads the padding too)."""
         import numpy as np
         import torch
 
@@ -284,7 +285,7 @@ class AudioFeatures:
         power = (stft[..., :-1].abs() ** 2).contiguous()
         logs = (self.filters.T @ power).clamp(min=1e-10).log10()
         logs = (torch.maximum(logs, logs.max() - 8.0) + 4.0) / 4.0
-        return logs[:, : kept_frames(frames, self.max_frames)].contiguous(), frames
+        return logs[:, : self.max_frames if whole else kept_frames(frames, self.max_frames)].contiguous(), frames
 
     def digest(self, features: Any, frames: int) -> bytes:
         return hashlib.sha256(features.numpy().tobytes() + b"audio%d" % frames).digest()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conveyor.audio import Audio
+from conveyor.audio import Audio, AudioFeatures
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
@@ -32,6 +32,7 @@ from conveyor.multimodal import (
     ImageSpan,
     ImageToken,
     Pixels,
+    _preprocessor_config,
     as_image_prompt,
     expand_image_tokens,
     load_image,
@@ -246,6 +247,8 @@ class Engine:
         full_arch = arch
         if arch.is_encoder:
             _check_encoder_config(config)
+        if arch.encoder is not None:
+            _check_whisper_config(config)
         if tp > 1:  # this process is rank 0: its shard, and a KV cache over its heads
             from conveyor.models.tensor_parallel import shard_arch, shard_tensors
 
@@ -357,6 +360,10 @@ class Engine:
                 from conveyor.models.bert import build_encoder
 
                 model = build_encoder(arch, tensors, dtype, device)
+            elif arch.encoder is not None:
+                from conveyor.models.whisper import build_whisper
+
+                model = build_whisper(arch, tensors, TorchPagedAttention(), dtype, device)
             else:
                 model = build_model(
                     arch, tensors, TorchPagedAttention(), max_len, dtype, device, mc.quantization, calibration,
@@ -498,6 +505,8 @@ class Engine:
 
         arch = model.arch
         eos_ids = tokenizer.eos_token_ids if tokenizer else frozenset(arch.eos_token_ids)
+        if arch.encoder is not None:
+            config = _whisper_engine_config(config)
         if arch.is_encoder:
             config = _encoder_config(config, max_len)
             if model.sep_token_id is None and tokenizer is not None:
@@ -522,7 +531,7 @@ class Engine:
             # (A hybrid cache's sliding groups read tables of their own: the graphs take them too.)
             torch_attention = (arch.attn_logit_softcapping > 0 or arch.attention_sinks) and not _triton_attends(dtype)
             eager = (mc.enforce_eager or arch.num_experts > 0 or arch.is_encoder or arch.is_mla
-                     or torch_attention)
+                     or torch_attention or arch.encoder is not None)
             return 0 if eager else min(mc.cuda_graph_max_batch, config.scheduler.max_num_seqs)
 
         runner = ModelRunner(
@@ -554,8 +563,20 @@ class Engine:
         text_only = bool(getattr(model, "text_only", False))
         engine.text_only = text_only
         for option in ("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_media_domains"):
+            if option == "allowed_media_domains" and arch.encoder is not None:
+                continue
             if getattr(mc, option) is not None and getattr(model, "vision", None) is None and not text_only:
                 raise ConfigError(f"{option}: this model reads no images")
+        if arch.encoder is not None:  # (Whisper: its clip's features, whole)
+            folder = Path(mc.model) if mc.model is not None else None
+            features = AudioFeatures.from_config(_preprocessor_config(folder if folder and folder.is_dir() else None))
+            if features.feature_size != arch.encoder.num_channels:
+                raise ModelLoadError(f"preprocessor_config.json's feature_size={features.feature_size}: this "
+                                     f"Whisper's encoder reads {arch.encoder.num_channels} mel bins")
+            engine.image_processor = ImageProcessor(None, None, None, audio_features=features)
+            if mc.allowed_media_domains is not None:
+                engine.image_processor = dataclasses.replace(
+                    engine.image_processor, allowed_media_domains=frozenset(d.lower() for d in mc.allowed_media_domains))
         if getattr(model, "vision", None) is not None:
             folder = Path(mc.model) if mc.model is not None else None
             engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
@@ -632,6 +653,8 @@ class Engine:
             assert isinstance(prompt, list), "images are placed in token ids"
             return None, prompt, images
         prompt = as_image_prompt(prompt)
+        if getattr(getattr(self, "arch", None), "encoder", None) is not None:
+            return self._whisper_prompt(prompt)
         if not isinstance(prompt, ImagePrompt):
             text, ids = self.tokenize_prompt(prompt, params)
             return text, ids, ()
@@ -682,6 +705,31 @@ class Engine:
                 f"an image is {spans[0].length} tokens that a step computes together, more than "
                 f"max_num_batched_tokens={sc.max_num_batched_tokens}", param="image")
         return text, ids, spans
+
+    def _whisper_prompt(self, prompt: Any) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+        """Whisper's request: the decoder's prompt (its special tokens written out, as vLLM takes
+        it: "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>") and one clip, the
+        encoder's input, carried as a span of no tokens (the runner encodes it at the
+        sequence's first step)."""
+        clips = prompt.images if isinstance(prompt, ImagePrompt) else ()
+        if len(clips) != 1 or not all(isinstance(c, Audio) or (isinstance(c, Pixels) and c.frames) for c in clips):
+            raise InvalidRequestError(
+                "Whisper transcribes one audio clip a request: {'prompt': '<|startoftranscript|><|en|><|transcribe|>"
+                "<|notimestamps|>', 'multi_modal_data': {'audio': clip}}", param="audio")
+        assert isinstance(prompt, ImagePrompt) and self.image_processor is not None
+        clip = clips[0]
+        if not isinstance(clip, Pixels):
+            clip = self.image_processor.audio(clip, self.config.model.allowed_local_media_path, whole=True)
+        if isinstance(prompt.prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass token ids", param="prompt")
+            text, ids = prompt.prompt, self.tokenizer.encode(prompt.prompt, add_special_tokens=False)
+        else:
+            text, ids = None, list(prompt.prompt)
+        if not ids:
+            raise InvalidRequestError("Whisper's decoder prompt is empty: start it with <|startoftranscript|>",
+                                      param="prompt")
+        return text, ids, (ImageSpan(0, 0, clip),)
 
     def _place_audio(self, prompt: str | list[int], clips: list[Pixels]
                      ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
@@ -1646,6 +1694,28 @@ def _check_encoder_config(config: EngineConfig) -> None:
     ) if on]
     if refused:
         raise ConfigError(f"an encoder model (BERT, RoBERTa) runs without {', '.join(refused)}: not built for encoders")
+
+
+def _check_whisper_config(config: EngineConfig) -> None:
+    """What a Whisper engine does not run: ConfigError naming it."""
+    mc, sc = config.model, config.scheduler
+    for name, value, why in (
+        ("tensor_parallel_size", mc.tensor_parallel_size > 1, "one rank"),
+        ("speculative_method", sc.speculative_method is not None, "no drafts"),
+        ("enable_lora", mc.enable_lora, "no adapters"),
+        ("quantization", mc.quantization is not None, "its weights as they are"),
+    ):
+        if value:
+            raise ConfigError(f"{name}: Whisper (an encoder-decoder) runs with {why} here")
+
+
+def _whisper_engine_config(config: EngineConfig) -> EngineConfig:
+    """Whisper's decoder K/V depend on its clip, which no block hash sees: no prefix cache (vLLM
+    turns it off for encoder-decoder models too)."""
+    if not config.cache.enable_prefix_caching:
+        return config
+    logger.info("Whisper: no prefix cache (its decoder's K/V depend on the clip)")
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
 
 
 def _encoder_config(config: EngineConfig, max_len: int) -> EngineConfig:

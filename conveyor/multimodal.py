@@ -500,14 +500,15 @@ class ImageProcessor:
         digest = hashlib.sha256(tensor.numpy().tobytes() + repr(size).encode()).digest()
         return Pixels(tensor, digest, size)
 
-    def audio(self, audio: Audio, allowed_local_media_path: str | None = None) -> Pixels:
+    def audio(self, audio: Audio, allowed_local_media_path: str | None = None, whole: bool = False) -> Pixels:
         """An audio clip made ready for the tower: read, made mono at the features' rate,
-        cut to 30 seconds, made log-mel features (`conveyor.audio`)."""
+        cut to 30 seconds, made log-mel features (`conveyor.audio`; `whole`: all 30 seconds'
+        frames, Whisper's encoder's input)."""
         features = self.audio_features
         if features is None:
             raise InvalidRequestError("this model reads no audio (Qwen2-Audio does)", param="audio")
         samples = load_audio(audio, features.sampling_rate, allowed_local_media_path, self.allowed_media_domains)
-        values, frames = features(samples)
+        values, frames = features(samples, whole)
         return Pixels(values, features.digest(values, frames), frames=frames)
 
     def video(self, video: Video, allowed_local_media_path: str | None = None) -> Pixels:

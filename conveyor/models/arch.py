@@ -204,6 +204,9 @@ class ArchConfig:
     final_logit_softcapping: float = 0.0
     multimodal: bool = False  # the text model of an image-text checkpoint (Gemma 3's, LLaVA's)
     vision: VisionArch | None = None  # ... and its vision side, where conveyor reads its images
+    # An encoder-decoder's encoder (Whisper's: conveyor/models/whisper.py); the fields above are
+    # then its decoder's (`num_layers`, heads, `max_position_embeddings` its learned positions).
+    encoder: VisionArch | None = None
     # Multimodal RoPE (Qwen2-VL): the head's frequencies in parts turned by time, row and column
     # positions in turn (an image's tokens' 3D positions: conveyor/models/qwen_vision.py); text
     # has the three alike, so plain RoPE.
@@ -413,6 +416,8 @@ class ArchConfig:
                 return _qwen_vl_from_hf(cfg, QWEN_VL_ARCHITECTURES[a])
             if a == "Qwen2AudioForConditionalGeneration":
                 return _qwen2_audio_from_hf(cfg)
+            if a == "WhisperForConditionalGeneration":
+                return _whisper_from_hf(cfg)
             if a == "Mistral3ForConditionalGeneration":
                 return _llava_from_hf(cfg, mistral3=True)
             if a == "InternVLForConditionalGeneration":
@@ -486,6 +491,36 @@ class ArchConfig:
             attention_multiplier=float(cfg.get("attention_multiplier") or 0.0) if family == "granite" else 0.0,
             logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         )
+
+
+def _whisper_from_hf(cfg: dict[str, Any]) -> ArchConfig:
+    """A Whisper checkpoint: its decoder as the model (learned positions, biases, GELU, tied
+    embeddings) and its encoder (`encoder`: Qwen2-Audio's tower's fields, `VisionArch`)."""
+    d = int(cfg.get("d_model", 1280))
+    heads = int(cfg.get("decoder_attention_heads", 20))
+    if cfg.get("scale_embedding"):
+        raise UnsupportedModelError("a Whisper with scaled embeddings is not supported")
+    if d % heads:
+        raise UnsupportedModelError("the decoder's width is not a multiple of its heads")
+    try:
+        encoder = VisionArch.from_qwen2_audio({"audio_config": {
+            "num_mel_bins": cfg.get("num_mel_bins", 80), "encoder_layers": cfg.get("encoder_layers", 32),
+            "encoder_attention_heads": cfg.get("encoder_attention_heads", 20),
+            "encoder_ffn_dim": cfg.get("encoder_ffn_dim", 5120), "d_model": d,
+            "activation_function": cfg.get("activation_function", "gelu"),
+            "max_source_positions": cfg.get("max_source_positions", 1500)}}, d)
+    except VisionConfigError as e:
+        raise UnsupportedModelError(str(e)) from None
+    eos = cfg.get("eos_token_id", 50257)
+    return ArchConfig(
+        family="whisper", vocab_size=int(cfg["vocab_size"]), hidden_size=d,
+        intermediate_size=int(cfg.get("decoder_ffn_dim", 5120)), num_layers=int(cfg.get("decoder_layers", 32)),
+        num_heads=heads, num_kv_heads=heads, head_dim=d // heads, rms_norm_eps=1e-5, rope_theta=0.0,
+        max_position_embeddings=int(cfg.get("max_target_positions", 448)), tie_word_embeddings=True,
+        attention_bias=True, bos_token_id=cfg.get("decoder_start_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+        hidden_act=cfg.get("activation_function", "gelu"), encoder=dataclasses.replace(encoder, style="whisper"),
+    )
 
 
 def _qwen2_audio_from_hf(cfg: dict[str, Any]) -> ArchConfig:

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,9 @@ class AttentionMetadata:
     # M-RoPE (Qwen2-VL): each row's (time, row, column) rotary positions `[T, 3]`, where a
     # sequence of the step holds images (conveyor/models/qwen_vision.py: `mrope_positions`).
     mrope: torch.Tensor | None = None
+    # An encoder-decoder's (Whisper's) cross-attention inputs: each sequence's rows and the
+    # encoder's keys and values (conveyor/models/whisper.py `CrossStates`).
+    cross: Any = None
 
     def windowed(self, window: int) -> AttentionMetadata:
         """This step's metadata for a layer that attends within its last `window` positions

@@ -31,7 +31,7 @@ class _Attention(nn.Module):
         self.q_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(3))
         self.k_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         n, t, d = x.shape
         q, k, v = (p(x).view(n, t, self.heads, d // self.heads).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -50,7 +50,7 @@ class _Layer(nn.Module):
         self.fc2 = nn.Linear(v.intermediate_size, d)
         self.act = ACTIVATIONS[v.hidden_act]
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), mask)
         x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
         if x.dtype == torch.float16:  # (as HF's layer: float16 kept finite)

@@ -144,6 +144,9 @@ class ModelRunner:
         # is computed again).
         self._pool_sums: dict[int, torch.Tensor] = {}
         self._image_cache: dict[int, dict[int, torch.Tensor]] = {}  # images' embeddings, by sequence and image
+        # Whisper's: each sequence's cross-attention keys and values, a pair a decoder layer,
+        # made from its clip at its first step and kept until it ends (`_cross_states`).
+        self._cross: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # ... and across requests, by the image's digest, up to `encoder_cache_tokens` rows
         self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._encoded_rows = 0
@@ -305,6 +308,7 @@ class ModelRunner:
             self._guides.pop(seq_id, None)
             self._pool_sums.pop(seq_id, None)
             self._image_cache.pop(seq_id, None)
+            self._cross.pop(seq_id, None)
             self.host_tables.drop(seq_id)
             for group in self.window_host_tables:
                 group.drop(seq_id)
@@ -347,7 +351,8 @@ class ModelRunner:
         hidden: torch.Tensor | None = None
         adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
         pooling = any(it.sampling_params.pooling is not None for it in items)  # (they need hidden states)
-        images = any(it.images for it in items)
+        # (Whisper's clip is its encoder's input, no image tokens: `_cross_states`)
+        images = any(it.images for it in items) and not getattr(self.model, "encoder_decoder", False)
         embeds = self._image_embeds(items, num_new) if images else None
         # M-RoPE (Qwen2-VL): a sequence with images turns by 3D positions. Where a step's rows
         # all have three alike (decodes, chunks past the images: the index plus the prompt's
@@ -397,6 +402,8 @@ class ModelRunner:
                                  for g, host in enumerate(self.window_host_tables)]
                 self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
             meta.embeds = embeds
+            if getattr(self.model, "encoder_decoder", False):
+                meta.cross = self._cross_states(items, num_new)
             rope_positions = meta.positions
             if flat:
                 assert mrope is not None
@@ -582,6 +589,24 @@ class ModelRunner:
             else:
                 out.extend(mrope_positions(torch.tensor(rows), it.images, grid).tolist())
         return torch.tensor(out, dtype=torch.int64).view(-1, 3)
+
+    def _cross_states(self, items: list[ScheduledSequence], num_new: list[int]) -> Any:
+        """An encoder-decoder's step (Whisper's): each sequence's rows and cross keys and values,
+        its clip encoded at its first step (those of this step's new sequences in one batch)."""
+        from conveyor.models.whisper import CrossStates
+
+        new = [it for it in items if it.seq_id not in self._cross]
+        if new:
+            model: Any = self.model
+            encoded = model.encode([it.images[0].pixels.values for it in new])
+            self.images_encoded += len(new)
+            for it, states in zip(new, encoded, strict=True):
+                self._cross[it.seq_id] = states
+        rows, end = [], 0
+        for n in num_new:
+            rows.append((end, end + n))
+            end += n
+        return CrossStates(rows, [self._cross[it.seq_id] for it in items])
 
     def holds_encoded(self, digest: bytes) -> bool:
         """Whether the encoder cache holds the embeddings of the media item of `digest`."""

@@ -52,6 +52,7 @@ from conveyor.server.serving import (
     ServerState,
     verify_adapter,
 )
+from conveyor.server.transcription import transcribe
 
 
 def served_model_names(config: ServerConfig, engine: EngineFront) -> tuple[str, ...]:
@@ -217,6 +218,16 @@ def build_app(
         check_accepting()
         await check_model(body.model)
         return await RerankHandler(state, body).run(raw)
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(raw: Request) -> Response:
+        check_accepting()
+        return await transcribe(state, raw, "transcribe", check_model)
+
+    @app.post("/v1/audio/translations")
+    async def translations(raw: Request) -> Response:
+        check_accepting()
+        return await transcribe(state, raw, "translate", check_model)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def test_a_chunk_stops_before_an_image_the_budget_cannot_pay_for():
     """Four prompts of 10 words and a 30-token image: a budget of 60 encodes two a step, the
     others computing their words up to their image and waiting there."""
     reqs = [Request(50, ((10, 30, i),), 2) for i in range(4)]
-    sched, seqs = build(reqs, 60, 512, True, 400)
+    sched, _ = build(reqs, 60, 512, True, 400)
     first = sched.schedule(0.0)
     assert [(it.seq_id, len(it.token_ids)) for it in first.scheduled] == [(0, 50), (1, 50), (2, 10), (3, 10)]
     sched.update(first, FakeRunner(400, 4)(first), 0.0)

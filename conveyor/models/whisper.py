@@ -1,0 +1,183 @@
+"""Whisper (`WhisperForConditionalGeneration`): an encoder over 30 seconds of log-mel features and a
+decoder that writes the transcript, attending to its own tokens (paged K/V, as any decoder's) and
+to the encoder's output (cross-attention).
+
+The encoder is Qwen2-Audio's without the pool (conveyor/models/qwen_audio.py: two convolutions,
+learned positions, pre-norm layers), read whole: Whisper was trained on clips padded with silence
+to 30 seconds and attends over all 1500 positions, padding included, so nothing may be left out.
+A request's encoder runs once, at its first step; each decoder layer's cross-attention keys and
+values of those 1500 positions are made then and kept beside the sequence until it ends
+(`CrossStates`, in the runner: outside the paged cache, about `2 x layers x 1500 x d_model`
+numbers a request). The decoder: token and learned position embeddings, pre-norm layers of causal
+self-attention (through the attention backend, over the paged cache), cross-attention and a GELU
+MLP, a final norm, and the token embeddings as the LM head. Its positions are the decoder's own
+(at most `max_target_positions`, 448).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.models.arch import ArchConfig, UnsupportedModelError
+from conveyor.models.attention import AttentionBackend, AttentionMetadata
+from conveyor.models.qwen_audio import _Encoder
+from conveyor.models.vision import ACTIVATIONS
+
+
+@dataclass
+class CrossStates:
+    """One step's cross-attention inputs: each sequence's rows `(first, end)` in the step's
+    flat batch and its keys and values, a `[heads, 1500, head_dim]` pair each layer."""
+
+    rows: list[tuple[int, int]]
+    states: list[list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class _Projections(nn.Module):
+    """Whisper's attention projections: q, v and out with biases, k without."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(3))
+        self.k_proj = nn.Linear(d, d, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        d = arch.hidden_size
+        self.heads, self.head_dim = arch.num_heads, arch.head_dim
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.self_attn = _Projections(d)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = _Projections(d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, arch.intermediate_size)
+        self.fc2 = nn.Linear(arch.intermediate_size, d)
+        self.act = ACTIVATIONS[arch.hidden_act]
+
+    def cross_states(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's output `[positions, d]` as this layer's cross keys and values."""
+        n = encoded.shape[0]
+        a = self.encoder_attn
+        k = a.k_proj(encoded).view(n, self.heads, self.head_dim).transpose(0, 1).contiguous()
+        v = a.v_proj(encoded).view(n, self.heads, self.head_dim).transpose(0, 1).contiguous()
+        return k, v
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                cross: list[tuple[torch.Tensor, torch.Tensor]], rows: list[tuple[int, int]]) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.self_attn_layer_norm(x)
+        s = self.self_attn
+        q, k, v = (p(h).view(t, self.heads, self.head_dim) for p in (s.q_proj, s.k_proj, s.v_proj))
+        x = x + s.out_proj(backend.forward(q, k, v, kv_cache, meta, self.head_dim**-0.5).reshape(t, -1))
+        h = self.encoder_attn_layer_norm(x)
+        q = self.encoder_attn.q_proj(h).view(t, self.heads, self.head_dim)
+        out = torch.empty_like(q)
+        for (a, b), (ck, cv) in zip(rows, cross, strict=True):  # (every row sees all 1500 positions)
+            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], ck[None], cv[None])[0].transpose(0, 1)
+        x = x + self.encoder_attn.out_proj(out.reshape(t, -1))
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_positions = nn.Embedding(arch.max_position_embeddings, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layer_norm = nn.LayerNorm(arch.hidden_size)
+
+
+class Whisper(nn.Module):
+    """The whole model under HF's names with `model.` dropped (`encoder.*`, `decoder.*`); the
+    runner calls it as any decoder, with `meta.cross` (`CrossStates`) for the cross-attention."""
+
+    encoder_decoder = True
+    lm_head = None
+    fused_decode = None
+    gemv = None
+    vision = None
+    text_only = False
+
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        assert arch.encoder is not None
+        self.arch = arch
+        self.backend = backend
+        self.encoder = _Encoder(arch.encoder)
+        self.decoder = _Decoder(arch)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return False
+
+    @torch.inference_mode()
+    def encode(self, features: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Clips' features `[mels, 3000]` to each decoder layer's cross keys and values, a list
+        a clip (all in one batch through the encoder)."""
+        enc = self.encoder
+        w = enc.conv1.weight
+        x = torch.stack(features).to(w.device, w.dtype)
+        h = F.gelu(enc.conv2(F.gelu(enc.conv1(x)))).transpose(1, 2)
+        h = h + enc.embed_positions.weight[: h.shape[1]]
+        for layer in enc.layers:
+            h = layer(h, None)  # (every position sees every one: no mask)
+        h = enc.layer_norm(h)
+        layers: list[DecoderLayer] = list(self.decoder.layers)  # type: ignore[arg-type]
+        return [[layer.cross_states(e) for layer in layers] for e in h]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        cross: CrossStates | None = getattr(meta, "cross", None)
+        if cross is None:
+            raise UnsupportedModelError("a Whisper step needs its sequences' encoder states (meta.cross)")
+        dec = self.decoder
+        x = dec.embed_tokens(input_ids) + dec.embed_positions(positions)
+        for i, layer in enumerate(dec.layers):
+            x = layer(x, kv_caches[i], meta, self.backend, [s[i] for s in cross.states], cross.rows)
+        return dec.layer_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = hidden @ self.decoder.embed_tokens.weight.T
+        if out is not None:
+            out.copy_(logits)
+            return out
+        return logits
+
+    def prepare_for_inference(self, quantization: str | None = None, calibration_ids: Any = None) -> None:
+        if quantization is not None:
+            raise UnsupportedModelError(f"quantization={quantization!r} is not built for Whisper")
+
+
+def build_whisper(arch: ArchConfig, tensors: Any, backend: AttentionBackend, dtype: torch.dtype,
+                  device: torch.device) -> Whisper:
+    """The model from HF-named tensors (`model.encoder.*`, `model.decoder.*`; `proj_out` is the
+    token embeddings, tied)."""
+    with torch.device("meta"):
+        model = Whisper(arch, backend)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, t in tensors:
+            name = name.removeprefix("model.")
+            if name == "proj_out.weight":
+                continue  # (tied to the token embeddings)
+            if name not in params:
+                raise UnsupportedModelError(f"a Whisper checkpoint's tensor {name!r} has no place here")
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise UnsupportedModelError(f"{name}: tensor of shape {tuple(t.shape)} does not fit {tuple(p.shape)}")
+            p.copy_(t.to(dtype))
+            seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise UnsupportedModelError(f"the checkpoint lacks {len(missing)} Whisper tensors, e.g. {missing[:3]}")
+    model.eval().requires_grad_(False)
+    return model
