@@ -569,7 +569,8 @@ class Engine:
                 raise ConfigError(f"{option}: this model reads no images")
         if arch.encoder is not None:  # (Whisper: its clip's features, whole)
             folder = Path(mc.model) if mc.model is not None else None
-            features = AudioFeatures.from_config(_preprocessor_config(folder if folder and folder.is_dir() else None))
+            features = AudioFeatures.from_config({"feature_size": arch.encoder.num_channels,  # (where it is silent)
+                                                  **_preprocessor_config(folder if folder and folder.is_dir() else None)})
             if features.feature_size != arch.encoder.num_channels:
                 raise ModelLoadError(f"preprocessor_config.json's feature_size={features.feature_size}: this "
                                      f"Whisper's encoder reads {arch.encoder.num_channels} mel bins")

@@ -352,7 +352,8 @@ class ImageProcessor:
         size = vision.image_size
         cfg: dict[str, Any] = {}
         if vision.reads_audio:  # (Qwen2-Audio's: `WhisperFeatureExtractor`'s keys)
-            return cls(None, None, None, audio_features=AudioFeatures.from_config(_preprocessor_config(folder)))
+            return cls(None, None, None, audio_features=AudioFeatures.from_config(
+                {"feature_size": vision.num_channels, **_preprocessor_config(folder)}))
         if vision.is_qwen:
             return cls._qwen(folder, vision)
         if vision.style == "pixtral":

@@ -1,0 +1,111 @@
+"""Whisper: transcribing many clips at once against one at a time, and against HF transformers'
+batched `generate` on the same weights.
+
+A random-weight Whisper of whisper-base's shape (512 wide, 6 encoder and 6 decoder layers, 8 heads,
+80 mel bins, a vocabulary of 51,865), float32. `--batch` clips of `--seconds` each, each decoded
+greedily for `--max-tokens` tokens after the 4-token task prompt, no early end. Runs, in turns after
+a warm-up, `--rounds` rounds:
+
+  conveyor   all the requests in one `LLM.generate` (continuous batching: the clips encoded in
+             one batch, the decodes side by side)
+  one        the same requests one `LLM.generate` each, in turn
+  hf         HF's `generate` over the batch (its encoder once over all clips, then the decoder
+             with its KV cache; GenerationMixin's greedy loop, none of Whisper's own rules)
+
+With `--varied`, request k asks for `max_tokens * (k + 1) / batch` tokens (answers of different
+lengths, as a batch of real clips has): conveyor's finished requests leave the batch, while HF's
+static batch decodes until the longest is done (what it must do without per-request ends).
+The figure is each run's wall time and its ratio to conveyor's in the same round.
+
+    python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 64 --rounds 3
+    python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 128 --rounds 3 --varied
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from conveyor import LLM, SamplingParams
+
+SHAPE = dict(vocab_size=51865, num_mel_bins=80, encoder_layers=6, encoder_attention_heads=8, decoder_layers=6,
+             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, d_model=512,
+             max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258, eos_token_id=50257,
+             bos_token_id=50257, pad_token_id=50257)
+PROMPT = [50258, 50259, 50359, 50363]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+RATE = 16000
+
+
+def build(folder: Path) -> Path:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    tf.WhisperForConditionalGeneration(tf.WhisperConfig(**SHAPE)).eval().save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def main() -> None:
+    import transformers as tf
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--varied", action="store_true", help="request k asks max_tokens * (k + 1) / batch tokens")
+    args = ap.parse_args()
+    lengths = [max(1, args.max_tokens * (k + 1) // args.batch) if args.varied else args.max_tokens
+               for k in range(args.batch)]
+    g = np.random.default_rng(0)
+    t = np.arange(int(args.seconds * RATE)) / RATE
+    clips = [(0.1 * np.sin(2 * np.pi * g.uniform(100, 3000) * t) + 0.02 * g.standard_normal(t.shape)).astype(np.float32)
+             for _ in range(args.batch)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(Path(tmp) / "whisper")
+        llm = LLM(str(path), kv_cache_memory=256 << 20)
+        hf = tf.WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        fe = tf.WhisperFeatureExtractor(feature_size=80)
+        features = fe(clips, sampling_rate=RATE, return_tensors="pt")["input_features"]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+        requests = [{"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
+
+        def batched() -> list[list[int]]:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
+
+        def one() -> list[list[int]]:
+            return [list(llm.generate([r], [p], use_tqdm=False)[0].outputs[0].token_ids)
+                    for r, p in zip(requests, params, strict=True)]
+
+        def theirs() -> list[list[int]]:
+            with torch.inference_mode():
+                out = tf.GenerationMixin.generate(
+                    hf, input_features=features, decoder_input_ids=torch.tensor([PROMPT] * args.batch),
+                    max_new_tokens=max(lengths), min_new_tokens=max(lengths), do_sample=False)
+            return [row[:n] for row, n in zip(out[:, len(PROMPT):].tolist(), lengths, strict=True)]
+
+        runs = {"conveyor": batched, "one": one, "hf": theirs}
+        same = batched() == theirs()  # (warm-up, and the two agree on greedy tokens)
+        one()
+        times: dict[str, list[float]] = {n: [] for n in runs}
+        for r in range(args.rounds):
+            for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                start = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - start)
+        told = f"{lengths[0]}-{lengths[-1]} tokens" if args.varied else f"{args.max_tokens} tokens each"
+        print(f"{args.batch} clips of {args.seconds:g} s, {told}, {args.rounds} rounds, "
+              f"torch threads {torch.get_num_threads()}; greedy tokens equal to HF's: {same}")
+        print(f"{'run':9} {'median s':>9} {'vs conveyor':>14}")
+        for name, ts in times.items():
+            ratios = [a / b for a, b in zip(ts, times["conveyor"], strict=True)]
+            print(f"{name:9} {statistics.median(ts):9.3f} {min(ratios):6.2f}-{max(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
