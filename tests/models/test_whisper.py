@@ -153,7 +153,17 @@ def test_transcriptions_over_http(whisper, tmp_path):
         {"prompt": PROMPT, "multi_modal_data": {"audio": (long[30 * RATE :], RATE)}},
         {"prompt": "<|startofprev|> w20 w21" + PROMPT, "multi_modal_data": {"audio": (x, RATE)}}], full))
     assert want and prompted != want
-    del llm
+    joined = " ".join(t for t in (first, second) if t)
+    with torch.no_grad():  # (Whisper's guess: the likelier of the two language tokens after the start)
+        import transformers as tf
+
+        hf = tf.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
+        features = tf.WhisperFeatureExtractor(feature_size=80)(x, sampling_rate=RATE, return_tensors="pt")
+        logits = hf(input_features=features["input_features"], decoder_input_ids=torch.tensor([[SOT]])).logits[0, -1]
+    guessed = "en" if logits[EN] >= logits[FR] else "fr"
+    detected = llm.generate([{"prompt": f"<|startoftranscript|><|{guessed}|><|transcribe|><|notimestamps|>",
+                              "multi_modal_data": {"audio": (x, RATE)}}], full)[0].outputs[0].text.strip()
+    del llm, hf
     server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64"],
                            tmp_path / "server.log")
     try:
@@ -163,17 +173,30 @@ def test_transcriptions_over_http(whisper, tmp_path):
                 return client.post(server.url + path, files={"file": ("a.wav", audio, "audio/wav")},
                                    data={"model": str(whisper), **fields})
 
-            r = post("/v1/audio/transcriptions", wav_bytes(x))
+            r = post("/v1/audio/transcriptions", wav_bytes(x), language="en")
             assert r.status_code == 200, r.text
-            assert r.json() == {"text": want, "usage": {"type": "duration", "seconds": 2}}
-            r = post("/v1/audio/transcriptions", wav_bytes(x), prompt="w20 w21")
+            assert r.json() == {"text": want, "language": "en", "usage": {"type": "duration", "seconds": 2}}
+            # no language: Whisper's own guess, HF's decoder's likelier language token after the start
+            r = post("/v1/audio/transcriptions", wav_bytes(x))
+            assert r.status_code == 200 and r.json()["language"] == guessed and r.json()["text"] == detected
+            # streamed: OpenAI's delta events, then the whole text
+            events = []
+            with client.stream("POST", server.url + "/v1/audio/transcriptions",
+                               files={"file": ("a.wav", wav_bytes(long), "audio/wav")},
+                               data={"model": str(whisper), "language": "en", "stream": "true"}) as s:
+                assert s.status_code == 200
+                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            deltas = "".join(e["delta"] for e in events if e["type"] == "transcript.text.delta")
+            assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == joined
+            assert deltas.split() == joined.split() and sum(e["type"].endswith("delta") for e in events) > 2
+            r = post("/v1/audio/transcriptions", wav_bytes(x), prompt="w20 w21", language="en")
             assert r.status_code == 200 and r.json()["text"] == prompted
-            r = post("/v1/audio/transcriptions", wav_bytes(x), response_format="text")
+            r = post("/v1/audio/transcriptions", wav_bytes(x), response_format="text", language="en")
             assert r.status_code == 200 and r.text == want
             r = post("/v1/audio/translations", wav_bytes(x), language="fr")
             assert r.status_code == 200 and r.json()["text"] == translated
-            r = post("/v1/audio/transcriptions", wav_bytes(long))
-            assert r.status_code == 200 and r.json()["text"] == " ".join(t for t in (first, second) if t)
+            r = post("/v1/audio/transcriptions", wav_bytes(long), language="en")
+            assert r.status_code == 200 and r.json()["text"] == joined
             for fields, match in [({"response_format": "srt"}, "timestamps"), ({"language": "xx"}, "language"),
                                   ({"temperature": "3"}, "temperature"), ({"model": "other"}, "does not exist")]:
                 r = post("/v1/audio/transcriptions", wav_bytes(x), **fields)
@@ -182,6 +205,6 @@ def test_transcriptions_over_http(whisper, tmp_path):
             assert r.status_code == 400
             r = client.post(server.url + "/v1/audio/transcriptions", data={"model": str(whisper)})
             assert r.status_code == 400 and "file" in r.json()["error"]["message"]
-            assert post("/v1/audio/transcriptions", wav_bytes(x)).json()["text"] == want
+            assert post("/v1/audio/transcriptions", wav_bytes(x), language="en").json()["text"] == want
     finally:
         server.stop()
