@@ -134,6 +134,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    """Whisper's transcript (or English translation) of an audio file, printed."""
+    from pathlib import Path
+
+    from conveyor.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    data = Path(args.file).read_bytes()
+    out = llm.transcribe(data, language=args.language, task="translate" if args.translate else "transcribe",
+                         prompt=args.prompt, temperature=args.temperature)
+    print(out.text)
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from conveyor.llm import LLM
 
@@ -216,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    asr = sub.add_parser("transcribe", help="a Whisper model's transcript of an audio file")
+    asr.add_argument("file", help="the audio file (WAV; MP3, FLAC, OGG with soundfile)")
+    asr.add_argument("--language", default=None, help="the clip's language (ISO-639-1); default: Whisper's guess")
+    asr.add_argument("--translate", action="store_true", help="translate into English")
+    asr.add_argument("--prompt", default=None, help="text the transcript continues from")
+    asr.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(asr)
+    asr.set_defaults(func=cmd_transcribe)
 
     serve = sub.add_parser(
         "serve",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.config import EngineConfig
@@ -29,6 +29,9 @@ from conveyor.scoring import (
     top_label,
 )
 from conveyor.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from conveyor.transcribe import Transcription
 
 Prompt = str | list[int] | ImagePrompt | dict[str, Any]  # (the dict: vLLM's, with "multi_modal_data")
 Message = dict[str, Any]
@@ -243,6 +246,27 @@ class LLM:
                 for seq in r.sequences:
                     seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return results
+
+    def transcribe(self, audio: Any, language: str | None = None, task: str = "transcribe",
+                   prompt: str | None = None, temperature: float = 0.0) -> Transcription:
+        """Whisper's transcript of a clip (samples with their rate, a file's bytes, a URL or a
+        path: `conveyor.audio`), or its translation into English (`task="translate"`): its
+        30-second windows decoded in one batch and joined; `language` (ISO-639-1) where given,
+        else Whisper's own guess on the first window (`conveyor.transcribe`)."""
+        from conveyor.transcribe import Transcriber, Transcription, join
+
+        whisper = Transcriber.of(self.tokenizer, self.engine.image_processor, self.engine.max_model_len)
+        before = whisper.before(prompt)
+        lang = None if language is None else whisper.language_id(language)
+        whisper.head(before, lang or whisper.sot, task)
+        parts, seconds = whisper.windows(audio)
+        if lang is None:
+            found, params = whisper.detect_request(parts[0])
+            lang = self.generate([found], params, use_tqdm=False)[0].outputs[0].token_ids[0]
+        head = whisper.head(before, lang, task)
+        outs = self.generate([ImagePrompt(list(head), (clip,)) for clip in parts], whisper.params(head, temperature),
+                             use_tqdm=False)
+        return Transcription(join([o.outputs[0].text for o in outs]), whisper.languages()[lang], seconds)
 
     def chat(
         self,

@@ -208,3 +208,33 @@ def test_transcriptions_over_http(whisper, tmp_path):
             assert post("/v1/audio/transcriptions", wav_bytes(x), language="en").json()["text"] == want
     finally:
         server.stop()
+
+
+def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
+    """`LLM.transcribe` gives the windows' texts joined, the language given or guessed; the
+    `conveyor transcribe` command prints the same."""
+    from conveyor.cli import main
+    from tests.models.test_qwen2_audio import wav_bytes
+
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    long = np.concatenate([clip(30.0, seed=61), clip(3.0, seed=62)])
+    full = SamplingParams(max_tokens=60, temperature=0.0, skip_special_tokens=True)
+    windows = [o.outputs[0].text.strip() for o in llm.generate(
+        [{"prompt": PROMPT, "multi_modal_data": {"audio": (part, RATE)}} for part in (long[: 30 * RATE], long[30 * RATE :])],
+        full)]
+    got = llm.transcribe((long, RATE), language="en")
+    assert got.text == " ".join(t for t in windows if t) and got.language == "en" and abs(got.seconds - 33.0) < 1e-6
+    guessed = llm.transcribe((long, RATE))
+    assert guessed.language in ("en", "fr")
+    translated = llm.transcribe((long[: 2 * RATE], RATE), language="fr", task="translate")
+    want = llm.generate([{"prompt": "<|startoftranscript|><|fr|><|translate|><|notimestamps|>",
+                          "multi_modal_data": {"audio": (long[: 2 * RATE], RATE)}}], full)[0].outputs[0].text.strip()
+    assert translated.text == want
+    with pytest.raises(InvalidRequestError, match="language 'xx'"):
+        llm.transcribe((long, RATE), language="xx")
+    path = tmp_path / "a.wav"
+    path.write_bytes(wav_bytes(long[: 2 * RATE], width=4))
+    capsys.readouterr()
+    assert main(["transcribe", str(path), "--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--language", "fr", "--translate"]) == 0
+    assert capsys.readouterr().out.strip() == want
