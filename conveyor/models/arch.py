@@ -526,13 +526,7 @@ def _whisper_from_hf(cfg: dict[str, Any]) -> ArchConfig:
 def _qwen2_audio_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     """A Qwen2-Audio checkpoint: its Qwen2 text model (`text_config`) with its audio side
     (`VisionArch.from_qwen2_audio`: Whisper's encoder, conveyor/models/qwen_audio.py)."""
-    text = {"model_type": "qwen2", **dict(cfg.get("text_config") or {})}
-    for key in ("bos_token_id", "eos_token_id"):
-        if text.get(key) is None and cfg.get(key) is not None:
-            text[key] = cfg[key]
-    arch = ArchConfig.from_hf(text)
-    if arch.multimodal or arch.is_encoder or arch.labels:
-        raise UnsupportedModelError(f"Qwen2-Audio over a {arch.family} text model is not supported")
+    arch = _text_model({"model_type": "qwen2", **dict(cfg.get("text_config") or {})}, {}, cfg, "Qwen2-Audio")
     try:
         audio = VisionArch.from_qwen2_audio(cfg, arch.hidden_size)
     except VisionConfigError as e:
@@ -540,6 +534,19 @@ def _qwen2_audio_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     if not 0 <= audio.image_token_id < arch.vocab_size:
         raise UnsupportedModelError(f"audio_token_index={audio.image_token_id} is outside the vocabulary")
     return dataclasses.replace(arch, multimodal=True, vision=audio)
+
+
+def _text_model(given: dict[str, Any], defaults: dict[str, Any], cfg: dict[str, Any], what: str) -> ArchConfig:
+    """A multimodal checkpoint's text model from its `text_config` (`given`, over `defaults`;
+    the top level's BOS and EOS where it names none): a plain decoder, else UnsupportedModelError."""
+    text = {**defaults, **given}
+    for key in ("bos_token_id", "eos_token_id"):
+        if given.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    arch = ArchConfig.from_hf(text)
+    if arch.multimodal or arch.is_encoder or arch.labels:
+        raise UnsupportedModelError(f"{what} over a {arch.family} text model is not supported")
+    return arch
 
 
 def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = False, internvl: bool = False,
@@ -553,13 +560,7 @@ def _llava_from_hf(cfg: dict[str, Any], tiles: bool = False, mistral3: bool = Fa
         given["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     kind = given.get("model_type", "mistral" if mistral3 else "qwen2" if internvl or onevision else "llama")
     defaults = {"llama": LLAMA_TEXT_DEFAULTS, "mistral": MISTRAL_TEXT_DEFAULTS}.get(kind, {})
-    text = {**defaults, **given}
-    for key in ("bos_token_id", "eos_token_id"):
-        if given.get(key) is None and cfg.get(key) is not None:
-            text[key] = cfg[key]
-    arch = ArchConfig.from_hf(text)
-    if arch.multimodal or arch.is_encoder or arch.labels:
-        raise UnsupportedModelError(f"a LLaVA over a {arch.family} text model is not supported")
+    arch = _text_model(given, defaults, cfg, "a LLaVA")
     try:
         if mistral3:
             vision = VisionArch.from_mistral3(cfg, arch.hidden_size, arch.rms_norm_eps)
