@@ -665,6 +665,8 @@ class Engine:
             raise InvalidRequestError("this engine reads text only: limit_mm_per_prompt sets each kind the model "
                                       "reads to 0, so its tower is not loaded", param="multi_modal_data")
         if processor is None or vision is None:
+            if any(isinstance(p, Audio) for p in prompt.images):
+                raise InvalidRequestError("this model reads no audio (Qwen2-Audio does)", param="audio")
             raise InvalidRequestError("this model reads no images", param="image")
         if params is not None and params.truncate_prompt_tokens is not None:
             raise InvalidRequestError("truncate_prompt_tokens would cut a prompt with images", param="truncate_prompt_tokens")

@@ -350,7 +350,7 @@ def test_a_text_model_refuses_audio(tiny_models):
     from conveyor.multimodal import chat_images
 
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", num_kv_blocks=32, block_size=16)
-    with pytest.raises(InvalidRequestError, match="reads no images"):
+    with pytest.raises(InvalidRequestError, match="reads no audio"):
         llm.generate([{"prompt_token_ids": [5, 6], "multi_modal_data": {"audio": (clip(1.0, 1), RATE)}}], PARAMS)
     part = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     with pytest.raises(InvalidRequestError, match="reads no audio"):
