@@ -135,16 +135,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    """Whisper's transcript (or English translation) of an audio file, printed."""
+    """Whisper's transcripts (or English translations) of audio files, all batched, printed in
+    order (each after its file's name where there are several)."""
     from pathlib import Path
 
     from conveyor.llm import LLM
 
     llm = LLM(**engine_kwargs(args))
-    data = Path(args.file).read_bytes()
-    out = llm.transcribe(data, language=args.language, task="translate" if args.translate else "transcribe",
-                         prompt=args.prompt, temperature=args.temperature)
-    print(out.text)
+    clips = [Path(f).read_bytes() for f in args.files]
+    outs = llm.transcribe(clips, language=args.language, task="translate" if args.translate else "transcribe",
+                          prompt=args.prompt, temperature=args.temperature)
+    for name, out in zip(args.files, outs, strict=True):
+        print(f"{name}: {out.text}" if len(args.files) > 1 else out.text)
     return 0
 
 
@@ -231,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    asr = sub.add_parser("transcribe", help="a Whisper model's transcript of an audio file")
-    asr.add_argument("file", help="the audio file (WAV; MP3, FLAC, OGG with soundfile)")
+    asr = sub.add_parser("transcribe", help="a Whisper model's transcripts of audio files")
+    asr.add_argument("files", nargs="+", help="audio files (WAV; MP3, FLAC, OGG with soundfile), batched")
     asr.add_argument("--language", default=None, help="the clip's language (ISO-639-1); default: Whisper's guess")
     asr.add_argument("--translate", action="store_true", help="translate into English")
     asr.add_argument("--prompt", default=None, help="text the transcript continues from")

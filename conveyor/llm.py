@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.config import EngineConfig
@@ -29,9 +29,6 @@ from conveyor.scoring import (
     top_label,
 )
 from conveyor.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from conveyor.transcribe import Transcription
 
 Prompt = str | list[int] | ImagePrompt | dict[str, Any]  # (the dict: vLLM's, with "multi_modal_data")
 Message = dict[str, Any]
@@ -248,25 +245,42 @@ class LLM:
         return results
 
     def transcribe(self, audio: Any, language: str | None = None, task: str = "transcribe",
-                   prompt: str | None = None, temperature: float = 0.0) -> Transcription:
+                   prompt: str | None = None, temperature: float = 0.0) -> Any:
         """Whisper's transcript of a clip (samples with their rate, a file's bytes, a URL or a
         path: `conveyor.audio`), or its translation into English (`task="translate"`): its
         30-second windows decoded in one batch and joined; `language` (ISO-639-1) where given,
-        else Whisper's own guess on the first window (`conveyor.transcribe`)."""
+        else Whisper's own guess on the first window (`conveyor.transcribe`). A list of clips
+        gives a list of `Transcription`s, every clip's windows (and language guesses) in one
+        batch; one clip, one `Transcription`."""
         from conveyor.transcribe import Transcriber, Transcription, join
 
         whisper = Transcriber.of(self.tokenizer, self.engine.image_processor, self.engine.max_model_len)
         before = whisper.before(prompt)
-        lang = None if language is None else whisper.language_id(language)
-        whisper.head(before, lang or whisper.sot, task)
-        parts, seconds = whisper.windows(audio)
-        if lang is None:
-            found, params = whisper.detect_request(parts[0])
-            lang = self.generate([found], params, use_tqdm=False)[0].outputs[0].token_ids[0]
-        head = whisper.head(before, lang, task)
-        outs = self.generate([ImagePrompt(list(head), (clip,)) for clip in parts], whisper.params(head, temperature),
-                             use_tqdm=False)
-        return Transcription(join([o.outputs[0].text for o in outs]), whisper.languages()[lang], seconds)
+        given = None if language is None else whisper.language_id(language)
+        whisper.head(before, given or whisper.sot, task)
+        clips = audio if isinstance(audio, list) else [audio]
+        windows = [whisper.windows(clip) for clip in clips]
+        langs = [given] * len(clips)
+        if given is None:
+            guesses = [whisper.detect_request(parts[0]) for parts, _ in windows]
+            outs = self.generate([g[0] for g in guesses], [g[1] for g in guesses], use_tqdm=False)
+            langs = [o.outputs[0].token_ids[0] for o in outs]
+        prompts, params, owner = [], [], []
+        for k, ((parts, _), lang) in enumerate(zip(windows, langs, strict=True)):
+            assert lang is not None
+            head = whisper.head(before, lang, task)
+            for clip in parts:
+                prompts.append(ImagePrompt(list(head), (clip,)))
+                params.append(whisper.params(head, temperature))
+                owner.append(k)
+        outs = self.generate(prompts, params, use_tqdm=False)
+        texts: list[list[str]] = [[] for _ in clips]
+        for k, out in zip(owner, outs, strict=True):
+            texts[k].append(out.outputs[0].text)
+        names = whisper.languages()
+        results = [Transcription(join(t), names[lang], seconds)  # type: ignore[index]
+                   for t, lang, (_, seconds) in zip(texts, langs, windows, strict=True)]
+        return results if isinstance(audio, list) else results[0]
 
     def chat(
         self,

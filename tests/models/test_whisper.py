@@ -232,9 +232,18 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
     assert translated.text == want
     with pytest.raises(InvalidRequestError, match="language 'xx'"):
         llm.transcribe((long, RATE), language="xx")
+    several = llm.transcribe([(long, RATE), (long[: 2 * RATE], RATE)])  # (all windows and guesses in one batch)
+    alone = [guessed, llm.transcribe((long[: 2 * RATE], RATE))]
+    assert several == alone
     path = tmp_path / "a.wav"
     path.write_bytes(wav_bytes(long[: 2 * RATE], width=4))
     capsys.readouterr()
     assert main(["transcribe", str(path), "--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64",
                  "--language", "fr", "--translate"]) == 0
     assert capsys.readouterr().out.strip() == want
+    other = tmp_path / "b.wav"
+    other.write_bytes(wav_bytes(long[2 * RATE : 4 * RATE], width=4))
+    second = llm.transcribe((long[2 * RATE : 4 * RATE], RATE), language="fr", task="translate").text
+    assert main(["transcribe", str(path), str(other), "--model", str(whisper), "--dtype", "float32",
+                 "--num-kv-blocks", "64", "--language", "fr", "--translate"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{path}: {want}", f"{other}: {second}"]
