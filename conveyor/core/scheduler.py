@@ -527,41 +527,34 @@ class Scheduler:
         if left is None or not seq.images or num_new <= 0:
             return num_new
         start = seq.num_computed_tokens
-        end = start + num_new
-        seen = set(self._encoded_now)
-        cached = self.encoder_cached
-        for span in seq.images[seq.images_charged :]:
-            if span.offset >= end:
-                break
-            if span.end <= start:
-                continue  # (passed without encoding: a prefix-cache hit)
-            digest = span.pixels.digest
-            if digest in seen or (cached is not None and cached(digest)):
-                continue
+        for span in self._unpaid(seq, start + num_new, set(self._encoded_now)):
             if span.length > left:
                 return max(0, span.offset - start)
             left -= span.length
-            seen.add(digest)
         return num_new
 
     def _charge_encoder(self, seq: Sequence, end: int) -> None:
         """Charge the step's encoder budget for the media items the chunk up to `end` reaches
         (`_encoder_cut` has made it fit)."""
-        images = seq.images
-        k = seq.images_charged
+        assert self._encoder_left is not None
+        for span in self._unpaid(seq, end, self._encoded_now):
+            self._encoder_left -= span.length
+        seq.images_charged = sum(1 for span in seq.images if span.offset < end)
+
+    def _unpaid(self, seq: Sequence, end: int, paid: set[bytes]) -> Iterator[ImageSpan]:
+        """The media items of `seq` not charged yet that its chunk up to `end` must encode: not
+        passed before the chunk (a prefix-cache hit), not in the encoder cache, not among `paid`
+        digests (each one yielded joins them)."""
+        start = seq.num_computed_tokens
         cached = self.encoder_cached
-        while k < len(images) and images[k].offset < end:
-            span = images[k]
-            k += 1
+        for span in seq.images[seq.images_charged :]:
+            if span.offset >= end:
+                break
             digest = span.pixels.digest
-            if span.end <= seq.num_computed_tokens or digest in self._encoded_now:
+            if span.end <= start or digest in paid or (cached is not None and cached(digest)):
                 continue
-            if cached is not None and cached(digest):
-                continue
-            self._encoded_now.add(digest)
-            if self._encoder_left is not None:
-                self._encoder_left -= span.length
-        seq.images_charged = k
+            paid.add(digest)
+            yield span
 
     @staticmethod
     def _whole_images(seq: Sequence, num_new: int, budget: int) -> int:
@@ -682,7 +675,7 @@ class Scheduler:
         tokens = seq.token_ids
         end = start + num_new
         sample = end == len(tokens)
-        if seq.images and seq.images_charged < len(seq.images):
+        if self._encoder_left is not None and seq.images and seq.images_charged < len(seq.images):
             self._charge_encoder(seq, end)
         # Positional, in the fields' order: this runs once per sequence and step.
         out.scheduled.append(
