@@ -291,9 +291,13 @@ class AudioFeatures:
         return hashlib.sha256(features.numpy().tobytes() + b"audio%d" % frames).digest()
 
 
+def audio_positions(frames: int) -> int:
+    """The tower's positions a clip's tokens depend on: up to both its own (`(frames - 1) // 2
+    + 1`, the keys its attention reads) and twice its tokens (the pool's pairs)."""
+    return max((frames - 1) // 2 + 1, 2 * audio_tokens(frames))
+
+
 def kept_frames(frames: int, max_frames: int) -> int:
-    """The feature frames the tower's outputs at a clip's tokens depend on: its positions up to
-    both its own (`(frames - 1) // 2 + 1`, the keys its attention reads) and twice its tokens
-    (the pool's pairs), each reading three frames of the first convolution's three."""
-    positions = max((frames - 1) // 2 + 1, 2 * audio_tokens(frames))
-    return min(max_frames, 2 * positions + 2)
+    """The feature frames the tower's outputs at a clip's tokens depend on: each of its
+    positions (`audio_positions`) reads three frames of the first convolution's three."""
+    return min(max_frames, 2 * audio_positions(frames) + 2)

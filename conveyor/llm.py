@@ -257,7 +257,7 @@ class LLM:
         whisper = Transcriber.of(self.tokenizer, self.engine.image_processor, self.engine.max_model_len)
         before = whisper.before(prompt)
         given = None if language is None else whisper.language_id(language)
-        whisper.head(before, given or whisper.sot, task)
+        whisper.check(before, task, temperature)
         clips = audio if isinstance(audio, list) else [audio]
         windows = [whisper.windows(clip) for clip in clips]
         langs = [given] * len(clips)

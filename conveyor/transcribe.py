@@ -83,19 +83,23 @@ class Transcriber:
             raise InvalidRequestError("the prompt leaves the decoder no room to write", param="prompt")
         return head
 
+    def check(self, before: list[int], task: str, temperature: float) -> None:
+        """InvalidRequestError for a bad task, a prompt that leaves no room, or a temperature
+        out of range: before the clip is read."""
+        self.params(self.head(before, self.sot, task), temperature)  # (the start token stands for the language)
+
     def windows(self, audio: Any) -> tuple[list[Pixels], float]:
         """The clip's 30-second windows as Whisper's features, and the clip's seconds."""
         features = self.processor.audio_features
-        samples = load_audio(as_audio(audio) if not isinstance(audio, bytes) else Audio(audio),
-                             features.sampling_rate, domains=self.processor.allowed_media_domains)
-        step = WINDOW_S * features.sampling_rate
+        rate = features.sampling_rate
+        samples = load_audio(as_audio(audio), rate, domains=self.processor.allowed_media_domains)
+        step = WINDOW_S * rate
         out: list[Pixels] = []
         for start in range(0, max(1, len(samples)), step):
             part = samples[start : start + step]
             if len(part) > 2 * features.hop_length or not out:  # (a last sliver of under 20 ms adds nothing)
-                values, frames = features(part, whole=True)
-                out.append(Pixels(values, features.digest(values, frames), frames=frames))
-        return out, len(samples) / features.sampling_rate
+                out.append(self.processor.audio(Audio(part, rate), whole=True))
+        return out, len(samples) / rate
 
     def detect_request(self, first: Pixels) -> tuple[ImagePrompt, SamplingParams]:
         """The one-step request whose token is Whisper's guess of the language."""

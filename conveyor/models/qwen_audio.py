@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.audio import audio_tokens
+from conveyor.audio import audio_positions, audio_tokens
 from conveyor.models.vision import ACTIVATIONS, VisionArch
 
 
@@ -93,7 +93,7 @@ class QwenAudio(nn.Module):
         frames = [clip.frames for clip in clips]
         keys = torch.tensor([(f - 1) // 2 + 1 for f in frames], device=weight.device)
         tokens = [audio_tokens(f) for f in frames]
-        positions = max(max(int(k) for k in keys), 2 * max(tokens))
+        positions = max(audio_positions(f) for f in frames)
         width = max(clip.values.shape[-1] for clip in clips)
         x = torch.zeros(len(clips), clips[0].values.shape[0], width, device=weight.device, dtype=weight.dtype)
         for i, clip in enumerate(clips):

@@ -147,6 +147,7 @@ class ModelRunner:
         # Whisper's: each sequence's cross-attention keys and values, a pair a decoder layer,
         # made from its clip at its first step and kept until it ends (`_cross_states`).
         self._cross: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._encoder_decoder = bool(getattr(model, "encoder_decoder", False))
         # ... and across requests, by the image's digest, up to `encoder_cache_tokens` rows
         self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._encoded_rows = 0
@@ -352,7 +353,7 @@ class ModelRunner:
         adapters = None if self.lora is None else self.lora.step([it.lora_request for it in items], num_new)
         pooling = any(it.sampling_params.pooling is not None for it in items)  # (they need hidden states)
         # (Whisper's clip is its encoder's input, no image tokens: `_cross_states`)
-        images = any(it.images for it in items) and not getattr(self.model, "encoder_decoder", False)
+        images = any(it.images for it in items) and not self._encoder_decoder
         embeds = self._image_embeds(items, num_new) if images else None
         # M-RoPE (Qwen2-VL): a sequence with images turns by 3D positions. Where a step's rows
         # all have three alike (decodes, chunks past the images: the index plus the prompt's
@@ -402,7 +403,7 @@ class ModelRunner:
                                  for g, host in enumerate(self.window_host_tables)]
                 self.hybrid_metadata(meta, window_tables, [it.start_pos for it in items], num_new)
             meta.embeds = embeds
-            if getattr(self.model, "encoder_decoder", False):
+            if self._encoder_decoder:
                 meta.cross = self._cross_states(items, num_new)
             rope_positions = meta.positions
             if flat:

@@ -66,7 +66,7 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     language = fields.get("language") or None
     lang = None if language is None else whisper.language_id(language)
     before = whisper.before(fields.get("prompt"))
-    whisper.head(before, lang or whisper.sot, task)  # (bad task tokens or a prompt too long: before the file is read)
+    whisper.check(before, task, temperature)
     parts, seconds = await asyncio.to_thread(whisper.windows, data)
     rid = f"trsc-{uuid.uuid4().hex}"
     if lang is None:
