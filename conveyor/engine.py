@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conveyor.audio import Audio, AudioFeatures
+from conveyor.audio import Audio
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
@@ -32,7 +32,6 @@ from conveyor.multimodal import (
     ImageSpan,
     ImageToken,
     Pixels,
-    _preprocessor_config,
     as_image_prompt,
     expand_image_tokens,
     load_image,
@@ -569,15 +568,13 @@ class Engine:
                 raise ConfigError(f"{option}: this model reads no images")
         if arch.encoder is not None:  # (Whisper: its clip's features, whole)
             folder = Path(mc.model) if mc.model is not None else None
-            features = AudioFeatures.from_config({"feature_size": arch.encoder.num_channels,  # (where it is silent)
-                                                  **_preprocessor_config(folder if folder and folder.is_dir() else None)})
+            engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
+                                                                arch.encoder)
+            features = engine.image_processor.audio_features
+            assert features is not None
             if features.feature_size != arch.encoder.num_channels:
                 raise ModelLoadError(f"preprocessor_config.json's feature_size={features.feature_size}: this "
                                      f"Whisper's encoder reads {arch.encoder.num_channels} mel bins")
-            engine.image_processor = ImageProcessor(None, None, None, audio_features=features)
-            if mc.allowed_media_domains is not None:
-                engine.image_processor = dataclasses.replace(
-                    engine.image_processor, allowed_media_domains=frozenset(d.lower() for d in mc.allowed_media_domains))
         if getattr(model, "vision", None) is not None:
             folder = Path(mc.model) if mc.model is not None else None
             engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
@@ -585,9 +582,6 @@ class Engine:
             try:
                 engine.image_processor = (engine.image_processor.overridden(processor_kwargs(mc.mm_processor_kwargs))
                                           .limited(mc.limit_mm_per_prompt))
-                if mc.allowed_media_domains is not None:
-                    engine.image_processor = dataclasses.replace(
-                        engine.image_processor, allowed_media_domains=frozenset(d.lower() for d in mc.allowed_media_domains))
             except InvalidRequestError as e:
                 raise ConfigError(str(e)) from None
             if tokenizer is not None:
@@ -607,6 +601,9 @@ class Engine:
                            for i, want in zip(named, (v.break_token_id, v.end_token_id), strict=True)):
                         raise ModelLoadError(f"this tokenizer's [IMG_BREAK] and [IMG_END] are {named}, not Pixtral's "
                                              f"{[v.break_token_id, v.end_token_id]}")
+        if engine.image_processor is not None and mc.allowed_media_domains is not None:
+            engine.image_processor = dataclasses.replace(
+                engine.image_processor, allowed_media_domains=frozenset(d.lower() for d in mc.allowed_media_domains))
         if draft_model is not None:
             from conveyor.runner.drafter import Drafter
 

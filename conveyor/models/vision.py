@@ -165,8 +165,9 @@ class VisionArch:
     @property
     def reads_audio(self) -> bool:
         """Qwen2-Audio's ("qwen2_audio", conveyor/models/qwen_audio.py): its items are audio clips
-        (`conveyor.audio`), placed by its audio token (`image_token_id`), not images."""
-        return self.style == "qwen2_audio"
+        (`conveyor.audio`), placed by its audio token (`image_token_id`), not images; and
+        Whisper's encoder ("whisper", an encoder-decoder's `ArchConfig.encoder`)."""
+        return self.style in ("qwen2_audio", "whisper")
 
     @property
     def tiled(self) -> bool:
