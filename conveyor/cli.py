@@ -136,17 +136,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """Whisper's transcripts (or English translations) of audio files, all batched, printed in
-    order (each after its file's name where there are several)."""
+    order in `--format` (text: each after its file's name where there are several; the others
+    each after a `==> file <==` line where there are several)."""
+    import json
     from pathlib import Path
 
     from conveyor.llm import LLM
+    from conveyor.transcribe import srt, verbose_json, vtt
 
     llm = LLM(**engine_kwargs(args))
     clips = [Path(f).read_bytes() for f in args.files]
-    outs = llm.transcribe(clips, language=args.language, task="translate" if args.translate else "transcribe",
-                          prompt=args.prompt, temperature=args.temperature)
+    task = "translate" if args.translate else "transcribe"
+    outs = llm.transcribe(clips, language=args.language, task=task, prompt=args.prompt,
+                          temperature=args.temperature, timestamps=args.format in ("verbose_json", "srt", "vtt"))
     for name, out in zip(args.files, outs, strict=True):
-        print(f"{name}: {out.text}" if len(args.files) > 1 else out.text)
+        if args.format == "text":
+            print(f"{name}: {out.text}" if len(args.files) > 1 else out.text)
+            continue
+        if len(args.files) > 1:
+            print(f"==> {name} <==")
+        if args.format == "json":
+            print(json.dumps({"text": out.text, "language": out.language}, ensure_ascii=False))
+        elif args.format == "verbose_json":
+            print(json.dumps(verbose_json(out, task), ensure_ascii=False, indent=2))
+        else:
+            print((srt if args.format == "srt" else vtt)(out.segments), end="")
     return 0
 
 
@@ -239,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     asr.add_argument("--translate", action="store_true", help="translate into English")
     asr.add_argument("--prompt", default=None, help="text the transcript continues from")
     asr.add_argument("--temperature", type=float, default=0.0)
+    asr.add_argument("--format", choices=("text", "json", "verbose_json", "srt", "vtt"), default="text",
+                     help="what is printed: the text, OpenAI's json or verbose_json (segments with their "
+                          "times), SubRip or WebVTT subtitles")
     add_engine_args(asr)
     asr.set_defaults(func=cmd_transcribe)
 

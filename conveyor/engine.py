@@ -570,6 +570,10 @@ class Engine:
             folder = Path(mc.model) if mc.model is not None else None
             engine.image_processor = ImageProcessor.from_folder(folder if folder and folder.is_dir() else None,
                                                                 arch.encoder)
+            from conveyor.transcribe import Decoding
+
+            engine.image_processor = dataclasses.replace(engine.image_processor, whisper=Decoding.read(
+                folder if folder and folder.is_dir() else None, arch.vocab_size, tokenizer))
             features = engine.image_processor.audio_features
             assert features is not None
             if features.feature_size != arch.encoder.num_channels:

@@ -245,41 +245,30 @@ class LLM:
         return results
 
     def transcribe(self, audio: Any, language: str | None = None, task: str = "transcribe",
-                   prompt: str | None = None, temperature: float = 0.0) -> Any:
+                   prompt: str | None = None, temperature: float = 0.0, timestamps: bool = False) -> Any:
         """Whisper's transcript of a clip (samples with their rate, a file's bytes, a URL or a
         path: `conveyor.audio`), or its translation into English (`task="translate"`): its
-        30-second windows decoded in one batch and joined; `language` (ISO-639-1) where given,
-        else Whisper's own guess on the first window (`conveyor.transcribe`). A list of clips
-        gives a list of `Transcription`s, every clip's windows (and language guesses) in one
-        batch; one clip, one `Transcription`."""
-        from conveyor.transcribe import Transcriber, Transcription, join
+        windows of at most 30 seconds decoded in one batch and joined; `language` (ISO-639-1)
+        where given, else Whisper's own guess on the first window; with `timestamps`, its
+        segments too (`Transcription.segments`: `conveyor.transcribe`). A list of clips gives a
+        list of `Transcription`s, every clip's windows (and language guesses) in one batch; one
+        clip, one `Transcription`."""
+        from conveyor.transcribe import Transcriber
 
         whisper = Transcriber.of(self.tokenizer, self.engine.image_processor, self.engine.max_model_len)
         before = whisper.before(prompt)
         given = None if language is None else whisper.language_id(language)
-        whisper.check(before, task, temperature)
+        whisper.check(before, task, temperature, timestamps)
         clips = audio if isinstance(audio, list) else [audio]
-        windows = [whisper.windows(clip) for clip in clips]
-        langs = [given] * len(clips)
-        if given is None:
-            guesses = [whisper.detect_request(parts[0]) for parts, _ in windows]
-            outs = self.generate([g[0] for g in guesses], [g[1] for g in guesses], use_tqdm=False)
-            langs = [o.outputs[0].token_ids[0] for o in outs]
-        prompts, params, owner = [], [], []
-        for k, ((parts, _), lang) in enumerate(zip(windows, langs, strict=True)):
-            assert lang is not None
-            head = whisper.head(before, lang, task)
-            for clip in parts:
-                prompts.append(ImagePrompt(list(head), (clip,)))
-                params.append(whisper.params(head, temperature))
-                owner.append(k)
-        outs = self.generate(prompts, params, use_tqdm=False)
-        texts: list[list[str]] = [[] for _ in clips]
-        for k, out in zip(owner, outs, strict=True):
-            texts[k].append(out.outputs[0].text)
-        names = whisper.languages()
-        results = [Transcription(join(t), names[lang], seconds)  # type: ignore[index]
-                   for t, lang, (_, seconds) in zip(texts, langs, windows, strict=True)]
+        job = whisper.job([whisper.windows(clip) for clip in clips], given, before, task, temperature, timestamps)
+
+        def run(batch: list[tuple[ImagePrompt, SamplingParams]]) -> list[RequestOutput]:
+            return self.generate([prompt for prompt, _ in batch], [params for _, params in batch], use_tqdm=False)
+
+        detect = job.detect()
+        if detect:
+            job.detected(run(detect))
+        results = job.results(run(job.requests()))
         return results if isinstance(audio, list) else results[0]
 
     def chat(

@@ -343,6 +343,9 @@ class ImageProcessor:
     pan_min_ratio: float = 1.2
     # Qwen2-Audio's clips (`audio`): Whisper's log-mel features (None: this model reads no audio).
     audio_features: AudioFeatures | None = None
+    # Whisper's decoding rules and timestamp tokens (`conveyor.transcribe.Decoding`; a Whisper
+    # engine's only).
+    whisper: Any = None
 
     @classmethod
     def from_folder(cls, folder: Path | None, vision: VisionArch) -> ImageProcessor:

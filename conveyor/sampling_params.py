@@ -159,6 +159,47 @@ class PoolingParams:
 
 
 @dataclass(frozen=True)
+class WhisperRules:
+    """Whisper's decoding rules (the logit filters of OpenAI's whisper and HF's Whisper
+    `generate`), which `conveyor.transcribe` sets on its requests from the checkpoint's
+    generation_config.json. `suppress`: never drawn; `begin_suppress`: not drawn first (the
+    blank and the end). With `timestamp_begin` (the id of `<|0.00|>`; None: no timestamps), the
+    output is segments between timestamp tokens: `<|notimestamps|>` (the id before it) is
+    never drawn; the first token is a timestamp of at most `max_initial_timestamp` steps of
+    20 ms; timestamps come in pairs (after a pair, text; after a lone one, another timestamp
+    or the `end`) and never go back (a pair's second may equal its first, no later one);
+    and where the timestamps together are likelier than the likeliest text token, a
+    timestamp is drawn."""
+
+    suppress: tuple[int, ...] = ()
+    begin_suppress: tuple[int, ...] = ()
+    timestamp_begin: int | None = None
+    end: int = 0
+    max_initial_timestamp: int | None = 50
+
+    def bans(self, output: list[int], vocab: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The tokens (ids, and [lo, hi) ranges) not drawn after `output`, the request's tokens
+        so far."""
+        ids = [*self.suppress, *(self.begin_suppress if not output else ())]
+        begin = self.timestamp_begin
+        if begin is None:
+            return ids, []
+        ids.append(begin - 1)
+        if not output:
+            last = begin + self.max_initial_timestamp + 1 if self.max_initial_timestamp is not None else vocab
+            return ids, [(0, begin), (last, vocab)]
+        ranges: list[tuple[int, int]] = []
+        last_ts = output[-1] >= begin
+        pair = len(output) < 2 or output[-2] >= begin
+        if last_ts:
+            ranges.append((begin, vocab) if pair else (0, self.end))
+        stamps = [t for t in output if t >= begin]
+        if stamps:
+            ranges.append((begin, stamps[-1] + (0 if last_ts and not pair else 1)))
+        return ids, ranges
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     # Outputs per prompt (vLLM's n): the engine runs n sequences over the prompt (its K/V
     # computed once through the prefix cache) and gives one RequestOutput with n outputs;
@@ -213,6 +254,8 @@ class SamplingParams:
     # prompt's hidden states and gives them as `RequestOutput.embedding`; no text is generated
     # (the one token its step samples is dropped). Made by `SamplingParams.for_pooling`.
     pooling: PoolingParams | None = None
+    # Whisper's decoding rules (`WhisperRules`): set by conveyor.transcribe's requests.
+    whisper: WhisperRules | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -308,6 +351,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
                 raise bad(name, "must be > 0 (milliseconds)")
+        if self.whisper is not None and not isinstance(self.whisper, WhisperRules):
+            raise bad("whisper", "must be a WhisperRules")
         if self.pooling is not None:
             if not isinstance(self.pooling, PoolingParams):
                 raise bad("pooling", "must be a PoolingParams")
@@ -349,6 +394,7 @@ class SamplingParams:
             or self.allowed_token_ids is not None
             or self.min_tokens > 0
             or bool(self.bad_words)
+            or self.whisper is not None
         )
 
     @property

@@ -1,29 +1,87 @@
-"""Transcription with Whisper: a clip's 30-second windows, Whisper's decoder prompts, its own guess
-of the language, shared by `LLM.transcribe`, `conveyor transcribe` and the HTTP audio APIs
-(conveyor/server/transcription.py).
+"""Transcription with Whisper: a clip's windows of at most 30 seconds, Whisper's decoder prompts
+and decoding rules, its own guess of the language, its timestamps as segments; shared by
+`LLM.transcribe`, `conveyor transcribe` and the HTTP audio APIs (conveyor/server/transcription.py).
 
-A clip is read at 16 kHz and cut into 30-second windows (a last sliver under 20 ms dropped), each
-one decoder request: `<|startofprev|>` and the prompt's tokens (at most half the decoder's
+A clip is read at 16 kHz and cut into windows of at most 30 seconds; where more than 30 seconds
+are left, the cut falls in the middle of the quietest tenth of a second of the window's last
+second (the least energy; a word is seldom cut, where a cut every 30 s would). Each window
+is one decoder request: `<|startofprev|>` and the prompt's tokens (at most half the decoder's
 positions, Whisper's rule) where a prompt is given, then `<|startoftranscript|>`, the language
-token, the task's (`<|transcribe|>` or `<|translate|>`) and `<|notimestamps|>`. All windows go to
-the engine at once, so it batches them; their texts are joined in order. Where no language is
-given, it is Whisper's own guess: the language token the decoder finds most likely right after
-`<|startoftranscript|>` on the first window (one step, its choice kept to the language tokens).
+token, the task's (`<|transcribe|>` or `<|translate|>`) and `<|notimestamps|>` where no
+timestamps are asked. Every request carries the checkpoint's decoding rules (`WhisperRules`,
+from generation_config.json: its suppressed tokens, those not drawn first; with timestamps,
+OpenAI's timestamp rules). All windows go to the engine at once, so it batches them; their texts
+are joined in order. Where no language is given, it is Whisper's own guess: the language token
+the decoder finds most likely right after `<|startoftranscript|>` on the first window (one step,
+its choice kept to the language tokens).
+
+With timestamps, a window's output is segments between timestamp tokens (20 ms apart, counted
+from the window's start): a segment's start is the timestamp before its text, its end the one
+after; text left open at the window's end ends with the window. Each window's segments carry
+OpenAI's scores of the window: `avg_logprob` (its tokens' logprobs under the model's raw
+distribution, summed over the tokens before the end and divided by their count plus one, as
+OpenAI's whisper does), `compression_ratio` (its text's bytes over their zlib-compressed bytes)
+and `no_speech_prob` (the probability of `<|nospeech|>` right after `<|startoftranscript|>`,
+from a one-step request beside the window's).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import re
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from conveyor.audio import Audio, as_audio, load_audio
 from conveyor.multimodal import ImagePrompt, Pixels
-from conveyor.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.sampling_params import InvalidRequestError, SamplingParams, WhisperRules
 
 WINDOW_S = 30
+SEARCH_S = 1.0  # where a cut may fall: the window's last second ...
+QUIET_S = 0.1  # ... at the middle of its quietest tenth
+STEP_S = 0.02  # (a timestamp token's step: <|0.00|>, <|0.02|> ...)
+TIMESTAMPS = 1501  # (<|0.00|> .. <|30.00|>)
 LANGUAGE = re.compile(r"<\|[a-z]{2,3}\|>")  # (Whisper's language tokens: <|en|>, <|haw|>, <|yue|>)
 TASKS = ("transcribe", "translate")
+NO_SPEECH = ("<|nospeech|>", "<|nocaptions|>")  # (large-v3's name, then the earlier models')
+# Whisper's languages by code, as OpenAI's verbose_json names them
+_NAMES = (
+    "en:english zh:chinese de:german es:spanish ru:russian ko:korean fr:french ja:japanese pt:portuguese "
+    "tr:turkish pl:polish ca:catalan nl:dutch ar:arabic sv:swedish it:italian id:indonesian hi:hindi "
+    "fi:finnish vi:vietnamese he:hebrew uk:ukrainian el:greek ms:malay cs:czech ro:romanian da:danish "
+    "hu:hungarian ta:tamil no:norwegian th:thai ur:urdu hr:croatian bg:bulgarian lt:lithuanian la:latin "
+    "mi:maori ml:malayalam cy:welsh sk:slovak te:telugu fa:persian lv:latvian bn:bengali sr:serbian "
+    "az:azerbaijani sl:slovenian kn:kannada et:estonian mk:macedonian br:breton eu:basque is:icelandic "
+    "hy:armenian ne:nepali mn:mongolian bs:bosnian kk:kazakh sq:albanian sw:swahili gl:galician mr:marathi "
+    "pa:punjabi si:sinhala km:khmer sn:shona yo:yoruba so:somali af:afrikaans oc:occitan ka:georgian "
+    "be:belarusian tg:tajik sd:sindhi gu:gujarati am:amharic yi:yiddish lo:lao uz:uzbek fo:faroese "
+    "ht:haitian_creole ps:pashto tk:turkmen nn:nynorsk mt:maltese sa:sanskrit lb:luxembourgish my:myanmar "
+    "bo:tibetan tl:tagalog mg:malagasy as:assamese tt:tatar haw:hawaiian ln:lingala ha:hausa ba:bashkir "
+    "jw:javanese su:sundanese yue:cantonese")
+LANGUAGE_NAMES = dict(pair.split(":") for pair in _NAMES.split())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of a clip's speech between two timestamps (OpenAI's verbose_json segment);
+    `seek` is its window's start in 10-ms feature frames; the scores are its window's."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: tuple[int, ...]
+    seek: int
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
 
 
 @dataclass(frozen=True)
@@ -31,12 +89,55 @@ class Transcription:
     text: str
     language: str
     seconds: float  # the clip's length
+    segments: tuple[Segment, ...] = ()  # (with timestamps)
+
+
+@dataclass(frozen=True)
+class Window:
+    start: float  # seconds into its clip
+    end: float
+    features: Pixels
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A Whisper checkpoint's decoding rules (`WhisperRules`, without timestamps) and the id of
+    its first timestamp token (None: it has none), its engine's `ImageProcessor.whisper`."""
+
+    rules: WhisperRules
+    timestamp_begin: int | None
+
+    @classmethod
+    def read(cls, folder: Path | None, vocab_size: int, tokenizer: Any) -> Decoding:
+        """From generation_config.json (nothing where there is none): its `suppress_tokens`,
+        `begin_suppress_tokens`, `max_initial_timestamp_index` (OpenAI's 50, one second, where
+        not given) and end of text, ids past the vocabulary left out; the timestamps follow
+        `<|notimestamps|>` where the vocabulary holds all 1501."""
+        cfg: dict[str, Any] = {}
+        if folder is not None and (folder / "generation_config.json").is_file():
+            try:
+                cfg = json.loads((folder / "generation_config.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                cfg = {}
+
+        def ids(key: str) -> tuple[int, ...]:
+            return tuple(int(t) for t in cfg.get(key) or () if 0 <= int(t) < vocab_size)
+
+        initial = cfg.get("max_initial_timestamp_index", 50)
+        end = cfg.get("eos_token_id", None if tokenizer is None else tokenizer.hf.eos_token_id)
+        end = end[0] if isinstance(end, list) else end
+        none = None if tokenizer is None else token_id(tokenizer, "<|notimestamps|>")
+        begin = none + 1 if none is not None and none + TIMESTAMPS < vocab_size else None
+        rules = WhisperRules(suppress=ids("suppress_tokens"), begin_suppress=ids("begin_suppress_tokens"),
+                             end=int(end or 0), max_initial_timestamp=None if initial is None else int(initial))
+        return cls(rules, begin)
 
 
 @dataclass
 class Transcriber:
     """What a Whisper engine's front needs to transcribe: its tokenizer's special tokens, its
-    feature extractor (`ImageProcessor.audio_features`) and the decoder's length."""
+    feature extractor and decoding rules (`ImageProcessor.audio_features`, `.whisper`) and the
+    decoder's length."""
 
     tokenizer: Any
     processor: Any
@@ -72,10 +173,24 @@ class Transcriber:
         ids = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
         return [prev, *ids[-(self.max_model_len // 2 - 1) :]]
 
-    def head(self, before: list[int], language: int, task: str) -> list[int]:
+    def rules(self, timestamps: bool) -> WhisperRules:
+        """The checkpoint's decoding rules; with timestamps, those of its timestamp tokens:
+        InvalidRequestError where it has none."""
+        decoding: Decoding | None = getattr(self.processor, "whisper", None)
+        if decoding is None:
+            decoding = Decoding(WhisperRules(), None)
+        if not timestamps:
+            return decoding.rules
+        if decoding.timestamp_begin is None:
+            raise InvalidRequestError("this model has no timestamp tokens", param="timestamp_granularities")
+        return dataclasses.replace(decoding.rules, timestamp_begin=decoding.timestamp_begin)
+
+    def head(self, before: list[int], language: int, task: str, timestamps: bool = False) -> list[int]:
         if task not in TASKS:
             raise InvalidRequestError(f"task is one of {list(TASKS)}, not {task!r}", param="task")
-        marks = [token_id(self.tokenizer, f"<|{task}|>"), token_id(self.tokenizer, "<|notimestamps|>")]
+        marks = [token_id(self.tokenizer, f"<|{task}|>")]
+        if not timestamps:
+            marks.append(token_id(self.tokenizer, "<|notimestamps|>"))
         if None in marks:
             raise InvalidRequestError(f"this model's tokenizer lacks Whisper's task tokens for {task!r}", param="model")
         head = [*before, self.sot, language, *(m for m in marks if m is not None)]
@@ -83,38 +198,173 @@ class Transcriber:
             raise InvalidRequestError("the prompt leaves the decoder no room to write", param="prompt")
         return head
 
-    def check(self, before: list[int], task: str, temperature: float) -> None:
-        """InvalidRequestError for a bad task, a prompt that leaves no room, or a temperature
-        out of range: before the clip is read."""
-        self.params(self.head(before, self.sot, task), temperature)  # (the start token stands for the language)
+    def check(self, before: list[int], task: str, temperature: float, timestamps: bool = False) -> None:
+        """InvalidRequestError for a bad task, a prompt that leaves no room, a temperature out
+        of range, or timestamps the model has not: before the clip is read."""
+        head = self.head(before, self.sot, task, timestamps)  # (the start token stands for the language)
+        self.params(head, temperature, self.rules(timestamps))
 
-    def windows(self, audio: Any) -> tuple[list[Pixels], float]:
-        """The clip's 30-second windows as Whisper's features, and the clip's seconds."""
+    def windows(self, audio: Any) -> tuple[list[Window], float]:
+        """The clip's windows of at most 30 seconds as Whisper's features (`split`), and the
+        clip's seconds."""
         features = self.processor.audio_features
         rate = features.sampling_rate
         samples = load_audio(as_audio(audio), rate, domains=self.processor.allowed_media_domains)
-        step = WINDOW_S * rate
-        out: list[Pixels] = []
-        for start in range(0, max(1, len(samples)), step):
-            part = samples[start : start + step]
-            if len(part) > 2 * features.hop_length or not out:  # (a last sliver of under 20 ms adds nothing)
-                out.append(self.processor.audio(Audio(part, rate), whole=True))
+        out = [Window(lo / rate, hi / rate, self.processor.audio(Audio(samples[lo:hi], rate), whole=True))
+               for lo, hi in split(samples, rate)]
         return out, len(samples) / rate
 
-    def detect_request(self, first: Pixels) -> tuple[ImagePrompt, SamplingParams]:
+    def detect_request(self, first: Window) -> tuple[ImagePrompt, SamplingParams]:
         """The one-step request whose token is Whisper's guess of the language."""
         names = self.languages()
         if not names:
             raise InvalidRequestError("this model's tokenizer has no language tokens: give the language",
                                       param="language")
-        return (ImagePrompt([self.sot], (first,)),
+        return (ImagePrompt([self.sot], (first.features,)),
                 SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=tuple(sorted(names))))
 
-    def params(self, head: list[int], temperature: float) -> SamplingParams:
+    def params(self, head: list[int], temperature: float, rules: WhisperRules, logprobs: bool = False
+               ) -> SamplingParams:
         if not 0.0 <= temperature <= 1.0:
             raise InvalidRequestError(f"temperature is a number from 0 to 1, not {temperature}", param="temperature")
         return SamplingParams(max_tokens=self.max_model_len - len(head), temperature=temperature,
-                              skip_special_tokens=True)
+                              skip_special_tokens=True, whisper=rules, logprobs=0 if logprobs else None)
+
+    def job(self, clips: list[tuple[list[Window], float]], language: int | None, before: list[int], task: str,
+            temperature: float, timestamps: bool = False) -> Job:
+        return Job(self, clips, language, before, task, temperature, timestamps)
+
+
+@dataclass
+class Job:
+    """One call's clips through the engine, the same steps whoever runs the requests (the
+    server's async engine, `LLM`'s): `detect()`'s requests (the languages to guess; none where
+    one is given) and their outputs to `detected`, then `requests()` (each window's, in order,
+    then with timestamps each window's no-speech request) and their outputs to `results`."""
+
+    whisper: Transcriber
+    clips: list[tuple[list[Window], float]]
+    given: int | None  # (the language's token; None: each clip's guessed)
+    before: list[int]
+    task: str
+    temperature: float
+    timestamps: bool
+    langs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.given is not None:
+            self.langs = [self.given] * len(self.clips)
+
+    def detect(self) -> list[tuple[ImagePrompt, SamplingParams]]:
+        if self.langs:
+            return []
+        return [self.whisper.detect_request(windows[0]) for windows, _ in self.clips]
+
+    def detected(self, outs: list[Any]) -> None:
+        self.langs = [o.outputs[0].token_ids[0] for o in outs]
+
+    @property
+    def windows(self) -> list[tuple[int, Window]]:
+        """Every clip's windows in order, with their clip's index."""
+        return [(k, w) for k, (windows, _) in enumerate(self.clips) for w in windows]
+
+    def requests(self) -> list[tuple[ImagePrompt, SamplingParams]]:
+        """Each window's request in order; with timestamps, each followed by its no-speech
+        request (the two in one step hear the clip through the encoder once)."""
+        whisper = self.whisper
+        rules = whisper.rules(self.timestamps)
+        quiet = next((t for t in (token_id(whisper.tokenizer, n) for n in NO_SPEECH) if t is not None), None)
+        out = []
+        for k, w in self.windows:
+            head = whisper.head(self.before, self.langs[k], self.task, self.timestamps)
+            out.append((ImagePrompt(list(head), (w.features,)),
+                        whisper.params(head, self.temperature, rules, logprobs=self.timestamps)))
+            if self.timestamps:
+                out.append((ImagePrompt([*self.before, whisper.sot], (w.features,)),
+                            SamplingParams(max_tokens=1, temperature=0.0, logprobs=0,
+                                           allowed_token_ids=None if quiet is None else (quiet,))))
+        return out
+
+    def language(self, k: int) -> str:
+        return self.whisper.languages()[self.langs[k]]
+
+    def results(self, outs: list[Any]) -> list[Transcription]:
+        """Each clip's transcription from `requests()`'s outputs, in their order."""
+        texts: list[list[str]] = [[] for _ in self.clips]
+        segments: list[list[Segment]] = [[] for _ in self.clips]
+        rules = self.whisper.rules(self.timestamps)
+        step = 2 if self.timestamps else 1
+        for i, (k, w) in enumerate(self.windows):
+            choice = outs[step * i].outputs[0]
+            if not self.timestamps:
+                texts[k].append(choice.text)
+                continue
+            quiet = outs[step * i + 1].outputs[0]
+            no_speech = math.exp(quiet.logprobs[0].logprob) if quiet.logprobs and quiet.token_ids[0] in (
+                token_id(self.whisper.tokenizer, n) for n in NO_SPEECH) else 0.0
+            found = self.segments(choice, w, rules, no_speech, len(segments[k]))
+            segments[k].extend(found)
+            texts[k].extend(s.text for s in found)
+        return [Transcription(join(t), self.language(k), seconds, tuple(segments[k]))
+                for k, (t, (_, seconds)) in enumerate(zip(texts, self.clips, strict=True))]
+
+    def segments(self, choice: Any, window: Window, rules: WhisperRules, no_speech: float, first_id: int
+                 ) -> list[Segment]:
+        """A window's segments from its tokens: between timestamps, the last one's text left
+        open ending with the window; the scores are the window's (OpenAI's)."""
+        begin = rules.timestamp_begin
+        assert begin is not None
+        tokens = [t for t in choice.token_ids if t != rules.end]
+        logprobs = [lp.logprob for lp, t in zip(choice.logprobs or (), choice.token_ids, strict=False) if t != rules.end]
+        avg = sum(logprobs) / (len(logprobs) + 1)
+        decode = self.whisper.tokenizer.decode
+        text = decode([t for t in tokens if t < begin], skip_special_tokens=True)
+        ratio = compression_ratio(text)
+        spans: list[tuple[float, float, list[int]]] = []
+        start, words, opened = window.start, [], 0
+        for t in tokens:
+            if t < begin:
+                words.append(t)
+                continue
+            at = round(window.start + (t - begin) * STEP_S, 3)
+            if words:
+                spans.append((start, at, [opened, *words, t]))
+                words = []
+            start, opened = at, t
+        if words:
+            spans.append((start, round(window.end, 3), [opened, *words]))
+        out: list[Segment] = []
+        for lo, hi, ids in spans:
+            said = decode([t for t in ids if t < begin], skip_special_tokens=True)
+            if said.strip():
+                out.append(Segment(first_id + len(out), lo, max(lo, hi), said, tuple(ids), round(window.start * 100),
+                                   self.temperature, avg, ratio, no_speech))
+        return out
+
+
+def split(samples: np.ndarray, rate: int) -> list[tuple[int, int]]:
+    """Where a clip's windows lie (sample ranges): 30 seconds each while more is left, a cut
+    at the middle of the quietest tenth of a second in the window's last second (so the last
+    window holds at least 50 ms)."""
+    n, size = len(samples), WINDOW_S * rate
+    quiet, search = int(QUIET_S * rate), int(SEARCH_S * rate)
+    out: list[tuple[int, int]] = []
+    start = 0
+    while n - start > size:
+        region = samples[start + size - search : start + size].astype(np.float64)
+        starts = range(0, search - quiet + 1, quiet // 2)
+        power = np.cumsum(np.concatenate([[0.0], region**2]))
+        energy = [power[s + quiet] - power[s] for s in starts]
+        cut = start + size - search + starts[int(np.argmin(energy))] + quiet // 2
+        out.append((start, cut))
+        start = cut
+    return [*out, (start, n)]
+
+
+def compression_ratio(text: str) -> float:
+    """The text's bytes over their zlib-compressed bytes (OpenAI's sign of a loop: above 2.4)."""
+    raw = text.encode()
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
 
 
 def join(texts: list[str]) -> str:
@@ -127,3 +377,33 @@ def token_id(tokenizer: Any, text: str) -> int | None:
     hf = tokenizer.hf
     i = hf.convert_tokens_to_ids(text)
     return None if i is None or i == hf.unk_token_id else int(i)
+
+
+# -- what the formats write --------------------------------------------------------------------
+def verbose_json(result: Transcription, task: str) -> dict[str, Any]:
+    """OpenAI's verbose_json: the task, the language's name, the clip's seconds, the text, the
+    segments."""
+    return {"task": task, "language": LANGUAGE_NAMES.get(result.language, result.language).replace("_", " "),
+            "duration": round(result.seconds, 3), "text": result.text,
+            "segments": [dataclasses.asdict(s) | {"tokens": list(s.tokens)} for s in result.segments]}
+
+
+def _clock(seconds: float, mark: str) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{mark}{ms % 1000:03d}"
+
+
+def srt(segments: tuple[Segment, ...] | list[Segment]) -> str:
+    """SubRip subtitles: a numbered cue a segment, `HH:MM:SS,mmm --> HH:MM:SS,mmm`."""
+    return "".join(f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{_cue(s.text)}\n\n"
+                   for i, s in enumerate(segments, 1))
+
+
+def vtt(segments: tuple[Segment, ...] | list[Segment]) -> str:
+    """WebVTT subtitles: `WEBVTT`, then a cue a segment, `HH:MM:SS.mmm --> HH:MM:SS.mmm`."""
+    return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{_cue(s.text)}\n\n"
+                                   for s in segments)
+
+
+def _cue(text: str) -> str:
+    return text.strip().replace("-->", "->")

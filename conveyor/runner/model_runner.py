@@ -473,7 +473,7 @@ class ModelRunner:
         if batch.any_penalty:
             batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
         if any(p.shapes_logits for p in params):
-            batch.allowed, batch.bias = self._constraints(samplers)
+            batch.allowed, batch.bias, batch.timestamps = self._constraints(samplers)
         if logits is None:
             assert hidden is not None
             sampled = hidden if rows is None else hidden[rows]
@@ -489,7 +489,7 @@ class ModelRunner:
         states = self._generator_states(samplers, batch) if drafting else None
         probs = None  # (the rows' distributions: a step that verifies sampled drafts)
         if (greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None
-                and batch.allowed is None and batch.bias is None):
+                and batch.allowed is None and batch.bias is None and batch.timestamps is None):
             tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
         elif drafting and any(it.draft_probs is not None for it in samplers):  # (speculative sampling)
             tokens, logprobs, probs = self.sampler.sample_with_probs(logits, batch)
@@ -593,16 +593,18 @@ class ModelRunner:
 
     def _cross_states(self, items: list[ScheduledSequence], num_new: list[int]) -> Any:
         """An encoder-decoder's step (Whisper's): each sequence's rows and cross keys and values,
-        its clip encoded at its first step (those of this step's new sequences in one batch)."""
+        its clip encoded at its first step (those of this step's new sequences in one batch, a
+        clip that several of them hear encoded once)."""
         from conveyor.models.whisper import CrossStates
 
         new = [it for it in items if it.seq_id not in self._cross]
         if new:
             model: Any = self.model
-            encoded = model.encode([it.images[0].pixels.values for it in new])
-            self.images_encoded += len(new)
-            for it, states in zip(new, encoded, strict=True):
-                self._cross[it.seq_id] = states
+            clips = {it.images[0].pixels.digest: it.images[0].pixels.values for it in new}
+            encoded = dict(zip(clips, model.encode(list(clips.values())), strict=True))
+            self.images_encoded += len(clips)
+            for it in new:
+                self._cross[it.seq_id] = encoded[it.images[0].pixels.digest]
         rows, end = [], 0
         for n in num_new:
             rows.append((end, end + n))
@@ -964,11 +966,14 @@ class ModelRunner:
             tokens[-1] = self._last_handle.result().sampled[item.seq_id]
         return tokens
 
-    def _constraints(self, samplers: list[ScheduledSequence]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The tokens each row may draw (`[rows, vocab]` bool; None: any) and the bias added
-        to its logits (float; None: none), from its request's structured outputs,
-        allowed_token_ids, bad_words, logit_bias, and min_tokens, which holds the end and
-        the stop token ids back while the row's output index is below it.
+    def _constraints(self, samplers: list[ScheduledSequence]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The tokens each row may draw (`[rows, vocab]` bool; None: any), the bias added
+        to its logits (float; None: none) and each row's first timestamp token (`[rows]`;
+        the vocabulary's size where it has none; None: no row has any), from its request's
+        structured outputs, allowed_token_ids, bad_words, logit_bias, Whisper's rules
+        (`WhisperRules`), and min_tokens, which holds the end and the stop token ids back while
+        the row's output index is below it.
 
         A row left with no token (the controls against its grammar) falls back to its
         grammar's mask: the grammar decides what is valid output."""
@@ -981,6 +986,9 @@ class ModelRunner:
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_vals: list[float] = []
+        ranges: list[tuple[int, int, int]] = []  # (row, lo, hi): tokens lo..hi-1 banned
+        stamps: list[int] | None = None
+        rows, vocab, dev = sum(1 + it.num_draft for it in self._first_rows(samplers)), self.model.arch.vocab_size, self.device
         row = 0
         for it in self._first_rows(samplers):
             p = it.sampling_params
@@ -989,6 +997,7 @@ class ModelRunner:
             states = self._grammar_states(it, first) if p.structured_outputs is not None else None
             grammar = self._guides[it.seq_id].grammar if states is not None else None
             words = self._bad_word_bans(it, first) if p.bad_words else None
+            output = self._known(it, first, start=it.prompt_len) if p.whisper is not None else None
             for i in range(n):
                 r = row + i
                 if grammar is not None and states is not None:
@@ -1003,6 +1012,14 @@ class ModelRunner:
                 if words is not None:
                     ban_rows.extend([r] * len(words[i]))
                     ban_ids.extend(words[i])
+                if p.whisper is not None and output is not None:
+                    ids, spans = p.whisper.bans(output + self._branch(it, i), vocab)
+                    ban_rows.extend([r] * len(ids))
+                    ban_ids.extend(ids)
+                    ranges.extend((r, lo, hi) for lo, hi in spans if lo < hi)
+                    if p.whisper.timestamp_begin is not None:
+                        stamps = stamps or [vocab] * rows
+                        stamps[r] = p.whisper.timestamp_begin
                 if p.allowed_token_ids is not None:
                     only_rows.append(r)
                     only_ids.append(p.allowed_token_ids)
@@ -1011,15 +1028,15 @@ class ModelRunner:
                     bias_ids.extend(p.logit_bias)
                     bias_vals.extend(p.logit_bias.values())
             row += n
-        rows, vocab, dev = row, self.model.arch.vocab_size, self.device
         bias: torch.Tensor | None = None
+        timestamps = None if stamps is None else to_device(host_longs(stamps), dev)
         if bias_rows:
             bias = torch.zeros((rows, vocab), dtype=torch.float32, device=dev)
             bias[to_device(host_longs(bias_rows), dev), to_device(host_longs(bias_ids), dev)] = to_device(
                 torch.tensor(bias_vals, dtype=torch.float32), dev
             )
         if not (grammar_rows or ban_rows or only_rows):
-            return None, bias
+            return None, bias, timestamps
         stacked = torch.stack(grammar_masks) if grammar_masks else None
         if stacked is not None and len(grammar_rows) == rows:
             allowed = stacked
@@ -1028,7 +1045,7 @@ class ModelRunner:
             if stacked is not None:
                 allowed[to_device(host_longs(grammar_rows), dev)] = stacked
         if not (ban_rows or only_rows):
-            return allowed, bias
+            return allowed, bias, timestamps
         grammar_only = allowed.clone() if stacked is not None else None
         if only_rows:
             keep = torch.zeros((len(only_rows), vocab), dtype=torch.bool, device=dev)
@@ -1038,9 +1055,11 @@ class ModelRunner:
             allowed[index] &= keep
         if ban_rows:
             allowed[to_device(host_longs(ban_rows), dev), to_device(host_longs(ban_ids), dev)] = False
+        for r, lo, hi in ranges:
+            allowed[r, lo:hi] = False
         if grammar_only is not None:  # on the device: no sync to find the rows left empty
             allowed = torch.where(allowed.any(dim=1, keepdim=True), allowed, grammar_only)
-        return allowed, bias
+        return allowed, bias, timestamps
 
     def _bad_word_bans(self, it: ScheduledSequence, first: int) -> list[list[int]]:
         """The tokens each row of `it` may not draw for its bad_words: a word's last token

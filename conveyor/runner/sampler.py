@@ -1,9 +1,10 @@
 """Sampling: per-request parameters turned into tensors once per step, then one batched pass.
 
 Order of operations (as in vLLM): penalties on the raw logits, then logit_bias, then the
-mask (structured outputs, allowed_token_ids, bad_words, min_tokens' held-back ends), then
-temperature, then top-k / top-p / min-p filtering, then a draw. Greedy rows take the argmax
-of the penalised, biased and masked logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
+mask (structured outputs, allowed_token_ids, bad_words, min_tokens' held-back ends, Whisper's
+rules), then Whisper's choice of a timestamp over text, then temperature, then top-k / top-p /
+min-p filtering, then a draw. Greedy rows take the argmax of the penalised, biased and masked
+logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
 samples exactly from `probs`; each seeded request draws its `E` from its own generator, so the
 same seed gives the same tokens whatever else shares the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature).
@@ -39,6 +40,9 @@ class SamplingBatch:
     # A seeded row i takes the noise row noise_from[i] drew (< i; a token tree's row: the first
     # row at its depth's), not a draw of its own (None: every row draws).
     noise_from: list[int] | None = None
+    # Whisper's timestamps (`WhisperRules`): each row's first timestamp token, `[rows]` (the
+    # vocabulary's size where the row has none); None: no row has any.
+    timestamps: torch.Tensor | None = None
 
 
 def prepare(
@@ -114,7 +118,8 @@ class Sampler:
         """`sample`, and the distributions the rows were drawn from (`[rows, vocab]` float32,
         after penalties, bias, mask, temperature and top-k / top-p / min-p; None for an
         all-greedy batch): speculative sampling's target rows (`ModelRunner._verify`)."""
-        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None and batch.bias is None):
+        if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None and batch.bias is None
+                and batch.timestamps is None):
             logits = logits.float()
         raw = logits
         if batch.any_penalty:
@@ -123,12 +128,23 @@ class Sampler:
             logits = logits + batch.bias
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
+        if batch.timestamps is not None:
+            logits = self._timestamp_or_text(logits, batch.timestamps)
         tokens, probs = (self.greedy(logits), None) if batch.all_greedy else self._sample(logits, batch)
         if batch.max_logprobs is None:
             return tokens, None, probs
         return tokens, self._logprobs(raw, tokens, batch), probs
 
     # -- steps ---------------------------------------------------------------------------
+    @staticmethod
+    def _timestamp_or_text(logits: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
+        """Whisper's last rule: a row whose timestamp tokens (ids from `begin[row]` on) are
+        together likelier than its likeliest text token draws a timestamp (its text masked)."""
+        stamp = torch.arange(logits.shape[1], device=logits.device)[None, :] >= begin[:, None]
+        together = logits.masked_fill(~stamp, float("-inf")).logsumexp(dim=-1)
+        text = logits.masked_fill(stamp, float("-inf")).amax(dim=-1)
+        return logits.masked_fill((together > text)[:, None] & ~stamp, float("-inf"))
+
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         vocab = logits.shape[1]
         for row, p in enumerate(batch.params):

@@ -4,12 +4,15 @@ A request is a multipart form, as OpenAI's client sends it: `file` (the audio fi
 other formats through soundfile), `model`, `language` (the clip's, ISO-639-1; a translation is
 always into English; where it is not given, Whisper's own guess: the language token its decoder
 finds most likely after `<|startoftranscript|>` on the first window), `prompt` (text the decoder
-continues from, Whisper's `<|startofprev|>`), `response_format` ("json" or "text"), `temperature`
-(0 to 1, default 0), `stream`. The clip's windows and decoder prompts are `conveyor.transcribe`'s,
-all submitted at once so the engine batches them; their texts are joined in order. The answer is
-`{"text": ..., "language": ..., "usage": {"type": "duration", "seconds": ...}}` (or the text
-alone); streamed, OpenAI's `transcript.text.delta` events in the windows' order, then one
-`transcript.text.done`.
+continues from, Whisper's `<|startofprev|>`), `response_format`, `timestamp_granularities[]`
+("segment"; "word" is not built), `temperature` (0 to 1, default 0), `stream`. The clip's windows,
+decoder prompts and segments are `conveyor.transcribe`'s, all requests submitted at once so the
+engine batches them. The answer, by `response_format`: "json", `{"text": ..., "language": ...,
+"usage": {"type": "duration", "seconds": ...}}`; "text", the text alone; "verbose_json", OpenAI's
+(the task, the language's name, the clip's seconds, the text and its segments with their times
+and scores, decoded with Whisper's timestamps); "srt" and "vtt", the segments as subtitles.
+Streamed (json and text only), OpenAI's `transcript.text.delta` events in the windows' order, then
+one `transcript.text.done`.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from conveyor.multimodal import ImagePrompt
-from conveyor.sampling_params import InvalidRequestError
+from conveyor.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.server.async_engine import EngineRequest
 from conveyor.server.serving import _abort_on_disconnect
-from conveyor.transcribe import Transcriber, join
+from conveyor.transcribe import Transcriber, join, srt, verbose_json, vtt
 
-FORMATS = ("json", "text")
-NOT_BUILT_FORMATS = ("srt", "vtt", "verbose_json")  # (they need Whisper's timestamps)
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+TIMED = ("verbose_json", "srt", "vtt")  # (the formats that need Whisper's timestamps)
 
 
 async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[[str | None], Awaitable[None]]
@@ -52,13 +55,26 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     fields = {k: v for k, v in form.items() if isinstance(v, str)}
     await check_model(fields.get("model"))
     fmt = fields.get("response_format", "json")
-    if fmt in NOT_BUILT_FORMATS:
-        raise InvalidRequestError(f"response_format {fmt!r} needs timestamps, which conveyor does not decode yet: "
-                                  "use json or text", param="response_format")
     if fmt not in FORMATS:
         raise InvalidRequestError(f"response_format must be one of {list(FORMATS)}, not {fmt!r}",
                                   param="response_format")
+    timed = fmt in TIMED
+    granularities = [v for k, v in form.multi_items() if k in ("timestamp_granularities[]", "timestamp_granularities")
+                     and isinstance(v, str)]
+    for g in granularities:
+        if g == "word":
+            raise InvalidRequestError("timestamp_granularities 'word' is not built (it needs Whisper's "
+                                      "cross-attention alignment): use 'segment'", param="timestamp_granularities")
+        if g != "segment":
+            raise InvalidRequestError(f"timestamp_granularities holds 'segment', not {g!r}",
+                                      param="timestamp_granularities")
+    if granularities and fmt != "verbose_json":
+        raise InvalidRequestError("timestamp_granularities needs response_format 'verbose_json'",
+                                  param="timestamp_granularities")
     streamed = fields.get("stream", "false").lower() == "true"
+    if streamed and timed:
+        raise InvalidRequestError(f"a stream holds the text's deltas: response_format {fmt!r} is not streamed "
+                                  "(use json or text)", param="stream")
     try:
         temperature = float(fields.get("temperature", 0.0))
     except ValueError:
@@ -66,36 +82,45 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     language = fields.get("language") or None
     lang = None if language is None else whisper.language_id(language)
     before = whisper.before(fields.get("prompt"))
-    whisper.check(before, task, temperature)
-    parts, seconds = await asyncio.to_thread(whisper.windows, data)
+    whisper.check(before, task, temperature, timed)
+    job = whisper.job([await asyncio.to_thread(whisper.windows, data)], lang, before, task, temperature, timed)
     rid = f"trsc-{uuid.uuid4().hex}"
-    if lang is None:
-        prompt, params = whisper.detect_request(parts[0])
-        found = None
-        async for out in engine.generate(prompt, params, f"{rid}-lang"):
-            found = out
-        assert found is not None
-        lang = found.outputs[0].token_ids[0]
-        language = whisper.languages()[lang]
-    head = whisper.head(before, lang, task)
-    params = whisper.params(head, temperature)
-    stream = await engine.add([EngineRequest(f"{rid}-{k}", ImagePrompt(list(head), (clip,)), params)
-                               for k, clip in enumerate(parts)])
+    detect = job.detect()
+    if detect:
+        job.detected(await _gather(engine, f"{rid}-lang", detect))
+    requests = job.requests()
+    stream = await engine.add([EngineRequest(f"{rid}-{k}", prompt, params)
+                               for k, (prompt, params) in enumerate(requests)])
     watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
-    usage = {"type": "duration", "seconds": math.ceil(seconds)}
+    usage = {"type": "duration", "seconds": math.ceil(job.clips[0][1])}
     if streamed:
-        return StreamingResponse(_events(stream, len(parts), watcher, usage), media_type="text/event-stream",
+        return StreamingResponse(_events(stream, len(requests), watcher, usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    texts = [""] * len(parts)
+    outs: list[Any] = [None] * len(requests)
     try:
         async for out in stream:
-            texts[int(out.request_id.rsplit("-", 1)[1])] = out.outputs[0].text
+            outs[int(out.request_id.rsplit("-", 1)[1])] = out
     finally:
         watcher.cancel()
-    text = join(texts)
+    result = job.results(outs)[0]
     if fmt == "text":
-        return PlainTextResponse(text)
-    return JSONResponse({"text": text, "language": language, "usage": usage})
+        return PlainTextResponse(result.text)
+    if fmt == "srt":
+        return PlainTextResponse(srt(result.segments))
+    if fmt == "vtt":
+        return PlainTextResponse(vtt(result.segments), media_type="text/vtt")
+    if fmt == "verbose_json":
+        return JSONResponse(verbose_json(result, task) | {"usage": usage})
+    return JSONResponse({"text": result.text, "language": result.language, "usage": usage})
+
+
+async def _gather(engine: Any, rid: str, requests: list[tuple[ImagePrompt, SamplingParams]]) -> list[Any]:
+    """The requests' final outputs, in their order."""
+    outs: list[Any] = [None] * len(requests)
+    async for out in await engine.add([EngineRequest(f"{rid}-{k}", prompt, params)
+                                       for k, (prompt, params) in enumerate(requests)]):
+        outs[int(out.request_id.rsplit("-", 1)[1])] = out
+    return outs
 
 
 async def _events(stream: Any, windows: int, watcher: asyncio.Task[None], usage: dict[str, Any]

@@ -11,13 +11,20 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.sampling_params import InvalidRequestError
+from conveyor.sampling_params import InvalidRequestError, WhisperRules
+from conveyor.transcribe import split, srt, verbose_json, vtt
 from tests.conftest import save_image_tokenizer
 from tests.models.test_qwen2_audio import RATE, clip
 
-SOT, EN, FR, TRANSCRIBE, TRANSLATE, NO_TS, PREV = 370, 371, 372, 373, 374, 375, 376
+SOT, EN, FR, TRANSCRIBE, TRANSLATE, PREV, NO_SPEECH, NO_TS = 370, 371, 372, 373, 374, 376, 377, 383
+STAMP = NO_TS + 1  # <|0.00|>, then 1500 more 20 ms apart, as Whisper's vocabulary ends
+VOCAB = STAMP + 1501
 SPECIALS = {SOT: "<|startoftranscript|>", EN: "<|en|>", FR: "<|fr|>", TRANSCRIBE: "<|transcribe|>",
-            TRANSLATE: "<|translate|>", NO_TS: "<|notimestamps|>", PREV: "<|startofprev|>"}
+            TRANSLATE: "<|translate|>", NO_TS: "<|notimestamps|>", PREV: "<|startofprev|>",
+            NO_SPEECH: "<|nospeech|>", **{STAMP + i: f"<|{i * 0.02:.2f}|>" for i in range(1501)}}
+SUPPRESS, BEGIN_SUPPRESS = [5, 6, 7, 9], [8, 2]  # (generation_config.json's: never drawn; not drawn first)
+RULES = WhisperRules(suppress=tuple(SUPPRESS), begin_suppress=tuple(BEGIN_SUPPRESS), end=2)
+FULL = SamplingParams(max_tokens=60, temperature=0.0, skip_special_tokens=True, whisper=RULES)
 PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -25,10 +32,11 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 def build_tiny_whisper(out_dir, seed: int = 5):
     """A random-weight `WhisperForConditionalGeneration`: an encoder of 2 layers and a decoder
     of 2, 32 wide, 80 mel bins, 64 decoder positions, a word-level tokenizer with Whisper's task
-    tokens, and Whisper's `preprocessor_config.json`."""
+    and timestamp tokens, Whisper's `preprocessor_config.json` and a generation_config.json with
+    Whisper's keys (tokens suppressed, the first timestamp at most 1 s)."""
     import transformers as tf
 
-    config = tf.WhisperConfig(vocab_size=384, num_mel_bins=80, encoder_layers=2, encoder_attention_heads=2,
+    config = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=80, encoder_layers=2, encoder_attention_heads=2,
                               decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                               d_model=32, max_source_positions=1500, max_target_positions=64,
                               decoder_start_token_id=SOT, eos_token_id=2, bos_token_id=1, pad_token_id=0)
@@ -40,9 +48,15 @@ def build_tiny_whisper(out_dir, seed: int = 5):
                 p.normal_(1.0, 0.1)
             elif "embed_positions" not in name:
                 p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
+        model.model.decoder.embed_tokens.weight[STAMP:] *= 0.5  # (1501 timestamps would crowd out the words)
+    g = model.generation_config
+    g.no_timestamps_token_id, g.prev_sot_token_id, g.is_multilingual = NO_TS, PREV, True
+    g.lang_to_id, g.task_to_id = {"<|en|>": EN, "<|fr|>": FR}, {"transcribe": TRANSCRIBE, "translate": TRANSLATE}
+    g.suppress_tokens, g.begin_suppress_tokens, g.max_initial_timestamp_index = SUPPRESS, BEGIN_SUPPRESS, 50
+    g._from_model_config = False  # (else HF's loading makes it again from config.json)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    save_image_tokenizer(out_dir, SPECIALS, "")
+    save_image_tokenizer(out_dir, SPECIALS, "", vocab_size=VOCAB)
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 80, "sampling_rate": RATE,
         "hop_length": 160, "n_fft": 400, "chunk_length": 30}))
@@ -144,13 +158,12 @@ def test_transcriptions_over_http(whisper, tmp_path):
     x = clip(2.0, seed=50)
     long = np.concatenate([clip(30.0, seed=51), clip(4.0, seed=52)])
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
-    full = SamplingParams(max_tokens=60, temperature=0.0, skip_special_tokens=True)
+    full = FULL
     fr = "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"
     want, translated, first, second, prompted = (o.outputs[0].text.strip() for o in llm.generate([
         {"prompt": PROMPT, "multi_modal_data": {"audio": (x, RATE)}},
         {"prompt": fr, "multi_modal_data": {"audio": (x, RATE)}},
-        {"prompt": PROMPT, "multi_modal_data": {"audio": (long[: 30 * RATE], RATE)}},
-        {"prompt": PROMPT, "multi_modal_data": {"audio": (long[30 * RATE :], RATE)}},
+        *({"prompt": PROMPT, "multi_modal_data": {"audio": (long[lo:hi], RATE)}} for lo, hi in split(long, RATE)),
         {"prompt": "<|startofprev|> w20 w21" + PROMPT, "multi_modal_data": {"audio": (x, RATE)}}], full))
     assert want and prompted != want
     joined = " ".join(t for t in (first, second) if t)
@@ -163,6 +176,8 @@ def test_transcriptions_over_http(whisper, tmp_path):
     guessed = "en" if logits[EN] >= logits[FR] else "fr"
     detected = llm.generate([{"prompt": f"<|startoftranscript|><|{guessed}|><|transcribe|><|notimestamps|>",
                               "multi_modal_data": {"audio": (x, RATE)}}], full)[0].outputs[0].text.strip()
+    timed, timed_long = llm.transcribe([(x, RATE), (long, RATE)], language="en", timestamps=True)
+    assert len(timed_long.segments) > len(timed.segments) > 1 and timed_long.segments[-1].start > 30
     del llm, hf
     server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64"],
                            tmp_path / "server.log")
@@ -197,7 +212,23 @@ def test_transcriptions_over_http(whisper, tmp_path):
             assert r.status_code == 200 and r.json()["text"] == translated
             r = post("/v1/audio/transcriptions", wav_bytes(long), language="en")
             assert r.status_code == 200 and r.json()["text"] == joined
-            for fields, match in [({"response_format": "srt"}, "timestamps"), ({"language": "xx"}, "language"),
+            # timestamps: OpenAI's verbose_json, SubRip and WebVTT, `LLM.transcribe`'s segments
+            r = post("/v1/audio/transcriptions", wav_bytes(x), language="en", response_format="verbose_json",
+                     **{"timestamp_granularities[]": "segment"})
+            assert r.status_code == 200, r.text
+            got, want_json = r.json(), verbose_json(timed, "transcribe") | {"usage": {"type": "duration", "seconds": 2}}
+            scores = ("avg_logprob", "compression_ratio", "no_speech_prob")  # (the WAV's 16 bits move them a little)
+            for a, b in zip(got["segments"], want_json["segments"], strict=True):
+                assert [a.pop(k) for k in scores] == pytest.approx([b.pop(k) for k in scores], rel=1e-3)
+            assert got == want_json
+            r = post("/v1/audio/transcriptions", wav_bytes(long), language="en", response_format="srt")
+            assert r.status_code == 200 and r.text == srt(timed_long.segments)
+            r = post("/v1/audio/transcriptions", wav_bytes(long), language="en", response_format="vtt")
+            assert r.status_code == 200 and r.text == vtt(timed_long.segments) and r.text.startswith("WEBVTT")
+            for fields, match in [({"response_format": "srt", "stream": "true"}, "stream"),
+                                  ({"response_format": "verbose_json", "timestamp_granularities[]": "word"}, "word"),
+                                  ({"timestamp_granularities[]": "segment"}, "verbose_json"),
+                                  ({"response_format": "xml"}, "response_format"), ({"language": "xx"}, "language"),
                                   ({"temperature": "3"}, "temperature"), ({"model": "other"}, "does not exist")]:
                 r = post("/v1/audio/transcriptions", wav_bytes(x), **fields)
                 assert r.status_code in (400, 404) and match in r.json()["error"]["message"], (fields, r.text)
@@ -218,9 +249,9 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
 
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
     long = np.concatenate([clip(30.0, seed=61), clip(3.0, seed=62)])
-    full = SamplingParams(max_tokens=60, temperature=0.0, skip_special_tokens=True)
+    full = FULL
     windows = [o.outputs[0].text.strip() for o in llm.generate(
-        [{"prompt": PROMPT, "multi_modal_data": {"audio": (part, RATE)}} for part in (long[: 30 * RATE], long[30 * RATE :])],
+        [{"prompt": PROMPT, "multi_modal_data": {"audio": (long[lo:hi], RATE)}} for lo, hi in split(long, RATE)],
         full)]
     got = llm.transcribe((long, RATE), language="en")
     assert got.text == " ".join(t for t in windows if t) and got.language == "en" and abs(got.seconds - 33.0) < 1e-6
@@ -247,3 +278,153 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
     assert main(["transcribe", str(path), str(other), "--model", str(whisper), "--dtype", "float32",
                  "--num-kv-blocks", "64", "--language", "fr", "--translate"]) == 0
     assert capsys.readouterr().out.splitlines() == [f"{path}: {want}", f"{other}: {second}"]
+
+
+# -- timestamps, Whisper's rules, windows, formats ------------------------------------------------
+def hf_first_pass(model, samples: np.ndarray, n: int, timestamps: bool = True) -> tuple[list[int], list]:
+    """HF `generate`'s tokens of a clip's first pass (its prompt left out) and, with timestamps,
+    that pass's segments as (start, end, text tokens)."""
+    import transformers as tf
+
+    features = tf.WhisperFeatureExtractor(feature_size=80)(samples, sampling_rate=RATE, return_tensors="pt")
+    if not timestamps:
+        out = model.generate(features["input_features"], language="en", task="transcribe", max_new_tokens=n)
+        ids = out[0].tolist()
+        return ids[4:] if ids[:4] == [SOT, EN, TRANSCRIBE, NO_TS] else ids, []  # (HF leaves its prompt out)
+    out = model.generate(features["input_features"], language="en", task="transcribe", return_timestamps=True,
+                         return_segments=True, max_new_tokens=n)
+    segments = out["segments"][0]
+    first = segments[0]["result"]
+    return first.tolist()[3:], [(round(float(s["start"]), 3), round(float(s["end"]), 3),
+                                 [t for t in s["tokens"].tolist() if t < STAMP])
+                                for s in segments if s["result"] is first]
+
+
+def test_timestamps_are_hfs(whisper, hf_whisper):
+    """With timestamps, each window's tokens are HF `generate`'s (return_timestamps: OpenAI's
+    timestamp rules, the checkpoint's suppressed tokens), its segments HF's where HF closes them
+    (its text left open at the window's end one more, ending with the window), the no-speech
+    probability and average logprob HF's model's; several clips in one batch as alone."""
+    clips = [clip(s, seed=70 + k) for k, s in enumerate((2.0, 3.0, 5.0))]
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
+    got = llm.transcribe([(c, RATE) for c in clips], language="en", timestamps=True)
+    for x, t in zip(clips, got, strict=True):
+        tokens, segments = hf_first_pass(hf_whisper, x, 61)  # (64 positions, 3 of the prompt)
+        mine = [(s.start, s.end, [tok for tok in s.tokens if tok < STAMP]) for s in t.segments]
+        assert len(segments) >= 2 and mine[: len(segments)] == segments
+        # the window's tokens are the segments' in order, each between its two timestamps (one
+        # timestamp may close a segment and open the next)
+        want, at = tokens[: tokens.index(2)] if 2 in tokens else tokens, 0
+        for s in t.segments:
+            at -= want[at : at + len(s.tokens)] != list(s.tokens)
+            assert want[at : at + len(s.tokens)] == list(s.tokens)
+            at += len(s.tokens)
+        assert at == len(want)
+        assert t.text == " ".join(s.text.strip() for s in t.segments if s.text.strip())
+        import transformers as tf
+
+        features = tf.WhisperFeatureExtractor(feature_size=80)(x, sampling_rate=RATE, return_tensors="pt")
+        with torch.no_grad():
+            logits = hf_whisper(input_features=features["input_features"],
+                                decoder_input_ids=torch.tensor([[SOT, EN, TRANSCRIBE, *tokens]])).logits[0].float()
+        raw = torch.log_softmax(logits, dim=-1)
+        said = [raw[2 + i, tok].item() for i, tok in enumerate(tokens)]
+        assert t.segments[0].avg_logprob == pytest.approx(sum(said) / (len(said) + 1), abs=1e-4)
+        assert t.segments[0].no_speech_prob == pytest.approx(torch.softmax(logits[0], -1)[NO_SPEECH].item(), rel=1e-4)
+    alone = llm.transcribe((clips[1], RATE), language="en", timestamps=True)
+    assert [s.tokens for s in alone.segments] == [s.tokens for s in got[1].segments]
+    assert [s.avg_logprob for s in alone.segments] == pytest.approx([s.avg_logprob for s in got[1].segments], abs=1e-5)
+
+
+def test_plain_transcripts_follow_generation_config(whisper, hf_whisper):
+    """Without timestamps, the text is that of HF `generate`'s tokens: the checkpoint's
+    suppressed tokens and those not drawn first apply too."""
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
+    clips = [clip(s, seed=80 + k) for k, s in enumerate((1.5, 4.0, 6.0))]
+    got = llm.transcribe([(c, RATE) for c in clips], language="en")
+    tok = llm.engine.tokenizer
+    for x, t in zip(clips, got, strict=True):
+        tokens, _ = hf_first_pass(hf_whisper, x, 60, timestamps=False)
+        assert not set(tokens) & set(SUPPRESS) and tokens[0] not in BEGIN_SUPPRESS
+        assert t.text == tok.decode([i for i in tokens if i != 2], skip_special_tokens=True).strip()
+    # (without the rules, the model's first token would be one never drawn)
+    assert hf_greedy(hf_whisper, clips[0], [SOT, EN, TRANSCRIBE, NO_TS], 1)[0] in SUPPRESS
+
+
+def test_whispers_rules_are_hfs_processors():
+    """`WhisperRules`' masks and the sampler's choice of a timestamp over text leave the same
+    tokens drawable as HF's suppress, begin-suppress and timestamp processors in HF's order, over
+    random outputs so far (text and timestamps mixed) and random logits."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
+
+    from conveyor.runner.sampler import Sampler
+
+    vocab, none, end, head = 60, 29, 3, 4
+    begin = none + 1
+    config = GenerationConfig(no_timestamps_token_id=none, eos_token_id=end, max_initial_timestamp_index=6)
+    rules = WhisperRules(suppress=(5, 9), begin_suppress=(11, end), timestamp_begin=begin, end=end,
+                         max_initial_timestamp=6)
+    hf = [SuppressTokensAtBeginLogitsProcessor([11, end], begin_index=head), SuppressTokensLogitsProcessor([5, 9]),
+          WhisperTimeStampLogitsProcessor(config, begin_index=head)]
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.one_of(st.integers(10, 28), st.integers(begin, vocab - 1)), max_size=8),
+           st.integers(0, 2**31 - 1), st.floats(0.0, 4.0))
+    def check(output: list[int], seed: int, stamp_boost: float) -> None:
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(1, vocab, generator=g)
+        logits[0, begin:] += stamp_boost  # (timestamps often the likelier)
+        ids = torch.tensor([[1, 2, 3, 4][:head] + output])
+        want = logits.clone()
+        for p in hf:
+            want = p(ids, want)
+        banned, ranges = rules.bans(output, vocab)
+        allowed = torch.ones(1, vocab, dtype=torch.bool)
+        allowed[0, banned] = False
+        for lo, hi in ranges:
+            allowed[0, lo:hi] = False
+        mine = Sampler._timestamp_or_text(logits.masked_fill(~allowed, float("-inf")), torch.tensor([begin]))
+        assert torch.equal(torch.isinf(mine), torch.isinf(want)), (output, torch.isinf(mine) ^ torch.isinf(want))
+        assert torch.equal(mine[~torch.isinf(mine)], want[~torch.isinf(want)])
+
+    check()
+
+
+def test_windows_are_cut_in_quiet():
+    """A clip over 30 s is cut in the quietest tenth of a second of each window's last second,
+    at its middle; the windows cover the clip, each at most 30 s."""
+    rate = 16000
+    x = clip(65.0, seed=90)
+    x[int(29.3 * rate) : int(29.45 * rate)] = 0.0
+    cuts = split(x, rate)
+    assert cuts[0] == (0, int(29.35 * rate)) and len(cuts) == 3 and cuts[-1][1] == len(x)
+    assert all(b == c for (_, b), (c, _) in zip(cuts, cuts[1:], strict=False))
+    assert all(hi - lo <= 30 * rate for lo, hi in cuts) and all(hi - lo >= 29 * rate for lo, hi in cuts[:-1])
+    assert split(x[: 30 * rate], rate) == [(0, 30 * rate)]
+    quiet = int(29.35 * rate)
+    assert split(x[: 30 * rate + 320], rate) == [(0, quiet), (quiet, 30 * rate + 320)]  # (past 30 s)
+    assert split(x[: 59 * rate], rate)[-1] == (quiet, 59 * rate)
+    assert len(split(np.zeros(30 * rate + 100, np.float32), rate)) == 2
+
+
+def test_subtitle_formats():
+    from conveyor.transcribe import Segment, Transcription
+
+    segs = (Segment(0, 0.0, 3.32, " Hello --> there.", (STAMP, 5, STAMP + 166), 0, 0.0, -0.25, 1.1, 0.01),
+            Segment(1, 3.32, 3725.5, " Bye.", (STAMP + 166, 6, STAMP + 300), 0, 0.0, -0.25, 1.1, 0.01))
+    assert srt(segs) == ("1\n00:00:00,000 --> 00:00:03,320\nHello -> there.\n\n"
+                         "2\n00:00:03,320 --> 01:02:05,500\nBye.\n\n")
+    assert vtt(segs) == ("WEBVTT\n\n00:00:00.000 --> 00:00:03.320\nHello -> there.\n\n"
+                         "00:00:03.320 --> 01:02:05.500\nBye.\n\n")
+    out = verbose_json(Transcription("Hello --> there. Bye.", "en", 3725.5, segs), "transcribe")
+    assert out["language"] == "english" and out["duration"] == 3725.5 and out["task"] == "transcribe"
+    assert out["segments"][1] == {"id": 1, "seek": 0, "start": 3.32, "end": 3725.5, "text": " Bye.",
+                                  "tokens": [STAMP + 166, 6, STAMP + 300], "temperature": 0.0, "avg_logprob": -0.25,
+                                  "compression_ratio": 1.1, "no_speech_prob": 0.01}
