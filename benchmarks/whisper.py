@@ -10,7 +10,17 @@ a warm-up, `--rounds` rounds:
              one batch, the decodes side by side)
   one        the same requests one `LLM.generate` each, in turn
   hf         HF's `generate` over the batch (its encoder once over all clips, then the decoder
-             with its KV cache; GenerationMixin's greedy loop, none of Whisper's own rules)
+             with its KV cache; GenerationMixin's greedy loop, none of Whisper's own rules but
+             with `--timestamps`)
+
+With `--timestamps`, every run decodes by Whisper's timestamp rules (the prompt without
+`<|notimestamps|>`; OpenAI's rules with the blank and the end not drawn first: conveyor's
+`WhisperRules` in its sampler, HF's `SuppressTokensAtBegin` and `WhisperTimeStamp` logits
+processors in its `generate`), every request for exactly its tokens (the end held back until
+then, `min_tokens` / `min_new_tokens`), and one more run is timed:
+
+  plain      conveyor's requests without the rules (the task prompt with `<|notimestamps|>`):
+             what the rules cost a step
 
 With `--varied`, request k asks for `max_tokens * (k + 1) / batch` tokens (answers of different
 lengths, as a batch of real clips has): conveyor's finished requests leave the batch, while HF's
@@ -19,6 +29,7 @@ The figure is each run's wall time and its ratio to conveyor's in the same round
 
     python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 64 --rounds 3
     python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 128 --rounds 3 --varied
+    python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 64 --rounds 3 --timestamps
 """
 
 from __future__ import annotations
@@ -33,12 +44,14 @@ import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.sampling_params import WhisperRules
 
 SHAPE = dict(vocab_size=51865, num_mel_bins=80, encoder_layers=6, encoder_attention_heads=8, decoder_layers=6,
              decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, d_model=512,
              max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258, eos_token_id=50257,
              bos_token_id=50257, pad_token_id=50257)
 PROMPT = [50258, 50259, 50359, 50363]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+STAMP, END, BLANK = 50364, 50257, 220  # <|0.00|>, <|endoftext|>, " "
 RATE = 16000
 
 
@@ -59,6 +72,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--varied", action="store_true", help="request k asks max_tokens * (k + 1) / batch tokens")
+    ap.add_argument("--timestamps", action="store_true", help="every run by Whisper's timestamp rules")
     args = ap.parse_args()
     lengths = [max(1, args.max_tokens * (k + 1) // args.batch) if args.varied else args.max_tokens
                for k in range(args.batch)]
@@ -72,8 +86,26 @@ def main() -> None:
         hf = tf.WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
         fe = tf.WhisperFeatureExtractor(feature_size=80)
         features = fe(clips, sampling_rate=RATE, return_tensors="pt")["input_features"]
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-        requests = [{"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
+        plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+        prompt, params, processors = PROMPT, plain, None
+        if args.timestamps:
+            from transformers.generation.logits_process import (
+                LogitsProcessorList,
+                SuppressTokensAtBeginLogitsProcessor,
+                WhisperTimeStampLogitsProcessor,
+            )
+
+            prompt = PROMPT[:-1]
+            rules = WhisperRules(begin_suppress=(BLANK, END), timestamp_begin=STAMP, end=END, max_initial_timestamp=50)
+            params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, whisper=rules) for n in lengths]
+            config = tf.GenerationConfig(no_timestamps_token_id=STAMP - 1, eos_token_id=END, max_initial_timestamp_index=50)
+            processors = LogitsProcessorList([SuppressTokensAtBeginLogitsProcessor([BLANK, END], len(prompt)),
+                                              WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt))])
+        requests = [{"prompt_token_ids": prompt, "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
+        plain_requests = [{"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
+
+        def untimed() -> list[list[int]]:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(plain_requests, plain, use_tqdm=False)]
 
         def batched() -> list[list[int]]:
             return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
@@ -85,13 +117,20 @@ def main() -> None:
         def theirs() -> list[list[int]]:
             with torch.inference_mode():
                 out = tf.GenerationMixin.generate(
-                    hf, input_features=features, decoder_input_ids=torch.tensor([PROMPT] * args.batch),
-                    max_new_tokens=max(lengths), min_new_tokens=max(lengths), do_sample=False)
-            return [row[:n] for row, n in zip(out[:, len(PROMPT):].tolist(), lengths, strict=True)]
+                    hf, input_features=features, decoder_input_ids=torch.tensor([prompt] * args.batch),
+                    max_new_tokens=max(lengths), min_new_tokens=max(lengths), do_sample=False,
+                    logits_processor=processors)
+            return [row[:n] for row, n in zip(out[:, len(prompt):].tolist(), lengths, strict=True)]
 
         runs = {"conveyor": batched, "one": one, "hf": theirs}
-        same = batched() == theirs()  # (warm-up, and the two agree on greedy tokens)
+        if args.timestamps:
+            runs["plain"] = untimed
+        mine, ref = batched(), theirs()  # (warm-up, and the two agree on greedy tokens)
+        same = mine == ref
+        stamps = sum(t >= STAMP for row in mine for t in row)
         one()
+        if args.timestamps:
+            untimed()
         times: dict[str, list[float]] = {n: [] for n in runs}
         for r in range(args.rounds):
             for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
@@ -99,7 +138,8 @@ def main() -> None:
                 runs[name]()
                 times[name].append(time.perf_counter() - start)
         told = f"{lengths[0]}-{lengths[-1]} tokens" if args.varied else f"{args.max_tokens} tokens each"
-        print(f"{args.batch} clips of {args.seconds:g} s, {told}, {args.rounds} rounds, "
+        timed = f", by the timestamp rules ({stamps} of {sum(lengths)} tokens timestamps)" if args.timestamps else ""
+        print(f"{args.batch} clips of {args.seconds:g} s, {told}{timed}, {args.rounds} rounds, "
               f"torch threads {torch.get_num_threads()}; greedy tokens equal to HF's: {same}")
         print(f"{'run':9} {'median s':>9} {'vs conveyor':>14}")
         for name, ts in times.items():

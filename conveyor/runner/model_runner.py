@@ -967,10 +967,10 @@ class ModelRunner:
         return tokens
 
     def _constraints(self, samplers: list[ScheduledSequence]
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, torch.Tensor] | None]:
         """The tokens each row may draw (`[rows, vocab]` bool; None: any), the bias added
-        to its logits (float; None: none) and each row's first timestamp token (`[rows]`;
-        the vocabulary's size where it has none; None: no row has any), from its request's
+        to its logits (float; None: none) and Whisper's first timestamp token with the rows
+        that have timestamps (`SamplingBatch.timestamps`; None: no row has any), from its request's
         structured outputs, allowed_token_ids, bad_words, logit_bias, Whisper's rules
         (`WhisperRules`), and min_tokens, which holds the end and the stop token ids back while
         the row's output index is below it.
@@ -987,8 +987,9 @@ class ModelRunner:
         bias_ids: list[int] = []
         bias_vals: list[float] = []
         ranges: list[tuple[int, int, int]] = []  # (row, lo, hi): tokens lo..hi-1 banned
-        stamps: list[int] | None = None
         rows, vocab, dev = sum(1 + it.num_draft for it in self._first_rows(samplers)), self.model.arch.vocab_size, self.device
+        begin: int | None = None  # (Whisper's first timestamp token, and the rows that have them)
+        stamped = [False] * rows
         row = 0
         for it in self._first_rows(samplers):
             p = it.sampling_params
@@ -1018,8 +1019,8 @@ class ModelRunner:
                     ban_ids.extend(ids)
                     ranges.extend((r, lo, hi) for lo, hi in spans if lo < hi)
                     if p.whisper.timestamp_begin is not None:
-                        stamps = stamps or [vocab] * rows
-                        stamps[r] = p.whisper.timestamp_begin
+                        begin = p.whisper.timestamp_begin
+                        stamped[r] = True
                 if p.allowed_token_ids is not None:
                     only_rows.append(r)
                     only_ids.append(p.allowed_token_ids)
@@ -1029,7 +1030,7 @@ class ModelRunner:
                     bias_vals.extend(p.logit_bias.values())
             row += n
         bias: torch.Tensor | None = None
-        timestamps = None if stamps is None else to_device(host_longs(stamps), dev)
+        timestamps = None if begin is None else (begin, to_device(torch.tensor(stamped), dev))
         if bias_rows:
             bias = torch.zeros((rows, vocab), dtype=torch.float32, device=dev)
             bias[to_device(host_longs(bias_rows), dev), to_device(host_longs(bias_ids), dev)] = to_device(

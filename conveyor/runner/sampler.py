@@ -40,9 +40,9 @@ class SamplingBatch:
     # A seeded row i takes the noise row noise_from[i] drew (< i; a token tree's row: the first
     # row at its depth's), not a draw of its own (None: every row draws).
     noise_from: list[int] | None = None
-    # Whisper's timestamps (`WhisperRules`): each row's first timestamp token, `[rows]` (the
-    # vocabulary's size where the row has none); None: no row has any.
-    timestamps: torch.Tensor | None = None
+    # Whisper's timestamps (`WhisperRules`): the first timestamp token (one model, one id) and
+    # the rows that have them (`[rows]` bool); None: no row has any.
+    timestamps: tuple[int, torch.Tensor] | None = None
 
 
 def prepare(
@@ -129,7 +129,7 @@ class Sampler:
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
         if batch.timestamps is not None:
-            logits = self._timestamp_or_text(logits, batch.timestamps)
+            logits = self._timestamp_or_text(logits if batch.allowed is not None else logits.clone(), *batch.timestamps)
         tokens, probs = (self.greedy(logits), None) if batch.all_greedy else self._sample(logits, batch)
         if batch.max_logprobs is None:
             return tokens, None, probs
@@ -137,13 +137,13 @@ class Sampler:
 
     # -- steps ---------------------------------------------------------------------------
     @staticmethod
-    def _timestamp_or_text(logits: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
-        """Whisper's last rule: a row whose timestamp tokens (ids from `begin[row]` on) are
-        together likelier than its likeliest text token draws a timestamp (its text masked)."""
-        stamp = torch.arange(logits.shape[1], device=logits.device)[None, :] >= begin[:, None]
-        together = logits.masked_fill(~stamp, float("-inf")).logsumexp(dim=-1)
-        text = logits.masked_fill(stamp, float("-inf")).amax(dim=-1)
-        return logits.masked_fill((together > text)[:, None] & ~stamp, float("-inf"))
+    def _timestamp_or_text(logits: torch.Tensor, begin: int, rows: torch.Tensor) -> torch.Tensor:
+        """Whisper's last rule, in place: each of `rows` whose timestamp tokens (ids from `begin`
+        on) are together likelier than its likeliest text token draws a timestamp (its text
+        masked)."""
+        force = (logits[:, begin:].logsumexp(dim=-1) > logits[:, :begin].amax(dim=-1)) & rows
+        logits[:, :begin].masked_fill_(force[:, None], float("-inf"))
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         vocab = logits.shape[1]
