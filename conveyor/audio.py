@@ -275,7 +275,9 @@ class AudioFeatures:
 
         n = min(len(samples), self.n_samples)
         frames = math.ceil(n / self.hop_length)
-        if audio_tokens(frames) < 1:
+        if whole and n < 1:  # (Whisper reads any clip, padded to 30 s)
+            raise InvalidRequestError("the audio is empty", param="audio")
+        if not whole and audio_tokens(frames) < 1:
             raise InvalidRequestError(f"the audio is {n} samples, too short for one token (at least "
                                       f"{2 * self.hop_length + 1} at {self.sampling_rate} Hz)", param="audio")
         wave = np.zeros(self.n_samples, np.float32)

@@ -137,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_transcribe(args: argparse.Namespace) -> int:
     """Whisper's transcripts (or English translations) of audio files, all batched, printed in
     order in `--format` (text: each after its file's name where there are several; the others
-    each after a `==> file <==` line where there are several)."""
+    each after a `==> file <==` line where there are several); draws seeded by `--seed`."""
     import json
     from pathlib import Path
 
@@ -147,8 +147,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args))
     clips = [Path(f).read_bytes() for f in args.files]
     task = "translate" if args.translate else "transcribe"
-    outs = llm.transcribe(clips, language=args.language, task=task, prompt=args.prompt,
-                          temperature=args.temperature, timestamps=args.format in ("verbose_json", "srt", "vtt"))
+    outs = llm.transcribe(clips, language=args.language, task=task, prompt=args.prompt, temperature=args.temperature,
+                          timestamps=args.format in ("verbose_json", "srt", "vtt"), seed=args.seed)
     for name, out in zip(args.files, outs, strict=True):
         if args.format == "text":
             print(f"{name}: {out.text}" if len(args.files) > 1 else out.text)
@@ -252,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     asr.add_argument("--language", default=None, help="the clip's language (ISO-639-1); default: Whisper's guess")
     asr.add_argument("--translate", action="store_true", help="translate into English")
     asr.add_argument("--prompt", default=None, help="text the transcript continues from")
-    asr.add_argument("--temperature", type=float, default=0.0)
+    asr.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default): greedy, falling back to 0.2 ... 1.0 for a window that loops or is unsure "
+                          "(the draws seeded by --seed)")
     asr.add_argument("--format", choices=("text", "json", "verbose_json", "srt", "vtt"), default="text",
                      help="what is printed: the text, OpenAI's json or verbose_json (segments with their "
                           "times), SubRip or WebVTT subtitles")

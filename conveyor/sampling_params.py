@@ -169,7 +169,9 @@ class WhisperRules:
     20 ms; timestamps come in pairs (after a pair, text; after a lone one, another timestamp
     or the `end`) and never go back (a pair's second may equal its first, no later one);
     and where the timestamps together are likelier than the likeliest text token, a
-    timestamp is drawn."""
+    timestamp is drawn. Such a request's logprobs are those of the distribution after these
+    rules (and any other mask), before temperature: OpenAI's whisper's, where others get the
+    raw distribution's."""
 
     suppress: tuple[int, ...] = ()
     begin_suppress: tuple[int, ...] = ()

@@ -18,11 +18,17 @@ its choice kept to the language tokens).
 With timestamps, a window's output is segments between timestamp tokens (20 ms apart, counted
 from the window's start): a segment's start is the timestamp before its text, its end the one
 after; text left open at the window's end ends with the window. Each window's segments carry
-OpenAI's scores of the window: `avg_logprob` (its tokens' logprobs under the model's raw
-distribution, summed over the tokens before the end and divided by their count plus one, as
-OpenAI's whisper does), `compression_ratio` (its text's bytes over their zlib-compressed bytes)
-and `no_speech_prob` (the probability of `<|nospeech|>` right after `<|startoftranscript|>`,
-from a one-step request beside the window's).
+OpenAI's scores of the window: `avg_logprob` (its tokens' logprobs after the rules, the end's
+included, over the tokens before the end plus one, as OpenAI's whisper does),
+`compression_ratio` (its text's bytes over their zlib-compressed bytes) and `no_speech_prob` (the
+probability of `<|nospeech|>` right after `<|startoftranscript|>`, from a one-step request beside
+the window's).
+
+A temperature of 0 is OpenAI's fallback: each window is decoded greedily, and one whose text
+compresses more than 2.4 times (a loop) or whose average logprob is under -1 (unsure) is decoded
+again at 0.2, then 0.4 ... 1.0 until one passes, unless its no-speech probability is over 0.6
+(silence, where no text is right); the last is kept whatever its scores (`Job`). Only the windows
+that fail go round again, together.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ STEP_S = 0.02  # (a timestamp token's step: <|0.00|>, <|0.02|> ...)
 TIMESTAMPS = 1501  # (<|0.00|> .. <|30.00|>)
 LANGUAGE = re.compile(r"<\|[a-z]{2,3}\|>")  # (Whisper's language tokens: <|en|>, <|haw|>, <|yue|>)
 TASKS = ("transcribe", "translate")
+# OpenAI's fallback: a window decoded again at the next temperature where its text compresses
+# more than COMPRESSION_MAX times or its average logprob is under LOGPROB_MIN, unless its
+# no-speech probability is over NO_SPEECH_MAX
+FALLBACK = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+COMPRESSION_MAX, LOGPROB_MIN, NO_SPEECH_MAX = 2.4, -1.0, 0.6
 NO_SPEECH = ("<|nospeech|>", "<|nocaptions|>")  # (large-v3's name, then the earlier models')
 # Whisper's languages by code, as OpenAI's verbose_json names them
 _NAMES = (
@@ -198,11 +209,26 @@ class Transcriber:
             raise InvalidRequestError("the prompt leaves the decoder no room to write", param="prompt")
         return head
 
-    def check(self, before: list[int], task: str, temperature: float, timestamps: bool = False) -> None:
-        """InvalidRequestError for a bad task, a prompt that leaves no room, a temperature out
-        of range, or timestamps the model has not: before the clip is read."""
-        head = self.head(before, self.sot, task, timestamps)  # (the start token stands for the language)
-        self.params(head, temperature, self.rules(timestamps))
+    def check(self, before: list[int], task: str, temperature: float | tuple[float, ...], timestamps: bool = False
+              ) -> tuple[float, ...]:
+        """The temperatures to decode at (`temperatures`); InvalidRequestError for a bad task, a
+        prompt that leaves no room, a temperature out of range, or timestamps the model has
+        not: before the clip is read."""
+        self.head(before, self.sot, task, timestamps)  # (the start token stands for the language)
+        self.rules(timestamps)
+        return self.temperatures(temperature)
+
+    def temperatures(self, temperature: float | tuple[float, ...]) -> tuple[float, ...]:
+        """A temperature of 0 is OpenAI's fallback (`FALLBACK`); a tuple, those in turn; any
+        other number, it alone."""
+        out = tuple(temperature) if isinstance(temperature, tuple | list) else (
+            FALLBACK if temperature == 0 else (temperature,))
+        if not out:
+            raise InvalidRequestError("temperature: give at least one", param="temperature")
+        for t in out:
+            if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 1.0:
+                raise InvalidRequestError(f"temperature is a number from 0 to 1, not {t!r}", param="temperature")
+        return tuple(float(t) for t in out)
 
     def windows(self, audio: Any) -> tuple[list[Window], float]:
         """The clip's windows of at most 30 seconds as Whisper's features (`split`), and the
@@ -223,37 +249,67 @@ class Transcriber:
         return (ImagePrompt([self.sot], (first.features,)),
                 SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=tuple(sorted(names))))
 
-    def params(self, head: list[int], temperature: float, rules: WhisperRules, logprobs: bool = False
-               ) -> SamplingParams:
-        if not 0.0 <= temperature <= 1.0:
-            raise InvalidRequestError(f"temperature is a number from 0 to 1, not {temperature}", param="temperature")
+    def params(self, head: list[int], temperature: float, rules: WhisperRules, logprobs: bool = False,
+               seed: int | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_model_len - len(head), temperature=temperature,
-                              skip_special_tokens=True, whisper=rules, logprobs=0 if logprobs else None)
+                              skip_special_tokens=True, whisper=rules, logprobs=0 if logprobs else None,
+                              seed=None if temperature == 0 else seed)
 
     def job(self, clips: list[tuple[list[Window], float]], language: int | None, before: list[int], task: str,
-            temperature: float, timestamps: bool = False) -> Job:
-        return Job(self, clips, language, before, task, temperature, timestamps)
+            temperatures: tuple[float, ...], timestamps: bool = False, seed: int | None = None) -> Job:
+        return Job(self, clips, language, before, task, temperatures, timestamps, seed)
+
+
+@dataclass
+class Attempt:
+    """A window's decode at one temperature, and its scores (OpenAI's)."""
+
+    tokens: list[int]
+    text: str
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    at: int  # (its temperature's index in the job's)
 
 
 @dataclass
 class Job:
     """One call's clips through the engine, the same steps whoever runs the requests (the
     server's async engine, `LLM`'s): `detect()`'s requests (the languages to guess; none where
-    one is given) and their outputs to `detected`, then `requests()` (each window's, in order,
-    then with timestamps each window's no-speech request) and their outputs to `results`."""
+    one is given) and their outputs to `detected`; then, while `requests()` gives any (each
+    window still to decode, at its temperature; the first time, where the windows are scored,
+    each followed by its no-speech request), their outputs to `took`; then `results()`.
+
+    A window is scored (its tokens' logprobs, its no-speech probability) where timestamps or a
+    fallback are asked. With more than one temperature, a window whose decode looks wrong is
+    decoded again at the next (OpenAI's whisper's fallback): its text compresses more than 2.4
+    times (a loop) or its average logprob is under -1, unless its no-speech probability is over
+    0.6 (silence, where any text is as good). The last temperature's decode stays whatever its
+    scores."""
 
     whisper: Transcriber
     clips: list[tuple[list[Window], float]]
     given: int | None  # (the language's token; None: each clip's guessed)
     before: list[int]
     task: str
-    temperature: float
+    temperatures: tuple[float, ...]
     timestamps: bool
+    seed: int | None = None
     langs: list[int] = field(default_factory=list)
+    tries: list[int] = field(default_factory=list)  # (each window's temperature, an index)
+    attempts: list[Attempt | None] = field(default_factory=list)
+    no_speech: list[float] = field(default_factory=list)
+    asked: list[tuple[int, bool]] = field(default_factory=list)  # (the last requests: window, and its no-speech one)
 
     def __post_init__(self) -> None:
         if self.given is not None:
             self.langs = [self.given] * len(self.clips)
+        n = len(self.windows)
+        self.tries, self.attempts, self.no_speech = [0] * n, [None] * n, [0.0] * n
+
+    @property
+    def scored(self) -> bool:
+        return self.timestamps or len(self.temperatures) > 1
 
     def detect(self) -> list[tuple[ImagePrompt, SamplingParams]]:
         if self.langs:
@@ -269,60 +325,85 @@ class Job:
         return [(k, w) for k, (windows, _) in enumerate(self.clips) for w in windows]
 
     def requests(self) -> list[tuple[ImagePrompt, SamplingParams]]:
-        """Each window's request in order; with timestamps, each followed by its no-speech
-        request (the two in one step hear the clip through the encoder once)."""
+        """The windows still to decode, each at its temperature; the first time, where scored,
+        each followed by its no-speech request (the two in one step hear the clip through the
+        encoder once). Nothing once every window is decoded."""
         whisper = self.whisper
         rules = whisper.rules(self.timestamps)
         quiet = next((t for t in (token_id(whisper.tokenizer, n) for n in NO_SPEECH) if t is not None), None)
-        out = []
-        for k, w in self.windows:
+        out: list[tuple[ImagePrompt, SamplingParams]] = []
+        self.asked = []
+        for i, (k, w) in enumerate(self.windows):
+            done = self.attempts[i]
+            if done is not None and done.at == self.tries[i]:
+                continue
             head = whisper.head(self.before, self.langs[k], self.task, self.timestamps)
+            seed = None if self.seed is None else self.seed + i
             out.append((ImagePrompt(list(head), (w.features,)),
-                        whisper.params(head, self.temperature, rules, logprobs=self.timestamps)))
-            if self.timestamps:
+                        whisper.params(head, self.temperatures[self.tries[i]], rules, self.scored, seed)))
+            first = self.attempts[i] is None and self.scored
+            if first:
                 out.append((ImagePrompt([*self.before, whisper.sot], (w.features,)),
                             SamplingParams(max_tokens=1, temperature=0.0, logprobs=0,
                                            allowed_token_ids=None if quiet is None else (quiet,))))
+            self.asked.append((i, first))
         return out
+
+    def took(self, outs: list[Any]) -> None:
+        """`requests()`' outputs, in their order: each window's decode kept, and where it falls
+        back, its next temperature asked."""
+        quiet = [token_id(self.whisper.tokenizer, n) for n in NO_SPEECH]
+        rules = self.whisper.rules(self.timestamps)
+        at = 0
+        for i, first in self.asked:
+            choice = outs[at].outputs[0]
+            if first:
+                q = outs[at + 1].outputs[0]
+                self.no_speech[i] = math.exp(q.logprobs[0].logprob) if q.logprobs and q.token_ids[0] in quiet else 0.0
+            at += 2 if first else 1
+            attempt = self.attempt(choice, rules, self.tries[i])
+            self.attempts[i] = attempt
+            if self.tries[i] + 1 < len(self.temperatures) and self.no_speech[i] <= NO_SPEECH_MAX and (
+                    attempt.compression_ratio > COMPRESSION_MAX or attempt.avg_logprob < LOGPROB_MIN):
+                self.tries[i] += 1
+
+    def attempt(self, choice: Any, rules: WhisperRules, at: int) -> Attempt:
+        tokens = [t for t in choice.token_ids if t != rules.end]
+        logprobs = [lp.logprob for lp in choice.logprobs or ()]  # (the end's too: OpenAI's sum)
+        begin = rules.timestamp_begin
+        text = choice.text if begin is None else self.whisper.tokenizer.decode(
+            [t for t in tokens if t < begin], skip_special_tokens=True)
+        return Attempt(tokens, text, self.temperatures[at], sum(logprobs) / (len(tokens) + 1),
+                       compression_ratio(text), at)
 
     def language(self, k: int) -> str:
         return self.whisper.languages()[self.langs[k]]
 
-    def results(self, outs: list[Any]) -> list[Transcription]:
-        """Each clip's transcription from `requests()`'s outputs, in their order."""
+    def results(self) -> list[Transcription]:
+        """Each clip's transcription from its windows' last decodes."""
         texts: list[list[str]] = [[] for _ in self.clips]
         segments: list[list[Segment]] = [[] for _ in self.clips]
-        rules = self.whisper.rules(self.timestamps)
-        step = 2 if self.timestamps else 1
         for i, (k, w) in enumerate(self.windows):
-            choice = outs[step * i].outputs[0]
+            attempt = self.attempts[i]
+            assert attempt is not None, "results() before every window is decoded"
             if not self.timestamps:
-                texts[k].append(choice.text)
+                texts[k].append(attempt.text)
                 continue
-            quiet = outs[step * i + 1].outputs[0]
-            no_speech = math.exp(quiet.logprobs[0].logprob) if quiet.logprobs and quiet.token_ids[0] in (
-                token_id(self.whisper.tokenizer, n) for n in NO_SPEECH) else 0.0
-            found = self.segments(choice, w, rules, no_speech, len(segments[k]))
+            found = self.segments(attempt, w, self.no_speech[i], len(segments[k]))
             segments[k].extend(found)
             texts[k].extend(s.text for s in found)
         return [Transcription(join(t), self.language(k), seconds, tuple(segments[k]))
                 for k, (t, (_, seconds)) in enumerate(zip(texts, self.clips, strict=True))]
 
-    def segments(self, choice: Any, window: Window, rules: WhisperRules, no_speech: float, first_id: int
-                 ) -> list[Segment]:
+    def segments(self, attempt: Attempt, window: Window, no_speech: float, first_id: int) -> list[Segment]:
         """A window's segments from its tokens: between timestamps, the last one's text left
         open ending with the window; the scores are the window's (OpenAI's)."""
-        begin = rules.timestamp_begin
+        begin = self.whisper.rules(True).timestamp_begin
         assert begin is not None
-        tokens = [t for t in choice.token_ids if t != rules.end]
-        logprobs = [lp.logprob for lp, t in zip(choice.logprobs or (), choice.token_ids, strict=False) if t != rules.end]
-        avg = sum(logprobs) / (len(logprobs) + 1)
         decode = self.whisper.tokenizer.decode
-        text = decode([t for t in tokens if t < begin], skip_special_tokens=True)
-        ratio = compression_ratio(text)
         spans: list[tuple[float, float, list[int]]] = []
         start, words, opened = window.start, [], 0
-        for t in tokens:
+        for t in attempt.tokens:
             if t < begin:
                 words.append(t)
                 continue
@@ -338,7 +419,7 @@ class Job:
             said = decode([t for t in ids if t < begin], skip_special_tokens=True)
             if said.strip():
                 out.append(Segment(first_id + len(out), lo, max(lo, hi), said, tuple(ids), round(window.start * 100),
-                                   self.temperature, avg, ratio, no_speech))
+                                   attempt.temperature, attempt.avg_logprob, attempt.compression_ratio, no_speech))
         return out
 
 

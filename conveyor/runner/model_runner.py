@@ -474,6 +474,8 @@ class ModelRunner:
             batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
         if any(p.shapes_logits for p in params):
             batch.allowed, batch.bias, batch.timestamps = self._constraints(samplers)
+            if any(p.whisper is not None and p.logprobs is not None for p in params):
+                batch.processed = to_device(torch.tensor([p.whisper is not None for p in params]), self.device)
         if logits is None:
             assert hidden is not None
             sampled = hidden if rows is None else hidden[rows]

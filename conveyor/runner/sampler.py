@@ -7,7 +7,9 @@ min-p filtering, then a draw. Greedy rows take the argmax of the penalised, bias
 logits. A draw is `argmax(probs / E)` with `E ~ Exponential(1)` per vocabulary entry, which
 samples exactly from `probs`; each seeded request draws its `E` from its own generator, so the
 same seed gives the same tokens whatever else shares the batch.
-Logprobs are those of the model's raw distribution (before penalties and temperature).
+Logprobs are those of the model's raw distribution (before penalties and temperature), but a
+Whisper request's (`WhisperRules`): of the distribution after the mask and the rules, before
+temperature, as OpenAI's whisper scores its decodes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class SamplingBatch:
     # Whisper's timestamps (`WhisperRules`): the first timestamp token (one model, one id) and
     # the rows that have them (`[rows]` bool); None: no row has any.
     timestamps: tuple[int, torch.Tensor] | None = None
+    # Rows whose logprobs are of the distribution they were drawn from after the mask and
+    # Whisper's rules, before temperature (`[rows]` bool: Whisper's requests, OpenAI's
+    # whisper's logprobs); None: every row's are the raw distribution's.
+    processed: torch.Tensor | None = None
 
 
 def prepare(
@@ -133,6 +139,8 @@ class Sampler:
         tokens, probs = (self.greedy(logits), None) if batch.all_greedy else self._sample(logits, batch)
         if batch.max_logprobs is None:
             return tokens, None, probs
+        if batch.processed is not None:
+            raw = torch.where(batch.processed[:, None], logits, raw)
         return tokens, self._logprobs(raw, tokens, batch), probs
 
     # -- steps ---------------------------------------------------------------------------

@@ -75,34 +75,39 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     if streamed and timed:
         raise InvalidRequestError(f"a stream holds the text's deltas: response_format {fmt!r} is not streamed "
                                   "(use json or text)", param="stream")
-    try:
-        temperature = float(fields.get("temperature", 0.0))
-    except ValueError:
-        raise InvalidRequestError("temperature is a number from 0 to 1", param="temperature") from None
+    temperature = _number(fields, "temperature", float, 0.0)
+    seed = _number(fields, "seed", int)
     language = fields.get("language") or None
     lang = None if language is None else whisper.language_id(language)
     before = whisper.before(fields.get("prompt"))
-    whisper.check(before, task, temperature, timed)
-    job = whisper.job([await asyncio.to_thread(whisper.windows, data)], lang, before, task, temperature, timed)
+    temperatures = whisper.check(before, task, temperature, timed)
+    if streamed:  # (text once sent stays sent: no fallback)
+        temperatures = temperatures[:1]
+    job = whisper.job([await asyncio.to_thread(whisper.windows, data)], lang, before, task, temperatures, timed,
+                      seed)
     rid = f"trsc-{uuid.uuid4().hex}"
+    usage = {"type": "duration", "seconds": math.ceil(job.clips[0][1])}
     detect = job.detect()
     if detect:
-        job.detected(await _gather(engine, f"{rid}-lang", detect))
-    requests = job.requests()
-    stream = await engine.add([EngineRequest(f"{rid}-{k}", prompt, params)
-                               for k, (prompt, params) in enumerate(requests)])
-    watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
-    usage = {"type": "duration", "seconds": math.ceil(job.clips[0][1])}
+        outs = await _gather(engine, raw, f"{rid}-lang", detect)
+        if outs is None:
+            return Response(status_code=499)  # (the client went: nobody reads an answer)
+        job.detected(outs)
     if streamed:
+        requests = job.requests()
+        stream = await engine.add([EngineRequest(f"{rid}-{k}", prompt, params)
+                                   for k, (prompt, params) in enumerate(requests)])
+        watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
         return StreamingResponse(_events(stream, len(requests), watcher, usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    outs: list[Any] = [None] * len(requests)
-    try:
-        async for out in stream:
-            outs[int(out.request_id.rsplit("-", 1)[1])] = out
-    finally:
-        watcher.cancel()
-    result = job.results(outs)[0]
+    tries = 0
+    while requests := job.requests():
+        outs = await _gather(engine, raw, f"{rid}-{tries}", requests)
+        if outs is None:
+            return Response(status_code=499)
+        job.took(outs)
+        tries += 1
+    result = job.results()[0]
     if fmt == "text":
         return PlainTextResponse(result.text)
     if fmt == "srt":
@@ -114,13 +119,31 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     return JSONResponse({"text": result.text, "language": result.language, "usage": usage})
 
 
-async def _gather(engine: Any, rid: str, requests: list[tuple[ImagePrompt, SamplingParams]]) -> list[Any]:
-    """The requests' final outputs, in their order."""
+async def _gather(engine: Any, raw: Request, rid: str, requests: list[tuple[ImagePrompt, SamplingParams]]
+                  ) -> list[Any] | None:
+    """The requests' final outputs, in their order; None where the client went (they are
+    aborted)."""
     outs: list[Any] = [None] * len(requests)
-    async for out in await engine.add([EngineRequest(f"{rid}-{k}", prompt, params)
-                                       for k, (prompt, params) in enumerate(requests)]):
-        outs[int(out.request_id.rsplit("-", 1)[1])] = out
-    return outs
+    stream = await engine.add([EngineRequest(f"{rid}-{k}", prompt, params) for k, (prompt, params) in enumerate(requests)])
+    watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+    try:
+        async for out in stream:
+            outs[int(out.request_id.rsplit("-", 1)[1])] = out
+    finally:
+        gone = watcher.done()
+        watcher.cancel()
+    return None if gone or any(o is None or o.outputs[0].finish_reason == "abort" for o in outs) else outs
+
+
+def _number(fields: dict[str, str], name: str, kind: type, default: Any = None) -> Any:
+    """A form field's number (`default` where it is not given); InvalidRequestError naming it."""
+    value = fields.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidRequestError(f"{name} is a number, not {value!r}", param=name) from None
 
 
 async def _events(stream: Any, windows: int, watcher: asyncio.Task[None], usage: dict[str, Any]

@@ -145,40 +145,44 @@ def test_whisper_refuses_what_it_does_not_run(whisper):
         with pytest.raises(ConfigError):
             LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, **bad)
     assert not llm.engine.config.cache.enable_prefix_caching
+    # a clip too short for Qwen2-Audio's one token is still Whisper's to read (padded to 30 s); an empty one is not
+    assert llm.transcribe((clip(0.01, 1), RATE), language="en", temperature=(0.0,)).seconds == 0.01
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.transcribe((np.zeros(0, np.float32), RATE), language="en")
 
 
 def test_transcriptions_over_http(whisper, tmp_path):
-    """`/v1/audio/transcriptions` and `/v1/audio/translations` take OpenAI's multipart form: the
-    text is `LLM.generate`'s for the same decoder prompt and clip; a clip over 30 s is read in
-    windows whose texts are joined; bad fields are a 400 and the server serves on."""
+    """`/v1/audio/transcriptions` and `/v1/audio/translations` take OpenAI's multipart form and
+    answer as `LLM.transcribe` does on the same file (greedy windows: `LLM.generate`'s for the
+    same decoder prompt and clip; a 0 temperature falls back, seeded; a clip over 30 s read in
+    windows whose texts are joined); verbose_json, srt and vtt are its segments; bad fields are a
+    400 and the server serves on."""
     import httpx
 
     from tests.models.test_qwen2_audio import wav_bytes
     from tests.server.conftest import ServerProcess
 
-    x = clip(2.0, seed=50)
-    long = np.concatenate([clip(30.0, seed=51), clip(4.0, seed=52)])
+    x, long = wav_bytes(clip(2.0, seed=50)), wav_bytes(np.concatenate([clip(30.0, seed=51), clip(4.0, seed=52)]))
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
-    full = FULL
-    fr = "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"
-    want, translated, first, second, prompted = (o.outputs[0].text.strip() for o in llm.generate([
-        {"prompt": PROMPT, "multi_modal_data": {"audio": (x, RATE)}},
-        {"prompt": fr, "multi_modal_data": {"audio": (x, RATE)}},
-        *({"prompt": PROMPT, "multi_modal_data": {"audio": (long[lo:hi], RATE)}} for lo, hi in split(long, RATE)),
-        {"prompt": "<|startofprev|> w20 w21" + PROMPT, "multi_modal_data": {"audio": (x, RATE)}}], full))
-    assert want and prompted != want
-    joined = " ".join(t for t in (first, second) if t)
+    samples = (clip(2.0, seed=50), RATE)
+    greedy = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": samples}}], FULL)[0].outputs[0].text.strip()
+    assert greedy and llm.transcribe(x, language="en", temperature=(0.0,)).text == greedy
+    want = llm.transcribe(x, language="en", seed=7)
+    assert want.text != greedy  # (the random model's greedy text loops: it falls back to drawn ones)
+    translated = llm.transcribe(x, language="fr", task="translate", seed=7).text
+    prompted = llm.transcribe(x, language="en", prompt="w20 w21", seed=7).text
+    joined = llm.transcribe(long, language="en", seed=7).text
+    streamed = llm.transcribe(long, language="en", temperature=(0.0,)).text  # (a stream does not fall back)
+    guessed = llm.transcribe(x, seed=7)
+    timed, timed_long = (llm.transcribe(a, language="en", timestamps=True, seed=7) for a in (x, long))
+    assert len(timed_long.segments) > len(timed.segments) > 1 and timed_long.segments[-1].start > 30
     with torch.no_grad():  # (Whisper's guess: the likelier of the two language tokens after the start)
         import transformers as tf
 
         hf = tf.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
-        features = tf.WhisperFeatureExtractor(feature_size=80)(x, sampling_rate=RATE, return_tensors="pt")
+        features = tf.WhisperFeatureExtractor(feature_size=80)(samples[0], sampling_rate=RATE, return_tensors="pt")
         logits = hf(input_features=features["input_features"], decoder_input_ids=torch.tensor([[SOT]])).logits[0, -1]
-    guessed = "en" if logits[EN] >= logits[FR] else "fr"
-    detected = llm.generate([{"prompt": f"<|startoftranscript|><|{guessed}|><|transcribe|><|notimestamps|>",
-                              "multi_modal_data": {"audio": (x, RATE)}}], full)[0].outputs[0].text.strip()
-    timed, timed_long = llm.transcribe([(x, RATE), (long, RATE)], language="en", timestamps=True)
-    assert len(timed_long.segments) > len(timed.segments) > 1 and timed_long.segments[-1].start > 30
+    assert guessed.language == ("en" if logits[EN] >= logits[FR] else "fr")
     del llm, hf
     server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64"],
                            tmp_path / "server.log")
@@ -187,98 +191,118 @@ def test_transcriptions_over_http(whisper, tmp_path):
         with httpx.Client(timeout=60.0) as client:
             def post(path: str, audio: bytes, **fields: str) -> httpx.Response:
                 return client.post(server.url + path, files={"file": ("a.wav", audio, "audio/wav")},
-                                   data={"model": str(whisper), **fields})
+                                   data={"model": str(whisper), "seed": "7", **fields})
 
-            r = post("/v1/audio/transcriptions", wav_bytes(x), language="en")
+            r = post("/v1/audio/transcriptions", x, language="en")
             assert r.status_code == 200, r.text
-            assert r.json() == {"text": want, "language": "en", "usage": {"type": "duration", "seconds": 2}}
+            assert r.json() == {"text": want.text, "language": "en", "usage": {"type": "duration", "seconds": 2}}
             # no language: Whisper's own guess, HF's decoder's likelier language token after the start
-            r = post("/v1/audio/transcriptions", wav_bytes(x))
-            assert r.status_code == 200 and r.json()["language"] == guessed and r.json()["text"] == detected
+            r = post("/v1/audio/transcriptions", x)
+            assert r.status_code == 200 and r.json()["language"] == guessed.language and r.json()["text"] == guessed.text
             # streamed: OpenAI's delta events, then the whole text
             events = []
             with client.stream("POST", server.url + "/v1/audio/transcriptions",
-                               files={"file": ("a.wav", wav_bytes(long), "audio/wav")},
+                               files={"file": ("a.wav", long, "audio/wav")},
                                data={"model": str(whisper), "language": "en", "stream": "true"}) as s:
                 assert s.status_code == 200
                 events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
             deltas = "".join(e["delta"] for e in events if e["type"] == "transcript.text.delta")
-            assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == joined
-            assert deltas.split() == joined.split() and sum(e["type"].endswith("delta") for e in events) > 2
-            r = post("/v1/audio/transcriptions", wav_bytes(x), prompt="w20 w21", language="en")
+            assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == streamed
+            assert deltas.split() == streamed.split() and sum(e["type"].endswith("delta") for e in events) > 2
+            r = post("/v1/audio/transcriptions", x, prompt="w20 w21", language="en")
             assert r.status_code == 200 and r.json()["text"] == prompted
-            r = post("/v1/audio/transcriptions", wav_bytes(x), response_format="text", language="en")
-            assert r.status_code == 200 and r.text == want
-            r = post("/v1/audio/translations", wav_bytes(x), language="fr")
+            r = post("/v1/audio/transcriptions", x, response_format="text", language="en")
+            assert r.status_code == 200 and r.text == want.text
+            r = post("/v1/audio/translations", x, language="fr")
             assert r.status_code == 200 and r.json()["text"] == translated
-            r = post("/v1/audio/transcriptions", wav_bytes(long), language="en")
+            r = post("/v1/audio/transcriptions", long, language="en")
             assert r.status_code == 200 and r.json()["text"] == joined
             # timestamps: OpenAI's verbose_json, SubRip and WebVTT, `LLM.transcribe`'s segments
-            r = post("/v1/audio/transcriptions", wav_bytes(x), language="en", response_format="verbose_json",
+            r = post("/v1/audio/transcriptions", x, language="en", response_format="verbose_json",
                      **{"timestamp_granularities[]": "segment"})
             assert r.status_code == 200, r.text
-            got, want_json = r.json(), verbose_json(timed, "transcribe") | {"usage": {"type": "duration", "seconds": 2}}
-            scores = ("avg_logprob", "compression_ratio", "no_speech_prob")  # (the WAV's 16 bits move them a little)
-            for a, b in zip(got["segments"], want_json["segments"], strict=True):
-                assert [a.pop(k) for k in scores] == pytest.approx([b.pop(k) for k in scores], rel=1e-3)
-            assert got == want_json
-            r = post("/v1/audio/transcriptions", wav_bytes(long), language="en", response_format="srt")
+            same_verbose(r.json(), verbose_json(timed, "transcribe") | {"usage": {"type": "duration", "seconds": 2}})
+            r = post("/v1/audio/transcriptions", long, language="en", response_format="srt")
             assert r.status_code == 200 and r.text == srt(timed_long.segments)
-            r = post("/v1/audio/transcriptions", wav_bytes(long), language="en", response_format="vtt")
+            r = post("/v1/audio/transcriptions", long, language="en", response_format="vtt")
             assert r.status_code == 200 and r.text == vtt(timed_long.segments) and r.text.startswith("WEBVTT")
             for fields, match in [({"response_format": "srt", "stream": "true"}, "stream"),
                                   ({"response_format": "verbose_json", "timestamp_granularities[]": "word"}, "word"),
                                   ({"timestamp_granularities[]": "segment"}, "verbose_json"),
                                   ({"response_format": "xml"}, "response_format"), ({"language": "xx"}, "language"),
-                                  ({"temperature": "3"}, "temperature"), ({"model": "other"}, "does not exist")]:
-                r = post("/v1/audio/transcriptions", wav_bytes(x), **fields)
+                                  ({"temperature": "3"}, "temperature"), ({"temperature": "hot"}, "temperature"),
+                                  ({"seed": "x"}, "seed"), ({"model": "other"}, "does not exist")]:
+                r = post("/v1/audio/transcriptions", x, **fields)
                 assert r.status_code in (400, 404) and match in r.json()["error"]["message"], (fields, r.text)
             r = post("/v1/audio/transcriptions", b"not audio")
             assert r.status_code == 400
             r = client.post(server.url + "/v1/audio/transcriptions", data={"model": str(whisper)})
             assert r.status_code == 400 and "file" in r.json()["error"]["message"]
-            assert post("/v1/audio/transcriptions", wav_bytes(x), language="en").json()["text"] == want
+            assert post("/v1/audio/transcriptions", x, language="en").json()["text"] == want.text
     finally:
         server.stop()
 
 
+def same_verbose(got: dict, want: dict) -> None:
+    """Two verbose_json answers alike: the scores to 1e-4 (sums in another batch may round
+    apart), all else equal."""
+    scores = ("avg_logprob", "compression_ratio", "no_speech_prob")
+    got, want = json.loads(json.dumps(got)), json.loads(json.dumps(want))
+    for a, b in zip(got["segments"], want["segments"], strict=True):
+        assert [a.pop(k) for k in scores] == pytest.approx([b.pop(k) for k in scores], rel=1e-4)
+    assert got == want
+
+
 def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
-    """`LLM.transcribe` gives the windows' texts joined, the language given or guessed; the
-    `conveyor transcribe` command prints the same."""
+    """`LLM.transcribe` gives the windows' texts joined (greedy: `LLM.generate`'s), the language
+    given or guessed; the `conveyor transcribe` command prints the same, in each format."""
     from conveyor.cli import main
     from tests.models.test_qwen2_audio import wav_bytes
 
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
     long = np.concatenate([clip(30.0, seed=61), clip(3.0, seed=62)])
-    full = FULL
+    greedy = (0.0,)
     windows = [o.outputs[0].text.strip() for o in llm.generate(
         [{"prompt": PROMPT, "multi_modal_data": {"audio": (long[lo:hi], RATE)}} for lo, hi in split(long, RATE)],
-        full)]
-    got = llm.transcribe((long, RATE), language="en")
+        FULL)]
+    got = llm.transcribe((long, RATE), language="en", temperature=greedy)
     assert got.text == " ".join(t for t in windows if t) and got.language == "en" and abs(got.seconds - 33.0) < 1e-6
-    guessed = llm.transcribe((long, RATE))
+    guessed = llm.transcribe((long, RATE), temperature=greedy)
     assert guessed.language in ("en", "fr")
-    translated = llm.transcribe((long[: 2 * RATE], RATE), language="fr", task="translate")
+    short = (long[: 2 * RATE], RATE)
+    translated = llm.transcribe(short, language="fr", task="translate", temperature=greedy)
     want = llm.generate([{"prompt": "<|startoftranscript|><|fr|><|translate|><|notimestamps|>",
-                          "multi_modal_data": {"audio": (long[: 2 * RATE], RATE)}}], full)[0].outputs[0].text.strip()
+                          "multi_modal_data": {"audio": short}}], FULL)[0].outputs[0].text.strip()
     assert translated.text == want
     with pytest.raises(InvalidRequestError, match="language 'xx'"):
         llm.transcribe((long, RATE), language="xx")
-    several = llm.transcribe([(long, RATE), (long[: 2 * RATE], RATE)])  # (all windows and guesses in one batch)
-    alone = [guessed, llm.transcribe((long[: 2 * RATE], RATE))]
+    for bad in (2.0, (0.0, 1.5), ()):
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            llm.transcribe(short, temperature=bad)
+    several = llm.transcribe([(long, RATE), short], temperature=greedy)  # (all windows and guesses in one batch)
+    alone = [guessed, llm.transcribe(short, temperature=greedy)]
     assert several == alone
     path = tmp_path / "a.wav"
     path.write_bytes(wav_bytes(long[: 2 * RATE], width=4))
     capsys.readouterr()
-    assert main(["transcribe", str(path), "--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64",
-                 "--language", "fr", "--translate"]) == 0
-    assert capsys.readouterr().out.strip() == want
+    base = ["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64", "--seed", "5"]
+    assert main(["transcribe", str(path), *base, "--language", "fr", "--translate"]) == 0
+    assert capsys.readouterr().out.strip() == llm.transcribe(path.read_bytes(), language="fr", task="translate",
+                                                             seed=5).text
     other = tmp_path / "b.wav"
     other.write_bytes(wav_bytes(long[2 * RATE : 4 * RATE], width=4))
-    second = llm.transcribe((long[2 * RATE : 4 * RATE], RATE), language="fr", task="translate").text
-    assert main(["transcribe", str(path), str(other), "--model", str(whisper), "--dtype", "float32",
-                 "--num-kv-blocks", "64", "--language", "fr", "--translate"]) == 0
-    assert capsys.readouterr().out.splitlines() == [f"{path}: {want}", f"{other}: {second}"]
+    texts = [t.text for t in llm.transcribe([path.read_bytes(), other.read_bytes()], language="fr",
+                                            task="translate", seed=5)]
+    assert main(["transcribe", str(path), str(other), *base, "--language", "fr", "--translate"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{path}: {texts[0]}", f"{other}: {texts[1]}"]
+    timed = llm.transcribe(path.read_bytes(), language="en", timestamps=True, seed=5)
+    assert main(["transcribe", str(path), *base, "--language", "en", "--format", "srt"]) == 0
+    assert capsys.readouterr().out == srt(timed.segments)
+    assert main(["transcribe", str(path), str(other), *base, "--language", "en", "--format", "verbose_json"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"==> {path} <==\n") and f"==> {other} <==" in out
+    both = llm.transcribe([path.read_bytes(), other.read_bytes()], language="en", timestamps=True, seed=5)
+    same_verbose(json.loads(out.split("\n", 1)[1].split("==>")[0]), verbose_json(both[0], "transcribe"))
 
 
 # -- timestamps, Whisper's rules, windows, formats ------------------------------------------------
@@ -301,6 +325,27 @@ def hf_first_pass(model, samples: np.ndarray, n: int, timestamps: bool = True) -
                                 for s in segments if s["result"] is first]
 
 
+def hf_processed_logprobs(model, logits: torch.Tensor, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Each token's logprob after HF's Whisper processors (begin-suppress, suppress, timestamps,
+    in HF's order) at its position, before temperature: OpenAI's whisper's scores."""
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
+
+    begin = len(prompt)
+    processors = [SuppressTokensAtBeginLogitsProcessor(BEGIN_SUPPRESS, begin), SuppressTokensLogitsProcessor(SUPPRESS),
+                  WhisperTimeStampLogitsProcessor(model.generation_config, begin_index=begin)]
+    out = []
+    for i, tok in enumerate(tokens):
+        scores = logits[i : i + 1].clone()
+        for p in processors:
+            scores = p(torch.tensor([prompt + tokens[:i]]), scores)
+        out.append(torch.log_softmax(scores, dim=-1)[0, tok].item())
+    return out
+
+
 def test_timestamps_are_hfs(whisper, hf_whisper):
     """With timestamps, each window's tokens are HF `generate`'s (return_timestamps: OpenAI's
     timestamp rules, the checkpoint's suppressed tokens), its segments HF's where HF closes them
@@ -308,7 +353,7 @@ def test_timestamps_are_hfs(whisper, hf_whisper):
     probability and average logprob HF's model's; several clips in one batch as alone."""
     clips = [clip(s, seed=70 + k) for k, s in enumerate((2.0, 3.0, 5.0))]
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
-    got = llm.transcribe([(c, RATE) for c in clips], language="en", timestamps=True)
+    got = llm.transcribe([(c, RATE) for c in clips], language="en", timestamps=True, temperature=(0.0,))
     for x, t in zip(clips, got, strict=True):
         tokens, segments = hf_first_pass(hf_whisper, x, 61)  # (64 positions, 3 of the prompt)
         mine = [(s.start, s.end, [tok for tok in s.tokens if tok < STAMP]) for s in t.segments]
@@ -328,11 +373,11 @@ def test_timestamps_are_hfs(whisper, hf_whisper):
         with torch.no_grad():
             logits = hf_whisper(input_features=features["input_features"],
                                 decoder_input_ids=torch.tensor([[SOT, EN, TRANSCRIBE, *tokens]])).logits[0].float()
-        raw = torch.log_softmax(logits, dim=-1)
-        said = [raw[2 + i, tok].item() for i, tok in enumerate(tokens)]
-        assert t.segments[0].avg_logprob == pytest.approx(sum(said) / (len(said) + 1), abs=1e-4)
+        said = hf_processed_logprobs(hf_whisper, logits[2:], [SOT, EN, TRANSCRIBE], tokens)
+        n = len(tokens) - (tokens[-1] == 2)  # (OpenAI's: the end's logprob counts, not as a token)
+        assert t.segments[0].avg_logprob == pytest.approx(sum(said) / (n + 1), abs=1e-4)
         assert t.segments[0].no_speech_prob == pytest.approx(torch.softmax(logits[0], -1)[NO_SPEECH].item(), rel=1e-4)
-    alone = llm.transcribe((clips[1], RATE), language="en", timestamps=True)
+    alone = llm.transcribe((clips[1], RATE), language="en", timestamps=True, temperature=(0.0,))
     assert [s.tokens for s in alone.segments] == [s.tokens for s in got[1].segments]
     assert [s.avg_logprob for s in alone.segments] == pytest.approx([s.avg_logprob for s in got[1].segments], abs=1e-5)
 
@@ -342,7 +387,7 @@ def test_plain_transcripts_follow_generation_config(whisper, hf_whisper):
     suppressed tokens and those not drawn first apply too."""
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
     clips = [clip(s, seed=80 + k) for k, s in enumerate((1.5, 4.0, 6.0))]
-    got = llm.transcribe([(c, RATE) for c in clips], language="en")
+    got = llm.transcribe([(c, RATE) for c in clips], language="en", temperature=(0.0,))
     tok = llm.engine.tokenizer
     for x, t in zip(clips, got, strict=True):
         tokens, _ = hf_first_pass(hf_whisper, x, 60, timestamps=False)
@@ -429,3 +474,34 @@ def test_subtitle_formats():
     assert out["segments"][1] == {"id": 1, "seek": 0, "start": 3.32, "end": 3725.5, "text": " Bye.",
                                   "tokens": [STAMP + 166, 6, STAMP + 300], "temperature": 0.0, "avg_logprob": -0.25,
                                   "compression_ratio": 1.1, "no_speech_prob": 0.01}
+
+
+def test_temperature_fallback(whisper, monkeypatch):
+    """A temperature of 0 falls back as OpenAI's whisper does: a window whose decode loops (its
+    text compresses more than 2.4 times) or is unsure (average logprob under -1) is decoded again
+    at 0.2, 0.4 ... 1.0 until one passes (the last kept whatever its scores), unless its
+    no-speech probability is over 0.6; each try is the decode that temperature alone gives."""
+    import conveyor.transcribe as transcribe
+
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
+    x = (clip(3.0, seed=95), RATE)
+
+    def tokens(t):
+        return [s.tokens for s in t.segments]
+
+    alone = {t: llm.transcribe(x, language="en", timestamps=True, temperature=(t,), seed=3)
+             for t in transcribe.FALLBACK}
+    first = alone[0.0].segments[0]
+    assert first.compression_ratio > 2.4 or first.avg_logprob < -1  # (the random model's greedy decode loops)
+    passes = [t for t, r in alone.items() if r.segments[0].compression_ratio <= 2.4 and r.segments[0].avg_logprob >= -1]
+    chosen = passes[0] if passes else 1.0
+    fell = llm.transcribe(x, language="en", timestamps=True, seed=3)
+    assert {s.temperature for s in fell.segments} == {chosen} and tokens(fell) == tokens(alone[chosen])
+    assert fell.segments[0].avg_logprob == pytest.approx(alone[chosen].segments[0].avg_logprob, abs=1e-5)
+    # thresholds never failed, or the window silent: the greedy decode stays
+    monkeypatch.setattr(transcribe, "COMPRESSION_MAX", 1e9)
+    monkeypatch.setattr(transcribe, "LOGPROB_MIN", -1e9)
+    assert tokens(llm.transcribe(x, language="en", timestamps=True, seed=3)) == tokens(alone[0.0])
+    monkeypatch.undo()
+    monkeypatch.setattr(transcribe, "NO_SPEECH_MAX", 0.0)
+    assert tokens(llm.transcribe(x, language="en", timestamps=True, seed=3)) == tokens(alone[0.0])
