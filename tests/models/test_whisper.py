@@ -354,6 +354,7 @@ def test_timestamps_are_hfs(whisper, hf_whisper):
     clips = [clip(s, seed=70 + k) for k, s in enumerate((2.0, 3.0, 5.0))]
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
     got = llm.transcribe([(c, RATE) for c in clips], language="en", timestamps=True, temperature=(0.0,))
+    assert llm.engine.runner.images_encoded == 3  # (each window's no-speech request hears it in the same encode)
     for x, t in zip(clips, got, strict=True):
         tokens, segments = hf_first_pass(hf_whisper, x, 61)  # (64 positions, 3 of the prompt)
         mine = [(s.start, s.end, [tok for tok in s.tokens if tok < STAMP]) for s in t.segments]
