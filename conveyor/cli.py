@@ -148,7 +148,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     clips = [Path(f).read_bytes() for f in args.files]
     task = "translate" if args.translate else "transcribe"
     outs = llm.transcribe(clips, language=args.language, task=task, prompt=args.prompt, temperature=args.temperature,
-                          timestamps=args.format in ("verbose_json", "srt", "vtt"), seed=args.seed)
+                          timestamps=args.format in ("verbose_json", "srt", "vtt"), seed=args.seed,
+                          words=args.words)
     for name, out in zip(args.files, outs, strict=True):
         if args.format == "text":
             print(f"{name}: {out.text}" if len(args.files) > 1 else out.text)
@@ -158,7 +159,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         if args.format == "json":
             print(json.dumps({"text": out.text, "language": out.language}, ensure_ascii=False))
         elif args.format == "verbose_json":
-            print(json.dumps(verbose_json(out, task), ensure_ascii=False, indent=2))
+            print(json.dumps(verbose_json(out, task, words=args.words), ensure_ascii=False, indent=2))
         else:
             print((srt if args.format == "srt" else vtt)(out.segments), end="")
     return 0
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     asr.add_argument("--language", default=None, help="the clip's language (ISO-639-1); default: Whisper's guess")
     asr.add_argument("--translate", action="store_true", help="translate into English")
     asr.add_argument("--prompt", default=None, help="text the transcript continues from")
+    asr.add_argument("--words", action="store_true", help="verbose_json: each word's times too")
     asr.add_argument("--temperature", type=float, default=0.0,
                      help="0 (default): greedy, falling back to 0.2 ... 1.0 for a window that loops or is unsure "
                           "(the draws seeded by --seed)")

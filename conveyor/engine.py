@@ -573,7 +573,8 @@ class Engine:
             from conveyor.transcribe import Decoding
 
             engine.image_processor = dataclasses.replace(engine.image_processor, whisper=Decoding.read(
-                folder if folder and folder.is_dir() else None, arch.vocab_size, tokenizer))
+                folder if folder and folder.is_dir() else None, arch.vocab_size, tokenizer, arch.num_layers,
+                arch.num_heads))
             features = engine.image_processor.audio_features
             assert features is not None
             if features.feature_size != arch.encoder.num_channels:
@@ -1142,6 +1143,24 @@ class Engine:
                 param="lora_request",
             )
         return lora
+
+    # -- Whisper's word timestamps ---------------------------------------------------------------
+    def cross_weights(self, features: list[Any], tokens: list[list[int]], heads: list[tuple[int, int]]
+                      ) -> list[Any]:
+        """Whisper's cross-attention probabilities of those (layer, head)s at each of a clip's
+        decoder tokens (`Whisper.cross_weights`: a pass of its own, between steps), a
+        `[heads, tokens, 1500]` tensor a clip: what `conveyor.transcribe` aligns words by."""
+        model: Any = getattr(self.runner, "model", None)
+        if not getattr(model, "encoder_decoder", False):
+            raise InvalidRequestError("this model has no cross-attention to align words by (Whisper has)",
+                                      param="timestamp_granularities")
+        layers, heads_per_layer = model.arch.num_layers, model.arch.num_heads
+        if any(not (0 <= layer < layers and 0 <= head < heads_per_layer) for layer, head in heads):
+            raise InvalidRequestError(f"alignment heads {heads} are not all in this model's {layers} layers of "
+                                      f"{heads_per_layer} heads", param="timestamp_granularities")
+        if any(len(t) > self.max_model_len for t in tokens):
+            raise InvalidRequestError("tokens past the decoder's positions", param="timestamp_granularities")
+        return model.cross_weights(features, tokens, [tuple(h) for h in heads])
 
     # -- adapters (vLLM's LLMEngine.add_lora, remove_lora, list_loras, pin_lora) --------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

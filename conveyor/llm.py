@@ -246,12 +246,13 @@ class LLM:
 
     def transcribe(self, audio: Any, language: str | None = None, task: str = "transcribe",
                    prompt: str | None = None, temperature: float | tuple[float, ...] = 0.0,
-                   timestamps: bool = False, seed: int | None = None) -> Any:
+                   timestamps: bool = False, seed: int | None = None, words: bool = False) -> Any:
         """Whisper's transcript of a clip (samples with their rate, a file's bytes, a URL or a
         path: `conveyor.audio`), or its translation into English (`task="translate"`): its
         windows of at most 30 seconds decoded in one batch and joined; `language` (ISO-639-1)
         where given, else Whisper's own guess on the first window; with `timestamps`, its
-        segments too (`Transcription.segments`). A temperature of 0 decodes greedily with
+        segments too (`Transcription.segments`); with `words`, each word's times
+        (`Transcription.words`, `conveyor.alignment`). A temperature of 0 decodes greedily with
         OpenAI's fallback to 0.2, 0.4 ... 1.0 for a window whose decode looks wrong; a tuple of
         temperatures falls back through those (`(0.0,)`: greedy alone); any other number samples
         at it (`seed`: the draws' seed). A list of clips gives a list of `Transcription`s, every
@@ -262,10 +263,10 @@ class LLM:
         whisper = Transcriber.of(self.tokenizer, self.engine.image_processor, self.engine.max_model_len)
         before = whisper.before(prompt)
         given = None if language is None else whisper.language_id(language)
-        temperatures = whisper.check(before, task, temperature, timestamps)
+        temperatures = whisper.check(before, task, temperature, timestamps, words)
         clips = audio if isinstance(audio, list) else [audio]
         job = whisper.job([whisper.windows(clip) for clip in clips], given, before, task, temperatures, timestamps,
-                          seed)
+                          seed, words)
 
         def run(batch: list[tuple[ImagePrompt, SamplingParams]]) -> list[RequestOutput]:
             return self.generate([prompt for prompt, _ in batch], [params for _, params in batch], use_tqdm=False)
@@ -275,6 +276,8 @@ class LLM:
             job.detected(run(detect))
         while batch := job.requests():
             job.took(run(batch))
+        if words:
+            job.aligned(self.engine.cross_weights(*job.alignment()))
         results = job.results()
         return results if isinstance(audio, list) else results[0]
 

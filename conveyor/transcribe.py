@@ -96,11 +96,21 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class TimedWord:
+    """A word and where it is said (seconds into the clip; OpenAI's verbose_json word)."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class Transcription:
     text: str
     language: str
     seconds: float  # the clip's length
     segments: tuple[Segment, ...] = ()  # (with timestamps)
+    words: tuple[TimedWord, ...] = ()  # (with word timestamps)
 
 
 @dataclass(frozen=True)
@@ -117,13 +127,16 @@ class Decoding:
 
     rules: WhisperRules
     timestamp_begin: int | None
+    heads: tuple[tuple[int, int], ...] = ()  # (the alignment heads: (decoder layer, head))
 
     @classmethod
-    def read(cls, folder: Path | None, vocab_size: int, tokenizer: Any) -> Decoding:
+    def read(cls, folder: Path | None, vocab_size: int, tokenizer: Any, layers: int = 0, heads: int = 0
+             ) -> Decoding:
         """From generation_config.json (nothing where there is none): its `suppress_tokens`,
         `begin_suppress_tokens`, `max_initial_timestamp_index` (OpenAI's 50, one second, where
-        not given) and end of text, ids past the vocabulary left out; the timestamps follow
-        `<|notimestamps|>` where the vocabulary holds all 1501."""
+        not given), end of text and `alignment_heads` (where not given, OpenAI's: every head of
+        the decoder's second half of `layers`), ids past the vocabulary left out; the
+        timestamps follow `<|notimestamps|>` where the vocabulary holds all 1501."""
         cfg: dict[str, Any] = {}
         if folder is not None and (folder / "generation_config.json").is_file():
             try:
@@ -141,7 +154,10 @@ class Decoding:
         begin = none + 1 if none is not None and none + TIMESTAMPS < vocab_size else None
         rules = WhisperRules(suppress=ids("suppress_tokens"), begin_suppress=ids("begin_suppress_tokens"),
                              end=int(end or 0), max_initial_timestamp=None if initial is None else int(initial))
-        return cls(rules, begin)
+        given = cfg.get("alignment_heads")
+        alignment = (tuple((int(a), int(b)) for a, b in given) if given else
+                     tuple((layer, h) for layer in range(layers // 2, layers) for h in range(heads)))
+        return cls(rules, begin, alignment)
 
 
 @dataclass
@@ -209,13 +225,17 @@ class Transcriber:
             raise InvalidRequestError("the prompt leaves the decoder no room to write", param="prompt")
         return head
 
-    def check(self, before: list[int], task: str, temperature: float | tuple[float, ...], timestamps: bool = False
-              ) -> tuple[float, ...]:
+    def check(self, before: list[int], task: str, temperature: float | tuple[float, ...], timestamps: bool = False,
+              words: bool = False) -> tuple[float, ...]:
         """The temperatures to decode at (`temperatures`); InvalidRequestError for a bad task, a
-        prompt that leaves no room, a temperature out of range, or timestamps the model has
-        not: before the clip is read."""
+        prompt that leaves no room, a temperature out of range, or timestamps (or alignment
+        heads, for words) the model has not: before the clip is read."""
         self.head(before, self.sot, task, timestamps)  # (the start token stands for the language)
         self.rules(timestamps)
+        decoding: Decoding | None = getattr(self.processor, "whisper", None)
+        if words and (decoding is None or not decoding.heads):
+            raise InvalidRequestError("this model names no alignment heads for word timestamps",
+                                      param="timestamp_granularities")
         return self.temperatures(temperature)
 
     def temperatures(self, temperature: float | tuple[float, ...]) -> tuple[float, ...]:
@@ -256,8 +276,13 @@ class Transcriber:
                               seed=None if temperature == 0 else seed)
 
     def job(self, clips: list[tuple[list[Window], float]], language: int | None, before: list[int], task: str,
-            temperatures: tuple[float, ...], timestamps: bool = False, seed: int | None = None) -> Job:
-        return Job(self, clips, language, before, task, temperatures, timestamps, seed)
+            temperatures: tuple[float, ...], timestamps: bool = False, seed: int | None = None, words: bool = False
+            ) -> Job:
+        return Job(self, clips, language, before, task, temperatures, timestamps, seed, words)
+
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the tokenizer's special tokens (its added ones marked special)."""
+        return frozenset(i for i, t in self.tokenizer.hf.added_tokens_decoder.items() if t.special)
 
 
 @dataclass
@@ -295,11 +320,13 @@ class Job:
     temperatures: tuple[float, ...]
     timestamps: bool
     seed: int | None = None
+    words: bool = False
     langs: list[int] = field(default_factory=list)
     tries: list[int] = field(default_factory=list)  # (each window's temperature, an index)
     attempts: list[Attempt | None] = field(default_factory=list)
     no_speech: list[float] = field(default_factory=list)
     asked: list[tuple[int, bool]] = field(default_factory=list)  # (the last requests: window, and its no-speech one)
+    timed: list[list[TimedWord]] = field(default_factory=list)  # (each window's words, once aligned)
 
     def __post_init__(self) -> None:
         if self.given is not None:
@@ -379,20 +406,65 @@ class Job:
     def language(self, k: int) -> str:
         return self.whisper.languages()[self.langs[k]]
 
+    def text_tokens(self, attempt: Attempt) -> list[int]:
+        """A decode's text tokens: neither special, nor timestamps, nor the end."""
+        special = self.whisper.special_ids()
+        begin = self.whisper.rules(self.timestamps).timestamp_begin
+        end = self.whisper.rules(False).end
+        return [t for t in attempt.tokens if t not in special and t != end and (begin is None or t < begin)]
+
+    def alignment(self) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
+        """What the engine's `cross_weights` reads to align each window's words (after every
+        window is decoded): its features, its decoder input (`<|startoftranscript|>`, the
+        language, the task, `<|notimestamps|>`, the text, the end: OpenAI's) and the heads."""
+        whisper = self.whisper
+        decoding: Decoding | None = getattr(whisper.processor, "whisper", None)
+        heads = list(decoding.heads) if decoding is not None else []
+        if not heads:
+            raise InvalidRequestError("this model names no alignment heads for word timestamps",
+                                      param="timestamp_granularities")
+        end = whisper.rules(False).end
+        features, tokens = [], []
+        for i, (k, w) in enumerate(self.windows):
+            attempt = self.attempts[i]
+            assert attempt is not None, "alignment() before every window is decoded"
+            head = whisper.head([], self.langs[k], self.task)
+            features.append(w.features.values)
+            tokens.append([*head, *self.text_tokens(attempt)[: whisper.max_model_len - len(head) - 1], end])
+        return features, tokens, heads
+
+    def aligned(self, weights: list[Any]) -> None:
+        """The windows' words from the engine's `cross_weights` of `alignment()`."""
+        from conveyor.alignment import align
+
+        decode = self.whisper.tokenizer.decode
+        self.timed = []
+        for i, ((k, w), x) in enumerate(zip(self.windows, weights, strict=True)):
+            attempt = self.attempts[i]
+            assert attempt is not None
+            words = align(x, w.features.frames // 2, self.text_tokens(attempt),
+                          lambda ids: decode(ids, skip_special_tokens=True), self.language(k), w.start,
+                          read=x.shape[1] - 5)  # (as `alignment()` read them: after 4 tokens, before the end)
+            self.timed.append([TimedWord(v.word.strip(), v.start, v.end) for v in words])
+
     def results(self) -> list[Transcription]:
         """Each clip's transcription from its windows' last decodes."""
         texts: list[list[str]] = [[] for _ in self.clips]
         segments: list[list[Segment]] = [[] for _ in self.clips]
+        words: list[list[TimedWord]] = [[] for _ in self.clips]
         for i, (k, w) in enumerate(self.windows):
             attempt = self.attempts[i]
             assert attempt is not None, "results() before every window is decoded"
+            if self.words:
+                assert self.timed, "results() before the words are aligned"
+                words[k].extend(self.timed[i])
             if not self.timestamps:
                 texts[k].append(attempt.text)
                 continue
             found = self.segments(attempt, w, self.no_speech[i], len(segments[k]))
             segments[k].extend(found)
             texts[k].extend(s.text for s in found)
-        return [Transcription(join(t), self.language(k), seconds, tuple(segments[k]))
+        return [Transcription(join(t), self.language(k), seconds, tuple(segments[k]), tuple(words[k]))
                 for k, (t, (_, seconds)) in enumerate(zip(texts, self.clips, strict=True))]
 
     def segments(self, attempt: Attempt, window: Window, no_speech: float, first_id: int) -> list[Segment]:
@@ -461,12 +533,16 @@ def token_id(tokenizer: Any, text: str) -> int | None:
 
 
 # -- what the formats write --------------------------------------------------------------------
-def verbose_json(result: Transcription, task: str) -> dict[str, Any]:
+def verbose_json(result: Transcription, task: str, segments: bool = True, words: bool = False) -> dict[str, Any]:
     """OpenAI's verbose_json: the task, the language's name, the clip's seconds, the text, the
-    segments."""
-    return {"task": task, "language": LANGUAGE_NAMES.get(result.language, result.language).replace("_", " "),
-            "duration": round(result.seconds, 3), "text": result.text,
-            "segments": [dataclasses.asdict(s) | {"tokens": list(s.tokens)} for s in result.segments]}
+    segments (where asked), the words (where asked)."""
+    out = {"task": task, "language": LANGUAGE_NAMES.get(result.language, result.language).replace("_", " "),
+           "duration": round(result.seconds, 3), "text": result.text}
+    if segments:
+        out["segments"] = [dataclasses.asdict(s) | {"tokens": list(s.tokens)} for s in result.segments]
+    if words:
+        out["words"] = [dataclasses.asdict(w) for w in result.words]
+    return out
 
 
 def _clock(seconds: float, mark: str) -> str:

@@ -84,6 +84,20 @@ class DecoderLayer(nn.Module):
         x = x + self.encoder_attn.out_proj(out.reshape(t, -1))
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
+    def weighed(self, x: torch.Tensor, cross: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's tokens `[t, d]` through the layer without a cache (causal self-attention
+        over them alone), and the cross-attention's probabilities `[heads, t, positions]`."""
+        t = x.shape[0]
+        h = self.self_attn_layer_norm(x)
+        s = self.self_attn
+        q, k, v = (p(h).view(t, self.heads, self.head_dim).transpose(0, 1) for p in (s.q_proj, s.k_proj, s.v_proj))
+        x = x + s.out_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, -1))
+        q = self.encoder_attn.q_proj(self.encoder_attn_layer_norm(x)).view(t, self.heads, self.head_dim).transpose(0, 1)
+        ck, cv = cross
+        weights = torch.softmax((q @ ck.transpose(1, 2)).float() * self.head_dim**-0.5, dim=-1)
+        x = x + self.encoder_attn.out_proj((weights.to(cv.dtype) @ cv).transpose(0, 1).reshape(t, -1))
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x)))), weights
+
 
 class _Decoder(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
@@ -131,6 +145,25 @@ class Whisper(nn.Module):
         h = enc.layer_norm(h)
         layers: list[DecoderLayer] = list(self.decoder.layers)  # type: ignore[arg-type]
         return [[layer.cross_states(e) for layer in layers] for e in h]
+
+    @torch.inference_mode()
+    def cross_weights(self, features: list[torch.Tensor], tokens: list[list[int]], heads: list[tuple[int, int]]
+                      ) -> list[torch.Tensor]:
+        """Each clip's decoder tokens read whole (no cache), and the cross-attention probabilities
+        of those (layer, head)s at each token over the encoder's positions: `[heads, tokens,
+        1500]` float32 on the host a clip (word timestamps' alignment, `conveyor.transcribe`)."""
+        dec = self.decoder
+        out = []
+        for states, ids in zip(self.encode(features), tokens, strict=True):
+            x = dec.embed_tokens(torch.tensor(ids, device=dec.embed_tokens.weight.device))
+            x = x + dec.embed_positions.weight[: len(ids)]
+            kept: dict[tuple[int, int], torch.Tensor] = {}
+            layers: list[DecoderLayer] = list(dec.layers)  # type: ignore[arg-type]
+            for i, layer in enumerate(layers):
+                x, weights = layer.weighed(x, states[i])
+                kept |= {(i, h): weights[h] for layer_index, h in heads if layer_index == i}
+            out.append(torch.stack([kept[head] for head in heads]).float().cpu())
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -175,7 +175,7 @@ class _AbortAll:
 
 
 # The engine's own calls a front runs for its caller, between two steps (`call_engine`).
-ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora"})
+ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "cross_weights"})
 
 
 @dataclass(slots=True)
@@ -276,6 +276,10 @@ class EngineFront(ABC):
 
     @abstractmethod
     def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    async def call_engine(self, name: str, *args: Any) -> Any:
+        """Run one of the engine's calls (`ENGINE_CALLS`) where it runs; its result."""
+        raise NotImplementedError(f"{type(self).__name__} runs no engine calls")
 
     async def generate(
         self,
@@ -451,8 +455,8 @@ class AsyncEngine(EngineFront):
     # -- the engine's own calls (event loop) -------------------------------------------------
     async def call_engine(self, name: str, *args: Any) -> Any:
         """Run one of the engine's calls (`ENGINE_CALLS`: its adapters' `add_lora`,
-        `remove_lora`, `list_loras`, `pin_lora`) where the engine runs, between two steps; its
-        result, or what it raises."""
+        `remove_lora`, `list_loras`, `pin_lora`; Whisper's `cross_weights`) where the engine
+        runs, between two steps; its result, or what it raises."""
         if name not in ENGINE_CALLS:
             raise ValueError(f"{name!r} is not an engine call a front runs ({', '.join(sorted(ENGINE_CALLS))})")
         assert self._loop is not None, "start() first"

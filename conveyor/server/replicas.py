@@ -168,6 +168,15 @@ class ReplicaSet(EngineFront):
         await asyncio.gather(*(r.stop(timeout) for r in self.replicas))
 
     # -- requests ----------------------------------------------------------------------------
+    async def call_engine(self, name: str, *args: Any) -> Any:
+        """A call that reads the model (Whisper's `cross_weights`): the first replica that takes
+        requests runs it (they hold the same weights). Calls that change an engine (adapters)
+        are not run across replicas."""
+        if name != "cross_weights":
+            raise NotImplementedError(f"{name}: not run across replicas")
+        live = [r for r in self.replicas if r.accepting] or self.replicas
+        return await live[0].call_engine(name, *args)
+
     async def add(self, requests: Sequence[EngineRequest]) -> OutputStream:
         candidates = [i for i, r in enumerate(self.replicas) if r.accepting]
         if not candidates:

@@ -5,7 +5,7 @@ other formats through soundfile), `model`, `language` (the clip's, ISO-639-1; a 
 always into English; where it is not given, Whisper's own guess: the language token its decoder
 finds most likely after `<|startoftranscript|>` on the first window), `prompt` (text the decoder
 continues from, Whisper's `<|startofprev|>`), `response_format`, `timestamp_granularities[]`
-("segment"; "word" is not built), `temperature` (0 to 1, default 0), `stream`. The clip's windows,
+("segment", "word": `conveyor.alignment`, a pass of the engine's between steps), `temperature` (0 to 1, default 0), `stream`. The clip's windows,
 decoder prompts and segments are `conveyor.transcribe`'s, all requests submitted at once so the
 engine batches them. The answer, by `response_format`: "json", `{"text": ..., "language": ...,
 "usage": {"type": "duration", "seconds": ...}}`; "text", the text alone; "verbose_json", OpenAI's
@@ -34,7 +34,6 @@ from conveyor.server.serving import _abort_on_disconnect
 from conveyor.transcribe import Transcriber, join, srt, verbose_json, vtt
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
-TIMED = ("verbose_json", "srt", "vtt")  # (the formats that need Whisper's timestamps)
 
 
 async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[[str | None], Awaitable[None]]
@@ -58,21 +57,18 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     if fmt not in FORMATS:
         raise InvalidRequestError(f"response_format must be one of {list(FORMATS)}, not {fmt!r}",
                                   param="response_format")
-    timed = fmt in TIMED
-    granularities = [v for k, v in form.multi_items() if k in ("timestamp_granularities[]", "timestamp_granularities")
-                     and isinstance(v, str)]
-    for g in granularities:
-        if g == "word":
-            raise InvalidRequestError("timestamp_granularities 'word' is not built (it needs Whisper's "
-                                      "cross-attention alignment): use 'segment'", param="timestamp_granularities")
-        if g != "segment":
-            raise InvalidRequestError(f"timestamp_granularities holds 'segment', not {g!r}",
-                                      param="timestamp_granularities")
+    granularities = {v for k, v in form.multi_items() if k in ("timestamp_granularities[]", "timestamp_granularities")
+                     and isinstance(v, str)}
+    for g in granularities - {"segment", "word"}:
+        raise InvalidRequestError(f"timestamp_granularities holds 'segment' and 'word', not {g!r}",
+                                  param="timestamp_granularities")
     if granularities and fmt != "verbose_json":
         raise InvalidRequestError("timestamp_granularities needs response_format 'verbose_json'",
                                   param="timestamp_granularities")
+    words = "word" in granularities
+    segmented = fmt in ("srt", "vtt") or (fmt == "verbose_json" and (not granularities or "segment" in granularities))
     streamed = fields.get("stream", "false").lower() == "true"
-    if streamed and timed:
+    if streamed and fmt not in ("json", "text"):
         raise InvalidRequestError(f"a stream holds the text's deltas: response_format {fmt!r} is not streamed "
                                   "(use json or text)", param="stream")
     temperature = _number(fields, "temperature", float, 0.0)
@@ -80,11 +76,11 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     language = fields.get("language") or None
     lang = None if language is None else whisper.language_id(language)
     before = whisper.before(fields.get("prompt"))
-    temperatures = whisper.check(before, task, temperature, timed)
+    temperatures = whisper.check(before, task, temperature, segmented, words)
     if streamed:  # (text once sent stays sent: no fallback)
         temperatures = temperatures[:1]
-    job = whisper.job([await asyncio.to_thread(whisper.windows, data)], lang, before, task, temperatures, timed,
-                      seed)
+    job = whisper.job([await asyncio.to_thread(whisper.windows, data)], lang, before, task, temperatures,
+                      segmented, seed, words)
     rid = f"trsc-{uuid.uuid4().hex}"
     usage = {"type": "duration", "seconds": math.ceil(job.clips[0][1])}
     detect = job.detect()
@@ -107,6 +103,8 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
             return Response(status_code=499)
         job.took(outs)
         tries += 1
+    if words:
+        job.aligned(await engine.call_engine("cross_weights", *job.alignment()))
     result = job.results()[0]
     if fmt == "text":
         return PlainTextResponse(result.text)
@@ -115,7 +113,7 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
     if fmt == "vtt":
         return PlainTextResponse(vtt(result.segments), media_type="text/vtt")
     if fmt == "verbose_json":
-        return JSONResponse(verbose_json(result, task) | {"usage": usage})
+        return JSONResponse(verbose_json(result, task, segmented, words) | {"usage": usage})
     return JSONResponse({"text": result.text, "language": result.language, "usage": usage})
 
 

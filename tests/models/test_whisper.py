@@ -4,6 +4,7 @@ decode), the features of Whisper's 80 mel bins, and what a Whisper engine refuse
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -175,6 +176,8 @@ def test_transcriptions_over_http(whisper, tmp_path):
     streamed = llm.transcribe(long, language="en", temperature=(0.0,)).text  # (a stream does not fall back)
     guessed = llm.transcribe(x, seed=7)
     timed, timed_long = (llm.transcribe(a, language="en", timestamps=True, seed=7) for a in (x, long))
+    worded = llm.transcribe(x, language="en", words=True, seed=7)
+    assert worded.words and not worded.segments
     assert len(timed_long.segments) > len(timed.segments) > 1 and timed_long.segments[-1].start > 30
     with torch.no_grad():  # (Whisper's guess: the likelier of the two language tokens after the start)
         import transformers as tf
@@ -222,12 +225,22 @@ def test_transcriptions_over_http(whisper, tmp_path):
                      **{"timestamp_granularities[]": "segment"})
             assert r.status_code == 200, r.text
             same_verbose(r.json(), verbose_json(timed, "transcribe") | {"usage": {"type": "duration", "seconds": 2}})
+            # words: alone, and with the segments
+            r = post("/v1/audio/transcriptions", x, language="en", response_format="verbose_json",
+                     **{"timestamp_granularities[]": "word"})
+            assert r.status_code == 200, r.text
+            assert r.json() == verbose_json(worded, "transcribe", segments=False, words=True) | {
+                "usage": {"type": "duration", "seconds": 2}}
+            r = post("/v1/audio/transcriptions", x, language="en", response_format="verbose_json",
+                     **{"timestamp_granularities[]": ["word", "segment"]})
+            assert r.status_code == 200 and r.json()["words"] and r.json()["segments"]
+            assert [w["word"] for w in r.json()["words"]] == r.json()["text"].split()
             r = post("/v1/audio/transcriptions", long, language="en", response_format="srt")
             assert r.status_code == 200 and r.text == srt(timed_long.segments)
             r = post("/v1/audio/transcriptions", long, language="en", response_format="vtt")
             assert r.status_code == 200 and r.text == vtt(timed_long.segments) and r.text.startswith("WEBVTT")
             for fields, match in [({"response_format": "srt", "stream": "true"}, "stream"),
-                                  ({"response_format": "verbose_json", "timestamp_granularities[]": "word"}, "word"),
+                                  ({"response_format": "verbose_json", "timestamp_granularities[]": "char"}, "char"),
                                   ({"timestamp_granularities[]": "segment"}, "verbose_json"),
                                   ({"response_format": "xml"}, "response_format"), ({"language": "xx"}, "language"),
                                   ({"temperature": "3"}, "temperature"), ({"temperature": "hot"}, "temperature"),
@@ -303,6 +316,9 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
     assert out.startswith(f"==> {path} <==\n") and f"==> {other} <==" in out
     both = llm.transcribe([path.read_bytes(), other.read_bytes()], language="en", timestamps=True, seed=5)
     same_verbose(json.loads(out.split("\n", 1)[1].split("==>")[0]), verbose_json(both[0], "transcribe"))
+    worded = llm.transcribe(path.read_bytes(), language="en", timestamps=True, words=True, seed=5)
+    assert main(["transcribe", str(path), *base, "--language", "en", "--format", "verbose_json", "--words"]) == 0
+    same_verbose(json.loads(capsys.readouterr().out), verbose_json(worded, "transcribe", words=True))
 
 
 # -- timestamps, Whisper's rules, windows, formats ------------------------------------------------
@@ -506,3 +522,138 @@ def test_temperature_fallback(whisper, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(transcribe, "NO_SPEECH_MAX", 0.0)
     assert tokens(llm.transcribe(x, language="en", timestamps=True, seed=3)) == tokens(alone[0.0])
+
+
+# -- word timestamps --------------------------------------------------------------------------------
+def test_cross_weights_are_hfs(whisper, hf_whisper):
+    """The engine's cross-attention probabilities of the alignment heads over a clip's decoder
+    tokens equal HF's attentions (eager) on the same weights, several clips at once."""
+    import transformers as tf
+
+    hf = tf.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    fe = tf.WhisperFeatureExtractor(feature_size=80)
+    clips = [clip(s, seed=100 + k) for k, s in enumerate((1.0, 4.0))]
+    features = [fe(x, sampling_rate=RATE, return_tensors="pt")["input_features"][0] for x in clips]
+    tokens = [[SOT, EN, TRANSCRIBE, NO_TS, 70, 80, 90, 2], [SOT, FR, TRANSLATE, NO_TS, 5, 2]]
+    heads = [(1, 0), (1, 3), (0, 2)]
+    got = llm.engine.cross_weights(features, tokens, heads)
+    for f, ids, mine in zip(features, tokens, got, strict=True):
+        with torch.no_grad():
+            out = hf(input_features=f[None], decoder_input_ids=torch.tensor([ids]), output_attentions=True)
+        torch.testing.assert_close(mine, torch.stack([out.cross_attentions[a][0, h] for a, h in heads]),
+                                   rtol=0, atol=1e-6)
+    with pytest.raises(InvalidRequestError, match="alignment heads"):
+        llm.engine.cross_weights(features[:1], tokens[:1], [(2, 0)])
+
+
+def test_dtw_and_median_filter_are_hfs():
+    """The path through a cost matrix and the median filter equal HF's (`_dynamic_time_warping`,
+    `_median_filter`, ported from OpenAI's), ties included, over random matrices."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
+
+    from conveyor.alignment import dtw, median_filter
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.integers(1, 9), st.integers(1, 40), st.integers(0, 2**31 - 1), st.booleans())
+    def check(n: int, m: int, seed: int, ties: bool) -> None:
+        g = np.random.default_rng(seed)
+        cost = g.integers(0, 3, (n, m)).astype(np.float64) if ties else g.standard_normal((n, m))
+        rows, cols = dtw(cost)
+        want_rows, want_cols = _dynamic_time_warping(cost)
+        assert rows.tolist() == list(want_rows) and cols.tolist() == list(want_cols)
+        x = torch.from_numpy(g.standard_normal((2, n, m)))
+        torch.testing.assert_close(median_filter(x, 7), _median_filter(x, 7))
+
+    check()
+
+
+def test_words_are_split_and_punctuation_merged():
+    """Words start at a leading space or a punctuation mark (every character group where a
+    language has no spaces); opening marks join the next word, closing ones the word before;
+    a word starts at its first token's time and ends at the next word's start."""
+    from conveyor.alignment import merge_punctuation, split_words
+
+    pieces = {10: " Hello", 11: ",", 12: " wor", 13: "ld", 14: ' "', 15: "yes", 16: '"', 17: " (", 18: " ok", 19: ")."}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids)
+
+    tokens = list(pieces)
+    words = split_words(tokens, decode, "en")
+    assert [w.word for w in words] == [" Hello", ",", " world", ' "yes', '"', " (", " ok)."]
+    assert [w.tokens for w in words][2] == [12, 13]
+    merged = merge_punctuation(words)
+    assert [w.word for w in merged] == [" Hello,", " world", ' "yes"', " ( ok)."]
+    assert [w.tokens for w in merged][3] == [17, 18, 19]
+    assert [w.word for w in split_words([12, 13], decode, "ja")] == [" wor", "ld"]
+
+
+def test_word_timestamps(whisper, hf_whisper):
+    """`LLM.transcribe(words=True)`: each window's words and times as OpenAI's whisper aligns them
+    (its alignment heads' cross-attention, renormalized over the window's own positions,
+    standardized, median-filtered, averaged, walked by HF's dynamic time warping), in the clip's
+    time; the words spell the text, in order."""
+    import transformers as tf
+    from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
+
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    long = np.concatenate([clip(30.0, seed=110), clip(5.0, seed=111)])
+    got = llm.transcribe((long, RATE), language="en", words=True, temperature=(0.0,))
+    assert " ".join(w.word for w in got.words) == got.text and len(got.words) > 10
+    windows = split(long, RATE)
+    plain = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": (long[lo:hi], RATE)}} for lo, hi in windows],
+                         FULL)
+    hf = tf.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    fe = tf.WhisperFeatureExtractor(feature_size=80)
+    heads = [(layer, h) for layer in (1,) for h in range(4)]  # (none named: OpenAI's, the second half's heads)
+    want = []
+    for (lo, hi), out in zip(windows, plain, strict=True):
+        text = [t for t in out.outputs[0].token_ids if 4 <= t < SOT]
+        ids = [SOT, EN, TRANSCRIBE, NO_TS, *text[:59], 2]  # (at most the decoder's 64 positions)
+        with torch.no_grad():
+            att = hf(input_features=fe(long[lo:hi], sampling_rate=RATE, return_tensors="pt")["input_features"],
+                     decoder_input_ids=torch.tensor([ids]), output_attentions=True).cross_attentions
+        w = torch.stack([att[a][0, h] for a, h in heads]).double()[:, :, : int(np.ceil((hi - lo) / 160)) // 2]
+        w = w / w.sum(-1, keepdim=True)
+        w = (w - w.mean(-2, keepdim=True)) / w.std(-2, keepdim=True, unbiased=False)
+        matrix = _median_filter(w, 7).mean(0)[3:-1]
+        rows, cols = _dynamic_time_warping(-matrix.numpy())
+        times = np.asarray(cols)[np.diff(rows, prepend=-1).astype(bool)] * 0.02
+        times = np.concatenate([times, np.full(len(text) + 1 - len(times), times[-1])])  # (tokens past 64: the last)
+        want += [(f"w{t}", round(lo / RATE + times[i], 2), round(lo / RATE + times[i + 1], 2))
+                 for i, t in enumerate(text)]
+    assert [(w.word, w.start, w.end) for w in got.words] == want
+    assert all(a.start <= b.start for a, b in itertools.pairwise(got.words))
+    timed = llm.transcribe((long, RATE), language="en", words=True, timestamps=True, temperature=(0.0,))
+    assert timed.words and timed.segments and " ".join(w.word for w in timed.words) == timed.text
+
+
+def test_word_timestamps_over_replicas(whisper, tmp_path):
+    """Behind replicas (`--data-parallel-size 2`), word timestamps are one replica's pass: the
+    same words as `LLM.transcribe`'s."""
+    import httpx
+
+    from tests.models.test_qwen2_audio import wav_bytes
+    from tests.server.conftest import ServerProcess
+
+    x = wav_bytes(clip(3.0, seed=120))
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    want = llm.transcribe(x, language="en", words=True, temperature=0.4, seed=2)
+    del llm
+    server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64",
+                            "--data-parallel-size", "2"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        with httpx.Client(timeout=60.0) as client:
+            r = client.post(server.url + "/v1/audio/transcriptions", files={"file": ("a.wav", x, "audio/wav")},
+                            data={"model": str(whisper), "language": "en", "response_format": "verbose_json",
+                                  "timestamp_granularities[]": "word", "temperature": "0.4", "seed": "2"})
+            assert r.status_code == 200, r.text
+            assert r.json()["words"] == [dataclasses.asdict(w) for w in want.words] and want.words
+    finally:
+        server.stop()
