@@ -22,6 +22,11 @@ then, `min_tokens` / `min_new_tokens`), and one more run is timed:
   plain      conveyor's requests without the rules (the task prompt with `<|notimestamps|>`):
              what the rules cost a step
 
+With `--words`, after the rounds, word timestamps' alignment pass (`Engine.cross_weights`: the
+encoder again and the decoder over each clip's prompt and answer, the alignment heads' attention
+kept; OpenAI's heads, the second half's) is timed over the batch's answers, `--rounds` times,
+against conveyor's batch.
+
 With `--varied`, request k asks for `max_tokens * (k + 1) / batch` tokens (answers of different
 lengths, as a batch of real clips has): conveyor's finished requests leave the batch, while HF's
 static batch decodes until the longest is done (what it must do without per-request ends).
@@ -30,6 +35,7 @@ The figure is each run's wall time and its ratio to conveyor's in the same round
     python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 64 --rounds 3
     python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 128 --rounds 3 --varied
     python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 64 --rounds 3 --timestamps
+    python benchmarks/whisper.py --batch 8 --seconds 10 --max-tokens 64 --rounds 3 --words
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--varied", action="store_true", help="request k asks max_tokens * (k + 1) / batch tokens")
     ap.add_argument("--timestamps", action="store_true", help="every run by Whisper's timestamp rules")
+    ap.add_argument("--words", action="store_true", help="time word timestamps' alignment pass too")
     args = ap.parse_args()
     lengths = [max(1, args.max_tokens * (k + 1) // args.batch) if args.varied else args.max_tokens
                for k in range(args.batch)]
@@ -145,6 +152,18 @@ def main() -> None:
         for name, ts in times.items():
             ratios = [a / b for a, b in zip(ts, times["conveyor"], strict=True)]
             print(f"{name:9} {statistics.median(ts):9.3f} {min(ratios):6.2f}-{max(ratios):.2f}x")
+        if args.words:
+            heads = [(layer, h) for layer in range(3, 6) for h in range(8)]
+            values = [f[0] if f.dim() == 3 else f for f in features.unbind(0)]
+            tokens = [[*prompt, *row] for row in mine]
+            took = []
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                llm.engine.cross_weights(values, tokens, heads)
+                took.append(time.perf_counter() - start)
+            share = [t / c for t, c in zip(took, times["conveyor"], strict=True)]
+            print(f"{'align':9} {statistics.median(took):9.3f} {min(share):6.2f}-{max(share):.2f}x "
+                  f"(word timestamps' pass over the 8 answers, after the decode)")
 
 
 if __name__ == "__main__":
