@@ -150,6 +150,14 @@ def test_whisper_refuses_what_it_does_not_run(whisper):
     assert llm.transcribe((clip(0.01, 1), RATE), language="en", temperature=(0.0,)).seconds == 0.01
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.transcribe((np.zeros(0, np.float32), RATE), language="en")
+    # a checkpoint without timestamp tokens or alignment heads: timestamps and words refused by name
+    decoding = llm.engine.image_processor.whisper
+    llm.engine.image_processor = dataclasses.replace(
+        llm.engine.image_processor, whisper=dataclasses.replace(decoding, timestamp_begin=None, heads=()))
+    with pytest.raises(InvalidRequestError, match="no timestamp tokens"):
+        llm.transcribe((clip(1.0, 1), RATE), language="en", timestamps=True)
+    with pytest.raises(InvalidRequestError, match="alignment heads"):
+        llm.transcribe((clip(1.0, 1), RATE), language="en", words=True)
 
 
 def test_transcriptions_over_http(whisper, tmp_path):
