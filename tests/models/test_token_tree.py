@@ -336,7 +336,7 @@ def test_each_rows_controls_follow_its_branch(target):
     histories = runner._histories(rows)
     assert histories == [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 20], [5, 6, 7, 8, 9, 21], [5, 6, 7, 8, 9, 21, 22],
                          [5, 6, 7, 8, 9, 21, 23], [5, 6, 7, 8, 9, 21, 23, 24], [5, 6, 7, 8, 9, 21, 23, 25]]
-    allowed, _ = runner._constraints(rows)
+    allowed, _, _ = runner._constraints(rows)
     # Output index 2 + depth: the stop token held back below 4, at depths 0 and 1 (rows 0-2).
     assert allowed[:, 30].tolist() == [False, False, False, True, True, True, True]
     assert not allowed[:, 50].any()
