@@ -246,7 +246,7 @@ class LLM:
 
     def transcribe(self, audio: Any, language: str | None = None, task: str = "transcribe",
                    prompt: str | None = None, temperature: float | tuple[float, ...] = 0.0,
-                   timestamps: bool = False, seed: int | None = None, words: bool = False) -> Any:
+                   timestamps: bool = False, seed: int | None = None, words: bool = False, **sampling: Any) -> Any:
         """Whisper's transcript of a clip (samples with their rate, a file's bytes, a URL or a
         path: `conveyor.audio`), or its translation into English (`task="translate"`): its
         windows of at most 30 seconds decoded in one batch and joined; `language` (ISO-639-1)
@@ -255,7 +255,9 @@ class LLM:
         (`Transcription.words`, `conveyor.alignment`). A temperature of 0 decodes greedily with
         OpenAI's fallback to 0.2, 0.4 ... 1.0 for a window whose decode looks wrong; a tuple of
         temperatures falls back through those (`(0.0,)`: greedy alone); any other number samples
-        at it (`seed`: the draws' seed). A list of clips gives a list of `Transcription`s, every
+        at it (`seed`: the draws' seed). `sampling`: `top_p`, `top_k`, `min_p`,
+        `repetition_penalty`, `frequency_penalty`, `presence_penalty`, and `max_tokens` (at most
+        the decoder's room), for each window's request. A list of clips gives a list of `Transcription`s, every
         clip's windows (and language guesses) in one batch; one clip, one `Transcription`
         (`conveyor.transcribe`)."""
         from conveyor.transcribe import Transcriber
@@ -263,10 +265,10 @@ class LLM:
         whisper = Transcriber.of(self.tokenizer, self.engine.image_processor, self.engine.max_model_len)
         before = whisper.before(prompt)
         given = None if language is None else whisper.language_id(language)
-        temperatures = whisper.check(before, task, temperature, timestamps, words)
+        temperatures = whisper.check(before, task, temperature, timestamps, words, sampling)
         clips = audio if isinstance(audio, list) else [audio]
         job = whisper.job([whisper.windows(clip) for clip in clips], given, before, task, temperatures, timestamps,
-                          seed, words)
+                          seed, words, sampling)
 
         def run(batch: list[tuple[ImagePrompt, SamplingParams]]) -> list[RequestOutput]:
             return self.generate([prompt for prompt, _ in batch], [params for _, params in batch], use_tqdm=False)

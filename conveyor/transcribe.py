@@ -59,6 +59,9 @@ TASKS = ("transcribe", "translate")
 # more than COMPRESSION_MAX times or its average logprob is under LOGPROB_MIN, unless its
 # no-speech probability is over NO_SPEECH_MAX
 FALLBACK = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+# The sampling parameters a transcription takes besides its temperature and seed (vLLM's
+# transcription request's): each window's request carries them
+SAMPLING = ("top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "max_tokens")
 COMPRESSION_MAX, LOGPROB_MIN, NO_SPEECH_MAX = 2.4, -1.0, 0.6
 NO_SPEECH = ("<|nospeech|>", "<|nocaptions|>")  # (large-v3's name, then the earlier models')
 # Whisper's languages by code, as OpenAI's verbose_json names them
@@ -226,10 +229,16 @@ class Transcriber:
         return head
 
     def check(self, before: list[int], task: str, temperature: float | tuple[float, ...], timestamps: bool = False,
-              words: bool = False) -> tuple[float, ...]:
+              words: bool = False, sampling: dict[str, Any] | None = None) -> tuple[float, ...]:
         """The temperatures to decode at (`temperatures`); InvalidRequestError for a bad task, a
-        prompt that leaves no room, a temperature out of range, or timestamps (or alignment
-        heads, for words) the model has not: before the clip is read."""
+        prompt that leaves no room, a temperature out of range, sampling parameters that are not
+        `SAMPLING`'s or out of range, or timestamps (or alignment heads, for words) the model
+        has not: before the clip is read."""
+        for name in sampling or {}:
+            if name not in SAMPLING:
+                raise InvalidRequestError(f"{name}: a transcription takes {', '.join(SAMPLING)} (and temperature, "
+                                          "seed)", param=name)
+        SamplingParams(**(sampling or {}))  # (their ranges: InvalidRequestError naming one)
         self.head(before, self.sot, task, timestamps)  # (the start token stands for the language)
         self.rules(timestamps)
         decoding: Decoding | None = getattr(self.processor, "whisper", None)
@@ -270,15 +279,19 @@ class Transcriber:
                 SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=tuple(sorted(names))))
 
     def params(self, head: list[int], temperature: float, rules: WhisperRules, logprobs: bool = False,
-               seed: int | None = None) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_model_len - len(head), temperature=temperature,
-                              skip_special_tokens=True, whisper=rules, logprobs=0 if logprobs else None,
-                              seed=None if temperature == 0 else seed)
+               seed: int | None = None, sampling: dict[str, Any] | None = None) -> SamplingParams:
+        """A window's request: as many tokens as the decoder has room for (`max_tokens` caps
+        them), the other `sampling` parameters as given."""
+        given = dict(sampling or {})
+        room = self.max_model_len - len(head)
+        return SamplingParams(**given | {"max_tokens": min(given.get("max_tokens", room), room)},
+                              temperature=temperature, skip_special_tokens=True, whisper=rules,
+                              logprobs=0 if logprobs else None, seed=None if temperature == 0 else seed)
 
     def job(self, clips: list[tuple[list[Window], float]], language: int | None, before: list[int], task: str,
-            temperatures: tuple[float, ...], timestamps: bool = False, seed: int | None = None, words: bool = False
-            ) -> Job:
-        return Job(self, clips, language, before, task, temperatures, timestamps, seed, words)
+            temperatures: tuple[float, ...], timestamps: bool = False, seed: int | None = None, words: bool = False,
+            sampling: dict[str, Any] | None = None) -> Job:
+        return Job(self, clips, language, before, task, temperatures, timestamps, seed, words, dict(sampling or {}))
 
     def special_ids(self) -> frozenset[int]:
         """The ids of the tokenizer's special tokens (its added ones marked special)."""
@@ -321,6 +334,7 @@ class Job:
     timestamps: bool
     seed: int | None = None
     words: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # (`SAMPLING`'s, for every window's request)
     langs: list[int] = field(default_factory=list)
     tries: list[int] = field(default_factory=list)  # (each window's temperature, an index)
     attempts: list[Attempt | None] = field(default_factory=list)
@@ -367,7 +381,8 @@ class Job:
             head = whisper.head(self.before, self.langs[k], self.task, self.timestamps)
             seed = None if self.seed is None else self.seed + i
             out.append((ImagePrompt(list(head), (w.features,)),
-                        whisper.params(head, self.temperatures[self.tries[i]], rules, self.scored, seed)))
+                        whisper.params(head, self.temperatures[self.tries[i]], rules, self.scored, seed,
+                                       self.sampling)))
             first = self.attempts[i] is None and self.scored
             if first:
                 out.append((ImagePrompt([*self.before, whisper.sot], (w.features,)),

@@ -5,9 +5,11 @@ other formats through soundfile), `model`, `language` (the clip's, ISO-639-1; a 
 always into English; where it is not given, Whisper's own guess: the language token its decoder
 finds most likely after `<|startoftranscript|>` on the first window), `prompt` (text the decoder
 continues from, Whisper's `<|startofprev|>`), `response_format`, `timestamp_granularities[]`
-("segment", "word": `conveyor.alignment`, a pass of the engine's between steps), `temperature` (0 to 1, default 0), `stream`. The clip's windows,
-decoder prompts and segments are `conveyor.transcribe`'s, all requests submitted at once so the
-engine batches them. The answer, by `response_format`: "json", `{"text": ..., "language": ...,
+("segment", "word": `conveyor.alignment`, a pass of the engine's between steps), `temperature`
+(0 to 1, default 0: OpenAI's fallback), `seed`, vLLM's `top_p`, `top_k`, `min_p`,
+`repetition_penalty`, `frequency_penalty`, `presence_penalty` and `max_completion_tokens` (each
+window's), `stream`. The clip's windows, decoder prompts and segments are `conveyor.transcribe`'s,
+all requests submitted at once so the engine batches them. The answer, by `response_format`: "json", `{"text": ..., "language": ...,
 "usage": {"type": "duration", "seconds": ...}}`; "text", the text alone; "verbose_json", OpenAI's
 (the task, the language's name, the clip's seconds, the text and its segments with their times
 and scores, decoded with Whisper's timestamps); "srt" and "vtt", the segments as subtitles.
@@ -34,6 +36,10 @@ from conveyor.server.serving import _abort_on_disconnect
 from conveyor.transcribe import Transcriber, join, srt, verbose_json, vtt
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+# vLLM's sampling fields of a transcription request: (SamplingParams' name, the form's, its kind)
+SAMPLED = (("top_p", "top_p", float), ("top_k", "top_k", int), ("min_p", "min_p", float),
+           ("repetition_penalty", "repetition_penalty", float), ("frequency_penalty", "frequency_penalty", float),
+           ("presence_penalty", "presence_penalty", float), ("max_tokens", "max_completion_tokens", int))
 
 
 async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[[str | None], Awaitable[None]]
@@ -73,14 +79,16 @@ async def transcribe(state: Any, raw: Request, task: str, check_model: Callable[
                                   "(use json or text)", param="stream")
     temperature = _number(fields, "temperature", float, 0.0)
     seed = _number(fields, "seed", int)
+    sampling = {name: _number(fields, field_name, kind) for name, field_name, kind in SAMPLED
+                if fields.get(field_name) not in (None, "")}
     language = fields.get("language") or None
     lang = None if language is None else whisper.language_id(language)
     before = whisper.before(fields.get("prompt"))
-    temperatures = whisper.check(before, task, temperature, segmented, words)
+    temperatures = whisper.check(before, task, temperature, segmented, words, sampling)
     if streamed:  # (text once sent stays sent: no fallback)
         temperatures = temperatures[:1]
     job = whisper.job([await asyncio.to_thread(whisper.windows, data)], lang, before, task, temperatures,
-                      segmented, seed, words)
+                      segmented, seed, words, sampling)
     rid = f"trsc-{uuid.uuid4().hex}"
     usage = {"type": "duration", "seconds": math.ceil(job.clips[0][1])}
     detect = job.detect()

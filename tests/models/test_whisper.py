@@ -180,6 +180,8 @@ def test_transcriptions_over_http(whisper, tmp_path):
     assert want.text != greedy  # (the random model's greedy text loops: it falls back to drawn ones)
     translated = llm.transcribe(x, language="fr", task="translate", seed=7).text
     prompted = llm.transcribe(x, language="en", prompt="w20 w21", seed=7).text
+    capped = llm.transcribe(x, language="en", seed=7, max_tokens=5, top_k=3).text
+    assert len(capped.split()) <= 5
     joined = llm.transcribe(long, language="en", seed=7).text
     streamed = llm.transcribe(long, language="en", temperature=(0.0,)).text  # (a stream does not fall back)
     guessed = llm.transcribe(x, seed=7)
@@ -220,6 +222,8 @@ def test_transcriptions_over_http(whisper, tmp_path):
             deltas = "".join(e["delta"] for e in events if e["type"] == "transcript.text.delta")
             assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == streamed
             assert deltas.split() == streamed.split() and sum(e["type"].endswith("delta") for e in events) > 2
+            r = post("/v1/audio/transcriptions", x, language="en", max_completion_tokens="5", top_k="3")
+            assert r.status_code == 200 and r.json()["text"] == capped
             r = post("/v1/audio/transcriptions", x, prompt="w20 w21", language="en")
             assert r.status_code == 200 and r.json()["text"] == prompted
             r = post("/v1/audio/transcriptions", x, response_format="text", language="en")
@@ -252,7 +256,8 @@ def test_transcriptions_over_http(whisper, tmp_path):
                                   ({"timestamp_granularities[]": "segment"}, "verbose_json"),
                                   ({"response_format": "xml"}, "response_format"), ({"language": "xx"}, "language"),
                                   ({"temperature": "3"}, "temperature"), ({"temperature": "hot"}, "temperature"),
-                                  ({"seed": "x"}, "seed"), ({"model": "other"}, "does not exist")]:
+                                  ({"seed": "x"}, "seed"), ({"top_k": "1.5"}, "top_k"), ({"top_p": "2"}, "top_p"),
+                                  ({"max_completion_tokens": "0"}, "max_tokens"), ({"model": "other"}, "does not exist")]:
                 r = post("/v1/audio/transcriptions", x, **fields)
                 assert r.status_code in (400, 404) and match in r.json()["error"]["message"], (fields, r.text)
             r = post("/v1/audio/transcriptions", b"not audio")
@@ -300,6 +305,14 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
     for bad in (2.0, (0.0, 1.5), ()):
         with pytest.raises(InvalidRequestError, match="temperature"):
             llm.transcribe(short, temperature=bad)
+    # vLLM's other sampling parameters: each window's request takes them (max_tokens within the room)
+    for extra in ({"max_tokens": 5}, {"repetition_penalty": 1.3, "top_k": 3}, {"max_tokens": 10_000}):
+        plain = dataclasses.replace(FULL, **extra | {"max_tokens": min(extra.get("max_tokens", 60), 60)})
+        want = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": short}}], plain)[0].outputs[0].text
+        assert llm.transcribe(short, language="en", temperature=(0.0,), **extra).text == want.strip()
+    for bad, match in (({"beam_width": 2}, "beam_width"), ({"top_p": 2.0}, "top_p"), ({"max_tokens": 0}, "max_tokens")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.transcribe(short, **bad)
     several = llm.transcribe([(long, RATE), short], temperature=greedy)  # (all windows and guesses in one batch)
     alone = [guessed, llm.transcribe(short, temperature=greedy)]
     assert several == alone
