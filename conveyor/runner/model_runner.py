@@ -989,9 +989,9 @@ class ModelRunner:
         bias_ids: list[int] = []
         bias_vals: list[float] = []
         ranges: list[tuple[int, int, int]] = []  # (row, lo, hi): tokens lo..hi-1 banned
-        rows, vocab, dev = sum(1 + it.num_draft for it in self._first_rows(samplers)), self.model.arch.vocab_size, self.device
+        vocab, dev = self.model.arch.vocab_size, self.device
         begin: int | None = None  # (Whisper's first timestamp token, and the rows that have them)
-        stamped = [False] * rows
+        stamped: list[int] = []
         row = 0
         for it in self._first_rows(samplers):
             p = it.sampling_params
@@ -1022,7 +1022,7 @@ class ModelRunner:
                     ranges.extend((r, lo, hi) for lo, hi in spans if lo < hi)
                     if p.whisper.timestamp_begin is not None:
                         begin = p.whisper.timestamp_begin
-                        stamped[r] = True
+                        stamped.append(r)
                 if p.allowed_token_ids is not None:
                     only_rows.append(r)
                     only_ids.append(p.allowed_token_ids)
@@ -1032,7 +1032,12 @@ class ModelRunner:
                     bias_vals.extend(p.logit_bias.values())
             row += n
         bias: torch.Tensor | None = None
-        timestamps = None if begin is None else (begin, to_device(torch.tensor(stamped), dev))
+        rows = row
+        timestamps = None
+        if begin is not None:
+            has = torch.zeros(rows, dtype=torch.bool)
+            has[stamped] = True
+            timestamps = (begin, to_device(has, dev))
         if bias_rows:
             bias = torch.zeros((rows, vocab), dtype=torch.float32, device=dev)
             bias[to_device(host_longs(bias_rows), dev), to_device(host_longs(bias_ids), dev)] = to_device(
