@@ -515,7 +515,7 @@ class Engine:
         scheduler = Scheduler(
             config.scheduler,
             BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching,
-                         layout),
+                         layout, cross_tokens=_cross_tokens(arch)),
             max_len,
             eos_ids,
         )
@@ -1585,12 +1585,14 @@ def plan_cache(
     default_budget: Callable[[], int],
     max_positions: int | None = None,
     layout: HybridLayout | None = None,
+    cross_tokens: int = 0,
 ) -> tuple[int, int, int]:
     """(device KV blocks, CPU swap blocks, max_model_len) for `config`; no torch, so the
     simulator sizes its cache by this same rule. `default_budget()` gives the KV bytes when
     the config names neither num_kv_blocks nor kv_cache_memory. With a hybrid `layout`,
     `kv_bytes_per_token` is a page's (its `page_layers` layers'), and a sequence's capacity
-    counts its sliding groups' blocks too (`HybridLayout.capacity`)."""
+    counts its sliding groups' blocks too (`HybridLayout.capacity`). An encoder-decoder's
+    sequence holds blocks for the encoder's `cross_tokens` positions beside its own."""
     mc, cc = config.model, config.cache
     block_bytes = kv_bytes_per_token * cc.block_size
     if cc.num_kv_blocks is not None:
@@ -1607,6 +1609,15 @@ def plan_cache(
             f"({block_bytes} bytes each); raise kv_cache_memory or num_kv_blocks"
         )
     capacity = num_blocks * cc.block_size
+    if cross_tokens:
+        cross_pages = -(-cross_tokens // cc.block_size)
+        capacity = (num_blocks - cross_pages) * cc.block_size
+        if capacity < 1:
+            raise ConfigError(
+                f"the KV cache's {num_blocks} blocks hold no request: one takes {cross_pages} blocks for the "
+                f"cross-attention keys and values of the encoder's {cross_tokens} positions and one of its own; "
+                "raise kv_cache_memory or num_kv_blocks"
+            )
     if layout is not None:
         capacity = layout.capacity(num_blocks, cc.block_size, config.scheduler.kv_chunk)
         if capacity < 1:
@@ -1798,7 +1809,14 @@ def _plan_cache(
             return _cuda_kv_budget(device, weight_bytes, config.cache.gpu_memory_utilization)
         return CPU_DEFAULT_KV_BYTES
 
-    return plan_cache(config, kv_per_token, max_model_len, default_budget, max_positions, layout)
+    return plan_cache(config, kv_per_token, max_model_len, default_budget, max_positions, layout,
+                      cross_tokens=_cross_tokens(arch))
+
+
+def _cross_tokens(arch: Any) -> int:
+    """The positions an encoder-decoder's (Whisper's) decoder attends to in its encoder's output,
+    whose keys and values each sequence holds in cache blocks (0 for any other model)."""
+    return arch.encoder.image_size if arch.encoder is not None else 0
 
 
 def _triton_attends(dtype: torch.dtype) -> bool:

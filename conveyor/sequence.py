@@ -81,6 +81,7 @@ class Sequence:
     __slots__ = (
         "block_hashes",
         "block_table",
+        "cross_table",
         "finish_reason",
         "images",
         "images_charged",
@@ -124,6 +125,10 @@ class Sequence:
         # out of every query's window). Replaced, never changed in place, but by appends.
         self.window_tables: list[list[int]] = []
         self.window_start = 0
+        # An encoder-decoder's (Whisper's): the blocks holding its clip's cross-attention keys
+        # and values in every decoder layer's cache (`BlockManager.cross_pages`), taken with its
+        # first blocks and released with them. Replaced, never changed in place.
+        self.cross_table: list[int] = []
         # Chained hashes of the leading full blocks of token_ids, as far as the block manager
         # has needed them (prefix caching); tokens never change once known, so they stay valid.
         self.block_hashes: list[bytes] = []

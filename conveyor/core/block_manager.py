@@ -143,9 +143,12 @@ class BlockManager:
         num_swap_blocks: int = 0,
         enable_prefix_caching: bool = False,
         layout: HybridLayout | None = None,
+        cross_tokens: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
+        if cross_tokens and layout is not None:
+            raise ValueError("cross-attention blocks beside a hybrid layout are not built")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # A hybrid cache's sliding groups (0: one table a sequence, every layer's K/V a block).
@@ -155,6 +158,10 @@ class BlockManager:
         # Every layer slides: `block_table` is itself a sliding table (`HybridLayout.all_sliding`).
         self.sliding_global = layout is not None and layout.all_sliding
         self.hybrid = layout is not None
+        # An encoder-decoder's (Whisper's): blocks each sequence holds for the encoder's
+        # `cross_tokens` positions, its cross-attention keys and values (vLLM's cross-attention
+        # blocks), beside the blocks of its own tokens: the cache's memory holds them too.
+        self.cross_pages = -(-cross_tokens // block_size)
         # What a sliding table holds for a block out of the window: an id no sequence is given
         # (the runner's scratch block, zeroed), read, as padding is, under a mask.
         self.null_block = num_blocks
@@ -209,13 +216,16 @@ class BlockManager:
     def num_held(self, seq: Sequence) -> int:
         """Blocks `seq`'s tables hold (device or swap, as they name): `tables_of`'s lengths."""
         ws = seq.window_start
-        return len(seq.block_table) - self._global_start(ws) + sum(len(t) - ws for t in seq.window_tables)
+        return (len(seq.block_table) - self._global_start(ws) + sum(len(t) - ws for t in seq.window_tables)
+                + len(seq.cross_table))
 
     def tables_of(self, seq: Sequence) -> Iterable[list[int]]:
         """`seq`'s tables, the null entries of its sliding ones left out: the blocks it holds."""
         yield seq.block_table[self._global_start(seq.window_start):]
         for t in seq.window_tables:
             yield t[seq.window_start:]
+        if seq.cross_table:
+            yield seq.cross_table
 
     def _remap(self, seq: Sequence, move: Callable[[int], int]) -> None:
         """Give each of `seq`'s tables new lists, every block it holds replaced by `move(block)`
@@ -224,6 +234,8 @@ class BlockManager:
         seq.block_table = [*seq.block_table[:gs], *(move(b) for b in seq.block_table[gs:])]
         if seq.window_tables:
             seq.window_tables = [[*t[:ws], *(move(b) for b in t[ws:])] for t in seq.window_tables]
+        if seq.cross_table:
+            seq.cross_table = [move(b) for b in seq.cross_table]
 
     def _dead(self, start: int) -> int:
         """Leading blocks of a sliding table that no query at position `start` or later reads."""
@@ -239,15 +251,19 @@ class BlockManager:
         keeps a row per list object, `HostBlockTables`).
 
         A hybrid cache first releases the sliding blocks that the step's first query
-        (`seq.num_computed_tokens`) and every later one cannot see, then grows every table."""
+        (`seq.num_computed_tokens`) and every later one cannot see, then grows every table.
+        An encoder-decoder's sequence takes its cross table with its first blocks."""
         if self.hybrid:
             return self._allocate_hybrid(seq, num_total_tokens)
         need = -(-num_total_tokens // self.block_size) - len(seq.block_table)  # num_new_blocks_needed, inline
         if need <= 0:
             return True  # the common case: a decode within its last block
-        if need > len(self._free):
+        cross = self.cross_pages if not seq.cross_table else 0
+        if need + cross > len(self._free):
             return False
         take, table = self._take_free, seq.block_table
+        if cross:
+            seq.cross_table = [take() for _ in range(cross)]
         for _ in range(need):
             table.append(take())
         return True
@@ -287,11 +303,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block `seq` holds; a block returns to the pool at ref count zero."""
-        held, *sliding = self.tables_of(seq)
-        for table in (*sliding, held):  # the sliding tables' blocks, then the global one's, each last first
+        held, *others = self.tables_of(seq)
+        for table in (*others, held):  # the sliding (and cross) tables' blocks, then the global one's, each last first
             for block in reversed(table):
                 self._release(block)
-        seq.block_table = []
+        seq.block_table, seq.cross_table = [], []
         seq.window_tables, seq.window_start = [], 0
 
     # -- prefix cache ----------------------------------------------------------------------
@@ -354,7 +370,7 @@ class BlockManager:
     def admission_need(self, seq: Sequence, hits: list[int], num_total_tokens: int) -> int:
         """Free blocks admitting `seq` with the cached `hits` (`match_prefix`) takes to cover
         `num_total_tokens`: new ones, and the cached ones taken out of the free pool."""
-        new = self.pages_per_block * (self.blocks_for_tokens(num_total_tokens) - len(hits))
+        new = self.pages_per_block * (self.blocks_for_tokens(num_total_tokens) - len(hits)) + self.cross_pages
         if self.hybrid and hits:
             dead = self._dead(len(hits) * self.block_size)
             return new + self.num_evictable(hits[self._global_start(dead):]) + sum(
@@ -505,7 +521,7 @@ class BlockManager:
         """Release a swapped sequence's swap blocks (it finished or was aborted while out)."""
         for table in self.tables_of(seq):
             self._swap_free.extend(table)
-        seq.block_table = []
+        seq.block_table, seq.cross_table = [], []
         seq.window_tables, seq.window_start = [], 0
 
     def share(self, block: int) -> None:

@@ -65,6 +65,9 @@ class ScheduledSequence:
     tree: TokenTree | None = None
     tree_depth: int = 0
     images: tuple[ImageSpan, ...] = ()  # where the prompt's image tokens are (conveyor/multimodal.py)
+    # An encoder-decoder's (Whisper's): the blocks of its clip's cross-attention keys and values
+    # (`BlockManager.cross_pages`), which the runner fills at the sequence's first step (start_pos 0).
+    cross_table: list[int] = field(default_factory=list)
     # The distributions the drafter drew the guesses from (`[num_draft, vocab]`: a draft
     # model's, an EAGLE head's, an MTP layer's): the target keeps them by speculative sampling.
     # None: greedy guesses, each kept where it equals the token the target samples.
@@ -494,7 +497,7 @@ class Scheduler:
             ScheduledSequence(
                 seq.seq_id, [tokens[start], *drafts], start, seq.block_table, True,
                 seq.sampling_params, tokens, seq.prompt_len, len(drafts), seq.lora_request, seq.window_tables,
-                self.token_tree, self._depth if self.dynamic_tree is not None else 0,
+                self.token_tree, self._depth if self.dynamic_tree is not None else 0, cross_table=seq.cross_table,
             )
         )
         seq.num_computed_tokens = start + 1
@@ -695,6 +698,7 @@ class Scheduler:
                 seq.lora_request,
                 seq.window_tables,
                 images=seq.images,
+                cross_table=seq.cross_table,
             )
         )
         seq.num_computed_tokens = end
@@ -892,7 +896,7 @@ class Scheduler:
         )
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING, seq
-            assert not seq.block_table and not seq.window_tables, f"waiting {seq} holds blocks"
+            assert not seq.block_table and not seq.window_tables and not seq.cross_table, f"waiting {seq} holds blocks"
         for seq in self.swapped:
             assert seq.status is SequenceStatus.SWAPPED, seq
         for seq in (*self.running, *self.swapped):
@@ -908,5 +912,6 @@ class Scheduler:
             assert seq.status is SequenceStatus.RUNNING, seq
             covered = len(seq.block_table) * bm.block_size
             assert covered >= seq.num_computed_tokens, seq
+            assert len(seq.cross_table) == (bm.cross_pages if seq.block_table else 0), seq
         assert len(self.running) + len(self.swapped) <= self.config.max_num_seqs
         assert len(self._adapters()) <= self.config.max_loras, self._adapters()

@@ -40,6 +40,23 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class CrossMetadata:
+    """An encoder-decoder step's cross-attention (Whisper's): each row attends, unmasked, to all
+    `length` encoder positions of its sequence, whose keys and values lie in the paged cache in
+    the blocks of the sequence's cross table (`BlockManager.cross_pages`), in every layer's
+    cache alike. `rows[i]`: sequence i's rows `(first, end)` in the step's flat batch; `tables`
+    `[seqs, pages]` its cross table; `row_tables` `[T, pages]` and `row_lens` `[T]` (each
+    `length`) the same a row, the decode kernels' form."""
+
+    rows: list[tuple[int, int]]
+    tables: torch.Tensor
+    row_tables: torch.Tensor
+    row_lens: torch.Tensor
+    length: int
+    block_size: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     block_size: int
     positions: torch.Tensor  # [num_tokens] position of each new token in its sequence
@@ -71,8 +88,8 @@ class AttentionMetadata:
     # M-RoPE (Qwen2-VL): each row's (time, row, column) rotary positions `[T, 3]`, where a
     # sequence of the step holds images (conveyor/models/qwen_vision.py: `mrope_positions`).
     mrope: torch.Tensor | None = None
-    # An encoder-decoder's (Whisper's) cross-attention inputs: each sequence's rows and the
-    # encoder's keys and values (conveyor/models/whisper.py `CrossStates`).
+    # An encoder-decoder's (Whisper's) cross-attention: where each sequence's encoder keys and
+    # values lie in the cache, and the clips encoded this step (conveyor/models/whisper.py `CrossStates`).
     cross: Any = None
 
     def windowed(self, window: int) -> AttentionMetadata:
@@ -523,6 +540,22 @@ class TorchPagedAttention(AttentionBackend):
         k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
+    def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
+        """Cross-attention of the step's rows `q` `[T, heads, head_dim]` over their sequences'
+        encoder keys and values in the cache (`CrossMetadata`): each sequence's gathered once,
+        its rows attending together (no mask: every row sees every encoder position)."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        bs, n = cross.block_size, cross.length
+        out = torch.empty_like(q)
+        for i, (a, b) in enumerate(cross.rows):
+            table = cross.tables[i : i + 1]
+            ks = gather_blocks(k_cache, table, bs, n)[0].to(q.dtype).transpose(0, 1)  # [kvh, n, d]
+            vs = gather_blocks(v_cache, table, bs, n)[0].to(q.dtype).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], ks[None], vs[None], scale=scale,
+                                               enable_gqa=q.shape[1] != ks.shape[0])
+            out[a:b] = o[0].transpose(0, 1)
+        return out
+
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
@@ -608,6 +641,14 @@ class CpuPagedAttention(TorchPagedAttention):
         return self.kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
                            meta.block_size, scale, self.window, self.cap, self.sinks, meta.decode_paths,
                            meta.decode_path_lens)
+
+    def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
+        """Each row as a decode over its sequence's encoder positions, read in place by the
+        native kernel (no gather), its context all `length` of them."""
+        k_cache = kv_cache[0]
+        if q.dtype != torch.float32 or k_cache.dtype not in NATIVE_KV_DTYPES:
+            return super().cross(q, kv_cache, cross, scale)
+        return self.kernel(q, k_cache, kv_cache[1], cross.row_tables, cross.row_lens, cross.block_size, scale, 0)
 
     cap = 0.0  # (CpuEagerAttention's soft cap)
 

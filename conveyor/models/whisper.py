@@ -6,9 +6,10 @@ The encoder is Qwen2-Audio's without the pool (conveyor/models/qwen_audio.py: tw
 learned positions, pre-norm layers), read whole: Whisper was trained on clips padded with silence
 to 30 seconds and attends over all 1500 positions, padding included, so nothing may be left out.
 A request's encoder runs once, at its first step; each decoder layer's cross-attention keys and
-values of those 1500 positions are made then and kept beside the sequence until it ends
-(`CrossStates`, in the runner: outside the paged cache, about `2 x layers x 1500 x d_model`
-numbers a request). The decoder: token and learned position embeddings, pre-norm layers of causal
+values of those 1500 positions are made then and written into the paged cache, in the blocks of
+the sequence's cross table (`BlockManager.cross_pages`: taken with its first blocks, released with
+them, so the cache's memory budget holds them and a preempted request's are made again), where
+every later step reads them (`AttentionBackend.cross`; vLLM's cross-attention blocks). The decoder: token and learned position embeddings, pre-norm layers of causal
 self-attention (through the attention backend, over the paged cache), cross-attention and a GELU
 MLP, a final norm, and the token embeddings as the LM head. Its positions are the decoder's own
 (at most `max_target_positions`, 448).
@@ -24,18 +25,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
-from conveyor.models.attention import AttentionBackend, AttentionMetadata
+from conveyor.models.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    CrossMetadata,
+    TorchPagedAttention,
+)
 from conveyor.models.qwen_audio import _Encoder
 from conveyor.models.vision import ACTIVATIONS
 
 
 @dataclass
 class CrossStates:
-    """One step's cross-attention inputs: each sequence's rows `(first, end)` in the step's
-    flat batch and its keys and values, a `[heads, 1500, head_dim]` pair each layer."""
+    """One step's cross-attention: where each sequence's encoder keys and values lie in the
+    cache (`meta`), and the clips encoded this step, `encoded[j]` the encoder's output
+    `[1500, d]`, whose keys and values each layer writes to the cache slots `slots[j]` (the
+    cross tables of the sequences that hear the clip, one after another)."""
 
-    rows: list[tuple[int, int]]
-    states: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    meta: CrossMetadata
+    encoded: list[torch.Tensor]
+    slots: list[torch.Tensor]
 
 
 class _Projections(nn.Module):
@@ -62,25 +71,28 @@ class DecoderLayer(nn.Module):
         self.act = ACTIVATIONS[arch.hidden_act]
 
     def cross_states(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The encoder's output `[positions, d]` as this layer's cross keys and values."""
+        """The encoder's output `[positions, d]` as this layer's cross keys and values, `[positions,
+        heads, head_dim]` each (the cache's layout)."""
         n = encoded.shape[0]
         a = self.encoder_attn
-        k = a.k_proj(encoded).view(n, self.heads, self.head_dim).transpose(0, 1).contiguous()
-        v = a.v_proj(encoded).view(n, self.heads, self.head_dim).transpose(0, 1).contiguous()
-        return k, v
+        return (a.k_proj(encoded).view(n, self.heads, self.head_dim),
+                a.v_proj(encoded).view(n, self.heads, self.head_dim))
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
-                cross: list[tuple[torch.Tensor, torch.Tensor]], rows: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: TorchPagedAttention,
+                cross: CrossStates) -> torch.Tensor:
         t = x.shape[0]
+        for encoded, slots in zip(cross.encoded, cross.slots, strict=True):  # (a clip's first step)
+            k, v = self.cross_states(encoded)
+            copies = slots.shape[0] // k.shape[0]  # (the sequences that hear it)
+            if copies > 1:
+                k, v = k.repeat(copies, 1, 1), v.repeat(copies, 1, 1)
+            backend.write(k, v, kv_cache[0], kv_cache[1], slots)
         h = self.self_attn_layer_norm(x)
         s = self.self_attn
         q, k, v = (p(h).view(t, self.heads, self.head_dim) for p in (s.q_proj, s.k_proj, s.v_proj))
         x = x + s.out_proj(backend.forward(q, k, v, kv_cache, meta, self.head_dim**-0.5).reshape(t, -1))
-        h = self.encoder_attn_layer_norm(x)
-        q = self.encoder_attn.q_proj(h).view(t, self.heads, self.head_dim)
-        out = torch.empty_like(q)
-        for (a, b), (ck, cv) in zip(rows, cross, strict=True):  # (every row sees all 1500 positions)
-            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], ck[None], cv[None])[0].transpose(0, 1)
+        q = self.encoder_attn.q_proj(self.encoder_attn_layer_norm(x)).view(t, self.heads, self.head_dim)
+        out = backend.cross(q, kv_cache, cross.meta, self.head_dim**-0.5)  # (every row sees all 1500 positions)
         x = x + self.encoder_attn.out_proj(out.reshape(t, -1))
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
@@ -93,7 +105,7 @@ class DecoderLayer(nn.Module):
         q, k, v = (p(h).view(t, self.heads, self.head_dim).transpose(0, 1) for p in (s.q_proj, s.k_proj, s.v_proj))
         x = x + s.out_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, -1))
         q = self.encoder_attn.q_proj(self.encoder_attn_layer_norm(x)).view(t, self.heads, self.head_dim).transpose(0, 1)
-        ck, cv = cross
+        ck, cv = (c.transpose(0, 1) for c in cross)  # [heads, positions, head_dim]
         weights = torch.softmax((q @ ck.transpose(1, 2)).float() * self.head_dim**-0.5, dim=-1)
         x = x + self.encoder_attn.out_proj((weights.to(cv.dtype) @ cv).transpose(0, 1).reshape(t, -1))
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x)))), weights
@@ -119,7 +131,7 @@ class Whisper(nn.Module):
     vision = None
     text_only = False
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: TorchPagedAttention) -> None:
         super().__init__()
         assert arch.encoder is not None
         self.arch = arch
@@ -132,9 +144,9 @@ class Whisper(nn.Module):
         return False
 
     @torch.inference_mode()
-    def encode(self, features: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Clips' features `[mels, 3000]` to each decoder layer's cross keys and values, a list
-        a clip (all in one batch through the encoder)."""
+    def encode(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """Clips' features `[mels, 3000]` to the encoder's output `[clips, 1500, d]` (all in one
+        batch); each decoder layer makes its cross keys and values of it (`cross_states`)."""
         enc = self.encoder
         w = enc.conv1.weight
         x = torch.stack(features).to(w.device, w.dtype)
@@ -142,9 +154,7 @@ class Whisper(nn.Module):
         h = h + enc.embed_positions.weight[: h.shape[1]]
         for layer in enc.layers:
             h = layer(h, None)  # (every position sees every one: no mask)
-        h = enc.layer_norm(h)
-        layers: list[DecoderLayer] = list(self.decoder.layers)  # type: ignore[arg-type]
-        return [[layer.cross_states(e) for layer in layers] for e in h]
+        return enc.layer_norm(h)
 
     @torch.inference_mode()
     def cross_weights(self, features: list[torch.Tensor], tokens: list[list[int]], heads: list[tuple[int, int]]
@@ -154,13 +164,13 @@ class Whisper(nn.Module):
         1500]` float32 on the host a clip (word timestamps' alignment, `conveyor.transcribe`)."""
         dec = self.decoder
         out = []
-        for states, ids in zip(self.encode(features), tokens, strict=True):
+        for encoded, ids in zip(self.encode(features), tokens, strict=True):
             x = dec.embed_tokens(torch.tensor(ids, device=dec.embed_tokens.weight.device))
             x = x + dec.embed_positions.weight[: len(ids)]
             kept: dict[tuple[int, int], torch.Tensor] = {}
             layers: list[DecoderLayer] = list(dec.layers)  # type: ignore[arg-type]
             for i, layer in enumerate(layers):
-                x, weights = layer.weighed(x, states[i])
+                x, weights = layer.weighed(x, layer.cross_states(encoded))
                 kept |= {(i, h): weights[h] for layer_index, h in heads if layer_index == i}
             out.append(torch.stack([kept[head] for head in heads]).float().cpu())
         return out
@@ -173,7 +183,7 @@ class Whisper(nn.Module):
         dec = self.decoder
         x = dec.embed_tokens(input_ids) + dec.embed_positions(positions)
         for i, layer in enumerate(dec.layers):
-            x = layer(x, kv_caches[i], meta, self.backend, [s[i] for s in cross.states], cross.rows)
+            x = layer(x, kv_caches[i], meta, self.backend, cross)
         return dec.layer_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,11 +194,20 @@ class Whisper(nn.Module):
         return logits
 
     def prepare_for_inference(self, quantization: str | None = None, calibration_ids: Any = None) -> None:
+        """CPU float32: the native paged attention (self-attention's decodes and every row's
+        cross-attention read the cache in place; the torch reference gathers blocks)."""
         if quantization is not None:
             raise UnsupportedModelError(f"quantization={quantization!r} is not built for Whisper")
+        w = self.decoder.embed_tokens.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and type(self.backend) is TorchPagedAttention:
+            from conveyor.kernels import paged_decode_attention, write_kv
+
+            kernel = paged_decode_attention()
+            if kernel is not None:
+                self.backend = CpuPagedAttention(kernel, None, write_kv())
 
 
-def build_whisper(arch: ArchConfig, tensors: Any, backend: AttentionBackend, dtype: torch.dtype,
+def build_whisper(arch: ArchConfig, tensors: Any, backend: TorchPagedAttention, dtype: torch.dtype,
                   device: torch.device) -> Whisper:
     """The model from HF-named tensors (`model.encoder.*`, `model.decoder.*`; `proj_out` is the
     token embeddings, tied)."""
@@ -213,4 +232,5 @@ def build_whisper(arch: ArchConfig, tensors: Any, backend: AttentionBackend, dty
     if missing:
         raise UnsupportedModelError(f"the checkpoint lacks {len(missing)} Whisper tensors, e.g. {missing[:3]}")
     model.eval().requires_grad_(False)
+    model.prepare_for_inference()
     return model

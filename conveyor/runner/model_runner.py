@@ -18,6 +18,7 @@ import torch
 from conveyor.core.block_manager import HybridLayout
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
 from conveyor.models.attention import (
+    CrossMetadata,
     HostBlockTables,
     build_metadata,
     chain_decodes,
@@ -144,9 +145,6 @@ class ModelRunner:
         # is computed again).
         self._pool_sums: dict[int, torch.Tensor] = {}
         self._image_cache: dict[int, dict[int, torch.Tensor]] = {}  # images' embeddings, by sequence and image
-        # Whisper's: each sequence's cross-attention keys and values, a pair a decoder layer,
-        # made from its clip at its first step and kept until it ends (`_cross_states`).
-        self._cross: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._encoder_decoder = bool(getattr(model, "encoder_decoder", False))
         # ... and across requests, by the image's digest, up to `encoder_cache_tokens` rows
         self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
@@ -309,7 +307,6 @@ class ModelRunner:
             self._guides.pop(seq_id, None)
             self._pool_sums.pop(seq_id, None)
             self._image_cache.pop(seq_id, None)
-            self._cross.pop(seq_id, None)
             self.host_tables.drop(seq_id)
             for group in self.window_host_tables:
                 group.drop(seq_id)
@@ -594,24 +591,40 @@ class ModelRunner:
         return torch.tensor(out, dtype=torch.int64).view(-1, 3)
 
     def _cross_states(self, items: list[ScheduledSequence], num_new: list[int]) -> Any:
-        """An encoder-decoder's step (Whisper's): each sequence's rows and cross keys and values,
-        its clip encoded at its first step (those of this step's new sequences in one batch, a
-        clip that several of them hear encoded once)."""
+        """An encoder-decoder's step (Whisper's): where each sequence's cross keys and values lie
+        in the cache (its cross table), and the clips to encode, those of the sequences at their
+        first step (start 0: new, or preempted and computed again), in one batch through the
+        encoder, a clip that several of them hear encoded once."""
         from conveyor.models.whisper import CrossStates
 
-        new = [it for it in items if it.seq_id not in self._cross]
-        if new:
+        encoder = self.model.arch.encoder
+        assert encoder is not None
+        length = encoder.image_size
+        bs, device = self.block_size, self.device
+        clips: dict[bytes, Any] = {}
+        heard: dict[bytes, list[int]] = {}  # each clip's sequences' cross slots
+        offsets = torch.arange(length)
+        for it in items:
+            if it.start_pos == 0:
+                pixels = it.images[0].pixels
+                clips[pixels.digest] = pixels.values
+                table = torch.tensor(it.cross_table, dtype=torch.int64)
+                heard.setdefault(pixels.digest, []).extend((table[offsets // bs] * bs + offsets % bs).tolist())
+        encoded: list[torch.Tensor] = []
+        if clips:
             model: Any = self.model
-            clips = {it.images[0].pixels.digest: it.images[0].pixels.values for it in new}
-            encoded = dict(zip(clips, model.encode(list(clips.values())), strict=True))
+            encoded = list(model.encode(list(clips.values())))
             self.images_encoded += len(clips)
-            for it in new:
-                self._cross[it.seq_id] = encoded[it.images[0].pixels.digest]
-        rows, end = [], 0
-        for n in num_new:
+        rows, row_tables, end = [], [], 0
+        for it, n in zip(items, num_new, strict=True):
             rows.append((end, end + n))
+            row_tables.extend([it.cross_table] * n)
             end += n
-        return CrossStates(rows, [self._cross[it.seq_id] for it in items])
+        meta = CrossMetadata(rows, to_device(torch.tensor([it.cross_table for it in items], dtype=torch.int64), device),
+                             to_device(torch.tensor(row_tables, dtype=torch.int64), device),
+                             to_device(torch.full((end,), length, dtype=torch.int64), device), length, bs)
+        slots = [to_device(torch.tensor(heard[d], dtype=torch.int64), device) for d in clips]
+        return CrossStates(meta, encoded, slots)
 
     def holds_encoded(self, digest: bytes) -> bool:
         """Whether the encoder cache holds the embeddings of the media item of `digest`."""

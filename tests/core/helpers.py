@@ -80,13 +80,19 @@ class FakeRunner:
     of every copy is then cleared: a freed block holds nothing anyone may read. With
     `shared_prefixes` a swapped-out device block is kept: another table may share it, and a
     freed block keeps its K/V for later prefix hits.
+
+    With `cross_tokens` (an encoder-decoder's cross-attention blocks, `BlockManager.cross_pages`):
+    a sequence's first step (start 0) writes the encoder's `cross_tokens` positions into the
+    slots of its cross table, tagged with the sequence and its epoch, and every later step reads
+    them all back, as Whisper's cross-attention does.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False,
-        window: int = 0, sliding_global: bool = False,
+        window: int = 0, sliding_global: bool = False, cross_tokens: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.cross_tokens = cross_tokens
         # A hybrid cache (`HybridLayout`): each sliding group's table is read over the window
         # before the step's first query only, its slots tagged with the group too; an entry
         # out of the window is the null block (`num_blocks`), which nothing reads or writes.
@@ -193,6 +199,16 @@ class FakeRunner:
                     else:
                         self.slots[slot] = (key, pos, g)
                         written.add(slot)
+            if self.cross_tokens:
+                assert item.cross_table, f"seq {item.seq_id} runs without its cross table"
+                cross_key = ("cross", item.seq_id, self.epoch.get(item.seq_id, 0))
+                for pos in range(self.cross_tokens):
+                    slot = self._slot(item.cross_table, pos)
+                    if item.start_pos == 0:
+                        self.slots[slot] = (hash(cross_key), pos)
+                        written.add(slot)
+                    else:
+                        reads.append((item.seq_id, -1 - pos, slot, (hash(cross_key), pos)))
             self.tables[item.seq_id] = list(item.block_table)
             if item.num_draft:
                 n = item.start_pos + 1

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import PREEMPTION_MODES, SchedulerConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from conveyor.sampling_params import SamplingParams
@@ -65,11 +65,13 @@ class Scenario:
     num_blocks: int
     requests: list[RequestSpec]
     prefix_caching: bool = False
+    cross_tokens: int = 0  # an encoder-decoder's: the encoder positions each sequence holds blocks for
+    num_swap_blocks: int = 0
 
     @property
     def max_model_len(self) -> int:
-        # As the engine does: a sequence never outgrows the whole cache.
-        return self.num_blocks * self.block_size
+        # As the engine does: a sequence never outgrows the whole cache (less its cross blocks).
+        return (self.num_blocks - blocks_for(self.cross_tokens, self.block_size)) * self.block_size
 
     def admissible(self, spec: RequestSpec) -> bool:
         """What the engine should accept. It rejects a prompt that leaves no room for a token.
@@ -129,6 +131,7 @@ def check_after_schedule(
         end = item.start_pos + len(item.token_ids)
         assert len(item.token_ids) >= 1
         assert item.block_table is seq.block_table
+        assert item.cross_table is seq.cross_table and len(item.cross_table) == sched.block_manager.cross_pages
         # Covers every token it will hold after the step, and no block more (with drafts,
         # at most the blocks a rejected draft left over from an earlier step).
         assert blocks_for(end, bs) <= len(item.block_table) <= blocks_for(end, bs) + spare
@@ -158,9 +161,10 @@ def check_after_schedule(
         assert seq.block_table == [] and seq.num_computed_tokens == 0
     for seq_id in out.preempted_seq_ids:
         seq = sched.get(seq_id)
-        assert seq is not None and seq in sched.waiting and seq_id not in scheduled
+        assert seq is not None and (seq in sched.waiting or seq in sched.swapped) and seq_id not in scheduled
     if not sc.prefix_caching:  # only a prefix-cache hit shares a block
-        held = [b for s in sched.all_sequences() for b in s.block_table]
+        held = [b for s in sched.all_sequences() if s.status is not SequenceStatus.SWAPPED
+                for b in (*s.block_table, *s.cross_table)]
         assert len(held) == len(set(held))
 
 
@@ -216,9 +220,11 @@ def check_updates(
 
 
 def run_scenario(sc: Scenario) -> RunResult:
-    bm = BlockManager(sc.num_blocks, sc.block_size, enable_prefix_caching=sc.prefix_caching)
+    bm = BlockManager(sc.num_blocks, sc.block_size, sc.num_swap_blocks, enable_prefix_caching=sc.prefix_caching,
+                      cross_tokens=sc.cross_tokens)
     sched = Scheduler(sc.config, bm, sc.max_model_len, frozenset({EOS}))
-    runner = FakeRunner(sc.num_blocks, sc.block_size, shared_prefixes=sc.prefix_caching)
+    runner = FakeRunner(sc.num_blocks, sc.block_size, sc.num_swap_blocks, shared_prefixes=sc.prefix_caching,
+                        cross_tokens=sc.cross_tokens)
     specs = {i: s for i, s in enumerate(sc.requests) if sc.admissible(s)}
     seqs: dict[int, Sequence] = {}
     reported_finished: Counter[int] = Counter()
@@ -323,6 +329,33 @@ def scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
 
 
 @st.composite
+def cross_scenarios(draw: st.DrawFn) -> Scenario:
+    """An encoder-decoder's (Whisper's): every sequence holds blocks for the encoder's positions
+    beside its own, preempted by recompute (its cross blocks written again), swap or both."""
+    chunked = draw(st.booleans())
+    mode = draw(st.sampled_from(PREEMPTION_MODES))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(17, 64))),
+        prefill_mode="chunked" if chunked else "mixed",
+        preemption_mode=mode,
+        **({"auto_swap_min_tokens": draw(st.integers(1, 16))} if mode == "auto" else {}),
+    )
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    cross_tokens = draw(st.integers(1, 24))
+    # Room for one to three sequences beside their cross blocks: they compete and get preempted.
+    num_blocks = blocks_for(cross_tokens, block_size) + draw(st.integers(1, 40))
+    num_swap_blocks = draw(st.integers(0, 80)) if mode != "recompute" else 0
+    max_model_len = (num_blocks - blocks_for(cross_tokens, block_size)) * block_size
+    longest = max(1, min(max_model_len - 1, 32))
+    if not chunked:
+        longest = min(longest, config.max_num_batched_tokens)
+    near_budget = min(config.max_num_batched_tokens, longest)
+    requests = draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=10))
+    return Scenario(config, block_size, num_blocks, requests, False, cross_tokens, num_swap_blocks)
+
+
+@st.composite
 def request_specs(draw: st.DrawFn, longest_prompt: int, near_budget: int) -> RequestSpec:
     max_tokens = draw(st.integers(1, 24))
     # Many requests at step 0 compete at once; later ones join a running batch.
@@ -375,6 +408,16 @@ def test_random_streams_with_chunked_prefill(sc: Scenario) -> None:
 @given(scenarios(chunked=False))
 def test_random_streams_without_chunked_prefill(sc: Scenario) -> None:
     check_random_stream(sc)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cross_scenarios())
+def test_random_streams_with_cross_attention_blocks(sc: Scenario) -> None:
+    """Whisper's cross-attention blocks: a sequence holds them from admission to its end (never
+    while it waits), they come back through swap intact or are written again after recompute
+    (the fake runner reads every one back at each step), and none leaks."""
+    check_random_stream(sc)
+    event(f"preemption_mode={sc.config.preemption_mode}")
 
 
 # -- deterministic tests -------------------------------------------------------------------

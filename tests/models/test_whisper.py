@@ -96,7 +96,7 @@ def hf_greedy(model, samples: np.ndarray, ids: list[int], n: int) -> list[int]:
 def test_greedy_tokens_are_hfs(whisper, hf_whisper):
     clips = [clip(s, seed=40 + k) for k, s in enumerate((1.0, 3.5, 7.0))]
     prompts = [PROMPT, "<|startoftranscript|><|fr|><|translate|><|notimestamps|>", PROMPT + " w30 w31"]
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     tok = llm.engine.tokenizer
     want = [hf_greedy(hf_whisper, c, tok.encode(p, add_special_tokens=False), 12) for c, p in zip(clips, prompts, strict=True)]
     assert len({tuple(w) for w in want}) == 3  # (the tokens vary: the clip and prompt matter)
@@ -117,6 +117,45 @@ def test_greedy_tokens_are_hfs(whisper, hf_whisper):
     assert done == {"a": want[0], "b": want[1]}
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_cross_blocks_count_in_the_cache_and_survive_preemption(whisper, hf_whisper, mode):
+    """A request's cross-attention keys and values take 94 blocks of the cache (1500 encoder
+    positions, 16 a block) beside its own: a cache of 192 runs two requests at once, and decoding
+    preempts one, whose cross blocks are written again (its clip encoded again: recompute) or
+    swapped out and back; every request still gives HF's tokens."""
+    clips = [clip(1.0 + k, seed=60 + k) for k in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2 * 94 + 4, block_size=16, preemption_mode=mode,
+              **({"num_swap_blocks": 256} if mode == "swap" else {}))
+    engine = llm.engine
+    assert engine.scheduler.block_manager.cross_pages == 94
+    tok = engine.tokenizer
+    want = [hf_greedy(hf_whisper, c, tok.encode(PROMPT, add_special_tokens=False), 40) for c in clips]
+    for k, c in enumerate(clips):
+        engine.add_request(str(k), {"prompt": PROMPT, "multi_modal_data": {"audio": (c, RATE)}}, params)
+    done, most = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[int(o.request_id)] = o.outputs[0].token_ids
+        most = max(most, len(engine.scheduler.running))
+        engine.scheduler.check_integrity()
+    assert done == dict(enumerate(want))
+    assert most == 2 and engine.scheduler.num_preemptions > 0
+    encoded = engine.runner.images_encoded
+    assert encoded > 4 if mode == "recompute" else encoded == 4  # (swapped back, not encoded again)
+    assert engine.scheduler.block_manager.num_free_blocks == 2 * 94 + 4
+
+
+def test_a_cache_too_small_for_the_cross_blocks_is_refused(whisper):
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="94 blocks for the cross-attention"):
+        LLM(model=str(whisper), dtype="float32", num_kv_blocks=94, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=95, block_size=16)  # (one block of its own)
+    assert llm.engine.max_model_len == 16
+
+
 def test_features_of_80_bins_are_whispers():
     from transformers import WhisperFeatureExtractor
 
@@ -132,7 +171,7 @@ def test_features_of_80_bins_are_whispers():
 def test_whisper_refuses_what_it_does_not_run(whisper):
     from conveyor.config import ConfigError
 
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     with pytest.raises(InvalidRequestError, match="one audio clip a request"):
         llm.generate(["<|startoftranscript|>"], PARAMS)
     two = {"prompt": PROMPT, "multi_modal_data": {"audio": [(clip(1.0, 1), RATE), (clip(1.0, 2), RATE)]}}
@@ -144,7 +183,7 @@ def test_whisper_refuses_what_it_does_not_run(whisper):
     assert llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": (clip(1.0, 1), RATE)}}], PARAMS)
     for bad in ({"speculative_method": "ngram"}, {"quantization": "int8"}):
         with pytest.raises(ConfigError):
-            LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, **bad)
+            LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, **bad)
     assert not llm.engine.config.cache.enable_prefix_caching
     # a clip too short for Qwen2-Audio's one token is still Whisper's to read (padded to 30 s); an empty one is not
     assert llm.transcribe((clip(0.01, 1), RATE), language="en", temperature=(0.0,)).seconds == 0.01
@@ -172,7 +211,7 @@ def test_transcriptions_over_http(whisper, tmp_path):
     from tests.server.conftest import ServerProcess
 
     x, long = wav_bytes(clip(2.0, seed=50)), wav_bytes(np.concatenate([clip(30.0, seed=51), clip(4.0, seed=52)]))
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     samples = (clip(2.0, seed=50), RATE)
     greedy = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": samples}}], FULL)[0].outputs[0].text.strip()
     assert greedy and llm.transcribe(x, language="en", temperature=(0.0,)).text == greedy
@@ -197,7 +236,7 @@ def test_transcriptions_over_http(whisper, tmp_path):
         logits = hf(input_features=features["input_features"], decoder_input_ids=torch.tensor([[SOT]])).logits[0, -1]
     assert guessed.language == ("en" if logits[EN] >= logits[FR] else "fr")
     del llm, hf
-    server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64"],
+    server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "2048"],
                            tmp_path / "server.log")
     try:
         server.wait_ready()
@@ -285,7 +324,7 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
     from conveyor.cli import main
     from tests.models.test_qwen2_audio import wav_bytes
 
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     long = np.concatenate([clip(30.0, seed=61), clip(3.0, seed=62)])
     greedy = (0.0,)
     windows = [o.outputs[0].text.strip() for o in llm.generate(
@@ -319,7 +358,7 @@ def test_llm_transcribe_and_the_command(whisper, tmp_path, capsys):
     path = tmp_path / "a.wav"
     path.write_bytes(wav_bytes(long[: 2 * RATE], width=4))
     capsys.readouterr()
-    base = ["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64", "--seed", "5"]
+    base = ["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "2048", "--seed", "5"]
     assert main(["transcribe", str(path), *base, "--language", "fr", "--translate"]) == 0
     assert capsys.readouterr().out.strip() == llm.transcribe(path.read_bytes(), language="fr", task="translate",
                                                              seed=5).text
@@ -389,7 +428,7 @@ def test_timestamps_are_hfs(whisper, hf_whisper):
     (its text left open at the window's end one more, ending with the window), the no-speech
     probability and average logprob HF's model's; several clips in one batch as alone."""
     clips = [clip(s, seed=70 + k) for k, s in enumerate((2.0, 3.0, 5.0))]
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     got = llm.transcribe([(c, RATE) for c in clips], language="en", timestamps=True, temperature=(0.0,))
     assert llm.engine.runner.images_encoded == 3  # (each window's no-speech request hears it in the same encode)
     for x, t in zip(clips, got, strict=True):
@@ -423,7 +462,7 @@ def test_timestamps_are_hfs(whisper, hf_whisper):
 def test_plain_transcripts_follow_generation_config(whisper, hf_whisper):
     """Without timestamps, the text is that of HF `generate`'s tokens: the checkpoint's
     suppressed tokens and those not drawn first apply too."""
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     clips = [clip(s, seed=80 + k) for k, s in enumerate((1.5, 4.0, 6.0))]
     got = llm.transcribe([(c, RATE) for c in clips], language="en", temperature=(0.0,))
     tok = llm.engine.tokenizer
@@ -521,7 +560,7 @@ def test_temperature_fallback(whisper, monkeypatch):
     no-speech probability is over 0.6; each try is the decode that temperature alone gives."""
     import conveyor.transcribe as transcribe
 
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=96, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     x = (clip(3.0, seed=95), RATE)
 
     def tokens(t):
@@ -553,7 +592,7 @@ def test_cross_weights_are_hfs(whisper, hf_whisper):
 
     hf = tf.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     fe = tf.WhisperFeatureExtractor(feature_size=80)
     clips = [clip(s, seed=100 + k) for k, s in enumerate((1.0, 4.0))]
     features = [fe(x, sampling_rate=RATE, return_tensors="pt")["input_features"][0] for x in clips]
@@ -621,7 +660,7 @@ def test_word_timestamps(whisper, hf_whisper):
     import transformers as tf
     from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
 
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     long = np.concatenate([clip(30.0, seed=110), clip(5.0, seed=111)])
     got = llm.transcribe((long, RATE), language="en", words=True, temperature=(0.0,))
     assert " ".join(w.word for w in got.words) == got.text and len(got.words) > 10
@@ -663,10 +702,10 @@ def test_word_timestamps_over_replicas(whisper, tmp_path):
     from tests.server.conftest import ServerProcess
 
     x = wav_bytes(clip(3.0, seed=120))
-    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=64, block_size=16)
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
     want = llm.transcribe(x, language="en", words=True, temperature=0.4, seed=2)
     del llm
-    server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "64",
+    server = ServerProcess(["--model", str(whisper), "--dtype", "float32", "--num-kv-blocks", "2048",
                             "--data-parallel-size", "2"], tmp_path / "server.log")
     try:
         server.wait_ready()
