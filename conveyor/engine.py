@@ -1145,11 +1145,13 @@ class Engine:
         return lora
 
     # -- Whisper's word timestamps ---------------------------------------------------------------
-    def cross_weights(self, features: list[Any], tokens: list[list[int]], heads: list[tuple[int, int]]
-                      ) -> list[Any]:
+    def cross_weights(self, features: list[Any], tokens: list[list[int]], heads: list[tuple[int, int]],
+                      digests: list[bytes] | None = None) -> list[Any]:
         """Whisper's cross-attention probabilities of those (layer, head)s at each of a clip's
         decoder tokens (`Whisper.cross_weights`: a pass of its own, between steps), a
-        `[heads, tokens, 1500]` tensor a clip: what `conveyor.transcribe` aligns words by."""
+        `[heads, tokens, 1500]` tensor a clip: what `conveyor.transcribe` aligns words by. The
+        encoder's outputs of the clips of those `digests` come from the encoder cache where it
+        still holds them (their requests just ran), the others are encoded again."""
         model: Any = getattr(self.runner, "model", None)
         if not getattr(model, "encoder_decoder", False):
             raise InvalidRequestError("this model has no cross-attention to align words by (Whisper has)",
@@ -1160,7 +1162,9 @@ class Engine:
                                       f"{heads_per_layer} heads", param="timestamp_granularities")
         if any(len(t) > self.max_model_len for t in tokens):
             raise InvalidRequestError("tokens past the decoder's positions", param="timestamp_granularities")
-        return model.cross_weights(features, tokens, [tuple(h) for h in heads])
+        cached = getattr(self.runner, "encoded", None)  # (ModelRunner's encoder cache)
+        encoded = None if digests is None or cached is None else [cached(d) for d in digests]
+        return model.cross_weights(features, tokens, [tuple(h) for h in heads], encoded)
 
     # -- adapters (vLLM's LLMEngine.add_lora, remove_lora, list_loras, pin_lora) --------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -1278,6 +1282,15 @@ class Engine:
         """Forget every cached prefix (a benchmark's cold start, or after changing weights).
         Requests in flight keep their blocks; they only stop being found by new requests."""
         self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    def reset_mm_cache(self) -> bool:
+        """Forget every media item's encoder output the encoder cache keeps (vLLM's
+        `reset_mm_cache`): the next requests that show one encode it again. Sequences in flight
+        keep what their steps already read."""
+        reset = getattr(self.runner, "reset_encoder_cache", None)
+        if reset is not None:
+            reset()
         return True
 
     @property

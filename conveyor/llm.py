@@ -54,6 +54,10 @@ class LLM:
         """Forget every cached prefix: the next prompts are computed whole."""
         return self.engine.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> bool:
+        """Forget every image's or clip's encoder output the encoder cache keeps."""
+        return self.engine.reset_mm_cache()
+
     # vLLM's LLM.llm_engine calls, here on the LLM itself (`Engine`'s, documented there).
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter before any request names it (a bad one raises here)."""

@@ -428,10 +428,11 @@ class Job:
         end = self.whisper.rules(False).end
         return [t for t in attempt.tokens if t not in special and t != end and (begin is None or t < begin)]
 
-    def alignment(self) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
+    def alignment(self) -> tuple[list[Any], list[list[int]], list[tuple[int, int]], list[bytes]]:
         """What the engine's `cross_weights` reads to align each window's words (after every
         window is decoded): its features, its decoder input (`<|startoftranscript|>`, the
-        language, the task, `<|notimestamps|>`, the text, the end: OpenAI's) and the heads."""
+        language, the task, `<|notimestamps|>`, the text, the end: OpenAI's), the heads, and
+        the features' digests (the encoder cache's keys)."""
         whisper = self.whisper
         decoding: Decoding | None = getattr(whisper.processor, "whisper", None)
         heads = list(decoding.heads) if decoding is not None else []
@@ -439,14 +440,15 @@ class Job:
             raise InvalidRequestError("this model names no alignment heads for word timestamps",
                                       param="timestamp_granularities")
         end = whisper.rules(False).end
-        features, tokens = [], []
+        features, tokens, digests = [], [], []
         for i, (k, w) in enumerate(self.windows):
             attempt = self.attempts[i]
             assert attempt is not None, "alignment() before every window is decoded"
             head = whisper.head([], self.langs[k], self.task)
             features.append(w.features.values)
+            digests.append(w.features.digest)
             tokens.append([*head, *self.text_tokens(attempt)[: whisper.max_model_len - len(head) - 1], end])
-        return features, tokens, heads
+        return features, tokens, heads, digests
 
     def aligned(self, weights: list[Any]) -> None:
         """The windows' words from the engine's `cross_weights` of `alignment()`."""

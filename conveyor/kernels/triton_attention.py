@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from conveyor.models.attention import (
     AttentionBackend,
     AttentionMetadata,
+    CrossMetadata,
     PrefillSpan,
     TorchPagedAttention,
     gather_blocks,
@@ -545,6 +546,25 @@ class TritonPagedAttention(AttentionBackend):
         assert qkv.dtype == kv_cache.dtype and qkv.shape[2] == kv_cache.shape[3] and qkv.shape[2] % 2 == 0
         out = torch.empty((qkv.shape[0], heads, qkv.shape[2]), dtype=qkv.dtype, device=qkv.device)
         self._decode(qkv, kv_cache, meta, scale, out, rope=(cos, sin, meta.slot_mapping))
+        return out
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """K/V rows `[T, kv_heads, head_dim]` into their slots, as the torch reference writes them
+        (an encoder-decoder's cross keys and values, once a request: `AttentionBackend.cross`)."""
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
+        """Cross-attention (Whisper's): each row a decode over all its sequence's encoder
+        positions in the cache, through the decode kernel (split over the positions)."""
+        assert self.window == NO_WINDOW and not self.softcap and self.sinks is None
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        none = cross.row_lens[:0]
+        meta = AttentionMetadata(cross.block_size, none, none, q.shape[0], decode_blocks=cross.row_tables,
+                                 decode_context_lens=cross.row_lens)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._decode(q, kv_cache, meta, scale, out)
         return out
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -491,6 +491,17 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """K/V rows `[T, kv_heads, head_dim]` into their cache slots, outside a step's `forward`
+        (an encoder-decoder's cross keys and values, once a request)."""
+        raise NotImplementedError(f"{type(self).__name__} writes K/V only in forward")
+
+    def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
+        """An encoder-decoder's cross-attention of the step's rows `q` `[T, heads, head_dim]`
+        over their sequences' encoder keys and values in the cache (`CrossMetadata`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no cross-attention")
+
 
 class TorchPagedAttention(AttentionBackend):
     """Reference backend: gathers K/V block by block through the block tables and calls SDPA.

@@ -17,6 +17,7 @@ MLP, a final norm, and the token embeddings as the LM head. Its positions are th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from conveyor.models.arch import ArchConfig, UnsupportedModelError
 from conveyor.models.attention import (
+    AttentionBackend,
     AttentionMetadata,
     CpuPagedAttention,
     CrossMetadata,
@@ -78,7 +80,7 @@ class DecoderLayer(nn.Module):
         return (a.k_proj(encoded).view(n, self.heads, self.head_dim),
                 a.v_proj(encoded).view(n, self.heads, self.head_dim))
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: TorchPagedAttention,
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
                 cross: CrossStates) -> torch.Tensor:
         t = x.shape[0]
         for encoded, slots in zip(cross.encoded, cross.slots, strict=True):  # (a clip's first step)
@@ -131,7 +133,7 @@ class Whisper(nn.Module):
     vision = None
     text_only = False
 
-    def __init__(self, arch: ArchConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         assert arch.encoder is not None
         self.arch = arch
@@ -157,20 +159,28 @@ class Whisper(nn.Module):
         return enc.layer_norm(h)
 
     @torch.inference_mode()
-    def cross_weights(self, features: list[torch.Tensor], tokens: list[list[int]], heads: list[tuple[int, int]]
-                      ) -> list[torch.Tensor]:
+    def cross_weights(self, features: list[torch.Tensor], tokens: list[list[int]], heads: list[tuple[int, int]],
+                      encoded: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """Each clip's decoder tokens read whole (no cache), and the cross-attention probabilities
         of those (layer, head)s at each token over the encoder's positions: `[heads, tokens,
-        1500]` float32 on the host a clip (word timestamps' alignment, `conveyor.transcribe`)."""
+        1500]` float32 on the host a clip (word timestamps' alignment, `conveyor.transcribe`).
+        `encoded`: the encoder's outputs already at hand (the encoder cache's), None where a
+        clip's features go through the encoder again."""
+        outputs = list(encoded) if encoded is not None else [None] * len(features)
+        todo = [i for i, e in enumerate(outputs) if e is None]
+        if todo:
+            for i, e in zip(todo, self.encode([features[i] for i in todo]), strict=True):
+                outputs[i] = e
         dec = self.decoder
         out = []
-        for encoded, ids in zip(self.encode(features), tokens, strict=True):
+        for encoded_clip, ids in zip(outputs, tokens, strict=True):
+            assert encoded_clip is not None
             x = dec.embed_tokens(torch.tensor(ids, device=dec.embed_tokens.weight.device))
             x = x + dec.embed_positions.weight[: len(ids)]
             kept: dict[tuple[int, int], torch.Tensor] = {}
             layers: list[DecoderLayer] = list(dec.layers)  # type: ignore[arg-type]
             for i, layer in enumerate(layers):
-                x, weights = layer.weighed(x, layer.cross_states(encoded))
+                x, weights = layer.weighed(x, layer.cross_states(encoded_clip))
                 kept |= {(i, h): weights[h] for layer_index, h in heads if layer_index == i}
             out.append(torch.stack([kept[head] for head in heads]).float().cpu())
         return out
@@ -195,19 +205,27 @@ class Whisper(nn.Module):
 
     def prepare_for_inference(self, quantization: str | None = None, calibration_ids: Any = None) -> None:
         """CPU float32: the native paged attention (self-attention's decodes and every row's
-        cross-attention read the cache in place; the torch reference gathers blocks)."""
+        cross-attention read the cache in place; the torch reference gathers blocks); CUDA: the
+        Triton kernels (unless `CONVEYOR_TRITON=0`), the cross-attention in the decode kernel."""
         if quantization is not None:
             raise UnsupportedModelError(f"quantization={quantization!r} is not built for Whisper")
         w = self.decoder.embed_tokens.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and type(self.backend) is TorchPagedAttention:
+        if type(self.backend) is not TorchPagedAttention:
+            return  # (a backend chosen by the caller)
+        if w.device.type == "cpu" and w.dtype == torch.float32:
             from conveyor.kernels import paged_decode_attention, write_kv
 
             kernel = paged_decode_attention()
             if kernel is not None:
                 self.backend = CpuPagedAttention(kernel, None, write_kv())
+        elif w.device.type == "cuda" and w.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            from conveyor.kernels.triton_attention import TritonPagedAttention, triton_available
+
+            if os.environ.get("CONVEYOR_TRITON", "1") != "0" and triton_available():
+                self.backend = TritonPagedAttention()
 
 
-def build_whisper(arch: ArchConfig, tensors: Any, backend: TorchPagedAttention, dtype: torch.dtype,
+def build_whisper(arch: ArchConfig, tensors: Any, backend: AttentionBackend, dtype: torch.dtype,
                   device: torch.device) -> Whisper:
     """The model from HF-named tensors (`model.encoder.*`, `model.decoder.*`; `proj_out` is the
     token embeddings, tied)."""

@@ -544,17 +544,7 @@ class ModelRunner:
         if not spans:
             return None
         if new:
-            known = self._encoded
-            got = {p.digest: known[p.digest] for p in new.values() if p.digest in known}
-            for digest in got:
-                known.move_to_end(digest)
-            todo = {p.digest: p for p in new.values() if p.digest not in got}
-            if todo:
-                encoded = dict(zip(todo, vision(list(todo.values())), strict=True))
-                self.images_encoded += len(todo)
-                got |= encoded
-                for digest, values in encoded.items():
-                    self._keep_encoded(digest, values)
+            got = self._through_encoder({p.digest: p for p in new.values()}, vision)
             for (seq_id, k), pixels in new.items():
                 self._image_cache.setdefault(seq_id, {})[k] = got[pixels.digest]
         rows: list[int] = []
@@ -590,11 +580,40 @@ class ModelRunner:
                 out.extend(mrope_positions(torch.tensor(rows), it.images, grid).tolist())
         return torch.tensor(out, dtype=torch.int64).view(-1, 3)
 
+    def _through_encoder(self, todo: dict[bytes, Any], encode: Callable[[list[Any]], Any]) -> dict[bytes, Any]:
+        """Each media item's encoder output, by digest: from the encoder cache where it is
+        there, the others through `encode` in one batch and kept (least recently used out)."""
+        known = self._encoded
+        got = {d: known[d] for d in todo if d in known}
+        for digest in got:
+            known.move_to_end(digest)
+        missing = {d: item for d, item in todo.items() if d not in got}
+        if missing:
+            encoded = dict(zip(missing, encode(list(missing.values())), strict=True))
+            self.images_encoded += len(missing)
+            got |= encoded
+            for digest, values in encoded.items():
+                self._keep_encoded(digest, values)
+        return got
+
+    def reset_encoder_cache(self) -> None:
+        """Empty the encoder cache (`Engine.reset_mm_cache`)."""
+        self._encoded.clear()
+        self._encoded_rows = 0
+
+    def encoded(self, digest: bytes) -> torch.Tensor | None:
+        """The encoder cache's output for the media item of `digest` (None: not kept)."""
+        values = self._encoded.get(digest)
+        if values is not None:
+            self._encoded.move_to_end(digest)
+        return values
+
     def _cross_states(self, items: list[ScheduledSequence], num_new: list[int]) -> Any:
         """An encoder-decoder's step (Whisper's): where each sequence's cross keys and values lie
-        in the cache (its cross table), and the clips to encode, those of the sequences at their
-        first step (start 0: new, or preempted and computed again), in one batch through the
-        encoder, a clip that several of them hear encoded once."""
+        in the cache (its cross table), and the encoder's outputs of the clips of the sequences
+        at their first step (start 0: new, or preempted and computed again): from the encoder
+        cache (a fallback's retry, a window's no-speech request, a recomputed sequence), the
+        others in one batch through the encoder, a clip that several of them hear encoded once."""
         from conveyor.models.whisper import CrossStates
 
         encoder = self.model.arch.encoder
@@ -613,8 +632,8 @@ class ModelRunner:
         encoded: list[torch.Tensor] = []
         if clips:
             model: Any = self.model
-            encoded = list(model.encode(list(clips.values())))
-            self.images_encoded += len(clips)
+            got = self._through_encoder(clips, model.encode)
+            encoded = [got[d] for d in clips]
         rows, row_tables, end = [], [], 0
         for it, n in zip(items, num_new, strict=True):
             rows.append((end, end + n))
@@ -635,6 +654,8 @@ class ModelRunner:
         rows, budget = values.shape[0], self.encoder_cache_tokens
         if rows > budget:
             return
+        if values.untyped_storage().nbytes() > values.nbytes:  # (a batch's slice: not the whole batch kept)
+            values = values.clone()
         self._encoded[digest] = values
         self._encoded_rows += rows
         while self._encoded_rows > budget:

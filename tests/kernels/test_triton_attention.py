@@ -416,3 +416,41 @@ def test_a_cap_and_sinks_change_the_output():
     sunk.sinks = torch.full((4,), 1.0, device=DEVICE)
     with_sinks = sunk.forward(step.q, step.k, step.v, step.cache.clone(), step.meta, step.scale)
     assert (plain - capped).abs().max() > 0.05 and (plain - with_sinks).abs().max() > 0.05
+
+
+@pytest.mark.parametrize(("length", "block_size", "dtype"), [(37, 4, torch.float32), (150, 16, torch.float16)])
+def test_cross_attention_is_the_references(length, block_size, dtype):
+    """An encoder-decoder's cross-attention (`cross`: Whisper's): every row of a sequence over all
+    `length` encoder positions in the blocks of its cross table (shuffled, the last one partly
+    used), unmasked; the Triton decode kernel's, the torch reference's and the native kernel's
+    (where built) equal a softmax over the gathered keys and values."""
+    from conveyor.kernels import paged_decode_attention
+    from conveyor.models.attention import CpuPagedAttention, CrossMetadata
+
+    g = torch.Generator().manual_seed(length)
+    heads, kv_heads, head_dim = 4, 4, 16
+    pages = -(-length // block_size)
+    rows = [(0, 1), (1, 4), (4, 6)]  # a decode, a prompt of 3, a chunk of 2
+    blocks = torch.randperm(len(rows) * pages + 3, generator=g)
+    cache = torch.randn(2, (len(rows) * pages + 3) * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = blocks[: len(rows) * pages].view(len(rows), pages)
+    q = torch.randn(6, heads, head_dim, generator=g).to(dtype)
+    row_tables = torch.cat([tables[i : i + 1].expand(b - a, -1) for i, (a, b) in enumerate(rows)])
+    cross = CrossMetadata(rows, tables.to(DEVICE), row_tables.contiguous().to(DEVICE),
+                          torch.full((6,), length, dtype=torch.int64, device=DEVICE), length, block_size)
+    want = torch.empty(6, heads, head_dim, dtype=torch.float64)
+    for i, (a, b) in enumerate(rows):
+        slots = (tables[i][:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
+        k, v = cache[0][slots].double(), cache[1][slots].double()  # [length, kv_heads, d]
+        scores = torch.einsum("thd,lhd->htl", q[a:b].double(), k) * 0.25
+        want[a:b] = torch.einsum("htl,lhd->thd", torch.softmax(scores, -1), v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    got = TritonPagedAttention().cross(q.to(DEVICE), cache.to(DEVICE), cross, 0.25)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=tol)
+    if DEVICE.type == "cpu":
+        ref = TorchPagedAttention().cross(q.float(), cache, cross, 0.25)
+        torch.testing.assert_close(ref.double(), want, rtol=0, atol=tol)
+        kernel = paged_decode_attention()
+        if kernel is not None:
+            native = CpuPagedAttention(kernel).cross(q.float(), cache, cross, 0.25)
+            torch.testing.assert_close(native.double(), want, rtol=0, atol=tol)

@@ -117,16 +117,17 @@ def test_greedy_tokens_are_hfs(whisper, hf_whisper):
     assert done == {"a": want[0], "b": want[1]}
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_cross_blocks_count_in_the_cache_and_survive_preemption(whisper, hf_whisper, mode):
+@pytest.mark.parametrize(("mode", "kept"), [("recompute", 0), ("recompute", 8192), ("swap", 8192)])
+def test_cross_blocks_count_in_the_cache_and_survive_preemption(whisper, hf_whisper, mode, kept):
     """A request's cross-attention keys and values take 94 blocks of the cache (1500 encoder
     positions, 16 a block) beside its own: a cache of 192 runs two requests at once, and decoding
-    preempts one, whose cross blocks are written again (its clip encoded again: recompute) or
-    swapped out and back; every request still gives HF's tokens."""
+    preempts one, whose cross blocks are written again (recompute: its clip's encoder output
+    from the encoder cache, or without one encoded again) or swapped out and back; every request
+    still gives HF's tokens."""
     clips = [clip(1.0 + k, seed=60 + k) for k in range(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2 * 94 + 4, block_size=16, preemption_mode=mode,
-              **({"num_swap_blocks": 256} if mode == "swap" else {}))
+              encoder_cache_tokens=kept, **({"num_swap_blocks": 256} if mode == "swap" else {}))
     engine = llm.engine
     assert engine.scheduler.block_manager.cross_pages == 94
     tok = engine.tokenizer
@@ -143,8 +144,26 @@ def test_cross_blocks_count_in_the_cache_and_survive_preemption(whisper, hf_whis
     assert done == dict(enumerate(want))
     assert most == 2 and engine.scheduler.num_preemptions > 0
     encoded = engine.runner.images_encoded
-    assert encoded > 4 if mode == "recompute" else encoded == 4  # (swapped back, not encoded again)
+    assert encoded > 4 if not kept else encoded == 4  # (swapped back, or kept: not encoded again)
     assert engine.scheduler.block_manager.num_free_blocks == 2 * 94 + 4
+
+
+def test_the_triton_backend_gives_hfs_tokens(whisper, hf_whisper):
+    """On a GPU Whisper attends in the Triton kernels (the prompt's self-attention in the prefill
+    kernel, each row's cross-attention over its cross blocks in the decode kernel): here under
+    Triton's interpreter, the same greedy tokens as HF's."""
+    pytest.importorskip("triton")
+    from conveyor.kernels.triton_attention import TritonPagedAttention, triton_available
+
+    if not triton_available():
+        pytest.skip("triton cannot run here")
+    llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
+    llm.engine.runner.model.backend = TritonPagedAttention()
+    clips = [clip(2.0, seed=41), clip(5.0, seed=42)]
+    want = [hf_greedy(hf_whisper, c, llm.engine.tokenizer.encode(PROMPT, add_special_tokens=False), 5) for c in clips]
+    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": (c, RATE)}} for c in clips],
+                        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def test_a_cache_too_small_for_the_cross_blocks_is_refused(whisper):
@@ -573,6 +592,7 @@ def test_temperature_fallback(whisper, monkeypatch):
     passes = [t for t, r in alone.items() if r.segments[0].compression_ratio <= 2.4 and r.segments[0].avg_logprob >= -1]
     chosen = passes[0] if passes else 1.0
     fell = llm.transcribe(x, language="en", timestamps=True, seed=3)
+    assert llm.engine.runner.images_encoded == 1  # (every try hears the clip the encoder cache keeps)
     assert {s.temperature for s in fell.segments} == {chosen} and tokens(fell) == tokens(alone[chosen])
     assert fell.segments[0].avg_logprob == pytest.approx(alone[chosen].segments[0].avg_logprob, abs=1e-5)
     # thresholds never failed, or the window silent: the greedy decode stays
@@ -660,10 +680,25 @@ def test_word_timestamps(whisper, hf_whisper):
     import transformers as tf
     from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
 
+    def encodes(llm):  # the clips through the encoder, steps and alignment pass alike
+        model, counted = llm.engine.runner.model, []
+        real = model.encode
+        model.encode = lambda features: (counted.append(len(features)), real(features))[1]
+        return counted
+
     llm = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16)
+    counted = encodes(llm)
     long = np.concatenate([clip(30.0, seed=110), clip(5.0, seed=111)])
     got = llm.transcribe((long, RATE), language="en", words=True, temperature=(0.0,))
     assert " ".join(w.word for w in got.words) == got.text and len(got.words) > 10
+    assert sum(counted) == 2  # (the alignment pass reads the encoder cache's outputs of the two windows)
+    llm.reset_mm_cache()
+    assert llm.transcribe((long, RATE), language="en", words=True, temperature=(0.0,)).words == got.words
+    assert sum(counted) == 4  # (emptied: the windows encoded again, once)
+    bare = LLM(model=str(whisper), dtype="float32", num_kv_blocks=2048, block_size=16, encoder_cache_tokens=0)
+    counted = encodes(bare)
+    assert bare.transcribe((long, RATE), language="en", words=True, temperature=(0.0,)).words == got.words
+    assert sum(counted) == 4  # (without it, the pass encodes both windows again: the same words)
     windows = split(long, RATE)
     plain = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": (long[lo:hi], RATE)}} for lo, hi in windows],
                          FULL)
