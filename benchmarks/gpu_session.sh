@@ -130,10 +130,13 @@ tests)
     # missing 0.4 ms goes. The model is the quick stage's, if this machine still holds it.
     step profile 80 python3 benchmarks/gpu_profile.py --fused --gemv --pdl --modes graphs --iters 50 \
         --models "$models" "${smoke[@]}" --out "$out/profile"
-    # The graphs first (quick), then the captures that no loan has run, then the kernels (slow:
-    # 150 s for the first 21 of tests/kernels on an H100, before the examples were capped).
+    # The graphs first (quick), then the captures that no loan has run, Whisper on the Triton
+    # kernels (its cross-attention blocks, preempted too; no loan has run it), then the kernels
+    # (slow: 150 s for the first 21 of tests/kernels on an H100, before the examples were capped).
     step tests 240 python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider "${per_test[@]}" "${collect[@]}" tests/runner \
-        tests/models/test_hybrid_kv_cache.py::test_a_hybrid_cache_captures_its_decode_on_gpu tests/kernels
+        tests/models/test_hybrid_kv_cache.py::test_a_hybrid_cache_captures_its_decode_on_gpu \
+        tests/models/test_whisper.py::test_greedy_tokens_are_hfs \
+        "tests/models/test_whisper.py::test_cross_blocks_count_in_the_cache_and_survive_preemption" tests/kernels
     ;;
 *)
     echo "unknown stage $stage" >&2
