@@ -200,8 +200,9 @@ class BlockManager:
         return 1 + self.num_window_groups
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pool blocks a sequence computing `num_tokens` from scratch in one step takes."""
-        return self.pages_per_block * -(-num_tokens // self.block_size)
+        """Pool blocks a sequence computing `num_tokens` from scratch in one step takes (its
+        cross-attention blocks too, an encoder-decoder's)."""
+        return self.pages_per_block * -(-num_tokens // self.block_size) + self.cross_pages
 
     def num_new_blocks_needed(self, seq: Sequence, num_total_tokens: int) -> int:
         """Blocks to add so that `seq`'s tables cover `num_total_tokens` token slots (before

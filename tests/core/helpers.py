@@ -250,18 +250,19 @@ class Driver:
         dt: float = 1.0,
         prefix_caching: bool = False,
         layout: HybridLayout | None = None,
+        cross_tokens: int = 0,
         **config: Any,
     ) -> None:
         self.config = SchedulerConfig(**config)
         self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=prefix_caching,
-                               layout=layout)
-        capacity = num_blocks * block_size if layout is None else min(
+                               layout=layout, cross_tokens=cross_tokens)
+        capacity = (num_blocks - self.bm.cross_pages) * block_size if layout is None else min(
             layout.capacity(num_blocks, block_size, self.config.kv_chunk), 1 << 20)
         self.max_model_len = max_model_len or capacity
         self.sched = Scheduler(self.config, self.bm, self.max_model_len, frozenset({EOS}))
         self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks, shared_prefixes=prefix_caching,
                                  window=layout.window if layout else 0,
-                                 sliding_global=layout is not None and layout.all_sliding)
+                                 sliding_global=layout is not None and layout.all_sliding, cross_tokens=cross_tokens)
         self.now = 0.0
         self.dt = dt
         self.seqs: dict[int, Sequence] = {}

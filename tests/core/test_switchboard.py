@@ -296,12 +296,13 @@ class Board:
     requests: tuple[Req, ...]
     prefix_caching: bool = False
     layout: HybridLayout | None = None
+    cross_tokens: int = 0  # an encoder-decoder's (Whisper's): each sequence's cross-attention blocks' positions
 
     @property
     def max_model_len(self) -> int:
         if self.layout is not None:  # what one sequence's tables hold alone (as `plan_cache`)
             return self.layout.capacity(self.num_blocks, self.block_size, self.config.kv_chunk)
-        return self.num_blocks * self.block_size
+        return (self.num_blocks - blocks_for(self.cross_tokens, self.block_size)) * self.block_size
 
     @property
     def plenty_of_swap(self) -> bool:
@@ -706,10 +707,12 @@ def board_null(board: Board) -> int:
 
 
 def run_board(board: Board) -> BoardRun:
-    bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout)
+    bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout,
+                      cross_tokens=board.cross_tokens)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
     runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching,
-                        board.layout.window if board.layout else 0, board.layout is not None and board.layout.all_sliding)
+                        board.layout.window if board.layout else 0, board.layout is not None and board.layout.all_sliding,
+                        cross_tokens=board.cross_tokens)
     checker = Checker(board, sched)
     specs = {i: r for i, r in enumerate(board.requests) if admissible(board, r)}
     pending = sorted(specs, key=lambda i: (specs[i].arrival, i))
@@ -859,6 +862,33 @@ def test_every_switchboard_keeps_the_invariants_over_a_hybrid_cache(
     event("preempted" if run.sched.num_preemptions else "no preemption")
     if board.prefix_caching:
         event("prefix hits" if run.sched.block_manager.num_hit_tokens else "prefix caching, no hit")
+
+
+@pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
+@pytest.mark.parametrize("memory", MEMORY)
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_every_switchboard_keeps_the_invariants_with_cross_attention_blocks(
+    memory: str, prefill_mode: str, data: st.DataObject
+) -> None:
+    """The same invariants where every sequence also holds cross-attention blocks (Whisper's:
+    the encoder's positions' keys and values, `BlockManager.cross_pages`), the pool grown by one
+    sequence's worth of them: admission, displacement and preemption count them, a swap brings
+    them back and a recompute writes them again (the fake runner reads every one at each step),
+    and none leaks. No prefix cache (the engine runs Whisper without one)."""
+    board = data.draw(boards(memory, prefill_mode))
+    cross = data.draw(st.integers(1, 24))
+    board = dataclasses.replace(board, num_blocks=board.num_blocks + blocks_for(cross, board.block_size),
+                                prefix_caching=False, cross_tokens=cross)
+    run = run_board(board)
+    check_board_outputs(run, board)
+    event(f"policy={board.config.policy}")
+    event("swapped" if run.sched.num_swaps_out else "no swap")
+    event("preempted" if run.sched.num_preemptions else "no preemption")
 
 
 # == deterministic behaviour of each axis ===================================================
@@ -1143,6 +1173,23 @@ def test_priority_late_urgent_request_displaces_when_blocks_are_full(mode: str) 
     d.run()
     assert d.finish_order[0] == 2
     assert d.seqs[2].num_preemptions == 0 and d.sched.num_preemptions >= 1
+    d.check_outputs()
+
+
+def test_priority_urgent_request_displaces_for_its_cross_attention_blocks_too() -> None:
+    # Whisper's requests hold 2 cross blocks each (8 encoder positions, blocks of 4) beside their
+    # own: the running request holds 3 of 5, and the urgent prompt's one block fits the 2 free
+    # ones, but not with its cross blocks. It displaces the running one at once, rather than
+    # waiting behind a lower priority for want of blocks it did not count.
+    d = Driver(5, 4, policy="priority", max_num_seqs=8, cross_tokens=8)
+    d.add(0, 4, 8, priority=3)
+    d.step()
+    assert d.bm.num_free_blocks == 2
+    d.add(1, 4, 2, priority=0)
+    out = d.step()
+    assert [it.seq_id for it in out.scheduled] == [1] and out.preempted_seq_ids == [0]
+    d.run()
+    assert d.finish_order == [1, 0]
     d.check_outputs()
 
 
