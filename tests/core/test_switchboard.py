@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -800,14 +801,20 @@ MEMORY = ("recompute", "swap", "auto", "reserve")
 
 # One test per preemption setup and prefill mode, so that the search covers each; the other
 # axes (batching, admission, policy and their knobs) are drawn.
-@pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
-@pytest.mark.parametrize("memory", MEMORY)
-@settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(data=st.data())
+def over_every_board(max_examples: int) -> Callable[[Callable[..., None]], Any]:
+    """A test of `(memory, prefill_mode, data)` run for each memory and prefill mode, on
+    `max_examples` random boards each."""
+
+    def wrap(test: Callable[..., None]) -> Any:
+        test = given(data=st.data())(test)
+        test = settings(max_examples=max_examples, deadline=None,
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(test)
+        return pytest.mark.parametrize("prefill_mode", PREFILL_MODES)(pytest.mark.parametrize("memory", MEMORY)(test))
+
+    return wrap
+
+
+@over_every_board(100)
 def test_every_switchboard_keeps_the_invariants(memory: str, prefill_mode: str, data: st.DataObject) -> None:
     board = data.draw(boards(memory, prefill_mode))
     run = run_board(board)
@@ -836,14 +843,7 @@ def hybrid_boards(draw: st.DrawFn, memory: str, prefill_mode: str) -> Board:
     return dataclasses.replace(board, num_blocks=board.num_blocks * max(1, groups), layout=layout)
 
 
-@pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
-@pytest.mark.parametrize("memory", MEMORY)
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(data=st.data())
+@over_every_board(40)
 def test_every_switchboard_keeps_the_invariants_over_a_hybrid_cache(
     memory: str, prefill_mode: str, data: st.DataObject
 ) -> None:
@@ -864,14 +864,7 @@ def test_every_switchboard_keeps_the_invariants_over_a_hybrid_cache(
         event("prefix hits" if run.sched.block_manager.num_hit_tokens else "prefix caching, no hit")
 
 
-@pytest.mark.parametrize("prefill_mode", PREFILL_MODES)
-@pytest.mark.parametrize("memory", MEMORY)
-@settings(
-    max_examples=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(data=st.data())
+@over_every_board(30)
 def test_every_switchboard_keeps_the_invariants_with_cross_attention_blocks(
     memory: str, prefill_mode: str, data: st.DataObject
 ) -> None:
