@@ -34,6 +34,7 @@ that fail go round again, together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -293,9 +294,15 @@ class Transcriber:
             sampling: dict[str, Any] | None = None) -> Job:
         return Job(self, clips, language, before, task, temperatures, timestamps, seed, words, dict(sampling or {}))
 
+    @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids of the tokenizer's special tokens (its added ones marked special)."""
         return frozenset(i for i, t in self.tokenizer.hf.added_tokens_decoder.items() if t.special)
+
+    @functools.cached_property
+    def no_speech_id(self) -> int | None:
+        """`<|nospeech|>` (large-v3's) or `<|nocaptions|>` (the earlier models'), if either."""
+        return next((t for t in (token_id(self.tokenizer, n) for n in NO_SPEECH) if t is not None), None)
 
 
 @dataclass
@@ -371,7 +378,7 @@ class Job:
         encoder once). Nothing once every window is decoded."""
         whisper = self.whisper
         rules = whisper.rules(self.timestamps)
-        quiet = next((t for t in (token_id(whisper.tokenizer, n) for n in NO_SPEECH) if t is not None), None)
+        quiet = whisper.no_speech_id
         out: list[tuple[ImagePrompt, SamplingParams]] = []
         self.asked = []
         for i, (k, w) in enumerate(self.windows):
@@ -394,14 +401,14 @@ class Job:
     def took(self, outs: list[Any]) -> None:
         """`requests()`' outputs, in their order: each window's decode kept, and where it falls
         back, its next temperature asked."""
-        quiet = [token_id(self.whisper.tokenizer, n) for n in NO_SPEECH]
+        quiet = self.whisper.no_speech_id
         rules = self.whisper.rules(self.timestamps)
         at = 0
         for i, first in self.asked:
             choice = outs[at].outputs[0]
             if first:
                 q = outs[at + 1].outputs[0]
-                self.no_speech[i] = math.exp(q.logprobs[0].logprob) if q.logprobs and q.token_ids[0] in quiet else 0.0
+                self.no_speech[i] = math.exp(q.logprobs[0].logprob) if q.logprobs and q.token_ids[0] == quiet else 0.0
             at += 2 if first else 1
             attempt = self.attempt(choice, rules, self.tries[i])
             self.attempts[i] = attempt
@@ -423,7 +430,7 @@ class Job:
 
     def text_tokens(self, attempt: Attempt) -> list[int]:
         """A decode's text tokens: neither special, nor timestamps, nor the end."""
-        special = self.whisper.special_ids()
+        special = self.whisper.special_ids
         begin = self.whisper.rules(self.timestamps).timestamp_begin
         end = self.whisper.rules(False).end
         return [t for t in attempt.tokens if t not in special and t != end and (begin is None or t < begin)]
