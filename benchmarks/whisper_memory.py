@@ -10,6 +10,11 @@ float32) now lie in 94 of the cache's blocks, so the cache's budget bounds them 
 beyond its room wait; before (conveyor up to the forty-ninth session) they were kept beside the
 cache, every running request's on top of the budget. Run it against an older checkout with
 `PYTHONPATH=that/checkout` to compare (it uses only the public API).
+
+With `--pairs`, each clip's request comes with a one-token request of the same clip after
+`<|startoftranscript|>` alone, as a transcription scored for the temperature fallback or for
+timestamps asks its no-speech probability: each holds cross blocks of its own, the one-token
+request for its one step. "At most at once" counts the clips' own requests.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-memory-mb", type=int, default=256)
+    parser.add_argument("--pairs", action="store_true", help="each clip with a no-speech request of its own")
     args = parser.parse_args()
     torch.set_num_threads(2)
     g = np.random.default_rng(0)
@@ -51,15 +57,19 @@ def main() -> None:
         llm = LLM(str(path), kv_cache_memory=args.kv_memory_mb << 20)
         loaded = peak_mb()
         engine = llm.engine
+        quiet = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
         for k, c in enumerate(clips):
             engine.add_request(str(k), {"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": (c, RATE)}}, params)
+            if args.pairs:
+                engine.add_request(f"{k}q", {"prompt_token_ids": PROMPT[:1], "multi_modal_data": {"audio": (c, RATE)}},
+                                   quiet)
         most, done, start = 0, 0, time.perf_counter()
         while engine.has_unfinished_requests():
             done += sum(o.finished for o in engine.step())
-            most = max(most, len(engine.scheduler.running))
+            most = max(most, sum(not s.request_id.endswith("q") for s in engine.scheduler.running))
         took = time.perf_counter() - start
     print(f"{args.clips} clips of 10 s, {args.max_tokens} tokens each, kv_cache_memory {args.kv_memory_mb} MB: "
-          f"{done} done in {took:.2f} s, at most {most} at once; peak RSS {loaded:.0f} MB loaded, "
+          f"{done} requests done in {took:.2f} s, at most {most} clips' at once{' (and pairs)' if args.pairs else ''}; peak RSS {loaded:.0f} MB loaded, "
           f"{peak_mb():.0f} MB at the end (+{peak_mb() - loaded:.0f} MB)")
 
 
