@@ -5,8 +5,9 @@ to the encoder's output (cross-attention).
 The encoder is Qwen2-Audio's without the pool (conveyor/models/qwen_audio.py: two convolutions,
 learned positions, pre-norm layers), read whole: Whisper was trained on clips padded with silence
 to 30 seconds and attends over all 1500 positions, padding included, so nothing may be left out.
-A request's encoder runs once, at its first step; each decoder layer's cross-attention keys and
-values of those 1500 positions are made then and written into the paged cache, in the blocks of
+A request's encoder runs at its first step (its output kept in the runner's encoder cache, where a
+later request of the same clip finds it); each decoder layer's cross-attention keys and values of
+those 1500 positions are made then and written into the paged cache, in the blocks of
 the sequence's cross table (`BlockManager.cross_pages`: taken with its first blocks, released with
 them, so the cache's memory budget holds them and a preempted request's are made again), where
 every later step reads them (`AttentionBackend.cross`; vLLM's cross-attention blocks). The decoder: token and learned position embeddings, pre-norm layers of causal
