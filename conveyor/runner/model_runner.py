@@ -7,6 +7,7 @@ each sampling sequence's last row.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import OrderedDict
@@ -620,29 +621,25 @@ class ModelRunner:
         assert encoder is not None
         length = encoder.image_size
         bs, device = self.block_size, self.device
+        tables = torch.tensor([it.cross_table for it in items], dtype=torch.int64)  # [seqs, pages]
         clips: dict[bytes, Any] = {}
-        heard: dict[bytes, list[int]] = {}  # each clip's sequences' cross slots
+        heard: dict[bytes, list[torch.Tensor]] = {}  # each clip's sequences' cross slots
         offsets = torch.arange(length)
-        for it in items:
+        for i, it in enumerate(items):
             if it.start_pos == 0:
                 pixels = it.images[0].pixels
                 clips[pixels.digest] = pixels.values
-                table = torch.tensor(it.cross_table, dtype=torch.int64)
-                heard.setdefault(pixels.digest, []).extend((table[offsets // bs] * bs + offsets % bs).tolist())
+                heard.setdefault(pixels.digest, []).append(tables[i][offsets // bs] * bs + offsets % bs)
         encoded: list[torch.Tensor] = []
         if clips:
             model: Any = self.model
             got = self._through_encoder(clips, model.encode)
             encoded = [got[d] for d in clips]
-        rows, row_tables, end = [], [], 0
-        for it, n in zip(items, num_new, strict=True):
-            rows.append((end, end + n))
-            row_tables.extend([it.cross_table] * n)
-            end += n
-        meta = CrossMetadata(rows, to_device(torch.tensor([it.cross_table for it in items], dtype=torch.int64), device),
-                             to_device(torch.tensor(row_tables, dtype=torch.int64), device),
-                             to_device(torch.full((end,), length, dtype=torch.int64), device), length, bs)
-        slots = [to_device(torch.tensor(heard[d], dtype=torch.int64), device) for d in clips]
+        ends = list(itertools.accumulate(num_new))
+        meta = CrossMetadata(list(zip([0, *ends[:-1]], ends, strict=True)), to_device(tables, device),
+                             to_device(tables.repeat_interleave(torch.tensor(num_new), dim=0), device),
+                             to_device(torch.full((ends[-1],), length, dtype=torch.int64), device), length, bs)
+        slots = [to_device(torch.cat(heard[d]), device) for d in clips]
         return CrossStates(meta, encoded, slots)
 
     def holds_encoded(self, digest: bytes) -> bool:
