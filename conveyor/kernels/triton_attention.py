@@ -548,13 +548,6 @@ class TritonPagedAttention(AttentionBackend):
         self._decode(qkv, kv_cache, meta, scale, out, rope=(cos, sin, meta.slot_mapping))
         return out
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slots: torch.Tensor) -> None:
-        """K/V rows `[T, kv_heads, head_dim]` into their slots, as the torch reference writes them
-        (an encoder-decoder's cross keys and values, once a request: `AttentionBackend.cross`)."""
-        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
-
     def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
         """Cross-attention (Whisper's): each row a decode over all its sequence's encoder
         positions in the cache, through the decode kernel (split over the positions)."""

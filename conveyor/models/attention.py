@@ -493,9 +493,11 @@ class AttentionBackend(ABC):
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> None:
-        """K/V rows `[T, kv_heads, head_dim]` into their cache slots, outside a step's `forward`
-        (an encoder-decoder's cross keys and values, once a request)."""
-        raise NotImplementedError(f"{type(self).__name__} writes K/V only in forward")
+        """K/V rows `[T, kv_heads, head_dim]` into their cache slots (the torch reference's
+        write; outside a step's `forward`, an encoder-decoder's cross keys and values, once a
+        request)."""
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
     def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
         """An encoder-decoder's cross-attention of the step's rows `q` `[T, heads, head_dim]`
@@ -544,12 +546,6 @@ class TorchPagedAttention(AttentionBackend):
                           span.bias, scale, gqa)
             out[a:b] = o[0].transpose(0, 1)
         return out
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slots: torch.Tensor) -> None:
-        """This step's K/V rows `[T, kv_heads, head_dim]` into their cache slots."""
-        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
     def cross(self, q: torch.Tensor, kv_cache: torch.Tensor, cross: CrossMetadata, scale: float) -> torch.Tensor:
         """Cross-attention of the step's rows `q` `[T, heads, head_dim]` over their sequences'
