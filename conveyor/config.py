@@ -243,6 +243,18 @@ class CacheConfig:
             "computes its prompt again."
         ),
     )
+    kv_offloading_size: int = field(
+        default=0,
+        metadata=_help(
+            "Bytes of CPU memory for a second tier of the prefix cache (vLLM's KV offloading, SGLang's "
+            "hierarchical cache): a cached block evicted from the device cache is copied there, and "
+            "a later prompt that finds its prefix there copies it back instead of computing it "
+            "again; least recently used first out. 0: none. Needs prefix caching."
+        ),
+    )
+    num_offload_blocks: int | None = field(
+        default=None, metadata=_help("Exact number of CPU offloading blocks (overrides kv_offloading_size).")
+    )
     enable_prefix_caching: bool = field(
         default=True,
         metadata=_help(
@@ -293,6 +305,12 @@ class CacheConfig:
             self.num_swap_blocks is not None and self.num_swap_blocks < 0
         ):
             raise ConfigError("swap_space, kv_receive_space and num_swap_blocks must be >= 0")
+        if self.kv_offloading_size < 0 or (self.num_offload_blocks is not None and self.num_offload_blocks < 0):
+            raise ConfigError("kv_offloading_size and num_offload_blocks must be >= 0")
+        if (self.kv_offloading_size or self.num_offload_blocks) and not self.enable_prefix_caching:
+            raise ConfigError("KV offloading is a tier of the prefix cache: it needs enable_prefix_caching=True")
+        if (self.kv_offloading_size or self.num_offload_blocks) and self.hybrid_kv_cache:
+            raise ConfigError("KV offloading beside a hybrid KV cache is not built; leave one of them off")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -83,6 +83,8 @@ class StepRecord:
     seq_ids: tuple[int, ...] = ()  # the sequences this step computed (occupancy timelines)
     num_draft_tokens: int = 0  # speculative decoding: drafts verified (in num_decode_tokens) ...
     num_accepted_tokens: int = 0  # ... and those the model accepted
+    blocks_stored: int = 0  # KV offloading: cached blocks copied to its tier ...
+    blocks_loaded: int = 0  # ... and copied back for prefix hits
 
 
 @dataclass(slots=True)
@@ -326,7 +328,7 @@ class Engine:
             extra = sum(t.numel() for n, t in medusa[1].items() if n != "token_map")
         weight_bytes = (arch.num_params + (planned.num_params if planned else 0) + extra) * itemsize
         kv_dtype = _resolve_kv_dtype(config, dtype, device)
-        num_blocks, num_swap_blocks, max_len = _plan_cache(
+        num_blocks, num_swap_blocks, max_len, num_offload_blocks = _plan_cache(
             config, arch, kv_dtype, device, weight_bytes, draft_arch=planned
         )
         for name in ("quantization", "speculative_quantization"):
@@ -349,7 +351,7 @@ class Engine:
             name = str(dtype).removeprefix("torch.")
             peers = TensorParallelGroup(tp, Recipe(
                 str(path), name, str(kv_dtype).removeprefix("torch."), max_len, num_blocks,
-                config.cache.block_size, num_swap_blocks, threads or 1, mc.quantization, calibration,
+                config.cache.block_size, num_swap_blocks + num_offload_blocks, threads or 1, mc.quantization, calibration,
                 lora=(mc.max_lora_rank, mc.max_cpu_loras or config.scheduler.max_loras) if mc.enable_lora else None,
                 layout=hybrid_layout(config, arch),
             ), arch=full_arch)
@@ -386,7 +388,7 @@ class Engine:
             _classifier_from_tokens(model, tokenizer, mc.classifier_from_tokens, config)
         engine = cls._assemble(
             config, model, tokenizer, dtype, device, num_blocks, num_swap_blocks, max_len, kv_dtype, draft_model,
-            peers,
+            peers, num_offload_blocks,
         )
         if mtp is not None:  # the drafter: the MTP layer over the target's hidden states
             from conveyor.models.mtp import build_mtp
@@ -474,12 +476,12 @@ class Engine:
             draft_arch = draft_model.arch
             _check_draft(model.arch, draft_arch)
             positions = min(positions, draft_model.rotary.max_positions)
-        num_blocks, num_swap_blocks, max_len = _plan_cache(
+        num_blocks, num_swap_blocks, max_len, num_offload_blocks = _plan_cache(
             config, model.arch, kv_dtype, weight.device, 0, max_positions=positions, draft_arch=draft_arch
         )
         engine = cls._assemble(
             config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len, kv_dtype,
-            draft_model,
+            draft_model, num_offload_blocks=num_offload_blocks,
         )
         engine.model_path = model_path  # type: ignore[attr-defined]
         return engine
@@ -498,6 +500,7 @@ class Engine:
         kv_dtype: Any = None,
         draft_model: Any = None,
         peers: Any = None,
+        num_offload_blocks: int = 0,
     ) -> Engine:
         from conveyor.models.loader import ModelLoadError
         from conveyor.runner.model_runner import ModelRunner
@@ -515,7 +518,7 @@ class Engine:
         scheduler = Scheduler(
             config.scheduler,
             BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching,
-                         layout, cross_tokens=_cross_tokens(arch)),
+                         layout, cross_tokens=_cross_tokens(arch), num_offload_blocks=num_offload_blocks),
             max_len,
             eos_ids,
         )
@@ -535,7 +538,7 @@ class Engine:
 
         runner = ModelRunner(
             model, num_blocks, config.cache.block_size, dtype, device,
-            seed=mc.seed, num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
+            seed=mc.seed, num_swap_blocks=num_swap_blocks + num_offload_blocks, kv_dtype=kv_dtype, max_model_len=max_len,
             cuda_graph_max_batch=graphs(arch), layout=layout,
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
@@ -1581,6 +1584,8 @@ class Engine:
                 seq_ids=tuple(s.seq_id for s in sched_out.scheduled),
                 num_draft_tokens=sched_out.num_draft_tokens,
                 num_accepted_tokens=accepted,
+                blocks_stored=len(sched_out.blocks_to_store),
+                blocks_loaded=len(sched_out.blocks_to_load),
         )
         if self.trace:
             self.step_trace.append(self.last_step)
@@ -1599,8 +1604,8 @@ def plan_cache(
     max_positions: int | None = None,
     layout: HybridLayout | None = None,
     cross_tokens: int = 0,
-) -> tuple[int, int, int]:
-    """(device KV blocks, CPU swap blocks, max_model_len) for `config`; no torch, so the
+) -> tuple[int, int, int, int]:
+    """(device KV blocks, CPU swap blocks, max_model_len, CPU offloading blocks) for `config`; no torch, so the
     simulator sizes its cache by this same rule. `default_budget()` gives the KV bytes when
     the config names neither num_kv_blocks nor kv_cache_memory. With a hybrid `layout`,
     `kv_bytes_per_token` is a page's (its `page_layers` layers'), and a sequence's capacity
@@ -1664,7 +1669,13 @@ def plan_cache(
         num_swap_blocks = cc.num_swap_blocks
     elif cc.num_swap_blocks is None and block_bytes:
         num_swap_blocks = ((cc.swap_space if swaps else 0) + cc.kv_receive_space) // block_bytes
-    return num_blocks, num_swap_blocks, max_len
+    # KV offloading's tier: host blocks of its own (numbered after the swap blocks).
+    num_offload_blocks = cc.num_offload_blocks if cc.num_offload_blocks is not None else (
+        cc.kv_offloading_size // block_bytes if block_bytes else 0)
+    if num_offload_blocks and (layout is not None or cross_tokens or not block_bytes):
+        raise ConfigError("KV offloading is built for a decoder's whole KV cache (not a hybrid one, an "
+                          "encoder-decoder's or an encoder's); leave kv_offloading_size at 0")
+    return num_blocks, num_swap_blocks, max_len, num_offload_blocks
 
 
 def _classifier_from_tokens(model: Any, tokenizer: Tokenizer | None, tokens: tuple[str, ...],
@@ -1801,7 +1812,7 @@ def _plan_cache(
     weight_bytes: int,
     max_positions: int | None = None,
     draft_arch: Any = None,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int]:
     """`plan_cache` for a model (and its draft, whose K/V take a share of every block)."""
     import torch
 

@@ -11,13 +11,27 @@ frees it: it waits in the free pool, least recently freed first, and loses its h
 it is handed out again (evicted). A shared block is never written: a hit covers whole blocks
 and leaves at least one token to compute, so writes start in a block of the sequence's own.
 
+KV offloading (vLLM's CPU offloading, SGLang's hierarchical cache with its write-back policy):
+with `num_offload_blocks`, a second tier of the prefix cache in host memory. A cached block
+evicted from the device is copied there first (a store: a device-to-host copy the runner makes
+before the block is reused) unless the tier holds its hash already; a lookup whose chain leaves
+the device cache goes on in the tier, and each block found there is copied into a fresh device
+block (a load: host to device, before the step's attention reads it) and counts as computed.
+The tier evicts least recently used first. Its blocks are numbered after the swap blocks: the
+runner keeps one host tensor for both, and the copies travel in `SchedulerOutput`'s swap lists.
+A block registered in this very step (its K/V not written yet) is dropped, not stored, if it is
+evicted in the same step; a tier block that a copy of this step reads or writes is not
+evicted in the same step (its load would read another block's K/V; two stores into one
+block would race).
+
 Invariants (checked by `check_integrity`, which tests call after every step):
 - every block is either free (ref count 0, in the free pool exactly once) or used (ref count
   equal to the number of block tables that hold it);
 - free + used == total;
 - a sequence's block table covers at least its computed tokens and never more than it needs
   plus what the current step grants;
-- the prefix cache maps each hash to one block and that block back to the same hash.
+- the prefix cache maps each hash to one block and that block back to the same hash; so does
+  the offloading tier, whose blocks are each either free or holding one hash.
 No torch: this module plans memory, the runner owns the tensors.
 """
 
@@ -144,11 +158,14 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         layout: HybridLayout | None = None,
         cross_tokens: int = 0,
+        num_offload_blocks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
         if cross_tokens and layout is not None:
             raise ValueError("cross-attention blocks beside a hybrid layout are not built")
+        if num_offload_blocks and (layout is not None or not enable_prefix_caching):
+            raise ValueError("KV offloading is a tier of a whole (not hybrid) prefix cache")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # A hybrid cache's sliding groups (0: one table a sequence, every layer's K/V a block).
@@ -177,6 +194,17 @@ class BlockManager:
         # CPU swap space: a second, plain pool (swapped blocks are never shared).
         self.num_swap_blocks = num_swap_blocks
         self._swap_free: deque[int] = deque(range(num_swap_blocks))
+        # KV offloading's host tier: blocks num_swap_blocks.. of the runner's host tensor.
+        self.num_offload_blocks = num_offload_blocks
+        self._host_free: list[int] = list(range(num_swap_blocks + num_offload_blocks - 1, num_swap_blocks - 1, -1))
+        self._host_lru: OrderedDict[int, bytes] = OrderedDict()  # tier block -> hash, least recent first
+        self._host_cached: dict[bytes, int] = {}
+        self._stores: list[tuple[int, int]] = []  # (device block, tier block) copies for this step
+        self._loads: list[tuple[int, int]] = []  # (tier block, device block)
+        self._unwritten: set[int] = set()  # device blocks registered or loaded in this step
+        self._pinned: set[int] = set()  # tier blocks this step's copies read or write
+        self.num_offload_hit_tokens = 0  # of num_hit_tokens, those loaded from the tier
+        self.num_offload_stores = 0  # blocks copied to the tier
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -315,7 +343,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of `seq`'s longest registered prefix of full blocks, leaving at
         least its last token to compute (a step must compute a token to sample the next).
-        Changes nothing; `acquire` takes them."""
+        A block of the offloading tier appears as `~tier_block` (negative). Changes nothing;
+        `acquire` takes them."""
         if not self.enable_prefix_caching:
             return []
         known = len(seq.token_ids) - seq.num_pending  # placeholders have no ids to hash yet
@@ -328,10 +357,13 @@ class BlockManager:
         if self.sliding_global:  # no block before the window is read: the chain may have gaps
             h = num_blocks
         else:
+            host = self._host_cached if self.num_offload_blocks else None
             for i in range(num_blocks):
                 block = cached.get(hashes[i])
                 if block is None:
-                    break
+                    if host is None or (tier := host.get(hashes[i])) is None:
+                        break
+                    block = ~tier  # in the offloading tier: `acquire` loads it
                 hits.append(block)
             h = len(hits)
         if self.hybrid:
@@ -372,6 +404,9 @@ class BlockManager:
         """Free blocks admitting `seq` with the cached `hits` (`match_prefix`) takes to cover
         `num_total_tokens`: new ones, and the cached ones taken out of the free pool."""
         new = self.pages_per_block * (self.blocks_for_tokens(num_total_tokens) - len(hits)) + self.cross_pages
+        if self.num_offload_blocks:  # a tier hit takes a new device block to load into
+            loads = sum(1 for b in hits if b < 0)
+            return new + loads + self.num_evictable(b for b in hits if b >= 0)
         if self.hybrid and hits:
             dead = self._dead(len(hits) * self.block_size)
             return new + self.num_evictable(hits[self._global_start(dead):]) + sum(
@@ -385,26 +420,51 @@ class BlockManager:
 
     def acquire(self, seq: Sequence, blocks: list[int]) -> None:
         """Start `seq`'s (empty) table with the cached `blocks` from `match_prefix`, and count
-        the lookup (tokens queried, tokens hit) for the hit rate."""
+        the lookup (tokens queried, tokens hit) for the hit rate. The offloading tier's blocks
+        among them are loaded into new device blocks, registered at once (`take_copies`)."""
         assert not seq.block_table, f"{seq} already holds blocks"
         window = self._window_hits(seq, len(blocks)) if self.num_window_groups and blocks else []
         dead = self._dead(len(blocks) * self.block_size)
         counts, free = self._ref_counts, self._free
         own = blocks[self._global_start(dead):]
         for block in (*own, *(b for table in window for b in table[dead:])):
+            if block < 0:
+                continue  # in the offloading tier: `_load` gives it a device block
             assert self._block_hash[block] is not None, f"block {block} is not cached"
             if counts[block] == 0:
                 del free[block]
             counts[block] += 1
+        if own and min(own) < 0:
+            blocks = self._load(seq, blocks)
         seq.block_table = list(blocks)
         if self.hybrid and blocks:
             seq.window_tables, seq.window_start = window, dead
         self.num_queried_tokens += len(seq.token_ids) - seq.num_pending
         self.num_hit_tokens += len(blocks) * self.block_size
 
-    def cache_blocks(self, seq: Sequence, table: list[int], first: int, end: int) -> None:
-        """Register `table[first:end]`, full blocks of `seq` whose K/V a scheduled step writes.
-        A block already registered, or whose prefix another block already holds, is skipped."""
+    def _load(self, seq: Sequence, blocks: list[int]) -> list[int]:
+        """`blocks` with each tier block (`~tier`) replaced by a new device block that a load
+        fills this step, registered under its hash. The device hits are held already and the
+        tier blocks are pinned first: taking a device block may store an evicted one."""
+        self._pinned.update(~b for b in blocks if b < 0)
+        out = []
+        for i, b in enumerate(blocks):
+            if b < 0:
+                tier, b = ~b, self._take_free()
+                self._host_lru.move_to_end(tier)
+                self._loads.append((tier, b))
+                h = seq.block_hashes[i]
+                self._cached[h] = b
+                self._block_hash[b] = h
+                self._unwritten.add(b)
+                self.num_offload_hit_tokens += self.block_size
+            out.append(b)
+        return out
+
+    def cache_blocks(self, seq: Sequence, table: list[int], first: int, end: int, written: bool = True) -> None:
+        """Register `table[first:end]`, full blocks of `seq` whose K/V a scheduled step writes
+        (`written=False`: the step being scheduled, not yet run). A block already registered,
+        or whose prefix another block already holds, is skipped."""
         if not self.enable_prefix_caching:
             return
         hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq), seq.images)
@@ -414,6 +474,8 @@ class BlockManager:
             if hashed[block] is None and h not in cached:
                 cached[h] = block
                 hashed[block] = h
+                if not written and self.num_offload_blocks:
+                    self._unwritten.add(block)
         if self.num_window_groups and table is seq.block_table:
             # The sliding groups' blocks of the same tokens, each under the hash and its group.
             key = self._window_key
@@ -425,11 +487,54 @@ class BlockManager:
                         hashed[block] = h
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks in use stay in use). Returns how many were held."""
-        n = len(self._cached)
+        """Forget every cached prefix, the offloading tier's too (blocks in use stay in use).
+        Returns how many were held. Between steps: a load taken and not yet run reads nothing
+        the reset changes (the tier's blocks are only returned to its free list)."""
+        n = len(self._cached) + len(self._host_cached)
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
+        self._host_free.extend(self._host_lru)
+        self._host_lru.clear()
+        self._host_cached.clear()
         return n
+
+    # -- KV offloading ---------------------------------------------------------------------
+    @property
+    def num_offloaded_blocks(self) -> int:
+        """Blocks the offloading tier holds."""
+        return len(self._host_cached)
+
+    def _store(self, block: int, h: bytes) -> None:
+        """Copy evicted `block` (cached under `h`) to the tier, unless the tier holds `h` or
+        the block's K/V are not written yet; the tier's least recently used block makes room."""
+        host = self._host_cached
+        tier = host.get(h)
+        if tier is not None:
+            self._host_lru.move_to_end(tier)
+            return
+        if block in self._unwritten:
+            return
+        if self._host_free:
+            tier = self._host_free.pop()
+        else:
+            tier = next((t for t in self._host_lru if t not in self._pinned), None)
+            if tier is None:
+                return  # every tier block is copied this step: the block is dropped
+            del host[self._host_lru.pop(tier)]
+        host[h] = tier
+        self._host_lru[tier] = h
+        self._pinned.add(tier)  # one copy into a block a step
+        self._stores.append((block, tier))
+        self.num_offload_stores += 1
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (stores, loads), device-to-tier and tier-to-device copies the runner makes
+        with the step's swaps (stores first), and a new step begins for `_unwritten`/`_pinned`."""
+        stores, loads = self._stores, self._loads
+        self._stores, self._loads = [], []
+        self._unwritten.clear()
+        self._pinned.clear()
+        return stores, loads
 
     @property
     def num_cached_blocks(self) -> int:
@@ -442,6 +547,8 @@ class BlockManager:
         if h is not None:
             del self._cached[h]
             self._block_hash[block] = None
+            if self.num_offload_blocks:
+                self._store(block, h)
         self._ref_counts[block] = 1
         return block
 
@@ -577,3 +684,10 @@ class BlockManager:
             "a block has a hash the cache does not map back to it"
         )
         assert self.enable_prefix_caching or not self._cached, "a cache while prefix caching is off"
+        lo, hi = self.num_swap_blocks, self.num_swap_blocks + self.num_offload_blocks
+        assert all(lo <= t < hi for t in self._host_lru), "a tier block out of range"
+        assert len(self._host_lru) + len(self._host_free) == self.num_offload_blocks, "tier blocks leaked"
+        assert not set(self._host_lru) & set(self._host_free), "a tier block both free and held"
+        assert len(self._host_cached) == len(self._host_lru), "the tier's maps disagree"
+        for h, tier in self._host_cached.items():
+            assert self._host_lru[tier] == h, f"tier block {tier} is cached under another hash"

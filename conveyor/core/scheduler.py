@@ -97,11 +97,17 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # KV offloading (`BlockManager`): (device, tier) copies of evicted cached blocks and (tier,
+    # device) copies for prefix hits; the tier's blocks follow the swap blocks in one host
+    # pool. Stores run with the swap-outs, before anything else; loads with the swap-ins.
+    blocks_to_store: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to copy (a swap must run even in an idle step)."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_store or self.blocks_to_load)
 
     @property
     def num_tokens(self) -> int:
@@ -336,6 +342,8 @@ class Scheduler:
             self._decode_steps_since_admission = 0
         elif out.num_decode_tokens:
             self._decode_steps_since_admission += 1
+        if self.block_manager.num_offload_blocks:
+            out.blocks_to_store, out.blocks_to_load = self.block_manager.take_copies()
         return out
 
     def _admit(
@@ -711,7 +719,7 @@ class Scheduler:
             bs = self.block_manager.block_size
             known = min(end, len(tokens) - seq.num_pending)  # a placeholder has no id to hash
             if known // bs > start // bs:
-                self.block_manager.cache_blocks(seq, seq.block_table, start // bs, known // bs)
+                self.block_manager.cache_blocks(seq, seq.block_table, start // bs, known // bs, written=False)
         if sample:
             tokens.append(PLACEHOLDER)
             seq.num_pending += 1

@@ -312,13 +312,17 @@ class ModelRunner:
             for group in self.window_host_tables:
                 group.drop(seq_id)
         peers = self.peers
-        if peers is not None and (scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in):
-            peers.send(Step(swap_out=scheduler_output.blocks_to_swap_out, swap_in=scheduler_output.blocks_to_swap_in))
+        # KV offloading's stores and loads are copies to and from the same host pool.
+        swap_out, swap_in = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
+        if scheduler_output.blocks_to_store or scheduler_output.blocks_to_load:
+            swap_out, swap_in = swap_out + scheduler_output.blocks_to_store, swap_in + scheduler_output.blocks_to_load
+        if peers is not None and (swap_out or swap_in):
+            peers.send(Step(swap_out=swap_out, swap_in=swap_in))
         # All swap-outs first: their device blocks may be handed to others in this very step.
-        if scheduler_output.blocks_to_swap_out:
-            self._copy_blocks(self.kv_pages, self.swap_pages, scheduler_output.blocks_to_swap_out)
-        if scheduler_output.blocks_to_swap_in:
-            self._copy_blocks(self.swap_pages, self.kv_pages, scheduler_output.blocks_to_swap_in)
+        if swap_out:
+            self._copy_blocks(self.kv_pages, self.swap_pages, swap_out)
+        if swap_in:
+            self._copy_blocks(self.swap_pages, self.kv_pages, swap_in)
         cuda = self.device.type == "cuda"
         items = scheduler_output.scheduled
         if not items:

@@ -84,7 +84,8 @@ class StepShape:
     def of(cls, out: SchedulerOutput, window: int = 0, chain_span: int = 0) -> StepShape:
         """The step's shape; with `window`, also what a sliding layer's attention reads: each
         query the last `window` positions up to its own, the context those span."""
-        s = cls(swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in))
+        s = cls(swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+                + len(out.blocks_to_store) + len(out.blocks_to_load))  # (KV offloading's copies: the same link)
         for item in out.scheduled:
             n = len(item.token_ids)
             start = item.start_pos

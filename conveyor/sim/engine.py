@@ -513,7 +513,7 @@ def build_sim_engine(
         )
     layout = sim_hybrid_layout(config, model)
     block_share = 1.0 if layout is None else layout.page_layers / model.num_layers
-    num_blocks, num_swap, max_len = plan_cache(
+    num_blocks, num_swap, max_len, num_offload = plan_cache(
         config, block_kv_bytes_per_token(config, model, b, draft, layout),
         min(model.max_position_embeddings, draft.max_position_embeddings if draft else model.max_position_embeddings),
         lambda: kv_budget(config, hardware, model, b, draft), layout=layout,
@@ -522,11 +522,12 @@ def build_sim_engine(
     scheduler_config = config.scheduler
     if dp:  # the group's devices are one engine here: each seat, token and block a device's, n times
         # (the sequences spread evenly over them: `RooflineCostModel.local_shape`)
-        num_blocks, num_swap = num_blocks * tp, num_swap * tp
+        num_blocks, num_swap, num_offload = num_blocks * tp, num_swap * tp, num_offload * tp
         scheduler_config = dataclasses.replace(scheduler_config, max_num_seqs=scheduler_config.max_num_seqs * tp,
                                                max_num_batched_tokens=scheduler_config.max_num_batched_tokens * tp)
     scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap,
-                                                         config.cache.enable_prefix_caching, layout), max_len, eos)
+                                                         config.cache.enable_prefix_caching, layout,
+                                                         num_offload_blocks=num_offload), max_len, eos)
     fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
                                            pipeline_link_bandwidth, dp_attention=dp, fp8=fp8,

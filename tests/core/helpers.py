@@ -81,6 +81,10 @@ class FakeRunner:
     `shared_prefixes` a swapped-out device block is kept: another table may share it, and a
     freed block keeps its K/V for later prefix hits.
 
+    With `num_offload_blocks` (KV offloading's tier, `BlockManager`): host blocks after the swap
+    blocks; a store (`blocks_to_store`) runs with the swap-outs, a load (`blocks_to_load`) with
+    the swap-ins, and leaves the tier's copy in place for later hits.
+
     With `cross_tokens` (an encoder-decoder's cross-attention blocks, `BlockManager.cross_pages`):
     a sequence's first step (start 0) writes the encoder's `cross_tokens` positions into the
     slots of its cross table, tagged with the sequence and its epoch, and every later step reads
@@ -89,9 +93,10 @@ class FakeRunner:
 
     def __init__(
         self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False,
-        window: int = 0, sliding_global: bool = False, cross_tokens: int = 0,
+        window: int = 0, sliding_global: bool = False, cross_tokens: int = 0, num_offload_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.num_swap_blocks = num_swap_blocks
         self.cross_tokens = cross_tokens
         # A hybrid cache (`HybridLayout`): each sliding group's table is read over the window
         # before the step's first query only, its slots tagged with the group too; an entry
@@ -102,7 +107,7 @@ class FakeRunner:
         self.window_host_tables: dict[int, HostBlockTables] = {}
         self.shared_prefixes = shared_prefixes
         self.slots: list[Tag | None] = [None] * (num_blocks * block_size)
-        self.swap_slots: list[Tag | None] = [None] * (num_swap_blocks * block_size)
+        self.swap_slots: list[Tag | None] = [None] * ((num_swap_blocks + num_offload_blocks) * block_size)
         self.epoch: dict[int, int] = {}
         # Each sequence's device block table as of its latest computed step: a preempted
         # sequence is swapped iff all of these blocks are swap-out sources of the step.
@@ -148,7 +153,9 @@ class FakeRunner:
                 self.recomputed.append(seq_id)
                 self.epoch[seq_id] = self.epoch.get(seq_id, 0) + 1
         self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out, clear=not self.shared_prefixes)
+        self._copy(self.slots, self.swap_slots, out.blocks_to_store, clear=False)
         self._copy(self.swap_slots, self.slots, out.blocks_to_swap_in)
+        self._copy(self.swap_slots, self.slots, out.blocks_to_load, clear=False)
         sampled: dict[int, int] = {}
         self.accepted = {}
         # The tables as the model runner reads them: its rows kept from step to step, which
@@ -251,18 +258,20 @@ class Driver:
         prefix_caching: bool = False,
         layout: HybridLayout | None = None,
         cross_tokens: int = 0,
+        num_offload_blocks: int = 0,
         **config: Any,
     ) -> None:
         self.config = SchedulerConfig(**config)
         self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=prefix_caching,
-                               layout=layout, cross_tokens=cross_tokens)
+                               layout=layout, cross_tokens=cross_tokens, num_offload_blocks=num_offload_blocks)
         capacity = (num_blocks - self.bm.cross_pages) * block_size if layout is None else min(
             layout.capacity(num_blocks, block_size, self.config.kv_chunk), 1 << 20)
         self.max_model_len = max_model_len or capacity
         self.sched = Scheduler(self.config, self.bm, self.max_model_len, frozenset({EOS}))
         self.runner = FakeRunner(num_blocks, block_size, num_swap_blocks, shared_prefixes=prefix_caching,
                                  window=layout.window if layout else 0,
-                                 sliding_global=layout is not None and layout.all_sliding, cross_tokens=cross_tokens)
+                                 sliding_global=layout is not None and layout.all_sliding, cross_tokens=cross_tokens,
+                                 num_offload_blocks=num_offload_blocks)
         self.now = 0.0
         self.dt = dt
         self.seqs: dict[int, Sequence] = {}

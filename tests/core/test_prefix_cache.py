@@ -116,6 +116,104 @@ def test_reset_forgets_every_prefix_and_keeps_blocks_in_use() -> None:
     bm.check_integrity([a.block_table])
 
 
+# -- KV offloading: the prefix cache's host tier -------------------------------------------
+def test_an_evicted_block_is_stored_and_a_later_prompt_loads_it_back() -> None:
+    bm = BlockManager(3, 4, num_swap_blocks=2, enable_prefix_caching=True, num_offload_blocks=4)
+    a = seq_of(0, SHARED[:9])  # two full blocks and one token
+    admit(bm, a)
+    held = list(a.block_table)
+    bm.free(a)
+    assert bm.take_copies() == ([], [])
+    # Three new blocks evict a's two cached ones: each is copied to the tier (blocks 2.. of
+    # the host tensor, after the 2 swap blocks) before its new holder writes it.
+    c = seq_of(1, [0] * 12)
+    admit(bm, c)
+    stores, loads = bm.take_copies()
+    assert sorted(d for d, _ in stores) == sorted(held[:2]) and loads == []
+    assert all(2 <= t < 6 for _, t in stores)
+    assert bm.num_offloaded_blocks == 2 and bm.num_offload_stores == 2
+    bm.check_integrity([c.block_table])
+    bm.free(c)
+    # The prefix is gone from the device and found in the tier: two hits, each a load into a
+    # new device block, registered there at once (a third request hits the device).
+    b = seq_of(2, SHARED[:9])
+    hits = bm.match_prefix(b)
+    assert [~h for h in hits] == [t for _, t in sorted(stores, key=lambda p: held.index(p[0]))]
+    assert bm.admission_need(b, hits, 9) == 3  # two to load into, one for the rest
+    admit(bm, b)
+    stores, loads = bm.take_copies()
+    assert [(t, d) for t, d in loads] == [(~hits[0], b.block_table[0]), (~hits[1], b.block_table[1])]
+    assert bm.num_hit_tokens == 8 and bm.num_offload_hit_tokens == 8
+    assert bm.match_prefix(seq_of(3, SHARED[:9])) == b.block_table[:2]
+    bm.check_integrity([b.block_table])
+
+
+def test_the_tier_evicts_its_least_recently_used_block() -> None:
+    bm = BlockManager(2, 2, enable_prefix_caching=True, num_offload_blocks=2)
+    for i, t in enumerate([[1, 1, 1], [2, 2, 2], [3, 3, 3]]):
+        s = seq_of(i, t)
+        admit(bm, s)
+        bm.free(s)
+        bm.take_copies()
+    # [1, 1]'s block went to the tier first, then [2, 2]'s: the tier is full.
+    assert bm.num_offloaded_blocks == 2
+    touched = seq_of(10, [1, 1, 1])
+    assert bm.match_prefix(touched)[0] < 0
+    admit(bm, touched)  # loads [1, 1] back (the tier keeps it, now most recently used) ...
+    bm.free(touched)
+    bm.take_copies()
+    filler = seq_of(11, [4, 4, 4, 4])
+    admit(bm, filler)  # ... and evicts [3, 3] and [1, 1] from the device: [2, 2] leaves the tier
+    bm.take_copies()
+    assert bm.match_prefix(seq_of(12, [2, 2, 2])) == []
+    assert bm.match_prefix(seq_of(13, [1, 1, 1]))[0] < 0 and bm.match_prefix(seq_of(14, [3, 3, 3]))[0] < 0
+    bm.check_integrity([filler.block_table])
+
+
+def test_a_block_evicted_in_the_step_that_registers_it_is_not_stored() -> None:
+    """Its K/V are written by the step being scheduled, after the step's copies: a store would
+    copy what the block held before."""
+    bm = BlockManager(2, 2, enable_prefix_caching=True, num_offload_blocks=4)
+    a = seq_of(0, [1, 1, 1])
+    assert bm.allocate(a, 3)
+    bm.cache_blocks(a, a.block_table, 0, 1, written=False)
+    bm.free(a)
+    filler = seq_of(1, [2, 2, 2, 2])
+    assert bm.allocate(filler, 4)
+    assert bm.take_copies() == ([], [])
+    assert bm.num_offloaded_blocks == 0
+
+
+def test_a_tier_block_a_step_copies_is_not_evicted_in_that_step() -> None:
+    """A load reads its tier block after the step's stores: a store into it would replace the
+    K/V it loads. With a tier of one block that the step loads from, an eviction is dropped."""
+    bm = BlockManager(3, 2, enable_prefix_caching=True, num_offload_blocks=1)
+    a = seq_of(0, [1, 1, 1])
+    admit(bm, a)
+    bm.free(a)
+    admit(bm, filler := seq_of(1, [2] * 6))  # evicts [1, 1] to the tier
+    bm.free(filler)
+    bm.take_copies()
+    b = seq_of(2, [1, 1, 1])
+    hits = bm.match_prefix(b)
+    assert hits[0] < 0
+    admit(bm, b)  # its load takes a device block, evicting a cached [2, 2]: the tier is pinned
+    stores, loads = bm.take_copies()
+    assert stores == [] and loads == [(~hits[0], b.block_table[0])]
+    bm.check_integrity([b.block_table])
+
+
+def test_reset_empties_the_tier_too() -> None:
+    bm = BlockManager(2, 2, enable_prefix_caching=True, num_offload_blocks=2)
+    a = seq_of(0, [1, 1, 1])
+    admit(bm, a)
+    bm.free(a)
+    admit(bm, seq_of(1, [2, 2, 2, 2]))
+    assert bm.num_offloaded_blocks == 1
+    assert bm.reset_prefix_cache() == 3  # one block in the tier, the filler's two on the device
+    assert bm.num_offloaded_blocks == 0 and bm.match_prefix(seq_of(2, [1, 1, 1])) == []
+
+
 def test_integrity_catches_a_cache_entry_that_names_the_wrong_block() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     a = seq_of(0, SHARED[:12])

@@ -67,6 +67,7 @@ class Scenario:
     prefix_caching: bool = False
     cross_tokens: int = 0  # an encoder-decoder's: the encoder positions each sequence holds blocks for
     num_swap_blocks: int = 0
+    num_offload_blocks: int = 0  # KV offloading's tier (with prefix caching)
 
     @property
     def max_model_len(self) -> int:
@@ -93,6 +94,7 @@ class RunResult:
     steps: int
     num_preemptions: int
     num_hit_tokens: int = 0
+    num_offload_hit_tokens: int = 0
 
 
 def fcfs_key(seq: Sequence) -> tuple[float, int]:
@@ -221,10 +223,10 @@ def check_updates(
 
 def run_scenario(sc: Scenario) -> RunResult:
     bm = BlockManager(sc.num_blocks, sc.block_size, sc.num_swap_blocks, enable_prefix_caching=sc.prefix_caching,
-                      cross_tokens=sc.cross_tokens)
+                      cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks)
     sched = Scheduler(sc.config, bm, sc.max_model_len, frozenset({EOS}))
     runner = FakeRunner(sc.num_blocks, sc.block_size, sc.num_swap_blocks, shared_prefixes=sc.prefix_caching,
-                        cross_tokens=sc.cross_tokens)
+                        cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks)
     specs = {i: s for i, s in enumerate(sc.requests) if sc.admissible(s)}
     seqs: dict[int, Sequence] = {}
     reported_finished: Counter[int] = Counter()
@@ -270,7 +272,7 @@ def run_scenario(sc: Scenario) -> RunResult:
     reported_finished.update(last.finished_seq_ids)
     assert reported_finished == Counter(seqs.keys())
     assert sched.num_preemptions == sum(seq.num_preemptions for seq in seqs.values())
-    return RunResult(seqs, specs, step, sched.num_preemptions, bm.num_hit_tokens)
+    return RunResult(seqs, specs, step, sched.num_preemptions, bm.num_hit_tokens, bm.num_offload_hit_tokens)
 
 
 def check_outputs(result: RunResult, max_model_len: int) -> None:
@@ -356,6 +358,33 @@ def cross_scenarios(draw: st.DrawFn) -> Scenario:
 
 
 @st.composite
+def offload_scenarios(draw: st.DrawFn) -> Scenario:
+    """KV offloading: a device cache of a few blocks under prompts of a few shared families, so
+    that cached blocks are evicted to a tier of a few blocks and found there again, beside
+    every preemption mode (a swap pool of its own beside the tier)."""
+    chunked = draw(st.booleans())
+    mode = draw(st.sampled_from(PREEMPTION_MODES))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(17, 64))),
+        prefill_mode="chunked" if chunked else "mixed",
+        preemption_mode=mode,
+        **({"auto_swap_min_tokens": draw(st.integers(1, 16))} if mode == "auto" else {}),
+    )
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(2, max(2, 80 // block_size)))
+    num_swap_blocks = draw(st.integers(0, 40)) if mode != "recompute" else 0
+    max_model_len = num_blocks * block_size
+    longest = max(1, min(max_model_len - 1, 40))
+    if not chunked:
+        longest = min(longest, config.max_num_batched_tokens)
+    near_budget = min(config.max_num_batched_tokens, longest)
+    requests = draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=14))
+    return Scenario(config, block_size, num_blocks, requests, True, 0, num_swap_blocks,
+                    draw(st.integers(1, 24)))
+
+
+@st.composite
 def request_specs(draw: st.DrawFn, longest_prompt: int, near_budget: int) -> RequestSpec:
     max_tokens = draw(st.integers(1, 24))
     # Many requests at step 0 compete at once; later ones join a running batch.
@@ -408,6 +437,20 @@ def test_random_streams_with_chunked_prefill(sc: Scenario) -> None:
 @given(scenarios(chunked=False))
 def test_random_streams_without_chunked_prefill(sc: Scenario) -> None:
     check_random_stream(sc)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(offload_scenarios())
+def test_random_streams_with_kv_offloading(sc: Scenario) -> None:
+    """KV offloading's tier under random arrivals, aborts, preemption and eviction: every block
+    a load brings back holds the K/V of its prefix (the fake runner checks each read slot's
+    tag), nothing leaks (`check_integrity` after every schedule and update), and every request
+    generates what it generates alone."""
+    result = run_scenario(sc)
+    check_outputs(result, sc.max_model_len)
+    target(float(result.num_offload_hit_tokens), label="tier hits")
+    event("tier hits" if result.num_offload_hit_tokens else "no tier hit")
+    event(f"preemption_mode={sc.config.preemption_mode}")
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from conveyor.config import (
@@ -298,6 +298,7 @@ class Board:
     prefix_caching: bool = False
     layout: HybridLayout | None = None
     cross_tokens: int = 0  # an encoder-decoder's (Whisper's): each sequence's cross-attention blocks' positions
+    num_offload_blocks: int = 0  # KV offloading's tier of the prefix cache
 
     @property
     def max_model_len(self) -> int:
@@ -709,11 +710,11 @@ def board_null(board: Board) -> int:
 
 def run_board(board: Board) -> BoardRun:
     bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout,
-                      cross_tokens=board.cross_tokens)
+                      cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
     runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching,
                         board.layout.window if board.layout else 0, board.layout is not None and board.layout.all_sliding,
-                        cross_tokens=board.cross_tokens)
+                        cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks)
     checker = Checker(board, sched)
     specs = {i: r for i, r in enumerate(board.requests) if admissible(board, r)}
     pending = sorted(specs, key=lambda i: (specs[i].arrival, i))
@@ -829,6 +830,23 @@ def test_every_switchboard_keeps_the_invariants(memory: str, prefill_mode: str, 
     event("preempted" if run.sched.num_preemptions else "no preemption")
     if board.prefix_caching:
         event("prefix hits" if run.sched.block_manager.num_hit_tokens else "prefix caching, no hit")
+
+
+@over_every_board(30)
+def test_every_switchboard_keeps_the_invariants_with_kv_offloading(
+    memory: str, prefill_mode: str, data: st.DataObject
+) -> None:
+    """The same invariants with a tier of the prefix cache in host memory: evicted cached
+    blocks are stored there and loaded back for hits (the fake runner checks every slot a
+    step reads holds its prefix's K/V), under every axis and policy."""
+    board = data.draw(boards(memory, prefill_mode))
+    board = dataclasses.replace(board, prefix_caching=True, num_offload_blocks=data.draw(st.integers(1, 32)))
+    run = run_board(board)
+    check_board_outputs(run, board)
+    bm = run.sched.block_manager
+    target(float(bm.num_offload_hit_tokens), label="tier hits")
+    event("tier hits" if bm.num_offload_hit_tokens else "no tier hit")
+    event("preempted" if run.sched.num_preemptions else "no preemption")
 
 
 @st.composite
