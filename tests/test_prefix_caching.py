@@ -17,6 +17,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 from conveyor.config import PREFILL_MODES, EngineConfig
 from conveyor.engine import Engine
+from conveyor.server.metrics import ServerMetrics
 from tests.test_switchboard import drive, tokens
 
 BLOCK_SIZE = 4
@@ -150,3 +151,89 @@ def test_a_seeded_sample_is_the_same_with_and_without_a_hit(model_dir):
     first, again = (llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2))
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+# -- KV offloading: the prefix cache's host tier ---------------------------------------------
+def rotating_prefixes_workload(seed: int = 3) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Four 20-token "system prompts" asked in turn, twice round: a device cache of 12 blocks of
+    4 holds the K/V of about two of them, so each is evicted before its turn comes again."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 384) for _ in range(20)] for _ in range(4)]
+    prompts = [systems[i % 4] + [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))] for i in range(8)]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2) for _ in prompts]
+    return prompts, params
+
+
+def one_by_one(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
+    return [drive(engine, [p], [sp], tag=f"r{i}-")[0] for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+
+
+def logprobs_of(outs: list[Any]) -> list[float]:
+    """Each sampled token's log-probability and its top two's, all requests' in a row."""
+    return [lp for o in outs for t in o.outputs[0].logprobs for lp in (t.logprob, *(v for _, v in t.top or ()))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_offloaded_prefixes_come_back_with_their_kv(make_engine, async_scheduling):
+    """Evicted cached blocks are copied to the host tier and a later prompt loads them back: the
+    second round hits all 20 system-prompt tokens (5 blocks from the tier, none on the device),
+    and the tokens and log-probabilities equal those computed without any cache."""
+    prompts, params = rotating_prefixes_workload()
+    want = one_by_one(make_engine(enable_prefix_caching=False, num_kv_blocks=64), prompts, params)
+    without = one_by_one(make_engine(num_kv_blocks=12), prompts, params)
+    engine = make_engine(num_kv_blocks=12, num_offload_blocks=64, async_scheduling=async_scheduling)
+    outs = one_by_one(engine, prompts, params)
+    assert tokens(outs) == tokens(want)
+    assert logprobs_of(outs) == pytest.approx(logprobs_of(want), abs=1e-6)
+    assert [o.num_cached_tokens for o in without] == [0] * 8  # the device cache alone forgot each one
+    assert [o.num_cached_tokens for o in outs] == [0] * 4 + [20] * 4
+    bm = engine.scheduler.block_manager
+    assert bm.num_offload_hit_tokens == 80 and bm.num_offload_stores >= 20
+    loaded = sum(s.blocks_loaded for s in engine.step_trace)
+    assert loaded == 20 and sum(s.blocks_stored for s in engine.step_trace) == bm.num_offload_stores
+    metrics = ServerMetrics("m")  # what /metrics counts from the same step records
+    for record in engine.step_trace:
+        metrics.on_step(record)
+    text = metrics.render().decode()
+    assert 'conveyor:kv_offload_blocks_loaded_total{model_name="m"} 20.0' in text
+    assert f'conveyor:kv_offload_blocks_stored_total{{model_name="m"}} {float(bm.num_offload_stores)}' in text
+    # The steps computed each prompt less its hit, and each output but the last.
+    computed = sum(s.num_prefill_tokens + s.num_decode_tokens for s in engine.step_trace)
+    assert computed == sum(len(p) for p in prompts) - 80 + 8 * 3
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_offloading_under_preemption_keeps_the_tokens(make_engine, reference, preemption_mode):
+    """All at once into a cache too small for the batch: sequences are preempted (by swap, into
+    the same host pool as the tier, or by recompute, which may find its own blocks in the tier)
+    and cached blocks are evicted and loaded back while others run."""
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(preemption_mode=preemption_mode, num_kv_blocks=16, max_num_batched_tokens=32,
+                         num_swap_blocks=64, num_offload_blocks=24)
+    outs = drive(engine, prompts, params)
+    assert tokens(outs) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.block_manager.num_offload_stores > 0
+
+
+def test_reset_prefix_cache_forgets_the_tier_too(model_dir):
+    llm = LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=8, num_offload_blocks=16)
+    prompt, other = list(range(5, 30)), list(range(100, 125))
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    llm.generate([prompt], sp, use_tqdm=False)
+    llm.generate([other], sp, use_tqdm=False)  # evicts `prompt`'s blocks to the tier
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 24
+    assert llm.reset_prefix_cache()
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"num_offload_blocks": 8, "enable_prefix_caching": False}, "needs enable_prefix_caching"),
+    ({"kv_offloading_size": 1 << 20, "hybrid_kv_cache": True}, "hybrid"),
+    ({"kv_offloading_size": -1}, ">= 0"),
+])
+def test_offloading_options_are_checked(options, match):
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.from_kwargs(model="m", **options)

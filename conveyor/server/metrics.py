@@ -115,6 +115,12 @@ class ServerMetrics:
             "Prompt tokens looked up in the prefix cache (requests that produced a first token).")
         self.prefix_cache_hits = counter(
             "conveyor:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
+        self.offload_stored = counter(
+            "conveyor:kv_offload_blocks_stored",
+            "KV offloading: cached blocks copied to the host tier when evicted (--kv-offloading-size).")
+        self.offload_loaded = counter(
+            "conveyor:kv_offload_blocks_loaded",
+            "KV offloading: blocks copied back from the host tier for prefix-cache hits (in prefix_cache_hits).")
         self.spec_draft_tokens = counter(
             "conveyor:spec_decode_num_draft_tokens",
             "Speculative decoding: draft tokens verified (--speculative-method).")
@@ -154,6 +160,9 @@ class ServerMetrics:
         self.step_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
         if record.num_preempted:
             self.preemptions.inc(record.num_preempted)
+        if record.blocks_stored or record.blocks_loaded:
+            self.offload_stored.inc(record.blocks_stored)
+            self.offload_loaded.inc(record.blocks_loaded)
         if record.num_draft_tokens:
             self.spec_draft_tokens.inc(record.num_draft_tokens)
             self.spec_accepted_tokens.inc(record.num_accepted_tokens)

@@ -254,6 +254,30 @@ def test_every_request_gets_its_length_under_any_schedule(seed, batching, prefil
     assert engine.clock.now >= busy  # the clock also waits for arrivals
 
 
+def test_offloading_prices_its_copies_and_saves_the_prefills():
+    """Four 64-token prefixes in turn through a device cache that holds about one: the tier's
+    hits are loads over the host link (priced per block, as swaps) in place of prefills."""
+    rng = random.Random(2)
+    prefixes = [[rng.randrange(10, 900) for _ in range(64)] for _ in range(4)]
+    reqs = [TimedRequest(float(i), prefixes[i % 4] + [rng.randrange(10, 900) for _ in range(8)],
+                         SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)) for i in range(16)]
+    base = toy_engine(num_kv_blocks=8, max_num_seqs=1)
+    tier = toy_engine(num_kv_blocks=8, max_num_seqs=1, num_offload_blocks=32)
+    replay(base, reqs)
+    replay(tier, reqs)
+    bm = tier.scheduler.block_manager
+    assert base.scheduler.block_manager.num_hit_tokens == 0
+    assert bm.num_offload_hit_tokens == bm.num_hit_tokens == 12 * 64  # every turn after the first four
+    loads = [s for s in tier.step_trace if s.blocks_loaded]
+    assert sum(s.blocks_loaded for s in loads) == 12 * 4
+    swap_s = tier.cost_model._swap_s
+    for s in loads:  # each load step: the prompt's last 8 tokens and 4 blocks copied in
+        assert s.num_prefill_tokens == 8 and s.blocks_loaded == 4
+        assert s.duration_s > 4 * swap_s
+    assert sum(s.num_prefill_tokens for s in tier.step_trace) == 16 * 72 - 12 * 64
+    assert tier.runner_busy_s < base.runner_busy_s
+
+
 def test_continuous_beats_static_under_varied_lengths():
     rng = random.Random(0)
     reqs = [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=rng.choice([4, 200]), ignore_eos=True, temperature=0.0))
