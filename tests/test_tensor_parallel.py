@@ -107,6 +107,21 @@ def test_swapping_prefix_cache_and_embeddings(tiny_models):
         assert x.outputs.embedding == pytest.approx(y.outputs.embedding, abs=1e-9)
 
 
+def test_kv_offloading_stores_and_loads_each_ranks_blocks(tiny_models):
+    """KV offloading's tier over two ranks: each rank copies its own shard of an evicted block
+    out and back, and the hits give one rank's tokens and log-probabilities."""
+    path = tiny_models["llama"]
+    options = dict(num_kv_blocks=8, block_size=4, num_offload_blocks=32)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(3, 380) for _ in range(16)] for _ in range(3)]
+    prompts = [prefixes[i % 3] + [rng.randrange(3, 380)] for i in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    two, one = tp_llm(path, **options), LLM(str(path), dtype="float64", **options)
+    got = [run(two, [p], params)[0] for p in prompts]  # one at a time: each prefix evicted before its turn
+    assert_same(got, [run(one, [p], params)[0] for p in prompts])
+    assert two.engine.scheduler.block_manager.num_offload_hit_tokens == 3 * 16
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     requests=st.lists(
