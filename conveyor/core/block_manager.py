@@ -18,7 +18,8 @@ before the block is reused) unless the tier holds its hash already; a lookup who
 the device cache goes on in the tier, and each block found there is copied into a fresh device
 block (a load: host to device, before the step's attention reads it) and counts as computed.
 The tier evicts least recently used first. Its blocks are numbered after the swap blocks: the
-runner keeps one host tensor for both, and the copies travel in `SchedulerOutput`'s swap lists.
+runner keeps one host tensor for both; the copies travel in `SchedulerOutput.blocks_to_store`
+and `blocks_to_load` (`take_copies` hands them over at the end of each schedule).
 A block registered in this very step (its K/V not written yet) is dropped, not stored, if it is
 evicted in the same step; a tier block that a copy of this step reads or writes is not
 evicted in the same step (its load would read another block's K/V; two stores into one

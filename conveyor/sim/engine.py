@@ -615,4 +615,6 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
             "window": layout.window, "page_layers": layout.page_layers,
             "num_window_groups": layout.num_window_groups},
         "max_model_len": engine.max_model_len,
+        # KV offloading's host tier (its blocks hold what a device block does)
+        "offload_tokens": engine.scheduler.block_manager.num_offload_blocks * cfg.cache.block_size,
     }

@@ -276,6 +276,7 @@ def test_offloading_prices_its_copies_and_saves_the_prefills():
         assert s.duration_s > 4 * swap_s
     assert sum(s.num_prefill_tokens for s in tier.step_trace) == 16 * 72 - 12 * 64
     assert tier.runner_busy_s < base.runner_busy_s
+    assert describe_capacity(tier)["offload_tokens"] == 32 * 16 and not describe_capacity(base)["offload_tokens"]
 
 
 def test_continuous_beats_static_under_varied_lengths():
