@@ -321,7 +321,7 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 PREFILL_MODES = ("chunked", "mixed", "prefill_first")
 ADMISSION_TRIGGERS = ("every_step", "interval", "ratio")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-KV_RESERVATIONS = ("on_demand", "reserve")
+KV_RESERVATIONS = ("on_demand", "reserve", "estimate")
 
 
 @dataclass(frozen=True)
@@ -416,7 +416,25 @@ class SchedulerConfig:
     )
     kv_reservation: str = field(
         default="on_demand",
-        metadata=_help("on_demand (paged, blocks as needed) or reserve (prompt + max_tokens reserved at admission; never preempts)."),
+        metadata=_help(
+            "on_demand (paged, blocks as needed), reserve (prompt + max_tokens reserved at admission; never "
+            "preempts) or estimate (SGLang's: paged, but a request is admitted only if the free blocks also "
+            "cover a share, new_token_ratio, of every running request's remaining max_tokens; the share "
+            "decays while nothing is preempted and rises after a preemption)."
+        ),
+    )
+    init_new_token_ratio: float = field(
+        default=0.7,
+        metadata=_help("kv_reservation=estimate: the share of remaining max_tokens first expected (SGLang's 0.7)."),
+    )
+    min_new_token_ratio: float = field(
+        default=0.098,
+        metadata=_help("kv_reservation=estimate: the share it decays to (SGLang's 0.7 x 0.14)."),
+    )
+    new_token_ratio_decay_steps: int = field(
+        default=600,
+        metadata=_help("kv_reservation=estimate: decode steps the share takes to decay from its first value "
+                       "to its least (SGLang's 600)."),
     )
     async_scheduling: bool = field(
         default=False,
@@ -654,6 +672,16 @@ class SchedulerConfig:
             )
         if self.preemption_mode != "auto" and self._differs("auto_swap_min_tokens"):
             raise ConfigError("auto_swap_min_tokens applies only to preemption_mode='auto'")
+        ratio_knobs = ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps")
+        if self.kv_reservation != "estimate" and any(self._differs(k) for k in ratio_knobs):
+            raise ConfigError(f"{', '.join(ratio_knobs)} apply only to kv_reservation='estimate'")
+        if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ConfigError(
+                f"new-token ratios must be 0 < min_new_token_ratio ({self.min_new_token_ratio}) <= "
+                f"init_new_token_ratio ({self.init_new_token_ratio}) <= 1"
+            )
+        if self.new_token_ratio_decay_steps < 1:
+            raise ConfigError(f"new_token_ratio_decay_steps={self.new_token_ratio_decay_steps} must be at least 1")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -9,7 +9,9 @@ Output invariance is checked on the **full product**, not a covering array:
 - `test_every_combination_with_reserved_kv_never_preempts`: kv_reservation='reserve' over
   batching x prefill_mode x policy = 45 runs;
 - `test_admission_triggers_keep_outputs`: admission (interval, ratio) x prefill_mode x
-  preemption_mode = 18 continuous runs, the policy rotating through all five.
+  preemption_mode = 18 continuous runs, the policy rotating through all five;
+- `test_estimated_kv_keeps_outputs`: kv_reservation='estimate' over prefill_mode x
+  preemption_mode x two first ratios = 18 continuous runs, the policy rotating.
 Every run is compared with each request generated alone. This stays fast because the model is
 loaded once per module: each run builds a fresh `Engine` (its own KV cache, swap space,
 scheduler and trace) around the same weights with `Engine.from_model`, in milliseconds.
@@ -223,6 +225,26 @@ def test_every_combination_with_reserved_kv_never_preempts(
     check_trace(engine, outs)
     assert engine.scheduler.num_preemptions == 0
     assert all(s.num_preempted == 0 for s in engine.step_trace)
+
+
+ESTIMATES = list(itertools.product(PREFILL_MODES, PREEMPTION_MODES, [0.7, 0.05]))
+
+
+@pytest.mark.parametrize("index", range(len(ESTIMATES)))
+def test_estimated_kv_keeps_outputs(make_engine, requests_and_alone, index):
+    """kv_reservation='estimate' (SGLang's new-token ratio) over prefill_mode x preemption_mode
+    x a first ratio (SGLang's, and one so low that it preempts), continuous batching, the
+    policy rotating through all of them: the tokens are each request's alone."""
+    prefill_mode, preemption, ratio = ESTIMATES[index]
+    prompts, params, alone = requests_and_alone
+    engine = make_engine(prefill_mode=prefill_mode, kv_reservation="estimate", init_new_token_ratio=ratio,
+                         min_new_token_ratio=min(ratio, 0.098), **TIGHT,
+                         **scheduler_options("continuous", POLICIES[index % len(POLICIES)], preemption))
+    outs = drive(engine, prompts, params)
+    check_outputs(outs, params, alone)
+    check_trace(engine, outs)
+    if ratio < 0.1:  # admitted nearly as on demand: the tight cache runs short
+        assert engine.scheduler.num_preemptions > 0
 
 
 ADMISSIONS = [

@@ -19,6 +19,7 @@ No torch here.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -186,6 +187,10 @@ class Scheduler:
         self._acceptance: dict[int, list[int]] = {}
         self.batching = make_batching(config)
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        # kv_reservation='estimate' (SGLang's new-token ratio): the share of each running
+        # request's remaining max_tokens that admission expects it to still generate.
+        self.new_token_ratio = config.init_new_token_ratio
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / config.new_token_ratio_decay_steps
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -342,6 +347,8 @@ class Scheduler:
             self._decode_steps_since_admission = 0
         elif out.num_decode_tokens:
             self._decode_steps_since_admission += 1
+        if self.config.kv_reservation == "estimate":
+            self._adjust_ratio(out, len(out.preempted_seq_ids) > displaced)
         if self.block_manager.num_offload_blocks:
             out.blocks_to_store, out.blocks_to_load = self.block_manager.take_copies()
         return out
@@ -607,12 +614,45 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    # -- kv_reservation='estimate' (SGLang's admission by new-token ratio) -------------------
+    ESTIMATE_CLIP = 4096  # remaining max_tokens counted at most this many (SGLang's clip)
+
+    def _expected_tokens(self, seq: Sequence) -> int:
+        """The tokens `seq` is expected to hold in the end: its known tokens and the ratio's
+        share of what it may still generate (clipped, and within the model's length)."""
+        known = len(seq.token_ids) - seq.num_pending
+        left = min(seq.sampling_params.max_tokens - (known - seq.prompt_len), self.ESTIMATE_CLIP,
+                   self.max_model_len - known)
+        return known + math.ceil(self.new_token_ratio * max(left, 0))
+
+    def _expected_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` is expected to take beyond those it holds (`_expected_tokens`)."""
+        bm = self.block_manager
+        return bm.pages_per_block * max(0, bm.blocks_for_tokens(self._expected_tokens(seq)) - len(seq.block_table))
+
+    def _adjust_ratio(self, out: SchedulerOutput, short: bool) -> None:
+        """After a step's schedule: a preemption for memory means the ratio was too low; it is
+        raised to the running requests' share so far of their max_tokens, with 20 more steps
+        each (SGLang's retraction). A step of decodes lowers it by one decay step, to its least;
+        an empty engine starts again from the first value."""
+        cfg = self.config
+        if short and self.running:
+            decoded = sum(s.num_output_tokens for s in self.running)
+            most = sum(min(s.sampling_params.max_tokens, self.ESTIMATE_CLIP) for s in self.running)
+            self.new_token_ratio = min(1.0, max(cfg.min_new_token_ratio, (decoded + 20 * len(self.running)) / (most + 1)))
+        elif not (self.running or self.swapped):
+            self.new_token_ratio = cfg.init_new_token_ratio
+        elif out.num_decode_tokens:
+            self.new_token_ratio = max(self.new_token_ratio - self._ratio_decay, cfg.min_new_token_ratio)
+
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, eligible: list[Sequence], now: float
     ) -> bool:
         bm = self.block_manager
         seats = self.batching.seat_limit()
         reserve = self.config.kv_reservation == "reserve"
+        # 'estimate': blocks the running sequences are expected to take yet, kept free.
+        expected = sum(map(self._expected_blocks, self.running)) if self.config.kv_reservation == "estimate" else None
         admitted: list[Sequence] = []
         fresh = False
         caching = bm.enable_prefix_caching
@@ -641,15 +681,22 @@ class Scheduler:
                 target = max(target, min(seq.num_tokens + remaining, self.max_model_len))
             # Cached blocks in the free pool leave it when taken: they count as new.
             need = bm.admission_need(seq, hits, target)
-            # Keep a watermark of blocks for running decodes, unless the cache is otherwise idle.
+            # 'estimate': and the blocks it is expected to take after this step's.
+            later = 0 if expected is None else bm.pages_per_block * max(
+                0, bm.blocks_for_tokens(self._expected_tokens(seq)) - bm.blocks_for_tokens(target))
+            # Keep a watermark of blocks for running decodes (and, estimating, what they and
+            # this one are expected to take), unless the cache is otherwise idle.
             if num_new <= 0 or need > bm.num_free_blocks or (
-                not reserve and need + self.watermark_blocks > bm.num_free_blocks and self.running
+                not reserve and need + self.watermark_blocks + later + (expected or 0) > bm.num_free_blocks
+                and self.running
             ):
                 seq.num_computed_tokens = 0
                 break  # head-of-line: keep the policy's order
             if caching:
                 bm.acquire(seq, hits)
             bm.allocate(seq, target)
+            if expected is not None:
+                expected += self._expected_blocks(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now

@@ -121,6 +121,13 @@ def config_problem(kw: dict[str, Any]) -> str | None:
         return "reserve with swap"
     if get("preemption_mode") != "auto" and differs("auto_swap_min_tokens"):
         return "auto_swap_min_tokens"
+    ratio_knobs = ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps")
+    if get("kv_reservation") != "estimate" and any(differs(k) for k in ratio_knobs):
+        return "new-token ratio knobs"
+    if not 0 < get("min_new_token_ratio") <= get("init_new_token_ratio") <= 1:
+        return "new-token ratios"
+    if get("new_token_ratio_decay_steps") < 1:
+        return "new_token_ratio_decay_steps"
     return None
 
 
@@ -149,6 +156,9 @@ def any_scheduler_kwargs(draw: st.DrawFn) -> dict[str, Any]:
         "auto_swap_min_tokens": st.sampled_from([256, 16, -1]),
         "max_preemptions": st.sampled_from([3, 1, 0]),
         "kv_reservation": st.sampled_from(KV_RESERVATIONS),
+        "init_new_token_ratio": st.sampled_from([0.7, 0.3, 1.0, 1.5, 0.05]),
+        "min_new_token_ratio": st.sampled_from([0.098, 0.3, 0.0]),
+        "new_token_ratio_decay_steps": st.sampled_from([600, 10, 0]),
     }
     names = draw(st.sets(st.sampled_from(sorted(space)), max_size=6))
     return {name: draw(space[name]) for name in sorted(names)}
@@ -326,9 +336,13 @@ def switchboard_configs(draw: st.DrawFn, memory: str, prefill_mode: str) -> Sche
         batching=draw(st.sampled_from(BATCHING_MODES)),
         prefill_mode=prefill_mode,
         policy=draw(st.sampled_from(POLICIES)),
-        kv_reservation="reserve" if memory == "reserve" else "on_demand",
+        kv_reservation="reserve" if memory == "reserve" else draw(st.sampled_from(["on_demand", "estimate"])),
         max_preemptions=draw(st.integers(1, 4)),
     )
+    if kw["kv_reservation"] == "estimate" and draw(st.booleans()):  # SGLang's defaults, or a short decay
+        low = draw(st.sampled_from([0.01, 0.1, 0.5]))
+        kw.update(min_new_token_ratio=low, init_new_token_ratio=draw(st.sampled_from([low, 0.7, 1.0])),
+                  new_token_ratio_decay_steps=draw(st.integers(1, 20)))
     if kw["batching"] == "continuous":
         kw["admission"] = draw(st.sampled_from(ADMISSION_TRIGGERS))
     else:
@@ -518,7 +532,7 @@ class Checker:
             assert item.block_table is seq.block_table
             assert item.sample == (seq.num_pending == 1)  # the token to sample is a placeholder
             assert end == seq.num_tokens - seq.num_pending if item.sample else end < seq.num_tokens
-            if cfg.kv_reservation == "on_demand":
+            if cfg.kv_reservation != "reserve":  # (estimate allocates on demand too)
                 assert len(item.block_table) == blocks_for(end, bs)
             if before.computed[item.seq_id] == 0 and item.start_pos > 0:  # a prefix-cache hit
                 assert self.board.prefix_caching and item.start_pos % bs == 0, item
@@ -824,6 +838,7 @@ def test_every_switchboard_keeps_the_invariants(memory: str, prefill_mode: str, 
     if cfg.kv_reservation == "reserve":
         assert run.sched.num_preemptions == 0
     event(f"batching={cfg.batching}")
+    event(f"kv_reservation={cfg.kv_reservation}")
     event(f"policy={cfg.policy}")
     event(f"admission={cfg.admission}")
     event("swapped" if run.sched.num_swaps_out else "no swap")
@@ -1699,3 +1714,64 @@ def test_reserve_never_preempts_and_holds_its_blocks_from_admission() -> None:
     assert d.sched.num_preemptions == 0
     assert most_running == 48 // 18  # as many as their whole lengths fit, no more
     d.check_outputs()
+
+
+# -- kv_reservation='estimate' (SGLang's new-token ratio) --------------------------------------
+def test_estimate_admits_what_the_ratio_expects_to_fit_and_preempts_less() -> None:
+    """Eight requests of 6 prompt and 12 output tokens against 24 blocks of 2 (48 tokens): on
+    demand admits four at once (their prompts fit) and preempts as they grow; the estimate
+    counts 70% of each running request's 12 outputs too, so admits fewer and preempts less."""
+    on_demand = Driver(24, 2, max_num_seqs=8)
+    pressure(on_demand)
+    on_demand.run()
+    d = Driver(24, 2, max_num_seqs=8, kv_reservation="estimate")
+    pressure(d)
+    most_running = 0
+    while d.sched.has_unfinished():
+        d.step()
+        most_running = max(most_running, len(d.sched.running))
+    d.check_outputs()
+    assert d.sched.num_preemptions < on_demand.sched.num_preemptions
+    # 6 + ceil(0.7 x 12) = 15 tokens, 8 blocks each: three fit in 24 (the first admitted alone).
+    assert most_running == 3
+
+
+def test_estimate_ratio_decays_per_decode_step_and_resets_when_idle() -> None:
+    d = Driver(200, 4, max_num_seqs=2, kv_reservation="estimate", init_new_token_ratio=0.5,
+               min_new_token_ratio=0.1, new_token_ratio_decay_steps=4)
+    d.add(0, 8, 10)
+    ratios = []
+    while d.sched.has_unfinished():
+        d.step()
+        ratios.append(round(d.sched.new_token_ratio, 6))
+    # The prompt's step decodes nothing; each of the 9 decodes lowers it by 0.1, to 0.1; once
+    # nothing runs, the next schedule starts it again at 0.5.
+    assert ratios[:6] == [0.5, 0.4, 0.3, 0.2, 0.1, 0.1]
+    d.step()
+    assert d.sched.new_token_ratio == 0.5
+
+
+def test_estimate_ratio_rises_after_a_preemption_for_memory() -> None:
+    """With the least ratio the estimate admits as on demand does, runs short and preempts;
+    the ratio then becomes the running requests' decoded share of their max_tokens (plus 20
+    steps each), SGLang's retraction rule."""
+    d = Driver(24, 2, max_num_seqs=8, kv_reservation="estimate", init_new_token_ratio=0.01,
+               min_new_token_ratio=0.01)
+    pressure(d)
+    while d.sched.num_preemptions == 0:
+        d.step()
+    running = d.sched.running
+    want = min(1.0, (sum(s.num_output_tokens for s in running) + 20 * len(running)) / (12 * len(running) + 1))
+    assert d.sched.new_token_ratio == pytest.approx(want) and want > 0.01
+    d.run()
+    d.check_outputs()
+
+
+def test_estimate_never_keeps_a_lone_request_out() -> None:
+    """A request whose expected length outgrows the cache is admitted when nothing runs (it may
+    then be cut by the model's length, never kept waiting forever)."""
+    d = Driver(8, 2, max_num_seqs=4, kv_reservation="estimate", init_new_token_ratio=1.0)
+    d.add(0, 4, 40)  # 4 + 40 tokens expected, 16 fit
+    d.run()
+    d.check_outputs()
+    assert d.seqs[0].is_finished
