@@ -239,6 +239,10 @@ class SamplingParams:
     priority: int = 0
     expected_output_tokens: int | None = None
     tenant: str | None = None  # whose share the request counts against (policy "vtc"); the server's `user`
+    # vLLM's cache_salt: the prefix cache chains the request's first block onto it, so only
+    # requests given the same salt share cached K/V (a tenant's prompts cannot be probed by
+    # another's timing). It should be secret and long enough to guess at no better than chance.
+    cache_salt: str | None = None
     slo_ttft_ms: float | None = None  # this request's objectives (policy "slo"; default: the engine's)
     slo_tpot_ms: float | None = None
     # Constrained decoding: each token is drawn only from those that keep the output a
@@ -291,6 +295,8 @@ class SamplingParams:
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string (or left out)")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if self.temperature < 0:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, InvalidRequestError, SamplingParams
 from conveyor.config import PREFILL_MODES, EngineConfig
 from conveyor.engine import Engine
 from conveyor.server.metrics import ServerMetrics
@@ -134,6 +134,25 @@ def test_llm_generate_reports_cached_tokens_and_reset_forgets_them(model_dir):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.reset_prefix_cache()
     assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_cache_salt_hits_only_its_own_prefixes(model_dir):
+    """vLLM's cache_salt: the same prompt under another salt (or none) is computed again, under
+    the same salt it hits; the tokens are the same either way."""
+    llm = LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=64)
+    prompt = list(range(5, 30))
+
+    def cached(salt: str | None) -> tuple[int, list[int]]:
+        out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, cache_salt=salt), use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first = cached("tenant-a")
+    assert first[0] == 0
+    assert cached("tenant-b")[0] == 0 and cached(None)[0] == 0
+    assert cached("tenant-a") == (24, first[1])
+    assert cached(None) == (24, first[1])
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        SamplingParams(cache_salt="")
 
 
 def test_off_computes_every_prompt_token(make_engine, reference):

@@ -71,7 +71,11 @@ def chain_hashes(
 
 
 def _salt(seq: Sequence) -> bytes:
-    return b"" if seq.lora_request is None else seq.lora_request.hash_salt
+    """What the first block's hash chains onto: the LoRA adapter and the request's cache_salt
+    (vLLM's), so that other K/V or another tenant's never share a block with these tokens."""
+    salt = b"" if seq.lora_request is None else seq.lora_request.hash_salt
+    cache_salt = seq.sampling_params.cache_salt
+    return salt if cache_salt is None else salt + b"\x00cache_salt:" + cache_salt.encode()
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     # vLLM's beam search: `n` beams, the best n sequences as the choices (not streamed)
     use_beam_search: bool = False
     length_penalty: float = 1.0

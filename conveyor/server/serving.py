@@ -299,6 +299,8 @@ class _Handler:
         if b.user is not None:
             kwargs["extra"] = {"user": b.user}
             kwargs["tenant"] = b.user
+        if b.cache_salt is not None:
+            kwargs["cache_salt"] = b.cache_salt
         kwargs["structured_outputs"] = self.structured_outputs
         kwargs["logit_bias"] = self.logit_bias
         if b.allowed_token_ids is not None:

@@ -116,6 +116,22 @@ def test_reset_forgets_every_prefix_and_keeps_blocks_in_use() -> None:
     bm.check_integrity([a.block_table])
 
 
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt() -> None:
+    """vLLM's cache_salt: the first block chains onto it, so a request with another salt, or
+    none, finds nothing of these tokens; one with the same salt finds all of them."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+
+    def salted(seq_id: int, salt: str | None) -> Sequence:
+        return Sequence(seq_id, f"r{seq_id}", SHARED[:13], SamplingParams(cache_salt=salt), arrival_time=0.0)
+
+    admit(bm, salted(0, "alice-secret"))
+    assert bm.match_prefix(salted(1, "bob-secret")) == []
+    assert bm.match_prefix(salted(2, None)) == []
+    assert len(bm.match_prefix(salted(3, "alice-secret"))) == 3
+    admit(bm, salted(4, None))
+    assert len(bm.match_prefix(salted(5, None))) == 3 and bm.match_prefix(salted(6, "x")) == []
+
+
 # -- KV offloading: the prefix cache's host tier -------------------------------------------
 def test_an_evicted_block_is_stored_and_a_later_prompt_loads_it_back() -> None:
     bm = BlockManager(3, 4, num_swap_blocks=2, enable_prefix_caching=True, num_offload_blocks=4)

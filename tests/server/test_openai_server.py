@@ -388,6 +388,23 @@ def test_a_repeated_prompt_reports_its_cached_tokens(smol_server: ServerProcess,
     assert usage.prompt_tokens_details.cached_tokens == details.cached_tokens
 
 
+def test_a_cache_salt_keeps_a_repeated_prompt_out_of_another_salts_cache(client: openai.OpenAI) -> None:
+    """vLLM's cache_salt: the prompt another salt computed is not a hit; the same salt's is."""
+    prompt = "You are a careful assistant who answers in one word. " * 4 + "Which planet is red?"
+    kwargs: dict[str, Any] = dict(model="smollm2", prompt=prompt, max_tokens=2, temperature=0)
+
+    def cached(salt: str) -> int:
+        out = client.completions.create(**kwargs, extra_body={"cache_salt": salt})
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("a-long-random-secret-of-tenant-one") == 0
+    assert cached("a-long-random-secret-of-tenant-two") == 0
+    assert cached("a-long-random-secret-of-tenant-one") > 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(**kwargs, extra_body={"cache_salt": ""})
+
+
 def _wait_for_abort(url: str, aborted_before: float, timeout: float = 15.0) -> dict:
     """Poll /metrics until one more request is counted aborted and no KV block is in use."""
     deadline = time.monotonic() + timeout
