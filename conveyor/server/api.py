@@ -46,6 +46,7 @@ from conveyor.server.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from conveyor.server.responses import ResponsesHandler, ResponseStore
+from conveyor.server.security import install_security
 from conveyor.server.serving import (
     ChatCompletionHandler,
     CompletionHandler,
@@ -91,6 +92,7 @@ def build_app(
     app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
     app.state.conveyor = state
     install_error_handlers(app)
+    install_security(app, server_config)
 
     def check_accepting() -> None:
         if state.shutting_down:

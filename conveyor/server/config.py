@@ -112,6 +112,30 @@ class ServerConfig:
     )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
+    api_key: tuple[str, ...] = field(
+        default=(),
+        repr=False,  # (never in a log)
+        metadata=_help(
+            "Keys a request must present as `Authorization: Bearer KEY` (vLLM's --api-key; also read "
+            "from CONVEYOR_API_KEY); any one of them will do. Every route but /health, /ping, "
+            "/metrics and /version asks for one; a request without a right one gets HTTP 401. "
+            "Default: none asked."
+        ),
+    )
+    allowed_origins: tuple[str, ...] = field(
+        default=("*",), metadata=_help("CORS: origins a browser may call the API from (vLLM's default, every one).")
+    )
+    allowed_methods: tuple[str, ...] = field(default=("*",), metadata=_help("CORS: methods allowed."))
+    allowed_headers: tuple[str, ...] = field(default=("*",), metadata=_help("CORS: request headers allowed."))
+    allow_credentials: bool = field(default=False, metadata=_help("CORS: allow cookies and authorization headers."))
+    ssl_keyfile: str | None = field(default=None, metadata=_help("Serve HTTPS: the private key file (PEM)."))
+    ssl_certfile: str | None = field(default=None, metadata=_help("Serve HTTPS: the certificate file (PEM)."))
+    ssl_ca_certs: str | None = field(
+        default=None, metadata=_help("HTTPS: CA certificates that client certificates are checked against.")
+    )
+    root_path: str = field(
+        default="", metadata=_help("The path prefix a proxy serves the API under and strips (ASGI root_path).")
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -143,6 +167,18 @@ class ServerConfig:
             object.__setattr__(self, "lora_resolver", tuple(self.lora_resolver))
         if self.log_level not in ("trace", "debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"log_level={self.log_level!r}: use trace, debug, info, warning or error")
+        for name in ("api_key", "allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+        if any(not k for k in self.api_key):
+            raise ConfigError("api_key: keys must be non-empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("ssl_keyfile and ssl_certfile go together: HTTPS needs both")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ConfigError("ssl_ca_certs checks client certificates over HTTPS: it needs ssl_keyfile and ssl_certfile")
 
     @property
     def lora_requests(self) -> dict[str, LoRARequest]:

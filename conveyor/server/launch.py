@@ -13,7 +13,9 @@ A second signal skips the wait: everything is aborted at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -156,6 +158,12 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig, route
     """Load the model, serve until a signal, drain, return the exit status (0)."""
     router_config = router_config or RouterConfig()
     front: EngineFront
+    if not server_config.api_key and os.environ.get("CONVEYOR_API_KEY"):
+        server_config = dataclasses.replace(server_config, api_key=(os.environ["CONVEYOR_API_KEY"],))
+    for path in (server_config.ssl_keyfile, server_config.ssl_certfile, server_config.ssl_ca_certs):
+        if path is not None and not Path(path).is_file():
+            print(f"error: {path}: no such file (--ssl-keyfile, --ssl-certfile, --ssl-ca-certs)", file=sys.stderr)
+            return 1
     config = EngineConfig.from_kwargs(**engine_kwargs)  # a bad flag fails here, in either mode
     try:
         check_lora_modules(server_config, config)
@@ -182,11 +190,16 @@ def run_server(engine_kwargs: dict[str, Any], server_config: ServerConfig, route
         access_log=server_config.access_log,
         timeout_graceful_shutdown=int(_FLUSH_TIMEOUT_S),
         lifespan="on",
+        ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile,
+        ssl_ca_certs=server_config.ssl_ca_certs,
+        root_path=server_config.root_path,
     )
     server = _Server(uv_config, state, server_config.shutdown_timeout)
     logger.info(
-        "serving %s (max_model_len %d) on http://%s:%d",
-        state.model_name, front.max_model_len, server_config.host, server_config.port,
+        "serving %s (max_model_len %d) on %s://%s:%d%s",
+        state.model_name, front.max_model_len, "https" if server_config.ssl_certfile else "http",
+        server_config.host, server_config.port, ", API keys asked" if server_config.api_key else "",
     )
     asyncio.run(server.serve())
     return 0 if server.started else 1
