@@ -112,6 +112,11 @@ class ServerConfig:
     )
     log_level: str = field(default="info", metadata=_help("trace, debug, info, warning or error."))
     access_log: bool = field(default=False, metadata=_help("Log every HTTP request."))
+    return_tokens_as_token_ids: bool = field(
+        default=False,
+        metadata=_help("Logprobs name tokens as `token_id:N` rather than by their text, for tokens that are not "
+                       "whole characters (vLLM's; a request's field of the same name overrides it)."),
+    )
     api_key: tuple[str, ...] = field(
         default=(),
         repr=False,  # (never in a log)

@@ -228,6 +228,8 @@ class _Handler:
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
         self._fetched: dict[tuple[str, str], Pixels | bytes] = {}  # media made pixels (or fetched) by URL
+        self.ids_as_tokens = (state.config.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None
+                              else body.return_tokens_as_token_ids)
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
@@ -644,6 +646,14 @@ class _Handler:
         return field
 
     def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or `token_id:N` (no tokenizer, or
+        `return_tokens_as_token_ids`)."""
+        if self.tokenizer is None or self.ids_as_tokens:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def decoded(self, token_id: int) -> str:
+        """A token's text (what offsets count), whatever `token_text` names it."""
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -715,12 +725,11 @@ class CompletionHandler(_Handler):
         offsets: list[int] = []
 
         def put(token_id: int, e: TokenLogprob | None, at: int, k: int | None) -> int:
-            text = self.token_text(token_id)
-            tokens.append(text)
+            tokens.append(self.token_text(token_id))
             values.append(None if e is None else _clamp(e.logprob))
             tops.append(None if e is None else {self.token_text(t): _clamp(lp) for t, lp in (e.top or [])[:k]})
             offsets.append(at)
-            return at + len(text)
+            return at + len(self.decoded(token_id))
 
         at = 0
         for token_id, e in zip(*prompt, strict=True) if prompt is not None else ():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -403,6 +404,29 @@ def test_a_cache_salt_keeps_a_repeated_prompt_out_of_another_salts_cache(client:
     assert cached("a-long-random-secret-of-tenant-one") > 0
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(**kwargs, extra_body={"cache_salt": ""})
+
+
+def test_logprobs_can_name_tokens_by_id(smol_server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:N`, the ids whose text
+    the same request's plain logprobs give; offsets still count the text."""
+    kwargs: dict[str, Any] = dict(model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  logprobs=2)
+    plain = client.completions.create(**kwargs).choices[0]
+    ids = client.completions.create(**kwargs, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert ids.text == plain.text and ids.logprobs is not None and plain.logprobs is not None
+    assert ids.logprobs.text_offset == plain.logprobs.text_offset
+    assert ids.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    tokens = ids.logprobs.tokens or []
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens)
+    for t, text in zip(tokens, plain.logprobs.tokens or [], strict=True):
+        back = httpx.post(smol_server.url + "/detokenize", json={"tokens": [int(t.split(":")[1])]}).json()
+        assert back["prompt"] == text
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in ids.logprobs.top_logprobs or [] for k in top)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say yes."}], max_tokens=2, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content and all(re.fullmatch(r"token_id:\d+", c.token) for c in content)
 
 
 def _wait_for_abort(url: str, aborted_before: float, timeout: float = 15.0) -> dict:
