@@ -189,13 +189,16 @@ class ConveyorSystem:
         engine.finished_requests.clear()
         return engine
 
+    def params_of(self, r: BenchRequest) -> SamplingParams:
+        return bench_params(r)
+
     def run(self, requests: Sequence[BenchRequest], point: LoadPoint, progress: Progress | None = None) -> SystemRun:
         from conveyor.replay import TimedRequest, replay
         from conveyor.trace import trace_dict
 
         engine = self._engine()
         try:
-            params = {r.index: bench_params(r) for r in requests}
+            params = {r.index: self.params_of(r) for r in requests}
             t0 = engine.clock()
             if point.concurrency is not None:
                 outs = _closed_loop(engine, requests, params, point.concurrency, progress)
@@ -215,11 +218,19 @@ class ConveyorSystem:
         pass
 
 
-def bench_params(r: BenchRequest) -> SamplingParams:
-    """A bench request's sampling: greedy, exactly its output length."""
+def bench_params(r: BenchRequest, max_tokens_factor: float = 1.0) -> SamplingParams:
+    """A bench request's sampling: greedy, exactly its output length. With `max_tokens_factor`
+    F > 1 (the simulator's `--max-tokens-factor`), `max_tokens` is F times the output length,
+    as a client asks for more than an answer takes, and the request ends at its length by an
+    EOS the simulated runner samples there (`SimRunner`; `extra["sim_output_len"]`)."""
     from conveyor.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, tenant=r.tenant)
+    if max_tokens_factor <= 1.0:
+        return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, tenant=r.tenant)
+    from conveyor.sim.engine import SIM_STOP_TOKEN
+
+    return SamplingParams(max_tokens=math.ceil(r.output_len * max_tokens_factor), temperature=0.0, tenant=r.tenant,
+                          stop_token_ids=(SIM_STOP_TOKEN,), extra={"sim_output_len": r.output_len})
 
 
 def _prompt(r: BenchRequest) -> str | list[int]:

@@ -58,6 +58,10 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
     g.add_argument("--kv-transfer-gbps", type=float, default=50.0,
                    help="with --prefill-replicas/--decode-replicas: the link a handoff's K/V cross, in GB/s "
                         "(default 50: one 400 Gb/s NIC between machines; NVLink within one is ~450)")
+    g.add_argument("--max-tokens-factor", type=float, default=1.0, metavar="F",
+                   help="each request asks for F times its output length as max_tokens and ends at its length "
+                        "(an EOS the simulated model samples there), as clients ask for more than answers take: "
+                        "what kv_reservation=reserve or estimate hold back for (default 1: exactly its length)")
     g.add_argument("--spec-acceptance-rate", type=float, default=None,
                    help="with --speculative-method: the chance that the (absent) model accepts a draft, "
                         "independently per position (the simulator has no model to verify drafts)")
@@ -116,7 +120,7 @@ class SimSystem(ConveyorSystem):
                  params: Any, batch_size: int, cost_model: Any = None, router: dict[str, Any] | None = None,
                  acceptance_rate: float | None = None, link_bandwidth: float = 50e9,
                  rank_acceptance: tuple[float, ...] = (),
-                 pipeline_link_bandwidth: float | None = None) -> None:
+                 pipeline_link_bandwidth: float | None = None, max_tokens_factor: float = 1.0) -> None:
         """`cost_model` replaces the roofline model that `params` would build (a profiled table,
         or one that records the steps it prices); `router` holds `RouterConfig` options;
         `acceptance_rate` is the chance a speculative draft is accepted (`rank_acceptance`: a token
@@ -137,6 +141,12 @@ class SimSystem(ConveyorSystem):
         self.pipeline_link_bandwidth = pipeline_link_bandwidth
         self.last_engine: Any = None
         self.last_engines: list[Any] = []
+        self.max_tokens_factor = max_tokens_factor  # --max-tokens-factor
+
+    def params_of(self, r: Any) -> Any:
+        from conveyor.bench.offline import bench_params
+
+        return bench_params(r, self.max_tokens_factor)
 
     @staticmethod
     def check_backend(backend: str) -> None:
@@ -186,7 +196,8 @@ class SimSystem(ConveyorSystem):
         from conveyor.replay import TimedRequest
         from conveyor.trace import trace_dict
 
-        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r), f"bench-{r.index}") for r in requests]
+        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r, self.max_tokens_factor), f"bench-{r.index}")
+                 for r in requests]
         concurrency = int(point.value) if point.kind == "concurrency" else None
         t0 = max(e.clock() for e in engines)
         done = replay(timed, concurrency)
@@ -301,9 +312,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         {**options, **s.options}.get("speculative_method") for s in specs
     ):
         raise ValueError("--spec-acceptance-rate applies only with a --speculative-method (a flag or a CONFIG's)")
+    if args.max_tokens_factor < 1:
+        raise ValueError(f"--max-tokens-factor {args.max_tokens_factor}: at least 1 (max_tokens covers the answer)")
     slo = _slo(args)
     out = _out_dir(args, "simulate")
     requests, points, desc = build_workload(args, model.vocab_size)
+    if args.max_tokens_factor > 1:
+        desc["description"] += f", max_tokens {args.max_tokens_factor:g}x each output (ended by EOS at its length)"
+        desc["max_tokens_factor"] = args.max_tokens_factor
     result = report.new_result("simulate", desc, points, slo, args.slo_attainment, getattr(args, "argv", None))
     result["engine_options"] = options
     sim: dict[str, Any] = {"hardware": dataclasses.asdict(hardware), "model": dataclasses.asdict(model),
@@ -325,7 +341,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                      rank_acceptance=tuple(args.spec_rank_acceptance or ()),
                                      link_bandwidth=args.kv_transfer_gbps * 1e9,
                                      pipeline_link_bandwidth=None if args.pipeline_link_gbps is None
-                                     else args.pipeline_link_gbps * 1e9),
+                                     else args.pipeline_link_gbps * 1e9, max_tokens_factor=args.max_tokens_factor),
         options_of=lambda spec, system: {**dataclasses.asdict(system.config.scheduler),
                                          **dataclasses.asdict(system.router_config)},
         kind="simulated", on_point=on_point,

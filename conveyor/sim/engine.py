@@ -2,7 +2,8 @@
 with a `SimRunner` that returns each step's duration from a cost model instead of computing it.
 
 Nothing here imports torch or a model. A request ends where the workload says: bench requests
-carry `max_tokens=output_len, ignore_eos=True`, and the runner samples a token that is not EOS.
+carry `max_tokens=output_len, ignore_eos=True`, and the runner samples a token that is not EOS;
+with `--max-tokens-factor` they ask for more and stop on `SIM_STOP_TOKEN` at their length.
 
 Speculative decoding runs with the real scheduler and proposer, but the runner has no model to
 agree or disagree with the drafts: it accepts each draft with a given probability
@@ -53,6 +54,11 @@ from conveyor.sim.models import ModelShape
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
+# What a simulated request that asks more max_tokens than its answer takes stops on (a stop token
+# of its own: a simulated model need not name an EOS); never the token sampled otherwise (>= 1).
+SIM_STOP_TOKEN = 0
+
+
 class SimRunner:
     """The runner interface on a cost model: no tensors, a duration per step."""
 
@@ -100,12 +106,18 @@ class SimRunner:
         return self.result(scheduler_output, duration)
 
     def result(self, scheduler_output: SchedulerOutput, duration: float) -> RunnerOutput:
-        """The step's tokens (and accepted drafts), as if computed in `duration` seconds."""
+        """The step's tokens (and accepted drafts), as if computed in `duration` seconds:
+        `SIM_STOP_TOKEN` for the token that reaches a request's `extra["sim_output_len"]` (a
+        request asking more `max_tokens` than its answer takes stops on it, `bench_params`),
+        else a token that ends nothing."""
         tok = self.token_id
-        out = RunnerOutput(
-            sampled={s.seq_id: tok for s in scheduler_output.scheduled if s.sample},
-            duration_s=duration,
-        )
+        sampled = {s.seq_id: tok for s in scheduler_output.scheduled if s.sample}
+        for s in scheduler_output.scheduled:
+            n = s.sampling_params.extra.get("sim_output_len")
+            # (the token to sample's placeholder is counted in all_token_ids)
+            if s.sample and isinstance(n, int) and len(s.all_token_ids) - s.prompt_len >= n:
+                sampled[s.seq_id] = SIM_STOP_TOKEN
+        out = RunnerOutput(sampled=sampled, duration_s=duration)
         if self.acceptance_rate is not None:
             rate, draw = self.acceptance_rate, self._rng.random
             for item in scheduler_output.scheduled:
@@ -534,7 +546,8 @@ def build_sim_engine(
                                            expert_bytes=expert_weight_bytes(config, model), block_share=block_share)
     token = next(t for t in range(1, model.vocab_size) if t not in eos)
     kind = PipelineSimEngine if pp > 1 else SimEngine
-    engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed, rank_acceptance), None, max_len, model.vocab_size,
+    engine = kind(config, scheduler, SimRunner(cost, token, acceptance_rate, seed, rank_acceptance), None, max_len,
+                  model.vocab_size,
                   clock=VirtualClock(), trace=trace, max_trace_steps=max_trace_steps)
     if draft is not None:
         # (the MTP layer is in the checkpoint's format, FP8 too; a draft model at its own dtype)

@@ -279,6 +279,27 @@ def test_offloading_prices_its_copies_and_saves_the_prefills():
     assert describe_capacity(tier)["offload_tokens"] == 32 * 16 and not describe_capacity(base)["offload_tokens"]
 
 
+def test_a_max_tokens_factor_asks_for_more_and_stops_at_the_answers_length():
+    """`--max-tokens-factor`: max_tokens is F times the output length and the simulated model
+    stops each request at its length; `reserve` then holds F times the blocks, `on_demand` the
+    same as without, and `estimate` in between: the most requests each runs at once."""
+    from conveyor.bench.offline import bench_params
+    from conveyor.bench.workload import BenchRequest
+
+    rng = random.Random(3)
+    bench = [BenchRequest(i, tuple(rng.randrange(10, 900) for _ in range(20)), 20, rng.randint(8, 40)) for i in range(24)]
+    most = {}
+    for mode in ("on_demand", "estimate", "reserve"):
+        engine = toy_engine(num_kv_blocks=64, max_num_seqs=24, kv_reservation=mode)
+        outs = replay(engine, [TimedRequest(0.0, list(r.prompt), bench_params(r, 4.0)) for r in bench])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in bench]
+        assert {o.outputs[0].finish_reason for o in outs} == {"stop"}
+        most[mode] = max(st.num_running for st in engine.step_trace)
+    assert most["on_demand"] > most["estimate"] > most["reserve"] > 0, most
+    plain = bench_params(bench[0])
+    assert plain.max_tokens == bench[0].output_len and plain.ignore_eos
+
+
 def test_continuous_beats_static_under_varied_lengths():
     rng = random.Random(0)
     reqs = [TimedRequest(0.0, [5] * 64, SamplingParams(max_tokens=rng.choice([4, 200]), ignore_eos=True, temperature=0.0))
