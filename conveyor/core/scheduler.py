@@ -652,7 +652,8 @@ class Scheduler:
         seats = self.batching.seat_limit()
         reserve = self.config.kv_reservation == "reserve"
         # 'estimate': blocks the running sequences are expected to take yet, kept free.
-        expected = sum(map(self._expected_blocks, self.running)) if self.config.kv_reservation == "estimate" else None
+        expected = (sum(map(self._expected_blocks, self.running))
+                    if self.config.kv_reservation == "estimate" and eligible else None)
         admitted: list[Sequence] = []
         fresh = False
         caching = bm.enable_prefix_caching
