@@ -330,30 +330,40 @@ def scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
     return Scenario(config, block_size, num_blocks, requests, draw(st.booleans()))
 
 
+def preempting_config(draw: st.DrawFn) -> SchedulerConfig:
+    """Chunked or whole prompts, small batches and budgets, any preemption mode."""
+    mode = draw(st.sampled_from(PREEMPTION_MODES))
+    return SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(17, 64))),
+        prefill_mode="chunked" if draw(st.booleans()) else "mixed",
+        preemption_mode=mode,
+        **({"auto_swap_min_tokens": draw(st.integers(1, 16))} if mode == "auto" else {}),
+    )
+
+
+def requests_within(draw: st.DrawFn, config: SchedulerConfig, max_model_len: int, cap: int,
+                    max_size: int) -> list[RequestSpec]:
+    """Requests whose prompts fit the model (at most `cap` tokens) and, unchunked, the budget."""
+    longest = max(1, min(max_model_len - 1, cap))
+    if config.prefill_mode != "chunked":
+        longest = min(longest, config.max_num_batched_tokens)
+    near_budget = min(config.max_num_batched_tokens, longest)
+    return draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=max_size))
+
+
 @st.composite
 def cross_scenarios(draw: st.DrawFn) -> Scenario:
     """An encoder-decoder's (Whisper's): every sequence holds blocks for the encoder's positions
     beside its own, preempted by recompute (its cross blocks written again), swap or both."""
-    chunked = draw(st.booleans())
-    mode = draw(st.sampled_from(PREEMPTION_MODES))
-    config = SchedulerConfig(
-        max_num_seqs=draw(st.integers(1, 8)),
-        max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(17, 64))),
-        prefill_mode="chunked" if chunked else "mixed",
-        preemption_mode=mode,
-        **({"auto_swap_min_tokens": draw(st.integers(1, 16))} if mode == "auto" else {}),
-    )
+    config = preempting_config(draw)
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     cross_tokens = draw(st.integers(1, 24))
     # Room for one to three sequences beside their cross blocks: they compete and get preempted.
     num_blocks = blocks_for(cross_tokens, block_size) + draw(st.integers(1, 40))
-    num_swap_blocks = draw(st.integers(0, 80)) if mode != "recompute" else 0
+    num_swap_blocks = draw(st.integers(0, 80)) if config.preemption_mode != "recompute" else 0
     max_model_len = (num_blocks - blocks_for(cross_tokens, block_size)) * block_size
-    longest = max(1, min(max_model_len - 1, 32))
-    if not chunked:
-        longest = min(longest, config.max_num_batched_tokens)
-    near_budget = min(config.max_num_batched_tokens, longest)
-    requests = draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=10))
+    requests = requests_within(draw, config, max_model_len, 32, 10)
     return Scenario(config, block_size, num_blocks, requests, False, cross_tokens, num_swap_blocks)
 
 
@@ -362,24 +372,11 @@ def offload_scenarios(draw: st.DrawFn) -> Scenario:
     """KV offloading: a device cache of a few blocks under prompts of a few shared families, so
     that cached blocks are evicted to a tier of a few blocks and found there again, beside
     every preemption mode (a swap pool of its own beside the tier)."""
-    chunked = draw(st.booleans())
-    mode = draw(st.sampled_from(PREEMPTION_MODES))
-    config = SchedulerConfig(
-        max_num_seqs=draw(st.integers(1, 8)),
-        max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(17, 64))),
-        prefill_mode="chunked" if chunked else "mixed",
-        preemption_mode=mode,
-        **({"auto_swap_min_tokens": draw(st.integers(1, 16))} if mode == "auto" else {}),
-    )
+    config = preempting_config(draw)
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(2, max(2, 80 // block_size)))
-    num_swap_blocks = draw(st.integers(0, 40)) if mode != "recompute" else 0
-    max_model_len = num_blocks * block_size
-    longest = max(1, min(max_model_len - 1, 40))
-    if not chunked:
-        longest = min(longest, config.max_num_batched_tokens)
-    near_budget = min(config.max_num_batched_tokens, longest)
-    requests = draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=14))
+    num_swap_blocks = draw(st.integers(0, 40)) if config.preemption_mode != "recompute" else 0
+    requests = requests_within(draw, config, num_blocks * block_size, 40, 14)
     return Scenario(config, block_size, num_blocks, requests, True, 0, num_swap_blocks,
                     draw(st.integers(1, 24)))
 

@@ -1697,23 +1697,32 @@ def test_thrash_guard_spares_a_sequence_preempted_max_preemptions_times() -> Non
     assert spared and all(guarded.log[i].preempted_seq_ids == [2] for i in spared)
 
 
-def test_reserve_never_preempts_and_holds_its_blocks_from_admission() -> None:
-    on_demand = Driver(24, 2, max_num_seqs=8)
-    pressure(on_demand)
-    on_demand.run()
-    assert on_demand.sched.num_preemptions > 0
-
-    d = Driver(24, 2, max_num_seqs=8, kv_reservation="reserve")
+def run_pressured(**config: Any) -> tuple[Driver, int]:
+    """`pressure` on 24 blocks of 2 under `config`, run to the end: the driver, and the most
+    sequences that ran at once (every running table checked by `check_running`, if given)."""
+    check = config.pop("check_running", None)
+    d = Driver(24, 2, max_num_seqs=8, **config)
     pressure(d)
-    most_running = 0
+    most = 0
     while d.sched.has_unfinished():
         d.step()
-        most_running = max(most_running, len(d.sched.running))
-        for seq in d.sched.running:
-            assert len(seq.block_table) == blocks_for(min(6 + 12, d.max_model_len), 2)
+        most = max(most, len(d.sched.running))
+        for seq in d.sched.running if check else ():
+            check(d, seq)
+    d.check_outputs()
+    return d, most
+
+
+def test_reserve_never_preempts_and_holds_its_blocks_from_admission() -> None:
+    on_demand, _ = run_pressured()
+    assert on_demand.sched.num_preemptions > 0
+
+    def whole(d: Driver, seq: Sequence) -> None:
+        assert len(seq.block_table) == blocks_for(min(6 + 12, d.max_model_len), 2)
+
+    d, most_running = run_pressured(kv_reservation="reserve", check_running=whole)
     assert d.sched.num_preemptions == 0
     assert most_running == 48 // 18  # as many as their whole lengths fit, no more
-    d.check_outputs()
 
 
 # -- kv_reservation='estimate' (SGLang's new-token ratio) --------------------------------------
@@ -1721,16 +1730,8 @@ def test_estimate_admits_what_the_ratio_expects_to_fit_and_preempts_less() -> No
     """Eight requests of 6 prompt and 12 output tokens against 24 blocks of 2 (48 tokens): on
     demand admits four at once (their prompts fit) and preempts as they grow; the estimate
     counts 70% of each running request's 12 outputs too, so admits fewer and preempts less."""
-    on_demand = Driver(24, 2, max_num_seqs=8)
-    pressure(on_demand)
-    on_demand.run()
-    d = Driver(24, 2, max_num_seqs=8, kv_reservation="estimate")
-    pressure(d)
-    most_running = 0
-    while d.sched.has_unfinished():
-        d.step()
-        most_running = max(most_running, len(d.sched.running))
-    d.check_outputs()
+    on_demand, _ = run_pressured()
+    d, most_running = run_pressured(kv_reservation="estimate")
     assert d.sched.num_preemptions < on_demand.sched.num_preemptions
     # 6 + ceil(0.7 x 12) = 15 tokens, 8 blocks each: three fit in 24 (the first admitted alone).
     assert most_running == 3
