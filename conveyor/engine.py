@@ -1672,6 +1672,12 @@ def plan_cache(
     # KV offloading's tier: host blocks of its own (numbered after the swap blocks).
     num_offload_blocks = cc.num_offload_blocks if cc.num_offload_blocks is not None else (
         cc.kv_offloading_size // block_bytes if block_bytes else 0)
+    if cc.kv_offloading_size and block_bytes and not num_offload_blocks:
+        raise ConfigError(
+            f"kv_offloading_size={cc.kv_offloading_size} bytes holds no KV block of {block_bytes} bytes "
+            f"(it is in bytes, where vLLM's --kv-offloading-size is in GiB: {cc.kv_offloading_size} GiB is "
+            f"{cc.kv_offloading_size << 30})"
+        )
     if num_offload_blocks and (layout is not None or cross_tokens or not block_bytes):
         raise ConfigError("KV offloading is built for a decoder's whole KV cache (not a hybrid one, an "
                           "encoder-decoder's or an encoder's); leave kv_offloading_size at 0")

@@ -251,6 +251,13 @@ def test_reset_prefix_cache_forgets_the_tier_too(model_dir):
     ({"kv_offloading_size": 1 << 20, "hybrid_kv_cache": True}, "hybrid"),
     ({"kv_offloading_size": -1}, ">= 0"),
 ])
+def test_a_tier_too_small_for_a_block_is_refused_with_the_unit(model_dir):
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="in bytes, where vLLM's --kv-offloading-size is in GiB"):
+        LLM(model_dir, dtype="float64", num_kv_blocks=8, kv_offloading_size=8)
+
+
 def test_offloading_options_are_checked(options, match):
     from conveyor.config import ConfigError
 
