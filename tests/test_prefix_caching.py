@@ -246,11 +246,6 @@ def test_reset_prefix_cache_forgets_the_tier_too(model_dir):
     assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"num_offload_blocks": 8, "enable_prefix_caching": False}, "needs enable_prefix_caching"),
-    ({"kv_offloading_size": 1 << 20, "hybrid_kv_cache": True}, "hybrid"),
-    ({"kv_offloading_size": -1}, ">= 0"),
-])
 def test_a_tier_too_small_for_a_block_is_refused_with_the_unit(model_dir):
     from conveyor.config import ConfigError
 
@@ -258,6 +253,11 @@ def test_a_tier_too_small_for_a_block_is_refused_with_the_unit(model_dir):
         LLM(model_dir, dtype="float64", num_kv_blocks=8, kv_offloading_size=8)
 
 
+@pytest.mark.parametrize(("options", "match"), [
+    ({"num_offload_blocks": 8, "enable_prefix_caching": False}, "needs enable_prefix_caching"),
+    ({"kv_offloading_size": 1 << 20, "hybrid_kv_cache": True}, "hybrid"),
+    ({"kv_offloading_size": -1}, ">= 0"),
+])
 def test_offloading_options_are_checked(options, match):
     from conveyor.config import ConfigError
 
