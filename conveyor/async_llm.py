@@ -199,6 +199,15 @@ class AsyncLLM:
         self._start()
         return await self._front.call_engine(name, *args)
 
+    # -- caches (vLLM's AsyncLLM.reset_prefix_cache, reset_mm_cache) ---------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, the KV offloading tier's too (`Engine.reset_prefix_cache`)."""
+        return bool(await self._call("reset_prefix_cache"))
+
+    async def reset_mm_cache(self) -> bool:
+        """Forget every media item's encoder output (`Engine.reset_mm_cache`)."""
+        return bool(await self._call("reset_mm_cache"))
+
     # -- adapters (vLLM's AsyncLLM.add_lora, remove_lora, list_loras, pin_lora) ---------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter before any request names it (a bad one raises here); `Engine.add_lora`."""

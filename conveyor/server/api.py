@@ -231,6 +231,24 @@ def build_app(
         check_accepting()
         return await transcribe(state, raw, "translate", check_model)
 
+    async def reset(name: str) -> Response:
+        check_accepting()
+        try:
+            await async_engine.call_engine(name)
+        except NotImplementedError as e:
+            raise APIError(501, str(e), "not_implemented_error") from None
+        return Response(status_code=200)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's: forget every cached prefix (the offloading tier's too) on every engine."""
+        return await reset("reset_prefix_cache")
+
+    @app.post("/reset_mm_cache")
+    async def reset_mm_cache() -> Response:
+        """vLLM's: forget the encoder outputs every engine's encoder cache keeps."""
+        return await reset("reset_mm_cache")
+
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
         await check_model(body.model)

@@ -175,7 +175,10 @@ class _AbortAll:
 
 
 # The engine's own calls a front runs for its caller, between two steps (`call_engine`).
-ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "cross_weights"})
+ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "cross_weights",
+                          "reset_prefix_cache", "reset_mm_cache"})
+# Calls that empty an engine's caches: a front of several engines runs them on every one.
+CACHE_RESETS = frozenset({"reset_prefix_cache", "reset_mm_cache"})
 
 
 @dataclass(slots=True)
@@ -455,8 +458,8 @@ class AsyncEngine(EngineFront):
     # -- the engine's own calls (event loop) -------------------------------------------------
     async def call_engine(self, name: str, *args: Any) -> Any:
         """Run one of the engine's calls (`ENGINE_CALLS`: its adapters' `add_lora`,
-        `remove_lora`, `list_loras`, `pin_lora`; Whisper's `cross_weights`) where the engine
-        runs, between two steps; its result, or what it raises."""
+        `remove_lora`, `list_loras`, `pin_lora`; Whisper's `cross_weights`; the cache resets)
+        where the engine runs, between two steps; its result, or what it raises."""
         if name not in ENGINE_CALLS:
             raise ValueError(f"{name!r} is not an engine call a front runs ({', '.join(sorted(ENGINE_CALLS))})")
         assert self._loop is not None, "start() first"

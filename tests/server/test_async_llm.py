@@ -124,6 +124,28 @@ def test_deltas_add_up_and_a_consumer_that_leaves_aborts(tiny_model: Path, refer
 
 
 @MODES
+def test_reset_prefix_cache_forgets_the_engines_prefixes(tiny_model: Path, process: bool) -> None:
+    """vLLM's `AsyncLLM.reset_prefix_cache`, run where the engine runs, between two steps."""
+    prompt = list(range(100, 140))
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def cached(llm: AsyncLLM, rid: str) -> int:
+        last = None
+        async for out in llm.generate(prompt, greedy, rid):
+            last = out
+        assert last is not None
+        return last.num_cached_tokens
+
+    async def main() -> list[int]:
+        async with make(tiny_model, process) as llm:
+            first, again = await cached(llm, "a"), await cached(llm, "b")
+            assert await llm.reset_prefix_cache() and await llm.reset_mm_cache()
+            return [first, again, await cached(llm, "c")]
+
+    assert asyncio.run(main()) == [0, 32, 0]
+
+
+@MODES
 def test_a_bad_request_raises_before_any_output_and_the_others_go_on(tiny_model: Path, process: bool) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

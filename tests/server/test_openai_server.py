@@ -429,6 +429,24 @@ def test_logprobs_can_name_tokens_by_id(smol_server: ServerProcess, client: open
     assert content and all(re.fullmatch(r"token_id:\d+", c.token) for c in content)
 
 
+def test_reset_prefix_cache_route_forgets_the_served_prefixes(smol_server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM's POST /reset_prefix_cache, through the engine process: a repeated prompt hits before
+    it and not after it."""
+    prompt = "You are a patient assistant who answers briefly. " * 4 + "What is two plus two?"
+    kwargs: dict[str, Any] = dict(model="smollm2", prompt=prompt, max_tokens=2, temperature=0)
+
+    def cached() -> int:
+        usage = client.completions.create(**kwargs).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0
+
+    cached()
+    assert cached() > 0
+    assert httpx.post(smol_server.url + "/reset_prefix_cache").status_code == 200
+    assert cached() == 0
+    assert httpx.post(smol_server.url + "/reset_mm_cache").status_code == 200
+
+
 def _wait_for_abort(url: str, aborted_before: float, timeout: float = 15.0) -> dict:
     """Poll /metrics until one more request is counted aborted and no KV block is in use."""
     deadline = time.monotonic() + timeout

@@ -259,3 +259,23 @@ def test_ray_backend_without_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ConfigError, match="pip install ray"):
         build_replica_set(kwargs(tiny_model), RouterConfig(data_parallel_backend="ray"))
+
+
+def test_a_cache_reset_runs_on_every_replica(tiny_model: Path) -> None:
+    """`reset_prefix_cache` (vLLM's route and AsyncLLM call) forgets every replica's prefixes;
+    other engine calls that change an engine are not run across replicas."""
+    replicas = build_replica_set(kwargs(tiny_model), RouterConfig(data_parallel_size=2, router_policy="round_robin"),
+                                 engine_process=False, metrics=ServerMetrics("tiny"))
+    prompt = list(range(100, 140))
+
+    async def body(rs: ReplicaSet) -> None:
+        for i in range(2):  # one on each replica (round robin)
+            await collect(await rs.add([EngineRequest(f"r{i}", prompt, GREEDY)]))
+        assert all(r.engine.scheduler.block_manager.num_cached_blocks for r in rs.replicas)
+        assert await rs.call_engine("reset_prefix_cache") is True
+        assert not any(r.engine.scheduler.block_manager.num_cached_blocks for r in rs.replicas)
+        assert await rs.call_engine("reset_mm_cache") is True
+        with pytest.raises(NotImplementedError):
+            await rs.call_engine("remove_lora", 1)
+
+    run(replicas, body)
