@@ -436,6 +436,14 @@ class SchedulerConfig:
         metadata=_help("kv_reservation=estimate: decode steps the share takes to decay from its first value "
                        "to its least (SGLang's 600)."),
     )
+    stream_interval: int = field(
+        default=1,
+        metadata=_help(
+            "A streamed request's outputs come every this many tokens (the first at once, the last "
+            "when it ends): fewer outputs to detokenize, send and render under load (vLLM's and "
+            "SGLang's --stream-interval)."
+        ),
+    )
     async_scheduling: bool = field(
         default=False,
         metadata=_help(
@@ -680,6 +688,8 @@ class SchedulerConfig:
                 f"new-token ratios must be 0 < min_new_token_ratio ({self.min_new_token_ratio}) <= "
                 f"init_new_token_ratio ({self.init_new_token_ratio}) <= 1"
             )
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval={self.stream_interval} must be at least 1")
         if self.new_token_ratio_decay_steps < 1:
             raise ConfigError(f"new_token_ratio_decay_steps={self.new_token_ratio_decay_steps} must be at least 1")
         self._check_speculative()

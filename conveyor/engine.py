@@ -185,6 +185,7 @@ class Engine:
         # Async scheduling needs a runner that launches a step without waiting for it (the
         # simulator's runner prices a step at once: it keeps the plain loop).
         self._async = config.scheduler.async_scheduling and hasattr(runner, "submit")
+        self._stream_interval = config.scheduler.stream_interval
         self._in_flight: _InFlight | None = None
         # Requests handed over with their K/V (conveyor/kv_transfer.py), in arrival order, until
         # the scheduler has a seat and swap space for them.
@@ -1384,7 +1385,11 @@ class Engine:
                     outputs.append(self._finish_output(req))
             elif req.seq.status is SequenceStatus.FINISHED:
                 outputs.append(self._finish_output(req))
-            elif req.stream:  # (not with output_kind "final_only")
+            elif req.stream and (  # (not with output_kind "final_only"); the first token at once
+                self._stream_interval == 1 or not req.emitted_tokens
+                or len(req.seq.token_ids) - req.seq.num_pending - req.seq.prompt_len - req.emitted_tokens
+                >= self._stream_interval
+            ):
                 outputs.append(self._output(req))
         return outputs
 

@@ -107,6 +107,36 @@ def test_output_kinds_hold_the_same_request(llm, params):
     assert only[0].outputs[0].logprobs == final.logprobs
 
 
+@pytest.mark.parametrize("interval", [3, 8])
+def test_a_stream_interval_sends_every_few_tokens_the_same_request(llm, interval):
+    """stream_interval (vLLM's, SGLang's): the first token at once, then an output every
+    `interval` tokens and the last at the end; delta and cumulative streams hold the request
+    an interval of 1 gives (text, ids, logprobs)."""
+    from conveyor.config import EngineConfig
+    from conveyor.engine import Engine
+
+    ids = llm.tokenizer.encode("The days of the week are Monday,")
+    params = SamplingParams(max_tokens=29, temperature=0.0, logprobs=1, ignore_eos=True)
+    want = _stream(llm.engine, "one", ids, params)
+    config = dataclasses.replace(llm.engine.config, scheduler=dataclasses.replace(
+        llm.engine.config.scheduler, stream_interval=interval))
+    engine = Engine.from_model(config, llm.engine.runner.model, llm.engine.tokenizer)
+    for kind in ("delta", "cumulative"):
+        outs = _stream(engine, kind, ids, dataclasses.replace(params, output_kind=kind))
+        counts = [len(o.outputs[0].delta_token_ids) for o in outs]
+        assert counts[0] == 1 and all(c == interval for c in counts[1:-1]) and 1 <= counts[-1] <= interval
+        assert sum(counts) == 29 and len(outs) == 1 + -(-28 // interval)
+        final = outs[-1].outputs[0]
+        text = "".join(o.outputs[0].delta_text for o in outs)
+        assert text == want[-1].outputs[0].text and (kind == "delta" or final.text == text)
+        got_ids = [t for o in outs for t in o.outputs[0].delta_token_ids]
+        assert got_ids == want[-1].outputs[0].token_ids
+        lps = [lp for o in outs for lp in o.outputs[0].logprobs] if kind == "delta" else final.logprobs
+        assert lps == want[-1].outputs[0].logprobs
+    with pytest.raises(Exception, match="stream_interval"):
+        EngineConfig.from_kwargs(model="m", stream_interval=0)
+
+
 def test_an_unknown_output_kind_is_refused():
     with pytest.raises(InvalidRequestError, match="output_kind"):
         SamplingParams(output_kind="partial")

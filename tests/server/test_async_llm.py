@@ -124,6 +124,20 @@ def test_deltas_add_up_and_a_consumer_that_leaves_aborts(tiny_model: Path, refer
 
 
 @MODES
+def test_a_stream_interval_sends_fewer_outputs_of_the_same_tokens(tiny_model: Path, reference: LLM,
+                                                                   process: bool) -> None:
+    params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True, output_kind="delta")
+    want = reference.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main() -> list[list[int]]:
+        async with make(tiny_model, process, stream_interval=5) as llm:
+            return [list(out.outputs[0].token_ids) async for out in llm.generate(PROMPTS[1], params, "s")]
+
+    outs = asyncio.run(main())
+    assert [len(o) for o in outs] == [1, 5, 5, 5, 5] and [t for o in outs for t in o] == want
+
+
+@MODES
 def test_reset_prefix_cache_forgets_the_engines_prefixes(tiny_model: Path, process: bool) -> None:
     """vLLM's `AsyncLLM.reset_prefix_cache`, run where the engine runs, between two steps."""
     prompt = list(range(100, 140))
