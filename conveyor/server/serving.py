@@ -228,8 +228,6 @@ class _Handler:
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         self.choices: list[_Choice] = []
         self._fetched: dict[tuple[str, str], Pixels | bytes] = {}  # media made pixels (or fetched) by URL
-        self.ids_as_tokens = (state.config.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None
-                              else body.return_tokens_as_token_ids)
         self.lora = None if body.model is None else state.loras.get(body.model)
         self.model_name = state.model_name if self.lora is None else self.lora.lora_name
 
@@ -644,6 +642,12 @@ class _Handler:
                 entry.setdefault(str(t), {"logprob": _clamp(lp), "rank": rank, "decoded_token": self.token_text(t)})
             field.append(entry)
         return field
+
+    @functools.cached_property
+    def ids_as_tokens(self) -> bool:
+        """return_tokens_as_token_ids: the request's, else the server's (read when logprobs are)."""
+        asked = self.body.return_tokens_as_token_ids
+        return self.state.config.return_tokens_as_token_ids if asked is None else asked
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs name it: its text, or `token_id:N` (no tokenizer, or
