@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from conveyor.audio import Audio
 from conveyor.config import ConfigError, EngineConfig
@@ -1601,6 +1601,16 @@ def _has_tokenizer_files(folder: Path) -> bool:
     return folder.is_dir() and any((folder / n).is_file() for n in names)
 
 
+class CachePlan(NamedTuple):
+    """What `plan_cache` sizes: device KV blocks, CPU swap blocks, the longest sequence, and
+    KV offloading's host blocks (numbered after the swap blocks in the runner's host pool)."""
+
+    num_blocks: int
+    num_swap_blocks: int
+    max_model_len: int
+    num_offload_blocks: int
+
+
 def plan_cache(
     config: EngineConfig,
     kv_bytes_per_token: int,
@@ -1609,8 +1619,8 @@ def plan_cache(
     max_positions: int | None = None,
     layout: HybridLayout | None = None,
     cross_tokens: int = 0,
-) -> tuple[int, int, int, int]:
-    """(device KV blocks, CPU swap blocks, max_model_len, CPU offloading blocks) for `config`; no torch, so the
+) -> CachePlan:
+    """The `CachePlan` for `config`; no torch, so the
     simulator sizes its cache by this same rule. `default_budget()` gives the KV bytes when
     the config names neither num_kv_blocks nor kv_cache_memory. With a hybrid `layout`,
     `kv_bytes_per_token` is a page's (its `page_layers` layers'), and a sequence's capacity
@@ -1686,7 +1696,7 @@ def plan_cache(
     if num_offload_blocks and (layout is not None or cross_tokens or not block_bytes):
         raise ConfigError("KV offloading is built for a decoder's whole KV cache (not a hybrid one, an "
                           "encoder-decoder's or an encoder's); leave kv_offloading_size at 0")
-    return num_blocks, num_swap_blocks, max_len, num_offload_blocks
+    return CachePlan(num_blocks, num_swap_blocks, max_len, num_offload_blocks)
 
 
 def _classifier_from_tokens(model: Any, tokenizer: Tokenizer | None, tokens: tuple[str, ...],
@@ -1823,7 +1833,7 @@ def _plan_cache(
     weight_bytes: int,
     max_positions: int | None = None,
     draft_arch: Any = None,
-) -> tuple[int, int, int, int]:
+) -> CachePlan:
     """`plan_cache` for a model (and its draft, whose K/V take a share of every block)."""
     import torch
 
