@@ -221,8 +221,8 @@ class ConveyorSystem:
 def bench_params(r: BenchRequest, max_tokens_factor: float = 1.0) -> SamplingParams:
     """A bench request's sampling: greedy, exactly its output length. With `max_tokens_factor`
     F > 1 (the simulator's `--max-tokens-factor`), `max_tokens` is F times the output length,
-    as a client asks for more than an answer takes, and the request ends at its length by an
-    EOS the simulated runner samples there (`SimRunner`; `extra["sim_output_len"]`)."""
+    as a client asks for more than an answer takes, and the request ends at its length on
+    `SIM_STOP_TOKEN`, which the simulated runner samples there (`SimRunner`; `extra["sim_output_len"]`)."""
     from conveyor.sampling_params import SamplingParams
 
     if max_tokens_factor <= 1.0:

@@ -652,9 +652,9 @@ class _Handler:
     def token_text(self, token_id: int) -> str:
         """A token as logprobs name it: its text, or `token_id:N` (no tokenizer, or
         `return_tokens_as_token_ids`)."""
-        if self.tokenizer is None or self.ids_as_tokens:
+        if self.tokenizer is not None and self.ids_as_tokens:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.decoded(token_id)  # (`token_id:N` too, without a tokenizer)
 
     def decoded(self, token_id: int) -> str:
         """A token's text (what offsets count), whatever `token_text` names it."""

@@ -60,7 +60,7 @@ def add_sim_parsers(sub: Any, add_engine_args: Any) -> None:
                         "(default 50: one 400 Gb/s NIC between machines; NVLink within one is ~450)")
     g.add_argument("--max-tokens-factor", type=float, default=1.0, metavar="F",
                    help="each request asks for F times its output length as max_tokens and ends at its length "
-                        "(an EOS the simulated model samples there), as clients ask for more than answers take: "
+                        "(a stop token the simulated model samples there), as clients ask for more than answers take: "
                         "what kv_reservation=reserve or estimate hold back for (default 1: exactly its length)")
     g.add_argument("--spec-acceptance-rate", type=float, default=None,
                    help="with --speculative-method: the chance that the (absent) model accepts a draft, "
@@ -189,15 +189,13 @@ class SimSystem(ConveyorSystem):
             SystemRun,
             _prompt,
             _timing_from_output,
-            bench_params,
             engine_stats,
             occupancy_from_trace,
         )
         from conveyor.replay import TimedRequest
         from conveyor.trace import trace_dict
 
-        timed = [TimedRequest(r.arrival_s, _prompt(r), bench_params(r, self.max_tokens_factor), f"bench-{r.index}")
-                 for r in requests]
+        timed = [TimedRequest(r.arrival_s, _prompt(r), self.params_of(r), f"bench-{r.index}") for r in requests]
         concurrency = int(point.value) if point.kind == "concurrency" else None
         t0 = max(e.clock() for e in engines)
         done = replay(timed, concurrency)
@@ -318,7 +316,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out = _out_dir(args, "simulate")
     requests, points, desc = build_workload(args, model.vocab_size)
     if args.max_tokens_factor > 1:
-        desc["description"] += f", max_tokens {args.max_tokens_factor:g}x each output (ended by EOS at its length)"
+        desc["description"] += f", max_tokens {args.max_tokens_factor:g}x each output (ended by a stop token at its length)"
         desc["max_tokens_factor"] = args.max_tokens_factor
     result = report.new_result("simulate", desc, points, slo, args.slo_attainment, getattr(args, "argv", None))
     result["engine_options"] = options
