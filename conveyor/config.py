@@ -255,6 +255,29 @@ class CacheConfig:
     num_offload_blocks: int | None = field(
         default=None, metadata=_help("Exact number of CPU offloading blocks (overrides kv_offloading_size).")
     )
+    kv_offloading_policy: str = field(
+        default="write_back",
+        metadata=_help(
+            "When a cached block reaches the offloading tier (SGLang's --hicache-write-policy): write_back "
+            "when the device evicts it; write_through the step after it is computed (the tier holds "
+            "every cached block, an eviction copies nothing); write_through_selective once a later "
+            "request reuses it on the device (a block no one reused is dropped at eviction)."
+        ),
+    )
+    kv_disk_path: str | None = field(
+        default=None,
+        metadata=_help(
+            "A directory for a third tier of the prefix cache under the offloading tier (LMCache's "
+            "local disk, SGLang's file storage): every block stored into the host tier is written "
+            "there, a file a block named by its prefix hash, and found again by a later prompt, by a "
+            "restarted engine or by another engine of the same model on the directory. Needs "
+            "kv_offloading_size and kv_disk_size."
+        ),
+    )
+    kv_disk_size: int = field(
+        default=0,
+        metadata=_help("Bytes of the disk tier's blocks this engine keeps (least recently used deleted first)."),
+    )
     enable_prefix_caching: bool = field(
         default=True,
         metadata=_help(
@@ -311,6 +334,15 @@ class CacheConfig:
             raise ConfigError("KV offloading is a tier of the prefix cache: it needs enable_prefix_caching=True")
         if (self.kv_offloading_size or self.num_offload_blocks) and self.hybrid_kv_cache:
             raise ConfigError("KV offloading beside a hybrid KV cache is not built; leave one of them off")
+        policies = ("write_back", "write_through", "write_through_selective")
+        if self.kv_offloading_policy not in policies:
+            raise ConfigError(f"kv_offloading_policy={self.kv_offloading_policy!r} is not one of {', '.join(policies)}")
+        if self.kv_disk_size < 0:
+            raise ConfigError(f"kv_disk_size={self.kv_disk_size} must be >= 0 (bytes)")
+        if self.kv_disk_path is not None and not (self.kv_offloading_size or self.num_offload_blocks):
+            raise ConfigError("the KV disk tier lies under the offloading tier: kv_disk_path needs kv_offloading_size")
+        if (self.kv_disk_path is None) != (not self.kv_disk_size):
+            raise ConfigError("kv_disk_path and kv_disk_size go together: a directory and the bytes kept there")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -472,6 +472,10 @@ class Engine:
         drafting = method == "draft_model"
         if drafting != (draft_model is not None):
             raise ConfigError("a draft_model goes with speculative_method='draft_model', and only with it")
+        if config.cache.kv_disk_path is not None:  # (its files are keyed by the model's path)
+            if model_path is None:
+                raise ConfigError("the KV disk tier keys its files by the model's path: give from_model its model_path")
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=str(model_path)))
         draft_arch = None
         if draft_model is not None:
             draft_arch = draft_model.arch
@@ -519,7 +523,8 @@ class Engine:
         scheduler = Scheduler(
             config.scheduler,
             BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching,
-                         layout, cross_tokens=_cross_tokens(arch), num_offload_blocks=num_offload_blocks),
+                         layout, cross_tokens=_cross_tokens(arch), num_offload_blocks=num_offload_blocks,
+                         offloading_policy=config.cache.kv_offloading_policy),
             max_len,
             eos_ids,
         )
@@ -543,6 +548,8 @@ class Engine:
             cuda_graph_max_batch=graphs(arch), layout=layout,
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        if config.cache.kv_disk_path is not None and num_offload_blocks:
+            runner.disk = scheduler.block_manager.disk = _disk_tier(config, runner, dtype, kv_dtype, peers)
         runner.encoder_cache_tokens = config.cache.encoder_cache_tokens
         if config.cache.encoder_cache_tokens and config.scheduler.max_num_encoder_input_tokens is not None:
             scheduler.encoder_cached = runner.holds_encoded  # (an item there costs the encoder nothing)
@@ -1280,7 +1287,10 @@ class Engine:
         return self._finish_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._incoming)
+        """Requests to run, or copies to make: a write-through of the blocks the last step
+        computed (KV offloading's `write_through` policies) takes one more step."""
+        return (self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._incoming)
+                or self.scheduler.block_manager.has_pending_copies)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (a benchmark's cold start, or after changing weights).
@@ -1599,6 +1609,33 @@ class Engine:
 def _has_tokenizer_files(folder: Path) -> bool:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     return folder.is_dir() and any((folder / n).is_file() for n in names)
+
+
+def _disk_tier(config: EngineConfig, runner: Any, dtype: Any, kv_dtype: Any, peers: Any) -> Any:
+    """KV offloading's disk tier (`kv_disk_path`), in a subdirectory of this cache layout."""
+    from conveyor.core.disk_tier import DiskTier, fingerprint
+
+    cc, mc = config.cache, config.model
+    if peers is not None:
+        raise ConfigError("the KV disk tier under tensor parallelism is not built (each rank would write its "
+                          "shard); leave kv_disk_path unset")
+    if mc.enable_lora:
+        raise ConfigError("the KV disk tier with LoRA adapters is not built (a block's hash names an adapter by "
+                          "its name and id, which another run may give other weights); leave kv_disk_path unset")
+    from conveyor.models.loader import resolve_model_path
+
+    model = str(resolve_model_path(mc.model))
+    stat = os.stat(model)
+    pages = runner.swap_pages
+    bs = cc.block_size
+    block_bytes = sum(p[:, :bs].numel() * p.element_size() for p in pages)
+    num_blocks = cc.kv_disk_size // block_bytes
+    if not num_blocks:
+        raise ConfigError(f"kv_disk_size={cc.kv_disk_size} bytes holds no KV block of {block_bytes} bytes")
+    layout = fingerprint(os.path.realpath(model), stat.st_size, stat.st_mtime_ns, mc.quantization, str(dtype),
+                         str(kv_dtype), bs, len(pages), tuple(pages[0].shape[2:]))
+    assert cc.kv_disk_path is not None
+    return DiskTier(cc.kv_disk_path, layout, num_blocks, block_bytes)
 
 
 class CachePlan(NamedTuple):

@@ -235,6 +235,67 @@ def test_offloading_under_preemption_keeps_the_tokens(make_engine, reference, pr
     assert engine.scheduler.block_manager.num_offload_stores > 0
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
+def test_write_through_policies_keep_the_tokens(make_engine, policy):
+    """The tier written the step after a block is computed (or once it is reused): the second
+    round finds every system prompt in the tier, with the tokens and log-probabilities of no cache."""
+    prompts, params = rotating_prefixes_workload()
+    want = one_by_one(make_engine(enable_prefix_caching=False, num_kv_blocks=64), prompts, params)
+    engine = make_engine(num_kv_blocks=12, num_offload_blocks=64, kv_offloading_policy=policy)
+    outs = one_by_one(engine, prompts, params)
+    assert tokens(outs) == tokens(want)
+    assert logprobs_of(outs) == pytest.approx(logprobs_of(want), abs=1e-6)
+    bm = engine.scheduler.block_manager
+    # write_through stores every full block (each system prompt's 5 and the rest), so the second
+    # round hits them all; no block is reused on the device, so write_through_selective stores none.
+    assert [o.num_cached_tokens for o in outs] == [0] * 4 + ([20] * 4 if policy == "write_through" else [0] * 4)
+    assert bm.num_offload_stores >= 4 * 5 if policy == "write_through" else bm.num_offload_stores == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_disk_tier_gives_a_restarted_engine_its_prefixes(base, model_dir, tmp_path, async_scheduling):
+    """Blocks stored into the host tier are written to a directory; an engine started later on
+    it (same model, same layout) reads them back: the K/V, tokens and log-probabilities of
+    computing them. The first engine's host tier of two blocks stores a step's blocks over the
+    following steps (write-through waits for a tier block; the engine steps until it is done)."""
+    prompts, params = rotating_prefixes_workload()
+
+    def make(**options: Any) -> Engine:
+        config = EngineConfig.from_kwargs(model=model_dir, dtype="float64", block_size=BLOCK_SIZE, **options)
+        return Engine.from_model(config, base.engine.runner.model, base.engine.tokenizer, model_path=model_dir)
+
+    want = one_by_one(make(enable_prefix_caching=False, num_kv_blocks=64), prompts, params)
+    disk = {"kv_disk_path": str(tmp_path), "kv_disk_size": 1 << 20}
+    first = make(num_kv_blocks=12, num_offload_blocks=2, kv_offloading_policy="write_through",
+                 async_scheduling=async_scheduling, **disk)
+    outs = one_by_one(first, prompts[:4], params[:4])
+    assert tokens(outs) == tokens(want[:4])
+    files = list(tmp_path.glob("*/*.kv"))
+    assert len(files) >= 4 * 5  # every full block of the four prompts (a 20-token system prompt and more)
+    # (A disk hit is read into a host tier block: a chain of five takes five.)
+    again = make(num_kv_blocks=12, num_offload_blocks=6, async_scheduling=async_scheduling, **disk)
+    outs = one_by_one(again, prompts[4:], params[4:])
+    assert tokens(outs) == tokens(want[4:])
+    assert logprobs_of(outs) == pytest.approx(logprobs_of(want[4:]), abs=1e-6)
+    assert [o.num_cached_tokens for o in outs] == [20] * 4
+    bm = again.scheduler.block_manager
+    assert bm.num_disk_hit_tokens == 80 and sum(s.blocks_loaded for s in again.step_trace) == 20
+
+
+def test_disk_tier_options_are_checked(model_dir, tmp_path):
+    from conveyor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs kv_offloading_size"):
+        EngineConfig.from_kwargs(model="m", kv_disk_path=str(tmp_path), kv_disk_size=1 << 20)
+    with pytest.raises(ConfigError, match="go together"):
+        EngineConfig.from_kwargs(model="m", kv_offloading_size=1 << 20, kv_disk_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="kv_offloading_policy"):
+        EngineConfig.from_kwargs(model="m", kv_offloading_policy="write_around")
+    with pytest.raises(ConfigError, match="holds no KV block"):
+        LLM(model_dir, dtype="float64", num_kv_blocks=8, num_offload_blocks=4, kv_disk_path=str(tmp_path),
+            kv_disk_size=8)
+
+
 def test_reset_prefix_cache_forgets_the_tier_too(model_dir):
     llm = LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=8, num_offload_blocks=16)
     prompt, other = list(range(5, 30)), list(range(100, 125))

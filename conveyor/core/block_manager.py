@@ -25,6 +25,15 @@ evicted in the same step; a tier block that a copy of this step reads or writes 
 evicted in the same step (its load would read another block's K/V; two stores into one
 block would race).
 
+The write policy (SGLang's `--hicache-write-policy`) says when a block reaches the tier:
+`write_back` (the default) when the device evicts it; `write_through` the step after a step
+computes it (and at eviction if that comes first), so the tier holds a copy of every cached
+block and an eviction costs no copy; `write_through_selective` once a later request hits it on
+the device (SGLang's threshold of two uses), a block no one reused being dropped at eviction.
+Under the host tier, a disk tier (`DiskTier`, conveyor/core/disk_tier.py) takes a copy of each
+block stored into the host tier; a lookup goes on there where the host tier's chain stops, and a
+block found is read into a host tier block (a read, before the loads) and loaded from it.
+
 Invariants (checked by `check_integrity`, which tests call after every step):
 - every block is either free (ref count 0, in the free pool exactly once) or used (ref count
   equal to the number of block tables that hold it);
@@ -44,7 +53,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
+from typing import Any
 
+from conveyor.core.disk_tier import DiskTier
 from conveyor.multimodal import ImageSpan, span_keys
 from conveyor.sequence import Sequence
 
@@ -68,6 +79,12 @@ def chain_hashes(
         parent = hashlib.sha256(parent + block).digest()
         hashes.append(parent)
     return hashes
+
+
+OFFLOADING_POLICIES = ("write_back", "write_through", "write_through_selective")
+# `match_prefix`'s mark for a block found in the disk tier (`acquire` reads it into a host tier
+# block, then loads it as a host tier hit); host tier hits are `~tier`, always above it.
+DISK_HIT = ~(1 << 62)
 
 
 def _salt(seq: Sequence) -> bytes:
@@ -164,6 +181,8 @@ class BlockManager:
         layout: HybridLayout | None = None,
         cross_tokens: int = 0,
         num_offload_blocks: int = 0,
+        offloading_policy: str = "write_back",
+        disk: DiskTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
@@ -171,6 +190,10 @@ class BlockManager:
             raise ValueError("cross-attention blocks beside a hybrid layout are not built")
         if num_offload_blocks and (layout is not None or not enable_prefix_caching):
             raise ValueError("KV offloading is a tier of a whole (not hybrid) prefix cache")
+        if offloading_policy not in OFFLOADING_POLICIES:
+            raise ValueError(f"offloading_policy={offloading_policy!r} is not one of {', '.join(OFFLOADING_POLICIES)}")
+        if disk is not None and not num_offload_blocks:
+            raise ValueError("a disk tier lies under the host tier: it needs num_offload_blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # A hybrid cache's sliding groups (0: one table a sequence, every layer's K/V a block).
@@ -210,6 +233,16 @@ class BlockManager:
         self._pinned: set[int] = set()  # tier blocks this step's copies read or write
         self.num_offload_hit_tokens = 0  # of num_hit_tokens, those loaded from the tier
         self.num_offload_stores = 0  # blocks copied to the tier
+        self.offloading_policy = offloading_policy
+        # write_through(_selective): cached blocks to store at the end of this schedule (their
+        # K/V written by an earlier step), and those the step being scheduled writes (the next).
+        self._through: list[tuple[int, bytes]] = []
+        self._through_next: list[tuple[int, bytes]] = []
+        self._reused = [False] * num_blocks  # write_through_selective: hit since it was cached
+        self.disk = disk
+        self._disk_writes: list[tuple[int, bytes]] = []  # (tier block, hash): host to disk
+        self._disk_reads: list[tuple[bytes, int]] = []  # (hash, tier block): disk to host
+        self.num_disk_hit_tokens = 0  # of num_offload_hit_tokens, those read from disk
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -345,11 +378,12 @@ class BlockManager:
         seq.window_tables, seq.window_start = [], 0
 
     # -- prefix cache ----------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: Sequence, disk: bool = True) -> list[int]:
         """The cached blocks of `seq`'s longest registered prefix of full blocks, leaving at
         least its last token to compute (a step must compute a token to sample the next).
-        A block of the offloading tier appears as `~tier_block` (negative). Changes nothing;
-        `acquire` takes them."""
+        A block of the offloading tier appears as `~tier_block` (negative), one of the disk
+        tier (`disk`: looked up there too) as `DISK_HIT`: its file is opened, for `acquire` to
+        read in this schedule. Changes nothing else; `acquire` takes them."""
         if not self.enable_prefix_caching:
             return []
         known = len(seq.token_ids) - seq.num_pending  # placeholders have no ids to hash yet
@@ -363,12 +397,26 @@ class BlockManager:
             h = num_blocks
         else:
             host = self._host_cached if self.num_offload_blocks else None
+            tier_below = self.disk if disk else None
+            room: int | None = None  # tier blocks free or unpinned: what the disk hits may take
+            taken = 0  # of those, pinned by this chain's hits (a tier hit's own, a disk hit's new one)
             for i in range(num_blocks):
                 block = cached.get(hashes[i])
                 if block is None:
-                    if host is None or (tier := host.get(hashes[i])) is None:
+                    if host is None:
                         break
-                    block = ~tier  # in the offloading tier: `acquire` loads it
+                    if (tier := host.get(hashes[i])) is not None:
+                        block = ~tier  # in the offloading tier: `acquire` loads it
+                        taken += tier not in self._pinned
+                    elif tier_below is None:
+                        break
+                    else:
+                        if room is None:
+                            room = len(self._host_free) + sum(1 for t in self._host_lru if t not in self._pinned)
+                        if taken >= room or not tier_below.find(hashes[i]):
+                            break
+                        block = DISK_HIT  # on disk: `acquire` reads it into the tier, then loads it
+                        taken += 1
                 hits.append(block)
             h = len(hits)
         if self.hybrid:
@@ -432,6 +480,8 @@ class BlockManager:
         dead = self._dead(len(blocks) * self.block_size)
         counts, free = self._ref_counts, self._free
         own = blocks[self._global_start(dead):]
+        reused = self._reused if self.offloading_policy == "write_through_selective" else None
+        hashes: list[Any] = self._block_hash
         for block in (*own, *(b for table in window for b in table[dead:])):
             if block < 0:
                 continue  # in the offloading tier: `_load` gives it a device block
@@ -439,6 +489,10 @@ class BlockManager:
             if counts[block] == 0:
                 del free[block]
             counts[block] += 1
+            if reused is not None and not reused[block]:  # a second use: worth a copy in the tier
+                reused[block] = True
+                pair = (block, hashes[block])
+                (self._through_next if block in self._unwritten else self._through).append(pair)
         if own and min(own) < 0:
             blocks = self._load(seq, blocks)
         seq.block_table = list(blocks)
@@ -450,7 +504,24 @@ class BlockManager:
     def _load(self, seq: Sequence, blocks: list[int]) -> list[int]:
         """`blocks` with each tier block (`~tier`) replaced by a new device block that a load
         fills this step, registered under its hash. The device hits are held already and the
-        tier blocks are pinned first: taking a device block may store an evicted one."""
+        tier blocks are pinned first: taking a device block may store an evicted one. A disk
+        hit takes a tier block first (read from disk into it, then loaded as a tier hit);
+        `match_prefix` counted the tier blocks it may take."""
+        if DISK_HIT in blocks:
+            assert self.disk is not None
+            blocks = list(blocks)
+            self._pinned.update(~b for b in blocks if b < 0 and b != DISK_HIT)
+            for i, b in enumerate(blocks):
+                if b == DISK_HIT:
+                    h = seq.block_hashes[i]
+                    tier = self._take_tier()
+                    assert tier is not None, "match_prefix counted a tier block for each disk hit"
+                    self._host_cached[h] = tier
+                    self._host_lru[tier] = h
+                    self._disk_reads.append((h, tier))
+                    self.disk.read_scheduled(h)
+                    self.num_disk_hit_tokens += self.block_size
+                    blocks[i] = ~tier
         self._pinned.update(~b for b in blocks if b < 0)
         out = []
         for i, b in enumerate(blocks):
@@ -479,8 +550,11 @@ class BlockManager:
             if hashed[block] is None and h not in cached:
                 cached[h] = block
                 hashed[block] = h
-                if not written and self.num_offload_blocks:
-                    self._unwritten.add(block)
+                if self.num_offload_blocks:
+                    if not written:
+                        self._unwritten.add(block)
+                    if self.offloading_policy == "write_through":
+                        (self._through if written else self._through_next).append((block, h))
         if self.num_window_groups and table is seq.block_table:
             # The sliding groups' blocks of the same tokens, each under the hash and its group.
             key = self._window_key
@@ -496,11 +570,14 @@ class BlockManager:
         Returns how many were held. Between steps: a load taken and not yet run reads nothing
         the reset changes (the tier's blocks are only returned to its free list)."""
         n = len(self._cached) + len(self._host_cached)
+        if self.disk is not None:
+            n += self.disk.clear()
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
         self._host_free.extend(self._host_lru)
         self._host_lru.clear()
         self._host_cached.clear()
+        self._reused = [False] * self.num_blocks
         return n
 
     # -- KV offloading ---------------------------------------------------------------------
@@ -509,37 +586,73 @@ class BlockManager:
         """Blocks the offloading tier holds."""
         return len(self._host_cached)
 
-    def _store(self, block: int, h: bytes) -> None:
+    def _store(self, block: int, h: bytes) -> bool:
         """Copy evicted `block` (cached under `h`) to the tier, unless the tier holds `h` or
         the block's K/V are not written yet; the tier's least recently used block makes room."""
         host = self._host_cached
         tier = host.get(h)
         if tier is not None:
             self._host_lru.move_to_end(tier)
-            return
+            return True
         if block in self._unwritten:
-            return
+            return True
+        tier = self._take_tier()
+        if tier is None:
+            return False  # every tier block is copied this step: the block is dropped
+        host[h] = tier
+        self._host_lru[tier] = h
+        self._stores.append((block, tier))
+        self.num_offload_stores += 1
+        if self.disk is not None and self.disk.write_scheduled(h):
+            self._disk_writes.append((tier, h))
+        return True
+
+    def _take_tier(self) -> int | None:
+        """A free tier block, pinned for this step, or the least recently used one no copy of
+        this step uses, evicted (the disk tier holds a copy of it already); None if none."""
+        tier: int | None
         if self._host_free:
             tier = self._host_free.pop()
         else:
             tier = next((t for t in self._host_lru if t not in self._pinned), None)
             if tier is None:
-                return  # every tier block is copied this step: the block is dropped
-            del host[self._host_lru.pop(tier)]
-        host[h] = tier
-        self._host_lru[tier] = h
+                return None
+            del self._host_cached[self._host_lru.pop(tier)]
         self._pinned.add(tier)  # one copy into a block a step
-        self._stores.append((block, tier))
-        self.num_offload_stores += 1
+        return tier
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (stores, loads), device-to-tier and tier-to-device copies the runner makes
         with the step's swaps (stores first), and a new step begins for `_unwritten`/`_pinned`."""
+        hashed = self._block_hash
+        # write_through(_selective): the blocks an earlier step wrote (those evicted since were
+        # stored or dropped then); one for which no tier block is left waits for the next schedule.
+        retry = []
+        for block, h in self._through:
+            if hashed[block] == h and not self._store(block, h):
+                retry.append((block, h))
+        self._through, self._through_next = retry + self._through_next, []
         stores, loads = self._stores, self._loads
         self._stores, self._loads = [], []
         self._unwritten.clear()
         self._pinned.clear()
+        if self.disk is not None:
+            self.disk.end_step()
         return stores, loads
+
+    @property
+    def has_pending_copies(self) -> bool:
+        """Blocks the write policy stores at the next schedule's end (a step with nothing to
+        compute makes them: the engine runs one more)."""
+        return bool(self._through or self._through_next)
+
+    def take_disk_copies(self) -> tuple[list[tuple[int, bytes]], list[tuple[bytes, int]]]:
+        """The step's disk (writes, reads): tier blocks written to disk after the stores fill
+        them, and disk blocks read into tier blocks before the loads copy them to the device.
+        Called after `take_copies` (whose write-through stores add writes)."""
+        writes, reads = self._disk_writes, self._disk_reads
+        self._disk_writes, self._disk_reads = [], []
+        return writes, reads
 
     @property
     def num_cached_blocks(self) -> int:
@@ -553,7 +666,9 @@ class BlockManager:
             del self._cached[h]
             self._block_hash[block] = None
             if self.num_offload_blocks:
-                self._store(block, h)
+                if self.offloading_policy != "write_through_selective" or self._reused[block]:
+                    self._store(block, h)
+                self._reused[block] = False
         self._ref_counts[block] = 1
         return block
 

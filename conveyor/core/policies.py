@@ -158,7 +158,7 @@ class LongestPrefixMatchPolicy(QueuePolicy):
 
     def prepare(self, waiting: list[Sequence], block_manager: BlockManager) -> None:
         self._hit_blocks = (
-            {s.seq_id: len(block_manager.match_prefix(s)) for s in waiting}
+            {s.seq_id: len(block_manager.match_prefix(s, disk=False)) for s in waiting}
             if len(waiting) <= self.max_waiting and block_manager.enable_prefix_caching
             else {}
         )

@@ -103,12 +103,16 @@ class SchedulerOutput:
     # pool. Stores run with the swap-outs, before anything else; loads with the swap-ins.
     blocks_to_store: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    # KV offloading's disk tier (`DiskTier`): (tier block, hash) written to disk after the
+    # stores, (hash, tier block) read from disk before the loads.
+    disk_writes: list[tuple[int, bytes]] = field(default_factory=list)
+    disk_reads: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to compute and nothing to copy (a swap must run even in an idle step)."""
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.blocks_to_store or self.blocks_to_load)
+                    or self.blocks_to_store or self.blocks_to_load or self.disk_writes or self.disk_reads)
 
     @property
     def num_tokens(self) -> int:
@@ -351,6 +355,8 @@ class Scheduler:
             self._adjust_ratio(out, len(out.preempted_seq_ids) > displaced)
         if self.block_manager.num_offload_blocks:
             out.blocks_to_store, out.blocks_to_load = self.block_manager.take_copies()
+            if self.block_manager.disk is not None:
+                out.disk_writes, out.disk_reads = self.block_manager.take_disk_copies()
         return out
 
     def _admit(

@@ -37,6 +37,7 @@ from conveyor.sequence import PLACEHOLDER
 from conveyor.structured.grammar import Grammar, GrammarCache, PushdownGrammar
 
 if TYPE_CHECKING:
+    from conveyor.core.disk_tier import DiskTier
     from conveyor.runner.mtp import HiddenStore
 
 
@@ -174,6 +175,7 @@ class ModelRunner:
         # Tensor parallelism: the other ranks, which run each step's swaps and forward pass
         # over their shards (conveyor/runner/tensor_parallel.py; set by the engine).
         self.peers: TensorParallelGroup | None = None
+        self.disk: DiskTier | None = None  # KV offloading's disk tier (`_disk_copies`)
         self.graphs: GraphedDecode | None = None
         if cuda_graph_max_batch and device.type == "cuda":
             max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
@@ -239,6 +241,27 @@ class ModelRunner:
             sv = s.view(2, -1, bs, *s.shape[2:])
             dv = d.view(2, -1, bs, *d.shape[2:])
             dv[:, dst_ids.to(dv.device)] = sv[:, src_ids.to(sv.device)].to(dv.device, non_blocking=True)
+
+    def _disk_copies(self, writes: list[tuple[int, bytes]], reads: list[tuple[bytes, int]]) -> None:
+        """KV offloading's disk tier (`self.disk`): write the tier blocks the step's stores just
+        filled, and read blocks into the tier blocks its loads copy from; a file holds a block's
+        K/V of every layer, `[layers, 2, block_size, kv_heads, head_dim]`, as raw bytes."""
+        disk = self.disk
+        assert disk is not None, "disk copies without a disk tier"
+        if self.device.type == "cuda":  # the stores' device-to-host copies land first
+            torch.cuda.current_stream().synchronize()
+        bs = self.block_size
+        for tier, h in writes:
+            block = torch.stack([p[:, tier * bs:(tier + 1) * bs] for p in self.swap_pages])
+            disk.write(h, memoryview(block.view(torch.uint8).numpy().data).cast("B"))
+        if reads:
+            shape = (len(self.swap_pages), 2, bs, *self.swap_pages[0].shape[2:])
+            buf = torch.empty(shape, dtype=self.kv_dtype)
+            view = memoryview(buf.view(torch.uint8).numpy().data).cast("B")
+            for h, tier in reads:
+                disk.take_read(h, view)
+                for p, layer in zip(self.swap_pages, buf, strict=True):
+                    p[:, tier * bs:(tier + 1) * bs] = layer
 
     def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
         bs = self.block_size
@@ -321,6 +344,8 @@ class ModelRunner:
         # All swap-outs first: their device blocks may be handed to others in this very step.
         if swap_out:
             self._copy_blocks(self.kv_pages, self.swap_pages, swap_out)
+        if scheduler_output.disk_writes or scheduler_output.disk_reads:
+            self._disk_copies(scheduler_output.disk_writes, scheduler_output.disk_reads)
         if swap_in:
             self._copy_blocks(self.swap_pages, self.kv_pages, swap_in)
         cuda = self.device.type == "cuda"

@@ -17,6 +17,7 @@ from typing import Any
 
 from conveyor.config import SchedulerConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
+from conveyor.core.disk_tier import DiskTier
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.lora import LoRARequest
 from conveyor.models.attention import HostBlockTables
@@ -83,7 +84,10 @@ class FakeRunner:
 
     With `num_offload_blocks` (KV offloading's tier, `BlockManager`): host blocks after the swap
     blocks; a store (`blocks_to_store`) runs with the swap-outs, a load (`blocks_to_load`) with
-    the swap-ins, and leaves the tier's copy in place for later hits.
+    the swap-ins, and leaves the tier's copy in place for later hits. With a `disk` tier
+    (`DiskTier`): a write (`disk_writes`) keeps a tier block's tags under its hash after the
+    stores, and a read (`disk_reads`, through the file the lookup opened) puts them back into a
+    tier block before the loads.
 
     With `cross_tokens` (an encoder-decoder's cross-attention blocks, `BlockManager.cross_pages`):
     a sequence's first step (start 0) writes the encoder's `cross_tokens` positions into the
@@ -94,8 +98,11 @@ class FakeRunner:
     def __init__(
         self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, shared_prefixes: bool = False,
         window: int = 0, sliding_global: bool = False, cross_tokens: int = 0, num_offload_blocks: int = 0,
+        disk: DiskTier | None = None,
     ) -> None:
         self.block_size = block_size
+        self.disk = disk
+        self.disk_slots: dict[bytes, list[Tag | None]] = {}  # what each written file holds
         self.num_swap_blocks = num_swap_blocks
         self.cross_tokens = cross_tokens
         # A hybrid cache (`HybridLayout`): each sliding group's table is read over the window
@@ -154,6 +161,15 @@ class FakeRunner:
                 self.epoch[seq_id] = self.epoch.get(seq_id, 0) + 1
         self._copy(self.slots, self.swap_slots, out.blocks_to_swap_out, clear=not self.shared_prefixes)
         self._copy(self.slots, self.swap_slots, out.blocks_to_store, clear=False)
+        bs = self.block_size
+        for tier, h in out.disk_writes:
+            assert self.disk is not None
+            self.disk_slots[h] = self.swap_slots[tier * bs:(tier + 1) * bs]
+            self.disk.write(h, memoryview(bytes(self.disk.block_bytes)))
+        for h, tier in out.disk_reads:
+            assert self.disk is not None
+            self.disk.take_read(h, memoryview(bytearray(self.disk.block_bytes)))
+            self.swap_slots[tier * bs:(tier + 1) * bs] = self.disk_slots[h]
         self._copy(self.swap_slots, self.slots, out.blocks_to_swap_in)
         self._copy(self.swap_slots, self.slots, out.blocks_to_load, clear=False)
         sampled: dict[int, int] = {}

@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from conveyor.core.block_manager import BlockManager, chain_hashes
+from conveyor.core.block_manager import DISK_HIT, BlockManager, chain_hashes
+from conveyor.core.disk_tier import DiskTier
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, Sequence
 
@@ -228,6 +229,116 @@ def test_reset_empties_the_tier_too() -> None:
     assert bm.num_offloaded_blocks == 1
     assert bm.reset_prefix_cache() == 3  # one block in the tier, the filler's two on the device
     assert bm.num_offloaded_blocks == 0 and bm.match_prefix(seq_of(2, [1, 1, 1])) == []
+
+
+def test_write_through_stores_a_block_the_step_after_its_step() -> None:
+    """write_through: a block registered by the step being scheduled is stored at the next
+    schedule's end (its K/V written by then), so an eviction later copies nothing."""
+    bm = BlockManager(4, 2, enable_prefix_caching=True, num_offload_blocks=4, offloading_policy="write_through")
+    a = seq_of(0, [1, 1, 2, 2, 3])
+    hits = bm.match_prefix(a)
+    bm.acquire(a, hits)
+    assert bm.allocate(a, 5)
+    bm.cache_blocks(a, a.block_table, 0, 2, written=False)
+    assert bm.take_copies() == ([], [])  # not written yet
+    stores, _ = bm.take_copies()  # the next schedule's end
+    assert [d for d, _ in stores] == a.block_table[:2] and bm.num_offloaded_blocks == 2
+    bm.free(a)
+    filler = seq_of(1, [7] * 8)
+    assert bm.allocate(filler, 8)  # evicts both: the tier holds them already
+    assert bm.take_copies() == ([], [])
+    assert [h < 0 for h in bm.match_prefix(seq_of(2, [1, 1, 2, 2, 3]))] == [True, True]
+    bm.check_integrity([filler.block_table])
+
+
+def test_write_through_selective_stores_only_a_reused_block() -> None:
+    """write_through_selective: a block is stored once a later request hits it on the device
+    (SGLang's second use); one no one reused is dropped when evicted."""
+    bm = BlockManager(4, 2, enable_prefix_caching=True, num_offload_blocks=4,
+                      offloading_policy="write_through_selective")
+    a = seq_of(0, [1, 1, 2, 2, 3])
+    admit(bm, a)
+    bm.free(a)
+    assert bm.take_copies() == ([], [])
+    b = seq_of(1, [1, 1, 5, 5, 5])  # hits [1, 1] on the device: a second use
+    admit(bm, b)
+    stores, _ = bm.take_copies()
+    assert [d for d, _ in stores] == [b.block_table[0]]
+    bm.free(b)
+    filler = seq_of(2, [7] * 8)
+    assert bm.allocate(filler, 8)  # evicts [1, 1] (stored), [2, 2] and [5, 5] (dropped)
+    assert bm.take_copies() == ([], [])
+    assert bm.num_offloaded_blocks == 1
+    assert [h < 0 for h in bm.match_prefix(seq_of(3, [1, 1, 2, 2, 3]))] == [True]
+
+
+def test_a_disk_tier_takes_every_tier_store_and_gives_it_back(tmp_path) -> None:
+    """A block stored into the host tier is written to disk; when the host tier has evicted it
+    too, a lookup finds it on disk: a read into a host tier block, then a load from it."""
+    disk = DiskTier(str(tmp_path), "layout", 8, 16)
+    bm = BlockManager(2, 2, enable_prefix_caching=True, num_offload_blocks=1, disk=disk)
+    a = seq_of(0, [1, 1, 1])
+    admit(bm, a)
+    bm.free(a)
+    admit(bm, filler := seq_of(1, [2, 2, 2, 2]))  # evicts [1, 1] to the tier: written to disk
+    (_, tier), = bm.take_copies()[0]
+    writes, reads = bm.take_disk_copies()
+    assert writes == [(tier, a.block_hashes[0])] and reads == []
+    disk.write(a.block_hashes[0], memoryview(bytes(16)))
+    bm.free(filler)
+    admit(bm, filler2 := seq_of(2, [3, 3, 3, 3]))  # evicts [2, 2] to the tier: [1, 1] leaves it
+    bm.take_copies()
+    disk.write(bm.take_disk_copies()[0][0][1], memoryview(bytes(16)))
+    bm.free(filler2)
+    b = seq_of(3, [1, 1, 1])
+    hits = bm.match_prefix(b)
+    assert hits == [DISK_HIT] and bm.admission_need(b, hits, 3) == 2
+    admit(bm, b)
+    _, loads = bm.take_copies()
+    _, reads = bm.take_disk_copies()
+    assert reads == [(b.block_hashes[0], loads[0][0])] and loads[0][1] == b.block_table[0]
+    buf = bytearray(16)
+    disk.take_read(b.block_hashes[0], memoryview(buf))
+    assert bm.num_disk_hit_tokens == 2 and bm.num_offload_hit_tokens == 2
+    bm.check_integrity([b.block_table])
+
+
+def test_the_disk_tier_outlives_its_engine_and_is_shared(tmp_path) -> None:
+    """Files are named by the prefix hash (the same in every process): a new tier over the
+    directory finds them, least recently used beyond its size deleted; another engine deleting
+    a file a lookup found leaves the open file readable."""
+    first = DiskTier(str(tmp_path), "layout", 4, 16)
+    hashes = chain_hashes(list(range(12)), 2, [], 6)
+    for i, h in enumerate(hashes):
+        assert first.write_scheduled(h)
+        first.write(h, memoryview(bytes([i]) * 16))
+        first.end_step()
+    assert len(first) == 4  # the two oldest deleted
+    again = DiskTier(str(tmp_path), "layout", 3, 16)  # a restart with a smaller tier
+    assert len(again) == 3 and not again.find(hashes[2]) and again.find(hashes[5])
+    other = DiskTier(str(tmp_path), "layout", 3, 16)
+    assert other.find(hashes[4])
+    again.clear()  # deletes every file it knows of, the one `other` found included
+    other.read_scheduled(hashes[4])
+    buf = bytearray(16)
+    other.take_read(hashes[4], memoryview(buf))
+    assert buf == bytes([4]) * 16
+    assert not DiskTier(str(tmp_path), "layout", 3, 16).find(hashes[4])
+    assert not DiskTier(str(tmp_path), "other-layout", 3, 16).find(hashes[5])
+
+
+def test_a_disk_hit_needs_a_free_or_unpinned_tier_block(tmp_path) -> None:
+    """A disk hit is read into a host tier block: a chain stops where the tier has none left
+    that this step's copies do not use."""
+    disk = DiskTier(str(tmp_path), "layout", 8, 16)
+    bm = BlockManager(8, 2, enable_prefix_caching=True, num_offload_blocks=1, disk=disk)
+    tokens = [1, 1, 2, 2, 3]
+    for h in chain_hashes(tokens, 2, [], 2):
+        disk.write(h, memoryview(bytes(16)))
+    assert bm.match_prefix(seq_of(0, tokens)) == [DISK_HIT]  # one tier block: one disk hit
+    bm.take_copies()
+    bm2 = BlockManager(8, 2, enable_prefix_caching=True, num_offload_blocks=2, disk=disk)
+    assert bm2.match_prefix(seq_of(0, tokens)) == [DISK_HIT, DISK_HIT]
 
 
 def test_integrity_catches_a_cache_entry_that_names_the_wrong_block() -> None:

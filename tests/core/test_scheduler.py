@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from conveyor.config import PREEMPTION_MODES, SchedulerConfig
-from conveyor.core.block_manager import BlockManager
+from conveyor.core.block_manager import OFFLOADING_POLICIES, BlockManager
+from conveyor.core.disk_tier import DiskTier
 from conveyor.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
@@ -68,6 +70,8 @@ class Scenario:
     cross_tokens: int = 0  # an encoder-decoder's: the encoder positions each sequence holds blocks for
     num_swap_blocks: int = 0
     num_offload_blocks: int = 0  # KV offloading's tier (with prefix caching)
+    offloading_policy: str = "write_back"
+    num_disk_blocks: int = 0  # a disk tier under it (files in a temporary directory)
 
     @property
     def max_model_len(self) -> int:
@@ -95,6 +99,7 @@ class RunResult:
     num_preemptions: int
     num_hit_tokens: int = 0
     num_offload_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
 
 
 def fcfs_key(seq: Sequence) -> tuple[float, int]:
@@ -222,11 +227,18 @@ def check_updates(
 
 
 def run_scenario(sc: Scenario) -> RunResult:
+    with tempfile.TemporaryDirectory() as root:
+        disk = DiskTier(root, "layout", sc.num_disk_blocks, 8) if sc.num_disk_blocks else None
+        return _run_scenario(sc, disk)
+
+
+def _run_scenario(sc: Scenario, disk: DiskTier | None) -> RunResult:
     bm = BlockManager(sc.num_blocks, sc.block_size, sc.num_swap_blocks, enable_prefix_caching=sc.prefix_caching,
-                      cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks)
+                      cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks,
+                      offloading_policy=sc.offloading_policy, disk=disk)
     sched = Scheduler(sc.config, bm, sc.max_model_len, frozenset({EOS}))
     runner = FakeRunner(sc.num_blocks, sc.block_size, sc.num_swap_blocks, shared_prefixes=sc.prefix_caching,
-                        cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks)
+                        cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks, disk=disk)
     specs = {i: s for i, s in enumerate(sc.requests) if sc.admissible(s)}
     seqs: dict[int, Sequence] = {}
     reported_finished: Counter[int] = Counter()
@@ -268,11 +280,19 @@ def run_scenario(sc: Scenario) -> RunResult:
     assert bm.num_free_blocks == sc.num_blocks, "blocks leaked at the end"
     # The runner learns of every finished sequence once (to drop per-sequence state).
     last = sched.schedule(float(step))
+    for _ in range(MAX_STEPS):  # the last steps' write-through (a few blocks a schedule, as the tier allows)
+        if not (last.blocks_to_store and sc.offloading_policy != "write_back"):
+            break
+        reported_finished.update(last.finished_seq_ids)
+        runner(last)
+        last = sched.schedule(float(step))
+    assert not bm.has_pending_copies
     assert last.is_empty
     reported_finished.update(last.finished_seq_ids)
     assert reported_finished == Counter(seqs.keys())
     assert sched.num_preemptions == sum(seq.num_preemptions for seq in seqs.values())
-    return RunResult(seqs, specs, step, sched.num_preemptions, bm.num_hit_tokens, bm.num_offload_hit_tokens)
+    return RunResult(seqs, specs, step, sched.num_preemptions, bm.num_hit_tokens, bm.num_offload_hit_tokens,
+                     bm.num_disk_hit_tokens)
 
 
 def check_outputs(result: RunResult, max_model_len: int) -> None:
@@ -371,14 +391,16 @@ def cross_scenarios(draw: st.DrawFn) -> Scenario:
 def offload_scenarios(draw: st.DrawFn) -> Scenario:
     """KV offloading: a device cache of a few blocks under prompts of a few shared families, so
     that cached blocks are evicted to a tier of a few blocks and found there again, beside
-    every preemption mode (a swap pool of its own beside the tier)."""
+    every preemption mode (a swap pool of its own beside the tier), under each write policy, and
+    with or without a disk tier under it."""
     config = preempting_config(draw)
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(2, max(2, 80 // block_size)))
     num_swap_blocks = draw(st.integers(0, 40)) if config.preemption_mode != "recompute" else 0
     requests = requests_within(draw, config, num_blocks * block_size, 40, 14)
     return Scenario(config, block_size, num_blocks, requests, True, 0, num_swap_blocks,
-                    draw(st.integers(1, 24)))
+                    draw(st.integers(1, 24)), draw(st.sampled_from(OFFLOADING_POLICIES)),
+                    draw(st.sampled_from([0, 0, 1, 4, 64])))
 
 
 @st.composite
@@ -448,6 +470,10 @@ def test_random_streams_with_kv_offloading(sc: Scenario) -> None:
     target(float(result.num_offload_hit_tokens), label="tier hits")
     event("tier hits" if result.num_offload_hit_tokens else "no tier hit")
     event(f"preemption_mode={sc.config.preemption_mode}")
+    event(f"offloading_policy={sc.offloading_policy}")
+    if sc.num_disk_blocks:
+        target(float(result.num_disk_hit_tokens), label="disk hits")
+        event("disk hits" if result.num_disk_hit_tokens else "a disk tier, no disk hit")
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

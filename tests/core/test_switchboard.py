@@ -17,6 +17,7 @@ computing) and tags every KV slot, so a lost, stale or misplaced block changes t
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ from conveyor.config import (
     SchedulerConfig,
 )
 from conveyor.core.batching import QueueState, make_batching
-from conveyor.core.block_manager import BlockManager, HybridLayout
+from conveyor.core.block_manager import OFFLOADING_POLICIES, BlockManager, HybridLayout
+from conveyor.core.disk_tier import DiskTier
 from conveyor.core.policies import OnlineMeanPredictor, ShortestPredictedFirstPolicy
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.sampling_params import InvalidRequestError, SamplingParams
@@ -309,6 +311,8 @@ class Board:
     layout: HybridLayout | None = None
     cross_tokens: int = 0  # an encoder-decoder's (Whisper's): each sequence's cross-attention blocks' positions
     num_offload_blocks: int = 0  # KV offloading's tier of the prefix cache
+    offloading_policy: str = "write_back"
+    num_disk_blocks: int = 0  # a disk tier under it (files in a temporary directory)
 
     @property
     def max_model_len(self) -> int:
@@ -723,12 +727,19 @@ def board_null(board: Board) -> int:
 
 
 def run_board(board: Board) -> BoardRun:
+    with tempfile.TemporaryDirectory() as root:
+        disk = DiskTier(root, "layout", board.num_disk_blocks, 8) if board.num_disk_blocks else None
+        return _run_board(board, disk)
+
+
+def _run_board(board: Board, disk: DiskTier | None) -> BoardRun:
     bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout,
-                      cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks)
+                      cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks,
+                      offloading_policy=board.offloading_policy, disk=disk)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
     runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching,
                         board.layout.window if board.layout else 0, board.layout is not None and board.layout.all_sliding,
-                        cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks)
+                        cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks, disk=disk)
     checker = Checker(board, sched)
     specs = {i: r for i, r in enumerate(board.requests) if admissible(board, r)}
     pending = sorted(specs, key=lambda i: (specs[i].arrival, i))
@@ -785,6 +796,13 @@ def run_board(board: Board) -> BoardRun:
     assert bm_free.num_free_blocks == board.num_blocks, "device blocks leaked"
     assert bm_free.num_free_swap_blocks == board.num_swap_blocks, "swap blocks leaked"
     last = sched.schedule(now)
+    for _ in range(MAX_STEPS):  # the last steps' write-through (a few blocks a schedule, as the tier allows)
+        if not (last.blocks_to_store and board.offloading_policy != "write_back"):
+            break
+        reported_finished.update(last.finished_seq_ids)
+        runner(last)
+        last = sched.schedule(now)
+    assert not sched.block_manager.has_pending_copies
     assert last.is_empty
     reported_finished.update(last.finished_seq_ids)
     assert reported_finished == Counter(seqs.keys()), "the runner must hear of every finish once"
@@ -853,14 +871,21 @@ def test_every_switchboard_keeps_the_invariants_with_kv_offloading(
 ) -> None:
     """The same invariants with a tier of the prefix cache in host memory: evicted cached
     blocks are stored there and loaded back for hits (the fake runner checks every slot a
-    step reads holds its prefix's K/V), under every axis and policy."""
+    step reads holds its prefix's K/V), under every axis and policy, each write policy, with
+    or without a disk tier under it."""
     board = data.draw(boards(memory, prefill_mode))
-    board = dataclasses.replace(board, prefix_caching=True, num_offload_blocks=data.draw(st.integers(1, 32)))
+    board = dataclasses.replace(board, prefix_caching=True, num_offload_blocks=data.draw(st.integers(1, 32)),
+                                offloading_policy=data.draw(st.sampled_from(OFFLOADING_POLICIES)),
+                                num_disk_blocks=data.draw(st.sampled_from([0, 0, 2, 64])))
     run = run_board(board)
     check_board_outputs(run, board)
     bm = run.sched.block_manager
     target(float(bm.num_offload_hit_tokens), label="tier hits")
     event("tier hits" if bm.num_offload_hit_tokens else "no tier hit")
+    event(f"offloading_policy={board.offloading_policy}")
+    if board.num_disk_blocks:
+        target(float(bm.num_disk_hit_tokens), label="disk hits")
+        event("disk hits" if bm.num_disk_hit_tokens else "a disk tier, no disk hit")
     event("preempted" if run.sched.num_preemptions else "no preemption")
 
 
