@@ -85,6 +85,8 @@ class StepRecord:
     num_accepted_tokens: int = 0  # ... and those the model accepted
     blocks_stored: int = 0  # KV offloading: cached blocks copied to its tier ...
     blocks_loaded: int = 0  # ... and copied back for prefix hits
+    disk_blocks_written: int = 0  # its disk tier: tier blocks written to files ...
+    disk_blocks_read: int = 0  # ... and files read back for prefix hits (in blocks_loaded)
 
 
 @dataclass(slots=True)
@@ -1601,6 +1603,8 @@ class Engine:
                 num_accepted_tokens=accepted,
                 blocks_stored=len(sched_out.blocks_to_store),
                 blocks_loaded=len(sched_out.blocks_to_load),
+                disk_blocks_written=len(sched_out.disk_writes),
+                disk_blocks_read=len(sched_out.disk_reads),
         )
         if self.trace:
             self.step_trace.append(self.last_step)

@@ -280,6 +280,12 @@ def test_the_disk_tier_gives_a_restarted_engine_its_prefixes(base, model_dir, tm
     assert [o.num_cached_tokens for o in outs] == [20] * 4
     bm = again.scheduler.block_manager
     assert bm.num_disk_hit_tokens == 80 and sum(s.blocks_loaded for s in again.step_trace) == 20
+    assert sum(s.disk_blocks_read for s in again.step_trace) == 20
+    assert sum(s.disk_blocks_written for s in first.step_trace) == len(files)
+    metrics = ServerMetrics("m")
+    for record in again.step_trace:
+        metrics.on_step(record)
+    assert 'conveyor:kv_disk_blocks_read_total{model_name="m"} 20.0' in metrics.render().decode()
 
 
 def test_disk_tier_options_are_checked(model_dir, tmp_path):

@@ -117,10 +117,16 @@ class ServerMetrics:
             "conveyor:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
         self.offload_stored = counter(
             "conveyor:kv_offload_blocks_stored",
-            "KV offloading: cached blocks copied to the host tier when evicted (--kv-offloading-size).")
+            "KV offloading: cached blocks copied to the host tier (--kv-offloading-size, --kv-offloading-policy).")
         self.offload_loaded = counter(
             "conveyor:kv_offload_blocks_loaded",
             "KV offloading: blocks copied back from the host tier for prefix-cache hits (in prefix_cache_hits).")
+        self.disk_written = counter(
+            "conveyor:kv_disk_blocks_written",
+            "KV offloading's disk tier: host tier blocks written to files (--kv-disk-path).")
+        self.disk_read = counter(
+            "conveyor:kv_disk_blocks_read",
+            "KV offloading's disk tier: files read back for prefix-cache hits (in kv_offload_blocks_loaded).")
         self.spec_draft_tokens = counter(
             "conveyor:spec_decode_num_draft_tokens",
             "Speculative decoding: draft tokens verified (--speculative-method).")
@@ -163,6 +169,9 @@ class ServerMetrics:
         if record.blocks_stored or record.blocks_loaded:
             self.offload_stored.inc(record.blocks_stored)
             self.offload_loaded.inc(record.blocks_loaded)
+        if record.disk_blocks_written or record.disk_blocks_read:
+            self.disk_written.inc(record.disk_blocks_written)
+            self.disk_read.inc(record.disk_blocks_read)
         if record.num_draft_tokens:
             self.spec_draft_tokens.inc(record.num_draft_tokens)
             self.spec_accepted_tokens.inc(record.num_accepted_tokens)

@@ -478,6 +478,9 @@ def build_sim_engine(
         )
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
+    if config.cache.kv_disk_path is not None:
+        raise ConfigError("the simulator does not price KV offloading's disk tier (no disk in its hardware "
+                          "specs); leave kv_disk_path unset (the host tier and its write policy are simulated)")
     tree = config.scheduler.speculative_token_tree
     dynamic = config.scheduler.speculative_eagle_topk
     if rank_acceptance and tree is None and dynamic is None:
@@ -539,7 +542,9 @@ def build_sim_engine(
                                                max_num_batched_tokens=scheduler_config.max_num_batched_tokens * tp)
     scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap,
                                                          config.cache.enable_prefix_caching, layout,
-                                                         num_offload_blocks=num_offload), max_len, eos)
+                                                         num_offload_blocks=num_offload,
+                                                         offloading_policy=config.cache.kv_offloading_policy),
+                          max_len, eos)
     fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
                                            pipeline_link_bandwidth, dp_attention=dp, fp8=fp8,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.cli import main
-from conveyor.config import EngineConfig
+from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from conveyor.engine import Engine
@@ -277,6 +277,28 @@ def test_offloading_prices_its_copies_and_saves_the_prefills():
     assert sum(s.num_prefill_tokens for s in tier.step_trace) == 16 * 72 - 12 * 64
     assert tier.runner_busy_s < base.runner_busy_s
     assert describe_capacity(tier)["offload_tokens"] == 32 * 16 and not describe_capacity(base)["offload_tokens"]
+
+
+def test_write_through_prices_its_stores_when_the_blocks_are_computed():
+    """write_through stores every computed block the step after (a decode step here, priced over
+    the host link), and an eviction copies nothing: the same hits and stores as write_back
+    (every prefix is evicted in turn), none of them in the steps that admit and load."""
+    rng = random.Random(2)
+    prefixes = [[rng.randrange(10, 900) for _ in range(64)] for _ in range(4)]
+    reqs = [TimedRequest(float(i), prefixes[i % 4] + [rng.randrange(10, 900) for _ in range(8)],
+                         SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)) for i in range(16)]
+    back = toy_engine(num_kv_blocks=8, max_num_seqs=1, num_offload_blocks=64)
+    through = toy_engine(num_kv_blocks=8, max_num_seqs=1, num_offload_blocks=64, kv_offloading_policy="write_through")
+    replay(back, reqs)
+    replay(through, reqs)
+    a, b = back.scheduler.block_manager, through.scheduler.block_manager
+    assert a.num_offload_hit_tokens == b.num_offload_hit_tokens == 12 * 64
+    assert b.num_offload_stores == a.num_offload_stores == 16
+    assert sum(s.blocks_stored for s in back.step_trace if s.num_prefill_tokens) > 0
+    assert sum(s.blocks_stored for s in through.step_trace if s.num_prefill_tokens) == 0
+    assert sum(s.blocks_stored for s in through.step_trace) == b.num_offload_stores
+    with pytest.raises(ConfigError, match="disk tier"):
+        toy_engine(num_kv_blocks=8, num_offload_blocks=64, kv_disk_path="/tmp/x", kv_disk_size=1 << 30)
 
 
 def test_a_max_tokens_factor_asks_for_more_and_stops_at_the_answers_length():
