@@ -468,6 +468,14 @@ class SchedulerConfig:
         metadata=_help("kv_reservation=estimate: decode steps the share takes to decay from its first value "
                        "to its least (SGLang's 600)."),
     )
+    schedule_conservativeness: float = field(
+        default=1.0,
+        metadata=_help(
+            "kv_reservation=estimate: SGLang's knob: the first share is init_new_token_ratio times this "
+            "(at most 1) and the least keeps its part of the first; above 1 admits fewer requests and "
+            "preempts less, below 1 admits more."
+        ),
+    )
     stream_interval: int = field(
         default=1,
         metadata=_help(
@@ -712,7 +720,8 @@ class SchedulerConfig:
             )
         if self.preemption_mode != "auto" and self._differs("auto_swap_min_tokens"):
             raise ConfigError("auto_swap_min_tokens applies only to preemption_mode='auto'")
-        ratio_knobs = ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps")
+        ratio_knobs = ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps",
+                       "schedule_conservativeness")
         if self.kv_reservation != "estimate" and any(self._differs(k) for k in ratio_knobs):
             raise ConfigError(f"{', '.join(ratio_knobs)} apply only to kv_reservation='estimate'")
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
@@ -720,11 +729,20 @@ class SchedulerConfig:
                 f"new-token ratios must be 0 < min_new_token_ratio ({self.min_new_token_ratio}) <= "
                 f"init_new_token_ratio ({self.init_new_token_ratio}) <= 1"
             )
+        if self.schedule_conservativeness < 0:
+            raise ConfigError(f"schedule_conservativeness={self.schedule_conservativeness} must be >= 0")
         if self.stream_interval < 1:
             raise ConfigError(f"stream_interval={self.stream_interval} must be at least 1")
         if self.new_token_ratio_decay_steps < 1:
             raise ConfigError(f"new_token_ratio_decay_steps={self.new_token_ratio_decay_steps} must be at least 1")
         self._check_speculative()
+
+    @property
+    def new_token_ratios(self) -> tuple[float, float]:
+        """kv_reservation=estimate's (first, least) new-token ratios under
+        `schedule_conservativeness`, as SGLang scales them."""
+        first = min(self.init_new_token_ratio * self.schedule_conservativeness, 1.0)
+        return first, first * self.min_new_token_ratio / self.init_new_token_ratio
 
     def _check_speculative(self) -> None:
         knobs = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",

@@ -193,8 +193,9 @@ class Scheduler:
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         # kv_reservation='estimate' (SGLang's new-token ratio): the share of each running
         # request's remaining max_tokens that admission expects it to still generate.
-        self.new_token_ratio = config.init_new_token_ratio
-        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / config.new_token_ratio_decay_steps
+        self._first_ratio, self._least_ratio = config.new_token_ratios  # (schedule_conservativeness's)
+        self.new_token_ratio = self._first_ratio
+        self._ratio_decay = (self._first_ratio - self._least_ratio) / config.new_token_ratio_decay_steps
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -641,15 +642,14 @@ class Scheduler:
         raised to the running requests' share so far of their max_tokens, with 20 more steps
         each (SGLang's retraction). A step of decodes lowers it by one decay step, to its least;
         an empty engine starts again from the first value."""
-        cfg = self.config
         if short and self.running:
             decoded = sum(s.num_output_tokens for s in self.running)
             most = sum(min(s.sampling_params.max_tokens, self.ESTIMATE_CLIP) for s in self.running)
-            self.new_token_ratio = min(1.0, max(cfg.min_new_token_ratio, (decoded + 20 * len(self.running)) / (most + 1)))
+            self.new_token_ratio = min(1.0, max(self._least_ratio, (decoded + 20 * len(self.running)) / (most + 1)))
         elif not (self.running or self.swapped):
-            self.new_token_ratio = cfg.init_new_token_ratio
+            self.new_token_ratio = self._first_ratio
         elif out.num_decode_tokens:
-            self.new_token_ratio = max(self.new_token_ratio - self._ratio_decay, cfg.min_new_token_ratio)
+            self.new_token_ratio = max(self.new_token_ratio - self._ratio_decay, self._least_ratio)
 
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, eligible: list[Sequence], now: float

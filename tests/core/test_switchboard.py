@@ -123,11 +123,14 @@ def config_problem(kw: dict[str, Any]) -> str | None:
         return "reserve with swap"
     if get("preemption_mode") != "auto" and differs("auto_swap_min_tokens"):
         return "auto_swap_min_tokens"
-    ratio_knobs = ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps")
+    ratio_knobs = ("init_new_token_ratio", "min_new_token_ratio", "new_token_ratio_decay_steps",
+                   "schedule_conservativeness")
     if get("kv_reservation") != "estimate" and any(differs(k) for k in ratio_knobs):
         return "new-token ratio knobs"
     if not 0 < get("min_new_token_ratio") <= get("init_new_token_ratio") <= 1:
         return "new-token ratios"
+    if get("schedule_conservativeness") < 0:
+        return "schedule_conservativeness"
     if get("new_token_ratio_decay_steps") < 1:
         return "new_token_ratio_decay_steps"
     return None
@@ -161,6 +164,7 @@ def any_scheduler_kwargs(draw: st.DrawFn) -> dict[str, Any]:
         "init_new_token_ratio": st.sampled_from([0.7, 0.3, 1.0, 1.5, 0.05]),
         "min_new_token_ratio": st.sampled_from([0.098, 0.3, 0.0]),
         "new_token_ratio_decay_steps": st.sampled_from([600, 10, 0]),
+        "schedule_conservativeness": st.sampled_from([1.0, 0.3, 2.0, 0.0, -1.0]),
     }
     names = draw(st.sets(st.sampled_from(sorted(space)), max_size=6))
     return {name: draw(space[name]) for name in sorted(names)}
@@ -346,7 +350,8 @@ def switchboard_configs(draw: st.DrawFn, memory: str, prefill_mode: str) -> Sche
     if kw["kv_reservation"] == "estimate" and draw(st.booleans()):  # SGLang's defaults, or a short decay
         low = draw(st.sampled_from([0.01, 0.1, 0.5]))
         kw.update(min_new_token_ratio=low, init_new_token_ratio=draw(st.sampled_from([low, 0.7, 1.0])),
-                  new_token_ratio_decay_steps=draw(st.integers(1, 20)))
+                  new_token_ratio_decay_steps=draw(st.integers(1, 20)),
+                  schedule_conservativeness=draw(st.sampled_from([1.0, 0.0, 0.5, 3.0])))
     if kw["batching"] == "continuous":
         kw["admission"] = draw(st.sampled_from(ADMISSION_TRIGGERS))
     else:
@@ -1775,6 +1780,20 @@ def test_estimate_ratio_decays_per_decode_step_and_resets_when_idle() -> None:
     assert ratios[:6] == [0.5, 0.4, 0.3, 0.2, 0.1, 0.1]
     d.step()
     assert d.sched.new_token_ratio == 0.5
+
+
+def test_schedule_conservativeness_scales_both_ratios_as_sglang() -> None:
+    """SGLang's knob: the first ratio times it, at most 1; the least keeps its part of the first
+    (0.098 / 0.7 = 0.14): 2.0 starts at 1.0 and decays to 0.14, 0.5 starts at 0.35."""
+    for c, first, least in [(1.0, 0.7, 0.098), (2.0, 1.0, 0.14), (0.5, 0.35, 0.049)]:
+        d = Driver(200, 4, max_num_seqs=2, kv_reservation="estimate", schedule_conservativeness=c,
+                   new_token_ratio_decay_steps=2)
+        assert d.sched.new_token_ratio == pytest.approx(first)
+        d.add(0, 8, 10)
+        d.run()
+        assert d.sched._least_ratio == pytest.approx(least)
+    with pytest.raises(ConfigError, match="apply only to kv_reservation='estimate'"):
+        SchedulerConfig(schedule_conservativeness=2.0)
 
 
 def test_estimate_ratio_rises_after_a_preemption_for_memory() -> None:
