@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections import OrderedDict
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ SUFFIX = ".kv"
 # Files a schedule's lookups hold open at most (a chain found on disk stops there): bounds the
 # descriptors, and what one step reads from disk.
 MAX_OPEN = 256
+STALE_TMP_S = 600.0  # a temporary file this old at start is a dead engine's unfinished write
 
 
 def _unlink(path: str) -> None:
@@ -59,8 +61,11 @@ class DiskTier:
         # What an earlier engine left: known from the oldest file to the newest, the oldest
         # beyond num_blocks deleted.
         found = []
+        now = time.time()
         for entry in os.scandir(self.dir):
-            if entry.name.endswith(SUFFIX) and entry.is_file():
+            if entry.name.endswith(".tmp") and entry.stat().st_mtime < now - STALE_TMP_S:
+                _unlink(entry.path)  # a write an engine did not finish (it died): never renamed
+            elif entry.name.endswith(SUFFIX) and entry.is_file():
                 try:
                     found.append((entry.stat().st_mtime, bytes.fromhex(entry.name[: -len(SUFFIX)])))
                 except ValueError:  # not a name this tier writes
@@ -144,7 +149,7 @@ class DiskTier:
     def write(self, h: bytes, data: memoryview) -> None:
         """Write the block `h` (a temporary file renamed into place: a reader sees all or none)."""
         final = self.path(h)
-        tmp = f"{final}.{os.getpid()}.tmp"
+        tmp = f"{final}.{os.getpid()}-{id(self)}.tmp"  # (engines of one process write apart too)
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, final)
