@@ -391,7 +391,26 @@ class SchedulerConfig:
     )
     long_prefill_token_threshold: int = field(
         default=0,
-        metadata=_help("Chunked prefill: most prompt tokens one sequence gets per step (0: no cap)."),
+        metadata=_help(
+            "Chunked prefill: most prompt tokens one sequence gets per step (0: no cap), and the length "
+            "past which a prompt counts as long for max_long_partial_prefills (0 there: 4% of max_model_len)."
+        ),
+    )
+    max_num_partial_prefills: int = field(
+        default=1,
+        metadata=_help(
+            "Chunked prefill (vLLM's): at most this many prompts prefill in one step, each chunk at most "
+            "max_num_batched_tokens over their number, so a short prompt need not wait behind a long one's "
+            "chunks. 1: no such limit (the step's budget decides)."
+        ),
+    )
+    max_long_partial_prefills: int = field(
+        default=1,
+        metadata=_help(
+            "Of max_num_partial_prefills, at most this many long prompts (longer than "
+            "long_prefill_token_threshold): a long one waits for a slot while shorter ones after it are "
+            "admitted (vLLM's)."
+        ),
     )
     max_num_encoder_input_tokens: int | None = field(
         default=None,
@@ -729,6 +748,13 @@ class SchedulerConfig:
                 f"new-token ratios must be 0 < min_new_token_ratio ({self.min_new_token_ratio}) <= "
                 f"init_new_token_ratio ({self.init_new_token_ratio}) <= 1"
             )
+        if self.max_num_partial_prefills < 1 or not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ConfigError(
+                f"partial prefills need 1 <= max_long_partial_prefills ({self.max_long_partial_prefills}) <= "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
+        if self.max_num_partial_prefills > 1 and self.prefill_mode != "chunked":
+            raise ConfigError(f"max_num_partial_prefills limits chunked prefills, but prefill_mode={self.prefill_mode!r}")
         if self.schedule_conservativeness < 0:
             raise ConfigError(f"schedule_conservativeness={self.schedule_conservativeness} must be >= 0")
         if self.stream_interval < 1:

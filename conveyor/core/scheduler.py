@@ -220,6 +220,11 @@ class Scheduler:
         # and the engine's view of the runner's encoder cache (an item there costs nothing).
         self._encoder_left: int | None = None
         self._encoded_now: set[bytes] = set()
+        # max_num_partial_prefills > 1 (vLLM's partial prefills): this step's cap on a prompt
+        # chunk (None: none), and the prefills and long ones that may still start in it.
+        self._chunk_share: int | None = None
+        self._prefill_slots = self._long_slots = 0
+        self.long_prompt_tokens = config.long_prefill_token_threshold or int(0.04 * max_model_len)
         self.encoder_cached: Callable[[bytes], bool] | None = None
 
     # -- queue -----------------------------------------------------------------------------
@@ -332,6 +337,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._encoder_left = self.config.max_num_encoder_input_tokens
         self._encoded_now.clear()
+        if self.config.max_num_partial_prefills > 1:
+            self._plan_partial_prefills(eligible)
         admitted_fresh = False
         if self.config.prefill_mode == "prefill_first":
             # A step of prefills alone if there is any prefill to run; decodes wait for it.
@@ -359,6 +366,28 @@ class Scheduler:
             if self.block_manager.disk is not None:
                 out.disk_writes, out.disk_reads = self.block_manager.take_disk_copies()
         return out
+
+    def _plan_partial_prefills(self, eligible: list[Sequence]) -> None:
+        """vLLM's partial prefills: the running prompts go on, and waiting ones may start up to
+        `max_num_partial_prefills` in all, of which at most `max_long_partial_prefills` longer
+        than `long_prompt_tokens`; each chunk is at most the step's budget over the number of
+        prompts expected to prefill in it (those running, and those waiting that would start)."""
+        cfg, long = self.config, self.long_prompt_tokens
+        most, most_long = cfg.max_num_partial_prefills, cfg.max_long_partial_prefills
+        running = [s for s in (*self.running, *self.swapped) if s.num_uncomputed_tokens > 1]
+        prefills = len(running)
+        longs = sum(1 for s in running if s.num_uncomputed_tokens > long)
+        self._prefill_slots, self._long_slots = most - prefills, most_long - longs
+        waiting_longs = 0
+        for seq in eligible:
+            if prefills >= most:
+                break
+            if seq.num_uncomputed_tokens > long:
+                if longs + waiting_longs >= most_long:
+                    continue
+                waiting_longs += 1
+            prefills += 1
+        self._chunk_share = max(1, cfg.max_num_batched_tokens // max(1, min(prefills, most)))
 
     def _admit(
         self,
@@ -533,6 +562,8 @@ class Scheduler:
             cap = self.config.long_prefill_token_threshold
             if cap:
                 num_new = min(num_new, cap)
+            if self._chunk_share is not None:
+                num_new = min(num_new, self._chunk_share)
             return self._encoder_cut(seq, self._whole_images(seq, min(num_new, budget), budget))
         if num_new <= budget:
             return num_new if self._encoder_cut(seq, num_new) == num_new else 0
@@ -672,6 +703,13 @@ class Scheduler:
                     adapters = self._adapters()
                 if not self._adapter_fits(seq, adapters):
                     continue  # others (the base model, the adapters running) go ahead; it keeps its place
+            partial = self._chunk_share is not None  # (a waiting sequence's admission is a prefill)
+            is_long = partial and seq.num_uncomputed_tokens > self.long_prompt_tokens
+            if partial:
+                if self._prefill_slots <= 0:
+                    break  # max_num_partial_prefills prompts prefill this step already
+                if is_long and self._long_slots <= 0:
+                    continue  # a long one waits for a long slot, in its place; shorter ones go ahead
             # A prefix-cache hit is computed already: the sequence starts after it (a waiting
             # sequence holds no blocks and has computed nothing, fresh or preempted). One
             # that asks for its prompt's logprobs, or pools every prompt position (an
@@ -702,6 +740,9 @@ class Scheduler:
             if caching:
                 bm.acquire(seq, hits)
             bm.allocate(seq, target)
+            if partial:
+                self._prefill_slots -= 1
+                self._long_slots -= is_long
             if expected is not None:
                 expected += self._expected_blocks(seq)
             seq.status = SequenceStatus.RUNNING

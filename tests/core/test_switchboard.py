@@ -111,6 +111,10 @@ def config_problem(kw: dict[str, Any]) -> str | None:
         return "ratio knobs"
     if get("long_prefill_token_threshold") and get("prefill_mode") != "chunked":
         return "threshold without chunking"
+    if not 1 <= get("max_long_partial_prefills") <= get("max_num_partial_prefills"):
+        return "partial prefill counts"
+    if get("max_num_partial_prefills") > 1 and get("prefill_mode") != "chunked":
+        return "partial prefills without chunking"
     if get("aging_bound_s") is not None and (get("policy") == "fcfs" or get("aging_bound_s") <= 0):
         return "aging_bound_s"
     if get("policy") != "mlfq" and any(
@@ -165,6 +169,8 @@ def any_scheduler_kwargs(draw: st.DrawFn) -> dict[str, Any]:
         "min_new_token_ratio": st.sampled_from([0.098, 0.3, 0.0]),
         "new_token_ratio_decay_steps": st.sampled_from([600, 10, 0]),
         "schedule_conservativeness": st.sampled_from([1.0, 0.3, 2.0, 0.0, -1.0]),
+        "max_num_partial_prefills": st.sampled_from([1, 3, 0]),
+        "max_long_partial_prefills": st.sampled_from([1, 2, 0]),
     }
     names = draw(st.sets(st.sampled_from(sorted(space)), max_size=6))
     return {name: draw(space[name]) for name in sorted(names)}
@@ -366,6 +372,9 @@ def switchboard_configs(draw: st.DrawFn, memory: str, prefill_mode: str) -> Sche
         kw["max_waiting_tokens"] = draw(st.integers(1, 30))
     if kw["prefill_mode"] == "chunked" and draw(st.booleans()):
         kw["long_prefill_token_threshold"] = draw(st.integers(1, 32))
+    if kw["prefill_mode"] == "chunked" and draw(st.booleans()):  # vLLM's partial prefills
+        kw["max_num_partial_prefills"] = draw(st.integers(2, 4))
+        kw["max_long_partial_prefills"] = draw(st.integers(1, kw["max_num_partial_prefills"]))
     if kw["policy"] != "fcfs" and draw(st.booleans()):
         kw["aging_bound_s"] = draw(st.sampled_from([0.02, 0.1, 0.5, 30.0]))
     if kw["policy"] == "mlfq":
@@ -628,6 +637,9 @@ class Checker:
             cap = cfg.long_prefill_token_threshold
             if cap:
                 assert all(len(item.token_ids) <= max(cap, 1) for item in out.scheduled)
+            if cfg.max_num_partial_prefills > 1:  # vLLM's partial prefills: so many prompts a step at most
+                prefills = [item for item in out.scheduled if self.is_prefill_work(before, item)]
+                assert len(prefills) <= cfg.max_num_partial_prefills, out.scheduled
             return
         for item in out.scheduled:
             if not self.is_prefill_work(before, item):
@@ -666,6 +678,14 @@ class Checker:
         else:
             eligible_ids = {s.seq_id for s in before.waiting if s.num_output_tokens > 0}
         order = sorted((s for s in before.waiting if s.seq_id in eligible_ids), key=lambda s: before.keys[s.seq_id])
+        if cfg.max_num_partial_prefills > 1:
+            # vLLM's partial prefills: a long prompt left waiting while max_long_partial_prefills
+            # long ones prefill (running before, or admitted now) is passed by shorter ones.
+            long = self.sched.long_prompt_tokens
+            longs = sum(1 for s in (*before.running, *before.swapped) if before.uncomputed[s.seq_id] > long)
+            longs += sum(1 for s in admitted if before.uncomputed[s.seq_id] > long)
+            if longs >= cfg.max_long_partial_prefills:
+                order = [s for s in order if s.seq_id in scheduled or before.uncomputed[s.seq_id] <= long]
         taken = [s.seq_id in scheduled for s in order]
         assert taken == sorted(taken, reverse=True), (
             f"admitted past a better waiting request: {[(s.seq_id, before.keys[s.seq_id]) for s in order]}, {taken}"
@@ -1197,6 +1217,34 @@ def test_long_prefill_token_threshold_caps_each_prompt_chunk() -> None:
     d.run()
     assert all(len(i.token_ids) <= 5 for out in d.log for i in out.scheduled)
     d.check_outputs()
+
+
+def test_partial_prefills_let_short_prompts_past_a_long_one() -> None:
+    """vLLM's partial prefills: at most 4 prompts a step, of which 1 long (over 40 tokens), each
+    chunk at most the budget over the prompts expected to prefill. The second long prompt waits
+    in its place while the short ones behind it start at once, and goes once what is left of the
+    first is no longer long."""
+    d = Driver(256, 4, max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=40,
+               max_num_partial_prefills=4, max_long_partial_prefills=1)
+    d.add(0, 200, 2)  # long
+    d.add(1, 200, 2)  # long, after it
+    for i in (2, 3, 4):
+        d.add(i, 12, 2)  # short ones
+    out = d.step()
+    # The long one and three short ones: 64 // 4 = 16 tokens a chunk at most (and the cap of 40).
+    assert [(i.seq_id, len(i.token_ids)) for i in out.scheduled] == [(0, 16), (2, 12), (3, 12), (4, 12)]
+    while d.sched.get(0).num_uncomputed_tokens > 40:  # (what is left of it counts: 40 or less is short)
+        assert 1 not in {i.seq_id for i in d.step().scheduled}
+    assert 1 in {i.seq_id for i in d.step().scheduled}
+    d.run()
+    d.check_outputs()
+    without = Driver(256, 4, max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=40)
+    for i, n in enumerate((200, 200, 12, 12, 12)):
+        without.add(i, n, 2)
+    first = without.step()  # FCFS with the budget alone: the two long prompts take it all
+    assert [(i.seq_id, len(i.token_ids)) for i in first.scheduled] == [(0, 40), (1, 24)]
+    without.run()
+    assert min(without.first_step_of(i) for i in (2, 3, 4)) >= 5  # after both long prompts' chunks
 
 
 # -- queue policies ------------------------------------------------------------------------
