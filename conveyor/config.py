@@ -393,7 +393,7 @@ class SchedulerConfig:
         default=0,
         metadata=_help(
             "Chunked prefill: most prompt tokens one sequence gets per step (0: no cap), and the length "
-            "past which a prompt counts as long for max_long_partial_prefills (0 there: 4% of max_model_len)."
+            "past which a prompt counts as long for max_long_partial_prefills (0 there: 4 percent of max_model_len, as vLLM)."
         ),
     )
     max_num_partial_prefills: int = field(

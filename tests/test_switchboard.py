@@ -22,6 +22,7 @@ workloads, JSON / Chrome traces, option validation and presets through `LLM(...)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -692,6 +693,16 @@ def test_cli_generate_lists_every_switchboard_flag(capsys):
         assert flag in text, flag
     for name in PRESETS:
         assert name in text
+
+
+def test_every_commands_help_renders():
+    """argparse formats each option's help with %: a stray percent sign breaks `--help`."""
+    from conveyor.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in commands.items():
+        assert sub.format_help(), name
 
 
 def test_cli_flags_become_engine_options():
