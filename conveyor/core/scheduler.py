@@ -327,7 +327,7 @@ class Scheduler:
         )
         # Displacement only while nothing is swapped out: swapped sequences come back before
         # anyone new, so room made now would go to them, not to the better waiting request.
-        if self.policy.preemptive and self.config.kv_reservation == "on_demand" and not self.swapped:
+        if self.policy.preemptive and self.config.kv_reservation != "reserve" and not self.swapped:
             self._displace(out, eligible, now)
         displaced = len(out.preempted_seq_ids)
         if displaced:  # the victims wait at least a step (`eligible` may be `self.waiting` itself)
@@ -416,33 +416,45 @@ class Scheduler:
 
         Victims are recomputed, never swapped: a swapped victim would come back before anyone
         new (step 4), ahead of the very request it made room for.
+
+        Under kv_reservation='estimate' the room counts as admission counts it: the candidate's
+        blocks and those it is expected to take later, beside what the running sequences are
+        expected to take yet (a victim's expected blocks leave with it).
         """
         bm = self.block_manager
         seats = self.batching.seat_limit() - len(self.running) - len(self.swapped)
         free = bm.num_free_blocks - self.watermark_blocks
         adapters = self._adapters()
+        estimate = self.config.kv_reservation == "estimate"
+        expected = sum(map(self._expected_blocks, self.running)) if estimate else 0
         for cand in eligible:
             if not self._adapter_fits(cand, adapters):
                 continue  # admission would pass it by: preempting for it would make room for nobody
-            need = bm.pages_for_tokens(min(cand.num_tokens, self.config.max_num_batched_tokens))
+            first = min(cand.num_tokens, self.config.max_num_batched_tokens)
+            need = bm.pages_for_tokens(first)
+            later = bm.pages_per_block * max(0, bm.blocks_for_tokens(self._expected_tokens(cand))
+                                             - bm.blocks_for_tokens(first)) if estimate else 0
             # Aging reorders admission only: aged requests neither displace nor are displaced
             # (were they to displace, their victims would age in turn and displace them back).
             if self.policy.is_aged(cand, now):
                 return
             victims = [s for s in self.running if not self.policy.is_aged(s, now)]
-            while (seats < 1 or need > free) and victims:
+            while (seats < 1 or need + later + expected > free) and victims:
                 victim = self._pick_victim(victims)
                 if not self.policy.key(cand, now) < self.policy.key(victim, now):
                     return  # the queue is ordered: no later candidate beats this victim either
                 victims.remove(victim)
+                if estimate:
+                    expected -= self._expected_blocks(victim)
                 self.running.remove(victim)
                 free += bm.num_held(victim)
                 self._preempt(victim, out, allow_swap=False)
                 seats += 1
-            if seats < 1 or need > free:
+            if seats < 1 or need + later + expected > free:
                 return
             seats -= 1
             free -= need
+            expected += later
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, now: float, only: str | None = None

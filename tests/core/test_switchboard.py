@@ -1280,6 +1280,24 @@ def test_priority_late_urgent_request_displaces_when_blocks_are_full(mode: str) 
     d.check_outputs()
 
 
+def test_priority_urgent_request_displaces_under_the_estimated_reservation() -> None:
+    """kv_reservation='estimate': the room displacement makes counts as admission counts it, the
+    urgent request's expected blocks and the running ones' beside its prompt's: it displaces
+    as many as that takes (one of the two here), and is admitted in the same step."""
+    d = Driver(16, 2, policy="priority", max_num_seqs=8, kv_reservation="estimate", init_new_token_ratio=1.0,
+               min_new_token_ratio=1.0, max_model_len=32)
+    d.add(0, 4, 8, priority=3)  # 12 tokens expected: 6 blocks each
+    d.add(1, 4, 8, priority=3)
+    d.step()
+    assert len(d.sched.running) == 2
+    d.add(2, 6, 10, priority=0)  # 16 tokens expected: 8 blocks; 4 are free, 6 + 6 expected for the others
+    out = d.step()
+    assert out.preempted_seq_ids == [1] and 2 in {i.seq_id for i in out.scheduled}
+    d.run()
+    assert d.finish_order == [0, 2, 1] and d.seqs[2].num_preemptions == 0 and d.seqs[0].num_preemptions == 0
+    d.check_outputs()
+
+
 def test_priority_urgent_request_displaces_for_its_cross_attention_blocks_too() -> None:
     # Whisper's requests hold 2 cross blocks each (8 encoder positions, blocks of 4) beside their
     # own: the running request holds 3 of 5, and the urgent prompt's one block fits the 2 free
