@@ -287,6 +287,15 @@ class CacheConfig:
             "used first, only when a block is needed."
         ),
     )
+    eviction_policy: str = field(
+        default="lru",
+        metadata=_help(
+            "Which free cached block the prefix cache gives up first when a block is needed: lru (the "
+            "least recently freed, vLLM's) or lfu (the one hit the fewest times since it was cached, the "
+            "least recently freed among equals: SGLang's --radix-eviction-policy lfu), so a prefix many "
+            "requests share outlives a burst of one-off prompts."
+        ),
+    )
     encoder_cache_tokens: int = field(
         default=8192,
         metadata=_help(
@@ -334,6 +343,8 @@ class CacheConfig:
             raise ConfigError("KV offloading is a tier of the prefix cache: it needs enable_prefix_caching=True")
         if (self.kv_offloading_size or self.num_offload_blocks) and self.hybrid_kv_cache:
             raise ConfigError("KV offloading beside a hybrid KV cache is not built; leave one of them off")
+        if self.eviction_policy not in ("lru", "lfu"):
+            raise ConfigError(f"eviction_policy={self.eviction_policy!r} is not one of lru, lfu")
         policies = ("write_back", "write_through", "write_through_selective")
         if self.kv_offloading_policy not in policies:
             raise ConfigError(f"kv_offloading_policy={self.kv_offloading_policy!r} is not one of {', '.join(policies)}")

@@ -526,7 +526,8 @@ class Engine:
             config.scheduler,
             BlockManager(num_blocks, config.cache.block_size, num_swap_blocks, config.cache.enable_prefix_caching,
                          layout, cross_tokens=_cross_tokens(arch), num_offload_blocks=num_offload_blocks,
-                         offloading_policy=config.cache.kv_offloading_policy),
+                         offloading_policy=config.cache.kv_offloading_policy,
+                         eviction_policy=config.cache.eviction_policy),
             max_len,
             eos_ids,
         )

@@ -48,6 +48,7 @@ No torch: this module plans memory, the runner owns the tensors.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -82,6 +83,7 @@ def chain_hashes(
 
 
 OFFLOADING_POLICIES = ("write_back", "write_through", "write_through_selective")
+EVICTION_POLICIES = ("lru", "lfu")
 # `match_prefix`'s mark for a block found in the disk tier (`acquire` reads it into a host tier
 # block, then loads it as a host tier hit); host tier hits are `~tier`, always above it.
 DISK_HIT = ~(1 << 62)
@@ -183,6 +185,7 @@ class BlockManager:
         num_offload_blocks: int = 0,
         offloading_policy: str = "write_back",
         disk: DiskTier | None = None,
+        eviction_policy: str = "lru",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
@@ -192,6 +195,8 @@ class BlockManager:
             raise ValueError("KV offloading is a tier of a whole (not hybrid) prefix cache")
         if offloading_policy not in OFFLOADING_POLICIES:
             raise ValueError(f"offloading_policy={offloading_policy!r} is not one of {', '.join(OFFLOADING_POLICIES)}")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy={eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
         if disk is not None and not num_offload_blocks:
             raise ValueError("a disk tier lies under the host tier: it needs num_offload_blocks")
         self.num_blocks = num_blocks
@@ -213,6 +218,16 @@ class BlockManager:
         # Ordered: handed out from the front, returned to the back (the least recently freed
         # cached block is evicted first); a prefix hit takes a block from anywhere in it.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # eviction_policy="lfu" (SGLang's --radix-eviction-policy lfu): a free block without a
+        # hash is taken first, then the cached one hit the fewest times since it was cached,
+        # the least recently freed among equals. Both indexes are lazy: an entry is checked
+        # against the pool (and the block's release stamp) when it comes up.
+        self.lfu = eviction_policy == "lfu"
+        self._uses = [0] * num_blocks  # prefix hits since the block was cached
+        self._plain: list[int] = list(range(num_blocks - 1, -1, -1))  # free blocks without a hash
+        self._by_uses: list[tuple[int, int, int]] = []  # heap of (uses, release stamp, block)
+        self._stamps = [0] * num_blocks  # each block's last release
+        self._clock = 0
         self._ref_counts = [0] * num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._block_hash: list[bytes | None] = [None] * num_blocks
@@ -407,7 +422,10 @@ class BlockManager:
                         break
                     if (tier := host.get(hashes[i])) is not None:
                         block = ~tier  # in the offloading tier: `acquire` loads it
-                        taken += tier not in self._pinned
+                        if tier not in self._pinned:
+                            if room is not None and taken >= room:
+                                break  # (after a disk hit: that took the tier block this one would pin)
+                            taken += 1
                     elif tier_below is None:
                         break
                     else:
@@ -489,6 +507,7 @@ class BlockManager:
             if counts[block] == 0:
                 del free[block]
             counts[block] += 1
+            self._uses[block] += 1
             if reused is not None and not reused[block]:  # a second use: worth a copy in the tier
                 reused[block] = True
                 pair = (block, hashes[block])
@@ -578,6 +597,8 @@ class BlockManager:
         self._host_lru.clear()
         self._host_cached.clear()
         self._reused = [False] * self.num_blocks
+        self._uses = [0] * self.num_blocks
+        self._plain, self._by_uses = list(self._free)[::-1], []  # (lfu: every free block is plain now)
         return n
 
     # -- KV offloading ---------------------------------------------------------------------
@@ -659,18 +680,40 @@ class BlockManager:
         return len(self._cached)
 
     def _take_free(self) -> int:
-        """The least recently freed block, evicted from the prefix cache, at ref count 1."""
-        block = self._free.popitem(last=False)[0]
+        """The least recently freed block (`lfu`: the least used one, `_least_used`), evicted
+        from the prefix cache, at ref count 1."""
+        if self.lfu:
+            block = self._least_used()
+            del self._free[block]
+        else:
+            block = self._free.popitem(last=False)[0]
         h = self._block_hash[block]
         if h is not None:
             del self._cached[h]
             self._block_hash[block] = None
+            self._uses[block] = 0
             if self.num_offload_blocks:
                 if self.offloading_policy != "write_through_selective" or self._reused[block]:
                     self._store(block, h)
                 self._reused[block] = False
         self._ref_counts[block] = 1
         return block
+
+    def _least_used(self) -> int:
+        """lfu: a free block with no hash, else the free cached block hit the fewest times
+        (the least recently freed among equals)."""
+        free, hashed = self._free, self._block_hash
+        plain = self._plain
+        while plain:
+            block = plain.pop()
+            if block in free and hashed[block] is None:
+                return block
+        heap, stamps = self._by_uses, self._stamps
+        while heap:
+            _, stamp, block = heapq.heappop(heap)
+            if block in free and stamps[block] == stamp and hashed[block] is not None:
+                return block
+        return next(iter(free))  # (a block whose entry a reset made stale: any will do)
 
     # -- swap ------------------------------------------------------------------------------
     @property
@@ -765,6 +808,17 @@ class BlockManager:
         self._ref_counts[block] = count - 1
         if count == 1:
             self._free[block] = None
+            if self.lfu:
+                self._clock += 1
+                self._stamps[block] = self._clock
+                if self._block_hash[block] is None:
+                    self._plain.append(block)
+                else:
+                    heapq.heappush(self._by_uses, (self._uses[block], self._clock, block))
+                if len(self._by_uses) > 4 * self.num_blocks:  # stale entries: rebuild from the pool
+                    self._by_uses = [(self._uses[b], self._stamps[b], b) for b in self._free
+                                     if self._block_hash[b] is not None]
+                    heapq.heapify(self._by_uses)
 
     # -- checks ----------------------------------------------------------------------------
     def ref_count(self, block: int) -> int:

@@ -543,7 +543,8 @@ def build_sim_engine(
     scheduler = Scheduler(scheduler_config, BlockManager(num_blocks, config.cache.block_size, num_swap,
                                                          config.cache.enable_prefix_caching, layout,
                                                          num_offload_blocks=num_offload,
-                                                         offloading_policy=config.cache.kv_offloading_policy),
+                                                         offloading_policy=config.cache.kv_offloading_policy,
+                                                         eviction_policy=config.cache.eviction_policy),
                           max_len, eos)
     fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,

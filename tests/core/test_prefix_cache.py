@@ -341,6 +341,51 @@ def test_a_disk_hit_needs_a_free_or_unpinned_tier_block(tmp_path) -> None:
     assert bm2.match_prefix(seq_of(0, tokens)) == [DISK_HIT, DISK_HIT]
 
 
+def test_tier_hits_after_a_disk_hit_leave_it_its_tier_block(tmp_path) -> None:
+    """A chain on disk for its first block and in a full tier of two for the next two: the disk
+    hit's read takes a tier block the later tier hits would pin, so the chain stops after one of
+    them (the property test found the second taken too, and no tier block left for the read)."""
+    disk = DiskTier(str(tmp_path), "layout", 8, 16)
+    bm = BlockManager(8, 2, enable_prefix_caching=True, num_offload_blocks=2, disk=disk)
+    tokens = [1, 1, 2, 2, 3, 3, 4]
+    h1, h2, h3 = chain_hashes(tokens, 2, [], 3)
+    disk.write(h1, memoryview(bytes(16)))
+    for tier, h in enumerate((h2, h3)):
+        bm._host_free.remove(tier)
+        bm._host_cached[h], bm._host_lru[tier] = tier, h
+    seq = seq_of(0, tokens)
+    hits = bm.match_prefix(seq)
+    assert hits == [DISK_HIT, ~0]
+    admit(bm, seq)  # the read evicts h3's tier block, the one no hit pins
+    _, loads = bm.take_copies()
+    _, reads = bm.take_disk_copies()
+    assert reads == [(h1, 1)] and [t for t, _ in loads] == [1, 0]
+    bm.check_integrity([seq.block_table])
+
+
+def test_lfu_keeps_a_prefix_many_requests_hit_over_newer_one_offs() -> None:
+    """eviction_policy="lfu": the cached block hit the most outlives blocks freed after it,
+    which LRU would keep instead; blocks with no hash go first either way."""
+    for policy, kept in [("lru", False), ("lfu", True)]:
+        bm = BlockManager(4, 2, enable_prefix_caching=True, eviction_policy=policy)
+        hot = seq_of(0, [1, 1, 9])
+        admit(bm, hot)
+        bm.free(hot)
+        for i in range(3):  # three requests hit [1, 1]
+            again = seq_of(1 + i, [1, 1, 5 + i])
+            assert admit(bm, again)
+            bm.free(again)
+        cold = seq_of(9, [7, 7, 8, 8, 3])  # two one-off blocks, freed after the hot one
+        admit(bm, cold)
+        bm.free(cold)
+        # The pool: [1, 1] (hit three times), then the cold prompt's last (plain), [8, 8], [7, 7].
+        filler = seq_of(10, [4] * 5)  # takes 3: LRU the first three, LFU the plain one and the cold two
+        assert bm.allocate(filler, 5)
+        assert (bm.match_prefix(seq_of(11, [1, 1, 0])) != []) is kept
+        assert (bm.match_prefix(seq_of(12, [7, 7, 8, 8, 0])) == []) is kept
+        bm.check_integrity([filler.block_table])
+
+
 def test_integrity_catches_a_cache_entry_that_names_the_wrong_block() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     a = seq_of(0, SHARED[:12])

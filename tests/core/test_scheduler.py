@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from conveyor.config import PREEMPTION_MODES, SchedulerConfig
-from conveyor.core.block_manager import OFFLOADING_POLICIES, BlockManager
+from conveyor.core.block_manager import EVICTION_POLICIES, OFFLOADING_POLICIES, BlockManager
 from conveyor.core.disk_tier import DiskTier
 from conveyor.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from conveyor.sampling_params import SamplingParams
@@ -72,6 +72,7 @@ class Scenario:
     num_offload_blocks: int = 0  # KV offloading's tier (with prefix caching)
     offloading_policy: str = "write_back"
     num_disk_blocks: int = 0  # a disk tier under it (files in a temporary directory)
+    eviction_policy: str = "lru"  # which free cached block the prefix cache gives up first
 
     @property
     def max_model_len(self) -> int:
@@ -235,7 +236,7 @@ def run_scenario(sc: Scenario) -> RunResult:
 def _run_scenario(sc: Scenario, disk: DiskTier | None) -> RunResult:
     bm = BlockManager(sc.num_blocks, sc.block_size, sc.num_swap_blocks, enable_prefix_caching=sc.prefix_caching,
                       cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks,
-                      offloading_policy=sc.offloading_policy, disk=disk)
+                      offloading_policy=sc.offloading_policy, disk=disk, eviction_policy=sc.eviction_policy)
     sched = Scheduler(sc.config, bm, sc.max_model_len, frozenset({EOS}))
     runner = FakeRunner(sc.num_blocks, sc.block_size, sc.num_swap_blocks, shared_prefixes=sc.prefix_caching,
                         cross_tokens=sc.cross_tokens, num_offload_blocks=sc.num_offload_blocks, disk=disk)
@@ -347,7 +348,9 @@ def scenarios(draw: st.DrawFn, chunked: bool) -> Scenario:
         longest = min(longest, config.max_num_batched_tokens)
     near_budget = min(config.max_num_batched_tokens, longest)
     requests = draw(st.lists(request_specs(longest, near_budget), min_size=1, max_size=16))
-    return Scenario(config, block_size, num_blocks, requests, draw(st.booleans()))
+    caching = draw(st.booleans())
+    return Scenario(config, block_size, num_blocks, requests, caching,
+                    eviction_policy=draw(st.sampled_from(EVICTION_POLICIES)) if caching else "lru")
 
 
 def preempting_config(draw: st.DrawFn) -> SchedulerConfig:
@@ -400,7 +403,7 @@ def offload_scenarios(draw: st.DrawFn) -> Scenario:
     requests = requests_within(draw, config, num_blocks * block_size, 40, 14)
     return Scenario(config, block_size, num_blocks, requests, True, 0, num_swap_blocks,
                     draw(st.integers(1, 24)), draw(st.sampled_from(OFFLOADING_POLICIES)),
-                    draw(st.sampled_from([0, 0, 1, 4, 64])))
+                    draw(st.sampled_from([0, 0, 1, 4, 64])), draw(st.sampled_from(EVICTION_POLICIES)))
 
 
 @st.composite

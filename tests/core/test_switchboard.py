@@ -39,7 +39,12 @@ from conveyor.config import (
     SchedulerConfig,
 )
 from conveyor.core.batching import QueueState, make_batching
-from conveyor.core.block_manager import OFFLOADING_POLICIES, BlockManager, HybridLayout
+from conveyor.core.block_manager import (
+    EVICTION_POLICIES,
+    OFFLOADING_POLICIES,
+    BlockManager,
+    HybridLayout,
+)
 from conveyor.core.disk_tier import DiskTier
 from conveyor.core.policies import OnlineMeanPredictor, ShortestPredictedFirstPolicy
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
@@ -323,6 +328,7 @@ class Board:
     num_offload_blocks: int = 0  # KV offloading's tier of the prefix cache
     offloading_policy: str = "write_back"
     num_disk_blocks: int = 0  # a disk tier under it (files in a temporary directory)
+    eviction_policy: str = "lru"  # which free cached block the prefix cache gives up first
 
     @property
     def max_model_len(self) -> int:
@@ -410,7 +416,8 @@ def boards(draw: st.DrawFn, memory: str, prefill_mode: str) -> Board:
         longest = min(longest, config.max_num_batched_tokens)
     near_budget = min(config.max_num_batched_tokens, longest)
     requests = draw(st.lists(reqs(longest, near_budget), min_size=2, max_size=14))
-    return Board(config, block_size, num_blocks, num_swap_blocks, tuple(requests), draw(st.booleans()))
+    return Board(config, block_size, num_blocks, num_swap_blocks, tuple(requests), draw(st.booleans()),
+                 eviction_policy=draw(st.sampled_from(EVICTION_POLICIES)))
 
 
 @st.composite
@@ -760,7 +767,7 @@ def run_board(board: Board) -> BoardRun:
 def _run_board(board: Board, disk: DiskTier | None) -> BoardRun:
     bm = BlockManager(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching, board.layout,
                       cross_tokens=board.cross_tokens, num_offload_blocks=board.num_offload_blocks,
-                      offloading_policy=board.offloading_policy, disk=disk)
+                      offloading_policy=board.offloading_policy, disk=disk, eviction_policy=board.eviction_policy)
     sched = Scheduler(board.config, bm, board.max_model_len, frozenset({EOS}))
     runner = FakeRunner(board.num_blocks, board.block_size, board.num_swap_blocks, board.prefix_caching,
                         board.layout.window if board.layout else 0, board.layout is not None and board.layout.all_sliding,
