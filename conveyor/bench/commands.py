@@ -119,6 +119,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="every prompt starts with the same N random tokens (a system prompt; prefix caching finds it)")
     w.add_argument("--prefix-groups", type=int, default=1,
                    help="with --shared-prefix-len: that many different prefixes, one drawn at random per request")
+    w.add_argument("--prefix-share", type=float, default=1.0,
+                   help="with --shared-prefix-len: the fraction of requests that take a prefix (the others are one-offs)")
     w.add_argument("--tenants", default=None,
                    help="requests come from these tenants, NAME:WEIGHT,... (share of requests); the report adds "
                    "a table per tenant (offline: SamplingParams.tenant; online: the request's user)")
@@ -181,15 +183,18 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[Benc
         requests = synthetic_requests(n, inp, out, vocab_size, args.seed)
         desc.update(kind="synthetic", description=f"input {inp.describe()}, output {out.describe()}",
                     input_len=inp.describe(), output_len=out.describe())
-    if args.prefix_groups != 1 and not args.shared_prefix_len:
-        raise ValueError("--prefix-groups needs --shared-prefix-len")
+    if (args.prefix_groups != 1 or args.prefix_share != 1.0) and not args.shared_prefix_len:
+        raise ValueError("--prefix-groups and --prefix-share need --shared-prefix-len")
     if args.shared_prefix_len:
         groups = args.prefix_groups
-        requests = with_shared_prefix(requests, args.shared_prefix_len, vocab_size, args.seed, groups)
+        requests = with_shared_prefix(requests, args.shared_prefix_len, vocab_size, args.seed, groups,
+                                      args.prefix_share)
         desc["description"] += (
             f", a shared prefix of {args.shared_prefix_len} tokens"
             if groups == 1 else f", one of {groups} shared prefixes of {args.shared_prefix_len} tokens"
         )
+        if args.prefix_share != 1.0:
+            desc["description"] += f" for {args.prefix_share:.0%} of the requests"
         desc["shared_prefix_len"] = args.shared_prefix_len
         desc["prefix_groups"] = groups
     if args.tenants:

@@ -217,25 +217,34 @@ def sharegpt_requests(num_requests: int, mix: ShareGPTLike, vocab_size: int, see
 
 
 def with_shared_prefix(
-    requests: list[BenchRequest], prefix_len: int, vocab_size: int, seed: int = 0, num_groups: int = 1
+    requests: list[BenchRequest], prefix_len: int, vocab_size: int, seed: int = 0, num_groups: int = 1,
+    share: float = 1.0,
 ) -> list[BenchRequest]:
     """Every prompt starts with a shared `prefix_len` random ids (a system prompt; vLLM's
     `--random-prefix-len`), so that prefix caching has something to find. With `num_groups`
     > 1 there are that many different prefixes and each request takes one at random (SGLang's
-    generated-shared-prefix workload: several system prompts or documents, interleaved)."""
+    generated-shared-prefix workload: several system prompts or documents, interleaved). With
+    `share` < 1 only that fraction of the requests (drawn at random) takes one; the others keep
+    their own prompts: one-off prompts between those that share (what an eviction policy is for)."""
     if prefix_len < 0:
         raise ValueError(f"shared prefix length {prefix_len} must be >= 0")
     if num_groups < 1:
         raise ValueError(f"prefix groups {num_groups} must be >= 1")
+    if not 0 < share <= 1:
+        raise ValueError(f"prefix share {share} must be in (0, 1]")
     if not prefix_len:
         return requests
     prefixes = [_prompt_ids(_rng(seed, "shared_prefix" if g == 0 else f"shared_prefix:{g}"), prefix_len, vocab_size)
                 for g in range(num_groups)]
     pick = _rng(seed, "prefix_group")
+    takes = _rng(seed, "prefix_share")
     out = []
     for r in requests:
         if isinstance(r.prompt, str):
             raise ValueError("a shared prefix needs token-id prompts; this workload has text prompts")
+        if share < 1 and takes.random() >= share:
+            out.append(r)
+            continue
         prefix = prefixes[pick.randrange(num_groups)] if num_groups > 1 else prefixes[0]
         out.append(replace(r, prompt=prefix + r.prompt, prompt_len=prefix_len + len(r.prompt)))
     return out

@@ -63,6 +63,18 @@ def test_a_shared_prefix_starts_every_prompt_and_keeps_the_rest() -> None:
         with_shared_prefix(text, 8, VOCAB)
 
 
+def test_a_prefix_share_leaves_the_other_requests_their_own_prompts() -> None:
+    base = make(0, 200)
+    mixed = with_shared_prefix(base, 16, VOCAB, seed=0, num_groups=2, share=0.25)
+    took = [after.prompt_len == before.prompt_len + 16 for before, after in zip(base, mixed, strict=True)]
+    assert 30 <= sum(took) <= 70  # about a quarter of 200
+    for before, after, t in zip(base, mixed, took, strict=True):
+        assert after.prompt[16:] == before.prompt if t else after == before
+    assert with_shared_prefix(base, 16, VOCAB, seed=0, num_groups=2, share=0.25) == mixed
+    with pytest.raises(ValueError, match="prefix share"):
+        with_shared_prefix(base, 16, VOCAB, share=0.0)
+
+
 def test_prefix_groups_draw_one_of_several_prefixes_per_request() -> None:
     base = make(0, 40)
     grouped = with_shared_prefix(base, 16, VOCAB, seed=0, num_groups=3)
