@@ -302,6 +302,17 @@ def test_disk_tier_options_are_checked(model_dir, tmp_path):
             kv_disk_size=8)
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_lfu_eviction_keeps_the_tokens(make_engine, reference, preemption_mode):
+    """eviction_policy='lfu' changes which cached blocks go first, never the tokens: a cache too
+    small for the batch, with preemption and a host tier."""
+    prompts, params = shared_prefix_workload()
+    engine = make_engine(eviction_policy="lfu", preemption_mode=preemption_mode, num_kv_blocks=16,
+                         max_num_batched_tokens=32, num_swap_blocks=64, num_offload_blocks=8)
+    assert tokens(drive(engine, prompts, params)) == reference
+    assert engine.scheduler.block_manager.lfu and engine.scheduler.block_manager.num_hit_tokens > 0
+
+
 def test_reset_prefix_cache_forgets_the_tier_too(model_dir):
     llm = LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=8, num_offload_blocks=16)
     prompt, other = list(range(5, 30)), list(range(100, 125))
