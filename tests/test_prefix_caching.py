@@ -288,6 +288,26 @@ def test_the_disk_tier_gives_a_restarted_engine_its_prefixes(base, model_dir, tm
     assert 'conveyor:kv_disk_blocks_read_total{model_name="m"} 20.0' in metrics.render().decode()
 
 
+def test_two_engines_on_one_directory_share_their_prefixes(base, model_dir, tmp_path):
+    """Both alive: what one computes (written through to disk) the other reads, with the tokens
+    of computing it."""
+    prompts, params = rotating_prefixes_workload()
+
+    def make(**options: Any) -> Engine:
+        config = EngineConfig.from_kwargs(model=model_dir, dtype="float64", block_size=BLOCK_SIZE, **options)
+        return Engine.from_model(config, base.engine.runner.model, base.engine.tokenizer, model_path=model_dir)
+
+    want = one_by_one(make(enable_prefix_caching=False, num_kv_blocks=64), prompts, params)
+    shared = dict(num_kv_blocks=12, num_offload_blocks=8, kv_offloading_policy="write_through",
+                  kv_disk_path=str(tmp_path), kv_disk_size=1 << 20)
+    a, b = make(**shared), make(**shared)
+    first = one_by_one(a, prompts[:4], params[:4])
+    second = one_by_one(b, prompts[4:], params[4:])
+    assert tokens(first) + tokens(second) == tokens(want)
+    assert [o.num_cached_tokens for o in second] == [20] * 4
+    assert b.scheduler.block_manager.num_disk_hit_tokens == 80
+
+
 def test_disk_tier_options_are_checked(model_dir, tmp_path):
     from conveyor.config import ConfigError
 
