@@ -197,7 +197,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"  - {name}: KV cache {cap['kv_gib']:.1f} GiB = {cap['kv_tokens']:,} tokens, "
                          f"weights {cap['weight_gib']:.1f} GiB{each}; {devices} device{'s' if devices > 1 else ''} in all"
                          + (f"; a host tier of {cap['offload_tokens']:,} tokens (KV offloading)"
-                            if cap.get("offload_tokens") else ""))
+                            if cap.get("offload_tokens") else "")
+                         + (f", a disk tier of {cap['disk_tokens']:,}" if cap.get("disk_tokens") else ""))
     lines += [
         "",
         "| system | load | done | req/s | in tok/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "

@@ -162,3 +162,56 @@ class DiskTier:
             _unlink(self.path(h))
         self._lru.clear()
         return n
+
+
+class MemoryDiskTier(DiskTier):
+    """The disk tier's bookkeeping without files (the simulator's): the index is the disk."""
+
+    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a disk tier of {num_blocks} blocks holds nothing")
+        self.dir = ""
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self._lru = OrderedDict()
+        self._open, self._reading, self._pinned = {}, {}, set()
+        self.num_reads = self.num_writes = 0
+
+    def find(self, h: bytes) -> bool:
+        if h not in self._lru:
+            return False
+        self._lru.move_to_end(h)
+        self._open[h] = -1
+        return True
+
+    def write_scheduled(self, h: bytes) -> bool:
+        known = h in self._lru
+        self._lru[h] = None
+        self._lru.move_to_end(h)
+        self._pinned.add(h)
+        if not known:
+            self.num_writes += 1
+            self._evict()
+        return not known
+
+    def read_scheduled(self, h: bytes) -> None:
+        self._open.pop(h)
+        self._pinned.add(h)
+        self.num_reads += 1
+
+    def end_step(self) -> None:
+        self._open.clear()
+        self._pinned.clear()
+
+    def _evict(self) -> None:
+        lru = self._lru
+        while len(lru) > self.num_blocks:
+            h = next((k for k in lru if k not in self._pinned), None)
+            if h is None:
+                return
+            del lru[h]
+
+    def clear(self) -> int:
+        n = len(self._lru)
+        self.end_step()
+        self._lru.clear()
+        return n

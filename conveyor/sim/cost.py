@@ -79,13 +79,15 @@ class StepShape:
     # speculative step's guesses; spans of up to `of`'s `chain_span` rows): with the decodes,
     # they keep a step in the fused native call (conveyor/runner/model_runner.py: `_chains`).
     chained_seqs: int = 0
+    disk_blocks: int = 0  # KV offloading's disk tier: blocks written to and read from disk
 
     @classmethod
     def of(cls, out: SchedulerOutput, window: int = 0, chain_span: int = 0) -> StepShape:
         """The step's shape; with `window`, also what a sliding layer's attention reads: each
         query the last `window` positions up to its own, the context those span."""
         s = cls(swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-                + len(out.blocks_to_store) + len(out.blocks_to_load))  # (KV offloading's copies: the same link)
+                + len(out.blocks_to_store) + len(out.blocks_to_load),  # (KV offloading's copies: the same link)
+                disk_blocks=len(out.disk_writes) + len(out.disk_reads))
         for item in out.scheduled:
             n = len(item.token_ids)
             start = item.start_pos
@@ -285,6 +287,7 @@ class RooflineCostModel:
         kv = m.kv_bytes_per_token(b) * m.kv_share(n)  # one device's
         self._kv_mem_s = kv / (hardware.mem_bandwidth * p.kv_mbu)  # per context token
         self._swap_s = kv * block_share * block_size / hardware.host_bandwidth  # per block (the devices swap at once)
+        self._disk_s = kv * block_share * block_size / hardware.disk_bandwidth  # per block, as the runner: serial
         link = hardware.peer_bandwidth * p.link_efficiency
         # Per step: 2 all-reduces a layer, a fixed latency each and 2 (n-1)/n of the rows' bytes
         # over the link; the logits' gather (float32 rows of the vocabulary), the same way.
@@ -345,7 +348,8 @@ class RooflineCostModel:
         return StepShape(share(s.num_seqs), share(s.num_tokens), share(s.num_sampled), share(s.prefill_pairs),
                          share(s.prefill_context), share(s.decode_seqs), share(s.decode_context),
                          share(s.swap_blocks), s.idle_before_s, share(s.window_prefill_pairs),
-                         share(s.window_prefill_context), share(s.window_decode_context), share(s.chained_seqs))
+                         share(s.window_prefill_context), share(s.window_decode_context), share(s.chained_seqs),
+                         share(s.disk_blocks))
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         """Seconds per part of the step (with pipeline stages, of a batch's way through them
@@ -362,6 +366,7 @@ class RooflineCostModel:
             "attn_decode": max(self._attn_flop_s, self._kv_mem_s) * self._by_window(s.decode_context,
                                                                                    s.window_decode_context),
             "swap": self._swap_s * s.swap_blocks,
+            "disk": self._disk_s * s.disk_blocks,
             "allreduce": self._ar_fixed_s + self._ar_token_s * s.num_tokens
             + (p.allreduce_latency_s + self._gather_row_s * s.num_sampled if s.num_sampled else 0.0)
             if busy and self.tensor_parallel > 1 else 0.0,

@@ -36,6 +36,7 @@ from typing import Any
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
+from conveyor.core.disk_tier import MemoryDiskTier
 from conveyor.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from conveyor.core.speculative import DynamicTree, TokenTree
 from conveyor.engine import (
@@ -452,6 +453,18 @@ def _draft_shape(config: EngineConfig, model: ModelShape) -> ModelShape | None:
     return draft
 
 
+def _sim_disk(config: EngineConfig, model: ModelShape, b: int, num_offload: int) -> MemoryDiskTier | None:
+    """KV offloading's disk tier in the simulator: its bookkeeping without files (the path is not
+    used), its copies priced at the hardware's `disk_bandwidth` (an assumption)."""
+    cc = config.cache
+    if cc.kv_disk_path is None or not num_offload:
+        return None
+    block_bytes = model.kv_bytes_per_token(b) * cc.block_size
+    if cc.kv_disk_size < block_bytes:
+        raise ConfigError(f"kv_disk_size={cc.kv_disk_size} bytes holds no KV block of {block_bytes} bytes")
+    return MemoryDiskTier(cc.kv_disk_size // block_bytes, block_bytes)
+
+
 def build_sim_engine(
     config: EngineConfig,
     hardware: Hardware,
@@ -478,9 +491,6 @@ def build_sim_engine(
         )
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ConfigError(f"spec acceptance rate {acceptance_rate} must be in [0, 1]")
-    if config.cache.kv_disk_path is not None:
-        raise ConfigError("the simulator does not price KV offloading's disk tier (no disk in its hardware "
-                          "specs); leave kv_disk_path unset (the host tier and its write policy are simulated)")
     tree = config.scheduler.speculative_token_tree
     dynamic = config.scheduler.speculative_eagle_topk
     if rank_acceptance and tree is None and dynamic is None:
@@ -544,7 +554,8 @@ def build_sim_engine(
                                                          config.cache.enable_prefix_caching, layout,
                                                          num_offload_blocks=num_offload,
                                                          offloading_policy=config.cache.kv_offloading_policy,
-                                                         eviction_policy=config.cache.eviction_policy),
+                                                         eviction_policy=config.cache.eviction_policy,
+                                                         disk=_sim_disk(config, model, b, num_offload)),
                           max_len, eos)
     fp8 = config.model.quantization == "fp8"  # (int8, the CPU engine's, is in a calibration's fitted speeds)
     cost = cost_model or RooflineCostModel(hardware, model, params, b, config.cache.block_size, tp, pp,
@@ -636,4 +647,7 @@ def describe_capacity(engine: Any) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         # KV offloading's host tier (its blocks hold what a device block does)
         "offload_tokens": engine.scheduler.block_manager.num_offload_blocks * cfg.cache.block_size,
+        # ... and its disk tier (bookkeeping only in the simulator)
+        "disk_tokens": (0 if (disk := engine.scheduler.block_manager.disk) is None
+                        else disk.num_blocks * cfg.cache.block_size),
     }

@@ -30,6 +30,10 @@ class Hardware:
     # Dense FP8 tensor FLOP/s (Hopper, Ada); 0: no FP8 tensor cores, so FP8 weights are read as
     # bytes and multiplied in 16-bit (a weight-only kernel, as vLLM's Marlin FP8 on Ampere).
     fp8_flops: float = 0.0
+    # Bytes/s to and from the machine's local disk (KV offloading's disk tier). No catalog entry
+    # lists one: assumed a datacenter NVMe SSD on PCIe 4.0 (5-7 GB/s sequential read, 4-5 GB/s
+    # write in vendors' datasheets), 4 GB/s either way.
+    disk_bandwidth: float = 4e9
 
     @property
     def peer_bandwidth(self) -> float:

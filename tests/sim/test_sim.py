@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.cli import main
-from conveyor.config import ConfigError, EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from conveyor.engine import Engine
@@ -297,8 +297,33 @@ def test_write_through_prices_its_stores_when_the_blocks_are_computed():
     assert sum(s.blocks_stored for s in back.step_trace if s.num_prefill_tokens) > 0
     assert sum(s.blocks_stored for s in through.step_trace if s.num_prefill_tokens) == 0
     assert sum(s.blocks_stored for s in through.step_trace) == b.num_offload_stores
-    with pytest.raises(ConfigError, match="disk tier"):
-        toy_engine(num_kv_blocks=8, num_offload_blocks=64, kv_disk_path="/tmp/x", kv_disk_size=1 << 30)
+
+
+def test_a_disk_tier_extends_the_host_tier_and_prices_its_copies_at_the_disks_bandwidth():
+    """Eight 64-token prefixes in turn through a device cache of about one and a host tier of
+    about two: without a disk the host tier forgets each before its turn; with one (bookkeeping
+    only, no files) every later turn reads its prefix from disk into the tier, priced per block
+    at `disk_bandwidth`, in place of computing it."""
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(10, 900) for _ in range(64)] for _ in range(8)]
+    reqs = [TimedRequest(float(i), prefixes[i % 8] + [rng.randrange(10, 900) for _ in range(8)],
+                         SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)) for i in range(32)]
+    host = toy_engine(num_kv_blocks=8, max_num_seqs=1, num_offload_blocks=8)
+    disk = toy_engine(num_kv_blocks=8, max_num_seqs=1, num_offload_blocks=8, kv_disk_path="unused",
+                      kv_disk_size=64 * 16 * TOY.kv_bytes_per_token(2))
+    replay(host, reqs)
+    replay(disk, reqs)
+    assert host.scheduler.block_manager.num_offload_hit_tokens == 0
+    bm = disk.scheduler.block_manager
+    assert bm.num_disk_hit_tokens == bm.num_hit_tokens == 24 * 64  # every turn after the first eight
+    reads = [s for s in disk.step_trace if s.disk_blocks_read]
+    assert sum(s.disk_blocks_read for s in reads) == 24 * 4
+    cost = disk.cost_model
+    for s in reads:  # each: the prompt's last 8 tokens, 4 blocks read from disk (and loaded)
+        assert s.num_prefill_tokens == 8 and s.duration_s > 4 * (cost._disk_s + cost._swap_s)
+    assert cost._disk_s == pytest.approx(cost._swap_s * TOY_HW.host_bandwidth / TOY_HW.disk_bandwidth)
+    assert disk.runner_busy_s < host.runner_busy_s
+    assert describe_capacity(disk)["disk_tokens"] == 64 * 16 and not describe_capacity(host)["disk_tokens"]
 
 
 def test_a_max_tokens_factor_asks_for_more_and_stops_at_the_answers_length():
