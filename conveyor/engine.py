@@ -1640,7 +1640,10 @@ def _disk_tier(config: EngineConfig, runner: Any, dtype: Any, kv_dtype: Any, pee
     layout = fingerprint(os.path.realpath(model), stat.st_size, stat.st_mtime_ns, mc.quantization, str(dtype),
                          str(kv_dtype), bs, len(pages), tuple(pages[0].shape[2:]))
     assert cc.kv_disk_path is not None
-    return DiskTier(cc.kv_disk_path, layout, num_blocks, block_bytes)
+    try:
+        return DiskTier(cc.kv_disk_path, layout, num_blocks, block_bytes)
+    except OSError as e:
+        raise ConfigError(f"kv_disk_path={cc.kv_disk_path!r} cannot hold the KV disk tier: {e}") from None
 
 
 class CachePlan(NamedTuple):

@@ -317,6 +317,11 @@ def test_disk_tier_options_are_checked(model_dir, tmp_path):
         EngineConfig.from_kwargs(model="m", kv_offloading_size=1 << 20, kv_disk_path=str(tmp_path))
     with pytest.raises(ConfigError, match="kv_offloading_policy"):
         EngineConfig.from_kwargs(model="m", kv_offloading_policy="write_around")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot hold the KV disk tier"):
+        LLM(model_dir, dtype="float64", num_kv_blocks=8, num_offload_blocks=4, kv_disk_path=str(blocked),
+            kv_disk_size=1 << 20)
     with pytest.raises(ConfigError, match="holds no KV block"):
         LLM(model_dir, dtype="float64", num_kv_blocks=8, num_offload_blocks=4, kv_disk_path=str(tmp_path),
             kv_disk_size=8)

@@ -58,6 +58,7 @@ class DiskTier:
         self._pinned: set[bytes] = set()  # hashes this step's reads or writes use: not evicted in it
         self.num_reads = 0
         self.num_writes = 0
+        self.num_write_errors = 0
         # What an earlier engine left: known from the oldest file to the newest, the oldest
         # beyond num_blocks deleted.
         found = []
@@ -147,12 +148,23 @@ class DiskTier:
             raise OSError(f"KV disk tier: {self.path(h)} gave {n} of {self.block_bytes} bytes")
 
     def write(self, h: bytes, data: memoryview) -> None:
-        """Write the block `h` (a temporary file renamed into place: a reader sees all or none)."""
+        """Write the block `h` (a temporary file renamed into place: a reader sees all or none).
+        A write that fails (a full disk, a directory gone) loses only that block's copy: it is
+        forgotten, logged, and the engine goes on."""
         final = self.path(h)
         tmp = f"{final}.{os.getpid()}-{id(self)}.tmp"  # (engines of one process write apart too)
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except OSError as e:
+            self._lru.pop(h, None)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self.num_write_errors += 1
+            if self.num_write_errors == 1 or self.num_write_errors % 1000 == 0:
+                logger.warning("KV disk tier %s: a block's write failed (%s); %d so far, each block only lost",
+                               self.dir, e, self.num_write_errors)
 
     def clear(self) -> int:
         """Forget and delete every block this engine knows of; returns how many."""
@@ -174,7 +186,7 @@ class MemoryDiskTier(DiskTier):
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self._lru = OrderedDict()
         self._open, self._reading, self._pinned = {}, {}, set()
-        self.num_reads = self.num_writes = 0
+        self.num_reads = self.num_writes = self.num_write_errors = 0
 
     def find(self, h: bytes) -> bool:
         if h not in self._lru:

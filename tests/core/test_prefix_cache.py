@@ -327,6 +327,23 @@ def test_the_disk_tier_outlives_its_engine_and_is_shared(tmp_path) -> None:
     assert not DiskTier(str(tmp_path), "other-layout", 3, 16).find(hashes[5])
 
 
+def test_a_failed_disk_write_loses_only_that_block(tmp_path, caplog) -> None:
+    """A full disk or a directory gone: the write is logged and the block forgotten (a later
+    lookup misses it), nothing raised, the next writes go on."""
+    disk = DiskTier(str(tmp_path), "layout", 8, 16)
+    h1, h2 = chain_hashes([1, 1, 2, 2], 2, [], 2)
+    assert disk.write_scheduled(h1)
+    real = disk.dir
+    disk.dir = str(tmp_path / "gone" / "away")  # (so the write cannot open its file)
+    disk.write(h1, memoryview(bytes(16)))
+    disk.dir = real
+    assert disk.num_write_errors == 1 and "write failed" in caplog.text
+    assert len(disk) == 0 and not disk.find(h1)
+    assert disk.write_scheduled(h2)
+    disk.write(h2, memoryview(bytes(16)))
+    assert disk.find(h2)
+
+
 def test_a_disk_hit_needs_a_free_or_unpinned_tier_block(tmp_path) -> None:
     """A disk hit is read into a host tier block: a chain stops where the tier has none left
     that this step's copies do not use."""
