@@ -228,6 +228,12 @@ class BlockManager:
         self._by_uses: list[tuple[int, int, int]] = []  # heap of (uses, release stamp, block)
         self._stamps = [0] * num_blocks  # each block's last release
         self._clock = 0
+        # ... and in the offloading tier (SGLang's policy covers both tiers): the tier block
+        # loaded the fewest times since it was stored goes first, the least recently used among
+        # equals; a heap of (loads, stamp, tier block), an entry live while its stamp is the block's.
+        self._tier_uses: dict[int, int] = {}
+        self._tier_stamps: dict[int, int] = {}
+        self._tier_heap: list[tuple[int, int, int]] = []
         self._ref_counts = [0] * num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._block_hash: list[bytes | None] = [None] * num_blocks
@@ -547,6 +553,8 @@ class BlockManager:
             if b < 0:
                 tier, b = ~b, self._take_free()
                 self._host_lru.move_to_end(tier)
+                if self.lfu:
+                    self._touch_tier(tier)
                 self._loads.append((tier, b))
                 h = seq.block_hashes[i]
                 self._cached[h] = b
@@ -599,6 +607,9 @@ class BlockManager:
         self._reused = [False] * self.num_blocks
         self._uses = [0] * self.num_blocks
         self._plain, self._by_uses = list(self._free)[::-1], []  # (lfu: every free block is plain now)
+        self._tier_uses.clear()
+        self._tier_stamps.clear()
+        self._tier_heap = []
         return n
 
     # -- KV offloading ---------------------------------------------------------------------
@@ -635,12 +646,45 @@ class BlockManager:
         if self._host_free:
             tier = self._host_free.pop()
         else:
-            tier = next((t for t in self._host_lru if t not in self._pinned), None)
+            tier = (self._least_used_tier() if self.lfu
+                    else next((t for t in self._host_lru if t not in self._pinned), None))
             if tier is None:
                 return None
             del self._host_cached[self._host_lru.pop(tier)]
         self._pinned.add(tier)  # one copy into a block a step
+        if self.lfu:
+            self._tier_uses[tier] = -1  # (`_touch_tier` makes it 0: stored, not loaded yet)
+            self._touch_tier(tier)
         return tier
+
+    def _touch_tier(self, tier: int) -> None:
+        """lfu: one more load of `tier` (or its store): a new heap entry, the old one stale."""
+        self._clock += 1
+        self._tier_uses[tier] += 1
+        self._tier_stamps[tier] = self._clock
+        heapq.heappush(self._tier_heap, (self._tier_uses[tier], self._clock, tier))
+        if len(self._tier_heap) > 4 * max(1, self.num_offload_blocks):  # stale entries: rebuild
+            self._tier_heap = [(self._tier_uses[t], self._tier_stamps[t], t) for t in self._host_lru]
+            heapq.heapify(self._tier_heap)
+
+    def _least_used_tier(self) -> int | None:
+        """lfu: the tier block no copy of this step uses that was loaded the fewest times."""
+        heap, stamps, pinned = self._tier_heap, self._tier_stamps, self._pinned
+        kept = []
+        found = None
+        while heap:
+            entry = heapq.heappop(heap)
+            _, stamp, tier = entry
+            if stamps.get(tier) != stamp or tier not in self._host_lru:
+                continue  # stale
+            if tier in pinned:
+                kept.append(entry)
+                continue
+            found = tier
+            break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return found
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (stores, loads), device-to-tier and tier-to-device copies the runner makes

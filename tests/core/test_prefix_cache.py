@@ -403,6 +403,36 @@ def test_lfu_keeps_a_prefix_many_requests_hit_over_newer_one_offs() -> None:
         bm.check_integrity([filler.block_table])
 
 
+def test_lfu_in_the_tier_keeps_the_block_loaded_most() -> None:
+    """eviction_policy="lfu" covers the offloading tier too (SGLang's one policy for both): a
+    full tier gives up the block loaded the fewest times, where LRU gives up the least recent."""
+    for policy, kept in [("lru", False), ("lfu", True)]:
+        bm = BlockManager(2, 2, enable_prefix_caching=True, num_offload_blocks=2, eviction_policy=policy)
+
+        def evict_all(i: int, bm: BlockManager = bm) -> None:  # plain (unregistered) blocks take the device
+            filler = seq_of(100 + i, [0] * 4)
+            assert bm.allocate(filler, 4)
+            bm.free(filler)
+            bm.take_copies()
+
+        for i in range(3):  # [1, 1] stored, then loaded back twice (and stored again: already there)
+            hot = seq_of(i, [1, 1, 1])
+            admit(bm, hot)
+            bm.free(hot)
+            evict_all(i)
+        cold = seq_of(10, [3, 3, 3])  # stored after: the most recently used, never loaded
+        admit(bm, cold)
+        bm.free(cold)
+        evict_all(10)
+        other = seq_of(11, [5, 5, 5])  # its store needs a tier block
+        admit(bm, other)
+        bm.free(other)
+        evict_all(11)
+        assert (bm.match_prefix(seq_of(12, [1, 1, 1])) != []) is kept
+        assert (bm.match_prefix(seq_of(13, [3, 3, 3])) == []) is kept
+        bm.check_integrity([])
+
+
 def test_integrity_catches_a_cache_entry_that_names_the_wrong_block() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     a = seq_of(0, SHARED[:12])
