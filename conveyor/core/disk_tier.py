@@ -64,13 +64,13 @@ class DiskTier:
         found = []
         now = time.time()
         for entry in os.scandir(self.dir):
-            if entry.name.endswith(".tmp") and entry.stat().st_mtime < now - STALE_TMP_S:
-                _unlink(entry.path)  # a write an engine did not finish (it died): never renamed
-            elif entry.name.endswith(SUFFIX) and entry.is_file():
-                try:
+            try:
+                if entry.name.endswith(".tmp") and entry.stat().st_mtime < now - STALE_TMP_S:
+                    _unlink(entry.path)  # a write an engine did not finish (it died): never renamed
+                elif entry.name.endswith(SUFFIX) and entry.is_file():
                     found.append((entry.stat().st_mtime, bytes.fromhex(entry.name[: -len(SUFFIX)])))
-                except ValueError:  # not a name this tier writes
-                    continue
+            except (OSError, ValueError):  # gone meanwhile (another engine's), or not a name of ours
+                continue
         for _, h in sorted(found):
             self._lru[h] = None
         self._evict()
