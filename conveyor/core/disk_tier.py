@@ -111,7 +111,7 @@ class DiskTier:
     def write_scheduled(self, h: bytes) -> bool:
         """Whether the block `h`, stored into the host tier this step, is to be written (False
         if a file holds it already); it becomes the most recently used either way."""
-        known = h in self._lru or os.path.exists(self.path(h))
+        known = h in self._lru or self._exists(h)
         self._lru[h] = None
         self._lru.move_to_end(h)
         self._pinned.add(h)
@@ -123,7 +123,7 @@ class DiskTier:
     def end_step(self) -> None:
         """A schedule ends: the files its lookups opened and did not read are closed."""
         for fd in self._open.values():
-            os.close(fd)
+            self._close(fd)
         self._open.clear()
         self._pinned.clear()
 
@@ -134,7 +134,17 @@ class DiskTier:
             if h is None:
                 return
             del lru[h]
-            _unlink(self.path(h))
+            self._delete(h)
+
+    # -- the files (`MemoryDiskTier` has none) ----------------------------------------------
+    def _exists(self, h: bytes) -> bool:
+        return os.path.exists(self.path(h))
+
+    def _delete(self, h: bytes) -> None:
+        _unlink(self.path(h))
+
+    def _close(self, fd: int) -> None:
+        os.close(fd)
 
     # -- the runner's side -------------------------------------------------------------------
     def take_read(self, h: bytes, out: memoryview) -> None:
@@ -171,7 +181,7 @@ class DiskTier:
         self.end_step()
         n = len(self._lru)
         for h in self._lru:
-            _unlink(self.path(h))
+            self._delete(h)
         self._lru.clear()
         return n
 
@@ -179,7 +189,7 @@ class DiskTier:
 class MemoryDiskTier(DiskTier):
     """The disk tier's bookkeeping without files (the simulator's): the index is the disk."""
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int) -> None:  # (no directory: not DiskTier's)
         if num_blocks < 1:
             raise ValueError(f"a disk tier of {num_blocks} blocks holds nothing")
         self.dir = ""
@@ -192,38 +202,14 @@ class MemoryDiskTier(DiskTier):
         if h not in self._lru:
             return False
         self._lru.move_to_end(h)
-        self._open[h] = -1
+        self._open[h] = -1  # (no file: a placeholder for `read_scheduled`)
         return True
 
-    def write_scheduled(self, h: bytes) -> bool:
-        known = h in self._lru
-        self._lru[h] = None
-        self._lru.move_to_end(h)
-        self._pinned.add(h)
-        if not known:
-            self.num_writes += 1
-            self._evict()
-        return not known
+    def _exists(self, h: bytes) -> bool:
+        return False  # (the index is all there is)
 
-    def read_scheduled(self, h: bytes) -> None:
-        self._open.pop(h)
-        self._pinned.add(h)
-        self.num_reads += 1
+    def _delete(self, h: bytes) -> None:
+        pass
 
-    def end_step(self) -> None:
-        self._open.clear()
-        self._pinned.clear()
-
-    def _evict(self) -> None:
-        lru = self._lru
-        while len(lru) > self.num_blocks:
-            h = next((k for k in lru if k not in self._pinned), None)
-            if h is None:
-                return
-            del lru[h]
-
-    def clear(self) -> int:
-        n = len(self._lru)
-        self.end_step()
-        self._lru.clear()
-        return n
+    def _close(self, fd: int) -> None:
+        pass
