@@ -343,11 +343,11 @@ class CacheConfig:
             raise ConfigError("KV offloading is a tier of the prefix cache: it needs enable_prefix_caching=True")
         if (self.kv_offloading_size or self.num_offload_blocks) and self.hybrid_kv_cache:
             raise ConfigError("KV offloading beside a hybrid KV cache is not built; leave one of them off")
-        if self.eviction_policy not in ("lru", "lfu"):
-            raise ConfigError(f"eviction_policy={self.eviction_policy!r} is not one of lru, lfu")
-        policies = ("write_back", "write_through", "write_through_selective")
-        if self.kv_offloading_policy not in policies:
-            raise ConfigError(f"kv_offloading_policy={self.kv_offloading_policy!r} is not one of {', '.join(policies)}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction_policy={self.eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        if self.kv_offloading_policy not in OFFLOADING_POLICIES:
+            raise ConfigError(f"kv_offloading_policy={self.kv_offloading_policy!r} is not one of "
+                              f"{', '.join(OFFLOADING_POLICIES)}")
         if self.kv_disk_size < 0:
             raise ConfigError(f"kv_disk_size={self.kv_disk_size} must be >= 0 (bytes)")
         if self.kv_disk_path is not None and not (self.kv_offloading_size or self.num_offload_blocks):
@@ -364,6 +364,10 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 PREFILL_MODES = ("chunked", "mixed", "prefill_first")
 ADMISSION_TRIGGERS = ("every_step", "interval", "ratio")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# The prefix cache's (and its offloading tier's): which cached block goes first; and when a
+# block reaches the offloading tier (`BlockManager`).
+EVICTION_POLICIES = ("lru", "lfu")
+OFFLOADING_POLICIES = ("write_back", "write_through", "write_through_selective")
 KV_RESERVATIONS = ("on_demand", "reserve", "estimate")
 
 

@@ -56,6 +56,7 @@ from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.config import EVICTION_POLICIES, OFFLOADING_POLICIES
 from conveyor.core.disk_tier import DiskTier
 from conveyor.multimodal import ImageSpan, span_keys
 from conveyor.sequence import Sequence
@@ -82,8 +83,6 @@ def chain_hashes(
     return hashes
 
 
-OFFLOADING_POLICIES = ("write_back", "write_through", "write_through_selective")
-EVICTION_POLICIES = ("lru", "lfu")
 # `match_prefix`'s mark for a block found in the disk tier (`acquire` reads it into a host tier
 # block, then loads it as a host tier hit); host tier hits are `~tier`, always above it.
 DISK_HIT = ~(1 << 62)
@@ -435,8 +434,9 @@ class BlockManager:
                     elif tier_below is None:
                         break
                     else:
-                        if room is None:
-                            room = len(self._host_free) + sum(1 for t in self._host_lru if t not in self._pinned)
+                        if room is None:  # (the pinned blocks are few: count them, not the tier)
+                            room = (len(self._host_free) + len(self._host_lru)
+                                    - sum(1 for t in self._pinned if t in self._host_lru))
                         if taken >= room or not tier_below.find(hashes[i]):
                             break
                         block = DISK_HIT  # on disk: `acquire` reads it into the tier, then loads it

@@ -17,8 +17,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
-from conveyor.config import PREEMPTION_MODES, SchedulerConfig
-from conveyor.core.block_manager import EVICTION_POLICIES, OFFLOADING_POLICIES, BlockManager
+from conveyor.config import (
+    EVICTION_POLICIES,
+    OFFLOADING_POLICIES,
+    PREEMPTION_MODES,
+    SchedulerConfig,
+)
+from conveyor.core.block_manager import BlockManager
 from conveyor.core.disk_tier import DiskTier
 from conveyor.core.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from conveyor.sampling_params import SamplingParams

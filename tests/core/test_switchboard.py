@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 from conveyor.config import (
     ADMISSION_TRIGGERS,
     BATCHING_MODES,
+    EVICTION_POLICIES,
     KV_RESERVATIONS,
+    OFFLOADING_POLICIES,
     PREEMPTION_MODES,
     PREFILL_MODES,
     PRESETS,
@@ -39,12 +41,7 @@ from conveyor.config import (
     SchedulerConfig,
 )
 from conveyor.core.batching import QueueState, make_batching
-from conveyor.core.block_manager import (
-    EVICTION_POLICIES,
-    OFFLOADING_POLICIES,
-    BlockManager,
-    HybridLayout,
-)
+from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.disk_tier import DiskTier
 from conveyor.core.policies import OnlineMeanPredictor, ShortestPredictedFirstPolicy
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
