@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
              'prompt_lookup_max, disable_by_batch_size, quantization, speculative_token_tree; and SGLang\'s '
              'speculative_eagle_topk, speculative_num_steps)',
     )
+    group.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help='vLLM\'s form of the KV events options, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+             '"endpoint": "tcp://*:5557"}\' (keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint, '
+             'topic, buffer_steps)',
+    )
     for section in EngineConfig.section_types().values():
         _add_field_args(group, section)
 
@@ -77,7 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {
         f.name for sec in EngineConfig.section_types().values() for f in dataclasses.fields(sec)
     }
-    names.update(("preset", "speculative_config"))
+    names.update(("preset", "speculative_config", "kv_events_config"))
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

@@ -296,6 +296,37 @@ class CacheConfig:
             "requests share outlives a burst of one-off prompts."
         ),
     )
+    enable_kv_cache_events: bool = field(
+        default=False,
+        metadata=_help(
+            "Record the prefix cache's changes as vLLM's KV events (BlockStored, BlockRemoved, "
+            "AllBlocksCleared; conveyor/core/kv_events.py), for a router that sends each request where "
+            "its prefix is cached (router_policy kv_events; NVIDIA Dynamo's, llm-d's): kept for "
+            "Engine.take_kv_events, or published with kv_events_publisher zmq."
+        ),
+    )
+    kv_events_publisher: str = field(
+        default="null",
+        metadata=_help("Where KV events go: null (kept until Engine.take_kv_events takes them) or zmq "
+                       "(a ZeroMQ PUB socket at kv_events_endpoint, vLLM's wire format; pip install conveyor[kv-events])."),
+    )
+    kv_events_endpoint: str = field(
+        default="tcp://*:5557",
+        metadata=_help("The PUB socket's endpoint (replica i of data parallelism binds the port plus i)."),
+    )
+    kv_events_replay_endpoint: str | None = field(
+        default=None,
+        metadata=_help("A ROUTER socket where a subscriber that missed batches asks for them again by sequence number."),
+    )
+    kv_events_topic: str = field(default="", metadata=_help("The topic each published message starts with."))
+    kv_events_buffer_steps: int = field(
+        default=10_000, metadata=_help("Published batches kept for replay requests.")
+    )
+    data_parallel_rank: int | None = field(
+        default=None,
+        metadata=_help("This engine's replica number under data parallelism (set for each replica by the "
+                       "server): its KV events carry it and their endpoints are offset by it."),
+    )
     encoder_cache_tokens: int = field(
         default=8192,
         metadata=_help(
@@ -358,6 +389,19 @@ class CacheConfig:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+        if self.kv_events_publisher not in KV_EVENTS_PUBLISHERS:
+            raise ConfigError(f"kv_events_publisher={self.kv_events_publisher!r} is not one of "
+                              f"{', '.join(KV_EVENTS_PUBLISHERS)}")
+        if self.kv_events_publisher != "null" and not self.enable_kv_cache_events:
+            raise ConfigError(f"kv_events_publisher={self.kv_events_publisher!r} publishes KV events: "
+                              "it needs enable_kv_cache_events=True")
+        if self.enable_kv_cache_events and not self.enable_prefix_caching:
+            raise ConfigError("KV events report the prefix cache's blocks: enable_kv_cache_events needs "
+                              "enable_prefix_caching=True")
+        if self.kv_events_buffer_steps < 1:
+            raise ConfigError(f"kv_events_buffer_steps={self.kv_events_buffer_steps} must be at least 1")
+        if self.data_parallel_rank is not None and self.data_parallel_rank < 0:
+            raise ConfigError(f"data_parallel_rank={self.data_parallel_rank} must be >= 0")
 
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
@@ -369,6 +413,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 EVICTION_POLICIES = ("lru", "lfu")
 OFFLOADING_POLICIES = ("write_back", "write_through", "write_through_selective")
 KV_RESERVATIONS = ("on_demand", "reserve", "estimate")
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
 
 
 @dataclass(frozen=True)
@@ -923,6 +968,9 @@ class EngineConfig:
         spec = kwargs.pop("speculative_config", None)
         if spec is not None:
             kwargs = {**kwargs, **speculative_options(spec, kwargs)}
+        events = kwargs.pop("kv_events_config", None)
+        if events is not None:
+            kwargs = {**kwargs, **kv_events_options(events, kwargs)}
         if preset is not None:
             if preset not in PRESETS:
                 raise ConfigError(f"preset={preset!r} is not one of {sorted(PRESETS)}")
@@ -980,24 +1028,46 @@ SPECULATIVE_CONFIG_KEYS = {
 }
 
 
+# vLLM's `kv_events_config` keys -> conveyor's options.
+KV_EVENTS_CONFIG_KEYS = {
+    "enable_kv_cache_events": "enable_kv_cache_events",
+    "publisher": "kv_events_publisher",
+    "endpoint": "kv_events_endpoint",
+    "replay_endpoint": "kv_events_replay_endpoint",
+    "topic": "kv_events_topic",
+    "buffer_steps": "kv_events_buffer_steps",
+}
+
+
+def kv_events_options(spec: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The options vLLM's `kv_events_config` (`--kv-events-config` JSON) names."""
+    return _dict_options("kv_events_config", spec, KV_EVENTS_CONFIG_KEYS, given)
+
+
+def _dict_options(name: str, spec: Any, keys: dict[str, str], given: dict[str, Any]) -> dict[str, Any]:
+    """The options a vLLM-style dict option (`name`; a JSON string too) sets, through `keys`;
+    a key not read here, or one that contradicts an option also given, is refused by name."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{name} is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{name} must be a dict, not {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(keys))
+    if unknown:
+        raise ConfigError(f"{name}: {unknown} not read here; it takes {sorted(keys)}")
+    out = {keys[k]: v for k, v in spec.items() if v is not None}
+    for option, value in out.items():
+        if given.get(option) is not None and given[option] != value:
+            raise ConfigError(f"{name} sets {option}={value!r}, and {option}={given[option]!r} is also given")
+    return out
+
+
 def speculative_options(spec: Any, given: dict[str, Any]) -> dict[str, Any]:
     """The options vLLM's `speculative_config` dict names (a JSON string too, as `vllm serve
     --speculative-config` takes it); a key conveyor does not read, or one that contradicts an
     option also given, is refused by name. vLLM's `"method": "ngram"` without a model, and
     `"draft_model"`, `"mtp"`, `"eagle"` and `"eagle3"`, mean what they mean there."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"speculative_config is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"speculative_config must be a dict, not {type(spec).__name__}")
-    unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
-    if unknown:
-        raise ConfigError(f"speculative_config: {unknown} not read here; it takes {sorted(SPECULATIVE_CONFIG_KEYS)}")
-    out = {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in spec.items() if v is not None}
-    for name, value in out.items():
-        if given.get(name) is not None and given[name] != value:
-            raise ConfigError(f"speculative_config sets {name}={value!r}, and {name}={given[name]!r} is also given")
-    return out
+    return _dict_options("speculative_config", spec, SPECULATIVE_CONFIG_KEYS, given)
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from conveyor.audio import Audio
-from conveyor.config import ConfigError, EngineConfig
+from conveyor.config import CacheConfig, ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
+from conveyor.core.kv_events import KVEvent
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
 from conveyor.kv_transfer import KVHandoff
 from conveyor.lora import LoRARequest
@@ -203,6 +204,9 @@ class Engine:
         self.image_token: ImageToken | None = None  # ... and its image token ("<image>")
         self.text_only = False  # (an image-text model whose every kind limit_mm_per_prompt sets to 0)
         self.default_pooling = "last"  # what an embedding pools when its request does not say
+        self._kv_publisher: Any = None  # KV events over ZeroMQ (conveyor/core/kv_events.py)
+        if config.cache.enable_kv_cache_events:
+            self._start_kv_events(config.cache)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -1299,7 +1303,37 @@ class Engine:
         """Forget every cached prefix (a benchmark's cold start, or after changing weights).
         Requests in flight keep their blocks; they only stop being found by new requests."""
         self.scheduler.block_manager.reset_prefix_cache()
+        self._publish_kv_events()  # (an idle engine takes no step to send AllBlocksCleared)
         return True
+
+    # -- KV events -------------------------------------------------------------------------
+    def _start_kv_events(self, cc: CacheConfig) -> None:
+        self.scheduler.block_manager.kv_events = []
+        if cc.kv_events_publisher == "zmq":
+            import weakref
+
+            from conveyor.core.kv_events import KVEventPublisher, KVEventsConfig
+
+            self._kv_publisher = KVEventPublisher(KVEventsConfig(
+                "zmq", cc.kv_events_endpoint, cc.kv_events_replay_endpoint, cc.kv_events_topic,
+                cc.kv_events_buffer_steps, cc.data_parallel_rank))
+            weakref.finalize(self, self._kv_publisher.close)
+
+    def enable_kv_events(self) -> None:
+        """Record KV events from now on (as `enable_kv_cache_events=True` does from the start):
+        the simulator's replicas turn them on for a router that reads them."""
+        if self.scheduler.block_manager.kv_events is None:
+            self.scheduler.block_manager.kv_events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's events since the last call (BlockStored, BlockRemoved,
+        AllBlocksCleared; conveyor/core/kv_events.py), oldest first; with kv_events_publisher
+        zmq they are published at each step instead, and this is empty."""
+        return self.scheduler.block_manager.take_events()
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_publisher is not None:
+            self._kv_publisher.publish(self.scheduler.block_manager.take_events())
 
     def reset_mm_cache(self) -> bool:
         """Forget every media item's encoder output the encoder cache keeps (vLLM's
@@ -1324,6 +1358,8 @@ class Engine:
         if self._incoming:
             self._admit_incoming()
         outputs = self._step_async() if self._async else self._step_sync()
+        if self._kv_publisher is not None:
+            self._publish_kv_events()
         return self._merge(outputs) if self._child_of else outputs
 
     def _step_sync(self) -> list[RequestOutput]:

@@ -58,6 +58,15 @@ from typing import Any
 
 from conveyor.config import EVICTION_POLICIES, OFFLOADING_POLICIES
 from conveyor.core.disk_tier import DiskTier
+from conveyor.core.kv_events import (
+    DEVICE,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    external_hash,
+)
 from conveyor.multimodal import ImageSpan, span_keys
 from conveyor.sequence import Sequence
 
@@ -263,6 +272,9 @@ class BlockManager:
         self._disk_writes: list[tuple[int, bytes]] = []  # (tier block, hash): host to disk
         self._disk_reads: list[tuple[bytes, int]] = []  # (hash, tier block): disk to host
         self.num_disk_hit_tokens = 0  # of num_offload_hit_tokens, those read from disk
+        # KV events (conveyor/core/kv_events.py): None unless the engine asks for them; then
+        # every change of the cache's hashes, device and host tier, in order, until taken.
+        self.kv_events: list[KVEvent] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -543,14 +555,17 @@ class BlockManager:
                     assert tier is not None, "match_prefix counted a tier block for each disk hit"
                     self._host_cached[h] = tier
                     self._host_lru[tier] = h
+                    self._announce_host(h)
                     self._disk_reads.append((h, tier))
                     self.disk.read_scheduled(h)
                     self.num_disk_hit_tokens += self.block_size
                     blocks[i] = ~tier
         self._pinned.update(~b for b in blocks if b < 0)
         out = []
+        loaded = []
         for i, b in enumerate(blocks):
             if b < 0:
+                loaded.append(i)
                 tier, b = ~b, self._take_free()
                 self._host_lru.move_to_end(tier)
                 if self.lfu:
@@ -562,6 +577,8 @@ class BlockManager:
                 self._unwritten.add(b)
                 self.num_offload_hit_tokens += self.block_size
             out.append(b)
+        if self.kv_events is not None:
+            self._announce(seq, loaded)
         return out
 
     def cache_blocks(self, seq: Sequence, table: list[int], first: int, end: int, written: bool = True) -> None:
@@ -572,16 +589,21 @@ class BlockManager:
             return
         hashes = chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, end, _salt(seq), seq.images)
         cached, hashed = self._cached, self._block_hash
+        announced: list[int] | None = [] if self.kv_events is not None and table is seq.block_table else None
         for i in range(max(first, self._global_start(seq.window_start)), end):  # (a sliding one's: its blocks)
             block, h = table[i], hashes[i]
             if hashed[block] is None and h not in cached:
                 cached[h] = block
                 hashed[block] = h
+                if announced is not None:
+                    announced.append(i)
                 if self.num_offload_blocks:
                     if not written:
                         self._unwritten.add(block)
                     if self.offloading_policy == "write_through":
                         (self._through if written else self._through_next).append((block, h))
+        if announced:
+            self._announce(seq, announced)
         if self.num_window_groups and table is seq.block_table:
             # The sliding groups' blocks of the same tokens, each under the hash and its group.
             key = self._window_key
@@ -610,6 +632,8 @@ class BlockManager:
         self._tier_uses.clear()
         self._tier_stamps.clear()
         self._tier_heap = []
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return n
 
     # -- KV offloading ---------------------------------------------------------------------
@@ -633,6 +657,7 @@ class BlockManager:
             return False  # every tier block is copied this step: the block is dropped
         host[h] = tier
         self._host_lru[tier] = h
+        self._announce_host(h)
         self._stores.append((block, tier))
         self.num_offload_stores += 1
         if self.disk is not None and self.disk.write_scheduled(h):
@@ -650,7 +675,10 @@ class BlockManager:
                     else next((t for t in self._host_lru if t not in self._pinned), None))
             if tier is None:
                 return None
-            del self._host_cached[self._host_lru.pop(tier)]
+            gone = self._host_lru.pop(tier)
+            del self._host_cached[gone]
+            if self.kv_events is not None:
+                self._announce_removed(gone, HOST)
         self._pinned.add(tier)  # one copy into a block a step
         if self.lfu:
             self._tier_uses[tier] = -1  # (`_touch_tier` makes it 0: stored, not loaded yet)
@@ -719,6 +747,55 @@ class BlockManager:
         self._disk_writes, self._disk_reads = [], []
         return writes, reads
 
+    # -- KV events -------------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first (empty when events are off)."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
+
+    def _announce(self, seq: Sequence, indices: list[int]) -> None:
+        """BlockStored events for `seq`'s blocks `indices` (ascending), new in the device cache:
+        one a run of consecutive blocks, chained onto the block before the run."""
+        assert self.kv_events is not None
+        hashes, size, tokens = seq.block_hashes, self.block_size, seq.token_ids
+        lora = None if seq.lora_request is None else seq.lora_request.lora_int_id
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k == len(indices) or indices[k] != indices[k - 1] + 1:
+                first, last = indices[start], indices[k - 1]
+                self.kv_events.append(BlockStored(
+                    [external_hash(hashes[i]) for i in range(first, last + 1)],
+                    external_hash(hashes[first - 1]) if first else None,
+                    tokens[first * size:(last + 1) * size], size, lora, DEVICE,
+                ))
+                start = k
+
+    def _announce_host(self, h: bytes) -> None:
+        """A block stored into the host tier: its hash (its tokens went with the device's event)."""
+        events = self.kv_events
+        if events is None:
+            return
+        last = events[-1] if events else None
+        if isinstance(last, BlockStored) and last.medium == HOST:
+            last.block_hashes.append(external_hash(h))
+        else:
+            events.append(BlockStored([external_hash(h)], None, [], self.block_size, None, HOST))
+
+    def _announce_removed(self, h: bytes, medium: str) -> None:
+        events = self.kv_events
+        assert events is not None
+        last = events[-1] if events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(external_hash(h))
+        else:
+            events.append(BlockRemoved([external_hash(h)], medium))
+
+    def _is_window_key(self, h: bytes) -> bool:
+        """A sliding group's key (`_window_key`), not a block hash: no event names it."""
+        return self.num_window_groups > 0 and len(h) != 32
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
@@ -736,6 +813,8 @@ class BlockManager:
             del self._cached[h]
             self._block_hash[block] = None
             self._uses[block] = 0
+            if self.kv_events is not None and not self._is_window_key(h):
+                self._announce_removed(h, DEVICE)
             if self.num_offload_blocks:
                 if self.offloading_policy != "write_through_selective" or self._reused[block]:
                     self._store(block, h)

@@ -14,6 +14,11 @@ to it and not yet finished), and picks a replica. Policies:
   its prompt was sent before, so that replica's prefix cache holds it; when loads drift apart,
   the least loaded replica wins instead. Defaults are the gateway's (cache threshold 0.3,
   balance thresholds 64 requests and 1.5x).
+- `kv_events`: NVIDIA Dynamo's KV router, llm-d's precise prefix-cache scorer: the same rules,
+  on what each replica's prefix cache holds as its KV events say (conveyor/core/kv_events.py),
+  evictions and resets included, with the engine's own block hashes (so a LoRA adapter's,
+  a cache salt's or an image's blocks never match another prompt's); `cache_aware`'s own rules
+  where no replica holds the prompt.
 
 Every policy is one class behind `RoutingPolicy` and `@register_router`; `make_router` builds
 one by name. Nothing here imports torch: the server and the simulator route with the same code.
@@ -27,10 +32,13 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from conveyor.config import ConfigError
 from conveyor.core.registry import Registry
+
+if TYPE_CHECKING:
+    from conveyor.core.kv_events import KVEvent
 
 Prompt = str | Sequence[int]
 
@@ -58,11 +66,13 @@ class RouterConfig:
     )
     router_policy: str = field(
         default="cache_aware",
-        metadata=_help("With several replicas: round_robin, random, least_requests, power_of_two or cache_aware."),
+        metadata=_help("With several replicas: round_robin, random, least_requests, power_of_two, cache_aware "
+                       "or kv_events (cache_aware's rules on the replicas' KV events: what their caches hold)."),
     )
     router_cache_threshold: float = field(
         default=0.3,
-        metadata=_help("cache_aware: the share of a prompt a replica must have seen before to get it for its cache."),
+        metadata=_help("cache_aware, kv_events: the share of a prompt a replica must have seen before (holds) "
+                   "to get it for its cache."),
     )
     router_balance_abs_threshold: int = field(
         default=64,
@@ -80,6 +90,13 @@ class RouterConfig:
         metadata=_help("cache_aware: blocks remembered per replica; the least recently routed go first."),
     )
     router_seed: int = field(default=0, metadata=_help("random and power_of_two: the seed of their draws."))
+    router_instances: int = field(
+        default=1,
+        metadata=_help("Routers taking turns (several gateways or API servers in front of the replicas, as "
+                       "SGLang's router replicas or vLLM's --api-server-count): each routes every n-th request "
+                       "with state of its own (cache_aware's history), the loads are common, and kv_events "
+                       "routers all read every replica's events."),
+    )
     prefill_replicas: int = field(
         default=0,
         metadata=_help("Prefill/decode disaggregation (with --decode-replicas): replicas that run prompts and "
@@ -108,6 +125,8 @@ class RouterConfig:
             raise ConfigError(f"router_balance_rel_threshold={self.router_balance_rel_threshold} must be >= 1")
         if self.router_block_size < 1:
             raise ConfigError(f"router_block_size={self.router_block_size} must be at least 1")
+        if self.router_instances < 1:
+            raise ConfigError(f"router_instances={self.router_instances} must be at least 1")
         if self.router_max_blocks < 1:
             raise ConfigError(f"router_max_blocks={self.router_max_blocks} must be at least 1")
         if min(self.prefill_replicas, self.decode_replicas) < 0 or (self.prefill_replicas > 0) != (
@@ -153,6 +172,8 @@ def available_routers() -> list[str]:
 
 
 def make_router(config: RouterConfig) -> RoutingPolicy:
+    if config.router_instances > 1:
+        return RouterGroup(config)
     return _ROUTERS[config.router_policy](config)
 
 
@@ -165,11 +186,17 @@ class RoutingPolicy(ABC):
     """
 
     name: ClassVar[str] = ""
+    # A policy that reads the replicas' KV events: they are turned on for it and handed to
+    # `on_kv_events` as they come (conveyor/sim/replicas.py, conveyor/server/replicas.py).
+    wants_kv_events: ClassVar[bool] = False
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.num_replicas = config.data_parallel_size
         self.rng = random.Random(config.router_seed)  # the only source of a policy's draws
+        # A text prompt's token ids, for a policy that hashes them as the engine does (the
+        # server sets it to the engine's tokenizer: `use_tokenizer`).
+        self.tokenize: Callable[[str], list[int]] | None = None
 
     @abstractmethod
     def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
@@ -177,6 +204,19 @@ class RoutingPolicy(ABC):
 
     def on_replica_reset(self, replica: int) -> None:  # noqa: B027 - optional hook
         """Replica `replica` lost its KV cache (its engine was started again)."""
+
+    def on_kv_events(self, replica: int, events: Sequence[KVEvent]) -> None:  # noqa: B027 - optional hook
+        """Replica `replica`'s KV events, in order (only for `wants_kv_events`)."""
+
+    def use_tokenizer(self, tokenize: Callable[[str], list[int]] | None) -> None:
+        self.tokenize = tokenize
+
+    def imbalanced(self, loads: Sequence[int], candidates: Sequence[int]) -> bool:
+        """SGLang's balance rule: largest - smallest load > the abs threshold and largest >
+        the rel threshold x smallest."""
+        cfg = self.config
+        most, least = max(loads[i] for i in candidates), min(loads[i] for i in candidates)
+        return most - least > cfg.router_balance_abs_threshold and most > least * cfg.router_balance_rel_threshold
 
     @staticmethod
     def least_loaded(loads: Sequence[int], candidates: Sequence[int]) -> int:
@@ -281,6 +321,8 @@ class CacheAwareRouter(RoutingPolicy):
     The prompt's blocks are then recorded for the chosen replica.
     """
 
+    history_reason = "cache"  # (kv_events: "history", its "cache" is what the events say is held)
+
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
         self.indexes = [PrefixIndex(config.router_max_blocks) for _ in range(self.num_replicas)]
@@ -288,15 +330,14 @@ class CacheAwareRouter(RoutingPolicy):
     def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
         cfg = self.config
         hashes = block_hashes(prompt, cfg.router_block_size)
-        most, least = max(loads[i] for i in candidates), min(loads[i] for i in candidates)
-        if most - least > cfg.router_balance_abs_threshold and most > least * cfg.router_balance_rel_threshold:
+        if self.imbalanced(loads, candidates):
             decision = Decision(self.least_loaded(loads, candidates), "balance")
         else:
             matched = {i: self.indexes[i].match(hashes) for i in candidates}
             best = max(candidates, key=lambda i: (matched[i], -loads[i], -i))
             rate = min(matched[best] * cfg.router_block_size, len(prompt)) / len(prompt) if len(prompt) else 0.0
             if matched[best] and rate > cfg.router_cache_threshold:
-                decision = Decision(best, "cache")
+                decision = Decision(best, self.history_reason)
             else:
                 decision = Decision(min(candidates, key=lambda i: (len(self.indexes[i]), loads[i], i)), "room")
         self.indexes[decision.replica].insert(hashes)
@@ -304,3 +345,90 @@ class CacheAwareRouter(RoutingPolicy):
 
     def on_replica_reset(self, replica: int) -> None:
         self.indexes[replica].clear()
+
+
+@register_router("kv_events")
+class KVEventsRouter(CacheAwareRouter):
+    """Dynamo's KV router, llm-d's precise prefix-cache scorer: where the prompt's prefix is
+    cached, by the replicas' KV events; `cache_aware`'s rules where no replica holds it.
+
+    Per request, in order: loads imbalanced, the least loaded ("balance"); else the replica
+    holding the most leading blocks of the prompt (device or host tier), if more than
+    `cache_threshold` of it ("cache"); else `cache_aware`'s choice from what was sent where
+    ("history": a prefix sent to a replica before it is cached there, a step or more later,
+    or evicted everywhere, goes where it went before, so each prefix keeps a home and a burst
+    of requests with one new prefix does not compute it on every replica; "room" for a new
+    one). A prompt's blocks are hashed as the engine hashes them (`chain_hashes`, at
+    `router_block_size` until the events carry the engine's block size), from its token ids
+    (a text prompt through `tokenize`, which the server sets to the engine's tokenizer).
+    """
+
+    wants_kv_events = True
+    history_reason = "history"
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        from conveyor.core.kv_events import KVEventIndex
+
+        self.held = [KVEventIndex() for _ in range(self.num_replicas)]
+
+    def on_kv_events(self, replica: int, events: Sequence[KVEvent]) -> None:
+        self.held[replica].apply(events)
+
+    def on_replica_reset(self, replica: int) -> None:
+        super().on_replica_reset(replica)
+        self.held[replica].clear()
+
+    def prompt_hashes(self, prompt: Prompt) -> list[int]:
+        """The prompt's full blocks' hashes as events carry them ([] for a text prompt with no
+        tokenizer)."""
+        from conveyor.core.block_manager import chain_hashes
+        from conveyor.core.kv_events import external_hash
+
+        size = next((x.block_size for x in self.held if x.block_size), self.config.router_block_size)
+        if isinstance(prompt, str):
+            if self.tokenize is None:
+                return []
+            prompt = self.tokenize(prompt)
+        tokens = list(prompt)
+        return [external_hash(h) for h in chain_hashes(tokens, size, [], len(tokens) // size)]
+
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        if not self.imbalanced(loads, candidates) and (hashes := self.prompt_hashes(prompt)):
+            held = {i: self.held[i].match(hashes) for i in candidates}
+            best = max(candidates, key=lambda i: (held[i], -loads[i], -i))
+            if held[best] and held[best] / len(hashes) > self.config.router_cache_threshold:
+                self.indexes[best].insert(block_hashes(prompt, self.config.router_block_size))
+                return Decision(best, "cache")
+        return super().route(prompt, loads, candidates)
+
+
+class RouterGroup(RoutingPolicy):
+    """`router_instances` routers of one policy taking turns, each with its own state (and
+    seed): what several gateways in front of the same replicas decide. Each one's decision is
+    counted under its own reason."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        one = dataclasses.replace(config, router_instances=1)
+        self.members = [make_router(dataclasses.replace(one, router_seed=config.router_seed + k))
+                        for k in range(config.router_instances)]
+        self.wants_kv_events = self.members[0].wants_kv_events  # type: ignore[misc]
+        self._turn = 0
+
+    def route(self, prompt: Prompt, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
+        member = self.members[self._turn % len(self.members)]
+        self._turn += 1
+        return member.route(prompt, loads, candidates)
+
+    def on_replica_reset(self, replica: int) -> None:
+        for m in self.members:
+            m.on_replica_reset(replica)
+
+    def on_kv_events(self, replica: int, events: Sequence[KVEvent]) -> None:
+        for m in self.members:
+            m.on_kv_events(replica, events)
+
+    def use_tokenizer(self, tokenize: Callable[[str], list[int]] | None) -> None:
+        for m in self.members:
+            m.use_tokenizer(tokenize)

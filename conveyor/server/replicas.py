@@ -41,6 +41,7 @@ from conveyor.server.async_engine import (
 )
 
 if TYPE_CHECKING:
+    from conveyor.core.kv_events import KVEventSubscriber
     from conveyor.scoring import ModelHead
     from conveyor.server.metrics import ServerMetrics
     from conveyor.tokenizer import Tokenizer
@@ -56,7 +57,8 @@ class ReplicaSet(EngineFront):
     built from the same options.
     """
 
-    def __init__(self, replicas: Sequence[AsyncEngine], router: RoutingPolicy, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, replicas: Sequence[AsyncEngine], router: RoutingPolicy, metrics: ServerMetrics | None = None,
+                 kv_events: KVEventSubscriber | None = None) -> None:
         if not replicas:
             raise ValueError("a ReplicaSet needs at least one replica")
         if router.num_replicas != len(replicas):
@@ -67,6 +69,8 @@ class ReplicaSet(EngineFront):
             r.replica_index = i
         self._restarts_seen = [r.restarts for r in self.replicas]
         self.metrics = metrics
+        # The replicas' KV events (router_policy kv_events): read before each routing decision.
+        self.kv_events = kv_events
 
     @property
     def metrics(self) -> ServerMetrics | None:
@@ -167,6 +171,8 @@ class ReplicaSet(EngineFront):
 
     async def stop(self, timeout: float = 5.0) -> None:
         await asyncio.gather(*(r.stop(timeout) for r in self.replicas))
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- requests ----------------------------------------------------------------------------
     async def call_engine(self, name: str, *args: Any) -> Any:
@@ -188,6 +194,8 @@ class ReplicaSet(EngineFront):
                 raise EngineDeadError(f"every engine replica has failed: {dead!r}")
             raise EngineShuttingDownError("the server is shutting down; no new requests")
         self._forget_restarted()
+        if self.kv_events is not None:
+            self._read_kv_events()
         loads = self.loads()
         prompt = as_image_prompt(requests[0].prompt)  # (a prompt with images routes by its text or ids)
         decision = self.router.route(prompt.prompt if isinstance(prompt, ImagePrompt) else prompt, loads, candidates)
@@ -213,6 +221,13 @@ class ReplicaSet(EngineFront):
         # Unknown ids are ignored by each replica: no map from id to replica is needed.
         for r in self.replicas:
             r.abort(request_ids)
+
+    def _read_kv_events(self) -> None:
+        router = self.router
+        if router.tokenize is None and (tokenizer := self.tokenizer) is not None:
+            router.use_tokenizer(tokenizer.encode)  # (a text prompt's ids, as the engine makes them)
+        for replica, batch in self.kv_events.poll():  # type: ignore[union-attr]
+            router.on_kv_events(replica, batch.events)
 
     def _forget_restarted(self) -> None:
         for i, r in enumerate(self.replicas):
@@ -263,6 +278,10 @@ def build_replica_set(
     options, where the caller has split the devices (`replica_engine_kwargs`) itself."""
     size = router_config.data_parallel_size
     replicas: list[AsyncEngine] = []
+    router = make_router(router_config)
+    subscriber = None
+    if router.wants_kv_events or engine_kwargs.get("enable_kv_cache_events"):
+        engine_kwargs, subscriber = _kv_events_options(engine_kwargs, router_config, router.wants_kv_events)
     if router_config.data_parallel_backend == "ray":
         if not engine_process:
             raise ConfigError("replicas on Ray run in actors, not in threads: leave out --no-engine-process")
@@ -271,9 +290,11 @@ def build_replica_set(
         init_ray(router_config.ray_address)
         replicas = [RayAsyncEngine(kw, actor_options=opts, max_queued_requests=max_queued_requests, max_replays=max_replays)
                     for kw, opts in ray_replica_options(engine_kwargs, size)]
-        return ReplicaSet(replicas, make_router(router_config), metrics)
+        return ReplicaSet(replicas, router, metrics)
     if per_replica is None:
         per_replica = replica_engine_kwargs(engine_kwargs, size, gpus)
+    if "kv_events_publisher" in engine_kwargs:  # each replica publishes at its own endpoint
+        per_replica = [{**kw, "data_parallel_rank": i} for i, kw in enumerate(per_replica)]
     if engine_process:
         from conveyor.server.engine_process import ProcessAsyncEngine
 
@@ -295,4 +316,37 @@ def build_replica_set(
             for kw in per_replica[1:]
         ]
         replicas = [AsyncEngine(e, max_queued_requests=max_queued_requests) for e in engines]
-    return ReplicaSet(replicas, make_router(router_config), metrics)
+    return ReplicaSet(replicas, router, metrics, subscriber)
+
+
+def _kv_events_options(engine_kwargs: dict[str, Any], router_config: RouterConfig,
+                       subscribe: bool) -> tuple[dict[str, Any], KVEventSubscriber | None]:
+    """The engine options with which each replica publishes its KV events, and (for a router
+    that reads them) a subscriber to all. Without an endpoint of the user's, the replicas
+    publish at IPC sockets in a temporary directory (replica i at `...-i`, vLLM's offsets)."""
+    import tempfile
+
+    from conveyor.core.kv_events import KVEventSubscriber, offset_endpoint
+
+    if router_config.data_parallel_backend == "ray" and subscribe:
+        raise ConfigError("router_policy='kv_events' over Ray replicas is not built (their events' sockets are on "
+                          "other machines); use --data-parallel-backend mp")
+    kwargs = {**engine_kwargs, "enable_kv_cache_events": True}
+    if subscribe and kwargs.get("kv_events_publisher", "zmq") != "zmq":
+        raise ConfigError("router_policy='kv_events' reads the replicas' published events: leave "
+                          "kv_events_publisher at zmq")
+    kwargs["kv_events_publisher"] = "zmq"
+    if subscribe and "kv_events_endpoint" not in kwargs:
+        kwargs["kv_events_endpoint"] = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="conveyor-kv-events-"), "replica")
+    if not subscribe:
+        return kwargs, None
+    from conveyor.config import CacheConfig
+
+    endpoint = kwargs.get("kv_events_endpoint", CacheConfig.kv_events_endpoint)
+    topic = kwargs.get("kv_events_topic", "")
+    try:
+        subscriber = KVEventSubscriber([offset_endpoint(endpoint, i) for i in range(router_config.data_parallel_size)],
+                                       topic)
+    except ImportError:
+        raise ConfigError("router_policy='kv_events' needs pyzmq and msgpack: pip install conveyor[kv-events]") from None
+    return kwargs, subscriber

@@ -73,6 +73,10 @@ def replay_on_replicas(
     them. Open loop at each request's `arrival_s`; with `concurrency`, a closed loop instead:
     that many requests at t=0, and each finish sends the next at its finish time."""
     replicas = [_Replica(e) for e in engines]
+    events = router.wants_kv_events  # (the router reads what each step did to the caches)
+    if events:
+        for e in engines:
+            e.enable_kv_events()
     start = max(e.clock() for e in engines)
     for e in engines:
         e.wait_until(start)
@@ -100,7 +104,10 @@ def replay_on_replicas(
             reasons[decision.reason] += 1
             continue
         assert behind is not None
-        for out in behind.engine.step():
+        stepped = behind.engine.step()
+        if events:
+            router.on_kv_events(replicas.index(behind), behind.engine.take_kv_events())
+        for out in stepped:
             if not out.finished:
                 continue
             i = index_of[out.request_id]
@@ -149,6 +156,10 @@ def replay_disaggregated(
 
     pool = [_Replica(e) for e in (*prefill, *decode)]
     first_decode = len(prefill)
+    kv_events = prefill_router.wants_kv_events  # (the prefill replicas' caches hold the prompts)
+    if kv_events:
+        for e in prefill:
+            e.enable_kv_events()
     start = max(e.clock() for e in (*prefill, *decode))
     for r in pool:
         r.engine.wait_until(start)
@@ -197,8 +208,12 @@ def replay_disaggregated(
             replica.routed += 1
             continue
         assert behind is not None
-        is_prefill = pool.index(behind) < first_decode
-        for out in behind.engine.step():
+        k = pool.index(behind)
+        is_prefill = k < first_decode
+        stepped = behind.engine.step()
+        if kv_events and is_prefill:
+            prefill_router.on_kv_events(k, behind.engine.take_kv_events())
+        for out in stepped:
             if not out.finished:
                 continue
             i = index_of[out.request_id]

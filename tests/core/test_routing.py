@@ -162,7 +162,7 @@ def test_spread_of_unrelated_prompts_is_even_under_cache_aware() -> None:
     ("field", "value"),
     [("data_parallel_size", 0), ("router_policy", "fastest"), ("router_cache_threshold", 1.5),
      ("router_balance_abs_threshold", -1), ("router_balance_rel_threshold", 0.5), ("router_block_size", 0),
-     ("router_max_blocks", 0)],
+     ("router_max_blocks", 0), ("router_instances", 0)],
 )
 def test_bad_router_options_are_refused_with_their_name(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -174,3 +174,68 @@ def test_cache_aware_spreads_short_prompts_and_keeps_a_repeated_one_home() -> No
     picks = [r.route([k, k + 1, k + 2], [0, 0], [0, 1]) for k in range(0, 40, 4)]  # 3 tokens each
     assert [d.replica for d in picks] == [0, 1] * 5 and {d.reason for d in picks} == {"room"}
     assert r.route([0, 1, 2], [0, 0], [0, 1]) == (0, "cache")  # the same short prompt again
+
+
+# -- kv_events: the replicas' own account of their caches ------------------------------------
+def device_events(tokens: list[int], block_size: int = 4) -> list[object]:
+    """The BlockStored a replica's engine sends when it caches `tokens`' full blocks."""
+    from conveyor.core.block_manager import chain_hashes
+    from conveyor.core.kv_events import BlockStored, external_hash
+
+    n = len(tokens) // block_size
+    return [BlockStored([external_hash(h) for h in chain_hashes(tokens, block_size, [], n)], None,
+                        tokens[: n * block_size], block_size)]
+
+
+DOC = list(range(100, 132))  # 8 blocks of 4
+
+
+def test_kv_events_routes_where_the_events_say_the_prefix_is_held() -> None:
+    from conveyor.core.kv_events import AllBlocksCleared, BlockRemoved
+
+    r = router("kv_events", 3)
+    assert r.wants_kv_events  # type: ignore[attr-defined]
+    r.on_kv_events(2, device_events(DOC))  # type: ignore[attr-defined]
+    # Held on replica 2 (as the events say, not as anything was sent there): there, even busier.
+    d = r.route([*DOC, 1, 2], [0, 0, 5], [0, 1, 2])  # type: ignore[attr-defined]
+    assert d == (2, "cache")
+    # Replica 2 evicts the document's blocks; replica 0 caches it (the balance rule sent it there).
+    hashes = device_events(DOC)[0].block_hashes  # type: ignore[attr-defined]
+    r.on_kv_events(2, [BlockRemoved(hashes)])  # type: ignore[attr-defined]
+    r.on_kv_events(0, device_events(DOC))  # type: ignore[attr-defined]
+    assert r.route([*DOC, 3], [0, 0, 0], [0, 1, 2]) == (0, "cache")  # type: ignore[attr-defined]
+    # Cleared everywhere: where it was sent before (cache_aware's history), not a stranger.
+    for i in range(3):
+        r.on_kv_events(i, [AllBlocksCleared()])  # type: ignore[attr-defined]
+    d = r.route([*DOC, 4], [0, 0, 1], [0, 1, 2])  # type: ignore[attr-defined]
+    assert d.reason == "history" and d.replica != 1
+
+
+def test_kv_events_matches_the_engines_block_size_and_text_through_the_tokenizer() -> None:
+    r = router("kv_events", 2)
+    r.on_kv_events(1, device_events(DOC, block_size=8))  # type: ignore[attr-defined]
+    assert r.prompt_hashes(DOC) == device_events(DOC, 8)[0].block_hashes  # type: ignore[attr-defined]
+    text = "".join(chr(t) for t in DOC)
+    assert r.prompt_hashes(text) == []  # type: ignore[attr-defined]  # no tokenizer: no ids to hash
+    r.use_tokenizer(lambda s: [ord(c) for c in s])  # type: ignore[attr-defined]
+    assert r.route(text, [3, 0], [0, 1]) == (1, "cache")  # type: ignore[attr-defined]
+
+
+def test_kv_events_sends_a_burst_with_one_new_prefix_to_one_replica() -> None:
+    r = router("kv_events", 4)
+    # No replica has announced anything yet (the first request's prefill has not run).
+    picks = {r.route([*DOC, i], [i % 2, 0, 0, 0], range(4)).replica for i in range(6)}  # type: ignore[attr-defined]
+    assert len(picks) == 1
+
+
+def test_routers_taking_turns_keep_histories_of_their_own_and_share_the_events() -> None:
+    one, two = router("cache_aware", 4), router("cache_aware", 4, router_instances=2)
+    for r in (one, two):
+        assert r.route(DOC, [0, 0, 0, 0], range(4)) == (0, "room")  # type: ignore[attr-defined]
+    assert one.route([*DOC, 1], [1, 0, 0, 0], range(4)) == (0, "cache")  # type: ignore[attr-defined]
+    assert two.route([*DOC, 1], [1, 0, 0, 0], range(4)) == (1, "room")  # type: ignore[attr-defined]  # (never saw it)
+    events = router("kv_events", 4, router_instances=2)
+    assert events.wants_kv_events  # type: ignore[attr-defined]
+    d = events.route(DOC, [0, 0, 0, 0], range(4))  # type: ignore[attr-defined]
+    events.on_kv_events(d.replica, device_events(DOC))  # type: ignore[attr-defined]
+    assert events.route([*DOC, 1], [0, 0, 0, 0], range(4)) == (d.replica, "cache")  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from conveyor import EngineConfig, SamplingParams
+from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig, make_router
 from conveyor.engine import Engine
 from conveyor.outputs import RequestOutput
@@ -111,6 +112,48 @@ def test_cache_aware_sends_a_follow_up_where_its_prefix_is_cached(tiny_model: Pa
     finals = run(replicas, body)
     assert [o.num_cached_tokens for o in finals] == [64, 64]
     assert routed(metrics) == {("0", "room"): 1.0, ("1", "room"): 1.0, ("0", "cache"): 1.0, ("1", "cache"): 1.0}
+
+
+def test_kv_events_routing_reads_the_replicas_published_caches(tiny_model: Path, tmp_path: Path) -> None:
+    """Replicas publish their KV events (at the user's endpoint, offset by replica); the
+    router reads them before each decision, and so does any other subscriber."""
+    pytest.importorskip("zmq")
+    from conveyor.core.kv_events import BlockStored, KVEventSubscriber, offset_endpoint
+
+    docs = [list(range(100 + 64 * k, 164 + 64 * k)) for k in range(2)]  # 4 blocks of 16 each
+    endpoint = f"ipc://{tmp_path}/kv"
+    metrics = ServerMetrics("tiny")
+    replicas = build_replica_set({**kwargs(tiny_model), "kv_events_endpoint": endpoint, "kv_events_topic": "t"},
+                                 RouterConfig(data_parallel_size=2, router_policy="kv_events"),
+                                 engine_process=False, metrics=metrics)
+    outside = KVEventSubscriber([offset_endpoint(endpoint, i) for i in range(2)], "t")
+
+    async def body(rs: ReplicaSet) -> list[RequestOutput]:
+        await asyncio.sleep(0.3)  # (a SUB socket joins a moment after it connects)
+        for k, doc in enumerate(docs):
+            await collect(await rs.add([EngineRequest(f"doc{k}", [*doc, 1], GREEDY)]))
+        for index in rs.router.indexes:  # type: ignore[attr-defined]
+            index.clear()  # (what was sent where forgotten: only the events can say where they are)
+        await asyncio.sleep(0.3)
+        follow = [await rs.add([EngineRequest(f"q{k}", [*doc, 2, 3], GREEDY)]) for k, doc in enumerate(docs)]
+        return [(await collect(s))[-1] for s in follow]
+
+    try:
+        finals = run(replicas, body)
+        assert [o.num_cached_tokens for o in finals] == [64, 64]
+        assert routed(metrics) == {("0", "room"): 1.0, ("1", "room"): 1.0, ("0", "cache"): 1.0, ("1", "cache"): 1.0}
+        seen = outside.poll()
+        stored = {(i, b.data_parallel_rank, tuple(e.token_ids[:16])) for i, b in seen for e in b.events
+                  if isinstance(e, BlockStored) and e.parent_block_hash is None}
+        assert {(0, 0, tuple(docs[0][:16])), (1, 1, tuple(docs[1][:16]))} <= stored
+    finally:
+        outside.close()
+
+
+def test_kv_events_routing_is_refused_where_it_cannot_subscribe() -> None:
+    with pytest.raises(ConfigError, match="kv_events_publisher at zmq"):
+        build_replica_set({"model": "x", "enable_kv_cache_events": True, "kv_events_publisher": "null"},
+                          RouterConfig(data_parallel_size=2, router_policy="kv_events"), engine_process=False)
 
 
 def test_round_robin_finds_no_prefix_where_it_was_not_sent(tiny_model: Path) -> None:

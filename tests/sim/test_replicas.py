@@ -119,3 +119,18 @@ def test_simulate_cli_with_replicas(tmp_path) -> None:  # type: ignore[no-untype
                  "--router-policy", "fastest", "--out", str(tmp_path / "x")]) == 2
     assert main(["simulate", "--hardware", "h100-sxm", "--request-rate", "inf", "--no-plots",
                  "--data-parallel-backend", "ray", "--out", str(tmp_path / "y")]) == 2
+
+
+def test_kv_events_routers_taking_turns_find_what_cache_aware_ones_lose() -> None:
+    """Four routers taking turns: each cache_aware one knows a quarter of the history, so a
+    prefix gets a home per router; kv_events routers all read the replicas' caches."""
+    reqs = workload(160, 1, rate=300.0, groups=8)
+
+    def hits(policy: str) -> float:
+        engines = [toy_engine(num_kv_blocks=200, max_num_seqs=8) for _ in range(4)]
+        config = RouterConfig(data_parallel_size=4, router_policy=policy, router_instances=4)
+        done = replay_on_replicas(engines, make_router(config), reqs)
+        assert all(e.take_kv_events() == [] for e in engines) or policy == "cache_aware"  # (the router took them)
+        return sum(o.num_cached_tokens for o in done.outputs) / sum(len(o.prompt_token_ids) for o in done.outputs)
+
+    assert hits("kv_events") > hits("cache_aware") + 0.05
