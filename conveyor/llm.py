@@ -7,6 +7,7 @@ from typing import Any
 
 from conveyor.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates
 from conveyor.config import EngineConfig
+from conveyor.core.kv_events import KVEvent
 from conveyor.engine import Engine
 from conveyor.lora import LoRARequest
 from conveyor.multimodal import ImagePrompt, ImageSpan, ImageToken, as_image_prompt, chat_images
@@ -57,6 +58,11 @@ class LLM:
     def reset_mm_cache(self) -> bool:
         """Forget every image's or clip's encoder output the encoder cache keeps."""
         return self.engine.reset_mm_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's KV events since the last call (with `enable_kv_cache_events=True`):
+        BlockStored, BlockRemoved, AllBlocksCleared (conveyor/core/kv_events.py)."""
+        return self.engine.take_kv_events()
 
     # vLLM's LLM.llm_engine calls, here on the LLM itself (`Engine`'s, documented there).
     def add_lora(self, lora_request: LoRARequest) -> bool:

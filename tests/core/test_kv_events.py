@@ -264,3 +264,42 @@ def test_vllms_kv_events_config_sets_the_options() -> None:
         EngineConfig.from_kwargs(enable_kv_cache_events=True, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="is not one of null, zmq"):
         EngineConfig.from_kwargs(enable_kv_cache_events=True, kv_events_publisher="nats")
+
+
+# -- an engine on a real model --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    from tests.conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def test_an_engine_reports_its_prompts_blocks_and_publishes_a_reset_at_once(tiny, tmp_path) -> None:
+    from conveyor import LLM, SamplingParams
+
+    prompt = list(range(10, 50))  # two full blocks of 16 and 8 tokens
+    llm = LLM(str(tiny), enable_kv_cache_events=True, num_kv_blocks=64, block_size=16)
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    stored = [e for e in llm.take_kv_events() if isinstance(e, BlockStored)]
+    assert stored[0].parent_block_hash is None and stored[0].token_ids[:32] == prompt[:32]
+    llm.reset_prefix_cache()
+    assert llm.take_kv_events() == [AllBlocksCleared()] and llm.take_kv_events() == []
+
+    pytest.importorskip("zmq")
+    endpoint = f"ipc://{tmp_path}/kv"
+    llm = LLM(str(tiny), kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint},
+              num_kv_blocks=64, block_size=16)
+    sub = KVEventSubscriber([endpoint])
+    try:
+        time.sleep(0.3)  # (a SUB socket joins a moment after it connects)
+        llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+        llm.reset_prefix_cache()  # idle: published without waiting for a step
+        assert llm.take_kv_events() == []  # (published instead)
+        deadline, events = time.monotonic() + 10, []
+        while time.monotonic() < deadline and AllBlocksCleared() not in events:
+            events += [e for _, b in sub.poll() for e in b.events]
+            time.sleep(0.05)
+        assert any(isinstance(e, BlockStored) and e.token_ids[:32] == prompt[:32] for e in events)
+        assert events[-1] == AllBlocksCleared()
+    finally:
+        sub.close()

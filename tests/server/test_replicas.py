@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -322,3 +323,35 @@ def test_a_cache_reset_runs_on_every_replica(tiny_model: Path) -> None:
             await rs.call_engine("remove_lora", 1)
 
     run(replicas, body)
+
+
+def test_served_kv_events_routing_reads_engine_processes_events(tiny_model: Path, tmp_path: Path) -> None:
+    """`conveyor serve --router-policy kv_events`: each engine process publishes its events at
+    an IPC socket of its own; the front reads them, so a follow-up goes where its document is
+    held ("cache"; what was sent where is "history"). Two routers take turns, so the second
+    follow-up's router never sent its document anywhere."""
+    pytest.importorskip("zmq")
+    server = ServerProcess(
+        ["--model", str(tiny_model), "--max-num-seqs", "4", "--num-kv-blocks", "1024",
+         "--data-parallel-size", "2", "--router-policy", "kv_events", "--router-instances", "2"],
+        tmp_path / "server.log",
+    )
+    try:
+        server.wait_ready()
+        docs = [list(range(100 + 64 * k, 164 + 64 * k)) for k in range(2)]
+
+        def ask(prompt: list[int]) -> dict[str, Any]:
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60.0)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        for doc in docs:
+            ask([*doc, 1])
+        time.sleep(0.5)  # (the events cross a socket)
+        follow = [ask([*doc, 2, 3]) for doc in docs]
+        assert [f["usage"]["prompt_tokens_details"]["cached_tokens"] for f in follow] == [64, 64]
+        m = scrape(server.url)
+        assert sum(sample(m, "conveyor:router_requests_total", replica=str(i), reason="cache") for i in (0, 1)) == 2
+    finally:
+        assert server.stop() == 0

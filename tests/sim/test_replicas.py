@@ -51,6 +51,8 @@ class Recording:
     def __init__(self, inner: object) -> None:
         self.inner, self.seen = inner, []  # type: ignore[var-annotated]
         self.num_replicas = inner.num_replicas  # type: ignore[attr-defined]
+        self.wants_kv_events = inner.wants_kv_events  # type: ignore[attr-defined]
+        self.on_kv_events = inner.on_kv_events  # type: ignore[attr-defined]
 
     def route(self, prompt: object, loads: Sequence[int], candidates: Sequence[int]) -> Decision:
         self.seen.append(list(loads))
