@@ -60,6 +60,8 @@ if TYPE_CHECKING:  # torch is imported where a model is built, not by the engine
 logger = logging.getLogger("conveyor")
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
+# KV events kept for `Engine.take_kv_events` (publisher "null") beyond which the oldest are dropped.
+MAX_KEPT_KV_EVENTS = 100_000
 # Kept free of the KV cache on a GPU: CUDA context, cuBLAS workspaces, activations.
 CUDA_RUNTIME_RESERVE = 1 << 30
 
@@ -205,6 +207,7 @@ class Engine:
         self.text_only = False  # (an image-text model whose every kind limit_mm_per_prompt sets to 0)
         self.default_pooling = "last"  # what an embedding pools when its request does not say
         self._kv_publisher: Any = None  # KV events over ZeroMQ (conveyor/core/kv_events.py)
+        self._kv_events_dropped = False
         if config.cache.enable_kv_cache_events:
             self._start_kv_events(config.cache)
 
@@ -1360,6 +1363,13 @@ class Engine:
         outputs = self._step_async() if self._async else self._step_sync()
         if self._kv_publisher is not None:
             self._publish_kv_events()
+        elif (kept := self.scheduler.block_manager.kv_events) is not None and len(kept) > MAX_KEPT_KV_EVENTS:
+            # Kept for `take_kv_events`, and no one takes them: the oldest go (once said).
+            del kept[: len(kept) - MAX_KEPT_KV_EVENTS]
+            if not self._kv_events_dropped:
+                self._kv_events_dropped = True
+                logger.warning("KV events: more than %d kept and not taken (Engine.take_kv_events); the oldest "
+                               "are dropped (publish them with kv_events_publisher='zmq')", MAX_KEPT_KV_EVENTS)
         return self._merge(outputs) if self._child_of else outputs
 
     def _step_sync(self) -> list[RequestOutput]:

@@ -280,20 +280,21 @@ def build_replica_set(
     replicas: list[AsyncEngine] = []
     router = make_router(router_config)
     subscriber = None
-    if router.wants_kv_events or engine_kwargs.get("enable_kv_cache_events"):
-        engine_kwargs, subscriber = _kv_events_options(engine_kwargs, router_config, router.wants_kv_events)
+    if router.wants_kv_events:
+        engine_kwargs, subscriber = _kv_events_options(engine_kwargs, router_config)
     if router_config.data_parallel_backend == "ray":
         if not engine_process:
             raise ConfigError("replicas on Ray run in actors, not in threads: leave out --no-engine-process")
         from conveyor.server.ray_engine import RayAsyncEngine, init_ray, ray_replica_options
 
         init_ray(router_config.ray_address)
-        replicas = [RayAsyncEngine(kw, actor_options=opts, max_queued_requests=max_queued_requests, max_replays=max_replays)
-                    for kw, opts in ray_replica_options(engine_kwargs, size)]
+        replicas = [RayAsyncEngine({**kw, "data_parallel_rank": i}, actor_options=opts,
+                                   max_queued_requests=max_queued_requests, max_replays=max_replays)
+                    for i, (kw, opts) in enumerate(ray_replica_options(engine_kwargs, size))]
         return ReplicaSet(replicas, router, metrics)
     if per_replica is None:
         per_replica = replica_engine_kwargs(engine_kwargs, size, gpus)
-    if "kv_events_publisher" in engine_kwargs:  # each replica publishes at its own endpoint
+    if size > 1:  # (a replica's KV events carry its number, and it publishes them at its own endpoint)
         per_replica = [{**kw, "data_parallel_rank": i} for i, kw in enumerate(per_replica)]
     if engine_process:
         from conveyor.server.engine_process import ProcessAsyncEngine
@@ -319,27 +320,27 @@ def build_replica_set(
     return ReplicaSet(replicas, router, metrics, subscriber)
 
 
-def _kv_events_options(engine_kwargs: dict[str, Any], router_config: RouterConfig,
-                       subscribe: bool) -> tuple[dict[str, Any], KVEventSubscriber | None]:
-    """The engine options with which each replica publishes its KV events, and (for a router
-    that reads them) a subscriber to all. Without an endpoint of the user's, the replicas
-    publish at IPC sockets in a temporary directory (replica i at `...-i`, vLLM's offsets)."""
+def _kv_events_options(engine_kwargs: dict[str, Any], router_config: RouterConfig) -> tuple[dict[str, Any], KVEventSubscriber]:
+    """The engine options with which each replica publishes its KV events, and a subscriber to
+    all, for a router that reads them. Without an endpoint of the user's, the replicas publish
+    at IPC sockets in a temporary directory (replica i at `...-i`, vLLM's offsets)."""
     import tempfile
 
+    from conveyor.config import kv_events_options
     from conveyor.core.kv_events import KVEventSubscriber, offset_endpoint
 
-    if router_config.data_parallel_backend == "ray" and subscribe:
+    if router_config.data_parallel_backend == "ray":
         raise ConfigError("router_policy='kv_events' over Ray replicas is not built (their events' sockets are on "
                           "other machines); use --data-parallel-backend mp")
-    kwargs = {**engine_kwargs, "enable_kv_cache_events": True}
-    if subscribe and kwargs.get("kv_events_publisher", "zmq") != "zmq":
+    kwargs = dict(engine_kwargs)
+    if (spec := kwargs.pop("kv_events_config", None)) is not None:
+        kwargs.update(kv_events_options(spec, kwargs))
+    if kwargs.get("kv_events_publisher", "zmq") != "zmq":
         raise ConfigError("router_policy='kv_events' reads the replicas' published events: leave "
                           "kv_events_publisher at zmq")
-    kwargs["kv_events_publisher"] = "zmq"
-    if subscribe and "kv_events_endpoint" not in kwargs:
+    kwargs.update(enable_kv_cache_events=True, kv_events_publisher="zmq")
+    if "kv_events_endpoint" not in kwargs:
         kwargs["kv_events_endpoint"] = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="conveyor-kv-events-"), "replica")
-    if not subscribe:
-        return kwargs, None
     from conveyor.config import CacheConfig
 
     endpoint = kwargs.get("kv_events_endpoint", CacheConfig.kv_events_endpoint)
