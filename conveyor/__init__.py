@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError, EngineConfig
+from conveyor.logits_process import LogitsProcessor, LogitsRow
 from conveyor.lora import LoRARequest
 from conveyor.multimodal import ImagePrompt
 from conveyor.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
@@ -34,6 +35,8 @@ __all__ = [
     "ImagePrompt",
     "InvalidRequestError",
     "LoRARequest",
+    "LogitsProcessor",
+    "LogitsRow",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

@@ -108,6 +108,14 @@ class ModelConfig:
         default=False,
         metadata=_help("CUDA: never capture CUDA graphs; every step launches its kernels one by one."),
     )
+    logits_processors: tuple[Any, ...] = field(
+        default=(),
+        metadata=_help(
+            "Custom logits processors the engine applies to every step's logits (vLLM v1's): "
+            "conveyor.LogitsProcessor subclasses, or their names as module:Class (conveyor/logits_process.py). "
+            "A request passes them arguments in SamplingParams.extra_args (the server's vllm_xargs)."
+        ),
+    )
     cuda_graph_max_batch: int = field(
         default=256,
         metadata=_help(
@@ -177,6 +185,9 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.logits_processors, str | type) or not isinstance(self.logits_processors, tuple):
+            procs = self.logits_processors
+            object.__setattr__(self, "logits_processors", (procs,) if isinstance(procs, str | type) else tuple(procs))
         allowed = ("auto", "float32", "float64", "float16", "bfloat16")
         if self.dtype not in allowed:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {allowed}")

@@ -558,6 +558,10 @@ class Engine:
             cuda_graph_max_batch=graphs(arch), layout=layout,
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        if mc.logits_processors:
+            from conveyor.logits_process import load_processors
+
+            runner.logits_processors = load_processors(mc.logits_processors, config, device)
         if config.cache.kv_disk_path is not None and num_offload_blocks:
             runner.disk = scheduler.block_manager.disk = _disk_tier(config, runner, dtype, kv_dtype, peers)
         runner.encoder_cache_tokens = config.cache.encoder_cache_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidRequestError(ValueError):
@@ -263,6 +264,11 @@ class SamplingParams:
     # Whisper's decoding rules (`WhisperRules`): set by conveyor.transcribe's requests.
     whisper: WhisperRules | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    # Custom logits processors of this request (conveyor/logits_process.py): callables
+    # `fn(output_ids, logits)` or `fn(prompt_ids, output_ids, logits)` -> the row's logits.
+    logits_processors: tuple[Any, ...] = field(default=(), compare=False, hash=False)
+    # Arguments for the engine's own logits processors (vLLM's extra_args; the server's vllm_xargs).
+    extra_args: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (frozen, hashable).
@@ -287,6 +293,10 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if callable(self.logits_processors):
+            object.__setattr__(self, "logits_processors", (self.logits_processors,))
+        elif not isinstance(self.logits_processors, tuple):
+            object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         self._validate()
 
     def _validate(self) -> None:
@@ -295,6 +305,16 @@ class SamplingParams:
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        if self.logits_processors:
+            from conveyor.logits_process import check_request_processor
+
+            for fn in self.logits_processors:
+                try:
+                    check_request_processor(fn)
+                except ValueError as e:
+                    raise InvalidRequestError(f"logits_processors: {e}", param="logits_processors") from None
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict of the engine's logits processors' arguments")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "must be a non-empty string (or left out)")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -404,6 +424,12 @@ class SamplingParams:
             or bool(self.bad_words)
             or self.whisper is not None
         )
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the runner gives this request's rows their tokens (penalties, its own logits
+        processors)."""
+        return self.needs_penalties or bool(self.logits_processors)
 
     @property
     def needs_penalties(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from conveyor.core.block_manager import HybridLayout
 from conveyor.core.scheduler import ScheduledSequence, SchedulerOutput
+from conveyor.logits_process import LogitsProcessor, LogitsRow
 from conveyor.models.attention import (
     CrossMetadata,
     HostBlockTables,
@@ -165,6 +166,7 @@ class ModelRunner:
         # a draft model's runner: the tokens it catches up on at a round's start).
         self.chain_max_span = 0
         self.keep_logits = False  # (a draft model's runner: each step's logits rows in its output)
+        self.logits_processors: list[LogitsProcessor] = []  # the engine's own (conveyor/logits_process.py)
         self.chain_steps = os.environ.get("CONVEYOR_CHAINED_DECODE", "1") != "0"  # (off: spans as modules)
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
@@ -497,8 +499,14 @@ class ModelRunner:
             batch.generators = [self._generator(it) for it in samplers]
             if drafting and any(it.tree is not None for it in samplers):
                 batch.noise_from = self._noise_rows(samplers)
-        if batch.any_penalty:
-            batch.history = self._histories(samplers) if drafting else [self._history(it) for it in samplers]
+        processing = bool(self.logits_processors) or any(p.logits_processors for p in params)
+        if batch.any_penalty or processing:
+            batch.history = (self._histories(samplers, processing) if drafting
+                             else [self._history(it, processing) for it in samplers])
+        if processing:  # (custom logits processors: conveyor/logits_process.py)
+            batch.rows = [LogitsRow(p, h[: it.prompt_len], h[it.prompt_len:])
+                          for p, h, it in zip(params, batch.history, samplers, strict=True)]
+            batch.processors = self.logits_processors
         if any(p.shapes_logits for p in params):
             batch.allowed, batch.bias, batch.timestamps = self._constraints(samplers)
             if any(p.whisper is not None and p.logprobs is not None for p in params):
@@ -518,7 +526,7 @@ class ModelRunner:
         states = self._generator_states(samplers, batch) if drafting else None
         probs = None  # (the rows' distributions: a step that verifies sampled drafts)
         if (greedy is not None and batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None
-                and batch.allowed is None and batch.bias is None and batch.timestamps is None):
+                and batch.allowed is None and batch.bias is None and batch.timestamps is None and batch.rows is None):
             tokens, logprobs = greedy, None  # the graph's own argmax: nothing more to launch
         elif drafting and any(it.draft_probs is not None for it in samplers):  # (speculative sampling)
             tokens, logprobs, probs = self.sampler.sample_with_probs(logits, batch)
@@ -995,7 +1003,7 @@ class ModelRunner:
             if g is not None and it.num_draft
         }
 
-    def _histories(self, samplers: list[ScheduledSequence]) -> list[list[int]]:
+    def _histories(self, samplers: list[ScheduledSequence], every: bool = False) -> list[list[int]]:
         """`_history` of each row of a step with drafts: a sequence's row i follows its last
         token and its first i drafts."""
         out: list[list[int]] = []
@@ -1003,18 +1011,19 @@ class ModelRunner:
         while row < len(samplers):
             it = samplers[row]
             if not it.num_draft:
-                out.append(self._history(it))
+                out.append(self._history(it, every))
                 row += 1
                 continue
-            base = it.all_token_ids[: it.start_pos + 1] if it.sampling_params.needs_penalties else None
+            base = it.all_token_ids[: it.start_pos + 1] if every or it.sampling_params.needs_history else None
             for i in range(1 + it.num_draft):
                 out.append([] if base is None else base + self._branch(it, i))
             row += 1 + it.num_draft
         return out
 
-    def _history(self, item: ScheduledSequence) -> list[int]:
-        """The tokens before this step's sampled one, for penalties (others get none)."""
-        if not item.sampling_params.needs_penalties:
+    def _history(self, item: ScheduledSequence, every: bool = False) -> list[int]:
+        """The tokens before this step's sampled one, for penalties and a request's own logits
+        processors (others get none, unless `every`: the engine's processors)."""
+        if not (every or item.sampling_params.needs_history):
             return []
         return self._known(item, item.context_len)
 

@@ -1,6 +1,7 @@
 """Sampling: per-request parameters turned into tensors once per step, then one batched pass.
 
-Order of operations (as in vLLM): penalties on the raw logits, then logit_bias, then the
+Order of operations (as in vLLM): custom logits processors on the raw logits (the engine's,
+then the request's own: conveyor/logits_process.py), then penalties, then logit_bias, then the
 mask (structured outputs, allowed_token_ids, bad_words, min_tokens' held-back ends, Whisper's
 rules), then Whisper's choice of a timestamp over text, then temperature, then top-k / top-p /
 min-p filtering, then a draw. Greedy rows take the argmax of the penalised, biased and masked
@@ -14,11 +15,12 @@ temperature, as OpenAI's whisper scores its decodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from conveyor.logits_process import LogitsProcessor, LogitsRow, apply_processors
 from conveyor.models.attention import host_longs, to_device
 from conveyor.sampling_params import SamplingParams
 
@@ -49,6 +51,10 @@ class SamplingBatch:
     # Whisper's rules, before temperature (`[rows]` bool: Whisper's requests, OpenAI's
     # whisper's logprobs); None: every row's are the raw distribution's.
     processed: torch.Tensor | None = None
+    # Custom logits processors (conveyor/logits_process.py): each row's request and tokens, and
+    # the engine's processors (None: no row is processed).
+    rows: list[LogitsRow] | None = None
+    processors: Sequence[LogitsProcessor] = ()
 
 
 def prepare(
@@ -125,11 +131,13 @@ class Sampler:
         after penalties, bias, mask, temperature and top-k / top-p / min-p; None for an
         all-greedy batch): speculative sampling's target rows (`ModelRunner._verify`)."""
         if not (batch.all_greedy and not batch.any_penalty and batch.max_logprobs is None and batch.bias is None
-                and batch.timestamps is None):
+                and batch.timestamps is None and batch.rows is None):
             logits = logits.float()
         raw = logits
+        if batch.rows is not None:
+            logits = apply_processors(logits.clone(), batch.rows, batch.processors)
         if batch.any_penalty:
-            logits = self._apply_penalties(logits.clone(), batch)
+            logits = self._apply_penalties(logits if batch.rows is not None else logits.clone(), batch)
         if batch.bias is not None:
             logits = logits + batch.bias
         if batch.allowed is not None:

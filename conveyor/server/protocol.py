@@ -59,6 +59,8 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    # vLLM's: arguments for the engine's own logits processors (--logits-processors), as SamplingParams.extra_args
+    vllm_xargs: dict[str, str | int | float | bool | list[str | int | float | bool]] | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (None: the server's)
     # vLLM's beam search: `n` beams, the best n sequences as the choices (not streamed)
     use_beam_search: bool = False

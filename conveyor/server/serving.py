@@ -301,6 +301,8 @@ class _Handler:
             kwargs["tenant"] = b.user
         if b.cache_salt is not None:
             kwargs["cache_salt"] = b.cache_salt
+        if b.vllm_xargs is not None:
+            kwargs["extra_args"] = dict(b.vllm_xargs)
         kwargs["structured_outputs"] = self.structured_outputs
         kwargs["logit_bias"] = self.logit_bias
         if b.allowed_token_ids is not None:

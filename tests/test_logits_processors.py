@@ -1,0 +1,163 @@
+"""Custom logits processors (conveyor/logits_process.py) on a real model.
+
+The reference is HF transformers' greedy `generate` on the same weights (float64) with an HF
+`LogitsProcessor` applying the same rule, one that reads the prompt and every token generated
+so far: the greedy tokens must be equal under every scheduling that changes how a sequence's
+rows reach the sampler (chunked prompts, preemption, async scheduling, speculative steps),
+for a request's own callables (both signatures) and for an engine-wide processor class that
+reads the request's `extra_args`, beside requests it leaves alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from conveyor import (
+    LLM,
+    ConfigError,
+    InvalidRequestError,
+    LogitsProcessor,
+    LogitsRow,
+    SamplingParams,
+)
+from tests.schedulings import SCHEDULINGS
+
+EOS = 2
+VOCAB = 384
+
+
+def steer(prompt: Sequence[int], out: Sequence[int], row: torch.Tensor, strength: float = 4.0) -> torch.Tensor:
+    """The rule: away from the prompt's last token and from every token written, towards one
+    that moves with what was written."""
+    row = row.clone()
+    row[prompt[-1]] -= 5.0
+    for t in out:
+        row[t] -= 2.0
+    row[(sum(out) + len(prompt)) % VOCAB] += strength
+    return row
+
+
+def hf_reference(model_dir: str, prompt: list[int], max_tokens: int, strength: float | None) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    from transformers import LogitsProcessor as HFProcessor
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    n = len(prompt)
+
+    class Reference(HFProcessor):
+        def __call__(self, input_ids, scores):
+            if strength is None:
+                return scores
+            ids = input_ids[0].tolist()
+            return steer(ids[:n], ids[n:], scores[0], strength)[None]
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=EOS, pad_token_id=0, logits_processor=[Reference()])
+    return out[0, n:].tolist()
+
+
+class Steer(LogitsProcessor):
+    """The rule as an engine-wide processor: for the rows whose request asks it
+    (`extra_args={"steer": strength}`)."""
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            strength = (row.params.extra_args or {}).get("steer")
+            if strength is not None:
+                logits[i] = steer(row.prompt_token_ids, row.output_token_ids, logits[i], float(strength))
+        return logits
+
+
+class Force(LogitsProcessor):
+    """Every row whose request asks (`extra_args={"force": token}`) draws that token."""
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            token = (row.params.extra_args or {}).get("force")
+            if token is not None:
+                logits[i] = float("-inf")
+                logits[i, int(token)] = 0.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_models):
+    model_dir = str(tiny_models["llama"])
+    rng = random.Random(1)
+    out = []
+    for k in range(8):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))]
+        max_tokens = rng.randint(6, 14)
+        strength = None if k % 4 == 3 else rng.choice([3.0, 4.0, 6.0])
+        out.append((prompt, max_tokens, strength, hf_reference(model_dir, prompt, max_tokens, strength)))
+    steered = [c for c in out if c[2] is not None]
+    differ = sum(want != hf_reference(model_dir, p, m, None) for p, m, _, want in steered)
+    assert differ >= len(steered) // 2, "the rule changes too few outputs to test anything"
+    return out
+
+
+@SCHEDULINGS
+def test_a_requests_own_processors_give_hfs_tokens(tiny_models, cases, options):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", **{"num_kv_blocks": 128, **options})
+    params = []
+    for k, (_, max_tokens, strength, _) in enumerate(cases):
+        procs: list = []
+        if strength is not None:
+            if k % 2:  # the three-argument form
+                procs = [lambda p, o, row, s=strength: steer(p, o, row, s)]
+            else:  # the two-argument form (the prompt closed over)
+                prompt = cases[k][0]
+                procs = [lambda o, row, p=prompt, s=strength: steer(p, o, row, s)]
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, logits_processors=procs))
+    outs = llm.generate([p for p, *_ in cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["default", "async"])
+def test_an_engine_processor_steers_the_rows_that_ask_and_leaves_the_rest(tiny_models, cases, options):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", num_kv_blocks=128,
+              logits_processors=["tests.test_logits_processors:Steer"], **options)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, extra_args=None if s is None else {"steer": s})
+              for _, m, s, _ in cases]
+    outs = llm.generate([p for p, *_ in cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+
+
+def test_logprobs_stay_the_raw_distributions(tiny_models):
+    prompt = [5, 6, 7]
+    plain = LLM(str(tiny_models["llama"]), num_kv_blocks=64)
+    want = plain.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=3), use_tqdm=False)
+    first = want[0].outputs[0].token_ids[0]
+
+    def ban(out, row):
+        row[first] = float("-inf")
+        return row
+
+    got = plain.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=3, logits_processors=[ban]),
+                         use_tqdm=False)
+    lp_want, lp_got = want[0].outputs[0].logprobs[0], got[0].outputs[0].logprobs[0]
+    assert lp_got.token_id != first  # banned ...
+    # ... and the top 3 reported as the model gave them, the banned token first
+    assert [t for t, _ in lp_got.top] == [t for t, _ in lp_want.top] and lp_got.top[0][0] == first
+    assert [v for _, v in lp_got.top] == pytest.approx([v for _, v in lp_want.top])
+
+
+def test_bad_processors_are_refused_by_name(tiny_models):
+    with pytest.raises(InvalidRequestError, match="logits_processors"):
+        SamplingParams(logits_processors=[lambda row: row])
+    with pytest.raises(InvalidRequestError, match="logits_processors"):
+        SamplingParams(logits_processors=["not callable"])
+    model = str(tiny_models["llama"])
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        LLM(model, num_kv_blocks=16, logits_processors=["tests.test_logits_processors:Nowhere"])
+    with pytest.raises(ConfigError, match="not a subclass"):
+        LLM(model, num_kv_blocks=16, logits_processors=["tests.test_logits_processors:steer"])
+    with pytest.raises(ConfigError, match="module:Class"):
+        LLM(model, num_kv_blocks=16, logits_processors=["Steer"])
