@@ -46,7 +46,7 @@ class BeamSearchParams:
     def round_params(self) -> SamplingParams:
         """One round of one beam: its next token's top candidates."""
         return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.beam_width, ignore_eos=True,
-                              output_kind="final_only")
+                              output_kind="final_only", raw_logprobs=True)
 
 
 @dataclass(slots=True)

@@ -108,6 +108,15 @@ class ModelConfig:
         default=False,
         metadata=_help("CUDA: never capture CUDA graphs; every step launches its kernels one by one."),
     )
+    logprobs_mode: str = field(
+        default="raw_logprobs",
+        metadata=_help(
+            "What a request's logprobs hold (vLLM's --logprobs-mode): raw_logprobs (the model's distribution), "
+            "raw_logits, processed_logprobs or processed_logits (of the distribution each token was drawn "
+            "from: after logits processors, penalties, bias, masks, temperature and top-k/top-p/min-p; "
+            "a greedy row's before temperature and filters). Prompt logprobs and beam search's scores stay raw."
+        ),
+    )
     logits_processors: tuple[Any, ...] = field(
         default=(),
         metadata=_help(
@@ -188,6 +197,8 @@ class ModelConfig:
         if isinstance(self.logits_processors, str | type) or not isinstance(self.logits_processors, tuple):
             procs = self.logits_processors
             object.__setattr__(self, "logits_processors", (procs,) if isinstance(procs, str | type) else tuple(procs))
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode={self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
         allowed = ("auto", "float32", "float64", "float16", "bfloat16")
         if self.dtype not in allowed:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {allowed}")
@@ -425,6 +436,7 @@ EVICTION_POLICIES = ("lru", "lfu")
 OFFLOADING_POLICIES = ("write_back", "write_through", "write_through_selective")
 KV_RESERVATIONS = ("on_demand", "reserve", "estimate")
 KV_EVENTS_PUBLISHERS = ("null", "zmq")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(frozen=True)

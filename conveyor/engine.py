@@ -558,6 +558,7 @@ class Engine:
             cuda_graph_max_batch=graphs(arch), layout=layout,
         )
         runner.eos_token_ids = tuple(sorted(eos_ids))  # what min_tokens holds back
+        runner.logprobs_mode = mc.logprobs_mode
         if mc.logits_processors:
             from conveyor.logits_process import load_processors
 

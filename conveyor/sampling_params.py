@@ -269,6 +269,9 @@ class SamplingParams:
     logits_processors: tuple[Any, ...] = field(default=(), compare=False, hash=False)
     # Arguments for the engine's own logits processors (vLLM's extra_args; the server's vllm_xargs).
     extra_args: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    # The raw distribution's logprobs whatever the engine's logprobs_mode (a beam search's
+    # rounds: its scores are log-probabilities).
+    raw_logprobs: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (frozen, hashable).

@@ -167,6 +167,7 @@ class ModelRunner:
         self.chain_max_span = 0
         self.keep_logits = False  # (a draft model's runner: each step's logits rows in its output)
         self.logits_processors: list[LogitsProcessor] = []  # the engine's own (conveyor/logits_process.py)
+        self.logprobs_mode = "raw_logprobs"  # what logprobs hold (the engine's logprobs_mode)
         self.chain_steps = os.environ.get("CONVEYOR_CHAINED_DECODE", "1") != "0"  # (off: spans as modules)
         # The last submitted step's sampled ids (on the device) and each sequence's row in
         # them: where a decode of a pending token (async scheduling) reads its input.
@@ -493,6 +494,7 @@ class ModelRunner:
             rows = to_device(host_longs(rows_out), self.device)  # not a list: indexing by one would wait
         params = [it.sampling_params for it in samplers]
         batch = prepare(params, [it.prompt_len for it in samplers])
+        batch.logprobs_mode = self.logprobs_mode
         # Generators and histories only for a batch that uses them: per sequence, they would
         # be most of a large decode step's host time.
         if not batch.all_greedy and any(p.seed is not None for p in params):

@@ -10,7 +10,12 @@ samples exactly from `probs`; each seeded request draws its `E` from its own gen
 same seed gives the same tokens whatever else shares the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature), but a
 Whisper request's (`WhisperRules`): of the distribution after the mask and the rules, before
-temperature, as OpenAI's whisper scores its decodes.
+temperature, as OpenAI's whisper scores its decodes. The engine's `logprobs_mode` (vLLM's) may
+ask instead for the raw logits, or for the processed distribution a row was drawn from (after
+every processor, penalty, bias, mask, temperature and top-k / top-p / min-p filter; a greedy
+row's before temperature and filters, which it does not use) as log-probabilities or logits.
+A row whose request says `raw_logprobs` (a beam search's rounds) keeps the raw
+log-probabilities whatever the mode.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class SamplingBatch:
     # the engine's processors (None: no row is processed).
     rows: list[LogitsRow] | None = None
     processors: Sequence[LogitsProcessor] = ()
+    # What the logprobs hold (the engine's logprobs_mode): raw_logprobs, raw_logits,
+    # processed_logprobs or processed_logits.
+    logprobs_mode: str = "raw_logprobs"
 
 
 def prepare(
@@ -144,12 +152,28 @@ class Sampler:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
         if batch.timestamps is not None:
             logits = self._timestamp_or_text(logits if batch.allowed is not None else logits.clone(), *batch.timestamps)
-        tokens, probs = (self.greedy(logits), None) if batch.all_greedy else self._sample(logits, batch)
+        final = None  # the sampled rows' logits after temperature and filters
+        if batch.all_greedy:
+            tokens, probs = self.greedy(logits), None
+        else:
+            tokens, probs, final = self._sample(logits, batch)
         if batch.max_logprobs is None:
             return tokens, None, probs
-        if batch.processed is not None:
-            raw = torch.where(batch.processed[:, None], logits, raw)
-        return tokens, self._logprobs(raw, tokens, batch), probs
+        mode = batch.logprobs_mode
+        if mode == "raw_logprobs":
+            if batch.processed is not None:
+                raw = torch.where(batch.processed[:, None], logits, raw)
+            return tokens, self._logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, batch), probs
+        processed = logits
+        if final is not None:
+            greedy = to_device(torch.tensor([p.greedy for p in batch.params]), logits.device)
+            processed = torch.where(greedy[:, None], logits, final)
+        values = {"raw_logits": raw.float(), "processed_logits": processed,
+                  "processed_logprobs": torch.log_softmax(processed, dim=-1)}[mode]
+        if any(p.raw_logprobs for p in batch.params):
+            keep = to_device(torch.tensor([p.raw_logprobs for p in batch.params]), logits.device)
+            values = torch.where(keep[:, None], torch.log_softmax(raw.float(), dim=-1), values)
+        return tokens, self._logprobs(values, tokens, batch), probs
 
     # -- steps ---------------------------------------------------------------------------
     @staticmethod
@@ -184,7 +208,7 @@ class Sampler:
                 )
         return logits
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _rows, vocab = logits.shape
         dev = logits.device
         params = batch.params
@@ -200,7 +224,10 @@ class Sampler:
         if any(p.min_p > 0 for p in params):  # decided on the host: no sync
             min_ps = to_device(torch.tensor([p.min_p for p in params]), dev)
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
-            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+            dropped = probs < floor
+            probs = torch.where(dropped, torch.zeros_like(probs), probs)
+            if batch.max_logprobs is not None and batch.logprobs_mode.startswith("processed"):
+                scaled = scaled.masked_fill(dropped, float("-inf"))
 
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
@@ -218,7 +245,7 @@ class Sampler:
                 else:
                     noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g).to(noise.dtype)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, self.greedy(logits), sampled), probs
+        return torch.where(greedy, self.greedy(logits), sampled), probs, scaled
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -238,9 +265,10 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+        logp: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
     ) -> list[tuple[float, TopLogprobs | None]]:
-        logp = torch.log_softmax(raw.float(), dim=-1)
+        """Each row's sampled token's value and its top k, from `logp` (log-probabilities, or
+        logits under a `*_logits` mode)."""
         chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
         k = batch.max_logprobs or 0
         top_vals, top_ids = (logp.topk(k, dim=-1) if k > 0 else (None, None))
