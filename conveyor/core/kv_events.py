@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEVICE = "GPU"  # the device's pool (vLLM's medium name)
 HOST = "CPU"  # KV offloading's host tier
 END_OF_REPLAY = -1
+HIGH_WATER_MARK = 100_000  # batches a socket queues before it drops them (vLLM's default hwm)
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -177,6 +178,7 @@ class KVEventPublisher:
         self.rank = config.data_parallel_rank
         self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self.endpoint = offset_endpoint(config.endpoint, config.data_parallel_rank)
         self._pub.bind(self.endpoint)
         self._seq = 0
@@ -239,6 +241,7 @@ class KVEventSubscriber:
         self._sockets = []
         for endpoint in endpoints:
             s = self._ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
             s.setsockopt(zmq.SUBSCRIBE, topic.encode())
             s.connect(connect_address(endpoint))
             self._sockets.append(s)

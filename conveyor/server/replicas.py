@@ -71,6 +71,8 @@ class ReplicaSet(EngineFront):
         self.metrics = metrics
         # The replicas' KV events (router_policy kv_events): read before each routing decision.
         self.kv_events = kv_events
+        self._kv_events_task: asyncio.Task[None] | None = None
+        self._kv_events_missed = 0
 
     @property
     def metrics(self) -> ServerMetrics | None:
@@ -156,6 +158,15 @@ class ReplicaSet(EngineFront):
     def start(self) -> None:
         for r in self.replicas:
             r.start()
+        if self.kv_events is not None:
+            # Read between requests too: a long quiet spell of decoding would otherwise fill the
+            # sockets' queues (events past their high-water mark are lost).
+            self._kv_events_task = asyncio.get_running_loop().create_task(self._read_kv_events_every(0.05))
+
+    async def _read_kv_events_every(self, seconds: float) -> None:
+        while True:
+            self._read_kv_events()
+            await asyncio.sleep(seconds)
 
     def stop_accepting(self) -> None:
         for r in self.replicas:
@@ -172,6 +183,8 @@ class ReplicaSet(EngineFront):
     async def stop(self, timeout: float = 5.0) -> None:
         await asyncio.gather(*(r.stop(timeout) for r in self.replicas))
         if self.kv_events is not None:
+            if self._kv_events_task is not None:
+                self._kv_events_task.cancel()
             self.kv_events.close()
 
     # -- requests ----------------------------------------------------------------------------
@@ -226,8 +239,14 @@ class ReplicaSet(EngineFront):
         router = self.router
         if router.tokenize is None and (tokenizer := self.tokenizer) is not None:
             router.use_tokenizer(tokenizer.encode)  # (a text prompt's ids, as the engine makes them)
-        for replica, batch in self.kv_events.poll():  # type: ignore[union-attr]
+        subscriber = self.kv_events
+        assert subscriber is not None
+        for replica, batch in subscriber.poll():
             router.on_kv_events(replica, batch.events)
+        if subscriber.missed > self._kv_events_missed:
+            logger.warning("KV events: %d batches lost on their way to the router (its view of the replicas' caches "
+                           "may be stale until those blocks change again)", subscriber.missed - self._kv_events_missed)
+            self._kv_events_missed = subscriber.missed
 
     def _forget_restarted(self) -> None:
         for i, r in enumerate(self.replicas):
