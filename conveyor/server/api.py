@@ -120,6 +120,42 @@ def build_app(
             raise EngineShuttingDownError("the server is shutting down")
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health check (vLLM's): /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the server's load, its requests accepted and not yet finished (every replica's)."""
+        return {"server_load": async_engine.num_in_flight}
+
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Response:
+        """SageMaker's one route (vLLM's): a body with `messages` is a chat completion, one with
+        `prompt` a completion, one with `input` an embedding; validated as that route's."""
+        from fastapi.exceptions import RequestValidationError
+        from pydantic import ValidationError
+
+        try:
+            data = await raw.json()
+        except ValueError:
+            raise APIError(400, "the body is not JSON", "invalid_request_error") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object", "invalid_request_error")
+        kinds: list[tuple[str, Any]] = [("messages", (ChatCompletionRequest, chat_completions)),
+                                        ("prompt", (CompletionRequest, completions)),
+                                        ("input", (EmbeddingRequest, embeddings))]
+        for key, (model, route) in kinds:
+            if key in data:
+                try:
+                    body = model.model_validate(data)
+                except ValidationError as e:
+                    raise RequestValidationError(e.errors()) from None
+                return await route(body, raw)
+        raise APIError(400, "/invocations takes a chat completion (messages), a completion (prompt) or an "
+                       "embedding (input) request", "invalid_request_error")
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}

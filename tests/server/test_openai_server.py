@@ -492,3 +492,28 @@ def test_non_streaming_client_disconnect_aborts(smol_server: ServerProcess) -> N
     # The server is still fine afterwards.
     ok = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30.0)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_sagemakers_routes_and_the_load(smol_server: ServerProcess) -> None:
+    """/ping answers as /health; /invocations serves a chat completion, a completion and an
+    embedding as their own routes do, and names what it takes otherwise; /load counts requests."""
+    url = smol_server.url
+    assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0.0}
+    completion = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0.0}
+    embedding = {"input": "The sky is blue."}
+    for body, route, field in ((chat, "/v1/chat/completions", "choices"), (completion, "/v1/completions", "choices"),
+                               (embedding, "/v1/embeddings", "data")):
+        direct = httpx.post(url + route, json=body, timeout=60.0)
+        via = httpx.post(url + "/invocations", json=body, timeout=60.0)
+        assert direct.status_code == via.status_code == 200, via.text
+        if field == "choices":
+            key = "message" if route.endswith("chat/completions") else "text"
+            assert [c[key] for c in via.json()["choices"]] == [c[key] for c in direct.json()["choices"]]
+        else:
+            assert via.json()["data"][0]["embedding"] == pytest.approx(direct.json()["data"][0]["embedding"])
+    other = httpx.post(url + "/invocations", json={"query": "?"})
+    assert other.status_code == 400 and "messages" in other.json()["error"]["message"]
+    bad = httpx.post(url + "/invocations", json={"messages": "not a list"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert isinstance(httpx.get(url + "/load").json()["server_load"], int)
