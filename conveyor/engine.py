@@ -25,7 +25,7 @@ from conveyor.config import CacheConfig, ConfigError, EngineConfig
 from conveyor.core.block_manager import BlockManager, HybridLayout
 from conveyor.core.kv_events import KVEvent
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
-from conveyor.kv_transfer import KVHandoff
+from conveyor.kv_transfer import KVHandoff, Migration
 from conveyor.lora import LoRARequest
 from conveyor.multimodal import (
     ImageProcessor,
@@ -197,6 +197,8 @@ class Engine:
         self._incoming: deque[tuple[_Request, KVHandoff]] = deque()
         self.num_kv_received = 0  # handed-over requests that came in with their K/V
         self.num_kv_recomputed = 0  # ... and those whose K/V could never fit, computed here again
+        self.num_migrated_out = 0  # requests handed to another engine (`migrate_out`) ...
+        self.num_migrated_in = 0  # ... and taken from one (`migrate_in`)
         self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
         # A classifier's class names (its model's `score` rows), whether it classifies every
         # token, and how a cross-encoder's pair reads (conveyor/scoring.py); empty for a causal LM.
@@ -1262,6 +1264,50 @@ class Engine:
             if one is not None:
                 merged.append(one)
         return merged
+
+    # -- live migration (Llumnix's) -----------------------------------------------------------
+    def migrate_out(self, request_id: str) -> Migration | None:
+        """Take a request out of this engine, to go on in another (`migrate_in`): its outputs so
+        far, and the K/V of the tokens it has computed, read from the cache (a waiting or
+        preempted or swapped-out request takes none). No output is emitted for it here, its blocks are freed.
+        None (and nothing changes) for a request this engine cannot hand over: unknown or
+        finished, one of `n` choices, a disaggregated prefill, an embedding, one with images,
+        one with tokens still owed by a step in flight (async scheduling), or one that has
+        generated nothing yet (it is as cheap to send again)."""
+        req = self._requests.get(request_id)
+        if req is None or req.done or req.export_kv or request_id in self._child_of:
+            return None
+        seq = req.seq
+        params = seq.sampling_params
+        if (params.pooling is not None or seq.images or seq.num_pending or not seq.num_output_tokens
+                or self._in_flight is not None or any(waiting is req for waiting, _ in self._incoming)):
+            return None
+        computed = seq.num_computed_tokens if seq.status is SequenceStatus.RUNNING and seq.block_table else 0
+        handoff = None
+        if computed:
+            lora = seq.lora_request
+            handoff = KVHandoff(seq.token_ids[:computed], self.runner.read_kv(seq.block_table, computed, seq.window_tables),
+                                self.runner.kv_bytes(computed), None if lora is None else lora.key)
+        metrics = dataclasses.replace(seq.metrics, token_times=list(seq.metrics.token_times))
+        resume = Resume(seq.output_token_ids, req.emitted_text, metrics, seq.num_preemptions)
+        out = Migration(request_id, seq.token_ids[: seq.prompt_len], req.prompt, params, resume, handoff,
+                        seq.lora_request, req.stream)
+        self.scheduler.abort(seq.seq_id, self.clock())  # (its blocks freed; the runner drops its state next step)
+        req.done = True
+        self._requests.pop(request_id, None)
+        self._by_seq.pop(seq.seq_id, None)
+        self.num_migrated_out += 1
+        return out
+
+    def migrate_in(self, m: Migration, arrival_time: float | None = None) -> None:
+        """Go on with a request another engine's `migrate_out` gave: its K/V land in the swap
+        space and come in as a swapped-out sequence does (computed again where they cannot
+        fit), its outputs are not emitted again, its timestamps carry over."""
+        self.add_request(m.request_id, m.prompt_token_ids, m.params,
+                         arrival_time=m.resume.metrics.arrival_time if arrival_time is None else arrival_time,
+                         stream=m.stream, prompt_text=m.prompt_text, resume=m.resume,
+                         lora_request=m.lora_request, kv_handoff=m.handoff)
+        self.num_migrated_in += 1
 
     def _resume(self, req: _Request, resume: Resume) -> None:
         seq = req.seq

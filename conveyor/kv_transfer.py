@@ -32,3 +32,24 @@ class KVHandoff:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class Migration:
+    """A running request taken out of one engine to go on in another (Llumnix's live migration,
+    stop-and-copy): what `Engine.migrate_out` gives and `Engine.migrate_in` takes. `resume`
+    holds its outputs so far (an `engine.Resume`), `handoff` the K/V of its computed tokens
+    (None: it had none in the cache, and computes them again where it lands)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str | None
+    params: Any  # SamplingParams
+    resume: Any  # engine.Resume
+    handoff: KVHandoff | None
+    lora_request: Any = None
+    stream: bool = False
+
+    @property
+    def num_bytes(self) -> int:
+        return 0 if self.handoff is None else self.handoff.num_bytes

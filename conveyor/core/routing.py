@@ -90,6 +90,13 @@ class RouterConfig:
         metadata=_help("cache_aware: blocks remembered per replica; the least recently routed go first."),
     )
     router_seed: int = field(default=0, metadata=_help("random and power_of_two: the seed of their draws."))
+    replica_migration: bool = field(
+        default=False,
+        metadata=_help("Llumnix's live migration between replicas (simulated only; the server refuses it): when a "
+                       "replica has requests waiting and another has more free KV blocks and none waiting, its "
+                       "smallest running request moves there, its K/V over the link (into the other's "
+                       "kv_receive_space; without it the tokens are computed again there)."),
+    )
     router_instances: int = field(
         default=1,
         metadata=_help("Routers taking turns (several gateways or API servers in front of the replicas, as "

@@ -296,6 +296,9 @@ def build_replica_set(
     loaded once and shared by every replica's runner). `per_replica`: each replica's own
     options, where the caller has split the devices (`replica_engine_kwargs`) itself."""
     size = router_config.data_parallel_size
+    if router_config.replica_migration:
+        raise ConfigError("replica_migration is simulated only (conveyor simulate); the server does not move requests "
+                          "between replicas yet")
     replicas: list[AsyncEngine] = []
     router = make_router(router_config)
     subscriber = None

@@ -229,11 +229,14 @@ class SimSystem(ConveyorSystem):
                  "max_kv_blocks": engine_stats(tr["steps"]).get("kv_blocks_max", 0)}
                 for mine, e, tr in zip(served, engines, traces, strict=True)
             ]
-            stats["routing"] = {"policy": self.router_config.router_policy, "reasons": dict(done.reasons)}
+            stats["routing"] = {"policy": self.router_config.router_policy, "reasons": dict(done.reasons),
+                                "migrations": done.migrations, "migrated_bytes": done.migrated_bytes}
 
         router = make_router(self.router_config)
         return self._run_engines(engines, requests, point,
-                                 lambda timed, c: replay_on_replicas(engines, router, timed, c, progress), describe)
+                                 lambda timed, c: replay_on_replicas(engines, router, timed, c, progress,
+                                                                     migration=self.router_config.replica_migration,
+                                                                     link_bandwidth=self.link_bandwidth), describe)
 
     def _run_disaggregated(self, requests: Any, point: Any, progress: Any) -> Any:
         from conveyor.bench.offline import engine_stats

@@ -31,8 +31,10 @@ class ReplicaReplay:
     """What a replay over replicas gives back besides the outputs."""
 
     outputs: list[RequestOutput]
-    routed: list[int]  # the replica of each request, in the given order
+    routed: list[int]  # the replica of each request, in the given order (where it ended)
     reasons: Counter[str] = field(default_factory=Counter)
+    migrations: int = 0  # requests moved between replicas (`migration`)
+    migrated_bytes: int = 0  # ... and the K/V they took over the link
 
 
 class _Replica:
@@ -68,10 +70,19 @@ def replay_on_replicas(
     requests: Sequence[TimedRequest],
     concurrency: int | None = None,
     on_finished: Callable[[int], Any] | None = None,
+    migration: bool = False,
+    link_bandwidth: float = 50e9,
 ) -> ReplicaReplay:
     """Serve `requests` on `engines` (simulated: their clocks are virtual) as `router` spreads
     them. Open loop at each request's `arrival_s`; with `concurrency`, a closed loop instead:
-    that many requests at t=0, and each finish sends the next at its finish time."""
+    that many requests at t=0, and each finish sends the next at its finish time.
+
+    `migration` (Llumnix's live migration, stop-and-copy): after each step of a replica with
+    requests waiting, its smallest running request that has generated a token moves to the
+    replica with the most free KV blocks, if that one has none waiting, a seat, and more free
+    blocks than the first even after taking it; the request is out of both while its K/V cross
+    the link (`link_bandwidth` bytes/s), then lands as a handed-over request does. At most one
+    request leaves a replica a step, and a replica takes one at a time."""
     replicas = [_Replica(e) for e in engines]
     events = router.wants_kv_events  # (the router reads what each step did to the caches)
     if events:
@@ -88,12 +99,24 @@ def replay_on_replicas(
     routed = [-1] * len(requests)
     reasons: Counter[str] = Counter()
     candidates = list(range(len(replicas)))
+    moves, moved_bytes = 0, 0
+    landing: set[int] = set()  # replicas a migrated request is on its way to
     while arrivals or any(r.engine.has_unfinished_requests() for r in replicas):
         busy = [r for r in replicas if r.engine.has_unfinished_requests()]
         behind = min(busy, key=lambda r: r.engine.clock()) if busy else None
         if arrivals and (behind is None or arrivals[0][0] <= behind.engine.clock()):
-            t, _, i, _ = heapq.heappop(arrivals)
+            t, _, i, moving = heapq.heappop(arrivals)
             req = requests[i]
+            if moving is not None:  # a migrated request lands
+                k, m = moving
+                replica = replicas[k]
+                if not replica.engine.has_unfinished_requests():
+                    replica.engine.wait_until(t)
+                replica.engine.migrate_in(m)
+                replica.routed += 1
+                routed[i] = k
+                landing.discard(k)
+                continue
             decision = router.route(req.prompt, [r.load_at(t) for r in replicas], candidates)
             replica = replicas[decision.replica]
             if not replica.engine.has_unfinished_requests():
@@ -107,6 +130,14 @@ def replay_on_replicas(
         stepped = behind.engine.step()
         if events:
             router.on_kv_events(replicas.index(behind), behind.engine.take_kv_events())
+        if migration and (move := _migration(replicas, replicas.index(behind), landing)) is not None:
+            k, m = move
+            t = behind.engine.clock() + m.num_bytes / link_bandwidth
+            behind.routed -= 1
+            landing.add(k)
+            heapq.heappush(arrivals, (t, sent, index_of[m.request_id], (k, m)))
+            sent += 1
+            moves, moved_bytes = moves + 1, moved_bytes + m.num_bytes
         for out in stepped:
             if not out.finished:
                 continue
@@ -121,7 +152,33 @@ def replay_on_replicas(
                 if nxt is not None:
                     heapq.heappush(arrivals, (end, sent, nxt, None))
                     sent += 1
-    return ReplicaReplay([outputs[i] for i in range(len(requests))], routed, reasons)
+    return ReplicaReplay([outputs[i] for i in range(len(requests))], routed, reasons, moves, moved_bytes)
+
+
+def _migration(replicas: list[_Replica], src: int, landing: set[int]) -> tuple[int, Any] | None:
+    """Llumnix's rule, simply: the move `replay_on_replicas` makes after a step of `src`, as
+    (destination, `Migration`), or None."""
+    a = replicas[src].engine.scheduler
+    if not (a.waiting or a.swapped) or len(replicas) < 2:
+        return None  # nothing waits there
+    others = [j for j in range(len(replicas)) if j != src and j not in landing]
+    if not others:
+        return None
+    dst = max(others, key=lambda j: (replicas[j].engine.scheduler.block_manager.num_free_blocks, -j))
+    b = replicas[dst].engine.scheduler
+    if b.waiting or b.swapped or len(b.running) >= b.config.max_num_seqs:
+        return None
+    free_a, free_b = a.block_manager.num_free_blocks, b.block_manager.num_free_blocks
+    movable = sorted((s for s in a.running if s.num_output_tokens and not s.num_pending),
+                     key=lambda s: (len(s.block_table), s.seq_id))
+    for seq in movable:
+        need = len(seq.block_table)
+        if free_b - need <= free_a + need:
+            break  # (larger ones even less)
+        m = replicas[src].engine.migrate_out(seq.request_id)
+        if m is not None:
+            return dst, m
+    return None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ import json
 import random
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,3 +137,45 @@ def test_kv_events_routers_taking_turns_find_what_cache_aware_ones_lose() -> Non
         return sum(o.num_cached_tokens for o in done.outputs) / sum(len(o.prompt_token_ids) for o in done.outputs)
 
     assert hits("kv_events") > hits("cache_aware") + 0.05
+
+
+def long_workload(n: int, seed: int) -> list[TimedRequest]:
+    """Prompts and answers long against a small cache: replicas fill up unevenly."""
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(40.0)
+        reqs.append(TimedRequest(t, [rng.randrange(10, 900) for _ in range(rng.randint(16, 120))],
+                                 SamplingParams(max_tokens=rng.randint(8, 200), ignore_eos=True, temperature=0.0),
+                                 f"r{i}"))
+    return reqs
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 1000), receive=st.booleans())
+def test_migration_moves_requests_and_each_ends_once_with_its_length(seed: int, receive: bool) -> None:
+    reqs = long_workload(80, seed)
+    options = {"num_kv_blocks": 40, "block_size": 8, "max_num_seqs": 8}
+    if receive:
+        options["kv_receive_space"] = 1 << 20
+    engines = [toy_engine(**options) for _ in range(3)]
+    done = replay_on_replicas(engines, make_router(RouterConfig(data_parallel_size=3, router_policy="round_robin")),
+                              reqs, migration=True, link_bandwidth=1e9)
+    assert [len(o.outputs[0].token_ids) for o in done.outputs] == [r.params.max_tokens for r in reqs]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in done.outputs)
+    assert sum(e.num_migrated_out for e in engines) == sum(e.num_migrated_in for e in engines) == done.migrations
+    assert done.migrations > 0 and (done.migrated_bytes > 0) == (done.migrations > 0)
+    if receive:
+        assert sum(e.num_kv_received for e in engines) > 0
+    first = done.outputs[0].metrics.arrival_time - reqs[0].arrival_s
+    for o, r in zip(done.outputs, reqs, strict=True):  # timestamps carried over: the TTFT is from arrival
+        assert o.metrics.arrival_time == pytest.approx(first + r.arrival_s)
+        assert o.metrics.arrival_time <= o.metrics.first_token_time <= o.metrics.finished_time
+
+
+def test_the_server_refuses_migration() -> None:
+    from conveyor.config import ConfigError
+    from conveyor.server.replicas import build_replica_set
+
+    with pytest.raises(ConfigError, match="simulated only"):
+        build_replica_set({"model": "x"}, RouterConfig(data_parallel_size=2, replica_migration=True), engine_process=False)
