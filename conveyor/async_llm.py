@@ -208,6 +208,22 @@ class AsyncLLM:
         """Forget every media item's encoder output (`Engine.reset_mm_cache`)."""
         return bool(await self._call("reset_mm_cache"))
 
+    # -- pause and resume (vLLM's AsyncLLM.pause_generation, resume_generation, is_paused) -----
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating while, say, an RL trainer updates the weights: "abort" ends every
+        request in flight, "wait" returns once they are done, "keep" freezes them; requests
+        sent meanwhile wait for `resume_generation` (`Engine.pause_generation`)."""
+        from conveyor.server.async_engine import pause_front
+
+        self._start()
+        await pause_front(self._front, mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._call("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return bool(await self._call("is_paused"))
+
     # -- adapters (vLLM's AsyncLLM.add_lora, remove_lora, list_loras, pin_lora) ---------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter before any request names it (a bad one raises here); `Engine.add_lora`."""

@@ -62,6 +62,7 @@ logger = logging.getLogger("conveyor")
 CPU_DEFAULT_KV_BYTES = 2 << 30
 # KV events kept for `Engine.take_kv_events` (publisher "null") beyond which the oldest are dropped.
 MAX_KEPT_KV_EVENTS = 100_000
+PAUSE_MODES = ("abort", "wait", "keep")
 # Kept free of the KV cache on a GPU: CUDA context, cuBLAS workspaces, activations.
 CUDA_RUNTIME_RESERVE = 1 << 30
 
@@ -198,6 +199,11 @@ class Engine:
         self.num_kv_received = 0  # handed-over requests that came in with their K/V
         self.num_kv_recomputed = 0  # ... and those whose K/V could never fit, computed here again
         self.num_migrated_out = 0  # requests handed to another engine (`migrate_out`) ...
+        # pause_generation: no step runs while paused; while draining ("wait"), the requests
+        # added since wait in `_held` for resume_generation, and the rest finish.
+        self._paused = False
+        self._draining = False
+        self._held: list[Sequence] = []
         self.num_migrated_in = 0  # ... and taken from one (`migrate_in`)
         self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
         # A classifier's class names (its model's `score` rows), whether it classifies every
@@ -1094,12 +1100,12 @@ class Engine:
         self._by_seq[seq.seq_id] = req
         bm = self.scheduler.block_manager
         if kv_handoff is None:
-            self.scheduler.add(seq)
+            self._queue(seq)
         elif bm.pages_to_receive(kv_handoff.num_tokens) > bm.num_swap_blocks:
             logger.warning("request %s: its %d handed-over tokens exceed the swap space (kv_receive_space); "
                            "computing them again", request_id, kv_handoff.num_tokens)
             self.num_kv_recomputed += 1
-            self.scheduler.add(seq)
+            self._queue(seq)
         else:
             self._incoming.append((req, kv_handoff))
             self._admit_incoming()
@@ -1349,9 +1355,58 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or copies to make: a write-through of the blocks the last step
-        computed (KV offloading's `write_through` policies) takes one more step."""
-        return (self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._incoming)
+        computed (KV offloading's `write_through` policies) takes one more step. False while
+        paused (`pause_generation`): there is nothing to step until `resume_generation`."""
+        if self._paused:
+            return False
+        busy = (self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._incoming)
                 or self.scheduler.block_manager.has_pending_copies)
+        if self._draining and not busy:  # ("wait": the last request in flight at the pause is done)
+            self._paused, self._draining = True, False
+        return busy
+
+    # -- pause and resume (vLLM's, for an RL trainer's weight updates) ---------------------------
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = False) -> list[RequestOutput]:
+        """Stop generating until `resume_generation` (vLLM's `pause_generation`): "keep" freezes
+        every request where it stands (no step runs; requests added meanwhile queue); "wait"
+        lets the requests already here finish, then pauses (`is_paused` says when), holding the
+        ones added meanwhile; "abort" aborts every request (their final outputs are returned)
+        and pauses. `clear_cache` forgets the prefix cache (no request after the pause reuses K/V
+        computed before it; the requests kept keep their own blocks)."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode={mode!r} is not one of {', '.join(PAUSE_MODES)}", param="mode")
+        aborted: list[RequestOutput] = []
+        if mode == "abort":
+            for rid in [*self._parents, *(r for r in self._requests if r not in self._child_of)]:
+                if (out := self.abort_request(rid)) is not None:
+                    aborted.append(out)
+        if mode == "wait":
+            self._draining = not self._paused
+        else:
+            self._paused, self._draining = True, False
+        if clear_cache:
+            self.reset_prefix_cache()
+        return aborted
+
+    def resume_generation(self) -> bool:
+        """Go on after `pause_generation`: the frozen requests step again, the held ones queue."""
+        self._paused = self._draining = False
+        held, self._held = self._held, []
+        for seq in held:
+            self.scheduler.add(seq)
+        return True
+
+    def is_paused(self) -> bool:
+        """Paused: "keep" and "abort" at once, "wait" once its requests are done."""
+        if self._draining:
+            self.has_unfinished_requests()
+        return self._paused
+
+    def _queue(self, seq: Sequence) -> None:
+        if self._draining or (self._paused and self._held):
+            self._held.append(seq)  # (after a "wait" pause: not before resume_generation)
+        else:
+            self.scheduler.add(seq)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (a benchmark's cold start, or after changing weights).
@@ -1409,6 +1464,8 @@ class Engine:
         With async scheduling (and a runner that can launch a step without waiting for it),
         a call schedules and launches the next step, then completes the one launched before:
         the outputs are that earlier step's."""
+        if self._paused:
+            return []
         if self._incoming:
             self._admit_incoming()
         outputs = self._step_async() if self._async else self._step_sync()

@@ -18,7 +18,7 @@ from conveyor import __version__
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.lora import LoRARequest
 from conveyor.sampling_params import InvalidRequestError
-from conveyor.server.async_engine import EngineFront, EngineShuttingDownError
+from conveyor.server.async_engine import EngineFront, EngineShuttingDownError, pause_front
 from conveyor.server.config import ServerConfig, default_model_name
 from conveyor.server.embeddings import (
     ClassifyHandler,
@@ -279,6 +279,25 @@ def build_app(
     async def reset_prefix_cache() -> Response:
         """vLLM's: forget every cached prefix (the offloading tier's too) on every engine."""
         return await reset("reset_prefix_cache")
+
+    if server_config.enable_pause_api:
+        @app.post("/pause")
+        async def pause(mode: str = "abort", clear_cache: bool = True) -> Response:
+            """vLLM's: stop generating on every engine (abort, wait for or keep what is in flight)."""
+            check_accepting()
+            await pause_front(async_engine, mode, clear_cache)
+            return Response(status_code=200)
+
+        @app.post("/resume")
+        async def resume() -> Response:
+            """vLLM's: go on after /pause."""
+            check_accepting()
+            await async_engine.call_engine("resume_generation")
+            return Response(status_code=200)
+
+        @app.get("/is_paused")
+        async def is_paused() -> dict[str, bool]:
+            return {"is_paused": bool(await async_engine.call_engine("is_paused"))}
 
     @app.post("/reset_mm_cache")
     async def reset_mm_cache() -> Response:

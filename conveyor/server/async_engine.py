@@ -176,9 +176,28 @@ class _AbortAll:
 
 # The engine's own calls a front runs for its caller, between two steps (`call_engine`).
 ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "cross_weights",
-                          "reset_prefix_cache", "reset_mm_cache"})
+                          "reset_prefix_cache", "reset_mm_cache", "pause_generation", "resume_generation",
+                          "is_paused"})
 # Calls that empty an engine's caches: a front of several engines runs them on every one.
 CACHE_RESETS = frozenset({"reset_prefix_cache", "reset_mm_cache"})
+# ... as it runs these (the answer: every engine's, `all` of them).
+EVERY_ENGINE = CACHE_RESETS | {"pause_generation", "resume_generation", "is_paused"}
+
+
+async def pause_front(front: EngineFront, mode: str = "abort", clear_cache: bool = True, poll_s: float = 0.02) -> None:
+    """vLLM's `pause_generation` on a front (every engine behind it): "abort" ends every request
+    in flight (each stream ending with finish_reason abort), "wait" returns once the requests
+    in flight are done, "keep" freezes them; requests sent meanwhile wait for `resume`.
+    `clear_cache` forgets the prefix caches (`Engine.pause_generation`)."""
+    from conveyor.engine import PAUSE_MODES
+
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"mode={mode!r} is not one of {', '.join(PAUSE_MODES)}", param="mode")
+    if mode == "abort":
+        front.abort_all()  # (through the streams; the engines' own abort would deliver nothing)
+    await front.call_engine("pause_generation", "keep" if mode == "abort" else mode, clear_cache)
+    while mode == "wait" and not await front.call_engine("is_paused"):
+        await asyncio.sleep(poll_s)
 
 
 @dataclass(slots=True)

@@ -86,6 +86,14 @@ class ServerConfig:
             "runs with the adapter. Needs --enable-lora."
         ),
     )
+    enable_pause_api: bool = field(
+        default=False,
+        metadata=_help(
+            "Serve POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume and GET /is_paused "
+            "(vLLM's, behind its VLLM_SERVER_DEV_MODE): an RL trainer stops generation on every engine "
+            "while it updates the weights."
+        ),
+    )
     allow_runtime_lora_updating: bool = field(
         default=False,
         metadata=_help(

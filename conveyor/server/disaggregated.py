@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig
 from conveyor.outputs import CompletionOutput, RequestOutput
-from conveyor.server.async_engine import CACHE_RESETS, EngineFront, EngineRequest, OutputStream
+from conveyor.server.async_engine import EVERY_ENGINE, EngineFront, EngineRequest, OutputStream
 from conveyor.server.replicas import ReplicaSet, build_replica_set
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class DisaggregatedSet(EngineFront):
 
     async def call_engine(self, name: str, *args: Any) -> Any:
         """A cache reset, on every prefill and decode replica; no other engine call runs here."""
-        if name not in CACHE_RESETS:
+        if name not in EVERY_ENGINE:
             raise NotImplementedError(f"{name}: not run across prefill and decode replicas")
         return all([await self.prefill.call_engine(name, *args), await self.decode.call_engine(name, *args)])
 

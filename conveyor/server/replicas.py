@@ -30,7 +30,7 @@ from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig, RoutingPolicy, make_router
 from conveyor.multimodal import ImageProcessor, ImagePrompt, ImageToken, as_image_prompt
 from conveyor.server.async_engine import (
-    CACHE_RESETS,
+    EVERY_ENGINE,
     AsyncEngine,
     EngineDeadError,
     EngineFront,
@@ -192,7 +192,7 @@ class ReplicaSet(EngineFront):
         """A call that reads the model (Whisper's `cross_weights`): the first replica that takes
         requests runs it (they hold the same weights). A cache reset runs on every replica (True
         if each did). Other calls that change an engine (adapters) are not run across replicas."""
-        if name in CACHE_RESETS:
+        if name in EVERY_ENGINE:
             return all(await asyncio.gather(*(r.call_engine(name, *args) for r in self.replicas)))
         if name != "cross_weights":
             raise NotImplementedError(f"{name}: not run across replicas")

@@ -355,3 +355,19 @@ def test_served_kv_events_routing_reads_engine_processes_events(tiny_model: Path
         assert sum(sample(m, "conveyor:router_requests_total", replica=str(i), reason="cache") for i in (0, 1)) == 2
     finally:
         assert server.stop() == 0
+
+
+def test_pause_and_resume_reach_every_replica(tiny_model: Path) -> None:
+    from conveyor.server.async_engine import pause_front
+
+    replicas = build_replica_set(kwargs(tiny_model), RouterConfig(data_parallel_size=2, router_policy="round_robin"),
+                                 engine_process=False)
+
+    async def body(rs: ReplicaSet) -> list[bool]:
+        await pause_front(rs, "keep")
+        states = [e.engine.is_paused() for e in rs.replicas]  # type: ignore[attr-defined]
+        assert await rs.call_engine("is_paused")
+        await rs.call_engine("resume_generation")
+        return states + [not await rs.call_engine("is_paused")]
+
+    assert run(replicas, body) == [True, True, True]

@@ -1,0 +1,106 @@
+"""Pause and resume (vLLM's `pause_generation`, for an RL trainer's weight updates).
+
+On the tiny Llama (greedy): "keep" freezes a request mid-answer, no step runs, and after the
+resume it ends with the tokens of a request never paused; "wait" lets the requests already in
+finish and holds the ones sent after it; "abort" ends them; `clear_cache` empties the prefix
+cache. Through `AsyncLLM` the stream stops while paused and goes on after (over HTTP:
+tests/server/test_pause_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conveyor import AsyncLLM, EngineConfig, InvalidRequestError, SamplingParams
+from conveyor.engine import Engine
+
+PROMPT = list(range(10, 30))
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def engine(model: str) -> Engine:
+    return Engine.from_config(EngineConfig.from_kwargs(model=model, num_kv_blocks=64, block_size=8))
+
+
+def finish(e: Engine) -> dict[str, list[int]]:
+    done = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+@pytest.fixture(scope="module")
+def want(tiny_models) -> dict[str, list[int]]:
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    e.add_request("b", PROMPT[:7], GREEDY)
+    return finish(e)
+
+
+def test_keep_freezes_requests_and_resume_ends_them_as_if_never_paused(tiny_models, want):
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    for _ in range(4):
+        e.step()
+    assert e.pause_generation("keep") == [] and e.is_paused()
+    steps = len(e.step_trace)
+    e.add_request("b", PROMPT[:7], GREEDY)  # queued while paused
+    assert e.step() == [] and not e.has_unfinished_requests() and len(e.step_trace) == steps
+    assert e.resume_generation() and not e.is_paused()
+    assert finish(e) == want
+
+
+def test_wait_finishes_whats_in_and_holds_whats_sent_after(tiny_models, want):
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    e.step()
+    e.pause_generation("wait")
+    assert not e.is_paused()  # "a" is still running
+    e.add_request("b", PROMPT[:7], GREEDY)
+    done = finish(e)
+    assert done == {"a": want["a"]} and e.is_paused()
+    e.resume_generation()
+    assert finish(e) == {"b": want["b"]}
+
+
+def test_abort_ends_everything_and_clear_cache_empties_the_prefix_cache(tiny_models):
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    e.step()
+    e.step()
+    assert e.scheduler.block_manager.num_cached_blocks > 0
+    outs = e.pause_generation("abort", clear_cache=True)
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "abort")]
+    assert e.is_paused() and e.scheduler.block_manager.num_cached_blocks == 0
+    with pytest.raises(InvalidRequestError, match="mode"):
+        e.pause_generation("later")
+
+
+def test_async_llm_stream_stops_while_paused(tiny_models, want):
+    async def main() -> list[int]:
+        llm = AsyncLLM(str(tiny_models["llama"]), num_kv_blocks=64, block_size=8)
+        try:
+            stream = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                         output_kind="cumulative"), "a")
+            first = await stream.__anext__()
+            await llm.pause_generation("keep")
+            assert await llm.is_paused()
+            waiting = asyncio.ensure_future(stream.__anext__())
+            while True:  # (the outputs made before the pause)
+                done, _ = await asyncio.wait({waiting}, timeout=0.3)
+                if not done:
+                    break  # nothing moves while paused
+                first = waiting.result()
+                waiting = asyncio.ensure_future(stream.__anext__())
+            assert len(first.outputs[0].token_ids) < 12
+            await llm.resume_generation()
+            outs = [await waiting] + [out async for out in stream]
+            return list(outs[-1].outputs[0].token_ids)
+        finally:
+            await llm.shutdown()
+
+    assert asyncio.run(main()) == want["a"]
