@@ -224,6 +224,10 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return bool(await self._call("is_paused"))
 
+    async def update_weights_from_disk(self, model_path: str) -> bool:
+        """New weights of the same architecture, idle or paused (`Engine.update_weights_from_disk`)."""
+        return bool(await self._call("update_weights_from_disk", model_path))
+
     # -- adapters (vLLM's AsyncLLM.add_lora, remove_lora, list_loras, pin_lora) ---------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter before any request names it (a bad one raises here); `Engine.add_lora`."""

@@ -216,6 +216,7 @@ class Engine:
         self.default_pooling = "last"  # what an embedding pools when its request does not say
         self._kv_publisher: Any = None  # KV events over ZeroMQ (conveyor/core/kv_events.py)
         self._kv_events_dropped = False
+        self.model_path: str | None = None  # where the weights came from (`from_config`, `update_weights_from_disk`)
         if config.cache.enable_kv_cache_events:
             self._start_kv_events(config.cache)
 
@@ -451,7 +452,7 @@ class Engine:
             runner = engine.runner
             runner.pool_dense = list(dense)  # type: ignore[attr-defined]
             runner.hidden_size = int(dense[-1].weight.shape[0])  # type: ignore[attr-defined]
-        engine.model_path = str(path)  # type: ignore[attr-defined]
+        engine.model_path = str(path)
         return engine
 
     @classmethod
@@ -505,7 +506,7 @@ class Engine:
             config, model, tokenizer, weight.dtype, weight.device, num_blocks, num_swap_blocks, max_len, kv_dtype,
             draft_model, num_offload_blocks=num_offload_blocks,
         )
-        engine.model_path = model_path  # type: ignore[attr-defined]
+        engine.model_path = model_path
         return engine
 
     @classmethod
@@ -1401,6 +1402,49 @@ class Engine:
         if self._draining:
             self.has_unfinished_requests()
         return self._paused
+
+    def update_weights_from_disk(self, model_path: str) -> bool:
+        """Load new weights of the same architecture (SGLang's `update_weights_from_disk`: an RL
+        trainer's checkpoint): a new model is built from `model_path` as this engine built its own
+        (dtype, device, kernels), checked against the running one's shapes, and put in its place
+        (CUDA graphs captured again); the prefix cache is forgotten (its K/V were computed with the
+        old weights). Idle or paused only (`pause_generation`): a request frozen by "keep" goes
+        on with the new weights over the K/V it computed with the old ones. Both models are in
+        memory while the new one loads. Not built for tensor parallelism, speculative decoding,
+        LoRA, int8 quantization, encoders, Whisper or image towers: InvalidRequestError."""
+        from conveyor.models.attention import TorchPagedAttention
+        from conveyor.models.loader import build_model, open_model, resolve_model_path
+
+        runner: Any = self.runner
+        old: Any = getattr(runner, "model", None)
+        if not self._paused and self.has_unfinished_requests():
+            raise InvalidRequestError("update the weights of an idle or paused engine (pause_generation first)",
+                                      param="model_path")
+        mc = self.config.model
+        why = ("tensor parallelism" if getattr(runner, "peers", None) is not None
+               else "speculative decoding" if self.drafter is not None or self.config.scheduler.speculative_method
+               else "LoRA adapters" if mc.enable_lora
+               else "int8 quantization" if mc.quantization
+               else "this model" if old is None or self.is_encoder or getattr(old, "encoder_decoder", False)
+               or getattr(old, "vision", None) is not None else None)
+        if why is not None:
+            raise InvalidRequestError(f"updating the weights is not built with {why}", param="model_path")
+        try:
+            path = resolve_model_path(model_path)
+            arch, tensors, _ = open_model(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise InvalidRequestError(f"model_path={model_path!r}: {e}", param="model_path") from None
+        shape = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
+        if any(getattr(arch, f) != getattr(old.arch, f) for f in shape):
+            theirs = {f: getattr(arch, f) for f in shape if getattr(arch, f) != getattr(old.arch, f)}
+            raise InvalidRequestError(f"model_path={model_path!r} is another architecture ({theirs})", param="model_path")
+        new = build_model(arch, tensors, TorchPagedAttention(), self.max_model_len, runner.dtype, runner.device)
+        runner.model = new
+        if runner.graphs is not None:  # (they replay the old model's kernels on its weights)
+            runner.graphs = runner.capture_graphs()
+        self.reset_prefix_cache()
+        self.model_path = str(path)
+        return True
 
     def _queue(self, seq: Sequence) -> None:
         if self._draining or (self._paused and self._held):

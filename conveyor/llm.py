@@ -59,6 +59,11 @@ class LLM:
         """Forget every image's or clip's encoder output the encoder cache keeps."""
         return self.engine.reset_mm_cache()
 
+    def update_weights_from_disk(self, model_path: str) -> bool:
+        """New weights of the same architecture from `model_path` (an RL trainer's checkpoint;
+        `Engine.update_weights_from_disk`); the prefix cache is forgotten."""
+        return self.engine.update_weights_from_disk(model_path)
+
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix cache's KV events since the last call (with `enable_kv_cache_events=True`):
         BlockStored, BlockRemoved, AllBlocksCleared (conveyor/core/kv_events.py)."""

@@ -104,3 +104,43 @@ def test_async_llm_stream_stops_while_paused(tiny_models, want):
             await llm.shutdown()
 
     assert asyncio.run(main()) == want["a"]
+
+
+# -- new weights (SGLang's update_weights_from_disk) ---------------------------------------------
+@pytest.fixture(scope="module")
+def second_weights(tmp_path_factory, tiny_models):
+    """The tiny Llama's architecture with other weights (another seed), and another architecture."""
+    from tests.conftest import TINY, build_tiny_model
+
+    other = build_tiny_model(tmp_path_factory.mktemp("other") / "llama", "llama", seed=7)
+    wider = build_tiny_model(tmp_path_factory.mktemp("wider") / "llama", "llama",
+                             intermediate_size=2 * TINY.get("intermediate_size", 64))
+    return other, wider
+
+
+def test_new_weights_serve_as_an_engine_built_on_them(tiny_models, second_weights):
+    other, wider = second_weights
+    fresh = engine(str(other))
+    fresh.add_request("a", PROMPT, GREEDY)
+    want = finish(fresh)
+
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    before = finish(e)
+    assert before != want and e.scheduler.block_manager.num_cached_blocks > 0
+    assert e.update_weights_from_disk(str(other)) and e.model_path == str(other)
+    assert e.scheduler.block_manager.num_cached_blocks == 0  # (K/V of the old weights forgotten)
+    e.add_request("a", PROMPT, GREEDY)
+    assert finish(e) == want
+
+    e.add_request("busy", PROMPT, GREEDY)
+    with pytest.raises(InvalidRequestError, match="idle or paused"):
+        e.update_weights_from_disk(str(tiny_models["llama"]))
+    e.pause_generation("keep")
+    e.update_weights_from_disk(str(tiny_models["llama"]))  # (paused: the frozen request goes on with them)
+    e.resume_generation()
+    assert len(finish(e)["busy"]) == 12
+    with pytest.raises(InvalidRequestError, match="another architecture"):
+        e.update_weights_from_disk(str(wider))
+    with pytest.raises(InvalidRequestError, match="model_path"):
+        e.update_weights_from_disk(str(other / "nowhere"))

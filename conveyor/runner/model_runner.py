@@ -180,11 +180,16 @@ class ModelRunner:
         self.peers: TensorParallelGroup | None = None
         self.disk: DiskTier | None = None  # KV offloading's disk tier (`_disk_copies`)
         self.graphs: GraphedDecode | None = None
+        self._graph_args = (-(-(max_model_len or arch.max_position_embeddings) // block_size), cuda_graph_max_batch)
         if cuda_graph_max_batch and device.type == "cuda":
-            max_blocks = -(-(max_model_len or arch.max_position_embeddings) // block_size)
-            self.graphs = GraphedDecode(model, self.kv_caches, block_size, max_blocks, self.scratch_block,
-                                        cuda_graph_max_batch, greedy=self.sampler.greedy,
-                                        **self.graph_layout())
+            self.graphs = self.capture_graphs()
+
+    def capture_graphs(self) -> GraphedDecode:
+        """CUDA graphs of this runner's model's decode steps (captured again when the model is
+        replaced: `Engine.update_weights_from_disk`)."""
+        max_blocks, max_batch = self._graph_args
+        return GraphedDecode(self.model, self.kv_caches, self.block_size, max_blocks, self.scratch_block, max_batch,
+                             greedy=self.sampler.greedy, **self.graph_layout())
 
     def _chains(self, items: list[ScheduledSequence], num_new: list[int], bare: bool) -> bool:
         """Whether this step's few-token spans run as one-token decodes side by side

@@ -280,7 +280,7 @@ def build_app(
         """vLLM's: forget every cached prefix (the offloading tier's too) on every engine."""
         return await reset("reset_prefix_cache")
 
-    if server_config.enable_pause_api:
+    if server_config.enable_rl_api:
         @app.post("/pause")
         async def pause(mode: str = "abort", clear_cache: bool = True) -> Response:
             """vLLM's: stop generating on every engine (abort, wait for or keep what is in flight)."""
@@ -298,6 +298,18 @@ def build_app(
         @app.get("/is_paused")
         async def is_paused() -> dict[str, bool]:
             return {"is_paused": bool(await async_engine.call_engine("is_paused"))}
+
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(raw: Request) -> dict[str, Any]:
+            """SGLang's: every engine loads new weights of the same architecture from `model_path`
+            (idle or paused engines only)."""
+            check_accepting()
+            body = await raw.json()
+            path = body.get("model_path") if isinstance(body, dict) else None
+            if not isinstance(path, str) or not path:
+                raise InvalidRequestError("model_path: a checkpoint's path is needed", param="model_path")
+            await async_engine.call_engine("update_weights_from_disk", path)
+            return {"success": True, "message": f"weights loaded from {path}"}
 
     @app.post("/reset_mm_cache")
     async def reset_mm_cache() -> Response:

@@ -86,12 +86,12 @@ class ServerConfig:
             "runs with the adapter. Needs --enable-lora."
         ),
     )
-    enable_pause_api: bool = field(
+    enable_rl_api: bool = field(
         default=False,
         metadata=_help(
             "Serve POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume and GET /is_paused "
-            "(vLLM's, behind its VLLM_SERVER_DEV_MODE): an RL trainer stops generation on every engine "
-            "while it updates the weights."
+            "(vLLM's, behind its VLLM_SERVER_DEV_MODE) and POST /update_weights_from_disk {model_path} "
+            "(SGLang's): an RL trainer stops generation on every engine and loads new weights."
         ),
     )
     allow_runtime_lora_updating: bool = field(

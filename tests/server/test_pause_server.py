@@ -1,4 +1,4 @@
-"""`conveyor serve --enable-pause-api`: `/pause?mode=abort` ends a running request, a request
+"""`conveyor serve --enable-rl-api`: `/pause?mode=abort` ends a running request, a request
 sent while paused waits for `/resume`; without the flag the routes are not served."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.server.conftest import ServerProcess
 
 
 def test_the_pause_api_over_http(tiny_model: Path, tmp_path: Path) -> None:
-    server = ServerProcess(["--model", str(tiny_model), "--num-kv-blocks", "1024", "--enable-pause-api"],
+    server = ServerProcess(["--model", str(tiny_model), "--num-kv-blocks", "1024", "--enable-rl-api"],
                            tmp_path / "server.log")
     try:
         server.wait_ready()
@@ -46,3 +46,30 @@ def test_the_pause_api_over_http(tiny_model: Path, tmp_path: Path) -> None:
         assert httpx.post(plain.url + "/pause").status_code == 404
     finally:
         assert plain.stop() == 0
+
+
+def test_new_weights_over_http(tiny_model: Path, tmp_path: Path) -> None:
+    from tests.conftest import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", "llama", seed=5, max_position_embeddings=8192)
+    server = ServerProcess(["--model", str(tiny_model), "--num-kv-blocks", "256", "--enable-rl-api"],
+                           tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 0,
+                "return_tokens_as_token_ids": True}
+
+        def tokens() -> list[str]:
+            return list(httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+                        ["logprobs"]["tokens"])
+
+        before = tokens()
+        r = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": str(other)}, timeout=60)
+        assert r.status_code == 200 and r.json()["success"] is True
+        after = tokens()
+        assert after != before
+        r = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
+        assert tokens() == after  # (a failed update changes nothing)
+    finally:
+        assert server.stop() == 0
