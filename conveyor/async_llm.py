@@ -224,6 +224,16 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return bool(await self._call("is_paused"))
 
+    async def sleep(self, level: int = 1) -> bool:
+        """Give memory back while idle (`Engine.sleep`: level 1 the KV cache, 2 the weights too)."""
+        return bool(await self._call("sleep", level))
+
+    async def wake_up(self) -> bool:
+        return bool(await self._call("wake_up"))
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._call("is_sleeping"))
+
     async def update_weights_from_disk(self, model_path: str) -> bool:
         """New weights of the same architecture, idle or paused (`Engine.update_weights_from_disk`)."""
         return bool(await self._call("update_weights_from_disk", model_path))

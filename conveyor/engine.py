@@ -204,6 +204,7 @@ class Engine:
         self._paused = False
         self._draining = False
         self._held: list[Sequence] = []
+        self._sleeping = 0  # sleep's level: 0 awake
         self.num_migrated_in = 0  # ... and taken from one (`migrate_in`)
         self.drafter: Drafter | None = None  # speculative_method='draft_model' (runner/drafter.py)
         # A classifier's class names (its model's `score` rows), whether it classifies every
@@ -1041,6 +1042,8 @@ class Engine:
         """
         if request_id in self._requests or request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if self._sleeping:
+            raise InvalidRequestError("the engine is asleep (sleep mode): wake_up first", param="sleep")
         params = params or SamplingParams()
         if params.pooling is not None and params.pooling.pooling_type is None:  # the model's own pooling
             tokens = (self.token_classifier or self.head.lexical) and params.pooling.task == "classify"
@@ -1412,14 +1415,26 @@ class Engine:
         on with the new weights over the K/V it computed with the old ones. Both models are in
         memory while the new one loads. Not built for tensor parallelism, speculative decoding,
         LoRA, int8 quantization, encoders, Whisper or image towers: InvalidRequestError."""
-        from conveyor.models.attention import TorchPagedAttention
-        from conveyor.models.loader import build_model, open_model, resolve_model_path
-
-        runner: Any = self.runner
-        old: Any = getattr(runner, "model", None)
+        if self._sleeping:
+            raise InvalidRequestError("the engine is asleep: wake_up first", param="model_path")
         if not self._paused and self.has_unfinished_requests():
             raise InvalidRequestError("update the weights of an idle or paused engine (pause_generation first)",
                                       param="model_path")
+        self._check_rebuildable("updating the weights", "model_path")
+        runner: Any = self.runner
+        path, new = self._build_model_like(model_path, runner.model)
+        runner.model = new
+        if runner.graphs is not None:  # (they replay the old model's kernels on its weights)
+            runner.graphs = runner.capture_graphs()
+        self.reset_prefix_cache()
+        self.model_path = str(path)
+        return True
+
+    def _check_rebuildable(self, what: str, param: str) -> None:
+        """InvalidRequestError unless this engine's model can be built again from a path (a plain
+        decoder on one rank, no drafter, adapters, int8, tower or encoder)."""
+        runner: Any = self.runner
+        old: Any = getattr(runner, "model", None)
         mc = self.config.model
         why = ("tensor parallelism" if getattr(runner, "peers", None) is not None
                else "speculative decoding" if self.drafter is not None or self.config.scheduler.speculative_method
@@ -1428,23 +1443,74 @@ class Engine:
                else "this model" if old is None or self.is_encoder or getattr(old, "encoder_decoder", False)
                or getattr(old, "vision", None) is not None else None)
         if why is not None:
-            raise InvalidRequestError(f"updating the weights is not built with {why}", param="model_path")
+            raise InvalidRequestError(f"{what} is not built with {why}", param=param)
+
+    def _build_model_like(self, model_path: str, old: Any) -> tuple[Path, Any]:
+        """A model from `model_path` built as this engine built its own, checked against `old`'s
+        shapes (`old` None: not checked)."""
+        from conveyor.models.attention import TorchPagedAttention
+        from conveyor.models.loader import build_model, open_model, resolve_model_path
+
         try:
             path = resolve_model_path(model_path)
             arch, tensors, _ = open_model(path)
         except (FileNotFoundError, ValueError) as e:
             raise InvalidRequestError(f"model_path={model_path!r}: {e}", param="model_path") from None
         shape = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
-        if any(getattr(arch, f) != getattr(old.arch, f) for f in shape):
+        if old is not None and any(getattr(arch, f) != getattr(old.arch, f) for f in shape):
             theirs = {f: getattr(arch, f) for f in shape if getattr(arch, f) != getattr(old.arch, f)}
             raise InvalidRequestError(f"model_path={model_path!r} is another architecture ({theirs})", param="model_path")
-        new = build_model(arch, tensors, TorchPagedAttention(), self.max_model_len, runner.dtype, runner.device)
-        runner.model = new
-        if runner.graphs is not None:  # (they replay the old model's kernels on its weights)
-            runner.graphs = runner.capture_graphs()
+        runner: Any = self.runner
+        return path, build_model(arch, tensors, TorchPagedAttention(), self.max_model_len, runner.dtype, runner.device)
+
+    # -- sleep mode (vLLM's) ---------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> bool:
+        """Give memory back while the engine idles (vLLM's sleep mode: an RL trainer's turn on the
+        device). Level 1 frees the KV cache (its swap and offloading space too) and forgets the
+        prefix cache; level 2 also drops the weights, which `wake_up` builds again from the
+        model's path (vLLM's level 1 also moves the weights to host memory: not built; here they
+        stay). Idle engines only; requests are refused while asleep."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level={level!r}: sleep takes level 1 or 2", param="level")
+        if self._sleeping:
+            return True
+        if self.has_unfinished_requests() or self._held or self.scheduler.has_unfinished():
+            raise InvalidRequestError("sleep needs an idle engine: requests are in flight", param="level")
+        runner: Any = self.runner
+        if getattr(runner, "peers", None) is not None or self.drafter is not None:
+            raise InvalidRequestError("sleep is not built with tensor parallelism or speculative decoding",
+                                      param="level")
+        if not hasattr(runner, "release_kv"):
+            raise InvalidRequestError("this engine's runner has no memory to give back", param="level")
+        if level == 2:
+            self._check_rebuildable("sleep level 2", "level")
+            if self.model_path is None:
+                raise InvalidRequestError("sleep level 2 builds the weights again from the model's path: this "
+                                          "engine has none", param="level")
         self.reset_prefix_cache()
-        self.model_path = str(path)
+        runner.release_kv()
+        if level == 2:
+            import gc
+
+            runner.model, runner.graphs = None, None
+            gc.collect()
+        self._sleeping = level
         return True
+
+    def wake_up(self) -> bool:
+        """Take the memory `sleep` gave back (the weights built again after level 2)."""
+        if not self._sleeping:
+            return True
+        runner: Any = self.runner
+        if self._sleeping == 2:
+            assert self.model_path is not None
+            runner.model = self._build_model_like(self.model_path, None)[1]
+        runner.restore_kv()
+        self._sleeping = 0
+        return True
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleeping)
 
     def _queue(self, seq: Sequence) -> None:
         if self._draining or (self._paused and self._held):

@@ -59,6 +59,14 @@ class LLM:
         """Forget every image's or clip's encoder output the encoder cache keeps."""
         return self.engine.reset_mm_cache()
 
+    def sleep(self, level: int = 1) -> bool:
+        """Give memory back while idle (vLLM's sleep mode; `Engine.sleep`): level 1 frees the KV
+        cache, level 2 the weights too (built again from the model's path by `wake_up`)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> bool:
+        return self.engine.wake_up()
+
     def update_weights_from_disk(self, model_path: str) -> bool:
         """New weights of the same architecture from `model_path` (an RL trainer's checkpoint;
         `Engine.update_weights_from_disk`); the prefix cache is forgotten."""

@@ -144,3 +144,41 @@ def test_new_weights_serve_as_an_engine_built_on_them(tiny_models, second_weight
         e.update_weights_from_disk(str(wider))
     with pytest.raises(InvalidRequestError, match="model_path"):
         e.update_weights_from_disk(str(other / "nowhere"))
+
+
+# -- sleep mode (vLLM's) --------------------------------------------------------------------------
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_gives_the_memory_back_and_wake_up_serves_as_before(tiny_models, want, level):
+    import gc
+    import weakref
+
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    finish(e)
+    runner = e.runner
+    pages = [*runner.kv_pages, *runner.swap_pages]  # type: ignore[attr-defined]
+    model = weakref.ref(runner.model)  # type: ignore[attr-defined]
+    assert e.sleep(level) and e.is_sleeping()
+    assert all(t.untyped_storage().nbytes() == 0 for t in pages)
+    assert e.scheduler.block_manager.num_cached_blocks == 0
+    gc.collect()
+    assert (model() is None) == (level == 2)  # level 2: the weights are gone too
+    with pytest.raises(InvalidRequestError, match="asleep"):
+        e.add_request("b", PROMPT, GREEDY)
+    assert e.wake_up() and not e.is_sleeping()
+    assert all(t.untyped_storage().nbytes() > 0 for t in pages[:1])
+    e.add_request("a", PROMPT, GREEDY)
+    e.add_request("b", PROMPT[:7], GREEDY)
+    assert finish(e) == want
+
+
+def test_sleep_needs_an_idle_engine(tiny_models):
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, GREEDY)
+    with pytest.raises(InvalidRequestError, match="idle"):
+        e.sleep(1)
+    with pytest.raises(InvalidRequestError, match="level"):
+        e.sleep(3)
+    e.pause_generation("keep")
+    with pytest.raises(InvalidRequestError, match="idle"):
+        e.sleep(1)  # (a paused request still holds its K/V)

@@ -184,6 +184,24 @@ class ModelRunner:
         if cuda_graph_max_batch and device.type == "cuda":
             self.graphs = self.capture_graphs()
 
+    def release_kv(self) -> None:
+        """Give the KV cache's memory back (sleep mode): every page and swap tensor keeps its shape
+        over an empty storage until `restore_kv` (its contents are gone)."""
+        tensors = [*self.kv_pages, *self.swap_pages]
+        self._kv_nbytes = [t.untyped_storage().nbytes() for t in tensors]
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+        self._had_graphs = self.graphs is not None
+        self.graphs = None  # (they read the memory given back)
+
+    def restore_kv(self) -> None:
+        """The KV cache's memory again, zeroed (as first allocated); CUDA graphs captured again."""
+        for t, n in zip([*self.kv_pages, *self.swap_pages], self._kv_nbytes, strict=True):
+            t.untyped_storage().resize_(n)
+            t.zero_()
+        if getattr(self, "_had_graphs", False):
+            self.graphs = self.capture_graphs()
+
     def capture_graphs(self) -> GraphedDecode:
         """CUDA graphs of this runner's model's decode steps (captured again when the model is
         replaced: `Engine.update_weights_from_disk`)."""

@@ -299,6 +299,23 @@ def build_app(
         async def is_paused() -> dict[str, bool]:
             return {"is_paused": bool(await async_engine.call_engine("is_paused"))}
 
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            """vLLM's sleep mode on every engine: level 1 frees the KV cache, 2 the weights too."""
+            check_accepting()
+            await async_engine.call_engine("sleep", level)
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up() -> Response:
+            check_accepting()
+            await async_engine.call_engine("wake_up")
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, bool]:
+            return {"is_sleeping": bool(await async_engine.call_engine("is_sleeping"))}
+
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(raw: Request) -> dict[str, Any]:
             """SGLang's: every engine loads new weights of the same architecture from `model_path`

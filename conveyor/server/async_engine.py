@@ -177,11 +177,12 @@ class _AbortAll:
 # The engine's own calls a front runs for its caller, between two steps (`call_engine`).
 ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "cross_weights",
                           "reset_prefix_cache", "reset_mm_cache", "pause_generation", "resume_generation",
-                          "is_paused", "update_weights_from_disk"})
+                          "is_paused", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping"})
 # Calls that empty an engine's caches: a front of several engines runs them on every one.
 CACHE_RESETS = frozenset({"reset_prefix_cache", "reset_mm_cache"})
 # ... as it runs these (the answer: every engine's, `all` of them).
-EVERY_ENGINE = CACHE_RESETS | {"pause_generation", "resume_generation", "is_paused", "update_weights_from_disk"}
+EVERY_ENGINE = CACHE_RESETS | {"pause_generation", "resume_generation", "is_paused", "update_weights_from_disk",
+                               "sleep", "wake_up", "is_sleeping"}
 
 
 async def pause_front(front: EngineFront, mode: str = "abort", clear_cache: bool = True, poll_s: float = 0.02) -> None:

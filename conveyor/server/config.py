@@ -90,8 +90,9 @@ class ServerConfig:
         default=False,
         metadata=_help(
             "Serve POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume and GET /is_paused "
-            "(vLLM's, behind its VLLM_SERVER_DEV_MODE) and POST /update_weights_from_disk {model_path} "
-            "(SGLang's): an RL trainer stops generation on every engine and loads new weights."
+            "(vLLM's, behind its VLLM_SERVER_DEV_MODE), POST /update_weights_from_disk {model_path} "
+            "(SGLang's), POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode): "
+            "an RL trainer stops generation on every engine, frees its memory and loads new weights."
         ),
     )
     allow_runtime_lora_updating: bool = field(

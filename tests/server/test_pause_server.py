@@ -73,3 +73,25 @@ def test_new_weights_over_http(tiny_model: Path, tmp_path: Path) -> None:
         assert tokens() == after  # (a failed update changes nothing)
     finally:
         assert server.stop() == 0
+
+
+def test_sleep_mode_over_http(tiny_model: Path, tmp_path: Path) -> None:
+    server = ServerProcess(["--model", str(tiny_model), "--num-kv-blocks", "256", "--enable-rl-api"],
+                           tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+        def ask() -> httpx.Response:
+            return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+        before = ask().json()["choices"][0]["text"]
+        assert httpx.post(server.url + "/sleep", params={"level": 2}, timeout=60).status_code == 200
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": True}
+        asleep = ask()
+        assert asleep.status_code == 400 and "asleep" in asleep.json()["error"]["message"]
+        assert httpx.post(server.url + "/wake_up", timeout=60).status_code == 200
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert ask().json()["choices"][0]["text"] == before
+    finally:
+        assert server.stop() == 0
