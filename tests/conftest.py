@@ -50,6 +50,16 @@ TINY = dict(
 )
 
 
+def finish_all(engine: Any) -> dict[str, list[int]]:
+    """Step an engine until it has nothing left: each finished request's generated token ids."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
 def build_tiny_model(out_dir: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """Save a random-weight HF model of the given family to `out_dir` (safetensors)."""
     import torch

@@ -12,6 +12,7 @@ import pytest
 
 from conveyor import EngineConfig, SamplingParams
 from conveyor.engine import Engine
+from tests.conftest import finish_all as finish
 
 PROMPT = list(range(10, 47))  # 37 tokens
 
@@ -19,15 +20,6 @@ PROMPT = list(range(10, 47))  # 37 tokens
 def engine(model: str, **kw: object) -> Engine:
     return Engine.from_config(EngineConfig.from_kwargs(model=model, dtype="float64", num_kv_blocks=64, block_size=8,
                                                        **kw))
-
-
-def finish(e: Engine) -> dict[str, list[int]]:
-    done = {}
-    while e.has_unfinished_requests():
-        for out in e.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
 
 
 @pytest.mark.parametrize("options", [{"kv_receive_space": 1 << 22}, {}], ids=["received", "no-receive-space"])

@@ -15,6 +15,7 @@ import pytest
 
 from conveyor import AsyncLLM, EngineConfig, InvalidRequestError, SamplingParams
 from conveyor.engine import Engine
+from tests.conftest import finish_all as finish
 
 PROMPT = list(range(10, 30))
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -22,15 +23,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def engine(model: str) -> Engine:
     return Engine.from_config(EngineConfig.from_kwargs(model=model, num_kv_blocks=64, block_size=8))
-
-
-def finish(e: Engine) -> dict[str, list[int]]:
-    done = {}
-    while e.has_unfinished_requests():
-        for out in e.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
 
 
 @pytest.fixture(scope="module")

@@ -368,6 +368,6 @@ def test_pause_and_resume_reach_every_replica(tiny_model: Path) -> None:
         states = [e.engine.is_paused() for e in rs.replicas]  # type: ignore[attr-defined]
         assert await rs.call_engine("is_paused")
         await rs.call_engine("resume_generation")
-        return states + [not await rs.call_engine("is_paused")]
+        return [*states, not await rs.call_engine("is_paused")]
 
     assert run(replicas, body) == [True, True, True]
