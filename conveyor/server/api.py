@@ -321,7 +321,10 @@ def build_app(
             """SGLang's: every engine loads new weights of the same architecture from `model_path`
             (idle or paused engines only)."""
             check_accepting()
-            body = await raw.json()
+            try:
+                body = await raw.json()
+            except ValueError:
+                raise APIError(400, "the body is not JSON", "invalid_request_error") from None
             path = body.get("model_path") if isinstance(body, dict) else None
             if not isinstance(path, str) or not path:
                 raise InvalidRequestError("model_path: a checkpoint's path is needed", param="model_path")

@@ -71,6 +71,8 @@ def test_new_weights_over_http(tiny_model: Path, tmp_path: Path) -> None:
         r = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere")})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
         assert tokens() == after  # (a failed update changes nothing)
+        bad = httpx.post(server.url + "/update_weights_from_disk", content=b"{not json")
+        assert bad.status_code == 400
     finally:
         assert server.stop() == 0
 
