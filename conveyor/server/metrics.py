@@ -154,6 +154,10 @@ class ServerMetrics:
             "Requests (API requests; their n choices go together) routed to each engine replica, "
             "by the reason the routing policy gave (--data-parallel-size > 1).",
             ["model_name", "replica", "reason"], registry=r)
+        self._kv_event_batches = Counter(
+            "conveyor:router_kv_event_batches",
+            "KV event batches the router read from each replica (--router-policy kv_events).",
+            ["model_name", "replica"], registry=r)
         self.model_name = m
         self._queues: dict[int, QueueCounts] = {}
         self._queues_lock = threading.Lock()
@@ -189,6 +193,9 @@ class ServerMetrics:
 
     def on_routed(self, replica: int, reason: str) -> None:
         self._routed.labels(self.model_name, str(replica), reason).inc()
+
+    def on_kv_events(self, replica: int) -> None:
+        self._kv_event_batches.labels(self.model_name, str(replica)).inc()
 
     def on_output(self, out: RequestOutput, progress: RequestProgress) -> None:
         """Count what is new in `out` since this request's previous output."""

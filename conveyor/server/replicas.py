@@ -243,6 +243,8 @@ class ReplicaSet(EngineFront):
         assert subscriber is not None
         for replica, batch in subscriber.poll():
             router.on_kv_events(replica, batch.events)
+            if self.metrics is not None:
+                self.metrics.on_kv_events(replica)
         if subscriber.missed > self._kv_events_missed:
             logger.warning("KV events: %d batches lost on their way to the router (its view of the replicas' caches "
                            "may be stale until those blocks change again)", subscriber.missed - self._kv_events_missed)

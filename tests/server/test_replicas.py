@@ -348,7 +348,10 @@ def test_served_kv_events_routing_reads_engine_processes_events(tiny_model: Path
 
         for doc in docs:
             ask([*doc, 1])
-        time.sleep(0.5)  # (the events cross a socket)
+        deadline = time.monotonic() + 30  # (the events cross a socket: wait until the router has read them)
+        while sum(v for (name, _), v in scrape(server.url).items() if name == "conveyor:router_kv_event_batches_total") < 2:
+            assert time.monotonic() < deadline, f"the router read no KV events:\n{server.log()}"
+            time.sleep(0.1)
         follow = [ask([*doc, 2, 3]) for doc in docs]
         assert [f["usage"]["prompt_tokens_details"]["cached_tokens"] for f in follow] == [64, 64]
         m = scrape(server.url)
