@@ -437,5 +437,6 @@ class RouterGroup(RoutingPolicy):
             m.on_kv_events(replica, events)
 
     def use_tokenizer(self, tokenize: Callable[[str], list[int]] | None) -> None:
+        self.tokenize = tokenize
         for m in self.members:
             m.use_tokenizer(tokenize)
