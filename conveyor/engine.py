@@ -1527,7 +1527,7 @@ class Engine:
 
     # -- KV events -------------------------------------------------------------------------
     def _start_kv_events(self, cc: CacheConfig) -> None:
-        self.scheduler.block_manager.kv_events = []
+        self.enable_kv_events()
         if cc.kv_events_publisher == "zmq":
             import weakref
 
