@@ -72,11 +72,18 @@ def test_abort_ends_everything_and_clear_cache_empties_the_prefix_cache(tiny_mod
         e.pause_generation("later")
 
 
-def test_async_llm_stream_stops_while_paused(tiny_models, want):
+def test_async_llm_stream_stops_while_paused(tiny_models):
+    # A long answer (400 tokens, the tiny model's room less the prompt), so that on a fast box the
+    # pause lands while it runs: 12 tokens could all be made before the pause call reaches the engine.
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    e = engine(str(tiny_models["llama"]))
+    e.add_request("a", PROMPT, long)
+    want = finish(e)
+
     async def main() -> list[int]:
         llm = AsyncLLM(str(tiny_models["llama"]), num_kv_blocks=64, block_size=8)
         try:
-            stream = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+            stream = llm.generate(PROMPT, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True,
                                                          output_kind="cumulative"), "a")
             first = await stream.__anext__()
             await llm.pause_generation("keep")
@@ -88,7 +95,7 @@ def test_async_llm_stream_stops_while_paused(tiny_models, want):
                     break  # nothing moves while paused
                 first = waiting.result()
                 waiting = asyncio.ensure_future(stream.__anext__())
-            assert len(first.outputs[0].token_ids) < 12
+            assert len(first.outputs[0].token_ids) < 400
             await llm.resume_generation()
             outs = [await waiting] + [out async for out in stream]
             return list(outs[-1].outputs[0].token_ids)

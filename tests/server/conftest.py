@@ -90,6 +90,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with room for 65536 tokens: at the 2500 tokens a second one CPU
+    makes of it, 60,000 tokens run for 25 s and more, past every timeout a test waits out while
+    such a request runs, on any machine this suite runs on (4000 tokens, 1.6 s, did not outlive
+    a loaded CI box's checks)."""
+    from tests.conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("long") / "llama", "llama", max_position_embeddings=65536)
+
+
+@pytest.fixture(scope="session")
 def smol_server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The default model (SmolLM2), started but not yet waited for, so other fixtures overlap."""
     server = ServerProcess(

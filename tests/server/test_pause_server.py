@@ -12,12 +12,12 @@ import httpx
 from tests.server.conftest import ServerProcess
 
 
-def test_the_pause_api_over_http(tiny_model: Path, tmp_path: Path) -> None:
-    server = ServerProcess(["--model", str(tiny_model), "--num-kv-blocks", "1024", "--enable-rl-api"],
+def test_the_pause_api_over_http(tiny_model: Path, long_model: Path, tmp_path: Path) -> None:
+    server = ServerProcess(["--model", str(long_model), "--num-kv-blocks", "4096", "--enable-rl-api"],
                            tmp_path / "server.log")
     try:
         server.wait_ready()
-        long = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0.0}
+        long = {"prompt": [5, 6, 7], "max_tokens": 60000, "ignore_eos": True, "temperature": 0.0}
         result: dict[str, object] = {}
         reader = threading.Thread(target=lambda: result.update(
             httpx.post(server.url + "/v1/completions", json=long, timeout=120.0).json()))

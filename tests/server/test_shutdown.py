@@ -73,16 +73,6 @@ class StreamReader(threading.Thread):
         return None
 
 
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Llama with room for 65536 tokens: at the 2500 tokens a second one CPU
-    makes of it, `LONG` runs for 25 s and more, well past every shutdown timeout used here, on
-    any machine this suite runs on (4000 tokens, 1.6 s, did not outlive a loaded one's checks)."""
-    from tests.conftest import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("long") / "llama", "llama", max_position_embeddings=65536)
-
-
 @pytest.fixture
 def server_factory(long_model: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[ServerProcess] = []
