@@ -217,8 +217,11 @@ def test_a_subscriber_reads_what_is_published_and_replays_what_it_missed(tmp_pat
         assert got and got[0][0] == 0 and isinstance(got[0][1].events[0], BlockRemoved)
         pub.publish([])  # nothing happened: nothing is sent
         pub.publish([AllBlocksCleared()])
-        time.sleep(0.2)
-        assert [type(b.events[0]) for _, b in sub.poll()][-1] is AllBlocksCleared and sub.missed == 0
+        deadline, last = time.monotonic() + 10, []
+        while not last and time.monotonic() < deadline:
+            time.sleep(0.05)
+            last = [type(b.events[0]) for _, b in sub.poll()]
+        assert last[-1] is AllBlocksCleared and sub.missed == 0
         # The replay socket holds the last two batches (buffer_steps=2), in order, then its end mark.
         req = zmq.Context.instance().socket(zmq.DEALER)
         req.connect(replay)
@@ -291,7 +294,12 @@ def test_an_engine_reports_its_prompts_blocks_and_publishes_a_reset_at_once(tiny
               num_kv_blocks=64, block_size=16)
     sub = KVEventSubscriber([endpoint])
     try:
-        time.sleep(0.3)  # (a SUB socket joins a moment after it connects)
+        deadline, joined = time.monotonic() + 10, False
+        while not joined:  # (a SUB socket joins a moment after it connects: until then, what is sent is lost)
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            llm.reset_prefix_cache()
+            time.sleep(0.05)
+            joined = any(AllBlocksCleared() in b.events for _, b in sub.poll())
         llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
         llm.reset_prefix_cache()  # idle: published without waiting for a step
         assert llm.take_kv_events() == []  # (published instead)
