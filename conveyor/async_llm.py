@@ -238,6 +238,35 @@ class AsyncLLM:
         """New weights of the same architecture, idle or paused (`Engine.update_weights_from_disk`)."""
         return bool(await self._call("update_weights_from_disk", model_path))
 
+    async def update_weights_from_tensor(self, named_tensors: Any, flush_cache: bool = True,
+                                         weight_version: str | None = None) -> bool:
+        """New values of some or all of the model's tensors by their HF names, idle or paused
+        (`Engine.update_weights_from_tensor`; to an engine process they travel pickled)."""
+        from conveyor.weight_sync import named_items
+
+        return bool(await self._call("update_weights_from_tensor", named_items(named_tensors), flush_cache,
+                                     weight_version))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str | None = None) -> bool:
+        """Join a trainer's weight-update group (`Engine.init_weights_update_group`)."""
+        return bool(await self._call("init_weights_update_group", master_address, master_port, rank_offset,
+                                     world_size, group_name, backend))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              flush_cache: bool = True, weight_version: str | None = None) -> bool:
+        """Receive and load what the trainer broadcasts (`Engine.update_weights_from_distributed`)."""
+        return bool(await self._call("update_weights_from_distributed", names, dtypes, shapes, group_name,
+                                     flush_cache, weight_version))
+
+    async def get_weight_version(self) -> str:
+        return str(await self._call("get_weight_version"))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        return bool(await self._call("destroy_weights_update_group", group_name))
+
     # -- adapters (vLLM's AsyncLLM.add_lora, remove_lora, list_loras, pin_lora) ---------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter before any request names it (a bad one raises here); `Engine.add_lora`."""

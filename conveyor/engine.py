@@ -218,6 +218,11 @@ class Engine:
         self._kv_publisher: Any = None  # KV events over ZeroMQ (conveyor/core/kv_events.py)
         self._kv_events_dropped = False
         self.model_path: str | None = None  # where the weights came from (`from_config`, `update_weights_from_disk`)
+        # Tensors sent since (`update_weights_from_tensor`, `..._from_distributed`), on the host:
+        # the model is built again from `model_path`'s checkpoint with these in place.
+        self._weight_overlay: dict[str, torch.Tensor] = {}
+        self._weight_groups: dict[str, Any] = {}  # name -> WeightUpdateGroup (conveyor/weight_sync.py)
+        self.weight_version = "default"  # (SGLang's: named by whoever sends new weights)
         if config.cache.enable_kv_cache_events:
             self._start_kv_events(config.cache)
 
@@ -1406,7 +1411,7 @@ class Engine:
             self.has_unfinished_requests()
         return self._paused
 
-    def update_weights_from_disk(self, model_path: str) -> bool:
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> bool:
         """Load new weights of the same architecture (SGLang's `update_weights_from_disk`: an RL
         trainer's checkpoint): a new model is built from `model_path` as this engine built its own
         (dtype, device, kernels), checked against the running one's shapes, and put in its place
@@ -1415,20 +1420,104 @@ class Engine:
         on with the new weights over the K/V it computed with the old ones. Both models are in
         memory while the new one loads. Not built for tensor parallelism, speculative decoding,
         LoRA, int8 quantization, encoders, Whisper or image towers: InvalidRequestError."""
+        self._check_weight_update("model_path")
+        path, new = self._build_model_like(model_path, self.runner.model, param="model_path")  # type: ignore[attr-defined]
+        self._put_model(new, flush_cache=True, weight_version=weight_version)
+        self.model_path, self._weight_overlay = str(path), {}
+        return True
+
+    def update_weights_from_tensor(self, named_tensors: Any, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> bool:
+        """New values of some or all of the model's tensors, by their HF names (SGLang's
+        `update_weights_from_tensor`; what TRL and verl hand vLLM's `load_weights` in the trainer's
+        process): a `{name: tensor}` mapping or `(name, tensor)` pairs, q/k/v and gate/up apart or
+        fused, on any device and dtype. The model is built again, as `update_weights_from_disk`
+        builds it, from the checkpoint at `model_path` with every tensor sent so far in place (a
+        copy of each is kept on the host for that, and for `wake_up` after sleep level 2); a name
+        no parameter has or a shape that does not fit is an InvalidRequestError and changes
+        nothing. Idle or paused engines only; `flush_cache=False` keeps the prefix cache (K/V of
+        the old weights). Limits: `update_weights_from_disk`'s."""
+        from conveyor.weight_sync import named_items
+
+        self._check_weight_update("named_tensors")
+        if self.model_path is None:
+            raise InvalidRequestError("this engine was not built from a checkpoint's path: the rest of the weights "
+                                      "are read from there", param="named_tensors")
+        runner: Any = self.runner
+        sent = {n: t.detach().to(device="cpu", dtype=runner.dtype if t.is_floating_point() else t.dtype, copy=True)
+                for n, t in named_items(named_tensors)}
+        overlay = {**self._weight_overlay, **sent}
+        _, new = self._build_model_like(self.model_path, runner.model, overlay, param="named_tensors")
+        self._put_model(new, flush_cache=flush_cache, weight_version=weight_version)
+        self._weight_overlay = overlay
+        return True
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout_s: float = 600.0) -> bool:
+        """Join a trainer's weight-update group as rank `rank_offset` (SGLang's call: the trainer
+        is rank 0, `conveyor.weight_sync.WeightBroadcaster`); blocks until every rank has joined.
+        `backend`: "gloo" (CPU) or "nccl" (CUDA); by default the one of this engine's device."""
+        from conveyor.weight_sync import WeightUpdateGroup
+
+        if group_name in self._weight_groups:
+            raise InvalidRequestError(f"group_name={group_name!r}: this engine is in that group already",
+                                      param="group_name")
+        if not isinstance(rank_offset, int) or rank_offset < 1:
+            raise InvalidRequestError(f"rank_offset={rank_offset!r}: an engine's rank is 1 or more (the trainer "
+                                      "is 0)", param="rank_offset")
+        runner: Any = self.runner
+        if backend is None:
+            backend = "nccl" if getattr(getattr(runner, "device", None), "type", "cpu") == "cuda" else "gloo"
+        self._weight_groups[group_name] = WeightUpdateGroup(master_address, master_port, rank_offset, world_size,
+                                                            group_name, backend, timeout_s)
+        return True
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: str | None = None) -> bool:
+        """Receive tensors the trainer broadcasts over the group (`init_weights_update_group`),
+        one of each name, dtype and shape in that order, and load them as
+        `update_weights_from_tensor` does. Every tensor is received before anything is checked
+        against the model (the trainer's broadcast must not hang); a bad list is refused before."""
+        from conveyor.weight_sync import check_update_metadata
+
+        group = self._weight_groups.get(group_name)
+        if group is None:
+            raise InvalidRequestError(f"group_name={group_name!r}: no such weight-update group "
+                                      "(init_weights_update_group first)", param="group_name")
+        check_update_metadata(names, dtypes, shapes)
+        self._check_weight_update("names")
+        tensors = group.receive(names, dtypes, shapes)
+        return self.update_weights_from_tensor(tensors, flush_cache, weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        group = self._weight_groups.pop(group_name, None)
+        if group is None:
+            raise InvalidRequestError(f"group_name={group_name!r}: no such weight-update group", param="group_name")
+        group.close()
+        return True
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    def _check_weight_update(self, param: str) -> None:
         if self._sleeping:
-            raise InvalidRequestError("the engine is asleep: wake_up first", param="model_path")
+            raise InvalidRequestError("the engine is asleep: wake_up first", param=param)
         if not self._paused and self.has_unfinished_requests():
             raise InvalidRequestError("update the weights of an idle or paused engine (pause_generation first)",
-                                      param="model_path")
-        self._check_rebuildable("updating the weights", "model_path")
+                                      param=param)
+        self._check_rebuildable("updating the weights", param)
+
+    def _put_model(self, new: Any, flush_cache: bool, weight_version: str | None) -> None:
         runner: Any = self.runner
-        path, new = self._build_model_like(model_path, runner.model)
         runner.model = new
         if runner.graphs is not None:  # (they replay the old model's kernels on its weights)
             runner.graphs = runner.capture_graphs()
-        self.reset_prefix_cache()
-        self.model_path = str(path)
-        return True
+        if flush_cache:
+            self.reset_prefix_cache()
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
 
     def _check_rebuildable(self, what: str, param: str) -> None:
         """InvalidRequestError unless this engine's model can be built again from a path (a plain
@@ -1445,11 +1534,18 @@ class Engine:
         if why is not None:
             raise InvalidRequestError(f"{what} is not built with {why}", param=param)
 
-    def _build_model_like(self, model_path: str, old: Any) -> tuple[Path, Any]:
-        """A model from `model_path` built as this engine built its own, checked against `old`'s
-        shapes (`old` None: not checked)."""
+    def _build_model_like(self, model_path: str, old: Any, overlay: dict[str, torch.Tensor] | None = None,
+                          param: str = "model_path") -> tuple[Path, Any]:
+        """A model from `model_path` (its tensors `overlay` names in their place) built as this
+        engine built its own, checked against `old`'s shapes (`old` None: not checked)."""
         from conveyor.models.attention import TorchPagedAttention
-        from conveyor.models.loader import build_model, open_model, resolve_model_path
+        from conveyor.models.loader import (
+            ModelLoadError,
+            build_model,
+            open_model,
+            resolve_model_path,
+        )
+        from conveyor.weight_sync import overlaid
 
         try:
             path = resolve_model_path(model_path)
@@ -1461,7 +1557,13 @@ class Engine:
             theirs = {f: getattr(arch, f) for f in shape if getattr(arch, f) != getattr(old.arch, f)}
             raise InvalidRequestError(f"model_path={model_path!r} is another architecture ({theirs})", param="model_path")
         runner: Any = self.runner
-        return path, build_model(arch, tensors, TorchPagedAttention(), self.max_model_len, runner.dtype, runner.device)
+        if overlay:
+            tensors = overlaid(tensors, overlay)
+        try:
+            return path, build_model(arch, tensors, TorchPagedAttention(), self.max_model_len, runner.dtype,
+                                     runner.device)
+        except ModelLoadError as e:
+            raise InvalidRequestError(f"{param}: {e}", param=param) from None
 
     # -- sleep mode (vLLM's) ---------------------------------------------------------------------
     def sleep(self, level: int = 1) -> bool:
@@ -1504,7 +1606,7 @@ class Engine:
         runner: Any = self.runner
         if self._sleeping == 2:
             assert self.model_path is not None
-            runner.model = self._build_model_like(self.model_path, None)[1]
+            runner.model = self._build_model_like(self.model_path, None, self._weight_overlay)[1]
         runner.restore_kv()
         self._sleeping = 0
         return True

@@ -72,6 +72,32 @@ class LLM:
         `Engine.update_weights_from_disk`); the prefix cache is forgotten."""
         return self.engine.update_weights_from_disk(model_path)
 
+    def update_weights_from_tensor(self, named_tensors: Any, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> bool:
+        """New values of some or all of the model's tensors by their HF names (a trainer's
+        parameters; `Engine.update_weights_from_tensor`)."""
+        return self.engine.update_weights_from_tensor(named_tensors, flush_cache, weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None) -> bool:
+        """Join a trainer's weight-update group (conveyor/weight_sync.py; blocks until all join)."""
+        return self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                     group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: str | None = None) -> bool:
+        """Receive and load the tensors the trainer broadcasts over the group."""
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
+                                                           weight_version)
+
+    def get_weight_version(self) -> str:
+        """The `weight_version` the last update named ("default" before any)."""
+        return self.engine.get_weight_version()
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        return self.engine.destroy_weights_update_group(group_name)
+
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix cache's KV events since the last call (with `enable_kv_cache_events=True`):
         BlockStored, BlockRemoved, AllBlocksCleared (conveyor/core/kv_events.py)."""

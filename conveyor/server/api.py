@@ -316,20 +316,108 @@ def build_app(
         async def is_sleeping() -> dict[str, bool]:
             return {"is_sleeping": bool(await async_engine.call_engine("is_sleeping"))}
 
+        async def json_body(raw: Request) -> dict[str, Any]:
+            try:
+                body = await raw.json()
+            except ValueError:
+                raise APIError(400, "the body is not JSON", "invalid_request_error") from None
+            if not isinstance(body, dict):
+                raise APIError(400, "the body is not a JSON object", "invalid_request_error")
+            return body
+
+        def version_of(body: dict[str, Any]) -> str | None:
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise InvalidRequestError("weight_version: a string is needed", param="weight_version")
+            return version
+
+        def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+            value = body.get(name, default)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name}: true or false", param=name)
+            return value
+
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(raw: Request) -> dict[str, Any]:
             """SGLang's: every engine loads new weights of the same architecture from `model_path`
             (idle or paused engines only)."""
             check_accepting()
-            try:
-                body = await raw.json()
-            except ValueError:
-                raise APIError(400, "the body is not JSON", "invalid_request_error") from None
-            path = body.get("model_path") if isinstance(body, dict) else None
+            body = await json_body(raw)
+            path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise InvalidRequestError("model_path: a checkpoint's path is needed", param="model_path")
-            await async_engine.call_engine("update_weights_from_disk", path)
+            await async_engine.call_engine("update_weights_from_disk", path, version_of(body))
             return {"success": True, "message": f"weights loaded from {path}"}
+
+        @app.post("/update_weights_from_tensor")
+        async def update_weights_from_tensor(raw: Request) -> dict[str, Any]:
+            """SGLang's route, with the tensors as one safetensors file in base64 (`safetensors`;
+            `conveyor.weight_sync.serialize_named_tensors`): SGLang's pickles are not read here."""
+            from conveyor.weight_sync import deserialize_named_tensors
+
+            check_accepting()
+            body = await json_body(raw)
+            if "serialized_named_tensors" in body:
+                raise InvalidRequestError("serialized_named_tensors (pickles) are not read here: send the tensors as a "
+                                          "base64 safetensors file in `safetensors` "
+                                          "(conveyor.weight_sync.serialize_named_tensors)",
+                                          param="serialized_named_tensors")
+            data = body.get("safetensors")
+            if not isinstance(data, str) or not data:
+                raise InvalidRequestError("safetensors: a base64 safetensors file is needed", param="safetensors")
+            tensors = deserialize_named_tensors(data)
+            await async_engine.call_engine("update_weights_from_tensor", list(tensors.items()),
+                                           flag(body, "flush_cache", True), version_of(body))
+            return {"success": True, "message": f"{len(tensors)} tensors loaded"}
+
+        @app.post("/init_weights_update_group")
+        async def init_weights_update_group(raw: Request) -> dict[str, Any]:
+            """SGLang's: every engine joins the trainer's group (engine i as rank rank_offset + i)."""
+            check_accepting()
+            body = await json_body(raw)
+            address, port = body.get("master_address"), body.get("master_port")
+            offset, size = body.get("rank_offset", 1), body.get("world_size")
+            if not isinstance(address, str) or not isinstance(port, int) or isinstance(port, bool):
+                raise InvalidRequestError("master_address (a string) and master_port (a number) are needed",
+                                          param="master_address")
+            if not isinstance(offset, int) or not isinstance(size, int):
+                raise InvalidRequestError("rank_offset and world_size: numbers are needed", param="world_size")
+            group, backend = body.get("group_name", "weight_update_group"), body.get("backend")
+            if not isinstance(group, str) or (backend is not None and not isinstance(backend, str)):
+                raise InvalidRequestError("group_name and backend: strings", param="group_name")
+            await async_engine.call_engine("init_weights_update_group", address, port, offset, size, group, backend)
+            return {"success": True, "message": f"joined {group!r}"}
+
+        @app.post("/update_weights_from_distributed")
+        async def update_weights_from_distributed(raw: Request) -> dict[str, Any]:
+            """SGLang's: every engine receives the tensors the trainer broadcasts, then loads them."""
+            from conveyor.weight_sync import check_update_metadata
+
+            check_accepting()
+            body = await json_body(raw)
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            check_update_metadata(names, dtypes, shapes)
+            group = body.get("group_name", "weight_update_group")
+            if not isinstance(group, str):
+                raise InvalidRequestError("group_name: a string", param="group_name")
+            await async_engine.call_engine("update_weights_from_distributed", names, dtypes, shapes, group,
+                                           flag(body, "flush_cache", True), version_of(body))
+            return {"success": True, "message": f"{len(names)} tensors loaded"}  # type: ignore[arg-type]
+
+        @app.post("/destroy_weights_update_group")
+        async def destroy_weights_update_group(raw: Request) -> dict[str, Any]:
+            check_accepting()
+            body = await json_body(raw)
+            group = body.get("group_name", "weight_update_group")
+            if not isinstance(group, str):
+                raise InvalidRequestError("group_name: a string", param="group_name")
+            await async_engine.call_engine("destroy_weights_update_group", group)
+            return {"success": True, "message": f"left {group!r}"}
+
+        @app.get("/get_weight_version")
+        async def get_weight_version() -> dict[str, str]:
+            """SGLang's: the `weight_version` the last update named ("default" before any)."""
+            return {"weight_version": str(await async_engine.call_engine("get_weight_version"))}
 
     @app.post("/reset_mm_cache")
     async def reset_mm_cache() -> Response:

@@ -177,12 +177,19 @@ class _AbortAll:
 # The engine's own calls a front runs for its caller, between two steps (`call_engine`).
 ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "cross_weights",
                           "reset_prefix_cache", "reset_mm_cache", "pause_generation", "resume_generation",
-                          "is_paused", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping"})
+                          "is_paused", "update_weights_from_disk", "sleep", "wake_up", "is_sleeping",
+                          "update_weights_from_tensor", "init_weights_update_group",
+                          "update_weights_from_distributed", "destroy_weights_update_group",
+                          "get_weight_version"})
 # Calls that empty an engine's caches: a front of several engines runs them on every one.
 CACHE_RESETS = frozenset({"reset_prefix_cache", "reset_mm_cache"})
 # ... as it runs these (the answer: every engine's, `all` of them).
 EVERY_ENGINE = CACHE_RESETS | {"pause_generation", "resume_generation", "is_paused", "update_weights_from_disk",
-                               "sleep", "wake_up", "is_sleeping"}
+                               "sleep", "wake_up", "is_sleeping", "update_weights_from_tensor",
+                               "init_weights_update_group", "update_weights_from_distributed",
+                               "destroy_weights_update_group"}
+# ... each engine as a rank of its own (the argument at 2: the first engine's rank, `rank_offset`).
+RANKED_CALLS = frozenset({"init_weights_update_group"})
 
 
 async def pause_front(front: EngineFront, mode: str = "abort", clear_cache: bool = True, poll_s: float = 0.02) -> None:

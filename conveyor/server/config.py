@@ -91,8 +91,11 @@ class ServerConfig:
         metadata=_help(
             "Serve POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume and GET /is_paused "
             "(vLLM's, behind its VLLM_SERVER_DEV_MODE), POST /update_weights_from_disk {model_path} "
-            "(SGLang's), POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode): "
-            "an RL trainer stops generation on every engine, frees its memory and loads new weights."
+            "(SGLang's), POST /update_weights_from_tensor {safetensors}, POST /init_weights_update_group, "
+            "/update_weights_from_distributed and /destroy_weights_update_group, GET /get_weight_version "
+            "(SGLang's weight updates from a trainer), POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping "
+            "(vLLM's sleep mode): an RL trainer stops generation on every engine, frees its memory and loads "
+            "new weights."
         ),
     )
     allow_runtime_lora_updating: bool = field(

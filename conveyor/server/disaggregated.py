@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 from conveyor.config import ConfigError
 from conveyor.core.routing import RouterConfig
 from conveyor.outputs import CompletionOutput, RequestOutput
-from conveyor.server.async_engine import EVERY_ENGINE, EngineFront, EngineRequest, OutputStream
+from conveyor.server.async_engine import (
+    EVERY_ENGINE,
+    RANKED_CALLS,
+    EngineFront,
+    EngineRequest,
+    OutputStream,
+)
 from conveyor.server.replicas import ReplicaSet, build_replica_set
 
 if TYPE_CHECKING:
@@ -87,7 +93,13 @@ class DisaggregatedSet(EngineFront):
         self.metrics = metrics
 
     async def call_engine(self, name: str, *args: Any) -> Any:
-        """A cache reset, on every prefill and decode replica; no other engine call runs here."""
+        """A call every engine runs (cache resets, pauses, new weights), on every prefill and
+        decode replica; a weight-update group's ranks, the prefill replicas' first."""
+        if name in RANKED_CALLS:
+            after = (*args[:2], args[2] + len(self.prefill.replicas), *args[3:])
+            return all(await asyncio.gather(self.prefill.call_engine(name, *args), self.decode.call_engine(name, *after)))
+        if name == "get_weight_version":
+            return await self.decode.call_engine(name)
         if name not in EVERY_ENGINE:
             raise NotImplementedError(f"{name}: not run across prefill and decode replicas")
         return all([await self.prefill.call_engine(name, *args), await self.decode.call_engine(name, *args)])

@@ -475,6 +475,10 @@ class ProcessAsyncEngine(AsyncEngine):
         # engine started after a death, before any request resumes.
         self._added_loras: dict[int, Any] = {}
         self._pinned_loras: set[int] = set()
+        # The last `update_weights_from_disk` (loaded again in an engine started after a death),
+        # and whether tensors were sent after it (they are not kept here: lost in such an engine).
+        self._weights_call: tuple[Any, ...] | None = None
+        self._weights_sent = False
         self._add_ids = itertools.count()
         self._choice_ids: dict[str, list[str]] = {}  # a request with n > 1: its choices' ids (loop)
 
@@ -714,6 +718,10 @@ class ProcessAsyncEngine(AsyncEngine):
         elif cmd.name == "remove_lora":
             self._added_loras.pop(cmd.args[0], None)
             self._pinned_loras.discard(cmd.args[0])
+        elif cmd.name == "update_weights_from_disk":
+            self._weights_call, self._weights_sent = cmd.args, False
+        elif cmd.name in ("update_weights_from_tensor", "update_weights_from_distributed"):
+            self._weights_sent = True
         self._resolve(cmd.future, None, result)
 
     def _on_added(self, add_id: int, error: tuple[str, str, str | None] | None) -> None:
@@ -829,6 +837,11 @@ class ProcessAsyncEngine(AsyncEngine):
             self._conn.close()
         self._conn = None
         self._spawn()  # raises if the engine cannot be built again: everything fails
+        if self._weights_call is not None:  # the weights last loaded from disk, before any request
+            self._send(("call", 0, "update_weights_from_disk", self._weights_call))
+        if self._weights_sent:
+            logger.error("the engine started again serves the weights of its checkpoint: the tensors sent to the one "
+                         "that died are lost (send them again; /get_weight_version names the weights it serves)")
         for lora in self._added_loras.values():  # the adapters as they were, before any request
             self._send(("call", 0, "add_lora", (lora,)))
         for lora_id in sorted(self._pinned_loras):

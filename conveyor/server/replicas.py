@@ -31,6 +31,7 @@ from conveyor.core.routing import RouterConfig, RoutingPolicy, make_router
 from conveyor.multimodal import ImageProcessor, ImagePrompt, ImageToken, as_image_prompt
 from conveyor.server.async_engine import (
     EVERY_ENGINE,
+    RANKED_CALLS,
     AsyncEngine,
     EngineDeadError,
     EngineFront,
@@ -192,9 +193,12 @@ class ReplicaSet(EngineFront):
         """A call that reads the model (Whisper's `cross_weights`): the first replica that takes
         requests runs it (they hold the same weights). A cache reset runs on every replica (True
         if each did). Other calls that change an engine (adapters) are not run across replicas."""
+        if name in RANKED_CALLS:  # replica i joins as rank rank_offset + i
+            return all(await asyncio.gather(*(r.call_engine(name, *args[:2], args[2] + i, *args[3:])
+                                              for i, r in enumerate(self.replicas))))
         if name in EVERY_ENGINE:
             return all(await asyncio.gather(*(r.call_engine(name, *args) for r in self.replicas)))
-        if name != "cross_weights":
+        if name not in ("cross_weights", "get_weight_version"):
             raise NotImplementedError(f"{name}: not run across replicas")
         live = [r for r in self.replicas if r.accepting] or self.replicas
         return await live[0].call_engine(name, *args)

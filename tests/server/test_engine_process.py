@@ -413,3 +413,26 @@ def test_a_killed_tensor_parallel_engine_takes_its_workers_and_restarts_with_new
     ref = reference(tiny_model, {"r": ([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))},
                     dtype="float64")
     assert tokens == ref["r"].outputs[0].token_ids
+
+
+def test_an_engine_started_again_loads_the_weights_last_loaded_from_disk(tiny_model: Path, tmp_path: Path) -> None:
+    """`update_weights_from_disk` is loaded again by the engine started after a death, before any
+    request (the front keeps the last such call)."""
+    from tests.conftest import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", "llama", seed=5, max_position_embeddings=8192)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def body(engine: ProcessAsyncEngine) -> tuple[list[int], list[int], str]:
+        await engine.call_engine("update_weights_from_disk", str(other), "v1")
+        before = (await collect(await engine.add([EngineRequest("a", [5, 6, 7], short)])))[-1]
+        first = engine.engine_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await wait_for(lambda: engine.engine_pid not in (None, first))
+        after = (await collect(await engine.add([EngineRequest("b", [5, 6, 7], short)])))[-1]
+        return before.outputs[0].token_ids, after.outputs[0].token_ids, await engine.call_engine("get_weight_version")
+
+    before, after, version = run(tiny_model, body)
+    want = reference(other, {"a": ([5, 6, 7], short)})["a"].outputs[0].token_ids
+    assert before == after == want and version == "v1"

@@ -1,0 +1,180 @@
+"""New weights from a trainer (SGLang's weight-update API; conveyor/weight_sync.py).
+
+On the tiny Llama (greedy): the tensors of another checkpoint, sent by their HF names, make the
+engine answer as an engine built on that checkpoint; half of the old tensors, then the other
+half, bring back the old answers (an update builds on the ones before it); a name or a shape the
+model has not is refused and changes nothing; the tensors sent survive sleep level 2; the same
+tensors broadcast over a gloo group the trainer and the engine join (in this process, and with
+the engine in a process of its own) load as the ones handed over. Over HTTP:
+tests/server/test_weight_sync_server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conveyor import AsyncLLM, InvalidRequestError, SamplingParams
+from conveyor.engine import Engine
+from conveyor.models.loader import iter_hf_tensors
+from conveyor.weight_sync import (
+    WeightBroadcaster,
+    deserialize_named_tensors,
+    serialize_named_tensors,
+    weight_metadata,
+)
+from tests.conftest import build_tiny_model
+from tests.conftest import finish_all as finish
+from tests.test_pause import engine
+
+PROMPT = list(range(10, 30))
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def answer(e: Engine) -> list[int]:
+    e.add_request("q", PROMPT, GREEDY)
+    return finish(e)["q"]
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], list[int]]:
+    """Another seed's weights of the tiny Llama's configuration: its path, tensors and greedy answer."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}  # (tests/conftest.py's `tiny_models["llama"]`)
+    path = build_tiny_model(tmp_path_factory.mktemp("other") / "llama", "llama", seed=11, rope_scaling=rope,
+                            rope_theta=10000.0)
+    return path, dict(iter_hf_tensors(path)), answer(engine(str(path)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_tensors_sent_answer_as_their_checkpoint_and_updates_build_on_each_other(tiny_models, other):
+    _, theirs, want_theirs = other
+    e = engine(str(tiny_models["llama"]))
+    mine = answer(e)
+    assert mine != want_theirs
+    assert e.update_weights_from_tensor(theirs, weight_version="step-1") and e.get_weight_version() == "step-1"
+    assert answer(e) == want_theirs
+    own = dict(iter_hf_tensors(tiny_models["llama"]))
+    names = sorted(own)
+    e.update_weights_from_tensor([(n, own[n]) for n in names[: len(names) // 2]])
+    halfway = answer(e)
+    e.update_weights_from_tensor({n: own[n] for n in names[len(names) // 2:]})
+    assert halfway not in (mine, want_theirs) and answer(e) == mine
+
+
+def test_a_bad_name_or_shape_is_refused_and_changes_nothing(tiny_models, other):
+    e = engine(str(tiny_models["llama"]))
+    mine = answer(e)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for bad, match in (({"model.layers.0.self_attn.nope.weight": torch.zeros(4)}, "no parameter"),
+                       ({q: torch.zeros(3, 3)}, "does not fit"),
+                       ({}, "no tensors"),
+                       ([("x", 1)], "pairs")):
+        with pytest.raises(InvalidRequestError, match=match):
+            e.update_weights_from_tensor(bad)
+    assert answer(e) == mine and e._weight_overlay == {}
+    e.add_request("busy", PROMPT, GREEDY)
+    e.step()
+    with pytest.raises(InvalidRequestError, match="idle or paused"):
+        e.update_weights_from_tensor(other[1])
+    finish(e)
+
+
+def test_the_tensors_sent_survive_sleep_level_2_and_a_checkpoint_replaces_them(tiny_models, other):
+    _, theirs, want_theirs = other
+    e = engine(str(tiny_models["llama"]))
+    mine = answer(e)
+    e.update_weights_from_tensor(theirs)
+    assert e.sleep(2) and e.wake_up()
+    assert answer(e) == want_theirs
+    e.update_weights_from_disk(str(tiny_models["llama"]))
+    assert answer(e) == mine and e._weight_overlay == {}
+
+
+def test_safetensors_text_round_trips_and_garbage_is_refused(other):
+    _, theirs, _ = other
+    back = deserialize_named_tensors(serialize_named_tensors(theirs))
+    assert back.keys() == theirs.keys() and all(torch.equal(back[n], theirs[n]) for n in theirs)
+    with pytest.raises(InvalidRequestError, match="safetensors"):
+        deserialize_named_tensors("bm90IGEgZmlsZQ==")
+
+
+def broadcast_in_thread(port: int, world_size: int, rounds: list[dict[str, torch.Tensor]]) -> threading.Thread:
+    """The trainer (rank 0): join, then send each round's tensors in turn."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            trainer = WeightBroadcaster("127.0.0.1", port, world_size, timeout_s=60)
+            for tensors in rounds:
+                trainer.send(tensors)
+            trainer.close()
+        except BaseException as e:  # (seen by the test through `failures`)
+            failures.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.failures = failures  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def test_tensors_broadcast_over_a_gloo_group_load_as_those_handed_over(tiny_models, other):
+    _, theirs, want_theirs = other
+    e = engine(str(tiny_models["llama"]))
+    port = free_port()
+    trainer = broadcast_in_thread(port, 2, [theirs])
+    assert e.init_weights_update_group("127.0.0.1", port, 1, 2, timeout_s=60)
+    with pytest.raises(InvalidRequestError, match="already"):
+        e.init_weights_update_group("127.0.0.1", port, 1, 2)
+    with pytest.raises(InvalidRequestError, match="items"):  # refused before anything is received
+        e.update_weights_from_distributed(["a"], ["float32"], [])
+    with pytest.raises(InvalidRequestError, match="torch dtype"):
+        e.update_weights_from_distributed(["a"], ["float99"], [[2]])
+    assert e.update_weights_from_distributed(*weight_metadata(theirs), weight_version="v2")
+    trainer.join(60)
+    assert not trainer.is_alive() and trainer.failures == []  # type: ignore[attr-defined]
+    assert answer(e) == want_theirs and e.get_weight_version() == "v2"
+    assert e.destroy_weights_update_group()
+    with pytest.raises(InvalidRequestError, match="no such"):
+        e.update_weights_from_distributed(*weight_metadata(theirs))
+
+
+def test_async_llm_with_an_engine_process_takes_tensors_and_joins_a_group(tiny_models, other):
+    _, theirs, want_theirs = other
+    own = dict(iter_hf_tensors(tiny_models["llama"]))
+    port = free_port()
+
+    async def main() -> tuple[Any, ...]:
+        llm = AsyncLLM(str(tiny_models["llama"]), num_kv_blocks=64, block_size=8, engine_process=True)
+
+        async def ask() -> list[int]:
+            outs = [o async for o in llm.generate(PROMPT, GREEDY, f"r{len(seen)}")]
+            seen.append(1)
+            return list(outs[-1].outputs[0].token_ids)
+
+        seen: list[int] = []
+        try:
+            mine = await ask()
+            await llm.update_weights_from_tensor(theirs)
+            after_tensors = await ask()
+            trainer = broadcast_in_thread(port, 2, [own])
+            await llm.init_weights_update_group("127.0.0.1", port, 1, 2)
+            await llm.update_weights_from_distributed(*weight_metadata(own), weight_version="back")
+            await asyncio.to_thread(trainer.join, 60)
+            return mine, after_tensors, await ask(), await llm.get_weight_version(), trainer.failures  # type: ignore[attr-defined]
+        finally:
+            await llm.shutdown()
+
+    mine, after_tensors, after_broadcast, version, failures = asyncio.run(main())
+    assert after_tensors == want_theirs and after_broadcast == mine and version == "back" and failures == []
