@@ -1431,12 +1431,15 @@ class Engine:
         """New values of some or all of the model's tensors, by their HF names (SGLang's
         `update_weights_from_tensor`; what TRL and verl hand vLLM's `load_weights` in the trainer's
         process): a `{name: tensor}` mapping or `(name, tensor)` pairs, q/k/v and gate/up apart or
-        fused, on any device and dtype. The model is built again, as `update_weights_from_disk`
-        builds it, from the checkpoint at `model_path` with every tensor sent so far in place (a
-        copy of each is kept on the host for that, and for `wake_up` after sleep level 2); a name
-        no parameter has or a shape that does not fit is an InvalidRequestError and changes
-        nothing. Idle or paused engines only; `flush_cache=False` keeps the prefix cache (K/V of
+        fused, on any device and dtype. On CPU they are copied into the running model's own
+        parameters (`update_weights_in_place`: the native kernels read the checkpoint's layout);
+        elsewhere (CUDA, whose kernels and graphs are captured on the model as built) the model is
+        built again, as `update_weights_from_disk` builds it, from the checkpoint at `model_path`
+        with every tensor sent so far in place. A copy of each tensor sent is kept on the host, for
+        that and for `wake_up` after sleep level 2. A name no parameter has or a shape that does
+        not fit is an InvalidRequestError and changes nothing. Idle or paused engines only; `flush_cache=False` keeps the prefix cache (K/V of
         the old weights). Limits: `update_weights_from_disk`'s."""
+        from conveyor.models.loader import ModelLoadError, update_weights_in_place
         from conveyor.weight_sync import named_items
 
         self._check_weight_update("named_tensors")
@@ -1447,8 +1450,13 @@ class Engine:
         sent = {n: t.detach().to(device="cpu", dtype=runner.dtype if t.is_floating_point() else t.dtype, copy=True)
                 for n, t in named_items(named_tensors)}
         overlay = {**self._weight_overlay, **sent}
-        _, new = self._build_model_like(self.model_path, runner.model, overlay, param="named_tensors")
-        self._put_model(new, flush_cache=flush_cache, weight_version=weight_version)
+        try:
+            in_place = update_weights_in_place(runner.model, sent)
+        except ModelLoadError as e:
+            raise InvalidRequestError(f"named_tensors: {e}", param="named_tensors") from None
+        if not in_place:
+            _, runner.model = self._build_model_like(self.model_path, runner.model, overlay, param="named_tensors")
+        self._put_model(runner.model, flush_cache=flush_cache, weight_version=weight_version)
         self._weight_overlay = overlay
         return True
 

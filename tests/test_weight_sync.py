@@ -58,12 +58,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_tensors_sent_answer_as_their_checkpoint_and_updates_build_on_each_other(tiny_models, other):
+@pytest.mark.parametrize("way", ["in place", "built again"])
+def test_tensors_sent_answer_as_their_checkpoint_and_updates_build_on_each_other(tiny_models, other, way,
+                                                                                monkeypatch):
+    """In place (CPU's native layout) and built again from the checkpoint with the tensors sent
+    so far (CUDA's way, here forced)."""
+    from conveyor.models import loader
+    from conveyor.models.llama import TransposedLinear
+
     _, theirs, want_theirs = other
     e = engine(str(tiny_models["llama"]))
+    model = e.runner.model  # type: ignore[attr-defined]
+    if way == "built again":
+        monkeypatch.setattr(loader, "update_weights_in_place", lambda model, tensors: False)
+    elif any(isinstance(m, TransposedLinear) for m in model.modules()):
+        pytest.skip("the native kernels are not built here: the projections are kept transposed")
     mine = answer(e)
     assert mine != want_theirs
     assert e.update_weights_from_tensor(theirs, weight_version="step-1") and e.get_weight_version() == "step-1"
+    assert (e.runner.model is model) == (way == "in place")  # type: ignore[attr-defined]
     assert answer(e) == want_theirs
     own = dict(iter_hf_tensors(tiny_models["llama"]))
     names = sorted(own)
@@ -79,6 +92,7 @@ def test_a_bad_name_or_shape_is_refused_and_changes_nothing(tiny_models, other):
     q = "model.layers.0.self_attn.q_proj.weight"
     for bad, match in (({"model.layers.0.self_attn.nope.weight": torch.zeros(4)}, "no parameter"),
                        ({q: torch.zeros(3, 3)}, "does not fit"),
+                       ({q: other[1][q], "model.norm.weight": torch.zeros(3)}, "does not fit"),  # (one good)
                        ({}, "no tensors"),
                        ([("x", 1)], "pairs")):
         with pytest.raises(InvalidRequestError, match=match):

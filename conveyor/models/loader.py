@@ -877,27 +877,33 @@ def _gpt_oss_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]
 
 
 def load_weights(
-    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
+    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], partial: bool = False,
+    dry_run: bool = False,
 ) -> None:
     """Copy HF-named tensors into the model, fusing q/k/v and gate/up, and stacking a mixture's
     experts (`experts.{e}.gate_proj` or Mixtral's `w1` / `w3` / `w2`; transformers >= 5's
-    stacked `experts.gate_up_proj` too). Checks completeness."""
+    stacked `experts.gate_up_proj` too). Checks completeness unless `partial` (some tensors of
+    a built model: new weights in place, `update_weights_in_place`); `dry_run` checks every
+    name and shape and copies nothing."""
     arch = model.arch
     params = dict(model.named_parameters())
     loaded: set[str] = set()
 
-    def put(target: str, value: torch.Tensor, row: int | None = 0, expert: int | None = None) -> None:
-        """Rows `row..` of `target` (of its expert `expert`); `row=None`: the second half."""
+    def put(target: str, value: torch.Tensor, row: int | None = 0, expert: int | None = None,
+            whole: bool = False) -> None:
+        """Rows `row..` of `target` (of its expert `expert`); `row=None`: the second half;
+        `whole`: all of it (the shapes must be the same)."""
         p = params.get(target)
         if p is None:
             raise ModelLoadError(f"no parameter for {target!r}")
         dst = p if expert is None else p[expert]
         row = dst.shape[0] // 2 if row is None else row
         rows = value.shape[0]
-        if dst.shape[1:] != value.shape[1:] or row + rows > dst.shape[0]:
+        if dst.shape[1:] != value.shape[1:] or row + rows > dst.shape[0] or (whole and value.shape != dst.shape):
             raise ModelLoadError(f"{target}: tensor of shape {tuple(value.shape)} does not fit {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst[row : row + rows].copy_(value)
+        if not dry_run:
+            with torch.no_grad():
+                dst[row : row + rows].copy_(value)
         loaded.add(f"{target}@{row}" if expert is None else f"{target}#{expert}@{row}")
 
     q = arch.num_heads * arch.head_dim
@@ -974,11 +980,13 @@ def load_weights(
             name = ".".join([*parts[:-2], target, parts[-1]])
             put(name, tensor, row)
         elif len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj") and not arch.is_mla:
-            put(name, tensor)  # fused already (Phi-3): every part of it
+            put(name, tensor, whole=True)  # fused already (Phi-3): every part of it
             offsets = (q, q + kv) if parts[-2] == "qkv_proj" else (tensor.shape[0] // 2,)
             loaded.update(f"{name}@{o}" for o in offsets)
         else:
-            put(name, tensor)
+            put(name, tensor, whole=True)
+    if partial:
+        return
     expected = set()
     for pname, p in params.items():
         if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
@@ -1008,6 +1016,26 @@ def _text_tensors(tensors: Iterator[tuple[str, torch.Tensor]], vision: dict[str,
             vision[name] = tensor
         else:
             yield name, tensor
+
+
+def update_weights_in_place(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> bool:
+    """Copy HF-named tensors into a built model's own parameters where its layout is the
+    checkpoint's (CPU, no int8, no latent attention, the projections untransposed: the native
+    kernels read them, and the fused decode's table holds their addresses, which stay). Every
+    name and shape is checked before anything is copied (ModelLoadError). False, with nothing
+    copied, where the layout is another (the model must be built again)."""
+    from conveyor.models.llama import TransposedLinear
+    from conveyor.models.quantize import Int8Linear
+
+    weight = model.head_weight
+    if (weight.device.type != "cpu" or model.arch.is_mla or model.arch.multimodal
+            or getattr(model, "_head_t", None) is not None or getattr(model, "_head_int8", None) is not None
+            or any(isinstance(m, TransposedLinear | Int8Linear) for m in model.modules())):
+        return False
+    items = [(n, t.to(weight.dtype) if t.is_floating_point() else t) for n, t in tensors.items()]
+    load_weights(model, iter(items), partial=True, dry_run=True)
+    load_weights(model, iter(items), partial=True)
+    return True
 
 
 def build_model(
