@@ -223,6 +223,7 @@ class Engine:
         self._weight_overlay: dict[str, torch.Tensor] = {}
         self._weight_groups: dict[str, Any] = {}  # name -> WeightUpdateGroup (conveyor/weight_sync.py)
         self.weight_version = "default"  # (SGLang's: named by whoever sends new weights)
+        self._calibration: list[int] | None = None  # int8's calibration prompt (a model built again uses it)
         if config.cache.enable_kv_cache_events:
             self._start_kv_events(config.cache)
 
@@ -459,6 +460,7 @@ class Engine:
             runner.pool_dense = list(dense)  # type: ignore[attr-defined]
             runner.hidden_size = int(dense[-1].weight.shape[0])  # type: ignore[attr-defined]
         engine.model_path = str(path)
+        engine._calibration = calibration
         return engine
 
     @classmethod
@@ -1413,15 +1415,41 @@ class Engine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> bool:
         """Load new weights of the same architecture (SGLang's `update_weights_from_disk`: an RL
-        trainer's checkpoint): a new model is built from `model_path` as this engine built its own
-        (dtype, device, kernels), checked against the running one's shapes, and put in its place
-        (CUDA graphs captured again); the prefix cache is forgotten (its K/V were computed with the
-        old weights). Idle or paused only (`pause_generation`): a request frozen by "keep" goes
-        on with the new weights over the K/V it computed with the old ones. Both models are in
-        memory while the new one loads. Not built for tensor parallelism, speculative decoding,
-        LoRA, int8 quantization, encoders, Whisper or image towers: InvalidRequestError."""
-        self._check_weight_update("model_path")
-        path, new = self._build_model_like(model_path, self.runner.model, param="model_path")  # type: ignore[attr-defined]
+        trainer's checkpoint), checked against the running model's shapes; the prefix cache is
+        forgotten (its K/V were computed with the old weights). A checkpoint of the same
+        configuration is copied into the running model where it `fits_in_place` (CPU); otherwise a
+        new model is built from `model_path` as this engine built its own (dtype, device,
+        kernels, int8 calibrated again) and put in its place (CUDA graphs captured again), both
+        models in memory while it loads. Idle or paused only (`pause_generation`): a request
+        frozen by "keep" goes on with the new weights over the K/V it computed with the old ones.
+        Not built for encoders, Whisper or image towers; nor, where the model is built again,
+        for tensor parallelism, speculative decoding (but n-gram's) or LoRA: InvalidRequestError."""
+        from conveyor.models.loader import (
+            ModelLoadError,
+            open_model,
+            resolve_model_path,
+        )
+
+        self._check_idle("model_path")
+        runner: Any = self.runner
+        old = runner.model
+        try:
+            path = resolve_model_path(model_path)
+            arch, tensors, _ = open_model(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise InvalidRequestError(f"model_path={model_path!r}: {e}", param="model_path") from None
+        peers = getattr(runner, "peers", None)
+        same = arch == getattr(old, "arch", None) or (peers is not None and arch == peers.arch)
+        if same and self._weights_blocker(in_place=True) is None:
+            try:
+                if self._update_in_place(dict(tensors), whole=True):
+                    self._put_model(old, flush_cache=True, weight_version=weight_version)
+                    self.model_path, self._weight_overlay = str(path), {}
+                    return True
+            except ModelLoadError as e:
+                raise InvalidRequestError(f"model_path={model_path!r}: {e}", param="model_path") from None
+        self._check_rebuildable("updating the weights", "model_path")
+        path, new = self._build_model_like(model_path, old, param="model_path")
         self._put_model(new, flush_cache=True, weight_version=weight_version)
         self.model_path, self._weight_overlay = str(path), {}
         return True
@@ -1431,18 +1459,19 @@ class Engine:
         """New values of some or all of the model's tensors, by their HF names (SGLang's
         `update_weights_from_tensor`; what TRL and verl hand vLLM's `load_weights` in the trainer's
         process): a `{name: tensor}` mapping or `(name, tensor)` pairs, q/k/v and gate/up apart or
-        fused, on any device and dtype. On CPU they are copied into the running model's own
-        parameters (`update_weights_in_place`: the native kernels read the checkpoint's layout);
-        elsewhere (CUDA, whose kernels and graphs are captured on the model as built) the model is
-        built again, as `update_weights_from_disk` builds it, from the checkpoint at `model_path`
-        with every tensor sent so far in place. A copy of each tensor sent is kept on the host, for
-        that and for `wake_up` after sleep level 2. A name no parameter has or a shape that does
-        not fit is an InvalidRequestError and changes nothing. Idle or paused engines only; `flush_cache=False` keeps the prefix cache (K/V of
-        the old weights). Limits: `update_weights_from_disk`'s."""
-        from conveyor.models.loader import ModelLoadError, update_weights_in_place
+        fused, on any device and dtype. Where the model `fits_in_place` (CPU) they are copied into
+        its own parameters (each tensor-parallel rank its slice; adapters, drafters and the
+        fused decode keep reading them); elsewhere (CUDA, whose kernels and graphs are captured
+        on the model as built; int8, quantized again) the model is built again, as
+        `update_weights_from_disk` builds it, from the checkpoint at `model_path` with every
+        tensor sent so far in place. A copy of each tensor sent is kept on the host, for that and
+        for `wake_up` after sleep level 2. A name no parameter has or a shape that does not fit
+        is an InvalidRequestError and changes nothing. Idle or paused engines only;
+        `flush_cache=False` keeps the prefix cache (K/V of the old weights)."""
+        from conveyor.models.loader import ModelLoadError
         from conveyor.weight_sync import named_items
 
-        self._check_weight_update("named_tensors")
+        self._check_idle("named_tensors")
         if self.model_path is None:
             raise InvalidRequestError("this engine was not built from a checkpoint's path: the rest of the weights "
                                       "are read from there", param="named_tensors")
@@ -1450,14 +1479,36 @@ class Engine:
         sent = {n: t.detach().to(device="cpu", dtype=runner.dtype if t.is_floating_point() else t.dtype, copy=True)
                 for n, t in named_items(named_tensors)}
         overlay = {**self._weight_overlay, **sent}
-        try:
-            in_place = update_weights_in_place(runner.model, sent)
-        except ModelLoadError as e:
-            raise InvalidRequestError(f"named_tensors: {e}", param="named_tensors") from None
+        if self._weights_blocker(in_place=True) is None:
+            try:
+                in_place = self._update_in_place(sent)
+            except ModelLoadError as e:
+                raise InvalidRequestError(f"named_tensors: {e}", param="named_tensors") from None
+        else:
+            in_place = False
         if not in_place:
+            self._check_rebuildable("updating the weights", "named_tensors")
             _, runner.model = self._build_model_like(self.model_path, runner.model, overlay, param="named_tensors")
         self._put_model(runner.model, flush_cache=flush_cache, weight_version=weight_version)
         self._weight_overlay = overlay
+        return True
+
+    def _update_in_place(self, tensors: dict[str, Any], whole: bool = False) -> bool:
+        """`update_weights_in_place` on this process's model, and on each tensor-parallel rank its
+        slice (checked here first, on rank 0's: every rank's slice has its shapes)."""
+        from conveyor.models.loader import fits_in_place, update_weights_in_place
+
+        runner: Any = self.runner
+        peers = getattr(runner, "peers", None)
+        if peers is None:
+            return update_weights_in_place(runner.model, tensors, whole)
+        from conveyor.models.tensor_parallel import shard_tensors
+
+        if not fits_in_place(runner.model):
+            return False
+        mine = dict(shard_tensors(iter(tensors.items()), 0, peers.size, peers.arch))
+        update_weights_in_place(runner.model, mine, whole)
+        peers.update_weights(tensors)
         return True
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -1495,7 +1546,7 @@ class Engine:
             raise InvalidRequestError(f"group_name={group_name!r}: no such weight-update group "
                                       "(init_weights_update_group first)", param="group_name")
         check_update_metadata(names, dtypes, shapes)
-        self._check_weight_update("names")
+        self._check_idle("names")
         tensors = group.receive(names, dtypes, shapes)
         return self.update_weights_from_tensor(tensors, flush_cache, weight_version)
 
@@ -1509,13 +1560,15 @@ class Engine:
     def get_weight_version(self) -> str:
         return self.weight_version
 
-    def _check_weight_update(self, param: str) -> None:
+    def _check_idle(self, param: str) -> None:
         if self._sleeping:
             raise InvalidRequestError("the engine is asleep: wake_up first", param=param)
         if not self._paused and self.has_unfinished_requests():
             raise InvalidRequestError("update the weights of an idle or paused engine (pause_generation first)",
                                       param=param)
-        self._check_rebuildable("updating the weights", param)
+        why = self._weights_blocker(in_place=True)
+        if why is not None:
+            raise InvalidRequestError(f"updating the weights is not built with {why}", param=param)
 
     def _put_model(self, new: Any, flush_cache: bool, weight_version: str | None) -> None:
         runner: Any = self.runner
@@ -1527,18 +1580,26 @@ class Engine:
         if weight_version is not None:
             self.weight_version = str(weight_version)
 
-    def _check_rebuildable(self, what: str, param: str) -> None:
-        """InvalidRequestError unless this engine's model can be built again from a path (a plain
-        decoder on one rank, no drafter, adapters, int8, tower or encoder)."""
+    def _weights_blocker(self, in_place: bool) -> str | None:
+        """What keeps this engine's weights from being replaced (None: nothing): copied in place
+        (`in_place`), only a model of another kind (encoders, Whisper, image towers); built again,
+        also tensor parallelism, a drafter that reads the target (but n-gram's) and adapters."""
         runner: Any = self.runner
         old: Any = getattr(runner, "model", None)
-        mc = self.config.model
-        why = ("tensor parallelism" if getattr(runner, "peers", None) is not None
-               else "speculative decoding" if self.drafter is not None or self.config.scheduler.speculative_method
-               else "LoRA adapters" if mc.enable_lora
-               else "int8 quantization" if mc.quantization
-               else "this model" if old is None or self.is_encoder or getattr(old, "encoder_decoder", False)
-               or getattr(old, "vision", None) is not None else None)
+        if (old is None or self.is_encoder or getattr(old, "encoder_decoder", False)
+                or getattr(old, "vision", None) is not None):
+            return "this model"
+        if in_place:
+            return None
+        method = self.config.scheduler.speculative_method
+        return ("tensor parallelism" if getattr(runner, "peers", None) is not None
+                else "speculative decoding" if self.drafter is not None or (method and method != "ngram")
+                else "LoRA adapters" if self.config.model.enable_lora else None)
+
+    def _check_rebuildable(self, what: str, param: str) -> None:
+        """InvalidRequestError unless this engine's model can be built again from a path (a plain
+        decoder on one rank, no drafter but n-gram's, no adapters, tower or encoder)."""
+        why = self._weights_blocker(in_place=False)
         if why is not None:
             raise InvalidRequestError(f"{what} is not built with {why}", param=param)
 
@@ -1569,7 +1630,7 @@ class Engine:
             tensors = overlaid(tensors, overlay)
         try:
             return path, build_model(arch, tensors, TorchPagedAttention(), self.max_model_len, runner.dtype,
-                                     runner.device)
+                                     runner.device, self.config.model.quantization, self._calibration)
         except ModelLoadError as e:
             raise InvalidRequestError(f"{param}: {e}", param=param) from None
 

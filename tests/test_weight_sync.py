@@ -70,7 +70,7 @@ def test_tensors_sent_answer_as_their_checkpoint_and_updates_build_on_each_other
     e = engine(str(tiny_models["llama"]))
     model = e.runner.model  # type: ignore[attr-defined]
     if way == "built again":
-        monkeypatch.setattr(loader, "update_weights_in_place", lambda model, tensors: False)
+        monkeypatch.setattr(loader, "update_weights_in_place", lambda model, tensors, whole=False: False)
     elif any(isinstance(m, TransposedLinear) for m in model.modules()):
         pytest.skip("the native kernels are not built here: the projections are kept transposed")
     mine = answer(e)
@@ -192,3 +192,50 @@ def test_async_llm_with_an_engine_process_takes_tensors_and_joins_a_group(tiny_m
 
     mine, after_tensors, after_broadcast, version, failures = asyncio.run(main())
     assert after_tensors == want_theirs and after_broadcast == mine and version == "back" and failures == []
+
+
+@pytest.mark.parametrize("options", [
+    {"dtype": "float64"},  # no native kernels: projections kept transposed, written through a view
+    {"dtype": "float64", "tensor_parallel_size": 2, "num_threads": 1},  # each rank its slice
+    {"speculative_method": "ngram"},
+    {"enable_lora": True, "max_loras": 2},  # the adapters' wrapped projections
+    {"quantization": "int8"},  # built again and quantized again (same calibration)
+], ids=["float64", "tensor-parallel", "ngram", "lora", "int8"])
+def test_every_kind_of_engine_answers_as_one_built_on_the_new_weights(tiny_models, other, options):
+    """Tensors sent, then the engine's own checkpoint loaded from disk again (of the same
+    configuration: in place where the model fits), against engines built on each."""
+    from conveyor import LLM
+
+    path, theirs, _ = other
+
+    def ask(llm: LLM) -> list[int]:
+        return list(llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+    kw = {"num_kv_blocks": 64, "block_size": 8, **options}
+    want = ask(LLM(str(path), **kw))
+    llm = LLM(str(tiny_models["llama"]), **kw)
+    mine = ask(llm)
+    assert llm.update_weights_from_tensor(theirs)
+    assert ask(llm) == want != mine
+    assert llm.update_weights_from_disk(str(tiny_models["llama"]))
+    assert ask(llm) == mine
+
+
+def test_a_checkpoint_of_the_same_configuration_loads_in_place_and_a_short_one_is_refused(tiny_models, other,
+                                                                                           tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path, theirs, want_theirs = other
+    e = engine(str(tiny_models["llama"]))
+    model = e.runner.model  # type: ignore[attr-defined]
+    e.update_weights_from_disk(str(path))
+    assert e.runner.model is model and answer(e) == want_theirs and e.model_path == str(path)  # type: ignore[attr-defined]
+    short = tmp_path / "short"
+    short.mkdir()
+    shutil.copy(path / "config.json", short / "config.json")
+    save_file({n: t.contiguous() for n, t in theirs.items() if n != "model.norm.weight"}, str(short / "model.safetensors"))
+    with pytest.raises(InvalidRequestError, match="lacks"):
+        e.update_weights_from_disk(str(short))
+    assert answer(e) == want_theirs and e.model_path == str(path)

@@ -886,7 +886,12 @@ def load_weights(
     a built model: new weights in place, `update_weights_in_place`); `dry_run` checks every
     name and shape and copies nothing."""
     arch = model.arch
-    params = dict(model.named_parameters())
+    # A built model's projections by their checkpoint names (new weights in place): an adapter's
+    # (`LoRALinear`) holds the one it wraps as `base`; a `TransposedLinear` its weight transposed
+    # (written through a view).
+    params = {name.replace(".base.", "."): p for name, p in model.named_parameters()}
+    for name in [n for n in params if n.endswith(".weight_t")]:
+        params[name.removesuffix("_t")] = params.pop(name).t()
     loaded: set[str] = set()
 
     def put(target: str, value: torch.Tensor, row: int | None = 0, expert: int | None = None,
@@ -1018,23 +1023,37 @@ def _text_tensors(tensors: Iterator[tuple[str, torch.Tensor]], vision: dict[str,
             yield name, tensor
 
 
-def update_weights_in_place(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> bool:
-    """Copy HF-named tensors into a built model's own parameters where its layout is the
-    checkpoint's (CPU, no int8, no latent attention, the projections untransposed: the native
-    kernels read them, and the fused decode's table holds their addresses, which stay). Every
-    name and shape is checked before anything is copied (ModelLoadError). False, with nothing
-    copied, where the layout is another (the model must be built again)."""
-    from conveyor.models.llama import TransposedLinear
+def fits_in_place(model: Any) -> bool:
+    """Whether new weights can be copied into `model`'s own parameters: on CPU, but for int8 and
+    latent attention (the native kernels read the checkpoint's layout, the fused decode's table
+    holds the parameters' addresses, which stay; projections kept transposed are written
+    through a view, and the LM head's transposed copy again).
+    On CUDA the kernels and graphs are captured on the model as built: it is built again."""
+    from conveyor.models.llama import LlamaForCausalLM
     from conveyor.models.quantize import Int8Linear
 
-    weight = model.head_weight
-    if (weight.device.type != "cpu" or model.arch.is_mla or model.arch.multimodal
-            or getattr(model, "_head_t", None) is not None or getattr(model, "_head_int8", None) is not None
-            or any(isinstance(m, TransposedLinear | Int8Linear) for m in model.modules())):
+    if not isinstance(model, LlamaForCausalLM):
         return False
-    items = [(n, t.to(weight.dtype) if t.is_floating_point() else t) for n, t in tensors.items()]
-    load_weights(model, iter(items), partial=True, dry_run=True)
+    return not (model.head_weight.device.type != "cpu" or model.arch.is_mla or model.arch.multimodal
+                or getattr(model, "_head_int8", None) is not None
+                or any(isinstance(m, Int8Linear) for m in model.modules()))
+
+
+def update_weights_in_place(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], whole: bool = False) -> bool:
+    """Copy HF-named tensors into a built model's own parameters where it `fits_in_place` (an
+    adapter's wrapped projections by their own names). Every name and shape is checked before
+    anything is copied (ModelLoadError); `whole`: every parameter must be given (a checkpoint).
+    False, with nothing copied, where the model does not fit (it must be built again)."""
+    if not fits_in_place(model):
+        return False
+    dtype = model.head_weight.dtype
+    items = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in tensors.items()]
+    load_weights(model, iter(items), partial=not whole, dry_run=True)
     load_weights(model, iter(items), partial=True)
+    head_t = getattr(model, "_head_t", None)
+    if head_t is not None:  # (the LM head kept transposed where the native kernels are not built)
+        with torch.no_grad():
+            head_t.copy_(model.head_weight.t())
     return True
 
 

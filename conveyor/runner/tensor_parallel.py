@@ -87,6 +87,9 @@ class Step:
     embeds: tuple[list[int], torch.Tensor] | None = None
     ranges: list[tuple[tuple[int, int], ...]] | None = None
     mrope: torch.Tensor | None = None  # M-RoPE's positions `[T, 3]` (`AttentionMetadata.mrope`)
+    # New weights by their HF names, whole (`Engine.update_weights_from_tensor`): each rank copies
+    # its slice into its model (no forward pass).
+    weights: dict[str, torch.Tensor] | None = None
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -249,6 +252,11 @@ class TensorParallelGroup:
             with contextlib.suppress(OSError):
                 os.unlink(self._shm_path)
 
+    def update_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every worker copies its slice of these whole tensors into its model (rank 0 checked
+        its own slice first: theirs have its shapes)."""
+        self.send(Step(weights=tensors))
+
     def send(self, step: Step) -> None:
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         frame = _HEADER.pack(len(data)) + data
@@ -327,6 +335,14 @@ class Worker:
         from conveyor.models.attention import build_metadata, open_ranges
 
         runner = self.runner
+        if step.weights is not None:
+            from conveyor.models.loader import update_weights_in_place
+            from conveyor.models.tensor_parallel import shard_tensors
+
+            arch = getattr(runner, "full_arch", None)
+            mine = dict(shard_tensors(iter(step.weights.items()), self.rank, self.size, arch))
+            assert update_weights_in_place(runner.model, mine), "rank 0 copies new weights only where they fit"
+            return
         if step.head:
             hidden = self.hidden
             assert hidden is not None, "the head follows a forward pass"
@@ -375,6 +391,7 @@ def _build_rank(recipe: Recipe, rank: int, size: int, all_reduce: Any) -> ModelR
     runner = ModelRunner(model, recipe.num_blocks, recipe.block_size, dtype, device,
                          num_swap_blocks=recipe.num_swap_blocks, kv_dtype=getattr(torch, recipe.kv_dtype),
                          max_model_len=recipe.max_len, layout=recipe.layout)
+    runner.full_arch = arch  # type: ignore[attr-defined]  # (new weights arrive whole: sliced by it)
     if recipe.lora is not None:
         from conveyor.models.lora import LoRAManager
 
