@@ -889,7 +889,7 @@ def load_weights(
     # A built model's projections by their checkpoint names (new weights in place): an adapter's
     # (`LoRALinear`) holds the one it wraps as `base`; a `TransposedLinear` its weight transposed
     # (written through a view).
-    params = {name.replace(".base.", "."): p for name, p in model.named_parameters()}
+    params: dict[str, torch.Tensor] = {name.replace(".base.", "."): p for name, p in model.named_parameters()}
     for name in [n for n in params if n.endswith(".weight_t")]:
         params[name.removesuffix("_t")] = params.pop(name).t()
     loaded: set[str] = set()
