@@ -3,7 +3,8 @@ default), the seconds an idle engine takes to load every tensor again from its c
 (`update_weights_from_disk`), from tensors handed over in the process (`update_weights_from_tensor`:
 all of them, or one layer's), broadcast over a gloo group by a trainer thread
 (`update_weights_from_distributed`), and to write and read them as the safetensors text
-`POST /update_weights_from_tensor` takes. The ways run in turn, `--rounds` times each; the
+`POST /update_weights_from_tensor` takes; disk and every tensor also with the model built again
+(CUDA's way, and this CPU's before the copy in place). The ways run in turn, `--rounds` times each; the
 median and its ratio to the disk's. The tensors sent are the checkpoint's own, so each way
 must leave the greedy answer as it was (checked).
 
@@ -13,17 +14,24 @@ must leave the greedy answer as it was (checked).
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import httpx
 
 from conveyor import LLM, SamplingParams
 from conveyor.models.loader import open_model, resolve_model_path
 from conveyor.weight_sync import (
     WeightBroadcaster,
     deserialize_named_tensors,
+    save_named_tensors,
     serialize_named_tensors,
     weight_metadata,
 )
@@ -33,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--http", action="store_true", help="also over HTTP, to a server of the same model")
     args = ap.parse_args()
     path = resolve_model_path(args.model)
     llm = LLM(str(path))
@@ -61,14 +70,38 @@ def main() -> None:
         llm.update_weights_from_distributed(*weight_metadata(full))
         sender.join()
 
+    from conveyor.models import loader
+
+    in_place = loader.update_weights_in_place
+
+    def built_again(way: Callable[[], object]) -> Callable[[], object]:
+        """`way` with the model built again (as on CUDA, or before the copy in place)."""
+        def run() -> None:
+            loader.update_weights_in_place = lambda *a, **k: False
+            try:
+                way()
+            finally:
+                loader.update_weights_in_place = in_place
+        return run
+
     ways: dict[str, Callable[[], object]] = {
         "update_weights_from_disk": lambda: llm.update_weights_from_disk(str(path)),
+        "update_weights_from_disk, built again": built_again(lambda: llm.update_weights_from_disk(str(path))),
         "update_weights_from_tensor, every tensor": lambda: llm.update_weights_from_tensor(full),
+        "update_weights_from_tensor, every tensor, built again": built_again(
+            lambda: llm.update_weights_from_tensor(full)),
         "update_weights_from_tensor, one layer": lambda: llm.update_weights_from_tensor(layer),
         "update_weights_from_distributed (gloo), every tensor": distributed,
         "safetensors text written and read, every tensor": lambda: deserialize_named_tensors(
             serialize_named_tensors(full)),
     }
+    server = start_server(path) if args.http else None
+    if server is not None:
+        url = server[1]
+        ways["over HTTP, a safetensors body, every tensor"] = lambda: post(
+            url, save_named_tensors(full), "application/octet-stream")
+        ways["over HTTP, base64 in JSON, every tensor"] = lambda: post(
+            url, json.dumps({"safetensors": serialize_named_tensors(full)}).encode(), "application/json")
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, way in ways.items():
@@ -84,6 +117,39 @@ def main() -> None:
         print(f"| {name} | {m:.3f} | {m / base:.2f} | {', '.join(f'{t:.3f}' for t in ts)} |")
     llm.destroy_weights_update_group()
     trainer.close()
+    if server is not None:
+        server[0].terminate()
+        server[0].wait(60)
+
+
+def start_server(path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--model", str(path), "--port",
+                             str(port), "--enable-rl-api"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.5)
+
+
+def post(url: str, content: bytes, content_type: str) -> None:
+    """One POST with the standard library's client (httpx takes about 10 s to send 513 MiB here,
+    urllib and curl about 1 s)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/update_weights_from_tensor", data=content, method="POST",
+                                 headers={"content-type": content_type})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        assert r.status == 200, r.read()
 
 
 if __name__ == "__main__":

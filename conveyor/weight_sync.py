@@ -92,13 +92,29 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> str:
 
 def deserialize_named_tensors(data: str) -> dict[str, torch.Tensor]:
     """`serialize_named_tensors`'s text back as tensors; InvalidRequestError if it is not one."""
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError as e:  # (binascii.Error)
+        raise InvalidRequestError(f"safetensors: not base64 ({e})", param="safetensors") from None
+    return load_named_tensors(raw)
+
+
+def save_named_tensors(named_tensors: NamedTensors) -> bytes:
+    """The tensors as one safetensors file's bytes (the body of `POST /update_weights_from_tensor`
+    sent as `application/octet-stream`: no base64 or JSON to write and read, about 4x faster)."""
+    from safetensors.torch import save
+
+    return bytes(save({n: t.detach().to("cpu").contiguous() for n, t in named_items(named_tensors)}))
+
+
+def load_named_tensors(raw: bytes) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; InvalidRequestError if the bytes are not one, or hold none."""
     from safetensors.torch import load
 
     try:
-        raw = base64.b64decode(data, validate=True)
         tensors = load(raw)
-    except Exception as e:  # (binascii.Error, safetensors' own errors)
-        raise InvalidRequestError(f"safetensors: not a base64 safetensors file ({e})", param="safetensors") from None
+    except Exception as e:  # (safetensors' own errors)
+        raise InvalidRequestError(f"safetensors: not a safetensors file ({e})", param="safetensors") from None
     if not tensors:
         raise InvalidRequestError("safetensors: the file holds no tensors", param="safetensors")
     return tensors

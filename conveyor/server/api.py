@@ -351,11 +351,22 @@ def build_app(
 
         @app.post("/update_weights_from_tensor")
         async def update_weights_from_tensor(raw: Request) -> dict[str, Any]:
-            """SGLang's route, with the tensors as one safetensors file in base64 (`safetensors`;
-            `conveyor.weight_sync.serialize_named_tensors`): SGLang's pickles are not read here."""
-            from conveyor.weight_sync import deserialize_named_tensors
+            """SGLang's route, with the tensors as one safetensors file: the body itself
+            (`application/octet-stream`, options in the query: `flush_cache`, `weight_version`),
+            or in base64 in a JSON body's `safetensors` (`conveyor.weight_sync`'s
+            `save_named_tensors` and `serialize_named_tensors`). SGLang's pickles are not read."""
+            from conveyor.weight_sync import deserialize_named_tensors, load_named_tensors
 
             check_accepting()
+            if raw.headers.get("content-type", "").startswith("application/octet-stream"):
+                query = dict(raw.query_params)
+                flush = query.get("flush_cache", "true").lower()
+                if flush not in ("true", "false"):
+                    raise InvalidRequestError("flush_cache: true or false", param="flush_cache")
+                sent = load_named_tensors(await raw.body())
+                await async_engine.call_engine("update_weights_from_tensor", list(sent.items()), flush == "true",
+                                               query.get("weight_version"))
+                return {"success": True, "message": f"{len(sent)} tensors loaded"}
             body = await json_body(raw)
             if "serialized_named_tensors" in body:
                 raise InvalidRequestError("serialized_named_tensors (pickles) are not read here: send the tensors as a "

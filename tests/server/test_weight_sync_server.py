@@ -1,7 +1,8 @@
 """SGLang's weight-update routes on `conveyor serve --enable-rl-api` with two replicas: a
-safetensors file of another checkpoint's tensors makes both answer as that checkpoint; SGLang's
-pickles and a body that is not a file are refused; both replicas join a trainer's gloo group (as
-ranks 1 and 2) and load what it broadcasts; /get_weight_version names the last update."""
+safetensors file of another checkpoint's tensors (base64 in JSON) makes both answer as that
+checkpoint; SGLang's pickles and a body that is not a file are refused; the first checkpoint's
+tensors as a safetensors body bring the first answers back; both replicas join a trainer's gloo
+group (as ranks 1 and 2) and load what it broadcasts; /get_weight_version names the last update."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from typing import Any
 import httpx
 
 from conveyor.models.loader import iter_hf_tensors
-from conveyor.weight_sync import WeightBroadcaster, serialize_named_tensors, weight_metadata
+from conveyor.weight_sync import (
+    WeightBroadcaster,
+    save_named_tensors,
+    serialize_named_tensors,
+    weight_metadata,
+)
 from tests.server.conftest import ServerProcess
 
 
@@ -49,6 +55,11 @@ def test_weight_updates_over_http_reach_every_replica(tiny_model: Path, tmp_path
         garbage = post("/update_weights_from_tensor", {"safetensors": "bm90IGEgZmlsZQ=="})
         assert garbage.status_code == 400 and "safetensors" in garbage.json()["error"]["message"]
         assert answers() == after  # (a refused update changes nothing)
+        r = httpx.post(server.url + "/update_weights_from_tensor", content=save_named_tensors(own), timeout=120,
+                       params={"weight_version": "own"}, headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        assert answers() == before
+        assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "own"}
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -70,17 +81,17 @@ def test_weight_updates_over_http_reach_every_replica(tiny_model: Path, tmp_path
                                                 "rank_offset": 1, "world_size": 3})
         assert r.status_code == 200, r.text
         assert trainer_ready.wait(60) and not failures
-        names, dtypes, shapes = weight_metadata(own)
+        names, dtypes, shapes = weight_metadata(theirs)
         result: dict[str, httpx.Response] = {}
         asking = threading.Thread(target=lambda: result.update(r=post(
             "/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
-                                                 "weight_version": "own"})))
+                                                 "weight_version": "theirs again"})))
         asking.start()
-        holder["t"].send(own)
+        holder["t"].send(theirs)
         asking.join(60)
         assert result["r"].status_code == 200, result["r"].text
-        assert answers() == before
-        assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "own"}
+        assert answers() == after
+        assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "theirs again"}
         bad = post("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": []})
         assert bad.status_code == 400
         assert post("/destroy_weights_update_group", {}).status_code == 200
