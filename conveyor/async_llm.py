@@ -125,11 +125,12 @@ class AsyncLLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """One conversation's outputs, its messages put through the model's chat template (as
-        `LLM.chat`)."""
+        """One conversation's outputs, its messages put through the model's chat template, or
+        `chat_template` (as `LLM.chat`)."""
         prompt = chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs,
-                             self._front.image_token, mm_processor_kwargs)
+                             self._front.image_token, mm_processor_kwargs, chat_template)
         async for out in self.generate(prompt, sampling_params, request_id, lora_request=lora_request):
             yield out
 

@@ -57,6 +57,13 @@ class ModelConfig:
             "Heads, KV heads and MLP widths must divide by it; kv_cache_memory is each rank's."
         ),
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "A Jinja chat template, or the path of a file holding one, in place of the tokenizer's own "
+            "(vLLM's --chat-template): what LLM.chat and /v1/chat/completions render messages with."
+        ),
+    )
     classifier_from_tokens: tuple[str, ...] | None = field(
         default=None,
         metadata=_help(

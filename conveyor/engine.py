@@ -285,8 +285,17 @@ class Engine:
         has_tokenizer = gguf_has_tokenizer(reader) if gguf else _has_tokenizer_files(path)
         if mc.tokenizer or has_tokenizer:
             tokenizer = Tokenizer.load(tok_path, gguf and not mc.tokenizer, full_arch.eos_token_ids)
+            if mc.chat_template is not None:
+                from conveyor.tokenizer import load_chat_template
+
+                try:
+                    tokenizer.chat_template = load_chat_template(mc.chat_template)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         else:
             logger.warning("%s has no tokenizer: prompts must be token ids", path)
+            if mc.chat_template is not None:
+                raise ConfigError(f"chat_template: {path} has no tokenizer to render chats with")
 
         mtp: dict[str, Any] | None = None
         if config.scheduler.speculative_method == "mtp":

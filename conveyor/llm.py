@@ -341,16 +341,18 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; `mm_processor_kwargs`:
-        their images' and videos' processing options (`ImageProcessor.overridden`)."""
+        their images' and videos' processing options (`ImageProcessor.overridden`);
+        `chat_template`: a template (its text or a file's path) for these instead of the model's."""
         convs: list[list[Message]]
         if messages and isinstance(messages[0], dict):
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
         prompts: list[Prompt] = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template_kwargs,
-                                             self.engine.image_token, mm_processor_kwargs)
+                                             self.engine.image_token, mm_processor_kwargs, chat_template)
                                  for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -394,14 +396,23 @@ class LLM:
 
 def chat_prompt(tokenizer: Tokenizer | None, messages: list[Message], add_generation_prompt: bool = True,
                 chat_template_kwargs: dict[str, Any] | None = None, image_token: ImageToken | None = None,
-                mm_processor_kwargs: dict[str, Any] | None = None) -> list[int] | ImagePrompt:
-    """One conversation put through the model's chat template (`LLM.chat`, `AsyncLLM.chat`);
-    with images among its content parts, the prompt and its images (`chat_images`)."""
+                mm_processor_kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None) -> list[int] | ImagePrompt:
+    """One conversation put through the model's chat template, or `chat_template` (its text or a
+    file's path; `LLM.chat`, `AsyncLLM.chat`); with images among its content parts, the prompt
+    and its images (`chat_images`)."""
     if tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer", param="messages")
-    messages, images = chat_images(messages, tokenizer.chat_template or "", image_token)
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+    kwargs = dict(chat_template_kwargs or {})
+    if chat_template is not None:
+        from conveyor.tokenizer import load_chat_template
+
+        try:
+            kwargs["chat_template"] = load_chat_template(chat_template)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="chat_template") from None
+    messages, images = chat_images(messages, kwargs.get("chat_template") or tokenizer.chat_template or "", image_token)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     return ImagePrompt(ids, tuple(images), mm_processor_kwargs) if images else ids
 
 

@@ -118,15 +118,34 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return getattr(self.hf, "chat_template", None)
 
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self.hf.chat_template = template
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        """The messages rendered by the chat template (`chat_template=` in `kwargs`: this call's
+        own) and encoded."""
+        if not (kwargs.get("chat_template") or self.chat_template):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt, or give one "
+                             "(chat_template)")
         text = self.hf.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
         return self.encode(text, add_special_tokens=False)
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as its text or as the path of a file holding it (vLLM's
+    `--chat-template`); ValueError for a path that names no file."""
+    candidate = Path(value).expanduser()
+    if "{" not in value and "\n" not in value:
+        try:
+            return candidate.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"chat_template={value!r}: no such file, and not a Jinja template ({e.strerror})") from None
+    return value
 
 
 def _gguf_tokenizer_cache_dir(path: Path) -> Path | None:

@@ -198,9 +198,11 @@ def test_async_llm_with_an_engine_process_takes_tensors_and_joins_a_group(tiny_m
     {"dtype": "float64"},  # no native kernels: projections kept transposed, written through a view
     {"dtype": "float64", "tensor_parallel_size": 2, "num_threads": 1},  # each rank its slice
     {"speculative_method": "ngram"},
+    # the draft (the first checkpoint) left as it is: the target's checks keep the answer its own
+    {"speculative_method": "draft_model", "speculative_model": "<tiny>", "num_speculative_tokens": 3},
     {"enable_lora": True, "max_loras": 2},  # the adapters' wrapped projections
     {"quantization": "int8"},  # built again and quantized again (same calibration)
-], ids=["float64", "tensor-parallel", "ngram", "lora", "int8"])
+], ids=["float64", "tensor-parallel", "ngram", "draft-model", "lora", "int8"])
 def test_every_kind_of_engine_answers_as_one_built_on_the_new_weights(tiny_models, other, options):
     """Tensors sent, then the engine's own checkpoint loaded from disk again (of the same
     configuration: in place where the model fits), against engines built on each."""
@@ -211,7 +213,8 @@ def test_every_kind_of_engine_answers_as_one_built_on_the_new_weights(tiny_model
     def ask(llm: LLM) -> list[int]:
         return list(llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
 
-    kw = {"num_kv_blocks": 64, "block_size": 8, **options}
+    kw = {"num_kv_blocks": 64, "block_size": 8,
+          **{k: str(tiny_models["llama"]) if v == "<tiny>" else v for k, v in options.items()}}
     want = ask(LLM(str(path), **kw))
     llm = LLM(str(tiny_models["llama"]), **kw)
     mine = ask(llm)

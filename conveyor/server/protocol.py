@@ -62,6 +62,9 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: arguments for the engine's own logits processors (--logits-processors), as SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | bool | list[str | int | float | bool]] | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (None: the server's)
+    # vLLM's: the prompt's and the answer's token ids beside the text (`prompt_token_ids`, `token_ids`;
+    # streamed, the prompt's in a choice's first chunk and each chunk's new ids)
+    return_token_ids: bool | None = None
     # vLLM's beam search: `n` beams, the best n sequences as the choices (not streamed)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -159,6 +162,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # (the images' and videos' processing options)
+    # OpenAI's; handed to the chat template as `reasoning_effort` (gpt-oss's reads it, as vLLM does)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them (text parts joined; a message with images,

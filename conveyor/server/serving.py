@@ -204,6 +204,7 @@ class _Choice:
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     tool_stream: ToolStream | None = None  # a chat choice's tool calls as its text streams
     reasoning_stream: ReasoningStream | None = None  # and its reasoning, with a reasoning parser
+    ids_sent: bool = False  # return_token_ids: the prompt's ids went out (in its first chunk)
 
 
 class _Handler:
@@ -624,6 +625,14 @@ class _Handler:
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
         raise NotImplementedError
 
+    def token_ids_fields(self, choice: _Choice, out: RequestOutput) -> dict[str, list[int]]:
+        """return_token_ids, streamed: the new ids, and the prompt's in the choice's first chunk."""
+        fields = {"token_ids": list(out.outputs[0].token_ids)}
+        if not choice.ids_sent:
+            choice.ids_sent = True
+            fields["prompt_token_ids"] = list(out.prompt_token_ids or [])
+        return fields
+
     def new_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
         """A streamed output's logprobs: only the new ones (output_kind "delta")."""
         return out.outputs[0].logprobs or []
@@ -765,7 +774,8 @@ class CompletionHandler(_Handler):
             if new or prompt:
                 logprobs = self._logprobs_block(new, choice.text_sent, prompt)
         choice.text_sent += len(c.delta_text)
-        if not text and logprobs is None and not out.finished:
+        ids = self.body.return_token_ids and bool(c.token_ids)
+        if not text and logprobs is None and not out.finished and not ids:
             return None
         fields: dict[str, Any] = {
             "index": choice.index,
@@ -776,6 +786,8 @@ class CompletionHandler(_Handler):
         }
         if first and (prompt_lps := self.prompt_logprobs_field(out)) is not None:
             fields["prompt_logprobs"] = prompt_lps
+        if self.body.return_token_ids:
+            fields.update(self.token_ids_fields(choice, out))
         return self.chunk([fields])
 
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
@@ -795,6 +807,8 @@ class CompletionHandler(_Handler):
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "prompt_logprobs": self.prompt_logprobs_field(choice.final),
+            **({"prompt_token_ids": list(choice.final.prompt_token_ids), "token_ids": list(c.token_ids)}
+               if self.body.return_token_ids else {}),
         }
 
 
@@ -868,6 +882,8 @@ class ChatCompletionHandler(_Handler):
             raise InvalidRequestError("this model has no tokenizer, so no chat template", param="messages")
         b = self.body
         kwargs = dict(b.chat_template_kwargs or {})
+        if b.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", b.reasoning_effort)
         if b.continue_final_message:
             kwargs["continue_final_message"] = True
         template = self.tokenizer.chat_template or ""
@@ -985,7 +1001,7 @@ class ChatCompletionHandler(_Handler):
             delta = {"content": text} if text else {}
         if thought:
             delta = {"reasoning_content": thought, **delta}
-        if not delta and logprobs is None and not out.finished:
+        if not delta and logprobs is None and not out.finished and not (self.body.return_token_ids and c.token_ids):
             return None
         fields: dict[str, Any] = {
             "index": choice.index,
@@ -996,7 +1012,14 @@ class ChatCompletionHandler(_Handler):
         }
         if (prompt_lps := self.prompt_logprobs_field(out)) is not None:  # (in a choice's first output only)
             fields["prompt_logprobs"] = prompt_lps
-        return self.chunk([fields])
+        if not self.body.return_token_ids:
+            return self.chunk([fields])
+        ids = self.token_ids_fields(choice, out)  # (the prompt's at the chunk's top, as vLLM's chat)
+        fields["token_ids"] = ids["token_ids"]
+        chunk = self.chunk([fields])
+        if "prompt_token_ids" in ids:
+            chunk["prompt_token_ids"] = ids["prompt_token_ids"]
+        return chunk
 
     def final_choice(self, choice: _Choice) -> dict[str, Any]:
         assert choice.final is not None
@@ -1016,7 +1039,14 @@ class ChatCompletionHandler(_Handler):
             "finish_reason": self._finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
             "stop_reason": c.stop_reason,
             "prompt_logprobs": self.prompt_logprobs_field(choice.final),
+            **({"token_ids": list(c.token_ids)} if self.body.return_token_ids else {}),
         }
+
+    def full_response(self) -> dict[str, Any]:
+        response = super().full_response()
+        if self.body.return_token_ids and self.choices and self.choices[0].final is not None:
+            response["prompt_token_ids"] = list(self.choices[0].final.prompt_token_ids)  # (one prompt)
+        return response
 
     @property
     def keeps_special_tokens(self) -> bool:  # type: ignore[override]

@@ -429,6 +429,42 @@ def test_logprobs_can_name_tokens_by_id(smol_server: ServerProcess, client: open
     assert content and all(re.fullmatch(r"token_id:\d+", c.token) for c in content)
 
 
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(smol_server: ServerProcess) -> None:
+    """vLLM's return_token_ids: a completion's choice holds the prompt's ids (those /tokenize
+    gives) and the answer's (detokenized, its text; as many as the usage counts); streamed, the
+    prompt's come in the first chunk and the chunks' ids add up to the answer's. A chat response
+    holds the prompt's at its top (the chat template's), its choices their own."""
+    url = smol_server.url
+
+    def events(route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        with httpx.stream("POST", url + route, json={**body, "stream": True}, timeout=60) as r:
+            return [json.loads(line[5:]) for line in r.iter_lines()
+                    if line.startswith("data:") and line != "data: [DONE]"]
+
+    body: dict[str, Any] = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,
+                            "temperature": 0, "return_token_ids": True}
+    full = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    choice = full["choices"][0]
+    assert choice["prompt_token_ids"] == httpx.post(url + "/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    assert len(choice["token_ids"]) == full["usage"]["completion_tokens"] == 8
+    assert httpx.post(url + "/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    chunks = [c["choices"][0] for c in events("/v1/completions", body) if c["choices"]]
+    assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    assert "token_ids" not in httpx.post(url + "/v1/completions", json={**body, "return_token_ids": False},
+                                         timeout=60).json()["choices"][0]
+
+    chat_body: dict[str, Any] = {"model": "smollm2", "messages": [{"role": "user", "content": "Name a color."}],
+                                 "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    chat = httpx.post(url + "/v1/chat/completions", json=chat_body, timeout=60).json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    streamed = events("/v1/chat/completions", chat_body)
+    assert [c["prompt_token_ids"] for c in streamed if "prompt_token_ids" in c] == [chat["prompt_token_ids"]]
+    assert [t for c in streamed for ch in c["choices"] for t in ch.get("token_ids", [])] == chat["choices"][0]["token_ids"]
+
+
 def test_reset_prefix_cache_route_forgets_the_served_prefixes(smol_server: ServerProcess, client: openai.OpenAI) -> None:
     """vLLM's POST /reset_prefix_cache, through the engine process: a repeated prompt hits before
     it and not after it."""
