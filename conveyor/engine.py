@@ -1061,6 +1061,11 @@ class Engine:
         if self._sleeping:
             raise InvalidRequestError("the engine is asleep (sleep mode): wake_up first", param="sleep")
         params = params or SamplingParams()
+        for proc in getattr(self.runner, "logits_processors", ()):  # (vLLM's validate_params)
+            try:
+                proc.validate_params(params)
+            except (ValueError, TypeError) as e:
+                raise InvalidRequestError(f"{type(proc).__name__}: {e}", param="extra_args") from None
         if params.pooling is not None and params.pooling.pooling_type is None:  # the model's own pooling
             tokens = (self.token_classifier or self.head.lexical) and params.pooling.task == "classify"
             params = dataclasses.replace(params, pooling=dataclasses.replace(

@@ -12,6 +12,17 @@ Two kinds, as vLLM has had them:
   `[rows, vocab]` logits and each row's request (its `SamplingParams`, whose `extra_args` carry
   the request's arguments: the server's `vllm_xargs`) and tokens. A processor leaves the rows
   it has no business with as they are.
+- **vLLM v1's own classes, as they are** (`__init__(vllm_config, device, is_pin_memory)`,
+  `update_state(batch_update)`, `apply(logits)`, `is_argmax_invariant()`, and the class method
+  `validate_params(params)`): taken by the same options and driven as vLLM's persistent batch
+  drives them (`PersistentBatch`): each step's changes as a `BatchUpdate` (removed, then added
+  with the request's parameters, prompt ids and a live list of its output ids, then moves: a
+  swap, or a one-way move into an empty slot) that leaves row i of the step's logits in slot i,
+  or None when nothing changed. `vllm_config` is a view of this engine's configuration under
+  vLLM's names (`scheduler_config.max_num_seqs`, `model_config`, `cache_config`). With vLLM
+  installed its `BatchUpdate` and `MoveDirectionality` are the ones passed, so a processor
+  written against vLLM compares against its own enum; without it, this module's. Not with
+  speculative decoding (a request has several rows a step there), as in vLLM.
 
 Both run on the model's raw logits, before penalties, logit_bias, masks (structured outputs,
 bad words, allowed tokens, min_tokens), temperature and top-k / top-p / min-p, engine-wide
@@ -32,6 +43,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 from conveyor.config import ConfigError
@@ -51,6 +63,7 @@ class LogitsRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    seq_id: int = -1  # the sequence's (a vLLM-style processor's persistent batch is keyed by it)
 
 
 class LogitsProcessor(ABC):
@@ -69,19 +82,143 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
         """The step's logits after this processor."""
 
+    def validate_params(self, params: SamplingParams) -> None:  # noqa: B027 (a hook: none by default)
+        """Refuse a request this processor cannot serve (ValueError: the request fails alone,
+        before it is queued); by default, none."""
+
+
+# -- vLLM v1's processors ------------------------------------------------------------------------
+class MoveDirectionality(Enum):
+    """vLLM's: a one-way move (into an empty slot) or a swap of two slots."""
+
+    UNIDIRECTIONAL = auto()
+    SWAP = auto()
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    """vLLM's persistent batch's change in one step, applied in this order: `removed` (slots),
+    `added` (slot, parameters, prompt ids, the request's output ids: a list that grows as it
+    generates), `moved` (slot, slot, MoveDirectionality)."""
+
+    batch_size: int
+    removed: Sequence[int]
+    added: Sequence[tuple[int, Any, list[int] | None, list[int]]]
+    moved: Sequence[tuple[int, int, Any]]
+
+
+def _vllm_types() -> tuple[Any, Any]:
+    """vLLM's BatchUpdate and MoveDirectionality where vLLM is installed, else this module's."""
+    try:
+        from vllm.v1.sample.logits_processor import BatchUpdate as VBatchUpdate
+        from vllm.v1.sample.logits_processor import MoveDirectionality as VMove
+    except Exception:  # (not installed, or another layout)
+        return BatchUpdate, MoveDirectionality
+    return VBatchUpdate, VMove
+
+
+def is_vllm_processor(cls: Any) -> bool:
+    return isinstance(cls, type) and all(callable(getattr(cls, m, None))
+                                         for m in ("update_state", "apply", "is_argmax_invariant"))
+
+
+class VllmConfigView:
+    """This engine's configuration under the names a vLLM processor reads (`vllm_config`)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.conveyor = config
+        self.model_config = config.model
+        self.scheduler_config = config.scheduler
+        self.cache_config = config.cache
+
+
+class PersistentBatch(LogitsProcessor):
+    """A vLLM v1 processor (`inner`) driven as vLLM's persistent batch drives it: before each
+    `apply`, the slots are made the step's rows (slot i, row i) by a `BatchUpdate` of removals,
+    additions into free slots and moves (swaps, or one-way moves into an empty slot), handed to
+    `update_state` (None when nothing changed); the output lists it was given are kept current."""
+
+    def __init__(self, inner: Any, config: EngineConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self.inner = inner
+        self.update_type, self.move = _vllm_types()
+        self._slots: list[int | None] = []  # the sequence in each slot
+        self._outputs: dict[int, list[int]] = {}  # each one's output ids, as handed over
+
+    def validate_params(self, params: SamplingParams) -> None:
+        check = getattr(type(self.inner), "validate_params", None)
+        if check is not None:
+            check(params)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        update = self.update(rows)
+        for row in rows:  # (the lists handed over, grown to this step's tokens: outputs only grow)
+            out, now = self._outputs[row.seq_id], row.output_token_ids
+            if len(out) < len(now):
+                out.extend(now[len(out):])
+            elif len(out) > len(now):
+                out[:] = now
+        self.inner.update_state(update)
+        return self.inner.apply(logits)
+
+    def update(self, rows: Sequence[LogitsRow]) -> Any:
+        """The BatchUpdate that makes slot i row i's sequence (None if it is already)."""
+        keys = [r.seq_id for r in rows]
+        if len(set(keys)) != len(keys):
+            raise RuntimeError("a vLLM-style logits processor takes one row a request (no speculative decoding)")
+        if keys == self._slots:
+            return None
+        wanted = set(keys)
+        slots = list(self._slots) + [None] * max(0, len(keys) - len(self._slots))
+        removed = [i for i, k in enumerate(self._slots) if k is not None and k not in wanted]
+        for i in removed:
+            self._outputs.pop(slots[i], None)  # type: ignore[arg-type]
+            slots[i] = None
+        free = (i for i, k in enumerate(slots) if k is None)
+        added = []
+        present = set(slots)
+        for row in rows:
+            if row.seq_id not in present:
+                i = next(free)
+                slots[i] = row.seq_id
+                out = self._outputs[row.seq_id] = list(row.output_token_ids)
+                added.append((i, row.params, list(row.prompt_token_ids), out))
+        moved = []
+        where = {k: i for i, k in enumerate(slots) if k is not None}
+        for i, key in enumerate(keys):
+            j = where[key]
+            if j == i:
+                continue
+            if slots[i] is None:  # into an empty slot: one way
+                moved.append((j, i, self.move.UNIDIRECTIONAL))
+            else:
+                moved.append((i, j, self.move.SWAP))
+                where[slots[i]] = j  # type: ignore[index]
+            slots[i], slots[j] = key, slots[i]
+            where[key] = i
+        self._slots = slots[: len(keys)]
+        assert all(k is None for k in slots[len(keys):])
+        return self.update_type(batch_size=len(keys), removed=removed, added=added, moved=moved)
+
 
 def load_processors(specs: Sequence[Any], config: EngineConfig, device: torch.device) -> list[LogitsProcessor]:
-    """Each spec (a `LogitsProcessor` subclass, or its name as `module:Class` or
-    `module.Class`) built for this engine; a name that does not import, or a class of another
-    kind, is a ConfigError naming it."""
-    out = []
+    """Each spec (a `LogitsProcessor` subclass or a vLLM v1 processor class, or its name as
+    `module:Class` or `module.Class`) built for this engine; a name that does not import, or a
+    class of another kind, is a ConfigError naming it."""
+    out: list[LogitsProcessor] = []
     for spec in specs:
-        cls = resolve(spec)
-        out.append(cls(config, device))
+        cls: Any = resolve(spec)
+        if issubclass(cls, LogitsProcessor):
+            out.append(cls(config, device))
+            continue
+        if config.scheduler.speculative_method:
+            raise ConfigError(f"logits_processors: {spec!r} is a vLLM v1 processor, which takes one row a request: "
+                              "not with speculative decoding (as in vLLM)")
+        out.append(PersistentBatch(cls(VllmConfigView(config), device, False), config, device))
     return out
 
 
-def resolve(spec: Any) -> type[LogitsProcessor]:
+def resolve(spec: Any) -> type:
     cls = spec
     if isinstance(spec, str):
         module, sep, name = spec.partition(":")
@@ -93,8 +230,9 @@ def resolve(spec: Any) -> type[LogitsProcessor]:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"logits_processors: {spec!r} cannot be loaded: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
-        raise ConfigError(f"logits_processors: {spec!r} is not a subclass of conveyor.LogitsProcessor")
+    if not (isinstance(cls, type) and (issubclass(cls, LogitsProcessor) or is_vllm_processor(cls))):
+        raise ConfigError(f"logits_processors: {spec!r} is not a subclass of conveyor.LogitsProcessor, nor a vLLM "
+                          "v1 processor (update_state, apply, is_argmax_invariant)")
     return cls
 
 

@@ -4,8 +4,10 @@ The reference is HF transformers' greedy `generate` on the same weights (float64
 `LogitsProcessor` applying the same rule, one that reads the prompt and every token generated
 so far: the greedy tokens must be equal under every scheduling that changes how a sequence's
 rows reach the sampler (chunked prompts, preemption, async scheduling, speculative steps),
-for a request's own callables (both signatures) and for an engine-wide processor class that
-reads the request's `extra_args`, beside requests it leaves alone.
+for a request's own callables (both signatures), for an engine-wide processor class that
+reads the request's `extra_args`, beside requests it leaves alone, and for the same rule as a
+vLLM v1 processor (`update_state` / `apply(logits)`), whose slots the engine's persistent batch
+keeps (over random schedules, hypothesis: the updates put each step's rows in their slots).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor import (
     LLM,
@@ -85,6 +89,48 @@ class Force(LogitsProcessor):
         return logits
 
 
+class SteerV1:
+    """The rule as vLLM v1 writes processors: per-slot state kept by `update_state` (removed,
+    then added, then moved), applied to the whole batch by `apply(logits)`, reading the live
+    output lists handed over when each request was added."""
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        strength = (params.extra_args or {}).get("steer")
+        if strength is not None and not isinstance(strength, (int, float)):
+            raise ValueError(f"steer must be a number, not {strength!r}")
+
+    def __init__(self, vllm_config, device, is_pin_memory) -> None:
+        assert vllm_config.scheduler_config.max_num_seqs > 0 and not is_pin_memory
+        self.slots: dict[int, tuple[list[int], list[int], float]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update) -> None:
+        if batch_update is None:
+            return
+        for i in batch_update.removed:
+            self.slots.pop(i, None)
+        for i, params, prompt, out in batch_update.added:
+            strength = (params.extra_args or {}).get("steer")
+            if strength is None:
+                self.slots.pop(i, None)
+            else:
+                self.slots[i] = (prompt, out, float(strength))
+        for a, b, how in batch_update.moved:
+            first, second = self.slots.pop(a, None), self.slots.pop(b, None)
+            if first is not None:
+                self.slots[b] = first
+            if how.name == "SWAP" and second is not None:
+                self.slots[a] = second
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for i, (prompt, out, strength) in self.slots.items():
+            logits[i] = steer(prompt, out, logits[i], strength)
+        return logits
+
+
 @pytest.fixture(scope="module")
 def cases(tiny_models):
     model_dir = str(tiny_models["llama"])
@@ -128,6 +174,58 @@ def test_an_engine_processor_steers_the_rows_that_ask_and_leaves_the_rest(tiny_m
               for _, m, s, _ in cases]
     outs = llm.generate([p for p, *_ in cases], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"max_num_batched_tokens": 16, "block_size": 4}, {"num_kv_blocks": 10, "block_size": 4},
+    {"async_scheduling": True}, {"max_num_seqs": 3},
+], ids=["default", "chunked-16", "preempt", "async", "three-seats"])
+def test_a_vllm_v1_processor_steers_as_vllms_persistent_batch_drives_it(tiny_models, cases, options):
+    llm = LLM(str(tiny_models["llama"]), dtype="float64", **{"num_kv_blocks": 128, **options},
+              logits_processors=["tests.test_logits_processors:SteerV1"])
+    params = [SamplingParams(max_tokens=m, temperature=0.0, extra_args=None if s is None else {"steer": s})
+              for _, m, s, _ in cases]
+    outs = llm.generate([p for p, *_ in cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want for *_, want in cases]
+    if options.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0
+    with pytest.raises(InvalidRequestError, match="steer must be a number"):  # validate_params
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, extra_args={"steer": "strong"}), use_tqdm=False)
+    with pytest.raises(ConfigError, match="speculative"):
+        LLM(str(tiny_models["llama"]), num_kv_blocks=16, speculative_method="ngram",
+            logits_processors=["tests.test_logits_processors:SteerV1"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), max_size=7, unique=True), min_size=1, max_size=12))
+def test_a_persistent_batchs_updates_put_each_steps_rows_in_their_slots(steps):
+    """Applied as vLLM's processors apply them (removed, added, then each move in order: a
+    swap, or a one-way move that empties its source), the updates leave slot i holding row i's
+    sequence, and hand each sequence's output list over once while it stays in the batch."""
+    from conveyor.config import EngineConfig
+    from conveyor.logits_process import PersistentBatch
+
+    batch = PersistentBatch(object(), EngineConfig(), torch.device("cpu"))
+    slots: dict[int, int] = {}
+    for keys in steps:
+        rows = [LogitsRow(SamplingParams(), [1], [k], k) for k in keys]
+        update = batch.update(rows)
+        if update is None:
+            assert {i: k for i, k in enumerate(keys)} == slots
+            continue
+        for i in update.removed:
+            assert i in slots
+            del slots[i]
+        for i, _, _, out in update.added:
+            assert i not in slots and out == [keys[[r.seq_id for r in rows].index(out[0])]]
+            slots[i] = out[0]
+        for a, b, how in update.moved:
+            first, second = slots.pop(a, None), slots.pop(b, None)
+            assert first is not None and (how.name == "SWAP") == (second is not None)
+            slots[b] = first
+            if second is not None:
+                slots[a] = second
+        assert slots == dict(enumerate(keys)) and update.batch_size == len(keys)
 
 
 def test_logprobs_stay_the_raw_distributions(tiny_models):

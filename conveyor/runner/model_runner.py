@@ -529,7 +529,7 @@ class ModelRunner:
             batch.history = (self._histories(samplers, processing) if drafting
                              else [self._history(it, processing) for it in samplers])
         if processing:  # (custom logits processors: conveyor/logits_process.py)
-            batch.rows = [LogitsRow(p, h[: it.prompt_len], h[it.prompt_len:])
+            batch.rows = [LogitsRow(p, h[: it.prompt_len], h[it.prompt_len:], it.seq_id)
                           for p, h, it in zip(params, batch.history, samplers, strict=True)]
             batch.processors = self.logits_processors
         if any(p.shapes_logits for p in params):
