@@ -171,6 +171,14 @@ class ModelConfig:
             "A prompt over it is refused before its media are fetched or decoded. Default: no limit."
         ),
     )
+    enable_prompt_embeds: bool = field(
+        default=False,
+        metadata=_help(
+            "Take prompts given as embeddings (vLLM's: LLM.generate({'prompt_embeds': tensor [tokens, hidden]}), "
+            "the completions API's base64 `prompt_embeds`): each row goes into the model where a token's "
+            "embedding would. Off by default, as in vLLM: a client's tensors reach the model as they are."
+        ),
+    )
     enable_lora: bool = field(
         default=False,
         metadata=_help(

@@ -707,6 +707,8 @@ class Engine:
         if images:
             assert isinstance(prompt, list), "images are placed in token ids"
             return None, prompt, images
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            return self._embeds_prompt(prompt, params)
         prompt = as_image_prompt(prompt)
         if getattr(getattr(self, "arch", None), "encoder", None) is not None:
             return self._whisper_prompt(prompt)
@@ -916,13 +918,54 @@ class Engine:
         gap = [] if self.tokenizer is None else self.tokenizer.encode("\n\n", add_special_tokens=False)
         return [*gap, vision.boi_token_id], [vision.eoi_token_id, *gap]
 
+    def _embeds_prompt(self, prompt: dict[str, Any], params: SamplingParams | None
+                       ) -> tuple[str | None, list[int], tuple[ImageSpan, ...]]:
+        """vLLM's `{"prompt_embeds": tensor}`: `[tokens, hidden]` rows that go into the model where
+        the embedding table's would (scaled as the model scales its own: Gemma's, Granite's), as
+        placeholder token ids (0) with one span over them, keyed in the prefix cache by a digest
+        of their values."""
+        import hashlib
+
+        import torch
+
+        if not self.config.model.enable_prompt_embeds:
+            raise InvalidRequestError("prompt_embeds needs enable_prompt_embeds=True (--enable-prompt-embeds)",
+                                      param="prompt_embeds")
+        if set(prompt) - {"prompt_embeds"}:
+            raise InvalidRequestError(f"a prompt of embeddings has no field {sorted(set(prompt) - {'prompt_embeds'})[0]!r}",
+                                      param="prompt")
+        model: Any = getattr(self.runner, "model", None)
+        arch = getattr(model, "arch", None)
+        if (arch is None or self.is_encoder or getattr(model, "encoder_decoder", False) or arch.vision is not None
+                or arch.mrope_section or arch.multimodal):
+            raise InvalidRequestError("prompt_embeds are taken by text decoders (not encoders, Whisper or image-text "
+                                      "models)", param="prompt_embeds")
+        values = prompt["prompt_embeds"]
+        if (not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] == 0
+                or values.shape[1] != arch.hidden_size or not values.is_floating_point()):
+            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise InvalidRequestError(f"prompt_embeds must be a float tensor [tokens, {arch.hidden_size}], not {shape}",
+                                      param="prompt_embeds")
+        if not bool(torch.isfinite(values).all()):
+            raise InvalidRequestError("prompt_embeds hold a value that is not finite", param="prompt_embeds")
+        if params is not None and (params.repetition_penalty != 1.0 or params.truncate_prompt_tokens is not None):
+            raise InvalidRequestError("repetition_penalty and truncate_prompt_tokens read the prompt's tokens: a "
+                                      "prompt of embeddings has none", param="prompt_embeds")
+        if self.drafter is not None:
+            raise InvalidRequestError("a draft model reads tokens: not with prompt_embeds", param="prompt_embeds")
+        values = values.detach().to("cpu", torch.float32).contiguous()
+        digest = hashlib.sha256(b"prompt_embeds" + values.numpy().tobytes()).digest()
+        n = int(values.shape[0])
+        return None, [0] * n, (ImageSpan(0, n, Pixels(values, digest, embeds=True)),)
+
     def _check_encoder_budget(self, images: tuple[ImageSpan, ...]) -> None:
         """InvalidRequestError where a prompt's media could never be encoded within a step's
         `max_num_encoder_input_tokens`: an item larger than it, or (prompts computed whole) all
         of them together."""
         sc = self.scheduler.config
         cap = sc.max_num_encoder_input_tokens
-        if cap is None:
+        images = tuple(span for span in images if not span.pixels.embeds)  # (embeddings: no encoder)
+        if cap is None or not images:
             return
         largest = max(span.length for span in images)
         if largest > cap:

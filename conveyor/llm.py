@@ -458,7 +458,7 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     for p in items:
         if isinstance(p, dict):
             p = as_image_prompt(p)
-        if isinstance(p, str | ImagePrompt):
+        if isinstance(p, str | ImagePrompt) or (isinstance(p, dict) and "prompt_embeds" in p):
             out.append(p)
         elif isinstance(p, list | tuple):
             out.append([int(t) for t in p])

@@ -114,6 +114,7 @@ class Pixels:
     fps: float | None = None  # (a video's; None: an image)
     times: tuple[float, ...] = ()  # (a video's: each frame group's time, seconds; Qwen3-VL's timestamps)
     frames: int = 0  # (an audio clip's, `conveyor.audio.AudioFeatures`: its own feature frames; 0: not audio)
+    embeds: bool = False  # a prompt given as embeddings (`values` `[tokens, hidden]`): no tower reads it
 
     def frame_group(self, k: int, temporal: int) -> Pixels:
         """A video's frame group `k` as a video of its own (Qwen3-VL places each apart)."""
@@ -146,7 +147,7 @@ def as_image_prompt(prompt: Any) -> Any:
     """vLLM's dict prompt (`{"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": one
     or a list}}`) as an `ImagePrompt`; a dict without images as its text or ids; anything else
     as it is."""
-    if not isinstance(prompt, dict):
+    if not isinstance(prompt, dict) or "prompt_embeds" in prompt:  # (embeddings: `Engine.prepare_prompt`)
         return prompt
     unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
     if unknown:

@@ -619,7 +619,7 @@ class Scheduler:
             if span.offset >= end:
                 break
             digest = span.pixels.digest
-            if span.end <= start or digest in paid or (cached is not None and cached(digest)):
+            if span.end <= start or digest in paid or span.pixels.embeds or (cached is not None and cached(digest)):
                 continue
             paid.add(digest)
             yield span

@@ -735,7 +735,12 @@ class LlamaForCausalLM(nn.Module):
         return positions + long.long() * self.rotary.max_positions
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        return self.scale_embeds(self.embed_tokens(input_ids))
+
+    def scale_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows `x` as the layers take them (Granite's multiplier,
+        Gemma's square root of the width; a prompt given as embeddings too, as HF's
+        `inputs_embeds`)."""
         if self.embed_multiplier != 1.0:
             return x * self.embed_multiplier
         if self.embed_scale is None:

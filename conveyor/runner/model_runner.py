@@ -591,7 +591,6 @@ class ModelRunner:
         the encoder cache (`encoder_cache_tokens`, least recently used out) instead; a sequence
         computed again after a preemption finds its images there, or encodes them again."""
         vision = self.model.vision
-        assert vision is not None, "image tokens for a model without a vision side"
         spans: list[tuple[int, int, int, int, int]] = []  # (seq, image, first row, from, to)
         new: dict[tuple[int, int], Any] = {}
         row = 0
@@ -607,9 +606,15 @@ class ModelRunner:
         if not spans:
             return None
         if new:
-            got = self._through_encoder({p.digest: p for p in new.values()}, vision)
-            for (seq_id, k), pixels in new.items():
-                self._image_cache.setdefault(seq_id, {})[k] = got[pixels.digest]
+            towers = {p.digest: p for p in new.values() if not p.embeds}
+            got: dict[bytes, Any] = {}
+            if towers:
+                assert vision is not None, "image tokens for a model without a vision side"
+                got = self._through_encoder(towers, vision)
+            for (seq_id, k), pixels in new.items():  # (a prompt's own embeddings: scaled as the model's)
+                self._image_cache.setdefault(seq_id, {})[k] = (
+                    self.model.scale_embeds(pixels.values.to(self.device, self.dtype)) if pixels.embeds
+                    else got[pixels.digest])
         rows: list[int] = []
         parts = []
         for seq_id, k, first, lo, hi in spans:

@@ -151,7 +151,7 @@ class _InputsHandler(_PoolingHandler):
         if limit is not None and prompt.num_tokens > limit:
             raise InvalidRequestError(f"the messages are {prompt.num_tokens} tokens with their images, but this "
                                       f"model embeds at most {limit}", param="messages")
-        return prompt.engine_prompt
+        return ImagePrompt(prompt.token_ids, prompt.images, prompt.processor_kwargs)
 
 
 class EmbeddingHandler(_InputsHandler):

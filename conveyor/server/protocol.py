@@ -86,7 +86,10 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's: prompts as embeddings, each a base64 `torch.save` of a `[tokens, hidden]` tensor
+    # (with --enable-prompt-embeds); answered before the `prompt`'s, if both are given
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None

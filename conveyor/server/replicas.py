@@ -215,6 +215,8 @@ class ReplicaSet(EngineFront):
             self._read_kv_events()
         loads = self.loads()
         prompt = as_image_prompt(requests[0].prompt)  # (a prompt with images routes by its text or ids)
+        if isinstance(prompt, dict):  # (embeddings: no tokens to route by)
+            prompt = []
         decision = self.router.route(prompt.prompt if isinstance(prompt, ImagePrompt) else prompt, loads, candidates)
         if self.metrics is not None:
             self.metrics.on_routed(decision.replica, decision.reason)

@@ -177,6 +177,7 @@ class _Prompt:
     images: tuple[Any, ...] = ()  # one a `<image>` among token_ids (conveyor/multimodal.py)
     image_token: ImageToken | None = None  # ... and what each becomes
     processor_kwargs: dict[str, Any] | None = None  # (the request's `mm_processor_kwargs`)
+    embeds: Any = None  # a prompt given as embeddings (`token_ids` its placeholders)
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +188,9 @@ class _Prompt:
         return len(self.token_ids) + sum(self.image_token.count(image) - 1 for image in self.images)
 
     @property
-    def engine_prompt(self) -> list[int] | ImagePrompt:
+    def engine_prompt(self) -> list[int] | ImagePrompt | dict[str, Any]:
+        if self.embeds is not None:
+            return {"prompt_embeds": self.embeds}
         return ImagePrompt(self.token_ids, self.images, self.processor_kwargs) if self.images else self.token_ids
 
 
@@ -689,7 +692,12 @@ class CompletionHandler(_Handler):
             raise InvalidRequestError("best_of must be unset or equal to n", param="best_of")
 
     def prompts(self) -> list[_Prompt]:
+        embedded = self._embedded()
         p = self.body.prompt
+        if p is None:
+            if not embedded:
+                raise InvalidRequestError("a prompt (or prompt_embeds) is needed", param="prompt")
+            return embedded
         items: list[str | list[int]]
         if isinstance(p, str):
             items = [p]
@@ -714,6 +722,44 @@ class CompletionHandler(_Handler):
                 if self.body.echo and self.tokenizer is not None:
                     text = self.tokenizer.decode(item, skip_special_tokens=False)
                 out.append(_Prompt(list(item), text))
+        return embedded + out
+
+    def _embedded(self) -> list[_Prompt]:
+        """vLLM's `prompt_embeds`: each a base64 `torch.save` of a `[tokens, hidden]` tensor (a
+        leading batch dimension of 1 dropped), read with `weights_only` (tensors, no code)."""
+        import base64
+        import binascii
+        import io
+
+        import torch
+
+        raw = self.body.prompt_embeds
+        if raw is None:
+            return []
+        if self.body.echo:
+            raise InvalidRequestError("echo needs the prompt's text: not with prompt_embeds", param="echo")
+        out = []
+        for item in [raw] if isinstance(raw, str) else raw:
+            try:
+                tensor = torch.load(io.BytesIO(base64.b64decode(item, validate=True)), weights_only=True,
+                                    map_location="cpu")
+            except (binascii.Error, ValueError, RuntimeError, EOFError, OSError) as e:
+                raise InvalidRequestError(f"prompt_embeds: not a base64 torch.save of a tensor ({e})",
+                                          param="prompt_embeds") from None
+            except Exception as e:  # (pickle's own errors: weights_only refuses anything but tensors)
+                raise InvalidRequestError(f"prompt_embeds: not a tensor ({type(e).__name__})",
+                                          param="prompt_embeds") from None
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRequestError("prompt_embeds: each must be a tensor", param="prompt_embeds")
+            tensor = tensor.to_dense()
+            if tensor.dim() == 3 and tensor.shape[0] == 1:
+                tensor = tensor[0]
+            if tensor.dim() != 2:
+                raise InvalidRequestError(f"prompt_embeds: a [tokens, hidden] tensor, not {tuple(tensor.shape)}",
+                                          param="prompt_embeds")
+            out.append(_Prompt([0] * int(tensor.shape[0]), None, embeds=tensor))
+        if not out:
+            raise InvalidRequestError("prompt_embeds: empty", param="prompt_embeds")
         return out
 
     def max_tokens(self) -> int | None:
