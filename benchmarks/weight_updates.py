@@ -64,10 +64,10 @@ def main() -> None:
     joining.join()
     trainer = joined["t"]
 
-    def distributed() -> None:
-        sender = threading.Thread(target=trainer.send, args=(full,))
+    def distributed(bucket_bytes: int = 0) -> None:
+        sender = threading.Thread(target=trainer.send, args=(full, bucket_bytes))
         sender.start()
-        llm.update_weights_from_distributed(*weight_metadata(full))
+        llm.update_weights_from_distributed(*weight_metadata(full), bucket_bytes=bucket_bytes)
         sender.join()
 
     from conveyor.models import loader
@@ -92,6 +92,7 @@ def main() -> None:
             lambda: llm.update_weights_from_tensor(full)),
         "update_weights_from_tensor, one layer": lambda: llm.update_weights_from_tensor(layer),
         "update_weights_from_distributed (gloo), every tensor": distributed,
+        "update_weights_from_distributed (gloo), every tensor, buckets of 64 MiB": lambda: distributed(64 << 20),
         "safetensors text written and read, every tensor": lambda: deserialize_named_tensors(
             serialize_named_tensors(full)),
     }

@@ -257,10 +257,11 @@ class AsyncLLM:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str = "weight_update_group",
-                                              flush_cache: bool = True, weight_version: str | None = None) -> bool:
+                                              flush_cache: bool = True, weight_version: str | None = None,
+                                              bucket_bytes: int = 0) -> bool:
         """Receive and load what the trainer broadcasts (`Engine.update_weights_from_distributed`)."""
         return bool(await self._call("update_weights_from_distributed", names, dtypes, shapes, group_name,
-                                     flush_cache, weight_version))
+                                     flush_cache, weight_version, bucket_bytes))
 
     async def get_weight_version(self) -> str:
         return str(await self._call("get_weight_version"))

@@ -1591,11 +1591,13 @@ class Engine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: str | None = None) -> bool:
+                                        weight_version: str | None = None, bucket_bytes: int = 0) -> bool:
         """Receive tensors the trainer broadcasts over the group (`init_weights_update_group`),
-        one of each name, dtype and shape in that order, and load them as
-        `update_weights_from_tensor` does. Every tensor is received before anything is checked
-        against the model (the trainer's broadcast must not hang); a bad list is refused before."""
+        one of each name, dtype and shape in that order (`bucket_bytes` > 0: packed in the
+        buckets `conveyor.weight_sync.bucket_plan` makes, as the trainer's `send` was told), and
+        load them as `update_weights_from_tensor` does. Every tensor is received before anything
+        is checked against the model (the trainer's broadcast must not hang); a bad list is
+        refused before."""
         from conveyor.weight_sync import check_update_metadata
 
         group = self._weight_groups.get(group_name)
@@ -1604,7 +1606,9 @@ class Engine:
                                       "(init_weights_update_group first)", param="group_name")
         check_update_metadata(names, dtypes, shapes)
         self._check_idle("names")
-        tensors = group.receive(names, dtypes, shapes)
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+            raise InvalidRequestError(f"bucket_bytes={bucket_bytes!r}: a size in bytes, 0 for none", param="bucket_bytes")
+        tensors = group.receive(names, dtypes, shapes, bucket_bytes)
         return self.update_weights_from_tensor(tensors, flush_cache, weight_version)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:

@@ -86,10 +86,11 @@ class LLM:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: str | None = None) -> bool:
-        """Receive and load the tensors the trainer broadcasts over the group."""
+                                        weight_version: str | None = None, bucket_bytes: int = 0) -> bool:
+        """Receive and load the tensors the trainer broadcasts over the group (`bucket_bytes`:
+        as its `send` packs them)."""
         return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
-                                                           weight_version)
+                                                           weight_version, bucket_bytes)
 
     def get_weight_version(self) -> str:
         """The `weight_version` the last update named ("default" before any)."""

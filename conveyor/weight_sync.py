@@ -163,11 +163,18 @@ class WeightUpdateGroup:
         self.group.broadcast([tensor], opts).wait()
         return tensor
 
-    def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
-                ) -> dict[str, torch.Tensor]:
-        """An engine's side of one update: a tensor of each name, dtype and shape, in order."""
-        return {name: self.broadcast(torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=self.device))
-                for name, dtype, shape in zip(names, dtypes, shapes, strict=True)}
+    def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                bucket_bytes: int = 0) -> dict[str, torch.Tensor]:
+        """An engine's side of one update: a tensor of each name, dtype and shape, in order; with
+        `bucket_bytes`, in the flat buckets `bucket_plan` makes (the trainer's `send` the same)."""
+        kinds = [parse_dtype(d) for d in dtypes]
+        out: dict[str, torch.Tensor] = {}
+        for bucket in bucket_plan(kinds, shapes, bucket_bytes):
+            sizes = [_numel(shapes[i]) for i in bucket]
+            flat = self.broadcast(torch.empty(sum(sizes), dtype=kinds[bucket[0]], device=self.device))
+            for i, part in zip(bucket, flat.split(sizes), strict=True):
+                out[names[i]] = part.view(tuple(shapes[i]))
+        return out
 
     def close(self) -> None:
         shutdown = getattr(self.group, "shutdown", None)
@@ -187,9 +194,40 @@ class WeightBroadcaster(WeightUpdateGroup):
                  backend: str = "gloo", timeout_s: float = 600.0) -> None:
         super().__init__(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
-    def send(self, named_tensors: NamedTensors) -> None:
-        for _, tensor in named_items(named_tensors):
-            self.broadcast(tensor.detach().to(self.device).contiguous())
+    def send(self, named_tensors: NamedTensors, bucket_bytes: int = 0) -> None:
+        """Broadcast the tensors in order: one broadcast each, or (`bucket_bytes` > 0, the
+        engines told the same) runs of one dtype packed flat into buckets of about that size,
+        one broadcast a bucket (fewer calls: a mixture of experts has thousands of tensors)."""
+        items = named_items(named_tensors)
+        for bucket in bucket_plan([t.dtype for _, t in items], [list(t.shape) for _, t in items], bucket_bytes):
+            parts = [items[i][1].detach().to(self.device).reshape(-1) for i in bucket]
+            self.broadcast(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+def bucket_plan(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]], bucket_bytes: int
+                ) -> list[list[int]]:
+    """The tensors' indices in broadcast order, grouped: each alone (`bucket_bytes` <= 0), or
+    consecutive tensors of one dtype until a bucket holds `bucket_bytes` or more (a tensor larger
+    than that goes alone). Both sides compute it from the same metadata."""
+    if bucket_bytes <= 0:
+        return [[i] for i in range(len(dtypes))]
+    out: list[list[int]] = []
+    size = 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        if out and dtypes[out[-1][0]] == dtype and size < bucket_bytes:
+            out[-1].append(i)
+        else:
+            out.append([i])
+            size = 0
+        size += _numel(shape) * dtype.itemsize
+    return out
 
 
 def check_update_metadata(names: Any, dtypes: Any, shapes: Any) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor import AsyncLLM, InvalidRequestError, SamplingParams
 from conveyor.engine import Engine
@@ -124,15 +126,17 @@ def test_safetensors_text_round_trips_and_garbage_is_refused(other):
         deserialize_named_tensors("bm90IGEgZmlsZQ==")
 
 
-def broadcast_in_thread(port: int, world_size: int, rounds: list[dict[str, torch.Tensor]]) -> threading.Thread:
-    """The trainer (rank 0): join, then send each round's tensors in turn."""
+def broadcast_in_thread(port: int, world_size: int, rounds: list[dict[str, torch.Tensor]],
+                        bucket_bytes: list[int] | None = None) -> threading.Thread:
+    """The trainer (rank 0): join, then send each round's tensors in turn (in buckets of
+    `bucket_bytes[k]` for round k)."""
     failures: list[BaseException] = []
 
     def run() -> None:
         try:
             trainer = WeightBroadcaster("127.0.0.1", port, world_size, timeout_s=60)
-            for tensors in rounds:
-                trainer.send(tensors)
+            for k, tensors in enumerate(rounds):
+                trainer.send(tensors, (bucket_bytes or [0] * len(rounds))[k])
             trainer.close()
         except BaseException as e:  # (seen by the test through `failures`)
             failures.append(e)
@@ -145,9 +149,11 @@ def broadcast_in_thread(port: int, world_size: int, rounds: list[dict[str, torch
 
 def test_tensors_broadcast_over_a_gloo_group_load_as_those_handed_over(tiny_models, other):
     _, theirs, want_theirs = other
+    own = dict(iter_hf_tensors(tiny_models["llama"]))
     e = engine(str(tiny_models["llama"]))
+    mine = answer(e)
     port = free_port()
-    trainer = broadcast_in_thread(port, 2, [theirs])
+    trainer = broadcast_in_thread(port, 2, [theirs, own], bucket_bytes=[0, 20_000])
     assert e.init_weights_update_group("127.0.0.1", port, 1, 2, timeout_s=60)
     with pytest.raises(InvalidRequestError, match="already"):
         e.init_weights_update_group("127.0.0.1", port, 1, 2)
@@ -156,9 +162,11 @@ def test_tensors_broadcast_over_a_gloo_group_load_as_those_handed_over(tiny_mode
     with pytest.raises(InvalidRequestError, match="torch dtype"):
         e.update_weights_from_distributed(["a"], ["float99"], [[2]])
     assert e.update_weights_from_distributed(*weight_metadata(theirs), weight_version="v2")
+    assert answer(e) == want_theirs and e.get_weight_version() == "v2"
+    assert e.update_weights_from_distributed(*weight_metadata(own), bucket_bytes=20_000)  # (packed, as sent)
     trainer.join(60)
     assert not trainer.is_alive() and trainer.failures == []  # type: ignore[attr-defined]
-    assert answer(e) == want_theirs and e.get_weight_version() == "v2"
+    assert answer(e) == mine
     assert e.destroy_weights_update_group()
     with pytest.raises(InvalidRequestError, match="no such"):
         e.update_weights_from_distributed(*weight_metadata(theirs))
@@ -192,6 +200,23 @@ def test_async_llm_with_an_engine_process_takes_tensors_and_joins_a_group(tiny_m
 
     mine, after_tensors, after_broadcast, version, failures = asyncio.run(main())
     assert after_tensors == want_theirs and after_broadcast == mine and version == "back" and failures == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+                          st.lists(st.integers(0, 40), max_size=3)), max_size=20),
+       st.integers(0, 4000))
+def test_a_bucket_plan_keeps_the_order_one_dtype_a_bucket_and_near_its_size(tensors, bucket_bytes):
+    from conveyor.weight_sync import bucket_plan
+
+    dtypes, shapes = [d for d, _ in tensors], [s for _, s in tensors]
+    plan = bucket_plan(dtypes, shapes, bucket_bytes)
+    assert [i for bucket in plan for i in bucket] == list(range(len(tensors)))
+    nbytes = [d.itemsize * int(torch.Size(s).numel()) for d, s in tensors]
+    for bucket in plan:
+        assert len({dtypes[i] for i in bucket}) == 1
+        assert bucket_bytes > 0 or len(bucket) == 1
+        assert sum(nbytes[i] for i in bucket[:-1]) < max(bucket_bytes, 1)  # (it closes once full)
 
 
 @pytest.mark.parametrize("options", [

@@ -411,8 +411,11 @@ def build_app(
             group = body.get("group_name", "weight_update_group")
             if not isinstance(group, str):
                 raise InvalidRequestError("group_name: a string", param="group_name")
+            bucket = body.get("bucket_bytes", 0)
+            if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 0:
+                raise InvalidRequestError("bucket_bytes: a size in bytes, 0 for none", param="bucket_bytes")
             await async_engine.call_engine("update_weights_from_distributed", names, dtypes, shapes, group,
-                                           flag(body, "flush_cache", True), version_of(body))
+                                           flag(body, "flush_cache", True), version_of(body), bucket)
             return {"success": True, "message": f"{len(names)} tensors loaded"}  # type: ignore[arg-type]
 
         @app.post("/destroy_weights_update_group")
