@@ -7,9 +7,11 @@ token, the ratio against the free batch.
 Variants: a request's own callable that returns its row untouched (what the mechanism costs:
 each row's token lists built, the general sampling path); one that bans 10 tokens (a typical
 edit, in Python a row at a time); an engine-wide processor that edits no row (a second engine
-built with it: every step of every request pays its rows' lists).
+built with it: every step of every request pays its rows' lists); and with `--vllm-v1`, a vLLM
+v1 processor that keeps per-slot state and edits no row (a third engine: the persistent batch's
+updates on top of the rows' lists).
 
-    python benchmarks/logits_processors.py --batch 1 8 --rounds 3
+    python benchmarks/logits_processors.py --batch 1 8 32 --rounds 3 --vllm-v1
 """
 
 from __future__ import annotations
@@ -28,6 +30,33 @@ ASK = "Tell me a long story about a lighthouse keeper and a storm."
 
 class Untouched(LogitsProcessor):
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        return logits
+
+
+class UntouchedV1:
+    """A vLLM v1 processor: state a slot (its output list), kept through every BatchUpdate."""
+
+    def __init__(self, vllm_config, device, is_pin_memory) -> None:
+        self.slots: dict[int, list[int]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update) -> None:
+        if batch_update is None:
+            return
+        for i in batch_update.removed:
+            self.slots.pop(i, None)
+        for i, _, _, out in batch_update.added:
+            self.slots[i] = out
+        for a, b, how in batch_update.moved:
+            first, second = self.slots.pop(a, None), self.slots.pop(b, None)
+            if first is not None:
+                self.slots[b] = first
+            if how.name == "SWAP" and second is not None:
+                self.slots[a] = second
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
 
@@ -55,6 +84,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--vllm-v1", action="store_true", help="also a vLLM v1 processor (a third engine)")
     args = ap.parse_args()
 
     plain = LLM(args.model, enable_prefix_caching=False)
@@ -66,6 +96,9 @@ def main() -> None:
         "a request's callable, 10 tokens banned": (plain, SamplingParams(**base, logits_processors=[ban])),
         "an engine-wide processor, no row edited": (engine_wide, free),
     }
+    if args.vllm_v1:
+        v1 = LLM(args.model, enable_prefix_caching=False, logits_processors=[UntouchedV1])
+        variants["a vLLM v1 processor, no row edited"] = (v1, free)
     print("| batch | variant | free (ms/token) | with it (ms/token) | ratio |")
     print("|---:|---|---:|---:|---:|")
     for batch in args.batch:
