@@ -1701,7 +1701,10 @@ class Engine:
         device). Level 1 frees the KV cache (its swap and offloading space too) and forgets the
         prefix cache; level 2 also drops the weights, which `wake_up` builds again from the
         model's path (vLLM's level 1 also moves the weights to host memory: not built; here they
-        stay). Idle engines only; requests are refused while asleep."""
+        stay). A drafter's KV cache (a draft model's, an MTP or EAGLE head's) and every
+        tensor-parallel rank's go too; level 2 with those only where the model is built again
+        (not with tensor parallelism or a drafter other than n-gram's). Idle engines only;
+        requests are refused while asleep."""
         if level not in (1, 2):
             raise InvalidRequestError(f"level={level!r}: sleep takes level 1 or 2", param="level")
         if self._sleeping:
@@ -1709,10 +1712,8 @@ class Engine:
         if self.has_unfinished_requests() or self._held or self.scheduler.has_unfinished():
             raise InvalidRequestError("sleep needs an idle engine: requests are in flight", param="level")
         runner: Any = self.runner
-        if getattr(runner, "peers", None) is not None or self.drafter is not None:
-            raise InvalidRequestError("sleep is not built with tensor parallelism or speculative decoding",
-                                      param="level")
-        if not hasattr(runner, "release_kv"):
+        draft = getattr(self.drafter, "runner", None)
+        if not hasattr(runner, "release_kv") or (draft is not None and not hasattr(draft, "release_kv")):
             raise InvalidRequestError("this engine's runner has no memory to give back", param="level")
         if level == 2:
             self._check_rebuildable("sleep level 2", "level")
@@ -1721,6 +1722,12 @@ class Engine:
                                           "engine has none", param="level")
         self.reset_prefix_cache()
         runner.release_kv()
+        if draft is not None:
+            draft.release_kv()
+        if getattr(runner, "peers", None) is not None:
+            from conveyor.runner.tensor_parallel import Step
+
+            runner.peers.send(Step(kv="release"))
         if level == 2:
             import gc
 
@@ -1738,6 +1745,13 @@ class Engine:
             assert self.model_path is not None
             runner.model = self._build_model_like(self.model_path, None, self._weight_overlay)[1]
         runner.restore_kv()
+        draft = getattr(self.drafter, "runner", None)
+        if draft is not None:
+            draft.restore_kv()
+        if getattr(runner, "peers", None) is not None:
+            from conveyor.runner.tensor_parallel import Step
+
+            runner.peers.send(Step(kv="restore"))
         self._sleeping = 0
         return True
 

@@ -171,6 +171,35 @@ def test_sleep_gives_the_memory_back_and_wake_up_serves_as_before(tiny_models, w
     assert finish(e) == want
 
 
+@pytest.mark.parametrize("options", [
+    {"speculative_method": "ngram", "prompt_lookup_min": 1},
+    {"speculative_method": "draft_model", "speculative_model": "<tiny>", "num_speculative_tokens": 3},
+    {"dtype": "float64", "tensor_parallel_size": 2, "num_threads": 1},
+], ids=["ngram", "draft-model", "tensor-parallel"])
+def test_sleep_level_1_with_a_drafter_or_ranks_gives_their_caches_back_too(tiny_models, options):
+    """A draft model's own KV cache is given back beside the target's (each worker rank its own
+    through a step message), and after `wake_up` the greedy tokens are those of before; level 2
+    is refused where the model cannot be built again (a draft model, tensor parallelism)."""
+    from conveyor import LLM
+
+    kw = {k: str(tiny_models["llama"]) if v == "<tiny>" else v for k, v in options.items()}
+    llm = LLM(str(tiny_models["llama"]), num_kv_blocks=64, block_size=8, **kw)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def ask() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT, PROMPT[:7]], params, use_tqdm=False)]
+
+    before = ask()
+    draft = getattr(llm.engine.drafter, "runner", None)
+    pages = [*llm.engine.runner.kv_pages, *(draft.kv_pages if draft is not None else [])]  # type: ignore[attr-defined]
+    assert llm.sleep(1)
+    assert all(t.untyped_storage().nbytes() == 0 for t in pages)
+    assert llm.wake_up() and ask() == before
+    if options.get("speculative_method") != "ngram":
+        with pytest.raises(InvalidRequestError, match="not built"):
+            llm.sleep(2)
+
+
 def test_sleep_needs_an_idle_engine(tiny_models):
     e = engine(str(tiny_models["llama"]))
     e.add_request("a", PROMPT, GREEDY)

@@ -118,6 +118,17 @@ class MTPRunner:
         self.dtype, self.device = dtype, device
         slots = (num_blocks + 1) * block_size
         self.kv_cache = torch.zeros((2, slots, *layer.arch.kv_cache_shape), dtype=kv_dtype or dtype, device=device)
+        self._kv_nbytes = 0
+
+    def release_kv(self) -> None:
+        """Give the layer's cache's memory back (sleep mode; `ModelRunner.release_kv`)."""
+        storage = self.kv_cache.untyped_storage()
+        self._kv_nbytes = storage.nbytes()
+        storage.resize_(0)
+
+    def restore_kv(self) -> None:
+        self.kv_cache.untyped_storage().resize_(self._kv_nbytes)
+        self.kv_cache.zero_()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, previous: dict[int, torch.Tensor], guess: bool = True) -> _DraftOutput:

@@ -90,6 +90,7 @@ class Step:
     # New weights by their HF names, whole (`Engine.update_weights_from_tensor`): each rank copies
     # its slice into its model (no forward pass).
     weights: dict[str, torch.Tensor] | None = None
+    kv: str | None = None  # sleep mode: "release" or "restore" the rank's KV cache (no forward pass)
 
 
 def _write(stream: IO[bytes], message: object) -> None:
@@ -335,6 +336,9 @@ class Worker:
         from conveyor.models.attention import build_metadata, open_ranges
 
         runner = self.runner
+        if step.kv is not None:
+            runner.release_kv() if step.kv == "release" else runner.restore_kv()
+            return
         if step.weights is not None:
             from conveyor.models.loader import update_weights_in_place
             from conveyor.models.tensor_parallel import shard_tensors
