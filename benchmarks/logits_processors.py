@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from conveyor import LLM, LogitsProcessor, LogitsRow, SamplingParams
+from conveyor.logits_process import process_dict_updates
 
 ASK = "Tell me a long story about a lighthouse keeper and a storm."
 
@@ -43,18 +44,7 @@ class UntouchedV1:
         return False
 
     def update_state(self, batch_update) -> None:
-        if batch_update is None:
-            return
-        for i in batch_update.removed:
-            self.slots.pop(i, None)
-        for i, _, _, out in batch_update.added:
-            self.slots[i] = out
-        for a, b, how in batch_update.moved:
-            first, second = self.slots.pop(a, None), self.slots.pop(b, None)
-            if first is not None:
-                self.slots[b] = first
-            if how.name == "SWAP" and second is not None:
-                self.slots[a] = second
+        process_dict_updates(self.slots, batch_update, lambda params, prompt, out: out)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

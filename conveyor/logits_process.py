@@ -117,6 +117,34 @@ def _vllm_types() -> tuple[Any, Any]:
     return VBatchUpdate, VMove
 
 
+def process_dict_updates(state: dict[int, Any], batch_update: Any,
+                         new_state: Callable[[Any, list[int] | None, list[int]], Any]) -> bool:
+    """A vLLM v1 processor's per-slot `state` brought through `batch_update` (vLLM's helper of
+    this name): removed slots dropped, an added request's entry `new_state(params, prompt ids,
+    output ids)` (None: no entry), then each move (a swap, or a one-way move that empties its
+    source). Whether anything changed."""
+    if batch_update is None:
+        return False
+    changed = False
+    for i in batch_update.removed:
+        changed |= state.pop(i, None) is not None
+    for i, params, prompt, out in batch_update.added:
+        entry = new_state(params, prompt, out)
+        if entry is None:
+            changed |= state.pop(i, None) is not None
+        else:
+            state[i] = entry
+            changed = True
+    for a, b, how in batch_update.moved:
+        first, second = state.pop(a, None), state.pop(b, None)
+        if first is not None:
+            state[b] = first
+        if getattr(how, "name", "") == "SWAP" and second is not None:
+            state[a] = second
+        changed |= first is not None or second is not None
+    return changed
+
+
 def is_vllm_processor(cls: Any) -> bool:
     return isinstance(cls, type) and all(callable(getattr(cls, m, None))
                                          for m in ("update_state", "apply", "is_argmax_invariant"))

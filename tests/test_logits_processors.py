@@ -28,6 +28,7 @@ from conveyor import (
     LogitsRow,
     SamplingParams,
 )
+from conveyor.logits_process import process_dict_updates
 from tests.schedulings import SCHEDULINGS
 
 EOS = 2
@@ -108,22 +109,11 @@ class SteerV1:
         return False
 
     def update_state(self, batch_update) -> None:
-        if batch_update is None:
-            return
-        for i in batch_update.removed:
-            self.slots.pop(i, None)
-        for i, params, prompt, out in batch_update.added:
+        def entry(params, prompt, out):
             strength = (params.extra_args or {}).get("steer")
-            if strength is None:
-                self.slots.pop(i, None)
-            else:
-                self.slots[i] = (prompt, out, float(strength))
-        for a, b, how in batch_update.moved:
-            first, second = self.slots.pop(a, None), self.slots.pop(b, None)
-            if first is not None:
-                self.slots[b] = first
-            if how.name == "SWAP" and second is not None:
-                self.slots[a] = second
+            return None if strength is None else (prompt, out, float(strength))
+
+        process_dict_updates(self.slots, batch_update, entry)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for i, (prompt, out, strength) in self.slots.items():
