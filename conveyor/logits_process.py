@@ -145,6 +145,42 @@ def process_dict_updates(state: dict[int, Any], batch_update: Any,
     return changed
 
 
+class AdapterLogitsProcessor(ABC):
+    """vLLM v1's `AdapterLogitsProcessor`, for a processor of one request at a time: a subclass
+    says, for each request as it joins the batch, which per-request callable edits its row
+    (`new_req_logits_processor(params)`: a two- or three-argument callable as
+    `SamplingParams.logits_processors` takes, or None), and this base keeps one a slot through
+    the batch's updates (`process_dict_updates`) and applies them row by row. A vLLM v1
+    processor (it is driven by `PersistentBatch`); a vLLM subclass ports by changing its import."""
+
+    def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+        self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    @abstractmethod
+    def new_req_logits_processor(self, params: SamplingParams) -> Callable[..., torch.Tensor] | None:
+        """The callable for a request's row (None: its row is left alone)."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def _entry(self, params: SamplingParams, prompt: list[int] | None, out: list[int]
+               ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        fn = self.new_req_logits_processor(params)
+        if fn is None:
+            return None
+        if _arity(fn) == 3:
+            return lambda row: fn(prompt, out, row)
+        return lambda row: fn(out, row)
+
+    def update_state(self, batch_update: Any) -> None:
+        process_dict_updates(self.req_info, batch_update, self._entry)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for i, fn in self.req_info.items():
+            logits[i] = fn(logits[i])
+        return logits
+
+
 def is_vllm_processor(cls: Any) -> bool:
     return isinstance(cls, type) and all(callable(getattr(cls, m, None))
                                          for m in ("update_state", "apply", "is_argmax_invariant"))

@@ -28,7 +28,7 @@ from conveyor import (
     LogitsRow,
     SamplingParams,
 )
-from conveyor.logits_process import process_dict_updates
+from conveyor.logits_process import AdapterLogitsProcessor, process_dict_updates
 from tests.schedulings import SCHEDULINGS
 
 EOS = 2
@@ -121,6 +121,21 @@ class SteerV1:
         return logits
 
 
+class SteerAdapter(AdapterLogitsProcessor):
+    """The rule as vLLM's AdapterLogitsProcessor writes it: a per-request callable a request
+    (the three-argument form), the base keeping one a slot."""
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        SteerV1.validate_params(params)
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        strength = (params.extra_args or {}).get("steer")
+        if strength is None:
+            return None
+        return lambda prompt, out, row: steer(prompt, out, row, float(strength))
+
+
 @pytest.fixture(scope="module")
 def cases(tiny_models):
     model_dir = str(tiny_models["llama"])
@@ -170,9 +185,10 @@ def test_an_engine_processor_steers_the_rows_that_ask_and_leaves_the_rest(tiny_m
     {}, {"max_num_batched_tokens": 16, "block_size": 4}, {"num_kv_blocks": 10, "block_size": 4},
     {"async_scheduling": True}, {"max_num_seqs": 3},
 ], ids=["default", "chunked-16", "preempt", "async", "three-seats"])
-def test_a_vllm_v1_processor_steers_as_vllms_persistent_batch_drives_it(tiny_models, cases, options):
+@pytest.mark.parametrize("kind", ["SteerV1", "SteerAdapter"])
+def test_a_vllm_v1_processor_steers_as_vllms_persistent_batch_drives_it(tiny_models, cases, options, kind):
     llm = LLM(str(tiny_models["llama"]), dtype="float64", **{"num_kv_blocks": 128, **options},
-              logits_processors=["tests.test_logits_processors:SteerV1"])
+              logits_processors=[f"tests.test_logits_processors:{kind}"])
     params = [SamplingParams(max_tokens=m, temperature=0.0, extra_args=None if s is None else {"steer": s})
               for _, m, s, _ in cases]
     outs = llm.generate([p for p, *_ in cases], params, use_tqdm=False)
