@@ -6,9 +6,15 @@ all of them, or one layer's), broadcast over a gloo group by a trainer thread
 `POST /update_weights_from_tensor` takes; disk and every tensor also with the model built again
 (CUDA's way, and this CPU's before the copy in place). The ways run in turn, `--rounds` times each; the
 median and its ratio to the disk's. The tensors sent are the checkpoint's own, so each way
-must leave the greedy answer as it was (checked).
+must leave the greedy answer as it was (checked). With `--http`, every tensor also sent to a
+`conveyor serve --enable-rl-api` of the same model (its engine in a process of its own): as a
+safetensors body (`application/octet-stream`) and as base64 in JSON.
 
-    python benchmarks/weight_updates.py --rounds 5
+With `--small-tensors N`, first a table of N tensors of 256 float32 each (a mixture of experts'
+many small ones) broadcast over a gloo pair of threads, one broadcast each against buckets (no
+model: the group alone).
+
+    python benchmarks/weight_updates.py --rounds 3 --http --small-tensors 20000
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.models.loader import open_model, resolve_model_path
@@ -42,7 +49,10 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--http", action="store_true", help="also over HTTP, to a server of the same model")
+    ap.add_argument("--small-tensors", type=int, default=0, help="also N small tensors over a gloo pair")
     args = ap.parse_args()
+    if args.small_tensors:
+        small_tensors(args.small_tensors, args.rounds)
     path = resolve_model_path(args.model)
     llm = LLM(str(path))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -121,6 +131,38 @@ def main() -> None:
     if server is not None:
         server[0].terminate()
         server[0].wait(60)
+
+
+def small_tensors(n: int, rounds: int) -> None:
+    """N tensors of 256 float32 over a gloo pair of threads: per tensor, and in buckets."""
+    from conveyor.weight_sync import WeightUpdateGroup
+
+    tensors = {f"t{i}": torch.randn(256) for i in range(n)}
+    names, dtypes, shapes = weight_metadata(tensors)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    joined: dict[str, WeightBroadcaster] = {}
+    joining = threading.Thread(target=lambda: joined.update(t=WeightBroadcaster("127.0.0.1", port, 2)))
+    joining.start()
+    receiver = WeightUpdateGroup("127.0.0.1", port, 1, 2)
+    joining.join()
+    sender = joined["t"]
+    print(f"{n} tensors of 256 float32 ({n * 1024 / 2**20:.0f} MiB), gloo, two threads")
+    print("| bucket_bytes | median (s) | rounds (s) |\n|---:|---:|---|")
+    for bucket in (0, 1 << 20, 16 << 20):
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            thread = threading.Thread(target=sender.send, args=(tensors, bucket))
+            thread.start()
+            got = receiver.receive(names, dtypes, shapes, bucket)
+            thread.join()
+            times.append(time.perf_counter() - start)
+            assert torch.equal(got["t7"], tensors["t7"])
+        print(f"| {bucket} | {statistics.median(times):.3f} | {', '.join(f'{t:.3f}' for t in times)} |")
+    sender.close()
+    receiver.close()
 
 
 def start_server(path: Path) -> tuple[subprocess.Popen[bytes], str]:
