@@ -275,6 +275,30 @@ def build_app(
             raise APIError(501, str(e), "not_implemented_error") from None
         return Response(status_code=200)
 
+    @app.post("/abort_request")
+    async def abort_request(raw: Request) -> Response:
+        """SGLang's: end a completions or chat request in flight by its id (`rid`: the request's
+        own `request_id` or X-Request-Id, or the response's `id`); its choices end with
+        finish_reason "abort", as a client's disconnect ends them. `abort_all`: every request of
+        every engine (as /pause?mode=abort does, without pausing)."""
+        try:
+            body = await raw.json()
+        except ValueError:
+            raise APIError(400, "the body is not JSON", "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body is not a JSON object", "invalid_request_error")
+        if body.get("abort_all") is True:
+            async_engine.abort_all()
+            return Response(status_code=200)
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("rid: a request's id is needed (or abort_all: true)", param="rid")
+        stream = state.inflight.get(rid)
+        if stream is None:
+            raise APIError(404, f"no request {rid!r} is in flight", "not_found_error", param="rid")
+        stream.abort()
+        return Response(status_code=200)
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         """vLLM's: forget every cached prefix (the offloading tier's too) on every engine."""

@@ -58,6 +58,9 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's: the request's own id (else the X-Request-Id header's, else a random one); the
+    # response's `id` is "<cmpl|chatcmpl>-<it>", and POST /abort_request {"rid": it} ends it
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     # vLLM's: arguments for the engine's own logits processors (--logits-processors), as SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | bool | list[str | int | float | bool]] | None = None

@@ -87,8 +87,12 @@ class ServerState:
     next_lora_id: int = field(init=False)  # an adapter loaded at run time takes the next id
     resolvers: list[tuple[str, LoRAResolver]] = field(init=False)  # --lora-resolver-dir, --lora-resolver
     _resolving: dict[str, asyncio.Lock] = field(init=False)
+    # The completions and chat requests in flight, by their response id and their own
+    # (`request_id`, X-Request-Id): what POST /abort_request ends.
+    inflight: dict[str, OutputStream] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.inflight = {}
         self.loras = self.config.lora_requests
         self.next_lora_id = len(self.loras) + 1
         self.tool_parser = make_tool_parser(self.config.tool_call_parser)
@@ -463,12 +467,21 @@ class _Handler:
 
     # -- running -----------------------------------------------------------------------------
     async def run(self, raw: Request) -> Response:
+        own = self.body.request_id or raw.headers.get("x-request-id") or None
+        if own is not None:
+            self.request_id = f"{self.id_prefix}-{own}"
+        names = [n for n in (self.request_id, own) if n is not None]
+        if any(n in self.state.inflight for n in names):
+            raise InvalidRequestError(f"request_id {own!r} is in flight already", param="request_id")
         if self.body.use_beam_search:
             return await self._run_beam_search(raw)
         await self.fetch_images()
         requests = self.engine_requests()
         by_id = {r.request_id: c for r, c in zip(requests, self.choices, strict=True)}
         stream = await self.state.engine.add(requests)
+        for n in names:
+            self.state.inflight[n] = stream
+        self._names = names
         # Watch from here, not from inside the event generator: a client gone before the
         # stream starts would otherwise leave its requests running.
         watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
@@ -490,6 +503,7 @@ class _Handler:
         finally:
             watcher.cancel()
             stream.abort()
+            self._forget(stream)
         if self.state.shutting_down and any(
             c.final is not None and c.final.outputs[0].finish_reason == "abort" for c in self.choices
         ):
@@ -576,6 +590,13 @@ class _Handler:
         finally:
             watcher.cancel()
             stream.abort()
+            self._forget(stream)
+
+    def _forget(self, stream: OutputStream) -> None:
+        """Out of the in-flight registry (`/abort_request`), where this request's stream is."""
+        for n in getattr(self, "_names", ()):
+            if self.state.inflight.get(n) is stream:
+                del self.state.inflight[n]
 
     # -- rendering ---------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:

@@ -465,6 +465,49 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(smol_server: Ser
     assert [t for c in streamed for ch in c["choices"] for t in ch.get("token_ids", [])] == chat["choices"][0]["token_ids"]
 
 
+def test_a_request_named_by_its_id_is_aborted_by_it(smol_server: ServerProcess) -> None:
+    """vLLM's `request_id` (and the X-Request-Id header) names a request: its response id is
+    "cmpl-<id>"; SGLang's /abort_request {"rid"} ends it mid-stream with finish_reason "abort"
+    while it streams on; an id in flight is refused again, an unknown one is a 404, and
+    `abort_all` ends every request in flight."""
+    import threading
+
+    url = smol_server.url
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "request_id": "rollout-7"}
+    with httpx.Client(timeout=60.0) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
+        assert first["id"] == "cmpl-rollout-7"
+        again = http.post(url + "/v1/completions", json={**body, "stream": False})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "request_id"
+        assert http.post(url + "/abort_request", json={"rid": "rollout-7"}).status_code == 200
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+        assert finish == ["abort"] and sum(len(c["text"]) > 0 for e in events for c in e["choices"]) < 1400
+    assert httpx.post(url + "/abort_request", json={"rid": "rollout-7"}).status_code == 404  # (done)
+    named = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "by-header"},
+                       json={"prompt": "Hi", "max_tokens": 2}, timeout=60).json()
+    assert named["id"] == "cmpl-by-header"
+
+    results: list[dict[str, Any]] = []
+    long = {"prompt": "Tell me a very long story.", "max_tokens": 1500, "ignore_eos": True}
+    threads = [threading.Thread(target=lambda k=k: results.append(httpx.post(
+        url + "/v1/completions", json={**long, "request_id": f"all-{k}"}, timeout=120).json())) for k in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sample(scrape(url), "conveyor:num_requests_running") < 2:
+        assert time.monotonic() < deadline, "the two requests never ran"
+        time.sleep(0.05)
+    assert httpx.post(url + "/abort_request", json={"abort_all": True}).status_code == 200
+    for t in threads:
+        t.join(60)
+    assert sorted(r["choices"][0]["finish_reason"] for r in results) == ["abort", "abort"]
+    assert httpx.post(url + "/abort_request", json={}).status_code == 400
+
+
 def test_reset_prefix_cache_route_forgets_the_served_prefixes(smol_server: ServerProcess, client: openai.OpenAI) -> None:
     """vLLM's POST /reset_prefix_cache, through the engine process: a repeated prompt hits before
     it and not after it."""
