@@ -144,6 +144,7 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
 
 class ResponsesHandler(ChatCompletionHandler):
     id_prefix = "resp"
+    named_by_client = False  # (its ids are `resp_<hex>`, what previous_response_id names)
 
     def __init__(self, state: ServerState, body: ResponsesRequest, store: ResponseStore) -> None:
         history: list[dict[str, Any]] = []

@@ -224,6 +224,7 @@ class _Handler:
     chunk_object = ""  # ... and of a streamed chunk
     id_prefix = ""  # "cmpl" / "chatcmpl"
     prompt_param = "prompt"  # the field a context-length error names
+    named_by_client = True  # `request_id` / X-Request-Id name the response (not the Responses API's ids)
 
     def __init__(self, state: ServerState, body: SamplingRequest) -> None:
         self.state = state
@@ -467,7 +468,7 @@ class _Handler:
 
     # -- running -----------------------------------------------------------------------------
     async def run(self, raw: Request) -> Response:
-        own = self.body.request_id or raw.headers.get("x-request-id") or None
+        own = (self.body.request_id or raw.headers.get("x-request-id") or None) if self.named_by_client else None
         if own is not None:
             self.request_id = f"{self.id_prefix}-{own}"
         names = [n for n in (self.request_id, own) if n is not None]
