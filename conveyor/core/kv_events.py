@@ -232,9 +232,17 @@ class KVEventPublisher:
 
 class KVEventSubscriber:
     """Reads the batches replicas publish (one SUB socket connected to each endpoint), without
-    blocking: `poll()` returns what has arrived, as (replica, batch) pairs, in arrival order."""
+    blocking: `poll()` returns what has arrived, as (replica, batch) pairs, in arrival order.
 
-    def __init__(self, endpoints: Sequence[str], topic: str = "") -> None:
+    With `replay_endpoints` (each replica's replay socket, `KVEventPublisher`'s), what the
+    sequence numbers say was missed is asked for there and put in its place: the batches
+    published before this subscriber joined (at a replica's first batch) and any a full queue
+    dropped, as far as the publisher's buffer still holds them (`buffer_steps`); a replay waits
+    at most `replay_timeout_s` for its answer. `missed` counts what stayed lost, `replayed` what
+    came back."""
+
+    def __init__(self, endpoints: Sequence[str], topic: str = "", replay_endpoints: Sequence[str | None] | None = None,
+                 replay_timeout_s: float = 0.25) -> None:
         import zmq
 
         self._ctx: Any = zmq.Context.instance()
@@ -246,12 +254,17 @@ class KVEventSubscriber:
             s.connect(connect_address(endpoint))
             self._sockets.append(s)
         self.missed = 0  # batches lost between sequence numbers (a slow reader's)
+        self.replayed = 0  # ... and those the replay sockets gave back
         self._last = [-1] * len(endpoints)
+        self._replay = list(replay_endpoints) if replay_endpoints is not None else [None] * len(endpoints)
+        if len(self._replay) != len(endpoints):
+            raise ValueError("one replay endpoint (or None) per endpoint")
+        self.replay_timeout_s = replay_timeout_s
 
     def poll(self) -> list[tuple[int, KVEventBatch]]:
         import zmq
 
-        out = []
+        out: list[tuple[int, KVEventBatch]] = []
         for i, s in enumerate(self._sockets):
             while True:
                 try:
@@ -259,11 +272,39 @@ class KVEventSubscriber:
                 except zmq.Again:
                     break
                 seq = int.from_bytes(seq_bytes, "big")
-                if self._last[i] >= 0 and seq > self._last[i] + 1:
-                    self.missed += seq - self._last[i] - 1
+                if seq > self._last[i] + 1 and (self._last[i] >= 0 or self._replay[i] is not None):
+                    got = self._fetch(i, self._last[i] + 1, seq)
+                    self.replayed += len(got)
+                    if self._last[i] >= 0:  # (before the first batch: what was never seen is not missed)
+                        self.missed += seq - self._last[i] - 1 - len(got)
+                    out.extend((i, batch) for _, batch in got)
                 self._last[i] = seq
                 out.append((i, decode(payload)))
         return out
+
+    def _fetch(self, i: int, first: int, before: int) -> list[tuple[int, KVEventBatch]]:
+        """Replica `i`'s batches `first` .. `before - 1` that its replay socket still holds."""
+        import zmq
+
+        endpoint = self._replay[i]
+        if endpoint is None:
+            return []
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(connect_address(endpoint))
+        got: list[tuple[int, KVEventBatch]] = []
+        try:
+            s.send_multipart([b"", first.to_bytes(8, "big")])
+            while s.poll(int(self.replay_timeout_s * 1000)):
+                _, seq_bytes, payload = s.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == END_OF_REPLAY:
+                    break
+                if first <= seq < before:
+                    got.append((seq, decode(payload)))
+        finally:
+            s.close(linger=0)
+        return sorted(got, key=lambda p: p[0])
 
     def close(self) -> None:
         for s in self._sockets:

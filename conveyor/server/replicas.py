@@ -370,14 +370,18 @@ def _kv_events_options(engine_kwargs: dict[str, Any], router_config: RouterConfi
                           "kv_events_publisher at zmq")
     kwargs.update(enable_kv_cache_events=True, kv_events_publisher="zmq")
     if "kv_events_endpoint" not in kwargs:
-        kwargs["kv_events_endpoint"] = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="conveyor-kv-events-"), "replica")
+        folder = tempfile.mkdtemp(prefix="conveyor-kv-events-")
+        kwargs["kv_events_endpoint"] = "ipc://" + os.path.join(folder, "replica")
+        kwargs.setdefault("kv_events_replay_endpoint", "ipc://" + os.path.join(folder, "replay"))
     from conveyor.config import CacheConfig
 
     endpoint = kwargs.get("kv_events_endpoint", CacheConfig.kv_events_endpoint)
+    replay = kwargs.get("kv_events_replay_endpoint")
     topic = kwargs.get("kv_events_topic", "")
+    n = router_config.data_parallel_size
     try:
-        subscriber = KVEventSubscriber([offset_endpoint(endpoint, i) for i in range(router_config.data_parallel_size)],
-                                       topic)
+        subscriber = KVEventSubscriber([offset_endpoint(endpoint, i) for i in range(n)], topic,
+                                       None if replay is None else [offset_endpoint(replay, i) for i in range(n)])
     except ImportError:
         raise ConfigError("router_policy='kv_events' needs pyzmq and msgpack: pip install conveyor[kv-events]") from None
     return kwargs, subscriber

@@ -311,3 +311,44 @@ def test_an_engine_reports_its_prompts_blocks_and_publishes_a_reset_at_once(tiny
         assert events[-1] == AllBlocksCleared()
     finally:
         sub.close()
+
+
+def test_a_subscriber_replays_what_it_missed_before_joining_and_in_a_gap(tmp_path) -> None:
+    """With the replay endpoint, the batches published before the subscriber joined come back
+    at its first batch (as far as the buffer holds them), and a batch lost between two others
+    is asked for and put in its place; `missed` counts what stayed lost."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgpack")
+    endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    pub = KVEventPublisher(KVEventsConfig("zmq", endpoint, replay, "kv", 4, data_parallel_rank=None))
+    for n in range(6):  # before anyone listens: lost to the PUB socket, kept (the last 4) for replay
+        pub.publish([BlockRemoved([n])])
+    sub = KVEventSubscriber([endpoint], "kv", [replay])
+    try:
+        got: list = []
+        deadline = time.monotonic() + 10
+        n = 6
+        while not got and time.monotonic() < deadline:  # (a SUB socket joins a moment after it connects)
+            pub.publish([BlockRemoved([n])])
+            n += 1
+            time.sleep(0.05)
+            got = sub.poll()
+        removed = [b.events[0].block_hashes[0] for _, b in got]
+        # (what the buffer of 4 still held before the first batch read, then that batch: no gap)
+        assert sub.replayed >= 2 and removed == list(range(removed[0], removed[0] + len(removed)))
+        assert len(removed) > sub.replayed
+        assert sub.missed == 0
+        # A batch lost between two others (read off the socket here, as a full queue would drop it).
+        pub.publish([BlockRemoved([100])])
+        pub.publish([BlockRemoved([101])])
+        pub.publish([BlockRemoved([102])])
+        time.sleep(0.2)
+        sub._sockets[0].recv_multipart()  # the next one after those already read: 100 or earlier
+        deadline, later = time.monotonic() + 10, []
+        while 102 not in later and time.monotonic() < deadline:
+            later += [b.events[0].block_hashes[0] for _, b in sub.poll()]
+            time.sleep(0.05)
+        assert later[-3:] == [100, 101, 102] and sub.missed == 0
+    finally:
+        sub.close()
+        pub.close()
