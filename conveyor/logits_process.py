@@ -206,6 +206,7 @@ class PersistentBatch(LogitsProcessor):
         super().__init__(config, device)
         self.inner = inner
         self.update_type, self.move = _vllm_types()
+        self.argmax_invariant = bool(inner.is_argmax_invariant())
         self._slots: list[int | None] = []  # the sequence in each slot
         self._outputs: dict[int, list[int]] = {}  # each one's output ids, as handed over
 
@@ -223,6 +224,8 @@ class PersistentBatch(LogitsProcessor):
             elif len(out) > len(now):
                 out[:] = now
         self.inner.update_state(update)
+        if self.argmax_invariant and all(row.params.greedy for row in rows):
+            return logits  # (vLLM's rule: it cannot change a greedy batch's tokens, so it is not run)
         return self.inner.apply(logits)
 
     def update(self, rows: Sequence[LogitsRow]) -> Any:

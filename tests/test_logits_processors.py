@@ -202,6 +202,35 @@ def test_a_vllm_v1_processor_steers_as_vllms_persistent_batch_drives_it(tiny_mod
             logits_processors=["tests.test_logits_processors:SteerV1"])
 
 
+class Invariant:
+    """Says it cannot change a greedy token; counts its calls (class-wide: the engine builds it)."""
+
+    updates = 0
+    applies = 0
+
+    def __init__(self, vllm_config, device, is_pin_memory) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        Invariant.updates += batch_update is not None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        Invariant.applies += 1
+        return logits
+
+
+def test_an_argmax_invariant_processor_is_not_run_for_a_greedy_batch(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), num_kv_blocks=64, logits_processors=["tests.test_logits_processors:Invariant"])
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert Invariant.updates > 0 and Invariant.applies == 0
+    llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=4, temperature=0.0),
+                                       SamplingParams(max_tokens=4, temperature=0.8, seed=1)], use_tqdm=False)
+    assert Invariant.applies > 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 9), max_size=7, unique=True), min_size=1, max_size=12))
 def test_a_persistent_batchs_updates_put_each_steps_rows_in_their_slots(steps):
@@ -211,7 +240,7 @@ def test_a_persistent_batchs_updates_put_each_steps_rows_in_their_slots(steps):
     from conveyor.config import EngineConfig
     from conveyor.logits_process import PersistentBatch
 
-    batch = PersistentBatch(object(), EngineConfig(), torch.device("cpu"))
+    batch = PersistentBatch(Invariant(None, None, False), EngineConfig(), torch.device("cpu"))
     slots: dict[int, int] = {}
     for keys in steps:
         rows = [LogitsRow(SamplingParams(), [1], [k], k) for k in keys]
