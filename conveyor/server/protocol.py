@@ -324,6 +324,7 @@ class ResponsesRequest(OpenAIBaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # OpenAI's {"effort": ...}: the chat template's reasoning_effort
     # vLLM's sampling extensions
     top_k: int | None = None
     min_p: float | None = None

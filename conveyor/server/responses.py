@@ -112,6 +112,9 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "parallel_tool_calls", "mm_processor_kwargs"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     if body.tools:
         tools = []
         for t in body.tools:

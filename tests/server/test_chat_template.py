@@ -13,7 +13,7 @@ from conveyor import LLM, ConfigError, InvalidRequestError
 from tests.server.conftest import ServerProcess
 
 TEMPLATE = ("{%- for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}<assistant effort={{ reasoning_effort | default('none') }}>{% endif %}")
+            "{% if add_generation_prompt %}<assistant effort={{ reasoning_effort | default('') }}>{% endif %}")
 
 
 def test_the_library_renders_with_the_template_given(smollm2: str, tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_the_library_renders_with_the_template_given(smollm2: str, tmp_path: Pat
     assert tok is not None
     messages = [{"role": "user", "content": "Hi."}]
     out = llm.chat(messages, use_tqdm=False)[0]
-    assert tok.decode(out.prompt_token_ids) == "<user>Hi.<assistant effort=none>"
+    assert tok.decode(out.prompt_token_ids) == "<user>Hi.<assistant effort=>"
     own = LLM(smollm2, num_kv_blocks=64)  # the model's own template, and one given for a call
     assert "<|im_start|>" in own.engine.tokenizer.decode(own.chat(messages, use_tqdm=False)[0].prompt_token_ids,
                                                          skip_special_tokens=False)
@@ -53,8 +53,18 @@ def test_the_server_renders_with_the_template_and_the_reasoning_effort(smollm2: 
             ids = r.json()["prompt_token_ids"]
             return str(httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"])
 
-        assert rendered() == "<user>Hi.<assistant effort=none>"
+        assert rendered() == "<user>Hi.<assistant effort=>"
         assert rendered(reasoning_effort="high") == "<user>Hi.<assistant effort=high>"
+        # The Responses API's reasoning.effort reaches the template too: its prompt's token count
+        # is that of the text the template renders with it.
+        r = httpx.post(server.url + "/v1/responses", timeout=60,
+                       json={"input": "Hi.", "max_output_tokens": 1, "reasoning": {"effort": "medium"}})
+        assert r.status_code == 200, r.text
+        count = httpx.post(server.url + "/tokenize", json={"prompt": "<user>Hi.<assistant effort=medium>",
+                                                            "add_special_tokens": False}).json()["count"]
+        none = httpx.post(server.url + "/tokenize", json={"prompt": "<user>Hi.<assistant effort=>",
+                                                           "add_special_tokens": False}).json()["count"]
+        assert r.json()["usage"]["input_tokens"] == count != none
         bad = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                          json={"messages": [{"role": "user", "content": "Hi."}], "reasoning_effort": "extreme"})
         assert bad.status_code == 400
