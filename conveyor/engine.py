@@ -1129,7 +1129,8 @@ class Engine:
         if images:
             self._check_encoder_budget(images)
         if images and (export_kv or kv_handoff is not None):
-            raise InvalidRequestError("K/V of a prompt with images are not handed over", param="kv_transfer")
+            what = "given as embeddings" if images[0].pixels.embeds else "with images"
+            raise InvalidRequestError(f"K/V of a prompt {what} are not handed over", param="kv_transfer")
         self.validate(token_ids, params)
         if lora_request is not None:
             self.check_lora(lora_request)
