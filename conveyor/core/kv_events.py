@@ -247,11 +247,13 @@ class KVEventSubscriber:
 
         self._ctx: Any = zmq.Context.instance()
         self._sockets = []
-        for endpoint in endpoints:
+        self._addresses = [connect_address(e) for e in endpoints]
+        for address in self._addresses:
             s = self._ctx.socket(zmq.SUB)
             s.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+            s.setsockopt(zmq.RECONNECT_IVL, 10)  # (a publisher not bound yet: tried again every 10 ms)
             s.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            s.connect(connect_address(endpoint))
+            s.connect(address)
             self._sockets.append(s)
         self.missed = 0  # batches lost between sequence numbers (a slow reader's)
         self.replayed = 0  # ... and those the replay sockets gave back
@@ -305,6 +307,18 @@ class KVEventSubscriber:
         finally:
             s.close(linger=0)
         return sorted(got, key=lambda p: p[0])
+
+    def rejoin(self, settle_s: float = 0.05) -> None:
+        """Connect again to every publisher, and give the subscriptions `settle_s` to reach them:
+        what a server does once its replicas have bound their sockets, so that no batch they
+        publish after it is lost to a connection still being retried (a SUB socket joins a moment
+        after it connects, and what is published before is not kept for it)."""
+        import time
+
+        for s, address in zip(self._sockets, self._addresses, strict=True):
+            s.disconnect(address)
+            s.connect(address)
+        time.sleep(settle_s)
 
     def close(self) -> None:
         for s in self._sockets:

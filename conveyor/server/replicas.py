@@ -160,6 +160,7 @@ class ReplicaSet(EngineFront):
         for r in self.replicas:
             r.start()
         if self.kv_events is not None:
+            self.kv_events.rejoin()  # (the replicas have bound their sockets by now)
             # Read between requests too: a long quiet spell of decoding would otherwise fill the
             # sockets' queues (events past their high-water mark are lost).
             self._kv_events_task = asyncio.get_running_loop().create_task(self._read_kv_events_every(0.05))
@@ -252,8 +253,9 @@ class ReplicaSet(EngineFront):
             if self.metrics is not None:
                 self.metrics.on_kv_events(replica)
         if subscriber.missed > self._kv_events_missed:
-            logger.warning("KV events: %d batches lost on their way to the router (its view of the replicas' caches "
-                           "may be stale until those blocks change again)", subscriber.missed - self._kv_events_missed)
+            logger.warning("KV events: %d batches lost on their way to the router, past what the replay sockets "
+                           "keep (its view of the replicas' caches may be stale until those blocks change again)",
+                           subscriber.missed - self._kv_events_missed)
             self._kv_events_missed = subscriber.missed
 
     def _forget_restarted(self) -> None:
