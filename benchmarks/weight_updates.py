@@ -64,15 +64,7 @@ def main() -> None:
     size = sum(t.numel() * t.element_size() for t in full.values()) / 2**20
     print(f"{path.name}: {len(full)} tensors, {size:.0f} MiB in float32; one layer: {len(layer)} tensors")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    joined: dict[str, WeightBroadcaster] = {}
-    joining = threading.Thread(target=lambda: joined.update(t=WeightBroadcaster("127.0.0.1", port, 2)))
-    joining.start()
-    llm.init_weights_update_group("127.0.0.1", port, 1, 2)
-    joining.join()
-    trainer = joined["t"]
+    trainer = trainer_of(lambda port: llm.init_weights_update_group("127.0.0.1", port, 1, 2))
 
     def distributed(bucket_bytes: int = 0) -> None:
         sender = threading.Thread(target=trainer.send, args=(full, bucket_bytes))
@@ -133,21 +125,28 @@ def main() -> None:
         server[0].wait(60)
 
 
-def small_tensors(n: int, rounds: int) -> None:
-    """N tensors of 256 float32 over a gloo pair of threads: per tensor, and in buckets."""
-    from conveyor.weight_sync import WeightUpdateGroup
-
-    tensors = {f"t{i}": torch.randn(256) for i in range(n)}
-    names, dtypes, shapes = weight_metadata(tensors)
+def trainer_of(join: Callable[[int], object]) -> WeightBroadcaster:
+    """A trainer (rank 0 of two) on a free port, joined while `join(port)` joins the other side."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     joined: dict[str, WeightBroadcaster] = {}
     joining = threading.Thread(target=lambda: joined.update(t=WeightBroadcaster("127.0.0.1", port, 2)))
     joining.start()
-    receiver = WeightUpdateGroup("127.0.0.1", port, 1, 2)
+    join(port)
     joining.join()
-    sender = joined["t"]
+    return joined["t"]
+
+
+def small_tensors(n: int, rounds: int) -> None:
+    """N tensors of 256 float32 over a gloo pair of threads: per tensor, and in buckets."""
+    from conveyor.weight_sync import WeightUpdateGroup
+
+    tensors = {f"t{i}": torch.randn(256) for i in range(n)}
+    names, dtypes, shapes = weight_metadata(tensors)
+    receivers: list[WeightUpdateGroup] = []
+    sender = trainer_of(lambda port: receivers.append(WeightUpdateGroup("127.0.0.1", port, 1, 2)))
+    receiver = receivers[0]
     print(f"{n} tensors of 256 float32 ({n * 1024 / 2**20:.0f} MiB), gloo, two threads")
     print("| bucket_bytes | median (s) | rounds (s) |\n|---:|---:|---|")
     for bucket in (0, 1 << 20, 16 << 20):

@@ -62,6 +62,17 @@ def served_model_names(config: ServerConfig, engine: EngineFront) -> tuple[str, 
     return (default_model_name(engine.model_path or "model"),)
 
 
+async def json_object(raw: Request) -> dict[str, Any]:
+    """A route's body read as a JSON object; a 400 if it is not JSON, or not an object."""
+    try:
+        body = await raw.json()
+    except ValueError:
+        raise APIError(400, "the body is not JSON", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body is not a JSON object", "invalid_request_error")
+    return body
+
+
 def build_app(
     async_engine: EngineFront, server_config: ServerConfig, engine_config: EngineConfig | None = None
 ) -> FastAPI:
@@ -137,12 +148,7 @@ def build_app(
         from fastapi.exceptions import RequestValidationError
         from pydantic import ValidationError
 
-        try:
-            data = await raw.json()
-        except ValueError:
-            raise APIError(400, "the body is not JSON", "invalid_request_error") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object", "invalid_request_error")
+        data = await json_object(raw)
         kinds: list[tuple[str, Any]] = [("messages", (ChatCompletionRequest, chat_completions)),
                                         ("prompt", (CompletionRequest, completions)),
                                         ("input", (EmbeddingRequest, embeddings))]
@@ -281,12 +287,7 @@ def build_app(
         own `request_id` or X-Request-Id, or the response's `id`); its choices end with
         finish_reason "abort", as a client's disconnect ends them. `abort_all`: every request of
         every engine (as /pause?mode=abort does, without pausing)."""
-        try:
-            body = await raw.json()
-        except ValueError:
-            raise APIError(400, "the body is not JSON", "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body is not a JSON object", "invalid_request_error")
+        body = await json_object(raw)
         if body.get("abort_all") is True:
             async_engine.abort_all()
             return Response(status_code=200)
@@ -340,15 +341,6 @@ def build_app(
         async def is_sleeping() -> dict[str, bool]:
             return {"is_sleeping": bool(await async_engine.call_engine("is_sleeping"))}
 
-        async def json_body(raw: Request) -> dict[str, Any]:
-            try:
-                body = await raw.json()
-            except ValueError:
-                raise APIError(400, "the body is not JSON", "invalid_request_error") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the body is not a JSON object", "invalid_request_error")
-            return body
-
         def version_of(body: dict[str, Any]) -> str | None:
             version = body.get("weight_version")
             if version is not None and not isinstance(version, str):
@@ -366,7 +358,7 @@ def build_app(
             """SGLang's: every engine loads new weights of the same architecture from `model_path`
             (idle or paused engines only)."""
             check_accepting()
-            body = await json_body(raw)
+            body = await json_object(raw)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise InvalidRequestError("model_path: a checkpoint's path is needed", param="model_path")
@@ -391,7 +383,7 @@ def build_app(
                 await async_engine.call_engine("update_weights_from_tensor", list(sent.items()), flush == "true",
                                                query.get("weight_version"))
                 return {"success": True, "message": f"{len(sent)} tensors loaded"}
-            body = await json_body(raw)
+            body = await json_object(raw)
             if "serialized_named_tensors" in body:
                 raise InvalidRequestError("serialized_named_tensors (pickles) are not read here: send the tensors as a "
                                           "base64 safetensors file in `safetensors` "
@@ -409,7 +401,7 @@ def build_app(
         async def init_weights_update_group(raw: Request) -> dict[str, Any]:
             """SGLang's: every engine joins the trainer's group (engine i as rank rank_offset + i)."""
             check_accepting()
-            body = await json_body(raw)
+            body = await json_object(raw)
             address, port = body.get("master_address"), body.get("master_port")
             offset, size = body.get("rank_offset", 1), body.get("world_size")
             if not isinstance(address, str) or not isinstance(port, int) or isinstance(port, bool):
@@ -429,7 +421,7 @@ def build_app(
             from conveyor.weight_sync import check_update_metadata
 
             check_accepting()
-            body = await json_body(raw)
+            body = await json_object(raw)
             names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
             check_update_metadata(names, dtypes, shapes)
             group = body.get("group_name", "weight_update_group")
@@ -445,7 +437,7 @@ def build_app(
         @app.post("/destroy_weights_update_group")
         async def destroy_weights_update_group(raw: Request) -> dict[str, Any]:
             check_accepting()
-            body = await json_body(raw)
+            body = await json_object(raw)
             group = body.get("group_name", "weight_update_group")
             if not isinstance(group, str):
                 raise InvalidRequestError("group_name: a string", param="group_name")
