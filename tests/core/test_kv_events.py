@@ -199,6 +199,20 @@ def test_endpoints_are_offset_by_the_replicas_rank() -> None:
         offset_endpoint("tcp://host", 1)
 
 
+def first_batches(pub: KVEventPublisher, sub: KVEventSubscriber, n: int) -> tuple[list, int]:
+    """Publish BlockRemoved([n]), [n + 1], ... until the subscriber reads some (a SUB socket joins
+    a moment after it connects: what is published before is not sent to it); what it read, and
+    the next n."""
+    got: list = []
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        pub.publish([BlockRemoved([n])])
+        n += 1
+        time.sleep(0.05)
+        got = sub.poll()
+    return got, n
+
+
 def test_a_subscriber_reads_what_is_published_and_replays_what_it_missed(tmp_path) -> None:
     zmq = pytest.importorskip("zmq")
     pytest.importorskip("msgpack")
@@ -206,14 +220,7 @@ def test_a_subscriber_reads_what_is_published_and_replays_what_it_missed(tmp_pat
     pub = KVEventPublisher(KVEventsConfig("zmq", endpoint, replay, "kv", 2, data_parallel_rank=None))
     sub = KVEventSubscriber([endpoint], "kv")
     try:
-        got: list = []
-        deadline = time.monotonic() + 10
-        n = 0
-        while not got and time.monotonic() < deadline:  # (a SUB socket joins a moment after it connects)
-            pub.publish([BlockRemoved([n])])
-            n += 1
-            time.sleep(0.05)
-            got = sub.poll()
+        got, n = first_batches(pub, sub, 0)
         assert got and got[0][0] == 0 and isinstance(got[0][1].events[0], BlockRemoved)
         pub.publish([])  # nothing happened: nothing is sent
         pub.publish([AllBlocksCleared()])
@@ -325,14 +332,7 @@ def test_a_subscriber_replays_what_it_missed_before_joining_and_in_a_gap(tmp_pat
         pub.publish([BlockRemoved([n])])
     sub = KVEventSubscriber([endpoint], "kv", [replay])
     try:
-        got: list = []
-        deadline = time.monotonic() + 10
-        n = 6
-        while not got and time.monotonic() < deadline:  # (a SUB socket joins a moment after it connects)
-            pub.publish([BlockRemoved([n])])
-            n += 1
-            time.sleep(0.05)
-            got = sub.poll()
+        got, _ = first_batches(pub, sub, 6)
         removed = [b.events[0].block_hashes[0] for _, b in got]
         # (what the buffer of 4 still held before the first batch read, then that batch: no gap)
         assert sub.replayed >= 2 and removed == list(range(removed[0], removed[0] + len(removed)))
