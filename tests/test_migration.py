@@ -49,6 +49,24 @@ def test_a_migrated_request_ends_as_one_never_moved(tiny_models, options):
     assert a.num_migrated_out == b.num_migrated_in == 1
 
 
+def test_a_seeded_request_draws_on_where_it_stood(tiny_models):
+    """A sampled request with a seed: the second engine's generator starts from the seed and
+    skips the draws of the tokens made before the move, so the request ends as one never moved."""
+    model = str(tiny_models["llama"])
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    alone = engine(model)
+    alone.add_request("r", PROMPT, params)
+    want = finish(alone)["r"]
+    a, b = engine(model), engine(model, kv_receive_space=1 << 22)
+    a.add_request("r", PROMPT, params)
+    for _ in range(6):
+        a.step()
+    m = a.migrate_out("r")
+    assert m is not None
+    b.migrate_in(m)
+    assert finish(b)["r"] == want
+
+
 def test_requests_that_cannot_move_are_left_alone(tiny_models):
     e = engine(str(tiny_models["llama"]))
     e.add_request("new", PROMPT, SamplingParams(max_tokens=4, temperature=0.0))
