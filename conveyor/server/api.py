@@ -8,7 +8,7 @@ request handling itself is in `serving.py`, the error shapes in `errors.py`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -467,6 +467,13 @@ def build_app(
     return app
 
 
+async def _unpin(state: ServerState, lora_int_id: int) -> None:
+    """A pinned adapter's pin and weights dropped from every engine (requests still running with
+    it load it again at their next step)."""
+    state.pinned_loras.discard(lora_int_id)
+    await state.engine.call_engine("remove_lora", lora_int_id)
+
+
 def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> None:
     """vLLM's runtime LoRA routes. An adapter loaded here is checked against the model's
     shapes before it is served; it takes a new id, so a name unloaded and loaded again is
@@ -490,10 +497,22 @@ def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> 
             raise APIError(400, str(e), param="lora_path") from None
         if name in state.loras and not body.load_inplace:  # loaded by another call while this one checked
             raise APIError(400, f"The LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
+        if body.pinned:  # (SGLang's: loaded on every engine now, its weights read: a bad file fails here)
+            try:
+                await state.engine.call_engine("add_lora", request)
+                await state.engine.call_engine("pin_lora", request.lora_int_id)
+            except InvalidRequestError as e:
+                with suppress(Exception):
+                    await state.engine.call_engine("remove_lora", request.lora_int_id)
+                raise APIError(400, str(e), param="lora_path") from None
+            state.pinned_loras.add(request.lora_int_id)
         # In place: a new id, so the name's new requests never meet the old adapter's weights or
         # cached K/V; those running end with the old one.
         replaced = name in state.loras
+        old = state.loras.get(name)
         state.loras[name] = request
+        if old is not None and old.lora_int_id in state.pinned_loras:
+            await _unpin(state, old.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {'replaced' if replaced else 'added'} successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -504,5 +523,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState, base_names: set[str]) -> 
             raise APIError(404, f"The LoRA adapter {name!r} cannot be found", "not_found_error",
                            param="lora_name", code="lora_not_found")
         del state.loras[name]
+        if lora.lora_int_id in state.pinned_loras:
+            await _unpin(state, lora.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

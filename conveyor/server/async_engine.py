@@ -184,7 +184,8 @@ ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "pin_lora", "
 # Calls that empty an engine's caches: a front of several engines runs them on every one.
 CACHE_RESETS = frozenset({"reset_prefix_cache", "reset_mm_cache"})
 # ... as it runs these (the answer: every engine's, `all` of them).
-EVERY_ENGINE = CACHE_RESETS | {"pause_generation", "resume_generation", "is_paused", "update_weights_from_disk",
+EVERY_ENGINE = CACHE_RESETS | {"add_lora", "pin_lora", "remove_lora",
+                               "pause_generation", "resume_generation", "is_paused", "update_weights_from_disk",
                                "sleep", "wake_up", "is_sleeping", "update_weights_from_tensor",
                                "init_weights_update_group", "update_weights_from_distributed",
                                "destroy_weights_update_group"}

@@ -199,6 +199,8 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str
     lora_path: str
     load_inplace: bool = False
+    # SGLang's: loaded on every engine now, and kept loaded however many others are used
+    pinned: bool = False
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

@@ -90,9 +90,11 @@ class ServerState:
     # The completions and chat requests in flight, by their response id and their own
     # (`request_id`, X-Request-Id): what POST /abort_request ends.
     inflight: dict[str, OutputStream] = field(init=False)
+    pinned_loras: set[int] = field(init=False)  # the ids of the adapters loaded with `pinned`
 
     def __post_init__(self) -> None:
         self.inflight = {}
+        self.pinned_loras = set()
         self.loras = self.config.lora_requests
         self.next_lora_id = len(self.loras) + 1
         self.tool_parser = make_tool_parser(self.config.tool_call_parser)

@@ -161,6 +161,15 @@ def test_adapters_loaded_and_unloaded_while_the_server_runs(tiny_model: Path, ad
             r = http.post(load, json={"lora_name": "x", "lora_path": str(adapters["attn-qv"]), "load_inplace": True})
             assert r.status_code == 200 and "replaced" in r.text, r.text
             assert tokens(http) == merged_reference(tiny_model, adapters["attn-qv"], PROMPTS, 10)
+            # SGLang's pinned: loaded on every engine at once and kept there (a bad folder refused as ever)
+            err = assert_openai_error(http.post(load, json={"lora_name": "y", "lora_path": str(adapters["broken"]),
+                                                            "pinned": True}), 400)
+            assert "adapter_model" in err["message"]
+            assert [m["id"] for m in http.get(proc.url + "/v1/models").json()["data"]] == ["base", "x"]
+            r = http.post(load, json={"lora_name": "x", "lora_path": str(other), "load_inplace": True, "pinned": True})
+            assert r.status_code == 200, r.text
+            assert tokens(http) == merged_reference(tiny_model, other, PROMPTS, 10)
+            assert http.post(unload, json={"lora_name": "x"}).status_code == 200
         assert httpx.post(server.url + "/v1/load_lora_adapter",
                           json={"lora_name": "z", "lora_path": str(other)}).status_code == 404
     finally:
