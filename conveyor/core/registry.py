@@ -26,6 +26,12 @@ class Registry(Generic[C]):
 
         return wrap
 
+    def alias(self, name: str, cls: type[C]) -> None:
+        """`cls` also under `name` (another project's name for it); its own `name` stays."""
+        if name in self._classes and self._classes[name] is not cls:
+            raise ValueError(f"a {self.kind} named {name!r} is already registered")
+        self._classes[name] = cls
+
     def names(self) -> list[str]:
         return sorted(self._classes)
 

@@ -27,7 +27,9 @@ Formats:
   </tool_call>`.
 - `deepseek_v3` (DeepSeek-V3 / R1 and V3.1): `<｜tool▁calls▁begin｜>` then per call
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a fenced JSON block (V3), or
-  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each ending `<｜tool▁call▁end｜>`.
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` (V3.1), each ending `<｜tool▁call▁end｜>`;
+  also named `deepseek_v31` (vLLM's name for V3.1's). `llama4_json` is `llama3_json` under
+  vLLM's other name.
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{...}<|tool_call_end|>`.
 - `deepseek_v32` (DeepSeek-V3.2's DSML): a `<｜DSML｜function_calls>` block of
@@ -1722,3 +1724,9 @@ class HarmonyParser(ToolParser):
     def write(self, calls: list[Call]) -> str:
         return "".join(harmony_call(f"functions.{c['function']['name']}",
                                     json.dumps(_object_args(c) or {}, ensure_ascii=False)) for c in calls)
+
+
+# vLLM's other names for the same formats: DeepSeek-V3.1's calls (read by `deepseek_v3`), and
+# Llama 4's JSON calls (Llama 3's form).
+_PARSERS.alias("deepseek_v31", DeepSeekV3Parser)
+_PARSERS.alias("llama4_json", Llama3JsonParser)

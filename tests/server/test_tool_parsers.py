@@ -22,15 +22,25 @@ def named(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-PARSERS = ["apertus", "deepseek_v3", "deepseek_v32", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
-           "llama3_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
+PARSERS = ["apertus", "deepseek_v3", "deepseek_v31", "deepseek_v32", "ernie45", "gigachat3", "glm45", "granite", "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2",
+           "llama3_json", "llama4_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic",
            "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "xlam"]
 
 
 def test_the_parsers_are_vllms():
     assert tool_parser_names() == PARSERS
-    with pytest.raises(ConfigError, match="use apertus, deepseek_v3, deepseek_v32, ernie45, gigachat3, glm45, granite, granite-20b-fc"):
+    with pytest.raises(ConfigError, match="use apertus, deepseek_v3, deepseek_v31, deepseek_v32, ernie45, gigachat3, glm45, granite, granite-20b-fc"):
         ServerConfig(tool_call_parser="tng")
+
+
+def test_vllms_other_names_read_their_formats():
+    """`deepseek_v31` reads DeepSeek-V3.1's calls, `llama4_json` Llama 4's JSON calls."""
+    v31 = make_tool_parser("deepseek_v31")
+    _, calls = v31.parse("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                         '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert named(calls) == [("get_weather", {"city": "Paris"})]
+    _, calls = make_tool_parser("llama4_json").parse('{"name": "search", "parameters": {"query": "x"}}')
+    assert named(calls) == [("search", {"query": "x"})]
 
 
 def test_mistral_v11_calls_after_each_tag():
