@@ -129,6 +129,10 @@ class ServerConfig:
         metadata=_help("Logprobs name tokens as `token_id:N` rather than by their text, for tokens that are not "
                        "whole characters (vLLM's; a request's field of the same name overrides it)."),
     )
+    enable_request_id_headers: bool = field(
+        default=False,
+        metadata=_help("Completions and chats answer with an X-Request-Id header: the response's id (vLLM's)."),
+    )
     api_key: tuple[str, ...] = field(
         default=(),
         repr=False,  # (never in a log)

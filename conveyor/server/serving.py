@@ -488,11 +488,12 @@ class _Handler:
         # Watch from here, not from inside the event generator: a client gone before the
         # stream starts would otherwise leave its requests running.
         watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+        id_header = {"X-Request-Id": self.request_id} if self.state.config.enable_request_id_headers else {}
         if self.body.stream:
             return StreamingResponse(
                 self._events(stream, by_id, watcher),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **id_header},
             )
         try:
             async for out in stream:
@@ -513,7 +514,7 @@ class _Handler:
             raise EngineShuttingDownError(
                 "the server shut down before this request finished; it was aborted"
             )
-        return JSONResponse(self.full_response())
+        return JSONResponse(self.full_response(), headers=id_header)
 
     # -- beam search (vLLM's use_beam_search) ------------------------------------------------
     async def _run_beam_search(self, raw: Request) -> Response:
