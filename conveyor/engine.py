@@ -1488,7 +1488,7 @@ class Engine:
             resolve_model_path,
         )
 
-        self._check_idle("model_path")
+        self._check_weight_update("model_path")
         runner: Any = self.runner
         old = runner.model
         try:
@@ -1529,7 +1529,7 @@ class Engine:
         from conveyor.models.loader import ModelLoadError
         from conveyor.weight_sync import named_items
 
-        self._check_idle("named_tensors")
+        self._check_weight_update("named_tensors")
         if self.model_path is None:
             raise InvalidRequestError("this engine was not built from a checkpoint's path: the rest of the weights "
                                       "are read from there", param="named_tensors")
@@ -1606,7 +1606,7 @@ class Engine:
             raise InvalidRequestError(f"group_name={group_name!r}: no such weight-update group "
                                       "(init_weights_update_group first)", param="group_name")
         check_update_metadata(names, dtypes, shapes)
-        self._check_idle("names")
+        self._check_weight_update("names")
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
             raise InvalidRequestError(f"bucket_bytes={bucket_bytes!r}: a size in bytes, 0 for none", param="bucket_bytes")
         tensors = group.receive(names, dtypes, shapes, bucket_bytes)
@@ -1622,7 +1622,7 @@ class Engine:
     def get_weight_version(self) -> str:
         return self.weight_version
 
-    def _check_idle(self, param: str) -> None:
+    def _check_weight_update(self, param: str) -> None:
         if self._sleeping:
             raise InvalidRequestError("the engine is asleep: wake_up first", param=param)
         if not self._paused and self.has_unfinished_requests():
