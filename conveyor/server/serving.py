@@ -232,6 +232,7 @@ class _Handler:
         self.state = state
         self.body = body
         self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self._names: list[str] = []  # what the in-flight registry knows it by (`run`)
         self.created = int(time.time())
         self.tokenizer = state.engine.tokenizer
         opts = body.stream_options
@@ -598,7 +599,7 @@ class _Handler:
 
     def _forget(self, stream: OutputStream) -> None:
         """Out of the in-flight registry (`/abort_request`), where this request's stream is."""
-        for n in getattr(self, "_names", ()):
+        for n in self._names:
             if self.state.inflight.get(n) is stream:
                 del self.state.inflight[n]
 
