@@ -84,10 +84,7 @@ def weight_metadata(named_tensors: NamedTensors) -> tuple[list[str], list[str], 
 def serialize_named_tensors(named_tensors: NamedTensors) -> str:
     """The tensors as one safetensors file in base64 (the body field `safetensors` of
     `POST /update_weights_from_tensor`)."""
-    from safetensors.torch import save
-
-    items = named_items(named_tensors)
-    return base64.b64encode(save({n: t.detach().to("cpu").contiguous() for n, t in items})).decode("ascii")
+    return base64.b64encode(save_named_tensors(named_tensors)).decode("ascii")
 
 
 def deserialize_named_tensors(data: str) -> dict[str, torch.Tensor]:
