@@ -417,13 +417,11 @@ def build_app(
 
         @app.post("/update_weights_from_distributed")
         async def update_weights_from_distributed(raw: Request) -> dict[str, Any]:
-            """SGLang's: every engine receives the tensors the trainer broadcasts, then loads them."""
-            from conveyor.weight_sync import check_update_metadata
-
+            """SGLang's: every engine receives the tensors the trainer broadcasts, then loads them
+            (each engine checks the names, dtypes and shapes before it receives anything)."""
             check_accepting()
             body = await json_object(raw)
             names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-            check_update_metadata(names, dtypes, shapes)
             group = body.get("group_name", "weight_update_group")
             if not isinstance(group, str):
                 raise InvalidRequestError("group_name: a string", param="group_name")
